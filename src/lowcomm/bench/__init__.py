@@ -1,0 +1,21 @@
+"""Benchmarks: ratios measured side by side in one run (never thresholds in tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowcomm.bench.overhead import OverheadBench, run_overhead
+
+#: ``lowcomm bench NAME``: the benchmark configurations, by name.
+BENCHMARKS: dict[str, Any] = {"overhead": OverheadBench}
+
+
+def run_bench(command: object) -> None:
+    """Dispatch a parsed ``lowcomm bench ...`` command."""
+    if isinstance(command, OverheadBench):
+        run_overhead(command)
+        return
+    raise TypeError(f"unknown bench command {command!r}")
+
+
+__all__ = ["BENCHMARKS", "OverheadBench", "run_bench"]

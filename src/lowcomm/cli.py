@@ -1,0 +1,136 @@
+"""``lowcomm``: the command line.
+
+``lowcomm train`` runs one method on N local workers (or, started by ``torchrun``, joins the
+job as one worker); ``lowcomm bench overhead`` compares lowcomm's DDP step with a plain
+hand-written PyTorch loop; ``lowcomm methods`` lists the methods.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import NoReturn
+
+import tyro
+
+from lowcomm.config import ConfigError, TrainConfig
+
+
+@dataclass(kw_only=True)
+class MethodsCommand:
+    """List the training methods."""
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"lowcomm: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run_train(config: TrainConfig) -> None:
+    """Validate, prepare data, then spawn the workers (or join torchrun as one)."""
+    from lowcomm.data import DataError, prepare_corpus
+    from lowcomm.launch import WorkerFailed, spawn_workers, under_torchrun
+
+    try:
+        config.validate()
+    except ConfigError as error:
+        _fail(str(error))
+    if under_torchrun():
+        _run_under_torchrun(config)
+        return
+    try:
+        prepare_corpus(config.data)
+    except DataError as error:
+        _fail(str(error))
+    from lowcomm.train.loop import spawned_train
+
+    try:
+        spawn_workers(
+            spawned_train,
+            config.workers,
+            (config,),
+            device=config.device,
+            timeout_s=config.collective_timeout_s,
+        )
+    except WorkerFailed as error:
+        _fail(str(error), code=1)
+    except KeyboardInterrupt:
+        _fail("interrupted", code=130)
+
+
+def _run_under_torchrun(config: TrainConfig) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.data import prepare_corpus
+    from lowcomm.launch.spawn import init_from_env
+    from lowcomm.train.loop import train_worker
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    if config.workers != world_size:
+        # torchrun decides the world; keep the recorded config truthful.
+        config.workers = world_size
+        if config.speed_factors and len(config.speed_factors) != world_size:
+            _fail(
+                f"--speed-factors: {len(config.speed_factors)} values for a torchrun world of "
+                f"{world_size}; give one per worker"
+            )
+    init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
+    try:
+        # One preparer per machine, the others wait: concurrent tokenizer training is waste.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            prepare_corpus(config.data)
+        dist.barrier()
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        train_worker(config, TorchComm())
+    finally:
+        dist.destroy_process_group()
+
+
+def run_methods() -> None:
+    from lowcomm.strategies import STRATEGIES
+
+    for name, cls in sorted(STRATEGIES.items()):
+        doc = (cls.__doc__ or "").strip().splitlines()
+        print(f"{name:20s} {doc[0] if doc else ''}")
+
+
+USAGE = """usage: lowcomm {train,bench,methods} [OPTIONS]
+
+  train     train a model data-parallel with one method (lowcomm train --help)
+  bench     benchmarks printing side-by-side ratios (lowcomm bench --help)
+  methods   list the training methods
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        raise SystemExit(0 if args else 2)
+    command, rest = args[0], args[1:]
+    config = (tyro.conf.FlagConversionOff,)
+    try:
+        if command == "train":
+            run_train(tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config))
+        elif command == "methods":
+            tyro.cli(MethodsCommand, args=rest, prog="lowcomm methods")
+            run_methods()
+        elif command == "bench":
+            from lowcomm.bench import BENCHMARKS, run_bench
+
+            run_bench(
+                tyro.extras.subcommand_cli_from_dict(
+                    BENCHMARKS, args=rest, prog="lowcomm bench", config=config
+                )
+            )
+        else:
+            _fail(f"unknown command {command!r}; choose train, bench or methods")
+    except ValueError as error:
+        # Raised by a config dataclass's own validation while the options were parsed.
+        _fail(str(error))

@@ -1,0 +1,119 @@
+"""The one communication interface every strategy uses.
+
+A :class:`Comm` is bound to one process group (not to the world), so that a strategy can later
+be handed an inner and an outer communicator. Every collective is asynchronous: it returns a
+:class:`Handle`, and the tensor handed to it holds garbage until ``wait()`` returns.
+
+Every collective takes a :class:`Role` saying what the bytes are (gradient, parameter, moment,
+pseudo-gradient), so that byte accounting can be broken down by what moved.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+ReduceOp = Literal["sum", "mean", "max"]
+
+
+class Role(str, enum.Enum):
+    """What a collective's payload is, for byte accounting."""
+
+    GRADIENT = "gradient"
+    PARAMETER = "parameter"
+    FIRST_MOMENT = "first_moment"
+    SECOND_MOMENT = "second_moment"
+    PSEUDO_GRADIENT = "pseudo_gradient"
+    OTHER = "other"
+
+
+class CollectiveKind(str, enum.Enum):
+    """The collectives the network model knows how to price."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+    BARRIER = "barrier"
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An in-flight collective."""
+
+    def wait(self) -> None:
+        """Block until the collective has completed; its output tensor is then valid."""
+        ...
+
+    def done(self) -> bool:
+        """Whether ``wait()`` would return without blocking (never blocks on the wire)."""
+        ...
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """Asynchronous collectives over one group of workers.
+
+    All ranks of the group must issue the same collectives in the same order. Shapes follow
+    ``torch.distributed``: ``reduce_scatter`` takes an input of ``world_size * n`` elements and
+    writes ``n`` into ``output``; ``all_gather`` takes ``n`` elements and writes
+    ``world_size * n`` into ``output``.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
+        """Reduce ``tensor`` in place across the group."""
+        ...
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        """Reduce ``input`` across the group; this rank's slice lands in ``output``."""
+        ...
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        """Concatenate every rank's ``input`` (in rank order) into ``output``."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        """Copy ``tensor`` from rank ``src`` to every rank, in place."""
+        ...
+
+    def barrier(self) -> Handle:
+        """Complete once every rank has reached it."""
+        ...
+
+
+class CompletedHandle:
+    """A handle for work that finished when it was issued."""
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+def payload_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor occupies on the wire, at its own dtype."""
+    return tensor.numel() * tensor.element_size()
+
+
+def check_scatter_shapes(output: torch.Tensor, input: torch.Tensor, world_size: int, op: str) -> None:
+    """Raise a clear error when a reduce-scatter or all-gather is handed mismatched buffers."""
+    big, small = (input, output) if op == "reduce_scatter" else (output, input)
+    if big.numel() != small.numel() * world_size:
+        raise ValueError(
+            f"{op}: the full buffer has {big.numel()} elements but the per-rank buffer has "
+            f"{small.numel()} and world_size is {world_size}; the full buffer must hold exactly "
+            f"world_size x per-rank elements (pad the flat tensor to a multiple of world_size)"
+        )
+    if big.dtype != small.dtype:
+        raise ValueError(f"{op}: dtypes differ ({big.dtype} vs {small.dtype}); use one dtype")

@@ -1,0 +1,212 @@
+"""Clocks: every timing lowcomm reports is on one of these, and says which.
+
+Time is split into *compute* (everything a worker does outside a blocking wait) and *exposed
+communication* (time spent blocked in ``Handle.wait()``). Compute is folded in lazily: the
+communication layer calls :meth:`Clock.mark` at every collective launch and before every
+wait, so strategies never have to bracket their compute by hand.
+
+* :class:`RealClock` measures wall time. A straggler's speed factor is emulated by sleeping
+  ``(factor - 1) x`` its measured compute, charged to compute.
+* :class:`VirtualClock` keeps a modeled time per worker. Compute advances it by the CPU time
+  of the calling thread times the worker's speed factor (so four workers sharing two cores
+  do not see their compute inflate), or by a declared number of seconds per micro-batch for a
+  target device. Waiting moves it to the modeled completion of the collective.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+ClockKind = Literal["real", "virtual"]
+
+
+class Clock(ABC):
+    """A worker's clock. Not thread-safe: call it from the worker's main thread."""
+
+    kind: ClockKind
+
+    def __init__(self, *, speed_factor: float = 1.0) -> None:
+        if not speed_factor > 0:
+            raise ValueError(f"speed_factor: {speed_factor} must be positive")
+        self.speed_factor = speed_factor
+        self.compute_s = 0.0
+        self.exposed_comm_s = 0.0
+
+    @abstractmethod
+    def mark(self) -> None:
+        """Fold the compute done since the previous mark into the clock."""
+
+    @abstractmethod
+    def now(self) -> float:
+        """Seconds since the clock started, on this clock (folds pending compute first)."""
+
+    @abstractmethod
+    def wait_until(self, deadline: float) -> None:
+        """Block (real) or jump (virtual) until ``deadline``; the time counts as exposed."""
+
+    @abstractmethod
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        """A region where the worker is blocked on communication: counted as exposed time
+        on the real clock, free on the virtual clock (only ``wait_until`` moves it)."""
+        yield
+
+    @abstractmethod
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        """A region charged to neither compute nor communication (evaluation, metrics)."""
+        yield
+
+    def microbatch_done(self) -> None:
+        """Called after each forward/backward micro-batch; only a declared cost uses it."""
+        return None
+
+    @property
+    def utilization(self) -> float:
+        total = self.compute_s + self.exposed_comm_s
+        return self.compute_s / total if total > 0 else 1.0
+
+
+class RealClock(Clock):
+    """Wall-clock time, measured with ``time.perf_counter``."""
+
+    kind: ClockKind = "real"
+
+    def __init__(self, *, speed_factor: float = 1.0) -> None:
+        super().__init__(speed_factor=speed_factor)
+        self._start = time.perf_counter()
+        self._excluded_s = 0.0
+        self._last_mark = self._start
+
+    def _wall(self) -> float:
+        return time.perf_counter() - self._start - self._excluded_s
+
+    def mark(self) -> None:
+        now = time.perf_counter()
+        elapsed = now - self._last_mark
+        if self.speed_factor != 1.0 and elapsed > 0:
+            # Emulate a slower device: the extra time sits on compute, never on the wire.
+            extra = (self.speed_factor - 1.0) * elapsed
+            if extra > 0:
+                time.sleep(extra)
+            now = time.perf_counter()
+            elapsed = now - self._last_mark
+        self.compute_s += elapsed
+        self._last_mark = now
+
+    def now(self) -> float:
+        self.mark()
+        return self._wall()
+
+    def wait_until(self, deadline: float) -> None:
+        remaining = deadline - self._wall()
+        if remaining > 0:
+            time.sleep(remaining)
+
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        self.mark()
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.exposed_comm_s += end - begin
+            self._last_mark = end
+
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        self.mark()
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self._excluded_s += end - begin
+            self._last_mark = end
+
+
+class VirtualClock(Clock):
+    """Modeled time: compute from thread CPU time (or a declared cost), waits from the model.
+
+    Args:
+        speed_factor: multiplies this worker's compute time.
+        seconds_per_microbatch: if given, each micro-batch costs exactly this much compute
+            (times the speed factor) and measured CPU time is ignored; use it to model a
+            target device.
+    """
+
+    kind: ClockKind = "virtual"
+
+    def __init__(
+        self, *, speed_factor: float = 1.0, seconds_per_microbatch: float | None = None
+    ) -> None:
+        super().__init__(speed_factor=speed_factor)
+        if seconds_per_microbatch is not None and not seconds_per_microbatch > 0:
+            raise ValueError(
+                f"seconds_per_microbatch: {seconds_per_microbatch} must be positive or None"
+            )
+        self.seconds_per_microbatch = seconds_per_microbatch
+        self._time = 0.0
+        self._last_cpu = time.thread_time()
+
+    def mark(self) -> None:
+        cpu = time.thread_time()
+        if self.seconds_per_microbatch is None:
+            elapsed = (cpu - self._last_cpu) * self.speed_factor
+            self._time += elapsed
+            self.compute_s += elapsed
+        self._last_cpu = cpu
+
+    def microbatch_done(self) -> None:
+        if self.seconds_per_microbatch is not None:
+            cost = self.seconds_per_microbatch * self.speed_factor
+            self._time += cost
+            self.compute_s += cost
+
+    def now(self) -> float:
+        self.mark()
+        return self._time
+
+    def wait_until(self, deadline: float) -> None:
+        if deadline > self._time:
+            self.exposed_comm_s += deadline - self._time
+            self._time = deadline
+
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        self.mark()
+        try:
+            yield
+        finally:
+            # CPU this thread burned while blocked (e.g. polling) is not compute.
+            self._last_cpu = time.thread_time()
+
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        self.mark()
+        try:
+            yield
+        finally:
+            self._last_cpu = time.thread_time()
+
+
+def make_clock(
+    kind: ClockKind, *, speed_factor: float = 1.0, seconds_per_microbatch: float | None = None
+) -> Clock:
+    """Build a clock by name."""
+    if kind == "real":
+        if seconds_per_microbatch is not None:
+            raise ValueError(
+                "--seconds-per-microbatch models a target device and needs --clock virtual"
+            )
+        return RealClock(speed_factor=speed_factor)
+    if kind == "virtual":
+        return VirtualClock(
+            speed_factor=speed_factor, seconds_per_microbatch=seconds_per_microbatch
+        )
+    raise ValueError(f"--clock: unknown clock {kind!r}; choose real or virtual")

@@ -1,0 +1,203 @@
+"""Network emulation and byte accounting around any ``Comm``.
+
+:class:`NetworkComm` forwards every collective to an inner ``Comm`` (the data really moves) and
+charges it what the declared :class:`~lowcomm.comm.network.NetworkProfile` says it costs.
+
+All collectives issued on one ``NetworkComm`` share one link and queue behind each other:
+a collective starts when the link is free and every participant has launched it.
+
+* **Real clock**: a handle completes no earlier than its modeled completion time. The delay
+  is served inside ``wait()`` (on the wire), never on compute: if the worker computed for
+  longer than the transfer takes, ``wait()`` returns at once. The start is this worker's own
+  launch time; skew between ranks is absorbed by the inner collective itself.
+* **Virtual clock**: each launch also all-reduces (max) the participants' launch times in a
+  tiny side collective that is neither charged nor counted, so every rank computes the same
+  start and completion. ``done()`` answers by the virtual clock; ``wait()`` moves the clock to
+  the completion. Blocking in real time to learn a peer's launch time costs no virtual time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from lowcomm.comm.base import (
+    CollectiveKind,
+    Comm,
+    Handle,
+    ReduceOp,
+    Role,
+    payload_bytes,
+)
+from lowcomm.comm.clock import Clock
+from lowcomm.comm.network import NetworkProfile, bytes_sent
+
+
+class _EmulatedHandle:
+    """An in-flight collective with a modeled completion time."""
+
+    def __init__(
+        self,
+        owner: NetworkComm,
+        inner: Handle,
+        cost: float,
+        launch_time: float,
+        launch_times: torch.Tensor | None,
+        launch_times_handle: Handle | None,
+    ) -> None:
+        self._owner = owner
+        self._inner = inner
+        self.cost = cost
+        self.launch_time = launch_time
+        self._launch_times = launch_times
+        self._launch_times_handle = launch_times_handle
+        self.finish_time: float | None = None
+        self._waited = False
+
+    def _resolve_start(self) -> float:
+        """The start time agreed by all participants (blocks for peers' launch times)."""
+        if self._launch_times_handle is None or self._launch_times is None:
+            return self.launch_time
+        self._launch_times_handle.wait()
+        return float(self._launch_times.item())
+
+    def wait(self) -> None:
+        if self._waited:
+            return
+        clock = self._owner.clock
+        with clock.blocked():
+            self._inner.wait()
+            finish = self._owner._resolve(self)
+            clock.wait_until(finish)
+        self._waited = True
+
+    def done(self) -> bool:
+        if self._waited:
+            return True
+        if self._owner.clock.kind == "virtual":
+            with self._owner.clock.blocked():
+                finish = self._owner._resolve(self)
+            return self._owner.clock.now() >= finish
+        if not self._inner.done():
+            return False
+        return self._owner.clock.now() >= self._owner._resolve(self)
+
+
+class NetworkComm:
+    """Charges every collective of an inner ``Comm`` its modeled cost and counts its bytes.
+
+    Args:
+        inner: the communicator that moves the data.
+        profile: the declared link and per-worker speed factors.
+        clock: this worker's clock (real or virtual).
+    """
+
+    def __init__(self, inner: Comm, profile: NetworkProfile, clock: Clock) -> None:
+        self.inner = inner
+        self.profile = profile
+        self.clock = clock
+        self.bytes_by_role: dict[Role, float] = {role: 0.0 for role in Role}
+        self.bytes_by_kind: dict[CollectiveKind, float] = {kind: 0.0 for kind in CollectiveKind}
+        self.calls_by_kind: dict[CollectiveKind, int] = {kind: 0 for kind in CollectiveKind}
+        self.modeled_comm_s = 0.0
+        # Handles launched but not yet placed on the link, in issue order. Every rank issues
+        # the same collectives in the same order, so resolving them in this order gives every
+        # rank the same link schedule.
+        self._unresolved: deque[_EmulatedHandle] = deque()
+        self._link_free_at = 0.0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    @property
+    def bytes_sent(self) -> float:
+        return sum(self.bytes_by_role.values())
+
+    def _resolve(self, handle: _EmulatedHandle) -> float:
+        while handle.finish_time is None:
+            head = self._unresolved.popleft()
+            start = max(head._resolve_start(), self._link_free_at)
+            head.finish_time = start + head.cost
+            self._link_free_at = head.finish_time
+        return handle.finish_time
+
+    def _launch(
+        self,
+        kind: CollectiveKind,
+        role: Role | None,
+        full_bytes: int,
+        issue: Callable[[], Handle],
+        src: int = 0,
+    ) -> Handle:
+        world_size = self.inner.world_size
+        sent = bytes_sent(kind, full_bytes, world_size, self.inner.rank, src)
+        if role is not None:
+            self.bytes_by_role[role] += sent
+        self.bytes_by_kind[kind] += sent
+        self.calls_by_kind[kind] += 1
+        cost = self.profile.collective_time(kind, full_bytes, world_size)
+        self.modeled_comm_s += cost
+        launch_time = self.clock.now()
+        launch_times: torch.Tensor | None = None
+        launch_times_handle: Handle | None = None
+        if self.clock.kind == "virtual" and world_size > 1:
+            # Agree on the start: the latest launch among the participants. Issued right
+            # before the payload, on the same group, so the order is the same on every rank.
+            launch_times = torch.tensor([launch_time], dtype=torch.float64)
+            launch_times_handle = self.inner.all_reduce(launch_times, op="max", role=Role.OTHER)
+        inner = issue()
+        handle = _EmulatedHandle(
+            self, inner, cost, launch_time, launch_times, launch_times_handle
+        )
+        self._unresolved.append(handle)
+        return handle
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
+        return self._launch(
+            CollectiveKind.ALL_REDUCE,
+            role,
+            payload_bytes(tensor),
+            lambda: self.inner.all_reduce(tensor, op=op, role=role),
+        )
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        return self._launch(
+            CollectiveKind.REDUCE_SCATTER,
+            role,
+            payload_bytes(input),
+            lambda: self.inner.reduce_scatter(output, input, op=op, role=role),
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        return self._launch(
+            CollectiveKind.ALL_GATHER,
+            role,
+            payload_bytes(output),
+            lambda: self.inner.all_gather(output, input, role=role),
+        )
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        return self._launch(
+            CollectiveKind.BROADCAST,
+            role,
+            payload_bytes(tensor),
+            lambda: self.inner.broadcast(tensor, src=src, role=role),
+            src=src,
+        )
+
+    def barrier(self) -> Handle:
+        return self._launch(CollectiveKind.BARRIER, None, 0, self.inner.barrier)
+
+    def counters(self) -> dict[str, float]:
+        """Bytes this worker sent, by role (for metrics)."""
+        return {role.value: value for role, value in self.bytes_by_role.items()}
+

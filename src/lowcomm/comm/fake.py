@@ -1,0 +1,97 @@
+"""A recording fake ``Comm`` for unit tests.
+
+It plays one rank of a group of ``world_size`` in which every rank holds the same tensors as
+this one (the situation of data-parallel replicas fed identical data), so results are exact:
+a mean is the identity, a sum multiplies by ``world_size``, an all-gather tiles. Every call is
+recorded so tests can assert call counts, roles, sizes and order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowcomm.comm.base import (
+    CollectiveKind,
+    CompletedHandle,
+    Handle,
+    ReduceOp,
+    Role,
+    check_scatter_shapes,
+    payload_bytes,
+)
+
+
+@dataclass(frozen=True)
+class CommCall:
+    """One recorded collective. ``payload_bytes`` is the full (unsharded) payload."""
+
+    kind: CollectiveKind
+    role: Role | None
+    numel: int
+    dtype: torch.dtype
+    payload_bytes: int
+    op: str | None = None
+
+
+class RecordingComm:
+    """Records every collective and computes the identical-replica result."""
+
+    def __init__(self, *, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside a group of {world_size}")
+        self._rank = rank
+        self._world_size = world_size
+        self.calls: list[CommCall] = []
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def _record(
+        self, kind: CollectiveKind, role: Role | None, full: torch.Tensor, op: str | None = None
+    ) -> None:
+        self.calls.append(
+            CommCall(kind, role, full.numel(), full.dtype, payload_bytes(full), op)
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
+        self._record(CollectiveKind.ALL_REDUCE, role, tensor, op)
+        if op == "sum":
+            tensor.mul_(self._world_size)
+        return CompletedHandle()
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        check_scatter_shapes(output, input, self._world_size, "reduce_scatter")
+        self._record(CollectiveKind.REDUCE_SCATTER, role, input, op)
+        n = output.numel()
+        mine = input.reshape(-1)[self._rank * n : (self._rank + 1) * n]
+        output.copy_(mine.view_as(output))
+        if op == "sum":
+            output.mul_(self._world_size)
+        return CompletedHandle()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        check_scatter_shapes(output, input, self._world_size, "all_gather")
+        self._record(CollectiveKind.ALL_GATHER, role, output)
+        output.view(self._world_size, -1).copy_(input.reshape(1, -1))
+        return CompletedHandle()
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        self._record(CollectiveKind.BROADCAST, role, tensor)
+        return CompletedHandle()
+
+    def barrier(self) -> Handle:
+        self._record(CollectiveKind.BARRIER, None, torch.empty(0))
+        return CompletedHandle()
+
+    def count(self, kind: CollectiveKind, role: Role | None = None) -> int:
+        """How many calls of ``kind`` (and ``role``, if given) were made."""
+        return sum(1 for c in self.calls if c.kind is kind and (role is None or c.role is role))

@@ -1,0 +1,103 @@
+"""``Comm`` over ``torch.distributed`` (Gloo on CPU, NCCL on GPU).
+
+This module and ``lowcomm.launch`` are the only places that import ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowcomm.comm.base import Handle, ReduceOp, Role, check_scatter_shapes
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old
+# names (which newer ones keep as deprecated aliases).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _WorkHandle:
+    """Wraps a ``torch.distributed`` work object; runs a finishing step once after it."""
+
+    def __init__(self, work: Any, finish: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._finish = finish
+        self._finished = False
+
+    def wait(self) -> None:
+        if self._finished:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._finish is not None:
+            self._finish()
+        self._finished = True
+
+    def done(self) -> bool:
+        return self._finished or self._work is None or bool(self._work.is_completed())
+
+
+def _torch_op(op: ReduceOp) -> Any:
+    # Gloo has no AVG: "mean" is a sum followed by a division after wait().
+    return {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+
+
+class TorchComm:
+    """Collectives on one ``torch.distributed`` process group.
+
+    Args:
+        group: the process group (``None`` = the default group). Bind a communicator to a
+            group rather than to the world so a strategy can be handed an inner and an outer one.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchComm needs an initialised process group: call "
+                "torch.distributed.init_process_group first, or use lowcomm.launch"
+            )
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def _mean_after(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], None] | None:
+        if op != "mean":
+            return None
+        world_size = self._world_size
+        return lambda: tensor.div_(world_size)
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
+        work = dist.all_reduce(tensor, op=_torch_op(op), group=self._group, async_op=True)
+        return _WorkHandle(work, self._mean_after(tensor, op))
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        check_scatter_shapes(output, input, self._world_size, "reduce_scatter")
+        work = _reduce_scatter(output, input, op=_torch_op(op), group=self._group, async_op=True)
+        return _WorkHandle(work, self._mean_after(output, op))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        check_scatter_shapes(output, input, self._world_size, "all_gather")
+        work = _all_gather(output, input, group=self._group, async_op=True)
+        return _WorkHandle(work)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        global_src = dist.get_global_rank(self._group, src) if self._group is not None else src
+        work = dist.broadcast(tensor, src=global_src, group=self._group, async_op=True)
+        return _WorkHandle(work)
+
+    def barrier(self) -> Handle:
+        work = dist.barrier(group=self._group, async_op=True)
+        return _WorkHandle(work)

@@ -1,0 +1,168 @@
+"""The typed configuration of a training run.
+
+Each field's docstring doubles as its ``--help`` text. Every component validates its own
+fields in ``__post_init__``; :meth:`TrainConfig.validate` adds the checks that need several
+fields at once. Environment variables never override a field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lowcomm.comm.network import PRESETS, NetworkProfile
+from lowcomm.data import DataConfig
+from lowcomm.models import ModelConfig
+from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.optim.schedule import ScheduleConfig
+
+
+class ConfigError(ValueError):
+    """A bad option: the message names the option, the value, the rule and the fix."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Train a model data-parallel with one lowcomm method."""
+
+    method: str = "ddp"
+    """Training method (see `lowcomm methods`): ddp, zero1, ..."""
+
+    workers: int = 4
+    """Number of data-parallel workers (processes)."""
+
+    steps: int = 60
+    """Optimizer steps to take."""
+
+    microbatches_per_step: int = 1
+    """Micro-batches each worker accumulates per optimizer step (synchronous methods)."""
+
+    network: str = "wan"
+    """Declared link between workers: none, datacenter, ethernet, wan, slow-wan."""
+
+    bandwidth_gbps: float | None = None
+    """Override the preset's bandwidth, in Gbit/s."""
+
+    latency_ms: float | None = None
+    """Override the preset's one-hop latency, in milliseconds."""
+
+    speed_factors: tuple[float, ...] = ()
+    """Per-worker compute-time multipliers, e.g. 1 1 1 2 for one worker twice as slow."""
+
+    clock: Literal["real", "virtual"] = "virtual"
+    """real: wall time, with transfers delayed to the modeled time. virtual: modeled time per
+    worker from its own CPU time (or --seconds-per-microbatch) and the network model."""
+
+    seconds_per_microbatch: float | None = None
+    """Virtual clock only: declared compute seconds per micro-batch (models a target device)."""
+
+    seed: int = 0
+    """Random seed (model init and data order)."""
+
+    out: str | None = None
+    """Run directory (default: runs/<method>-<network>-w<workers>-s<seed>)."""
+
+    eval_every: int = 20
+    """Evaluate validation loss every this many steps (and at the end)."""
+
+    eval_batches: int = 8
+    """Validation batches per evaluation (split across workers)."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cpu (Gloo) or cuda (NCCL, one GPU per worker)."""
+
+    collective_timeout_s: float = 300.0
+    """A collective that does not complete within this many seconds fails the run."""
+
+    progress: bool = True
+    """Show a progress bar."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: AdamWConfig = field(default_factory=AdamWConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def validate(self) -> None:
+        """Check the whole configuration; raise :class:`ConfigError` on the first problem."""
+        from lowcomm.strategies import strategy_class
+
+        try:
+            strategy_class(self.method)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if self.workers < 1:
+            raise ConfigError(f"--workers: {self.workers} is not a positive worker count; pass 1 or more")
+        if self.steps < 1:
+            raise ConfigError(f"--steps: {self.steps} is not a positive step count; pass 1 or more")
+        if self.microbatches_per_step < 1:
+            raise ConfigError(
+                f"--microbatches-per-step: {self.microbatches_per_step} must be 1 or more"
+            )
+        if self.network not in PRESETS:
+            raise ConfigError(
+                f"--network: unknown preset {self.network!r}; choose one of {', '.join(PRESETS)}"
+            )
+        if self.bandwidth_gbps is not None and not (self.bandwidth_gbps > 0):
+            raise ConfigError(
+                f"--bandwidth-gbps: {self.bandwidth_gbps} is not positive; pass a bandwidth in "
+                f"Gbit/s such as 10"
+            )
+        if self.latency_ms is not None and not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
+            raise ConfigError(
+                f"--latency-ms: {self.latency_ms} is not a non-negative number; pass a latency in "
+                f"milliseconds such as 0.05"
+            )
+        if self.speed_factors and len(self.speed_factors) != self.workers:
+            raise ConfigError(
+                f"--speed-factors: {len(self.speed_factors)} values for {self.workers} workers; "
+                f"give exactly one compute-time multiplier per worker"
+            )
+        try:
+            self.network_profile()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if self.seconds_per_microbatch is not None:
+            if self.clock != "virtual":
+                raise ConfigError(
+                    "--seconds-per-microbatch: a declared compute cost needs --clock virtual"
+                )
+            if not self.seconds_per_microbatch > 0:
+                raise ConfigError(
+                    f"--seconds-per-microbatch: {self.seconds_per_microbatch} must be positive"
+                )
+        if self.eval_every < 1:
+            raise ConfigError(f"--eval-every: {self.eval_every} must be 1 or more")
+        if self.eval_batches < 1:
+            raise ConfigError(f"--eval-batches: {self.eval_batches} must be 1 or more")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(
+                f"--collective-timeout-s: {self.collective_timeout_s} must be positive"
+            )
+        if self.data.data is not None and not Path(self.data.data).expanduser().exists():
+            raise ConfigError(
+                f"--data.data: path {self.data.data!r} does not exist; pass a text file, a "
+                f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
+            )
+
+    def network_profile(self) -> NetworkProfile:
+        return NetworkProfile.from_preset(
+            self.network,
+            bandwidth_gbps=self.bandwidth_gbps,
+            latency_ms=self.latency_ms,
+            speed_factors=tuple(self.speed_factors),
+        )
+
+    def run_dir(self) -> Path:
+        if self.out is not None:
+            return Path(self.out)
+        return Path("runs") / f"{self.method}-{self.network}-w{self.workers}-s{self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)

@@ -1,0 +1,106 @@
+"""Configuration and errors for the data pipeline."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SPLITS = ("iid", "non-iid")
+"""Values accepted by :attr:`DataConfig.split`."""
+
+MIN_VOCAB_SIZE = 258
+"""Byte-level BPE starts from 256 byte tokens plus the end-of-text token, so anything smaller
+could not even hold the initial alphabet."""
+
+MAX_VOCAB_SIZE = 1 << 20
+"""Generous upper bound that still catches typos such as an extra zero or two."""
+
+CACHE_DIR_ENV = "LOWCOMM_CACHE_DIR"
+"""Environment variable giving the cache directory when :attr:`DataConfig.cache_dir` is None."""
+
+
+class DataError(ValueError):
+    """The training data cannot be read or is unusable as configured."""
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from, how it is tokenized, and how it is split."""
+
+    data: str | None = None
+    """Training text: None for the bundled Jane Austen corpus, otherwise a .txt, .txt.gz or .jsonl
+    file, or a folder searched recursively (sorted) for .txt, .txt.gz and .jsonl files."""
+
+    text_field: str = "text"
+    """Field holding the document text in each JSONL object."""
+
+    vocab_size: int = 2048
+    """Target size of the byte-level BPE vocabulary (a tiny corpus may yield fewer tokens)."""
+
+    val_fraction: float = 0.05
+    """Fraction at the end of every source's token stream held out for validation."""
+
+    split: str = "iid"
+    """How training windows are dealt to workers: iid (random) or non-iid (contiguous blocks,
+    so each worker sees mostly one or two sources)."""
+
+    micro_batch_size: int = 8
+    """Sequences per micro-batch on each worker."""
+
+    cache_dir: str | None = None
+    """Cache for tokenizers and tokenized corpora; None means $LOWCOMM_CACHE_DIR if set,
+    else ~/.cache/lowcomm."""
+
+    def __post_init__(self) -> None:
+        if self.data is not None and not str(self.data).strip():
+            raise DataError(
+                "data.data: '' is an empty path; pass a text file or folder, "
+                "or omit --data to use the bundled corpus"
+            )
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise DataError(
+                f"data.text_field: {self.text_field!r} is not a non-empty string; "
+                f"pass the JSONL field holding the text, such as 'text'"
+            )
+        if (
+            isinstance(self.vocab_size, bool)
+            or not isinstance(self.vocab_size, int)
+            or not MIN_VOCAB_SIZE <= self.vocab_size <= MAX_VOCAB_SIZE
+        ):
+            raise DataError(
+                f"data.vocab_size: {self.vocab_size!r} is outside "
+                f"[{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}] (256 byte tokens plus end-of-text is the "
+                f"minimum); pass a size such as 2048"
+            )
+        if not 0.0 < self.val_fraction <= 0.5:
+            raise DataError(
+                f"data.val_fraction: {self.val_fraction} is outside (0, 0.5]; "
+                f"pass a fraction such as 0.05"
+            )
+        if self.split not in SPLITS:
+            raise DataError(
+                f"data.split: unknown split {self.split!r}; choose one of {', '.join(SPLITS)}"
+            )
+        if (
+            isinstance(self.micro_batch_size, bool)
+            or not isinstance(self.micro_batch_size, int)
+            or self.micro_batch_size < 1
+        ):
+            raise DataError(
+                f"data.micro_batch_size: {self.micro_batch_size!r} is not a positive integer; "
+                f"pass an integer >= 1 such as 8"
+            )
+
+    def resolved_cache_dir(self) -> Path:
+        """Return the cache directory this configuration uses.
+
+        Returns:
+            ``cache_dir`` if set, else ``$LOWCOMM_CACHE_DIR`` if set, else ``~/.cache/lowcomm``.
+        """
+        if self.cache_dir is not None:
+            return Path(self.cache_dir).expanduser()
+        from_environment = os.environ.get(CACHE_DIR_ENV)
+        if from_environment:
+            return Path(from_environment).expanduser()
+        return Path.home() / ".cache" / "lowcomm"

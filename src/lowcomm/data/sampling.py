@@ -1,0 +1,335 @@
+"""Deterministic, resumable sampling of training micro-batches and a fixed validation set.
+
+Training windows are non-overlapping runs of ``seq_len + 1`` tokens inside each source's
+training split; a window yields ``x = window[:-1]`` and ``y = window[1:]``. The order in
+which a worker visits windows is a pure function of ``(seed, epoch, rank)``, so a worker's
+whole future is determined by one integer (micro-batches consumed), which is all a checkpoint
+needs to store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from lowcomm.data.config import SPLITS, DataError
+from lowcomm.data.corpus import PreparedCorpus, TokenArray
+
+IndexArray = npt.NDArray[np.int64]
+
+
+def _flatten(streams: list[TokenArray]) -> tuple[IndexArray, IndexArray]:
+    """Concatenate streams into one int64 array; return it and each stream's start offset."""
+    lengths = np.array([len(stream) for stream in streams], dtype=np.int64)
+    offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])[:-1]
+    if not streams:
+        return np.zeros(0, dtype=np.int64), offsets
+    flat = np.concatenate([np.asarray(stream, dtype=np.int64) for stream in streams])
+    return flat, offsets
+
+
+def _window_starts(
+    streams: list[TokenArray], offsets: IndexArray, window: int
+) -> tuple[IndexArray, IndexArray]:
+    """Flat start offsets of every whole window, ordered by source then position.
+
+    Returns:
+        ``(starts, source_of_window)``.
+    """
+    starts: list[IndexArray] = [np.zeros(0, dtype=np.int64)]
+    sources: list[IndexArray] = [np.zeros(0, dtype=np.int64)]
+    for source_index, (stream, offset) in enumerate(zip(streams, offsets.tolist(), strict=True)):
+        count = len(stream) // window
+        starts.append(offset + window * np.arange(count, dtype=np.int64))
+        sources.append(np.full(count, source_index, dtype=np.int64))
+    return np.concatenate(starts), np.concatenate(sources)
+
+
+def _gather(flat: IndexArray, starts: IndexArray, window: int) -> tuple[Tensor, Tensor]:
+    rows = flat[starts[:, None] + np.arange(window, dtype=np.int64)[None, :]]  # (B, T+1)
+    tokens = torch.from_numpy(rows)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+class WorkerShard:
+    """One worker's deterministic stream of training micro-batches.
+
+    IID: each epoch, all windows are permuted with ``(seed, epoch)`` and worker ``rank`` takes
+    every ``world_size``-th one. Non-IID: windows ordered by (source, position) are cut into
+    ``world_size`` contiguous equal blocks, so a worker sees mostly one or two sources; each
+    worker reshuffles its own block every epoch with ``(seed, epoch, rank)``. In both modes the
+    remainder is dropped so every worker has the same number of windows and micro-batches.
+
+    Args:
+        corpus: The prepared corpus (only its training split is used).
+        rank: This worker's index in ``[0, world_size)``.
+        world_size: Number of workers sharing the data.
+        seq_len: Tokens per input sequence.
+        micro_batch_size: Sequences per micro-batch.
+        seed: Seed shared by all workers of a run (>= 0).
+        split: ``"iid"`` or ``"non-iid"``.
+
+    Raises:
+        ValueError: If rank, world size, sequence length or split are invalid.
+        DataError: If the corpus is too small for one micro-batch per worker.
+    """
+
+    def __init__(
+        self,
+        corpus: PreparedCorpus,
+        rank: int,
+        world_size: int,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        split: str = "iid",
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank {rank} / world_size {world_size}: need world_size >= 1 and "
+                f"0 <= rank < world_size"
+            )
+        if seq_len < 1:
+            raise ValueError(f"seq_len: {seq_len} is not positive; pass a length such as 128")
+        if micro_batch_size < 1:
+            raise ValueError(
+                f"data.micro_batch_size: {micro_batch_size} is not positive; pass such as 8"
+            )
+        if seed < 0:
+            # numpy's SeedSequence only accepts non-negative entropy.
+            raise ValueError(f"seed: {seed} is negative; pass a seed >= 0")
+        if split not in SPLITS:
+            raise ValueError(f"data.split: unknown split {split!r}; choose one of {SPLITS}")
+        self.rank = rank
+        self.world_size = world_size
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.split = split
+        self._window = seq_len + 1
+        self._flat, self._source_offsets = _flatten(corpus.train_tokens)
+        self._starts, self._window_sources = _window_starts(
+            corpus.train_tokens, self._source_offsets, self._window
+        )
+        self.num_windows = len(self._starts)
+        self.windows_per_worker = self.num_windows // world_size
+        self.batches_per_epoch = self.windows_per_worker // micro_batch_size
+        if self.batches_per_epoch == 0:
+            raise DataError(
+                f"the training split has {self.num_windows} windows of seq_len+1="
+                f"{self._window} tokens, but {world_size} worker(s) x micro_batch_size "
+                f"{micro_batch_size} need at least {world_size * micro_batch_size}; reduce the "
+                f"sequence length, the micro-batch size or the number of workers, or pass more "
+                f"text with --data"
+            )
+        self.position = 0
+        self._epoch_cached: int | None = None
+        self._epoch_order: IndexArray = np.zeros(0, dtype=np.int64)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next micro-batch (how many times this shard has been exhausted)."""
+        return self.position // self.batches_per_epoch
+
+    def _window_indices_for_epoch(self, epoch: int) -> IndexArray:
+        """This worker's window indices, in visiting order, for one epoch."""
+        used = self.windows_per_worker * self.world_size
+        if self.split == "iid":
+            # Every worker computes the same global permutation, so shards are disjoint.
+            generator = np.random.default_rng([self.seed, epoch])
+            permutation = generator.permutation(self.num_windows)[:used]
+            return permutation[self.rank :: self.world_size].astype(np.int64)
+        begin = self.rank * self.windows_per_worker
+        block = np.arange(begin, begin + self.windows_per_worker, dtype=np.int64)
+        generator = np.random.default_rng([self.seed, epoch, self.rank])
+        return generator.permutation(block).astype(np.int64)
+
+    def window_indices(self, epoch: int = 0) -> IndexArray:
+        """Indices of the windows this worker visits in ``epoch``, in order (for inspection).
+
+        Args:
+            epoch: The epoch.
+
+        Returns:
+            Window indices; only the first ``batches_per_epoch * micro_batch_size`` are used.
+        """
+        return self._window_indices_for_epoch(epoch)
+
+    def window_sources(self, indices: IndexArray) -> IndexArray:
+        """Source index of each given window.
+
+        Args:
+            indices: Window indices as returned by :meth:`window_indices`.
+
+        Returns:
+            The source index (into ``corpus.source_names``) of each window.
+        """
+        sources: IndexArray = self._window_sources[indices]
+        return sources
+
+    def window_token_ranges(self, indices: IndexArray) -> list[tuple[int, int, int]]:
+        """Token ranges covered by windows, as ``(source, start, stop)`` within that source.
+
+        Args:
+            indices: Window indices.
+
+        Returns:
+            One half-open range per window, in the source's training token stream.
+        """
+        ranges: list[tuple[int, int, int]] = []
+        for index in indices.tolist():
+            source = int(self._window_sources[index])
+            start = int(self._starts[index] - self._source_offsets[source])
+            ranges.append((source, start, start + self._window))
+        return ranges
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """Return the next micro-batch and advance the position.
+
+        Returns:
+            ``(x, y)``, both int64 of shape ``(micro_batch_size, seq_len)``, with
+            ``y[:, t] == x[:, t + 1]`` for ``t < seq_len - 1``.
+        """
+        epoch, batch_in_epoch = divmod(self.position, self.batches_per_epoch)
+        if self._epoch_cached != epoch:
+            self._epoch_order = self._window_indices_for_epoch(epoch)
+            self._epoch_cached = epoch
+        begin = batch_in_epoch * self.micro_batch_size
+        chosen = self._epoch_order[begin : begin + self.micro_batch_size]
+        self.position += 1
+        return _gather(self._flat, self._starts[chosen], self._window)
+
+    def state_dict(self) -> dict[str, int]:
+        """Return what is needed to resume exactly.
+
+        Returns:
+            The position (micro-batches consumed) plus the settings it is valid for.
+        """
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "micro_batch_size": self.micro_batch_size,
+            "num_windows": self.num_windows,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume from :meth:`state_dict` output.
+
+        Args:
+            state: A state produced by a shard with the same settings and corpus.
+
+        Raises:
+            ValueError: If the state was produced with different settings, so that resuming
+                would silently yield different data.
+        """
+        mine = self.state_dict()
+        mismatched = [
+            f"{name}={state[name]} (this shard has {mine[name]})"
+            for name in mine
+            if name != "position" and name in state and int(state[name]) != mine[name]
+        ]
+        if mismatched:
+            raise ValueError(
+                "data state: cannot resume a shard built with different settings: "
+                + ", ".join(mismatched)
+                + "; resume with the same seed, world size, sequence length, micro-batch size "
+                "and data"
+            )
+        position = int(state["position"])
+        if position < 0:
+            raise ValueError(f"data state: position {position} is negative")
+        self.position = position
+
+
+def validation_batches(
+    corpus: PreparedCorpus, seq_len: int, batch_size: int, num_batches: int
+) -> list[tuple[Tensor, Tensor]]:
+    """Build a fixed validation set spread evenly over every source's held-out split.
+
+    Windows are non-overlapping runs of ``seq_len + 1`` tokens inside the validation splits.
+    Sources share the requested windows as equally as their sizes allow, and within a source
+    the chosen windows are evenly spaced. No randomness is involved.
+
+    Args:
+        corpus: The prepared corpus.
+        seq_len: Tokens per input sequence.
+        batch_size: Sequences per batch.
+        num_batches: Batches wanted; fewer are returned if the validation split is too small
+            (a single smaller batch if it cannot fill one).
+
+    Returns:
+        A list of ``(x, y)`` int64 pairs of shape ``(batch, seq_len)``.
+
+    Raises:
+        ValueError: If a size argument is not positive.
+        DataError: If no validation window of ``seq_len + 1`` tokens exists.
+    """
+    if seq_len < 1 or batch_size < 1 or num_batches < 1:
+        raise ValueError(
+            f"validation_batches: seq_len={seq_len}, batch_size={batch_size} and "
+            f"num_batches={num_batches} must all be positive"
+        )
+    window = seq_len + 1
+    flat, offsets = _flatten(corpus.val_tokens)
+    available = [len(stream) // window for stream in corpus.val_tokens]
+    total_available = sum(available)
+    if total_available == 0:
+        raise DataError(
+            f"the validation split has no window of seq_len+1={window} tokens "
+            f"(largest source holds {max((len(s) for s in corpus.val_tokens), default=0)}); "
+            f"raise data.val_fraction, shorten the sequence length, or pass more text"
+        )
+    wanted = min(batch_size * num_batches, total_available)
+    if wanted >= batch_size:
+        wanted -= wanted % batch_size
+    # Water-filling: hand out one window per source in turn, skipping exhausted sources.
+    quota = [0] * len(available)
+    remaining = wanted
+    while remaining > 0:
+        for source, capacity in enumerate(available):
+            if remaining > 0 and quota[source] < capacity:
+                quota[source] += 1
+                remaining -= 1
+    chosen: list[tuple[float, int, int]] = []  # (relative position, source, start)
+    for source, count in enumerate(quota):
+        if count == 0:
+            continue
+        # linspace over whole-window indices; spacing >= 1 because count <= capacity, so the
+        # rounded indices are distinct and the windows cannot overlap.
+        window_indices = np.rint(np.linspace(0, available[source] - 1, count)).astype(np.int64)
+        for rank_in_source, window_index in enumerate(window_indices.tolist()):
+            relative = (rank_in_source + 0.5) / count
+            chosen.append((relative, source, int(offsets[source]) + window * window_index))
+    # Interleave sources so that any prefix of the batches is itself spread over sources.
+    chosen.sort()
+    starts = np.array([start for _, _, start in chosen], dtype=np.int64)
+    batches: list[tuple[Tensor, Tensor]] = []
+    for begin in range(0, len(starts), batch_size):
+        batches.append(_gather(flat, starts[begin : begin + batch_size], window))
+    return batches
+
+
+def describe_shard(shard: WorkerShard) -> dict[str, Any]:
+    """Summarise a shard for logging.
+
+    Args:
+        shard: The shard.
+
+    Returns:
+        Window and batch counts and the current epoch/position.
+    """
+    return {
+        "split": shard.split,
+        "num_windows": shard.num_windows,
+        "windows_per_worker": shard.windows_per_worker,
+        "batches_per_epoch": shard.batches_per_epoch,
+        "epoch": shard.epoch,
+        "position": shard.position,
+    }

@@ -1,0 +1,155 @@
+"""Start N worker processes on this machine, or join a ``torchrun`` job."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+T = TypeVar("T")
+
+# Set in every worker: one intra-op thread each, so N workers on a few cores neither
+# oversubscribe nor perturb the virtual clock's CPU-time measurement.
+_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised or died; the message carries its rank and error."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"worker {rank} failed: {message}")
+        self.rank = rank
+        self.message = message
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by ``torchrun`` (or another env:// launcher)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def init_from_env(*, device: str, timeout_s: float) -> None:
+    """Join the process group described by torchrun's environment variables."""
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend_for(device), timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def _worker_entry(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    world_size: int,
+    store_path: str,
+    result_dir: str,
+    device: str,
+    timeout_s: float,
+) -> None:
+    os.environ.update(_WORKER_ENV)
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        backend_for(device),
+        store=store,
+        rank=local_rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(*args)
+        torch.save(result, Path(result_dir) / f"rank{local_rank}.pt")
+    except BaseException:
+        # Leave the full traceback where the parent can show it, then fail this process.
+        (Path(result_dir) / f"rank{local_rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_workers(
+    fn: Callable[..., T],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    device: str = "cpu",
+    timeout_s: float = 300.0,
+) -> list[T]:
+    """Run ``fn(*args)`` in ``world_size`` fresh processes joined in one process group.
+
+    ``fn`` must be importable (defined at module level). Each process gets one intra-op
+    thread. If any worker raises or dies, the others are terminated and
+    :class:`WorkerFailed` names the first failing rank and its error.
+
+    Returns:
+        Each rank's return value, in rank order.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size: {world_size} must be >= 1")
+    scratch = tempfile.mkdtemp(prefix="lowcomm-spawn-")
+    try:
+        store_path = os.path.join(scratch, "store")
+        saved_env = {key: os.environ.get(key) for key in _WORKER_ENV}
+        os.environ.update(_WORKER_ENV)  # inherited by the spawned interpreters at start-up
+        try:
+            context = mp.start_processes(
+                _worker_entry,
+                args=(fn, args, world_size, store_path, scratch, device, timeout_s),
+                nprocs=world_size,
+                join=False,
+                start_method="spawn",
+            )
+        finally:
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        try:
+            while not context.join(timeout=1.0):
+                pass
+        except mp.ProcessRaisedException as error:
+            rank = error.error_index
+            raise WorkerFailed(rank, _last_error_line(scratch, rank, str(error))) from None
+        except mp.ProcessExitedException as error:
+            rank = error.error_index
+            detail = _last_error_line(scratch, rank, "")
+            raise WorkerFailed(
+                rank, detail or f"exited with code {error.exit_code} (killed or crashed)"
+            ) from None
+        return [torch.load(Path(scratch) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _last_error_line(scratch: str, rank: int, fallback: str) -> str:
+    """The exception line of a worker's traceback, with the traceback on stderr."""
+    path = Path(scratch) / f"rank{rank}.err"
+    text = path.read_text() if path.exists() else fallback
+    if not text:
+        return ""
+    print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text

@@ -1,0 +1,196 @@
+"""A small single-device GPT (decoder-only transformer) in the style of nanoGPT.
+
+No distributed code lives here: strategies wrap or shard the model from the outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as functional
+from torch import Tensor, nn
+
+from lowcomm.models.base import CausalLM
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """Shape of a :class:`GPT`."""
+
+    n_layer: int = 4
+    """Number of transformer blocks."""
+
+    n_head: int = 4
+    """Attention heads per block; must divide ``n_embd``."""
+
+    n_embd: int = 256
+    """Width of the residual stream (embedding size)."""
+
+    block_size: int = 128
+    """Longest sequence the model accepts (size of the learned position table)."""
+
+    vocab_size: int = 2048
+    """Number of token ids."""
+
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention weights and residual branches."""
+
+    bias: bool = False
+    """Whether linear layers and LayerNorms carry a bias."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"model.{field_name}: {value!r} is not a positive integer; pass an integer >= 1"
+                )
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"model.n_embd: {self.n_embd} is not divisible by model.n_head={self.n_head}; "
+                f"each head gets n_embd / n_head channels, so pick n_embd as a multiple of "
+                f"n_head (for example {self.n_head * max(1, round(self.n_embd / self.n_head))})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(
+                f"model.dropout: {self.dropout} is outside [0, 1); pass a probability such as 0.0"
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through PyTorch's fused SDPA kernel."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        # One projection for query, key and value: a single larger matmul is faster.
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.residual_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, time, channels = x.shape  # (B, T, C)
+        head_size = channels // self.n_head
+        query, key, value = self.qkv(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
+        query = query.view(batch, time, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
+        key = key.view(batch, time, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
+        value = value.view(batch, time, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
+        attended = functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+        )  # (B, nh, T, hs)
+        attended = attended.transpose(1, 2).contiguous().view(batch, time, channels)  # (B, T, C)
+        output: Tensor = self.residual_dropout(self.proj(attended))  # (B, T, C)
+        return output
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward block: expand 4x, GELU, project back."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.expand = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.activation = nn.GELU()
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.activation(self.expand(x))  # (B, T, 4C)
+        output: Tensor = self.dropout(self.proj(hidden))  # (B, T, C)
+        return output
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attention = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))  # (B, T, C)
+        x = x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+        return x
+
+
+class GPT(CausalLM):
+    """GPT-2 style decoder: learned positions, pre-LN blocks, tied input/output embedding.
+
+    Args:
+        config: The model shape; see :class:`GPTConfig`.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
+        self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
+        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: one matrix maps ids to vectors and vectors back to logits, which saves
+        # vocab_size * n_embd parameters and helps small models.
+        self.lm_head.weight = self.token_embedding.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual-branch output projections are scaled down so the residual stream's
+        # variance does not grow with depth (two residual additions per block).
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            nn.init.normal_(block.attention.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Compute next-token logits and, given targets, the mean cross-entropy.
+
+        Args:
+            idx: Token ids, int64 of shape ``(B, T)`` with ``T <= block_size``.
+            targets: Next-token ids of shape ``(B, T)``, or None.
+
+        Returns:
+            ``(logits, loss)``: logits ``(B, T, V)``; loss is a scalar or None.
+
+        Raises:
+            ValueError: If the sequence is longer than ``block_size``.
+        """
+        _, time = idx.shape  # (B, T)
+        if time > self.config.block_size:
+            raise ValueError(
+                f"sequence length {time} exceeds model.block_size={self.config.block_size}; "
+                f"raise model.block_size or feed shorter sequences"
+            )
+        positions = torch.arange(time, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.token_embedding(idx) + self.position_embedding(positions)  # (B, T, C)
+        x = self.embedding_dropout(x)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        x = self.final_norm(x)
+        logits: Tensor = self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits, None
+        # Cross-entropy in float32 even under autocast: the log-sum-exp over the vocabulary
+        # is where low precision hurts.
+        loss = functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)
+        )
+        return logits, loss

@@ -1,0 +1,144 @@
+"""The strategy interface every method implements.
+
+A strategy owns the model's parameters, its optimizer state and all communication. One call to
+:meth:`Strategy.step` is one optimizer step of the method; it takes a *closure* that runs
+forward and backward on the next micro-batch at the model's current parameters (like the
+closure of ``torch.optim.Optimizer.step``), so a method decides how many micro-batches to take
+and at which parameters.
+
+Strategies never import ``torch.distributed``; they talk to other workers through the
+:class:`~lowcomm.comm.base.Comm` they are given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lowcomm.comm.base import Comm, Role
+from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.optim.schedule import ScheduleConfig, learning_rate
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    """What a closure reports about the micro-batch it ran."""
+
+    loss: float
+    samples: int
+    tokens: int
+
+
+Closure = Callable[[], MicroBatchResult]
+
+
+@dataclass
+class StepStats:
+    """What one strategy step did on this worker."""
+
+    loss: float
+    microbatches: int
+    samples: int
+    tokens: int
+    lr: float
+    committed_steps: int = 1
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyContext:
+    """Settings every strategy receives from the training loop.
+
+    Attributes:
+        optim: inner AdamW hyperparameters.
+        schedule: learning-rate schedule.
+        total_steps: optimizer steps the run will take (for the schedule).
+        microbatches_per_step: micro-batches each worker accumulates per step.
+    """
+
+    optim: AdamWConfig = field(default_factory=AdamWConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    total_steps: int = 100
+    microbatches_per_step: int = 1
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps: {self.total_steps} must be >= 1")
+        if self.microbatches_per_step < 1:
+            raise ValueError(
+                f"--microbatches-per-step: {self.microbatches_per_step} must be >= 1"
+            )
+
+
+class Strategy(ABC):
+    """Base class of every method.
+
+    Args:
+        model: the single-device model; the strategy rebinds its parameters.
+        comm: the communicator over the data-parallel workers.
+        context: optimizer, schedule and step settings.
+    """
+
+    #: Name used by ``lowcomm train --method``.
+    name: ClassVar[str]
+
+    def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
+        self.model = model
+        self.comm = comm
+        self.context = context
+        self.step_index = 0
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate at 0-based optimizer step ``step``."""
+        return learning_rate(
+            self.context.schedule, self.context.optim.lr, step, self.context.total_steps
+        )
+
+    def broadcast_parameters(self, src: int = 0) -> None:
+        """Make every worker start from rank ``src``'s parameters."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                self.comm.broadcast(p.data, src=src, role=Role.PARAMETER).wait()
+
+    @abstractmethod
+    def step(self, closure: Closure) -> StepStats:
+        """Take one optimizer step of the method."""
+
+    @contextmanager
+    def deployed(self) -> Iterator[nn.Module]:
+        """The model with the parameters this method would deploy (for validation)."""
+        yield self.model
+
+    def finish(self) -> None:
+        """Drain any communication still in flight at the end of training."""
+        return None
+
+    @abstractmethod
+    def state_bytes(self) -> int:
+        """Bytes of the persistent tensors this worker holds: parameters, gradients,
+        optimizer states and extra buffers."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_index": self.step_index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_index = int(state["step_index"])
+
+
+def run_microbatches(closure: Closure, count: int) -> tuple[float, int, int]:
+    """Run ``count`` micro-batches; return (mean loss, samples, tokens)."""
+    total_loss = 0.0
+    samples = 0
+    tokens = 0
+    for _ in range(count):
+        result = closure()
+        total_loss += result.loss
+        samples += result.samples
+        tokens += result.tokens
+    return total_loss / count, samples, tokens

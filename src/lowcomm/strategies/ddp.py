@@ -1,0 +1,84 @@
+"""DDP with AdamW: the synchronous baseline (ALGORITHMS.md §1.1).
+
+Each step, every worker accumulates gradients over ``microbatches_per_step`` micro-batches,
+the gradients are averaged with one all-reduce, and every worker applies the same AdamW step.
+Nothing overlaps the all-reduce: it is fully exposed, which is what the other methods improve
+on.
+
+Reductions: with one micro-batch per step and SGD, N workers of DDP equal one process stepping
+on the concatenation of their batches (tests/test_strategies.py checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lowcomm.comm.base import Comm, Role
+from lowcomm.optim.adamw import FlatAdamW
+from lowcomm.strategies.base import (
+    Closure,
+    StepStats,
+    Strategy,
+    StrategyContext,
+    run_microbatches,
+)
+from lowcomm.strategies.flat import FlatBuffers
+
+
+class DDP(Strategy):
+    """Synchronous data parallel: all-reduce the gradient, then AdamW everywhere.
+
+    Memory per worker: parameters + gradients + AdamW moments (the fp32 parameters double as
+    AdamW's master copy), i.e. (2 + 2 + K) Psi in ACCO's bf16 convention.
+    """
+
+    name: ClassVar[str] = "ddp"
+
+    def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
+        super().__init__(model, comm, context)
+        self.flat = FlatBuffers(model)
+        if self.flat.dtype == torch.float32:
+            master = self.flat.params  # updated in place: no copy needed in fp32
+        else:
+            master = self.flat.params.float()
+        self.optimizer = FlatAdamW(master, context.optim)
+
+    def step(self, closure: Closure) -> StepStats:
+        self.flat.check_params()
+        self.flat.zero_grads()
+        loss, samples, tokens = run_microbatches(closure, self.context.microbatches_per_step)
+        self.flat.sync_grads()
+        grads = self.flat.grads
+        if self.context.microbatches_per_step > 1:
+            grads.div_(self.context.microbatches_per_step)
+        self.comm.all_reduce(grads, op="mean", role=Role.GRADIENT).wait()
+        lr = self.lr_at(self.step_index)
+        with torch.no_grad():
+            self.optimizer.step(grads if grads.dtype == torch.float32 else grads.float(), lr=lr)
+            if self.optimizer.master is not self.flat.params:
+                self.flat.params.copy_(self.optimizer.master)
+        self.step_index += 1
+        return StepStats(
+            loss=loss,
+            microbatches=self.context.microbatches_per_step,
+            samples=samples,
+            tokens=tokens,
+            lr=lr,
+        )
+
+    def state_bytes(self) -> int:
+        extra_master = 0 if self.optimizer.master is self.flat.params else self.optimizer.master.numel() * 4
+        moments = 2 * self.optimizer.exp_avg.numel() * self.optimizer.exp_avg.element_size()
+        return self.flat.bytes + moments + extra_master
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            self.flat.params.copy_(self.optimizer.master)

@@ -1,0 +1,1 @@
+"""The training loop, metrics and the run directory."""

@@ -1,0 +1,234 @@
+"""The run directory: metrics.jsonl, summary.json, config.json and loss.png (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from lowcomm.comm.network import NetworkProfile
+from lowcomm.config import TrainConfig
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees either the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl: a step, averaged over workers, with per-worker detail."""
+
+    step: int
+    lr: float
+    train_loss: float
+    val_loss: float | None
+    compute_s: float
+    exposed_comm_s: float
+    utilization: float
+    bytes_sent_per_worker: float
+    clock_s: float
+    microbatches_per_worker: list[int]
+    committed_steps: int
+    tokens: int
+    exposed_comm_s_per_worker: list[float]
+
+    @classmethod
+    def from_tensor(
+        cls,
+        step: int,
+        lr: float,
+        per_worker: torch.Tensor,
+        fields: tuple[str, ...],
+        val_loss: float | None,
+    ) -> StepRecord:
+        column = {name: per_worker[:, i].tolist() for i, name in enumerate(fields)}
+        compute = statistics.fmean(column["compute_s"])
+        exposed = statistics.fmean(column["exposed_comm_s"])
+        total = compute + exposed
+        return cls(
+            step=step,
+            lr=lr,
+            train_loss=statistics.fmean(column["loss"]),
+            val_loss=val_loss,
+            compute_s=compute,
+            exposed_comm_s=exposed,
+            utilization=compute / total if total > 0 else 1.0,
+            bytes_sent_per_worker=statistics.fmean(column["bytes_sent"]),
+            clock_s=max(column["clock_s"]),
+            microbatches_per_worker=[int(v) for v in column["microbatches"]],
+            committed_steps=int(column["committed_steps"][0]),
+            tokens=int(sum(column["tokens"])),
+            exposed_comm_s_per_worker=column["exposed_comm_s"],
+        )
+
+
+class RunWriter:
+    """Writes the run directory as training goes (rank 0)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.directory = config.run_dir()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.directory / "config.json", config.to_json() + "\n")
+        self._metrics: TextIO | None = open(self.directory / "metrics.jsonl", "w")
+        self.records: list[StepRecord] = []
+        self._progress: Any = None
+        if config.progress:
+            from tqdm import tqdm
+
+            self._progress = tqdm(total=config.steps, desc=f"{config.method}", unit="step")
+
+    def write_step(self, record: StepRecord) -> None:
+        self.records.append(record)
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record.__dict__) + "\n")
+            self._metrics.flush()
+        if self._progress is not None:
+            postfix = {"loss": f"{record.train_loss:.3f}", "util": f"{record.utilization:.2f}"}
+            if record.val_loss is not None:
+                postfix["val"] = f"{record.val_loss:.3f}"
+            self._progress.set_postfix(postfix)
+            self._progress.update(1)
+
+    def close_steps(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+
+    def finish(
+        self,
+        *,
+        per_worker: torch.Tensor,
+        bytes_by_role: dict[str, float],
+        num_params: int,
+        final_val_loss: float,
+        wall_clock_s: float,
+        clock_kind: str,
+        network: NetworkProfile,
+    ) -> dict[str, Any]:
+        """Write summary.json and loss.png, print the summary table; return the summary."""
+        compute, exposed, clock_s, sent, state, tokens = (per_worker[:, i].tolist() for i in range(6))
+        compute_mean = statistics.fmean(compute)
+        exposed_mean = statistics.fmean(exposed)
+        total = compute_mean + exposed_mean
+        last = self.records[-1] if self.records else None
+        summary: dict[str, Any] = {
+            "method": self.config.method,
+            "workers": self.config.workers if per_worker.shape[0] == self.config.workers else per_worker.shape[0],
+            "steps": len(self.records),
+            "num_params": num_params,
+            "tokens": int(sum(tokens)),
+            "final_train_loss": last.train_loss if last else math.nan,
+            "final_val_loss": final_val_loss,
+            "wall_clock_s": wall_clock_s,
+            "compute_s": compute_mean,
+            "exposed_comm_s": exposed_mean,
+            "utilization": compute_mean / total if total > 0 else 1.0,
+            "bytes_sent_per_worker": statistics.fmean(sent),
+            "bytes_by_role": bytes_by_role,
+            "clock": clock_kind,
+            "modeled_time_s": max(clock_s),
+            "state_bytes_per_worker": int(max(state)),
+            "network": {
+                "name": network.name,
+                "bandwidth_gbps": network.bandwidth_gbps,
+                "latency_ms": network.latency_ms,
+                "speed_factors": list(network.speed_factors),
+            },
+            "per_worker": {
+                "compute_s": compute,
+                "exposed_comm_s": exposed,
+                "clock_s": clock_s,
+                "bytes_sent": sent,
+                "state_bytes": [int(v) for v in state],
+            },
+        }
+        atomic_write_text(
+            self.directory / "summary.json", json.dumps(summary, indent=2, default=_json_default) + "\n"
+        )
+        self._plot()
+        print(format_summary(summary, self.directory))
+        return summary
+
+    def _plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r.step + 1 for r in self.records]
+        figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
+        by_step.plot(steps, [r.train_loss for r in self.records], label="train")
+        val = [(r.step + 1, r.clock_s, r.val_loss) for r in self.records if r.val_loss is not None]
+        if val:
+            by_step.plot([v[0] for v in val], [v[2] for v in val], "o-", label="validation")
+            by_time.plot([v[1] for v in val], [v[2] for v in val], "o-", label="validation")
+        by_time.plot([r.clock_s for r in self.records], [r.train_loss for r in self.records], label="train")
+        by_step.set_xlabel("step")
+        by_step.set_ylabel("loss")
+        by_time.set_xlabel(f"time on the {self.config.clock} clock (s)")
+        for axis in (by_step, by_time):
+            axis.grid(alpha=0.3)
+            axis.legend()
+        figure.suptitle(f"{self.config.method}, {self.config.workers} workers, network {self.config.network}")
+        figure.tight_layout()
+        tmp = self.directory / ".loss.png.tmp.png"
+        figure.savefig(tmp, dpi=100)
+        plt.close(figure)
+        os.replace(tmp, self.directory / "loss.png")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return str(value)
+
+
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+def format_summary(summary: dict[str, Any], directory: Path) -> str:
+    """The final table printed after a run."""
+    clock = summary["clock"]
+    rows = [
+        ("method", summary["method"]),
+        ("workers", str(summary["workers"])),
+        ("steps", str(summary["steps"])),
+        ("parameters", f"{summary['num_params'] / 1e6:.2f} M"),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("final train loss", f"{summary['final_train_loss']:.4f}"),
+        ("final val loss", f"{summary['final_val_loss']:.4f}"),
+        ("network", f"{summary['network']['name']} ({summary['network']['bandwidth_gbps']} Gbit/s, {summary['network']['latency_ms']} ms)"),
+        (f"time ({clock} clock)", f"{summary['modeled_time_s']:.2f} s"),
+        (f"compute ({clock} clock)", f"{summary['compute_s']:.2f} s"),
+        (f"exposed comm ({clock} clock)", f"{summary['exposed_comm_s']:.2f} s"),
+        ("utilization", f"{summary['utilization']:.1%}"),
+        ("sent per worker", _human_bytes(summary["bytes_sent_per_worker"])),
+        ("state per worker", _human_bytes(summary["state_bytes_per_worker"])),
+        ("wall clock", f"{summary['wall_clock_s']:.1f} s"),
+        ("run directory", str(directory)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"  {name.ljust(width)}  {value}" for name, value in rows]
+    rule = "-" * (width + 2 + max(len(v) for _, v in rows) + 2)
+    return "\n".join([rule, *lines, rule])
