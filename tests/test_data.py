@@ -6,10 +6,13 @@ import gzip
 import json
 import math
 import os
+import re
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
@@ -47,9 +50,7 @@ def small_text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def small_corpus(
-    small_text_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> PreparedCorpus:
+def small_corpus(small_text_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> PreparedCorpus:
     cache = tmp_path_factory.mktemp("cache")
     return prepare_corpus(
         DataConfig(data=str(small_text_dir), vocab_size=SMALL_VOCAB, cache_dir=str(cache))
@@ -61,8 +62,8 @@ def _synthetic_corpus(
 ) -> PreparedCorpus:
     """A corpus whose token ids reveal where they came from (source and position)."""
     val_lengths = val_lengths or [0] * len(train_lengths)
-    train = []
-    validation = []
+    train: list[npt.NDArray[Any]] = []
+    validation: list[npt.NDArray[Any]] = []
     for source, (train_length, val_length) in enumerate(
         zip(train_lengths, val_lengths, strict=True)
     ):
@@ -212,7 +213,10 @@ def test_jsonl_and_folder_input(tmp_path: Path) -> None:
     (data / "a.txt").write_text("Plain text file. " * 50, encoding="utf-8")
     with gzip.open(data / "nested" / "b.txt.gz", "wt", encoding="utf-8") as handle:
         handle.write("Gzipped text file. " * 50)
-    records = [{"text": "First JSON document. " * 20, "id": 1}, {"text": "Second one. " * 20}]
+    records: list[dict[str, str]] = [
+        {"text": "First JSON document. " * 20, "id": "1"},
+        {"text": "Second one. " * 20},
+    ]
     (data / "c.jsonl").write_text(
         "\n".join(json.dumps(record) for record in records) + "\n\n", encoding="utf-8"
     )
@@ -272,7 +276,7 @@ def test_missing_path_and_empty_folder(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "readme.md").write_text("not a text source", encoding="utf-8")
-    with pytest.raises(DataError, match="holds no .txt"):
+    with pytest.raises(DataError, match=re.escape("holds no .txt")):
         prepare_corpus(DataConfig(data=str(empty), cache_dir=str(tmp_path)))
 
 
@@ -333,7 +337,11 @@ def test_iid_shards_are_disjoint_and_equal_sized() -> None:
         assert len(merged) == (shards[0].num_windows // 4) * 4
     # The tokens actually served are disjoint across workers within an epoch.
     seen = [
-        {int(token) for _ in range(shard.batches_per_epoch) for token in shard.next_batch()[0][:, 0]}
+        {
+            int(token)
+            for _ in range(shard.batches_per_epoch)
+            for token in shard.next_batch()[0][:, 0]
+        }
         for shard in shards
     ]
     for first in range(4):

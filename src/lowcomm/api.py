@@ -1,0 +1,85 @@
+"""The small public API for using a lowcomm strategy inside your own training loop.
+
+In a script started by ``torchrun`` (or by :func:`lowcomm.launch.spawn_workers`)::
+
+    comm = lowcomm.connect(network="wan")                        # once, after start-up
+    strategy = lowcomm.make_strategy("zero1", model, comm, lr=1e-3, total_steps=100)
+    for batch in loader:
+        def closure():                                           # your forward + backward
+            loss = loss_fn(model(batch.x), batch.y); loss.backward()
+            return lowcomm.MicroBatchResult(loss.item(), len(batch.x), len(batch.x))
+        stats = strategy.step(closure)                           # replaces opt.step()
+
+Without a process group, ``connect`` gives a single-worker communicator, so the same script
+runs unchanged on a laptop.
+"""
+
+from __future__ import annotations
+
+from lowcomm.comm.base import Comm
+from lowcomm.comm.clock import ClockKind, make_clock
+from lowcomm.comm.emulated import NetworkComm
+from lowcomm.comm.local import LocalComm
+from lowcomm.comm.network import NetworkProfile
+from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.optim.schedule import ScheduleConfig
+from lowcomm.strategies import Strategy, StrategyContext, strategy_class
+from torch import nn
+
+
+def connect(
+    *,
+    network: str = "none",
+    bandwidth_gbps: float | None = None,
+    latency_ms: float | None = None,
+    speed_factors: tuple[float, ...] = (),
+    clock: ClockKind = "real",
+) -> NetworkComm:
+    """A communicator over the current process group, charged for the declared network.
+
+    Joins the group from torchrun's environment variables if it is not initialised yet; with
+    no launcher at all, returns a single-worker communicator.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    inner: Comm
+    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    if dist.is_available() and dist.is_initialized():
+        from lowcomm.comm.torch_comm import TorchComm
+
+        inner = TorchComm()
+    else:
+        inner = LocalComm()
+    profile = NetworkProfile.from_preset(
+        network, bandwidth_gbps=bandwidth_gbps, latency_ms=latency_ms, speed_factors=speed_factors
+    )
+    return NetworkComm(inner, profile, make_clock(clock, speed_factor=profile.speed_factor(inner.rank)))
+
+
+def make_strategy(
+    method: str,
+    model: nn.Module,
+    comm: Comm,
+    *,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.1,
+    total_steps: int = 100,
+    warmup_steps: int = 0,
+    microbatches_per_step: int = 1,
+) -> Strategy:
+    """Build the strategy ``method`` around ``model``.
+
+    Raises:
+        ValueError: for an unknown method or an invalid hyperparameter, naming the fix.
+    """
+    context = StrategyContext(
+        optim=AdamWConfig(lr=lr, betas=betas, weight_decay=weight_decay),
+        schedule=ScheduleConfig(kind="cosine", warmup_steps=warmup_steps),
+        total_steps=total_steps,
+        microbatches_per_step=microbatches_per_step,
+    )
+    return strategy_class(method)(model, comm, context)

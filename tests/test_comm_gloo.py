@@ -1,0 +1,164 @@
+"""The comm layer across real Gloo processes: collectives, clocks, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from lowcomm.comm import CollectiveKind, NetworkComm, NetworkProfile, RealClock, Role, VirtualClock
+from lowcomm.launch import WorkerFailed, spawn_workers
+
+pytestmark = pytest.mark.slow
+
+
+def _collectives() -> dict[str, torch.Tensor]:
+    from lowcomm.comm.torch_comm import TorchComm
+
+    comm = TorchComm()
+    rank, world = comm.rank, comm.world_size
+    out: dict[str, torch.Tensor] = {}
+    x = torch.full((4,), float(rank + 1))
+    comm.all_reduce(x, op="mean", role=Role.GRADIENT).wait()
+    out["mean"] = x
+    y = torch.full((4,), float(rank + 1))
+    comm.all_reduce(y, op="sum", role=Role.GRADIENT).wait()
+    out["sum"] = y
+    z = torch.tensor([float(rank)])
+    comm.all_reduce(z, op="max", role=Role.OTHER).wait()
+    out["max"] = z
+    full = torch.arange(2.0 * world) + 10 * rank
+    shard = torch.empty(2)
+    comm.reduce_scatter(shard, full, op="sum", role=Role.GRADIENT).wait()
+    out["rs"] = shard
+    gathered = torch.empty(2 * world)
+    comm.all_gather(gathered, torch.tensor([float(rank), -float(rank)]), role=Role.PARAMETER).wait()
+    out["ag"] = gathered
+    b = torch.full((3,), float(rank))
+    comm.broadcast(b, src=world - 1, role=Role.PARAMETER).wait()
+    out["bcast"] = b
+    comm.barrier().wait()
+    return out
+
+
+def test_torch_comm_collectives_on_three_ranks() -> None:
+    results = spawn_workers(_collectives, 3)
+    for rank, out in enumerate(results):
+        assert torch.allclose(out["mean"], torch.full((4,), 2.0))
+        assert torch.allclose(out["sum"], torch.full((4,), 6.0))
+        assert out["max"].item() == 2.0
+        expected = sum(torch.arange(6.0) + 10 * r for r in range(3))[2 * rank : 2 * rank + 2]
+        assert torch.allclose(out["rs"], expected)
+        assert torch.allclose(out["ag"], torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, -2.0]))
+        assert torch.allclose(out["bcast"], torch.full((3,), 2.0))
+
+
+PROFILE = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=20.0)
+
+
+def _virtual_staggered() -> tuple[float, float, float]:
+    """Rank r computes r+1 declared seconds, then all-reduces; returns (launch, end, exposed)."""
+    from lowcomm.comm.torch_comm import TorchComm
+
+    raw = TorchComm()
+    clock = VirtualClock(seconds_per_microbatch=1.0, speed_factor=float(raw.rank + 1))
+    comm = NetworkComm(raw, PROFILE, clock)
+    clock.microbatch_done()
+    launch = clock.now()
+    comm.all_reduce(torch.ones(250_000), role=Role.GRADIENT).wait()
+    return launch, clock.now(), clock.exposed_comm_s
+
+
+def test_virtual_collective_starts_when_the_last_participant_arrives() -> None:
+    results = spawn_workers(_virtual_staggered, 3)
+    cost = PROFILE.collective_time(CollectiveKind.ALL_REDUCE, 1e6, 3)
+    launches = [r[0] for r in results]
+    assert launches == pytest.approx([1.0, 2.0, 3.0])  # the straggler's factor shows
+    for launch, end, exposed in results:
+        assert end == pytest.approx(3.0 + cost)  # everyone agrees on the completion
+        assert exposed == pytest.approx(3.0 + cost - launch)
+
+
+def _virtual_done_polling() -> list[bool]:
+    """done() answers by the virtual clock: poll it while 'computing' in declared steps."""
+    from lowcomm.comm.torch_comm import TorchComm
+
+    raw = TorchComm()
+    cost = PROFILE.collective_time(CollectiveKind.ALL_REDUCE, 1e6, raw.world_size)
+    clock = VirtualClock(seconds_per_microbatch=cost / 4)
+    comm = NetworkComm(raw, PROFILE, clock)
+    handle = comm.all_reduce(torch.ones(250_000), role=Role.GRADIENT)
+    answers = []
+    for _ in range(6):
+        answers.append(handle.done())
+        clock.microbatch_done()
+    handle.wait()
+    return answers
+
+
+def test_virtual_done_follows_the_virtual_clock() -> None:
+    for answers in spawn_workers(_virtual_done_polling, 2):
+        # After k quarter-costs of compute: done exactly from k = 4 on.
+        assert answers == [False, False, False, False, True, True]
+
+
+def _real_allreduce_timing() -> tuple[float, float]:
+    from lowcomm.comm.torch_comm import TorchComm
+
+    raw = TorchComm()
+    comm = NetworkComm(raw, NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=150.0), RealClock())
+    raw.barrier().wait()
+    begin = time.perf_counter()
+    handle = comm.all_reduce(torch.ones(1000), role=Role.GRADIENT)
+    handle.wait()
+    blocking = time.perf_counter() - begin
+    raw.barrier().wait()
+    begin = time.perf_counter()
+    handle = comm.all_reduce(torch.ones(1000), role=Role.GRADIENT)
+    time.sleep(0.3)  # compute as long as the modeled transfer
+    handle.wait()
+    overlapped = time.perf_counter() - begin
+    return blocking, overlapped
+
+
+def test_real_clock_delays_and_overlaps_across_processes() -> None:
+    cost = 2 * 1 * 0.150 + 4000 / 125e6  # two ranks: 2 (M-1) l + transfer
+    for blocking, overlapped in spawn_workers(_real_allreduce_timing, 2):
+        assert blocking >= cost
+        assert blocking < cost + 2.0  # generous upper bound on a shared machine
+        assert cost <= overlapped < 2 * cost  # total is the max, not the sum
+
+
+def _raise_on_rank_one() -> None:
+    from lowcomm.comm.torch_comm import TorchComm
+
+    comm = TorchComm()
+    if comm.rank == 1:
+        raise RuntimeError("injected failure on purpose")
+    comm.barrier().wait()  # rank 0 would wait here forever without the launcher
+
+
+def test_a_raising_worker_ends_the_run_with_its_error() -> None:
+    begin = time.perf_counter()
+    with pytest.raises(WorkerFailed, match="worker 1 failed: RuntimeError: injected failure"):
+        spawn_workers(_raise_on_rank_one, 2, timeout_s=60)
+    assert time.perf_counter() - begin < 50  # ended by the launcher, not the 60 s timeout
+
+
+def _killed_rank_one() -> None:
+    from lowcomm.comm.torch_comm import TorchComm
+
+    comm = TorchComm()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.barrier().wait()
+
+
+def test_a_killed_worker_ends_the_run() -> None:
+    begin = time.perf_counter()
+    with pytest.raises(WorkerFailed, match="worker 1 failed"):
+        spawn_workers(_killed_rank_one, 2, timeout_s=60)
+    assert time.perf_counter() - begin < 50

@@ -1,0 +1,154 @@
+"""Network emulation in one process: virtual-clock arithmetic, link queueing, byte counters.
+
+A :class:`RecordingComm` plays one rank of a group whose peers launch at the same moment, so
+every modeled time here is exact. Multi-process behaviour is in test_comm_gloo.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lowcomm.comm import (
+    CollectiveKind,
+    NetworkComm,
+    NetworkProfile,
+    RealClock,
+    RecordingComm,
+    Role,
+    VirtualClock,
+)
+
+PROFILE = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=10.0)
+WORLD = 4
+
+
+def _declared(seconds: float = 0.1, factor: float = 1.0) -> VirtualClock:
+    return VirtualClock(speed_factor=factor, seconds_per_microbatch=seconds)
+
+
+def test_one_all_reduce_costs_the_formula_on_the_virtual_clock() -> None:
+    clock = _declared()
+    comm = NetworkComm(RecordingComm(world_size=WORLD), PROFILE, clock)
+    tensor = torch.zeros(250_000)  # 1 MB of float32
+    comm.all_reduce(tensor, role=Role.GRADIENT).wait()
+    expected = 2 * 3 / 4 * 1e6 / 125e6 + 2 * 3 * 0.010
+    assert clock.now() == pytest.approx(expected, rel=1e-12)
+    assert clock.exposed_comm_s == pytest.approx(expected, rel=1e-12)
+    assert clock.compute_s == 0.0
+
+
+def test_overlap_costs_the_max_not_the_sum() -> None:
+    tensor = torch.zeros(250_000)
+    cost = PROFILE.collective_time(CollectiveKind.ALL_REDUCE, 1e6, WORLD)
+    for compute in (cost / 2, cost * 2):
+        clock = VirtualClock(seconds_per_microbatch=compute)
+        comm = NetworkComm(RecordingComm(world_size=WORLD), PROFILE, clock)
+        handle = comm.all_reduce(tensor, role=Role.GRADIENT)
+        clock.microbatch_done()  # compute while the all-reduce is on the wire
+        assert handle.done() == (compute >= cost)
+        handle.wait()
+        assert clock.now() == pytest.approx(max(cost, compute))
+        assert clock.exposed_comm_s == pytest.approx(max(0.0, cost - compute))
+
+
+def test_collectives_on_one_link_queue_behind_each_other() -> None:
+    clock = _declared()
+    comm = NetworkComm(RecordingComm(world_size=WORLD), PROFILE, clock)
+    a, b = torch.zeros(250_000), torch.zeros(250_000)
+    cost = PROFILE.collective_time(CollectiveKind.ALL_REDUCE, 1e6, WORLD)
+    first = comm.all_reduce(a, role=Role.GRADIENT)
+    second = comm.all_reduce(b, role=Role.PARAMETER)
+    second.wait()
+    assert clock.now() == pytest.approx(2 * cost)
+    first.wait()  # already complete on the clock: waiting costs nothing more
+    assert clock.now() == pytest.approx(2 * cost)
+
+
+def test_straggler_speed_factor_scales_compute() -> None:
+    slow = _declared(seconds=0.25, factor=3.0)
+    slow.microbatch_done()
+    slow.microbatch_done()
+    assert slow.now() == pytest.approx(1.5)
+    assert slow.compute_s == pytest.approx(1.5)
+
+
+def test_measured_virtual_compute_uses_thread_cpu_time() -> None:
+    clock = VirtualClock(speed_factor=2.0)
+    begin_cpu = time.thread_time()
+    total = 0
+    while time.thread_time() - begin_cpu < 0.05:
+        total += 1
+    spent = time.thread_time() - begin_cpu
+    now = clock.now()
+    # Twice the CPU this thread spent (plus a hair for the loop's exit).
+    assert 2 * spent <= now <= 2 * spent + 0.02
+    time.sleep(0.05)  # sleeping burns no CPU, so the virtual clock does not move
+    assert clock.now() - now < 0.01
+
+
+def test_virtual_excluded_region_is_free() -> None:
+    clock = VirtualClock()
+    with clock.excluded():
+        begin = time.thread_time()
+        while time.thread_time() - begin < 0.03:
+            pass
+    assert clock.now() < 0.01
+
+
+def test_byte_counters_equal_the_ring_formulas_by_role() -> None:
+    clock = _declared()
+    comm = NetworkComm(RecordingComm(world_size=WORLD), PROFILE, clock)
+    grad = torch.zeros(1000)  # 4000 bytes
+    comm.all_reduce(grad, role=Role.GRADIENT).wait()
+    shard = torch.zeros(250)
+    comm.reduce_scatter(shard, grad, role=Role.GRADIENT).wait()
+    comm.all_gather(grad, shard, role=Role.PARAMETER).wait()
+    comm.broadcast(torch.zeros(10, dtype=torch.bfloat16), src=0, role=Role.PSEUDO_GRADIENT).wait()
+    assert comm.bytes_by_role[Role.GRADIENT] == pytest.approx(2 * 3 / 4 * 4000 + 3 / 4 * 4000)
+    assert comm.bytes_by_role[Role.PARAMETER] == pytest.approx(3 / 4 * 4000)
+    assert comm.bytes_by_role[Role.PSEUDO_GRADIENT] == pytest.approx(20)  # rank 0 = source
+    assert comm.calls_by_kind[CollectiveKind.ALL_REDUCE] == 1
+    assert comm.bytes_sent == pytest.approx(sum(comm.bytes_by_role.values()))
+
+
+def test_real_clock_never_completes_before_the_model() -> None:
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=50.0)
+    clock = RealClock()
+    comm = NetworkComm(RecordingComm(world_size=2), profile, clock)
+    cost = profile.collective_time(CollectiveKind.ALL_REDUCE, 400, 2)  # ~0.1 s of latency
+    begin = time.perf_counter()
+    handle = comm.all_reduce(torch.zeros(100), role=Role.GRADIENT)
+    assert not handle.done()
+    handle.wait()
+    elapsed = time.perf_counter() - begin
+    assert elapsed >= cost
+    assert elapsed < cost + 2.0  # generous: the machine is shared
+    assert clock.exposed_comm_s >= cost
+
+
+def test_real_clock_overlap_hides_the_transfer() -> None:
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=100.0)
+    clock = RealClock()
+    comm = NetworkComm(RecordingComm(world_size=2), profile, clock)
+    cost = profile.collective_time(CollectiveKind.ALL_REDUCE, 400, 2)  # 0.2 s
+    begin = time.perf_counter()
+    handle = comm.all_reduce(torch.zeros(100), role=Role.GRADIENT)
+    time.sleep(cost)  # "compute" as long as the transfer
+    handle.wait()
+    elapsed = time.perf_counter() - begin
+    assert cost <= elapsed < 2 * cost  # the max, not the sum (generous margin)
+    assert clock.exposed_comm_s < cost / 2
+
+
+def test_real_clock_straggler_sleeps_on_compute() -> None:
+    clock = RealClock(speed_factor=3.0)
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < 0.05:
+        pass
+    clock.mark()
+    assert time.perf_counter() - begin >= 0.15
+    assert clock.compute_s >= 0.15
+    assert clock.exposed_comm_s == 0.0

@@ -1,0 +1,215 @@
+"""DDP and ZeRO-1: equations, reductions, communication pattern, memory."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist import TINY, flat_params, global_batch, tiny_gpt
+from lowcomm.comm import CollectiveKind, LocalComm, RecordingComm, Role
+from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
+from lowcomm.strategies import DDP, MicroBatchResult, StrategyContext, ZeRO1, strategy_class
+from lowcomm.strategies.base import Strategy
+
+CONTEXT = StrategyContext(
+    optim=AdamWConfig(lr=3e-3, weight_decay=0.1),
+    schedule=ScheduleConfig(kind="cosine", warmup_steps=3),
+    total_steps=20,
+)
+
+
+def _closure_for(strategy: Strategy, batches: list[tuple[torch.Tensor, torch.Tensor]]):  # type: ignore[no-untyped-def]
+    queue = list(batches)
+
+    def closure() -> MicroBatchResult:
+        inputs, targets = queue.pop(0)
+        _, loss = strategy.model(inputs, targets)
+        assert loss is not None
+        loss.backward()
+        return MicroBatchResult(float(loss), inputs.shape[0], inputs.numel())
+
+    return closure
+
+
+def test_flat_adamw_follows_the_equations() -> None:
+    torch.manual_seed(0)
+    theta = torch.randn(50)
+    grads = [torch.randn(50) for _ in range(4)]
+    config = AdamWConfig(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    optimizer = FlatAdamW(theta.clone(), config)
+    # Written straight from ALGORITHMS.md §0.3.
+    ref, m, v = theta.clone(), torch.zeros(50), torch.zeros(50)
+    for s, g in enumerate(grads, start=1):
+        optimizer.step(g, lr=0.01)
+        ref = ref * (1 - 0.01 * 0.1)
+        m = 0.9 * m + 0.1 * g
+        v = 0.95 * v + 0.05 * g * g
+        ref = ref - 0.01 * (m / (1 - 0.9**s)) / ((v / (1 - 0.95**s)).sqrt() + 1e-8)
+    assert torch.allclose(optimizer.master, ref, atol=1e-6)
+    # ... and matches PyTorch's AdamW.
+    p = torch.nn.Parameter(theta.clone())
+    torch_opt = torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for g in grads:
+        p.grad = g.clone()
+        torch_opt.step()
+    assert torch.allclose(optimizer.master, p.detach(), atol=1e-6)
+
+
+def test_ddp_makes_one_gradient_all_reduce_per_step() -> None:
+    comm = RecordingComm(world_size=4)
+    strategy = DDP(tiny_gpt(), comm, CONTEXT)
+    batches = [global_batch(s, 1) for s in range(3)]
+    closure = _closure_for(strategy, batches)
+    for _ in range(3):
+        strategy.step(closure)
+    assert [c.kind for c in comm.calls] == [CollectiveKind.ALL_REDUCE] * 3
+    assert all(c.role is Role.GRADIENT for c in comm.calls)
+    assert comm.calls[0].numel == strategy.flat.padded_numel
+
+
+def test_zero1_reduce_scatters_gradients_and_all_gathers_parameters() -> None:
+    comm = RecordingComm(rank=2, world_size=4)
+    strategy = ZeRO1(tiny_gpt(), comm, CONTEXT)
+    closure = _closure_for(strategy, [global_batch(0, 1)])
+    strategy.step(closure)
+    assert [(c.kind, c.role) for c in comm.calls] == [
+        (CollectiveKind.REDUCE_SCATTER, Role.GRADIENT),
+        (CollectiveKind.ALL_GATHER, Role.PARAMETER),
+    ]
+    assert strategy.flat.padded_numel % 4 == 0
+    assert strategy.optimizer.master.numel() == strategy.flat.padded_numel // 4
+
+
+def test_zero1_on_identical_replicas_equals_ddp_exactly() -> None:
+    # With identical replicas (the fake), the RS+AG result must equal DDP's step.
+    ddp = DDP(tiny_gpt(), RecordingComm(world_size=4), CONTEXT)
+    zero = ZeRO1(tiny_gpt(), RecordingComm(rank=0, world_size=1), CONTEXT)
+    batches = [global_batch(s, 1) for s in range(5)]
+    ddp_closure, zero_closure = _closure_for(ddp, batches), _closure_for(zero, batches)
+    for _ in range(5):
+        ddp.step(ddp_closure)
+        zero.step(zero_closure)
+    assert torch.allclose(flat_params(ddp.model), flat_params(zero.model), atol=1e-6)
+
+
+def test_state_bytes_follow_the_memory_formulas() -> None:
+    model = tiny_gpt()
+    psi = sum(p.numel() for p in model.parameters())
+    ddp = DDP(model, LocalComm(), CONTEXT)
+    # fp32: params 4 + grads 4 + two moments 8 bytes per parameter (params double as master).
+    assert ddp.state_bytes() == 16 * ddp.flat.padded_numel
+    assert ddp.flat.padded_numel == psi
+    world = 4
+    zero = ZeRO1(tiny_gpt(), RecordingComm(world_size=world), CONTEXT)
+    padded = zero.flat.padded_numel
+    # params 4 + grads 4, plus fp32 master and moments (12) and the gradient shard (4) over M.
+    assert zero.state_bytes() == 8 * padded + (12 + 4) * padded // world
+
+
+def test_strategies_train_a_tiny_model() -> None:
+    for cls in (DDP, ZeRO1):
+        strategy = cls(tiny_gpt(), LocalComm(), StrategyContext(optim=AdamWConfig(lr=1e-2), total_steps=30))
+        batch = global_batch(0, 1)
+        closure = _closure_for(strategy, [batch] * 30)
+        losses = [strategy.step(closure).loss for _ in range(30)]
+        assert losses[-1] < losses[0] - 1.0, cls.name
+
+
+def test_unknown_method_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match="unknown method 'adam'.*ddp.*zero1"):
+        strategy_class("adam")
+
+
+def test_no_strategy_module_imports_torch_distributed() -> None:
+    package = Path(__file__).resolve().parents[1] / "src" / "lowcomm" / "strategies"
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                offenders.append(f"{path.name}:{node.lineno}")
+            if any(n.startswith("lowcomm.comm.torch_comm") or n.startswith("lowcomm.launch") for n in names):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert len(list(package.rglob("*.py"))) >= 4
+    assert offenders == []
+
+
+# --- multi-process ---------------------------------------------------------------------
+
+
+def _ddp_vs_zero1(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from lowcomm.comm.torch_comm import TorchComm
+
+    comm = TorchComm()
+    rank, world = comm.rank, comm.world_size
+    results = []
+    for cls in (DDP, ZeRO1):
+        strategy = cls(tiny_gpt(), comm, StrategyContext(optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps))
+        mine = []
+        for step in range(steps):
+            x, y = global_batch(step, world)
+            mine.append((x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]))
+        closure = _closure_for(strategy, mine)
+        for _ in range(steps):
+            strategy.step(closure)
+        results.append(flat_params(strategy.model))
+    return results[0], results[1]
+
+
+@pytest.mark.slow
+def test_zero1_equals_ddp_on_four_gloo_ranks() -> None:
+    from lowcomm.launch import spawn_workers
+
+    results = spawn_workers(_ddp_vs_zero1, 4, (20,))
+    start = flat_params(tiny_gpt())
+    for ddp_params, zero_params in results:
+        assert not torch.allclose(ddp_params, start)  # it trained
+        assert torch.allclose(ddp_params, zero_params, atol=1e-5, rtol=0)
+    assert torch.equal(results[0][0], results[3][0])  # replicas agree
+
+
+def _ddp_shard(steps: int, accumulate: int) -> torch.Tensor:
+    from lowcomm.comm.torch_comm import TorchComm
+
+    comm = TorchComm()
+    rank, world = comm.rank, comm.world_size
+    context = StrategyContext(
+        optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps, microbatches_per_step=accumulate
+    )
+    strategy = DDP(tiny_gpt(), comm, context)
+    per_micro = 4 // accumulate
+    mine = []
+    for step in range(steps):
+        x, y = global_batch(step, world)
+        rows = slice(4 * rank, 4 * rank + 4)
+        for k in range(accumulate):
+            part = slice(k * per_micro, (k + 1) * per_micro)
+            mine.append((x[rows][part], y[rows][part]))
+    closure = _closure_for(strategy, mine)
+    for _ in range(steps):
+        strategy.step(closure)
+    return flat_params(strategy.model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_ddp_on_n_ranks_equals_one_process_on_the_global_batch(accumulate: int) -> None:
+    from lowcomm.launch import spawn_workers
+
+    steps, world = 8, 3
+    distributed = spawn_workers(_ddp_shard, world, (steps, accumulate))
+    single = DDP(tiny_gpt(), LocalComm(), StrategyContext(optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps))
+    closure = _closure_for(single, [global_batch(s, world) for s in range(steps)])
+    for _ in range(steps):
+        single.step(closure)
+    reference = flat_params(single.model)
+    for params in distributed:
+        assert torch.allclose(params, reference, atol=1e-5, rtol=0)
