@@ -4,8 +4,16 @@ Communication-hiding (ACCO, CO2, eager DiLoCo, CoCoDC) and low-communication (Di
 DES-LOC, Local SGD) methods on ``torch.distributed``, with a network model that says what each
 collective would cost on a declared link and a clock that says whether a time is real or
 modeled.
+
+Use a strategy in your own loop with :func:`connect` and :func:`make_strategy`; run whole
+experiments with the ``lowcomm`` command.
 """
 
 from __future__ import annotations
 
+from lowcomm.api import connect, make_strategy
+from lowcomm.strategies import MicroBatchResult, StepStats, Strategy
+
 __version__ = "0.1.0"
+
+__all__ = ["MicroBatchResult", "StepStats", "Strategy", "__version__", "connect", "make_strategy"]

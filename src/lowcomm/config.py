@@ -12,7 +12,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import tyro
 
 from lowcomm.comm.network import PRESETS, NetworkProfile
 from lowcomm.data import DataConfig
@@ -82,7 +84,7 @@ class TrainConfig:
     """Show a progress bar."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
@@ -144,7 +146,7 @@ class TrainConfig:
             )
         if self.data.data is not None and not Path(self.data.data).expanduser().exists():
             raise ConfigError(
-                f"--data.data: path {self.data.data!r} does not exist; pass a text file, a "
+                f"--data: path {self.data.data!r} does not exist; pass a text file, a "
                 f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
             )
 

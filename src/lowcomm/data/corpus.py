@@ -126,6 +126,8 @@ def _atomic_write_bytes(path: Path, payload: bytes) -> None:
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
+        # mkstemp creates owner-only files; cache entries are plain shareable data.
+        os.chmod(temporary_name, 0o644)
         os.replace(temporary_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -22,14 +22,17 @@ from lowcomm.data.corpus import PreparedCorpus, TokenArray
 IndexArray = npt.NDArray[np.int64]
 
 
-def _flatten(streams: list[TokenArray]) -> tuple[IndexArray, IndexArray]:
-    """Concatenate streams into one int64 array; return it and each stream's start offset."""
+def _flatten(streams: list[TokenArray]) -> tuple[TokenArray, IndexArray]:
+    """Concatenate streams into one array; return it and each stream's start offset.
+
+    The tokens keep their compact storage dtype (usually uint16) and are widened to int64 only
+    per batch, so a large corpus costs 2 bytes per token per process rather than 8.
+    """
     lengths = np.array([len(stream) for stream in streams], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])[:-1]
     if not streams:
         return np.zeros(0, dtype=np.int64), offsets
-    flat = np.concatenate([np.asarray(stream, dtype=np.int64) for stream in streams])
-    return flat, offsets
+    return np.concatenate(streams), offsets
 
 
 def _window_starts(
@@ -49,9 +52,9 @@ def _window_starts(
     return np.concatenate(starts), np.concatenate(sources)
 
 
-def _gather(flat: IndexArray, starts: IndexArray, window: int) -> tuple[Tensor, Tensor]:
-    rows = flat[starts[:, None] + np.arange(window, dtype=np.int64)[None, :]]  # (B, T+1)
-    tokens = torch.from_numpy(rows)
+def _gather(flat: TokenArray, starts: IndexArray, window: int) -> tuple[Tensor, Tensor]:
+    positions = starts[:, None] + np.arange(window, dtype=np.int64)[None, :]  # (B, T+1)
+    tokens = torch.from_numpy(flat[positions].astype(np.int64))  # (B, T+1)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T), (B, T)
 
 

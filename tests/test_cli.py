@@ -1,0 +1,119 @@
+"""End to end through the command line: files written, bad input, torchrun parity, example."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
+    "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
+    "--eval-every", "2", "--progress", "False",
+]  # fmt: skip
+
+SUMMARY_KEYS = {
+    "method", "workers", "steps", "num_params", "tokens", "final_train_loss", "final_val_loss",
+    "wall_clock_s", "compute_s", "exposed_comm_s", "utilization", "bytes_sent_per_worker",
+    "bytes_by_role", "clock", "modeled_time_s", "state_bytes_per_worker",
+}  # fmt: skip
+
+
+def _lowcomm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lowcomm", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["ddp", "zero1"])
+def test_train_writes_the_run_directory(tmp_path: Path, method: str) -> None:
+    out = tmp_path / "run"
+    result = _lowcomm("train", "--method", method, "--steps", "5", "--out", str(out), *SMALL)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["method"] == method and summary["steps"] == 5 and summary["workers"] == 2
+    assert summary["clock"] == "virtual"
+    assert 0 < summary["utilization"] <= 1
+    # Two workers on `wan`, one all-reduce-sized exchange per step: 2 (M-1)/M = 1 payload.
+    payload = 4 * summary["num_params"]
+    assert summary["bytes_sent_per_worker"] == pytest.approx(5 * payload, rel=0.01)
+    role = "gradient" if method == "ddp" else "parameter"
+    assert summary["bytes_by_role"][role] > 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 5
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == list(range(5))
+    assert records[1]["val_loss"] is not None
+    assert json.loads((out / "config.json").read_text())["method"] == method
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "final val loss" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--method", "nope"], "--method"),
+        (["--network", "lan"], "--network"),
+        (["--workers", "0"], "--workers"),
+        (["--steps", "-3"], "--steps"),
+        (["--data", "/does/not/exist"], "--data"),
+        (["--bandwidth-gbps", "-1"], "--bandwidth-gbps"),
+        (["--latency-ms", "-5"], "--latency-ms"),
+        (["--clock", "real", "--seconds-per-microbatch", "0.1"], "--seconds-per-microbatch"),
+    ],
+)
+def test_bad_options_give_a_one_line_error_and_exit_2(args: list[str], option: str) -> None:
+    result = _lowcomm("train", *args, timeout=60)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("lowcomm: error: " + option)
+
+
+def test_unknown_option_is_an_error() -> None:
+    result = _lowcomm("train", "--no-such-option", "1", timeout=60)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "no-such-option" in result.stderr + result.stdout
+
+
+def test_torchrun_matches_the_local_spawner(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None, "torchrun ships with torch"
+    common = ["train", "--steps", "3", "--seed", "3", *SMALL]
+    local = _lowcomm(*common, "--out", str(tmp_path / "local"))
+    assert local.returncode == 0, local.stderr
+    launched = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", *common,
+         "--out", str(tmp_path / "torchrun")],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    a = json.loads((tmp_path / "local" / "summary.json").read_text())
+    b = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
+    assert a["final_train_loss"] == pytest.approx(b["final_train_loss"], abs=1e-6)
+    assert a["final_val_loss"] == pytest.approx(b["final_val_loss"], abs=1e-6)
+    assert a["bytes_sent_per_worker"] == b["bytes_sent_per_worker"]
+
+
+def test_own_loop_example_runs(repo_root: Path) -> None:
+    example = repo_root / "examples" / "own_loop.py"
+    for method in ("ddp", "zero1"):
+        result = subprocess.run(
+            [sys.executable, str(example), "--method", method, "--steps", "150"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        fields = dict(item.split("=") for item in result.stdout.split())
+        assert fields["method"] == method
+        assert float(fields["last_loss"]) < 0.1 * float(fields["first_loss"])
