@@ -283,13 +283,13 @@ def test_missing_path_and_empty_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"val_fraction": 1.5}, "data.val_fraction: 1.5 is outside"),
-        ({"val_fraction": 0.0}, "data.val_fraction"),
-        ({"vocab_size": 100}, "data.vocab_size: 100"),
-        ({"split": "random"}, "data.split: unknown split 'random'"),
-        ({"micro_batch_size": 0}, "data.micro_batch_size: 0"),
-        ({"text_field": ""}, "data.text_field"),
-        ({"data": ""}, "data.data"),
+        ({"val_fraction": 1.5}, "--val-fraction: 1.5 is outside"),
+        ({"val_fraction": 0.0}, "--val-fraction"),
+        ({"vocab_size": 100}, "--vocab-size: 100"),
+        ({"split": "random"}, "--split: unknown split 'random'"),
+        ({"micro_batch_size": 0}, "--micro-batch-size: 0"),
+        ({"text_field": ""}, "--text-field"),
+        ({"data": ""}, "--data"),
     ],
 )
 def test_bad_config_names_the_field(overrides: dict[str, object], field: str) -> None:

@@ -77,7 +77,7 @@ def test_bad_profiles_name_the_field(kwargs: dict[str, object], fragment: str) -
 
 
 def test_unknown_preset_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match="unknown preset 'lan'.*slow-wan"):
+    with pytest.raises(ValueError, match=r"unknown preset 'lan'.*slow-wan"):
         NetworkProfile.from_preset("lan")
 
 

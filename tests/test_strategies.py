@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import TINY, flat_params, global_batch, tiny_gpt
+from _dist import flat_params, global_batch, tiny_gpt
 from lowcomm.comm import CollectiveKind, LocalComm, RecordingComm, Role
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
 from lowcomm.strategies import DDP, MicroBatchResult, StrategyContext, ZeRO1, strategy_class
@@ -72,7 +72,8 @@ def test_ddp_makes_one_gradient_all_reduce_per_step() -> None:
 
 def test_zero1_reduce_scatters_gradients_and_all_gathers_parameters() -> None:
     comm = RecordingComm(rank=2, world_size=4)
-    strategy = ZeRO1(tiny_gpt(), comm, CONTEXT)
+    unclipped = StrategyContext(optim=CONTEXT.optim, total_steps=5, max_grad_norm=None)
+    strategy = ZeRO1(tiny_gpt(), comm, unclipped)
     closure = _closure_for(strategy, [global_batch(0, 1)])
     strategy.step(closure)
     assert [(c.kind, c.role) for c in comm.calls] == [
@@ -81,6 +82,29 @@ def test_zero1_reduce_scatters_gradients_and_all_gathers_parameters() -> None:
     ]
     assert strategy.flat.padded_numel % 4 == 0
     assert strategy.optimizer.master.numel() == strategy.flat.padded_numel // 4
+
+
+def test_zero1_clipping_all_reduces_the_squared_shard_norms() -> None:
+    comm = RecordingComm(rank=0, world_size=4)
+    strategy = ZeRO1(tiny_gpt(), comm, CONTEXT)
+    strategy.step(_closure_for(strategy, [global_batch(0, 1)]))
+    assert [(c.kind, c.role, c.numel) for c in comm.calls][1] == (
+        CollectiveKind.ALL_REDUCE,
+        Role.OTHER,
+        1,
+    )
+
+
+def test_gradient_clipping_caps_the_update_norm() -> None:
+    # The clipped gradient is left in DDP's flat buffer; lr 0 keeps the parameters fixed.
+    tight = StrategyContext(optim=AdamWConfig(lr=0.0), total_steps=1, max_grad_norm=1e-3)
+    strategy = DDP(tiny_gpt(), LocalComm(), tight)
+    strategy.step(_closure_for(strategy, [global_batch(0, 1)]))
+    assert float(strategy.flat.grads.norm()) == pytest.approx(1e-3, rel=1e-3)
+    loose = StrategyContext(optim=AdamWConfig(lr=0.0), total_steps=1, max_grad_norm=1e6)
+    reference = DDP(tiny_gpt(), LocalComm(), loose)
+    reference.step(_closure_for(reference, [global_batch(0, 1)]))
+    assert float(reference.flat.grads.norm()) > 1e-2  # untouched below the threshold
 
 
 def test_zero1_on_identical_replicas_equals_ddp_exactly() -> None:
@@ -119,7 +143,7 @@ def test_strategies_train_a_tiny_model() -> None:
 
 
 def test_unknown_method_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match="unknown method 'adam'.*ddp.*zero1"):
+    with pytest.raises(ValueError, match=r"unknown method 'adam'.*ddp.*zero1"):
         strategy_class("adam")
 
 

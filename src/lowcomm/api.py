@@ -16,6 +16,8 @@ runs unchanged on a laptop.
 
 from __future__ import annotations
 
+from torch import nn
+
 from lowcomm.comm.base import Comm
 from lowcomm.comm.clock import ClockKind, make_clock
 from lowcomm.comm.emulated import NetworkComm
@@ -24,7 +26,6 @@ from lowcomm.comm.network import NetworkProfile
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
 from lowcomm.strategies import Strategy, StrategyContext, strategy_class
-from torch import nn
 
 
 def connect(
@@ -70,6 +71,7 @@ def make_strategy(
     total_steps: int = 100,
     warmup_steps: int = 0,
     microbatches_per_step: int = 1,
+    max_grad_norm: float | None = 1.0,
 ) -> Strategy:
     """Build the strategy ``method`` around ``model``.
 
@@ -81,5 +83,6 @@ def make_strategy(
         schedule=ScheduleConfig(kind="cosine", warmup_steps=warmup_steps),
         total_steps=total_steps,
         microbatches_per_step=microbatches_per_step,
+        max_grad_norm=max_grad_norm,
     )
     return strategy_class(method)(model, comm, context)

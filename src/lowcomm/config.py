@@ -43,6 +43,9 @@ class TrainConfig:
     microbatches_per_step: int = 1
     """Micro-batches each worker accumulates per optimizer step (synchronous methods)."""
 
+    max_grad_norm: float | None = 1.0
+    """Clip the averaged gradient to this global L2 norm (None: no clipping)."""
+
     network: str = "wan"
     """Declared link between workers: none, datacenter, ethernet, wan, slow-wan."""
 
@@ -103,6 +106,10 @@ class TrainConfig:
         if self.microbatches_per_step < 1:
             raise ConfigError(
                 f"--microbatches-per-step: {self.microbatches_per_step} must be 1 or more"
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(
+                f"--max-grad-norm: {self.max_grad_norm} must be positive, or None to disable"
             )
         if self.network not in PRESETS:
             raise ConfigError(

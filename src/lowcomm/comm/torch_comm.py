@@ -75,7 +75,11 @@ class TorchComm:
         if op != "mean":
             return None
         world_size = self._world_size
-        return lambda: tensor.div_(world_size)
+
+        def divide() -> None:
+            tensor.div_(world_size)
+
+        return divide
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
         work = dist.all_reduce(tensor, op=_torch_op(op), group=self._group, async_op=True)

@@ -55,12 +55,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.data is not None and not str(self.data).strip():
             raise DataError(
-                "data.data: '' is an empty path; pass a text file or folder, "
+                "--data: '' is an empty path; pass a text file or folder, "
                 "or omit --data to use the bundled corpus"
             )
         if not isinstance(self.text_field, str) or not self.text_field:
             raise DataError(
-                f"data.text_field: {self.text_field!r} is not a non-empty string; "
+                f"--text-field: {self.text_field!r} is not a non-empty string; "
                 f"pass the JSONL field holding the text, such as 'text'"
             )
         if (
@@ -69,18 +69,18 @@ class DataConfig:
             or not MIN_VOCAB_SIZE <= self.vocab_size <= MAX_VOCAB_SIZE
         ):
             raise DataError(
-                f"data.vocab_size: {self.vocab_size!r} is outside "
+                f"--vocab-size: {self.vocab_size!r} is outside "
                 f"[{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}] (256 byte tokens plus end-of-text is the "
                 f"minimum); pass a size such as 2048"
             )
         if not 0.0 < self.val_fraction <= 0.5:
             raise DataError(
-                f"data.val_fraction: {self.val_fraction} is outside (0, 0.5]; "
+                f"--val-fraction: {self.val_fraction} is outside (0, 0.5]; "
                 f"pass a fraction such as 0.05"
             )
         if self.split not in SPLITS:
             raise DataError(
-                f"data.split: unknown split {self.split!r}; choose one of {', '.join(SPLITS)}"
+                f"--split: unknown split {self.split!r}; choose one of {', '.join(SPLITS)}"
             )
         if (
             isinstance(self.micro_batch_size, bool)
@@ -88,7 +88,7 @@ class DataConfig:
             or self.micro_batch_size < 1
         ):
             raise DataError(
-                f"data.micro_batch_size: {self.micro_batch_size!r} is not a positive integer; "
+                f"--micro-batch-size: {self.micro_batch_size!r} is not a positive integer; "
                 f"pass an integer >= 1 such as 8"
             )
 

@@ -51,7 +51,7 @@ def _read_jsonl(path: Path, source_name: str, text_field: str) -> list[Document]
         if not isinstance(record, dict) or text_field not in record:
             raise DataError(
                 f"--data: {path}:{line_number} has no field {text_field!r}; "
-                f"pass --data.text-field with the field that holds the text"
+                f"pass --text-field with the field that holds the text"
             )
         text = record[text_field]
         if not isinstance(text, str):

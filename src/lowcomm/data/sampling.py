@@ -100,13 +100,13 @@ class WorkerShard:
             raise ValueError(f"seq_len: {seq_len} is not positive; pass a length such as 128")
         if micro_batch_size < 1:
             raise ValueError(
-                f"data.micro_batch_size: {micro_batch_size} is not positive; pass such as 8"
+                f"--micro-batch-size: {micro_batch_size} is not positive; pass such as 8"
             )
         if seed < 0:
             # numpy's SeedSequence only accepts non-negative entropy.
             raise ValueError(f"seed: {seed} is negative; pass a seed >= 0")
         if split not in SPLITS:
-            raise ValueError(f"data.split: unknown split {split!r}; choose one of {SPLITS}")
+            raise ValueError(f"--split: unknown split {split!r}; choose one of {SPLITS}")
         self.rank = rank
         self.world_size = world_size
         self.seq_len = seq_len
@@ -287,7 +287,7 @@ def validation_batches(
         raise DataError(
             f"the validation split has no window of seq_len+1={window} tokens "
             f"(largest source holds {max((len(s) for s in corpus.val_tokens), default=0)}); "
-            f"raise data.val_fraction, shorten the sequence length, or pass more text"
+            f"raise --val-fraction, shorten the sequence length, or pass more text"
         )
     wanted = min(batch_size * num_batches, total_available)
     if wanted >= batch_size:

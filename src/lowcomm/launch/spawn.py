@@ -14,7 +14,11 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import (
+    ProcessExitedException,
+    ProcessRaisedException,
+    start_processes,
+)
 
 T = TypeVar("T")
 
@@ -69,7 +73,7 @@ def _worker_entry(
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
-    store = dist.FileStore(store_path, world_size)
+    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
     dist.init_process_group(
         backend_for(device),
         store=store,
@@ -114,7 +118,7 @@ def spawn_workers(
         saved_env = {key: os.environ.get(key) for key in _WORKER_ENV}
         os.environ.update(_WORKER_ENV)  # inherited by the spawned interpreters at start-up
         try:
-            context = mp.start_processes(
+            context = start_processes(  # type: ignore[no-untyped-call]
                 _worker_entry,
                 args=(fn, args, world_size, store_path, scratch, device, timeout_s),
                 nprocs=world_size,
@@ -130,10 +134,10 @@ def spawn_workers(
         try:
             while not context.join(timeout=1.0):
                 pass
-        except mp.ProcessRaisedException as error:
+        except ProcessRaisedException as error:
             rank = error.error_index
             raise WorkerFailed(rank, _last_error_line(scratch, rank, str(error))) from None
-        except mp.ProcessExitedException as error:
+        except ProcessExitedException as error:
             rank = error.error_index
             detail = _last_error_line(scratch, rank, "")
             raise WorkerFailed(

@@ -60,14 +60,21 @@ class StrategyContext:
         schedule: learning-rate schedule.
         total_steps: optimizer steps the run will take (for the schedule).
         microbatches_per_step: micro-batches each worker accumulates per step.
+        max_grad_norm: clip the averaged gradient to this global L2 norm before the optimizer
+            step (None = no clipping, the plain update rule of ALGORITHMS.md).
     """
 
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     total_steps: int = 100
     microbatches_per_step: int = 1
+    max_grad_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(
+                f"--max-grad-norm: {self.max_grad_norm} must be positive, or None to disable"
+            )
         if self.total_steps < 1:
             raise ValueError(f"total_steps: {self.total_steps} must be >= 1")
         if self.microbatches_per_step < 1:
@@ -129,6 +136,14 @@ class Strategy(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_index = int(state["step_index"])
+
+
+def clip_coefficient(squared_norm: float, max_norm: float | None) -> float:
+    """The factor that scales a gradient of squared L2 norm ``squared_norm`` to ``max_norm``."""
+    if max_norm is None:
+        return 1.0
+    norm = squared_norm**0.5
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 def run_microbatches(closure: Closure, count: int) -> tuple[float, int, int]:

@@ -23,6 +23,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
+    clip_coefficient,
     run_microbatches,
 )
 from lowcomm.strategies.flat import FlatBuffers
@@ -40,10 +41,8 @@ class DDP(Strategy):
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)
         self.flat = FlatBuffers(model)
-        if self.flat.dtype == torch.float32:
-            master = self.flat.params  # updated in place: no copy needed in fp32
-        else:
-            master = self.flat.params.float()
+        # In fp32 the parameters are their own master copy (updated in place, no copy).
+        master = self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float()
         self.optimizer = FlatAdamW(master, context.optim)
 
     def step(self, closure: Closure) -> StepStats:
@@ -57,6 +56,9 @@ class DDP(Strategy):
         self.comm.all_reduce(grads, op="mean", role=Role.GRADIENT).wait()
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
+            scale = clip_coefficient(float(grads.float().square().sum()), self.context.max_grad_norm)
+            if scale < 1.0:
+                grads.mul_(scale)
             self.optimizer.step(grads if grads.dtype == torch.float32 else grads.float(), lr=lr)
             if self.optimizer.master is not self.flat.params:
                 self.flat.params.copy_(self.optimizer.master)

@@ -6,7 +6,8 @@ AdamW moments only for its own slice S_i of the flat (padded) parameter vector. 
 1. flatten the gradients, padded to a multiple of M;
 2. reduce-scatter (sum): worker i receives sum_j g_j restricted to S_i; divide by the
    number of contributions;
-3. AdamW on the fp32 master shard;
+3. AdamW on the fp32 master shard (after clipping to the global gradient norm, if enabled:
+   one scalar all-reduce of the shards' squared norms);
 4. all-gather the updated shards into the full parameter vector.
 
 The result equals DDP (§1.1) up to floating-point reduction order; only memory and the shape
@@ -27,6 +28,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
+    clip_coefficient,
     run_microbatches,
 )
 from lowcomm.strategies.flat import FlatBuffers
@@ -68,6 +70,13 @@ class ZeRO1(Strategy):
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
             grad = self.shard_grad.float().div_(contributions)
+            if self.context.max_grad_norm is not None:
+                # The global norm needs every shard's share: one scalar all-reduce.
+                squared = grad.square().sum().reshape(1).double()
+                self.comm.all_reduce(squared, op="sum", role=Role.OTHER).wait()
+                scale = clip_coefficient(float(squared), self.context.max_grad_norm)
+                if scale < 1.0:
+                    grad.mul_(scale)
             self.optimizer.step(grad, lr=lr)
             update = self.optimizer.master.to(self.flat.dtype)
         self.comm.all_gather(self.flat.params, update, role=Role.PARAMETER).wait()

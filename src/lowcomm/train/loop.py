@@ -97,6 +97,7 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
         schedule=config.schedule,
         total_steps=config.steps,
         microbatches_per_step=config.microbatches_per_step,
+        max_grad_norm=config.max_grad_norm,
     )
     strategy = strategy_class(config.method)(model, comm, context)
 
@@ -175,9 +176,8 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
                     )
         strategy.finish()
         final_clock = clock.now()
-        with clock.excluded():
-            with strategy.deployed() as deployed_model:
-                val_loss = _evaluate(deployed_model, my_val, raw)
+        with clock.excluded(), strategy.deployed() as deployed_model:
+            val_loss = _evaluate(deployed_model, my_val, raw)
     finally:
         if writer is not None:
             writer.close_steps()

@@ -82,7 +82,8 @@ class RunWriter:
         self.directory = config.run_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.directory / "config.json", config.to_json() + "\n")
-        self._metrics: TextIO | None = open(self.directory / "metrics.jsonl", "w")
+        # Kept open for the whole run (one line per step), closed by close_steps().
+        self._metrics: TextIO | None = open(self.directory / "metrics.jsonl", "w")  # noqa: SIM115
         self.records: list[StepRecord] = []
         self._progress: Any = None
         if config.progress:
