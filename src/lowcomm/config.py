@@ -37,7 +37,7 @@ class TrainConfig:
     workers: int = 4
     """Number of data-parallel workers (processes)."""
 
-    steps: int = 60
+    steps: int = 80
     """Optimizer steps to take."""
 
     microbatches_per_step: int = 1
@@ -134,6 +134,11 @@ class TrainConfig:
             self.network_profile()
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if self.device == "cuda" and self.clock == "virtual" and self.seconds_per_microbatch is None:
+            raise ConfigError(
+                "--clock virtual: on cuda the CPU time the virtual clock measures does not see "
+                "GPU kernels; pass --seconds-per-microbatch (the device's cost) or --clock real"
+            )
         if self.seconds_per_microbatch is not None:
             if self.clock != "virtual":
                 raise ConfigError(

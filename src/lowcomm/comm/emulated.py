@@ -92,10 +92,20 @@ class NetworkComm:
         inner: the communicator that moves the data.
         profile: the declared link and per-worker speed factors.
         clock: this worker's clock (real or virtual).
+        device: the device of the group's tensors (cuda for NCCL), used for barriers.
     """
 
-    def __init__(self, inner: Comm, profile: NetworkProfile, clock: Clock) -> None:
+    def __init__(
+        self,
+        inner: Comm,
+        profile: NetworkProfile,
+        clock: Clock,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
         self.inner = inner
+        # Where the launch-time exchange of a barrier lives (the group's device).
+        self._barrier_device = device or torch.device("cpu")
         self.profile = profile
         self.clock = clock
         self.bytes_by_role: dict[Role, float] = {role: 0.0 for role in Role}
@@ -134,6 +144,7 @@ class NetworkComm:
         role: Role | None,
         full_bytes: int,
         issue: Callable[[], Handle],
+        device: torch.device,
         src: int = 0,
     ) -> Handle:
         world_size = self.inner.world_size
@@ -150,7 +161,8 @@ class NetworkComm:
         if self.clock.kind == "virtual" and world_size > 1:
             # Agree on the start: the latest launch among the participants. Issued right
             # before the payload, on the same group, so the order is the same on every rank.
-            launch_times = torch.tensor([launch_time], dtype=torch.float64)
+            # On the payload's device: NCCL only moves GPU tensors.
+            launch_times = torch.tensor([launch_time], dtype=torch.float64, device=device)
             launch_times_handle = self.inner.all_reduce(launch_times, op="max", role=Role.OTHER)
         inner = issue()
         handle = _EmulatedHandle(
@@ -165,6 +177,7 @@ class NetworkComm:
             role,
             payload_bytes(tensor),
             lambda: self.inner.all_reduce(tensor, op=op, role=role),
+            tensor.device,
         )
 
     def reduce_scatter(
@@ -175,6 +188,7 @@ class NetworkComm:
             role,
             payload_bytes(input),
             lambda: self.inner.reduce_scatter(output, input, op=op, role=role),
+            input.device,
         )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
@@ -183,6 +197,7 @@ class NetworkComm:
             role,
             payload_bytes(output),
             lambda: self.inner.all_gather(output, input, role=role),
+            output.device,
         )
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
@@ -191,11 +206,14 @@ class NetworkComm:
             role,
             payload_bytes(tensor),
             lambda: self.inner.broadcast(tensor, src=src, role=role),
+            tensor.device,
             src=src,
         )
 
     def barrier(self) -> Handle:
-        return self._launch(CollectiveKind.BARRIER, None, 0, self.inner.barrier)
+        return self._launch(
+            CollectiveKind.BARRIER, None, 0, self.inner.barrier, self._barrier_device
+        )
 
     def counters(self) -> dict[str, float]:
         """Bytes this worker sent, by role (for metrics)."""

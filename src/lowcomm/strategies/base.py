@@ -12,6 +12,7 @@ Strategies never import ``torch.distributed``; they talk to other workers throug
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -142,7 +143,7 @@ def clip_coefficient(squared_norm: float, max_norm: float | None) -> float:
     """The factor that scales a gradient of squared L2 norm ``squared_norm`` to ``max_norm``."""
     if max_norm is None:
         return 1.0
-    norm = squared_norm**0.5
+    norm = math.sqrt(squared_norm)
     return min(1.0, max_norm / (norm + 1e-6))
 
 

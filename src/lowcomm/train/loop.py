@@ -59,7 +59,7 @@ def _evaluate(
     """Mean validation loss over all workers' batches (each worker evaluates its own)."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=batches[0][0].device if batches else "cpu")
     with torch.no_grad():
         for inputs, targets in batches:
             _, loss = model(inputs, targets)
@@ -91,7 +91,7 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
         speed_factor=profile.speed_factor(rank),
         seconds_per_microbatch=config.seconds_per_microbatch,
     )
-    comm = NetworkComm(raw, profile, clock)
+    comm = NetworkComm(raw, profile, clock, device=device)
     context = StrategyContext(
         optim=config.optim,
         schedule=config.schedule,
@@ -153,10 +153,13 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
                         stats.committed_steps,
                     ],
                     dtype=torch.float64,
+                    device=device,
                 )
-                gathered = torch.zeros(world_size * len(_STEP_FIELDS), dtype=torch.float64)
+                gathered = torch.zeros(
+                    world_size * len(_STEP_FIELDS), dtype=torch.float64, device=device
+                )
                 raw.all_gather(gathered, local, role=Role.OTHER).wait()
-                per_worker = gathered.view(world_size, len(_STEP_FIELDS))
+                per_worker = gathered.view(world_size, len(_STEP_FIELDS)).cpu()
                 bad = [r for r in range(world_size) if not math.isfinite(float(per_worker[r, 0]))]
                 if bad:
                     raise NonFiniteLoss(
@@ -171,7 +174,12 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
                 if writer is not None:
                     writer.write_step(
                         StepRecord.from_tensor(
-                            step, stats.lr, per_worker, _STEP_FIELDS, val_loss if evaluate else None
+                            step,
+                            stats.lr,
+                            per_worker,
+                            _STEP_FIELDS,
+                            val_loss if evaluate else None,
+                            clock.kind,
                         )
                     )
         strategy.finish()
@@ -197,9 +205,11 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
         [summary.compute_s, summary.exposed_comm_s, summary.clock_s, summary.bytes_sent,
          float(summary.state_bytes), float(summary.tokens)],
         dtype=torch.float64,
+        device=device,
     )
-    everyone = torch.zeros(world_size * packed.numel(), dtype=torch.float64)
+    everyone = torch.zeros(world_size * packed.numel(), dtype=torch.float64, device=device)
     raw.all_gather(everyone, packed, role=Role.OTHER).wait()
+    everyone = everyone.cpu()
     if writer is not None:
         num_params = sum(p.numel() for p in model.parameters())
         writer.finish(

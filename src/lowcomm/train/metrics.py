@@ -43,6 +43,7 @@ class StepRecord:
     committed_steps: int
     tokens: int
     exposed_comm_s_per_worker: list[float]
+    clock: str
 
     @classmethod
     def from_tensor(
@@ -52,6 +53,7 @@ class StepRecord:
         per_worker: torch.Tensor,
         fields: tuple[str, ...],
         val_loss: float | None,
+        clock: str,
     ) -> StepRecord:
         column = {name: per_worker[:, i].tolist() for i, name in enumerate(fields)}
         compute = statistics.fmean(column["compute_s"])
@@ -71,6 +73,7 @@ class StepRecord:
             committed_steps=int(column["committed_steps"][0]),
             tokens=int(sum(column["tokens"])),
             exposed_comm_s_per_worker=column["exposed_comm_s"],
+            clock=clock,
         )
 
 
