@@ -159,6 +159,6 @@ def _killed_rank_one() -> None:
 
 def test_a_killed_worker_ends_the_run() -> None:
     begin = time.perf_counter()
-    with pytest.raises(WorkerFailed, match="worker 1 failed"):
+    with pytest.raises(WorkerFailed, match="worker 1 failed: killed by SIGKILL"):
         spawn_workers(_killed_rank_one, 2, timeout_s=60)
     assert time.perf_counter() - begin < 50

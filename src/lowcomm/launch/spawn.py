@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -85,8 +88,11 @@ def _worker_entry(
         result = fn(*args)
         torch.save(result, Path(result_dir) / f"rank{local_rank}.pt")
     except BaseException:
-        # Leave the full traceback where the parent can show it, then fail this process.
-        (Path(result_dir) / f"rank{local_rank}.err").write_text(traceback.format_exc())
+        # Leave the time and full traceback where the parent can find the first failure, then
+        # fail this process. (A peer of a failed worker fails too, slightly later, with a
+        # "connection closed" error: the earliest failure is the cause.)
+        record = {"time": time.time(), "traceback": traceback.format_exc()}
+        (Path(result_dir) / f"rank{local_rank}.err").write_text(json.dumps(record))
         raise
     finally:
         if dist.is_initialized():
@@ -134,26 +140,39 @@ def spawn_workers(
         try:
             while not context.join(timeout=1.0):
                 pass
-        except ProcessRaisedException as error:
-            rank = error.error_index
-            raise WorkerFailed(rank, _last_error_line(scratch, rank, str(error))) from None
-        except ProcessExitedException as error:
-            rank = error.error_index
-            detail = _last_error_line(scratch, rank, "")
-            raise WorkerFailed(
-                rank, detail or f"exited with code {error.exit_code} (killed or crashed)"
-            ) from None
+        except (ProcessRaisedException, ProcessExitedException) as error:
+            exit_codes = [process.exitcode for process in context.processes]
+            raise _first_failure(scratch, error.error_index, str(error), exit_codes) from None
         return [torch.load(Path(scratch) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _last_error_line(scratch: str, rank: int, fallback: str) -> str:
-    """The exception line of a worker's traceback, with the traceback on stderr."""
-    path = Path(scratch) / f"rank{rank}.err"
-    text = path.read_text() if path.exists() else fallback
-    if not text:
-        return ""
+def _first_failure(
+    scratch: str, reported_rank: int, reported: str, exit_codes: list[int | None]
+) -> WorkerFailed:
+    """Find the failure that caused the others, and print its traceback to stderr.
+
+    When one worker fails, its peers fail moments later on the broken connection, and the
+    launcher may notice any of them first. A worker killed by a signal (other than the
+    SIGTERM the launcher sends to the survivors) records nothing and is the cause; otherwise
+    the earliest recorded exception is.
+    """
+    records: list[tuple[float, int, str]] = []
+    for path in Path(scratch).glob("rank*.err"):
+        try:
+            record = json.loads(path.read_text())
+            records.append((float(record["time"]), int(path.stem[4:]), str(record["traceback"])))
+        except (OSError, ValueError, KeyError):
+            continue
+    recorded = {rank for _, rank, _ in records}
+    for rank, code in enumerate(exit_codes):
+        if code is not None and code < 0 and code != -signal.SIGTERM and rank not in recorded:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            return WorkerFailed(rank, f"killed by {name} (exit code {code})")
+    if not records:
+        return WorkerFailed(reported_rank, reported.strip().splitlines()[-1] if reported.strip() else reported)
+    _, rank, text = min(records)
     print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else text
+    return WorkerFailed(rank, lines[-1] if lines else reported)
