@@ -152,3 +152,19 @@ def test_real_clock_straggler_sleeps_on_compute() -> None:
     assert time.perf_counter() - begin >= 0.15
     assert clock.compute_s >= 0.15
     assert clock.exposed_comm_s == 0.0
+
+
+def test_virtual_clock_reads_its_owner_threads_cpu_from_another_thread() -> None:
+    import threading
+
+    clock = VirtualClock()
+    begin = time.thread_time()
+    while time.thread_time() - begin < 0.05:
+        pass
+    owner_cpu = time.thread_time() - begin
+    seen: list[float] = []
+    helper = threading.Thread(target=lambda: seen.append(clock.now()))
+    helper.start()
+    helper.join()
+    # The helper thread burned almost no CPU; the clock still shows the owner's compute.
+    assert owner_cpu - 0.005 <= seen[0] <= owner_cpu + 0.02

@@ -21,6 +21,10 @@ from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
+from lowcomm.strategies.acco import AccoOptions
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.desloc import DeslocOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
 
 
 class ConfigError(ValueError):
@@ -90,6 +94,14 @@ class TrainConfig:
     data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    acco: AccoOptions = field(default_factory=AccoOptions)
+    """Options of acco, dpu and wp."""
+    local: LocalOptions = field(default_factory=LocalOptions)
+    """Options of local_sgd, local_adamw, overlap_local_sgd, slowmo and co2."""
+    diloco: DiLoCoOptions = field(default_factory=DiLoCoOptions)
+    """Options of diloco, streaming_diloco, diloco_delayed, eager and cocodc."""
+    desloc: DeslocOptions = field(default_factory=DeslocOptions)
+    """Options of desloc, local_adam, favg_opt and favg_reset."""
 
     def validate(self) -> None:
         """Check the whole configuration; raise :class:`ConfigError` on the first problem."""

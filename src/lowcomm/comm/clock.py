@@ -15,6 +15,7 @@ wait, so strategies never have to bracket their compute by hand.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ ClockKind = Literal["real", "virtual"]
 
 
 class Clock(ABC):
-    """A worker's clock. Not thread-safe: call it from the worker's main thread."""
+    """A worker's clock. Not thread-safe: one thread at a time may call it."""
 
     kind: ClockKind
 
@@ -152,10 +153,21 @@ class VirtualClock(Clock):
             )
         self.seconds_per_microbatch = seconds_per_microbatch
         self._time = 0.0
-        self._last_cpu = time.thread_time()
+        # Compute is the CPU time of the thread that owns the clock (the worker's main
+        # thread), read through its CPU-time clock so the reading is right from any thread
+        # (a communication thread may mark the clock too).
+        self._cpu_clock: int | None = None
+        if hasattr(time, "pthread_getcpuclockid"):
+            self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+        self._last_cpu = self._cpu()
+
+    def _cpu(self) -> float:
+        if self._cpu_clock is None:
+            return time.thread_time()
+        return time.clock_gettime(self._cpu_clock)
 
     def mark(self) -> None:
-        cpu = time.thread_time()
+        cpu = self._cpu()
         if self.seconds_per_microbatch is None:
             elapsed = (cpu - self._last_cpu) * self.speed_factor
             self._time += elapsed
@@ -184,7 +196,7 @@ class VirtualClock(Clock):
             yield
         finally:
             # CPU this thread burned while blocked (e.g. polling) is not compute.
-            self._last_cpu = time.thread_time()
+            self._last_cpu = self._cpu()
 
     @contextmanager
     def excluded(self) -> Iterator[None]:
@@ -192,7 +204,7 @@ class VirtualClock(Clock):
         try:
             yield
         finally:
-            self._last_cpu = time.thread_time()
+            self._last_cpu = self._cpu()
 
 
 def make_clock(

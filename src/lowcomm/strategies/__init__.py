@@ -1,10 +1,16 @@
 """Strategies: one file per paper family. Nothing here imports ``torch.distributed``.
 
-To add a method: write a :class:`Strategy` subclass with a ``name`` in its own module and
-add it to :data:`STRATEGIES` below; ``lowcomm train --method NAME`` picks it up.
+To add a method: write a :class:`Strategy` subclass with a ``name`` in a module of this
+package and list it in that module's ``METHODS`` tuple; every module here is scanned, so
+``lowcomm train --method NAME`` picks it up with no other change. Method options: a
+``kw_only`` dataclass per family, named by the class attribute ``options_field`` and held by
+the field of that name in :class:`lowcomm.config.TrainConfig`.
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from lowcomm.strategies.base import (
     Closure,
@@ -16,7 +22,19 @@ from lowcomm.strategies.base import (
 from lowcomm.strategies.ddp import DDP
 from lowcomm.strategies.zero1 import ZeRO1
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (DDP, ZeRO1)}
+
+def _discover() -> dict[str, type[Strategy]]:
+    found: dict[str, type[Strategy]] = {}
+    for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        for cls in getattr(module, "METHODS", ()):
+            if cls.name in found and found[cls.name] is not cls:
+                raise RuntimeError(f"two strategies are named {cls.name!r}")
+            found[cls.name] = cls
+    return found
+
+
+STRATEGIES: dict[str, type[Strategy]] = _discover()
 
 
 def strategy_class(name: str) -> type[Strategy]:

@@ -95,6 +95,9 @@ class Strategy(ABC):
 
     #: Name used by ``lowcomm train --method``.
     name: ClassVar[str]
+    #: Field of :class:`lowcomm.config.TrainConfig` holding this method's options (None: the
+    #: method has none). The loop passes it to the constructor as ``options=``.
+    options_field: ClassVar[str | None] = None
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         self.model = model

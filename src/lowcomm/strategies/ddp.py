@@ -84,3 +84,6 @@ class DDP(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             self.flat.params.copy_(self.optimizer.master)
+
+
+METHODS = (DDP,)

@@ -99,3 +99,6 @@ class ZeRO1(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+METHODS = (ZeRO1,)

@@ -1,0 +1,18 @@
+"""ACCO, DPU and weight prediction (ACCO paper): not implemented yet (its issue is open).
+
+This module holds the family's option dataclass so that the CLI already has its place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowcomm.strategies.base import Strategy
+
+
+@dataclass(kw_only=True)
+class AccoOptions:
+    """Options of the ACCO, DPU and weight prediction methods (none yet)."""
+
+
+METHODS: tuple[type[Strategy], ...] = ()
