@@ -99,10 +99,11 @@ def run_methods() -> None:
         print(f"{name:20s} {doc[0] if doc else ''}")
 
 
-USAGE = """usage: lowcomm {train,bench,methods} [OPTIONS]
+USAGE = """usage: lowcomm {train,bench,plan,methods} [OPTIONS]
 
   train     train a model data-parallel with one method (lowcomm train --help)
-  bench     benchmarks printing side-by-side ratios (lowcomm bench --help)
+  bench     benchmarks: overhead ratio, side-by-side method comparison (lowcomm bench --help)
+  plan      predict time, bytes and memory of a method at any scale (lowcomm plan --help)
   methods   list the training methods
 """
 
@@ -118,6 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if command == "train":
             run_train(tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config))
+        elif command == "plan":
+            from lowcomm.plan import PlanConfig, run_plan
+
+            # Plain tyro flags here: `--json` is a switch.
+            run_plan(tyro.cli(PlanConfig, args=rest, prog="lowcomm plan"))
         elif command == "methods":
             tyro.cli(MethodsCommand, args=rest, prog="lowcomm methods")
             run_methods()
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             )
         else:
-            _fail(f"unknown command {command!r}; choose train, bench or methods")
+            _fail(f"unknown command {command!r}; choose train, bench, plan or methods")
     except ValueError as error:
         # Raised by a config dataclass's own validation while the options were parsed.
         _fail(str(error))

@@ -1,0 +1,380 @@
+"""``lowcomm plan``: the analytic model of compute, communication and memory per method.
+
+Everything here is closed-form (ALGORITHMS.md §0.2, §0.4, §2.4, §5.6):
+
+* compute per optimizer step: ``6 N B_tok / (F * MFU)`` seconds per worker for ``B_tok``
+  tokens per worker per step (or a declared number of seconds per step);
+* communication: the ring cost model of :class:`~lowcomm.comm.network.NetworkProfile`,
+  applied to each method's collectives and averaged over its sync period (ACCO: two
+  RS+AG pairs per committed step, and committed steps that absorb more tokens when
+  communication is slower than compute);
+* hiding: a method that overlaps a collective with ``w`` steps of compute exposes only
+  ``max(0, t_comm - w * t_step)``; a blocking method exposes all of it (the overlap
+  extension of §5.6 with omega = 1);
+* memory per worker, ACCO's convention: bf16 parameters and gradients (2 + 2 bytes per
+  parameter), AdamW master and moments ``K = 12`` bytes per parameter (divided by M when
+  sharded), each extra model-sized buffer 2 bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from lowcomm.comm.base import CollectiveKind
+from lowcomm.comm.network import PRESETS, NetworkProfile
+
+#: Named model sizes (parameters).
+MODEL_SIZES: dict[str, float] = {
+    "tiny": 3.7e6,
+    "125m": 125e6,
+    "350m": 350e6,
+    "1b": 1.0e9,
+    "1.3b": 1.3e9,
+    "7b": 7.0e9,
+    "7.5b": 7.5e9,
+}
+
+
+@dataclass(frozen=True)
+class MethodModel:
+    """How one method spends bytes, time and memory.
+
+    Attributes:
+        extra_copies: model-sized extra buffers (anchor, outer momentum, in-flight copies).
+        sharded_optimizer: the AdamW states are sharded over the M workers (ZeRO-1 style).
+        payloads_per_period: full-model payloads all-reduced per sync period (ACCO: 2 per
+            committed step; Local Adam: 3, one per state).
+        hidden_steps: steps of compute a sync overlaps with (0 = blocking).
+        accumulates: the compute side never idles (ACCO): exposed time is always zero.
+        every_step: communicates every optimizer step (else once per sync period).
+        description: one line for the table.
+    """
+
+    extra_copies: float
+    sharded_optimizer: bool
+    payloads_per_period: float
+    hidden_steps: Literal["none", "one", "period", "overlap"]
+    accumulates: bool
+    every_step: bool
+    description: str
+
+
+METHOD_MODELS: dict[str, MethodModel] = {
+    "ddp": MethodModel(0, False, 1, "none", False, True, "all-reduce gradients every step"),
+    "zero1": MethodModel(0, True, 1, "none", False, True, "reduce-scatter + all-gather every step"),
+    "dpu": MethodModel(1, True, 1, "one", False, True, "one-step-delayed ZeRO-1 update"),
+    "wp": MethodModel(1, True, 1, "one", False, True, "delayed update with weight prediction"),
+    "acco": MethodModel(1, True, 2, "one", True, True, "two-stage delay compensation, accumulates"),
+    "local_sgd": MethodModel(0, False, 1, "none", False, False, "parameter average every tau steps"),
+    "local_adamw": MethodModel(0, False, 1, "none", False, False, "parameter average every tau steps"),
+    "overlap_local_sgd": MethodModel(2, False, 1, "period", False, False, "average overlaps next round"),
+    "slowmo": MethodModel(2, False, 1, "none", False, False, "outer momentum every tau steps"),
+    "co2": MethodModel(4, False, 1, "period", False, False, "async outer all-reduce over next round"),
+    "diloco": MethodModel(2, False, 1, "none", False, False, "outer Nesterov every H steps"),
+    "streaming_diloco": MethodModel(2, False, 1, "overlap", False, False, "fragments overlap tau steps"),
+    "diloco_delayed": MethodModel(3, False, 1, "period", False, False, "outer step one round late"),
+    "eager": MethodModel(3, False, 1, "period", False, False, "eager local outer step, round overlap"),
+    "cocodc": MethodModel(3, False, 1, "overlap", False, False, "streaming + delay compensation"),
+    "desloc": MethodModel(0, False, 1, "none", False, False, "params/moments synced at own periods"),
+    "local_adam": MethodModel(0, False, 3, "none", False, False, "params and both moments every K"),
+    "favg_opt": MethodModel(0, False, 1, "none", False, False, "params every K, states kept"),
+    "favg_reset": MethodModel(0, False, 1, "none", False, False, "params every K, states reset"),
+}
+
+
+@dataclass(kw_only=True)
+class PlanConfig:
+    """Predict time, bytes and memory of a method at any scale."""
+
+    method: str = "ddp"
+    """Method to model (see `lowcomm methods`; every name of the library's methods)."""
+
+    params: str = "1b"
+    """Model size: a number of parameters (e.g. 7.5e9) or a name: tiny, 125m, 350m, 1b, 1.3b, 7b, 7.5b."""
+
+    tokens: float = 1e9
+    """Tokens to train on (all workers together)."""
+
+    workers: int = 8
+    """Data-parallel workers M."""
+
+    tokens_per_step: float = 524288
+    """Tokens per optimizer step, all workers together (global batch in tokens)."""
+
+    flops: float = 312e12
+    """Peak FLOP/s per worker (312e12: an A100 in bf16)."""
+
+    mfu: float = 0.4
+    """Model FLOP utilisation per worker."""
+
+    seconds_per_step: float | None = None
+    """Declared compute seconds per step per worker (overrides flops and mfu)."""
+
+    network: str = "ethernet"
+    """Link preset: datacenter, ethernet, wan, slow-wan (or none)."""
+
+    bandwidth_gbps: float | None = None
+    """Override the preset's bandwidth (Gbit/s)."""
+
+    latency_ms: float | None = None
+    """Override the preset's latency (ms)."""
+
+    sync_every: int = 1
+    """Sync period: tau (local SGD, CO2), H (DiLoCo family), K (Local Adam, FedAvg), K_x (DES-LOC)."""
+
+    sync_every_first_moment: int | None = None
+    """DES-LOC K_u (default 3 K_x)."""
+
+    sync_every_second_moment: int | None = None
+    """DES-LOC K_v (default 6 K_x)."""
+
+    fragments: int = 1
+    """Streaming DiLoCo / CoCoDC fragments."""
+
+    overlap_steps: int = 1
+    """Streaming DiLoCo / CoCoDC overlap depth tau (inner steps a fragment's sync overlaps)."""
+
+    bytes_per_element: float = 2.0
+    """Bytes per communicated element (2 = bf16; 1 = fp8; 0.5 = 4-bit)."""
+
+    optimizer_bytes: float = 12.0
+    """K: bytes per parameter of the optimizer (fp32 master + two moments = 12)."""
+
+    solve_bandwidth: float | None = None
+    """Find the bandwidth (Gbit/s) needed to reach this utilisation (0 < U < 1)."""
+
+    json: bool = False
+    """Print machine-readable JSON instead of a table."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers: {self.workers} must be >= 1")
+        for name in ("tokens", "tokens_per_step", "flops"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')}: {value} must be positive")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"--mfu: {self.mfu} must lie in (0, 1]; try 0.4")
+        if self.seconds_per_step is not None and not self.seconds_per_step > 0:
+            raise ValueError(f"--seconds-per-step: {self.seconds_per_step} must be positive")
+        if self.network not in PRESETS:
+            raise ValueError(
+                f"--network: unknown preset {self.network!r}; choose one of {', '.join(PRESETS)}"
+            )
+        for name in ("sync_every", "fragments", "overlap_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} must be >= 1")
+        if self.solve_bandwidth is not None and not 0 < self.solve_bandwidth < 1:
+            raise ValueError(
+                f"--solve-bandwidth: {self.solve_bandwidth} is a target utilisation and must "
+                f"lie in (0, 1), e.g. 0.9"
+            )
+        if not self.bytes_per_element > 0:
+            raise ValueError(f"--bytes-per-element: {self.bytes_per_element} must be positive")
+
+
+def parse_params(text: str) -> float:
+    """A parameter count from a number or a named size."""
+    key = text.strip().lower()
+    if key in MODEL_SIZES:
+        return MODEL_SIZES[key]
+    try:
+        value = float(key)
+    except ValueError:
+        raise ValueError(
+            f"--params: {text!r} is neither a number nor a named size; pass e.g. 7.5e9 or one "
+            f"of {', '.join(MODEL_SIZES)}"
+        ) from None
+    if not value > 0:
+        raise ValueError(f"--params: {text!r} must be positive")
+    return value
+
+
+@dataclass
+class Plan:
+    """The planner's answer. Times in seconds, sizes in bytes."""
+
+    method: str
+    params: float
+    workers: int
+    steps: float
+    bandwidth_gbps: float
+    latency_ms: float
+    compute_s: float
+    comm_total_s: float
+    comm_exposed_s: float
+    comm_hidden_s: float
+    utilization: float
+    wall_clock_s: float
+    comm_bytes_per_worker_per_step: float
+    comm_bytes_per_worker: float
+    memory_per_worker_bytes: float
+
+
+def _payloads_per_step(config: PlanConfig, model: MethodModel) -> float:
+    """Average number of full-model payloads all-reduced per step."""
+    if config.method == "desloc":
+        k_x = config.sync_every
+        k_u = config.sync_every_first_moment or 3 * k_x
+        k_v = config.sync_every_second_moment or 6 * k_x
+        return 1.0 / k_x + 1.0 / k_u + 1.0 / k_v
+    if model.every_step:
+        return model.payloads_per_period
+    return model.payloads_per_period / config.sync_every
+
+
+def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Plan:
+    """Evaluate the model for ``config`` (optionally at another bandwidth).
+
+    Raises:
+        ValueError: for a method the planner has no formulas for, naming the known ones.
+    """
+    if config.method not in METHOD_MODELS:
+        raise ValueError(
+            f"--method: the planner has no model of {config.method!r}; choose one of "
+            f"{', '.join(METHOD_MODELS)}"
+        )
+    model = METHOD_MODELS[config.method]
+    params = parse_params(config.params)
+    profile = NetworkProfile.from_preset(
+        config.network,
+        bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else config.bandwidth_gbps,
+        latency_ms=config.latency_ms,
+    )
+    m = config.workers
+    steps = config.tokens / config.tokens_per_step
+    if config.seconds_per_step is not None:
+        step_compute = config.seconds_per_step
+    else:
+        tokens_per_worker = config.tokens_per_step / m
+        step_compute = 6.0 * params * tokens_per_worker / (config.flops * config.mfu)
+    payload = config.bytes_per_element * params
+    one_all_reduce = profile.collective_time(CollectiveKind.ALL_REDUCE, payload, m)
+    payloads_per_step = _payloads_per_step(config, model)
+
+    # Communication time per step (averaged over the sync period) and the part exposed.
+    if config.method == "local_adam":
+        # Three states in one fused all-reduce every K steps.
+        per_sync = profile.collective_time(CollectiveKind.ALL_REDUCE, 3 * payload, m)
+        comm_per_step = per_sync / config.sync_every
+    elif config.method == "desloc":
+        comm_per_step = payloads_per_step * one_all_reduce
+    elif config.method in ("streaming_diloco", "cocodc"):
+        fragment = profile.collective_time(CollectiveKind.ALL_REDUCE, payload / config.fragments, m)
+        comm_per_step = config.fragments * fragment / config.sync_every
+    else:
+        comm_per_step = payloads_per_step * one_all_reduce
+    if model.accumulates:
+        exposed_per_step = 0.0
+    elif model.hidden_steps == "none":
+        exposed_per_step = comm_per_step
+    elif model.hidden_steps == "one":
+        exposed_per_step = max(0.0, comm_per_step - step_compute)
+    elif model.hidden_steps == "period":
+        per_sync = comm_per_step * config.sync_every
+        exposed_per_step = max(0.0, per_sync - config.sync_every * step_compute) / config.sync_every
+    else:  # "overlap": each fragment's sync overlaps overlap_steps inner steps
+        fragment = profile.collective_time(CollectiveKind.ALL_REDUCE, payload / config.fragments, m)
+        per_fragment = max(0.0, fragment - config.overlap_steps * step_compute)
+        exposed_per_step = config.fragments * per_fragment / config.sync_every
+
+    compute = steps * step_compute
+    if model.accumulates:
+        # ACCO: each committed step is two phases (estimate, update), each one RS+AG of the
+        # model, and each phase's compute lasts until its communication is done (at least
+        # half a step's batch). When communication is the slower side, each committed step
+        # absorbs more tokens, so there are fewer of them; the compute never idles.
+        stretch = max(1.0, one_all_reduce / (step_compute / 2))
+        steps = steps / stretch
+    exposed = steps * exposed_per_step
+    total_comm = steps * comm_per_step
+    wall = compute + exposed
+    bytes_per_step = payloads_per_step * 2.0 * (m - 1) / m * payload if m > 1 else 0.0
+    sharded = m if model.sharded_optimizer else 1
+    memory = (2 + 2 + 2 * model.extra_copies) * params + config.optimizer_bytes / sharded * params
+    return Plan(
+        method=config.method,
+        params=params,
+        workers=m,
+        steps=steps,
+        bandwidth_gbps=profile.bandwidth_gbps,
+        latency_ms=profile.latency_ms,
+        compute_s=compute,
+        comm_total_s=total_comm,
+        comm_exposed_s=exposed,
+        comm_hidden_s=total_comm - exposed,
+        utilization=compute / wall if wall > 0 else 1.0,
+        wall_clock_s=wall,
+        comm_bytes_per_worker_per_step=bytes_per_step,
+        comm_bytes_per_worker=bytes_per_step * steps,
+        memory_per_worker_bytes=memory,
+    )
+
+
+def solve_bandwidth(config: PlanConfig, target: float) -> float | None:
+    """Smallest bandwidth (Gbit/s) reaching utilisation ``target``; None if latency forbids."""
+    if make_plan(config, bandwidth_gbps=1e12).utilization < target:
+        return None
+    low, high = 1e-6, 1e12
+    for _ in range(200):
+        middle = math.sqrt(low * high)
+        if make_plan(config, bandwidth_gbps=middle).utilization >= target:
+            high = middle
+        else:
+            low = middle
+        if high / low < 1 + 1e-9:
+            break
+    return high
+
+
+def _human(seconds: float) -> str:
+    if seconds >= 86400:
+        return f"{seconds / 86400:.2f} d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    return f"{seconds:.2f} s"
+
+
+def _gb(count: float) -> str:
+    return f"{count / 1e9:.3f} GB"
+
+
+def run_plan(config: PlanConfig) -> dict[str, object]:
+    """Print the plan (table or JSON) and return it as a dictionary."""
+    plan = make_plan(config)
+    result: dict[str, object] = asdict(plan)
+    if config.solve_bandwidth is not None:
+        result["solved_bandwidth_gbps"] = solve_bandwidth(config, config.solve_bandwidth)
+        result["solve_target_utilization"] = config.solve_bandwidth
+    if config.json:
+        print(json.dumps(result, indent=2))
+        return result
+    rows = [
+        ("method", f"{plan.method} ({METHOD_MODELS[plan.method].description})"),
+        ("model", f"{plan.params / 1e9:.3f} B parameters"),
+        ("workers", str(plan.workers)),
+        ("link", f"{plan.bandwidth_gbps} Gbit/s, {plan.latency_ms} ms"),
+        ("optimizer steps", f"{plan.steps:,.0f}"),
+        ("compute", _human(plan.compute_s)),
+        ("communication", f"{_human(plan.comm_total_s)} ({_human(plan.comm_hidden_s)} hidden, {_human(plan.comm_exposed_s)} exposed)"),
+        ("utilisation", f"{plan.utilization:.1%}"),
+        ("wall clock", _human(plan.wall_clock_s)),
+        ("sent per worker per step", _gb(plan.comm_bytes_per_worker_per_step)),
+        ("sent per worker, total", _gb(plan.comm_bytes_per_worker)),
+        ("memory per worker", _gb(plan.memory_per_worker_bytes)),
+    ]
+    if config.solve_bandwidth is not None:
+        solved = result["solved_bandwidth_gbps"]
+        rows.append(
+            (
+                f"bandwidth for {config.solve_bandwidth:.0%}",
+                "unreachable (latency alone exceeds the budget)" if solved is None else f"{solved:.3f} Gbit/s",
+            )
+        )
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name.ljust(width)}  {value}")
+    return result

@@ -1,0 +1,128 @@
+"""The planner against hand-computed values, and against a measured virtual-clock run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowcomm.plan import METHOD_MODELS, PlanConfig, make_plan, parse_params, solve_bandwidth
+
+# 8 Gbit/s = 1e9 bytes/s and 1 ms latency keep the arithmetic readable.
+BASE = {
+    "params": "1e9",
+    "workers": 4,
+    "tokens": 10 * 4096.0,
+    "tokens_per_step": 4096.0,
+    "seconds_per_step": 1.0,
+    "network": "wan",
+    "bandwidth_gbps": 8.0,
+    "latency_ms": 1.0,
+}
+ALL_REDUCE = 2 * 3 / 4 * 2e9 / 1e9 + 2 * 3 * 1e-3  # one bf16 model on 4 workers: 3.006 s
+
+
+def plan(**overrides: object):  # type: ignore[no-untyped-def]
+    return make_plan(PlanConfig(**{**BASE, **overrides}))  # type: ignore[arg-type]
+
+
+def test_ddp_by_hand() -> None:
+    result = plan(method="ddp")
+    assert result.steps == 10
+    assert result.compute_s == pytest.approx(10.0)
+    assert result.comm_exposed_s == pytest.approx(10 * ALL_REDUCE)
+    assert result.comm_hidden_s == pytest.approx(0.0)
+    assert result.utilization == pytest.approx(10 / (10 + 10 * ALL_REDUCE))
+    assert result.comm_bytes_per_worker_per_step == pytest.approx(3e9)
+    assert result.memory_per_worker_bytes == pytest.approx(16e9)  # (2+2+K) Psi
+
+
+def test_memory_follows_acco_table_one() -> None:
+    # (K, M, Psi) = (12, 64, 7.5B): 120, 31, 150, 150, 180, 46, 46, 46 GB.
+    expected = {"ddp": 120, "zero1": 31.4, "slowmo": 150, "diloco": 150, "co2": 180, "dpu": 46.4, "wp": 46.4, "acco": 46.4}
+    for method, gigabytes in expected.items():
+        result = make_plan(PlanConfig(method=method, params="7.5b", workers=64))
+        assert result.memory_per_worker_bytes / 1e9 == pytest.approx(gigabytes, abs=0.1), method
+
+
+def test_overlap_hides_what_fits_in_the_window() -> None:
+    hidden = plan(method="co2", sync_every=4)  # 3.006 s of comm under 4 s of compute
+    assert hidden.comm_exposed_s == pytest.approx(0.0)
+    assert hidden.utilization == pytest.approx(1.0)
+    partial = plan(method="co2", sync_every=2)  # only 2 s of compute to hide behind
+    assert partial.comm_exposed_s == pytest.approx(10 * (ALL_REDUCE - 2) / 2)
+    blocking = plan(method="slowmo", sync_every=2)
+    assert blocking.comm_exposed_s == pytest.approx(10 * ALL_REDUCE / 2)
+
+
+def test_periods_scale_the_bytes() -> None:
+    ddp = plan(method="ddp").comm_bytes_per_worker_per_step
+    assert plan(method="diloco", sync_every=16).comm_bytes_per_worker_per_step == pytest.approx(ddp / 16)
+    assert plan(method="favg_opt", sync_every=8).comm_bytes_per_worker_per_step == pytest.approx(ddp / 8)
+    assert plan(method="local_adam", sync_every=8).comm_bytes_per_worker_per_step == pytest.approx(3 * ddp / 8)
+    desloc = plan(method="desloc", sync_every=4)  # K_u = 12, K_v = 24 by default
+    assert desloc.comm_bytes_per_worker_per_step == pytest.approx((1 / 4 + 1 / 12 + 1 / 24) * ddp)
+    assert plan(method="acco").comm_bytes_per_worker_per_step == pytest.approx(2 * ddp)
+
+
+def test_acco_never_idles_and_stretches_steps_when_comm_dominates() -> None:
+    result = plan(method="acco")  # phase compute 0.5 s, phase comm 3.006 s
+    assert result.comm_exposed_s == 0.0 and result.utilization == 1.0
+    assert result.compute_s == pytest.approx(10.0)
+    assert result.steps == pytest.approx(10 / (ALL_REDUCE / 0.5))
+
+
+def test_solve_bandwidth_reaches_the_target() -> None:
+    config = PlanConfig(**{**BASE, "method": "ddp"})  # type: ignore[arg-type]
+    bandwidth = solve_bandwidth(config, 0.8)
+    assert bandwidth is not None
+    assert make_plan(config, bandwidth_gbps=bandwidth).utilization == pytest.approx(0.8, abs=1e-6)
+    assert make_plan(config, bandwidth_gbps=bandwidth * 0.9).utilization < 0.8
+    latency_bound = PlanConfig(**{**BASE, "method": "ddp", "latency_ms": 500.0})  # type: ignore[arg-type]
+    assert solve_bandwidth(latency_bound, 0.9) is None
+
+
+def test_every_registered_method_has_a_plan_model() -> None:
+    from lowcomm.strategies import STRATEGIES
+
+    assert set(STRATEGIES) <= set(METHOD_MODELS)
+
+
+def test_bad_planner_input() -> None:
+    with pytest.raises(ValueError, match="--params"):
+        parse_params("lots")
+    with pytest.raises(ValueError, match="--mfu"):
+        PlanConfig(mfu=1.5)
+    with pytest.raises(ValueError, match="no model of 'nope'"):
+        make_plan(PlanConfig(method="nope"))
+
+
+@pytest.mark.slow
+def test_plan_agrees_with_a_measured_virtual_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = [
+        "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
+        "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
+        "--progress", "False", "--steps", "6", "--network", "wan",
+        "--seconds-per-microbatch", "0.05", "--max-grad-norm", "None",
+    ]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "lowcomm", "train", "--method", "ddp", *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    tokens_per_step = 2 * 4 * 32
+    predicted = make_plan(
+        PlanConfig(
+            method="ddp", params=str(summary["num_params"]), workers=2,
+            tokens=6 * tokens_per_step, tokens_per_step=tokens_per_step,
+            seconds_per_step=0.05, network="wan", bytes_per_element=4.0,
+        )
+    )  # fmt: skip
+    assert summary["modeled_time_s"] == pytest.approx(predicted.wall_clock_s, rel=0.10)
+    assert summary["bytes_sent_per_worker"] == pytest.approx(predicted.comm_bytes_per_worker, rel=0.01)
+    assert summary["utilization"] == pytest.approx(predicted.utilization, rel=0.10)
