@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowcomm.bench.compare import CompareBench, run_compare
 from lowcomm.bench.overhead import OverheadBench, run_overhead
 
 #: ``lowcomm bench NAME``: the benchmark configurations, by name.
-BENCHMARKS: dict[str, Any] = {"overhead": OverheadBench}
+BENCHMARKS: dict[str, Any] = {"overhead": OverheadBench, "compare": CompareBench}
 
 
 def run_bench(command: object) -> None:
@@ -15,7 +16,10 @@ def run_bench(command: object) -> None:
     if isinstance(command, OverheadBench):
         run_overhead(command)
         return
+    if isinstance(command, CompareBench):
+        run_compare(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
-__all__ = ["BENCHMARKS", "OverheadBench", "run_bench"]
+__all__ = ["BENCHMARKS", "CompareBench", "OverheadBench", "run_bench"]

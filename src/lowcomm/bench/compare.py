@@ -1,0 +1,298 @@
+"""``lowcomm bench compare``: every method on one task, one network, one accounting.
+
+Each (method, seed) run is an ordinary ``lowcomm train`` run in ``DIR/runs/<method>-s<seed>``
+with the same model, data order, step budget and network; only the method differs. A run
+whose ``summary.json`` exists (it is written atomically, last) is not run again, so an
+interrupted sweep resumes where it stopped. The report aggregates over seeds:
+
+* final validation loss, mean +- sample standard deviation;
+* tokens processed;
+* modeled time to a target validation loss (default: the worst method's final mean, so every
+  method reaches it) on the run's clock;
+* utilisation, bytes per worker per step, state bytes per worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lowcomm.config import TrainConfig
+from lowcomm.train.metrics import atomic_write_text
+
+
+@dataclass(kw_only=True)
+class CompareBench:
+    """Run several methods side by side and write a report."""
+
+    methods: str = "all"
+    """Comma-separated method names, or `all` for every method of the library."""
+
+    network: str = "wan"
+    """Network preset for every run."""
+
+    clock: Literal["real", "virtual"] = "virtual"
+    """Clock for every run."""
+
+    seeds: int = 1
+    """Seeds per method (0, 1, ...)."""
+
+    steps: int = 60
+    """Optimizer steps per run."""
+
+    workers: int = 4
+    """Workers per run."""
+
+    out: str = "runs/compare"
+    """Output directory: runs/, report.md, results.json and plots."""
+
+    target_loss: float | None = None
+    """Validation loss for the time-to-target column (default: worst final mean)."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Every other training option, shared by all runs (`--train.model.n-layer 2`, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ValueError(f"--seeds: {self.seeds} must be >= 1")
+        if self.steps < 1:
+            raise ValueError(f"--steps: {self.steps} must be >= 1")
+        if self.workers < 1:
+            raise ValueError(f"--workers: {self.workers} must be >= 1")
+
+    def method_names(self) -> list[str]:
+        from lowcomm.strategies import STRATEGIES
+
+        if self.methods.strip() == "all":
+            return sorted(STRATEGIES)
+        names = [name.strip() for name in self.methods.split(",") if name.strip()]
+        unknown = [name for name in names if name not in STRATEGIES]
+        if unknown or not names:
+            raise ValueError(
+                f"--methods: unknown method(s) {', '.join(unknown) or '(none given)'}; choose "
+                f"from {', '.join(sorted(STRATEGIES))} or pass all"
+            )
+        return names
+
+    def run_config(self, method: str, seed: int) -> TrainConfig:
+        return dataclasses.replace(
+            self.train,
+            method=method,
+            seed=seed,
+            network=self.network,
+            clock=self.clock,
+            steps=self.steps,
+            workers=self.workers,
+            progress=False,
+            out=str(Path(self.out) / "runs" / f"{method}-s{seed}"),
+        )
+
+
+def _run_one(config: TrainConfig) -> str | None:
+    """Run one training job; return an error message instead of raising."""
+    from lowcomm.launch import WorkerFailed, spawn_workers
+    from lowcomm.train.loop import spawned_train
+
+    try:
+        config.validate()
+        spawn_workers(
+            spawned_train,
+            config.workers,
+            (config,),
+            device=config.device,
+            timeout_s=config.collective_timeout_s,
+        )
+    except (WorkerFailed, ValueError) as error:
+        return str(error)
+    return None
+
+
+def _val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, float]]:
+    """(step, clock seconds, validation loss) at each evaluation, ending with the final one."""
+    curve = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("val_loss") is not None:
+            curve.append((record["step"] + 1, record["clock_s"], record["val_loss"]))
+    curve.append((summary["steps"], summary["modeled_time_s"], summary["final_val_loss"]))
+    return curve
+
+
+def _time_to_target(curve: list[tuple[int, float, float]], target: float) -> float | None:
+    for _, seconds, loss in curve:
+        if loss <= target:
+            return seconds
+    return None
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _fmt_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+def run_compare(bench: CompareBench) -> dict[str, Any]:
+    """Run (or resume) the sweep, then write report.md, results.json and the plots."""
+    methods = bench.method_names()
+    out = Path(bench.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from lowcomm.data import prepare_corpus
+
+    prepare_corpus(bench.train.data)
+    runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
+    failures: dict[str, str] = {}
+    for method in methods:
+        for seed in range(bench.seeds):
+            config = bench.run_config(method, seed)
+            run_dir = Path(str(config.out))
+            summary_path = run_dir / "summary.json"
+            if summary_path.exists():
+                previous = json.loads((run_dir / "config.json").read_text())
+                if previous != json.loads(config.to_json()):
+                    raise ValueError(
+                        f"--out: {run_dir} holds a finished run with a different configuration; "
+                        f"pass another --out (or move that directory away) to keep both"
+                    )
+                print(f"[compare] {method} seed {seed}: done before, skipped", file=sys.stderr)
+            else:
+                print(f"[compare] {method} seed {seed}: running", file=sys.stderr)
+                error = _run_one(config)
+                if error is not None:
+                    failures[f"{method}-s{seed}"] = error
+                    print(f"[compare] {method} seed {seed}: FAILED: {error}", file=sys.stderr)
+                    continue
+            summary = json.loads(summary_path.read_text())
+            summary["curve"] = _val_curve(run_dir, summary)
+            runs[method].append(summary)
+
+    finished = {method: summaries for method, summaries in runs.items() if summaries}
+    finals = {m: _mean_sd([s["final_val_loss"] for s in ss]) for m, ss in finished.items()}
+    target = bench.target_loss
+    if target is None and finals:
+        target = max(mean for mean, _ in finals.values())
+    rows: dict[str, dict[str, Any]] = {}
+    for method, summaries in finished.items():
+        mean, sd = finals[method]
+        times = [_time_to_target(s["curve"], target) for s in summaries] if target is not None else []
+        reached = [t for t in times if t is not None]
+        rows[method] = {
+            "seeds": len(summaries),
+            "final_val_loss_mean": mean,
+            "final_val_loss_sd": sd,
+            "tokens": statistics.fmean(s["tokens"] for s in summaries),
+            "time_to_target_s": statistics.fmean(reached) if len(reached) == len(times) and reached else None,
+            "modeled_time_s": statistics.fmean(s["modeled_time_s"] for s in summaries),
+            "utilization": statistics.fmean(s["utilization"] for s in summaries),
+            "bytes_per_worker_per_step": statistics.fmean(
+                s["bytes_sent_per_worker"] / s["steps"] for s in summaries
+            ),
+            "state_bytes_per_worker": max(s["state_bytes_per_worker"] for s in summaries),
+            "runs": [str(Path(bench.run_config(method, seed).out or "")) for seed in range(len(summaries))],
+        }
+    results = {
+        "network": bench.network,
+        "clock": bench.clock,
+        "steps": bench.steps,
+        "workers": bench.workers,
+        "seeds": bench.seeds,
+        "target_val_loss": target,
+        "methods": rows,
+        "failures": failures,
+        "train_config": bench.run_config(methods[0], 0).to_dict() if methods else {},
+    }
+    atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
+    _plot(out, finished, bench.clock)
+    report = _report(bench, rows, target, failures)
+    atomic_write_text(out / "report.md", report)
+    print(report)
+    return results
+
+
+def _report(
+    bench: CompareBench, rows: dict[str, dict[str, Any]], target: float | None, failures: dict[str, str]
+) -> str:
+    clock = bench.clock
+    lines = [
+        f"# Method comparison on `{bench.network}`",
+        "",
+        f"{bench.workers} workers, {bench.steps} steps per run, {bench.seeds} seed(s), {clock} clock. "
+        f"Same model, data order and step budget for every method.",
+        "",
+        f"| method | final val loss | tokens | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"
+        if target is not None
+        else "| method | final val loss | tokens | time to target | time | utilisation | bytes/worker/step | state bytes/worker |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, row in sorted(rows.items(), key=lambda item: item[1]["final_val_loss_mean"]):
+        to_target = row["time_to_target_s"]
+        lines.append(
+            f"| {method} | {row['final_val_loss_mean']:.4f} ± {row['final_val_loss_sd']:.4f} | "
+            f"{row['tokens']:,.0f} | {'not reached' if to_target is None else f'{to_target:.1f} s'} | "
+            f"{row['modeled_time_s']:.1f} s | {row['utilization']:.1%} | "
+            f"{_fmt_bytes(row['bytes_per_worker_per_step'])} | {_fmt_bytes(row['state_bytes_per_worker'])} |"
+        )
+    lines += [
+        "",
+        "Loss: mean ± sample standard deviation over seeds. Time to target: first evaluation at or "
+        "below the target validation loss, on the run's clock, averaged over seeds (reported only "
+        "if every seed reached it).",
+        "",
+        "![validation loss vs step](val_loss_vs_step.png)",
+        "",
+        "![validation loss vs time](val_loss_vs_time.png)",
+        "",
+        "![utilisation](utilization.png)",
+        "",
+    ]
+    if failures:
+        lines += ["## Failed runs", ""] + [f"- `{name}`: {error}" for name, error in failures.items()] + [""]
+    return "\n".join(lines)
+
+
+def _plot(out: Path, finished: dict[str, list[dict[str, Any]]], clock: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, x_index, label in (
+        ("val_loss_vs_step.png", 0, "step"),
+        ("val_loss_vs_time.png", 1, f"time on the {clock} clock (s)"),
+    ):
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        for method, summaries in sorted(finished.items()):
+            curves = [s["curve"] for s in summaries]
+            length = min(len(c) for c in curves)
+            xs = [statistics.fmean(c[i][x_index] for c in curves) for i in range(length)]
+            ys = [statistics.fmean(c[i][2] for c in curves) for i in range(length)]
+            axis.plot(xs, ys, "o-", markersize=3, label=method)
+        axis.set_xlabel(label)
+        axis.set_ylabel("validation loss")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=100)
+        plt.close(figure)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    names = sorted(finished)
+    axis.bar(names, [statistics.fmean(s["utilization"] for s in finished[m]) for m in names])
+    axis.set_ylim(0, 1)
+    axis.set_ylabel("utilisation")
+    axis.tick_params(axis="x", rotation=45)
+    figure.tight_layout()
+    figure.savefig(out / "utilization.png", dpi=100)
+    plt.close(figure)

@@ -1,0 +1,61 @@
+"""`lowcomm bench compare` end to end: runs, report, JSON schema, resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMALL_TRAIN = [
+    "--train.model.n-layer", "1", "--train.model.n-embd", "64", "--train.model.n-head", "2",
+    "--train.model.block-size", "32", "--micro-batch-size", "4",
+    "--train.eval-batches", "2", "--train.eval-every", "2",
+]  # fmt: skip
+
+
+def _compare(out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lowcomm", "bench", "compare", "--methods", "ddp,zero1",
+         "--network", "wan", "--seeds", "1", "--steps", "4", "--workers", "2",
+         "--out", str(out), *SMALL_TRAIN],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    result = _compare(out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert {"network", "clock", "steps", "workers", "seeds", "target_val_loss", "methods"} <= set(results)
+    assert set(results["methods"]) == {"ddp", "zero1"}
+    for row in results["methods"].values():
+        assert {
+            "final_val_loss_mean", "final_val_loss_sd", "tokens", "time_to_target_s",
+            "utilization", "bytes_per_worker_per_step", "state_bytes_per_worker",
+        } <= set(row)  # fmt: skip
+        assert row["seeds"] == 1 and row["tokens"] == 4 * 2 * 4 * 32
+        assert 0 < row["utilization"] <= 1
+    # Same data order and start: DDP and ZeRO-1 reach the same loss.
+    ddp, zero = results["methods"]["ddp"], results["methods"]["zero1"]
+    assert ddp["final_val_loss_mean"] == pytest.approx(zero["final_val_loss_mean"], abs=1e-3)
+    # At M = 2 ZeRO-1 holds 8 + (12 + 4) / 2 = 16 bytes per parameter, as much as DDP.
+    assert zero["state_bytes_per_worker"] <= ddp["state_bytes_per_worker"]
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Method comparison on `wan`")
+    assert "| ddp |" in report and "| zero1 |" in report
+    for png in ("val_loss_vs_step.png", "val_loss_vs_time.png", "utilization.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+    # Re-running skips finished runs (their summaries are left untouched).
+    summary = out / "runs" / "ddp-s0" / "summary.json"
+    before = summary.stat().st_mtime_ns
+    again = _compare(out)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "done before, skipped" in again.stderr
+    assert summary.stat().st_mtime_ns == before
