@@ -1,18 +1,535 @@
-"""DiLoCo family: DiLoCo, Streaming DiLoCo, delayed and eager outer steps, CoCoDC: not implemented yet (its issue is open).
+"""DiLoCo family (ALGORITHMS.md §4): DiLoCo here; Streaming DiLoCo in ``streaming.py``, the
+naive delayed and eager outer steps in ``eager.py``, CoCoDC in ``cocodc.py``.
 
-This module holds the family's option dataclass so that the CLI already has its place.
+All of them share the machinery of this module: an inner optimizer stepping every worker's
+own parameters (AdamW, state local and persistent, never averaged), outer parameters per
+fragment with an outer Nesterov optimizer (``lowcomm.optim.outer``), and the exchange of outer
+gradients ``Delta = anchor - local`` (§0.3 sign convention), optionally quantized.
+
+Quantized exchange: a sum all-reduce of quantized values is not exact (every partial sum would
+be re-rounded), so a quantized outer gradient is all-gathered as its ``uint8`` payload (bytes
+counted at the quantized size) and every worker dequantizes all payloads and takes the mean in
+fp32; the outer step runs in fp32. Every worker therefore sees bit-identical averages. Without
+quantization the exchange is a float32 mean all-reduce.
+
+Each ``step()`` is one inner step. Options live in :class:`DiLoCoOptions` (``--diloco.*``).
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from lowcomm.strategies.base import Strategy
+import torch
+from torch import nn
+
+from lowcomm.comm.base import Comm, Handle, Role
+from lowcomm.optim.adamw import FlatAdamW
+from lowcomm.optim.outer import OuterNesterov
+from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
+from lowcomm.strategies.base import (
+    Closure,
+    StepStats,
+    Strategy,
+    StrategyContext,
+    clip_coefficient,
+    run_microbatches,
+)
+from lowcomm.strategies.flat import FlatBuffers
 
 
 @dataclass(kw_only=True)
 class DiLoCoOptions:
-    """Options of the DiLoCo family: DiLoCo, Streaming DiLoCo, delayed and eager outer steps, CoCoDC methods (none yet)."""
+    """Options of the DiLoCo family: diloco, streaming_diloco, diloco_delayed, eager, cocodc."""
+
+    sync_every: int = 16
+    """H: inner steps per outer round (every fragment is synchronized once per H steps)."""
+
+    inner_optimizer: Literal["adamw", "sgd"] = "adamw"
+    """Inner optimizer: adamw (the papers') or sgd (plain theta -= lr g, for reduction tests)."""
+
+    outer_lr: float = 0.7
+    """eta_out: outer learning rate."""
+
+    outer_momentum: float = 0.9
+    """mu: outer momentum (0 = plain outer SGD)."""
+
+    outer_nesterov: bool = True
+    """Nesterov form of the outer momentum (False = heavy ball)."""
+
+    fragments: int | None = None
+    """K: number of strided fragments (None = the method's default: 4 for streaming_diloco and
+    cocodc, 1 for diloco, diloco_delayed and eager; diloco accepts only 1)."""
+
+    overlap_steps: int = 1
+    """tau: inner steps a fragment's all-reduce overlaps (streaming_diloco, cocodc)."""
+
+    mixing: float = 0.5
+    """alpha (streaming_diloco): weight of the LOCAL parameters in the merge
+    theta <- alpha * local + (1 - alpha) * global (0 takes the global state)."""
+
+    outer_delay: int = 1
+    """N (diloco_delayed, eager): outer rounds an outer gradient's all-reduce may take."""
+
+    quantization: QuantizationFormat = "none"
+    """Outer-gradient wire format: none (fp32 all-reduce), bf16, fp8 (e4m3, per-row scale) or
+    int4 (per-row scale); quantized payloads are all-gathered and averaged in fp32."""
+
+    quantization_row_size: int = 256
+    """Elements per row sharing one scale (fp8 and int4)."""
+
+    compensation: float = 0.5
+    """lambda (cocodc): weight of the delay-compensation term (0 = merge without it)."""
+
+    compensation_sign: Literal["fixed", "literal"] = "fixed"
+    """cocodc merge sign: fixed (ALGORITHMS.md §4.5: new global - tau g_corr) or literal (the
+    paper's printed Eq. 8, new global + tau g_corr; for ablation only)."""
+
+    transmission_gamma: float = 0.4
+    """gamma (cocodc): syncs per H are N = max(K, floor(gamma H T_c / T_s))."""
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(
+                f"--diloco.sync-every: {self.sync_every} must be >= 1; pass the number of "
+                f"inner steps per outer round, e.g. 16"
+            )
+        if self.inner_optimizer not in ("adamw", "sgd"):
+            raise ValueError(
+                f"--diloco.inner-optimizer: {self.inner_optimizer!r} is unknown; choose adamw or sgd"
+            )
+        if not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
+            raise ValueError(
+                f"--diloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7"
+            )
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(
+                f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9"
+            )
+        if self.fragments is not None and self.fragments < 1:
+            raise ValueError(
+                f"--diloco.fragments: {self.fragments} must be >= 1; pass e.g. 4, or None for "
+                f"the method's default"
+            )
+        if self.overlap_steps < 0:
+            raise ValueError(
+                f"--diloco.overlap-steps: {self.overlap_steps} must be >= 0; pass e.g. 1"
+            )
+        if not 0.0 <= self.mixing <= 1.0:
+            raise ValueError(
+                f"--diloco.mixing: {self.mixing} must lie in [0, 1] (weight of the local "
+                f"parameters); try 0.5"
+            )
+        if self.outer_delay < 1:
+            raise ValueError(
+                f"--diloco.outer-delay: {self.outer_delay} must be >= 1; pass 1 for the "
+                f"1-outer-step form"
+            )
+        if self.quantization not in ("none", "bf16", "fp8", "int4"):
+            raise ValueError(
+                f"--diloco.quantization: {self.quantization!r} is unknown; choose none, bf16, "
+                f"fp8 or int4"
+            )
+        if self.quantization_row_size < 1:
+            raise ValueError(
+                f"--diloco.quantization-row-size: {self.quantization_row_size} must be >= 1; "
+                f"try 256"
+            )
+        if not (self.compensation >= 0 and math.isfinite(self.compensation)):
+            raise ValueError(
+                f"--diloco.compensation: {self.compensation} must be a finite number >= 0; "
+                f"try 0.5"
+            )
+        if self.compensation_sign not in ("fixed", "literal"):
+            raise ValueError(
+                f"--diloco.compensation-sign: {self.compensation_sign!r} is unknown; choose "
+                f"fixed or literal"
+            )
+        if not (self.transmission_gamma > 0 and math.isfinite(self.transmission_gamma)):
+            raise ValueError(
+                f"--diloco.transmission-gamma: {self.transmission_gamma} must be a positive "
+                f"number; try 0.4"
+            )
 
 
-METHODS: tuple[type[Strategy], ...] = ()
+# --- fragments -------------------------------------------------------------------------------
+
+_BLOCK = re.compile(r"^(?:.*\.)?blocks\.(\d+)\.")
+_FIRST = ("token_embedding", "position_embedding", "lm_head")
+
+
+def fragment_assignment(names: Sequence[str], sizes: Sequence[int], fragments: int) -> list[int]:
+    """Fragment of each parameter (Streaming DiLoCo, ALGORITHMS.md §4.2).
+
+    Transformer block ``j`` (a parameter named ``blocks.j.*``) goes to fragment ``j mod K``
+    (strided). Embeddings and the LM head (``token_embedding``, ``position_embedding``,
+    ``lm_head``; GPT ties the head to the token embedding) go to fragment 0; the final norm and
+    any other non-block tensor go to fragment K-1 [R-lo placement].
+
+    Fallback for a model with no ``blocks.<j>.`` parameters: parameters, in model order, are
+    split into K contiguous groups of about equal element count.
+    """
+    if fragments == 1:
+        return [0] * len(names)
+    blocks = [_BLOCK.match(name) for name in names]
+    if any(match is not None for match in blocks):
+        result = []
+        for name, match in zip(names, blocks, strict=True):
+            if match is not None:
+                result.append(int(match.group(1)) % fragments)
+            elif name.split(".")[0] in _FIRST:
+                result.append(0)
+            else:
+                result.append(fragments - 1)
+        return result
+    total = sum(sizes)
+    result, running = [], 0
+    for size in sizes:
+        # The group whose share of the elements this parameter's midpoint falls in.
+        result.append(min(fragments - 1, int((running + size / 2) * fragments / total)))
+        running += size
+    return result
+
+
+class Fragment:
+    """A set of parameters as positions in the flat parameter buffer.
+
+    Args:
+        index: the fragment number p.
+        names: the parameters it holds.
+        ranges: (start, stop) ranges in the flat buffer, merged where contiguous.
+    """
+
+    def __init__(self, index: int, names: list[str], ranges: list[tuple[int, int]]) -> None:
+        self.index = index
+        self.names = names
+        merged: list[tuple[int, int]] = []
+        for start, stop in ranges:
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], stop)
+            else:
+                merged.append((start, stop))
+        self.ranges = merged
+        self.numel = sum(stop - start for start, stop in merged)
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """A fresh fp32 copy of this fragment's values in ``flat`` (never a view)."""
+        return torch.cat([flat[start:stop].float() for start, stop in self.ranges]).clone()
+
+    def scatter(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (this fragment's length) into ``flat``."""
+        offset = 0
+        for start, stop in self.ranges:
+            flat[start:stop].copy_(values[offset : offset + stop - start])
+            offset += stop - start
+
+
+def build_fragments(model: nn.Module, fragments: int) -> list[Fragment]:
+    """Split ``model``'s trainable parameters into ``fragments`` fragments, in the order
+    :class:`FlatBuffers` lays them out (``model.parameters()``, tied tensors once)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    names = [name for name, _ in named]
+    sizes = [p.numel() for _, p in named]
+    owners = fragment_assignment(names, sizes, fragments)
+    groups: list[tuple[list[str], list[tuple[int, int]]]] = [([], []) for _ in range(fragments)]
+    offset = 0
+    for name, size, owner in zip(names, sizes, owners, strict=True):
+        groups[owner][0].append(name)
+        groups[owner][1].append((offset, offset + size))
+        offset += size
+    empty = [p for p, (group_names, _) in enumerate(groups) if not group_names]
+    if empty:
+        raise ValueError(
+            f"--diloco.fragments: {fragments} leaves fragment {empty[0]} without parameters "
+            f"(the model has too few blocks); pass at most the number of transformer blocks"
+        )
+    return [Fragment(p, group_names, ranges) for p, (group_names, ranges) in enumerate(groups)]
+
+
+# --- the exchange of outer gradients --------------------------------------------------------
+
+
+class OuterExchange:
+    """One in-flight exchange of an outer gradient, with a few float32 side values.
+
+    Unquantized: ``[Delta | extras]`` in one float32 mean all-reduce. Quantized: the ``uint8``
+    payload of ``Delta`` followed by the raw bytes of ``extras`` is all-gathered; every worker
+    decodes each payload and takes the fp32 mean. Either way :meth:`wait` returns the same
+    (mean Delta, mean extras, own Delta as it entered the mean) on every worker.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        delta: torch.Tensor,
+        extras: torch.Tensor,
+        quantization: QuantizationFormat,
+        row_size: int,
+    ) -> None:
+        self.comm = comm
+        self.numel = delta.numel()
+        self.extras_numel = extras.numel()
+        self.quantization = quantization
+        self.row_size = row_size
+        self.launch_time = _clock_now(comm)
+        self._result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        extras32 = extras.detach().float().reshape(-1).cpu()
+        if quantization == "none":
+            self._own = delta.detach().float().clone()
+            self._buffer = torch.cat([self._own, extras32.to(self._own.device)])
+            self.handle: Handle = comm.all_reduce(self._buffer, op="mean", role=Role.PSEUDO_GRADIENT)
+        else:
+            payload = encode(delta, quantization, row_size)
+            # What the others will decode of this worker's Delta (the eager rule removes it).
+            self._own = decode(payload, self.numel, quantization, row_size)
+            send = torch.cat([payload, extras32.contiguous().view(torch.uint8)])
+            self._send = send
+            self._buffer = torch.empty(comm.world_size * send.numel(), dtype=torch.uint8)
+            self.handle = comm.all_gather(self._buffer, send, role=Role.PSEUDO_GRADIENT)
+        self.sync_seconds: float | None = None
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of this worker's payload (the tensor handed to the collective, per worker)."""
+        if self.quantization == "none":
+            return 4 * (self.numel + self.extras_numel)
+        return encoded_bytes(self.numel, self.quantization, self.row_size) + 4 * self.extras_numel
+
+    def done(self) -> bool:
+        return self._result is not None or self.handle.done()
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean Delta, mean extras, this worker's own Delta as it entered the mean)."""
+        if self._result is not None:
+            return self._result
+        self.handle.wait()
+        # The sync time on the run's clock: the modeled completion of the collective when the
+        # comm reports it (NetworkComm), else the time this worker was released by wait().
+        finish = getattr(self.handle, "finish_time", None)
+        now = _clock_now(self.comm)
+        if self.launch_time is not None:
+            end = float(finish) if isinstance(finish, float) else now
+            if end is not None:
+                self.sync_seconds = max(0.0, end - self.launch_time)
+        if self.quantization == "none":
+            mean = self._buffer[: self.numel]
+            extras = self._buffer[self.numel :].float()
+        else:
+            rows = self._buffer.view(self.comm.world_size, -1)
+            cut = rows.shape[1] - 4 * self.extras_numel
+            mean = torch.zeros(self.numel, dtype=torch.float32)
+            extras = torch.zeros(self.extras_numel, dtype=torch.float32)
+            for worker in range(self.comm.world_size):
+                mean += decode(rows[worker, :cut].clone(), self.numel, self.quantization, self.row_size)
+                if self.extras_numel:
+                    extras += rows[worker, cut:].clone().view(torch.float32)
+            mean /= self.comm.world_size
+            extras /= self.comm.world_size
+        self._result = (mean, extras, self._own)
+        return self._result
+
+
+def _clock_now(comm: Comm) -> float | None:
+    """The run's clock (a NetworkComm's ``clock``), or None for a comm without one."""
+    clock = getattr(comm, "clock", None)
+    return float(clock.now()) if clock is not None else None
+
+
+# --- the shared base ------------------------------------------------------------------------
+
+
+class OuterLoopStrategy(Strategy):
+    """Inner steps on local parameters plus per-fragment outer state (shared by the family).
+
+    Holds: the flat parameters/gradients (``self.flat``), the fp32 working copy the inner
+    optimizer updates (``self.master``, the parameters themselves in fp32), the inner optimizer
+    (AdamW, local and persistent), and per fragment p the global parameters ``globals_[p]``
+    (theta^g_p, an explicit clone) with its outer optimizer ``outer[p]``.
+    """
+
+    options_field: ClassVar[str | None] = "diloco"
+    default_fragments: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        context: StrategyContext,
+        options: DiLoCoOptions | None = None,
+    ) -> None:
+        super().__init__(model, comm, context)
+        self.options = options or DiLoCoOptions()
+        self.flat = FlatBuffers(model)
+        self.master = (
+            self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float().clone()
+        )
+        self.inner = FlatAdamW(self.master, context.optim) if self.options.inner_optimizer == "adamw" else None
+        self.num_fragments = self.options.fragments or self.default_fragments
+        self.fragments = build_fragments(model, self.num_fragments)
+        self.globals_ = [fragment.gather(self.master) for fragment in self.fragments]
+        self.outer = [
+            OuterNesterov(
+                anchor,
+                lr=self.options.outer_lr,
+                momentum=self.options.outer_momentum,
+                nesterov=self.options.outer_nesterov,
+            )
+            for anchor in self.globals_
+        ]
+        self.outer_steps = 0
+
+    # inner step ----------------------------------------------------------------------------
+
+    def inner_step(self, closure: Closure) -> StepStats:
+        """One inner step on this worker's own parameters; advances ``step_index``."""
+        self.flat.check_params()
+        self.flat.zero_grads()
+        count = self.context.microbatches_per_step
+        loss, samples, tokens = run_microbatches(closure, count)
+        self.flat.sync_grads()
+        grads = self.flat.grads if self.flat.dtype == torch.float32 else self.flat.grads.float()
+        lr = self.lr_at(self.step_index)
+        with torch.no_grad():
+            if count > 1:
+                grads.div_(count)
+            # Clipping is local: the inner gradient is never communicated.
+            scale = clip_coefficient(float(grads.square().sum()), self.context.max_grad_norm)
+            if scale < 1.0:
+                grads.mul_(scale)
+            if self.inner is None:
+                self.master.add_(grads, alpha=-lr)
+            else:
+                self.inner.step(grads, lr=lr)
+            self.write_back()
+        self.step_index += 1
+        return StepStats(loss=loss, microbatches=count, samples=samples, tokens=tokens, lr=lr)
+
+    def write_back(self) -> None:
+        """Copy the fp32 working parameters into the model (no-op when they are the model's)."""
+        if self.master is not self.flat.params:
+            self.flat.params.copy_(self.master)
+
+    # outer helpers -------------------------------------------------------------------------
+
+    def local_fragment(self, p: int) -> torch.Tensor:
+        return self.fragments[p].gather(self.master)
+
+    def set_local_fragment(self, p: int, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.fragments[p].scatter(self.master, values)
+            self.write_back()
+
+    def launch_exchange(self, p: int, extras: torch.Tensor | None = None) -> OuterExchange:
+        """Launch the exchange of Delta_p = theta^g_p - theta_p (the §0.3 sign)."""
+        delta = self.globals_[p] - self.local_fragment(p)
+        return OuterExchange(
+            self.comm,
+            delta,
+            extras if extras is not None else torch.zeros(0),
+            self.options.quantization,
+            self.options.quantization_row_size,
+        )
+
+    def outer_step(self, p: int, delta: torch.Tensor) -> None:
+        self.outer[p].step(delta)
+        self.outer_steps += 1
+
+    # Strategy API ---------------------------------------------------------------------------
+
+    @contextmanager
+    def deployed(self) -> Iterator[nn.Module]:
+        """The model at the global (outer) parameters theta^g, which is what DiLoCo deploys;
+        the worker's local parameters are restored afterwards. For the delayed and eager
+        methods theta^g is this worker's own outer copy phi_m (no communication here)."""
+        local = self.flat.params.clone()
+        with torch.no_grad():
+            for fragment, anchor in zip(self.fragments, self.globals_, strict=True):
+                fragment.scatter(self.flat.params, anchor.to(self.flat.dtype))
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                self.flat.params.copy_(local)
+
+    def state_bytes(self) -> int:
+        inner = 0 if self.inner is None else 2 * self.master.numel() * 4
+        master = 0 if self.master is self.flat.params else self.master.numel() * 4
+        outer = sum(g.numel() * 4 + o.state_bytes() for g, o in zip(self.globals_, self.outer, strict=True))
+        return self.flat.bytes + inner + master + outer + self.extra_state_bytes()
+
+    def extra_state_bytes(self) -> int:
+        """Bytes of method-specific persistent buffers (overridden by subclasses)."""
+        return 0
+
+    def check_nothing_in_flight(self) -> None:
+        """Raise if an exchange is in flight: it cannot be saved (call finish() first)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        self.check_nothing_in_flight()
+        return {
+            **super().state_dict(),
+            "master": self.master.clone(),
+            "inner": None if self.inner is None else self.inner.state_dict(),
+            "globals": [g.clone() for g in self.globals_],
+            "outer": [o.state_dict() for o in self.outer],
+            "outer_steps": self.outer_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            self.master.copy_(state["master"])
+            if self.inner is not None:
+                self.inner.load_state_dict(state["inner"])
+            for anchor, saved in zip(self.globals_, state["globals"], strict=True):
+                anchor.copy_(saved)
+            for outer, saved in zip(self.outer, state["outer"], strict=True):
+                outer.load_state_dict(saved)
+            self.write_back()
+        self.outer_steps = int(state["outer_steps"])
+
+
+class DiLoCo(OuterLoopStrategy):
+    """DiLoCo: H local AdamW steps, then a blocking all-reduce of Delta and outer Nesterov.
+
+    Paper: Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
+    Models" (ALGORITHMS.md §4.1). Symbols: H -> options.sync_every, eta_out ->
+    options.outer_lr, mu -> options.outer_momentum, theta^(t-1) -> globals_[0] (the anchor),
+    Delta_m = anchor - local.
+    Reduces to: DDP with SGD when H=1, inner SGD, outer lr 1 and momentum 0
+    (tests/test_diloco.py checks it). Evaluate at a multiple of H to see the synchronized model.
+    """
+
+    name: ClassVar[str] = "diloco"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        context: StrategyContext,
+        options: DiLoCoOptions | None = None,
+    ) -> None:
+        options = options or DiLoCoOptions()
+        if options.fragments not in (None, 1):
+            raise ValueError(
+                f"--diloco.fragments: {options.fragments} is not allowed for diloco, which "
+                f"synchronizes the whole model; use --method streaming_diloco for fragments"
+            )
+        super().__init__(model, comm, context, options)
+
+    def step(self, closure: Closure) -> StepStats:
+        stats = self.inner_step(closure)
+        if self.step_index % self.options.sync_every == 0:
+            exchange = self.launch_exchange(0)
+            mean, _, _ = exchange.wait()  # blocking: nothing overlaps DiLoCo's all-reduce
+            self.outer_step(0, mean)
+            self.set_local_fragment(0, self.globals_[0])
+            stats.extras["outer_step"] = 1.0
+        return stats
+
+
+METHODS: tuple[type[Strategy], ...] = (DiLoCo,)

@@ -1,0 +1,231 @@
+"""CoCoDC (ALGORITHMS.md §4.5): Streaming DiLoCo with delay-compensated merging and adaptive
+fragment transmission.
+
+Paper: "CoCoDC: Communication-Computation overlap with Delay Compensation" (seed 002),
+eqs. 1-12, Alg. 1-2, with ALGORITHMS.md's sign fix of Eq. 8 and the Taylor-consistent d.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lowcomm.comm.base import Comm
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
+from lowcomm.strategies.streaming import InFlight, check_overlap
+
+
+def compensated_merge(
+    new_global: torch.Tensor,
+    at_launch: torch.Tensor,
+    now: torch.Tensor,
+    *,
+    overlap_steps: int,
+    compensation: float,
+    sync_every: int,
+    sign: str = "fixed",
+) -> torch.Tensor:
+    """CoCoDC's merged fragment (Eqs. 4, 7, 8 with the sign fix of ALGORITHMS.md §4.5).
+
+    g^m    = (theta_{t_p} - theta_{t_l}) / tau                     (Eq. 4, descent rate)
+    d      = theta^g_new - theta_{t_p}                             (Taylor-consistent d)
+    g_corr = g^m + lambda g^m * g^m * d / H                        (Eq. 7)
+    fixed:   theta_{t_l} <- theta^g_new - tau g_corr               (sign-fixed Eq. 8)
+    literal: theta_{t_l} <- theta^g_new + tau g_corr               (printed Eq. 8, ablation)
+
+    With lambda = 0 the fixed rule is the new global state plus the local progress made during
+    the overlap. Args map: theta^g_new -> new_global, theta_{t_p} -> at_launch, theta_{t_l} ->
+    now, tau -> overlap_steps, lambda -> compensation, H -> sync_every.
+    """
+    if overlap_steps == 0:
+        return new_global.clone()  # no overlap, no local progress to carry over
+    rate = (at_launch - now) / overlap_steps
+    displacement = new_global - at_launch
+    corrected = rate + compensation * rate * rate * displacement / sync_every
+    if sign == "fixed":
+        return new_global - overlap_steps * corrected
+    if sign == "literal":
+        return new_global + overlap_steps * corrected
+    raise ValueError(f"--diloco.compensation-sign: {sign!r} is unknown; choose fixed or literal")
+
+
+def select_fragment(
+    step: int,
+    last_sync_steps: Sequence[int],
+    rates: Sequence[float],
+    in_flight: Sequence[int],
+    sync_every: int,
+) -> int | None:
+    """CoCoDC's fragment choice at global step t_g (Alg. 2; ALGORITHMS.md §4.5 step 4).
+
+    A fragment with t_g - t_{p,b} >= H is due: choose the stalest, ties by index. Otherwise
+    argmax_p R_p (ties by index). In-flight fragments are excluded. Depends only on values
+    every worker agrees on, so every worker chooses the same fragment. None if all are in flight.
+    """
+    candidates = [p for p in range(len(rates)) if p not in in_flight]
+    if not candidates:
+        return None
+    stale = [p for p in candidates if step - last_sync_steps[p] >= sync_every]
+    if stale:
+        return max(stale, key=lambda p: (step - last_sync_steps[p], -p))
+    return max(candidates, key=lambda p: (rates[p], -p))
+
+
+def syncs_per_period(fragments: int, gamma: float, sync_every: int, step_s: float, sync_s: float) -> int:
+    """Eq. 9-10: N = max(K, floor(gamma H T_c / T_s))."""
+    if not (step_s > 0 and sync_s > 0):
+        return fragments
+    return max(fragments, math.floor(gamma * sync_every * step_s / sync_s))
+
+
+class CoCoDC(OuterLoopStrategy):
+    """CoCoDC: delay-compensated merge and adaptive transmission on top of Streaming DiLoCo.
+
+    Paper: CoCoDC (ALGORITHMS.md §4.5). Symbols: H -> options.sync_every, K -> options.fragments
+    (default 4), tau -> options.overlap_steps, lambda -> options.compensation, gamma ->
+    options.transmission_gamma, R_p -> rates[p] (initially inf), t_{p,b} -> last_sync_steps[p]
+    (initially 0), T_c -> mean inner-step compute seconds, T_s -> seconds from launch to
+    completion of one fragment sync, both on the run's clock (``comm.clock``).
+
+    Agreement: each sync carries this worker's (T_c, T_s) as two float32 values next to the
+    outer gradient; N = max(K, floor(gamma H T_c / T_s)) and h = floor(H / N) are recomputed
+    from the worker-mean when a sync completes, so every worker uses the same h. Until two syncs
+    have completed (or with a comm that has no clock) N = K, h = H/K: plain round robin.
+    R_p = ||mean Delta_p|| / max(1, t_p - t_{p,b}) uses the averaged Delta, also identical.
+    """
+
+    name: ClassVar[str] = "cocodc"
+    default_fragments: ClassVar[int] = 4
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        context: StrategyContext,
+        options: DiLoCoOptions | None = None,
+    ) -> None:
+        options = options or DiLoCoOptions()
+        check_overlap(options, options.fragments or self.default_fragments, self.name)
+        super().__init__(model, comm, context, options)
+        self.rates = [math.inf] * self.num_fragments
+        self.last_sync_steps = [0] * self.num_fragments
+        self.syncs_per_h = self.num_fragments
+        self.interval = self.options.sync_every // self.syncs_per_h
+        self.in_flight: list[InFlight] = []
+        self.clock = getattr(comm, "clock", None)
+        self.step_seconds = 0.0  # EMA of this worker's inner-step compute time (T_c)
+        self.last_sync_seconds = 0.0  # this worker's last measured sync time (T_s)
+        self.agreed_step_seconds = 0.0
+        self.agreed_sync_seconds = 0.0
+        self.compensation_ratio = 0.0
+
+    def step(self, closure: Closure) -> StepStats:
+        before = self._compute_seconds()
+        stats = self.inner_step(closure)
+        after = self._compute_seconds()
+        if before is not None and after is not None:
+            measured = after - before
+            self.step_seconds = measured if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * measured
+        t = self.step_index
+        for sync in [s for s in self.in_flight if s.complete_at <= t]:
+            self.in_flight.remove(sync)
+            self.complete(sync, t)
+        tau = self.options.overlap_steps
+        can_launch = not self.in_flight or self.interval >= tau
+        if t % self.interval == 0 and t + tau <= self.context.total_steps and can_launch:
+            p = select_fragment(
+                t, self.last_sync_steps, self.rates, [s.fragment for s in self.in_flight],
+                self.options.sync_every,
+            )
+            if p is not None:
+                extras = torch.tensor([self.step_seconds, self.last_sync_seconds])
+                snapshot = self.local_fragment(p)
+                sync = InFlight(p, t, t + tau, self.launch_exchange(p, extras), snapshot)
+                self.in_flight.append(sync)
+                stats.extras["synced_fragment"] = float(p)
+                if tau == 0:
+                    self.in_flight.remove(sync)
+                    self.complete(sync, t)
+        stats.extras["syncs_per_h"] = float(self.syncs_per_h)
+        stats.extras["compensation_ratio"] = self.compensation_ratio
+        return stats
+
+    def _compute_seconds(self) -> float | None:
+        if self.clock is None:
+            return None
+        self.clock.mark()
+        return float(self.clock.compute_s)
+
+    def complete(self, sync: InFlight, t: int) -> None:
+        """Wait; outer step; compensated merge; update R_p, t_{p,b}, and the agreed N."""
+        mean, extras, _ = sync.exchange.wait()
+        p = sync.fragment
+        if sync.exchange.sync_seconds is not None and self.clock is not None:
+            self.last_sync_seconds = sync.exchange.sync_seconds
+        self.outer_step(p, mean)
+        assert sync.snapshot is not None
+        now = self.local_fragment(p)
+        merged = compensated_merge(
+            self.globals_[p], sync.snapshot, now,
+            overlap_steps=self.options.overlap_steps,
+            compensation=self.options.compensation,
+            sync_every=self.options.sync_every,
+            sign=self.options.compensation_sign,
+        )
+        if self.options.overlap_steps > 0:
+            # ||compensation|| / ||tau g^m|| (prediction D3 of ALGORITHMS.md §7.3).
+            plain = self.globals_[p] + (now - sync.snapshot)
+            progress = float((now - sync.snapshot).norm())
+            self.compensation_ratio = float((merged - plain).norm()) / progress if progress > 0 else 0.0
+        self.set_local_fragment(p, merged)
+        # Eq. 11-12: the rate metric from the averaged outer gradient, then the last-sync step.
+        self.rates[p] = float(mean.norm()) / max(1, sync.launched_at - self.last_sync_steps[p])
+        self.last_sync_steps[p] = t
+        if extras.numel() == 2 and float(extras[0]) > 0 and float(extras[1]) > 0:
+            self.agreed_step_seconds = float(extras[0])
+            self.agreed_sync_seconds = float(extras[1])
+            self.syncs_per_h = syncs_per_period(
+                self.num_fragments, self.options.transmission_gamma, self.options.sync_every,
+                self.agreed_step_seconds, self.agreed_sync_seconds,
+            )
+            self.interval = max(1, self.options.sync_every // self.syncs_per_h)
+
+    def finish(self) -> None:
+        for sync in list(self.in_flight):
+            self.in_flight.remove(sync)
+            self.complete(sync, self.step_index)
+
+    def check_nothing_in_flight(self) -> None:
+        if self.in_flight:
+            raise RuntimeError("cocodc: a fragment sync is in flight; call finish() before state_dict()")
+
+    def extra_state_bytes(self) -> int:
+        # The in-flight buffer and the launch snapshot of one fragment (Eq. 4 needs it).
+        return 2 * 4 * max(f.numel for f in self.fragments)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "rates": list(self.rates),
+            "last_sync_steps": list(self.last_sync_steps),
+            "syncs_per_h": self.syncs_per_h,
+            "step_seconds": self.step_seconds,
+            "last_sync_seconds": self.last_sync_seconds,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.rates = [float(r) for r in state["rates"]]
+        self.last_sync_steps = [int(s) for s in state["last_sync_steps"]]
+        self.syncs_per_h = int(state["syncs_per_h"])
+        self.interval = max(1, self.options.sync_every // self.syncs_per_h)
+        self.step_seconds = float(state["step_seconds"])
+        self.last_sync_seconds = float(state["last_sync_seconds"])
+
+
+METHODS: tuple[type[Strategy], ...] = (CoCoDC,)
