@@ -101,10 +101,10 @@ def test_rejects_sequences_longer_than_block_size() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"n_embd": 100, "n_head": 3}, r"model.n_embd: 100 is not divisible by model.n_head=3"),
-        ({"n_layer": 0}, r"model.n_layer: 0 is not a positive integer"),
-        ({"block_size": -1}, r"model.block_size"),
-        ({"dropout": 1.0}, r"model.dropout: 1.0 is outside \[0, 1\)"),
+        ({"n_embd": 100, "n_head": 3}, r"--model.n-embd: 100 is not divisible by --model.n-head=3"),
+        ({"n_layer": 0}, r"--model.n-layer: 0 is not a positive integer"),
+        ({"block_size": -1}, r"--model.block-size"),
+        ({"dropout": 1.0}, r"--model.dropout: 1.0 is outside \[0, 1\)"),
     ],
 )
 def test_bad_config_names_the_field(kwargs: dict[str, object], message: str) -> None:
@@ -117,7 +117,7 @@ def test_bad_config_names_the_field(kwargs: dict[str, object], message: str) -> 
 def test_unknown_family() -> None:
     with pytest.raises(
         ValueError,
-        match=re.escape("model.family: unknown family 'foo'; choose one of gpt, hf-gpt2, hf-llama"),
+        match=re.escape("--model.family: unknown family 'foo'; choose one of gpt, hf-gpt2, hf-llama"),
     ):
         ModelConfig(family="foo")
 

@@ -7,6 +7,7 @@ hand-written PyTorch loop; ``lowcomm methods`` lists the methods.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -108,8 +109,38 @@ USAGE = """usage: lowcomm {train,bench,plan,methods} [OPTIONS]
 """
 
 
+class _OptionError(Exception):
+    """An option dataclass rejected its value while the command line was parsed."""
+
+
+def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
+    """Make a ValueError from an options dataclass's validation a one-line error.
+
+    tyro reports such errors in a multi-line box; its hook to take over is not public API
+    yet, so this degrades to tyro's own box (still exit code 2) if the hook moves.
+    """
+    try:
+        from tyro._errors import InstantiationFailure, on_parse_error
+    except ImportError:
+        return contextlib.nullcontext()
+
+    def hook(event: object) -> None:
+        if isinstance(event, InstantiationFailure):
+            raise _OptionError(str(event.message))
+
+    return on_parse_error(hook)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    with _one_line_option_errors():
+        try:
+            _main(argv)
+        except _OptionError as error:
+            _fail(str(error))
+
+
+def _main(argv: list[str] | None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")

@@ -22,6 +22,7 @@ from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
 from lowcomm.strategies.acco import AccoOptions
+from lowcomm.strategies.base import StrategyContext
 from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
@@ -168,11 +169,37 @@ class TrainConfig:
             raise ConfigError(
                 f"--collective-timeout-s: {self.collective_timeout_s} must be positive"
             )
+        self._validate_method_options()
         if self.data.data is not None and not Path(self.data.data).expanduser().exists():
             raise ConfigError(
                 f"--data: path {self.data.data!r} does not exist; pass a text file, a "
                 f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
             )
+
+    def strategy_context(self) -> StrategyContext:
+        return StrategyContext(
+            optim=self.optim,
+            schedule=self.schedule,
+            total_steps=self.steps,
+            microbatches_per_step=self.microbatches_per_step,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+    def _validate_method_options(self) -> None:
+        """Construct the method once on a recording communicator of the run's world size, so
+        options that depend on the model or the worker count fail here, before any worker
+        starts, with the method's own message."""
+        from lowcomm.comm.fake import RecordingComm
+        from lowcomm.models import build_model
+        from lowcomm.strategies import build_strategy
+
+        try:
+            model = build_model(self.model, self.data.vocab_size)
+            build_strategy(
+                self.method, model, RecordingComm(world_size=self.workers), self.strategy_context(), self
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     def network_profile(self) -> NetworkProfile:
         return NetworkProfile.from_preset(

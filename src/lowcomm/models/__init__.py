@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowcomm.models.base import CausalLM
-from lowcomm.models.gpt import GPT, GPTConfig
+from lowcomm.models.gpt import GPT, GPTConfig, check_shape
 from lowcomm.models.hf import HF_MODEL_TYPES, HFCausalLM, build_hf_model
 
 MODEL_FAMILIES = ("gpt", "hf-gpt2", "hf-llama")
@@ -40,25 +40,16 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in MODEL_FAMILIES:
             raise ValueError(
-                f"model.family: unknown family {self.family!r}; choose one of "
+                f"--model.family: unknown family {self.family!r}; choose one of "
                 f"{', '.join(MODEL_FAMILIES)}"
             )
-        for field_name in ("n_layer", "n_head", "n_embd", "block_size"):
-            value = getattr(self, field_name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"model.{field_name}: {value!r} is not a positive integer; pass an integer >= 1"
-                )
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"model.n_embd: {self.n_embd} is not divisible by model.n_head={self.n_head}; "
-                f"each head gets n_embd / n_head channels, so pick n_embd as a multiple of "
-                f"n_head (for example {self.n_head * max(1, round(self.n_embd / self.n_head))})"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(
-                f"model.dropout: {self.dropout} is outside [0, 1); pass a probability such as 0.0"
-            )
+        check_shape(
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            block_size=self.block_size,
+            dropout=self.dropout,
+        )
 
 
 def build_model(config: ModelConfig, vocab_size: int) -> CausalLM:

@@ -41,22 +41,40 @@ class GPTConfig:
     """Whether linear layers and LayerNorms carry a bias."""
 
     def __post_init__(self) -> None:
-        for field_name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            value = getattr(self, field_name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"model.{field_name}: {value!r} is not a positive integer; pass an integer >= 1"
-                )
-        if self.n_embd % self.n_head != 0:
+        check_shape(
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            block_size=self.block_size,
+            dropout=self.dropout,
+            vocab_size=self.vocab_size,
+        )
+
+
+def check_shape(*, dropout: float, **sizes: int) -> None:
+    """Validate a transformer's shape; errors name the command-line flag and the fix.
+
+    Raises:
+        ValueError: for a non-positive size, a width not divisible by the head count, or a
+            dropout outside [0, 1).
+    """
+    for field_name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
             raise ValueError(
-                f"model.n_embd: {self.n_embd} is not divisible by model.n_head={self.n_head}; "
-                f"each head gets n_embd / n_head channels, so pick n_embd as a multiple of "
-                f"n_head (for example {self.n_head * max(1, round(self.n_embd / self.n_head))})"
+                f"--model.{field_name.replace('_', '-')}: {value!r} is not a positive integer; "
+                f"pass an integer >= 1"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(
-                f"model.dropout: {self.dropout} is outside [0, 1); pass a probability such as 0.0"
-            )
+    n_head, n_embd = sizes["n_head"], sizes["n_embd"]
+    if n_embd % n_head != 0:
+        raise ValueError(
+            f"--model.n-embd: {n_embd} is not divisible by --model.n-head={n_head}; each head "
+            f"gets n_embd / n_head channels, so pick n_embd as a multiple of n_head (for "
+            f"example {n_head * max(1, round(n_embd / n_head))})"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(
+            f"--model.dropout: {dropout} is outside [0, 1); pass a probability such as 0.0"
+        )
 
 
 class CausalSelfAttention(nn.Module):

@@ -95,12 +95,12 @@ def build_hf_model(
     """
     if name not in HF_MODEL_TYPES:
         raise ValueError(
-            f"model.family: unknown HF model type {name!r}; choose one of "
+            f"--model.family: unknown HF model type {name!r}; choose one of "
             f"{', '.join(HF_MODEL_TYPES)}"
         )
     if n_embd % n_head != 0:
         raise ValueError(
-            f"model.n_embd: {n_embd} is not divisible by model.n_head={n_head}; "
+            f"--model.n-embd: {n_embd} is not divisible by --model.n-head={n_head}; "
             f"pick n_embd as a multiple of n_head"
         )
     transformers = _import_transformers()

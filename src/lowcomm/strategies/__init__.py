@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from torch import nn
+
+from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import (
     Closure,
     MicroBatchResult,
@@ -50,6 +53,18 @@ def strategy_class(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
+def build_strategy(
+    method: str, model: nn.Module, comm: Comm, context: StrategyContext, options_source: object
+) -> Strategy:
+    """Construct ``method``, handing it its family's options read from ``options_source``
+    (a :class:`lowcomm.config.TrainConfig`: the attribute named by ``options_field``)."""
+    cls = strategy_class(method)
+    if cls.options_field is None:
+        return cls(model, comm, context)
+    options = getattr(options_source, cls.options_field)
+    return cls(model, comm, context, options=options)  # type: ignore[call-arg]
+
+
 __all__ = [
     "DDP",
     "STRATEGIES",
@@ -59,5 +74,6 @@ __all__ = [
     "Strategy",
     "StrategyContext",
     "ZeRO1",
+    "build_strategy",
     "strategy_class",
 ]

@@ -19,7 +19,7 @@ from lowcomm.comm.emulated import NetworkComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
-from lowcomm.strategies import MicroBatchResult, Strategy, StrategyContext, strategy_class
+from lowcomm.strategies import MicroBatchResult, build_strategy
 from lowcomm.train.metrics import RunWriter, StepRecord
 
 # Order of the per-step numbers each worker contributes to the gather on rank 0.
@@ -71,17 +71,6 @@ def _evaluate(
     return float(total[0] / total[1]) if total[1] > 0 else math.nan
 
 
-def build_strategy(
-    config: TrainConfig, model: torch.nn.Module, comm: Comm, context: StrategyContext
-) -> Strategy:
-    """Construct the configured method, handing it its family's options if it has any."""
-    cls = strategy_class(config.method)
-    if cls.options_field is None:
-        return cls(model, comm, context)
-    options = getattr(config, cls.options_field)
-    return cls(model, comm, context, options=options)  # type: ignore[call-arg]
-
-
 def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
     """Train on this worker. ``raw`` is the un-emulated communicator of the process group;
     strategy traffic goes through a :class:`NetworkComm` around it, metrics go around it."""
@@ -103,14 +92,7 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
         seconds_per_microbatch=config.seconds_per_microbatch,
     )
     comm = NetworkComm(raw, profile, clock, device=device)
-    context = StrategyContext(
-        optim=config.optim,
-        schedule=config.schedule,
-        total_steps=config.steps,
-        microbatches_per_step=config.microbatches_per_step,
-        max_grad_norm=config.max_grad_norm,
-    )
-    strategy = build_strategy(config, model, comm, context)
+    strategy = build_strategy(config.method, model, comm, config.strategy_context(), config)
 
     shard = WorkerShard(
         corpus,
@@ -191,6 +173,7 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
                             _STEP_FIELDS,
                             val_loss if evaluate else None,
                             clock.kind,
+                            stats.extras,
                         )
                     )
         strategy.finish()

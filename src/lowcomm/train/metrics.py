@@ -44,6 +44,8 @@ class StepRecord:
     tokens: int
     exposed_comm_s_per_worker: list[float]
     clock: str
+    extras: dict[str, float]
+    """Method-specific numbers (StepStats.extras) as seen by worker 0."""
 
     @classmethod
     def from_tensor(
@@ -54,6 +56,7 @@ class StepRecord:
         fields: tuple[str, ...],
         val_loss: float | None,
         clock: str,
+        extras: dict[str, float] | None = None,
     ) -> StepRecord:
         column = {name: per_worker[:, i].tolist() for i, name in enumerate(fields)}
         compute = statistics.fmean(column["compute_s"])
@@ -74,6 +77,7 @@ class StepRecord:
             tokens=int(sum(column["tokens"])),
             exposed_comm_s_per_worker=column["exposed_comm_s"],
             clock=clock,
+            extras=dict(extras or {}),
         )
 
 
