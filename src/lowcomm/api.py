@@ -72,8 +72,12 @@ def make_strategy(
     warmup_steps: int = 0,
     microbatches_per_step: int = 1,
     max_grad_norm: float | None = 1.0,
+    options: object | None = None,
 ) -> Strategy:
     """Build the strategy ``method`` around ``model``.
+
+    ``options`` is the method family's options dataclass (for example
+    ``DiLoCoOptions(sync_every=32)`` for ``diloco``); None uses the family's defaults.
 
     Raises:
         ValueError: for an unknown method or an invalid hyperparameter, naming the fix.
@@ -85,4 +89,9 @@ def make_strategy(
         microbatches_per_step=microbatches_per_step,
         max_grad_norm=max_grad_norm,
     )
-    return strategy_class(method)(model, comm, context)
+    cls = strategy_class(method)
+    if options is None or cls.options_field is None:
+        if options is not None:
+            raise ValueError(f"options: method {method!r} takes no options; drop the argument")
+        return cls(model, comm, context)
+    return cls(model, comm, context, options=options)  # type: ignore[call-arg]
