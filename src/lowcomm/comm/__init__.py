@@ -20,6 +20,7 @@ from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.fake import CommCall, RecordingComm
 from lowcomm.comm.local import LocalComm
 from lowcomm.comm.network import PRESETS, NetworkProfile, bytes_sent
+from lowcomm.comm.overlap import CommThread, FutureHandle, LaunchAgreement
 
 __all__ = [
     "PRESETS",
@@ -28,8 +29,11 @@ __all__ = [
     "CollectiveKind",
     "Comm",
     "CommCall",
+    "CommThread",
     "CompletedHandle",
+    "FutureHandle",
     "Handle",
+    "LaunchAgreement",
     "LocalComm",
     "NetworkComm",
     "NetworkProfile",

@@ -14,6 +14,11 @@ a collective starts when the link is free and every participant has launched it.
   tiny side collective that is neither charged nor counted, so every rank computes the same
   start and completion. ``done()`` answers by the virtual clock; ``wait()`` moves the clock to
   the completion. Blocking in real time to learn a peer's launch time costs no virtual time.
+
+Collectives issued on another thread (``lowcomm.comm.overlap``): :meth:`NetworkComm.offload`
+and :meth:`NetworkComm.record` let the clock's thread account for a chain that a communication
+thread issues on ``inner`` (bytes, modeled cost, place on the link, completion time) without
+issuing anything itself; the launch-time exchange then runs on the communication thread.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from lowcomm.comm.base import (
 )
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.network import NetworkProfile, bytes_sent
+from lowcomm.comm.overlap import LaunchAgreement
 
 
 class _EmulatedHandle:
@@ -138,6 +144,20 @@ class NetworkComm:
             self._link_free_at = head.finish_time
         return handle.finish_time
 
+    def _account(
+        self, kind: CollectiveKind, role: Role | None, payload_bytes: int, src: int = 0
+    ) -> float:
+        """Count one collective's bytes (by role and kind); return its modeled cost."""
+        world_size = self.inner.world_size
+        sent = bytes_sent(kind, payload_bytes, world_size, self.inner.rank, src)
+        if role is not None:
+            self.bytes_by_role[role] += sent
+        self.bytes_by_kind[kind] += sent
+        self.calls_by_kind[kind] += 1
+        cost = self.profile.collective_time(kind, payload_bytes, world_size)
+        self.modeled_comm_s += cost
+        return cost
+
     def _launch(
         self,
         kind: CollectiveKind,
@@ -148,13 +168,7 @@ class NetworkComm:
         src: int = 0,
     ) -> Handle:
         world_size = self.inner.world_size
-        sent = bytes_sent(kind, full_bytes, world_size, self.inner.rank, src)
-        if role is not None:
-            self.bytes_by_role[role] += sent
-        self.bytes_by_kind[kind] += sent
-        self.calls_by_kind[kind] += 1
-        cost = self.profile.collective_time(kind, full_bytes, world_size)
-        self.modeled_comm_s += cost
+        cost = self._account(kind, role, full_bytes, src)
         launch_time = self.clock.now()
         launch_times: torch.Tensor | None = None
         launch_times_handle: Handle | None = None
@@ -214,6 +228,59 @@ class NetworkComm:
         return self._launch(
             CollectiveKind.BARRIER, None, 0, self.inner.barrier, self._barrier_device
         )
+
+    # --- collectives issued on another thread (lowcomm.comm.overlap) ----------------------
+
+    def offload(self, device: torch.device | None = None) -> LaunchAgreement:
+        """Start a chain of collectives that a communication thread will issue on ``inner``.
+
+        Call on the clock's thread. Returns the :class:`LaunchAgreement` the communication
+        thread must ``run(self.inner)`` before any collective of the chain; pass it to
+        :meth:`record` for each collective of the chain. This worker's launch time is read now.
+        """
+        exchange = self.clock.kind == "virtual" and self.inner.world_size > 1
+        return LaunchAgreement(
+            self.clock.now(), exchange=exchange, device=device or self._barrier_device
+        )
+
+    def record(
+        self,
+        kind: CollectiveKind,
+        *,
+        role: Role | None,
+        payload_bytes: int,
+        completion: Handle,
+        agreement: LaunchAgreement,
+    ) -> Handle:
+        """Account for one collective that another thread issues on ``inner``, without issuing it.
+
+        Counts its bytes (by role and kind), prices it with the network model, and queues it
+        on this link behind everything recorded or launched before, exactly as if it had been
+        launched at ``agreement.launch_time``. Call on the clock's thread, in the order the
+        other thread issues the collectives (the same order on every rank).
+
+        Args:
+            kind: the collective.
+            role: what the payload is (None for a barrier).
+            payload_bytes: the full (unsharded) payload, as for the issuing methods.
+            completion: completes when the real transfer is done (e.g. the thread's future).
+            agreement: from :meth:`offload`; on the virtual clock its agreed start is used.
+
+        Returns:
+            A handle that completes when ``completion`` has and the modeled completion time
+            has passed on this clock (on the virtual clock ``done()`` follows the clock only).
+        """
+        cost = self._account(kind, role, payload_bytes)
+        handle = _EmulatedHandle(
+            self,
+            completion,
+            cost,
+            agreement.launch_time,
+            agreement.times if agreement.exchange else None,
+            agreement if agreement.exchange else None,
+        )
+        self._unresolved.append(handle)
+        return handle
 
     def counters(self) -> dict[str, float]:
         """Bytes this worker sent, by role (for metrics)."""

@@ -4,6 +4,10 @@ It plays one rank of a group of ``world_size`` in which every rank holds the sam
 this one (the situation of data-parallel replicas fed identical data), so results are exact:
 a mean is the identity, a sum multiplies by ``world_size``, an all-gather tiles. Every call is
 recorded so tests can assert call counts, roles, sizes and order.
+
+Caveat for sharded methods: the all-gather tiles *this* rank's shard into every slot (the
+other ranks' shards are not known here), so with ``world_size > 1`` a ZeRO-style parameter
+all-gather yields wrong values. Check values of sharded methods on a group of one or on Gloo.
 """
 
 from __future__ import annotations

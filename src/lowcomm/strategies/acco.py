@@ -1,18 +1,687 @@
-"""ACCO, DPU and weight prediction (ACCO paper): not implemented yet (its issue is open).
+"""ACCO, DPU and weight prediction: sharded AdamW that accumulates while it communicates.
 
-This module holds the family's option dataclass so that the CLI already has its place.
+Paper: Nabli et al., *ACCO: Accumulate While You Communicate for Communication-Overlapped
+Sharded LLM Training* (../shared/seeds/000_c21372be6ab2c5c4.txt). Specification:
+ALGORITHMS.md §2 (2.1 DPU, 2.2 WP, 2.3 ACCO's executable loop, 2.4 Table 1 memory), built on
+ZeRO-1 (§1.2, ``strategies/zero1.py``).
+
+All three methods keep ZeRO-1's layout (full working parameters and gradients, the fp32
+master and AdamW moments only for this worker's shard S_i) plus one model-sized communication
+buffer B, and run the chain
+
+    C <- AR_sum(c_B);  g_hat <- RS_sum(B)[S_i] / C;  sharded optimizer step;  B <- AG(shard)
+
+on a communication thread (:class:`lowcomm.comm.overlap.CommThread`, plus a side CUDA stream
+on GPU) while the main thread keeps running the closure, accumulating micro-batch gradients
+into G (the flat gradient buffer) and counting them in n, until the chain is done (at least
+one micro-batch; "done" by the run's clock when the communicator is a ``NetworkComm``). Then
+the *join*: theta <- B, B <- G, c_B <- n. Every reduction is normalised by C, the summed
+micro-batch counts of all workers, so workers may contribute different counts.
+
+Symbols -> code: theta -> ``flat.params``; G, n -> ``flat.grads``, ``self.accumulated``;
+B, c_B -> ``self.buffer``, ``self.buffer_count``; Theta_i, m_i, v_i, s -> ``self.optimizer``
+(``master``, ``exp_avg``, ``exp_avg_sq``, ``step_count``); C -> the chain's return value;
+W -> ``options.dpu_warmup_steps``; the forced per-phase count -> ``options.microbatches_per_phase``.
+
+Thread safety (docs/ARCHITECTURE.md hazards): while a chain is in flight, every collective of
+the strategy is issued by the communication thread, on the *inner* communicator; the main
+thread issues none and only does the accounting on the ``NetworkComm`` (``offload`` /
+``record``: bytes by role, modeled cost, completion time) and reads its own clock. Every
+``step()`` waits for its last chain before returning, so no collective of ours is in flight
+when the training loop talks to other workers between steps.
+
+Learning-rate schedule: indexed by committed samples, as ACCO's reference code advances its
+scheduler by the micro-batch gradients each committed step consumed. Schedule step =
+floor(committed gradients summed over workers / (phases x M x ``--microbatches-per-step``)),
+phases = 2 for ACCO (its two halves) and 1 for DPU and WP: the number of steps of the
+synchronous baseline that would have consumed the same samples.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from lowcomm.strategies.base import Strategy
+import torch
+from torch import nn
+
+from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, payload_bytes
+from lowcomm.comm.emulated import NetworkComm
+from lowcomm.comm.overlap import CommThread, FutureHandle, LaunchAgreement
+from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
+from lowcomm.strategies.base import (
+    Closure,
+    MicroBatchResult,
+    StepStats,
+    Strategy,
+    StrategyContext,
+    clip_coefficient,
+)
+from lowcomm.strategies.flat import FlatBuffers
 
 
 @dataclass(kw_only=True)
 class AccoOptions:
-    """Options of the ACCO, DPU and weight prediction methods (none yet)."""
+    """Options of acco, dpu and wp (ACCO paper; ALGORITHMS.md §2). ACCO itself has no new
+    hyperparameter: every field here is for the baselines or for tests."""
+
+    microbatches_per_phase: int | None = None
+    """Micro-batches each worker computes per communication phase. None (the papers'
+    behaviour): accumulate until the communication chain is done, at least one, so counts vary
+    by worker and step. An integer forces exactly that many (the compute side then waits for
+    the chain if it is slower): a fixed schedule, for equal-token comparisons and tests."""
+
+    dpu_warmup_steps: int = 0
+    """W: dpu only. Plain (sequential) ZeRO-1 steps before the delayed updates start. 0 is
+    the plain DPU rule; ZeRO-Offload recommends 40 and ACCO also tests 500."""
+
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """Sharded optimizer: adamw (the papers') or sgd (theta <- theta (1 - lr wd) - lr g, the
+    setting of ACCO's Prop. 3.2 analysis; used by the equation tests)."""
+
+    def __post_init__(self) -> None:
+        if self.microbatches_per_phase is not None and self.microbatches_per_phase < 1:
+            raise ValueError(
+                f"--acco.microbatches-per-phase: {self.microbatches_per_phase} must be >= 1; "
+                f"pass a positive count, or None to accumulate until communication is done"
+            )
+        if self.dpu_warmup_steps < 0:
+            raise ValueError(
+                f"--acco.dpu-warmup-steps: {self.dpu_warmup_steps} must be >= 0; pass 0 for "
+                f"plain DPU or the number of sequential ZeRO-1 steps to run first (e.g. 40)"
+            )
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(
+                f"--acco.optimizer: unknown optimizer {self.optimizer!r}; choose adamw or sgd"
+            )
 
 
-METHODS: tuple[type[Strategy], ...] = ()
+class FlatSGD:
+    """Plain SGD with decoupled weight decay on one flat fp32 master tensor.
+
+    ``theta <- theta (1 - lr lambda) - lr g`` (lambda = ``config.weight_decay``). Used with
+    ``--acco.optimizer sgd``; with lambda = 0 it is the optimizer of ACCO's Prop. 3.2.
+    """
+
+    bytes_per_parameter: ClassVar[int] = 4
+
+    def __init__(self, master: torch.Tensor, config: AdamWConfig) -> None:
+        if master.dtype != torch.float32 or master.dim() != 1:
+            raise ValueError("FlatSGD needs a 1-D float32 master tensor")
+        self.master = master
+        self.config = config
+        self.step_count = 0
+
+    def step(self, grad: torch.Tensor, *, lr: float) -> None:
+        self.step_count += 1
+        if self.config.weight_decay:
+            self.master.mul_(1.0 - lr * self.config.weight_decay)
+        self.master.add_(grad, alpha=-lr)
+
+    def lookahead(self, grad: torch.Tensor, *, lr: float, out: torch.Tensor) -> torch.Tensor:
+        """The parameters :meth:`step` would produce, written to ``out``; no state changes."""
+        out.copy_(self.master)
+        if self.config.weight_decay:
+            out.mul_(1.0 - lr * self.config.weight_decay)
+        return out.add_(grad, alpha=-lr)
+
+    def state_bytes(self) -> int:
+        return self.master.numel() * self.master.element_size()
+
+    def state_dict(self) -> dict[str, torch.Tensor | int]:
+        return {"master": self.master.clone(), "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | int]) -> None:
+        master = state["master"]
+        step_count = state["step_count"]
+        assert isinstance(master, torch.Tensor) and isinstance(step_count, int)
+        self.master.copy_(master)
+        self.step_count = step_count
+
+
+def adamw_lookahead(
+    optimizer: FlatAdamW, grad: torch.Tensor, *, lr: float, out: torch.Tensor
+) -> torch.Tensor:
+    """AdamW lookahead (ALGORITHMS.md §0.3): the theta' one AdamW step with ``grad`` would give
+    from the optimizer's current (theta, m, v, s), written to ``out``; m, v, s and theta are
+    not written back. Same operations, in the same order, as :meth:`FlatAdamW.step`, so the
+    result equals a committed step bit for bit."""
+    beta1, beta2 = optimizer.config.betas
+    step = optimizer.step_count + 1
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    out.copy_(optimizer.master)
+    if optimizer.config.weight_decay:
+        out.mul_(1.0 - lr * optimizer.config.weight_decay)
+    first = optimizer.exp_avg.clone().lerp_(grad, 1.0 - beta1)
+    second = optimizer.exp_avg_sq.clone().mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    denom = (second / bias2).sqrt_().add_(optimizer.config.eps)
+    return out.addcdiv_(first, denom, value=-lr / bias1)
+
+
+class _Mode(enum.Enum):
+    """What the sharded optimizer does with the reduced gradient in one chain."""
+
+    COMMIT = "commit"  # AdamW step (DPU, ACCO's update phase, ZeRO-1 warm-up)
+    LOOKAHEAD = "lookahead"  # AdamW lookahead, nothing committed (ACCO's estimate phase)
+    COMMIT_THEN_LOOKAHEAD = "commit_then_lookahead"  # WP: commit, then predict with the same g
+
+
+@dataclass
+class _Tally:
+    """Micro-batches one worker ran during one step (or one phase)."""
+
+    loss_sum: float = 0.0
+    microbatches: int = 0
+    samples: int = 0
+    tokens: int = 0
+
+    def add(self, result: MicroBatchResult) -> None:
+        self.loss_sum += result.loss
+        self.microbatches += 1
+        self.samples += result.samples
+        self.tokens += result.tokens
+
+    def merge(self, other: _Tally) -> None:
+        self.loss_sum += other.loss_sum
+        self.microbatches += other.microbatches
+        self.samples += other.samples
+        self.tokens += other.tokens
+
+
+@dataclass
+class _Chain:
+    """One chain in flight: the thread's future and the modeled handles of its collectives."""
+
+    future: FutureHandle[int]
+    handles: list[Handle]
+
+    def done(self) -> bool:
+        # The link serves the chain's collectives in order: the last one done = all done.
+        return self.handles[-1].done()
+
+    def wait(self) -> int:
+        for handle in self.handles:
+            handle.wait()  # on the main thread: exposed time is charged here, and only here
+        return self.future.result()
+
+
+class _ShardedOverlap(Strategy):
+    """Shared machinery of ACCO, DPU and WP (see the module docstring).
+
+    Args:
+        model: the model; its parameters are rebound into flat buffers.
+        comm: the communicator; a ``NetworkComm`` is accounted for on its clock while the
+            chain's real collectives run on its inner communicator.
+        context: optimizer, schedule and step settings.
+        options: the family's options (``--acco.*``).
+    """
+
+    options_field: ClassVar[str | None] = "acco"
+    #: Communication phases per committed optimizer step (the schedule's unit).
+    phases_per_commit: ClassVar[int] = 1
+    #: Whether the chain ever computes a lookahead (needs an extra fp32 shard).
+    uses_lookahead: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        context: StrategyContext,
+        options: AccoOptions | None = None,
+    ) -> None:
+        super().__init__(model, comm, context)
+        self.options = options if options is not None else AccoOptions()
+        self.network: NetworkComm | None = comm if isinstance(comm, NetworkComm) else None
+        # The comm thread issues the real collectives on the inner communicator; accounting
+        # happens on the NetworkComm, on the main thread.
+        self.inner: Comm = comm.inner if isinstance(comm, NetworkComm) else comm
+        world_size = comm.world_size
+        self.flat = FlatBuffers(model, pad_to=world_size)
+        self.shard_numel = self.flat.padded_numel // world_size
+        begin = comm.rank * self.shard_numel
+        self.shard = slice(begin, begin + self.shard_numel)
+        # clone(): on CPU .float() of a float32 tensor is the same storage (ZeRO-1's hazard).
+        master = self.flat.params[self.shard].float().clone()
+        self.optimizer: FlatAdamW | FlatSGD = (
+            FlatAdamW(master, context.optim)
+            if self.options.optimizer == "adamw"
+            else FlatSGD(master, context.optim)
+        )
+        self.shard_grad = torch.zeros(
+            self.shard_numel, dtype=self.flat.dtype, device=self.flat.device
+        )
+        self.estimate: torch.Tensor | None = (
+            torch.zeros(self.shard_numel, dtype=torch.float32, device=self.flat.device)
+            if self.uses_lookahead
+            else None
+        )
+        # B and c_B: the communication buffer (gradients going out, parameters coming back).
+        self.buffer = torch.zeros_like(self.flat.params)
+        self.buffer_count = 0
+        # n: micro-batch gradients accumulated in G (= self.flat.grads) since its last reset.
+        self.accumulated = 0
+        self.primed = False
+        # Micro-batch gradients (summed over workers) consumed by committed steps so far.
+        self.committed_gradients = 0
+        self.thread: CommThread | None = None
+        self.stream: Any = (
+            torch.cuda.Stream(device=self.flat.device)  # type: ignore[no-untyped-call]
+            if self.flat.device.type == "cuda"
+            else None
+        )
+        #: The CUDA stream the last chain ran on (None on CPU); for the GPU test.
+        self.last_chain_stream: Any = None
+
+    # --- schedule ------------------------------------------------------------------------
+
+    def schedule_step(self, committed_gradients: int | None = None) -> int:
+        """The LR schedule's step after ``committed_gradients`` committed micro-batch
+        gradients (default: the current count); see the module docstring."""
+        count = self.committed_gradients if committed_gradients is None else committed_gradients
+        unit = self.phases_per_commit * self.comm.world_size * self.context.microbatches_per_step
+        return count // unit
+
+    # --- the chain (communication thread) ------------------------------------------------
+
+    def _run_chain(
+        self,
+        source: torch.Tensor,
+        target: torch.Tensor,
+        local_count: int,
+        mode: _Mode,
+        lr: float,
+        committed_before: int,
+        agreement: LaunchAgreement | None,
+    ) -> int:
+        """C <- AR(c_B); g_hat <- RS(source)/C; optimizer; target <- AG. Returns C.
+
+        Runs on the communication thread; touches only the inner communicator, the optimizer
+        shard and the buffers handed to it (never the clock, never ``flat.params`` during an
+        overlapped phase)."""
+        if agreement is not None:
+            agreement.run(self.inner)
+        stream_context = (
+            torch.cuda.stream(self.stream) if self.stream is not None else _null_context()
+        )
+        with stream_context:
+            self.last_chain_stream = (
+                torch.cuda.current_stream(self.flat.device) if self.stream is not None else None
+            )
+            count = torch.tensor([float(local_count)], dtype=torch.float64, device=source.device)
+            self.inner.all_reduce(count, op="sum", role=Role.OTHER).wait()
+            total = round(float(count.item()))
+            self.inner.reduce_scatter(self.shard_grad, source, op="sum", role=Role.GRADIENT).wait()
+            grad = self.shard_grad.float().div_(total)
+            if self.context.max_grad_norm is not None:
+                squared = grad.square().sum().reshape(1).double()
+                self.inner.all_reduce(squared, op="sum", role=Role.OTHER).wait()
+                scale = clip_coefficient(float(squared), self.context.max_grad_norm)
+                if scale < 1.0:
+                    grad.mul_(scale)
+            if mode is _Mode.COMMIT:
+                self.optimizer.step(grad, lr=lr)
+                out = self.optimizer.master
+            elif mode is _Mode.LOOKAHEAD:
+                out = self._lookahead(grad, lr)
+            else:
+                self.optimizer.step(grad, lr=lr)
+                # WP predicts the next committed step: its LR is the schedule's after this commit.
+                next_lr = self.lr_at(self.schedule_step(committed_before + total))
+                out = self._lookahead(grad, next_lr)
+            self.inner.all_gather(target, out.to(self.flat.dtype), role=Role.PARAMETER).wait()
+            if self.stream is not None:
+                self.stream.synchronize()
+        return total
+
+    def _lookahead(self, grad: torch.Tensor, lr: float) -> torch.Tensor:
+        assert self.estimate is not None
+        if isinstance(self.optimizer, FlatAdamW):
+            return adamw_lookahead(self.optimizer, grad, lr=lr, out=self.estimate)
+        return self.optimizer.lookahead(grad, lr=lr, out=self.estimate)
+
+    # --- main thread ---------------------------------------------------------------------
+
+    def _launch(
+        self, source: torch.Tensor, target: torch.Tensor, local_count: int, mode: _Mode, lr: float
+    ) -> _Chain:
+        """Start a chain on the communication thread and account for its collectives."""
+        if self.thread is None:
+            self.thread = CommThread()
+        if self.stream is not None:
+            # B was written on the main stream: the side stream must see it.
+            self.stream.wait_stream(torch.cuda.current_stream(self.flat.device))
+        agreement = self.network.offload(source.device) if self.network is not None else None
+        committed_before = self.committed_gradients
+        future = self.thread.submit(
+            lambda: self._run_chain(
+                source, target, local_count, mode, lr, committed_before, agreement
+            )
+        )
+        if self.network is None or agreement is None:
+            return _Chain(future, [future])
+        # Accounting, in the order the thread issues the collectives (same on every rank).
+        record = self.network.record
+        handles = [
+            record(CollectiveKind.ALL_REDUCE, role=Role.OTHER, payload_bytes=8,
+                   completion=future, agreement=agreement),
+            record(CollectiveKind.REDUCE_SCATTER, role=Role.GRADIENT,
+                   payload_bytes=payload_bytes(source), completion=future, agreement=agreement),
+        ]  # fmt: skip
+        if self.context.max_grad_norm is not None:
+            handles.append(
+                record(CollectiveKind.ALL_REDUCE, role=Role.OTHER, payload_bytes=8,
+                       completion=future, agreement=agreement)
+            )  # fmt: skip
+        handles.append(
+            record(CollectiveKind.ALL_GATHER, role=Role.PARAMETER,
+                   payload_bytes=payload_bytes(target), completion=future, agreement=agreement)
+        )  # fmt: skip
+        return _Chain(future, handles)
+
+    def _compute(self, closure: Closure, count: int) -> _Tally:
+        """Run exactly ``count`` micro-batches into G (no communication in flight)."""
+        tally = _Tally()
+        for _ in range(count):
+            tally.add(closure())
+            self.accumulated += 1
+        self.flat.sync_grads()
+        return tally
+
+    def _overlapped_phase(self, closure: Closure, chain: _Chain) -> tuple[_Tally, int]:
+        """Accumulate micro-batches into G while ``chain`` runs; return them and C.
+
+        "Done" is checked after each micro-batch (so at least one runs): by the run's clock
+        when the communicator is a NetworkComm (virtual: the virtual clock alone; real: the
+        thread finished and the modeled time passed), else when the thread finished. With
+        ``microbatches_per_phase`` set, exactly that many run, then the chain is waited for."""
+        forced = self.options.microbatches_per_phase
+        tally = _Tally()
+        while True:
+            tally.add(closure())
+            self.accumulated += 1
+            if forced is not None:
+                if tally.microbatches >= forced:
+                    break
+            elif chain.done():
+                break
+        total = chain.wait()
+        self.flat.sync_grads()
+        return tally, total
+
+    def _sequential_step(self, closure: Closure) -> tuple[_Tally, int]:
+        """One plain ZeRO-1 step (§1.2) through the same chain: compute, then communicate."""
+        self.flat.zero_grads()
+        self.accumulated = 0
+        tally = self._compute(closure, self.context.microbatches_per_step)
+        lr = self.lr_at(self.schedule_step())
+        chain = self._launch(self.flat.grads, self.flat.params, self.accumulated, _Mode.COMMIT, lr)
+        total = chain.wait()
+        self.accumulated = 0
+        return tally, total
+
+    def _prime(self, closure: Closure) -> _Tally:
+        """Compute the first gradient at theta_0 (no communication to overlap yet); B <- G."""
+        self.flat.zero_grads()
+        self.accumulated = 0
+        tally = self._compute(closure, self.options.microbatches_per_phase or 1)
+        self._send_gradients()
+        self.primed = True
+        return tally
+
+    def _send_gradients(self) -> None:
+        """B <- G; c_B <- n."""
+        with torch.no_grad():
+            self.buffer.copy_(self.flat.grads)
+        self.buffer_count = self.accumulated
+
+    def _receive_parameters(self) -> None:
+        """theta <- B."""
+        with torch.no_grad():
+            self.flat.params.copy_(self.buffer)
+
+    def _reset_accumulator(self) -> None:
+        """G <- 0; n <- 0."""
+        self.flat.zero_grads()
+        self.accumulated = 0
+
+    def _stats(self, tally: _Tally, lr: float, extras: dict[str, float]) -> StepStats:
+        return StepStats(
+            loss=tally.loss_sum / max(1, tally.microbatches),
+            microbatches=tally.microbatches,
+            samples=tally.samples,
+            tokens=tally.tokens,
+            lr=lr,
+            committed_steps=1,
+            extras=extras,
+        )
+
+    # --- Strategy API --------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Nothing is in flight after ``step()``; stop the communication thread."""
+        if self.thread is not None:
+            self.thread.close()
+            self.thread = None
+
+    def state_bytes(self) -> int:
+        """Measured: params + G (flat buffers) + B + optimizer shard + the reduced-gradient
+        shard (+ the lookahead shard for ACCO and WP)."""
+        extra = self.shard_grad.numel() * self.shard_grad.element_size()
+        if self.estimate is not None:
+            extra += self.estimate.numel() * self.estimate.element_size()
+        buffer = self.buffer.numel() * self.buffer.element_size()
+        return self.flat.bytes + buffer + self.optimizer.state_bytes() + extra
+
+    def formula_state_bytes(self) -> int:
+        """ACCO Table 1: (2 + 2 + 2 + K/M) Psi in the precision actually used, i.e.
+        (3 p + K/M) Psi with p the working dtype's bytes per parameter (params, G, B), K the
+        sharded optimizer's fp32 bytes per parameter (12 for AdamW: master, m, v; 4 for SGD),
+        M the world size and Psi the unpadded parameter count."""
+        optimizer_bytes = (
+            12 if isinstance(self.optimizer, FlatAdamW) else FlatSGD.bytes_per_parameter
+        )
+        element = self.flat.params.element_size()
+        psi = self.flat.numel
+        return round((3 * element + optimizer_bytes / self.comm.world_size) * psi)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "params": self.flat.params.clone(),
+            "grads": self.flat.grads.clone(),
+            "buffer": self.buffer.clone(),
+            "buffer_count": self.buffer_count,
+            "accumulated": self.accumulated,
+            "primed": self.primed,
+            "committed_gradients": self.committed_gradients,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            self.flat.params.copy_(state["params"])
+            self.flat.grads.copy_(state["grads"])
+            self.buffer.copy_(state["buffer"])
+        self.buffer_count = int(state["buffer_count"])
+        self.accumulated = int(state["accumulated"])
+        self.primed = bool(state["primed"])
+        self.committed_gradients = int(state["committed_gradients"])
+
+
+@contextmanager
+def _null_context() -> Iterator[None]:
+    yield
+
+
+class ACCO(_ShardedOverlap):
+    """ACCO: two overlapped half-steps per optimizer step, estimate then update (§2.3).
+
+    Paper: Nabli et al., ACCO, §3.2, Alg. 1, App. B.2 (ALGORITHMS.md §2.3, executable loop).
+    One ``step()`` = one committed optimizer step = an estimate (EST) phase and an update
+    (UPD) phase. Symbols: theta~(t+1) = AdamW_lookahead(theta(t), sum G~ / sum N~) is the EST
+    chain's output (never commits m, v, s); theta(t+1) = AdamW_step(theta(t), sum(G + G~) /
+    sum(N + N~)) is the UPD chain's. With SGD and one micro-batch per phase:
+    theta(t+1) = theta(t) - lr/2 (g_t + g~_t), theta~(t+1) = theta(t) - lr g~_t (Prop. 3.2).
+    First step: g~(0) is a gradient at theta(0) (no warm-up). Last step: the run stops after
+    an UPD phase; gradients accumulated during it are never committed. Per committed step it
+    moves twice ZeRO-1's bytes (two RS + AG pairs), hidden rather than reduced.
+    Reduces to: the equations of Prop. 3.2 (tests/test_acco.py).
+    Memory: (2 + 2 + 2 + K/M) Psi.
+    """
+
+    name: ClassVar[str] = "acco"
+    phases_per_commit: ClassVar[int] = 2
+    uses_lookahead: ClassVar[bool] = True
+
+    def step(self, closure: Closure) -> StepStats:
+        self.flat.check_params()
+        tally = _Tally()
+        if not self.primed:
+            # init: g0 at theta0 goes out as g~(0) AND stays in G (it is also part of the
+            # first full batch, as in the reference loop).
+            tally.merge(self._prime(closure))
+        lr = self.lr_at(self.schedule_step())
+        # EST: the chain predicts theta~(t+1) from g~(t); compute takes g(t) at theta(t).
+        chain = self._launch(self.buffer, self.buffer, self.buffer_count, _Mode.LOOKAHEAD, lr)
+        estimate, estimate_count = self._overlapped_phase(closure, chain)
+        self._receive_parameters()  # theta <- theta~(t+1)
+        self._send_gradients()  # B <- g~(t) + g(t): the full batch
+        self._reset_accumulator()
+        # UPD: the chain commits theta(t+1); compute takes g~(t+1) at theta~(t+1).
+        chain = self._launch(self.buffer, self.buffer, self.buffer_count, _Mode.COMMIT, lr)
+        update, committed = self._overlapped_phase(closure, chain)
+        self._receive_parameters()  # theta <- theta(t+1)
+        self._send_gradients()  # B <- g~(t+1); G and n are NOT reset: the next EST adds g on top
+        self.committed_gradients += committed
+        self.step_index += 1
+        tally.merge(estimate)
+        tally.merge(update)
+        return self._stats(
+            tally,
+            lr,
+            {
+                "microbatches_estimate": float(estimate.microbatches),
+                "microbatches_update": float(update.microbatches),
+                "global_microbatches_estimate": float(estimate_count),
+                "global_microbatches_committed": float(committed),
+                "schedule_step": float(self.schedule_step()),
+            },
+        )
+
+
+class DPU(_ShardedOverlap):
+    """Delayed parameter update: theta(t+1) = Opt(theta(t), g(theta(t-1))) (§2.1).
+
+    Paper: ACCO eq. DPU (after ZeRO-Offload). One ``step()`` = one overlapped phase: the chain
+    commits an AdamW step with the gradients of the previous phase while compute accumulates
+    new ones at the current parameters. First step: theta(1) = Opt(theta(0), g(theta(0))),
+    the only undelayed one. Symbols: W -> ``options.dpu_warmup_steps`` (plain ZeRO-1 steps
+    first). Reduces to: ZeRO-1 when W >= the number of steps (tests/test_acco.py).
+    Memory: (2 + 2 + 2 + K/M) Psi.
+    """
+
+    name: ClassVar[str] = "dpu"
+
+    def step(self, closure: Closure) -> StepStats:
+        self.flat.check_params()
+        if self.step_index < self.options.dpu_warmup_steps:
+            lr = self.lr_at(self.schedule_step())
+            tally, committed = self._sequential_step(closure)
+            self.committed_gradients += committed
+            self.step_index += 1
+            return self._stats(
+                tally, lr, {"warmup": 1.0, "global_microbatches_committed": float(committed)}
+            )
+        tally = _Tally()
+        if not self.primed:
+            tally.merge(self._prime(closure))
+            self._reset_accumulator()
+        lr = self.lr_at(self.schedule_step())
+        chain = self._launch(self.buffer, self.buffer, self.buffer_count, _Mode.COMMIT, lr)
+        phase, committed = self._overlapped_phase(closure, chain)
+        self._receive_parameters()
+        self._send_gradients()
+        self._reset_accumulator()
+        self.committed_gradients += committed
+        self.step_index += 1
+        tally.merge(phase)
+        return self._stats(
+            tally,
+            lr,
+            {
+                "warmup": 0.0,
+                "microbatches_phase": float(phase.microbatches),
+                "global_microbatches_committed": float(committed),
+                "schedule_step": float(self.schedule_step()),
+            },
+        )
+
+
+class WP(_ShardedOverlap):
+    """Weight prediction: commit, then a non-committing lookahead with the same gradient (§2.2).
+
+    Paper: ACCO eq. WP. theta(t+1) = Opt(theta(t), g(t)) is committed on the master shard;
+    theta~(t+1) = Opt_lookahead(theta(t+1), g(t)) is all-gathered into the compute copy, and
+    the next gradients are taken there. The lookahead never commits m, v, s ([R-med] in the
+    spec: otherwise Adam would count every gradient twice). First step: g(0) at theta(0).
+    ``deployed()`` all-gathers the committed master shards (validation uses theta, not the
+    prediction). Memory: (2 + 2 + 2 + K/M) Psi.
+    """
+
+    name: ClassVar[str] = "wp"
+    uses_lookahead: ClassVar[bool] = True
+
+    def step(self, closure: Closure) -> StepStats:
+        self.flat.check_params()
+        tally = _Tally()
+        if not self.primed:
+            tally.merge(self._prime(closure))
+            self._reset_accumulator()
+        lr = self.lr_at(self.schedule_step())
+        chain = self._launch(
+            self.buffer, self.buffer, self.buffer_count, _Mode.COMMIT_THEN_LOOKAHEAD, lr
+        )
+        phase, committed = self._overlapped_phase(closure, chain)
+        self._receive_parameters()  # theta <- theta~(t+1), the prediction
+        self._send_gradients()
+        self._reset_accumulator()
+        self.committed_gradients += committed
+        self.step_index += 1
+        tally.merge(phase)
+        return self._stats(
+            tally,
+            lr,
+            {
+                "microbatches_phase": float(phase.microbatches),
+                "global_microbatches_committed": float(committed),
+                "schedule_step": float(self.schedule_step()),
+            },
+        )
+
+    @contextmanager
+    def deployed(self) -> Iterator[nn.Module]:
+        """The model at the committed theta: the master shards all-gathered (on the inner
+        communicator, uncharged: it is evaluation, not training traffic; no chain is in
+        flight between steps), swapped in, and the prediction restored afterwards."""
+        if self.thread is not None and self.thread.busy:
+            raise RuntimeError("wp.deployed() while a chain is in flight; call it between steps")
+        committed = torch.empty_like(self.flat.params)
+        master = self.optimizer.master.to(self.flat.dtype)
+        self.inner.all_gather(committed, master, role=Role.PARAMETER).wait()
+        prediction = self.flat.params.clone()
+        with torch.no_grad():
+            self.flat.params.copy_(committed)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                self.flat.params.copy_(prediction)
+
+
+METHODS = (ACCO, DPU, WP)
