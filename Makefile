@@ -31,7 +31,7 @@ demo: $(VENV)/.installed
 	$(BIN)/lowcomm train
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff check src tests examples benchmarks
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
