@@ -23,7 +23,7 @@ import argparse
 import torch
 from torch import nn
 
-from lowcomm.comm.base import CompletedHandle, Handle, ReduceOp, Role
+from lowcomm.comm.base import CompletedHandle, Handle, ReduceOp, Role, Segments
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.strategies import MicroBatchResult, StrategyContext, strategy_class
 from lowcomm.strategies.desloc import DeslocOptions
@@ -53,7 +53,14 @@ class StackedWorkers:
     def world_size(self) -> int:
         return 1
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
         if op != "mean":
             raise NotImplementedError(f"StackedWorkers only averages; got op {op!r}")
         blocks = tensor.view(-1, self.workers, self.dim)

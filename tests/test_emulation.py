@@ -168,3 +168,25 @@ def test_virtual_clock_reads_its_owner_threads_cpu_from_another_thread() -> None
     helper.join()
     # The helper thread burned almost no CPU; the clock still shows the owner's compute.
     assert owner_cpu - 0.005 <= seen[0] <= owner_cpu + 0.02
+
+
+def test_fused_segments_charge_each_role_its_share() -> None:
+    clock = _declared()
+    recording = RecordingComm(world_size=WORLD)
+    comm = NetworkComm(recording, PROFILE, clock)
+    fused = torch.zeros(300)  # 100 parameter + 200 first-moment elements, float32
+    cost_before = clock.now()
+    comm.all_reduce(
+        fused, role=Role.PARAMETER, segments=[(Role.PARAMETER, 100), (Role.FIRST_MOMENT, 200)]
+    ).wait()
+    ring = 2 * 3 / 4
+    assert comm.bytes_by_role[Role.PARAMETER] == pytest.approx(ring * 400)
+    assert comm.bytes_by_role[Role.FIRST_MOMENT] == pytest.approx(ring * 800)
+    # One collective: one latency, the whole payload's transfer time.
+    assert clock.now() - cost_before == pytest.approx(
+        PROFILE.collective_time(CollectiveKind.ALL_REDUCE, 1200, WORLD)
+    )
+    fused_call = next(c for c in recording.calls if c.role is Role.PARAMETER)
+    assert fused_call.segments == ((Role.PARAMETER, 100), (Role.FIRST_MOMENT, 200))
+    with pytest.raises(ValueError, match="segments cover 250 elements"):
+        comm.all_reduce(fused, role=Role.PARAMETER, segments=[(Role.PARAMETER, 250)])

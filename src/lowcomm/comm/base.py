@@ -11,6 +11,7 @@ pseudo-gradient), so that byte accounting can be broken down by what moved.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -68,8 +69,20 @@ class Comm(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
-        """Reduce ``tensor`` in place across the group."""
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        """Reduce ``tensor`` in place across the group.
+
+        ``segments``: when ``tensor`` concatenates payloads of several roles (a fused sync),
+        their ``(role, number of elements)`` in order; bytes are then counted per segment's
+        role instead of all under ``role``. The counts must add up to ``tensor.numel()``.
+        """
         ...
 
     def reduce_scatter(
@@ -89,6 +102,19 @@ class Comm(Protocol):
     def barrier(self) -> Handle:
         """Complete once every rank has reached it."""
         ...
+
+
+#: ``(role, number of elements)`` of each payload fused into one collective, in order.
+Segments = Sequence[tuple["Role", int]]
+
+
+def check_segments(tensor: torch.Tensor, segments: Segments | None) -> None:
+    """Raise a clear error when fused segments do not tile the tensor."""
+    if segments is not None and sum(count for _, count in segments) != tensor.numel():
+        raise ValueError(
+            f"all_reduce: segments cover {sum(count for _, count in segments)} elements but the "
+            f"tensor has {tensor.numel()}; list every fused payload's (role, numel) in order"
+        )
 
 
 class CompletedHandle:

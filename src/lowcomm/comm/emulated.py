@@ -34,6 +34,8 @@ from lowcomm.comm.base import (
     Handle,
     ReduceOp,
     Role,
+    Segments,
+    check_segments,
     payload_bytes,
 )
 from lowcomm.comm.clock import Clock
@@ -145,12 +147,24 @@ class NetworkComm:
         return handle.finish_time
 
     def _account(
-        self, kind: CollectiveKind, role: Role | None, payload_bytes: int, src: int = 0
+        self,
+        kind: CollectiveKind,
+        role: Role | None,
+        payload_bytes: int,
+        src: int = 0,
+        shares: list[tuple[Role, int]] | None = None,
     ) -> float:
-        """Count one collective's bytes (by role and kind); return its modeled cost."""
+        """Count one collective's bytes (by role, or by each fused share's role, and by kind);
+        return its modeled cost. Ring bytes are linear in the payload, so a fused payload's
+        bytes split exactly by share."""
         world_size = self.inner.world_size
         sent = bytes_sent(kind, payload_bytes, world_size, self.inner.rank, src)
-        if role is not None:
+        if shares is not None:
+            for share_role, share_bytes in shares:
+                self.bytes_by_role[share_role] += bytes_sent(
+                    kind, share_bytes, world_size, self.inner.rank, src
+                )
+        elif role is not None:
             self.bytes_by_role[role] += sent
         self.bytes_by_kind[kind] += sent
         self.calls_by_kind[kind] += 1
@@ -166,9 +180,10 @@ class NetworkComm:
         issue: Callable[[], Handle],
         device: torch.device,
         src: int = 0,
+        shares: list[tuple[Role, int]] | None = None,
     ) -> Handle:
         world_size = self.inner.world_size
-        cost = self._account(kind, role, full_bytes, src)
+        cost = self._account(kind, role, full_bytes, src, shares)
         launch_time = self.clock.now()
         launch_times: torch.Tensor | None = None
         launch_times_handle: Handle | None = None
@@ -185,13 +200,27 @@ class NetworkComm:
         self._unresolved.append(handle)
         return handle
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        check_segments(tensor, segments)
+        shares = (
+            None
+            if segments is None
+            else [(seg_role, count * tensor.element_size()) for seg_role, count in segments]
+        )
         return self._launch(
             CollectiveKind.ALL_REDUCE,
             role,
             payload_bytes(tensor),
-            lambda: self.inner.all_reduce(tensor, op=op, role=role),
+            lambda: self.inner.all_reduce(tensor, op=op, role=role, segments=segments),
             tensor.device,
+            shares=shares,
         )
 
     def reduce_scatter(

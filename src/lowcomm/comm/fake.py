@@ -22,7 +22,9 @@ from lowcomm.comm.base import (
     Handle,
     ReduceOp,
     Role,
+    Segments,
     check_scatter_shapes,
+    check_segments,
     payload_bytes,
 )
 
@@ -37,6 +39,7 @@ class CommCall:
     dtype: torch.dtype
     payload_bytes: int
     op: str | None = None
+    segments: tuple[tuple[Role, int], ...] | None = None
 
 
 class RecordingComm:
@@ -58,14 +61,28 @@ class RecordingComm:
         return self._world_size
 
     def _record(
-        self, kind: CollectiveKind, role: Role | None, full: torch.Tensor, op: str | None = None
+        self,
+        kind: CollectiveKind,
+        role: Role | None,
+        full: torch.Tensor,
+        op: str | None = None,
+        segments: Segments | None = None,
     ) -> None:
+        fused = tuple(segments) if segments is not None else None
         self.calls.append(
-            CommCall(kind, role, full.numel(), full.dtype, payload_bytes(full), op)
+            CommCall(kind, role, full.numel(), full.dtype, payload_bytes(full), op, fused)
         )
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
-        self._record(CollectiveKind.ALL_REDUCE, role, tensor, op)
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        check_segments(tensor, segments)
+        self._record(CollectiveKind.ALL_REDUCE, role, tensor, op, segments)
         if op == "sum":
             tensor.mul_(self._world_size)
         return CompletedHandle()

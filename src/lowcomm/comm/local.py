@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from lowcomm.comm.base import CompletedHandle, Handle, ReduceOp, Role, check_scatter_shapes
+from lowcomm.comm.base import (
+    CompletedHandle,
+    Handle,
+    ReduceOp,
+    Role,
+    Segments,
+    check_scatter_shapes,
+    check_segments,
+)
 
 
 class LocalComm:
@@ -18,7 +26,15 @@ class LocalComm:
     def world_size(self) -> int:
         return 1
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        check_segments(tensor, segments)
         return CompletedHandle()
 
     def reduce_scatter(

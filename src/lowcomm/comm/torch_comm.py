@@ -11,7 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowcomm.comm.base import Handle, ReduceOp, Role, check_scatter_shapes
+from lowcomm.comm.base import (
+    Handle,
+    ReduceOp,
+    Role,
+    Segments,
+    check_scatter_shapes,
+    check_segments,
+)
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old
 # names (which newer ones keep as deprecated aliases).
@@ -81,7 +88,15 @@ class TorchComm:
 
         return divide
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role) -> Handle:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        check_segments(tensor, segments)
         work = dist.all_reduce(tensor, op=_torch_op(op), group=self._group, async_op=True)
         return _WorkHandle(work, self._mean_after(tensor, op))
 

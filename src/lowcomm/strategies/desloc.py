@@ -47,16 +47,12 @@ full history: this is what makes a rejoining worker's bias correction right afte
 averaged state.
 
 *Fused syncs.* When several states fall due on the same step they travel in one all-reduce
-over their concatenation (one latency instead of up to three, ALGORITHMS.md §5.5). The
-``Comm`` API takes one role per call, so the fused call is issued under the first due role
-(parameter, then first moment, then second moment) and, when the communicator is a
-:class:`~lowcomm.comm.emulated.NetworkComm`, its bytes are then re-attributed so that every
-role is charged exactly its own share (all states have the same size and dtype, and the ring
-model's bytes are linear in the payload, so the split is exact). Total bytes and the modeled
-time are those of the single fused collective. ``--desloc.fuse False`` issues one collective per
-role instead, launched back to back and waited together (exact per-role bytes from the
-communicator itself, one latency per role). A ``RecordingComm`` records the fused call once,
-under its first role, with the whole payload.
+over their concatenation (one latency instead of up to three, ALGORITHMS.md §5.5), issued with
+``segments=[(role, numel), ...]`` so the communicator charges every role exactly its own
+share of the bytes (the ring model's bytes are linear in the payload). Total bytes and the
+modeled time are those of the single fused collective. ``--desloc.fuse False`` issues one
+collective per role instead, launched back to back and waited together (one latency per
+role).
 
 *Joining workers* (ALGORITHMS.md §5.5, edge cases). :meth:`Desloc.rejoin` gives this worker
 fresh optimizer state (zero moments, counters 0; ADOPT re-seeds v from its next gradient), as a
@@ -90,9 +86,7 @@ from typing import Any, ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
-from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, payload_bytes
-from lowcomm.comm.emulated import NetworkComm
-from lowcomm.comm.network import bytes_sent
+from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.adopt import AdoptConfig, FlatAdopt
 from lowcomm.optim.sgdm import FlatSGDM
@@ -542,8 +536,8 @@ class Desloc(Strategy):
         with torch.no_grad():
             if len(roles) > 1 and self.options.fuse:
                 buffer = torch.cat(tensors)
-                self.comm.all_reduce(buffer, op="mean", role=roles[0]).wait()
-                attribute_fused_bytes(self.comm, roles, payload_bytes(tensors[0]))
+                segments = [(role, tensor.numel()) for role, tensor in zip(roles, tensors, strict=True)]
+                self.comm.all_reduce(buffer, op="mean", role=roles[0], segments=segments).wait()
                 offset = 0
                 for tensor in tensors:
                     tensor.copy_(buffer[offset : offset + tensor.numel()])
@@ -673,22 +667,6 @@ class FavgReset(FavgOpt):
 
     name: ClassVar[str] = "favg_reset"
     reset_after_parameter_sync: ClassVar[bool] = True
-
-
-def attribute_fused_bytes(comm: Comm, roles: list[Role], bytes_per_state: int) -> None:
-    """Charge each role of a fused all-reduce its own share of the bytes.
-
-    The fused call was counted entirely under ``roles[0]`` by :class:`NetworkComm`; move the
-    shares of the other roles to them. Exact: all states have ``bytes_per_state`` bytes and
-    the ring all-reduce's bytes are linear in the payload. No-op for other communicators
-    (they keep no per-role counters).
-    """
-    if not isinstance(comm, NetworkComm) or len(roles) < 2:
-        return
-    share = bytes_sent(CollectiveKind.ALL_REDUCE, bytes_per_state, comm.world_size, comm.rank)
-    for role in roles[1:]:
-        comm.bytes_by_role[roles[0]] -= share
-        comm.bytes_by_role[role] += share
 
 
 METHODS: tuple[type[Strategy], ...] = (Desloc, LocalAdamMethod, FavgOpt, FavgReset)
