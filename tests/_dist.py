@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lowcomm.models.gpt import GPT, GPTConfig
+from lowcomm.strategies.base import MicroBatchResult, Strategy
 
 TINY = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 
@@ -23,3 +26,19 @@ def global_batch(step: int, world_size: int, per_rank: int = 4) -> tuple[torch.T
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def closure_for(
+    strategy: Strategy, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Callable[[], MicroBatchResult]:
+    """A closure that runs forward and backward on ``batches`` in order, one per call."""
+    queue = list(batches)
+
+    def closure() -> MicroBatchResult:
+        inputs, targets = queue.pop(0)
+        _, loss = strategy.model(inputs, targets)
+        assert loss is not None
+        loss.backward()
+        return MicroBatchResult(float(loss), inputs.shape[0], inputs.numel())
+
+    return closure

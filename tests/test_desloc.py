@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import flat_params, global_batch, tiny_gpt
+from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import CollectiveKind, LocalComm, NetworkComm, NetworkProfile, RecordingComm, Role
 from lowcomm.comm.clock import make_clock
 from lowcomm.comm.network import bytes_sent
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig, learning_rate
 from lowcomm.optim.adopt import AdoptConfig, FlatAdopt
-from lowcomm.strategies import MicroBatchResult, StrategyContext, strategy_class
-from lowcomm.strategies.base import Strategy
+from lowcomm.strategies import StrategyContext, strategy_class
 from lowcomm.strategies.desloc import (
     Desloc,
     DeslocOptions,
@@ -38,18 +37,6 @@ CONTEXT = StrategyContext(
     max_grad_norm=None,
 )
 
-
-def _closure_for(strategy: Strategy, batches: list[tuple[torch.Tensor, torch.Tensor]]):  # type: ignore[no-untyped-def]
-    queue = list(batches)
-
-    def closure() -> MicroBatchResult:
-        inputs, targets = queue.pop(0)
-        _, loss = strategy.model(inputs, targets)
-        assert loss is not None
-        loss.backward()
-        return MicroBatchResult(float(loss), inputs.shape[0], inputs.numel())
-
-    return closure
 
 
 # --- optimizers against their equations ---------------------------------------------------------
@@ -123,7 +110,7 @@ def test_default_periods_and_clipping() -> None:
     # Coordinate-wise clipping at rho: lr 0 keeps the parameters, the flat gradient keeps the clip.
     frozen = StrategyContext(optim=AdamWConfig(lr=0.0), total_steps=1, max_grad_norm=None)
     clipped = Desloc(tiny_gpt(), LocalComm(), frozen, options=DeslocOptions(clip_rho=1e-3))
-    clipped.step(_closure_for(clipped, [global_batch(0, 1)]))
+    clipped.step(closure_for(clipped, [global_batch(0, 1)]))
     assert float(clipped.flat.grads.abs().max()) == pytest.approx(1e-3)
     # u = (1 - beta1) g_hat, beta1 = 0.9 from --optim.betas.
     assert float(clipped.inner.states()[Role.FIRST_MOMENT].abs().max()) == pytest.approx(0.1 * 1e-3, rel=1e-5)
@@ -169,7 +156,7 @@ def test_bytes_per_step_follow_the_periods(
     world, steps = 4, 24
     comm, recording = _network_comm(world)
     strategy = strategy_class(method)(tiny_gpt(), comm, CONTEXT, options=options)  # type: ignore[call-arg]
-    closure = _closure_for(strategy, [global_batch(s, 1) for s in range(steps)])
+    closure = closure_for(strategy, [global_batch(s, 1) for s in range(steps)])
     synced = {role: 0 for role in Role}
     for _ in range(steps):
         stats = strategy.step(closure)
@@ -200,7 +187,7 @@ def test_bytes_per_step_follow_the_periods(
 def test_fused_sync_sends_the_concatenation_of_due_states() -> None:
     recording = RecordingComm(world_size=2)
     strategy = LocalAdamMethod(tiny_gpt(), recording, CONTEXT, options=DeslocOptions(param_period=2))
-    closure = _closure_for(strategy, [global_batch(s, 1) for s in range(2)])
+    closure = closure_for(strategy, [global_batch(s, 1) for s in range(2)])
     assert strategy.step(closure).extras["synced_parameters"] == 0.0
     strategy.step(closure)
     (call,) = recording.calls
@@ -212,7 +199,7 @@ def test_favg_reset_zeroes_moments_and_counter_after_each_sync() -> None:
     strategy = FavgReset(tiny_gpt(), RecordingComm(world_size=2), CONTEXT, options=DeslocOptions(param_period=3))
     keep = FavgOpt(tiny_gpt(), RecordingComm(world_size=2), CONTEXT, options=DeslocOptions(param_period=3))
     batches = [global_batch(s, 1) for s in range(9)]
-    closure, keep_closure = _closure_for(strategy, batches), _closure_for(keep, batches)
+    closure, keep_closure = closure_for(strategy, batches), closure_for(keep, batches)
     for t in range(1, 10):
         strategy.step(closure)
         keep.step(keep_closure)
@@ -234,7 +221,7 @@ def test_favg_reset_zeroes_moments_and_counter_after_each_sync() -> None:
 def test_finish_averages_parameters_unless_just_synced() -> None:
     recording = RecordingComm(world_size=2)
     strategy = FavgOpt(tiny_gpt(), recording, CONTEXT, options=DeslocOptions(param_period=4))
-    closure = _closure_for(strategy, [global_batch(s, 1) for s in range(5)])
+    closure = closure_for(strategy, [global_batch(s, 1) for s in range(5)])
     for _ in range(4):
         strategy.step(closure)
     strategy.finish()
@@ -248,13 +235,13 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
     options = DeslocOptions(param_period=2, optimizer="adopt")
     first = Desloc(tiny_gpt(), RecordingComm(world_size=2), CONTEXT, options=options)
     batches = [global_batch(s, 1) for s in range(6)]
-    closure = _closure_for(first, batches)
+    closure = closure_for(first, batches)
     for _ in range(3):
         first.step(closure)
     saved = first.state_dict()
     second = Desloc(tiny_gpt(seed=5), RecordingComm(world_size=2), CONTEXT, options=options)
     second.load_state_dict(saved)
-    second_closure = _closure_for(second, batches[3:])
+    second_closure = closure_for(second, batches[3:])
     for _ in range(3):
         first.step(closure)
         second.step(second_closure)
@@ -268,7 +255,7 @@ def test_every_variant_trains_a_tiny_model() -> None:
         context = StrategyContext(optim=AdamWConfig(lr=lr, weight_decay=0.0), total_steps=30, max_grad_norm=None)
         options = DeslocOptions(param_period=2, optimizer=optimizer)  # type: ignore[arg-type]
         strategy = strategy_class(method)(tiny_gpt(), RecordingComm(world_size=2), context, options=options)  # type: ignore[call-arg]
-        closure = _closure_for(strategy, [global_batch(0, 1)] * 30)
+        closure = closure_for(strategy, [global_batch(0, 1)] * 30)
         losses = [strategy.step(closure).loss for _ in range(30)]
         assert losses[-1] < losses[0] - 0.5, (method, optimizer, losses[0], losses[-1])
 
@@ -276,7 +263,7 @@ def test_every_variant_trains_a_tiny_model() -> None:
 def test_track_state_change_reports_relative_moment_changes() -> None:
     options = DeslocOptions(param_period=4, track_state_change=True, optimizer="adopt")
     strategy = Desloc(tiny_gpt(), LocalComm(), CONTEXT, options=options)
-    closure = _closure_for(strategy, [global_batch(s, 1) for s in range(6)])
+    closure = closure_for(strategy, [global_batch(s, 1) for s in range(6)])
     extras = [strategy.step(closure).extras for _ in range(6)]
     assert math.isnan(extras[0]["first_moment_change"])  # u starts at zero
     later = extras[-1]
@@ -319,7 +306,7 @@ def _worker(steps: int, join_step: int) -> dict[str, object]:
     sgdm_context = StrategyContext(optim=AdamWConfig(lr=0.2, betas=(0.8, 0.95), weight_decay=0.05), schedule=CONTEXT.schedule, total_steps=steps, max_grad_norm=None)
     options = DeslocOptions(param_period=1, first_moment_period=1, second_moment_period=1, optimizer="sgdm", clip_rho=None)
     sgdm = Desloc(tiny_gpt(), comm, sgdm_context, options=options)
-    closure = _closure_for(sgdm, batches)
+    closure = closure_for(sgdm, batches)
     for _ in range(steps):
         sgdm.step(closure)
     out["sgdm"] = flat_params(sgdm.model)
@@ -329,14 +316,14 @@ def _worker(steps: int, join_step: int) -> dict[str, object]:
         ("desloc_kkk", Desloc, DeslocOptions(param_period=3, first_moment_period=3, second_moment_period=3, clip_rho=None)),
     ):
         strategy = cls(tiny_gpt(), comm, CONTEXT, options=opts)
-        closure = _closure_for(strategy, batches)
+        closure = closure_for(strategy, batches)
         for _ in range(steps):
             strategy.step(closure)
         out[name] = flat_params(strategy.model)
     # (c) rank 1 rejoins with fresh state at join_step (K_x = 2, K_u = 4, K_v = 8).
     join = DeslocOptions(param_period=2, first_moment_period=4, second_moment_period=8, rejoin_rank=1, rejoin_step=join_step)
     joiner = _RecordingDesloc(tiny_gpt(), comm, CONTEXT, options=join)
-    closure = _closure_for(joiner, batches)
+    closure = closure_for(joiner, batches)
     counters = []
     for _ in range(steps):
         joiner.step(closure)

@@ -12,14 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from _dist import flat_params, global_batch, tiny_gpt
+from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import CollectiveKind, LocalComm, RecordingComm, Role
 from lowcomm.models.gpt import GPT, GPTConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import encoded_bytes
 from lowcomm.strategies import MicroBatchResult, StrategyContext, strategy_class
-from lowcomm.strategies.base import Strategy
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions, fragment_assignment
 from lowcomm.strategies.streaming import StreamingDiLoCo
 
@@ -30,18 +29,6 @@ CONTEXT = StrategyContext(
     max_grad_norm=None,
 )
 
-
-def _closure_for(strategy: Strategy, batches: list[tuple[torch.Tensor, torch.Tensor]]):  # type: ignore[no-untyped-def]
-    queue = list(batches)
-
-    def closure() -> MicroBatchResult:
-        inputs, targets = queue.pop(0)
-        _, loss = strategy.model(inputs, targets)
-        assert loss is not None
-        loss.backward()
-        return MicroBatchResult(float(loss), inputs.shape[0], inputs.numel())
-
-    return closure
 
 
 def two_layer_gpt(seed: int = 0) -> GPT:
@@ -75,7 +62,7 @@ def test_diloco_outer_round_follows_the_equations() -> None:
     comm = RecordingComm(world_size=4)
     strategy = DiLoCo(tiny_gpt(), comm, CONTEXT, options)
     anchor = flat_params(strategy.model)
-    closure = _closure_for(strategy, [global_batch(s, 1) for s in range(6)])
+    closure = closure_for(strategy, [global_batch(s, 1) for s in range(6)])
     for _ in range(2):
         strategy.step(closure)
     assert comm.calls == []  # nothing before H steps
@@ -83,7 +70,7 @@ def test_diloco_outer_round_follows_the_equations() -> None:
     assert [(c.kind, c.role) for c in comm.calls] == [(CollectiveKind.ALL_REDUCE, Role.PSEUDO_GRADIENT)]
     # Reference: replay the three inner AdamW steps on a copy.
     replay = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=1000))
-    replay_closure = _closure_for(replay, [global_batch(s, 1) for s in range(3)])
+    replay_closure = closure_for(replay, [global_batch(s, 1) for s in range(3)])
     for _ in range(3):
         replay.step(replay_closure)
     local = flat_params(replay.model)
@@ -118,7 +105,7 @@ def test_streaming_one_fragment_no_overlap_global_merge_equals_diloco() -> None:
     diloco = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=4))
     streaming = StreamingDiLoCo(tiny_gpt(), LocalComm(), CONTEXT, options)
     for strategy in (diloco, streaming):
-        closure = _closure_for(strategy, batches)
+        closure = closure_for(strategy, batches)
         for _ in range(12):
             strategy.step(closure)
     assert not torch.allclose(flat_params(diloco.model), flat_params(tiny_gpt()))
@@ -158,7 +145,7 @@ def test_streaming_schedule_merge_and_drain() -> None:
     strategy.launch_exchange = record_launch  # type: ignore[method-assign]
     strategy.complete = check_complete  # type: ignore[method-assign]
     batch = global_batch(0, 1)
-    closure = _closure_for(strategy, [batch] * 16)
+    closure = closure_for(strategy, [batch] * 16)
     for _ in range(16):
         strategy.step(closure)
     assert launches == [(1, 0), (3, 1), (5, 2), (7, 3), (9, 0), (11, 1), (13, 2), (15, 3)]
@@ -170,7 +157,7 @@ def test_streaming_does_not_launch_within_tau_of_the_end_and_finish_drains() -> 
     options = DiLoCoOptions(sync_every=8, fragments=2, overlap_steps=3)
     context = StrategyContext(optim=CONTEXT.optim, total_steps=6, max_grad_norm=None)
     strategy = StreamingDiLoCo(two_layer_gpt(), RecordingComm(world_size=2), context, options)
-    closure = _closure_for(strategy, [global_batch(0, 1)] * 6)
+    closure = closure_for(strategy, [global_batch(0, 1)] * 6)
     strategy.step(closure)  # launches fragment 0 at step 1 (4 - 3), completes at 4
     assert len(strategy.in_flight) == 1
     for _ in range(5):
@@ -179,7 +166,7 @@ def test_streaming_does_not_launch_within_tau_of_the_end_and_finish_drains() -> 
     assert isinstance(strategy.comm, RecordingComm) and len(strategy.comm.calls) == 1
     # A user loop stopping early: finish() drains the in-flight sync.
     early = StreamingDiLoCo(two_layer_gpt(), LocalComm(), context, options)
-    early.step(_closure_for(early, [global_batch(0, 1)]))
+    early.step(closure_for(early, [global_batch(0, 1)]))
     assert len(early.in_flight) == 1
     early.finish()
     assert early.in_flight == [] and early.outer[0].step_count == 1
@@ -189,7 +176,7 @@ def test_quantized_streaming_all_gathers_the_quantized_payload() -> None:
     options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1, quantization="fp8")
     comm = RecordingComm(world_size=3)
     strategy = StreamingDiLoCo(two_layer_gpt(), comm, CONTEXT, options)
-    closure = _closure_for(strategy, [global_batch(0, 1)] * 4)
+    closure = closure_for(strategy, [global_batch(0, 1)] * 4)
     for _ in range(4):
         strategy.step(closure)
     gathers = [c for c in comm.calls if c.kind is CollectiveKind.ALL_GATHER]
@@ -229,16 +216,16 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
     options = DiLoCoOptions(sync_every=2)
     batches = [global_batch(s, 1) for s in range(6)]
     full = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, options)
-    closure = _closure_for(full, batches)
+    closure = closure_for(full, batches)
     for _ in range(6):
         full.step(closure)
     first = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, options)
-    closure = _closure_for(first, batches[:4])
+    closure = closure_for(first, batches[:4])
     for _ in range(4):
         first.step(closure)
     resumed = DiLoCo(tiny_gpt(seed=5), LocalComm(), CONTEXT, options)
     resumed.load_state_dict(first.state_dict())
-    closure = _closure_for(resumed, batches[4:])
+    closure = closure_for(resumed, batches[4:])
     for _ in range(2):
         resumed.step(closure)
     assert torch.equal(flat_params(full.model), flat_params(resumed.model))
@@ -268,7 +255,7 @@ def _gloo_worker(steps: int) -> dict[str, torch.Tensor]:
     sgd_context = StrategyContext(optim=AdamWConfig(lr=0.1), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=steps, max_grad_norm=None)
     results: dict[str, torch.Tensor] = {}
     ddp_like = DiLoCo(tiny_gpt(), comm, sgd_context, DiLoCoOptions(sync_every=1, inner_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0))
-    closure = _closure_for(ddp_like, mine)
+    closure = closure_for(ddp_like, mine)
     for _ in range(steps):
         ddp_like.step(closure)
     results["diloco_h1"] = flat_params(ddp_like.model)
@@ -279,7 +266,7 @@ def _gloo_worker(steps: int) -> dict[str, torch.Tensor]:
     ):
         cls = strategy_class(method)
         strategy = cls(tiny_gpt(), comm, CONTEXT, options=options)  # type: ignore[call-arg]
-        closure = _closure_for(strategy, mine)
+        closure = closure_for(strategy, mine)
         for _ in range(steps):
             strategy.step(closure)
         strategy.finish()
@@ -369,7 +356,6 @@ def test_deployed_evaluates_the_global_parameters_and_restores_the_local_ones() 
     batches = [global_batch(s, 1) for s in range(2)]
 
     def closure():  # type: ignore[no-untyped-def]
-        from lowcomm.strategies import MicroBatchResult
 
         x, y = batches.pop(0)
         _, loss = strategy.model(x, y)

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import flat_params, global_batch, tiny_gpt
+from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import CollectiveKind, LocalComm, RecordingComm, Role
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
-from lowcomm.strategies import DDP, MicroBatchResult, StrategyContext, ZeRO1, strategy_class
-from lowcomm.strategies.base import Strategy
+from lowcomm.strategies import DDP, StrategyContext, ZeRO1, strategy_class
 
 CONTEXT = StrategyContext(
     optim=AdamWConfig(lr=3e-3, weight_decay=0.1),
@@ -20,18 +19,6 @@ CONTEXT = StrategyContext(
     total_steps=20,
 )
 
-
-def _closure_for(strategy: Strategy, batches: list[tuple[torch.Tensor, torch.Tensor]]):  # type: ignore[no-untyped-def]
-    queue = list(batches)
-
-    def closure() -> MicroBatchResult:
-        inputs, targets = queue.pop(0)
-        _, loss = strategy.model(inputs, targets)
-        assert loss is not None
-        loss.backward()
-        return MicroBatchResult(float(loss), inputs.shape[0], inputs.numel())
-
-    return closure
 
 
 def test_flat_adamw_follows_the_equations() -> None:
@@ -62,7 +49,7 @@ def test_ddp_makes_one_gradient_all_reduce_per_step() -> None:
     comm = RecordingComm(world_size=4)
     strategy = DDP(tiny_gpt(), comm, CONTEXT)
     batches = [global_batch(s, 1) for s in range(3)]
-    closure = _closure_for(strategy, batches)
+    closure = closure_for(strategy, batches)
     for _ in range(3):
         strategy.step(closure)
     assert [c.kind for c in comm.calls] == [CollectiveKind.ALL_REDUCE] * 3
@@ -74,7 +61,7 @@ def test_zero1_reduce_scatters_gradients_and_all_gathers_parameters() -> None:
     comm = RecordingComm(rank=2, world_size=4)
     unclipped = StrategyContext(optim=CONTEXT.optim, total_steps=5, max_grad_norm=None)
     strategy = ZeRO1(tiny_gpt(), comm, unclipped)
-    closure = _closure_for(strategy, [global_batch(0, 1)])
+    closure = closure_for(strategy, [global_batch(0, 1)])
     strategy.step(closure)
     assert [(c.kind, c.role) for c in comm.calls] == [
         (CollectiveKind.REDUCE_SCATTER, Role.GRADIENT),
@@ -87,7 +74,7 @@ def test_zero1_reduce_scatters_gradients_and_all_gathers_parameters() -> None:
 def test_zero1_clipping_all_reduces_the_squared_shard_norms() -> None:
     comm = RecordingComm(rank=0, world_size=4)
     strategy = ZeRO1(tiny_gpt(), comm, CONTEXT)
-    strategy.step(_closure_for(strategy, [global_batch(0, 1)]))
+    strategy.step(closure_for(strategy, [global_batch(0, 1)]))
     assert [(c.kind, c.role, c.numel) for c in comm.calls][1] == (
         CollectiveKind.ALL_REDUCE,
         Role.OTHER,
@@ -99,11 +86,11 @@ def test_gradient_clipping_caps_the_update_norm() -> None:
     # The clipped gradient is left in DDP's flat buffer; lr 0 keeps the parameters fixed.
     tight = StrategyContext(optim=AdamWConfig(lr=0.0), total_steps=1, max_grad_norm=1e-3)
     strategy = DDP(tiny_gpt(), LocalComm(), tight)
-    strategy.step(_closure_for(strategy, [global_batch(0, 1)]))
+    strategy.step(closure_for(strategy, [global_batch(0, 1)]))
     assert float(strategy.flat.grads.norm()) == pytest.approx(1e-3, rel=1e-3)
     loose = StrategyContext(optim=AdamWConfig(lr=0.0), total_steps=1, max_grad_norm=1e6)
     reference = DDP(tiny_gpt(), LocalComm(), loose)
-    reference.step(_closure_for(reference, [global_batch(0, 1)]))
+    reference.step(closure_for(reference, [global_batch(0, 1)]))
     assert float(reference.flat.grads.norm()) > 1e-2  # untouched below the threshold
 
 
@@ -112,7 +99,7 @@ def test_zero1_on_identical_replicas_equals_ddp_exactly() -> None:
     ddp = DDP(tiny_gpt(), RecordingComm(world_size=4), CONTEXT)
     zero = ZeRO1(tiny_gpt(), RecordingComm(rank=0, world_size=1), CONTEXT)
     batches = [global_batch(s, 1) for s in range(5)]
-    ddp_closure, zero_closure = _closure_for(ddp, batches), _closure_for(zero, batches)
+    ddp_closure, zero_closure = closure_for(ddp, batches), closure_for(zero, batches)
     for _ in range(5):
         ddp.step(ddp_closure)
         zero.step(zero_closure)
@@ -137,7 +124,7 @@ def test_strategies_train_a_tiny_model() -> None:
     for cls in (DDP, ZeRO1):
         strategy = cls(tiny_gpt(), LocalComm(), StrategyContext(optim=AdamWConfig(lr=1e-2), total_steps=30))
         batch = global_batch(0, 1)
-        closure = _closure_for(strategy, [batch] * 30)
+        closure = closure_for(strategy, [batch] * 30)
         losses = [strategy.step(closure).loss for _ in range(30)]
         assert losses[-1] < losses[0] - 1.0, cls.name
 
@@ -181,7 +168,7 @@ def _ddp_vs_zero1(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         for step in range(steps):
             x, y = global_batch(step, world)
             mine.append((x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]))
-        closure = _closure_for(strategy, mine)
+        closure = closure_for(strategy, mine)
         for _ in range(steps):
             strategy.step(closure)
         results.append(flat_params(strategy.model))
@@ -217,7 +204,7 @@ def _ddp_shard(steps: int, accumulate: int) -> torch.Tensor:
         for k in range(accumulate):
             part = slice(k * per_micro, (k + 1) * per_micro)
             mine.append((x[rows][part], y[rows][part]))
-    closure = _closure_for(strategy, mine)
+    closure = closure_for(strategy, mine)
     for _ in range(steps):
         strategy.step(closure)
     return flat_params(strategy.model)
@@ -231,7 +218,7 @@ def test_ddp_on_n_ranks_equals_one_process_on_the_global_batch(accumulate: int) 
     steps, world = 8, 3
     distributed = spawn_workers(_ddp_shard, world, (steps, accumulate))
     single = DDP(tiny_gpt(), LocalComm(), StrategyContext(optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps))
-    closure = _closure_for(single, [global_batch(s, world) for s in range(steps)])
+    closure = closure_for(single, [global_batch(s, world) for s in range(steps)])
     for _ in range(steps):
         single.step(closure)
     reference = flat_params(single.model)
