@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,3 +118,17 @@ def test_own_loop_example_runs(repo_root: Path) -> None:
         fields = dict(item.split("=") for item in result.stdout.split())
         assert fields["method"] == method
         assert float(fields["last_loss"]) < 0.1 * float(fields["first_loss"])
+
+
+def test_a_non_finite_loss_stops_the_run_naming_step_and_worker(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = _lowcomm(
+        "train", "--steps", "12", "--optim.lr", "1e4", "--max-grad-norm", "None",
+        "--out", str(out), *SMALL,
+    )  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.search(r"^lowcomm: error: worker \d failed: .*step \d+: worker \d reported a non-finite loss", last), last
+    steps_written = len((out / "metrics.jsonl").read_text().splitlines())
+    assert steps_written < 12  # stopped at the step it appeared
+    assert not (out / "summary.json").exists()
