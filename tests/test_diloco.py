@@ -370,3 +370,19 @@ def test_deployed_evaluates_the_global_parameters_and_restores_the_local_ones() 
     with strategy.deployed() as deployed:
         assert torch.equal(flat_params(deployed), start)
     assert torch.equal(flat_params(strategy.model), local)
+
+
+def test_default_fragment_count_is_capped_at_the_number_of_blocks() -> None:
+    from lowcomm.comm import LocalComm
+    from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.strategies import StrategyContext
+    from lowcomm.strategies.diloco import DiLoCoOptions, default_fragment_count
+    from lowcomm.strategies.streaming import StreamingDiLoCo
+
+    two_blocks = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=64))
+    assert default_fragment_count(two_blocks, 4) == 2
+    assert default_fragment_count(torch.nn.Linear(3, 3), 4) == 4  # no blocks: fallback split
+    strategy = StreamingDiLoCo(two_blocks, LocalComm(), StrategyContext(), options=DiLoCoOptions(sync_every=8))
+    assert strategy.num_fragments == 2
+    with pytest.raises(ValueError, match="--diloco.fragments: 4 leaves fragment"):
+        StreamingDiLoCo(two_blocks, LocalComm(), StrategyContext(), options=DiLoCoOptions(sync_every=8, fragments=4))

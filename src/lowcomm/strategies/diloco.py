@@ -63,7 +63,8 @@ class DiLoCoOptions:
 
     fragments: int | None = None
     """K: number of strided fragments (None = the method's default: 4 for streaming_diloco and
-    cocodc, 1 for diloco, diloco_delayed and eager; diloco accepts only 1)."""
+    cocodc, capped at the model's number of transformer blocks; 1 for diloco, diloco_delayed
+    and eager; diloco accepts only 1)."""
 
     overlap_steps: int = 1
     """tau: inner steps a fragment's all-reduce overlaps (streaming_diloco, cocodc)."""
@@ -228,6 +229,17 @@ class Fragment:
             offset += stop - start
 
 
+def default_fragment_count(model: nn.Module, preferred: int) -> int:
+    """The fragment count used when none is given: ``preferred``, capped at the number of
+    transformer blocks (``blocks.<j>.`` parameters) so no fragment is empty."""
+    indices = {
+        int(match.group(1))
+        for name, _ in model.named_parameters()
+        if (match := _BLOCK.match(name)) is not None
+    }
+    return min(preferred, len(indices)) if indices else preferred
+
+
 def build_fragments(model: nn.Module, fragments: int) -> list[Fragment]:
     """Split ``model``'s trainable parameters into ``fragments`` fragments, in the order
     :class:`FlatBuffers` lays them out (``model.parameters()``, tied tensors once)."""
@@ -368,7 +380,9 @@ class OuterLoopStrategy(Strategy):
             self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float().clone()
         )
         self.inner = FlatAdamW(self.master, context.optim) if self.options.inner_optimizer == "adamw" else None
-        self.num_fragments = self.options.fragments or self.default_fragments
+        self.num_fragments = self.options.fragments or default_fragment_count(
+            model, self.default_fragments
+        )
         self.fragments = build_fragments(model, self.num_fragments)
         self.globals_ = [fragment.gather(self.master) for fragment in self.fragments]
         self.outer = [

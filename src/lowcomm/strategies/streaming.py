@@ -14,7 +14,12 @@ from torch import nn
 
 from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.diloco import DiLoCoOptions, OuterExchange, OuterLoopStrategy
+from lowcomm.strategies.diloco import (
+    DiLoCoOptions,
+    OuterExchange,
+    OuterLoopStrategy,
+    default_fragment_count,
+)
 
 
 def completion_offsets(sync_every: int, fragments: int) -> list[int]:
@@ -73,7 +78,8 @@ class StreamingDiLoCo(OuterLoopStrategy):
         options: DiLoCoOptions | None = None,
     ) -> None:
         options = options or DiLoCoOptions()
-        check_overlap(options, options.fragments or self.default_fragments, self.name)
+        fragments = options.fragments or default_fragment_count(model, self.default_fragments)
+        check_overlap(options, fragments, self.name)
         super().__init__(model, comm, context, options)
         tau = self.options.overlap_steps
         self.launch_offsets = [c - tau for c in completion_offsets(self.options.sync_every, self.num_fragments)]
