@@ -384,5 +384,5 @@ def test_default_fragment_count_is_capped_at_the_number_of_blocks() -> None:
     assert default_fragment_count(torch.nn.Linear(3, 3), 4) == 4  # no blocks: fallback split
     strategy = StreamingDiLoCo(two_blocks, LocalComm(), StrategyContext(), options=DiLoCoOptions(sync_every=8))
     assert strategy.num_fragments == 2
-    with pytest.raises(ValueError, match="--diloco.fragments: 4 leaves fragment"):
+    with pytest.raises(ValueError, match=r"--diloco\.fragments: 4 leaves fragment"):
         StreamingDiLoCo(two_blocks, LocalComm(), StrategyContext(), options=DiLoCoOptions(sync_every=8, fragments=4))
