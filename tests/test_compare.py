@@ -40,6 +40,7 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
             "utilization", "bytes_per_worker_per_step", "state_bytes_per_worker",
         } <= set(row)  # fmt: skip
         assert row["seeds"] == 1 and row["tokens"] == 4 * 2 * 4 * 32
+        assert row["final_val_loss_sd"] is None  # undefined for one seed, and valid JSON
         assert 0 < row["utilization"] <= 1
     # Same data order and start: DDP and ZeRO-1 reach the same loss.
     ddp, zero = results["methods"]["ddp"], results["methods"]["zero1"]
