@@ -27,6 +27,7 @@ Communication is only through ``self.comm``; role ``parameter`` for parameter av
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -290,9 +291,9 @@ class _LocalUpdate(Strategy):
         """Hook: called right after the first inner step of a round."""
         return None
 
+    @abstractmethod
     def _end_round(self) -> dict[str, float]:
         """Combine the workers at the end of a round; returns extras."""
-        raise NotImplementedError
 
     def step(self, closure: Closure) -> StepStats:
         loss, samples, tokens, lr = self._inner_step(closure)

@@ -16,7 +16,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy, default_fragment_count
+from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
 from lowcomm.strategies.streaming import InFlight, check_overlap
 
 
@@ -110,8 +110,7 @@ class CoCoDC(OuterLoopStrategy):
         options: DiLoCoOptions | None = None,
     ) -> None:
         options = options or DiLoCoOptions()
-        fragments = options.fragments or default_fragment_count(model, self.default_fragments)
-        check_overlap(options, fragments, self.name)
+        check_overlap(options, model, self.default_fragments, self.name)
         super().__init__(model, comm, context, options)
         self.rates = [math.inf] * self.num_fragments
         self.last_sync_steps = [0] * self.num_fragments

@@ -27,8 +27,15 @@ def completion_offsets(sync_every: int, fragments: int) -> list[int]:
     return [((p + 1) * sync_every) // fragments for p in range(fragments)]
 
 
-def check_overlap(options: DiLoCoOptions, fragments: int, method: str) -> None:
-    """tau must leave room for the staggered schedule: at most one fragment in flight."""
+def check_overlap(
+    options: DiLoCoOptions, model: nn.Module, default_fragments: int, method: str
+) -> None:
+    """tau must leave room for the staggered schedule: at most one fragment in flight.
+
+    The fragment count is the one the strategy will use: ``options.fragments``, or the
+    method's default capped at the model's number of blocks.
+    """
+    fragments = options.fragments or default_fragment_count(model, default_fragments)
     sync_every = options.sync_every
     if fragments > sync_every:
         raise ValueError(
@@ -78,8 +85,7 @@ class StreamingDiLoCo(OuterLoopStrategy):
         options: DiLoCoOptions | None = None,
     ) -> None:
         options = options or DiLoCoOptions()
-        fragments = options.fragments or default_fragment_count(model, self.default_fragments)
-        check_overlap(options, fragments, self.name)
+        check_overlap(options, model, self.default_fragments, self.name)
         super().__init__(model, comm, context, options)
         tau = self.options.overlap_steps
         self.launch_offsets = [c - tau for c in completion_offsets(self.options.sync_every, self.num_fragments)]
