@@ -92,6 +92,31 @@ def _run_under_torchrun(config: TrainConfig) -> None:
         dist.destroy_process_group()
 
 
+def _resume_defaults(args: list[str]) -> TrainConfig | None:
+    """With ``--resume DIR``, the run's saved config.json supplies every default, so
+    ``lowcomm train --resume DIR`` alone continues the run; options given override it."""
+    import json
+    from pathlib import Path
+
+    value: str | None = None
+    for i, arg in enumerate(args):
+        if arg == "--resume" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--resume="):
+            value = arg.split("=", 1)[1]
+    if value is None or value in ("auto", "None"):
+        return None
+    path = Path(value) / "config.json"
+    if not path.exists():
+        return None  # validate() names the missing checkpoint
+    try:
+        saved = TrainConfig.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as error:
+        _fail(f"--resume: {path} is not a readable lowcomm config ({error}); pass the options again")
+    saved.out, saved.stop_after, saved.resume = None, None, value
+    return saved
+
+
 def run_methods() -> None:
     from lowcomm.strategies import STRATEGIES
 
@@ -149,7 +174,14 @@ def _main(argv: list[str] | None) -> None:
     config = (tyro.conf.FlagConversionOff,)
     try:
         if command == "train":
-            run_train(tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config))
+            defaults = _resume_defaults(rest)
+            if defaults is None:
+                train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config)
+            else:
+                train = tyro.cli(
+                    TrainConfig, args=rest, prog="lowcomm train", config=config, default=defaults
+                )
+            run_train(train)
         elif command == "plan":
             from lowcomm.plan import PlanConfig, run_plan
 

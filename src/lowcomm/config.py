@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -91,6 +92,21 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
 
+    checkpoint_every: int | None = None
+    """Write a checkpoint to OUT/checkpoints every this many steps (None: never)."""
+
+    keep_checkpoints: int = 2
+    """Keep the newest this many checkpoints; older ones are deleted once a new one is whole."""
+
+    resume: str | None = None
+    """Resume from the latest checkpoint of this run directory (its config.json supplies the
+    defaults), or `auto`: resume from OUT if it holds a checkpoint, else start afresh (for
+    jobs that restart themselves, e.g. torchrun --max-restarts)."""
+
+    stop_after: int | None = None
+    """Stop after this many steps with a checkpoint, as a job with a time limit would;
+    continue later with --resume OUT."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -169,12 +185,42 @@ class TrainConfig:
             raise ConfigError(
                 f"--collective-timeout-s: {self.collective_timeout_s} must be positive"
             )
+        self._validate_checkpointing()
         self._validate_method_options()
         if self.data.data is not None and not Path(self.data.data).expanduser().exists():
             raise ConfigError(
                 f"--data: path {self.data.data!r} does not exist; pass a text file, a "
                 f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
             )
+
+    def _validate_checkpointing(self) -> None:
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError(
+                f"--checkpoint-every: {self.checkpoint_every} must be 1 or more (steps between "
+                f"checkpoints), or None for no checkpoints"
+            )
+        if self.keep_checkpoints < 1:
+            raise ConfigError(
+                f"--keep-checkpoints: {self.keep_checkpoints} must be 1 or more"
+            )
+        if self.stop_after is not None and not 1 <= self.stop_after < self.steps:
+            raise ConfigError(
+                f"--stop-after: {self.stop_after} must lie in [1, --steps {self.steps}); a run "
+                f"that stops at its last step has nothing to resume"
+            )
+        if self.resume is not None and self.resume != "auto":
+            latest = Path(self.resume) / "checkpoints" / "latest"
+            if not latest.exists():
+                raise ConfigError(
+                    f"--resume: {self.resume!r} holds no checkpoint ({latest} is missing); pass "
+                    f"the --out directory of a run trained with --checkpoint-every or "
+                    f"--stop-after, or --resume auto"
+                )
+            if self.out is not None and Path(self.out).resolve() != Path(self.resume).resolve():
+                raise ConfigError(
+                    f"--out: {self.out!r} differs from --resume {self.resume!r}; a resumed run "
+                    f"continues in its own directory, so omit --out"
+                )
 
     def strategy_context(self) -> StrategyContext:
         return StrategyContext(
@@ -212,6 +258,8 @@ class TrainConfig:
     def run_dir(self) -> Path:
         if self.out is not None:
             return Path(self.out)
+        if self.resume is not None and self.resume != "auto":
+            return Path(self.resume)
         return Path("runs") / f"{self.method}-{self.network}-w{self.workers}-s{self.seed}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -219,3 +267,32 @@ class TrainConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """The configuration :meth:`to_dict` produced (e.g. a run's config.json); unknown
+        keys are an error naming them."""
+        built = _from_dict(cls, values)
+        assert isinstance(built, TrainConfig)
+        return built
+
+
+def _from_dict(kind: type[Any], values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(kind)
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(
+            f"config.json: unknown field(s) {', '.join(unknown)} for {kind.__name__}; the file "
+            f"comes from another lowcomm version or was edited"
+        )
+    arguments: dict[str, Any] = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            arguments[name] = _from_dict(typing.cast(type[Any], hint), value)
+        elif isinstance(value, list) and typing.get_origin(hint) is tuple:
+            arguments[name] = tuple(value)
+        else:
+            arguments[name] = value
+    return kind(**arguments)

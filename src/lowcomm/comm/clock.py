@@ -66,6 +66,30 @@ class Clock(ABC):
         """Called after each forward/backward micro-batch; only a declared cost uses it."""
         return None
 
+    def state_dict(self) -> dict[str, float | str]:
+        """The clock's readings (for a checkpoint)."""
+        return {
+            "kind": self.kind,
+            "now": self.now(),
+            "compute_s": self.compute_s,
+            "exposed_comm_s": self.exposed_comm_s,
+        }
+
+    def load_state_dict(self, state: dict[str, float | str]) -> None:
+        """Continue from saved readings: the clock reads ``state["now"]`` from here on."""
+        if state["kind"] != self.kind:
+            raise ValueError(
+                f"--clock: the checkpoint was taken on the {state['kind']} clock, this run uses "
+                f"{self.kind}; resume with --clock {state['kind']}"
+            )
+        self.compute_s = float(state["compute_s"])
+        self.exposed_comm_s = float(state["exposed_comm_s"])
+        self._restart_at(float(state["now"]))
+
+    @abstractmethod
+    def _restart_at(self, now: float) -> None:
+        """Make :meth:`now` read ``now`` at this instant, with no pending compute."""
+
     @property
     def utilization(self) -> float:
         total = self.compute_s + self.exposed_comm_s
@@ -102,6 +126,11 @@ class RealClock(Clock):
     def now(self) -> float:
         self.mark()
         return self._wall()
+
+    def _restart_at(self, now: float) -> None:
+        self._last_mark = time.perf_counter()
+        self._start = self._last_mark - now
+        self._excluded_s = 0.0
 
     def wait_until(self, deadline: float) -> None:
         remaining = deadline - self._wall()
@@ -183,6 +212,10 @@ class VirtualClock(Clock):
     def now(self) -> float:
         self.mark()
         return self._time
+
+    def _restart_at(self, now: float) -> None:
+        self._time = now
+        self._last_cpu = self._cpu()
 
     def wait_until(self, deadline: float) -> None:
         if deadline > self._time:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from lowcomm.comm.base import (
     CollectiveKind,
     Comm,
+    CompletedHandle,
     Handle,
     ReduceOp,
     Role,
@@ -81,6 +83,14 @@ class _EmulatedHandle:
             clock.wait_until(finish)
         self._waited = True
 
+    def settle(self) -> float:
+        """Finish the data movement now without charging any time; return the modeled
+        completion. A later :meth:`wait` still moves the clock to that completion (used to
+        checkpoint a collective that is in flight without changing the run's timing)."""
+        with self._owner.clock.blocked():
+            self._inner.wait()
+            return self._owner._resolve(self)
+
     def done(self) -> bool:
         if self._waited:
             return True
@@ -91,6 +101,43 @@ class _EmulatedHandle:
         if not self._inner.done():
             return False
         return self._owner.clock.now() >= self._owner._resolve(self)
+
+
+class ScheduledHandle:
+    """A collective whose data has arrived and which completes at ``finish_time`` on ``clock``:
+    an in-flight collective restored from a checkpoint."""
+
+    def __init__(self, clock: Clock, finish_time: float) -> None:
+        self._clock = clock
+        self.finish_time = finish_time
+
+    def wait(self) -> None:
+        with self._clock.blocked():
+            self._clock.wait_until(self.finish_time)
+
+    def done(self) -> bool:
+        return self._clock.now() >= self.finish_time
+
+
+def settle(handle: Handle) -> float | None:
+    """Complete ``handle``'s data movement without charging time to the clock.
+
+    Returns the modeled completion time when the handle is emulated (its later ``wait()``
+    charges the clock as if nothing had happened), else None (the handle has been waited)."""
+    if isinstance(handle, _EmulatedHandle):
+        return handle.settle()
+    if isinstance(handle, ScheduledHandle):
+        return handle.finish_time
+    handle.wait()
+    return None
+
+
+def restore_handle(comm: Comm, finish_time: float | None) -> Handle:
+    """The handle of a collective checkpointed by :func:`settle`: its data is already in place;
+    on a :class:`NetworkComm` it completes at ``finish_time`` on the comm's clock."""
+    if finish_time is not None and isinstance(comm, NetworkComm):
+        return ScheduledHandle(comm.clock, finish_time)
+    return CompletedHandle()
 
 
 class NetworkComm:
@@ -310,6 +357,33 @@ class NetworkComm:
         )
         self._unresolved.append(handle)
         return handle
+
+    def state_dict(self) -> dict[str, Any]:
+        """Byte counters and the link's schedule (for a checkpoint). Every collective must be
+        settled or waited first: an unresolved one cannot be saved."""
+        if self._unresolved:
+            raise RuntimeError(
+                f"NetworkComm.state_dict: {len(self._unresolved)} collective(s) not yet placed "
+                f"on the link; the strategy must settle its in-flight handles in state_dict()"
+            )
+        return {
+            "bytes_by_role": {role.value: value for role, value in self.bytes_by_role.items()},
+            "bytes_by_kind": {kind.value: value for kind, value in self.bytes_by_kind.items()},
+            "calls_by_kind": {kind.value: value for kind, value in self.calls_by_kind.items()},
+            "modeled_comm_s": self.modeled_comm_s,
+            "link_free_at": self._link_free_at,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bytes_by_role = {role: float(state["bytes_by_role"][role.value]) for role in Role}
+        self.bytes_by_kind = {
+            kind: float(state["bytes_by_kind"][kind.value]) for kind in CollectiveKind
+        }
+        self.calls_by_kind = {
+            kind: int(state["calls_by_kind"][kind.value]) for kind in CollectiveKind
+        }
+        self.modeled_comm_s = float(state["modeled_comm_s"])
+        self._link_free_at = float(state["link_free_at"])
 
     def counters(self) -> dict[str, float]:
         """Bytes this worker sent, by role (for metrics)."""

@@ -36,8 +36,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from lowcomm.comm.base import Comm, CompletedHandle, Handle, Role
-from lowcomm.comm.emulated import NetworkComm
+from lowcomm.comm.base import Comm, Handle, Role
+from lowcomm.comm.emulated import NetworkComm, restore_handle, settle
 from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
 from lowcomm.strategies.base import (
     Closure,
@@ -461,15 +461,18 @@ class OverlapLocalSGD(_LocalUpdate):
 
     def state_dict(self) -> dict[str, Any]:
         pending = self.handle is not None
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = CompletedHandle()
-        return {**super().state_dict(), "buffer": self.buffer.clone(), "pending": pending}
+        finish = settle(self.handle) if self.handle is not None else None
+        return {
+            **super().state_dict(),
+            "buffer": self.buffer.clone(),
+            "pending": pending,
+            "finish_time": finish,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer.copy_(state["buffer"])
-        self.handle = CompletedHandle() if state["pending"] else None
+        self.handle = restore_handle(self.comm, state["finish_time"]) if state["pending"] else None
 
 
 class _AnchoredOuter(_LocalUpdate):
@@ -710,14 +713,14 @@ class CO2(_AnchoredOuter):
 
     def state_dict(self) -> dict[str, Any]:
         pending = self.handle is not None
-        if self.handle is not None:
-            # A checkpoint needs the in-flight result; all ranks checkpoint together.
-            self.handle.wait()
-            self.handle = CompletedHandle()
+        # A checkpoint needs the in-flight result (all ranks checkpoint together); settling
+        # moves the data now but charges the clock only when the round consumes it.
+        finish = settle(self.handle) if self.handle is not None else None
         state = {
             **super().state_dict(),
             "buffer": self.buffer.clone(),
             "pending": pending,
+            "finish_time": finish,
             "inflight_steps": self.inflight_steps,
         }
         if self.displacement is not None:
@@ -729,7 +732,7 @@ class CO2(_AnchoredOuter):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer.copy_(state["buffer"])
-        self.handle = CompletedHandle() if state["pending"] else None
+        self.handle = restore_handle(self.comm, state["finish_time"]) if state["pending"] else None
         self.inflight_steps = int(state["inflight_steps"])
         if self.displacement is not None:
             self.displacement.copy_(state["displacement"])

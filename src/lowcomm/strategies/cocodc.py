@@ -17,7 +17,7 @@ from torch import nn
 from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
-from lowcomm.strategies.streaming import InFlight, check_overlap
+from lowcomm.strategies.streaming import InFlight, check_overlap, load_in_flight, save_in_flight
 
 
 def compensated_merge(
@@ -200,9 +200,11 @@ class CoCoDC(OuterLoopStrategy):
             self.in_flight.remove(sync)
             self.complete(sync, self.step_index)
 
-    def check_nothing_in_flight(self) -> None:
-        if self.in_flight:
-            raise RuntimeError("cocodc: a fragment sync is in flight; call finish() before state_dict()")
+    def in_flight_state(self) -> list[Any]:
+        return [save_in_flight(sync) for sync in self.in_flight]
+
+    def load_in_flight_state(self, saved: list[Any]) -> None:
+        self.in_flight = [load_in_flight(item, self.restore_exchange) for item in saved]
 
     def extra_state_bytes(self) -> int:
         # The in-flight buffer and the launch snapshot of one fragment (Eq. 4 needs it).
@@ -216,6 +218,9 @@ class CoCoDC(OuterLoopStrategy):
             "syncs_per_h": self.syncs_per_h,
             "step_seconds": self.step_seconds,
             "last_sync_seconds": self.last_sync_seconds,
+            "agreed_step_seconds": self.agreed_step_seconds,
+            "agreed_sync_seconds": self.agreed_sync_seconds,
+            "compensation_ratio": self.compensation_ratio,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -226,6 +231,9 @@ class CoCoDC(OuterLoopStrategy):
         self.interval = max(1, self.options.sync_every // self.syncs_per_h)
         self.step_seconds = float(state["step_seconds"])
         self.last_sync_seconds = float(state["last_sync_seconds"])
+        self.agreed_step_seconds = float(state["agreed_step_seconds"])
+        self.agreed_sync_seconds = float(state["agreed_sync_seconds"])
+        self.compensation_ratio = float(state["compensation_ratio"])
 
 
 METHODS: tuple[type[Strategy], ...] = (CoCoDC,)

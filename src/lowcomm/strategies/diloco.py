@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role
+from lowcomm.comm.emulated import restore_handle, settle
 from lowcomm.optim.adamw import FlatAdamW
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
@@ -303,6 +304,8 @@ class OuterExchange:
             self._buffer = torch.empty(comm.world_size * send.numel(), dtype=torch.uint8)
             self.handle = comm.all_gather(self._buffer, send, role=Role.PSEUDO_GRADIENT)
         self.sync_seconds: float | None = None
+        self.finish_time: float | None = None
+        self._waited = False
 
     @property
     def wire_bytes(self) -> int:
@@ -312,21 +315,13 @@ class OuterExchange:
         return encoded_bytes(self.numel, self.quantization, self.row_size) + 4 * self.extras_numel
 
     def done(self) -> bool:
-        return self._result is not None or self.handle.done()
+        return self.handle.done()
 
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(mean Delta, mean extras, this worker's own Delta as it entered the mean)."""
+    def _collect(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Finish the data movement (no time charged) and decode the result once."""
         if self._result is not None:
             return self._result
-        self.handle.wait()
-        # The sync time on the run's clock: the modeled completion of the collective when the
-        # comm reports it (NetworkComm), else the time this worker was released by wait().
-        finish = getattr(self.handle, "finish_time", None)
-        now = _clock_now(self.comm)
-        if self.launch_time is not None:
-            end = float(finish) if isinstance(finish, float) else now
-            if end is not None:
-                self.sync_seconds = max(0.0, end - self.launch_time)
+        self.finish_time = settle(self.handle)
         if self.quantization == "none":
             mean = self._buffer[: self.numel]
             extras = self._buffer[self.numel :].float()
@@ -343,6 +338,56 @@ class OuterExchange:
             extras /= self.comm.world_size
         self._result = (mean, extras, self._own)
         return self._result
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean Delta, mean extras, this worker's own Delta as it entered the mean)."""
+        result = self._collect()
+        if self._waited:
+            return result
+        self.handle.wait()  # charges the clock up to the modeled completion
+        self._waited = True
+        # The sync time on the run's clock: the modeled completion of the collective when the
+        # comm reports it (NetworkComm), else the time this worker was released by wait().
+        now = _clock_now(self.comm)
+        if self.launch_time is not None:
+            end = self.finish_time if self.finish_time is not None else now
+            if end is not None:
+                self.sync_seconds = max(0.0, end - self.launch_time)
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exchange's result, settled now, and its timing (for a checkpoint)."""
+        mean, extras, own = self._collect()
+        return {
+            "mean": mean.clone(),
+            "extras": extras.clone(),
+            "own": own.clone(),
+            "finish_time": self.finish_time,
+            "launch_time": self.launch_time,
+            "waited": self._waited,
+            "sync_seconds": self.sync_seconds,
+        }
+
+    @classmethod
+    def restored(
+        cls, comm: Comm, state: dict[str, Any], quantization: QuantizationFormat, row_size: int
+    ) -> OuterExchange:
+        """An exchange saved by :meth:`state_dict`: its result is known, its completion is
+        still charged to the clock when waited for."""
+        exchange = cls.__new__(cls)
+        exchange.comm = comm
+        exchange.numel = int(state["mean"].numel())
+        exchange.extras_numel = int(state["extras"].numel())
+        exchange.quantization = quantization
+        exchange.row_size = row_size
+        exchange.launch_time = state["launch_time"]
+        exchange.finish_time = state["finish_time"]
+        exchange._own = state["own"]
+        exchange._result = (state["mean"], state["extras"], state["own"])
+        exchange._waited = bool(state["waited"])
+        exchange.sync_seconds = state["sync_seconds"]
+        exchange.handle = restore_handle(comm, exchange.finish_time)
+        return exchange
 
 
 def _clock_now(comm: Comm) -> float | None:
@@ -479,13 +524,24 @@ class OuterLoopStrategy(Strategy):
         """Bytes of method-specific persistent buffers (overridden by subclasses)."""
         return 0
 
-    def check_nothing_in_flight(self) -> None:
-        """Raise if an exchange is in flight: it cannot be saved (call finish() first)."""
+    def in_flight_state(self) -> list[Any]:
+        """The exchanges in flight, settled and saved (overridden by the overlapping methods)."""
+        return []
+
+    def load_in_flight_state(self, saved: list[Any]) -> None:
+        """Restore what :meth:`in_flight_state` saved."""
+        if saved:
+            raise ValueError(f"{self.name}: the checkpoint holds in-flight exchanges this method never has")
+
+    def restore_exchange(self, state: dict[str, Any]) -> OuterExchange:
+        return OuterExchange.restored(
+            self.comm, state, self.options.quantization, self.options.quantization_row_size
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        self.check_nothing_in_flight()
         return {
             **super().state_dict(),
+            "in_flight": self.in_flight_state(),
             "master": self.master.clone(),
             "inner": None if self.inner is None else self.inner.state_dict(),
             "globals": [g.clone() for g in self.globals_],
@@ -504,6 +560,7 @@ class OuterLoopStrategy(Strategy):
             for outer, saved in zip(self.outer, state["outer"], strict=True):
                 outer.load_state_dict(saved)
             self.write_back()
+        self.load_in_flight_state(state["in_flight"])
         self.outer_steps = int(state["outer_steps"])
 
 

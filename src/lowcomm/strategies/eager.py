@@ -8,7 +8,7 @@ The paper's equations are lost; the rules below are ALGORITHMS.md's reconstructi
 from __future__ import annotations
 
 from collections import deque
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -110,11 +110,16 @@ class DelayedOuterBase(OuterLoopStrategy):
                 self.outer_step(p, update)
             self.set_local_fragment(p, self.globals_[p])
 
-    def check_nothing_in_flight(self) -> None:
-        if any(self.pending):
-            raise RuntimeError(
-                f"{self.name}: outer gradients in flight; call finish() before state_dict()"
+    def in_flight_state(self) -> list[Any]:
+        return [[exchange.state_dict() for exchange in queue] for queue in self.pending]
+
+    def load_in_flight_state(self, saved: list[Any]) -> None:
+        if len(saved) != len(self.pending):
+            raise ValueError(
+                f"{self.name}: the checkpoint has {len(saved)} fragments, this run "
+                f"{len(self.pending)}; resume with the same --diloco.fragments"
             )
+        self.pending = [deque(self.restore_exchange(item) for item in queue) for queue in saved]
 
     def extra_state_bytes(self) -> int:
         # N in-flight buffers of every fragment (the whole model), plus for eager the stored own

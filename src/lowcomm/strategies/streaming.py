@@ -6,8 +6,9 @@ Paper: Douillard et al. 2025, "Streaming DiLoCo with overlapping communication".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -60,6 +61,32 @@ class InFlight:
     complete_at: int
     exchange: OuterExchange
     snapshot: torch.Tensor | None = None
+
+
+def save_in_flight(sync: InFlight) -> dict[str, Any]:
+    """A checkpointable record of a fragment sync in flight (its exchange settled now)."""
+    state: dict[str, Any] = {
+        "fragment": sync.fragment,
+        "launched_at": sync.launched_at,
+        "complete_at": sync.complete_at,
+        "exchange": sync.exchange.state_dict(),
+    }
+    if sync.snapshot is not None:
+        state["snapshot"] = sync.snapshot.clone()
+    return state
+
+
+def load_in_flight(
+    state: dict[str, Any], restore: Callable[[dict[str, Any]], OuterExchange]
+) -> InFlight:
+    """The fragment sync :func:`save_in_flight` saved."""
+    return InFlight(
+        int(state["fragment"]),
+        int(state["launched_at"]),
+        int(state["complete_at"]),
+        restore(state["exchange"]),
+        state.get("snapshot"),
+    )
 
 
 class StreamingDiLoCo(OuterLoopStrategy):
@@ -135,12 +162,11 @@ class StreamingDiLoCo(OuterLoopStrategy):
             self.in_flight.remove(sync)
             self.complete(sync)
 
-    def check_nothing_in_flight(self) -> None:
-        if self.in_flight:
-            raise RuntimeError(
-                f"{self.name}: {len(self.in_flight)} fragment sync(s) in flight; call finish() "
-                f"before state_dict()"
-            )
+    def in_flight_state(self) -> list[Any]:
+        return [save_in_flight(sync) for sync in self.in_flight]
+
+    def load_in_flight_state(self, saved: list[Any]) -> None:
+        self.in_flight = [load_in_flight(item, self.restore_exchange) for item in saved]
 
     def extra_state_bytes(self) -> int:
         # The in-flight buffer: one fragment's outer gradient (counted at the largest fragment).

@@ -10,16 +10,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.comm.clock import make_clock
+from lowcomm.comm.clock import Clock, make_clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
-from lowcomm.strategies import MicroBatchResult, build_strategy
+from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
+from lowcomm.train import checkpoint
 from lowcomm.train.metrics import RunWriter, StepRecord
 
 # Order of the per-step numbers each worker contributes to the gather on rank 0.
@@ -32,11 +34,18 @@ _STEP_FIELDS = (
     "microbatches",
     "tokens",
     "committed_steps",
+    "params_finite",
 )
 
 
 class NonFiniteLoss(FloatingPointError):
-    """Training produced a NaN or infinite loss."""
+    """Training produced a NaN or infinite loss or parameter."""
+
+
+def _all_finite(model: torch.nn.Module) -> bool:
+    """Whether every parameter is finite (a NaN/inf gradient shows up here after the update)."""
+    flags = [torch.isfinite(p).all() for p in model.parameters()]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 @dataclass
@@ -122,12 +131,29 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
             loss=float(loss.detach()), samples=inputs.shape[0], tokens=inputs.numel()
         )
 
-    writer = RunWriter(config) if rank == 0 else None
-    tokens_total = 0
+    run_dir = config.run_dir()
+    start_step, tokens_total, val_loss = 0, 0, math.nan
+    resume_from = _resume_directory(config, run_dir)
+    if resume_from is not None:
+        start_step, directory = checkpoint.find_latest(
+            resume_from, world_size, checkpoint.fingerprint(config)
+        )
+        saved = checkpoint.read_rank_state(directory, rank, device)
+        model.load_state_dict(saved["model"])
+        strategy.load_state_dict(saved["strategy"])
+        shard.load_state_dict(saved["data"])
+        clock.load_state_dict(saved["clock"])
+        comm.load_state_dict(saved["comm"])
+        torch.set_rng_state(saved["rng"]["torch"].cpu())
+        tokens_total = int(saved["tokens"])
+        val_loss = float(saved["val_loss"])
+    raw.barrier().wait()  # every worker has read its file before anyone writes a new one
+
+    writer = RunWriter(config, resume_step=start_step if resume_from is not None else None) if rank == 0 else None
     start_wall = time.perf_counter()
-    val_loss = math.nan
+    stopped = False
     try:
-        for step in range(config.steps):
+        for step in range(start_step, config.steps):
             before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
             before_bytes = comm.bytes_sent
             stats = strategy.step(closure)
@@ -144,6 +170,7 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
                         stats.microbatches,
                         stats.tokens,
                         stats.committed_steps,
+                        float(_all_finite(model)),
                     ],
                     dtype=torch.float64,
                     device=device,
@@ -158,6 +185,14 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
                     raise NonFiniteLoss(
                         f"step {step}: worker {bad[0]} reported a non-finite loss "
                         f"({float(per_worker[bad[0], 0])}); lower --optim.lr or check the data"
+                        f"{_NOT_SAVED}"
+                    )
+                bad = [r for r in range(world_size) if float(per_worker[r, -1]) != 1.0]
+                if bad:
+                    raise NonFiniteLoss(
+                        f"step {step}: worker {bad[0]} has non-finite parameters after the "
+                        f"update (a NaN/inf gradient); lower --optim.lr or --max-grad-norm"
+                        f"{_NOT_SAVED}"
                     )
                 is_last = step == config.steps - 1
                 evaluate = (step + 1) % config.eval_every == 0 and not is_last
@@ -170,12 +205,34 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
                             step,
                             stats.lr,
                             per_worker,
-                            _STEP_FIELDS,
+                            _STEP_FIELDS[:-1],
                             val_loss if evaluate else None,
                             clock.kind,
                             stats.extras,
                         )
                     )
+                stopped = config.stop_after is not None and step + 1 == config.stop_after
+                every = config.checkpoint_every
+                if (every is not None and (step + 1) % every == 0 and not is_last) or stopped:
+                    _save_checkpoint(
+                        config, run_dir, step + 1, raw, model, strategy, shard, clock, comm,
+                        tokens_total, val_loss,
+                    )
+            if stopped:
+                break
+        if stopped:
+            if writer is not None:
+                writer.close_steps()
+                print(
+                    f"lowcomm: stopped after step {config.stop_after} with a checkpoint in "
+                    f"{run_dir}; continue with: lowcomm train --resume {run_dir}",
+                    flush=True,
+                )
+            return WorkerSummary(
+                rank=rank, compute_s=clock.compute_s, exposed_comm_s=clock.exposed_comm_s,
+                clock_s=clock.now(), bytes_sent=comm.bytes_sent, bytes_by_role=comm.counters(),
+                state_bytes=strategy.state_bytes(), tokens=tokens_total,
+            )  # fmt: skip
         strategy.finish()
         final_clock = clock.now()
         with clock.excluded(), strategy.deployed() as deployed_model:
@@ -217,6 +274,54 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
         )
     return summary
 
+
+
+_NOT_SAVED = "; the run stopped here and no checkpoint holds this state"
+
+
+def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
+    """Where to resume from: --resume DIR, or with --resume auto the run directory when it
+    holds a checkpoint (an elastic restart), else nowhere (a fresh start)."""
+    if config.resume is None:
+        return None
+    if config.resume == "auto":
+        return run_dir if checkpoint.has_checkpoint(run_dir) else None
+    return Path(config.resume)
+
+
+def _save_checkpoint(
+    config: TrainConfig,
+    run_dir: Path,
+    step: int,
+    raw: Comm,
+    model: torch.nn.Module,
+    strategy: Strategy,
+    shard: WorkerShard,
+    clock: Clock,
+    comm: NetworkComm,
+    tokens: int,
+    val_loss: float,
+) -> None:
+    """Every worker writes its file; once all have, rank 0 checksums them and commits."""
+    state = {
+        # The strategy first: it settles in-flight collectives, which the comm must not hold.
+        "strategy": strategy.state_dict(),
+        "model": model.state_dict(),
+        "data": shard.state_dict(),
+        "clock": clock.state_dict(),
+        "comm": comm.state_dict(),
+        "rng": {"torch": torch.get_rng_state()},
+        "tokens": tokens,
+        "val_loss": val_loss,
+        "step": step,
+    }
+    checkpoint.write_rank_state(run_dir, step, raw.rank, state)
+    raw.barrier().wait()
+    if raw.rank == 0:
+        checkpoint.commit_checkpoint(
+            run_dir, step, raw.world_size, checkpoint.fingerprint(config), keep=config.keep_checkpoints
+        )
+    raw.barrier().wait()
 
 
 def spawned_train(config: TrainConfig) -> WorkerSummary:

@@ -81,22 +81,47 @@ class StepRecord:
         )
 
 
+def read_records(path: Path, *, before: int) -> list[StepRecord]:
+    """The records of ``path`` (metrics.jsonl) for steps ``< before``; a torn last line (a
+    run killed mid-write) is dropped."""
+    records: list[StepRecord] = []
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            record = StepRecord(**json.loads(line))
+        except (ValueError, TypeError):
+            continue
+        if record.step < before:
+            records.append(record)
+    return records
+
+
 class RunWriter:
     """Writes the run directory as training goes (rank 0)."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, *, resume_step: int | None = None) -> None:
         self.config = config
         self.directory = config.run_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.directory / "config.json", config.to_json() + "\n")
-        # Kept open for the whole run (one line per step), closed by close_steps().
-        self._metrics: TextIO | None = open(self.directory / "metrics.jsonl", "w")  # noqa: SIM115
+        metrics_path = self.directory / "metrics.jsonl"
         self.records: list[StepRecord] = []
+        if resume_step is not None:
+            # Keep the steps the checkpoint covers; later lines belong to the run that died.
+            self.records = read_records(metrics_path, before=resume_step)
+            atomic_write_text(
+                metrics_path, "".join(json.dumps(r.__dict__) + "\n" for r in self.records)
+            )
+        # Kept open for the whole run (one line per step), closed by close_steps().
+        self._metrics: TextIO | None = open(metrics_path, "a" if resume_step is not None else "w")  # noqa: SIM115
         self._progress: Any = None
         if config.progress:
             from tqdm import tqdm
 
-            self._progress = tqdm(total=config.steps, desc=f"{config.method}", unit="step")
+            self._progress = tqdm(
+                total=config.steps, initial=len(self.records), desc=f"{config.method}", unit="step"
+            )
 
     def write_step(self, record: StepRecord) -> None:
         self.records.append(record)

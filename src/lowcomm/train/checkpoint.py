@@ -1,0 +1,176 @@
+"""Checkpoints: atomic, checksummed, loaded without unpickling arbitrary objects.
+
+Layout under a run directory::
+
+    checkpoints/
+      step-000040/rank0.pt ... rankN.pt   one file per worker (torch.save of plain containers)
+      step-000040/manifest.json           written last: step, world size, method, sha256 per file
+      latest                              name of the newest complete checkpoint
+
+A checkpoint exists only once its manifest does, and ``latest`` moves only after that, so a
+run killed mid-write leaves the previous checkpoint intact. Every file is written to a
+temporary name, flushed, fsynced and renamed. Loading verifies the checksum and uses
+``torch.load(weights_only=True)``, which refuses anything but tensors and plain containers.
+The directory must be on storage every worker can read (one machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowcomm.config import TrainConfig
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupted or from another configuration."""
+
+
+def _fsync_write(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(config: TrainConfig) -> dict[str, Any]:
+    """The settings a checkpoint's state depends on: resuming under different ones would not
+    continue the same run (JSON-normalised so it compares equal after a round trip)."""
+    from lowcomm.strategies import strategy_class
+
+    options_field = strategy_class(config.method).options_field
+    chosen = {
+        "method": config.method,
+        "seed": config.seed,
+        "steps": config.steps,
+        "microbatches_per_step": config.microbatches_per_step,
+        "max_grad_norm": config.max_grad_norm,
+        "clock": config.clock,
+        "model": dataclasses.asdict(config.model),
+        "data": dataclasses.asdict(config.data),
+        "optim": dataclasses.asdict(config.optim),
+        "schedule": dataclasses.asdict(config.schedule),
+        "options": None if options_field is None else dataclasses.asdict(getattr(config, options_field)),
+    }
+    normalised: dict[str, Any] = json.loads(json.dumps(chosen, default=str))
+    return normalised
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a committed checkpoint."""
+    return (run_dir / "checkpoints" / "latest").exists()
+
+
+def step_directory(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step-{step:06d}"
+
+
+def write_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any]) -> Path:
+    """Write one worker's state for ``step`` (atomically); return its path."""
+    directory = step_directory(run_dir, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank{rank}.pt"
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save({"format": FORMAT_VERSION, **state}, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def commit_checkpoint(
+    run_dir: Path, step: int, world_size: int, fingerprint: dict[str, Any], keep: int = 2
+) -> None:
+    """After every worker wrote its file: checksum them, write the manifest, move ``latest``,
+    then drop checkpoints older than the newest ``keep`` (rank 0 only)."""
+    directory = step_directory(run_dir, step)
+    files = {f"rank{rank}.pt": _sha256(directory / f"rank{rank}.pt") for rank in range(world_size)}
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "fingerprint": fingerprint,
+        "sha256": files,
+    }
+    _fsync_write(directory / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    _fsync_write(run_dir / "checkpoints" / "latest", (directory.name + "\n").encode())
+    complete = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").exists())
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def find_latest(run_dir: Path, world_size: int, fingerprint: dict[str, Any]) -> tuple[int, Path]:
+    """The newest complete checkpoint of ``run_dir``, verified; returns (step, directory).
+
+    Raises:
+        CheckpointError: naming what is wrong and what to do.
+    """
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.exists():
+        raise CheckpointError(
+            f"--resume: {run_dir} has no checkpoint (no checkpoints/latest); train with "
+            f"--checkpoint-every N to write them"
+        )
+    directory = run_dir / "checkpoints" / pointer.read_text().strip()
+    manifest_path = directory / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"--resume: {manifest_path} is unreadable ({error}); the checkpoint is incomplete, "
+            f"point checkpoints/latest at an older step-* directory or start afresh"
+        ) from None
+    if manifest.get("world_size") != world_size:
+        raise CheckpointError(
+            f"--resume: the checkpoint was written by {manifest.get('world_size')} workers but "
+            f"this run has {world_size}; resume with --workers {manifest.get('world_size')}"
+        )
+    saved = manifest.get("fingerprint", {})
+    for key, value in fingerprint.items():
+        if saved.get(key) != value:
+            raise CheckpointError(
+                f"--resume: the checkpoint was written with {key}={saved.get(key)!r} but this "
+                f"run has {key}={value!r}; an exact resume needs the same setting (drop the "
+                f"override, or start a new run with a different --out)"
+            )
+    for name, expected in manifest["sha256"].items():
+        path = directory / name
+        if not path.exists() or _sha256(path) != expected:
+            raise CheckpointError(
+                f"--resume: {path} is missing or fails its checksum (truncated or corrupted); "
+                f"delete {directory} and point checkpoints/latest at an older checkpoint, or "
+                f"start afresh"
+            )
+    return int(manifest["step"]), directory
+
+
+def read_rank_state(
+    directory: Path, rank: int, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """Load one worker's state (tensors and plain containers only) onto ``device``."""
+    try:
+        state = torch.load(directory / f"rank{rank}.pt", weights_only=True, map_location=device)
+    except Exception as error:  # torch raises several types for a bad file
+        raise CheckpointError(f"--resume: cannot load {directory / f'rank{rank}.pt'}: {error}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"--resume: {directory / f'rank{rank}.pt'} is not a lowcomm checkpoint")
+    return state
