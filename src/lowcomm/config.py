@@ -216,6 +216,12 @@ class TrainConfig:
                     f"the --out directory of a run trained with --checkpoint-every or "
                     f"--stop-after, or --resume auto"
                 )
+            from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
+
+            try:
+                find_latest(Path(self.resume), self.workers, fingerprint(self))
+            except CheckpointError as error:
+                raise ConfigError(str(error)) from None
             if self.out is not None and Path(self.out).resolve() != Path(self.resume).resolve():
                 raise ConfigError(
                     f"--out: {self.out!r} differs from --resume {self.resume!r}; a resumed run "

@@ -60,6 +60,8 @@ class WorkerSummary:
     bytes_by_role: dict[str, float]
     state_bytes: int
     tokens: int
+    parameters: torch.Tensor | None = None
+    """The final parameters, flattened (only with ``train_worker(keep_parameters=True)``)."""
 
 
 def _evaluate(
@@ -80,9 +82,10 @@ def _evaluate(
     return float(total[0] / total[1]) if total[1] > 0 else math.nan
 
 
-def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
+def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = False) -> WorkerSummary:
     """Train on this worker. ``raw`` is the un-emulated communicator of the process group;
-    strategy traffic goes through a :class:`NetworkComm` around it, metrics go around it."""
+    strategy traffic goes through a :class:`NetworkComm` around it, metrics go around it.
+    With ``keep_parameters`` the summary carries the final parameters (for tests)."""
     rank, world_size = raw.rank, raw.world_size
     device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     torch.manual_seed(config.seed)
@@ -232,6 +235,7 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
                 rank=rank, compute_s=clock.compute_s, exposed_comm_s=clock.exposed_comm_s,
                 clock_s=clock.now(), bytes_sent=comm.bytes_sent, bytes_by_role=comm.counters(),
                 state_bytes=strategy.state_bytes(), tokens=tokens_total,
+                parameters=_flat_parameters(model) if keep_parameters else None,
             )  # fmt: skip
         strategy.finish()
         final_clock = clock.now()
@@ -250,6 +254,7 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
         bytes_by_role=comm.counters(),
         state_bytes=strategy.state_bytes(),
         tokens=tokens_total,
+        parameters=_flat_parameters(model) if keep_parameters else None,
     )
     # Every worker's summary goes to rank 0 through the raw group (uncharged).
     packed = torch.tensor(
@@ -274,6 +279,10 @@ def train_worker(config: TrainConfig, raw: Comm) -> WorkerSummary:
         )
     return summary
 
+
+
+def _flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
 _NOT_SAVED = "; the run stopped here and no checkpoint holds this state"
