@@ -87,7 +87,7 @@ def _run_under_torchrun(config: TrainConfig) -> None:
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        train_worker(config, TorchComm())
+        train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
     finally:
         dist.destroy_process_group()
 

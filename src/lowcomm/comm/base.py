@@ -40,6 +40,11 @@ class CollectiveKind(str, enum.Enum):
     BARRIER = "barrier"
 
 
+class CollectiveTimeout(TimeoutError):
+    """A collective did not complete in time; the message names the rank, the collective and
+    the time waited."""
+
+
 @runtime_checkable
 class Handle(Protocol):
     """An in-flight collective."""

@@ -5,13 +5,16 @@ This module and ``lowcomm.launch`` are the only places that import ``torch.distr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lowcomm.comm.base import (
+    CollectiveTimeout,
     Handle,
     ReduceOp,
     Role,
@@ -27,18 +30,46 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class _WorkHandle:
-    """Wraps a ``torch.distributed`` work object; runs a finishing step once after it."""
+    """Wraps a ``torch.distributed`` work object; runs a finishing step once after it.
 
-    def __init__(self, work: Any, finish: Callable[[], None] | None = None) -> None:
+    ``wait()`` gives up after ``timeout_s`` with a :class:`CollectiveTimeout` naming the rank,
+    the collective and the time waited."""
+
+    def __init__(
+        self,
+        work: Any,
+        finish: Callable[[], None] | None = None,
+        *,
+        what: str = "collective",
+        rank: int = 0,
+        timeout_s: float | None = None,
+    ) -> None:
         self._work = work
         self._finish = finish
         self._finished = False
+        self._what = what
+        self._rank = rank
+        self._timeout_s = timeout_s
 
     def wait(self) -> None:
         if self._finished:
             return
         if self._work is not None:
-            self._work.wait()
+            begin = time.monotonic()
+            try:
+                if self._timeout_s is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(timeout=timedelta(seconds=self._timeout_s))
+            except RuntimeError as error:
+                waited = time.monotonic() - begin
+                if "timed out" not in str(error).lower():
+                    raise
+                raise CollectiveTimeout(
+                    f"rank {self._rank}: {self._what} did not complete within "
+                    f"{waited:.1f} s (--collective-timeout-s {self._timeout_s}); a peer died, "
+                    f"hung or is far slower (raise the timeout for a slow link)"
+                ) from None
         if self._finish is not None:
             self._finish()
         self._finished = True
@@ -60,7 +91,7 @@ class TorchComm:
             group rather than to the world so a strategy can be handed an inner and an outer one.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, *, timeout_s: float | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchComm needs an initialised process group: call "
@@ -69,6 +100,15 @@ class TorchComm:
         self._group = group
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
+        self._timeout_s = timeout_s
+
+    def _handle(
+        self, work: Any, what: str, tensor: torch.Tensor | None, finish: Callable[[], None] | None = None
+    ) -> _WorkHandle:
+        size = "" if tensor is None else f" of {tensor.numel() * tensor.element_size()} bytes"
+        return _WorkHandle(
+            work, finish, what=f"{what}{size}", rank=self._rank, timeout_s=self._timeout_s
+        )
 
     @property
     def rank(self) -> int:
@@ -98,25 +138,25 @@ class TorchComm:
     ) -> Handle:
         check_segments(tensor, segments)
         work = dist.all_reduce(tensor, op=_torch_op(op), group=self._group, async_op=True)
-        return _WorkHandle(work, self._mean_after(tensor, op))
+        return self._handle(work, f"all_reduce ({role.value})", tensor, self._mean_after(tensor, op))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
     ) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "reduce_scatter")
         work = _reduce_scatter(output, input, op=_torch_op(op), group=self._group, async_op=True)
-        return _WorkHandle(work, self._mean_after(output, op))
+        return self._handle(work, f"reduce_scatter ({role.value})", input, self._mean_after(output, op))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "all_gather")
         work = _all_gather(output, input, group=self._group, async_op=True)
-        return _WorkHandle(work)
+        return self._handle(work, f"all_gather ({role.value})", output)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         global_src = dist.get_global_rank(self._group, src) if self._group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self._group, async_op=True)
-        return _WorkHandle(work)
+        return self._handle(work, f"broadcast ({role.value}) from {src}", tensor)
 
     def barrier(self) -> Handle:
         work = dist.barrier(group=self._group, async_op=True)
-        return _WorkHandle(work)
+        return self._handle(work, "barrier", None)

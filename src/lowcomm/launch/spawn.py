@@ -54,8 +54,28 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
     """Join the process group described by torchrun's environment variables."""
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restarts is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend_for(device), timeout=timeout)
+        return
+    # An elastic restart reuses the agent's store: without a per-attempt prefix the new
+    # workers would read the dead attempt's Gloo addresses and fail to connect.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+    )
     dist.init_process_group(
-        backend_for(device), timeout=datetime.timedelta(seconds=timeout_s)
+        backend_for(device),
+        store=dist.PrefixStore(f"lowcomm/attempt{restarts}", store),  # type: ignore[attr-defined]
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
     )
 
 
@@ -93,10 +113,12 @@ def _worker_entry(
         # "connection closed" error: the earliest failure is the cause.)
         record = {"time": time.time(), "traceback": traceback.format_exc()}
         (Path(result_dir) / f"rank{local_rank}.err").write_text(json.dumps(record))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Exit now: tearing the group down would wait on the collective that failed (a hung
+        # peer could hold this worker for as long as it hangs).
+        sys.stderr.flush()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn_workers(

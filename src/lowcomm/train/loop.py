@@ -337,4 +337,4 @@ def spawned_train(config: TrainConfig) -> WorkerSummary:
     """Entry point of a worker started by the local spawner (the group is initialised)."""
     from lowcomm.comm.torch_comm import TorchComm
 
-    return train_worker(config, TorchComm())
+    return train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
