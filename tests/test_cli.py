@@ -124,11 +124,20 @@ def test_a_non_finite_loss_stops_the_run_naming_step_and_worker(tmp_path: Path) 
     out = tmp_path / "run"
     result = _lowcomm(
         "train", "--steps", "12", "--optim.lr", "1e4", "--max-grad-norm", "None",
-        "--out", str(out), *SMALL,
+        "--checkpoint-every", "1", "--out", str(out), *SMALL,
     )  # fmt: skip
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert re.search(r"^lowcomm: error: worker \d failed: .*step \d+: worker \d (reported a non-finite loss|has non-finite parameters)", last), last
+    found = re.search(r"^lowcomm: error: worker \d failed: .*step (\d+): worker \d (reported a non-finite loss|has non-finite parameters)", last)
+    assert found, last
+    bad_step = int(found.group(1))
     steps_written = len((out / "metrics.jsonl").read_text().splitlines())
-    assert steps_written < 12  # stopped at the step it appeared
+    assert steps_written == bad_step  # stopped at the step it appeared
     assert not (out / "summary.json").exists()
+    # The newest checkpoint is the last good step, and it is finite: bad state is never saved.
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{bad_step:06d}"
+    import torch
+
+    state = torch.load(out / "checkpoints" / latest / "rank0.pt", weights_only=True)
+    assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
