@@ -118,3 +118,34 @@ def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tmp_path: 
     expected = json.loads((straight_dir / "summary.json").read_text())
     assert elastic["final_train_loss"] == pytest.approx(expected["final_train_loss"], abs=1e-6)
     assert elastic["final_val_loss"] == pytest.approx(expected["final_val_loss"], abs=1e-6)
+
+
+def _listening_addresses() -> list[str]:
+    """Local addresses of the TCP sockets this process listens on (from /proc)."""
+    import torch
+
+    from lowcomm.comm.base import Role
+    from lowcomm.comm.torch_comm import TorchComm
+
+    TorchComm().all_reduce(torch.ones(4), role=Role.OTHER).wait()  # the group is connected
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if inode in inodes and state == "0A":  # LISTEN
+                found.append(local.split(":")[0])
+    return found
+
+
+def test_local_workers_listen_on_loopback_only() -> None:
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1
+    for rank, addresses in enumerate(spawn_workers(_listening_addresses, 2, timeout_s=60)):
+        assert addresses, f"worker {rank}: no listening socket found (Gloo listens on one)"
+        assert set(addresses) <= loopback, f"worker {rank} listens on {addresses}"
