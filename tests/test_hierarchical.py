@@ -152,13 +152,14 @@ def test_hierarchical_collectives_equal_plain_math_on_gloo() -> None:
 # --- reduction to flat workers -----------------------------------------------------------------
 
 
-def _options_source() -> TrainConfig:
-    config = TrainConfig()
+def _options_source(method: str) -> TrainConfig:
+    config = TrainConfig(method=method)
     config.diloco.sync_every = 2
     config.local.sync_every = 2
-    config.desloc.sync_every = 1
-    config.desloc.sync_every_first_moment = 2
-    config.desloc.sync_every_second_moment = 4
+    config.desloc.param_period = 1
+    if method == "desloc":
+        config.desloc.first_moment_period = 2
+        config.desloc.second_moment_period = 4
     return config
 
 
@@ -191,7 +192,7 @@ def _train(methods: list[str], hierarchical: bool) -> dict[str, torch.Tensor]:
     context = StrategyContext(total_steps=STEPS, microbatches_per_step=MICROBATCHES)
     results: dict[str, torch.Tensor] = {}
     for method in methods:
-        strategy = build_strategy(method, tiny_gpt(), comm, context, _options_source())
+        strategy = build_strategy(method, tiny_gpt(), comm, context, _options_source(method))
         closure = closure_for(strategy, _batches(worker, replica, replicas))
         if hierarchical:
             closure = averaging_closure(closure, strategy.model, inner)
@@ -266,3 +267,28 @@ def test_training_loop_hierarchical_ddp_matches_flat_and_bytes_per_level(tmp_pat
     assert h["bytes_sent_per_worker"] == pytest.approx(R * (inner + outer))
     assert h["inner_network"]["name"] == "datacenter"
     assert 0 < h["utilization"] <= 1
+
+
+# --- the planner -------------------------------------------------------------------------------
+
+
+def test_plan_splits_the_outer_payload_over_the_ranks_and_prices_the_inner_link() -> None:
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.plan import PlanConfig, make_plan
+
+    base = {"method": "diloco", "params": "1b", "workers": 4, "network": "wan", "sync_every": 50}
+    flat = make_plan(PlanConfig(**base))  # type: ignore[arg-type]
+    hier = make_plan(PlanConfig(**base, ranks_per_worker=8, inner_network="datacenter"))  # type: ignore[arg-type]
+    payload = 2.0 * 1e9
+    assert hier.outer_bytes_per_rank_per_step == pytest.approx(flat.comm_bytes_per_worker_per_step / 8)
+    assert hier.inner_bytes_per_rank_per_step == pytest.approx(2 * 7 / 8 * payload + 7 / 8 * payload / 50)
+    inner = NetworkProfile.from_preset("datacenter")
+    per_step = inner.collective_time(CollectiveKind.ALL_REDUCE, payload, 8) + inner.collective_time(
+        CollectiveKind.ALL_GATHER, payload, 8
+    ) / 50
+    assert hier.inner_comm_s == pytest.approx(hier.steps * per_step)
+    outer = NetworkProfile.from_preset("wan").collective_time(CollectiveKind.ALL_REDUCE, payload / 8, 4)
+    assert hier.comm_total_s == pytest.approx(hier.steps * (outer / 50 + per_step))
+    assert hier.compute_s == pytest.approx(flat.compute_s / 8)  # 8 ranks share each worker's batch
+    with pytest.raises(ValueError, match=r"--ranks-per-worker: 2 with --method acco"):
+        make_plan(PlanConfig(method="acco", ranks_per_worker=2))
