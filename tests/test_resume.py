@@ -184,3 +184,36 @@ def test_checkpoint_loading_never_unpickles_objects(tmp_path: Path) -> None:
     torch.save({"format": 1, "evil": PurePosixPath("x")}, tmp_path / "rank0.pt")
     with pytest.raises(CheckpointError, match="cannot load"):
         read_rank_state(tmp_path, 0)
+
+
+def _hierarchical_straight_and_resumed(base: str) -> dict[str, float]:
+    from dataclasses import replace
+
+    root = Path(base)
+    method = "streaming_diloco"  # fragment exchanges in flight at the stop
+    hierarchical = {"ranks_per_worker": 2}
+    from lowcomm.train.loop import train_worker
+
+    straight = train_worker(
+        tiny_config(method, root / "straight", **hierarchical), TorchComm(), keep_parameters=True
+    )
+    stop = tiny_config(method, root / "resumed", stop_after=STOP, **hierarchical)
+    train_worker(stop, TorchComm())
+    resumed = train_worker(
+        replace(stop, stop_after=None, resume=str(root / "resumed")), TorchComm(), keep_parameters=True
+    )
+    assert straight.parameters is not None and resumed.parameters is not None
+    return {
+        "max_abs_diff": float((straight.parameters - resumed.parameters).abs().max()),
+        "bytes_diff": abs(straight.bytes_sent - resumed.bytes_sent),
+    }
+
+
+@pytest.mark.slow
+def test_hierarchical_resume_is_exact(tmp_path: Path) -> None:
+    from lowcomm.data import prepare_corpus
+
+    prepare_corpus(DataConfig(micro_batch_size=2))
+    for rank, got in enumerate(spawn_workers(_hierarchical_straight_and_resumed, 4, (str(tmp_path),), timeout_s=120)):
+        assert got["max_abs_diff"] <= 1e-6, f"rank {rank}: {got}"
+        assert got["bytes_diff"] == 0, f"rank {rank}: {got}"

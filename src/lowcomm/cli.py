@@ -48,7 +48,7 @@ def run_train(config: TrainConfig) -> None:
     try:
         spawn_workers(
             spawned_train,
-            config.workers,
+            config.world_size,
             (config,),
             device=config.device,
             timeout_s=config.collective_timeout_s,
@@ -70,13 +70,20 @@ def _run_under_torchrun(config: TrainConfig) -> None:
     from lowcomm.train.loop import train_worker
 
     world_size = int(os.environ["WORLD_SIZE"])
-    if config.workers != world_size:
+    if world_size % config.ranks_per_worker:
+        _fail(
+            f"--ranks-per-worker: {config.ranks_per_worker} does not divide the torchrun world "
+            f"of {world_size} processes; launch workers x ranks-per-worker processes (e.g. "
+            f"--nproc-per-node {config.ranks_per_worker} on each of the workers' nodes)"
+        )
+    workers = world_size // config.ranks_per_worker
+    if config.workers != workers:
         # torchrun decides the world; keep the recorded config truthful.
-        config.workers = world_size
-        if config.speed_factors and len(config.speed_factors) != world_size:
+        config.workers = workers
+        if config.speed_factors and len(config.speed_factors) != workers:
             _fail(
                 f"--speed-factors: {len(config.speed_factors)} values for a torchrun world of "
-                f"{world_size}; give one per worker"
+                f"{workers} workers; give one per worker"
             )
     init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
     try:

@@ -41,7 +41,13 @@ class TrainConfig:
     """Training method (see `lowcomm methods`): ddp, zero1, ..."""
 
     workers: int = 4
-    """Number of data-parallel workers (processes)."""
+    """Number of data-parallel workers (each one process, or --ranks-per-worker processes)."""
+
+    ranks_per_worker: int = 1
+    """Ranks (processes) per worker: they share the worker's data-parallel work over the inner
+    link (synchronous data parallel, replicated optimizer state); the method runs between
+    workers over --network, each rank sending 1/R of the worker's payload. Runs workers x R
+    processes; --micro-batch-size is per rank."""
 
     steps: int = 80
     """Optimizer steps to take."""
@@ -53,13 +59,22 @@ class TrainConfig:
     """Clip the averaged gradient to this global L2 norm (None: no clipping)."""
 
     network: str = "wan"
-    """Declared link between workers: none, datacenter, ethernet, wan, slow-wan."""
+    """Declared link between workers (the outer link): none, datacenter, ethernet, wan, slow-wan."""
 
     bandwidth_gbps: float | None = None
     """Override the preset's bandwidth, in Gbit/s."""
 
     latency_ms: float | None = None
     """Override the preset's one-hop latency, in milliseconds."""
+
+    inner_network: str = "datacenter"
+    """With --ranks-per-worker > 1: the link between the ranks of one worker (same presets)."""
+
+    inner_bandwidth_gbps: float | None = None
+    """Override the inner preset's bandwidth, in Gbit/s."""
+
+    inner_latency_ms: float | None = None
+    """Override the inner preset's one-hop latency, in milliseconds."""
 
     speed_factors: tuple[float, ...] = ()
     """Per-worker compute-time multipliers, e.g. 1 1 1 2 for one worker twice as slow."""
@@ -132,6 +147,7 @@ class TrainConfig:
             raise ConfigError(f"--workers: {self.workers} is not a positive worker count; pass 1 or more")
         if self.steps < 1:
             raise ConfigError(f"--steps: {self.steps} is not a positive step count; pass 1 or more")
+        self._validate_hierarchy()
         if self.microbatches_per_step < 1:
             raise ConfigError(
                 f"--microbatches-per-step: {self.microbatches_per_step} must be 1 or more"
@@ -219,7 +235,9 @@ class TrainConfig:
             from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
 
             try:
-                find_latest(Path(self.resume), self.workers, fingerprint(self))
+                find_latest(
+                    Path(self.resume), self.workers * self.ranks_per_worker, fingerprint(self)
+                )
             except CheckpointError as error:
                 raise ConfigError(str(error)) from None
             if self.out is not None and Path(self.out).resolve() != Path(self.resume).resolve():
@@ -227,6 +245,45 @@ class TrainConfig:
                     f"--out: {self.out!r} differs from --resume {self.resume!r}; a resumed run "
                     f"continues in its own directory, so omit --out"
                 )
+    def _validate_hierarchy(self) -> None:
+        """Checks of --ranks-per-worker and the inner link."""
+        from lowcomm.strategies import strategy_class
+
+        if self.ranks_per_worker < 1:
+            raise ConfigError(
+                f"--ranks-per-worker: {self.ranks_per_worker} is not a positive rank count; "
+                f"pass 1 (flat workers) or more"
+            )
+        if self.inner_network not in PRESETS:
+            raise ConfigError(
+                f"--inner-network: unknown preset {self.inner_network!r}; choose one of "
+                f"{', '.join(PRESETS)}"
+            )
+        try:
+            self.inner_network_profile()
+        except ValueError as error:
+            raise ConfigError(
+                str(error).replace("--network", "--inner-network").replace("network.", "inner_network.")
+            ) from None
+        refusal = strategy_class(self.method).hierarchical_refusal
+        if self.ranks_per_worker > 1 and refusal is not None:
+            raise ConfigError(
+                f"--ranks-per-worker: {self.ranks_per_worker} with --method {self.method}: "
+                f"{refusal}; use --ranks-per-worker 1 with this method"
+            )
+
+    def inner_network_profile(self) -> NetworkProfile:
+        """The link between the ranks of one worker."""
+        return NetworkProfile.from_preset(
+            self.inner_network,
+            bandwidth_gbps=self.inner_bandwidth_gbps,
+            latency_ms=self.inner_latency_ms,
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: workers x ranks per worker."""
+        return self.workers * self.ranks_per_worker
 
     def strategy_context(self) -> StrategyContext:
         return StrategyContext(

@@ -101,6 +101,20 @@ class PlanConfig:
     workers: int = 8
     """Data-parallel workers M."""
 
+    ranks_per_worker: int = 1
+    """Ranks R per worker (hierarchical workers): each rank computes 1/R of the worker's batch,
+    gradients are averaged over the inner link every step, and each rank sends 1/R of every
+    outer payload over --network (R transfers in parallel)."""
+
+    inner_network: str = "datacenter"
+    """With --ranks-per-worker > 1: the link between the ranks of a worker (same presets)."""
+
+    inner_bandwidth_gbps: float | None = None
+    """Override the inner preset's bandwidth (Gbit/s)."""
+
+    inner_latency_ms: float | None = None
+    """Override the inner preset's latency (ms)."""
+
     tokens_per_step: float = 524288
     """Tokens per optimizer step, all workers together (global batch in tokens)."""
 
@@ -152,6 +166,15 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers: {self.workers} must be >= 1")
+        if self.ranks_per_worker < 1:
+            raise ValueError(
+                f"--ranks-per-worker: {self.ranks_per_worker} must be >= 1 (1: flat workers)"
+            )
+        if self.inner_network not in PRESETS:
+            raise ValueError(
+                f"--inner-network: unknown preset {self.inner_network!r}; choose one of "
+                f"{', '.join(PRESETS)}"
+            )
         for name in ("tokens", "tokens_per_step", "flops"):
             value = getattr(self, name)
             if not value > 0:
@@ -212,6 +235,10 @@ class Plan:
     comm_bytes_per_worker_per_step: float
     comm_bytes_per_worker: float
     memory_per_worker_bytes: float
+    ranks_per_worker: int = 1
+    inner_comm_s: float = 0.0
+    outer_bytes_per_rank_per_step: float = 0.0
+    inner_bytes_per_rank_per_step: float = 0.0
 
 
 def _payloads_per_step(config: PlanConfig, model: MethodModel) -> float:
@@ -238,6 +265,21 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
             f"{', '.join(METHOD_MODELS)}"
         )
     model = METHOD_MODELS[config.method]
+    ranks = config.ranks_per_worker
+    if ranks > 1:
+        from lowcomm.strategies import strategy_class
+
+        refusal = strategy_class(config.method).hierarchical_refusal
+        if refusal is not None:
+            raise ValueError(
+                f"--ranks-per-worker: {ranks} with --method {config.method}: {refusal}; use "
+                f"--ranks-per-worker 1 with this method"
+            )
+    inner_profile = NetworkProfile.from_preset(
+        config.inner_network,
+        bandwidth_gbps=config.inner_bandwidth_gbps,
+        latency_ms=config.inner_latency_ms,
+    )
     params = parse_params(config.params)
     profile = NetworkProfile.from_preset(
         config.network,
@@ -249,9 +291,11 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
     if config.seconds_per_step is not None:
         step_compute = config.seconds_per_step
     else:
-        tokens_per_worker = config.tokens_per_step / m
-        step_compute = 6.0 * params * tokens_per_worker / (config.flops * config.mfu)
-    payload = config.bytes_per_element * params
+        tokens_per_rank = config.tokens_per_step / (m * ranks)
+        step_compute = 6.0 * params * tokens_per_rank / (config.flops * config.mfu)
+    model_bytes = config.bytes_per_element * params
+    # Each rank carries 1/R of every outer payload over its own outer transfer.
+    payload = model_bytes / ranks
     one_all_reduce = profile.collective_time(CollectiveKind.ALL_REDUCE, payload, m)
     payloads_per_step = _payloads_per_step(config, model)
 
@@ -289,10 +333,25 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
         # absorbs more tokens, so there are fewer of them; the compute never idles.
         stretch = max(1.0, one_all_reduce / (step_compute / 2))
         steps = steps / stretch
-    exposed = steps * exposed_per_step
-    total_comm = steps * comm_per_step
+    # Inner link (R > 1), blocking: the gradient all-reduce of every step, and the all-gather
+    # that reassembles each outer payload inside the worker.
+    inner_per_step = 0.0
+    inner_bytes_per_step = 0.0
+    if ranks > 1:
+        inner_per_step = inner_profile.collective_time(
+            CollectiveKind.ALL_REDUCE, model_bytes, ranks
+        ) + payloads_per_step * inner_profile.collective_time(
+            CollectiveKind.ALL_GATHER, model_bytes, ranks
+        )
+        inner_bytes_per_step = (
+            2.0 * (ranks - 1) / ranks * model_bytes
+            + payloads_per_step * (ranks - 1) / ranks * model_bytes
+        )
+    exposed = steps * (exposed_per_step + inner_per_step)
+    total_comm = steps * (comm_per_step + inner_per_step)
     wall = compute + exposed
-    bytes_per_step = payloads_per_step * 2.0 * (m - 1) / m * payload if m > 1 else 0.0
+    outer_bytes_per_step = payloads_per_step * 2.0 * (m - 1) / m * payload if m > 1 else 0.0
+    bytes_per_step = ranks * (outer_bytes_per_step + inner_bytes_per_step)
     sharded = m if model.sharded_optimizer else 1
     memory = (2 + 2 + 2 * model.extra_copies) * params + config.optimizer_bytes / sharded * params
     return Plan(
@@ -311,6 +370,10 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
         comm_bytes_per_worker_per_step=bytes_per_step,
         comm_bytes_per_worker=bytes_per_step * steps,
         memory_per_worker_bytes=memory,
+        ranks_per_worker=ranks,
+        inner_comm_s=steps * inner_per_step,
+        outer_bytes_per_rank_per_step=outer_bytes_per_step,
+        inner_bytes_per_rank_per_step=inner_bytes_per_step,
     )
 
 
@@ -355,7 +418,7 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
     rows = [
         ("method", f"{plan.method} ({METHOD_MODELS[plan.method].description})"),
         ("model", f"{plan.params / 1e9:.3f} B parameters"),
-        ("workers", str(plan.workers)),
+        ("workers", str(plan.workers) + (f" x {plan.ranks_per_worker} ranks" if plan.ranks_per_worker > 1 else "")),
         ("link", f"{plan.bandwidth_gbps} Gbit/s, {plan.latency_ms} ms"),
         ("optimizer steps", f"{plan.steps:,.0f}"),
         ("compute", _human(plan.compute_s)),
@@ -366,6 +429,13 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
         ("sent per worker, total", _gb(plan.comm_bytes_per_worker)),
         ("memory per worker", _gb(plan.memory_per_worker_bytes)),
     ]
+    if plan.ranks_per_worker > 1:
+        rows[4:4] = [("inner link", f"{config.inner_network}, {_human(plan.inner_comm_s)} (blocking)")]
+        rows += [
+            ("outer sent per rank per step", _gb(plan.outer_bytes_per_rank_per_step)),
+            ("inner sent per rank per step", _gb(plan.inner_bytes_per_rank_per_step)),
+            ("memory per rank", "= memory per worker (states replicated inside a worker)"),
+        ]
     if config.solve_bandwidth is not None:
         solved = result["solved_bandwidth_gbps"]
         rows.append(

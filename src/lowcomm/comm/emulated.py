@@ -77,10 +77,12 @@ class _EmulatedHandle:
         if self._waited:
             return
         clock = self._owner.clock
+        exposed_before = clock.exposed_comm_s
         with clock.blocked():
             self._inner.wait()
             finish = self._owner._resolve(self)
             clock.wait_until(finish)
+        self._owner.exposed_comm_s += clock.exposed_comm_s - exposed_before
         self._waited = True
 
     def settle(self) -> float:
@@ -167,6 +169,9 @@ class NetworkComm:
         self.bytes_by_kind: dict[CollectiveKind, float] = {kind: 0.0 for kind in CollectiveKind}
         self.calls_by_kind: dict[CollectiveKind, int] = {kind: 0 for kind in CollectiveKind}
         self.modeled_comm_s = 0.0
+        # Time this worker spent blocked in wait() on this communicator's collectives (a
+        # share of clock.exposed_comm_s: with two levels, each level's part).
+        self.exposed_comm_s = 0.0
         # Handles launched but not yet placed on the link, in issue order. Every rank issues
         # the same collectives in the same order, so resolving them in this order gives every
         # rank the same link schedule.
@@ -371,6 +376,7 @@ class NetworkComm:
             "bytes_by_kind": {kind.value: value for kind, value in self.bytes_by_kind.items()},
             "calls_by_kind": {kind.value: value for kind, value in self.calls_by_kind.items()},
             "modeled_comm_s": self.modeled_comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
             "link_free_at": self._link_free_at,
         }
 
@@ -383,6 +389,7 @@ class NetworkComm:
             kind: int(state["calls_by_kind"][kind.value]) for kind in CollectiveKind
         }
         self.modeled_comm_s = float(state["modeled_comm_s"])
+        self.exposed_comm_s = float(state["exposed_comm_s"])
         self._link_free_at = float(state["link_free_at"])
 
     def counters(self) -> dict[str, float]:

@@ -75,6 +75,12 @@ class WorkerShard:
         micro_batch_size: Sequences per micro-batch.
         seed: Seed shared by all workers of a run (>= 0).
         split: ``"iid"`` or ``"non-iid"``.
+        replica: With a worker made of ``replicas`` ranks (``--ranks-per-worker``), this
+            rank's index: the worker's micro-batch is ``replicas x micro_batch_size`` windows
+            and this rank takes rows ``[replica * micro_batch_size, (replica + 1) *
+            micro_batch_size)`` of it, so the ranks together see exactly the micro-batches of
+            a one-rank worker with ``replicas`` times the micro-batch size.
+        replicas: Ranks per worker (1: a plain worker).
 
     Raises:
         ValueError: If rank, world size, sequence length or split are invalid.
@@ -90,6 +96,8 @@ class WorkerShard:
         micro_batch_size: int,
         seed: int,
         split: str = "iid",
+        replica: int = 0,
+        replicas: int = 1,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -102,6 +110,11 @@ class WorkerShard:
             raise ValueError(
                 f"--micro-batch-size: {micro_batch_size} is not positive; pass such as 8"
             )
+        if replicas < 1 or not 0 <= replica < replicas:
+            raise ValueError(
+                f"replica {replica} / replicas {replicas}: need replicas >= 1 and "
+                f"0 <= replica < replicas"
+            )
         if seed < 0:
             # numpy's SeedSequence only accepts non-negative entropy.
             raise ValueError(f"seed: {seed} is negative; pass a seed >= 0")
@@ -113,6 +126,8 @@ class WorkerShard:
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.split = split
+        self.replica = replica
+        self.replicas = replicas
         self._window = seq_len + 1
         self._flat, self._source_offsets = _flatten(corpus.train_tokens)
         self._starts, self._window_sources = _window_starts(
@@ -120,12 +135,13 @@ class WorkerShard:
         )
         self.num_windows = len(self._starts)
         self.windows_per_worker = self.num_windows // world_size
-        self.batches_per_epoch = self.windows_per_worker // micro_batch_size
+        self.batches_per_epoch = self.windows_per_worker // (micro_batch_size * replicas)
         if self.batches_per_epoch == 0:
             raise DataError(
                 f"the training split has {self.num_windows} windows of seq_len+1="
                 f"{self._window} tokens, but {world_size} worker(s) x micro_batch_size "
-                f"{micro_batch_size} need at least {world_size * micro_batch_size}; reduce the "
+                f"{micro_batch_size} x {replicas} rank(s) need at least "
+                f"{world_size * micro_batch_size * replicas}; reduce the "
                 f"sequence length, the micro-batch size or the number of workers, or pass more "
                 f"text with --data"
             )
@@ -201,7 +217,7 @@ class WorkerShard:
         if self._epoch_cached != epoch:
             self._epoch_order = self._window_indices_for_epoch(epoch)
             self._epoch_cached = epoch
-        begin = batch_in_epoch * self.micro_batch_size
+        begin = (batch_in_epoch * self.replicas + self.replica) * self.micro_batch_size
         chosen = self._epoch_order[begin : begin + self.micro_batch_size]
         self.position += 1
         return _gather(self._flat, self._starts[chosen], self._window)
@@ -220,6 +236,8 @@ class WorkerShard:
             "seq_len": self.seq_len,
             "micro_batch_size": self.micro_batch_size,
             "num_windows": self.num_windows,
+            "replica": self.replica,
+            "replicas": self.replicas,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:

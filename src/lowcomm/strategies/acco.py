@@ -220,6 +220,14 @@ class _ShardedOverlap(Strategy):
         options: the family's options (``--acco.*``).
     """
 
+    hierarchical_refusal: ClassVar[str | None] = (
+        "ACCO, DPU and WP run their reduce-scatter/step/all-gather chain on a communication "
+        "thread beside the main thread's backward passes, and (unless "
+        "--acco.microbatches-per-phase is set) take as many micro-batches as each rank's own "
+        "clock allows; with R ranks per worker the inner group would get collectives from two "
+        "threads and the replicas of a worker would diverge"
+    )
+
     options_field: ClassVar[str | None] = "acco"
     #: Communication phases per committed optimizer step (the schedule's unit).
     phases_per_commit: ClassVar[int] = 1

@@ -98,6 +98,11 @@ class Strategy(ABC):
     #: Field of :class:`lowcomm.config.TrainConfig` holding this method's options (None: the
     #: method has none). The loop passes it to the constructor as ``options=``.
     options_field: ClassVar[str | None] = None
+    #: Why the method cannot run with hierarchical workers (--ranks-per-worker > 1), or None
+    #: when it can. A method runs hierarchically for free when every rank of a worker, fed the
+    #: same collective results, takes the same decisions (no per-rank clock-driven control
+    #: flow, no collectives from a second thread).
+    hierarchical_refusal: ClassVar[str | None] = None
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         self.model = model

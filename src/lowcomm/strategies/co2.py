@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role
-from lowcomm.comm.emulated import NetworkComm, restore_handle, settle
+from lowcomm.comm.emulated import restore_handle, settle
+from lowcomm.comm.hierarchical import uncharged
 from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
 from lowcomm.strategies.base import (
     Closure,
@@ -210,10 +211,10 @@ class InnerOptimizer:
 
 
 def _evaluation_comm(comm: Comm) -> Comm:
-    """The communicator for evaluation-only collectives: the un-emulated inner one when
-    ``comm`` is a :class:`NetworkComm`, so averaging a model for validation neither occupies
-    the modeled link nor counts as training traffic (evaluation is off the clock)."""
-    return comm.inner if isinstance(comm, NetworkComm) else comm
+    """The communicator for evaluation-only collectives: the un-emulated one (a NetworkComm's
+    inner, or a hierarchical comm's un-emulated levels), so averaging a model for validation
+    neither occupies the modeled link nor counts as training traffic (evaluation is off the clock)."""
+    return uncharged(comm)
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:

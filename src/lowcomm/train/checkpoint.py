@@ -60,6 +60,7 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
     options_field = strategy_class(config.method).options_field
     chosen = {
         "method": config.method,
+        "ranks_per_worker": config.ranks_per_worker,
         "seed": config.seed,
         "steps": config.steps,
         "microbatches_per_step": config.microbatches_per_step,
@@ -141,8 +142,8 @@ def find_latest(run_dir: Path, world_size: int, fingerprint: dict[str, Any]) -> 
         ) from None
     if manifest.get("world_size") != world_size:
         raise CheckpointError(
-            f"--resume: the checkpoint was written by {manifest.get('world_size')} workers but "
-            f"this run has {world_size}; resume with --workers {manifest.get('world_size')}"
+            f"--resume: the checkpoint was written by {manifest.get('world_size')} processes but "
+            f"this run has {world_size}; resume with the same --workers (and --ranks-per-worker)"
         )
     saved = manifest.get("fingerprint", {})
     for key, value in fingerprint.items():

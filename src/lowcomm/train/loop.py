@@ -17,6 +17,7 @@ import torch
 from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.clock import Clock, make_clock
 from lowcomm.comm.emulated import NetworkComm
+from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
 from lowcomm.config import TrainConfig
 from lowcomm.data import WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
@@ -83,10 +84,16 @@ def _evaluate(
 
 
 def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = False) -> WorkerSummary:
-    """Train on this worker. ``raw`` is the un-emulated communicator of the process group;
-    strategy traffic goes through a :class:`NetworkComm` around it, metrics go around it.
-    With ``keep_parameters`` the summary carries the final parameters (for tests)."""
+    """Train on this process. ``raw`` is the un-emulated communicator of the process group;
+    strategy traffic goes through a :class:`NetworkComm` around it (or, with
+    ``--ranks-per-worker R > 1``, a :class:`HierarchicalComm` over an inner and an outer
+    ``NetworkComm``), metrics go around it. With ``keep_parameters`` the summary carries the
+    final parameters (for tests)."""
     rank, world_size = raw.rank, raw.world_size
+    ranks_per_worker = config.ranks_per_worker
+    # This process is local rank `replica` of worker `worker` (both = rank with flat workers).
+    worker, replica = divmod(rank, ranks_per_worker)
+    workers = world_size // ranks_per_worker
     device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     torch.manual_seed(config.seed)
     corpus = prepare_corpus(config.data)
@@ -100,28 +107,47 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
     profile = config.network_profile()
     clock = make_clock(
         config.clock,
-        speed_factor=profile.speed_factor(rank),
+        speed_factor=profile.speed_factor(worker),
         seconds_per_microbatch=config.seconds_per_microbatch,
     )
-    comm = NetworkComm(raw, profile, clock, device=device)
+    comm: NetworkComm | HierarchicalComm
+    inner_comm: Comm | None = None
+    if ranks_per_worker > 1:
+        from lowcomm.launch.groups import level_comms
+
+        inner_raw, outer_raw = level_comms(ranks_per_worker)
+        inner_comm = NetworkComm(inner_raw, config.inner_network_profile(), clock, device=device)
+        outer_comm = NetworkComm(outer_raw, profile, clock, device=device)
+        comm = HierarchicalComm(inner_comm, outer_comm, clock)
+    else:
+        comm = NetworkComm(raw, profile, clock, device=device)
     strategy = build_strategy(config.method, model, comm, config.strategy_context(), config)
 
     shard = WorkerShard(
         corpus,
-        rank=rank,
-        world_size=world_size,
+        rank=worker,
+        world_size=workers,
         seq_len=config.model.block_size,
         micro_batch_size=config.data.micro_batch_size,
         seed=config.seed,
         split=config.data.split,
+        replica=replica,
+        replicas=ranks_per_worker,
     )
+    # A worker evaluates the batches a flat worker would (R x the micro-batch size), each of
+    # its ranks a slice of every batch.
     all_val = validation_batches(
         corpus,
         seq_len=config.model.block_size,
-        batch_size=config.data.micro_batch_size,
+        batch_size=config.data.micro_batch_size * ranks_per_worker,
         num_batches=config.eval_batches,
     )
-    my_val = [(x.to(device), y.to(device)) for x, y in all_val[rank::world_size]]
+    rows = slice(replica * config.data.micro_batch_size, (replica + 1) * config.data.micro_batch_size)
+    my_val = [
+        (x[rows].to(device), y[rows].to(device))
+        for x, y in all_val[worker::workers]
+        if x[rows].shape[0] > 0
+    ]
 
     def closure() -> MicroBatchResult:
         inputs, targets = shard.next_batch()
@@ -133,6 +159,11 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         return MicroBatchResult(
             loss=float(loss.detach()), samples=inputs.shape[0], tokens=inputs.numel()
         )
+
+    # Inner synchronous data parallel (R > 1): gradients averaged over the worker after each
+    # micro-batch, charged to the inner link.
+    step_closure = closure if inner_comm is None else averaging_closure(closure, model, inner_comm)
+
 
     run_dir = config.run_dir()
     start_step, tokens_total, val_loss = 0, 0, math.nan
@@ -159,7 +190,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         for step in range(start_step, config.steps):
             before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
             before_bytes = comm.bytes_sent
-            stats = strategy.step(closure)
+            stats = strategy.step(step_closure)
             now = clock.now()
             tokens_total += stats.tokens
             with clock.excluded():
@@ -257,9 +288,15 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         parameters=_flat_parameters(model) if keep_parameters else None,
     )
     # Every worker's summary goes to rank 0 through the raw group (uncharged).
+    levels = comm.level_counters() if isinstance(comm, HierarchicalComm) else None
+    level_columns = (
+        [levels[name][key] for name in ("inner", "outer") for key in ("bytes_sent", "exposed_comm_s")]
+        if levels is not None
+        else [0.0, 0.0, summary.bytes_sent, summary.exposed_comm_s]
+    )
     packed = torch.tensor(
         [summary.compute_s, summary.exposed_comm_s, summary.clock_s, summary.bytes_sent,
-         float(summary.state_bytes), float(summary.tokens)],
+         float(summary.state_bytes), float(summary.tokens), *level_columns],
         dtype=torch.float64,
         device=device,
     )
@@ -276,6 +313,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
             wall_clock_s=time.perf_counter() - start_wall,
             clock_kind=clock.kind,
             network=profile,
+            inner_network=config.inner_network_profile() if ranks_per_worker > 1 else None,
         )
     return summary
 
@@ -307,7 +345,7 @@ def _save_checkpoint(
     strategy: Strategy,
     shard: WorkerShard,
     clock: Clock,
-    comm: NetworkComm,
+    comm: NetworkComm | HierarchicalComm,
     tokens: int,
     val_loss: float,
 ) -> None:

@@ -153,16 +153,28 @@ class RunWriter:
         wall_clock_s: float,
         clock_kind: str,
         network: NetworkProfile,
+        inner_network: NetworkProfile | None = None,
     ) -> dict[str, Any]:
         """Write summary.json and loss.png, print the summary table; return the summary."""
         compute, exposed, clock_s, sent, state, tokens = (per_worker[:, i].tolist() for i in range(6))
+        # Rows are processes: with --ranks-per-worker R, R rows per worker. Columns 6-9, when
+        # present: bytes sent and exposed seconds on the inner link, then on the outer link.
+        ranks = self.config.ranks_per_worker
+        levels: dict[str, dict[str, float]] = {}
+        if per_worker.shape[1] >= 10:
+            for offset, name in ((6, "inner"), (8, "outer")):
+                levels[name] = {
+                    "bytes_sent_per_rank": statistics.fmean(per_worker[:, offset].tolist()),
+                    "exposed_comm_s": statistics.fmean(per_worker[:, offset + 1].tolist()),
+                }
         compute_mean = statistics.fmean(compute)
         exposed_mean = statistics.fmean(exposed)
         total = compute_mean + exposed_mean
         last = self.records[-1] if self.records else None
         summary: dict[str, Any] = {
             "method": self.config.method,
-            "workers": self.config.workers if per_worker.shape[0] == self.config.workers else per_worker.shape[0],
+            "workers": per_worker.shape[0] // ranks,
+            "ranks_per_worker": ranks,
             "steps": len(self.records),
             "num_params": num_params,
             "tokens": int(sum(tokens)),
@@ -172,7 +184,9 @@ class RunWriter:
             "compute_s": compute_mean,
             "exposed_comm_s": exposed_mean,
             "utilization": compute_mean / total if total > 0 else 1.0,
-            "bytes_sent_per_worker": statistics.fmean(sent),
+            "bytes_sent_per_worker": ranks * statistics.fmean(sent),
+            "bytes_sent_per_rank": statistics.fmean(sent),
+            "levels": levels,
             "bytes_by_role": bytes_by_role,
             "clock": clock_kind,
             "modeled_time_s": max(clock_s),
@@ -182,6 +196,13 @@ class RunWriter:
                 "bandwidth_gbps": network.bandwidth_gbps,
                 "latency_ms": network.latency_ms,
                 "speed_factors": list(network.speed_factors),
+            },
+            "inner_network": None
+            if inner_network is None
+            else {
+                "name": inner_network.name,
+                "bandwidth_gbps": inner_network.bandwidth_gbps,
+                "latency_ms": inner_network.latency_ms,
             },
             "per_worker": {
                 "compute_s": compute,
@@ -240,12 +261,33 @@ def _human_bytes(count: float) -> str:
     return f"{count:.1f} TB"
 
 
+def _level_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Per-level rows of a hierarchical run (--ranks-per-worker > 1)."""
+    if summary.get("ranks_per_worker", 1) <= 1 or not summary.get("levels"):
+        return []
+    inner = summary["inner_network"]
+    rows = [
+        ("inner network", f"{inner['name']} ({inner['bandwidth_gbps']} Gbit/s, {inner['latency_ms']} ms)")
+    ]
+    clock = summary["clock"]
+    for name in ("inner", "outer"):
+        level = summary["levels"][name]
+        rows.append((f"{name} sent per rank", _human_bytes(level["bytes_sent_per_rank"])))
+        rows.append((f"{name} exposed ({clock} clock)", f"{level['exposed_comm_s']:.2f} s"))
+    return rows
+
+
 def format_summary(summary: dict[str, Any], directory: Path) -> str:
     """The final table printed after a run."""
     clock = summary["clock"]
     rows = [
         ("method", summary["method"]),
         ("workers", str(summary["workers"])),
+        *(
+            [("ranks per worker", str(summary["ranks_per_worker"]))]
+            if summary.get("ranks_per_worker", 1) > 1
+            else []
+        ),
         ("steps", str(summary["steps"])),
         ("parameters", f"{summary['num_params'] / 1e6:.2f} M"),
         ("tokens", f"{summary['tokens']:,}"),
@@ -257,6 +299,7 @@ def format_summary(summary: dict[str, Any], directory: Path) -> str:
         (f"exposed comm ({clock} clock)", f"{summary['exposed_comm_s']:.2f} s"),
         ("utilization", f"{summary['utilization']:.1%}"),
         ("sent per worker", _human_bytes(summary["bytes_sent_per_worker"])),
+        *_level_rows(summary),
         ("state per worker", _human_bytes(summary["state_bytes_per_worker"])),
         ("wall clock", f"{summary['wall_clock_s']:.1f} s"),
         ("run directory", str(directory)),

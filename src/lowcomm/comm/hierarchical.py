@@ -1,0 +1,316 @@
+"""Hierarchical workers: a worker is R ranks on a fast inner link; the method runs between
+workers over the slow outer link.
+
+Global rank ``g`` is rank ``r = g % R`` of worker ``m = g // R``. The *inner* group holds the R
+ranks of one worker; the *outer* group holds the M ranks with the same local index ``r``, one
+per worker. All R ranks of a worker are replicas: they hold the same parameters and optimizer
+state and run the same strategy code (their gradients are averaged over the inner group after
+every micro-batch, see :func:`averaging_closure`).
+
+:class:`HierarchicalComm` is the ``Comm`` a strategy sees: ``rank = m``, ``world_size = M``.
+Because a collective's input is the same on every rank of a worker, each rank only moves its
+1/R slice across the outer link (R outer transfers in parallel, rank ``r`` exchanging slice
+``r`` with rank ``r`` of every other worker), and an all-gather over the inner group then
+reassembles the whole result on every rank. Handles stay asynchronous: the outer part is in
+flight until ``wait()``, which then runs the inner all-gather.
+
+Should inputs differ inside a worker (a per-rank measurement), element ``i`` of the result is
+the reduction over workers of the value held by the rank owning slice ``i``; every rank of a
+worker still receives the same result, so decisions taken from collective results agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from lowcomm.comm.base import (
+    Comm,
+    Handle,
+    ReduceOp,
+    Role,
+    Segments,
+    check_scatter_shapes,
+    check_segments,
+)
+from lowcomm.comm.clock import Clock
+from lowcomm.comm.emulated import NetworkComm
+
+T = TypeVar("T")
+
+
+def slice_length(numel: int, ranks: int) -> int:
+    """Elements of each rank's slice of a ``numel``-element payload (padded; at least 1)."""
+    return max(1, -(-numel // ranks))
+
+
+def slice_segments(
+    segments: Segments, begin: int, end: int, numel: int, pad_role: Role
+) -> list[tuple[Role, int]]:
+    """The fused ``segments`` that fall in ``[begin, end)`` of a payload of ``numel`` elements;
+    padding beyond ``numel`` is charged to ``pad_role``."""
+    sliced: list[tuple[Role, int]] = []
+    offset = 0
+    for role, count in segments:
+        overlap = min(end, offset + count) - max(begin, offset)
+        if overlap > 0:
+            sliced.append((role, overlap))
+        offset += count
+    padding = end - max(begin, numel)
+    if padding > 0:
+        sliced.append((pad_role, min(padding, end - begin)))
+    return sliced
+
+
+class _TwoStageHandle:
+    """The outer collective, then (at ``wait()``) the inner all-gather and a copy-out."""
+
+    def __init__(self, outer: Handle, gather: Callable[[], Handle], finish: Callable[[], None]) -> None:
+        self._outer = outer
+        self._gather = gather
+        self._finish = finish
+        self._finished = False
+        self.finish_time: float | None = None
+
+    def wait(self) -> None:
+        if self._finished:
+            return
+        self._outer.wait()
+        inner = self._gather()
+        inner.wait()
+        self._finish()
+        finish = getattr(inner, "finish_time", None)
+        self.finish_time = float(finish) if isinstance(finish, float) else None
+        self._finished = True
+
+    def done(self) -> bool:
+        # The slow part is the outer transfer; the inner all-gather runs inside wait().
+        return self._finished or self._outer.done()
+
+
+class HierarchicalComm:
+    """The ``Comm`` over workers made of R replica ranks each.
+
+    Args:
+        inner: the communicator over this worker's R ranks (fast link).
+        outer: the communicator over the ranks of the same local index in the M workers
+            (slow link).
+        clock: the worker's clock shared by both levels (None without emulation).
+    """
+
+    def __init__(self, inner: Comm, outer: Comm, clock: Clock | None = None) -> None:
+        self.inner_comm = inner
+        self.outer_comm = outer
+        self.clock = clock
+
+    @property
+    def rank(self) -> int:
+        """This worker's index m."""
+        return self.outer_comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of workers M."""
+        return self.outer_comm.world_size
+
+    @property
+    def ranks_per_worker(self) -> int:
+        return self.inner_comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index r inside its worker."""
+        return self.inner_comm.rank
+
+    def uncharged(self) -> HierarchicalComm:
+        """The same collectives on the un-emulated communicators (for evaluation only)."""
+        return HierarchicalComm(uncharged(self.inner_comm), uncharged(self.outer_comm))
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _work_buffer(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+        """A flat buffer of R slices holding ``tensor`` (the tensor itself when it fits)."""
+        n = tensor.numel()
+        c = slice_length(n, self.ranks_per_worker)
+        if tensor.is_contiguous() and n == c * self.ranks_per_worker:
+            return tensor.view(-1), c, False
+        work = torch.zeros(c * self.ranks_per_worker, dtype=tensor.dtype, device=tensor.device)
+        work[:n].copy_(tensor.reshape(-1))
+        return work, c, True
+
+    def _gather_into(
+        self, work: torch.Tensor, piece: torch.Tensor, role: Role, tensor: torch.Tensor, copied: bool
+    ) -> tuple[Callable[[], Handle], Callable[[], None]]:
+        def gather() -> Handle:
+            return self.inner_comm.all_gather(work, piece.clone(), role=role)
+
+        def finish() -> None:
+            if copied:
+                tensor.copy_(work[: tensor.numel()].view_as(tensor))
+
+        return gather, finish
+
+    # --- Comm --------------------------------------------------------------------------------
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        check_segments(tensor, segments)
+        work, c, copied = self._work_buffer(tensor)
+        r = self.local_rank
+        piece = work[r * c : (r + 1) * c]
+        outer_segments = (
+            None
+            if segments is None
+            else slice_segments(segments, r * c, (r + 1) * c, tensor.numel(), role)
+        )
+        handle = self.outer_comm.all_reduce(piece, op=op, role=role, segments=outer_segments)
+        gather, finish = self._gather_into(work, piece, role, tensor, copied)
+        return _TwoStageHandle(handle, gather, finish)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src {src} is not a worker of a group of {self.world_size}")
+        work, c, copied = self._work_buffer(tensor)
+        r = self.local_rank
+        piece = work[r * c : (r + 1) * c]
+        handle = self.outer_comm.broadcast(piece, src=src, role=role)
+        gather, finish = self._gather_into(work, piece, role, tensor, copied)
+        return _TwoStageHandle(handle, gather, finish)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        m_count = self.world_size
+        check_scatter_shapes(output, input, m_count, "reduce_scatter")
+        n = output.numel()
+        ranks, r = self.ranks_per_worker, self.local_rank
+        c = slice_length(n, ranks)
+        begin, end = min(r * c, n), min((r + 1) * c, n)
+        send = torch.zeros(m_count, c, dtype=input.dtype, device=input.device)
+        send[:, : end - begin] = input.reshape(m_count, n)[:, begin:end]
+        received = torch.empty(c, dtype=input.dtype, device=input.device)
+        handle = self.outer_comm.reduce_scatter(received, send.view(-1), op=op, role=role)
+        full = torch.empty(ranks * c, dtype=input.dtype, device=input.device)
+
+        def gather() -> Handle:
+            return self.inner_comm.all_gather(full, received, role=role)
+
+        def finish() -> None:
+            output.copy_(full[:n].view_as(output))
+
+        return _TwoStageHandle(handle, gather, finish)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        m_count = self.world_size
+        check_scatter_shapes(output, input, m_count, "all_gather")
+        n = input.numel()
+        ranks, r = self.ranks_per_worker, self.local_rank
+        c = slice_length(n, ranks)
+        begin, end = min(r * c, n), min((r + 1) * c, n)
+        send = torch.zeros(c, dtype=input.dtype, device=input.device)
+        send[: end - begin] = input.reshape(-1)[begin:end]
+        received = torch.empty(m_count * c, dtype=input.dtype, device=input.device)
+        handle = self.outer_comm.all_gather(received, send, role=role)
+        full = torch.empty(ranks * m_count * c, dtype=input.dtype, device=input.device)
+
+        def gather() -> Handle:
+            return self.inner_comm.all_gather(full, received, role=role)
+
+        def finish() -> None:
+            # full[r', m', :] is slice r' of worker m''s input.
+            by_worker = full.view(ranks, m_count, c).permute(1, 0, 2).reshape(m_count, ranks * c)
+            output.view(m_count, n).copy_(by_worker[:, :n])
+
+        return _TwoStageHandle(handle, gather, finish)
+
+    def barrier(self) -> Handle:
+        return _TwoStageHandle(self.outer_comm.barrier(), self.inner_comm.barrier, lambda: None)
+
+    # --- accounting (when the levels are NetworkComms) ----------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Both levels' counters and link schedules (for a checkpoint)."""
+        return {
+            name: level.state_dict()
+            for name, level in (("inner", self.inner_comm), ("outer", self.outer_comm))
+            if isinstance(level, NetworkComm)
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, level in (("inner", self.inner_comm), ("outer", self.outer_comm)):
+            if isinstance(level, NetworkComm):
+                level.load_state_dict(state[name])
+
+    def level_counters(self) -> dict[str, dict[str, float]]:
+        """Per level (inner, outer): bytes this rank sent and exposed seconds, when emulated."""
+        levels: dict[str, dict[str, float]] = {}
+        for name, level in (("inner", self.inner_comm), ("outer", self.outer_comm)):
+            levels[name] = {
+                "bytes_sent": float(getattr(level, "bytes_sent", 0.0)),
+                "exposed_comm_s": float(getattr(level, "exposed_comm_s", 0.0)),
+                "modeled_comm_s": float(getattr(level, "modeled_comm_s", 0.0)),
+            }
+        return levels
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes this rank sent on both levels (0 for a level that does not count)."""
+        return sum(level["bytes_sent"] for level in self.level_counters().values())
+
+    def counters(self) -> dict[str, float]:
+        """Bytes this rank sent, by role, both levels together."""
+        total: dict[str, float] = {role.value: 0.0 for role in Role}
+        for level in (self.inner_comm, self.outer_comm):
+            counters = getattr(level, "counters", None)
+            if callable(counters):
+                for role, value in counters().items():
+                    total[role] = total.get(role, 0.0) + float(value)
+        return total
+
+
+def uncharged(comm: Comm) -> Comm:
+    """``comm`` without emulation: a NetworkComm's inner communicator, a HierarchicalComm over
+    un-emulated levels, else ``comm`` itself. For evaluation-only collectives, which must
+    neither occupy the modeled link nor count as training traffic."""
+
+    if isinstance(comm, NetworkComm):
+        return comm.inner
+    if isinstance(comm, HierarchicalComm):
+        return comm.uncharged()
+    return comm
+
+
+def averaging_closure(closure: Callable[[], T], model: nn.Module, inner: Comm) -> Callable[[], T]:
+    """Wrap a training closure so that, after its backward, the gradients are averaged over
+    the worker's inner group (exact inner synchronous data parallelism).
+
+    The gradients held before the call (accumulated earlier in the step) are the same on every
+    replica, so the mean of ``previous + fresh_r`` over the R ranks is ``previous +`` the mean
+    of the fresh gradients: one all-reduce of all gradients per micro-batch, no stash needed.
+    """
+    if inner.world_size == 1:
+        return closure
+
+    def wrapped() -> T:
+        result = closure()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            inner.all_reduce(flat, op="mean", role=Role.GRADIENT).wait()
+            offset = 0
+            with torch.no_grad():
+                for g in grads:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        return result
+
+    return wrapped
