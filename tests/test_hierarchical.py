@@ -262,8 +262,14 @@ def test_training_loop_hierarchical_ddp_matches_flat_and_bytes_per_level(tmp_pat
     # outer: one gradient all-reduce per step, each rank 1/R of it over M workers
     assert outer == pytest.approx(steps * 2 * (M - 1) / M * payload / R)
     assert outer == pytest.approx(f["levels"]["outer"]["bytes_sent_per_rank"] / R)
-    # inner: per micro-batch a gradient all-reduce over R, per step the all-gather of the result
-    assert inner == pytest.approx(steps * (2 * (R - 1) / R * payload + (R - 1) / R * payload))
+    # inner: per micro-batch a gradient all-reduce over R, per step the all-gather of the
+    # all-reduce's result and the all-gather of the sharded AdamW step (padded to R slices)
+    padded = 4 * R * -(-h["num_params"] // R)
+    assert inner == pytest.approx(steps * (2 * (R - 1) / R * payload + (R - 1) / R * (payload + padded)))
+    # ZeRO-1 inside the worker: each rank keeps 1/R of the AdamW moments
+    assert f["state_bytes_per_worker"] - h["state_bytes_per_worker"] == pytest.approx(
+        2 * payload - 2 * (padded // R), abs=8
+    )
     assert h["bytes_sent_per_worker"] == pytest.approx(R * (inner + outer))
     assert h["inner_network"]["name"] == "datacenter"
     assert 0 < h["utilization"] <= 1
@@ -281,11 +287,16 @@ def test_plan_splits_the_outer_payload_over_the_ranks_and_prices_the_inner_link(
     hier = make_plan(PlanConfig(**base, ranks_per_worker=8, inner_network="datacenter"))  # type: ignore[arg-type]
     payload = 2.0 * 1e9
     assert hier.outer_bytes_per_rank_per_step == pytest.approx(flat.comm_bytes_per_worker_per_step / 8)
-    assert hier.inner_bytes_per_rank_per_step == pytest.approx(2 * 7 / 8 * payload + 7 / 8 * payload / 50)
+    # per step: the gradient all-reduce, the all-gather of the sharded inner AdamW step, and
+    # 1/H of the all-gather that reassembles the outer result
+    gathers = 1 + 1 / 50
+    assert hier.inner_bytes_per_rank_per_step == pytest.approx(2 * 7 / 8 * payload + gathers * 7 / 8 * payload)
     inner = NetworkProfile.from_preset("datacenter")
-    per_step = inner.collective_time(CollectiveKind.ALL_REDUCE, payload, 8) + inner.collective_time(
+    per_step = inner.collective_time(CollectiveKind.ALL_REDUCE, payload, 8) + gathers * inner.collective_time(
         CollectiveKind.ALL_GATHER, payload, 8
-    ) / 50
+    )
+    # AdamW's moments (8 of its 12 bytes per parameter) are split over the 8 replicas
+    assert flat.memory_per_worker_bytes - hier.memory_per_worker_bytes == pytest.approx((8 - 1) * 1e9)
     assert hier.inner_comm_s == pytest.approx(hier.steps * per_step)
     outer = NetworkProfile.from_preset("wan").collective_time(CollectiveKind.ALL_REDUCE, payload / 8, 4)
     assert hier.comm_total_s == pytest.approx(hier.steps * (outer / 50 + per_step))

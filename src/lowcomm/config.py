@@ -45,7 +45,7 @@ class TrainConfig:
 
     ranks_per_worker: int = 1
     """Ranks (processes) per worker: they share the worker's data-parallel work over the inner
-    link (synchronous data parallel, replicated optimizer state); the method runs between
+    link (synchronous data parallel, AdamW moments sharded over the ranks); the method runs between
     workers over --network, each rank sending 1/R of the worker's payload. Runs workers x R
     processes; --micro-batch-size is per rank."""
 

@@ -62,6 +62,13 @@ class MethodModel:
     description: str
 
 
+#: Methods whose (inner) AdamW moments are sharded over a worker's replica ranks when
+#: ``--ranks-per-worker`` > 1 (``lowcomm.optim.adamw.make_adamw``).
+REPLICA_SHARDED = frozenset(
+    {"ddp", "local_adamw", "overlap_local_sgd", "slowmo", "co2", "diloco",
+     "streaming_diloco", "diloco_delayed", "eager", "cocodc"}
+)  # fmt: skip
+
 METHOD_MODELS: dict[str, MethodModel] = {
     "ddp": MethodModel(0, False, 1, "none", False, True, "all-reduce gradients every step"),
     "zero1": MethodModel(0, True, 1, "none", False, True, "reduce-scatter + all-gather every step"),
@@ -335,17 +342,18 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
         steps = steps / stretch
     # Inner link (R > 1), blocking: the gradient all-reduce of every step, and the all-gather
     # that reassembles each outer payload inside the worker.
+    # Methods whose (inner) AdamW moments are sharded over the replicas add one all-gather of
+    # the parameters per step (ZeRO-1 inside the worker).
     inner_per_step = 0.0
     inner_bytes_per_step = 0.0
+    replica_sharded = ranks > 1 and config.method in REPLICA_SHARDED
     if ranks > 1:
+        gathers = payloads_per_step + (1.0 if replica_sharded else 0.0)
         inner_per_step = inner_profile.collective_time(
             CollectiveKind.ALL_REDUCE, model_bytes, ranks
-        ) + payloads_per_step * inner_profile.collective_time(
-            CollectiveKind.ALL_GATHER, model_bytes, ranks
-        )
+        ) + gathers * inner_profile.collective_time(CollectiveKind.ALL_GATHER, model_bytes, ranks)
         inner_bytes_per_step = (
-            2.0 * (ranks - 1) / ranks * model_bytes
-            + payloads_per_step * (ranks - 1) / ranks * model_bytes
+            2.0 * (ranks - 1) / ranks * model_bytes + gathers * (ranks - 1) / ranks * model_bytes
         )
     exposed = steps * (exposed_per_step + inner_per_step)
     total_comm = steps * (comm_per_step + inner_per_step)
@@ -353,7 +361,11 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
     outer_bytes_per_step = payloads_per_step * 2.0 * (m - 1) / m * payload if m > 1 else 0.0
     bytes_per_step = ranks * (outer_bytes_per_step + inner_bytes_per_step)
     sharded = m if model.sharded_optimizer else 1
-    memory = (2 + 2 + 2 * model.extra_copies) * params + config.optimizer_bytes / sharded * params
+    optimizer_bytes = config.optimizer_bytes / sharded
+    if replica_sharded:
+        # The two moments (2/3 of AdamW's fp32 bytes) are split over the R replicas.
+        optimizer_bytes = config.optimizer_bytes * (1 / 3 + 2 / 3 / ranks)
+    memory = (2 + 2 + 2 * model.extra_copies) * params + optimizer_bytes * params
     return Plan(
         method=config.method,
         params=params,

@@ -277,6 +277,14 @@ class HierarchicalComm:
         return total
 
 
+def replica_group(comm: Comm) -> Comm | None:
+    """The communicator over this worker's replica ranks when ``comm`` is hierarchical with
+    R > 1 (for sharding optimizer states inside a worker), else None."""
+    if isinstance(comm, HierarchicalComm) and comm.ranks_per_worker > 1:
+        return comm.inner_comm
+    return None
+
+
 def uncharged(comm: Comm) -> Comm:
     """``comm`` without emulation: a NetworkComm's inner communicator, a HierarchicalComm over
     un-emulated levels, else ``comm`` itself. For evaluation-only collectives, which must

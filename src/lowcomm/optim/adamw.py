@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowcomm.comm.base import Comm, Role
+
 
 @dataclass(frozen=True, kw_only=True)
 class AdamWConfig:
@@ -38,6 +40,27 @@ class AdamWConfig:
             raise ValueError(f"optim.eps: {self.eps} must be positive; try 1e-8")
         if not self.weight_decay >= 0:
             raise ValueError(f"optim.weight_decay: {self.weight_decay} must be >= 0; try 0.1")
+
+
+def _adamw_update(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step_count: int,
+    config: AdamWConfig,
+    lr: float,
+) -> None:
+    """One AdamW update in place, ``step_count`` already incremented (the class docstring)."""
+    beta1, beta2 = config.betas
+    bias1 = 1.0 - beta1**step_count
+    bias2 = 1.0 - beta2**step_count
+    if config.weight_decay:
+        master.mul_(1.0 - lr * config.weight_decay)
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    denom = (exp_avg_sq / bias2).sqrt_().add_(config.eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 
 class FlatAdamW:
@@ -68,16 +91,10 @@ class FlatAdamW:
 
     def step(self, grad: torch.Tensor, *, lr: float) -> None:
         """Apply one AdamW step with gradient ``grad`` (same shape as the master)."""
-        beta1, beta2 = self.config.betas
         self.step_count += 1
-        bias1 = 1.0 - beta1**self.step_count
-        bias2 = 1.0 - beta2**self.step_count
-        if self.config.weight_decay:
-            self.master.mul_(1.0 - lr * self.config.weight_decay)
-        self.exp_avg.lerp_(grad, 1.0 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        denom = (self.exp_avg_sq / bias2).sqrt_().add_(self.config.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        _adamw_update(
+            self.master, grad, self.exp_avg, self.exp_avg_sq, self.step_count, self.config, lr
+        )
 
     def state_bytes(self) -> int:
         """Bytes of the persistent tensors this optimizer holds (master and moments)."""
@@ -99,3 +116,55 @@ class FlatAdamW:
         step_count = state["step_count"]
         assert isinstance(step_count, int)
         self.step_count = step_count
+
+
+class ReplicaShardedAdamW(FlatAdamW):
+    """FlatAdamW with its moments split over the R replica ranks of one worker (ZeRO-1 inside
+    a worker, ``--ranks-per-worker``).
+
+    The replicas hold the same master and receive the same (inner-averaged) gradient, so rank
+    r updates only its slice r of the master with its slice of the moments, then an all-gather
+    over ``group`` (the worker's fast inner link) hands every replica the whole update: the
+    result equals :class:`FlatAdamW`'s exactly, with 2/R instead of 2 moment copies per rank.
+
+    Args:
+        master: the full fp32 parameters (identical on the replicas); updated in place.
+        config: hyperparameters.
+        group: the communicator over the worker's R replica ranks.
+    """
+
+    def __init__(self, master: torch.Tensor, config: AdamWConfig, group: Comm) -> None:
+        if master.dtype != torch.float32 or master.dim() != 1:
+            raise ValueError("ReplicaShardedAdamW needs a 1-D float32 master tensor")
+        self.master = master
+        self.config = config
+        self.group = group
+        self.slice_numel = -(-master.numel() // group.world_size)
+        self.begin = min(group.rank * self.slice_numel, master.numel())
+        self.end = min(self.begin + self.slice_numel, master.numel())
+        self.exp_avg = torch.zeros(self.end - self.begin, dtype=torch.float32, device=master.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.step_count = 0
+
+    def step(self, grad: torch.Tensor, *, lr: float) -> None:
+        self.step_count += 1
+        mine = slice(self.begin, self.end)
+        _adamw_update(
+            self.master[mine], grad[mine], self.exp_avg, self.exp_avg_sq, self.step_count,
+            self.config, lr,
+        )  # fmt: skip
+        piece = torch.zeros(self.slice_numel, dtype=torch.float32, device=self.master.device)
+        piece[: self.end - self.begin].copy_(self.master[mine])
+        gathered = torch.empty(
+            self.slice_numel * self.group.world_size, dtype=torch.float32, device=self.master.device
+        )
+        self.group.all_gather(gathered, piece, role=Role.PARAMETER).wait()
+        self.master.copy_(gathered[: self.master.numel()])
+
+
+def make_adamw(master: torch.Tensor, config: AdamWConfig, replicas: Comm | None) -> FlatAdamW:
+    """AdamW for a strategy's (inner) optimizer: sharded over ``replicas`` (the worker's inner
+    group, see ``lowcomm.comm.hierarchical.replica_group``) when there is more than one."""
+    if replicas is not None and replicas.world_size > 1:
+        return ReplicaShardedAdamW(master, config, replicas)
+    return FlatAdamW(master, config)

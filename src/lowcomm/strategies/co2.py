@@ -38,8 +38,8 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.comm.emulated import restore_handle, settle
-from lowcomm.comm.hierarchical import uncharged
-from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
+from lowcomm.comm.hierarchical import replica_group, uncharged
+from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.strategies.base import (
     Closure,
     StepStats,
@@ -145,13 +145,18 @@ class InnerOptimizer:
     """
 
     def __init__(
-        self, kind: InnerOptimizerKind, master: torch.Tensor, config: AdamWConfig, momentum: float
+        self,
+        kind: InnerOptimizerKind,
+        master: torch.Tensor,
+        config: AdamWConfig,
+        momentum: float,
+        replicas: Comm | None = None,
     ) -> None:
         self.kind = kind
         self.master = master
         self.config = config
         self.momentum = momentum
-        self.adamw = FlatAdamW(master, config) if kind == "adamw" else None
+        self.adamw = make_adamw(master, config, replicas) if kind == "adamw" else None
         # SGD without momentum holds no state at all (nothing allocated).
         self.momentum_buffer = (
             torch.zeros_like(master) if kind == "sgd" and momentum > 0 else None
@@ -246,7 +251,9 @@ class _LocalUpdate(Strategy):
         else:
             master = self.flat.params.float().clone()
         kind = self.fixed_inner or self.options.inner_optimizer
-        self.inner = InnerOptimizer(kind, master, context.optim, self.options.sgd_momentum)
+        self.inner = InnerOptimizer(
+            kind, master, context.optim, self.options.sgd_momentum, replica_group(comm)
+        )
         #: Inner steps taken in the current round (0 right after a round ended).
         self.local_steps = 0
         #: Rounds completed.

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.optim.adamw import FlatAdamW
+from lowcomm.comm.hierarchical import replica_group
+from lowcomm.optim.adamw import make_adamw
 from lowcomm.strategies.base import (
     Closure,
     StepStats,
@@ -43,7 +44,7 @@ class DDP(Strategy):
         self.flat = FlatBuffers(model)
         # In fp32 the parameters are their own master copy (updated in place, no copy).
         master = self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float()
-        self.optimizer = FlatAdamW(master, context.optim)
+        self.optimizer = make_adamw(master, context.optim, replica_group(comm))
 
     def step(self, closure: Closure) -> StepStats:
         self.flat.check_params()

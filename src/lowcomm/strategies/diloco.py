@@ -29,7 +29,8 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.comm.emulated import restore_handle, settle
-from lowcomm.optim.adamw import FlatAdamW
+from lowcomm.comm.hierarchical import replica_group
+from lowcomm.optim.adamw import make_adamw
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
 from lowcomm.strategies.base import (
@@ -424,7 +425,11 @@ class OuterLoopStrategy(Strategy):
         self.master = (
             self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float().clone()
         )
-        self.inner = FlatAdamW(self.master, context.optim) if self.options.inner_optimizer == "adamw" else None
+        self.inner = (
+            make_adamw(self.master, context.optim, replica_group(comm))
+            if self.options.inner_optimizer == "adamw"
+            else None
+        )
         self.num_fragments = self.options.fragments or default_fragment_count(
             model, self.default_fragments
         )
@@ -515,7 +520,7 @@ class OuterLoopStrategy(Strategy):
                 self.flat.params.copy_(local)
 
     def state_bytes(self) -> int:
-        inner = 0 if self.inner is None else 2 * self.master.numel() * 4
+        inner = 0 if self.inner is None else self.inner.exp_avg.numel() * 2 * 4
         master = 0 if self.master is self.flat.params else self.master.numel() * 4
         outer = sum(g.numel() * 4 + o.state_bytes() for g, o in zip(self.globals_, self.outer, strict=True))
         return self.flat.bytes + inner + master + outer + self.extra_state_bytes()
