@@ -40,8 +40,8 @@ def run_train(config: TrainConfig) -> None:
         _run_under_torchrun(config)
         return
     try:
-        prepare_corpus(config.data)
-    except DataError as error:
+        config.check_corpus(prepare_corpus(config.data))
+    except (DataError, ConfigError) as error:
         _fail(str(error))
     from lowcomm.train.loop import spawned_train
 
@@ -146,19 +146,38 @@ class _OptionError(Exception):
 
 
 def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
-    """Make a ValueError from an options dataclass's validation a one-line error.
+    """Make a value that an option rejects a one-line error naming the option.
 
-    tyro reports such errors in a multi-line box; its hook to take over is not public API
-    yet, so this degrades to tyro's own box (still exit code 2) if the hook moves.
+    Covers an options dataclass's own validation, a value of the wrong type (``--workers
+    two``), a value outside an option's choices and a wrong number of values. tyro reports
+    these in a multi-line box; its hook to take over is not public API yet, so this degrades
+    to tyro's own box (still exit code 2) if the hook moves.
     """
     try:
-        from tyro._errors import InstantiationFailure, on_parse_error
+        from tyro._errors import BadValue, InstantiationFailure, InvalidChoice, on_parse_error
     except ImportError:
         return contextlib.nullcontext()
 
+    def flag(argument: object) -> str:
+        flags = getattr(getattr(argument, "lowered", None), "name_or_flags", None) or ("option",)
+        return str(flags[0])
+
+    def named(argument: object, message: str) -> str:
+        first = message.strip().splitlines()[0] if message.strip() else "invalid value"
+        # Our own validation already starts with the option's flag.
+        return first if first.startswith("--") else f"{flag(argument)}: {first}"
+
     def hook(event: object) -> None:
         if isinstance(event, InstantiationFailure):
-            raise _OptionError(str(event.message))
+            raise _OptionError(named(event.argument, str(event.message)))
+        if isinstance(event, InvalidChoice):
+            choices = ", ".join(str(choice) for choice in event.choices)
+            raise _OptionError(
+                f"{flag(event.argument)}: {event.value!r} is not one of {choices}"
+            )
+        if isinstance(event, BadValue):
+            # The reason is a code such as "too_few_values".
+            raise _OptionError(named(event.argument, str(event.reason).replace("_", " ")))
 
     return on_parse_error(hook)
 

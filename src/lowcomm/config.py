@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from lowcomm.comm.network import PRESETS, NetworkProfile
-from lowcomm.data import DataConfig
+from lowcomm.data import DataConfig, PreparedCorpus
 from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
@@ -27,6 +27,9 @@ from lowcomm.strategies.base import StrategyContext
 from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
+
+#: Upper bound of --collective-timeout-s (about 31 years; a timedelta holds up to ~2.7e6 years).
+MAX_TIMEOUT_S = 1e9
 
 
 class ConfigError(ValueError):
@@ -175,6 +178,12 @@ class TrainConfig:
                 f"--speed-factors: {len(self.speed_factors)} values for {self.workers} workers; "
                 f"give exactly one compute-time multiplier per worker"
             )
+        for index, factor in enumerate(self.speed_factors):
+            if not (factor > 0 and math.isfinite(factor)):
+                raise ConfigError(
+                    f"--speed-factors: {factor} (worker {index}) is not a finite positive "
+                    f"compute-time multiplier; pass e.g. 1 1 1 2"
+                )
         try:
             self.network_profile()
         except ValueError as error:
@@ -189,17 +198,23 @@ class TrainConfig:
                 raise ConfigError(
                     "--seconds-per-microbatch: a declared compute cost needs --clock virtual"
                 )
-            if not self.seconds_per_microbatch > 0:
+            if not (self.seconds_per_microbatch > 0 and math.isfinite(self.seconds_per_microbatch)):
                 raise ConfigError(
-                    f"--seconds-per-microbatch: {self.seconds_per_microbatch} must be positive"
+                    f"--seconds-per-microbatch: {self.seconds_per_microbatch} must be a finite "
+                    f"positive number of seconds"
                 )
+        if not 0 <= self.seed < 2**64:
+            # torch.manual_seed takes a 64-bit unsigned seed, numpy's SeedSequence a non-negative one.
+            raise ConfigError(f"--seed: {self.seed} must lie in [0, 2**64); pass e.g. 0")
         if self.eval_every < 1:
             raise ConfigError(f"--eval-every: {self.eval_every} must be 1 or more")
         if self.eval_batches < 1:
             raise ConfigError(f"--eval-batches: {self.eval_batches} must be 1 or more")
-        if not self.collective_timeout_s > 0:
+        if not 0 < self.collective_timeout_s <= MAX_TIMEOUT_S:
+            # (A process group's timeout is a timedelta: inf or a huge value overflows it.)
             raise ConfigError(
-                f"--collective-timeout-s: {self.collective_timeout_s} must be positive"
+                f"--collective-timeout-s: {self.collective_timeout_s} must be a positive number "
+                f"of seconds up to {MAX_TIMEOUT_S:g}"
             )
         self._validate_checkpointing()
         self._validate_method_options()
@@ -259,6 +274,18 @@ class TrainConfig:
                 f"--inner-network: unknown preset {self.inner_network!r}; choose one of "
                 f"{', '.join(PRESETS)}"
             )
+        if self.inner_bandwidth_gbps is not None and not self.inner_bandwidth_gbps > 0:
+            raise ConfigError(
+                f"--inner-bandwidth-gbps: {self.inner_bandwidth_gbps} is not positive; pass a "
+                f"bandwidth in Gbit/s such as 100"
+            )
+        if self.inner_latency_ms is not None and not (
+            self.inner_latency_ms >= 0 and math.isfinite(self.inner_latency_ms)
+        ):
+            raise ConfigError(
+                f"--inner-latency-ms: {self.inner_latency_ms} is not a non-negative number; pass "
+                f"a latency in milliseconds such as 0.005"
+            )
         try:
             self.inner_network_profile()
         except ValueError as error:
@@ -284,6 +311,33 @@ class TrainConfig:
     def world_size(self) -> int:
         """Processes of the run: workers x ranks per worker."""
         return self.workers * self.ranks_per_worker
+    def check_corpus(self, corpus: PreparedCorpus) -> None:
+        """Check, on the prepared corpus, that every worker gets a micro-batch per epoch and the
+        validation split holds a window (what each worker would otherwise fail on at start)."""
+        from lowcomm.data import WorkerShard, validation_batches
+
+        try:
+            WorkerShard(
+                corpus,
+                rank=0,
+                world_size=self.workers,
+                seq_len=self.model.block_size,
+                micro_batch_size=self.data.micro_batch_size,
+                seed=self.seed,
+                split=self.data.split,
+                replica=0,
+                replicas=self.ranks_per_worker,
+            )
+            validation_batches(
+                corpus,
+                seq_len=self.model.block_size,
+                batch_size=self.data.micro_batch_size * self.ranks_per_worker,
+                num_batches=1,
+            )
+        except ValueError as error:  # DataError included
+            raise ConfigError(
+                f"--workers, --micro-batch-size, --model.block-size: {error}"
+            ) from None
 
     def strategy_context(self) -> StrategyContext:
         return StrategyContext(

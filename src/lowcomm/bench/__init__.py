@@ -6,9 +6,14 @@ from typing import Any
 
 from lowcomm.bench.compare import CompareBench, run_compare
 from lowcomm.bench.overhead import OverheadBench, run_overhead
+from lowcomm.bench.reallink import RealLinkBench, run_reallink
 
 #: ``lowcomm bench NAME``: the benchmark configurations, by name.
-BENCHMARKS: dict[str, Any] = {"overhead": OverheadBench, "compare": CompareBench}
+BENCHMARKS: dict[str, Any] = {
+    "overhead": OverheadBench,
+    "compare": CompareBench,
+    "reallink": RealLinkBench,
+}
 
 
 def run_bench(command: object) -> None:
@@ -19,7 +24,10 @@ def run_bench(command: object) -> None:
     if isinstance(command, CompareBench):
         run_compare(command)
         return
+    if isinstance(command, RealLinkBench):
+        run_reallink(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
-__all__ = ["BENCHMARKS", "CompareBench", "OverheadBench", "run_bench"]
+__all__ = ["BENCHMARKS", "CompareBench", "OverheadBench", "RealLinkBench", "run_bench"]

@@ -122,6 +122,12 @@ def build_hf_model(
             tie_word_embeddings=True,
         )
     else:
+        if (n_embd // n_head) % 2 != 0:
+            raise ValueError(
+                f"--model.n-embd: hf-llama's rotary embedding needs an even head width, but "
+                f"{n_embd} / --model.n-head={n_head} = {n_embd // n_head}; pick n_embd as a "
+                f"multiple of {2 * n_head}"
+            )
         # Llama's SwiGLU MLP has three matrices, so ~8/3 * hidden keeps the parameter count
         # close to a 4x GELU MLP; round up to a multiple of 64 for efficient matmuls.
         intermediate_size = 64 * -(-(8 * n_embd // 3) // 64)

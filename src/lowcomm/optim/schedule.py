@@ -23,11 +23,11 @@ class ScheduleConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("constant", "cosine"):
-            raise ValueError(f"schedule.kind: unknown {self.kind!r}; choose constant or cosine")
+            raise ValueError(f"--schedule.kind: unknown {self.kind!r}; choose constant or cosine")
         if self.warmup_steps < 0:
-            raise ValueError(f"schedule.warmup_steps: {self.warmup_steps} must be >= 0")
+            raise ValueError(f"--schedule.warmup-steps: {self.warmup_steps} must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"schedule.min_lr_ratio: {self.min_lr_ratio} must lie in [0, 1]")
+            raise ValueError(f"--schedule.min-lr-ratio: {self.min_lr_ratio} must lie in [0, 1]")
 
 
 def learning_rate(config: ScheduleConfig, peak_lr: float, step: int, total_steps: int) -> float:
