@@ -27,21 +27,13 @@ from typing import Any
 import torch
 
 from lowcomm.config import TrainConfig
+from lowcomm.train.metrics import atomic_write_bytes
 
 FORMAT_VERSION = 1
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted or from another configuration."""
-
-
-def _fsync_write(path: Path, payload: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -112,8 +104,8 @@ def commit_checkpoint(
         "fingerprint": fingerprint,
         "sha256": files,
     }
-    _fsync_write(directory / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
-    _fsync_write(run_dir / "checkpoints" / "latest", (directory.name + "\n").encode())
+    atomic_write_bytes(directory / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write_bytes(run_dir / "checkpoints" / "latest", (directory.name + "\n").encode())
     complete = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").exists())
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -16,14 +16,20 @@ from lowcomm.comm.network import NetworkProfile
 from lowcomm.config import TrainConfig
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so a reader sees either the old file or the whole new one."""
+def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` so a reader sees either the old file or the whole new one
+    (a temporary file, flushed and fsynced, then renamed)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
+    with open(tmp, "wb") as handle:
+        handle.write(payload)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode())
 
 
 @dataclass
