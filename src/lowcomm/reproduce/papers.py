@@ -323,7 +323,7 @@ def c4(r: Results, s: Scale) -> Finding:
     base = r.of("c4 local_adamw tau=4")
     if not base:
         return Finding("C4", _C4_CLAIM, ["the Local-AdamW timing run did not finish"], [Link("overlap ratio", NOT_MEASURED, "no run")])
-    cost = float(base[0].summary["compute_s"]) / (s.c4_steps)  # one micro-batch per step
+    cost = _c4_cost(s)  # the declared compute seconds per micro-batch (one per step)
     t_ar = _exposed(base[0].records) / (s.c4_steps // 4)
     links, measured = [], [f"t_AR = {t_ar:.4f} s per all-reduce (Local-AdamW, blocking), c = {cost:.4f} s per step"]
     for tau in C4_TAUS:
@@ -594,9 +594,10 @@ def f2(r: Results, s: Scale) -> Finding:
 
 
 def _spike(run_records: list[dict[str, Any]], period: int) -> float:
-    """Mean train-loss jump from the step before a sync to the step after it."""
+    """Mean train-loss jump across a sync (the step after it minus the step that ends with it)."""
     losses = [float(r["train_loss"]) for r in run_records]
-    jumps = [losses[t + 1] - losses[t - 1] for t in range(period - 1, len(losses) - 1, period) if t >= 1]
+    # Step t = K-1, 2K-1, ... ends with a sync: its loss is from before it, step t+1's after.
+    jumps = [losses[t + 1] - losses[t] for t in range(period - 1, len(losses) - 1, period)]
     return statistics.fmean(jumps) if jumps else math.nan
 
 
