@@ -27,11 +27,6 @@ _SMALL_MODEL = (
     "--model.block-size", "32", "--micro-batch-size", "8",
 )  # fmt: skip
 
-_FULL_MODEL = (
-    "--model.n-layer", "4", "--model.n-embd", "128", "--model.n-head", "4",
-    "--model.block-size", "64", "--micro-batch-size", "8",
-)  # fmt: skip
-
 SCALES: dict[str, Scale] = {
     "quick": Scale(
         name="quick",
@@ -45,30 +40,31 @@ SCALES: dict[str, Scale] = {
         fragments=2,
         desloc_period=8,
         c4_steps=48,
-        rosenbrock=(32, 1500),
+        rosenbrock=(256, 4000),  # the paper's toy: cheap, so at every scale
         description=(
-            "quick: 2 workers (4 for the straggler runs), 96 steps, a 2-layer d=64 GPT (about "
-            "0.23M parameters), context 32, 8 sequences per micro-batch; about 5-10 minutes per "
-            "paper for 3 seeds on a quiet 2-core machine"
+            "quick: 2 workers (4 for the ACCO straggler runs), 96 steps, a 2-layer d=64 GPT "
+            "(about 0.23M parameters), context 32, 8 sequences per micro-batch"
         ),
     ),
     "full": Scale(
         name="full",
-        steps=384,
+        steps=192,
         workers=4,
-        model=_FULL_MODEL,
+        model=_SMALL_MODEL,
         eval_every=16,
         eval_batches=8,
         co2_taus=(6, 12),
         diloco_sync=32,
-        fragments=4,
+        fragments=2,
         desloc_period=16,
         c4_steps=96,
         rosenbrock=(256, 4000),
         description=(
-            "full: 4 workers, 384 steps, a 4-layer d=128 GPT, context 64, 8 sequences per "
-            "micro-batch; sized for about 30 minutes per paper for 3 seeds on 2 cores "
-            "(an estimate from the quick scale's timings)"
+            "full: 4 workers, 192 steps, the quick scale's 2-layer d=64 GPT, context 32, 8 "
+            "sequences per micro-batch, H and K doubled; sized from the quick scale's timings "
+            "for about 30 minutes per paper with 3 seeds on 2 otherwise idle cores (an "
+            "estimate; the ACCO straggler runs, which accumulate many micro-batches per step, "
+            "take longest)"
         ),
     ),
 }
@@ -91,7 +87,7 @@ class ReproduceConfig:
     """Seeds of every run (at least two for a verdict other than inconclusive)."""
 
     scale: str = "full"
-    """quick (smoke check, minutes) or full (the issue's scale, about 30 min per paper)."""
+    """quick (2 workers, 96 steps) or full (4 workers, 192 steps; about 30 min per paper)."""
 
     def __post_init__(self) -> None:
         choices = [*PAPERS, "all"]
@@ -190,15 +186,21 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
     return document
 
 
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: a literal | would end the cell."""
+    return text.replace("|", "\\|")
+
+
 def _report(doc: dict[str, Any]) -> str:
     scale = doc["scale"]
     lines = [
         f"# Reproduction: {doc['title']}",
         "",
         f"Scale **{scale['name']}**: {scale['description']}. Seeds: {', '.join(map(str, doc['seeds']))}. "
-        f"Virtual clock, network `wan`. This is far below the papers' scale (millions of "
-        f"parameters and minutes of CPU, not billions and GPU-days): a verdict here says what "
-        f"happens at this scale, not whether the paper is right.",
+        f"Virtual clock, network `wan`. This is far below the papers' scale and below the "
+        f"testbed of ALGORITHMS.md §7.2 (4 layers, d = 256, 2-4k steps): a sub-million-parameter "
+        f"model trained for minutes of CPU, not billions of parameters and GPU-days. A verdict "
+        f"here says what happens at this scale, not whether the paper is right.",
         "",
         "Command:",
         "",
@@ -225,7 +227,7 @@ def _report(doc: dict[str, Any]) -> str:
         lines += [f"### {p['id']}: {p['verdict']}", "", f"**Claim.** {p['claim']}", "", "**Measured** (mean ± sd over seeds):", ""]
         lines += [f"- {m}" for m in p["measured"]]
         lines += ["", "| comparison | verdict | numbers |", "|---|---|---|"]
-        lines += [f"| {link['text']} | {link['verdict']} | {link['detail']} |" for link in p["links"]]
+        lines += [f"| {_cell(link['text'])} | {link['verdict']} | {_cell(link['detail'])} |" for link in p["links"]]
         if p["note"]:
             lines += ["", p["note"]]
         lines.append("")
@@ -265,7 +267,7 @@ def _summary(config: ReproduceConfig, documents: list[dict[str, Any]]) -> str:
     for doc in documents:
         for p in doc["predictions"]:
             counts[p["verdict"]] += 1
-            measured = "; ".join(p["measured"][:3]).replace("|", "/")
+            measured = _cell("; ".join(p["measured"][:3]))
             lines.append(f"| {p['id']} | {p['verdict']} | {measured} | [{doc['paper']}]({doc['paper']}/report.md) |")
     lines += ["", "Totals: " + ", ".join(f"{verdict}: {count}" for verdict, count in counts.items()), ""]
     return "\n".join(lines)
