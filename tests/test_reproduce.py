@@ -328,3 +328,26 @@ def test_reproduce_end_to_end_writes_report_and_json_and_resumes(
     # Re-running skips every finished run.
     cli.main(args)
     assert capsys.readouterr().err.count("done before, skipped") == 2
+
+
+def test_a_finished_run_of_another_configuration_is_refused(tmp_path: Path) -> None:
+    from lowcomm.bench.runs import run_or_resume
+
+    run_dir = tmp_path / "ddp-s0"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text("{}")
+    (run_dir / "config.json").write_text(json.dumps({"method": "zero1"}))
+    config = parse_train_flags(["--method", "ddp", "--out", str(run_dir)])
+    with pytest.raises(ValueError, match="--runs-dir: .* holds a finished run with a different configuration"):
+        run_or_resume(config, "ddp seed 0", tag="reproduce", option="--runs-dir")
+    # The same configuration is reused without running anything.
+    (run_dir / "config.json").write_text(config.to_json())
+    assert run_or_resume(config, "ddp seed 0", tag="reproduce", option="--runs-dir") is None
+
+
+def test_rosenbrock_output_is_parsed() -> None:
+    from lowcomm.reproduce.runner import _DISTANCE
+
+    line = "favg_reset  x = (+1.0045, +1.0090)  distance to (1, 1) 0.0101"
+    match = _DISTANCE.match(line)
+    assert match is not None and match.group(1) == "favg_reset" and float(match.group(4)) == 0.0101
