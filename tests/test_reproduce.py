@@ -338,7 +338,7 @@ def test_a_finished_run_of_another_configuration_is_refused(tmp_path: Path) -> N
     (run_dir / "summary.json").write_text("{}")
     (run_dir / "config.json").write_text(json.dumps({"method": "zero1"}))
     config = parse_train_flags(["--method", "ddp", "--out", str(run_dir)])
-    with pytest.raises(ValueError, match="--runs-dir: .* holds a finished run with a different configuration"):
+    with pytest.raises(ValueError, match=r"--runs-dir: .* holds a finished run with a different configuration"):
         run_or_resume(config, "ddp seed 0", tag="reproduce", option="--runs-dir")
     # The same configuration is reused without running anything.
     (run_dir / "config.json").write_text(config.to_json())
