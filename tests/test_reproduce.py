@@ -351,3 +351,22 @@ def test_rosenbrock_output_is_parsed() -> None:
     line = "favg_reset  x = (+1.0045, +1.0090)  distance to (1, 1) 0.0101"
     match = _DISTANCE.match(line)
     assert match is not None and match.group(1) == "favg_reset" and float(match.group(4)) == 0.0101
+
+
+def test_d1_target_is_reached_by_every_mean_curve_even_after_a_divergence() -> None:
+    def curve(losses: list[float]) -> list[tuple[int, float, float]]:
+        return [(8 * (i + 1), float(i), loss) for i, loss in enumerate(losses)]
+
+    shapes = {
+        papers.COCO: [7.0, 6.5, 6.2, 6.1],
+        papers.DILOCO: [7.0, 6.6, 6.3, 9.0],  # reaches 6.3, then diverges
+        papers.STREAM: [7.0, 6.8, 6.6, 6.4],
+    }
+    results = Results({
+        label: [_run(label, s, losses[-1], curve=curve(losses)) for s in (0, 1)] for label, losses in shapes.items()
+    })  # fmt: skip
+    finding = papers.d1(results, QUICK)
+    assert "6.4000" in finding.measured[-1]  # streaming's best, the highest of the bests
+    assert finding.measured[0].startswith("cocodc steps to 6.400 = 24.0000")
+    assert finding.measured[1].startswith("diloco steps to 6.400 = 24.0000")
+    assert finding.measured[2].startswith("streaming steps to 6.400 = 32.0000")

@@ -378,9 +378,20 @@ def _cocodc_setting(s: Scale) -> str:
     )
 
 
+def _best_mean_loss(r: Results, label: str) -> float:
+    curves = [run.curve for run in r.of(label)]
+    if not curves:
+        return math.nan
+    length = min(len(curve) for curve in curves)
+    return min(statistics.fmean(curve[i][2] for curve in curves) for i in range(length))
+
+
 def d1(r: Results, s: Scale) -> Finding:
     finals = {label: r.final(label) for label in (COCO, DILOCO, STREAM)}
-    target = max((f.mean for f in finals.values() if math.isfinite(f.mean)), default=math.nan)
+    # The loosest "best": the highest of the methods' lowest seed-mean validation loss, so every
+    # method's mean curve reaches it even if one diverges later.
+    bests = [_best_mean_loss(r, label) for label in finals]
+    target = max((b for b in bests if math.isfinite(b)), default=math.nan)
     censored = s.steps + s.eval_every
     steps = {
         label: r.per_seed(label, lambda run: steps_to_target(run.curve, target, censored), f"{label} steps to {target:.3f}")
@@ -389,7 +400,7 @@ def d1(r: Results, s: Scale) -> Finding:
     return Finding(
         "D1",
         "Steps to a target loss: CoCoDC (sign fix) ≤ DiLoCo < Streaming DiLoCo (alpha = 0.5).",
-        [*_texts(*steps.values()), *_texts(*finals.values()), f"target: the worst final mean, {target:.4f}; not reached counts as {censored}"],
+        [*_texts(*steps.values()), *_texts(*finals.values()), f"target: the highest of the methods' lowest seed-mean validation loss, {target:.4f}; not reached counts as {censored}"],
         [less(steps[COCO], steps[DILOCO], strict=False), less(steps[DILOCO], steps[STREAM])],
     )
 
