@@ -110,11 +110,6 @@ USAGE = """usage: lowcomm {train,bench,plan,reproduce,methods} [OPTIONS]
 """
 
 
-def _positional_paper(args: list[str]) -> list[str]:
-    """`lowcomm reproduce PAPER [...]`: the leading positional is --paper."""
-    return ["--paper", args[0], *args[1:]] if args and not args[0].startswith("-") else args
-
-
 class _OptionError(Exception):
     """An option dataclass rejected its value while the command line was parsed."""
 
@@ -164,7 +159,7 @@ def _main(argv: list[str] | None) -> None:
         elif command == "reproduce":
             from lowcomm.reproduce import ReproduceConfig, run_reproduce
 
-            run_reproduce(tyro.cli(ReproduceConfig, args=_positional_paper(rest), prog="lowcomm reproduce", config=config))
+            run_reproduce(tyro.cli(ReproduceConfig, args=rest, prog="lowcomm reproduce", config=config))
         elif command == "methods":
             tyro.cli(MethodsCommand, args=rest, prog="lowcomm methods")
             run_methods()

@@ -16,7 +16,9 @@ import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import tyro
 
 from lowcomm.reproduce.papers import PAPERS, Paper
 from lowcomm.reproduce.runner import Results, Scale, execute
@@ -74,8 +76,11 @@ SCALES: dict[str, Scale] = {
 class ReproduceConfig:
     """Run the CPU-scale experiments of one paper (or all) and judge ALGORITHMS.md §7.3."""
 
-    paper: str
-    """acco, co2, cocodc, eager, desloc or all."""
+    paper: Annotated[
+        str,
+        tyro.conf.Positional,
+        tyro.conf.arg(metavar="PAPER", help="acco, co2, cocodc, eager, desloc or all."),
+    ]
 
     out: str = "runs/reproduce"
     """Output directory: PAPER/report.md, PAPER/results.json (and summary.md for all)."""
