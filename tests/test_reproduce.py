@@ -319,10 +319,11 @@ def test_reproduce_end_to_end_writes_report_and_json_and_resumes(
     rows = {row["label"]: row for row in doc["runs"]}
     assert set(rows) == {papers.DDP2, papers.ZERO2}
     assert rows[papers.DDP2]["seeds"] == [0] and len(rows[papers.DDP2]["final_val_loss"]) == 1
+    assert rows[papers.DDP2]["rose_late_seeds"] in (0, 1)
     assert rows[papers.DDP2]["command"].startswith("lowcomm train ") and "--method ddp" in rows[papers.DDP2]["command"]
     assert doc["failures"] == {}
     report = (paper_dir / "report.md").read_text()
-    for text in ("# Reproduction:", "Scale **quick**", doc["command"], "### A5: holds", "**Claim.**", "## Runs", "| zero1 x2 accumulation | 1 |"):
+    for text in ("# Reproduction:", "Scale **quick**", doc["command"], "### A5: holds", "**Claim.**", "## Runs", "| zero1 x2 accumulation | 1 |", "Rose late:"):
         assert text in report, text
     capsys.readouterr()
     # Re-running skips every finished run.
@@ -370,3 +371,10 @@ def test_d1_target_is_reached_by_every_mean_curve_even_after_a_divergence() -> N
     assert finding.measured[0].startswith("cocodc steps to 6.400 = 24.0000")
     assert finding.measured[1].startswith("diloco steps to 6.400 = 24.0000")
     assert finding.measured[2].startswith("streaming steps to 6.400 = 32.0000")
+
+
+def test_rose_late_flags_a_run_that_ends_above_its_best() -> None:
+    from lowcomm.reproduce import _rose_late
+
+    assert _rose_late([(8, 1.0, 6.5), (16, 2.0, 6.3), (24, 3.0, 7.0)])
+    assert not _rose_late([(8, 1.0, 6.5), (16, 2.0, 6.3), (24, 3.0, 6.31)])

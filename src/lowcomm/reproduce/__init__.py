@@ -138,6 +138,16 @@ def _finding_json(finding: Finding) -> dict[str, Any]:
     }
 
 
+ROSE_LATE = 0.05
+"""A run whose final validation loss is this fraction above its best evaluation rose late
+(diverged or oscillated): the report counts such seeds per run."""
+
+
+def _rose_late(curve: list[tuple[int, float, float]]) -> bool:
+    best = min(loss for _, _, loss in curve)
+    return bool(curve[-1][2] > (1.0 + ROSE_LATE) * best)
+
+
 def _run_rows(results: Results) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for label, runs in results.runs.items():
@@ -160,6 +170,7 @@ def _run_rows(results: Results) -> list[dict[str, Any]]:
                 "utilization": [r.summary["utilization"] for r in runs],
                 "bytes_sent_per_worker": [r.summary["bytes_sent_per_worker"] for r in runs],
                 "val_curves": [r.curve for r in runs],
+                "rose_late_seeds": sum(_rose_late(r.curve) for r in runs),
             }
         )
     return rows
@@ -236,16 +247,24 @@ def _report(doc: dict[str, Any]) -> str:
         if p["note"]:
             lines += ["", p["note"]]
         lines.append("")
-    lines += ["## Runs", "", "| run | seeds | final val loss | modeled time (s) | bytes/worker | command (seed of the first run) |", "|---|---|---|---|---|---|"]
+    lines += [
+        "## Runs",
+        "",
+        f"Rose late: seeds whose final validation loss ended more than {ROSE_LATE:.0%} above their best evaluation (a divergence or oscillation late in the run).",
+        "",
+        "| run | seeds | final val loss | rose late | modeled time (s) | bytes/worker | command (seed of the first run) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in doc["runs"]:
         if "distances" in row:
-            lines.append(f"| {row['label']} | {len(row['seeds'])} | distances to (1, 1): {row['distances']} | | | `{row['command']}` |")
+            distances = "; ".join(", ".join(f"{m} {d:.4f}" for m, d in seed.items()) for seed in row["distances"])
+            lines.append(f"| {row['label']} | {len(row['seeds'])} | distances to (1, 1) per seed: {distances} | | | | `{row['command']}` |")
             continue
         mean, sd = row["final_val_loss_mean"], row["final_val_loss_sd"]
         loss = "no finished run" if mean is None else f"{mean:.4f}" + ("" if sd is None else f" ± {sd:.4f}")
         time = f"{statistics.fmean(row['modeled_time_s']):.2f}" if row["modeled_time_s"] else ""
         sent = f"{statistics.fmean(row['bytes_sent_per_worker']) / 1e6:.2f} MB" if row["bytes_sent_per_worker"] else ""
-        lines.append(f"| {row['label']} | {len(row['seeds'])} | {loss} | {time} | {sent} | `{row['command']}` |")
+        lines.append(f"| {row['label']} | {len(row['seeds'])} | {loss} | {row['rose_late_seeds']} | {time} | {sent} | `{row['command']}` |")
     if doc["failures"]:
         lines += ["", "## Failed runs", ""] + [f"- {name}: {error}" for name, error in doc["failures"].items()]
     return "\n".join(lines) + "\n"
