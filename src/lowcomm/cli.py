@@ -132,11 +132,12 @@ def run_methods() -> None:
         print(f"{name:20s} {doc[0] if doc else ''}")
 
 
-USAGE = """usage: lowcomm {train,bench,plan,methods} [OPTIONS]
+USAGE = """usage: lowcomm {train,bench,plan,reproduce,methods} [OPTIONS]
 
   train     train a model data-parallel with one method (lowcomm train --help)
   bench     benchmarks: overhead ratio, side-by-side method comparison (lowcomm bench --help)
   plan      predict time, bytes and memory of a method at any scale (lowcomm plan --help)
+  reproduce run the papers' CPU-scale experiments, judge their claims (lowcomm reproduce --help)
   methods   list the training methods
 """
 
@@ -213,6 +214,10 @@ def _main(argv: list[str] | None) -> None:
 
             # Plain tyro flags here: `--json` is a switch.
             run_plan(tyro.cli(PlanConfig, args=rest, prog="lowcomm plan"))
+        elif command == "reproduce":
+            from lowcomm.reproduce import ReproduceConfig, run_reproduce
+
+            run_reproduce(tyro.cli(ReproduceConfig, args=rest, prog="lowcomm reproduce", config=config))
         elif command == "methods":
             tyro.cli(MethodsCommand, args=rest, prog="lowcomm methods")
             run_methods()
@@ -225,7 +230,7 @@ def _main(argv: list[str] | None) -> None:
                 )
             )
         else:
-            _fail(f"unknown command {command!r}; choose train, bench, plan or methods")
+            _fail(f"unknown command {command!r}; choose train, bench, plan, reproduce or methods")
     except ValueError as error:
         # Raised by a config dataclass's own validation while the options were parsed.
         _fail(str(error))

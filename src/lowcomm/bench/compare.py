@@ -18,11 +18,13 @@ import dataclasses
 import json
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lowcomm.bench.runs import mean_sd as _mean_sd
+from lowcomm.bench.runs import run_or_resume
+from lowcomm.bench.runs import val_curve as _val_curve
 from lowcomm.config import TrainConfig
 from lowcomm.train.metrics import atomic_write_text
 
@@ -94,48 +96,11 @@ class CompareBench:
         )
 
 
-def _run_one(config: TrainConfig) -> str | None:
-    """Run one training job; return an error message instead of raising."""
-    from lowcomm.launch import WorkerFailed, spawn_workers
-    from lowcomm.train.loop import spawned_train
-
-    try:
-        config.validate()
-        spawn_workers(
-            spawned_train,
-            config.workers,
-            (config,),
-            device=config.device,
-            timeout_s=config.collective_timeout_s,
-        )
-    except (WorkerFailed, ValueError) as error:
-        return str(error)
-    return None
-
-
-def _val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, float]]:
-    """(step, clock seconds, validation loss) at each evaluation, ending with the final one."""
-    curve = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("val_loss") is not None:
-            curve.append((record["step"] + 1, record["clock_s"], record["val_loss"]))
-    curve.append((summary["steps"], summary["modeled_time_s"], summary["final_val_loss"]))
-    return curve
-
-
 def _time_to_target(curve: list[tuple[int, float, float]], target: float) -> float | None:
     for _, seconds, loss in curve:
         if loss <= target:
             return seconds
     return None
-
-
-def _mean_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (NaN when there are fewer than two values)."""
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
 
 
 def _fmt_loss(mean: float, sd: float | None) -> str:
@@ -165,21 +130,10 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
             config = bench.run_config(method, seed)
             run_dir = Path(str(config.out))
             summary_path = run_dir / "summary.json"
-            if summary_path.exists():
-                previous = json.loads((run_dir / "config.json").read_text())
-                if previous != json.loads(config.to_json()):
-                    raise ValueError(
-                        f"--out: {run_dir} holds a finished run with a different configuration; "
-                        f"pass another --out (or move that directory away) to keep both"
-                    )
-                print(f"[compare] {method} seed {seed}: done before, skipped", file=sys.stderr)
-            else:
-                print(f"[compare] {method} seed {seed}: running", file=sys.stderr)
-                error = _run_one(config)
-                if error is not None:
-                    failures[f"{method}-s{seed}"] = error
-                    print(f"[compare] {method} seed {seed}: FAILED: {error}", file=sys.stderr)
-                    continue
+            error = run_or_resume(config, f"{method} seed {seed}", tag="compare")
+            if error is not None:
+                failures[f"{method}-s{seed}"] = error
+                continue
             summary = json.loads(summary_path.read_text())
             summary["curve"] = _val_curve(run_dir, summary)
             runs[method].append(summary)

@@ -1,0 +1,80 @@
+"""Run-or-resume of one ``lowcomm train`` configuration, shared by ``bench compare`` and
+``reproduce``.
+
+A run directory whose ``summary.json`` exists (written atomically, last) holds a finished run:
+it is not run again, so an interrupted sweep resumes where it stopped. A finished run whose
+``config.json`` differs from the requested configuration is refused, never silently reused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from lowcomm.config import TrainConfig
+
+
+def run_one(config: TrainConfig) -> str | None:
+    """Run one training job (what ``lowcomm train`` does); return an error message instead of
+    raising."""
+    from lowcomm.launch import WorkerFailed, spawn_workers
+    from lowcomm.train.loop import spawned_train
+
+    try:
+        config.validate()
+        spawn_workers(
+            spawned_train,
+            config.workers,
+            (config,),
+            device=config.device,
+            timeout_s=config.collective_timeout_s,
+        )
+    except (WorkerFailed, ValueError) as error:
+        return str(error)
+    return None
+
+
+def run_or_resume(config: TrainConfig, name: str, *, tag: str, option: str = "--out") -> str | None:
+    """Run ``config`` into ``config.out`` unless a finished run of the same configuration is
+    there; return an error message if the run failed, None if its summary is available.
+
+    Raises ValueError (naming ``option``) if the directory holds a finished run of another
+    configuration.
+    """
+    run_dir = Path(str(config.out))
+    if (run_dir / "summary.json").exists():
+        previous = json.loads((run_dir / "config.json").read_text())
+        if previous != json.loads(config.to_json()):
+            raise ValueError(
+                f"{option}: {run_dir} holds a finished run with a different configuration; "
+                f"pass another {option} (or move that directory away) to keep both"
+            )
+        print(f"[{tag}] {name}: done before, skipped", file=sys.stderr)
+        return None
+    print(f"[{tag}] {name}: running", file=sys.stderr)
+    error = run_one(config)
+    if error is not None:
+        print(f"[{tag}] {name}: FAILED: {error}", file=sys.stderr)
+    return error
+
+
+def val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, float]]:
+    """(step, clock seconds, validation loss) at each evaluation, ending with the final one."""
+    curve = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("val_loss") is not None:
+            curve.append((record["step"] + 1, record["clock_s"], record["val_loss"]))
+    curve.append((summary["steps"], summary["modeled_time_s"], summary["final_val_loss"]))
+    return curve
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (NaN when there are fewer than two values)."""
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan

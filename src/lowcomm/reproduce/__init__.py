@@ -1,0 +1,315 @@
+"""``lowcomm reproduce PAPER``: the CPU-scale experiments behind ALGORITHMS.md §7.3.
+
+For each paper (acco, co2, cocodc, eager, desloc, or all) the declared runs go through the
+run-or-resume machinery of ``bench compare`` (re-running skips finished runs; an interrupted
+reproduction resumes), then each prediction is judged by the two-standard-deviation rule and
+``OUT/PAPER/report.md`` and ``OUT/PAPER/results.json`` are written (``OUT/summary.md`` for
+``all``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shlex
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import tyro
+
+from lowcomm.reproduce.papers import PAPERS, Paper
+from lowcomm.reproduce.runner import Results, Scale, execute
+from lowcomm.reproduce.stats import VERDICTS, Finding
+
+_SMALL_MODEL = (
+    "--model.n-layer", "2", "--model.n-embd", "64", "--model.n-head", "2",
+    "--model.block-size", "32", "--micro-batch-size", "8",
+)  # fmt: skip
+
+SCALES: dict[str, Scale] = {
+    "quick": Scale(
+        name="quick",
+        steps=96,
+        workers=2,
+        model=_SMALL_MODEL,
+        eval_every=8,
+        eval_batches=4,
+        co2_taus=(6, 12),
+        diloco_sync=16,
+        fragments=2,
+        desloc_period=8,
+        c4_steps=48,
+        rosenbrock=(256, 4000),  # the paper's toy: cheap, so at every scale
+        description=(
+            "quick: 2 workers (4 for the ACCO straggler runs), 96 steps, a 2-layer d=64 GPT "
+            "(about 0.23M parameters), context 32, 8 sequences per micro-batch"
+        ),
+    ),
+    "full": Scale(
+        name="full",
+        steps=192,
+        workers=4,
+        model=_SMALL_MODEL,
+        eval_every=16,
+        eval_batches=8,
+        co2_taus=(6, 12),
+        diloco_sync=32,
+        fragments=2,
+        desloc_period=16,
+        c4_steps=96,
+        rosenbrock=(256, 4000),
+        description=(
+            "full: 4 workers, 192 steps, the quick scale's 2-layer d=64 GPT, context 32, 8 "
+            "sequences per micro-batch, H and K doubled; sized from the quick scale's timings "
+            "for about 30 minutes per paper with 3 seeds on 2 otherwise idle cores (an "
+            "estimate; the ACCO straggler runs, which accumulate many micro-batches per step, "
+            "take longest)"
+        ),
+    ),
+}
+
+
+@dataclass(kw_only=True)
+class ReproduceConfig:
+    """Run the CPU-scale experiments of one paper (or all) and judge ALGORITHMS.md §7.3."""
+
+    paper: Annotated[
+        str,
+        tyro.conf.Positional,
+        tyro.conf.arg(metavar="PAPER", help="acco, co2, cocodc, eager, desloc or all."),
+    ]
+
+    out: str = "runs/reproduce"
+    """Output directory: PAPER/report.md, PAPER/results.json (and summary.md for all)."""
+
+    runs_dir: str | None = None
+    """Where the training runs go (default: OUT/PAPER/runs); finished runs there are reused."""
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """Seeds of every run (at least two for a verdict other than inconclusive)."""
+
+    scale: str = "full"
+    """quick (2 workers, 96 steps) or full (4 workers, 192 steps; about 30 min per paper)."""
+
+    def __post_init__(self) -> None:
+        choices = [*PAPERS, "all"]
+        if self.paper not in choices:
+            raise ValueError(
+                f"PAPER: unknown paper {self.paper!r}; choose one of {', '.join(choices)}"
+            )
+        if self.scale not in SCALES:
+            raise ValueError(
+                f"--scale: unknown scale {self.scale!r}; choose one of {', '.join(SCALES)}"
+            )
+        if not self.seeds:
+            raise ValueError("--seeds: no seed given; pass one or more, e.g. --seeds 0 1 2")
+        if len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(
+                f"--seeds: {' '.join(map(str, self.seeds))} must be distinct non-negative "
+                f"integers; pass e.g. --seeds 0 1 2"
+            )
+
+    def papers(self) -> list[str]:
+        return list(PAPERS) if self.paper == "all" else [self.paper]
+
+    def command(self) -> str:
+        parts = ["lowcomm", "reproduce", self.paper, "--out", self.out]
+        if self.runs_dir is not None:
+            parts += ["--runs-dir", self.runs_dir]
+        parts += ["--seeds", *map(str, self.seeds), "--scale", self.scale]
+        return shlex.join(parts)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _finding_json(finding: Finding) -> dict[str, Any]:
+    return {
+        "id": finding.id,
+        "claim": finding.claim,
+        "measured": finding.measured,
+        "verdict": finding.verdict,
+        "links": [dataclasses.asdict(link) for link in finding.links],
+        "note": finding.note,
+    }
+
+
+ROSE_LATE = 0.05
+"""A run whose final validation loss is this fraction above its best evaluation rose late
+(diverged or oscillated): the report counts such seeds per run."""
+
+
+def _rose_late(curve: list[tuple[int, float, float]]) -> bool:
+    best = min(loss for _, _, loss in curve)
+    return bool(curve[-1][2] > (1.0 + ROSE_LATE) * best)
+
+
+def _run_rows(results: Results) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for label, runs in results.runs.items():
+        spec = results.specs[label]
+        if spec.kind == "rosenbrock":
+            rows.append({"label": label, "seeds": [r.seed for r in runs], "command": spec.command(0),
+                         "distances": [r.summary["distances"] for r in runs]})  # fmt: skip
+            continue
+        finals = [float(r.summary["final_val_loss"]) for r in runs]
+        rows.append(
+            {
+                "label": label,
+                "seeds": [r.seed for r in runs],
+                "command": spec.command(runs[0].seed if runs else 0),
+                "final_val_loss": finals,
+                "final_val_loss_mean": _finite(statistics.fmean(finals)) if finals else None,
+                "final_val_loss_sd": statistics.stdev(finals) if len(finals) > 1 else None,
+                "tokens": [r.summary["tokens"] for r in runs],
+                "modeled_time_s": [r.summary["modeled_time_s"] for r in runs],
+                "utilization": [r.summary["utilization"] for r in runs],
+                "bytes_sent_per_worker": [r.summary["bytes_sent_per_worker"] for r in runs],
+                "val_curves": [r.curve for r in runs],
+                "rose_late_seeds": sum(_rose_late(r.curve) for r in runs),
+            }
+        )
+    return rows
+
+
+def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict[str, Any]:
+    """Run (or resume) one paper's runs, judge its predictions, write report.md and results.json."""
+    out = Path(config.out) / paper.name
+    out.mkdir(parents=True, exist_ok=True)
+    runs_dir = Path(config.runs_dir) / paper.name if config.runs_dir else out / "runs"
+    specs = paper.runs(scale)
+    results, failures = execute(paper.name, specs, config.seeds, runs_dir)
+    findings = [prediction(results, scale) for prediction in paper.predictions]
+    document = {
+        "paper": paper.name,
+        "title": paper.title,
+        "command": config.command(),
+        "scale": dataclasses.asdict(scale),
+        "seeds": list(config.seeds),
+        "setting": paper.setting(scale),
+        "predictions": [_finding_json(f) for f in findings],
+        "runs": _run_rows(results),
+        "failures": failures,
+    }
+    from lowcomm.train.metrics import atomic_write_text
+
+    atomic_write_text(out / "results.json", json.dumps(document, indent=2, default=str) + "\n")
+    atomic_write_text(out / "report.md", _report(document))
+    return document
+
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: a literal | would end the cell."""
+    return text.replace("|", "\\|")
+
+
+def _report(doc: dict[str, Any]) -> str:
+    scale = doc["scale"]
+    lines = [
+        f"# Reproduction: {doc['title']}",
+        "",
+        f"Scale **{scale['name']}**: {scale['description']}. Seeds: {', '.join(map(str, doc['seeds']))}. "
+        f"Virtual clock, network `wan`. This is far below the papers' scale and below the "
+        f"testbed of ALGORITHMS.md §7.2 (4 layers, d = 256, 2-4k steps): a sub-million-parameter "
+        f"model trained for minutes of CPU, not billions of parameters and GPU-days. A verdict "
+        f"here says what happens at this scale, not whether the paper is right.",
+        "",
+        "Command:",
+        "",
+        "```",
+        doc["command"],
+        "```",
+        "",
+        f"Setting: {doc['setting']}",
+        "",
+        "Verdicts follow ALGORITHMS.md §7.2: an ordering holds only if the mean gap exceeds two "
+        "seed standard deviations (the larger of the two groups' sample sd); reversed by more, "
+        "it does not hold; otherwise it is inconclusive (within noise). A claim of several "
+        "comparisons holds if all hold and does not hold if any does not. Hyperparameters are "
+        "the same for every method and were not tuned to make a prediction hold.",
+        "",
+        "## Predictions",
+        "",
+        "| prediction | verdict |",
+        "|---|---|",
+        *[f"| {p['id']} | {p['verdict']} |" for p in doc["predictions"]],
+        "",
+    ]
+    for p in doc["predictions"]:
+        lines += [f"### {p['id']}: {p['verdict']}", "", f"**Claim.** {p['claim']}", "", "**Measured** (mean ± sd over seeds):", ""]
+        lines += [f"- {m}" for m in p["measured"]]
+        lines += ["", "| comparison | verdict | numbers |", "|---|---|---|"]
+        lines += [f"| {_cell(link['text'])} | {link['verdict']} | {_cell(link['detail'])} |" for link in p["links"]]
+        if p["note"]:
+            lines += ["", p["note"]]
+        lines.append("")
+    lines += [
+        "## Runs",
+        "",
+        f"Rose late: seeds whose final validation loss ended more than {ROSE_LATE:.0%} above their best evaluation (a divergence or oscillation late in the run).",
+        "",
+        "| run | seeds | final val loss | rose late | modeled time (s) | bytes/worker | command (seed of the first run) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in doc["runs"]:
+        if "distances" in row:
+            distances = "; ".join(", ".join(f"{m} {d:.4f}" for m, d in seed.items()) for seed in row["distances"])
+            lines.append(f"| {row['label']} | {len(row['seeds'])} | distances to (1, 1) per seed: {distances} | | | | `{row['command']}` |")
+            continue
+        mean, sd = row["final_val_loss_mean"], row["final_val_loss_sd"]
+        loss = "no finished run" if mean is None else f"{mean:.4f}" + ("" if sd is None else f" ± {sd:.4f}")
+        time = f"{statistics.fmean(row['modeled_time_s']):.2f}" if row["modeled_time_s"] else ""
+        sent = f"{statistics.fmean(row['bytes_sent_per_worker']) / 1e6:.2f} MB" if row["bytes_sent_per_worker"] else ""
+        lines.append(f"| {row['label']} | {len(row['seeds'])} | {loss} | {row['rose_late_seeds']} | {time} | {sent} | `{row['command']}` |")
+    if doc["failures"]:
+        lines += ["", "## Failed runs", ""] + [f"- {name}: {error}" for name, error in doc["failures"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _summary(config: ReproduceConfig, documents: list[dict[str, Any]]) -> str:
+    scale = SCALES[config.scale]
+    counts = {verdict: 0 for verdict in VERDICTS}
+    lines = [
+        "# Reproduction summary",
+        "",
+        f"Scale **{scale.name}**: {scale.description}. Seeds: {', '.join(map(str, config.seeds))}. "
+        "Each paper's report has the claims, the numbers and the table of runs.",
+        "",
+        "Command:",
+        "",
+        "```",
+        config.command(),
+        "```",
+        "",
+        "| prediction | verdict | measured | report |",
+        "|---|---|---|---|",
+    ]
+    for doc in documents:
+        for p in doc["predictions"]:
+            counts[p["verdict"]] += 1
+            measured = _cell("; ".join(p["measured"][:3]))
+            lines.append(f"| {p['id']} | {p['verdict']} | {measured} | [{doc['paper']}]({doc['paper']}/report.md) |")
+    lines += ["", "Totals: " + ", ".join(f"{verdict}: {count}" for verdict, count in counts.items()), ""]
+    return "\n".join(lines)
+
+
+def run_reproduce(config: ReproduceConfig) -> list[dict[str, Any]]:
+    """Run every requested paper; for `all` also write OUT/summary.md."""
+    scale = SCALES[config.scale]
+    documents = []
+    for name in config.papers():
+        document = reproduce_paper(PAPERS[name], config, scale)
+        documents.append(document)
+        print(f"[reproduce] {name}: " + ", ".join(f"{p['id']} {p['verdict']}" for p in document["predictions"]))
+    if config.paper == "all":
+        from lowcomm.train.metrics import atomic_write_text
+
+        atomic_write_text(Path(config.out) / "summary.md", _summary(config, documents))
+    return documents
+
+
+__all__ = ["PAPERS", "SCALES", "ReproduceConfig", "Scale", "run_reproduce"]

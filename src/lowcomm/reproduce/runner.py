@@ -1,0 +1,231 @@
+"""Scales, declared runs, and running (or resuming) them.
+
+A paper's experiment is a list of :class:`RunSpec`: a label and the complete ``lowcomm train``
+flags of one run (the seed and output directory are added per seed). Each run goes through
+the same run-or-resume machinery as ``lowcomm bench compare``: a finished run (its
+``summary.json`` exists) is not run again, and one of a different configuration is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import tyro
+
+from lowcomm.bench.runs import run_or_resume, val_curve
+from lowcomm.config import TrainConfig
+from lowcomm.reproduce.stats import Stat
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How large the reproduction runs are. Every paper derives its runs from one scale."""
+
+    name: str
+    steps: int
+    """Optimizer steps per run (a multiple of every period used below)."""
+    workers: int
+    """Workers per run (the ACCO straggler runs always use 4)."""
+    model: tuple[str, ...]
+    """Model and batch flags of ``lowcomm train``."""
+    eval_every: int
+    eval_batches: int
+    co2_taus: tuple[int, int]
+    """CO2's two sync periods tau (the paper's 6 and 12)."""
+    diloco_sync: int
+    """H of CoCoDC and the middle H of the eager runs (which also use H/2 and 2H)."""
+    fragments: int
+    """Streaming/CoCoDC fragments K (at most the number of layers)."""
+    desloc_period: int
+    """DES-LOC K_x (K for Local Adam and FedAvg)."""
+    c4_steps: int
+    """Steps of the overlap-ratio runs (C4), a multiple of 16."""
+    rosenbrock: tuple[int, int]
+    """Workers and steps of the Rosenbrock toy (F5)."""
+    description: str
+    """One line for the report: what this scale is and how long it takes."""
+
+    def common(self, *, workers: int | None = None, steps: int | None = None) -> tuple[str, ...]:
+        return (
+            "--workers", str(workers or self.workers), "--steps", str(steps or self.steps),
+            "--network", "wan", "--clock", "virtual",
+            "--eval-every", str(self.eval_every), "--eval-batches", str(self.eval_batches),
+            *self.model,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One declared run: a label and its ``lowcomm train`` flags (without seed and --out)."""
+
+    label: str
+    flags: tuple[str, ...]
+    first_seed_only: bool = False
+    """Deterministic runs (declared compute cost) need one seed only."""
+    kind: Literal["train", "rosenbrock"] = "train"
+
+    def command(self, seed: int) -> str:
+        if self.kind == "rosenbrock":
+            return f"python examples/rosenbrock_desloc.py {' '.join(self.flags)} --seed {seed}"
+        return f"lowcomm train {' '.join(self.flags)} --seed {seed}"
+
+
+@dataclass
+class RunData:
+    """A finished run: its summary, metrics records and validation curve."""
+
+    label: str
+    seed: int
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+    curve: list[tuple[int, float, float]]
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
+
+
+def parse_train_flags(flags: list[str]) -> TrainConfig:
+    return tyro.cli(TrainConfig, args=flags, config=(tyro.conf.FlagConversionOff,))
+
+
+class Results:
+    """Finished runs by label, one per seed, with accessors that return :class:`Stat`."""
+
+    def __init__(self, runs: dict[str, list[RunData]], specs: list[RunSpec] | None = None) -> None:
+        self.runs = runs
+        self.specs = {spec.label: spec for spec in specs or []}
+
+    def of(self, label: str) -> list[RunData]:
+        return self.runs.get(label, [])
+
+    def per_seed(self, label: str, function: Callable[[RunData], float], name: str) -> Stat:
+        return Stat(name, tuple(function(run) for run in self.of(label)))
+
+    def final(self, label: str, name: str | None = None) -> Stat:
+        return self.per_seed(label, lambda run: float(run.summary["final_val_loss"]), name or label)
+
+    def summary(self, label: str, key: str, name: str | None = None) -> Stat:
+        return self.per_seed(label, lambda run: float(run.summary[key]), name or f"{label} {key}")
+
+    def val_at(self, label: str, step: int, name: str | None = None) -> Stat:
+        """Validation loss at the evaluation nearest ``step``."""
+
+        def nearest(run: RunData) -> float:
+            return min(run.curve, key=lambda point: abs(point[0] - step))[2]
+
+        return self.per_seed(label, nearest, name or f"{label} @ step {step}")
+
+    def extras(self, label: str, key: str) -> list[list[float]]:
+        """Per seed, the values of one strategy extra over the steps that report it."""
+        return [
+            [float(r["extras"][key]) for r in run.records if key in r.get("extras", {})]
+            for run in self.of(label)
+        ]
+
+
+def steps_to_target(curve: list[tuple[int, float, float]], target: float, censored: int) -> float:
+    """First evaluation step at or below ``target``; ``censored`` if never reached."""
+    for step, _, loss in curve:
+        if loss <= target:
+            return float(step)
+    return float(censored)
+
+
+def loss_at_time(curve: list[tuple[int, float, float]], seconds: float) -> float:
+    """Validation loss at ``seconds`` on the run's clock, linear between evaluations."""
+    points = sorted((t, loss) for _, t, loss in curve)
+    if seconds <= points[0][0]:
+        return points[0][1]
+    for (t0, l0), (t1, l1) in itertools.pairwise(points):
+        if t0 <= seconds <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (seconds - t0) / (t1 - t0)
+    return points[-1][1]
+
+
+def _load(run_dir: Path, label: str, seed: int) -> RunData:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return RunData(label, seed, summary, records, val_curve(run_dir, summary))
+
+
+_DISTANCE = re.compile(r"^(\w+)\s+x = \(([-+.\deE]+|nan), ([-+.\deE]+|nan)\)\s+distance to \(1, 1\) (\S+)")
+
+
+def rosenbrock_script() -> Path:
+    """The Rosenbrock example of the source tree (F5); absent in a plain installation."""
+    return Path(__file__).resolve().parents[3] / "examples" / "rosenbrock_desloc.py"
+
+
+def _rosenbrock(spec: RunSpec, seed: int, run_dir: Path, tag: str) -> str | None:
+    args = [*spec.flags, "--seed", str(seed)]
+    result_path = run_dir / "result.json"
+    if result_path.exists():
+        previous = json.loads(result_path.read_text())
+        if previous["args"] == args:
+            print(f"[reproduce] {tag}: done before, skipped", file=sys.stderr)
+            return None
+        raise ValueError(
+            f"--runs-dir: {run_dir} holds a finished run with different arguments; pass another "
+            f"--runs-dir (or move that directory away) to keep both"
+        )
+    script = rosenbrock_script()
+    if not script.exists():
+        return f"{script} not found (the Rosenbrock example ships with the source tree only)"
+    print(f"[reproduce] {tag}: running", file=sys.stderr)
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"rosenbrock example failed: {done.stderr.strip().splitlines()[-1:]}"
+    distances = {}
+    for line in done.stdout.splitlines():
+        match = _DISTANCE.match(line.strip())
+        if match:
+            distances[match.group(1)] = float(match.group(4))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from lowcomm.train.metrics import atomic_write_text
+
+    atomic_write_text(result_path, json.dumps({"args": args, "distances": distances}, indent=2) + "\n")
+    return None
+
+
+def execute(
+    paper: str, specs: list[RunSpec], seeds: tuple[int, ...], runs_dir: Path
+) -> tuple[Results, dict[str, str]]:
+    """Run (or resume) every declared run; return the finished ones and the failures."""
+    runs: dict[str, list[RunData]] = {spec.label: [] for spec in specs}
+    failures: dict[str, str] = {}
+    train_specs = [spec for spec in specs if spec.kind == "train"]
+    if train_specs:
+        from lowcomm.data import prepare_corpus
+
+        prepare_corpus(parse_train_flags(list(train_specs[0].flags)).data)
+    for spec in specs:
+        for seed in seeds[:1] if spec.first_seed_only else seeds:
+            run_dir = runs_dir / f"{slug(spec.label)}-s{seed}"
+            tag = f"{paper} {spec.label} seed {seed}"
+            if spec.kind == "rosenbrock":
+                error = _rosenbrock(spec, seed, run_dir, tag)
+                if error is None:
+                    data = json.loads((run_dir / "result.json").read_text())
+                    runs[spec.label].append(RunData(spec.label, seed, data, [], []))
+            else:
+                flags = [*spec.flags, "--seed", str(seed), "--out", str(run_dir), "--progress", "False"]
+                error = run_or_resume(parse_train_flags(flags), tag, tag="reproduce", option="--runs-dir")
+                if error is None:
+                    runs[spec.label].append(_load(run_dir, spec.label, seed))
+            if error is not None:
+                failures[f"{spec.label} (seed {seed})"] = error
+    return Results(runs, specs), failures
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
