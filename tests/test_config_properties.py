@@ -278,6 +278,9 @@ def check_rejection(argv: list[str], code: object, stderr: str) -> None:
     assert named & set(argv) or named & {"--vocab-size"}, f"names no given option: {stderr}"
 
 
+# Generous: a failure is shrunk example by example, each a real step (the suite-wide 300 s
+# limit would cut the shrinking short and hide the failing example).
+@pytest.mark.timeout(900)
 @settings(
     max_examples=int(__import__("os").environ.get("LOWCOMM_HYPOTHESIS_EXAMPLES", "60")),
     deadline=None,
@@ -320,3 +323,15 @@ def test_values_that_once_escaped_validation_are_one_line_errors(argv: list[str]
     assert config is None
     check_rejection(argv, code, stderr)
     assert stderr.startswith(f"lowcomm: error: {option}"), stderr
+
+
+def test_default_fragments_fit_a_transformers_model() -> None:
+    # Found by the property above: the default 4 fragments of streaming_diloco left a fragment
+    # empty on a tiny hf-gpt2 (no `blocks.<j>.` names), and the error named an option the user
+    # never passed. The default now shrinks to a count with no empty fragment.
+    argv = ["--method", "streaming_diloco", "--model.family", "hf-gpt2", "--model.n-layer", "1",
+            "--model.n-embd", "2", "--model.n-head", "1", "--workers", "1", "--progress", "False",
+            "--model.block-size", "8", "--micro-batch-size", "2", "--steps", "2"]  # fmt: skip
+    config, _, stderr = parse(argv)
+    assert config is not None, stderr
+    first_step(config)

@@ -233,13 +233,18 @@ class Fragment:
 
 def default_fragment_count(model: nn.Module, preferred: int) -> int:
     """The fragment count used when none is given: ``preferred``, capped at the number of
-    transformer blocks (``blocks.<j>.`` parameters) so no fragment is empty."""
-    indices = {
-        int(match.group(1))
-        for name, _ in model.named_parameters()
-        if (match := _BLOCK.match(name)) is not None
-    }
-    return min(preferred, len(indices)) if indices else preferred
+    transformer blocks (``blocks.<j>.`` parameters) so no fragment is empty; for a model
+    without such blocks (e.g. a transformers model), the largest count up to ``preferred``
+    whose element-count split leaves no fragment empty."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    indices = {int(match.group(1)) for name, _ in named if (match := _BLOCK.match(name)) is not None}
+    if indices:
+        return min(preferred, len(indices))
+    names, sizes = [name for name, _ in named], [p.numel() for _, p in named]
+    for count in range(preferred, 1, -1):
+        if len(set(fragment_assignment(names, sizes, count))) == count:
+            return count
+    return 1
 
 
 def build_fragments(model: nn.Module, fragments: int) -> list[Fragment]:
