@@ -381,7 +381,10 @@ def test_default_fragment_count_is_capped_at_the_number_of_blocks() -> None:
 
     two_blocks = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=64))
     assert default_fragment_count(two_blocks, 4) == 2
-    assert default_fragment_count(torch.nn.Linear(3, 3), 4) == 4  # no blocks: fallback split
+    # No blocks: the element-count split, at the largest count leaving no fragment empty
+    # (two tensors, weight and bias, cannot fill four fragments).
+    assert default_fragment_count(torch.nn.Linear(3, 3), 4) == 2
+    assert default_fragment_count(torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(4)]), 4) == 4
     strategy = StreamingDiLoCo(two_blocks, LocalComm(), StrategyContext(), options=DiLoCoOptions(sync_every=8))
     assert strategy.num_fragments == 2
     with pytest.raises(ValueError, match=r"--diloco\.fragments: 4 leaves fragment"):
