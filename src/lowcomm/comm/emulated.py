@@ -142,6 +142,19 @@ def restore_handle(comm: Comm, finish_time: float | None) -> Handle:
     return CompletedHandle()
 
 
+def pending_state(handle: Handle | None) -> dict[str, Any]:
+    """A checkpointable record of an optional in-flight collective (settled now)."""
+    return {
+        "pending": handle is not None,
+        "finish_time": settle(handle) if handle is not None else None,
+    }
+
+
+def restore_pending(comm: Comm, state: dict[str, Any]) -> Handle | None:
+    """The handle :func:`pending_state` recorded (None when nothing was in flight)."""
+    return restore_handle(comm, state["finish_time"]) if state["pending"] else None
+
+
 class NetworkComm:
     """Charges every collective of an inner ``Comm`` its modeled cost and counts its bytes.
 

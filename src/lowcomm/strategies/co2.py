@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role
-from lowcomm.comm.emulated import restore_handle, settle
+from lowcomm.comm.emulated import pending_state, restore_pending
 from lowcomm.comm.hierarchical import replica_group, uncharged
 from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.strategies.base import (
@@ -468,19 +468,14 @@ class OverlapLocalSGD(_LocalUpdate):
         return self._base_state_bytes() + _bytes(self.buffer)
 
     def state_dict(self) -> dict[str, Any]:
-        pending = self.handle is not None
-        finish = settle(self.handle) if self.handle is not None else None
-        return {
-            **super().state_dict(),
-            "buffer": self.buffer.clone(),
-            "pending": pending,
-            "finish_time": finish,
-        }
+        # Settled first: the buffer holds the in-flight result only once the data has moved.
+        pending = pending_state(self.handle)
+        return {**super().state_dict(), **pending, "buffer": self.buffer.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer.copy_(state["buffer"])
-        self.handle = restore_handle(self.comm, state["finish_time"]) if state["pending"] else None
+        self.handle = restore_pending(self.comm, state)
 
 
 class _AnchoredOuter(_LocalUpdate):
@@ -720,15 +715,13 @@ class CO2(_AnchoredOuter):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        pending = self.handle is not None
         # A checkpoint needs the in-flight result (all ranks checkpoint together); settling
         # moves the data now but charges the clock only when the round consumes it.
-        finish = settle(self.handle) if self.handle is not None else None
+        pending = pending_state(self.handle)
         state = {
             **super().state_dict(),
+            **pending,
             "buffer": self.buffer.clone(),
-            "pending": pending,
-            "finish_time": finish,
             "inflight_steps": self.inflight_steps,
         }
         if self.displacement is not None:
@@ -740,7 +733,7 @@ class CO2(_AnchoredOuter):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer.copy_(state["buffer"])
-        self.handle = restore_handle(self.comm, state["finish_time"]) if state["pending"] else None
+        self.handle = restore_pending(self.comm, state)
         self.inflight_steps = int(state["inflight_steps"])
         if self.displacement is not None:
             self.displacement.copy_(state["displacement"])
