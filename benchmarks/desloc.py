@@ -11,7 +11,7 @@ one worker (``LocalComm``), local Adam with betas (0.9, 0.999) and ADOPT (0.9, 0
 same corpus and model; the number is the mean of ||s_{t+1} - s_t|| / ||s_t|| over the second
 half of the steps.
 
-Full scale (ALGORITHMS.md §7.2) would be ``--workers 4 --steps 2000 --seeds 0 1 2 --n-layer 4
+Full scale (docs/ALGORITHMS.md §7.2) would be ``--workers 4 --steps 2000 --seeds 0 1 2 --n-layer 4
 --n-embd 256``; the defaults below are the reduced scale that fits a shared 2-core machine.
 
     LOWCOMM_CACHE_DIR=/tmp/lcache_demo python benchmarks/desloc.py [--steps 256] [--seeds 0 1]

@@ -1,4 +1,4 @@
-"""The Rosenbrock toy of DES-LOC (ALGORITHMS.md §5.5 hyperparameters, §7.3 F5).
+"""The Rosenbrock toy of DES-LOC (docs/ALGORITHMS.md §5.5 hyperparameters, §7.3 F5).
 
 Minimise f(x1, x2) = (1 - x1)^2 + 100 (x2 - x1^2)^2 on M workers that each see the gradient
 plus Gaussian noise of standard deviation sigma (1.5 in the paper, with M = 256 and

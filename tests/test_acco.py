@@ -1,6 +1,6 @@
-"""ACCO, DPU and weight prediction (ALGORITHMS.md §2): equations, reductions, overlap, memory.
+"""ACCO, DPU and weight prediction (docs/ALGORITHMS.md §2): equations, reductions, overlap, memory.
 
-The reference trajectories below are written straight from ALGORITHMS.md §2 (Prop. 3.2 for
+The reference trajectories below are written straight from docs/ALGORITHMS.md §2 (Prop. 3.2 for
 ACCO with SGD, the DPU and WP rules, the §2.3 loop with per-worker counts) on a linear
 least-squares model whose micro-batches are fixed by (rank, call index), so every gradient is
 known exactly.
@@ -95,7 +95,7 @@ def _context(optim: AdamWConfig, steps: int = 10) -> StrategyContext:
     return StrategyContext(optim=optim, schedule=CONSTANT, total_steps=steps, max_grad_norm=None)
 
 
-# --- reference optimizers, from ALGORITHMS.md §0.3 ---------------------------------------
+# --- reference optimizers, from docs/ALGORITHMS.md §0.3 ---------------------------------------
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # theta, m, v, s
 
@@ -126,7 +126,7 @@ def _start(theta: torch.Tensor) -> State:
 def _acco_reference(
     theta0: torch.Tensor, steps: int, counts: list[int], opt: Callable[[State, torch.Tensor], State]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """ALGORITHMS.md §2.3 with worker r taking counts[r] micro-batches per phase (and at init).
+    """docs/ALGORITHMS.md §2.3 with worker r taking counts[r] micro-batches per phase (and at init).
 
     theta~(t+1) = Opt_lookahead(theta(t), sum_r G~_r / sum_r N~_r);
     theta(t+1)  = Opt_step(theta(t), sum_r (G_r + G~_r) / sum_r (N_r + N~_r)).

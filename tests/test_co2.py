@@ -1,4 +1,4 @@
-"""Local-update family (ALGORITHMS.md §3): Local SGD/AdamW, Overlap-Local-SGD, SlowMo, CO2.
+"""Local-update family (docs/ALGORITHMS.md §3): Local SGD/AdamW, Overlap-Local-SGD, SlowMo, CO2.
 
 Unit tests against the update rules written out here, reductions to simpler methods, the
 asynchronous all-reduce's launch/wait pattern and its overlap on the virtual clock, memory,

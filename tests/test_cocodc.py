@@ -1,4 +1,4 @@
-"""CoCoDC (ALGORITHMS.md §4.5): compensated merge, fragment selection, adaptive transmission."""
+"""CoCoDC (docs/ALGORITHMS.md §4.5): compensated merge, fragment selection, adaptive transmission."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def test_adopt_follows_its_equations() -> None:
     grads[1][:5] = 0.0
     config = AdoptConfig(betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.05)
     optimizer = FlatAdopt(x0.clone(), config)
-    # Written straight from ALGORITHMS.md §5.1 (ADOPT), with decoupled weight decay.
+    # Written straight from docs/ALGORITHMS.md §5.1 (ADOPT), with decoupled weight decay.
     x, u, v = x0.clone(), torch.zeros(40), grads[0] ** 2
     clipped_any = False
     for t, g in enumerate(grads):
@@ -93,7 +93,7 @@ def test_local_adam_equals_flat_adamw_without_resets() -> None:
 
 
 def test_half_lives_match_the_table() -> None:
-    # ALGORITHMS.md §5.1: 0.9 -> 6.6, 0.99 -> 69, 0.999 -> 693, 0.9999 -> 6931.
+    # docs/ALGORITHMS.md §5.1: 0.9 -> 6.6, 0.99 -> 69, 0.999 -> 693, 0.9999 -> 6931.
     assert half_life(0.9) == pytest.approx(6.58, abs=0.01)
     lives = half_lives((0.99, 0.9999))
     assert lives["first_moment"] == pytest.approx(68.97, abs=0.01)
@@ -267,7 +267,7 @@ def test_track_state_change_reports_relative_moment_changes() -> None:
     extras = [strategy.step(closure).extras for _ in range(6)]
     assert math.isnan(extras[0]["first_moment_change"])  # u starts at zero
     later = extras[-1]
-    # ADOPT's beta2 = 0.9999: v moves far slower than u (ALGORITHMS.md §7.3 F1).
+    # ADOPT's beta2 = 0.9999: v moves far slower than u (docs/ALGORITHMS.md §7.3 F1).
     assert 0 < later["second_moment_change"] < later["first_moment_change"]
 
 

@@ -41,7 +41,7 @@ def test_outer_nesterov_matches_torch_sgd_nesterov() -> None:
     theta = torch.randn(30)
     deltas = [torch.randn(30) for _ in range(4)]
     outer = OuterNesterov(theta.clone(), lr=0.7, momentum=0.9)
-    # Written from ALGORITHMS.md §0.3.
+    # Written from docs/ALGORITHMS.md §0.3.
     ref, b = theta.clone(), torch.zeros(30)
     for delta in deltas:
         outer.step(delta)

@@ -1,4 +1,4 @@
-"""Naive delayed and eager outer steps (ALGORITHMS.md §4.3-4.4) with hand-set outer gradients."""
+"""Naive delayed and eager outer steps (docs/ALGORITHMS.md §4.3-4.4) with hand-set outer gradients."""
 
 from __future__ import annotations
 

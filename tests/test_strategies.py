@@ -27,7 +27,7 @@ def test_flat_adamw_follows_the_equations() -> None:
     grads = [torch.randn(50) for _ in range(4)]
     config = AdamWConfig(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     optimizer = FlatAdamW(theta.clone(), config)
-    # Written straight from ALGORITHMS.md §0.3.
+    # Written straight from docs/ALGORITHMS.md §0.3.
     ref, m, v = theta.clone(), torch.zeros(50), torch.zeros(50)
     for s, g in enumerate(grads, start=1):
         optimizer.step(g, lr=0.01)

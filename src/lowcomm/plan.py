@@ -1,6 +1,6 @@
 """``lowcomm plan``: the analytic model of compute, communication and memory per method.
 
-Everything here is closed-form (ALGORITHMS.md §0.2, §0.4, §2.4, §5.6):
+Everything here is closed-form (docs/ALGORITHMS.md §0.2, §0.4, §2.4, §5.6):
 
 * compute per optimizer step: ``6 N B_tok / (F * MFU)`` seconds per worker for ``B_tok``
   tokens per worker per step (or a declared number of seconds per step);

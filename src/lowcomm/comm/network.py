@@ -1,6 +1,6 @@
 """The network model: what a collective costs on a declared link.
 
-Costs follow the ring model of ALGORITHMS.md §0.4. For a payload of ``S`` bytes (the full,
+Costs follow the ring model of docs/ALGORITHMS.md §0.4. For a payload of ``S`` bytes (the full,
 unsharded tensor), ``M`` workers, bandwidth ``B`` (bytes/s) and per-hop latency ``l``:
 
 * all-reduce: ``2 (M-1)/M * S/B + 2 (M-1) l``; each worker sends ``2 (M-1)/M * S`` bytes;

@@ -1,6 +1,6 @@
 """A communication thread, for methods whose communication chain includes compute.
 
-ACCO, DPU and weight prediction (ALGORITHMS.md §2) run reduce-scatter -> sharded optimizer
+ACCO, DPU and weight prediction (docs/ALGORITHMS.md §2) run reduce-scatter -> sharded optimizer
 step -> all-gather *beside* the gradient computation. The chain has a data dependency in the
 middle (the optimizer step needs the reduced gradient), so it cannot be expressed as a few
 async collectives launched up front: it runs as a Python function on a :class:`CommThread`

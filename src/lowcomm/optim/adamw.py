@@ -1,4 +1,4 @@
-"""AdamW on one flat fp32 tensor, with PyTorch's semantics (ALGORITHMS.md §0.3).
+"""AdamW on one flat fp32 tensor, with PyTorch's semantics (docs/ALGORITHMS.md §0.3).
 
 Used for sharded optimizer states (ZeRO-1 and the methods built on it), where the optimizer
 owns a slice of a flat parameter vector rather than a list of ``nn.Parameter``.

@@ -1,4 +1,4 @@
-"""ADOPT on one flat fp32 tensor (Taniguchi et al. 2024; ALGORITHMS.md §5.1).
+"""ADOPT on one flat fp32 tensor (Taniguchi et al. 2024; docs/ALGORITHMS.md §5.1).
 
 ADOPT changes Adam in two places: the gradient is normalised by the *previous* second moment
 (so the current gradient never enters its own denominator), and the normalised gradient is

@@ -1,4 +1,4 @@
-"""Outer Nesterov SGD on a flat fp32 tensor (ALGORITHMS.md §0.3), used by the DiLoCo family.
+"""Outer Nesterov SGD on a flat fp32 tensor (docs/ALGORITHMS.md §0.3), used by the DiLoCo family.
 
 The outer gradient uses the gradient-like sign convention ``Delta = anchor - local``, so a
 step *subtracts* it, exactly like PyTorch's ``SGD(nesterov=True, dampening=0)``::

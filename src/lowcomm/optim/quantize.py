@@ -1,5 +1,5 @@
 """Low-precision encodings of outer gradients (Streaming DiLoCo §"low-precision outer
-gradients", ALGORITHMS.md §4.2), all on CPU.
+gradients", docs/ALGORITHMS.md §4.2), all on CPU.
 
 Each format turns a 1-D float32 tensor into a flat ``uint8`` payload, the exact bytes that go on
 the wire, and back:

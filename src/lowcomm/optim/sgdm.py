@@ -1,4 +1,4 @@
-"""SGD with momentum on one flat fp32 tensor, in DES-LOC's form (ALGORITHMS.md §5.5, Alg. 4).
+"""SGD with momentum on one flat fp32 tensor, in DES-LOC's form (docs/ALGORITHMS.md §5.5, Alg. 4).
 
 The momentum is an exponential moving average of gradients (dampened), not PyTorch's
 ``u <- beta u + g``::

@@ -1,4 +1,4 @@
-"""``lowcomm reproduce PAPER``: the CPU-scale experiments behind ALGORITHMS.md §7.3.
+"""``lowcomm reproduce PAPER``: the CPU-scale experiments behind docs/ALGORITHMS.md §7.3.
 
 For each paper (acco, co2, cocodc, eager, desloc, or all) the declared runs go through the
 run-or-resume machinery of ``bench compare`` (re-running skips finished runs; an interrupted
@@ -74,7 +74,7 @@ SCALES: dict[str, Scale] = {
 
 @dataclass(kw_only=True)
 class ReproduceConfig:
-    """Run the CPU-scale experiments of one paper (or all) and judge ALGORITHMS.md §7.3."""
+    """Run the CPU-scale experiments of one paper (or all) and judge docs/ALGORITHMS.md §7.3."""
 
     paper: Annotated[
         str,
@@ -214,7 +214,7 @@ def _report(doc: dict[str, Any]) -> str:
         "",
         f"Scale **{scale['name']}**: {scale['description']}. Seeds: {', '.join(map(str, doc['seeds']))}. "
         f"Virtual clock, network `wan`. This is far below the papers' scale and below the "
-        f"testbed of ALGORITHMS.md §7.2 (4 layers, d = 256, 2-4k steps): a sub-million-parameter "
+        f"testbed of docs/ALGORITHMS.md §7.2 (4 layers, d = 256, 2-4k steps): a sub-million-parameter "
         f"model trained for minutes of CPU, not billions of parameters and GPU-days. A verdict "
         f"here says what happens at this scale, not whether the paper is right.",
         "",
@@ -226,7 +226,7 @@ def _report(doc: dict[str, Any]) -> str:
         "",
         f"Setting: {doc['setting']}",
         "",
-        "Verdicts follow ALGORITHMS.md §7.2: an ordering holds only if the mean gap exceeds two "
+        "Verdicts follow docs/ALGORITHMS.md §7.2: an ordering holds only if the mean gap exceeds two "
         "seed standard deviations (the larger of the two groups' sample sd); reversed by more, "
         "it does not hold; otherwise it is inconclusive (within noise). A claim of several "
         "comparisons holds if all hold and does not hold if any does not. Hyperparameters are "

@@ -1,4 +1,4 @@
-"""The five papers' CPU-scale experiments and the predictions of ALGORITHMS.md §7.3.
+"""The five papers' CPU-scale experiments and the predictions of docs/ALGORITHMS.md §7.3.
 
 Per paper: ``runs(scale)`` declares every run (method and flags; hyperparameters are the
 library's defaults and the papers' settings, the same for every method, never tuned so that a

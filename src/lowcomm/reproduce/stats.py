@@ -1,4 +1,4 @@
-"""Verdicts by the two-standard-deviation rule of ALGORITHMS.md §7.2.
+"""Verdicts by the two-standard-deviation rule of docs/ALGORITHMS.md §7.2.
 
 A measured quantity is a :class:`Stat`: one value per seed. An ordering "a < b" holds only if
 the mean gap exceeds two seed standard deviations (the larger of the two groups' sample

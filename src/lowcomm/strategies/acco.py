@@ -2,7 +2,7 @@
 
 Paper: Nabli et al., *ACCO: Accumulate While You Communicate for Communication-Overlapped
 Sharded LLM Training* (../shared/seeds/000_c21372be6ab2c5c4.txt). Specification:
-ALGORITHMS.md §2 (2.1 DPU, 2.2 WP, 2.3 ACCO's executable loop, 2.4 Table 1 memory), built on
+docs/ALGORITHMS.md §2 (2.1 DPU, 2.2 WP, 2.3 ACCO's executable loop, 2.4 Table 1 memory), built on
 ZeRO-1 (§1.2, ``strategies/zero1.py``).
 
 All three methods keep ZeRO-1's layout (full working parameters and gradients, the fp32
@@ -65,7 +65,7 @@ from lowcomm.strategies.flat import FlatBuffers
 
 @dataclass(kw_only=True)
 class AccoOptions:
-    """Options of acco, dpu and wp (ACCO paper; ALGORITHMS.md §2). ACCO itself has no new
+    """Options of acco, dpu and wp (ACCO paper; docs/ALGORITHMS.md §2). ACCO itself has no new
     hyperparameter: every field here is for the baselines or for tests."""
 
     microbatches_per_phase: int | None = None
@@ -145,7 +145,7 @@ class FlatSGD:
 def adamw_lookahead(
     optimizer: FlatAdamW, grad: torch.Tensor, *, lr: float, out: torch.Tensor
 ) -> torch.Tensor:
-    """AdamW lookahead (ALGORITHMS.md §0.3): the theta' one AdamW step with ``grad`` would give
+    """AdamW lookahead (docs/ALGORITHMS.md §0.3): the theta' one AdamW step with ``grad`` would give
     from the optimizer's current (theta, m, v, s), written to ``out``; m, v, s and theta are
     not written back. Same operations, in the same order, as :meth:`FlatAdamW.step`, so the
     result equals a committed step bit for bit."""
@@ -530,7 +530,7 @@ def _null_context() -> Iterator[None]:
 class ACCO(_ShardedOverlap):
     """ACCO: two overlapped half-steps per optimizer step, estimate then update (§2.3).
 
-    Paper: Nabli et al., ACCO, §3.2, Alg. 1, App. B.2 (ALGORITHMS.md §2.3, executable loop).
+    Paper: Nabli et al., ACCO, §3.2, Alg. 1, App. B.2 (docs/ALGORITHMS.md §2.3, executable loop).
     One ``step()`` = one committed optimizer step = an estimate (EST) phase and an update
     (UPD) phase. Symbols: theta~(t+1) = AdamW_lookahead(theta(t), sum G~ / sum N~) is the EST
     chain's output (never commits m, v, s); theta(t+1) = AdamW_step(theta(t), sum(G + G~) /

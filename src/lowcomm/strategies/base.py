@@ -62,7 +62,7 @@ class StrategyContext:
         total_steps: optimizer steps the run will take (for the schedule).
         microbatches_per_step: micro-batches each worker accumulates per step.
         max_grad_norm: clip the averaged gradient to this global L2 norm before the optimizer
-            step (None = no clipping, the plain update rule of ALGORITHMS.md).
+            step (None = no clipping, the plain update rule of docs/ALGORITHMS.md).
     """
 
     optim: AdamWConfig = field(default_factory=AdamWConfig)

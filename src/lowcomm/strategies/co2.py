@@ -1,6 +1,6 @@
 """Local-update family: Local SGD / Local AdamW, Overlap-Local-SGD, SlowMo and CO2.
 
-ALGORITHMS.md §3.1-3.4. Every worker takes ``tau`` (``--local.sync-every``) inner optimizer
+docs/ALGORITHMS.md §3.1-3.4. Every worker takes ``tau`` (``--local.sync-every``) inner optimizer
 steps on its own data with its own, persistent inner optimizer state (never averaged), then
 the workers' parameters are combined:
 
@@ -136,7 +136,7 @@ class LocalOptions:
 class InnerOptimizer:
     """The per-worker inner optimizer on the flat fp32 master (state local and persistent).
 
-    ``adamw``: :class:`~lowcomm.optim.adamw.FlatAdamW` (ALGORITHMS.md §0.3).
+    ``adamw``: :class:`~lowcomm.optim.adamw.FlatAdamW` (docs/ALGORITHMS.md §0.3).
     ``sgd``: PyTorch SGD semantics with momentum mu (no dampening, no Nesterov) and the
     same decoupled weight decay as AdamW, so switching the inner optimizer changes only the
     direction rule::
@@ -370,7 +370,7 @@ class LocalSGD(_LocalUpdate):
     """Local SGD: tau local SGD steps, then a blocking parameter average.
 
     Paper: Stich, *Local SGD converges fast and communicates little* (2019); CO2's baseline,
-    ALGORITHMS.md §3.1. Symbols: tau -> options.sync_every, inner lr gamma -> --optim.lr with
+    docs/ALGORITHMS.md §3.1. Symbols: tau -> options.sync_every, inner lr gamma -> --optim.lr with
     the schedule, SGD momentum -> options.sgd_momentum. Inner state local and persistent.
     Deploys: the worker average (the synced parameters right after a round; mid-round an
     uncharged average of the local models). ``finish()`` averages a trailing partial round.
@@ -409,7 +409,7 @@ class LocalSGD(_LocalUpdate):
 class LocalAdamW(LocalSGD):
     """Local AdamW: tau local AdamW steps (local, persistent m and v), then a blocking average.
 
-    ALGORITHMS.md §3.1 with AdamW as the inner optimizer (--optim.*). Same as local_sgd
+    docs/ALGORITHMS.md §3.1 with AdamW as the inner optimizer (--optim.*). Same as local_sgd
     otherwise. Memory (2 + 2 + K) Psi, as DDP.
     """
 
@@ -420,7 +420,7 @@ class LocalAdamW(LocalSGD):
 class OverlapLocalSGD(_LocalUpdate):
     """Overlap-Local-SGD: pull toward a stale anchor, non-blocking parameter all-reduce.
 
-    Paper: Wang, Liang & Joshi, *Overlap Local-SGD* (2020), as restated in ALGORITHMS.md §3.2
+    Paper: Wang, Liang & Joshi, *Overlap Local-SGD* (2020), as restated in docs/ALGORITHMS.md §3.2
     [R-med]. Symbols: tau -> options.sync_every, alpha -> options.pull, z -> the anchor (the
     result of the previous boundary's all-reduce). At each boundary: wait for the previous
     all-reduce (z), pull ``x <- x - alpha (x - z)`` (skipped at the first boundary, where no
@@ -523,7 +523,7 @@ class SlowMo(_AnchoredOuter):
     """SlowMo: blocking average, then slow momentum on the round's displacement.
 
     Paper: Wang et al., *SlowMo: Improving communication-efficient distributed SGD with slow
-    momentum* (ICLR 2020), ALGORITHMS.md §3.3. Symbols: tau -> options.sync_every, alpha ->
+    momentum* (ICLR 2020), docs/ALGORITHMS.md §3.3. Symbols: tau -> options.sync_every, alpha ->
     options.outer_lr, beta -> options.outer_momentum, gamma_t -> the inner learning rate of the
     round's last inner step, u -> ``self.momentum``, x_{t,0} -> ``self.anchor``::
 
@@ -567,7 +567,7 @@ class CO2(_AnchoredOuter):
     staleness gap penalty and coordinate-wise clipping.
 
     Paper: Sun et al., *CO2: Efficient Distributed Training with Full Communication-Computation
-    Overlap* (ICLR 2024), Alg. 1, as restated in ALGORITHMS.md §3.4. Symbols: tau ->
+    Overlap* (ICLR 2024), Alg. 1, as restated in docs/ALGORITHMS.md §3.4. Symbols: tau ->
     options.sync_every, alpha -> options.outer_lr, beta -> options.outer_momentum, phi ->
     options.clip_threshold (options.clip switches it), Lambda -> options.gap_penalty,
     epsilon -> options.penalty_epsilon, x_{t,0} -> ``self.anchor``, m -> ``self.momentum``,

@@ -1,8 +1,8 @@
-"""CoCoDC (ALGORITHMS.md §4.5): Streaming DiLoCo with delay-compensated merging and adaptive
+"""CoCoDC (docs/ALGORITHMS.md §4.5): Streaming DiLoCo with delay-compensated merging and adaptive
 fragment transmission.
 
 Paper: "CoCoDC: Communication-Computation overlap with Delay Compensation" (seed 002),
-eqs. 1-12, Alg. 1-2, with ALGORITHMS.md's sign fix of Eq. 8 and the Taylor-consistent d.
+eqs. 1-12, Alg. 1-2, with docs/ALGORITHMS.md's sign fix of Eq. 8 and the Taylor-consistent d.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def compensated_merge(
     sync_every: int,
     sign: str = "fixed",
 ) -> torch.Tensor:
-    """CoCoDC's merged fragment (Eqs. 4, 7, 8 with the sign fix of ALGORITHMS.md §4.5).
+    """CoCoDC's merged fragment (Eqs. 4, 7, 8 with the sign fix of docs/ALGORITHMS.md §4.5).
 
     g^m    = (theta_{t_p} - theta_{t_l}) / tau                     (Eq. 4, descent rate)
     d      = theta^g_new - theta_{t_p}                             (Taylor-consistent d)
@@ -61,7 +61,7 @@ def select_fragment(
     in_flight: Sequence[int],
     sync_every: int,
 ) -> int | None:
-    """CoCoDC's fragment choice at global step t_g (Alg. 2; ALGORITHMS.md §4.5 step 4).
+    """CoCoDC's fragment choice at global step t_g (Alg. 2; docs/ALGORITHMS.md §4.5 step 4).
 
     A fragment with t_g - t_{p,b} >= H is due: choose the stalest, ties by index. Otherwise
     argmax_p R_p (ties by index). In-flight fragments are excluded. Depends only on values
@@ -86,7 +86,7 @@ def syncs_per_period(fragments: int, gamma: float, sync_every: int, step_s: floa
 class CoCoDC(OuterLoopStrategy):
     """CoCoDC: delay-compensated merge and adaptive transmission on top of Streaming DiLoCo.
 
-    Paper: CoCoDC (ALGORITHMS.md §4.5). Symbols: H -> options.sync_every, K -> options.fragments
+    Paper: CoCoDC (docs/ALGORITHMS.md §4.5). Symbols: H -> options.sync_every, K -> options.fragments
     (default 4), tau -> options.overlap_steps, lambda -> options.compensation, gamma ->
     options.transmission_gamma, R_p -> rates[p] (initially inf), t_{p,b} -> last_sync_steps[p]
     (initially 0), T_c -> mean inner-step compute seconds, T_s -> seconds from launch to
@@ -178,7 +178,7 @@ class CoCoDC(OuterLoopStrategy):
             sign=self.options.compensation_sign,
         )
         if self.options.overlap_steps > 0:
-            # ||compensation|| / ||tau g^m|| (prediction D3 of ALGORITHMS.md §7.3).
+            # ||compensation|| / ||tau g^m|| (prediction D3 of docs/ALGORITHMS.md §7.3).
             plain = self.globals_[p] + (now - sync.snapshot)
             progress = float((now - sync.snapshot).norm())
             self.compensation_ratio = float((merged - plain).norm()) / progress if progress > 0 else 0.0

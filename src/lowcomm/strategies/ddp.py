@@ -1,4 +1,4 @@
-"""DDP with AdamW: the synchronous baseline (ALGORITHMS.md §1.1).
+"""DDP with AdamW: the synchronous baseline (docs/ALGORITHMS.md §1.1).
 
 Each step, every worker accumulates gradients over ``microbatches_per_step`` micro-batches,
 the gradients are averaged with one all-reduce, and every worker applies the same AdamW step.

@@ -2,7 +2,7 @@
 
 Paper: Iacob et al., *DES-LOC: Desynced Low Communication Adaptive Optimizers for Training
 Foundation Models* (../shared/seeds/004_ec2947a810b7b994.txt); update rules as restated in
-ALGORITHMS.md §5 (5.1-5.6), which this module follows over the paper's extracted text.
+docs/ALGORITHMS.md §5 (5.1-5.6), which this module follows over the paper's extracted text.
 
 Every worker runs its own inner optimizer (Adam, ADOPT or SGD with momentum) on its own data
 and its own copy of the parameters ``x`` and of every optimizer state ``s_j`` (first moment
@@ -31,7 +31,7 @@ One step on worker m, 0-based step index t (``Strategy.step_index`` before the s
     for every state j in {x, u, v} with (t + 1) mod K_j == 0:
         s_j <- AR_mean(s_j)                                 # all due states in ONE all-reduce
 
-*Ordering.* ALGORITHMS.md §5.5 leaves the ordering open: "average, then apply the local
+*Ordering.* docs/ALGORITHMS.md §5.5 leaves the ordering open: "average, then apply the local
 update" at ``t mod K_j == 0`` versus "update, then average at the end of the period" (the
 torchft port). We use the latter. Both differ only in where one local step lands; ours has
 the property that the next gradient is always evaluated at freshly averaged parameters, so
@@ -40,21 +40,21 @@ with all periods 1 and SGD with momentum (linear in the gradient) the averaged i
 gives "step 0: no sync" for free: the first sync of state j follows step K_j - 1.
 
 *Bias correction* (Adam) uses a step counter per moment that is global: it counts the steps
-since the state started and is never reset (except by favg_reset, ALGORITHMS.md §5.4). On a
+since the state started and is never reset (except by favg_reset, docs/ALGORITHMS.md §5.4). On a
 worker that never rejoined the counters equal the global step. When a moment is averaged the
 counter is set to the global step, because the averaged moment carries the other workers'
 full history: this is what makes a rejoining worker's bias correction right after it receives
 averaged state.
 
 *Fused syncs.* When several states fall due on the same step they travel in one all-reduce
-over their concatenation (one latency instead of up to three, ALGORITHMS.md §5.5), issued with
+over their concatenation (one latency instead of up to three, docs/ALGORITHMS.md §5.5), issued with
 ``segments=[(role, numel), ...]`` so the communicator charges every role exactly its own
 share of the bytes (the ring model's bytes are linear in the payload). Total bytes and the
 modeled time are those of the single fused collective. ``--desloc.fuse False`` issues one
 collective per role instead, launched back to back and waited together (one latency per
 role).
 
-*Joining workers* (ALGORITHMS.md §5.5, edge cases). :meth:`Desloc.rejoin` gives this worker
+*Joining workers* (docs/ALGORITHMS.md §5.5, edge cases). :meth:`Desloc.rejoin` gives this worker
 fresh optimizer state (zero moments, counters 0; ADOPT re-seeds v from its next gradient), as a
 worker restarted after a failure; optionally it also loads given parameters. Nothing else
 happens: the worker receives the averaged parameters at the next parameter sync and the
@@ -74,7 +74,7 @@ desloc moves 1/K_x + 1/K_u.
 
 Reduces to: DDP with SGDM when all periods are 1 and ``optimizer="sgdm"`` without clipping;
 ``local_adam`` equals ``desloc`` with all three periods equal (tests/test_desloc.py checks both).
-Memory: parameters + gradients + moments, as DDP ((2 + 2 + K) Psi, ALGORITHMS.md §0.2).
+Memory: parameters + gradients + moments, as DDP ((2 + 2 + K) Psi, docs/ALGORITHMS.md §0.2).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ _EXTRA_NAMES = {
 
 def half_life(beta: float) -> float:
     """Steps after which an exponential moving average with decay ``beta`` has forgotten half
-    of its past: ``tau_0.5(beta) = ln 0.5 / ln beta`` (ALGORITHMS.md §5.1).
+    of its past: ``tau_0.5(beta) = ln 0.5 / ln beta`` (docs/ALGORITHMS.md §5.1).
 
     Raises:
         ValueError: for ``beta`` outside (0, 1).
@@ -136,7 +136,7 @@ def half_lives(betas: tuple[float, float]) -> dict[str, float]:
 class DeslocOptions:
     """Options of the DES-LOC family: desloc, local_adam, favg_opt and favg_reset.
 
-    Default periods (ALGORITHMS.md §5.5): K_u = 3 K_x and K_v = 6 K_x. Reasoning: a moment
+    Default periods (docs/ALGORITHMS.md §5.5): K_u = 3 K_x and K_v = 6 K_x. Reasoning: a moment
     with decay beta forgets half of itself in tau_0.5 = ln 0.5 / ln beta steps (6.6 steps at
     0.9, 693 at 0.999, see :func:`half_lives`), and between syncs it drifts by at most
     2 rho (1 - beta1^K) (first moment) and rho^2 (1 - beta2^K) (second moment). The slower a
@@ -400,7 +400,7 @@ class Desloc(Strategy):
     """DES-LOC: parameters and each optimizer moment averaged on their own periods.
 
     Paper: DES-LOC (Iacob et al.), Alg. 1 with Adam (Alg. 2), ADOPT or SGDM (Alg. 4);
-    ALGORITHMS.md §5.5. Symbols: K_x -> options.param_period, K_u ->
+    docs/ALGORITHMS.md §5.5. Symbols: K_x -> options.param_period, K_u ->
     options.first_moment_period (default 3 K_x), K_v -> options.second_moment_period (default
     6 K_x), rho -> options.clip_rho. Reduces to: DDP with SGDM when every period is 1
     (optimizer sgdm, no clipping); to local_adam when K_x = K_u = K_v.
@@ -628,7 +628,7 @@ class _SinglePeriod(Desloc):
 class LocalAdamMethod(_SinglePeriod):
     """Local Adam: parameters and both moments averaged every K steps.
 
-    Paper: Cheng & Glasgow 2025 as the DES-LOC baseline; ALGORITHMS.md §5.2. Symbols: K ->
+    Paper: Cheng & Glasgow 2025 as the DES-LOC baseline; docs/ALGORITHMS.md §5.2. Symbols: K ->
     options.param_period (K_x = K_u = K_v = K); 3/K payloads per step. Reduces to: desloc with
     all three periods K (tests/test_desloc.py). Not DDP-Adam even at K = 1: averaging v is not
     squaring the averaged gradient.
@@ -646,7 +646,7 @@ class LocalAdamMethod(_SinglePeriod):
 class FavgOpt(_SinglePeriod):
     """FedAvg keeping optimizer state: only parameters averaged every K; moments stay local.
 
-    Paper: DES-LOC baseline FAVG+OPT (Photon/DiLoCo with outer SGD lr 1); ALGORITHMS.md §5.3.
+    Paper: DES-LOC baseline FAVG+OPT (Photon/DiLoCo with outer SGD lr 1); docs/ALGORITHMS.md §5.3.
     Symbols: K -> options.param_period, K_u = K_v = infinity; 1/K payloads per step.
     """
 
@@ -661,7 +661,7 @@ class FavgOpt(_SinglePeriod):
 class FavgReset(FavgOpt):
     """FedAvg resetting optimizer state: average parameters every K, then zero u, v, counters.
 
-    Paper: DES-LOC baseline FAVG-OPT; ALGORITHMS.md §5.4. Symbols: K -> options.param_period;
+    Paper: DES-LOC baseline FAVG-OPT; docs/ALGORITHMS.md §5.4. Symbols: K -> options.param_period;
     1/K payloads per step. Expect a loss spike after each sync (fresh Adam state).
     """
 

@@ -1,4 +1,4 @@
-"""DiLoCo family (ALGORITHMS.md §4): DiLoCo here; Streaming DiLoCo in ``streaming.py``, the
+"""DiLoCo family (docs/ALGORITHMS.md §4): DiLoCo here; Streaming DiLoCo in ``streaming.py``, the
 naive delayed and eager outer steps in ``eager.py``, CoCoDC in ``cocodc.py``.
 
 All of them share the machinery of this module: an inner optimizer stepping every worker's
@@ -89,7 +89,7 @@ class DiLoCoOptions:
     """lambda (cocodc): weight of the delay-compensation term (0 = merge without it)."""
 
     compensation_sign: Literal["fixed", "literal"] = "fixed"
-    """cocodc merge sign: fixed (ALGORITHMS.md §4.5: new global - tau g_corr) or literal (the
+    """cocodc merge sign: fixed (docs/ALGORITHMS.md §4.5: new global - tau g_corr) or literal (the
     paper's printed Eq. 8, new global + tau g_corr; for ablation only)."""
 
     transmission_gamma: float = 0.4
@@ -166,7 +166,7 @@ _FIRST = ("token_embedding", "position_embedding", "lm_head")
 
 
 def fragment_assignment(names: Sequence[str], sizes: Sequence[int], fragments: int) -> list[int]:
-    """Fragment of each parameter (Streaming DiLoCo, ALGORITHMS.md §4.2).
+    """Fragment of each parameter (Streaming DiLoCo, docs/ALGORITHMS.md §4.2).
 
     Transformer block ``j`` (a parameter named ``blocks.j.*``) goes to fragment ``j mod K``
     (strided). Embeddings and the LM head (``token_embedding``, ``position_embedding``,
@@ -578,7 +578,7 @@ class DiLoCo(OuterLoopStrategy):
     """DiLoCo: H local AdamW steps, then a blocking all-reduce of Delta and outer Nesterov.
 
     Paper: Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
-    Models" (ALGORITHMS.md §4.1). Symbols: H -> options.sync_every, eta_out ->
+    Models" (docs/ALGORITHMS.md §4.1). Symbols: H -> options.sync_every, eta_out ->
     options.outer_lr, mu -> options.outer_momentum, theta^(t-1) -> globals_[0] (the anchor),
     Delta_m = anchor - local.
     Reduces to: DDP with SGD when H=1, inner SGD, outer lr 1 and momentum 0

@@ -1,8 +1,8 @@
-"""Delayed and eager outer steps (ALGORITHMS.md §4.3-4.4): the outer all-reduce overlaps whole
+"""Delayed and eager outer steps (docs/ALGORITHMS.md §4.3-4.4): the outer all-reduce overlaps whole
 inner phases.
 
 Paper: "Eager Updates For Overlapped Communication and Computation in DiLoCo" (seed 003).
-The paper's equations are lost; the rules below are ALGORITHMS.md's reconstructions [R-hi].
+The paper's equations are lost; the rules below are docs/ALGORITHMS.md's reconstructions [R-hi].
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def eager_outer_gradient(
     stale_own: torch.Tensor,
     world_size: int,
 ) -> torch.Tensor:
-    """The eager outer gradient (ALGORITHMS.md §4.4):
+    """The eager outer gradient (docs/ALGORITHMS.md §4.4):
 
     Delta~_m^(t) = Delta^(t-N) + (1/M) (Delta_m^(t) - Delta_m^(t-N))
                  = (1/M) (Delta_m^(t) + sum_{m' != m} Delta_{m'}^(t-N)).
@@ -123,7 +123,7 @@ class DelayedOuterBase(OuterLoopStrategy):
 
     def extra_state_bytes(self) -> int:
         # N in-flight buffers of every fragment (the whole model), plus for eager the stored own
-        # contributions (inside each exchange) -- ALGORITHMS.md counts +2+2N copies for eager.
+        # contributions (inside each exchange) -- docs/ALGORITHMS.md counts +2+2N copies for eager.
         copies = self.options.outer_delay * (2 if self.eager else 1)
         return copies * 4 * sum(f.numel for f in self.fragments)
 
@@ -131,7 +131,7 @@ class DelayedOuterBase(OuterLoopStrategy):
 class DiLoCoDelayed(DelayedOuterBase):
     """Naive delayed outer steps: phi_m <- OuterNesterov(phi_m, Delta^(t-N)).
 
-    Paper: EAGER §2.2, Alg. 2 (ALGORITHMS.md §4.3, reconstructed). Symbols: phi_m -> globals_
+    Paper: EAGER §2.2, Alg. 2 (docs/ALGORITHMS.md §4.3, reconstructed). Symbols: phi_m -> globals_
     (per-worker outer parameters, never synchronized directly), N -> options.outer_delay
     (1 = the paper's naive 1-outer-step delay), H -> options.sync_every, eta_out ->
     options.outer_lr (the paper had to lower it for stability). First N rounds: no update.
@@ -145,7 +145,7 @@ class DiLoCoDelayed(DelayedOuterBase):
 class Eager(DelayedOuterBase):
     """Eager outer steps: the stale own contribution is replaced by the fresh one.
 
-    Paper: EAGER §2.3, Alg. 3 (ALGORITHMS.md §4.4, reconstructed). phi_m <- OuterNesterov_m(
+    Paper: EAGER §2.3, Alg. 3 (docs/ALGORITHMS.md §4.4, reconstructed). phi_m <- OuterNesterov_m(
     phi_m, Delta^(t-N) + (1/M)(Delta_m^(t) - Delta_m^(t-N))). Symbols: N -> options.outer_delay
     (1-outer-step and N-outer-step), K -> options.fragments (per-fragment eager, as the paper
     combines it with Streaming DiLoCo), M -> comm.world_size. With quantization, Delta_m^(t-N)

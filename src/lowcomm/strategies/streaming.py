@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (ALGORITHMS.md §4.2): fragments synchronized on a staggered schedule, each
+"""Streaming DiLoCo (docs/ALGORITHMS.md §4.2): fragments synchronized on a staggered schedule, each
 all-reduce overlapping tau inner steps, merged with a mixing factor alpha.
 
 Paper: Douillard et al. 2025, "Streaming DiLoCo with overlapping communication".
@@ -92,7 +92,7 @@ def load_in_flight(
 class StreamingDiLoCo(OuterLoopStrategy):
     """Streaming DiLoCo: K strided fragments, staggered syncs overlapping tau inner steps.
 
-    Paper: Douillard et al. 2025 (ALGORITHMS.md §4.2). Symbols: H -> options.sync_every,
+    Paper: Douillard et al. 2025 (docs/ALGORITHMS.md §4.2). Symbols: H -> options.sync_every,
     K -> options.fragments (default 4), tau -> options.overlap_steps, alpha -> options.mixing
     (the weight of the LOCAL parameters: theta_p <- alpha theta_p + (1-alpha) theta^g_p, torchft's
     convention; CoCoDC's Eq. 3 puts alpha on the global side, the same at 0.5), theta^g_p ->

@@ -1,4 +1,4 @@
-"""ZeRO-1: AdamW with optimizer states sharded across workers (ALGORITHMS.md §1.2).
+"""ZeRO-1: AdamW with optimizer states sharded across workers (docs/ALGORITHMS.md §1.2).
 
 Each worker keeps the full working parameters and gradients, but the fp32 master copy and the
 AdamW moments only for its own slice S_i of the flat (padded) parameter vector. One step:
