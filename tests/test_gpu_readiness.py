@@ -293,3 +293,142 @@ def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_grou
         assert others == [], f"bookkeeping on the strategy's group: {others}"
         strategy_traffic = [call for call in rank_calls if call[1] != Role.PARAMETER.value]
         assert strategy_traffic, "the strategy made no collective"
+
+
+# --- item 11: no host synchronisation in a step outside the closure ---------------------
+
+# Host reads a step may make, by method: the ACCO family reads the global micro-batch count
+# (and acco the clipping norm) on its communication thread, where it blocks no queued
+# compute; co2 and cocodc read a few diagnostics once per synchronisation.
+_ALLOWED_HOST_READS = {"acco": 2, "dpu": 1, "wp": 1, "co2": 2, "cocodc": 7}
+
+
+@pytest.mark.parametrize("method", sorted(STRATEGIES))
+def test_a_step_reads_nothing_back_to_the_host(method: str) -> None:
+    """Item 11: every read of a device value on the host waits for all queued kernels.
+    Clipping computes its factor on the device, so a step reads nothing back (beyond the
+    listed exceptions)."""
+    context = StrategyContext(total_steps=4, max_grad_norm=1.0)
+    per_step: list[int] = []
+    with stand_in_gpu() as reads:
+        model = _tiny_gpt_on_gpu()
+        strategy = build_strategy(method, model, DeviceCheckingComm(GPU), context, _options("none"))
+        batch = torch.zeros(2, TINY.block_size, dtype=torch.long, device=GPU)
+
+        def closure() -> MicroBatchResult:
+            _, loss = model(batch, batch)
+            assert loss is not None
+            loss.backward()
+            return MicroBatchResult(loss=1.0, samples=2, tokens=batch.numel())
+
+        for _ in range(4):
+            before = reads.count
+            strategy.step(closure)
+            per_step.append(reads.count - before)
+        strategy.finish()
+    assert max(per_step) <= _ALLOWED_HOST_READS.get(method, 0), per_step
+
+
+# --- items 5, 6, 7, 10: device binding, GPU count, timeouts, the ACCO thread's device ---
+
+
+def test_more_processes_than_gpus_is_refused_with_the_fix() -> None:
+    from lowcomm.launch.devices import check_gpu_count
+
+    check_gpu_count(8, available=8)
+    with pytest.raises(ValueError, match="9 processes on this node but 8 GPU"):
+        check_gpu_count(9, available=8)
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        check_gpu_count(1, available=0)
+
+
+def test_spawning_more_cuda_workers_than_gpus_fails_before_starting_any() -> None:
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match="--device cuda"):
+        spawn_workers(_record_strategy_group, too_many, (None,), device="cuda")
+
+
+def test_nccl_init_gets_the_bound_device_and_a_timeout_beyond_the_waits() -> None:
+    from lowcomm.launch.devices import init_options
+
+    options = init_options(torch.device("cuda", 3), 300.0)
+    assert options["backend"] == "nccl"
+    assert options["device_id"] == torch.device("cuda", 3)
+    assert options["timeout"].total_seconds() > 300.0
+    cpu = init_options(torch.device("cpu"), 30.0)
+    assert cpu["backend"] == "gloo" and "device_id" not in cpu
+    assert cpu["timeout"].total_seconds() >= 30.0 + 60.0
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+        "OpType=ALLREDUCE, NumelIn=1024, Timeout(ms)=600000) ran for 600012 milliseconds "
+        "before timing out.",
+        "Work WorkNCCL(SeqNum=3, OpType=ALLGATHER) timed out in blocking wait",
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+        "5000ms for recv operation to complete",
+    ],
+)
+def test_nccl_and_gloo_timeouts_become_collective_timeout(message: str) -> None:
+    from lowcomm.comm.base import CollectiveTimeout
+    from lowcomm.comm.torch_comm import _WorkHandle
+
+    class TimingOut:
+        def wait(self, timeout: object = None) -> None:
+            raise RuntimeError(message)
+
+        def is_completed(self) -> bool:
+            return False
+
+    with pytest.raises(CollectiveTimeout, match="did not complete"):
+        _WorkHandle(TimingOut(), what="all_reduce", timeout_s=5.0).wait()
+
+
+def test_the_communication_thread_binds_the_strategys_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 10: the current CUDA device is per thread; ACCO's communication thread must make
+    the parameters' GPU current before its kernels and NCCL calls."""
+    import threading
+
+    from lowcomm.comm.overlap import CommThread
+
+    bound: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda device: bound.append((threading.current_thread().name, device))
+    )
+    thread = CommThread(device=torch.device("cuda", 5))
+    thread.submit(lambda: None).wait()
+    thread.close()
+    assert len(bound) == 1
+    name, device = bound[0]
+    assert name.startswith("lowcomm-comm") and device == torch.device("cuda", 5)
+
+
+def test_acco_gives_its_thread_the_parameters_device() -> None:
+    from lowcomm.strategies.acco import ACCO
+
+    with stand_in_gpu():
+        model = _tiny_gpt_on_gpu()
+        strategy = build_strategy(
+            "acco", model, DeviceCheckingComm(GPU), StrategyContext(total_steps=2), _options("none")
+        )
+        assert isinstance(strategy, ACCO)
+        batch = torch.zeros(2, TINY.block_size, dtype=torch.long, device=GPU)
+
+        def closure() -> MicroBatchResult:
+            _, loss = model(batch, batch)
+            assert loss is not None
+            loss.backward()
+            return MicroBatchResult(loss=1.0, samples=2, tokens=batch.numel())
+
+        strategy.step(closure)
+        assert strategy.thread is not None and strategy.thread.device == GPU
+        strategy.finish()
+
+
+def test_connect_without_a_launcher_is_one_worker_on_the_cpu() -> None:
+    import lowcomm
+
+    comm = lowcomm.connect(device="cpu", timeout_s=30.0)
+    assert comm.world_size == 1 and comm.device == torch.device("cpu")

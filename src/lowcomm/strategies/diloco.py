@@ -38,7 +38,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
-    clip_coefficient,
+    clip_,
     run_microbatches,
 )
 from lowcomm.strategies.flat import FlatBuffers
@@ -470,9 +470,7 @@ class OuterLoopStrategy(Strategy):
             if count > 1:
                 grads.div_(count)
             # Clipping is local: the inner gradient is never communicated.
-            scale = clip_coefficient(float(grads.square().sum()), self.context.max_grad_norm)
-            if scale < 1.0:
-                grads.mul_(scale)
+            clip_(grads, grads.square().sum(), self.context.max_grad_norm)
             if self.inner is None:
                 self.master.add_(grads, alpha=-lr)
             else:
