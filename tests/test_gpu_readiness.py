@@ -432,3 +432,79 @@ def test_connect_without_a_launcher_is_one_worker_on_the_cpu() -> None:
 
     comm = lowcomm.connect(device="cpu", timeout_s=30.0)
     assert comm.world_size == 1 and comm.device == torch.device("cpu")
+
+
+# --- item 8: the CUDA random state is checkpointed --------------------------------------
+
+
+def test_the_cuda_random_state_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 8: dropout on a GPU draws from the device's generator; an exact resume needs it."""
+    generator = {"state": torch.arange(16, dtype=torch.uint8)}
+    restored: list[tuple[torch.Tensor, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: generator["state"].clone())
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device))
+    )
+    gpu = torch.device("cuda", 0)
+    state = loop._rng_state(gpu)
+    assert torch.equal(state["cuda"], generator["state"])
+    loop._restore_rng(state, gpu)
+    assert len(restored) == 1 and torch.equal(restored[0][0], generator["state"])
+    assert "cuda" not in loop._rng_state(torch.device("cpu"))
+    loop._restore_rng(loop._rng_state(torch.device("cpu")), gpu)  # a CPU checkpoint on a GPU
+    assert len(restored) == 1
+
+
+# --- item 9: peak device memory in summary.json -----------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str) -> None:
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.train.metrics import RunWriter
+
+    config = TrainConfig(device=device, clock="real", progress=False, out=str(tmp_path / "run"))  # type: ignore[arg-type]
+    writer = RunWriter(config)
+    writer.close_steps()
+    columns = [1.0, 0.0, 1.0, 0.0, 1000.0, 64.0, 0.0, 0.0, 0.0, 0.0, 5e9]
+    summary = writer.finish(
+        per_worker=torch.tensor([columns, [*columns[:-1], 6e9]], dtype=torch.float64),
+        bytes_by_role={},
+        num_params=10,
+        final_val_loss=1.0,
+        wall_clock_s=1.0,
+        clock_kind="real",
+        network=NetworkProfile.from_preset("none"),
+    )
+    if device == "cuda":
+        assert summary["peak_device_memory_bytes_per_worker"] == 6_000_000_000
+        assert summary["per_worker"]["peak_device_memory_bytes"] == [5_000_000_000, 6_000_000_000]
+    else:
+        assert "peak_device_memory_bytes_per_worker" not in summary
+
+
+# --- item 4: the real clock synchronises the GPU where it reads the time ----------------
+
+
+def test_the_real_clock_synchronises_the_gpu_at_every_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowcomm.comm.clock import make_clock
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    gpu = torch.device("cuda", 1)
+    clock = make_clock("real", device=gpu)
+    clock.mark()
+    assert synced == [gpu]  # queued compute is charged to compute
+    with clock.blocked():
+        pass
+    assert len(synced) == 3  # compute before the wait, then the transfer's end
+    with clock.excluded():
+        pass
+    assert len(synced) == 5  # and the excluded region's own kernels stay excluded
+    clock.now()
+    assert len(synced) == 6
+    cpu_clock = make_clock("real", device=torch.device("cpu"))
+    cpu_clock.mark()
+    with cpu_clock.blocked():
+        pass
+    assert len(synced) == 6

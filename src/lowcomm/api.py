@@ -81,9 +81,8 @@ def connect(
     profile = NetworkProfile.from_preset(
         network, bandwidth_gbps=bandwidth_gbps, latency_ms=latency_ms, speed_factors=speed_factors
     )
-    return NetworkComm(
-        inner, profile, make_clock(clock, speed_factor=profile.speed_factor(inner.rank)), device=bound
-    )
+    worker_clock = make_clock(clock, speed_factor=profile.speed_factor(inner.rank), device=bound)
+    return NetworkComm(inner, profile, worker_clock, device=bound)
 
 
 def make_strategy(

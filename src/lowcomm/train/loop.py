@@ -116,6 +116,8 @@ def train_worker(
     workers = world_size // ranks_per_worker
     device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     torch.manual_seed(config.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     corpus = prepare_corpus(config.data)
     model = build_model(config.model, corpus.vocab_size).to(device)
     # Same seed gives the same initial model everywhere; broadcast anyway (uncharged) so that
@@ -129,6 +131,7 @@ def train_worker(
         config.clock,
         speed_factor=profile.speed_factor(worker),
         seconds_per_microbatch=config.seconds_per_microbatch,
+        device=device,
     )
     comm: NetworkComm | HierarchicalComm
     inner_comm: Comm | None = None
@@ -169,9 +172,15 @@ def train_worker(
         if x[rows].shape[0] > 0
     ]
 
+    def to_device(batch: torch.Tensor) -> torch.Tensor:
+        if device.type != "cuda":
+            return batch.to(device)
+        # From pinned memory the copy is asynchronous: the host goes on queuing kernels.
+        return batch.pin_memory().to(device, non_blocking=True)
+
     def closure() -> MicroBatchResult:
         inputs, targets = shard.next_batch()
-        inputs, targets = inputs.to(device), targets.to(device)
+        inputs, targets = to_device(inputs), to_device(targets)
         _, loss = model(inputs, targets)
         assert loss is not None
         loss.backward()
@@ -198,7 +207,7 @@ def train_worker(
         shard.load_state_dict(saved["data"])
         clock.load_state_dict(saved["clock"])
         comm.load_state_dict(saved["comm"])
-        torch.set_rng_state(saved["rng"]["torch"].cpu())
+        _restore_rng(saved["rng"], device)
         tokens_total = int(saved["tokens"])
         val_loss = float(saved["val_loss"])
     bookkeeping.barrier().wait()  # every worker has read its file before anyone writes a new one
@@ -312,9 +321,10 @@ def train_worker(
         if levels is not None
         else [0.0, 0.0, summary.bytes_sent, summary.exposed_comm_s]
     )
+    peak_memory = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0
     packed = torch.tensor(
         [summary.compute_s, summary.exposed_comm_s, summary.clock_s, summary.bytes_sent,
-         float(summary.state_bytes), float(summary.tokens), *level_columns],
+         float(summary.state_bytes), float(summary.tokens), *level_columns, peak_memory],
         dtype=torch.float64,
     )
     everyone = torch.zeros(world_size * packed.numel(), dtype=torch.float64)
@@ -352,6 +362,28 @@ def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
     return Path(config.resume)
 
 
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The random generators a resumed run must continue: the CPU's and, on a GPU, the
+    device's (dropout masks are drawn there)."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _restore_rng(saved: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Undo :func:`_rng_state` (the tensors may have been loaded onto the GPU). A checkpoint
+    written on the CPU and resumed on a GPU has no CUDA state to restore; such a resume is
+    not bit-exact anyway (other kernels)."""
+    torch.set_rng_state(saved["torch"].cpu())
+    if device.type == "cuda" and "cuda" in saved:
+        torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
+
+
 def _save_checkpoint(
     config: TrainConfig,
     run_dir: Path,
@@ -373,7 +405,7 @@ def _save_checkpoint(
         "data": shard.state_dict(),
         "clock": clock.state_dict(),
         "comm": comm.state_dict(),
-        "rng": {"torch": torch.get_rng_state()},
+        "rng": _rng_state(_model_device(model)),
         "tokens": tokens,
         "val_loss": val_loss,
         "step": step,
