@@ -71,6 +71,11 @@ def connect(
     if dist.is_available() and dist.is_initialized():
         from lowcomm.comm.torch_comm import TorchComm
 
+        if dist.get_backend() == "nccl" and device != "cuda":
+            raise ValueError(
+                "connect: the process group is NCCL, which moves GPU tensors only; pass "
+                "device='cuda' (and move the model to comm.device)"
+            )
         if device == "cuda":
             bound = torch.device("cuda", torch.cuda.current_device())
         inner = TorchComm(timeout_s=timeout_s)
