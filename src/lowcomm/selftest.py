@@ -10,12 +10,14 @@ any check failed.
 
 The checks:
 
+* **device binding**: every process drives its own GPU.
 * **collectives**: all-reduce (sum, mean, max), reduce-scatter, all-gather, broadcast and
   barrier, each launched asynchronously with compute running on the device while it is in
   flight, results compared exactly.
 * **bookkeeping group**: a small gather on the separate Gloo group completes while a large
   all-reduce is in flight on the strategy's group (metrics never queue behind training).
 * **bandwidth**: a timed all-reduce (report only).
+* **real clock**: compute queued on the GPU is charged to compute when the clock reads time.
 * **methods**: a few steps of each method family (DDP, ZeRO-1, ACCO with its communication
   thread and, on a GPU, its side stream, CO2, DiLoCo with an int4-quantized exchange,
   streaming DiLoCo, eager, CoCoDC, DES-LOC) on the device, compared with the same run on the
@@ -115,6 +117,13 @@ def selftest_worker(config: SelftestConfig) -> RankReport:
         else "check that the loopback interface works (GLOO_SOCKET_IFNAME=lo) and that no "
         "firewall blocks local ports"
     )
+    _run_check(
+        report,
+        "device binding",
+        "each process must drive its own GPU: launch at most one process per GPU (torchrun "
+        "--nproc-per-node <= GPUs) and do not remap CUDA_VISIBLE_DEVICES per process",
+        lambda: _check_binding(bookkeeping, device),
+    )
     _run_check(report, "collectives", nccl_fix, lambda: _check_collectives(strategy_group, device))
     _run_check(
         report,
@@ -128,6 +137,13 @@ def selftest_worker(config: SelftestConfig) -> RankReport:
         "bandwidth",
         nccl_fix,
         lambda: _measure_bandwidth(strategy_group, device, report.environment),
+    )
+    _run_check(
+        report,
+        "real clock",
+        "the real clock must wait for queued kernels before reading the time "
+        "(lowcomm.comm.clock.RealClock with device=cuda); report this as a bug",
+        lambda: _check_clock(device),
     )
     for method in _METHODS:
         _run_check(
@@ -172,6 +188,44 @@ def _environment(device: torch.device) -> dict[str, str]:
     else:
         environment["device_name"] = "CPU"
     return environment
+
+
+def _check_binding(bookkeeping: Any, device: torch.device) -> str:
+    from lowcomm.comm.base import Role
+
+    index = float(device.index if device.index is not None else -1)
+    mine = torch.tensor([index], dtype=torch.float64)
+    everyone = torch.zeros(bookkeeping.world_size, dtype=torch.float64)
+    bookkeeping.all_gather(everyone, mine, role=Role.OTHER).wait()
+    if device.type != "cuda":
+        return f"{bookkeeping.world_size} processes on the CPU"
+    indices = [int(value) for value in everyone.tolist()]
+    assert len(set(indices)) == len(indices), f"processes share GPUs: devices {indices}"
+    return f"one GPU per process: cuda:{indices}"
+
+
+def _check_clock(device: torch.device) -> str:
+    from lowcomm.comm.clock import make_clock
+
+    clock = make_clock("real", device=device)
+    size = 2048 if device.type == "cuda" else 256
+    a = torch.randn(size, size, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    clock.mark()
+    begin = time.perf_counter()
+    for _ in range(20):
+        a = torch.tanh(a @ a)  # queued, not waited for, on a GPU
+    clock.mark()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    kernels_s = time.perf_counter() - begin
+    # Without the synchronisation the clock would see only the launches (microseconds).
+    assert clock.compute_s >= 0.5 * kernels_s, (
+        f"the clock charged {clock.compute_s * 1e3:.1f} ms of compute for "
+        f"{kernels_s * 1e3:.1f} ms of queued kernels"
+    )
+    return f"{clock.compute_s * 1e3:.1f} ms of compute charged for {kernels_s * 1e3:.1f} ms of kernels"
 
 
 def _busy(device: torch.device) -> torch.Tensor:
@@ -225,7 +279,7 @@ def _check_collectives(comm: Any, device: torch.device) -> str:
 def _check_bookkeeping(strategy_group: Any, bookkeeping: Any, device: torch.device) -> str:
     from lowcomm.comm.base import Role
 
-    big = torch.ones((64 << 20) // 4 if device.type == "cuda" else (4 << 20) // 4, device=device)
+    big = torch.ones((256 << 20) // 4 if device.type == "cuda" else (4 << 20) // 4, device=device)
     begin = time.perf_counter()
     training = strategy_group.all_reduce(big, op="sum", role=Role.GRADIENT)
     small = torch.full((4,), float(bookkeeping.rank), dtype=torch.float64)
@@ -239,6 +293,11 @@ def _check_bookkeeping(strategy_group: Any, bookkeeping: Any, device: torch.devi
     want = torch.arange(bookkeeping.world_size, dtype=torch.float64).repeat_interleave(4)
     assert torch.equal(gathered, want), "the bookkeeping gather returned wrong values"
     assert torch.all(big == strategy_group.world_size), "the training all-reduce returned wrong values"
+    if training_s > 0.05:
+        assert metrics_s < 0.8 * training_s, (
+            f"the metrics gather took {metrics_s * 1e3:.1f} ms, as long as the "
+            f"{training_s * 1e3:.1f} ms all-reduce in flight: it waited behind it"
+        )
     return (
         f"metrics gather {metrics_s * 1e3:.1f} ms beside a {big.numel() * 4 >> 20} MiB "
         f"all-reduce of {training_s * 1e3:.1f} ms (separate Gloo group)"
