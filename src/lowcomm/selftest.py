@@ -293,7 +293,8 @@ def _check_bookkeeping(strategy_group: Any, bookkeeping: Any, device: torch.devi
     want = torch.arange(bookkeeping.world_size, dtype=torch.float64).repeat_interleave(4)
     assert torch.equal(gathered, want), "the bookkeeping gather returned wrong values"
     assert torch.all(big == strategy_group.world_size), "the training all-reduce returned wrong values"
-    if training_s > 0.05:
+    # Timed on a GPU only: on a shared CPU both transfers compete for the same cores.
+    if device.type == "cuda" and training_s > 0.05:
         assert metrics_s < 0.8 * training_s, (
             f"the metrics gather took {metrics_s * 1e3:.1f} ms, as long as the "
             f"{training_s * 1e3:.1f} ms all-reduce in flight: it waited behind it"
