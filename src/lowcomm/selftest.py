@@ -470,7 +470,8 @@ def _check_resume(strategy_group: Any, device: torch.device) -> str:
     _train(strategy, model, clock, range(stop, 2 * _STEPS), strategy_group.rank)
     resumed = _flat(model)
     distance = float((resumed - straight).norm() / straight.norm())
-    limit = 0.0 if device.type == "cpu" else 1e-6
+    # Exact on the CPU; on a GPU some backward kernels (embedding) add in a varying order.
+    limit = 0.0 if device.type == "cpu" else 1e-4
     assert distance <= limit, f"the resumed run differs from the straight one by {distance:.2e}"
     return f"{method}: stopped at step {stop} of {2 * _STEPS}, resumed run equals the straight run"
 
