@@ -4,7 +4,8 @@ Run on one machine with two workers, over an emulated 10 Gbit/s Ethernet link:
 
     torchrun --standalone --nproc-per-node 2 examples/own_loop.py --method zero1
 
-or as a single worker: ``python examples/own_loop.py``. The lines marked ``# lowcomm`` are
+or as a single worker: ``python examples/own_loop.py``. On GPUs add ``--device cuda`` (NCCL,
+one GPU per process). The lines marked ``# lowcomm`` are
 the only changes from the plain single-process loop this started as (which used
 ``optimizer = torch.optim.AdamW(...)`` and ``loss.backward(); optimizer.step();
 optimizer.zero_grad()``).
@@ -35,11 +36,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--method", default="ddp")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
-    comm = lowcomm.connect(network="ethernet")  # lowcomm
+    comm = lowcomm.connect(network="ethernet", device=args.device)  # lowcomm
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(comm.device)
     loader = make_data(comm.rank, comm.world_size)  # lowcomm: each worker reads its shard
     strategy = lowcomm.make_strategy(args.method, model, comm, lr=3e-3, weight_decay=0.0, total_steps=args.steps)  # lowcomm
 
@@ -51,6 +53,7 @@ def main() -> None:
         except StopIteration:
             batches = iter(loader)
             inputs, targets = next(batches)
+        inputs, targets = inputs.to(comm.device), targets.to(comm.device)
 
         def closure() -> lowcomm.MicroBatchResult:
             loss = nn.functional.mse_loss(model(inputs), targets)

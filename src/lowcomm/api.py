@@ -2,7 +2,7 @@
 
 In a script started by ``torchrun`` (or by :func:`lowcomm.launch.spawn_workers`)::
 
-    comm = lowcomm.connect(network="wan")                        # once, after start-up
+    comm = lowcomm.connect(network="wan", device="cuda")         # once, after start-up
     strategy = lowcomm.make_strategy("zero1", model, comm, lr=1e-3, total_steps=100)
     for batch in loader:
         def closure():                                           # your forward + backward
@@ -11,10 +11,13 @@ In a script started by ``torchrun`` (or by :func:`lowcomm.launch.spawn_workers`)
         stats = strategy.step(closure)                           # replaces opt.step()
 
 Without a process group, ``connect`` gives a single-worker communicator, so the same script
-runs unchanged on a laptop.
+runs unchanged on a laptop. With ``device="cuda"`` it drives ``cuda:LOCAL_RANK`` over NCCL: move
+the model there (``model.to(comm.device)``) before ``make_strategy``.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from torch import nn
 
@@ -35,29 +38,56 @@ def connect(
     latency_ms: float | None = None,
     speed_factors: tuple[float, ...] = (),
     clock: ClockKind = "real",
+    device: Literal["cpu", "cuda"] = "cpu",
+    timeout_s: float = 300.0,
 ) -> NetworkComm:
     """A communicator over the current process group, charged for the declared network.
 
-    Joins the group from torchrun's environment variables if it is not initialised yet; with
-    no launcher at all, returns a single-worker communicator.
+    Joins the group from torchrun's environment variables if it is not initialised yet (Gloo
+    for ``device="cpu"``; NCCL for ``"cuda"``, after binding ``cuda:LOCAL_RANK`` and checking
+    the node has that many GPUs); with no launcher at all, returns a single-worker
+    communicator. The communicator's ``device`` is where its tensors must live.
+
+    Args:
+        device: cpu (Gloo) or cuda (NCCL, one GPU per process).
+        timeout_s: a collective not complete after this long raises
+            :class:`~lowcomm.comm.base.CollectiveTimeout` (the process group's own timeout
+            is set longer, so this error comes first).
+
+    Raises:
+        ValueError: for cuda without enough GPUs on this node, naming the fix.
     """
     import os
 
+    import torch
     import torch.distributed as dist
 
     inner: Comm
+    bound = torch.device("cpu")
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
+        from lowcomm.launch.spawn import init_from_env
+
+        init_from_env(device=device, timeout_s=timeout_s)
     if dist.is_available() and dist.is_initialized():
         from lowcomm.comm.torch_comm import TorchComm
 
-        inner = TorchComm()
+        if dist.get_backend() == "nccl" and device != "cuda":
+            raise ValueError(
+                "connect: the process group is NCCL, which moves GPU tensors only; pass "
+                "device='cuda' (and move the model to comm.device)"
+            )
+        if device == "cuda":
+            bound = torch.device("cuda", torch.cuda.current_device())
+        inner = TorchComm(timeout_s=timeout_s)
     else:
+        if device == "cuda":
+            bound = torch.device("cuda", torch.cuda.current_device())
         inner = LocalComm()
     profile = NetworkProfile.from_preset(
         network, bandwidth_gbps=bandwidth_gbps, latency_ms=latency_ms, speed_factors=speed_factors
     )
-    return NetworkComm(inner, profile, make_clock(clock, speed_factor=profile.speed_factor(inner.rank)))
+    worker_clock = make_clock(clock, speed_factor=profile.speed_factor(inner.rank), device=bound)
+    return NetworkComm(inner, profile, worker_clock, device=bound)
 
 
 def make_strategy(

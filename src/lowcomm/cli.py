@@ -132,13 +132,14 @@ def run_methods() -> None:
         print(f"{name:20s} {doc[0] if doc else ''}")
 
 
-USAGE = """usage: lowcomm {train,bench,plan,reproduce,methods} [OPTIONS]
+USAGE = """usage: lowcomm {train,bench,plan,reproduce,methods,selftest} [OPTIONS]
 
   train     train a model data-parallel with one method (lowcomm train --help)
   bench     benchmarks: overhead ratio, side-by-side method comparison (lowcomm bench --help)
   plan      predict time, bytes and memory of a method at any scale (lowcomm plan --help)
   reproduce run the papers' CPU-scale experiments, judge their claims (lowcomm reproduce --help)
   methods   list the training methods
+  selftest  check this machine's devices, collectives and methods first (--device cuda)
 """
 
 
@@ -229,8 +230,16 @@ def _main(argv: list[str] | None) -> None:
                     BENCHMARKS, args=rest, prog="lowcomm bench", config=config
                 )
             )
+        elif command == "selftest":
+            from lowcomm.selftest import SelftestConfig, run_selftest
+
+            selftest = tyro.cli(SelftestConfig, args=rest, prog="lowcomm selftest", config=config)
+            raise SystemExit(run_selftest(selftest))
         else:
-            _fail(f"unknown command {command!r}; choose train, bench, plan, reproduce or methods")
+            _fail(
+                f"unknown command {command!r}; choose train, bench, plan, reproduce, methods or "
+                f"selftest"
+            )
     except ValueError as error:
         # Raised by a config dataclass's own validation while the options were parsed.
         _fail(str(error))

@@ -6,7 +6,11 @@ communication layer calls :meth:`Clock.mark` at every collective launch and befo
 wait, so strategies never have to bracket their compute by hand.
 
 * :class:`RealClock` measures wall time. A straggler's speed factor is emulated by sleeping
-  ``(factor - 1) x`` its measured compute, charged to compute.
+  ``(factor - 1) x`` its measured compute, charged to compute. On a GPU it synchronises the
+  device wherever it reads the time: kernels are queued, so without that the compute queued
+  before a collective would be charged to whichever region blocks next (a wait, as exposed
+  communication, or an excluded evaluation), and a wait that only orders streams would show
+  no exposed time at all.
 * :class:`VirtualClock` keeps a modeled time per worker. Compute advances it by the CPU time
   of the calling thread times the worker's speed factor (so four workers sharing two cores
   do not see their compute inflate), or by a declared number of seconds per micro-batch for a
@@ -21,6 +25,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
+
+import torch
 
 ClockKind = Literal["real", "virtual"]
 
@@ -97,28 +103,42 @@ class Clock(ABC):
 
 
 class RealClock(Clock):
-    """Wall-clock time, measured with ``time.perf_counter``."""
+    """Wall-clock time, measured with ``time.perf_counter``.
+
+    Args:
+        speed_factor: emulated slowdown of this worker's compute.
+        device: the worker's device; on a GPU every reading first waits for the work queued
+            on it (``torch.cuda.synchronize``), so queued kernels land in the region that
+            issued them.
+    """
 
     kind: ClockKind = "real"
 
-    def __init__(self, *, speed_factor: float = 1.0) -> None:
+    def __init__(self, *, speed_factor: float = 1.0, device: torch.device | None = None) -> None:
         super().__init__(speed_factor=speed_factor)
+        self._device = device if device is not None and device.type == "cuda" else None
         self._start = time.perf_counter()
         self._excluded_s = 0.0
         self._last_mark = self._start
+
+    def _time(self) -> float:
+        """``perf_counter`` after the device's queued work is done."""
+        if self._device is not None:
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
 
     def _wall(self) -> float:
         return time.perf_counter() - self._start - self._excluded_s
 
     def mark(self) -> None:
-        now = time.perf_counter()
+        now = self._time()
         elapsed = now - self._last_mark
         if self.speed_factor != 1.0 and elapsed > 0:
             # Emulate a slower device: the extra time sits on compute, never on the wire.
             extra = (self.speed_factor - 1.0) * elapsed
             if extra > 0:
                 time.sleep(extra)
-            now = time.perf_counter()
+            now = time.perf_counter()  # the sleep queued nothing on the device
             elapsed = now - self._last_mark
         self.compute_s += elapsed
         self._last_mark = now
@@ -128,7 +148,7 @@ class RealClock(Clock):
         return self._wall()
 
     def _restart_at(self, now: float) -> None:
-        self._last_mark = time.perf_counter()
+        self._last_mark = self._time()
         self._start = self._last_mark - now
         self._excluded_s = 0.0
 
@@ -144,7 +164,8 @@ class RealClock(Clock):
         try:
             yield
         finally:
-            end = time.perf_counter()
+            # On a GPU the wait may only order streams: the transfer ends here.
+            end = self._time()
             self.exposed_comm_s += end - begin
             self._last_mark = end
 
@@ -155,7 +176,7 @@ class RealClock(Clock):
         try:
             yield
         finally:
-            end = time.perf_counter()
+            end = self._time()  # the excluded region's kernels stay excluded
             self._excluded_s += end - begin
             self._last_mark = end
 
@@ -241,15 +262,20 @@ class VirtualClock(Clock):
 
 
 def make_clock(
-    kind: ClockKind, *, speed_factor: float = 1.0, seconds_per_microbatch: float | None = None
+    kind: ClockKind,
+    *,
+    speed_factor: float = 1.0,
+    seconds_per_microbatch: float | None = None,
+    device: torch.device | None = None,
 ) -> Clock:
-    """Build a clock by name."""
+    """Build a clock by name (``device``: the worker's device, which a real clock
+    synchronises on a GPU)."""
     if kind == "real":
         if seconds_per_microbatch is not None:
             raise ValueError(
                 "--seconds-per-microbatch models a target device and needs --clock virtual"
             )
-        return RealClock(speed_factor=speed_factor)
+        return RealClock(speed_factor=speed_factor, device=device)
     if kind == "virtual":
         return VirtualClock(
             speed_factor=speed_factor, seconds_per_microbatch=seconds_per_microbatch

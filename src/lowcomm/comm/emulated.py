@@ -200,6 +200,11 @@ class NetworkComm:
         return self.inner.world_size
 
     @property
+    def device(self) -> torch.device:
+        """The device of this group's tensors (cuda for NCCL)."""
+        return self._barrier_device
+
+    @property
     def bytes_sent(self) -> float:
         return sum(self.bytes_by_role.values())
 
@@ -255,8 +260,10 @@ class NetworkComm:
         if self.clock.kind == "virtual" and world_size > 1:
             # Agree on the start: the latest launch among the participants. Issued right
             # before the payload, on the same group, so the order is the same on every rank.
-            # On the payload's device: NCCL only moves GPU tensors.
-            launch_times = torch.tensor([launch_time], dtype=torch.float64, device=device)
+            # On the payload's device: NCCL only moves GPU tensors. torch.full, not
+            # torch.tensor([...]): a fill kernel takes the value as an argument, where a
+            # tensor built from a list is a blocking host-to-device copy on every launch.
+            launch_times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
             launch_times_handle = self.inner.all_reduce(launch_times, op="max", role=Role.OTHER)
         inner = issue()
         handle = _EmulatedHandle(

@@ -61,13 +61,21 @@ class CommThread:
 
     Args:
         name: thread name (shows up in stack dumps of a hung run).
+        device: the device the chains compute on. On a GPU it is made the thread's current
+            device when the thread starts (the current device is per thread: a new thread
+            starts on ``cuda:0``, where its kernels, streams and NCCL calls would go).
     """
 
-    def __init__(self, name: str = "lowcomm-comm") -> None:
+    def __init__(self, name: str = "lowcomm-comm", *, device: torch.device | None = None) -> None:
+        self.device = device
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=name
+            max_workers=1, thread_name_prefix=name, initializer=self._bind_device
         )
         self._in_flight: FutureHandle[object] | None = None
+
+    def _bind_device(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def submit(self, work: Callable[[], T]) -> FutureHandle[T]:
         """Start ``work`` on the thread.
@@ -125,7 +133,8 @@ class LaunchAgreement:
     def __init__(self, launch_time: float, *, exchange: bool, device: torch.device) -> None:
         self.launch_time = launch_time
         self.exchange = exchange
-        self.times = torch.tensor([launch_time], dtype=torch.float64, device=device)
+        # A fill kernel, not a blocking host-to-device copy of a list (see NetworkComm).
+        self.times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
         self._ready = threading.Event()
         self._error: BaseException | None = None
 

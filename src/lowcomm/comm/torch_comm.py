@@ -28,6 +28,16 @@ from lowcomm.comm.base import (
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+# How a backend words a timed-out collective: Gloo "Timed out waiting ...", NCCL "... ran for
+# N milliseconds before timing out" (watchdog) or "... timed out in blocking wait".
+_TIMEOUT_WORDS = ("timed out", "timing out", "timeout")
+
+
+def is_timeout_error(error: BaseException) -> bool:
+    """Whether a ``torch.distributed`` error reports a timed-out collective (Gloo or NCCL)."""
+    text = str(error).lower()
+    return any(word in text for word in _TIMEOUT_WORDS)
+
 
 class _WorkHandle:
     """Wraps a ``torch.distributed`` work object; runs a finishing step once after it.
@@ -63,7 +73,7 @@ class _WorkHandle:
                     self._work.wait(timeout=timedelta(seconds=self._timeout_s))
             except RuntimeError as error:
                 waited = time.monotonic() - begin
-                if "timed out" not in str(error).lower():
+                if not is_timeout_error(error):
                     raise
                 raise CollectiveTimeout(
                     f"rank {self._rank}: {self._what} did not complete within "
@@ -158,5 +168,24 @@ class TorchComm:
         return self._handle(work, f"broadcast ({role.value}) from {src}", tensor)
 
     def barrier(self) -> Handle:
+        # On NCCL the barrier runs on the device bound at init (``device_id``), not a guess.
         work = dist.barrier(group=self._group, async_op=True)
         return self._handle(work, "barrier", None)
+
+    def cpu_side_group(self) -> TorchComm:
+        """A communicator over a new Gloo group of the same ranks, for host-side bookkeeping
+        (metrics, evaluation sums, checkpoint barriers) that must not queue behind this group's
+        collectives (on NCCL one communicator is one stream).
+
+        Every rank of the world must call it at the same point (``new_group`` is collective)."""
+        ranks = None if self._group is None else dist.get_process_group_ranks(self._group)
+        timeout = None if self._timeout_s is None else process_group_timeout(self._timeout_s)
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        return TorchComm(group, timeout_s=self._timeout_s)
+
+
+def process_group_timeout(collective_timeout_s: float) -> timedelta:
+    """The process group's own timeout for a run whose waits give up after
+    ``collective_timeout_s``: longer, so that the wait's :class:`CollectiveTimeout` (with its
+    rank, collective and fix) fires before NCCL's watchdog tears the process down."""
+    return timedelta(seconds=collective_timeout_s + max(60.0, 0.25 * collective_timeout_s))

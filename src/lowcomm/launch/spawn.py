@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ from torch.multiprocessing.spawn import (
     ProcessRaisedException,
     start_processes,
 )
+
+from lowcomm.launch.devices import bind_device, check_gpu_count, init_options
 
 T = TypeVar("T")
 
@@ -46,18 +47,20 @@ def under_torchrun() -> bool:
     )
 
 
-def backend_for(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
-
-
 def init_from_env(*, device: str, timeout_s: float) -> None:
-    """Join the process group described by torchrun's environment variables."""
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = datetime.timedelta(seconds=timeout_s)
+    """Join the process group described by torchrun's environment variables, on this
+    process's device (``cuda:LOCAL_RANK`` for cuda, checked against the node's GPUs)."""
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    bound = bind_device(
+        device,
+        int(os.environ.get("LOCAL_RANK", "0")),
+        local_world_size=int(local_world) if local_world else None,
+    )
+    options = init_options(bound, timeout_s)
+    timeout = options["timeout"]
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restarts is None or "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend_for(device), timeout=timeout)
+        dist.init_process_group(**options)
         return
     # An elastic restart reuses the agent's store: without a per-attempt prefix the new
     # workers would read the dead attempt's Gloo addresses and fail to connect.
@@ -71,11 +74,10 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
         timeout=timeout,
     )
     dist.init_process_group(
-        backend_for(device),
         store=dist.PrefixStore(f"lowcomm/attempt{restarts}", store),  # type: ignore[attr-defined]
         rank=rank,
         world_size=world_size,
-        timeout=timeout,
+        **options,
     )
 
 
@@ -94,15 +96,10 @@ def _worker_entry(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
+    bound = bind_device(device, local_rank, local_world_size=world_size)
     store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
     dist.init_process_group(
-        backend_for(device),
-        store=store,
-        rank=local_rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        store=store, rank=local_rank, world_size=world_size, **init_options(bound, timeout_s)
     )
     try:
         result = fn(*args)
@@ -140,6 +137,8 @@ def spawn_workers(
     """
     if world_size < 1:
         raise ValueError(f"world_size: {world_size} must be >= 1")
+    if device == "cuda":
+        check_gpu_count(world_size)  # before any process starts
     scratch = tempfile.mkdtemp(prefix="lowcomm-spawn-")
     try:
         store_path = os.path.join(scratch, "store")

@@ -1,5 +1,6 @@
 """Low-precision encodings of outer gradients (Streaming DiLoCo §"low-precision outer
-gradients", docs/ALGORITHMS.md §4.2), all on CPU.
+gradients", docs/ALGORITHMS.md §4.2), on the device of the values (no host copy: on GPU the
+payload is encoded, sent and decoded where the outer gradient lives).
 
 Each format turns a 1-D float32 tensor into a flat ``uint8`` payload, the exact bytes that go on
 the wire, and back:
@@ -59,15 +60,14 @@ def encoded_bytes(numel: int, fmt: QuantizationFormat, row_size: int = 256) -> i
 
 def _row_view(values: torch.Tensor, row_size: int) -> torch.Tensor:
     rows = _rows(values.numel(), row_size)
-    padded = torch.zeros(rows * row_size, dtype=torch.float32)
-    padded[: values.numel()] = values
-    return padded.view(rows, row_size)
+    padding = values.new_zeros(rows * row_size - values.numel(), dtype=torch.float32)
+    return torch.cat([values.float(), padding]).view(rows, row_size)
 
 
 def encode(values: torch.Tensor, fmt: QuantizationFormat, row_size: int = 256) -> torch.Tensor:
     """Quantize a 1-D tensor into its ``uint8`` wire payload."""
     _check(fmt, row_size)
-    flat = values.detach().reshape(-1).float().cpu()
+    flat = values.detach().reshape(-1).float()
     if fmt == "none":
         return flat.clone().view(torch.uint8)
     if fmt == "bf16":
@@ -85,7 +85,7 @@ def encode(values: torch.Tensor, fmt: QuantizationFormat, row_size: int = 256) -
         levels = scaled.round().clamp(-_INT4_MAX, _INT4_MAX).to(torch.int16) + 8  # in [1, 15]
         levels = levels.reshape(-1)
         if levels.numel() % 2:
-            levels = torch.cat([levels, torch.full((1,), 8, dtype=torch.int16)])
+            levels = torch.cat([levels, torch.full((1,), 8, dtype=torch.int16, device=levels.device)])
         pairs = levels.view(-1, 2)
         code_bytes = (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
     return torch.cat([code_bytes, scales.float().contiguous().view(torch.uint8)])
@@ -123,7 +123,7 @@ def decode(
 def error_bound(values: torch.Tensor, fmt: QuantizationFormat, row_size: int = 256) -> torch.Tensor:
     """The per-element bound on ``|decode(encode(x)) - x|`` stated in the module docstring."""
     _check(fmt, row_size)
-    flat = values.detach().reshape(-1).float().cpu()
+    flat = values.detach().reshape(-1).float()
     if fmt == "none":
         return torch.zeros_like(flat)
     if fmt == "bf16":

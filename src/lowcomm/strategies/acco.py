@@ -58,7 +58,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
-    clip_coefficient,
+    clip_,
 )
 from lowcomm.strategies.flat import FlatBuffers
 
@@ -319,7 +319,7 @@ class _ShardedOverlap(Strategy):
             self.last_chain_stream = (
                 torch.cuda.current_stream(self.flat.device) if self.stream is not None else None
             )
-            count = torch.tensor([float(local_count)], dtype=torch.float64, device=source.device)
+            count = torch.full((1,), float(local_count), dtype=torch.float64, device=source.device)
             self.inner.all_reduce(count, op="sum", role=Role.OTHER).wait()
             total = round(float(count.item()))
             self.inner.reduce_scatter(self.shard_grad, source, op="sum", role=Role.GRADIENT).wait()
@@ -327,9 +327,7 @@ class _ShardedOverlap(Strategy):
             if self.context.max_grad_norm is not None:
                 squared = grad.square().sum().reshape(1).double()
                 self.inner.all_reduce(squared, op="sum", role=Role.OTHER).wait()
-                scale = clip_coefficient(float(squared), self.context.max_grad_norm)
-                if scale < 1.0:
-                    grad.mul_(scale)
+                clip_(grad, squared, self.context.max_grad_norm)
             if mode is _Mode.COMMIT:
                 self.optimizer.step(grad, lr=lr)
                 out = self.optimizer.master
@@ -358,7 +356,7 @@ class _ShardedOverlap(Strategy):
     ) -> _Chain:
         """Start a chain on the communication thread and account for its collectives."""
         if self.thread is None:
-            self.thread = CommThread()
+            self.thread = CommThread(device=self.flat.device)
         if self.stream is not None:
             # B was written on the main stream: the side stream must see it.
             self.stream.wait_stream(torch.cuda.current_stream(self.flat.device))

@@ -155,6 +155,18 @@ def clip_coefficient(squared_norm: float, max_norm: float | None) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
+def clip_(grads: torch.Tensor, squared_norm: torch.Tensor, max_norm: float | None) -> None:
+    """Scale ``grads`` in place to L2 norm at most ``max_norm``, given its squared norm.
+
+    The factor is computed on the gradients' device (no host read, which on a GPU would wait
+    for every queued kernel), in float64 like :func:`clip_coefficient`, so the result is the
+    same bit for bit: ``min(1, max_norm / (sqrt(squared_norm) + 1e-6))``."""
+    if max_norm is None:
+        return
+    norm = squared_norm.detach().double().reshape(()).sqrt()
+    grads.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+
 def run_microbatches(closure: Closure, count: int) -> tuple[float, int, int]:
     """Run ``count`` micro-batches; return (mean loss, samples, tokens)."""
     total_loss = 0.0

@@ -45,7 +45,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
-    clip_coefficient,
+    clip_,
     run_microbatches,
 )
 from lowcomm.strategies.flat import FlatBuffers
@@ -284,9 +284,7 @@ class _LocalUpdate(Strategy):
             if count > 1:
                 grads.div_(count)
             # Local methods clip the worker's own gradient (there is no averaged one).
-            scale = clip_coefficient(float(grads.square().sum()), self.context.max_grad_norm)
-            if scale < 1.0:
-                grads.mul_(scale)
+            clip_(grads, grads.square().sum(), self.context.max_grad_norm)
             self.inner.step(grads, lr=lr)
             if self._separate_master:
                 self.flat.params.copy_(self.inner.master)

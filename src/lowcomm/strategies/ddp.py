@@ -24,7 +24,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
-    clip_coefficient,
+    clip_,
     run_microbatches,
 )
 from lowcomm.strategies.flat import FlatBuffers
@@ -57,9 +57,7 @@ class DDP(Strategy):
         self.comm.all_reduce(grads, op="mean", role=Role.GRADIENT).wait()
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            scale = clip_coefficient(float(grads.float().square().sum()), self.context.max_grad_norm)
-            if scale < 1.0:
-                grads.mul_(scale)
+            clip_(grads, grads.float().square().sum(), self.context.max_grad_norm)
             self.optimizer.step(grads if grads.dtype == torch.float32 else grads.float(), lr=lr)
             if self.optimizer.master is not self.flat.params:
                 self.flat.params.copy_(self.optimizer.master)

@@ -95,7 +95,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
-    clip_coefficient,
+    clip_,
     run_microbatches,
 )
 from lowcomm.strategies.flat import FlatBuffers
@@ -464,9 +464,7 @@ class Desloc(Strategy):
         if self.options.clip_rho is not None:
             grad.clamp_(-self.options.clip_rho, self.options.clip_rho)
         if self.context.max_grad_norm is not None:
-            scale = clip_coefficient(float(grad.square().sum()), self.context.max_grad_norm)
-            if scale < 1.0:
-                grad.mul_(scale)
+            clip_(grad, grad.square().sum(), self.context.max_grad_norm)
         return grad
 
     def step(self, closure: Closure) -> StepStats:

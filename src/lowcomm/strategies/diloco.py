@@ -38,7 +38,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
-    clip_coefficient,
+    clip_,
     run_microbatches,
 )
 from lowcomm.strategies.flat import FlatBuffers
@@ -296,10 +296,12 @@ class OuterExchange:
         self.row_size = row_size
         self.launch_time = _clock_now(comm)
         self._result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        extras32 = extras.detach().float().reshape(-1).cpu()
+        # Everything handed to the collective lives on Delta's device (NCCL moves GPU tensors
+        # only); the extras may come from the host.
+        extras32 = extras.detach().float().reshape(-1).to(delta.device)
         if quantization == "none":
             self._own = delta.detach().float().clone()
-            self._buffer = torch.cat([self._own, extras32.to(self._own.device)])
+            self._buffer = torch.cat([self._own, extras32])
             self.handle: Handle = comm.all_reduce(self._buffer, op="mean", role=Role.PSEUDO_GRADIENT)
         else:
             payload = encode(delta, quantization, row_size)
@@ -307,7 +309,9 @@ class OuterExchange:
             self._own = decode(payload, self.numel, quantization, row_size)
             send = torch.cat([payload, extras32.contiguous().view(torch.uint8)])
             self._send = send
-            self._buffer = torch.empty(comm.world_size * send.numel(), dtype=torch.uint8)
+            self._buffer = torch.empty(
+                comm.world_size * send.numel(), dtype=torch.uint8, device=send.device
+            )
             self.handle = comm.all_gather(self._buffer, send, role=Role.PSEUDO_GRADIENT)
         self.sync_seconds: float | None = None
         self.finish_time: float | None = None
@@ -334,8 +338,8 @@ class OuterExchange:
         else:
             rows = self._buffer.view(self.comm.world_size, -1)
             cut = rows.shape[1] - 4 * self.extras_numel
-            mean = torch.zeros(self.numel, dtype=torch.float32)
-            extras = torch.zeros(self.extras_numel, dtype=torch.float32)
+            mean = torch.zeros(self.numel, dtype=torch.float32, device=rows.device)
+            extras = torch.zeros(self.extras_numel, dtype=torch.float32, device=rows.device)
             for worker in range(self.comm.world_size):
                 mean += decode(rows[worker, :cut].clone(), self.numel, self.quantization, self.row_size)
                 if self.extras_numel:
@@ -466,9 +470,7 @@ class OuterLoopStrategy(Strategy):
             if count > 1:
                 grads.div_(count)
             # Clipping is local: the inner gradient is never communicated.
-            scale = clip_coefficient(float(grads.square().sum()), self.context.max_grad_norm)
-            if scale < 1.0:
-                grads.mul_(scale)
+            clip_(grads, grads.square().sum(), self.context.max_grad_norm)
             if self.inner is None:
                 self.master.add_(grads, alpha=-lr)
             else:

@@ -28,7 +28,7 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
-    clip_coefficient,
+    clip_,
     run_microbatches,
 )
 from lowcomm.strategies.flat import FlatBuffers
@@ -74,9 +74,7 @@ class ZeRO1(Strategy):
                 # The global norm needs every shard's share: one scalar all-reduce.
                 squared = grad.square().sum().reshape(1).double()
                 self.comm.all_reduce(squared, op="sum", role=Role.OTHER).wait()
-                scale = clip_coefficient(float(squared), self.context.max_grad_norm)
-                if scale < 1.0:
-                    grad.mul_(scale)
+                clip_(grad, squared, self.context.max_grad_norm)
             self.optimizer.step(grad, lr=lr)
             update = self.optimizer.master.to(self.flat.dtype)
         self.comm.all_gather(self.flat.params, update, role=Role.PARAMETER).wait()

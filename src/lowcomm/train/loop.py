@@ -66,36 +66,58 @@ class WorkerSummary:
 
 
 def _evaluate(
-    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], raw: Comm
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], bookkeeping: Comm
 ) -> float:
-    """Mean validation loss over all workers' batches (each worker evaluates its own)."""
+    """Mean validation loss over all workers' batches (each worker evaluates its own).
+
+    The losses are summed on the model's device (no host read per batch) and the two sums
+    travel on the bookkeeping group as a CPU tensor on every worker, batches or not: that
+    group is Gloo (NCCL would reject a CPU tensor, and a worker without a validation batch
+    has no device tensor to offer)."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=batches[0][0].device if batches else "cpu")
+    loss_sum: torch.Tensor | None = None
     with torch.no_grad():
         for inputs, targets in batches:
             _, loss = model(inputs, targets)
             assert loss is not None
-            total[0] += float(loss)
-            total[1] += 1
+            term = loss.detach().double()
+            loss_sum = term if loss_sum is None else loss_sum + term
     model.train(was_training)
-    raw.all_reduce(total, op="sum", role=Role.OTHER).wait()
+    total = torch.zeros(2, dtype=torch.float64)
+    if loss_sum is not None:
+        total[0] = loss_sum.cpu()  # the one host read of the evaluation
+        total[1] = len(batches)
+    bookkeeping.all_reduce(total, op="sum", role=Role.OTHER).wait()
     return float(total[0] / total[1]) if total[1] > 0 else math.nan
 
 
-def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = False) -> WorkerSummary:
+def train_worker(
+    config: TrainConfig,
+    raw: Comm,
+    *,
+    keep_parameters: bool = False,
+    bookkeeping: Comm | None = None,
+) -> WorkerSummary:
     """Train on this process. ``raw`` is the un-emulated communicator of the process group;
     strategy traffic goes through a :class:`NetworkComm` around it (or, with
     ``--ranks-per-worker R > 1``, a :class:`HierarchicalComm` over an inner and an outer
-    ``NetworkComm``), metrics go around it. With ``keep_parameters`` the summary carries the
-    final parameters (for tests)."""
+    ``NetworkComm``). Metrics, evaluation sums and checkpoint barriers go on ``bookkeeping``,
+    a separate group of CPU tensors (by default a Gloo group made here on every rank, see
+    :func:`bookkeeping_comm`), never on the strategy's group: on NCCL one communicator is one
+    queue, and a small gather behind an in-flight all-reduce would wait for all of it. With
+    ``keep_parameters`` the summary carries the final parameters (for tests)."""
     rank, world_size = raw.rank, raw.world_size
+    if bookkeeping is None:
+        bookkeeping = bookkeeping_comm(raw)
     ranks_per_worker = config.ranks_per_worker
     # This process is local rank `replica` of worker `worker` (both = rank with flat workers).
     worker, replica = divmod(rank, ranks_per_worker)
     workers = world_size // ranks_per_worker
     device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     torch.manual_seed(config.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     corpus = prepare_corpus(config.data)
     model = build_model(config.model, corpus.vocab_size).to(device)
     # Same seed gives the same initial model everywhere; broadcast anyway (uncharged) so that
@@ -109,6 +131,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         config.clock,
         speed_factor=profile.speed_factor(worker),
         seconds_per_microbatch=config.seconds_per_microbatch,
+        device=device,
     )
     comm: NetworkComm | HierarchicalComm
     inner_comm: Comm | None = None
@@ -149,9 +172,15 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         if x[rows].shape[0] > 0
     ]
 
+    def to_device(batch: torch.Tensor) -> torch.Tensor:
+        if device.type != "cuda":
+            return batch.to(device)
+        # From pinned memory the copy is asynchronous: the host goes on queuing kernels.
+        return batch.pin_memory().to(device, non_blocking=True)
+
     def closure() -> MicroBatchResult:
         inputs, targets = shard.next_batch()
-        inputs, targets = inputs.to(device), targets.to(device)
+        inputs, targets = to_device(inputs), to_device(targets)
         _, loss = model(inputs, targets)
         assert loss is not None
         loss.backward()
@@ -178,10 +207,10 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         shard.load_state_dict(saved["data"])
         clock.load_state_dict(saved["clock"])
         comm.load_state_dict(saved["comm"])
-        torch.set_rng_state(saved["rng"]["torch"].cpu())
+        _restore_rng(saved["rng"], device)
         tokens_total = int(saved["tokens"])
         val_loss = float(saved["val_loss"])
-    raw.barrier().wait()  # every worker has read its file before anyone writes a new one
+    bookkeeping.barrier().wait()  # every worker has read its file before anyone writes a new one
 
     writer = RunWriter(config, resume_step=start_step if resume_from is not None else None) if rank == 0 else None
     start_wall = time.perf_counter()
@@ -194,6 +223,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
             now = clock.now()
             tokens_total += stats.tokens
             with clock.excluded():
+                # CPU: the bookkeeping group is Gloo (the readings are host floats anyway).
                 local = torch.tensor(
                     [
                         stats.loss,
@@ -207,13 +237,10 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
                         float(_all_finite(model)),
                     ],
                     dtype=torch.float64,
-                    device=device,
                 )
-                gathered = torch.zeros(
-                    world_size * len(_STEP_FIELDS), dtype=torch.float64, device=device
-                )
-                raw.all_gather(gathered, local, role=Role.OTHER).wait()
-                per_worker = gathered.view(world_size, len(_STEP_FIELDS)).cpu()
+                gathered = torch.zeros(world_size * len(_STEP_FIELDS), dtype=torch.float64)
+                bookkeeping.all_gather(gathered, local, role=Role.OTHER).wait()
+                per_worker = gathered.view(world_size, len(_STEP_FIELDS))
                 bad = [r for r in range(world_size) if not math.isfinite(float(per_worker[r, 0]))]
                 if bad:
                     raise NonFiniteLoss(
@@ -232,7 +259,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
                 evaluate = (step + 1) % config.eval_every == 0 and not is_last
                 if evaluate:
                     with strategy.deployed() as deployed_model:
-                        val_loss = _evaluate(deployed_model, my_val, raw)
+                        val_loss = _evaluate(deployed_model, my_val, bookkeeping)
                 if writer is not None:
                     writer.write_step(
                         StepRecord.from_tensor(
@@ -249,7 +276,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
                 every = config.checkpoint_every
                 if (every is not None and (step + 1) % every == 0 and not is_last) or stopped:
                     _save_checkpoint(
-                        config, run_dir, step + 1, raw, model, strategy, shard, clock, comm,
+                        config, run_dir, step + 1, bookkeeping, model, strategy, shard, clock, comm,
                         tokens_total, val_loss,
                     )
             if stopped:
@@ -271,7 +298,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         strategy.finish()
         final_clock = clock.now()
         with clock.excluded(), strategy.deployed() as deployed_model:
-            val_loss = _evaluate(deployed_model, my_val, raw)
+            val_loss = _evaluate(deployed_model, my_val, bookkeeping)
     finally:
         if writer is not None:
             writer.close_steps()
@@ -287,22 +314,21 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         tokens=tokens_total,
         parameters=_flat_parameters(model) if keep_parameters else None,
     )
-    # Every worker's summary goes to rank 0 through the raw group (uncharged).
+    # Every worker's summary goes to rank 0 through the bookkeeping group (uncharged).
     levels = comm.level_counters() if isinstance(comm, HierarchicalComm) else None
     level_columns = (
         [levels[name][key] for name in ("inner", "outer") for key in ("bytes_sent", "exposed_comm_s")]
         if levels is not None
         else [0.0, 0.0, summary.bytes_sent, summary.exposed_comm_s]
     )
+    peak_memory = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0
     packed = torch.tensor(
         [summary.compute_s, summary.exposed_comm_s, summary.clock_s, summary.bytes_sent,
-         float(summary.state_bytes), float(summary.tokens), *level_columns],
+         float(summary.state_bytes), float(summary.tokens), *level_columns, peak_memory],
         dtype=torch.float64,
-        device=device,
     )
-    everyone = torch.zeros(world_size * packed.numel(), dtype=torch.float64, device=device)
-    raw.all_gather(everyone, packed, role=Role.OTHER).wait()
-    everyone = everyone.cpu()
+    everyone = torch.zeros(world_size * packed.numel(), dtype=torch.float64)
+    bookkeeping.all_gather(everyone, packed, role=Role.OTHER).wait()
     if writer is not None:
         num_params = sum(p.numel() for p in model.parameters())
         writer.finish(
@@ -336,11 +362,33 @@ def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
     return Path(config.resume)
 
 
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The random generators a resumed run must continue: the CPU's and, on a GPU, the
+    device's (dropout masks are drawn there)."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _restore_rng(saved: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Undo :func:`_rng_state` (the tensors may have been loaded onto the GPU). A checkpoint
+    written on the CPU and resumed on a GPU has no CUDA state to restore; such a resume is
+    not bit-exact anyway (other kernels)."""
+    torch.set_rng_state(saved["torch"].cpu())
+    if device.type == "cuda" and "cuda" in saved:
+        torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
+
+
 def _save_checkpoint(
     config: TrainConfig,
     run_dir: Path,
     step: int,
-    raw: Comm,
+    bookkeeping: Comm,
     model: torch.nn.Module,
     strategy: Strategy,
     shard: WorkerShard,
@@ -357,18 +405,19 @@ def _save_checkpoint(
         "data": shard.state_dict(),
         "clock": clock.state_dict(),
         "comm": comm.state_dict(),
-        "rng": {"torch": torch.get_rng_state()},
+        "rng": _rng_state(_model_device(model)),
         "tokens": tokens,
         "val_loss": val_loss,
         "step": step,
     }
-    checkpoint.write_rank_state(run_dir, step, raw.rank, state)
-    raw.barrier().wait()
-    if raw.rank == 0:
+    checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
+    bookkeeping.barrier().wait()
+    if bookkeeping.rank == 0:
         checkpoint.commit_checkpoint(
-            run_dir, step, raw.world_size, checkpoint.fingerprint(config), keep=config.keep_checkpoints
+            run_dir, step, bookkeeping.world_size, checkpoint.fingerprint(config),
+            keep=config.keep_checkpoints,
         )
-    raw.barrier().wait()
+    bookkeeping.barrier().wait()
 
 
 def spawned_train(config: TrainConfig) -> WorkerSummary:
@@ -376,3 +425,16 @@ def spawned_train(config: TrainConfig) -> WorkerSummary:
     from lowcomm.comm.torch_comm import TorchComm
 
     return train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
+
+
+def bookkeeping_comm(raw: Comm) -> Comm:
+    """The communicator for metrics, evaluation sums and checkpoint barriers.
+
+    Over ``torch.distributed``: a new Gloo group of the same ranks (every rank must call this,
+    in the same order as its other group creations, as ``new_group`` requires), whatever the
+    strategy's backend. Otherwise (one worker, test fakes): ``raw`` itself."""
+    from lowcomm.comm.torch_comm import TorchComm
+
+    if isinstance(raw, TorchComm):
+        return raw.cpu_side_group()
+    return raw

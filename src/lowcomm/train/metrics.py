@@ -218,6 +218,12 @@ class RunWriter:
                 "state_bytes": [int(v) for v in state],
             },
         }
+        if self.config.device == "cuda" and per_worker.shape[1] >= 11:
+            # Column 10: torch.cuda.max_memory_allocated, the honest figure on a GPU (it
+            # includes activations and the transient copies state_bytes leaves out).
+            peak = [int(v) for v in per_worker[:, 10].tolist()]
+            summary["peak_device_memory_bytes_per_worker"] = max(peak)
+            summary["per_worker"]["peak_device_memory_bytes"] = peak
         atomic_write_text(
             self.directory / "summary.json", json.dumps(summary, indent=2, default=_json_default) + "\n"
         )

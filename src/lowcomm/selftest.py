@@ -1,0 +1,535 @@
+"""``lowcomm selftest``: the battery to run first on your own hardware (about a minute).
+
+    lowcomm selftest                 # 2 Gloo processes on the CPU
+    lowcomm selftest --device cuda   # one process per visible GPU, NCCL
+
+Every process runs the same checks; a check passes when it passes on every rank. The report
+names the backend, NCCL version and devices, the link bandwidth measured with a real
+all-reduce, and pass or fail per check with the fix for each failure; the exit code is 1 when
+any check failed.
+
+The checks:
+
+* **device binding**: every process drives its own GPU.
+* **collectives**: all-reduce (sum, mean, max), reduce-scatter, all-gather, broadcast and
+  barrier, each launched asynchronously with compute running on the device while it is in
+  flight, results compared exactly.
+* **bookkeeping group**: a small gather on the separate Gloo group completes while a large
+  all-reduce is in flight on the strategy's group (metrics never queue behind training).
+* **bandwidth**: a timed all-reduce (report only).
+* **real clock**: compute queued on the GPU is charged to compute when the clock reads time.
+* **methods**: a few steps of each method family (DDP, ZeRO-1, ACCO with its communication
+  thread and, on a GPU, its side stream, CO2, DiLoCo with an int4-quantized exchange,
+  streaming DiLoCo, eager, CoCoDC, DES-LOC) on the device, compared with the same run on the
+  CPU over the Gloo group (on the CPU the two runs must agree exactly).
+* **checkpoint**: a run stopped mid-period, saved, restored into fresh objects and resumed
+  equals the run straight through.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import torch
+
+_METHODS = (
+    "ddp", "zero1", "acco", "co2", "diloco", "streaming_diloco", "eager", "cocodc", "desloc",
+)  # fmt: skip
+_STEPS = 4
+# Relative L2 distance allowed between a run on the GPU and the same run on the CPU (kernels
+# differ in summation order; AdamW amplifies sign flips of tiny gradients to +-lr).
+_GPU_TOLERANCE = 2e-3
+
+
+@dataclass
+class Check:
+    """One check's result on one rank."""
+
+    name: str
+    passed: bool
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class RankReport:
+    rank: int
+    environment: dict[str, str] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+
+
+@dataclass
+class SelftestConfig:
+    """Options of ``lowcomm selftest``."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cpu (Gloo, 2 processes) or cuda (NCCL, one process per GPU)."""
+    workers: int | None = None
+    """Processes to start (default: 2 on cpu, every visible GPU on cuda)."""
+    timeout_s: float = 120.0
+    """A collective that takes longer fails its check."""
+
+
+# --- the worker ---------------------------------------------------------------------------
+
+
+def _run_check(report: RankReport, name: str, fix: str, body: Callable[[], str]) -> None:
+    try:
+        detail = body()
+        report.checks.append(Check(name, True, detail))
+    except Exception as error:  # a check's failure is its report, not the battery's end
+        lines = [line for line in str(error).strip().splitlines() if line.strip()]
+        message = lines[0] if lines else type(error).__name__
+        if not isinstance(error, AssertionError):
+            message = f"{type(error).__name__}: {message}"
+        report.checks.append(Check(name, False, message, fix))
+        traceback.print_exc(file=sys.stderr)
+
+
+def selftest_worker(config: SelftestConfig) -> RankReport:
+    """The battery, on one rank of an initialised process group."""
+    import torch.distributed as dist
+
+    from lowcomm.comm.torch_comm import TorchComm
+
+    rank = dist.get_rank()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if config.device == "cuda"
+        else torch.device("cpu")
+    )
+    report = RankReport(rank=rank, environment=_environment(device))
+    strategy_group = TorchComm(timeout_s=config.timeout_s)
+    bookkeeping = strategy_group.cpu_side_group()
+    nccl_fix = (
+        "rerun with NCCL_DEBUG=INFO to see the transport NCCL chose; try NCCL_P2P_DISABLE=1 or "
+        "NCCL_IB_DISABLE=1 to isolate a broken link, and check every process sees its own GPU"
+        if device.type == "cuda"
+        else "check that the loopback interface works (GLOO_SOCKET_IFNAME=lo) and that no "
+        "firewall blocks local ports"
+    )
+    _run_check(
+        report,
+        "device binding",
+        "each process must drive its own GPU: launch at most one process per GPU (torchrun "
+        "--nproc-per-node <= GPUs) and do not remap CUDA_VISIBLE_DEVICES per process",
+        lambda: _check_binding(bookkeeping, device),
+    )
+    _run_check(report, "collectives", nccl_fix, lambda: _check_collectives(strategy_group, device))
+    _run_check(
+        report,
+        "bookkeeping group",
+        "metrics waited for the training all-reduce: the bookkeeping group must be a separate "
+        "Gloo group (lowcomm.comm.torch_comm.TorchComm.cpu_side_group); report this as a bug",
+        lambda: _check_bookkeeping(strategy_group, bookkeeping, device),
+    )
+    _run_check(
+        report,
+        "bandwidth",
+        nccl_fix,
+        lambda: _measure_bandwidth(strategy_group, device, report.environment),
+    )
+    _run_check(
+        report,
+        "real clock",
+        "the real clock must wait for queued kernels before reading the time "
+        "(lowcomm.comm.clock.RealClock with device=cuda); report this as a bug",
+        lambda: _check_clock(device),
+    )
+    for method in _METHODS:
+        _run_check(
+            report,
+            f"method {method}",
+            f"{method} on {device.type} differs from the same run on the CPU or failed: rerun "
+            f"with CUBLAS_WORKSPACE_CONFIG=:4096:8 and NVIDIA_TF32_OVERRIDE=0 to rule out "
+            f"nondeterministic or TF32 kernels, then report the output as a bug"
+            if device.type == "cuda"
+            else f"{method} gave different results on two Gloo groups: report this as a bug",
+            lambda method=method: _check_method(method, strategy_group, bookkeeping, device),  # type: ignore[misc]
+        )
+    _run_check(
+        report,
+        "checkpoint and resume",
+        "a resumed run must continue the uninterrupted one: report this as a bug with the "
+        "output (and check the disk is writable)",
+        lambda: _check_resume(strategy_group, device),
+    )
+    bookkeeping.barrier().wait()
+    return report
+
+
+def _environment(device: torch.device) -> dict[str, str]:
+    import torch.distributed as dist
+
+    environment = {
+        "torch": torch.__version__,
+        "backend": str(dist.get_backend()),
+        "world_size": str(dist.get_world_size()),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        environment["device_name"] = (
+            f"{properties.name}, {properties.total_memory / 2**30:.0f} GiB, "
+            f"compute capability {properties.major}.{properties.minor}"
+        )
+        environment["cuda"] = str(torch.version.cuda)
+        nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        environment["nccl"] = ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl)
+    else:
+        environment["device_name"] = "CPU"
+    return environment
+
+
+def _check_binding(bookkeeping: Any, device: torch.device) -> str:
+    from lowcomm.comm.base import Role
+
+    index = float(device.index if device.index is not None else -1)
+    mine = torch.tensor([index], dtype=torch.float64)
+    everyone = torch.zeros(bookkeeping.world_size, dtype=torch.float64)
+    bookkeeping.all_gather(everyone, mine, role=Role.OTHER).wait()
+    if device.type != "cuda":
+        return f"{bookkeeping.world_size} processes on the CPU"
+    indices = [int(value) for value in everyone.tolist()]
+    assert len(set(indices)) == len(indices), f"processes share GPUs: devices {indices}"
+    return f"one GPU per process: cuda:{indices}"
+
+
+def _check_clock(device: torch.device) -> str:
+    from lowcomm.comm.clock import make_clock
+
+    clock = make_clock("real", device=device)
+    size = 2048 if device.type == "cuda" else 256
+    a = torch.randn(size, size, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    clock.mark()
+    begin = time.perf_counter()
+    for _ in range(20):
+        a = torch.tanh(a @ a)  # queued, not waited for, on a GPU
+    clock.mark()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    kernels_s = time.perf_counter() - begin
+    # Without the synchronisation the clock would see only the launches (microseconds). On
+    # the CPU nothing is queued; only a sanity check there (a shared CPU preempts).
+    needed = 0.5 * kernels_s if device.type == "cuda" else 0.0
+    assert clock.compute_s > needed, (
+        f"the clock charged {clock.compute_s * 1e3:.1f} ms of compute for "
+        f"{kernels_s * 1e3:.1f} ms of queued kernels"
+    )
+    return f"{clock.compute_s * 1e3:.1f} ms of compute charged for {kernels_s * 1e3:.1f} ms of kernels"
+
+
+def _busy(device: torch.device) -> torch.Tensor:
+    """Compute queued on the device while a collective is in flight."""
+    size = 512 if device.type == "cuda" else 64
+    a = torch.ones(size, size, device=device)
+    for _ in range(4):
+        a = (a @ a).clamp_(max=1.0)
+    return a
+
+
+def _check_collectives(comm: Any, device: torch.device) -> str:
+    from lowcomm.comm.base import Role
+
+    n, r = comm.world_size, comm.rank
+    size = 1 << 16
+    mine = torch.full((size,), float(r + 1), device=device)
+    expected_sum = n * (n + 1) / 2
+    results: list[str] = []
+
+    def overlapped(launch: Callable[[], Any]) -> None:
+        handle = launch()
+        _busy(device)  # the device computes while the collective is in flight
+        handle.wait()
+
+    for op, want in (("sum", expected_sum), ("mean", expected_sum / n), ("max", float(n))):
+        tensor = mine.clone()
+        overlapped(functools.partial(comm.all_reduce, tensor, op=op, role=Role.OTHER))
+        assert torch.all(tensor == want), f"all_reduce {op}: got {tensor[0].item()}, want {want}"
+        results.append(f"all_reduce {op}")
+    gathered = torch.empty(n * size, device=device)
+    overlapped(lambda: comm.all_gather(gathered, mine, role=Role.OTHER))
+    want_gather = torch.arange(1, n + 1, device=device, dtype=torch.float32).repeat_interleave(size)
+    assert torch.equal(gathered, want_gather), "all_gather: the pieces are not in rank order"
+    results.append("all_gather")
+    scattered = torch.empty(size, device=device)
+    full = torch.arange(n * size, device=device, dtype=torch.float32)
+    overlapped(lambda: comm.reduce_scatter(scattered, full, op="sum", role=Role.OTHER))
+    want_scatter = full[r * size : (r + 1) * size] * n
+    assert torch.equal(scattered, want_scatter), "reduce_scatter: wrong shard or sum"
+    results.append("reduce_scatter")
+    sent = torch.full((size,), float(r + 7), device=device)
+    overlapped(lambda: comm.broadcast(sent, src=n - 1, role=Role.OTHER))
+    assert torch.all(sent == float(n + 6)), "broadcast: the value is not the source's"
+    results.append("broadcast")
+    comm.barrier().wait()
+    results.append("barrier")
+    return ", ".join(results) + f" correct with compute in flight ({n} ranks)"
+
+
+def _check_bookkeeping(strategy_group: Any, bookkeeping: Any, device: torch.device) -> str:
+    from lowcomm.comm.base import Role
+
+    big = torch.ones((256 << 20) // 4 if device.type == "cuda" else (4 << 20) // 4, device=device)
+    begin = time.perf_counter()
+    training = strategy_group.all_reduce(big, op="sum", role=Role.GRADIENT)
+    small = torch.full((4,), float(bookkeeping.rank), dtype=torch.float64)
+    gathered = torch.zeros(4 * bookkeeping.world_size, dtype=torch.float64)
+    bookkeeping.all_gather(gathered, small, role=Role.OTHER).wait()
+    metrics_s = time.perf_counter() - begin
+    training.wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    training_s = time.perf_counter() - begin
+    want = torch.arange(bookkeeping.world_size, dtype=torch.float64).repeat_interleave(4)
+    assert torch.equal(gathered, want), "the bookkeeping gather returned wrong values"
+    assert torch.all(big == strategy_group.world_size), "the training all-reduce returned wrong values"
+    # Timed on a GPU only: on a shared CPU both transfers compete for the same cores.
+    if device.type == "cuda" and training_s > 0.05:
+        assert metrics_s < 0.8 * training_s, (
+            f"the metrics gather took {metrics_s * 1e3:.1f} ms, as long as the "
+            f"{training_s * 1e3:.1f} ms all-reduce in flight: it waited behind it"
+        )
+    return (
+        f"metrics gather {metrics_s * 1e3:.1f} ms beside a {big.numel() * 4 >> 20} MiB "
+        f"all-reduce of {training_s * 1e3:.1f} ms (separate Gloo group)"
+    )
+
+
+def _measure_bandwidth(comm: Any, device: torch.device, environment: dict[str, str]) -> str:
+    from lowcomm.comm.base import Role
+
+    size_bytes = (256 << 20) if device.type == "cuda" else (16 << 20)
+    tensor = torch.ones(size_bytes // 4, device=device)
+    comm.all_reduce(tensor, op="sum", role=Role.OTHER).wait()  # warm-up (connections)
+    repeats = 5 if device.type == "cuda" else 3
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    comm.barrier().wait()
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        comm.all_reduce(tensor, op="sum", role=Role.OTHER).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - begin) / repeats
+    n = comm.world_size
+    # Bus bandwidth: what each rank's link carried in a ring all-reduce (NCCL-tests' busbw).
+    bus_gbps = 2 * (n - 1) / n * size_bytes * 8 / seconds / 1e9 if n > 1 else math.inf
+    environment["allreduce_bus_gbps"] = f"{bus_gbps:.2f}"
+    return (
+        f"all-reduce of {size_bytes >> 20} MiB in {seconds * 1e3:.1f} ms: bus bandwidth "
+        f"{bus_gbps:.2f} Gbit/s per rank (give lowcomm plan/train --bandwidth-gbps this figure)"
+    )
+
+
+# --- method runs ----------------------------------------------------------------------------
+
+
+def _options() -> SimpleNamespace:
+    from lowcomm.strategies.acco import AccoOptions
+    from lowcomm.strategies.co2 import LocalOptions
+    from lowcomm.strategies.desloc import DeslocOptions
+    from lowcomm.strategies.diloco import DiLoCoOptions
+
+    return SimpleNamespace(
+        acco=AccoOptions(),
+        local=LocalOptions(sync_every=2),
+        diloco=DiLoCoOptions(sync_every=2, quantization="int4", quantization_row_size=64),
+        desloc=DeslocOptions(param_period=2, first_moment_period=2, second_moment_period=4),
+    )
+
+
+def _tiny_model(device: torch.device) -> torch.nn.Module:
+    from lowcomm.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0))
+    return model.to(device)
+
+
+def _batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10_000 * rank + step)
+    tokens = torch.randint(0, 64, (2, 17), generator=generator)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def _build(
+    method: str, raw: Any, device: torch.device
+) -> tuple[Any, torch.nn.Module, Any, Any]:
+    """(strategy, model, network comm, clock) of a short deterministic run on ``device``:
+    the virtual clock with a declared micro-batch cost, so clock-driven choices (ACCO's
+    micro-batch counts, CoCoDC's schedule) are the same on every device."""
+    from lowcomm.comm.clock import make_clock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.optim import AdamWConfig
+    from lowcomm.strategies import StrategyContext, build_strategy
+
+    clock = make_clock("virtual", seconds_per_microbatch=0.05, device=device)
+    comm = NetworkComm(raw, NetworkProfile.from_preset("ethernet"), clock, device=device)
+    model = _tiny_model(device)
+    context = StrategyContext(optim=AdamWConfig(lr=1e-3), total_steps=2 * _STEPS, max_grad_norm=1.0)
+    return build_strategy(method, model, comm, context, _options()), model, comm, clock
+
+
+def _train(strategy: Any, model: torch.nn.Module, clock: Any, steps: range, rank: int) -> float:
+    from lowcomm.strategies import MicroBatchResult
+
+    device = next(model.parameters()).device
+    counter = {"microbatch": 0}
+    loss_total = 0.0
+    for step in steps:
+
+        def closure(step: int = step) -> MicroBatchResult:
+            inputs, targets = _batch(1000 * step + counter["microbatch"], rank, device)
+            counter["microbatch"] += 1
+            _, loss = model(inputs, targets)
+            assert loss is not None
+            loss.backward()
+            clock.microbatch_done()
+            return MicroBatchResult(loss=float(loss.detach()), samples=2, tokens=inputs.numel())
+
+        counter["microbatch"] = 0
+        loss_total = strategy.step(closure).loss
+    return loss_total
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])
+
+
+def _check_method(method: str, strategy_group: Any, bookkeeping: Any, device: torch.device) -> str:
+    strategy, model, _, clock = _build(method, strategy_group, device)
+    loss = _train(strategy, model, clock, range(_STEPS), strategy_group.rank)
+    stream_note = ""
+    if method == "acco" and device.type == "cuda":
+        side = getattr(strategy, "last_chain_stream", None)
+        assert side is not None and side != torch.cuda.default_stream(device), (
+            "ACCO's chain ran on the default stream, not its side stream"
+        )
+        stream_note = ", chain on the side stream"
+    strategy.finish()
+    reference, reference_model, _, reference_clock = _build(method, bookkeeping, torch.device("cpu"))
+    reference_loss = _train(reference, reference_model, reference_clock, range(_STEPS), bookkeeping.rank)
+    reference.finish()
+    for each in (strategy, reference):
+        close = getattr(getattr(each, "thread", None), "close", None)
+        if close is not None:
+            close()
+    ours, theirs = _flat(model), _flat(reference_model)
+    distance = float((ours - theirs).norm() / theirs.norm().clamp(min=1e-12))
+    assert math.isfinite(loss), f"loss {loss} is not finite"
+    if device.type == "cpu":
+        assert distance == 0.0, f"two identical runs differ (relative L2 {distance:.2e})"
+    else:
+        assert distance <= _GPU_TOLERANCE, (
+            f"parameters differ from the CPU run by {distance:.2e} (relative L2; allowed "
+            f"{_GPU_TOLERANCE:.0e})"
+        )
+    return (
+        f"{_STEPS} steps, loss {loss:.4f} (CPU {reference_loss:.4f}), parameters within "
+        f"{distance:.1e} of the CPU run{stream_note}"
+    )
+
+
+def _check_resume(strategy_group: Any, device: torch.device) -> str:
+    method, stop = "diloco", 3  # mid-period: outer state and anchors must survive
+    strategy, model, _, clock = _build(method, strategy_group, device)
+    _train(strategy, model, clock, range(2 * _STEPS), strategy_group.rank)
+    straight = _flat(model)
+    strategy, model, comm, clock = _build(method, strategy_group, device)
+    _train(strategy, model, clock, range(stop), strategy_group.rank)
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "strategy": strategy.state_dict(),
+            "model": model.state_dict(),
+            "clock": clock.state_dict(),
+            "comm": comm.state_dict(),
+        },
+        buffer,
+    )
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True, map_location=device)
+    strategy, model, comm, clock = _build(method, strategy_group, device)
+    model.load_state_dict(saved["model"])
+    strategy.load_state_dict(saved["strategy"])
+    clock.load_state_dict(saved["clock"])
+    comm.load_state_dict(saved["comm"])
+    _train(strategy, model, clock, range(stop, 2 * _STEPS), strategy_group.rank)
+    resumed = _flat(model)
+    distance = float((resumed - straight).norm() / straight.norm())
+    # Exact on the CPU; on a GPU some backward kernels (embedding) add in a varying order.
+    limit = 0.0 if device.type == "cpu" else 1e-4
+    assert distance <= limit, f"the resumed run differs from the straight one by {distance:.2e}"
+    return f"{method}: stopped at step {stop} of {2 * _STEPS}, resumed run equals the straight run"
+
+
+# --- the parent -----------------------------------------------------------------------------
+
+
+def run_selftest(config: SelftestConfig) -> int:
+    """Run the battery, print the report; return the exit code (0 when every check passed)."""
+    from lowcomm.launch import WorkerFailed, spawn_workers
+
+    begin = time.perf_counter()
+    workers = config.workers
+    if workers is None:
+        workers = max(1, torch.cuda.device_count()) if config.device == "cuda" else 2
+    print(f"lowcomm selftest: {workers} processes on {config.device}", flush=True)
+    try:
+        reports = spawn_workers(
+            selftest_worker, workers, (config,), device=config.device, timeout_s=config.timeout_s
+        )
+    except (WorkerFailed, ValueError) as error:
+        print(f"FAIL  start-up: {error}")
+        print(
+            "      fix: check the driver (nvidia-smi), CUDA_VISIBLE_DEVICES and that "
+            "torch.cuda.is_available() is True; or run lowcomm selftest --device cpu"
+        )
+        return 1
+    print(format_report(reports, time.perf_counter() - begin))
+    failed = any(not check.passed for report in reports for check in report.checks)
+    return 1 if failed else 0
+
+
+def format_report(reports: list[RankReport], seconds: float) -> str:
+    first = reports[0]
+    env = first.environment
+    lines = [
+        f"torch {env['torch']}, backend {env['backend']}, {env['world_size']} ranks",
+    ]
+    if "nccl" in env:
+        lines.append(f"NCCL {env['nccl']}, CUDA {env['cuda']}")
+    for report in reports:
+        lines.append(f"  rank {report.rank}: {report.environment['device']} ({report.environment['device_name']})")
+    if "allreduce_bus_gbps" in env:
+        lines.append(f"link: all-reduce bus bandwidth {env['allreduce_bus_gbps']} Gbit/s per rank")
+    passed = 0
+    for index, check in enumerate(first.checks):
+        failures = [
+            (report.rank, report.checks[index])
+            for report in reports
+            if index < len(report.checks) and not report.checks[index].passed
+        ]
+        if not failures:
+            passed += 1
+            lines.append(f"PASS  {check.name}: {check.detail}")
+            continue
+        rank, failure = failures[0]
+        lines.append(f"FAIL  {check.name} (rank {rank}): {failure.detail}")
+        lines.append(f"      fix: {failure.fix}")
+    total = len(first.checks)
+    lines.append(f"{passed}/{total} checks passed in {seconds:.0f} s")
+    return "\n".join(lines)

@@ -1,0 +1,510 @@
+"""The CUDA/NCCL path, checked on a machine without a GPU (issue 19).
+
+A stand-in accelerator: parameters live on PyTorch's ``meta`` device, which carries shapes and
+dtypes but no data, and which PyTorch keeps apart from the CPU exactly as it keeps a GPU apart:
+an operation that mixes a ``meta`` tensor with a CPU tensor (other than a 0-dim scalar) raises
+"Tensor on device cpu is not on the expected device meta". (Fake CUDA tensors from
+``FakeTensorMode`` would be the literal choice, but on a CPU-only build of PyTorch even
+indexing one raises "not linked with support for cuda devices", so they cannot carry a
+strategy through a step; ``meta`` can, backward included.) A checking communicator asserts
+that every tensor handed to a strategy's collectives is on the parameters' device (what NCCL
+requires), and reads of a stand-in tensor's value on the host (``float(t)``, ``t.item()``,
+``bool(t)``, ``t.cpu()``) are counted instead of failing, which bounds the host
+synchronisations of a step.
+
+What this cannot check (kernels, streams, NCCL itself, timings) is listed in the README as
+checked only by ``lowcomm selftest --device cuda``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import TINY
+from lowcomm.comm.base import CollectiveKind, Handle, ReduceOp, Role, Segments
+from lowcomm.comm.fake import RecordingComm
+from lowcomm.comm.torch_comm import TorchComm
+from lowcomm.config import TrainConfig
+from lowcomm.data import DataConfig
+from lowcomm.launch import spawn_workers
+from lowcomm.models import ModelConfig
+from lowcomm.models.gpt import GPT
+from lowcomm.optim.quantize import decode, encode
+from lowcomm.strategies import STRATEGIES, MicroBatchResult, StrategyContext, build_strategy
+from lowcomm.train import loop
+
+GPU = torch.device("meta")  # the stand-in accelerator
+
+
+class HostReads:
+    """Counts reads of stand-in tensors' values on the host (each a device sync on a GPU)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@contextmanager
+def stand_in_gpu() -> Iterator[HostReads]:
+    """Count host reads of ``meta`` tensors instead of failing (a read returns 1, a copy to
+    the host returns zeros)."""
+    reads = HostReads()
+    names = ("item", "__float__", "__bool__", "__int__", "cpu")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def patched(name: str) -> Callable[..., Any]:
+        original = originals[name]
+
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.device.type != "meta":
+                return original(self, *args, **kwargs)
+            reads.count += 1
+            if name == "cpu":
+                return torch.zeros(self.shape, dtype=self.dtype)
+            return {"item": 1.0, "__float__": 1.0, "__bool__": True, "__int__": 1}[name]
+
+        return read
+
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, patched(name))
+        yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+class DeviceCheckingComm(RecordingComm):
+    """A :class:`RecordingComm` that asserts every tensor it is handed is on ``device``."""
+
+    def __init__(self, device: torch.device, *, rank: int = 0, world_size: int = 2) -> None:
+        super().__init__(rank=rank, world_size=world_size)
+        self.device = device
+        self.devices: list[torch.device] = []
+
+    def _check(self, what: str, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            self.devices.append(tensor.device)
+            assert tensor.device == self.device, (
+                f"{what} was handed a tensor on {tensor.device}; this group moves tensors on "
+                f"{self.device} only"
+            )
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        self._check("all_reduce", tensor)
+        return super().all_reduce(tensor, op=op, role=role, segments=segments)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        self._check("reduce_scatter", output, input)
+        return super().reduce_scatter(output, input, op=op, role=role)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        self._check("all_gather", output, input)
+        return super().all_gather(output, input, role=role)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        self._check("broadcast", tensor)
+        return super().broadcast(tensor, src=src, role=role)
+
+
+# --- item 1: evaluation on a worker without validation batches ---------------------------
+
+
+def _tiny_gpt_on_gpu() -> GPT:
+    with GPU:
+        return GPT(TINY)
+
+
+def test_evaluation_sum_is_on_one_device_whether_or_not_the_worker_has_batches() -> None:
+    """Item 1: with more workers than validation batches a worker has none, and every worker
+    must still hand the evaluation group a tensor it carries. That group is the Gloo
+    bookkeeping group, so the sum is a CPU tensor on every worker. (Before the fix it was a
+    CPU tensor on a worker without batches and a GPU tensor elsewhere, all on the NCCL group,
+    which rejects CPU tensors: the final evaluation of any run with more than 8 workers
+    crashed.)"""
+    bookkeeping = DeviceCheckingComm(torch.device("cpu"))
+    with stand_in_gpu():
+        model = _tiny_gpt_on_gpu()
+        batch = torch.zeros(2, TINY.block_size, dtype=torch.long, device=GPU)
+        loop._evaluate(model, [], bookkeeping)  # a worker without a validation batch
+        loop._evaluate(model, [(batch, batch)], bookkeeping)  # a worker with one
+    assert bookkeeping.devices == [torch.device("cpu")] * 2
+
+
+# --- item 2: quantized outer gradients stay on the parameters' device -------------------
+
+
+@pytest.mark.parametrize("fmt", ["none", "bf16", "fp8", "int4"])
+def test_quantization_round_trip_stays_on_the_device(fmt: str) -> None:
+    with stand_in_gpu() as reads:
+        values = torch.zeros(1000, device=GPU)
+        payload = encode(values, fmt, 64)  # type: ignore[arg-type]
+        assert payload.device == GPU
+        assert decode(payload, 1000, fmt, 64).device == GPU  # type: ignore[arg-type]
+    assert reads.count == 0
+
+
+@pytest.mark.parametrize("method", ["diloco", "streaming_diloco", "eager", "cocodc"])
+@pytest.mark.parametrize("fmt", ["none", "int4"])
+def test_diloco_family_exchange_is_on_the_parameters_device(method: str, fmt: str) -> None:
+    """Item 2: every tensor of a (quantized) outer-gradient exchange is on the GPU."""
+    comm = _run_on_stand_in(method, quantization=fmt)
+    kind = CollectiveKind.ALL_REDUCE if fmt == "none" else CollectiveKind.ALL_GATHER
+    assert comm.count(kind, Role.PSEUDO_GRADIENT) > 0
+    assert set(comm.devices) == {GPU}
+
+
+# --- every strategy's communication and update paths on the stand-in device -------------
+
+
+def _options(quantization: str) -> TrainConfig:
+    config = TrainConfig()
+    return dataclasses.replace(
+        config,
+        diloco=dataclasses.replace(
+            config.diloco, sync_every=2, quantization=quantization, quantization_row_size=64  # type: ignore[arg-type]
+        ),
+        local=dataclasses.replace(config.local, sync_every=2),
+        desloc=dataclasses.replace(config.desloc, param_period=2),
+    )
+
+
+def _run_on_stand_in(
+    method: str, *, steps: int = 4, quantization: str = "none", world_size: int = 2
+) -> DeviceCheckingComm:
+    """``steps`` steps of ``method`` (forward, backward, communication, update, a state dict
+    round trip, evaluation's deployed model) with parameters on the stand-in device."""
+    context = StrategyContext(total_steps=steps, max_grad_norm=1.0)
+    with stand_in_gpu():
+        model = _tiny_gpt_on_gpu()
+        comm = DeviceCheckingComm(GPU, world_size=world_size)
+        strategy = build_strategy(method, model, comm, context, _options(quantization))
+        batch = torch.zeros(2, TINY.block_size, dtype=torch.long, device=GPU)
+
+        def closure() -> MicroBatchResult:
+            _, loss = model(batch, batch)
+            assert loss is not None
+            loss.backward()
+            return MicroBatchResult(loss=float(loss.detach()), samples=2, tokens=batch.numel())
+
+        for _ in range(steps):
+            strategy.step(closure)
+        strategy.load_state_dict(strategy.state_dict())
+        with strategy.deployed() as deployed, torch.no_grad():
+            deployed(batch, batch)
+        strategy.finish()
+    return comm
+
+
+@pytest.mark.parametrize("method", sorted(STRATEGIES))
+def test_every_strategy_hands_its_collectives_tensors_on_the_parameters_device(method: str) -> None:
+    comm = _run_on_stand_in(method)
+    assert comm.devices, f"{method} made no collective"
+    assert set(comm.devices) == {GPU}
+
+
+# --- item 3: bookkeeping never travels on the strategy's group --------------------------
+
+
+class _GroupRecordingComm(TorchComm):
+    """The strategy's group, recording every collective handed to it."""
+
+    def __init__(self, *, timeout_s: float | None = None) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self.calls: list[tuple[str, str]] = []
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        self.calls.append(("all_reduce", role.value))
+        return super().all_reduce(tensor, op=op, role=role, segments=segments)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        self.calls.append(("reduce_scatter", role.value))
+        return super().reduce_scatter(output, input, op=op, role=role)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        self.calls.append(("all_gather", role.value))
+        return super().all_gather(output, input, role=role)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        self.calls.append(("broadcast", role.value))
+        return super().broadcast(tensor, src=src, role=role)
+
+    def barrier(self) -> Handle:
+        self.calls.append(("barrier", "-"))
+        return super().barrier()
+
+
+def _record_strategy_group(config: TrainConfig) -> list[tuple[str, str]]:
+    raw = _GroupRecordingComm(timeout_s=60.0)
+    loop.train_worker(config, raw)  # the loop makes its own bookkeeping group
+    return raw.calls
+
+
+def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_group(
+    tmp_path: Path,
+) -> None:
+    """Item 3: on NCCL one group is one stream, so a metrics gather on the strategy's group
+    waits behind its in-flight all-reduce. Two Gloo workers train co2 (an all-reduce in
+    flight across steps) with per-step metrics, evaluation and checkpoints; the strategy's
+    group must see only the method's own traffic and the initial parameter broadcast. (The
+    real clock: on the virtual clock each collective's launch-time agreement rides the
+    strategy's group on purpose, ordered with its payload.)"""
+    config = TrainConfig(
+        method="co2",
+        workers=2,
+        steps=4,
+        clock="real",
+        eval_every=2,
+        eval_batches=1,  # one worker has no validation batch (item 1's situation)
+        checkpoint_every=2,
+        progress=False,
+        out=str(tmp_path / "run"),
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2),
+    )
+    calls = spawn_workers(_record_strategy_group, 2, (config,), timeout_s=120.0)
+    for rank_calls in calls:
+        assert ("barrier", "-") not in rank_calls
+        others = [call for call in rank_calls if call[1] == Role.OTHER.value]
+        assert others == [], f"bookkeeping on the strategy's group: {others}"
+        strategy_traffic = [call for call in rank_calls if call[1] != Role.PARAMETER.value]
+        assert strategy_traffic, "the strategy made no collective"
+
+
+# --- item 11: no host synchronisation in a step outside the closure ---------------------
+
+# Host reads a step may make, by method: the ACCO family reads the global micro-batch count
+# (and acco the clipping norm) on its communication thread, where it blocks no queued
+# compute; co2 and cocodc read a few diagnostics once per synchronisation.
+_ALLOWED_HOST_READS = {"acco": 2, "dpu": 1, "wp": 1, "co2": 2, "cocodc": 7}
+
+
+@pytest.mark.parametrize("method", sorted(STRATEGIES))
+def test_a_step_reads_nothing_back_to_the_host(method: str) -> None:
+    """Item 11: every read of a device value on the host waits for all queued kernels.
+    Clipping computes its factor on the device, so a step reads nothing back (beyond the
+    listed exceptions)."""
+    context = StrategyContext(total_steps=4, max_grad_norm=1.0)
+    per_step: list[int] = []
+    with stand_in_gpu() as reads:
+        model = _tiny_gpt_on_gpu()
+        strategy = build_strategy(method, model, DeviceCheckingComm(GPU), context, _options("none"))
+        batch = torch.zeros(2, TINY.block_size, dtype=torch.long, device=GPU)
+
+        def closure() -> MicroBatchResult:
+            _, loss = model(batch, batch)
+            assert loss is not None
+            loss.backward()
+            return MicroBatchResult(loss=1.0, samples=2, tokens=batch.numel())
+
+        for _ in range(4):
+            before = reads.count
+            strategy.step(closure)
+            per_step.append(reads.count - before)
+        strategy.finish()
+    assert max(per_step) <= _ALLOWED_HOST_READS.get(method, 0), per_step
+
+
+# --- items 5, 6, 7, 10: device binding, GPU count, timeouts, the ACCO thread's device ---
+
+
+def test_more_processes_than_gpus_is_refused_with_the_fix() -> None:
+    from lowcomm.launch.devices import check_gpu_count
+
+    check_gpu_count(8, available=8)
+    with pytest.raises(ValueError, match="9 processes on this node but 8 GPU"):
+        check_gpu_count(9, available=8)
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        check_gpu_count(1, available=0)
+
+
+def test_spawning_more_cuda_workers_than_gpus_fails_before_starting_any() -> None:
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match="--device cuda"):
+        spawn_workers(_record_strategy_group, too_many, (None,), device="cuda")
+
+
+def test_nccl_init_gets_the_bound_device_and_a_timeout_beyond_the_waits() -> None:
+    from lowcomm.launch.devices import init_options
+
+    options = init_options(torch.device("cuda", 3), 300.0)
+    assert options["backend"] == "nccl"
+    assert options["device_id"] == torch.device("cuda", 3)
+    assert options["timeout"].total_seconds() > 300.0
+    cpu = init_options(torch.device("cpu"), 30.0)
+    assert cpu["backend"] == "gloo" and "device_id" not in cpu
+    assert cpu["timeout"].total_seconds() >= 30.0 + 60.0
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+        "OpType=ALLREDUCE, NumelIn=1024, Timeout(ms)=600000) ran for 600012 milliseconds "
+        "before timing out.",
+        "Work WorkNCCL(SeqNum=3, OpType=ALLGATHER) timed out in blocking wait",
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+        "5000ms for recv operation to complete",
+    ],
+)
+def test_nccl_and_gloo_timeouts_become_collective_timeout(message: str) -> None:
+    from lowcomm.comm.base import CollectiveTimeout
+    from lowcomm.comm.torch_comm import _WorkHandle
+
+    class TimingOut:
+        def wait(self, timeout: object = None) -> None:
+            raise RuntimeError(message)
+
+        def is_completed(self) -> bool:
+            return False
+
+    with pytest.raises(CollectiveTimeout, match="did not complete"):
+        _WorkHandle(TimingOut(), what="all_reduce", timeout_s=5.0).wait()
+
+
+def test_the_communication_thread_binds_the_strategys_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 10: the current CUDA device is per thread; ACCO's communication thread must make
+    the parameters' GPU current before its kernels and NCCL calls."""
+    import threading
+
+    from lowcomm.comm.overlap import CommThread
+
+    bound: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda device: bound.append((threading.current_thread().name, device))
+    )
+    thread = CommThread(device=torch.device("cuda", 5))
+    thread.submit(lambda: None).wait()
+    thread.close()
+    assert len(bound) == 1
+    name, device = bound[0]
+    assert name.startswith("lowcomm-comm") and device == torch.device("cuda", 5)
+
+
+def test_acco_gives_its_thread_the_parameters_device() -> None:
+    from lowcomm.strategies.acco import ACCO
+
+    with stand_in_gpu():
+        model = _tiny_gpt_on_gpu()
+        strategy = build_strategy(
+            "acco", model, DeviceCheckingComm(GPU), StrategyContext(total_steps=2), _options("none")
+        )
+        assert isinstance(strategy, ACCO)
+        batch = torch.zeros(2, TINY.block_size, dtype=torch.long, device=GPU)
+
+        def closure() -> MicroBatchResult:
+            _, loss = model(batch, batch)
+            assert loss is not None
+            loss.backward()
+            return MicroBatchResult(loss=1.0, samples=2, tokens=batch.numel())
+
+        strategy.step(closure)
+        assert strategy.thread is not None and strategy.thread.device == GPU
+        strategy.finish()
+
+
+def test_connect_without_a_launcher_is_one_worker_on_the_cpu() -> None:
+    import lowcomm
+
+    comm = lowcomm.connect(device="cpu", timeout_s=30.0)
+    assert comm.world_size == 1 and comm.device == torch.device("cpu")
+
+
+# --- item 8: the CUDA random state is checkpointed --------------------------------------
+
+
+def test_the_cuda_random_state_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 8: dropout on a GPU draws from the device's generator; an exact resume needs it."""
+    generator = {"state": torch.arange(16, dtype=torch.uint8)}
+    restored: list[tuple[torch.Tensor, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: generator["state"].clone())
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device))
+    )
+    gpu = torch.device("cuda", 0)
+    state = loop._rng_state(gpu)
+    assert torch.equal(state["cuda"], generator["state"])
+    loop._restore_rng(state, gpu)
+    assert len(restored) == 1 and torch.equal(restored[0][0], generator["state"])
+    assert "cuda" not in loop._rng_state(torch.device("cpu"))
+    loop._restore_rng(loop._rng_state(torch.device("cpu")), gpu)  # a CPU checkpoint on a GPU
+    assert len(restored) == 1
+
+
+# --- item 9: peak device memory in summary.json -----------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str) -> None:
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.train.metrics import RunWriter
+
+    config = TrainConfig(device=device, clock="real", progress=False, out=str(tmp_path / "run"))  # type: ignore[arg-type]
+    writer = RunWriter(config)
+    writer.close_steps()
+    columns = [1.0, 0.0, 1.0, 0.0, 1000.0, 64.0, 0.0, 0.0, 0.0, 0.0, 5e9]
+    summary = writer.finish(
+        per_worker=torch.tensor([columns, [*columns[:-1], 6e9]], dtype=torch.float64),
+        bytes_by_role={},
+        num_params=10,
+        final_val_loss=1.0,
+        wall_clock_s=1.0,
+        clock_kind="real",
+        network=NetworkProfile.from_preset("none"),
+    )
+    if device == "cuda":
+        assert summary["peak_device_memory_bytes_per_worker"] == 6_000_000_000
+        assert summary["per_worker"]["peak_device_memory_bytes"] == [5_000_000_000, 6_000_000_000]
+    else:
+        assert "peak_device_memory_bytes_per_worker" not in summary
+
+
+# --- item 4: the real clock synchronises the GPU where it reads the time ----------------
+
+
+def test_the_real_clock_synchronises_the_gpu_at_every_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowcomm.comm.clock import make_clock
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    gpu = torch.device("cuda", 1)
+    clock = make_clock("real", device=gpu)
+    clock.mark()
+    assert synced == [gpu]  # queued compute is charged to compute
+    with clock.blocked():
+        pass
+    assert len(synced) == 3  # compute before the wait, then the transfer's end
+    with clock.excluded():
+        pass
+    assert len(synced) == 5  # and the excluded region's own kernels stay excluded
+    clock.now()
+    assert len(synced) == 6
+    cpu_clock = make_clock("real", device=torch.device("cpu"))
+    cpu_clock.mark()
+    with cpu_clock.blocked():
+        pass
+    assert len(synced) == 6
