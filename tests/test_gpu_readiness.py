@@ -342,6 +342,23 @@ def test_more_processes_than_gpus_is_refused_with_the_fix() -> None:
         check_gpu_count(1, available=0)
 
 
+def test_a_process_given_its_own_gpu_by_its_launcher_is_accepted() -> None:
+    from lowcomm.launch.devices import given_own_gpu
+
+    assert given_own_gpu(1, "3")  # SLURM --gpus-per-task=1: one device, named by the launcher
+    assert given_own_gpu(1, "GPU-5f3c")
+    assert not given_own_gpu(1, None)  # one GPU on the node: local rank 1 has none of its own
+    assert not given_own_gpu(2, "0,1")
+    assert not given_own_gpu(1, "")
+
+
+def test_two_ranks_on_one_physical_gpu_are_named() -> None:
+    from lowcomm.launch.devices import shared_gpus
+
+    assert shared_gpus([("a", "u0"), ("a", "u1"), ("b", "u0"), ("b", "u1")]) == []
+    assert shared_gpus([("a", "u0"), ("a", "u1"), ("a", "u0")]) == ["a GPU u0: ranks 0, 2"]
+
+
 def test_spawning_more_cuda_workers_than_gpus_fails_before_starting_any() -> None:
     too_many = torch.cuda.device_count() + 1
     with pytest.raises(ValueError, match="--device cuda"):

@@ -1,16 +1,23 @@
 """Which device a worker process runs on, and how its process group is made for it.
 
-One GPU per process: local rank ``r`` of a node drives ``cuda:r``. Two processes on one GPU
-would share its memory and NCCL refuses (or hangs on) two ranks of one communicator on one
-device, so more processes than GPUs on a node is an error here, with the fix, rather than a
-cryptic NCCL failure later.
+One GPU per process: local rank ``r`` of a node drives ``cuda:r``, unless the launcher gave
+each process a GPU of its own (``CUDA_VISIBLE_DEVICES`` naming a single device, as SLURM's
+``--gpus-per-task=1`` does), in which case every process drives its only visible device,
+``cuda:0``. Two processes on one GPU would share its memory and NCCL refuses (or hangs on) two
+ranks of one communicator on one device, so more processes than GPUs on a node is an error
+here, with the fix, rather than a cryptic NCCL failure later; after the rendezvous,
+:func:`check_distinct_gpus` verifies that no two ranks of a node drive the same physical GPU.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lowcomm.comm.torch_comm import process_group_timeout
 
@@ -40,19 +47,66 @@ def check_gpu_count(processes_per_node: int, *, available: int | None = None) ->
         )
 
 
+def given_own_gpu(visible: int, cuda_visible_devices: str | None) -> bool:
+    """Whether the launcher gave this process exactly one GPU of its own: one device visible,
+    selected by a ``CUDA_VISIBLE_DEVICES`` that names a single device."""
+    if visible != 1 or cuda_visible_devices is None:
+        return False
+    names = [name for name in cuda_visible_devices.split(",") if name.strip()]
+    return len(names) == 1
+
+
 def bind_device(device: str, local_rank: int, *, local_world_size: int | None = None) -> torch.device:
     """Make this process's device current and return it: ``cuda:local_rank`` for cuda (after
-    checking the node has a GPU for it), the CPU otherwise.
+    checking the node has a GPU for it), or ``cuda:0`` when the launcher gave this process a
+    GPU of its own; the CPU otherwise.
 
     Raises:
         ValueError: when the node has fewer GPUs than processes, naming the fix.
     """
     if device != "cuda":
         return torch.device("cpu")
-    check_gpu_count(max(local_rank + 1, local_world_size or 0))
-    gpu = torch.device("cuda", local_rank)
+    if given_own_gpu(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")):
+        gpu = torch.device("cuda", 0)
+    else:
+        check_gpu_count(max(local_rank + 1, local_world_size or 0))
+        gpu = torch.device("cuda", local_rank)
     torch.cuda.set_device(gpu)
     return gpu
+
+
+def shared_gpus(placements: Sequence[tuple[str, str]]) -> list[str]:
+    """The physical GPUs driven by more than one rank, from each rank's (host, GPU UUID), as
+    readable lines ``"host GPU uuid: ranks 0, 3"``; empty when every rank has its own."""
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for rank, placement in enumerate(placements):
+        ranks.setdefault(placement, []).append(rank)
+    return [
+        f"{host} GPU {uuid}: ranks {', '.join(map(str, owners))}"
+        for (host, uuid), owners in ranks.items()
+        if len(owners) > 1
+    ]
+
+
+def check_distinct_gpus(device: torch.device) -> None:
+    """After the rendezvous, refuse a job in which two ranks drive the same physical GPU
+    (for example a launcher that gave several processes the same ``CUDA_VISIBLE_DEVICES``).
+
+    Raises:
+        ValueError: naming the shared GPU, its ranks and the fix.
+    """
+    if device.type != "cuda" or not dist.is_initialized():
+        return
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    placements: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(placements, mine)
+    shared = shared_gpus([tuple(p) for p in placements])
+    if shared:
+        raise ValueError(
+            "--device cuda: two or more ranks drive the same GPU ("
+            + "; ".join(shared)
+            + "); give every process its own GPU (at most one process per GPU per node)"
+        )
 
 
 def init_options(device: torch.device, collective_timeout_s: float) -> dict[str, Any]:
@@ -69,4 +123,12 @@ def init_options(device: torch.device, collective_timeout_s: float) -> dict[str,
     return options
 
 
-__all__ = ["backend_for", "bind_device", "check_gpu_count", "init_options"]
+__all__ = [
+    "backend_for",
+    "bind_device",
+    "check_distinct_gpus",
+    "check_gpu_count",
+    "given_own_gpu",
+    "init_options",
+    "shared_gpus",
+]

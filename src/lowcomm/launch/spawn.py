@@ -22,7 +22,12 @@ from torch.multiprocessing.spawn import (
     start_processes,
 )
 
-from lowcomm.launch.devices import bind_device, check_gpu_count, init_options
+from lowcomm.launch.devices import (
+    bind_device,
+    check_distinct_gpus,
+    check_gpu_count,
+    init_options,
+)
 
 T = TypeVar("T")
 
@@ -61,6 +66,7 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restarts is None or "MASTER_ADDR" not in os.environ:
         dist.init_process_group(**options)
+        check_distinct_gpus(bound)
         return
     # An elastic restart reuses the agent's store: without a per-attempt prefix the new
     # workers would read the dead attempt's Gloo addresses and fail to connect.
@@ -79,6 +85,7 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
         world_size=world_size,
         **options,
     )
+    check_distinct_gpus(bound)
 
 
 def _worker_entry(
