@@ -22,7 +22,8 @@ import datetime
 import io
 import math
 import re
-from contextlib import redirect_stderr, redirect_stdout
+import tempfile
+from contextlib import chdir, redirect_stderr, redirect_stdout
 from typing import Any
 from unittest import mock
 
@@ -195,7 +196,11 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
 
     stderr = io.StringIO()
     code: object = None
+    # In an empty directory: the default run directory (runs/...) of a run in the current
+    # directory would be refused as already holding a run.
     with (
+        tempfile.TemporaryDirectory() as empty,
+        chdir(empty),
         mock.patch("lowcomm.launch.spawn_workers", spawner),
         mock.patch("lowcomm.launch.under_torchrun", lambda: False),
         redirect_stderr(stderr),

@@ -28,16 +28,27 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 
 def run_train(config: TrainConfig) -> None:
-    """Validate, prepare data, then spawn the workers (or join torchrun as one)."""
+    """Validate, check the run directory, prepare data, then spawn the workers (or join
+    torchrun as one)."""
+    try:
+        _run_train(config)
+    except KeyboardInterrupt:  # before the workers start (they have their own handling)
+        print("lowcomm: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _run_train(config: TrainConfig) -> None:
     from lowcomm.data import DataError, prepare_corpus
-    from lowcomm.launch import WorkerFailed, spawn_workers, under_torchrun
+    from lowcomm.launch import Interrupted, WorkerFailed, spawn_workers, under_torchrun
+    from lowcomm.train.rundir import ERROR_LOG, check_run_dir
 
     try:
         config.validate()
+        note = check_run_dir(config)
     except ConfigError as error:
         _fail(str(error))
     if under_torchrun():
-        _run_under_torchrun(config)
+        _run_under_torchrun(config, note)
         return
     try:
         config.check_corpus(prepare_corpus(config.data))
@@ -45,6 +56,8 @@ def run_train(config: TrainConfig) -> None:
         _fail(str(error))
     from lowcomm.train.loop import spawned_train
 
+    run_dir = config.run_dir()
+    _start_run_dir(config, note)
     try:
         spawn_workers(
             spawned_train,
@@ -52,14 +65,50 @@ def run_train(config: TrainConfig) -> None:
             (config,),
             device=config.device,
             timeout_s=config.collective_timeout_s,
+            log_path=run_dir / ERROR_LOG,
         )
     except WorkerFailed as error:
         _fail(str(error), code=1)
-    except KeyboardInterrupt:
-        _fail("interrupted", code=130)
+    except Interrupted as interrupt:
+        print(_interrupted_message(config, interrupt), file=sys.stderr)
+        raise SystemExit(128 + interrupt.signum) from None
 
 
-def _run_under_torchrun(config: TrainConfig) -> None:
+def _start_run_dir(config: TrainConfig, note: str | None) -> None:
+    """Say which checkpoint a resume falls back to, and clear the directory for --overwrite."""
+    from lowcomm.train.rundir import clear_run
+
+    if note is not None:
+        print(note, file=sys.stderr)
+    if config.overwrite:
+        removed = clear_run(config.run_dir())
+        if removed:
+            print(
+                f"lowcomm: --overwrite: removed {', '.join(removed)} from {config.run_dir()}",
+                file=sys.stderr,
+            )
+
+
+def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
+    """One line: what stopped the run, and what its directory now holds."""
+    from lowcomm.train.checkpoint import committed
+
+    run_dir = config.run_dir()
+    kept = committed(run_dir)
+    newest = kept[-1].name if kept else ""
+    if newest:
+        state = (
+            f"its newest checkpoint is {newest}; continue with: lowcomm train --resume {run_dir}"
+        )
+    else:
+        state = "no checkpoint was written (--checkpoint-every N writes them)"
+    return (
+        f"lowcomm: {interrupt}: every worker stopped; {run_dir} holds the steps done "
+        f"(metrics.jsonl), {state}"
+    )
+
+
+def _run_under_torchrun(config: TrainConfig, note: str | None) -> None:
     import os
 
     import torch.distributed as dist
@@ -87,6 +136,9 @@ def _run_under_torchrun(config: TrainConfig) -> None:
             )
     init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
     try:
+        # Every process checked the run directory before the rendezvous; only then is it cleared.
+        if int(os.environ["RANK"]) == 0:
+            _start_run_dir(config, note)
         # One preparer per machine, the others wait: concurrent tokenizer training is waste.
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             prepare_corpus(config.data)
@@ -120,8 +172,19 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
         saved = TrainConfig.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError) as error:
         _fail(f"--resume: {path} is not a readable lowcomm config ({error}); pass the options again")
-    saved.out, saved.stop_after, saved.resume = None, None, value
+    saved.out, saved.stop_after, saved.resume, saved.overwrite = None, None, value, False
     return saved
+
+
+def _bare_switches(args: list[str]) -> list[str]:
+    """``--overwrite`` alone means ``--overwrite True`` (the other booleans take a value)."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg == "--overwrite" and (following is None or following.startswith("-")):
+            out.append("True")
+    return out
 
 
 def run_methods() -> None:
@@ -201,6 +264,7 @@ def _main(argv: list[str] | None) -> None:
     config = (tyro.conf.FlagConversionOff,)
     try:
         if command == "train":
+            rest = _bare_switches(rest)
             defaults = _resume_defaults(rest)
             if defaults is None:
                 train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config)
