@@ -42,12 +42,15 @@ def _run_train(config: TrainConfig) -> None:
     from lowcomm.launch import Interrupted, WorkerFailed, spawn_workers, under_torchrun
     from lowcomm.train.rundir import ERROR_LOG, check_run_dir
 
+    torchrun = under_torchrun()
+    if torchrun:
+        _torchrun_world(config)
     try:
         config.validate()
         note = check_run_dir(config)
     except ConfigError as error:
         _fail(str(error))
-    if under_torchrun():
+    if torchrun:
         _run_under_torchrun(config, note)
         return
     try:
@@ -94,31 +97,33 @@ def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
     from lowcomm.train.checkpoint import committed
 
     run_dir = config.run_dir()
+    try:
+        steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except (OSError, UnicodeDecodeError):
+        steps = 0
+    if steps == 0:
+        return f"lowcomm: {interrupt} before the first step: every worker stopped"
     kept = committed(run_dir)
-    newest = kept[-1].name if kept else ""
-    if newest:
+    if kept:
         state = (
-            f"its newest checkpoint is {newest}; continue with: lowcomm train --resume {run_dir}"
+            f"its newest checkpoint is {kept[-1].name}; continue with: lowcomm train --resume "
+            f"{run_dir}"
         )
     else:
         state = "no checkpoint was written (--checkpoint-every N writes them)"
     return (
-        f"lowcomm: {interrupt}: every worker stopped; {run_dir} holds the steps done "
-        f"(metrics.jsonl), {state}"
+        f"lowcomm: {interrupt}: every worker stopped; {run_dir}/metrics.jsonl holds {steps} "
+        f"steps, {state}"
     )
 
 
-def _run_under_torchrun(config: TrainConfig, note: str | None) -> None:
+def _torchrun_world(config: TrainConfig) -> None:
+    """Take the worker count from torchrun's world (before the checks that depend on it)."""
     import os
 
-    import torch.distributed as dist
-
-    from lowcomm.comm.torch_comm import TorchComm
-    from lowcomm.data import prepare_corpus
-    from lowcomm.launch.spawn import init_from_env
-    from lowcomm.train.loop import train_worker
-
     world_size = int(os.environ["WORLD_SIZE"])
+    if config.ranks_per_worker < 1:
+        return  # validate() names it
     if world_size % config.ranks_per_worker:
         _fail(
             f"--ranks-per-worker: {config.ranks_per_worker} does not divide the torchrun world "
@@ -134,6 +139,18 @@ def _run_under_torchrun(config: TrainConfig, note: str | None) -> None:
                 f"--speed-factors: {len(config.speed_factors)} values for a torchrun world of "
                 f"{workers} workers; give one per worker"
             )
+
+
+def _run_under_torchrun(config: TrainConfig, note: str | None) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.data import prepare_corpus
+    from lowcomm.launch.spawn import init_from_env
+    from lowcomm.train.loop import train_worker
+
     init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
     try:
         # Every process checked the run directory before the rendezvous; only then is it cleared.

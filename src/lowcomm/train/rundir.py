@@ -91,6 +91,11 @@ def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str
             same = fingerprint(saved) == mine and saved.world_size == config.world_size
         except (OSError, ValueError, TypeError):
             same = False
+        if same and "summary.json" in held:
+            raise ConfigError(
+                f"--resume auto: {run_dir} holds this run, finished, and no checkpoint to "
+                f"resume; pass --overwrite (without --resume) to run it again, or --out NEW_DIR"
+            )
         if not same:
             raise ConfigError(
                 f"--resume auto: {run_dir} holds another run without a checkpoint "
