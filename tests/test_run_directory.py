@@ -125,6 +125,11 @@ def test_up_front_errors_are_one_line_and_exit_2(stopped_run: Path, tmp_path: Pa
             "--resume auto: ",
             "holds another run",
         ),
+        "cache not writable": (
+            ["--cache-dir", "/proc/lowcomm-test/cache", "--out", str(tmp_path / "new")],
+            "--data, --cache-dir: ",
+            "/proc/lowcomm-test",
+        ),
         "overwrite and resume": (
             ["--overwrite", "--resume", str(stopped_run)], "--overwrite: ", "pass one of them"
         ),

@@ -57,6 +57,13 @@ def _run_train(config: TrainConfig) -> None:
         config.check_corpus(prepare_corpus(config.data))
     except (DataError, ConfigError) as error:
         _fail(str(error))
+    except OSError as error:  # e.g. a cache directory that cannot be written
+        where = f" ({error.filename})" if error.filename else ""
+        _fail(
+            f"--data, --cache-dir: preparing the corpus failed: {error.strerror or error}{where}; "
+            f"check that the data is readable and the cache directory (--cache-dir, "
+            f"$LOWCOMM_CACHE_DIR or ~/.cache/lowcomm) is writable"
+        )
     from lowcomm.train.loop import spawned_train
 
     run_dir = config.run_dir()
