@@ -21,8 +21,11 @@ from __future__ import annotations
 import datetime
 import io
 import math
+import os
 import re
-from contextlib import redirect_stderr, redirect_stdout
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from typing import Any
 from unittest import mock
 
@@ -184,6 +187,17 @@ def command_lines(draw: Any) -> list[str]:
     return argv
 
 
+@contextmanager
+def _cwd(path: str) -> Iterator[None]:
+    """(contextlib.chdir is Python 3.11+.)"""
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
 def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
     """Run ``lowcomm train ARGV`` up to the spawn; (config handed to the spawner, exit code, stderr)."""
     handed: list[TrainConfig] = []
@@ -195,7 +209,11 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
 
     stderr = io.StringIO()
     code: object = None
+    # In an empty directory: the default run directory (runs/...) of a run in the current
+    # directory would be refused as already holding a run.
     with (
+        tempfile.TemporaryDirectory() as empty,
+        _cwd(empty),
         mock.patch("lowcomm.launch.spawn_workers", spawner),
         mock.patch("lowcomm.launch.under_torchrun", lambda: False),
         redirect_stderr(stderr),

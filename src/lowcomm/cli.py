@@ -28,23 +28,46 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 
 def run_train(config: TrainConfig) -> None:
-    """Validate, prepare data, then spawn the workers (or join torchrun as one)."""
-    from lowcomm.data import DataError, prepare_corpus
-    from lowcomm.launch import WorkerFailed, spawn_workers, under_torchrun
+    """Validate, check the run directory, prepare data, then spawn the workers (or join
+    torchrun as one)."""
+    try:
+        _run_train(config)
+    except KeyboardInterrupt:  # before the workers start (they have their own handling)
+        print("lowcomm: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
+
+def _run_train(config: TrainConfig) -> None:
+    from lowcomm.data import DataError, prepare_corpus
+    from lowcomm.launch import Interrupted, WorkerFailed, spawn_workers, under_torchrun
+    from lowcomm.train.rundir import ERROR_LOG, check_run_dir
+
+    torchrun = under_torchrun()
+    if torchrun:
+        _torchrun_world(config)
     try:
         config.validate()
+        note = check_run_dir(config)
     except ConfigError as error:
         _fail(str(error))
-    if under_torchrun():
-        _run_under_torchrun(config)
+    if torchrun:
+        _run_under_torchrun(config, note)
         return
     try:
         config.check_corpus(prepare_corpus(config.data))
     except (DataError, ConfigError) as error:
         _fail(str(error))
+    except OSError as error:  # e.g. a cache directory that cannot be written
+        where = f" ({error.filename})" if error.filename else ""
+        _fail(
+            f"--data, --cache-dir: preparing the corpus failed: {error.strerror or error}{where}; "
+            f"check that the data is readable and the cache directory (--cache-dir, "
+            f"$LOWCOMM_CACHE_DIR or ~/.cache/lowcomm) is writable"
+        )
     from lowcomm.train.loop import spawned_train
 
+    run_dir = config.run_dir()
+    _start_run_dir(config, note)
     try:
         spawn_workers(
             spawned_train,
@@ -52,24 +75,62 @@ def run_train(config: TrainConfig) -> None:
             (config,),
             device=config.device,
             timeout_s=config.collective_timeout_s,
+            log_path=run_dir / ERROR_LOG,
         )
     except WorkerFailed as error:
         _fail(str(error), code=1)
-    except KeyboardInterrupt:
-        _fail("interrupted", code=130)
+    except Interrupted as interrupt:
+        print(_interrupted_message(config, interrupt), file=sys.stderr)
+        raise SystemExit(128 + interrupt.signum) from None
 
 
-def _run_under_torchrun(config: TrainConfig) -> None:
+def _start_run_dir(config: TrainConfig, note: str | None) -> None:
+    """Say which checkpoint a resume falls back to, and clear the directory for --overwrite."""
+    from lowcomm.train.rundir import clear_run
+
+    if note is not None:
+        print(note, file=sys.stderr)
+    if config.overwrite:
+        removed = clear_run(config.run_dir())
+        if removed:
+            print(
+                f"lowcomm: --overwrite: removed {', '.join(removed)} from {config.run_dir()}",
+                file=sys.stderr,
+            )
+
+
+def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
+    """One line: what stopped the run, and what its directory now holds."""
+    from lowcomm.train.checkpoint import committed
+
+    run_dir = config.run_dir()
+    try:
+        steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except (OSError, UnicodeDecodeError):
+        steps = 0
+    if steps == 0:
+        return f"lowcomm: {interrupt} before the first step: every worker stopped"
+    kept = committed(run_dir)
+    if kept:
+        state = (
+            f"its newest checkpoint is {kept[-1].name}; continue with: lowcomm train --resume "
+            f"{run_dir}"
+        )
+    else:
+        state = "no checkpoint was written (--checkpoint-every N writes them)"
+    return (
+        f"lowcomm: {interrupt}: every worker stopped; {run_dir}/metrics.jsonl holds {steps} "
+        f"steps, {state}"
+    )
+
+
+def _torchrun_world(config: TrainConfig) -> None:
+    """Take the worker count from torchrun's world (before the checks that depend on it)."""
     import os
 
-    import torch.distributed as dist
-
-    from lowcomm.comm.torch_comm import TorchComm
-    from lowcomm.data import prepare_corpus
-    from lowcomm.launch.spawn import init_from_env
-    from lowcomm.train.loop import train_worker
-
     world_size = int(os.environ["WORLD_SIZE"])
+    if config.ranks_per_worker < 1:
+        return  # validate() names it
     if world_size % config.ranks_per_worker:
         _fail(
             f"--ranks-per-worker: {config.ranks_per_worker} does not divide the torchrun world "
@@ -85,8 +146,23 @@ def _run_under_torchrun(config: TrainConfig) -> None:
                 f"--speed-factors: {len(config.speed_factors)} values for a torchrun world of "
                 f"{workers} workers; give one per worker"
             )
+
+
+def _run_under_torchrun(config: TrainConfig, note: str | None) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.data import prepare_corpus
+    from lowcomm.launch.spawn import init_from_env
+    from lowcomm.train.loop import train_worker
+
     init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
     try:
+        # Every process checked the run directory before the rendezvous; only then is it cleared.
+        if int(os.environ["RANK"]) == 0:
+            _start_run_dir(config, note)
         # One preparer per machine, the others wait: concurrent tokenizer training is waste.
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             prepare_corpus(config.data)
@@ -120,8 +196,19 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
         saved = TrainConfig.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError) as error:
         _fail(f"--resume: {path} is not a readable lowcomm config ({error}); pass the options again")
-    saved.out, saved.stop_after, saved.resume = None, None, value
+    saved.out, saved.stop_after, saved.resume, saved.overwrite = None, None, value, False
     return saved
+
+
+def _bare_switches(args: list[str]) -> list[str]:
+    """``--overwrite`` alone means ``--overwrite True`` (the other booleans take a value)."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg == "--overwrite" and (following is None or following.startswith("-")):
+            out.append("True")
+    return out
 
 
 def run_methods() -> None:
@@ -202,6 +289,7 @@ def _main(argv: list[str] | None) -> None:
     config = (tyro.conf.FlagConversionOff,)
     try:
         if command == "train":
+            rest = _bare_switches(rest)
             defaults = _resume_defaults(rest)
             if defaults is None:
                 train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config)

@@ -8,6 +8,7 @@ fields at once. Environment variables never override a field.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import typing
@@ -93,7 +94,14 @@ class TrainConfig:
     """Random seed (model init and data order)."""
 
     out: str | None = None
-    """Run directory (default: runs/<method>-<network>-w<workers>-s<seed>)."""
+    """Run directory (default: runs/<method>-<network>-w<workers>-s<seed>, plus -<hash> of
+    the other settings that differ from their defaults). A directory holding a run is refused
+    unless --overwrite or --resume is given."""
+
+    overwrite: bool = False
+    """Clear the run files (config, metrics, summary, plot, logs, checkpoints) of the run
+    directory first: `--overwrite` (or `--overwrite True`). Without it, a new run into a
+    directory that holds a run is refused."""
 
     eval_every: int = 20
     """Evaluate validation loss every this many steps (and at the end)."""
@@ -239,16 +247,26 @@ class TrainConfig:
                 f"--stop-after: {self.stop_after} must lie in [1, --steps {self.steps}); a run "
                 f"that stops at its last step has nothing to resume"
             )
+        if self.overwrite and self.resume is not None:
+            raise ConfigError(
+                f"--overwrite: clears the run directory that --resume {self.resume} would "
+                f"continue; pass one of them"
+            )
         if self.resume is not None and self.resume != "auto":
-            latest = Path(self.resume) / "checkpoints" / "latest"
-            if not latest.exists():
+            from lowcomm.train.checkpoint import (
+                CheckpointError,
+                find_latest,
+                fingerprint,
+                has_checkpoint,
+            )
+
+            if not has_checkpoint(Path(self.resume)):
+                latest = Path(self.resume) / "checkpoints" / "latest"
                 raise ConfigError(
                     f"--resume: {self.resume!r} holds no checkpoint ({latest} is missing); pass "
                     f"the --out directory of a run trained with --checkpoint-every or "
                     f"--stop-after, or --resume auto"
                 )
-            from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
-
             try:
                 find_latest(
                     Path(self.resume), self.workers * self.ranks_per_worker, fingerprint(self)
@@ -377,7 +395,24 @@ class TrainConfig:
             return Path(self.out)
         if self.resume is not None and self.resume != "auto":
             return Path(self.resume)
-        return Path("runs") / f"{self.method}-{self.network}-w{self.workers}-s{self.seed}"
+        name = f"{self.method}-{self.network}-w{self.workers}-s{self.seed}"
+        differing = self.non_default_settings()
+        if differing:
+            # Runs that differ in any other setting (a learning-rate sweep) get their own directory.
+            digest = hashlib.sha256(json.dumps(differing, sort_keys=True, default=str).encode())
+            name += f"-{digest.hexdigest()[:6]}"
+        return Path("runs") / name
+
+    def non_default_settings(self) -> dict[str, Any]:
+        """The settings, other than those in the default run name and those that only steer
+        the run (output, resume, progress, checkpointing, timeout), that differ from their
+        defaults, as flat ``dotted.name: value`` pairs."""
+        mine, defaults = _flatten(self.to_dict()), _flatten(TrainConfig().to_dict())
+        return {
+            key: value
+            for key, value in mine.items()
+            if key not in _RUN_NAME_EXCLUDED and defaults.get(key, _MISSING) != value
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -392,6 +427,28 @@ class TrainConfig:
         built = _from_dict(cls, values)
         assert isinstance(built, TrainConfig)
         return built
+
+
+_MISSING = object()
+
+#: Fields left out of the default run name's hash: the name spells the first four, the others
+#: steer a run without changing what it computes.
+_RUN_NAME_EXCLUDED = frozenset(
+    {
+        "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
+        "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
+    }
+)  # fmt: skip
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _from_dict(kind: type[Any], values: dict[str, Any]) -> Any:

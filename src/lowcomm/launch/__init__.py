@@ -12,6 +12,6 @@ ephemeral ports itself. Under ``torchrun`` the rendezvous is torchrun's own
 
 from __future__ import annotations
 
-from lowcomm.launch.spawn import WorkerFailed, spawn_workers, under_torchrun
+from lowcomm.launch.spawn import Interrupted, WorkerFailed, spawn_workers, under_torchrun
 
-__all__ = ["WorkerFailed", "spawn_workers", "under_torchrun"]
+__all__ = ["Interrupted", "WorkerFailed", "spawn_workers", "under_torchrun"]

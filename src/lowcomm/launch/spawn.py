@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -34,6 +35,39 @@ T = TypeVar("T")
 # Set in every worker: one intra-op thread each, so N workers on a few cores neither
 # oversubscribe nor perturb the virtual clock's CPU-time measurement.
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+#: Seconds the workers get to stop after SIGTERM before they are killed.
+STOP_GRACE_S = 5.0
+
+
+class Interrupted(RuntimeError):
+    """The launcher got SIGINT or SIGTERM; every worker has been stopped."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {self.name}")
+
+
+class _LauncherSignal(BaseException):
+    """Raised in the launcher's main thread by its SIGINT/SIGTERM handler."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _WorkerStop(BaseException):
+    """Raised in a worker by SIGTERM (the launcher stopping it), like KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _WorkerStop(signum)
 
 
 class WorkerFailed(RuntimeError):
@@ -98,19 +132,28 @@ def _worker_entry(
     device: str,
     timeout_s: float,
 ) -> None:
+    # SIGTERM (the launcher stopping the run) unwinds like SIGINT does, so the run files are
+    # closed; either ends this worker without a failure record.
+    signal.signal(signal.SIGTERM, _raise_stop)
     os.environ.update(_WORKER_ENV)
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(1)
-    bound = bind_device(device, local_rank, local_world_size=world_size)
-    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
-    dist.init_process_group(
-        store=store, rank=local_rank, world_size=world_size, **init_options(bound, timeout_s)
-    )
     try:
+        bound = bind_device(device, local_rank, local_world_size=world_size)
+        store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            store=store, rank=local_rank, world_size=world_size, **init_options(bound, timeout_s)
+        )
         result = fn(*args)
         torch.save(result, Path(result_dir) / f"rank{local_rank}.pt")
+    except (KeyboardInterrupt, _WorkerStop) as stop:
+        # Stopped, not failed (the launcher was interrupted, or died: torch's spawner asks for
+        # SIGINT when the parent dies). Leave at once, without a failure record.
+        code = stop.signum if isinstance(stop, _WorkerStop) else signal.SIGINT
+        sys.stderr.flush()
+        os._exit(128 + int(code))
     except BaseException:
         # Leave the time and full traceback where the parent can find the first failure, then
         # fail this process. (A peer of a failed worker fails too, slightly later, with a
@@ -132,12 +175,19 @@ def spawn_workers(
     *,
     device: str = "cpu",
     timeout_s: float = 300.0,
+    log_path: Path | None = None,
 ) -> list[T]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes joined in one process group.
 
     ``fn`` must be importable (defined at module level). Each process gets one intra-op
     thread. If any worker raises or dies, the others are terminated and
-    :class:`WorkerFailed` names the first failing rank and its error.
+    :class:`WorkerFailed` names the first failing rank and its error; the failing workers'
+    tracebacks go to ``log_path`` if given, else to stderr.
+
+    SIGINT or SIGTERM sent to this (the launching) process stops every worker: each gets
+    SIGTERM, and any still alive :data:`STOP_GRACE_S` seconds later SIGKILL; then
+    :class:`Interrupted` is raised. (Called outside the main thread, the launcher's signals
+    are left alone.)
 
     Returns:
         Each rank's return value, in rank order.
@@ -151,35 +201,128 @@ def spawn_workers(
         store_path = os.path.join(scratch, "store")
         saved_env = {key: os.environ.get(key) for key in _WORKER_ENV}
         os.environ.update(_WORKER_ENV)  # inherited by the spawned interpreters at start-up
-        try:
-            context = start_processes(  # type: ignore[no-untyped-call]
-                _worker_entry,
-                args=(fn, args, world_size, store_path, scratch, device, timeout_s),
-                nprocs=world_size,
-                join=False,
-                start_method="spawn",
-            )
-        finally:
-            for key, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-        try:
-            while not context.join(timeout=1.0):
-                pass
-        except (ProcessRaisedException, ProcessExitedException) as error:
-            exit_codes = [process.exitcode for process in context.processes]
-            raise _first_failure(scratch, error.error_index, str(error), exit_codes) from None
+        with _LauncherSignals() as signals:
+            try:
+                context = start_processes(  # type: ignore[no-untyped-call]
+                    _worker_entry,
+                    args=(fn, args, world_size, store_path, scratch, device, timeout_s),
+                    nprocs=world_size,
+                    join=False,
+                    start_method="spawn",
+                )
+            finally:
+                for key, value in saved_env.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+            # torch logs each survivor it terminates after a failure: the failure's own line says
+            # what happened.
+            quiet = _Quiet("torch.multiprocessing.spawn")
+            try:
+                signals.arm()  # a signal during the start was held until now
+                while not context.join(timeout=1.0):
+                    pass
+                signals.disarm()
+            except _LauncherSignal as received:
+                signals.disarm()
+                _stop_workers(context.processes, signals)
+                raise Interrupted(received.signum) from None
+            except (ProcessRaisedException, ProcessExitedException) as error:
+                signals.disarm()
+                exit_codes = [process.exitcode for process in context.processes]
+                raise _first_failure(
+                    scratch, error.error_index, str(error), exit_codes, log_path
+                ) from None
+            finally:
+                quiet.restore()
         return [torch.load(Path(scratch) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+class _Quiet:
+    """Raise a logger's level to ERROR until :meth:`restore`."""
+
+    def __init__(self, name: str) -> None:
+        import logging
+
+        self._logger = logging.getLogger(name)
+        self._level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
+
+    def restore(self) -> None:
+        self._logger.setLevel(self._level)
+
+
+class _LauncherSignals:
+    """SIGINT and SIGTERM handlers of the launcher while its workers run.
+
+    Until :meth:`arm` (while the workers are being started) a signal is only recorded, so no
+    started worker is left unaccounted for; armed, the first one raises
+    :class:`_LauncherSignal` in the main thread; disarmed (while stopping), signals are
+    recorded, and a second one hurries the stop.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._armed = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _LauncherSignals:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        if self._armed:
+            self._armed = False
+            raise _LauncherSignal(signum)
+
+    def arm(self) -> None:
+        if self.received:
+            raise _LauncherSignal(self.received[0])
+        self._armed = True
+
+    def disarm(self) -> None:
+        self._armed = False
+
+
+def _stop_workers(processes: list[Any], signals: _LauncherSignals) -> None:
+    """SIGTERM every live worker, SIGKILL those alive after the grace period (or at a second
+    signal), and reap them all."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    already = len(signals.received)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while any(p.is_alive() for p in processes):
+        if time.monotonic() >= deadline or len(signals.received) > already:
+            break
+        time.sleep(0.05)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
+
+
 def _first_failure(
-    scratch: str, reported_rank: int, reported: str, exit_codes: list[int | None]
+    scratch: str,
+    reported_rank: int,
+    reported: str,
+    exit_codes: list[int | None],
+    log_path: Path | None = None,
 ) -> WorkerFailed:
-    """Find the failure that caused the others, and print its traceback to stderr.
+    """Find the failure that caused the others; its traceback goes to ``log_path`` (every
+    failing worker's, and the message names the file) or, without one, to stderr.
 
     When one worker fails, its peers fail moments later on the broken connection, and the
     launcher may notice any of them first. A worker killed by a signal (other than the
@@ -201,6 +344,18 @@ def _first_failure(
     if not records:
         return WorkerFailed(reported_rank, reported.strip().splitlines()[-1] if reported.strip() else reported)
     _, rank, text = min(records)
-    print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return WorkerFailed(rank, lines[-1] if lines else reported)
+    message = lines[-1] if lines else reported
+    if log_path is None:
+        print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
+        return WorkerFailed(rank, message)
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log:
+            stamp = datetime.datetime.now().isoformat(timespec="seconds")
+            for _, other, other_text in sorted(records):
+                log.write(f"--- {stamp}: traceback of worker {other} ---\n{other_text.rstrip()}\n")
+    except OSError:
+        print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
+        return WorkerFailed(rank, message)
+    return WorkerFailed(rank, f"{message} (traceback in {log_path})")

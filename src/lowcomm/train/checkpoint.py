@@ -8,7 +8,8 @@ Layout under a run directory::
       latest                              name of the newest complete checkpoint
 
 A checkpoint exists only once its manifest does, and ``latest`` moves only after that, so a
-run killed mid-write leaves the previous checkpoint intact. Every file is written to a
+run killed mid-write leaves the previous checkpoint intact. A resume takes the newest intact
+checkpoint: a newer one that is incomplete, truncated or corrupted is passed over (and named). Every file is written to a
 temporary name, flushed, fsynced and renamed. Loading verifies the checksum and uses
 ``torch.load(weights_only=True)``, which refuses anything but tensors and plain containers.
 The directory must be on storage every worker can read (one machine, or a shared file system).
@@ -69,8 +70,13 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
 
 
 def has_checkpoint(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a committed checkpoint."""
-    return (run_dir / "checkpoints" / "latest").exists()
+    """Whether ``run_dir`` holds a committed checkpoint (intact or not)."""
+    return (run_dir / "checkpoints" / "latest").exists() or bool(committed(run_dir))
+
+
+def committed(run_dir: Path) -> list[Path]:
+    """The checkpoint (step-*) directories with a manifest, oldest first."""
+    return sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").exists())
 
 
 def step_directory(run_dir: Path, step: int) -> Path:
@@ -106,32 +112,102 @@ def commit_checkpoint(
     }
     atomic_write_bytes(directory / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
     atomic_write_bytes(run_dir / "checkpoints" / "latest", (directory.name + "\n").encode())
-    complete = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").exists())
+    complete = committed(run_dir)
+    # After a resume from an older checkpoint (the newer ones were not intact), those newer
+    # ones belong to the abandoned continuation: drop them, then keep the newest `keep`.
+    for newer in (p for p in complete if p.name > directory.name):
+        shutil.rmtree(newer, ignore_errors=True)
+    complete = [p for p in complete if p.name <= directory.name]
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Resumable:
+    """The checkpoint a resume loads, and the newer ones passed over (with why)."""
+
+    step: int
+    directory: Path
+    skipped: tuple[str, ...] = ()
+
+    def fallback_note(self) -> str | None:
+        """One line saying which checkpoint is used and why, when it is not the newest."""
+        if not self.skipped:
+            return None
+        return (
+            f"lowcomm: resuming from {self.directory.name} (step {self.step}), the newest intact "
+            f"checkpoint: {'; '.join(self.skipped)}"
+        )
+
+
 def find_latest(run_dir: Path, world_size: int, fingerprint: dict[str, Any]) -> tuple[int, Path]:
-    """The newest complete checkpoint of ``run_dir``, verified; returns (step, directory).
+    """The newest intact checkpoint of ``run_dir``; returns (step, directory).
 
     Raises:
         CheckpointError: naming what is wrong and what to do.
     """
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
+    found = find_resumable(run_dir, world_size, fingerprint)
+    return found.step, found.directory
+
+
+def find_resumable(run_dir: Path, world_size: int, fingerprint: dict[str, Any]) -> Resumable:
+    """The newest intact checkpoint of ``run_dir``, verified, and the newer ones it passes over.
+
+    The committed checkpoints (those with a manifest, and the one ``checkpoints/latest``
+    names) are tried newest first: one that is incomplete, truncated or corrupted is passed
+    over for the next older one kept (``--keep-checkpoints``). A checkpoint of another
+    configuration or world size is not damage: that fails at once.
+
+    Raises:
+        CheckpointError: naming what is wrong and what to do.
+    """
+    root = run_dir / "checkpoints"
+    pointer = root / "latest"
+    candidates = set(committed(run_dir))
+    skipped: list[str] = []
+    if pointer.exists():
+        try:
+            named = pointer.read_text().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            named = ""
+            skipped.append(f"checkpoints/latest is unreadable ({error})")
+        if named:
+            # What `latest` names is tried even without a manifest (and then reported).
+            candidates.add(root / named)
+    # Newest first. (A checkpoint can be newer than `latest`: a run stopped between writing
+    # its manifest and moving `latest` left it complete.)
+    candidates_newest_first = sorted(candidates, key=lambda p: p.name, reverse=True)
+    if not candidates_newest_first:
         raise CheckpointError(
             f"--resume: {run_dir} has no checkpoint (no checkpoints/latest); train with "
             f"--checkpoint-every N to write them"
         )
-    directory = run_dir / "checkpoints" / pointer.read_text().strip()
+    for directory in candidates_newest_first:
+        problem = _damage(directory, world_size, fingerprint)
+        if problem is None:
+            manifest = json.loads((directory / "manifest.json").read_text())
+            return Resumable(int(manifest["step"]), directory, tuple(skipped))
+        skipped.append(f"{directory.name} {problem}")
+    raise CheckpointError(
+        f"--resume: no intact checkpoint in {root}: {'; '.join(skipped)}; start afresh "
+        f"(--overwrite) or restore a copy"
+    )
+
+
+def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> str | None:
+    """Why the checkpoint in ``directory`` cannot be loaded, or None if it is intact.
+
+    Raises:
+        CheckpointError: the checkpoint is intact but of another world size or configuration.
+    """
     manifest_path = directory / "manifest.json"
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(
-            f"--resume: {manifest_path} is unreadable ({error}); the checkpoint is incomplete, "
-            f"point checkpoints/latest at an older step-* directory or start afresh"
-        ) from None
+        int(manifest["step"])
+        hashes = dict(manifest["sha256"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        reason = "is missing" if isinstance(error, FileNotFoundError) else f"is unreadable ({error})"
+        return f"is incomplete: {manifest_path} {reason}"
     if manifest.get("world_size") != world_size:
         raise CheckpointError(
             f"--resume: the checkpoint was written by {manifest.get('world_size')} processes but "
@@ -145,15 +221,13 @@ def find_latest(run_dir: Path, world_size: int, fingerprint: dict[str, Any]) -> 
                 f"run has {key}={value!r}; an exact resume needs the same setting (drop the "
                 f"override, or start a new run with a different --out)"
             )
-    for name, expected in manifest["sha256"].items():
+    for name, expected in hashes.items():
         path = directory / name
-        if not path.exists() or _sha256(path) != expected:
-            raise CheckpointError(
-                f"--resume: {path} is missing or fails its checksum (truncated or corrupted); "
-                f"delete {directory} and point checkpoints/latest at an older checkpoint, or "
-                f"start afresh"
-            )
-    return int(manifest["step"]), directory
+        if not path.exists():
+            return f"is incomplete: {path} is missing"
+        if _sha256(path) != expected:
+            return f"is damaged: {path} fails its checksum (truncated or corrupted)"
+    return None
 
 
 def read_rank_state(

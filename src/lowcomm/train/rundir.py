@@ -1,0 +1,145 @@
+"""The run directory before a run starts: refuse to overwrite a run, check it can be written,
+and clear it when asked (``--overwrite``).
+
+A directory *holds a run* when it has any file a run writes (:data:`RUN_FILES`). Other files
+in it are never touched, so ``--out`` may point into a directory that holds other things, and
+``--overwrite`` removes only what a run wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from lowcomm.config import ConfigError, TrainConfig
+
+#: What a run writes into its directory (the checkpoints directory included).
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "error.log", "checkpoints")
+
+#: Where a failed run's worker tracebacks go (the one-line error names it).
+ERROR_LOG = "error.log"
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """The names in ``run_dir`` that a run wrote (empty: the directory holds no run)."""
+    if not run_dir.is_dir():
+        return []
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def _option(config: TrainConfig) -> str:
+    if config.resume is not None and config.resume != "auto":
+        return "--resume"
+    return "--out"
+
+
+def check_run_dir(config: TrainConfig) -> str | None:
+    """Check, before any worker starts, that the run may write its directory.
+
+    Refused (with one line naming the fix): a path that is a file or lies under one, a
+    directory that cannot be written, a new run into a directory holding a run (unless
+    ``--overwrite``), and ``--resume auto`` on a directory holding another run.
+
+    Returns:
+        A line to print when a resume passes over damaged checkpoints (which one it uses and
+        why), else None.
+
+    Raises:
+        ConfigError: the one-line reason.
+    """
+    run_dir = config.run_dir()
+    option = _option(config)
+    _check_writable(run_dir, option)
+    held = run_files(run_dir)
+    if config.resume is None:
+        if held and not config.overwrite:
+            from lowcomm.train.checkpoint import has_checkpoint
+
+            resume = f", --resume {run_dir} to continue it" if has_checkpoint(run_dir) else ""
+            raise ConfigError(
+                f"{option}: {run_dir} already holds a run ({', '.join(held)}); pass --overwrite "
+                f"to replace it{resume}, or --out NEW_DIR for a fresh one"
+            )
+        return None
+    return _check_resumable(config, run_dir, held)
+
+
+def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str | None:
+    from lowcomm.train.checkpoint import (
+        CheckpointError,
+        find_resumable,
+        fingerprint,
+        has_checkpoint,
+    )
+
+    mine = fingerprint(config)
+    if has_checkpoint(run_dir):
+        try:
+            found = find_resumable(run_dir, config.world_size, mine)
+        except CheckpointError as error:
+            message = str(error)
+            if config.resume == "auto":
+                message = message.replace("--resume:", f"--resume auto: {run_dir}:", 1)
+            raise ConfigError(message) from None
+        return found.fallback_note()
+    if config.resume == "auto" and held:
+        # No checkpoint yet: a restart of the same run starts it afresh, another run is kept.
+        try:
+            saved = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+            same = fingerprint(saved) == mine and saved.world_size == config.world_size
+        except (OSError, ValueError, TypeError):
+            same = False
+        if same and "summary.json" in held:
+            raise ConfigError(
+                f"--resume auto: {run_dir} holds this run, finished, and no checkpoint to "
+                f"resume; pass --overwrite (without --resume) to run it again, or --out NEW_DIR"
+            )
+        if not same:
+            raise ConfigError(
+                f"--resume auto: {run_dir} holds another run without a checkpoint "
+                f"({', '.join(held)}); pass --overwrite (without --resume) to replace it, or "
+                f"--out NEW_DIR for a fresh one"
+            )
+    return None
+
+
+def _check_writable(run_dir: Path, option: str) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(
+            f"{option}: {run_dir} is an existing file, not a directory; pass a directory path "
+            f"(new, or holding a run)"
+        )
+    existing = run_dir
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise ConfigError(
+            f"{option}: {run_dir} lies under {existing}, which is a file; pass a directory path"
+        )
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".lowcomm-probe-"):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(
+            f"{option}: cannot write in {existing} ({reason}); pass a writable directory"
+        ) from None
+
+
+def clear_run(run_dir: Path) -> list[str]:
+    """Remove what a run wrote in ``run_dir`` (``--overwrite``); return the names removed."""
+    removed = run_files(run_dir)
+    for name in removed:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    for name in RUN_FILES:  # temporary files of an interrupted atomic write
+        for leftover in run_dir.glob(f".{name}.tmp*"):
+            leftover.unlink(missing_ok=True)
+    return removed
