@@ -49,8 +49,8 @@ HIERARCHICAL = ("streaming_diloco",)  # fragment exchanges over a two-level comm
 
 #: What every stored run is; kept in each file so a reviewer sees what the numbers are of.
 DESCRIPTION = (
-    "2 workers (Gloo), network wan, virtual clock with 0.01 s per micro-batch, seed 0, "
-    "GPT 2 layers x 32 wide, block 16, micro-batch 2, 8 steps, AdamW lr 3e-3 with 2 warm-up "
+    "2 workers (Gloo), network wan, virtual clock with 0.05 s per micro-batch, seed 0, "
+    "GPT 2 layers x 32 wide, block 16, micro-batch 2, 8 steps, AdamW lr 3e-3 with 3 warm-up "
     "steps then cosine, grad clip 1.0, eval every 3 steps on 2 batches; local.sync_every 2, "
     "diloco.sync_every 4 / overlap 1, desloc periods 2/3/4 (others 2), acco.dpu_warmup_steps 2"
 )
@@ -64,7 +64,7 @@ def regression_config(method: str, out: Path, ranks_per_worker: int = 1) -> Trai
         steps=8,
         network="wan",
         clock="virtual",
-        seconds_per_microbatch=0.01,
+        seconds_per_microbatch=0.05,
         seed=0,
         eval_every=3,
         eval_batches=2,
@@ -73,7 +73,7 @@ def regression_config(method: str, out: Path, ranks_per_worker: int = 1) -> Trai
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
         optim=AdamWConfig(lr=3e-3),
-        schedule=ScheduleConfig(kind="cosine", warmup_steps=2),
+        schedule=ScheduleConfig(kind="cosine", warmup_steps=3),
         local=LocalOptions(sync_every=2),
         diloco=DiLoCoOptions(sync_every=4, overlap_steps=1),
         desloc=(
