@@ -33,6 +33,7 @@ from lowcomm.comm import (
 )
 from lowcomm.comm.base import Comm
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
+from lowcomm.optim.schedule import learning_rate
 from lowcomm.strategies import MicroBatchResult, StrategyContext, ZeRO1, strategy_class
 from lowcomm.strategies.acco import ACCO, DPU, WP, AccoOptions, adamw_lookahead
 from lowcomm.strategies.base import Strategy
@@ -322,6 +323,37 @@ def test_wp_commits_once_and_predicts_with_the_same_gradient(optim: str) -> None
             deployed = next(model.parameters()).detach().reshape(-1).double()
             assert torch.allclose(deployed, thetas[t], atol=1e-6), t  # committed theta
         assert torch.allclose(_params(strategy), predictions[t], atol=1e-6)  # restored
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_wp_predicts_with_the_learning_rate_of_the_step_after_the_commit(optim: str) -> None:
+    # Warm-up then cosine: the LR changes from every step to the next (but one, at the peak).
+    steps = 7
+    schedule = ScheduleConfig(kind="cosine", warmup_steps=3, min_lr_ratio=0.1)
+    config, reference_opt = (SGD, _sgd) if optim == "sgd" else (ADAMW, _adamw)
+    context = StrategyContext(optim=config, schedule=schedule, total_steps=steps, max_grad_norm=None)
+    strategy = WP(_linear(), LocalComm(), context,
+                  AccoOptions(microbatches_per_phase=1, optimizer=optim))  # type: ignore[arg-type]  # fmt: skip
+
+    def lr(step: int) -> float:
+        return learning_rate(schedule, LR, step, steps)
+
+    assert sum(lr(t) != lr(t + 1) for t in range(steps)) >= steps - 1
+    # theta(t+1) = Opt(theta(t), g(t), lr_t); theta~(t+1) = Opt_lookahead(theta(t+1), g(t), lr_{t+1}).
+    state = _start(_params(strategy))
+    prediction, g = state[0].clone(), _gradient(state[0], 0, 0)
+    closure = _linear_closure(strategy, 0, [])
+    for t in range(steps):
+        next_g = _gradient(prediction, 0, t + 1)
+        state = reference_opt(state, g, lr(t))
+        prediction = reference_opt(state, g, lr(t + 1))[0]
+        g = next_g
+        stats = strategy.step(closure)
+        assert stats.lr == lr(t)  # the commit's LR
+        assert torch.allclose(_params(strategy), prediction, atol=1e-7), t
+        with strategy.deployed() as model:
+            committed = next(model.parameters()).detach().reshape(-1).double()
+            assert torch.allclose(committed, state[0], atol=1e-7), t
 
 
 # --- reductions -------------------------------------------------------------------------------
