@@ -9,9 +9,6 @@ known exactly.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from _cli import SMALL, lowcomm
 from _dist import global_batch, tiny_gpt
 from lowcomm.comm import (
     CollectiveKind,
@@ -582,22 +580,12 @@ def test_heterogeneous_workers_accumulate_different_counts_and_never_idle() -> N
 
 # --- end to end -----------------------------------------------------------------------------
 
-SMALL = [
-    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
-    "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
-    "--eval-every", "2", "--progress", "False",
-]  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["acco", "dpu", "wp"])
 def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str) -> None:
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "lowcomm", "train", "--method", method, "--steps", "3",
-         "--out", str(out), "--acco.microbatches-per-phase", "1", *SMALL],
-        capture_output=True, text=True, timeout=240, env={**os.environ},
-    )  # fmt: skip
+    result = lowcomm("train", "--method", method, "--steps", "3", "--out", str(out),
+                     "--acco.microbatches-per-phase", "1", *SMALL)  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == method and summary["steps"] == 3

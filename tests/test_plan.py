@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _cli import lowcomm
 from lowcomm.plan import METHOD_MODELS, PlanConfig, make_plan, parse_params, solve_bandwidth
 
 # 8 Gbit/s = 1e9 bytes/s and 1 ms latency keep the arithmetic readable.
@@ -164,10 +163,7 @@ def test_plan_agrees_with_a_measured_virtual_run(tmp_path: Path) -> None:
         "--progress", "False", "--steps", "6", "--network", "wan",
         "--seconds-per-microbatch", "0.05", "--max-grad-norm", "None",
     ]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "lowcomm", "train", "--method", "ddp", *args, "--out", str(out)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    result = lowcomm("train", "--method", "ddp", *args, "--out", str(out))
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     tokens_per_step = 2 * 4 * 32

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
 
+from _cli import lowcomm
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig
@@ -113,12 +113,7 @@ def test_resume_is_exact(
 
 
 def _lowcomm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowcomm", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return lowcomm("train", *args, timeout=120)
 
 
 TINY_FLAGS = (
