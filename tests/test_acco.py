@@ -511,7 +511,6 @@ def _gloo_equations() -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow
 def test_threaded_chain_on_two_gloo_ranks_follows_the_equations() -> None:
     from lowcomm.launch import spawn_workers
 

@@ -272,7 +272,6 @@ def _gloo_worker(steps: int) -> dict[str, torch.Tensor]:
     return results
 
 
-@pytest.mark.slow
 def test_diloco_reductions_on_two_gloo_ranks() -> None:
     from lowcomm.launch import spawn_workers
 

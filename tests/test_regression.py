@@ -247,7 +247,6 @@ def _compare(key: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     return problems
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("key", [key for key, _, _ in FLAT + HIER])
 def test_run_matches_stored_numbers(key: str, fresh_runs: dict[str, dict[str, Any] | str]) -> None:
     got = fresh_runs[key]
