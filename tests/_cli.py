@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def small_flags(*, n_layer: int = 1) -> list[str]:
@@ -20,10 +21,22 @@ def small_flags(*, n_layer: int = 1) -> list[str]:
 
 SMALL = small_flags()
 
+#: Smaller still, for runs that only need to exist (checkpoints, refusals, signals): a 1-layer GPT
+#: 32 wide, 16-token blocks, micro-batches of 2, validation only at the end, and a declared 0.01 s
+#: per micro-batch on the virtual clock.
+TINY = (
+    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
+    "--model.block-size", "16", "--micro-batch-size", "2", "--eval-every", "100",
+    "--eval-batches", "2", "--progress", "False", "--seconds-per-microbatch", "0.01",
+)  # fmt: skip
 
-def lowcomm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m lowcomm ARGS`` from this interpreter; output captured as text."""
+
+def lowcomm(
+    *args: str, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m lowcomm ARGS`` from this interpreter (in ``cwd``); output captured as
+    text."""
     return subprocess.run(
         [sys.executable, "-m", "lowcomm", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ},
+        capture_output=True, text=True, timeout=timeout, env={**os.environ}, cwd=cwd,
     )  # fmt: skip
