@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # The CPU build of PyTorch (a bare `torch` from PyPI pulls a multi-GB CUDA build on Linux).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint typecheck pytest install install-dev bench clean
+.PHONY: demo test test-fast test-regression regen-regression lint typecheck pytest install install-dev bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,19 @@ pytest: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest
+
+# The edit loop: unit, equation, small multi-process and regression tests (tests marked
+# `slow`, the CLI end-to-end runs and large multi-process runs, are left to `make test`).
+test-fast: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Every method's pinned trajectory (tests/regression/*.json) against a fresh run.
+test-regression: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -m regression
+
+# Rewrite tests/regression/*.json from a fresh run; commit them saying why the numbers moved.
+regen-regression: $(VENV)/.installed-dev
+	LOWCOMM_REGEN=1 $(BIN)/python -m pytest -q tests/test_regression.py
 
 bench: $(VENV)/.installed
 	$(BIN)/lowcomm bench overhead

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -12,13 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from _cli import SMALL, lowcomm
 
-SMALL = [
-    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
-    "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
-    "--eval-every", "2", "--progress", "False",
-]  # fmt: skip
+pytestmark = pytest.mark.slow
 
 SUMMARY_KEYS = {
     "method", "workers", "steps", "num_params", "tokens", "final_train_loss", "final_val_loss",
@@ -27,17 +22,10 @@ SUMMARY_KEYS = {
 }  # fmt: skip
 
 
-def _lowcomm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowcomm", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ},
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("method", ["ddp", "zero1"])
 def test_train_writes_the_run_directory(tmp_path: Path, method: str) -> None:
     out = tmp_path / "run"
-    result = _lowcomm("train", "--method", method, "--steps", "5", "--out", str(out), *SMALL)
+    result = lowcomm("train", "--method", method, "--steps", "5", "--out", str(out), *SMALL)
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) >= SUMMARY_KEYS
@@ -73,7 +61,7 @@ def test_train_writes_the_run_directory(tmp_path: Path, method: str) -> None:
     ],
 )
 def test_bad_options_give_a_one_line_error_and_exit_2(args: list[str], option: str) -> None:
-    result = _lowcomm("train", *args, timeout=60)
+    result = lowcomm("train", *args, timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -82,7 +70,7 @@ def test_bad_options_give_a_one_line_error_and_exit_2(args: list[str], option: s
 
 
 def test_unknown_option_is_an_error() -> None:
-    result = _lowcomm("train", "--no-such-option", "1", timeout=60)
+    result = lowcomm("train", "--no-such-option", "1", timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "no-such-option" in result.stderr + result.stdout
@@ -92,7 +80,7 @@ def test_torchrun_matches_the_local_spawner(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun is not None, "torchrun ships with torch"
     common = ["train", "--steps", "3", "--seed", "3", *SMALL]
-    local = _lowcomm(*common, "--out", str(tmp_path / "local"))
+    local = lowcomm(*common, "--out", str(tmp_path / "local"))
     assert local.returncode == 0, local.stderr
     launched = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", *common,
@@ -122,7 +110,7 @@ def test_own_loop_example_runs(repo_root: Path) -> None:
 
 def test_a_non_finite_loss_stops_the_run_naming_step_and_worker(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = _lowcomm(
+    result = lowcomm(
         "train", "--steps", "12", "--optim.lr", "1e4", "--max-grad-norm", "None",
         "--checkpoint-every", "1", "--out", str(out), *SMALL,
     )  # fmt: skip

@@ -10,9 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from _cli import SMALL, lowcomm
 from _dist import flat_params, global_batch, tiny_gpt
 from lowcomm.comm import (
     CollectiveKind,
@@ -565,20 +563,6 @@ def test_local_methods_on_three_gloo_ranks() -> None:
 
 # --- CLI ---------------------------------------------------------------------------------
 
-SMALL = [
-    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
-    "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
-    "--eval-every", "2", "--progress", "False",
-]  # fmt: skip
-
-
-def _lowcomm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowcomm", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ},
-    )  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "role"),
@@ -587,7 +571,7 @@ def _lowcomm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
 )
 def test_cli_trains_each_method(tmp_path: Path, method: str, role: str) -> None:
     out = tmp_path / method
-    result = _lowcomm(
+    result = lowcomm(
         "train", "--method", method, "--steps", "5", "--local.sync-every", "2",
         "--out", str(out), *SMALL,
     )  # fmt: skip
@@ -602,7 +586,7 @@ def test_cli_trains_each_method(tmp_path: Path, method: str, role: str) -> None:
 
 @pytest.mark.slow
 def test_cli_rejects_a_bad_local_option() -> None:
-    result = _lowcomm("train", "--method", "co2", "--local.sync-every", "0", timeout=60)
+    result = lowcomm("train", "--method", "co2", "--local.sync-every", "0", timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
-from _dist import global_batch
+from _dist import closure_for, global_batch
 from lowcomm.comm import LocalComm
 from lowcomm.models.gpt import GPT, GPTConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
@@ -86,6 +87,139 @@ def test_cocodc_round_robin_without_a_clock_and_rates_recorded() -> None:
     assert [p for _, p in chosen[:4]] == [0, 1, 2, 3]
     assert all(math.isfinite(r) and r > 0 for r in strategy.rates)
     assert strategy.syncs_per_h == 4 and strategy.in_flight == []
+
+
+def test_selector_boundary_a_fragment_exactly_h_steps_stale_is_due() -> None:
+    horizon = 12
+    # Fragment 1 was last synced exactly H steps ago: due (t - t_b >= H), despite the rates.
+    assert select_fragment(20, [15, 8, 14], [5.0, 0.1, 2.0], [], horizon) == 1
+    # One step less stale: not due, so argmax R_p decides.
+    assert select_fragment(19, [15, 8, 14], [5.0, 0.1, 2.0], [], horizon) == 0
+    # Two fragments exactly H stale: the lower index; a staler one beats both.
+    assert select_fragment(20, [15, 8, 8], [5.0, 0.1, 2.0], [], horizon) == 1
+    assert select_fragment(20, [7, 8, 8], [5.0, 0.1, 2.0], [], horizon) == 0
+    # An in-flight fragment is skipped even when it is due.
+    assert select_fragment(20, [15, 8, 14], [5.0, 0.1, 2.0], [1], horizon) == 0
+
+
+def _recorded_cocodc_run(
+    steps: int, options: DiLoCoOptions
+) -> tuple[CoCoDC, list[tuple[int, int, list[int]]], list[tuple[int, int, int, float]]]:
+    """A CoCoDC run on one worker with a batch per step; returns the strategy, its launches
+    (step, fragment, fragments in flight) and completions (fragment, launched at, completed at,
+    norm of the averaged outer gradient), recorded around the strategy's own methods."""
+    context = StrategyContext(optim=AdamWConfig(lr=1e-2), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=steps, max_grad_norm=None)
+    strategy = CoCoDC(_model(), LocalComm(), context, options)
+    launches: list[tuple[int, int, list[int]]] = []
+    completions: list[tuple[int, int, int, float]] = []
+    original_launch, original_complete, original_outer = strategy.launch_exchange, strategy.complete, strategy.outer_step
+    norms: list[float] = []
+
+    def launch(p: int, extras: torch.Tensor | None = None) -> Any:
+        launches.append((strategy.step_index, p, [s.fragment for s in strategy.in_flight]))
+        return original_launch(p, extras)
+
+    def outer_step(p: int, delta: torch.Tensor) -> None:
+        norms.append(float(delta.norm()))
+        original_outer(p, delta)
+
+    def complete(sync: Any, t: int) -> None:
+        original_complete(sync, t)
+        completions.append((sync.fragment, sync.launched_at, t, norms[-1]))
+
+    strategy.launch_exchange = launch  # type: ignore[method-assign]
+    strategy.outer_step = outer_step  # type: ignore[method-assign]
+    strategy.complete = complete  # type: ignore[method-assign]
+    batches = [global_batch(s, 1) for s in range(steps)]
+    closure = closure_for(strategy, batches)
+    for _ in range(steps):
+        strategy.step(closure)
+    strategy.finish()
+    return strategy, launches, completions
+
+
+def _reference_choices(
+    launches: list[tuple[int, int, list[int]]],
+    completions: list[tuple[int, int, int, float]],
+    fragments: int,
+    horizon: int,
+    *,
+    divide: bool = True,
+) -> list[int]:
+    """ALGORITHMS.md §4.5 steps 3-4 replayed on the run's own events: on completing fragment p
+    (launched at t_p, completed at t_l), R_p = ||mean Delta_p|| / (t_p - t_{p,b}), then
+    t_{p,b} = t_l; at each launch the stalest fragment with t - t_{p,b} >= H, else argmax R_p,
+    in-flight fragments excluded, ties by index."""
+    rates = [math.inf] * fragments
+    last = [0] * fragments
+    pending = sorted(completions, key=lambda c: c[2])
+    choices = []
+    for step, _, in_flight in launches:
+        while pending and pending[0][2] <= step:
+            p, launched_at, completed_at, norm = pending.pop(0)
+            rates[p] = norm / (launched_at - last[p]) if divide else norm
+            last[p] = completed_at
+        free = [p for p in range(fragments) if p not in in_flight]
+        due = [p for p in free if step - last[p] >= horizon]
+        if due:
+            choices.append(max(due, key=lambda p: (step - last[p], -p)))
+        else:
+            choices.append(max(free, key=lambda p: (rates[p], -p)))
+    return choices
+
+
+def test_rate_is_the_outer_gradient_norm_per_step_since_the_last_sync() -> None:
+    # No clock: N = K, h = H / K = 2 >= tau = 1, so one sync in flight at a time.
+    options = DiLoCoOptions(sync_every=8, fragments=4, overlap_steps=1, compensation=0.0)
+    strategy, launches, completions = _recorded_cocodc_run(60, options)
+    chosen = [p for _, p, _ in launches]
+    assert len(chosen) >= 25 and len(set(chosen)) == 4
+    assert chosen == _reference_choices(launches, completions, 4, 8)
+    # The run is one where the division matters: undivided norms choose differently.
+    assert chosen != _reference_choices(launches, completions, 4, 8, divide=False)
+    # The final R_p are the last completion's norm / interval of each fragment.
+    for p in range(4):
+        mine = [c for c in completions if c[0] == p]
+        previous = mine[-2][2] if len(mine) > 1 else 0
+        assert strategy.rates[p] == pytest.approx(mine[-1][3] / (mine[-1][1] - previous), rel=1e-12)
+
+
+def test_completed_sync_merges_against_the_snapshot_taken_at_launch() -> None:
+    tau, lam, horizon = 2, 0.5, 12
+    options = DiLoCoOptions(sync_every=horizon, fragments=4, overlap_steps=tau, compensation=lam)
+    context = StrategyContext(optim=AdamWConfig(lr=1e-2), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=30, max_grad_norm=None)
+    strategy = CoCoDC(_model(), LocalComm(), context, options)
+    snapshots: dict[int, torch.Tensor] = {}
+    checked: list[int] = []
+    original_launch, original_complete = strategy.launch_exchange, strategy.complete
+
+    def launch(p: int, extras: torch.Tensor | None = None) -> Any:
+        snapshots[strategy.step_index] = strategy.local_fragment(p).clone()  # theta_{t_p}
+        return original_launch(p, extras)
+
+    def complete(sync: Any, t: int) -> None:
+        p = sync.fragment
+        at_launch = snapshots.pop(sync.launched_at)
+        now = strategy.local_fragment(p).clone()  # theta_{t_l}
+        progress = now - at_launch
+        assert float(progress.norm()) > 1e-4  # tau local steps moved the fragment
+        original_complete(sync, t)
+        new_global = strategy.globals_[p]
+        # Sign-fixed Eq. 8 with Eq. 4 and Eq. 7 against the launch snapshot (lambda > 0)...
+        rate = (at_launch - now) / tau
+        corrected = rate + lam * rate * rate * (new_global - at_launch) / horizon
+        assert torch.allclose(strategy.local_fragment(p), new_global - tau * corrected, atol=1e-6)
+        # ...which keeps the local progress made during the overlap.
+        assert torch.allclose(strategy.local_fragment(p), new_global + progress, atol=1e-5)
+        checked.append(p)
+
+    strategy.launch_exchange = launch  # type: ignore[method-assign]
+    strategy.complete = complete  # type: ignore[method-assign]
+    closure = closure_for(strategy, [global_batch(s, 1) for s in range(30)])
+    for _ in range(30):
+        strategy.step(closure)
+    strategy.finish()
+    assert len(checked) >= 8 and snapshots == {}
 
 
 # --- multi-process: identical choices, measured T_c and T_s ---------------------------------

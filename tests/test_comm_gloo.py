@@ -12,8 +12,6 @@ import torch
 from lowcomm.comm import CollectiveKind, NetworkComm, NetworkProfile, RealClock, Role, VirtualClock
 from lowcomm.launch import WorkerFailed, spawn_workers
 
-pytestmark = pytest.mark.slow
-
 
 def _collectives() -> dict[str, torch.Tensor]:
     from lowcomm.comm.torch_comm import TorchComm
@@ -72,6 +70,7 @@ def _virtual_staggered() -> tuple[float, float, float]:
     return launch, clock.now(), clock.exposed_comm_s
 
 
+@pytest.mark.slow
 def test_virtual_collective_starts_when_the_last_participant_arrives() -> None:
     results = spawn_workers(_virtual_staggered, 3)
     cost = PROFILE.collective_time(CollectiveKind.ALL_REDUCE, 1e6, 3)
@@ -99,6 +98,7 @@ def _virtual_done_polling() -> list[bool]:
     return answers
 
 
+@pytest.mark.slow
 def test_virtual_done_follows_the_virtual_clock() -> None:
     for answers in spawn_workers(_virtual_done_polling, 2):
         # After k quarter-costs of compute: done exactly from k = 4 on.
@@ -124,6 +124,7 @@ def _real_allreduce_timing() -> tuple[float, float]:
     return blocking, overlapped
 
 
+@pytest.mark.slow
 def test_real_clock_delays_and_overlaps_across_processes() -> None:
     cost = 2 * 1 * 0.150 + 4000 / 125e6  # two ranks: 2 (M-1) l + transfer
     for blocking, overlapped in spawn_workers(_real_allreduce_timing, 2):
@@ -141,6 +142,7 @@ def _raise_on_rank_one() -> None:
     comm.barrier().wait()  # rank 0 would wait here forever without the launcher
 
 
+@pytest.mark.slow
 def test_a_raising_worker_ends_the_run_with_its_error() -> None:
     begin = time.perf_counter()
     with pytest.raises(WorkerFailed, match="worker 1 failed: RuntimeError: injected failure"):
@@ -157,6 +159,7 @@ def _killed_rank_one() -> None:
     comm.barrier().wait()
 
 
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_run() -> None:
     begin = time.perf_counter()
     with pytest.raises(WorkerFailed, match="worker 1 failed: killed by SIGKILL"):

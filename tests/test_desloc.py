@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _cli import SMALL, lowcomm
 from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import CollectiveKind, LocalComm, NetworkComm, NetworkProfile, RecordingComm, Role
 from lowcomm.comm.clock import make_clock
@@ -402,20 +402,6 @@ def test_reductions_and_a_joining_worker_on_three_gloo_ranks() -> None:
 
 # --- CLI and example ----------------------------------------------------------------------------
 
-SMALL = [
-    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
-    "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
-    "--eval-every", "2", "--progress", "False",
-]  # fmt: skip
-
-
-def _lowcomm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowcomm", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ},
-    )  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "extra", "payloads"),
@@ -428,7 +414,7 @@ def _lowcomm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
 )
 def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str, extra: list[str], payloads: float) -> None:
     out = tmp_path / "run"
-    result = _lowcomm("train", "--method", method, "--steps", "6", "--out", str(out), *SMALL, *extra)
+    result = lowcomm("train", "--method", method, "--steps", "6", "--out", str(out), *SMALL, *extra)
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == method and summary["steps"] == 6
@@ -439,7 +425,7 @@ def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str, extra: l
 
 
 def test_cli_rejects_a_bad_period() -> None:
-    result = _lowcomm("train", "--method", "desloc", "--desloc.param-period", "0", timeout=60)
+    result = lowcomm("train", "--method", "desloc", "--desloc.param-period", "0", timeout=60)
     assert result.returncode == 2
     assert "--desloc.param-period: 0 must be >= 1" in result.stderr
     assert "Traceback" not in result.stderr

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from _cli import lowcomm, small_flags
 from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import CollectiveKind, LocalComm, RecordingComm, Role
 from lowcomm.models.gpt import GPT, GPTConfig
@@ -274,7 +272,6 @@ def _gloo_worker(steps: int) -> dict[str, torch.Tensor]:
     return results
 
 
-@pytest.mark.slow
 def test_diloco_reductions_on_two_gloo_ranks() -> None:
     from lowcomm.launch import spawn_workers
 
@@ -303,11 +300,7 @@ def test_diloco_reductions_on_two_gloo_ranks() -> None:
 
 # --- command line ----------------------------------------------------------------------
 
-SMALL = [
-    "--workers", "2", "--model.n-layer", "2", "--model.n-embd", "64", "--model.n-head", "2",
-    "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
-    "--eval-every", "2", "--progress", "False",
-]  # fmt: skip
+SMALL = small_flags(n_layer=2)  # two blocks, so two fragments
 
 
 @pytest.mark.slow
@@ -323,11 +316,8 @@ SMALL = [
 )
 def test_cli_selects_the_method_and_writes_summary(tmp_path: Path, method: str, extra: list[str]) -> None:
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "lowcomm", "train", "--method", method, "--steps", "8",
-         "--diloco.sync-every", "4", "--out", str(out), *SMALL, *extra],
-        capture_output=True, text=True, timeout=240, env={**os.environ},
-    )  # fmt: skip
+    result = lowcomm("train", "--method", method, "--steps", "8", "--diloco.sync-every", "4",
+                     "--out", str(out), *SMALL, *extra)  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == method and summary["steps"] == 8
@@ -338,11 +328,9 @@ def test_cli_selects_the_method_and_writes_summary(tmp_path: Path, method: str, 
 
 
 def test_cli_rejects_a_bad_overlap_with_a_clear_error(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "lowcomm", "train", "--method", "streaming_diloco", "--steps", "2",
-         "--diloco.overlap-steps", "-1", "--out", str(tmp_path / "r"), *SMALL],
-        capture_output=True, text=True, timeout=120, env={**os.environ},
-    )  # fmt: skip
+    result = lowcomm("train", "--method", "streaming_diloco", "--steps", "2",
+                     "--diloco.overlap-steps", "-1", "--out", str(tmp_path / "r"), *SMALL,
+                     timeout=120)  # fmt: skip
     assert result.returncode == 2  # rejected before any worker starts
     assert result.stderr.strip().startswith("lowcomm: error: --diloco.overlap-steps")
 

@@ -122,7 +122,6 @@ def _gloo_collectives() -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow
 def test_hierarchical_collectives_equal_plain_math_on_gloo() -> None:
     from lowcomm.launch import spawn_workers
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _cli import TINY
 from lowcomm.config import TrainConfig
 from lowcomm.train.checkpoint import find_latest, fingerprint
 
@@ -26,11 +27,6 @@ pytestmark = [
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="scans /proc"),
 ]
 
-TINY = (
-    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
-    "--model.block-size", "16", "--micro-batch-size", "2", "--eval-every", "100",
-    "--eval-batches", "2", "--progress", "False", "--seconds-per-microbatch", "0.01",
-)  # fmt: skip
 STEPS = 5000  # far more than run before the signal: the run must not end by itself
 STOP_BOUND_S = 60  # generous: "a few seconds" on an idle machine, more on a loaded one
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
 
+from _cli import TINY, lowcomm
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig
@@ -113,20 +113,10 @@ def test_resume_is_exact(
 
 
 def _lowcomm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowcomm", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return lowcomm("train", *args, timeout=120)
 
 
-TINY_FLAGS = (
-    "--workers", "2", "--steps", "6", "--model.n-layer", "1", "--model.n-embd", "32",
-    "--model.n-head", "2", "--model.block-size", "16", "--micro-batch-size", "2",
-    "--eval-every", "100", "--eval-batches", "2", "--progress", "False",
-    "--seconds-per-microbatch", "0.01",
-)  # fmt: skip
+TINY_FLAGS = (*TINY, "--steps", "6")
 
 
 @pytest.mark.slow

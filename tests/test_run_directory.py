@@ -9,26 +9,17 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _cli import TINY, lowcomm
 from lowcomm.config import TrainConfig
 from lowcomm.optim.adamw import AdamWConfig
 
-TINY = (
-    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
-    "--model.block-size", "16", "--micro-batch-size", "2", "--eval-every", "100",
-    "--eval-batches", "2", "--progress", "False", "--seconds-per-microbatch", "0.01",
-)  # fmt: skip
-
 
 def _train(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowcomm", "train", *args],
-        capture_output=True, text=True, timeout=240, cwd=cwd,
-    )  # fmt: skip
+    return lowcomm("train", *args, cwd=cwd)
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str], code: int = 2) -> str:

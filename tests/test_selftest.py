@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
 
+from _cli import lowcomm
 from lowcomm.selftest import Check, RankReport, SelftestConfig, format_report, run_selftest
 
 
+@pytest.mark.slow
 def test_selftest_passes_on_two_gloo_processes() -> None:
     begin = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "lowcomm", "selftest", "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = lowcomm("selftest", "--device", "cpu", timeout=300)
     seconds = time.perf_counter() - begin
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     out = result.stdout

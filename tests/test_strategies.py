@@ -106,6 +106,26 @@ def test_zero1_on_identical_replicas_equals_ddp_exactly() -> None:
     assert torch.allclose(flat_params(ddp.model), flat_params(zero.model), atol=1e-6)
 
 
+@pytest.mark.parametrize("accumulate", [2, 3])
+def test_zero1_with_accumulated_microbatches_equals_ddp(accumulate: int) -> None:
+    # Unclipped (clipping would normalise away a wrong gradient scale), and the moments are
+    # compared too: AdamW's update is nearly invariant to the scale of the gradient, m is not.
+    context = StrategyContext(
+        optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=5,
+        microbatches_per_step=accumulate, max_grad_norm=None,
+    )  # fmt: skip
+    ddp, zero = DDP(tiny_gpt(), LocalComm(), context), ZeRO1(tiny_gpt(), LocalComm(), context)
+    batches = [global_batch(s, 1) for s in range(5 * accumulate)]
+    ddp_closure, zero_closure = closure_for(ddp, batches), closure_for(zero, batches)
+    n = ddp.flat.numel
+    for _ in range(5):
+        assert ddp.step(ddp_closure).microbatches == zero.step(zero_closure).microbatches == accumulate
+        assert torch.allclose(zero.optimizer.exp_avg[:n], ddp.optimizer.exp_avg, rtol=1e-5, atol=1e-9)
+        assert torch.allclose(zero.optimizer.exp_avg_sq[:n], ddp.optimizer.exp_avg_sq, rtol=1e-5, atol=1e-12)
+        assert torch.allclose(flat_params(ddp.model), flat_params(zero.model), atol=1e-6)
+    assert not torch.allclose(flat_params(ddp.model), flat_params(tiny_gpt()))
+
+
 def test_state_bytes_follow_the_memory_formulas() -> None:
     model = tiny_gpt()
     psi = sum(p.numel() for p in model.parameters())
@@ -156,34 +176,50 @@ def test_no_strategy_module_imports_torch_distributed() -> None:
 # --- multi-process ---------------------------------------------------------------------
 
 
-def _ddp_vs_zero1(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ddp_vs_zero1(steps: int, accumulate: int) -> tuple[torch.Tensor, ...]:
+    """DDP and ZeRO-1 on this rank's rows of each global batch (split into ``accumulate``
+    micro-batches): both final parameter vectors, then both first moments on ZeRO-1's shard."""
     from lowcomm.comm.torch_comm import TorchComm
 
     comm = TorchComm()
     rank, world = comm.rank, comm.world_size
+    context = StrategyContext(
+        optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps, microbatches_per_step=accumulate
+    )
+    per_micro = 4 // accumulate
     results = []
+    moments = []
     for cls in (DDP, ZeRO1):
-        strategy = cls(tiny_gpt(), comm, StrategyContext(optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps))
+        strategy = cls(tiny_gpt(), comm, context)
         mine = []
         for step in range(steps):
             x, y = global_batch(step, world)
-            mine.append((x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]))
+            rows = slice(4 * rank, 4 * rank + 4)
+            for k in range(accumulate):
+                part = slice(k * per_micro, (k + 1) * per_micro)
+                mine.append((x[rows][part], y[rows][part]))
         closure = closure_for(strategy, mine)
         for _ in range(steps):
             strategy.step(closure)
         results.append(flat_params(strategy.model))
-    return results[0], results[1]
+        moments.append(strategy.optimizer.exp_avg.clone())  # type: ignore[attr-defined]
+    shard = moments[1].numel()
+    ddp_moment = torch.nn.functional.pad(moments[0], (0, shard * world - moments[0].numel()))
+    return results[0], results[1], ddp_moment[rank * shard : (rank + 1) * shard], moments[1]
 
 
 @pytest.mark.slow
-def test_zero1_equals_ddp_on_four_gloo_ranks() -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_zero1_equals_ddp_on_four_gloo_ranks(accumulate: int) -> None:
     from lowcomm.launch import spawn_workers
 
-    results = spawn_workers(_ddp_vs_zero1, 4, (20,))
+    results = spawn_workers(_ddp_vs_zero1, 4, (20, accumulate))
     start = flat_params(tiny_gpt())
-    for ddp_params, zero_params in results:
+    for ddp_params, zero_params, ddp_moment, zero_moment in results:
         assert not torch.allclose(ddp_params, start)  # it trained
         assert torch.allclose(ddp_params, zero_params, atol=1e-5, rtol=0)
+        # The gradient's scale (sum over ranks and micro-batches / their count) shows in m.
+        assert torch.allclose(ddp_moment, zero_moment, rtol=1e-4, atol=1e-8)
     assert torch.equal(results[0][0], results[3][0])  # replicas agree
 
 

@@ -63,6 +63,9 @@ class WorkerSummary:
     tokens: int
     parameters: torch.Tensor | None = None
     """The final parameters, flattened (only with ``train_worker(keep_parameters=True)``)."""
+    deployed_parameters: torch.Tensor | None = None
+    """The final parameters the method deploys (what the last validation ran on), flattened
+    (only with ``train_worker(keep_parameters=True)`` on a run that finished)."""
 
 
 def _evaluate(
@@ -297,8 +300,11 @@ def train_worker(
             )  # fmt: skip
         strategy.finish()
         final_clock = clock.now()
+        deployed: torch.Tensor | None = None
         with clock.excluded(), strategy.deployed() as deployed_model:
             val_loss = _evaluate(deployed_model, my_val, bookkeeping)
+            if keep_parameters:
+                deployed = _flat_parameters(deployed_model)
     finally:
         if writer is not None:
             writer.close_steps()
@@ -313,6 +319,7 @@ def train_worker(
         state_bytes=strategy.state_bytes(),
         tokens=tokens_total,
         parameters=_flat_parameters(model) if keep_parameters else None,
+        deployed_parameters=deployed,
     )
     # Every worker's summary goes to rank 0 through the bookkeeping group (uncharged).
     levels = comm.level_counters() if isinstance(comm, HierarchicalComm) else None

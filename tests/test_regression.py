@@ -1,0 +1,283 @@
+"""Regression tier: every registered method's exact trajectory on one tiny run, pinned.
+
+Each method in the registry (``lowcomm.strategies.STRATEGIES``, discovered, never listed here)
+trains 8 steps of a tiny GPT on 2 Gloo workers, with a fixed seed and a declared cost per
+micro-batch on the virtual clock, so the run is deterministic. Its per-step loss, learning
+rate, modeled time and bytes, and at the end each worker's clock, bytes by role and a
+fingerprint of the deployed parameters (what validation runs on) are compared with
+``tests/regression/<method>.json``: losses to 1e-6 relative, bytes exactly, times to 1e-9 s.
+One hierarchical run (2 workers x 2 ranks) is pinned the same way.
+
+All methods run in one pair of worker processes (one spawn, to keep the tier fast).
+
+A method whose numbers move fails here. If the change is intended, regenerate and commit the
+files with a message that says why the numbers moved::
+
+    make regen-regression      # = LOWCOMM_REGEN=1 pytest tests/test_regression.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lowcomm.comm.torch_comm import TorchComm
+from lowcomm.config import TrainConfig
+from lowcomm.data import DataConfig
+from lowcomm.launch import spawn_workers
+from lowcomm.models import ModelConfig
+from lowcomm.optim import AdamWConfig, ScheduleConfig
+from lowcomm.strategies import STRATEGIES
+from lowcomm.strategies.acco import AccoOptions
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.desloc import DeslocOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
+
+pytestmark = pytest.mark.regression
+
+STORE = Path(__file__).resolve().parent / "regression"
+REGEN = os.environ.get("LOWCOMM_REGEN") == "1"
+LOSS_RTOL = 1e-6
+TIME_ATOL = 1e-9
+HIERARCHICAL = ("streaming_diloco",)  # fragment exchanges over a two-level comm
+# Still to add once the library has them: a bf16 / --comm-dtype run (issue 14).
+
+#: What every stored run is; kept in each file so a reviewer sees what the numbers are of.
+DESCRIPTION = (
+    "2 workers (Gloo), network wan, virtual clock with 0.05 s per micro-batch, seed 0, "
+    "GPT 2 layers x 32 wide, block 16, micro-batch 2, 8 steps, AdamW lr 3e-3 with 3 warm-up "
+    "steps then cosine, grad clip 1.0, eval every 3 steps on 2 batches; local.sync_every 2, "
+    "diloco.sync_every 4 / overlap 1, desloc periods 2/3/4 (others 2), acco.dpu_warmup_steps 2"
+)
+
+
+def regression_config(method: str, out: Path, ranks_per_worker: int = 1) -> TrainConfig:
+    return TrainConfig(
+        method=method,
+        workers=2,
+        ranks_per_worker=ranks_per_worker,
+        steps=8,
+        network="wan",
+        clock="virtual",
+        seconds_per_microbatch=0.05,
+        seed=0,
+        eval_every=3,
+        eval_batches=2,
+        progress=False,
+        out=str(out),
+        model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2),
+        optim=AdamWConfig(lr=3e-3),
+        schedule=ScheduleConfig(kind="cosine", warmup_steps=3),
+        local=LocalOptions(sync_every=2),
+        diloco=DiLoCoOptions(sync_every=4, overlap_steps=1),
+        desloc=(
+            DeslocOptions(param_period=2, first_moment_period=3, second_moment_period=4)
+            if method == "desloc"
+            else DeslocOptions(param_period=2)  # the others refuse moment periods
+        ),
+        acco=AccoOptions(dpu_warmup_steps=2),
+    )
+
+
+def fingerprint(flat: torch.Tensor) -> dict[str, float]:
+    """A checksum of a parameter vector that tolerates last-bit noise: its sum, absolute sum
+    and a projection on a fixed direction that weighs every coordinate differently (float64;
+    the direction is a formula, not a random draw, so no RNG version can move it)."""
+    values = flat.detach().double().reshape(-1)
+    direction = torch.sin(0.7 * torch.arange(values.numel(), dtype=torch.float64) + 0.3)
+    return {
+        "numel": float(values.numel()),
+        "sum": float(values.sum()),
+        "abs_sum": float(values.abs().sum()),
+        "projection": float(values @ direction),
+    }
+
+
+def _record(config: TrainConfig) -> dict[str, Any]:
+    """Train ``config`` on this worker; the stored numbers (steps only from rank 0)."""
+    from lowcomm.train.loop import train_worker
+
+    summary = train_worker(config, TorchComm(), keep_parameters=True)
+    assert summary.deployed_parameters is not None
+    rank: dict[str, Any] = {
+        "clock_s": summary.clock_s,
+        "compute_s": summary.compute_s,
+        "exposed_comm_s": summary.exposed_comm_s,
+        "bytes_sent": summary.bytes_sent,
+        "bytes_by_role": dict(sorted(summary.bytes_by_role.items())),
+        "state_bytes": summary.state_bytes,
+        "tokens": summary.tokens,
+        "deployed": fingerprint(summary.deployed_parameters),
+    }
+    result: dict[str, Any] = {"rank": rank}
+    if summary.rank == 0:
+        run_dir = config.run_dir()
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        result["steps"] = [
+            {
+                "step": r["step"],
+                "lr": r["lr"],
+                "train_loss": r["train_loss"],
+                "val_loss": r["val_loss"],
+                "clock_s": r["clock_s"],
+                "compute_s": r["compute_s"],
+                "exposed_comm_s": r["exposed_comm_s"],
+                "bytes_sent_per_worker": r["bytes_sent_per_worker"],
+                "microbatches_per_worker": r["microbatches_per_worker"],
+                "committed_steps": r["committed_steps"],
+            }
+            for r in map(json.loads, lines)
+        ]
+        result["final_val_loss"] = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
+    return result
+
+
+def _run_all(base: str, runs: list[tuple[str, str, int]]) -> dict[str, dict[str, Any] | str]:
+    """Each (key, method, ranks per worker) in turn on this worker; an error is reported by
+    that run's own test."""
+    results: dict[str, dict[str, Any] | str] = {}
+    for key, method, ranks in runs:
+        try:
+            results[key] = _record(regression_config(method, Path(base) / key, ranks))
+        except Exception as error:
+            results[key] = f"{type(error).__name__}: {error}"
+    return results
+
+
+def _merge(per_rank: list[dict[str, dict[str, Any] | str]]) -> dict[str, dict[str, Any] | str]:
+    """One record per run: rank 0's steps and every rank's final numbers."""
+    merged: dict[str, dict[str, Any] | str] = {}
+    for key in per_rank[0]:
+        failures = [f"rank {r}: {got[key]}" for r, got in enumerate(per_rank) if isinstance(got[key], str)]
+        if failures:
+            merged[key] = "; ".join(failures)
+            continue
+        first = per_rank[0][key]
+        assert isinstance(first, dict)
+        merged[key] = {
+            "steps": first["steps"],
+            "final_val_loss": first["final_val_loss"],
+            "ranks": [got[key]["rank"] for got in per_rank],  # type: ignore[index]
+        }
+    return merged
+
+
+FLAT = [(method, method, 1) for method in sorted(STRATEGIES)]
+HIER = [(f"hierarchical-{method}", method, 2) for method in HIERARCHICAL]
+
+
+@pytest.fixture(scope="module")
+def fresh_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any] | str]:
+    from lowcomm.data import prepare_corpus
+
+    base = tmp_path_factory.mktemp("regression")
+    prepare_corpus(DataConfig(micro_batch_size=2))  # the tokenizer once, before the workers
+    results = _merge(spawn_workers(_run_all, 2, (str(base), FLAT), timeout_s=240))
+    results.update(_merge(spawn_workers(_run_all, 4, (str(base), HIER), timeout_s=240)))
+    return results
+
+
+def _dumps(record: dict[str, Any]) -> str:
+    """JSON with one line per step and per rank, so a reviewed diff shows what moved where."""
+    lines = ["{"]
+    items = list(record.items())
+    for i, (name, value) in enumerate(items):
+        comma = "," if i < len(items) - 1 else ""
+        if isinstance(value, list):
+            rows = [f"  {json.dumps(row)}" for row in value]
+            body = ",\n".join(rows)
+            lines.append(f" {json.dumps(name)}: [\n{body}\n ]{comma}")
+        else:
+            lines.append(f" {json.dumps(name)}: {json.dumps(value)}{comma}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _stored_path(key: str) -> Path:
+    return STORE / f"{key}.json"
+
+
+def _compare(key: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """Every difference between a fresh run and the stored one, as readable lines."""
+    problems: list[str] = []
+
+    def loss(where: str, a: float | None, b: float | None) -> None:
+        if a is None or b is None or (isinstance(a, float) and math.isnan(a)):
+            if not (a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))):
+                problems.append(f"{where}: {a} != stored {b}")
+        elif not math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=0.0):
+            problems.append(f"{where}: {a!r} != stored {b!r} (rel 1e-6)")
+
+    def time(where: str, a: float, b: float) -> None:
+        if abs(a - b) > TIME_ATOL:
+            problems.append(f"{where}: {a!r} s != stored {b!r} s (1e-9 s)")
+
+    def exact(where: str, a: object, b: object) -> None:
+        if a != b:
+            problems.append(f"{where}: {a!r} != stored {b!r} (exact)")
+
+    exact("number of steps", len(got["steps"]), len(want["steps"]))
+    for g, w in zip(got["steps"], want["steps"], strict=False):
+        at = f"step {w['step']}"
+        for name in ("train_loss", "val_loss", "lr"):
+            loss(f"{at} {name}", g[name], w[name])
+        for name in ("clock_s", "compute_s", "exposed_comm_s"):
+            time(f"{at} {name}", g[name], w[name])
+        for name in ("bytes_sent_per_worker", "microbatches_per_worker", "committed_steps"):
+            exact(f"{at} {name}", g[name], w[name])
+    loss("final_val_loss", got["final_val_loss"], want["final_val_loss"])
+    exact("number of ranks", len(got["ranks"]), len(want["ranks"]))
+    for rank, (g, w) in enumerate(zip(got["ranks"], want["ranks"], strict=False)):
+        at = f"rank {rank}"
+        for name in ("clock_s", "compute_s", "exposed_comm_s"):
+            time(f"{at} {name}", g[name], w[name])
+        for name in ("bytes_sent", "bytes_by_role", "state_bytes", "tokens"):
+            exact(f"{at} {name}", g[name], w[name])
+        scale = w["deployed"]["abs_sum"]
+        exact(f"{at} deployed numel", g["deployed"]["numel"], w["deployed"]["numel"])
+        for name in ("sum", "abs_sum", "projection"):
+            a, b = g["deployed"][name], w["deployed"][name]
+            if abs(a - b) > LOSS_RTOL * scale:
+                problems.append(f"{at} deployed parameters {name}: {a!r} != stored {b!r}")
+    return problems
+
+
+@pytest.mark.parametrize("key", [key for key, _, _ in FLAT + HIER])
+def test_run_matches_stored_numbers(key: str, fresh_runs: dict[str, dict[str, Any] | str]) -> None:
+    got = fresh_runs[key]
+    assert isinstance(got, dict), f"{key} failed: {got}"
+    path = _stored_path(key)
+    if REGEN:
+        STORE.mkdir(exist_ok=True)
+        path.write_text(_dumps({"run": key, "setup": DESCRIPTION, **got}))
+        return
+    assert path.exists(), (
+        f"{path.name} is missing: a method with no stored numbers. Run `make regen-regression` "
+        f"and commit the new file"
+    )
+    want = json.loads(path.read_text())
+    problems = _compare(key, got, want)
+    assert not problems, (
+        f"{key} moved from {path.name} ({len(problems)} differences; first ones below). If "
+        f"intended, run `make regen-regression` and commit saying why the numbers moved.\n"
+        + "\n".join(problems[:15])
+    )
+
+
+def test_every_stored_file_belongs_to_a_run() -> None:
+    """A file left behind by a removed or renamed method fails too (no silent stale pins);
+    regeneration deletes it."""
+    expected = {f"{key}.json" for key, _, _ in FLAT + HIER}
+    if REGEN:
+        for path in STORE.glob("*.json"):
+            if path.name not in expected:
+                path.unlink()
+    stored = {path.name for path in STORE.glob("*.json")}
+    assert stored <= expected, f"stale regression files: {sorted(stored - expected)}"
