@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from _cli import lowcomm
@@ -12,9 +10,7 @@ from lowcomm.selftest import Check, RankReport, SelftestConfig, format_report, r
 
 @pytest.mark.slow
 def test_selftest_passes_on_two_gloo_processes() -> None:
-    begin = time.perf_counter()
     result = lowcomm("selftest", "--device", "cpu", timeout=300)
-    seconds = time.perf_counter() - begin
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     out = result.stdout
     assert "backend gloo, 2 ranks" in out
@@ -22,7 +18,6 @@ def test_selftest_passes_on_two_gloo_processes() -> None:
     for name in ("collectives", "bookkeeping group", "method acco", "method diloco", "checkpoint and resume"):
         assert f"PASS  {name}" in out
     assert "FAIL" not in out
-    assert seconds < 120, f"the CPU battery took {seconds:.0f} s; keep it about a minute"
 
 
 def test_selftest_on_cuda_without_a_gpu_fails_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
