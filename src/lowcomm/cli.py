@@ -8,6 +8,7 @@ hand-written PyTorch loop; ``lowcomm methods`` lists the methods.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -32,6 +33,7 @@ def run_train(config: TrainConfig) -> None:
     from lowcomm.data import DataError, prepare_corpus
     from lowcomm.launch import WorkerFailed, spawn_workers, under_torchrun
 
+    config.make_paths_absolute()
     try:
         config.validate()
     except ConfigError as error:
@@ -124,6 +126,41 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
     return saved
 
 
+def _refuse_other_families(args: list[str], config: TrainConfig) -> None:
+    """Refuse an option of another method family's group (``--method co2
+    --diloco.sync-every 2``): the method would ignore it, and the run would not be the one
+    asked for."""
+    from lowcomm.strategies import STRATEGIES
+
+    method = config.method
+    if method not in STRATEGIES:
+        return  # validate() names the unknown method
+    own = STRATEGIES[method].options_field
+    members: dict[str, list[str]] = {}
+    for name, cls in STRATEGIES.items():
+        if cls.options_field is not None:
+            members.setdefault(cls.options_field, []).append(name)
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0]
+        family, dot, option = flag[2:].partition(".")
+        if not dot or family not in members or family == own:
+            continue
+        which = f"an option of {', '.join(members[family])}, not of --method {method}"
+        if own is None:
+            fix = f"--method {method} takes no method options; drop it"
+        else:
+            options = {f.name.replace("_", "-") for f in dataclasses.fields(getattr(config, own))}
+            same = option.replace("_", "-")
+            fix = (
+                f"--method {method} takes --{own}.* options: use --{own}.{same}, or drop it"
+                if same in options
+                else f"--method {method} takes --{own}.* options; drop it"
+            )
+        _fail(f"{flag}: {which}; {fix}")
+
+
 def run_methods() -> None:
     from lowcomm.strategies import STRATEGIES
 
@@ -208,6 +245,7 @@ def _main(argv: list[str] | None) -> None:
                 train = tyro.cli(
                     TrainConfig, args=rest, prog="lowcomm train", config=config, default=defaults
                 )
+            _refuse_other_families(rest, train)
             run_train(train)
         elif command == "plan":
             from lowcomm.plan import PlanConfig, run_plan
