@@ -186,6 +186,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
     writer = RunWriter(config, resume_step=start_step if resume_from is not None else None) if rank == 0 else None
     start_wall = time.perf_counter()
     stopped = False
+    last_record: StepRecord | None = None
     try:
         for step in range(start_step, config.steps):
             before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
@@ -234,17 +235,21 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
                     with strategy.deployed() as deployed_model:
                         val_loss = _evaluate(deployed_model, my_val, raw)
                 if writer is not None:
-                    writer.write_step(
-                        StepRecord.from_tensor(
-                            step,
-                            stats.lr,
-                            per_worker,
-                            _STEP_FIELDS[:-1],
-                            val_loss if evaluate else None,
-                            clock.kind,
-                            stats.extras,
-                        )
+                    record = StepRecord.from_tensor(
+                        step,
+                        stats.lr,
+                        per_worker,
+                        _STEP_FIELDS[:-1],
+                        val_loss if evaluate else None,
+                        clock.kind,
+                        stats.extras,
                     )
+                    if is_last:
+                        # Written once the final validation below gives it its val_loss, so
+                        # metrics.jsonl and loss.png end on summary.json's final_val_loss.
+                        last_record = record
+                    else:
+                        writer.write_step(record)
                 stopped = config.stop_after is not None and step + 1 == config.stop_after
                 every = config.checkpoint_every
                 if (every is not None and (step + 1) % every == 0 and not is_last) or stopped:
@@ -272,8 +277,12 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         final_clock = clock.now()
         with clock.excluded(), strategy.deployed() as deployed_model:
             val_loss = _evaluate(deployed_model, my_val, raw)
+        if last_record is not None:
+            last_record.val_loss = val_loss
     finally:
         if writer is not None:
+            if last_record is not None:
+                writer.write_step(last_record)  # without val_loss if the evaluation failed
             writer.close_steps()
 
     summary = WorkerSummary(
