@@ -150,6 +150,8 @@ def test_resume_works_from_another_working_directory(tmp_path: Path) -> None:
     assert saved["out"] == str(first / "runs" / "r")
     resumed = _lowcomm("train", "--resume", str(first / "runs" / "r"), cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # With --progress False (saved in config.json) the resume is still announced.
+    assert "lowcomm: resumed" in resumed.stdout and "from step 2" in resumed.stdout
     records = [json.loads(line) for line in (first / "runs" / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert not (elsewhere / "runs").exists() and not (elsewhere / "cache").exists()

@@ -162,14 +162,26 @@ def _refuse_other_families(args: list[str], config: TrainConfig) -> None:
 
 
 def run_methods() -> None:
+    """One entry per method: its name and the first paragraph of its docstring, wrapped to
+    the terminal (never cut mid-phrase)."""
+    import shutil
+    import textwrap
+
     from lowcomm.strategies import STRATEGIES
 
+    width = max(60, min(120, shutil.get_terminal_size((100, 24)).columns))
     for name, cls in sorted(STRATEGIES.items()):
-        doc = (cls.__doc__ or "").strip().splitlines()
-        print(f"{name:20s} {doc[0] if doc else ''}")
+        first = (cls.__doc__ or "").strip().split("\n\n")[0]
+        summary = " ".join(line.strip() for line in first.splitlines())
+        print(
+            textwrap.fill(
+                summary, width=width, initial_indent=f"{name:20s} ", subsequent_indent=" " * 21
+            )
+        )
 
 
 USAGE = """usage: lowcomm {train,bench,plan,reproduce,methods} [OPTIONS]
+       lowcomm --version
 
   train     train a model data-parallel with one method (lowcomm train --help)
   bench     benchmarks: overhead ratio, side-by-side method comparison (lowcomm bench --help)
@@ -227,6 +239,12 @@ def main(argv: list[str] | None = None) -> None:
             _main(argv)
         except _OptionError as error:
             _fail(str(error))
+        except BrokenPipeError:
+            # `lowcomm methods | head`: the reader left; leave quietly as other tools do.
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(141) from None
 
 
 def _main(argv: list[str] | None) -> None:
@@ -234,6 +252,11 @@ def _main(argv: list[str] | None) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         raise SystemExit(0 if args else 2)
+    if args[0] in ("-V", "--version"):
+        from lowcomm import __version__
+
+        print(f"lowcomm {__version__}")
+        return
     command, rest = args[0], args[1:]
     config = (tyro.conf.FlagConversionOff,)
     try:

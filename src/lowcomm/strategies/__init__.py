@@ -9,6 +9,7 @@ the field of that name in :class:`lowcomm.config.TrainConfig`.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import pkgutil
 
@@ -47,8 +48,11 @@ def strategy_class(name: str) -> type[Strategy]:
         ValueError: naming the unknown method and the available ones.
     """
     if name not in STRATEGIES:
+        close = difflib.get_close_matches(name.lower().replace("-", "_"), STRATEGIES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
         raise ValueError(
-            f"--method: unknown method {name!r}; choose one of {', '.join(sorted(STRATEGIES))}"
+            f"--method: unknown method {name!r}; {hint}choose one of "
+            f"{', '.join(sorted(STRATEGIES))}"
         )
     return STRATEGIES[name]
 

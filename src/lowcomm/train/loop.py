@@ -182,6 +182,13 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
         tokens_total = int(saved["tokens"])
         val_loss = float(saved["val_loss"])
     raw.barrier().wait()  # every worker has read its file before anyone writes a new one
+    if resume_from is not None and rank == 0:
+        # Said whatever --progress is: a resumed run must not look like a fresh one.
+        print(
+            f"lowcomm: resumed {resume_from} from step {start_step} (checkpoint "
+            f"{directory.name}); training steps {start_step + 1} to {config.steps}",
+            flush=True,
+        )
 
     writer = RunWriter(config, resume_step=start_step if resume_from is not None else None) if rank == 0 else None
     start_wall = time.perf_counter()
