@@ -12,8 +12,28 @@ experiments with the ``lowcomm`` command.
 from __future__ import annotations
 
 from lowcomm.api import connect, make_strategy
-from lowcomm.strategies import MicroBatchResult, StepStats, Strategy
+from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.optim.schedule import ScheduleConfig
+from lowcomm.strategies import MicroBatchResult, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.acco import AccoOptions
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.desloc import DeslocOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
 
 __version__ = "0.1.0"
 
-__all__ = ["MicroBatchResult", "StepStats", "Strategy", "__version__", "connect", "make_strategy"]
+__all__ = [
+    "AccoOptions",
+    "AdamWConfig",
+    "DeslocOptions",
+    "DiLoCoOptions",
+    "LocalOptions",
+    "MicroBatchResult",
+    "ScheduleConfig",
+    "StepStats",
+    "Strategy",
+    "StrategyContext",
+    "__version__",
+    "connect",
+    "make_strategy",
+]

@@ -9,9 +9,11 @@ the field of that name in :class:`lowcomm.config.TrainConfig`.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import pkgutil
+import typing
 
 from torch import nn
 
@@ -57,6 +59,18 @@ def strategy_class(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
+def options_class(cls: type[Strategy]) -> type | None:
+    """The options dataclass a strategy's constructor takes (its ``options`` argument), or
+    None for a method without options."""
+    if cls.options_field is None:
+        return None
+    hint = typing.get_type_hints(cls.__init__).get("options")
+    for candidate in typing.get_args(hint) or (hint,):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    raise TypeError(f"{cls.__name__}.__init__ has no dataclass-typed options argument")
+
+
 def build_strategy(
     method: str, model: nn.Module, comm: Comm, context: StrategyContext, options_source: object
 ) -> Strategy:
@@ -79,5 +93,6 @@ __all__ = [
     "StrategyContext",
     "ZeRO1",
     "build_strategy",
+    "options_class",
     "strategy_class",
 ]
