@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import time
 from dataclasses import dataclass
 from typing import NoReturn
 
 import tyro
 
 from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.data import PreparedCorpus
 
 
 @dataclass(kw_only=True)
@@ -41,12 +43,19 @@ def run_train(config: TrainConfig) -> None:
     if under_torchrun():
         _run_under_torchrun(config)
         return
+    source = "the bundled corpus" if config.data.data is None else config.data.data
+    say(f"preparing corpus from {source}")
+    started = time.perf_counter()
     try:
-        config.check_corpus(prepare_corpus(config.data))
+        corpus = prepare_corpus(config.data, report=say)
+        config.check_corpus(corpus)
     except (DataError, ConfigError) as error:
         _fail(str(error))
+    say(describe_corpus(corpus, time.perf_counter() - started))
+    warn_if_oversubscribed(config.world_size)
     from lowcomm.train.loop import spawned_train
 
+    say(f"starting {config.world_size} worker processes")
     try:
         spawn_workers(
             spawned_train,
@@ -59,6 +68,39 @@ def run_train(config: TrainConfig) -> None:
         _fail(str(error), code=1)
     except KeyboardInterrupt:
         _fail("interrupted", code=130)
+
+
+def say(message: str) -> None:
+    """A start-up phase, shown as it happens (stdout, flushed: a pipe sees it at once)."""
+    print(f"lowcomm: {message}", flush=True)
+
+
+def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
+    """The line saying what the prepared corpus holds."""
+    files = len(corpus.source_names)
+    tokens = corpus.num_train_tokens + corpus.num_val_tokens
+    tokenizer = "tokenizer and tokens from the cache" if corpus.from_cache else "tokenized now"
+    return (
+        f"corpus: {files:,} file{'s' if files != 1 else ''}, {corpus.num_documents:,} "
+        f"documents, {tokens:,} tokens ({corpus.num_train_tokens:,} train, "
+        f"{corpus.num_val_tokens:,} validation), vocabulary {corpus.vocab_size:,}; "
+        f"{tokenizer} in {seconds:.1f} s"
+    )
+
+
+def warn_if_oversubscribed(processes: int) -> None:
+    """Say when this machine runs more worker processes than it has CPU cores."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores is not None and processes > cores:
+        print(
+            f"lowcomm: warning: {processes} worker processes on {cores} CPU cores: they take "
+            f"turns, so start-up and wall-clock times grow with the count (the virtual clock "
+            f"counts each worker's own CPU time and is not inflated)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _run_under_torchrun(config: TrainConfig) -> None:
@@ -87,11 +129,19 @@ def _run_under_torchrun(config: TrainConfig) -> None:
                 f"--speed-factors: {len(config.speed_factors)} values for a torchrun world of "
                 f"{workers} workers; give one per worker"
             )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank == 0:
+        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
     try:
+        if dist.get_rank() == 0:
+            say(f"workers connected: {world_size} processes")
         # One preparer per machine, the others wait: concurrent tokenizer training is waste.
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            prepare_corpus(config.data)
+        if local_rank == 0:
+            started = time.perf_counter()
+            corpus = prepare_corpus(config.data, report=say)
+            if dist.get_rank() == 0:
+                say(describe_corpus(corpus, time.perf_counter() - started))
         dist.barrier()
         import torch
 

@@ -89,6 +89,7 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
     ``--ranks-per-worker R > 1``, a :class:`HierarchicalComm` over an inner and an outer
     ``NetworkComm``), metrics go around it. With ``keep_parameters`` the summary carries the
     final parameters (for tests)."""
+    set_up_start = time.perf_counter()
     rank, world_size = raw.rank, raw.world_size
     ranks_per_worker = config.ranks_per_worker
     # This process is local rank `replica` of worker `worker` (both = rank with flat workers).
@@ -190,6 +191,13 @@ def train_worker(config: TrainConfig, raw: Comm, *, keep_parameters: bool = Fals
             flush=True,
         )
 
+    if rank == 0:
+        print(
+            f"lowcomm: training: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M "
+            f"parameters, {len(all_val)} validation batches; worker set-up "
+            f"{time.perf_counter() - set_up_start:.1f} s",
+            flush=True,
+        )
     writer = RunWriter(config, resume_step=start_step if resume_from is not None else None) if rank == 0 else None
     start_wall = time.perf_counter()
     stopped = False
@@ -391,4 +399,8 @@ def spawned_train(config: TrainConfig) -> WorkerSummary:
     """Entry point of a worker started by the local spawner (the group is initialised)."""
     from lowcomm.comm.torch_comm import TorchComm
 
-    return train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
+    raw = TorchComm(timeout_s=config.collective_timeout_s)
+    if raw.rank == 0:
+        # The group is up: Gloo has connected every pair of processes.
+        print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
+    return train_worker(config, raw)
