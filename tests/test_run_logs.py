@@ -46,8 +46,9 @@ def _records(count: int) -> list[StepRecord]:
     fields = ("loss", "compute_s", "exposed_comm_s", "bytes_sent", "clock_s", "microbatches",
               "tokens", "committed_steps")  # fmt: skip
     return [
-        StepRecord.from_tensor(step, 1e-3, per_worker - 0.1 * step, fields,
-                               2.5 if step % 2 else None, "virtual")  # fmt: skip
+        StepRecord.from_tensor(
+            step, 1e-3, per_worker - 0.1 * step, fields, 2.5 if step % 2 else None, "virtual"
+        )
         for step in range(count)
     ]
 

@@ -11,6 +11,7 @@ Timings are wall-clock on a machine that may be shared: compare numbers taken si
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -197,11 +198,7 @@ def run_startup(bench: StartupBench) -> list[StartupRun]:
                     "cold": bench.cold,
                     "cores": cores,
                     "table": table,
-                    "runs": [
-                        {"workers": r.workers, "first_step_s": r.first_step_s, "exit_s": r.exit_s,
-                         "returncode": r.returncode, "phases": r.phases, "lines": r.lines}
-                        for r in runs
-                    ],  # fmt: skip
+                    "runs": [dataclasses.asdict(run) for run in runs],
                 },
                 indent=2,
             )

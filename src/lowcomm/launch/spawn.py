@@ -177,9 +177,16 @@ def spawn_workers(
             context = start_processes(  # type: ignore[no-untyped-call]
                 _worker_entry,
                 args=(
-                    fn, args, world_size, store_path, scratch, device, timeout_s,
-                    dict(os.environ), os.getcwd(),
-                ),  # fmt: skip
+                    fn,
+                    args,
+                    world_size,
+                    store_path,
+                    scratch,
+                    device,
+                    timeout_s,
+                    dict(os.environ),
+                    os.getcwd(),
+                ),
                 nprocs=world_size,
                 join=False,
                 start_method=_start_method(fn),
