@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 #: The tiny model of the bench (and of the end-to-end tests): one block, width 64.
@@ -59,9 +59,6 @@ class StartupBench:
 
     json_out: str | None = None
     """Also write the measurements to this JSON file."""
-
-    extra: tuple[str, ...] = field(default_factory=tuple)
-    """Further `lowcomm train` options, e.g. --extra --network none."""
 
 
 @dataclass
@@ -143,6 +140,10 @@ def run_startup(bench: StartupBench) -> list[StartupRun]:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     runs: list[StartupRun] = []
+    if not bench.cold:
+        from lowcomm.data import DataConfig, prepare_corpus
+
+        prepare_corpus(DataConfig())  # so that "warm" is true of the first run too
     with tempfile.TemporaryDirectory(prefix="lowcomm-startup-") as scratch:
         env = {**os.environ}
         for repeat in range(bench.repeats):
@@ -154,7 +155,7 @@ def run_startup(bench: StartupBench) -> list[StartupRun]:
                     sys.executable, "-m", "lowcomm", "train", "--method", bench.method,
                     "--workers", str(workers), "--steps", str(bench.steps), "--out", str(out),
                     "--progress", "False", "--eval-every", str(max(1, bench.steps)),
-                    *TINY_MODEL, *bench.extra,
+                    *TINY_MODEL,
                 ]  # fmt: skip
                 first, exit_s, code, lines = time_command(command, out / "metrics.jsonl", env=env)
                 run = StartupRun(workers, first, exit_s, code, phase_costs(lines, first), lines)
