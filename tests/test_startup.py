@@ -24,6 +24,7 @@ def test_phase_costs_split_the_time_before_the_first_step() -> None:
     lines = [
         (0.2, "noise"),
         (1.0, "lowcomm: preparing corpus from the bundled corpus"),
+        (1.2, "lowcomm: training a 2048-token BPE tokenizer on 6 documents (first use)"),
         (1.5, "lowcomm: corpus: 6 files, ..."),
         (3.0, "lowcomm: workers connected: 2 processes"),
         (3.25, "lowcomm: training: 0.1 M parameters"),

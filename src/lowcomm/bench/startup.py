@@ -32,9 +32,9 @@ TINY_MODEL = [
 #: runs from the end of the one before (the command's start for the first) to its line.
 PHASES: tuple[tuple[str, str], ...] = (
     ("imports and options", "lowcomm: preparing corpus"),
-    ("corpus and tokenizer", "lowcomm: corpus"),
+    ("corpus and tokenizer", "lowcomm: corpus:"),
     ("workers start and connect", "lowcomm: workers connected"),
-    ("worker set-up", "lowcomm: training"),
+    ("worker set-up", "lowcomm: training:"),
 )
 
 
@@ -88,11 +88,12 @@ def phase_costs(lines: list[tuple[float, str]], first_step_s: float) -> dict[str
         ``first step`` (from the last phase line to the first step).
     """
     costs: dict[str, float] = {}
-    previous = 0.0
+    previous, index = 0.0, 0
     for name, prefix in PHASES:
-        seen = next((t for t, line in lines if line.startswith(prefix)), None)
-        if seen is None:
+        found = next((i for i in range(index, len(lines)) if lines[i][1].startswith(prefix)), None)
+        if found is None:
             continue
+        seen, index = lines[found][0], found + 1
         costs[name] = max(0.0, seen - previous)
         previous = seen
     if costs and first_step_s == first_step_s:  # not NaN
