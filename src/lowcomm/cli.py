@@ -12,12 +12,15 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import tyro
 
-from lowcomm.config import ConfigError, TrainConfig
-from lowcomm.data import PreparedCorpus
+# Imported where used, not here: `lowcomm train` starts the worker server before this
+# process imports torch (lowcomm.config does), so that both imports run at once.
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
+    from lowcomm.data import PreparedCorpus
 
 
 @dataclass(kw_only=True)
@@ -32,6 +35,7 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 def run_train(config: TrainConfig) -> None:
     """Validate, prepare data, then spawn the workers (or join torchrun as one)."""
+    from lowcomm.config import ConfigError
     from lowcomm.data import DataError, prepare_corpus
     from lowcomm.launch import WorkerFailed, spawn_workers, under_torchrun
 
@@ -156,6 +160,8 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
     ``lowcomm train --resume DIR`` alone continues the run; options given override it."""
     import json
     from pathlib import Path
+
+    from lowcomm.config import TrainConfig
 
     value: str | None = None
     for i, arg in enumerate(args):
@@ -311,6 +317,12 @@ def _main(argv: list[str] | None) -> None:
     config = (tyro.conf.FlagConversionOff,)
     try:
         if command == "train":
+            if not {"-h", "--help"} & set(rest):
+                from lowcomm.prestart import start_forkserver
+
+                start_forkserver()
+            from lowcomm.config import TrainConfig
+
             defaults = _resume_defaults(rest)
             if defaults is None:
                 train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -24,6 +23,10 @@ from torch.multiprocessing.spawn import (
     start_processes,
 )
 
+from lowcomm.prestart import WORKER_MODULES, under_torchrun, use_forkserver
+
+__all__ = ["WorkerFailed", "backend_for", "init_from_env", "spawn_workers", "under_torchrun"]
+
 T = TypeVar("T")
 
 # Set in every worker: one intra-op thread each, so N workers on a few cores neither
@@ -38,13 +41,6 @@ class WorkerFailed(RuntimeError):
         super().__init__(f"worker {rank} failed: {message}")
         self.rank = rank
         self.message = message
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by ``torchrun`` (or another env:// launcher)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    )
 
 
 def backend_for(device: str) -> str:
@@ -136,17 +132,15 @@ def _start_method(fn: Callable[..., Any]) -> str:
     per worker: with 16 workers on 2 cores, most of the start-up); ``spawn`` where there is
     no forkserver (not POSIX).
 
-    The server is a fresh interpreter started on first use (not a fork of this process, whose
-    OpenMP and Gloo threads a fork would copy half-alive) and imports nothing that starts
-    threads or touches CUDA, so forking it is safe.
+    The server is a fresh interpreter started on first use, or earlier by
+    :func:`lowcomm.prestart.start_forkserver` (not a fork of this process, whose OpenMP and
+    Gloo threads a fork would copy half-alive), and imports nothing that starts threads or
+    touches CUDA, so forking it is safe.
     """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    modules = ["torch", "torch.distributed", __name__]
+    modules = [*WORKER_MODULES, __name__]
     if getattr(fn, "__module__", None) not in (None, "__main__"):
         modules.append(fn.__module__)
-    multiprocessing.set_forkserver_preload(modules)
-    return "forkserver"
+    return "forkserver" if use_forkserver(modules) else "spawn"
 
 
 def spawn_workers(
