@@ -4,8 +4,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of PyTorch (a bare `torch` from PyPI pulls a multi-GB CUDA build on Linux).
+# PyTorch, installed before lowcomm. TORCH_SPEC pins the version; it comes from pip's index
+# (PyPI unless pip is configured otherwise), where on Linux x86-64 `torch` is the CUDA build:
+# the torch wheel plus NVIDIA's CUDA libraries (nvidia-* packages), several GB. lowcomm on CPU
+# needs none of that: TORCH_INDEX_URL installs torch from another index, e.g. the CPU build:
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 
 .PHONY: demo test test-fast test-regression regen-regression lint typecheck pytest install install-dev bench clean
 
@@ -13,7 +18,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.torch: | $(BIN)/python
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)") "$(TORCH_SPEC)"
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch

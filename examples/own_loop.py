@@ -7,13 +7,15 @@ Run on one machine with two workers, over an emulated 10 Gbit/s Ethernet link:
 or as a single worker: ``python examples/own_loop.py``. On GPUs add ``--device cuda`` (NCCL,
 one GPU per process). The lines marked ``# lowcomm`` are
 the only changes from the plain single-process loop this started as (which used
-``optimizer = torch.optim.AdamW(...)`` and ``loss.backward(); optimizer.step();
-optimizer.zero_grad()``).
+``optimizer = torch.optim.AdamW(...)``, ``for inputs, targets in loader:`` and
+``loss.backward(); optimizer.step(); optimizer.zero_grad()``): the closure now takes the next
+batch itself, because a step may run it several times.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -32,6 +34,12 @@ def make_data(rank: int, world_size: int) -> DataLoader[tuple[torch.Tensor, ...]
     return DataLoader(dataset, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(rank))
 
 
+def endless(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The loader's batches, epoch after epoch."""
+    while True:
+        yield from loader
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--method", default="ddp")
@@ -42,24 +50,21 @@ def main() -> None:
     torch.manual_seed(0)
     comm = lowcomm.connect(network="ethernet", device=args.device)  # lowcomm
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(comm.device)
-    loader = make_data(comm.rank, comm.world_size)  # lowcomm: each worker reads its shard
+    batches = endless(make_data(comm.rank, comm.world_size))  # lowcomm: each worker its shard
     strategy = lowcomm.make_strategy(args.method, model, comm, lr=3e-3, weight_decay=0.0, total_steps=args.steps)  # lowcomm
 
-    batches = iter(loader)
+    # lowcomm: the closure draws the next batch itself. A step may call it several times
+    # (acco, dpu and wp accumulate micro-batches while they communicate, --microbatches-per-step
+    # accumulates too), and each call must see a fresh batch, not the step's one again.
+    def closure() -> lowcomm.MicroBatchResult:
+        inputs, targets = next(batches)
+        inputs, targets = inputs.to(comm.device), targets.to(comm.device)
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        return lowcomm.MicroBatchResult(loss.item(), len(inputs), len(inputs))  # lowcomm
+
     first_loss = last_loss = float("nan")
     for step in range(args.steps):
-        try:
-            inputs, targets = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            inputs, targets = next(batches)
-        inputs, targets = inputs.to(comm.device), targets.to(comm.device)
-
-        def closure() -> lowcomm.MicroBatchResult:
-            loss = nn.functional.mse_loss(model(inputs), targets)
-            loss.backward()
-            return lowcomm.MicroBatchResult(loss.item(), len(inputs), len(inputs))  # lowcomm
-
         last_loss = strategy.step(closure).loss  # lowcomm: replaces backward/step/zero_grad
         if step == 0:
             first_loss = last_loss

@@ -175,7 +175,11 @@ def command_lines(draw: Any) -> list[str]:
         pool = ["1", "2", "0.5"] if valid else ["1", "2", "0", "-1", "nan", "inf"]
         argv += ["--speed-factors", *draw(st.lists(st.sampled_from(pool), min_size=count, max_size=count))]
     family = FAMILY_OF.get(method)
-    families = [family] if family is not None and draw(st.integers(0, 3)) else list(FAMILY)
+    if valid:
+        # Another family's options are refused (issue 13): a valid line holds only its own.
+        families = [family] if family is not None else []
+    else:
+        families = [family] if family is not None and draw(st.integers(0, 3)) else list(FAMILY)
     for name in FAMILY:
         for option, choices in FAMILY[name].items():
             if option == bad_option or (name in families and draw(st.integers(0, 2)) == 0):
@@ -312,7 +316,9 @@ def test_a_configuration_is_accepted_and_steps_or_rejected_cleanly(argv: list[st
         event(f"rejected: {FLAG.findall(stderr)[0]}")
         return
     event(f"accepted: {config.method}")
-    assert code is None and stderr == "", stderr
+    # The one thing an accepted run may say on stderr: more processes than this machine's cores.
+    said = [line for line in stderr.splitlines() if not line.startswith("lowcomm: warning: ")]
+    assert code is None and said == [], stderr
     first_step(config)
 
 

@@ -11,9 +11,65 @@ experiments with the ``lowcomm`` command.
 
 from __future__ import annotations
 
-from lowcomm.api import connect, make_strategy
-from lowcomm.strategies import MicroBatchResult, StepStats, Strategy
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["MicroBatchResult", "StepStats", "Strategy", "__version__", "connect", "make_strategy"]
+# The public names, imported on first use (PEP 562): `lowcomm --version`, and the start of
+# `lowcomm train` (which starts the worker server before it imports torch), do not pay for
+# torch.
+_PUBLIC = {
+    "AccoOptions": "lowcomm.strategies.acco",
+    "AdamWConfig": "lowcomm.optim.adamw",
+    "DeslocOptions": "lowcomm.strategies.desloc",
+    "DiLoCoOptions": "lowcomm.strategies.diloco",
+    "LocalOptions": "lowcomm.strategies.co2",
+    "MicroBatchResult": "lowcomm.strategies",
+    "ScheduleConfig": "lowcomm.optim.schedule",
+    "StepStats": "lowcomm.strategies",
+    "Strategy": "lowcomm.strategies",
+    "StrategyContext": "lowcomm.strategies",
+    "connect": "lowcomm.api",
+    "make_strategy": "lowcomm.api",
+}
+
+if TYPE_CHECKING:
+    from lowcomm.api import connect, make_strategy
+    from lowcomm.optim.adamw import AdamWConfig
+    from lowcomm.optim.schedule import ScheduleConfig
+    from lowcomm.strategies import MicroBatchResult, StepStats, Strategy, StrategyContext
+    from lowcomm.strategies.acco import AccoOptions
+    from lowcomm.strategies.co2 import LocalOptions
+    from lowcomm.strategies.desloc import DeslocOptions
+    from lowcomm.strategies.diloco import DiLoCoOptions
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lowcomm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
+
+
+__all__ = [
+    "AccoOptions",
+    "AdamWConfig",
+    "DeslocOptions",
+    "DiLoCoOptions",
+    "LocalOptions",
+    "MicroBatchResult",
+    "ScheduleConfig",
+    "StepStats",
+    "Strategy",
+    "StrategyContext",
+    "__version__",
+    "connect",
+    "make_strategy",
+]

@@ -28,7 +28,13 @@ from lowcomm.comm.local import LocalComm
 from lowcomm.comm.network import NetworkProfile
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
-from lowcomm.strategies import Strategy, StrategyContext, strategy_class
+from lowcomm.strategies import (
+    STRATEGIES,
+    Strategy,
+    StrategyContext,
+    options_class,
+    strategy_class,
+)
 
 
 def connect(
@@ -97,31 +103,65 @@ def make_strategy(
     *,
     lr: float = 1e-3,
     betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
     weight_decay: float = 0.1,
     total_steps: int = 100,
+    schedule: Literal["cosine", "constant"] = "cosine",
     warmup_steps: int = 0,
+    min_lr_ratio: float = 0.1,
     microbatches_per_step: int = 1,
     max_grad_norm: float | None = 1.0,
     options: object | None = None,
 ) -> Strategy:
     """Build the strategy ``method`` around ``model``.
 
-    ``options`` is the method family's options dataclass (for example
-    ``DiLoCoOptions(sync_every=32)`` for ``diloco``); None uses the family's defaults.
+    The closure given to ``strategy.step`` must draw a fresh micro-batch on every call: acco,
+    dpu and wp call it several times per step (as many micro-batches as fit while they
+    communicate), and ``microbatches_per_step > 1`` does too.
+
+    Args:
+        method: a ``lowcomm methods`` name.
+        model: the single-device model; the strategy owns its parameters from now on.
+        comm: from :func:`connect`.
+        lr, betas, eps, weight_decay: the (inner) AdamW's peak learning rate, moment decays,
+            denominator epsilon and decoupled weight decay.
+        total_steps: optimizer steps the loop will take (the schedule's length).
+        schedule: ``"cosine"`` (linear warm-up over ``warmup_steps``, then cosine decay to
+            ``min_lr_ratio x lr``) or ``"constant"`` (``lr`` throughout after the warm-up;
+            with ``warmup_steps=0``, exactly ``lr`` at every step).
+        warmup_steps: steps of linear warm-up from 0 to ``lr`` (0: none).
+        min_lr_ratio: floor of the cosine decay, as a fraction of ``lr``.
+        microbatches_per_step: micro-batches accumulated per step (synchronous methods).
+        max_grad_norm: clip the averaged gradient to this global L2 norm; None: no clipping.
+        options: the options class of the method's family, e.g. ``lowcomm.DiLoCoOptions(
+            sync_every=32)`` for diloco (:class:`AccoOptions`: acco, dpu, wp;
+            :class:`LocalOptions`: local_sgd, local_adamw, overlap_local_sgd, slowmo, co2;
+            :class:`DiLoCoOptions`: diloco, streaming_diloco, diloco_delayed, eager, cocodc;
+            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset); None uses the
+            family's defaults. ddp and zero1 take none.
 
     Raises:
-        ValueError: for an unknown method or an invalid hyperparameter, naming the fix.
+        ValueError: for an unknown method, an options object of another family, or an invalid
+            hyperparameter, naming the fix.
     """
     context = StrategyContext(
-        optim=AdamWConfig(lr=lr, betas=betas, weight_decay=weight_decay),
-        schedule=ScheduleConfig(kind="cosine", warmup_steps=warmup_steps),
+        optim=AdamWConfig(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+        schedule=ScheduleConfig(kind=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio),
         total_steps=total_steps,
         microbatches_per_step=microbatches_per_step,
         max_grad_norm=max_grad_norm,
     )
     cls = strategy_class(method)
-    if options is None or cls.options_field is None:
+    expected = options_class(cls)
+    if options is None or expected is None:
         if options is not None:
             raise ValueError(f"options: method {method!r} takes no options; drop the argument")
         return cls(model, comm, context)
+    if not isinstance(options, expected):
+        family = sorted(name for name, other in STRATEGIES.items() if options_class(other) is expected)
+        raise ValueError(
+            f"options: {type(options).__name__} is not the options of method {method!r}; pass "
+            f"lowcomm.{expected.__name__}(...) (the options of {', '.join(family)}), or None "
+            f"for its defaults"
+        )
     return cls(model, comm, context, options=options)  # type: ignore[call-arg]

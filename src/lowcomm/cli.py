@@ -8,13 +8,19 @@ hand-written PyTorch loop; ``lowcomm methods`` lists the methods.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
+import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import tyro
 
-from lowcomm.config import ConfigError, TrainConfig
+# Imported where used, not here: `lowcomm train` starts the worker server before this
+# process imports torch (lowcomm.config does), so that both imports run at once.
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
+    from lowcomm.data import PreparedCorpus
 
 
 @dataclass(kw_only=True)
@@ -38,10 +44,12 @@ def run_train(config: TrainConfig) -> None:
 
 
 def _run_train(config: TrainConfig) -> None:
+    from lowcomm.config import ConfigError
     from lowcomm.data import DataError, prepare_corpus
     from lowcomm.launch import Interrupted, WorkerFailed, spawn_workers, under_torchrun
     from lowcomm.train.rundir import ERROR_LOG, check_run_dir
 
+    config.make_paths_absolute()
     torchrun = under_torchrun()
     if torchrun:
         _torchrun_world(config)
@@ -53,8 +61,12 @@ def _run_train(config: TrainConfig) -> None:
     if torchrun:
         _run_under_torchrun(config, note)
         return
+    source = "the bundled corpus" if config.data.data is None else config.data.data
+    say(f"preparing corpus from {source}")
+    started = time.perf_counter()
     try:
-        config.check_corpus(prepare_corpus(config.data))
+        corpus = prepare_corpus(config.data, report=say)
+        config.check_corpus(corpus)
     except (DataError, ConfigError) as error:
         _fail(str(error))
     except OSError as error:  # e.g. a cache directory that cannot be written
@@ -64,10 +76,13 @@ def _run_train(config: TrainConfig) -> None:
             f"check that the data is readable and the cache directory (--cache-dir, "
             f"$LOWCOMM_CACHE_DIR or ~/.cache/lowcomm) is writable"
         )
+    say(describe_corpus(corpus, time.perf_counter() - started))
+    warn_if_oversubscribed(config.world_size)
     from lowcomm.train.loop import spawned_train
 
     run_dir = config.run_dir()
     _start_run_dir(config, note)
+    say(f"starting {config.world_size} worker processes")
     try:
         spawn_workers(
             spawned_train,
@@ -124,6 +139,39 @@ def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
     )
 
 
+def say(message: str) -> None:
+    """A start-up phase, shown as it happens (stdout, flushed: a pipe sees it at once)."""
+    print(f"lowcomm: {message}", flush=True)
+
+
+def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
+    """The line saying what the prepared corpus holds."""
+    files = len(corpus.source_names)
+    tokens = corpus.num_train_tokens + corpus.num_val_tokens
+    tokenizer = "tokenizer and tokens from the cache" if corpus.from_cache else "tokenized now"
+    return (
+        f"corpus: {files:,} file{'s' if files != 1 else ''}, {corpus.num_documents:,} "
+        f"documents, {tokens:,} tokens ({corpus.num_train_tokens:,} train, "
+        f"{corpus.num_val_tokens:,} validation), vocabulary {corpus.vocab_size:,}; "
+        f"{tokenizer} in {seconds:.1f} s"
+    )
+
+
+def warn_if_oversubscribed(processes: int) -> None:
+    """Say when this machine runs more worker processes than it has CPU cores."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores is not None and processes > cores:
+        print(
+            f"lowcomm: warning: {processes} worker processes on {cores} CPU cores: they take "
+            f"turns, so start-up and wall-clock times grow with the count (the virtual clock "
+            f"counts each worker's own CPU time and is not inflated)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _torchrun_world(config: TrainConfig) -> None:
     """Take the worker count from torchrun's world (before the checks that depend on it)."""
     import os
@@ -158,14 +206,22 @@ def _run_under_torchrun(config: TrainConfig, note: str | None) -> None:
     from lowcomm.launch.spawn import init_from_env
     from lowcomm.train.loop import train_worker
 
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank == 0:
+        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
     try:
         # Every process checked the run directory before the rendezvous; only then is it cleared.
-        if int(os.environ["RANK"]) == 0:
+        if dist.get_rank() == 0:
             _start_run_dir(config, note)
+            say(f"workers connected: {world_size} processes")
         # One preparer per machine, the others wait: concurrent tokenizer training is waste.
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            prepare_corpus(config.data)
+        if local_rank == 0:
+            started = time.perf_counter()
+            corpus = prepare_corpus(config.data, report=say)
+            if dist.get_rank() == 0:
+                say(describe_corpus(corpus, time.perf_counter() - started))
         dist.barrier()
         import torch
 
@@ -180,6 +236,8 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
     ``lowcomm train --resume DIR`` alone continues the run; options given override it."""
     import json
     from pathlib import Path
+
+    from lowcomm.config import TrainConfig
 
     value: str | None = None
     for i, arg in enumerate(args):
@@ -211,15 +269,62 @@ def _bare_switches(args: list[str]) -> list[str]:
     return out
 
 
-def run_methods() -> None:
+def _refuse_other_families(args: list[str], config: TrainConfig) -> None:
+    """Refuse an option of another method family's group (``--method co2
+    --diloco.sync-every 2``): the method would ignore it, and the run would not be the one
+    asked for."""
     from lowcomm.strategies import STRATEGIES
 
+    method = config.method
+    if method not in STRATEGIES:
+        return  # validate() names the unknown method
+    own = STRATEGIES[method].options_field
+    members: dict[str, list[str]] = {}
+    for name, cls in STRATEGIES.items():
+        if cls.options_field is not None:
+            members.setdefault(cls.options_field, []).append(name)
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0]
+        family, dot, option = flag[2:].partition(".")
+        if not dot or family not in members or family == own:
+            continue
+        which = f"an option of {', '.join(members[family])}, not of --method {method}"
+        if own is None:
+            fix = f"--method {method} takes no method options; drop it"
+        else:
+            options = {f.name.replace("_", "-") for f in dataclasses.fields(getattr(config, own))}
+            same = option.replace("_", "-")
+            fix = (
+                f"--method {method} takes --{own}.* options: use --{own}.{same}, or drop it"
+                if same in options
+                else f"--method {method} takes --{own}.* options; drop it"
+            )
+        _fail(f"{flag}: {which}; {fix}")
+
+
+def run_methods() -> None:
+    """One entry per method: its name and the first paragraph of its docstring, wrapped to
+    the terminal (never cut mid-phrase)."""
+    import shutil
+    import textwrap
+
+    from lowcomm.strategies import STRATEGIES
+
+    width = max(60, min(120, shutil.get_terminal_size((100, 24)).columns))
     for name, cls in sorted(STRATEGIES.items()):
-        doc = (cls.__doc__ or "").strip().splitlines()
-        print(f"{name:20s} {doc[0] if doc else ''}")
+        first = (cls.__doc__ or "").strip().split("\n\n")[0]
+        summary = " ".join(line.strip() for line in first.splitlines())
+        print(
+            textwrap.fill(
+                summary, width=width, initial_indent=f"{name:20s} ", subsequent_indent=" " * 21
+            )
+        )
 
 
 USAGE = """usage: lowcomm {train,bench,plan,reproduce,methods,selftest} [OPTIONS]
+       lowcomm --version
 
   train     train a model data-parallel with one method (lowcomm train --help)
   bench     benchmarks: overhead ratio, side-by-side method comparison (lowcomm bench --help)
@@ -278,6 +383,12 @@ def main(argv: list[str] | None = None) -> None:
             _main(argv)
         except _OptionError as error:
             _fail(str(error))
+        except BrokenPipeError:
+            # `lowcomm methods | head`: the reader left; leave quietly as other tools do.
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(141) from None
 
 
 def _main(argv: list[str] | None) -> None:
@@ -285,10 +396,21 @@ def _main(argv: list[str] | None) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         raise SystemExit(0 if args else 2)
+    if args[0] in ("-V", "--version"):
+        from lowcomm import __version__
+
+        print(f"lowcomm {__version__}")
+        return
     command, rest = args[0], args[1:]
     config = (tyro.conf.FlagConversionOff,)
     try:
         if command == "train":
+            if not {"-h", "--help"} & set(rest):
+                from lowcomm.prestart import start_forkserver
+
+                start_forkserver()
+            from lowcomm.config import TrainConfig
+
             rest = _bare_switches(rest)
             defaults = _resume_defaults(rest)
             if defaults is None:
@@ -297,6 +419,7 @@ def _main(argv: list[str] | None) -> None:
                 train = tyro.cli(
                     TrainConfig, args=rest, prog="lowcomm train", config=config, default=defaults
                 )
+            _refuse_other_families(rest, train)
             run_train(train)
         elif command == "plan":
             from lowcomm.plan import PlanConfig, run_plan

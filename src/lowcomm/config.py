@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,6 +390,19 @@ class TrainConfig:
             latency_ms=self.latency_ms,
             speed_factors=tuple(self.speed_factors),
         )
+
+    def make_paths_absolute(self) -> None:
+        """Store every path option absolute (``~`` expanded), so the saved config.json, and
+        ``--resume`` from it, mean the same files from any working directory."""
+
+        def absolute(path: str | None) -> str | None:
+            return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+        self.out = absolute(self.out)
+        if self.resume != "auto":
+            self.resume = absolute(self.resume)
+        self.data.data = absolute(self.data.data)
+        self.data.cache_dir = absolute(self.data.cache_dir)
 
     def run_dir(self) -> Path:
         if self.out is not None:

@@ -7,12 +7,14 @@ from typing import Any
 from lowcomm.bench.compare import CompareBench, run_compare
 from lowcomm.bench.overhead import OverheadBench, run_overhead
 from lowcomm.bench.reallink import RealLinkBench, run_reallink
+from lowcomm.bench.startup import StartupBench, run_startup
 
 #: ``lowcomm bench NAME``: the benchmark configurations, by name.
 BENCHMARKS: dict[str, Any] = {
     "overhead": OverheadBench,
     "compare": CompareBench,
     "reallink": RealLinkBench,
+    "startup": StartupBench,
 }
 
 
@@ -27,7 +29,10 @@ def run_bench(command: object) -> None:
     if isinstance(command, RealLinkBench):
         run_reallink(command)
         return
+    if isinstance(command, StartupBench):
+        run_startup(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
-__all__ = ["BENCHMARKS", "CompareBench", "OverheadBench", "RealLinkBench", "run_bench"]
+__all__ = ["BENCHMARKS", "CompareBench", "OverheadBench", "RealLinkBench", "StartupBench", "run_bench"]

@@ -21,7 +21,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,9 @@ class PreparedCorpus:
 
     from_cache: bool
     """Whether both the tokenizer and the token ids were loaded from the cache."""
+
+    num_documents: int = 0
+    """Documents read (a text file is one, a JSONL file one per non-empty record)."""
 
     @property
     def num_train_tokens(self) -> int:
@@ -241,7 +244,9 @@ def _split_streams(
     return train, validation
 
 
-def prepare_corpus(config: DataConfig) -> PreparedCorpus:
+def prepare_corpus(
+    config: DataConfig, *, report: Callable[[str], None] | None = None
+) -> PreparedCorpus:
     """Read, tokenize and split the configured text, reusing the cache when possible.
 
     Safe to call concurrently from several processes sharing a cache directory: the first
@@ -249,6 +254,8 @@ def prepare_corpus(config: DataConfig) -> PreparedCorpus:
 
     Args:
         config: The data configuration.
+        report: Called with a line to show the user before a slow step (training the
+            tokenizer, tokenizing the text).
 
     Returns:
         The prepared corpus.
@@ -276,6 +283,7 @@ def prepare_corpus(config: DataConfig) -> PreparedCorpus:
             val_tokens=validation,
             cache_key=key,
             from_cache=from_cache,
+            num_documents=len(documents),
         )
 
     # Fast path without the lock: a complete cache entry is immutable once it exists.
@@ -292,6 +300,11 @@ def prepare_corpus(config: DataConfig) -> PreparedCorpus:
                 return finish(loaded, from_cache=True)
             tokenizer = _import_tokenizers().Tokenizer.from_file(str(tokenizer_path))
         else:
+            if report is not None:
+                report(
+                    f"training a {config.vocab_size}-token BPE tokenizer on {len(documents):,} "
+                    f"documents (first use of this text; cached in {cache_dir})"
+                )
             tokenizer = _train_tokenizer(documents, config.vocab_size)
             _atomic_write_bytes(tokenizer_path, tokenizer.to_str().encode("utf-8"))
         eot_id = tokenizer.token_to_id(END_OF_TEXT)

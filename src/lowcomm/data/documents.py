@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import zlib
 from pathlib import Path
 
 from lowcomm.data.config import DataError
@@ -27,13 +29,58 @@ def _has_suffix(path: Path, suffixes: tuple[str, ...]) -> bool:
     return path.name.lower().endswith(suffixes)
 
 
+MAX_BAD_BYTE_FRACTION = 0.001
+"""Text may hold at most this fraction of bytes that are not UTF-8 (or NUL), at least one byte:
+a stray invalid byte in a large scraped file becomes U+FFFD and training goes on, but a file
+with more is not UTF-8 text (binary, an executable, another encoding) and is refused."""
+
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def _decode(path: Path, raw: bytes) -> str:
+    """``raw`` as text, refusing (naming ``path``) what is not UTF-8 text."""
+    nul = raw.count(b"\x00")
+    if not nul:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    # surrogateescape turns each undecodable byte into one lone surrogate we can count.
+    text = raw.decode("utf-8", errors="surrogateescape")
+    invalid = len(_ESCAPED_BYTE.findall(text))
+    bad = invalid + nul
+    if bad > max(1, MAX_BAD_BYTE_FRACTION * len(raw)):
+        what = (
+            f"{nul:,} NUL bytes" if nul > invalid else f"{invalid:,} bytes that are not UTF-8"
+        )
+        raise DataError(
+            f"--data: {path} is not UTF-8 text ({what} in {len(raw):,}, "
+            f"{bad / len(raw):.1%}; at most {MAX_BAD_BYTE_FRACTION:.1%} is tolerated); pass "
+            f"text files only, or convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        )
+    return text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace").replace(
+        "\x00", "\ufffd"
+    )
+
+
 def _read_text(path: Path) -> str:
-    # errors="replace": a stray invalid byte in a large scraped file should not stop training;
-    # it becomes U+FFFD, which byte-level BPE handles like any other character.
-    if path.name.lower().endswith(".gz"):
-        with gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="") as handle:
-            return handle.read()
-    return path.read_text(encoding="utf-8", errors="replace")
+    """The file's text: gzip-decompressed for ``.gz``; refused, naming the file, if it is not
+    UTF-8 text beyond :data:`MAX_BAD_BYTE_FRACTION`."""
+    try:
+        if path.name.lower().endswith(".gz"):
+            with gzip.open(path, "rb") as handle:
+                raw = handle.read()
+        else:
+            raw = path.read_bytes()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+        raise DataError(
+            f"--data: {path} is not a whole gzip file ({error}); pass a .txt.gz made by gzip, "
+            f"or the uncompressed text"
+        ) from None
+    except OSError as error:
+        raise DataError(f"--data: {path} cannot be read ({error.strerror or error})") from None
+    return _decode(path, raw)
 
 
 def _read_jsonl(path: Path, source_name: str, text_field: str) -> list[Document]:
@@ -48,10 +95,17 @@ def _read_jsonl(path: Path, source_name: str, text_field: str) -> list[Document]
                 f"--data: {path}:{line_number} is not valid JSON ({error.msg}); "
                 f"each line of a .jsonl file must be one JSON object"
             ) from error
-        if not isinstance(record, dict) or text_field not in record:
+        if not isinstance(record, dict):
             raise DataError(
-                f"--data: {path}:{line_number} has no field {text_field!r}; "
-                f"pass --text-field with the field that holds the text"
+                f"--data: {path}:{line_number} is a JSON {type(record).__name__}, not a JSON "
+                f"object; each line of a .jsonl file must be one object holding --text-field"
+            )
+        if text_field not in record:
+            fields = ", ".join(repr(str(name)) for name in sorted(record)[:20]) or "none"
+            more = f" and {len(record) - 20} more" if len(record) > 20 else ""
+            raise DataError(
+                f"--data: {path}:{line_number} has no field {text_field!r} (its fields: "
+                f"{fields}{more}); pass --text-field with the field that holds the text"
             )
         text = record[text_field]
         if not isinstance(text, str):

@@ -24,11 +24,15 @@ from torch.multiprocessing.spawn import (
 )
 
 from lowcomm.launch.devices import (
+    backend_for,
     bind_device,
     check_distinct_gpus,
     check_gpu_count,
     init_options,
 )
+from lowcomm.prestart import WORKER_MODULES, under_torchrun, use_forkserver
+
+__all__ = ["WorkerFailed", "backend_for", "init_from_env", "spawn_workers", "under_torchrun"]
 
 T = TypeVar("T")
 
@@ -79,11 +83,6 @@ class WorkerFailed(RuntimeError):
         self.message = message
 
 
-def under_torchrun() -> bool:
-    """Whether this process was started by ``torchrun`` (or another env:// launcher)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    )
 
 
 def init_from_env(*, device: str, timeout_s: float) -> None:
@@ -131,11 +130,19 @@ def _worker_entry(
     result_dir: str,
     device: str,
     timeout_s: float,
+    environment: dict[str, str],
+    cwd: str,
 ) -> None:
     # SIGTERM (the launcher stopping the run) unwinds like SIGINT does, so the run files are
     # closed; either ends this worker without a failure record.
     signal.signal(signal.SIGTERM, _raise_stop)
+    # A forkserver child inherits the server's environment and directory, taken when the
+    # server started: make them this launch's, as a spawned interpreter would have them.
+    for key in set(os.environ) - set(environment):
+        del os.environ[key]
+    os.environ.update(environment)
     os.environ.update(_WORKER_ENV)
+    os.chdir(cwd)
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size)
     )
@@ -166,6 +173,23 @@ def _worker_entry(
         os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _start_method(fn: Callable[..., Any]) -> str:
+    """``forkserver`` with torch and ``fn``'s module imported once in the server, so each
+    worker is a fork of an interpreter that has already paid the imports (about 2 s of CPU
+    per worker: with 16 workers on 2 cores, most of the start-up); ``spawn`` where there is
+    no forkserver (not POSIX).
+
+    The server is a fresh interpreter started on first use, or earlier by
+    :func:`lowcomm.prestart.start_forkserver` (not a fork of this process, whose OpenMP and
+    Gloo threads a fork would copy half-alive), and imports nothing that starts threads or
+    touches CUDA, so forking it is safe.
+    """
+    modules = [*WORKER_MODULES, __name__]
+    if getattr(fn, "__module__", None) not in (None, "__main__"):
+        modules.append(fn.__module__)
+    return "forkserver" if use_forkserver(modules) else "spawn"
 
 
 def spawn_workers(
@@ -205,10 +229,20 @@ def spawn_workers(
             try:
                 context = start_processes(  # type: ignore[no-untyped-call]
                     _worker_entry,
-                    args=(fn, args, world_size, store_path, scratch, device, timeout_s),
+                    args=(
+                        fn,
+                        args,
+                        world_size,
+                        store_path,
+                        scratch,
+                        device,
+                        timeout_s,
+                        dict(os.environ),
+                        os.getcwd(),
+                    ),
                     nprocs=world_size,
                     join=False,
-                    start_method="spawn",
+                    start_method=_start_method(fn),
                 )
             finally:
                 for key, value in saved_env.items():

@@ -9,8 +9,11 @@ the field of that name in :class:`lowcomm.config.TrainConfig`.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import pkgutil
+import typing
 
 from torch import nn
 
@@ -47,10 +50,25 @@ def strategy_class(name: str) -> type[Strategy]:
         ValueError: naming the unknown method and the available ones.
     """
     if name not in STRATEGIES:
+        close = difflib.get_close_matches(name.lower().replace("-", "_"), STRATEGIES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
         raise ValueError(
-            f"--method: unknown method {name!r}; choose one of {', '.join(sorted(STRATEGIES))}"
+            f"--method: unknown method {name!r}; {hint}choose one of "
+            f"{', '.join(sorted(STRATEGIES))}"
         )
     return STRATEGIES[name]
+
+
+def options_class(cls: type[Strategy]) -> type | None:
+    """The options dataclass a strategy's constructor takes (its ``options`` argument), or
+    None for a method without options."""
+    if cls.options_field is None:
+        return None
+    hint = typing.get_type_hints(cls.__init__).get("options")
+    for candidate in typing.get_args(hint) or (hint,):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    raise TypeError(f"{cls.__name__}.__init__ has no dataclass-typed options argument")
 
 
 def build_strategy(
@@ -75,5 +93,6 @@ __all__ = [
     "StrategyContext",
     "ZeRO1",
     "build_strategy",
+    "options_class",
     "strategy_class",
 ]

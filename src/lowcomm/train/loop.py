@@ -110,6 +110,7 @@ def train_worker(
     :func:`bookkeeping_comm`), never on the strategy's group: on NCCL one communicator is one
     queue, and a small gather behind an in-flight all-reduce would wait for all of it. With
     ``keep_parameters`` the summary carries the final parameters (for tests)."""
+    set_up_start = time.perf_counter()
     rank, world_size = raw.rank, raw.world_size
     if bookkeeping is None:
         bookkeeping = bookkeeping_comm(raw)
@@ -214,10 +215,25 @@ def train_worker(
         tokens_total = int(saved["tokens"])
         val_loss = float(saved["val_loss"])
     bookkeeping.barrier().wait()  # every worker has read its file before anyone writes a new one
+    if resume_from is not None and rank == 0:
+        # Said whatever --progress is: a resumed run must not look like a fresh one.
+        print(
+            f"lowcomm: resumed {resume_from} from step {start_step} (checkpoint "
+            f"{directory.name}); training steps {start_step + 1} to {config.steps}",
+            flush=True,
+        )
 
+    if rank == 0:
+        print(
+            f"lowcomm: training: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M "
+            f"parameters, {len(all_val)} validation batches; worker set-up "
+            f"{time.perf_counter() - set_up_start:.1f} s",
+            flush=True,
+        )
     writer = RunWriter(config, resume_step=start_step if resume_from is not None else None) if rank == 0 else None
     start_wall = time.perf_counter()
     stopped = False
+    last_record: StepRecord | None = None
     try:
         for step in range(start_step, config.steps):
             before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
@@ -264,17 +280,21 @@ def train_worker(
                     with strategy.deployed() as deployed_model:
                         val_loss = _evaluate(deployed_model, my_val, bookkeeping)
                 if writer is not None:
-                    writer.write_step(
-                        StepRecord.from_tensor(
-                            step,
-                            stats.lr,
-                            per_worker,
-                            _STEP_FIELDS[:-1],
-                            val_loss if evaluate else None,
-                            clock.kind,
-                            stats.extras,
-                        )
+                    record = StepRecord.from_tensor(
+                        step,
+                        stats.lr,
+                        per_worker,
+                        _STEP_FIELDS[:-1],
+                        val_loss if evaluate else None,
+                        clock.kind,
+                        stats.extras,
                     )
+                    if is_last:
+                        # Written once the final validation below gives it its val_loss, so
+                        # metrics.jsonl and loss.png end on summary.json's final_val_loss.
+                        last_record = record
+                    else:
+                        writer.write_step(record)
                 stopped = config.stop_after is not None and step + 1 == config.stop_after
                 every = config.checkpoint_every
                 if (every is not None and (step + 1) % every == 0 and not is_last) or stopped:
@@ -305,8 +325,12 @@ def train_worker(
             val_loss = _evaluate(deployed_model, my_val, bookkeeping)
             if keep_parameters:
                 deployed = _flat_parameters(deployed_model)
+        if last_record is not None:
+            last_record.val_loss = val_loss
     finally:
         if writer is not None:
+            if last_record is not None:
+                writer.write_step(last_record)  # without val_loss if the evaluation failed
             writer.close_steps()
 
     summary = WorkerSummary(
@@ -431,7 +455,11 @@ def spawned_train(config: TrainConfig) -> WorkerSummary:
     """Entry point of a worker started by the local spawner (the group is initialised)."""
     from lowcomm.comm.torch_comm import TorchComm
 
-    return train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
+    raw = TorchComm(timeout_s=config.collective_timeout_s)
+    if raw.rank == 0:
+        # The group is up: Gloo has connected every pair of processes.
+        print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
+    return train_worker(config, raw)
 
 
 def bookkeeping_comm(raw: Comm) -> Comm:

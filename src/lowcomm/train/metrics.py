@@ -239,12 +239,16 @@ class RunWriter:
 
         steps = [r.step + 1 for r in self.records]
         figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
-        by_step.plot(steps, [r.train_loss for r in self.records], label="train")
+        # One colour per series in both panels (not matplotlib's per-axis colour cycle).
+        train_colour, val_colour = "C0", "C1"
+        train = [r.train_loss for r in self.records]
+        by_step.plot(steps, train, color=train_colour, label="train")
+        by_time.plot([r.clock_s for r in self.records], train, color=train_colour, label="train")
         val = [(r.step + 1, r.clock_s, r.val_loss) for r in self.records if r.val_loss is not None]
         if val:
-            by_step.plot([v[0] for v in val], [v[2] for v in val], "o-", label="validation")
-            by_time.plot([v[1] for v in val], [v[2] for v in val], "o-", label="validation")
-        by_time.plot([r.clock_s for r in self.records], [r.train_loss for r in self.records], label="train")
+            val_loss = [v[2] for v in val]
+            by_step.plot([v[0] for v in val], val_loss, "o-", color=val_colour, label="validation")
+            by_time.plot([v[1] for v in val], val_loss, "o-", color=val_colour, label="validation")
         by_step.set_xlabel("step")
         by_step.set_ylabel("loss")
         by_time.set_xlabel(f"time on the {self.config.clock} clock (s)")
