@@ -9,6 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
 TOY_MODULE = '''
 from __future__ import annotations
 
@@ -61,6 +64,9 @@ METHODS: tuple[type[Strategy], ...] = (ToyDDP,)
 PROBE = '''
 import contextlib, importlib.util, io, json, sys
 from pathlib import Path
+
+import pytest
+import torch
 
 import lowcomm
 
@@ -123,3 +129,99 @@ def test_a_method_in_one_new_file_reaches_train_plan_and_the_api(tmp_path: Path)
         "listed": True,
         "help": True,
     }
+
+
+# --- the declared cost model against the collectives the method issues ------------------------
+
+#: Small periods so a few steps cover whole schedules (12 steps: every period below divides it).
+PERIODS = {
+    "acco": {"microbatches_per_phase": 1},
+    "local": {"sync_every": 3},
+    "diloco": {"sync_every": 4, "fragments": 2, "overlap_steps": 1},
+    "desloc": {"param_period": 2, "first_moment_period": 6, "second_moment_period": 12},
+}
+SINGLE_PERIOD = {"param_period": 3}  # local_adam, favg_opt, favg_reset: K_u, K_v refused
+WHOLE_MODEL = {"diloco": {"fragments": None}, "diloco_delayed": {"fragments": None}, "eager": {"fragments": None}}
+
+
+def _options(method: str) -> object | None:
+    from lowcomm.strategies import options_class, strategy_class
+
+    cls = strategy_class(method)
+    kind = options_class(cls)
+    if kind is None or cls.options_field is None:
+        return None
+    values = dict(PERIODS[cls.options_field])
+    if method in ("local_adam", "favg_opt", "favg_reset"):
+        values = dict(SINGLE_PERIOD)
+    values.update(WHOLE_MODEL.get(method, {}))
+    return kind(**values)
+
+
+def _registered() -> list[str]:
+    from lowcomm.strategies import STRATEGIES
+
+    return sorted(STRATEGIES)
+
+
+@pytest.mark.parametrize("method", _registered())
+def test_declared_traffic_matches_the_collectives_issued(method: str) -> None:
+    """Model payloads per step from the declaration = what the strategy puts on a recording
+    communicator over 12 steps (an all-reduce of the model is 1; a reduce-scatter plus an
+    all-gather of it is 1 too). CoCoDC without a clock keeps N = K, as its cost model does when
+    T_c / T_s is small (its adaptive N is checked by hand in tests/test_plan.py)."""
+    from _dist import closure_for, global_batch
+    from lowcomm.comm import CollectiveKind, RecordingComm
+    from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.strategies import StrategyContext, strategy_class
+    from lowcomm.strategies.declaration import Timing
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    model_numel = sum(p.numel() for p in model.parameters())
+    cls = strategy_class(method)
+    options = _options(method)
+    comm = RecordingComm(world_size=2)
+    # One step beyond the 12 measured, so that no method skips a sync it could not finish.
+    context = StrategyContext(total_steps=13, max_grad_norm=None)
+    strategy = cls(model, comm, context) if options is None else cls(model, comm, context, options=options)  # type: ignore[call-arg]
+    steps = 12
+    closure = closure_for(strategy, [global_batch(s, 1) for s in range(4 * steps)])
+    for _ in range(steps):
+        strategy.step(closure)
+    strategy.finish()
+    measured = 0.0
+    for call in comm.calls:
+        units = call.payload_bytes / (4 * model_numel)
+        if call.kind is CollectiveKind.ALL_REDUCE:
+            measured += units
+        elif call.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER):
+            measured += units / 2
+    timing = Timing(step_seconds=1e-9, all_reduce_seconds=lambda fraction: 1.0)
+    declared = sum(t.fraction * t.per_step for t in cls.cost.traffic(options, timing))
+    assert measured / steps == pytest.approx(declared, rel=0.05, abs=1e-3), method
+
+
+@pytest.mark.parametrize("method", _registered())
+def test_declared_worker_sharding_matches_the_state_held(method: str) -> None:
+    """A method declaring ``shards_over_workers`` holds less state on 4 workers than on 1; the
+    others hold the same."""
+    from lowcomm.comm import RecordingComm
+    from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.strategies import StrategyContext, strategy_class
+
+    cls = strategy_class(method)
+    held = []
+    for workers in (1, 4):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+        options = _options(method)
+        context = StrategyContext(total_steps=13)
+        comm = RecordingComm(world_size=workers)
+        strategy = cls(model, comm, context) if options is None else cls(model, comm, context, options=options)  # type: ignore[call-arg]
+        held.append(strategy.state_bytes())
+        strategy.finish()
+    if cls.cost.shards_over_workers:
+        assert held[1] < 0.9 * held[0], method
+    else:
+        assert held[1] == pytest.approx(held[0], rel=0.01), method
