@@ -225,3 +225,32 @@ def test_declared_worker_sharding_matches_the_state_held(method: str) -> None:
         assert held[1] < 0.9 * held[0], method
     else:
         assert held[1] == pytest.approx(held[0], rel=0.01), method
+
+
+@pytest.mark.parametrize("method", _registered())
+def test_declared_replica_sharding_matches_the_state_held(method: str) -> None:
+    """With 2 ranks per worker, a method declaring ``shards_over_replicas`` holds less state per
+    rank than a flat worker; the others hold the same. Methods that refuse hierarchical workers
+    declare why."""
+    from lowcomm.comm import RecordingComm
+    from lowcomm.comm.hierarchical import HierarchicalComm
+    from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.strategies import StrategyContext, strategy_class
+
+    cls = strategy_class(method)
+    if cls.hierarchical_refusal is not None:
+        assert not cls.cost.shards_over_replicas, method
+        return
+    held = []
+    for comm in (RecordingComm(world_size=2), HierarchicalComm(RecordingComm(world_size=2), RecordingComm(world_size=2))):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+        options = _options(method)
+        context = StrategyContext(total_steps=13)
+        strategy = cls(model, comm, context) if options is None else cls(model, comm, context, options=options)  # type: ignore[call-arg]
+        held.append(strategy.state_bytes())
+        strategy.finish()
+    if cls.cost.shards_over_replicas:
+        assert held[1] < 0.95 * held[0], method
+    else:
+        assert held[1] == pytest.approx(held[0], rel=0.01), method
