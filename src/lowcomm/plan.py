@@ -48,8 +48,8 @@ MODEL_SIZES: dict[str, float] = {
 class PlanConfig:
     """Predict time, bytes and memory of a method at any scale.
 
-    The method's options are ``train``'s own (``--diloco.sync-every``, ``--local.sync-every``,
-    ...), with ``train``'s defaults; options of another method's group are refused."""
+    The method's options are train's own (--diloco.sync-every, --local.sync-every, ...), with
+    train's defaults; options of another method's group are refused."""
 
     method: str = "ddp"
     """Method to model (see `lowcomm methods`; every name of the library's methods)."""
