@@ -280,8 +280,9 @@ def test_training_loop_hierarchical_ddp_matches_flat_and_bytes_per_level(tmp_pat
 def test_plan_splits_the_outer_payload_over_the_ranks_and_prices_the_inner_link() -> None:
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.plan import PlanConfig, make_plan
+    from lowcomm.strategies.diloco import DiLoCoOptions
 
-    base = {"method": "diloco", "params": "1b", "workers": 4, "network": "wan", "sync_every": 50}
+    base = {"method": "diloco", "params": "1b", "workers": 4, "network": "wan", "diloco": DiLoCoOptions(sync_every=50)}
     flat = make_plan(PlanConfig(**base))  # type: ignore[arg-type]
     hier = make_plan(PlanConfig(**base, ranks_per_worker=8, inner_network="datacenter"))  # type: ignore[arg-type]
     payload = 2.0 * 1e9

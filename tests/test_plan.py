@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from _cli import lowcomm
-from lowcomm.plan import METHOD_MODELS, PlanConfig, make_plan, parse_params, solve_bandwidth
+from lowcomm.plan import PlanConfig, make_plan, parse_params, solve_bandwidth
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.desloc import DeslocOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
 
 # 8 Gbit/s = 1e9 bytes/s and 1 ms latency keep the arithmetic readable.
 BASE = {
@@ -49,21 +52,25 @@ def test_memory_follows_acco_table_one() -> None:
 
 
 def test_overlap_hides_what_fits_in_the_window() -> None:
-    hidden = plan(method="co2", sync_every=4)  # 3.006 s of comm under 4 s of compute
+    own_d = LocalOptions(sync_every=4, shared_displacement=False)  # one payload per round
+    hidden = plan(method="co2", local=own_d)  # 3.006 s of comm under 4 s of compute
     assert hidden.comm_exposed_s == pytest.approx(0.0)
     assert hidden.utilization == pytest.approx(1.0)
-    partial = plan(method="co2", sync_every=2)  # only 2 s of compute to hide behind
-    assert partial.comm_exposed_s == pytest.approx(10 * (ALL_REDUCE - 2) / 2)
-    blocking = plan(method="slowmo", sync_every=2)
+    partial = plan(method="co2", local=LocalOptions(sync_every=2, shared_displacement=False))
+    assert partial.comm_exposed_s == pytest.approx(10 * (ALL_REDUCE - 2) / 2)  # 2 s to hide behind
+    blocking = plan(method="slowmo", local=LocalOptions(sync_every=2))
     assert blocking.comm_exposed_s == pytest.approx(10 * ALL_REDUCE / 2)
+    # By default CO2 sends the shared displacement d in the same all-reduce: twice the payload.
+    shared = plan(method="co2", local=LocalOptions(sync_every=4))
+    assert shared.comm_bytes_per_worker_per_step == pytest.approx(2 * hidden.comm_bytes_per_worker_per_step)
 
 
 def test_periods_scale_the_bytes() -> None:
     ddp = plan(method="ddp").comm_bytes_per_worker_per_step
-    assert plan(method="diloco", sync_every=16).comm_bytes_per_worker_per_step == pytest.approx(ddp / 16)
-    assert plan(method="favg_opt", sync_every=8).comm_bytes_per_worker_per_step == pytest.approx(ddp / 8)
-    assert plan(method="local_adam", sync_every=8).comm_bytes_per_worker_per_step == pytest.approx(3 * ddp / 8)
-    desloc = plan(method="desloc", sync_every=4)  # K_u = 12, K_v = 24 by default
+    assert plan(method="diloco", diloco=DiLoCoOptions(sync_every=16)).comm_bytes_per_worker_per_step == pytest.approx(ddp / 16)
+    assert plan(method="favg_opt", desloc=DeslocOptions(param_period=8)).comm_bytes_per_worker_per_step == pytest.approx(ddp / 8)
+    assert plan(method="local_adam", desloc=DeslocOptions(param_period=8)).comm_bytes_per_worker_per_step == pytest.approx(3 * ddp / 8)
+    desloc = plan(method="desloc", desloc=DeslocOptions(param_period=4))  # K_u = 12, K_v = 24 by default
     assert desloc.comm_bytes_per_worker_per_step == pytest.approx((1 / 4 + 1 / 12 + 1 / 24) * ddp)
     assert plan(method="acco").comm_bytes_per_worker_per_step == pytest.approx(2 * ddp)
 
@@ -83,7 +90,7 @@ def test_fragment_methods_by_hand(method: str) -> None:
     # K = 4 fragments of Psi/4, one sync each per H = 8 steps, each overlapping tau = 1 step of
     # 0.25 s. CoCoDC's N = max(K, floor(gamma H T_c / T_s)) = max(4, floor(0.4 * 8 * 0.25 /
     # 0.756)) = 4 syncs per H here, so it matches Streaming DiLoCo.
-    result = plan(method=method, fragments=4, sync_every=8, overlap_steps=1, seconds_per_step=0.25)
+    result = plan(method=method, diloco=DiLoCoOptions(fragments=4, sync_every=8), seconds_per_step=0.25)
     syncs = 10 / 8 * 4
     assert result.compute_s == pytest.approx(2.5)
     assert result.comm_total_s == pytest.approx(syncs * FRAGMENT_ALL_REDUCE)
@@ -93,24 +100,28 @@ def test_fragment_methods_by_hand(method: str) -> None:
     # Each sync puts 2 (M-1)/M of a fragment's bf16 payload on the wire.
     assert result.comm_bytes_per_worker_per_step == pytest.approx(4 * 1.5 * 0.5e9 / 8)
     assert result.comm_bytes_per_worker == pytest.approx(syncs * 1.5 * 0.5e9)
-    # A deeper overlap of longer steps (tau = 2 steps of 0.5 s) hides every fragment sync.
-    deep = plan(method=method, fragments=4, sync_every=8, overlap_steps=2, seconds_per_step=0.5)
+    # A deeper overlap of longer steps (tau = 2 steps of 0.5 s, H = 16 so that tau < H/K) hides
+    # every fragment sync.
+    deep_options = DiLoCoOptions(fragments=4, sync_every=16, overlap_steps=2)
+    deep = plan(method=method, diloco=deep_options, seconds_per_step=0.5)
     assert deep.comm_exposed_s == pytest.approx(0.0)
-    assert deep.comm_hidden_s == pytest.approx(syncs * FRAGMENT_ALL_REDUCE)
+    assert deep.comm_hidden_s == pytest.approx(10 / 16 * 4 * FRAGMENT_ALL_REDUCE)
 
 
-@pytest.mark.xfail(strict=True, reason="the planner charges CoCoDC K syncs per H; with a slow "
-                   "step its adaptive transmission makes N = floor(gamma H T_c / T_s) > K")
 def test_cocodc_plan_counts_the_adaptive_syncs() -> None:
-    from lowcomm.strategies.diloco import DiLoCoOptions
-
+    # With a slow step, CoCoDC's adaptive transmission makes N = floor(gamma H T_c / T_s) > K
+    # syncs per H (its declared cost model), where Streaming DiLoCo stays at K.
     gamma = DiLoCoOptions().transmission_gamma  # 0.4
     # T_c = 1 s, T_s = 0.756 s, H = 40: N = max(4, floor(0.4 * 40 / 0.756)) = 21, h = 1.
     syncs_per_h = max(4, math.floor(gamma * 40 * 1.0 / FRAGMENT_ALL_REDUCE))
     assert syncs_per_h > 4
     interval = max(1, 40 // syncs_per_h)
-    result = plan(method="cocodc", fragments=4, sync_every=40, overlap_steps=1)
+    options = DiLoCoOptions(fragments=4, sync_every=40, overlap_steps=1)
+    result = plan(method="cocodc", diloco=options)
     assert result.comm_bytes_per_worker_per_step == pytest.approx(1.5 * 0.5e9 / interval)
+    assert result.syncs_per_step == pytest.approx(1 / interval)
+    streaming = plan(method="streaming_diloco", diloco=options)
+    assert streaming.comm_bytes_per_worker_per_step == pytest.approx(1.5 * 0.5e9 * 4 / 40)
 
 
 @pytest.mark.parametrize("method", ["dpu", "wp"])
@@ -139,10 +150,14 @@ def test_solve_bandwidth_reaches_the_target() -> None:
     assert solve_bandwidth(latency_bound, 0.9) is None
 
 
-def test_every_registered_method_has_a_plan_model() -> None:
+def test_every_registered_method_declares_its_cost_model() -> None:
     from lowcomm.strategies import STRATEGIES
+    from lowcomm.strategies.declaration import CostModel
 
-    assert set(STRATEGIES) <= set(METHOD_MODELS)
+    for name, cls in STRATEGIES.items():
+        assert isinstance(cls.__dict__.get("cost"), CostModel), f"{name} declares no cost model"
+        result = plan(method=name)
+        assert result.syncs_per_step > 0 and result.schedule, name
 
 
 def test_bad_planner_input() -> None:
@@ -150,7 +165,7 @@ def test_bad_planner_input() -> None:
         parse_params("lots")
     with pytest.raises(ValueError, match="--mfu"):
         PlanConfig(mfu=1.5)
-    with pytest.raises(ValueError, match="no model of 'nope'"):
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
         make_plan(PlanConfig(method="nope"))
 
 
@@ -177,3 +192,93 @@ def test_plan_agrees_with_a_measured_virtual_run(tmp_path: Path) -> None:
     assert summary["modeled_time_s"] == pytest.approx(predicted.wall_clock_s, rel=0.10)
     assert summary["bytes_sent_per_worker"] == pytest.approx(predicted.comm_bytes_per_worker, rel=0.01)
     assert summary["utilization"] == pytest.approx(predicted.utilization, rel=0.10)
+
+
+# --- one declaration: plan reads train's options ----------------------------------------------
+
+
+def _registered() -> list[str]:
+    from lowcomm.strategies import STRATEGIES
+
+    return sorted(STRATEGIES)
+
+
+@pytest.mark.parametrize("method", _registered())
+def test_plan_and_train_share_every_default(method: str) -> None:
+    """Every field plan and train both have (the method option groups included) defaults to the
+    same value, and the options the planner prices are the ones train would build the method
+    with."""
+    import dataclasses
+
+    from lowcomm.config import TrainConfig
+    from lowcomm.plan import method_options
+    from lowcomm.strategies import strategy_class
+
+    train, planned = TrainConfig(method=method), PlanConfig(method=method)
+    shared = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(PlanConfig)}
+    assert {"method", "workers", "network", "ranks_per_worker"} <= shared
+    for name in sorted(shared):
+        assert getattr(planned, name) == getattr(train, name), f"{method}: --{name} differs"
+    field = strategy_class(method).options_field
+    _, options = method_options(planned)
+    assert options == (None if field is None else getattr(train, field))
+
+
+def test_both_configs_hold_exactly_the_declared_option_groups() -> None:
+    import dataclasses
+
+    from lowcomm.config import TrainConfig
+    from lowcomm.strategies import STRATEGIES
+    from lowcomm.strategies.declaration import option_groups
+
+    groups = option_groups(STRATEGIES)
+    assert set(groups) == {"acco", "local", "diloco", "desloc"}
+    for config in (TrainConfig, PlanConfig):
+        fields = {f.name: f for f in dataclasses.fields(config)}
+        for name, kind in groups.items():
+            assert fields[name].default_factory is kind, (config.__name__, name)  # type: ignore[comparison-overlap]
+
+
+def test_plan_diloco_uses_train_default_period_and_says_so() -> None:
+    from lowcomm.strategies.diloco import DiLoCoOptions
+
+    h = DiLoCoOptions().sync_every
+    assert h == 16
+    ddp, diloco = plan(method="ddp"), plan(method="diloco")
+    assert diloco.comm_bytes_per_worker_per_step == pytest.approx(ddp.comm_bytes_per_worker_per_step / h)
+    assert diloco.schedule.startswith("H = 16")
+    assert diloco.options is not None and diloco.options["sync_every"] == 16
+
+
+@pytest.mark.parametrize(
+    ("method", "group", "options"),
+    [
+        ("diloco", "diloco", {"fragments": 4}),
+        ("streaming_diloco", "diloco", {"sync_every": 8, "overlap_steps": 2}),
+        ("cocodc", "diloco", {"fragments": 8, "sync_every": 4}),
+        ("local_adam", "desloc", {"first_moment_period": 3}),
+    ],
+)
+def test_plan_refuses_what_train_refuses(method: str, group: str, options: dict[str, object]) -> None:
+    from lowcomm.config import ConfigError, TrainConfig
+
+    kind = type(getattr(TrainConfig(), group))
+    train = TrainConfig(method=method, **{group: kind(**options)})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as refused:
+        train.validate()
+    with pytest.raises(ValueError) as planned:
+        make_plan(PlanConfig(**{**BASE, "method": method, group: kind(**options)}))  # type: ignore[arg-type]
+    assert str(planned.value) == str(refused.value)
+
+
+def test_plan_command_line_takes_train_option_names() -> None:
+    shown = lowcomm("plan", "--method", "diloco")
+    assert shown.returncode == 0, shown.stderr
+    assert "H = 16" in shown.stdout
+    longer = lowcomm("plan", "--method", "diloco", "--diloco.sync-every", "32", "--json")
+    assert longer.returncode == 0, longer.stderr
+    assert json.loads(longer.stdout)["schedule"].startswith("H = 32")
+    refused = lowcomm("plan", "--method", "diloco", "--diloco.fragments", "4")
+    assert refused.returncode == 2 and "--diloco.fragments: 4 is not allowed for diloco" in refused.stderr
+    other = lowcomm("plan", "--method", "co2", "--diloco.sync-every", "2")
+    assert other.returncode == 2 and "use --local.sync-every" in other.stderr

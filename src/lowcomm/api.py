@@ -35,6 +35,7 @@ from lowcomm.strategies import (
     options_class,
     strategy_class,
 )
+from lowcomm.strategies.declaration import group_members
 
 
 def connect(
@@ -133,7 +134,8 @@ def make_strategy(
         min_lr_ratio: floor of the cosine decay, as a fraction of ``lr``.
         microbatches_per_step: micro-batches accumulated per step (synchronous methods).
         max_grad_norm: clip the averaged gradient to this global L2 norm; None: no clipping.
-        options: the options class of the method's family, e.g. ``lowcomm.DiLoCoOptions(
+        options: the options class the method declares (its group, ``options_field``, is
+            ``train``'s ``--<group>.*``), e.g. ``lowcomm.DiLoCoOptions(
             sync_every=32)`` for diloco (:class:`AccoOptions`: acco, dpu, wp;
             :class:`LocalOptions`: local_sgd, local_adamw, overlap_local_sgd, slowmo, co2;
             :class:`DiLoCoOptions`: diloco, streaming_diloco, diloco_delayed, eager, cocodc;
@@ -158,7 +160,7 @@ def make_strategy(
             raise ValueError(f"options: method {method!r} takes no options; drop the argument")
         return cls(model, comm, context)
     if not isinstance(options, expected):
-        family = sorted(name for name, other in STRATEGIES.items() if options_class(other) is expected)
+        family = sorted(group_members(STRATEGIES)[str(cls.options_field)])
         raise ValueError(
             f"options: {type(options).__name__} is not the options of method {method!r}; pass "
             f"lowcomm.{expected.__name__}(...) (the options of {', '.join(family)}), or None "

@@ -21,6 +21,7 @@ import tyro
 if TYPE_CHECKING:
     from lowcomm.config import TrainConfig
     from lowcomm.data import PreparedCorpus
+    from lowcomm.plan import PlanConfig
 
 
 @dataclass(kw_only=True)
@@ -258,31 +259,29 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
     return saved
 
 
-def _bare_switches(args: list[str]) -> list[str]:
+def _bare_switches(args: list[str], switches: tuple[str, ...] = ("--overwrite",)) -> list[str]:
     """``--overwrite`` alone means ``--overwrite True`` (the other booleans take a value)."""
     out: list[str] = []
     for i, arg in enumerate(args):
         out.append(arg)
         following = args[i + 1] if i + 1 < len(args) else None
-        if arg == "--overwrite" and (following is None or following.startswith("-")):
+        if arg in switches and (following is None or following.startswith("-")):
             out.append("True")
     return out
 
 
-def _refuse_other_families(args: list[str], config: TrainConfig) -> None:
+def _refuse_other_families(args: list[str], config: TrainConfig | PlanConfig) -> None:
     """Refuse an option of another method family's group (``--method co2
-    --diloco.sync-every 2``): the method would ignore it, and the run would not be the one
-    asked for."""
+    --diloco.sync-every 2``): the method would ignore it, and the run (or plan) would not be
+    the one asked for. The groups are the methods' own declarations (``options_field``)."""
     from lowcomm.strategies import STRATEGIES
+    from lowcomm.strategies.declaration import group_members
 
     method = config.method
     if method not in STRATEGIES:
         return  # validate() names the unknown method
     own = STRATEGIES[method].options_field
-    members: dict[str, list[str]] = {}
-    for name, cls in STRATEGIES.items():
-        if cls.options_field is not None:
-            members.setdefault(cls.options_field, []).append(name)
+    members = group_members(STRATEGIES)
     for arg in args:
         if not arg.startswith("--"):
             continue
@@ -424,8 +423,11 @@ def _main(argv: list[str] | None) -> None:
         elif command == "plan":
             from lowcomm.plan import PlanConfig, run_plan
 
-            # Plain tyro flags here: `--json` is a switch.
-            run_plan(tyro.cli(PlanConfig, args=rest, prog="lowcomm plan"))
+            # train's flag style (the method options are train's own); `--json` alone is a switch.
+            rest = _bare_switches(rest, ("--json",))
+            plan = tyro.cli(PlanConfig, args=rest, prog="lowcomm plan", config=config)
+            _refuse_other_families(rest, plan)
+            run_plan(plan)
         elif command == "reproduce":
             from lowcomm.reproduce import ReproduceConfig, run_reproduce
 

@@ -24,11 +24,8 @@ from lowcomm.data import DataConfig, PreparedCorpus
 from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
-from lowcomm.strategies.acco import AccoOptions
 from lowcomm.strategies.base import StrategyContext
-from lowcomm.strategies.co2 import LocalOptions
-from lowcomm.strategies.desloc import DeslocOptions
-from lowcomm.strategies.diloco import DiLoCoOptions
+from lowcomm.strategies.declaration import with_method_options
 
 #: Upper bound of --collective-timeout-s (about 31 years; a timedelta holds up to ~2.7e6 years).
 MAX_TIMEOUT_S = 1e9
@@ -39,6 +36,7 @@ class ConfigError(ValueError):
 
 
 @dataclass(kw_only=True)
+@with_method_options
 class TrainConfig:
     """Train a model data-parallel with one lowcomm method."""
 
@@ -138,14 +136,8 @@ class TrainConfig:
     data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    acco: AccoOptions = field(default_factory=AccoOptions)
-    """Options of acco, dpu and wp."""
-    local: LocalOptions = field(default_factory=LocalOptions)
-    """Options of local_sgd, local_adamw, overlap_local_sgd, slowmo and co2."""
-    diloco: DiLoCoOptions = field(default_factory=DiLoCoOptions)
-    """Options of diloco, streaming_diloco, diloco_delayed, eager and cocodc."""
-    desloc: DeslocOptions = field(default_factory=DeslocOptions)
-    """Options of desloc, local_adam, favg_opt and favg_reset."""
+    # One field per method option group (acco, local, diloco, desloc, ...), added by
+    # @with_method_options from the methods' own declarations (strategies/declaration.py).
 
     def validate(self) -> None:
         """Check the whole configuration; raise :class:`ConfigError` on the first problem."""

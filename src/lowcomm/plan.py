@@ -18,13 +18,18 @@ Everything here is closed-form (docs/ALGORITHMS.md §0.2, §0.4, §2.4, §5.6):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any
 
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import PRESETS, NetworkProfile
+from lowcomm.strategies.declaration import Timing, with_method_options
+
+if TYPE_CHECKING:
+    from lowcomm.strategies import Strategy
 
 #: Named model sizes (parameters).
 MODEL_SIZES: dict[str, float] = {
@@ -38,63 +43,13 @@ MODEL_SIZES: dict[str, float] = {
 }
 
 
-@dataclass(frozen=True)
-class MethodModel:
-    """How one method spends bytes, time and memory.
-
-    Attributes:
-        extra_copies: model-sized extra buffers (anchor, outer momentum, in-flight copies).
-        sharded_optimizer: the AdamW states are sharded over the M workers (ZeRO-1 style).
-        payloads_per_period: full-model payloads all-reduced per sync period (ACCO: 2 per
-            committed step; Local Adam: 3, one per state).
-        hidden_steps: steps of compute a sync overlaps with (0 = blocking).
-        accumulates: the compute side never idles (ACCO): exposed time is always zero.
-        every_step: communicates every optimizer step (else once per sync period).
-        description: one line for the table.
-    """
-
-    extra_copies: float
-    sharded_optimizer: bool
-    payloads_per_period: float
-    hidden_steps: Literal["none", "one", "period", "overlap"]
-    accumulates: bool
-    every_step: bool
-    description: str
-
-
-#: Methods whose (inner) AdamW moments are sharded over a worker's replica ranks when
-#: ``--ranks-per-worker`` > 1 (``lowcomm.optim.adamw.make_adamw``).
-REPLICA_SHARDED = frozenset(
-    {"ddp", "local_adamw", "overlap_local_sgd", "slowmo", "co2", "diloco",
-     "streaming_diloco", "diloco_delayed", "eager", "cocodc"}
-)  # fmt: skip
-
-METHOD_MODELS: dict[str, MethodModel] = {
-    "ddp": MethodModel(0, False, 1, "none", False, True, "all-reduce gradients every step"),
-    "zero1": MethodModel(0, True, 1, "none", False, True, "reduce-scatter + all-gather every step"),
-    "dpu": MethodModel(1, True, 1, "one", False, True, "one-step-delayed ZeRO-1 update"),
-    "wp": MethodModel(1, True, 1, "one", False, True, "delayed update with weight prediction"),
-    "acco": MethodModel(1, True, 2, "one", True, True, "two-stage delay compensation, accumulates"),
-    "local_sgd": MethodModel(0, False, 1, "none", False, False, "parameter average every tau steps"),
-    "local_adamw": MethodModel(0, False, 1, "none", False, False, "parameter average every tau steps"),
-    "overlap_local_sgd": MethodModel(2, False, 1, "period", False, False, "average overlaps next round"),
-    "slowmo": MethodModel(2, False, 1, "none", False, False, "outer momentum every tau steps"),
-    "co2": MethodModel(4, False, 1, "period", False, False, "async outer all-reduce over next round"),
-    "diloco": MethodModel(2, False, 1, "none", False, False, "outer Nesterov every H steps"),
-    "streaming_diloco": MethodModel(2, False, 1, "overlap", False, False, "fragments overlap tau steps"),
-    "diloco_delayed": MethodModel(3, False, 1, "period", False, False, "outer step one round late"),
-    "eager": MethodModel(3, False, 1, "period", False, False, "eager local outer step, round overlap"),
-    "cocodc": MethodModel(3, False, 1, "overlap", False, False, "streaming + delay compensation"),
-    "desloc": MethodModel(0, False, 1, "none", False, False, "params/moments synced at own periods"),
-    "local_adam": MethodModel(0, False, 3, "none", False, False, "params and both moments every K"),
-    "favg_opt": MethodModel(0, False, 1, "none", False, False, "params every K, states kept"),
-    "favg_reset": MethodModel(0, False, 1, "none", False, False, "params every K, states reset"),
-}
-
-
 @dataclass(kw_only=True)
+@with_method_options
 class PlanConfig:
-    """Predict time, bytes and memory of a method at any scale."""
+    """Predict time, bytes and memory of a method at any scale.
+
+    The method's options are train's own (--diloco.sync-every, --local.sync-every, ...), with
+    train's defaults; options of another method's group are refused."""
 
     method: str = "ddp"
     """Method to model (see `lowcomm methods`; every name of the library's methods)."""
@@ -105,7 +60,7 @@ class PlanConfig:
     tokens: float = 1e9
     """Tokens to train on (all workers together)."""
 
-    workers: int = 8
+    workers: int = 4
     """Data-parallel workers M."""
 
     ranks_per_worker: int = 1
@@ -134,7 +89,7 @@ class PlanConfig:
     seconds_per_step: float | None = None
     """Declared compute seconds per step per worker (overrides flops and mfu)."""
 
-    network: str = "ethernet"
+    network: str = "wan"
     """Link preset: datacenter, ethernet, wan, slow-wan (or none)."""
 
     bandwidth_gbps: float | None = None
@@ -142,21 +97,6 @@ class PlanConfig:
 
     latency_ms: float | None = None
     """Override the preset's latency (ms)."""
-
-    sync_every: int = 1
-    """Sync period: tau (local SGD, CO2), H (DiLoCo family), K (Local Adam, FedAvg), K_x (DES-LOC)."""
-
-    sync_every_first_moment: int | None = None
-    """DES-LOC K_u (default 3 K_x)."""
-
-    sync_every_second_moment: int | None = None
-    """DES-LOC K_v (default 6 K_x)."""
-
-    fragments: int = 1
-    """Streaming DiLoCo / CoCoDC fragments."""
-
-    overlap_steps: int = 1
-    """Streaming DiLoCo / CoCoDC overlap depth tau (inner steps a fragment's sync overlaps)."""
 
     bytes_per_element: float = 2.0
     """Bytes per communicated element (2 = bf16; 1 = fp8; 0.5 = 4-bit)."""
@@ -194,9 +134,6 @@ class PlanConfig:
             raise ValueError(
                 f"--network: unknown preset {self.network!r}; choose one of {', '.join(PRESETS)}"
             )
-        for name in ("sync_every", "fragments", "overlap_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} must be >= 1")
         if self.solve_bandwidth is not None and not 0 < self.solve_bandwidth < 1:
             raise ValueError(
                 f"--solve-bandwidth: {self.solve_bandwidth} is a target utilisation and must "
@@ -246,42 +183,82 @@ class Plan:
     inner_comm_s: float = 0.0
     outer_bytes_per_rank_per_step: float = 0.0
     inner_bytes_per_rank_per_step: float = 0.0
+    schedule: str = ""
+    syncs_per_step: float = 0.0
+    options: dict[str, Any] | None = None
 
 
-def _payloads_per_step(config: PlanConfig, model: MethodModel) -> float:
-    """Average number of full-model payloads all-reduced per step."""
-    if config.method == "desloc":
-        k_x = config.sync_every
-        k_u = config.sync_every_first_moment or 3 * k_x
-        k_v = config.sync_every_second_moment or 6 * k_x
-        return 1.0 / k_x + 1.0 / k_u + 1.0 / k_v
-    if model.every_step:
-        return model.payloads_per_period
-    return model.payloads_per_period / config.sync_every
+def method_options(config: PlanConfig) -> tuple[type[Strategy], object | None]:
+    """The strategy class of ``config.method`` and the options it would be built with (the
+    group its declaration names, as ``train`` reads it).
+
+    Raises:
+        ValueError: for an unknown method, naming the known ones.
+    """
+    from lowcomm.strategies import strategy_class
+
+    cls = strategy_class(config.method)
+    return cls, None if cls.options_field is None else getattr(config, cls.options_field)
+
+
+def check_plan(config: PlanConfig) -> None:
+    """Refuse what ``lowcomm train`` refuses for this method, options and worker layout:
+    a method that cannot run hierarchically with ``--ranks-per-worker`` > 1, and options the
+    method's constructor rejects (built once, as ``train``'s validation does, on a recording
+    communicator of ``--workers`` around ``train``'s default model).
+
+    Raises:
+        ValueError: the method's own message, naming the option and the fix.
+    """
+    cls, options = method_options(config)
+    ranks = config.ranks_per_worker
+    if ranks > 1 and cls.hierarchical_refusal is not None:
+        raise ValueError(
+            f"--ranks-per-worker: {ranks} with --method {config.method}: "
+            f"{cls.hierarchical_refusal}; use --ranks-per-worker 1 with this method"
+        )
+    values = None if options is None else dataclasses.asdict(options)  # type: ignore[call-overload]
+    key = (config.method, config.workers, json.dumps(values, default=str))
+    if key not in _CHECKED:
+        _build_once(config.method, config.workers, options)
+        _CHECKED.add(key)
+
+
+#: (method, workers, options) combinations already built by :func:`check_plan`.
+_CHECKED: set[tuple[str, int, str]] = set()
+
+
+def _build_once(method: str, workers: int, options: object | None) -> None:
+    from lowcomm.comm.fake import RecordingComm
+    from lowcomm.data.config import DataConfig
+    from lowcomm.models import ModelConfig, build_model
+    from lowcomm.strategies import StrategyContext, strategy_class
+
+    cls = strategy_class(method)
+    model = build_model(ModelConfig(), DataConfig().vocab_size)
+    comm = RecordingComm(world_size=workers)
+    if options is None:
+        strategy = cls(model, comm, StrategyContext())
+    else:
+        strategy = cls(model, comm, StrategyContext(), options=options)  # type: ignore[call-arg]
+    strategy.finish()
 
 
 def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Plan:
-    """Evaluate the model for ``config`` (optionally at another bandwidth).
+    """Evaluate the method's declared cost model for ``config`` (optionally at another
+    bandwidth), after :func:`check_plan`.
 
     Raises:
-        ValueError: for a method the planner has no formulas for, naming the known ones.
+        ValueError: for an unknown method, or what ``train`` would refuse, naming the fix.
     """
-    if config.method not in METHOD_MODELS:
-        raise ValueError(
-            f"--method: the planner has no model of {config.method!r}; choose one of "
-            f"{', '.join(METHOD_MODELS)}"
-        )
-    model = METHOD_MODELS[config.method]
-    ranks = config.ranks_per_worker
-    if ranks > 1:
-        from lowcomm.strategies import strategy_class
+    check_plan(config)
+    return _evaluate(config, bandwidth_gbps)
 
-        refusal = strategy_class(config.method).hierarchical_refusal
-        if refusal is not None:
-            raise ValueError(
-                f"--ranks-per-worker: {ranks} with --method {config.method}: {refusal}; use "
-                f"--ranks-per-worker 1 with this method"
-            )
+
+def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
+    cls, options = method_options(config)
+    model = cls.cost
+    ranks = config.ranks_per_worker
     inner_profile = NetworkProfile.from_preset(
         config.inner_network,
         bandwidth_gbps=config.inner_bandwidth_gbps,
@@ -303,34 +280,22 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
     model_bytes = config.bytes_per_element * params
     # Each rank carries 1/R of every outer payload over its own outer transfer.
     payload = model_bytes / ranks
-    one_all_reduce = profile.collective_time(CollectiveKind.ALL_REDUCE, payload, m)
-    payloads_per_step = _payloads_per_step(config, model)
 
-    # Communication time per step (averaged over the sync period) and the part exposed.
-    if config.method == "local_adam":
-        # Three states in one fused all-reduce every K steps.
-        per_sync = profile.collective_time(CollectiveKind.ALL_REDUCE, 3 * payload, m)
-        comm_per_step = per_sync / config.sync_every
-    elif config.method == "desloc":
-        comm_per_step = payloads_per_step * one_all_reduce
-    elif config.method in ("streaming_diloco", "cocodc"):
-        fragment = profile.collective_time(CollectiveKind.ALL_REDUCE, payload / config.fragments, m)
-        comm_per_step = config.fragments * fragment / config.sync_every
-    else:
-        comm_per_step = payloads_per_step * one_all_reduce
+    def all_reduce(fraction: float) -> float:
+        return profile.collective_time(CollectiveKind.ALL_REDUCE, fraction * payload, m)
+
+    transfers = model.traffic(options, Timing(step_seconds=step_compute, all_reduce_seconds=all_reduce))
+    payloads_per_step = sum(t.fraction * t.per_step for t in transfers)
+    # Communication time per step (averaged over the schedule) and the part exposed: each
+    # collective overlaps its hidden_steps of compute; what does not fit is exposed.
+    comm_per_step = sum(t.per_step * all_reduce(t.fraction) for t in transfers)
     if model.accumulates:
         exposed_per_step = 0.0
-    elif model.hidden_steps == "none":
-        exposed_per_step = comm_per_step
-    elif model.hidden_steps == "one":
-        exposed_per_step = max(0.0, comm_per_step - step_compute)
-    elif model.hidden_steps == "period":
-        per_sync = comm_per_step * config.sync_every
-        exposed_per_step = max(0.0, per_sync - config.sync_every * step_compute) / config.sync_every
-    else:  # "overlap": each fragment's sync overlaps overlap_steps inner steps
-        fragment = profile.collective_time(CollectiveKind.ALL_REDUCE, payload / config.fragments, m)
-        per_fragment = max(0.0, fragment - config.overlap_steps * step_compute)
-        exposed_per_step = config.fragments * per_fragment / config.sync_every
+    else:
+        exposed_per_step = sum(
+            t.per_step * max(0.0, all_reduce(t.fraction) - t.hidden_steps * step_compute)
+            for t in transfers
+        )
 
     compute = steps * step_compute
     if model.accumulates:
@@ -338,7 +303,7 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
         # model, and each phase's compute lasts until its communication is done (at least
         # half a step's batch). When communication is the slower side, each committed step
         # absorbs more tokens, so there are fewer of them; the compute never idles.
-        stretch = max(1.0, one_all_reduce / (step_compute / 2))
+        stretch = max(1.0, all_reduce(1.0) / (step_compute / 2))
         steps = steps / stretch
     # Inner link (R > 1), blocking: the gradient all-reduce of every step, and the all-gather
     # that reassembles each outer payload inside the worker.
@@ -346,7 +311,7 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
     # the parameters per step (ZeRO-1 inside the worker).
     inner_per_step = 0.0
     inner_bytes_per_step = 0.0
-    replica_sharded = ranks > 1 and config.method in REPLICA_SHARDED
+    replica_sharded = ranks > 1 and model.shards_over_replicas
     if ranks > 1:
         gathers = payloads_per_step + (1.0 if replica_sharded else 0.0)
         inner_per_step = inner_profile.collective_time(
@@ -360,7 +325,7 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
     wall = compute + exposed
     outer_bytes_per_step = payloads_per_step * 2.0 * (m - 1) / m * payload if m > 1 else 0.0
     bytes_per_step = ranks * (outer_bytes_per_step + inner_bytes_per_step)
-    sharded = m if model.sharded_optimizer else 1
+    sharded = m if model.shards_over_workers else 1
     optimizer_bytes = config.optimizer_bytes / sharded
     if replica_sharded:
         # The two moments (2/3 of AdamW's fp32 bytes) are split over the R replicas.
@@ -386,17 +351,21 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
         inner_comm_s=steps * inner_per_step,
         outer_bytes_per_rank_per_step=outer_bytes_per_step,
         inner_bytes_per_rank_per_step=inner_bytes_per_step,
+        schedule=model.schedule(options),
+        syncs_per_step=sum(t.per_step for t in transfers),
+        options=None if options is None else dataclasses.asdict(options),  # type: ignore[call-overload]
     )
 
 
 def solve_bandwidth(config: PlanConfig, target: float) -> float | None:
     """Smallest bandwidth (Gbit/s) reaching utilisation ``target``; None if latency forbids."""
-    if make_plan(config, bandwidth_gbps=1e12).utilization < target:
+    check_plan(config)
+    if _evaluate(config, 1e12).utilization < target:
         return None
     low, high = 1e-6, 1e12
     for _ in range(200):
         middle = math.sqrt(low * high)
-        if make_plan(config, bandwidth_gbps=middle).utilization >= target:
+        if _evaluate(config, middle).utilization >= target:
             high = middle
         else:
             low = middle
@@ -428,7 +397,8 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
         print(json.dumps(result, indent=2))
         return result
     rows = [
-        ("method", f"{plan.method} ({METHOD_MODELS[plan.method].description})"),
+        ("method", f"{plan.method} ({method_options(config)[0].cost.description})"),
+        ("sync", f"{plan.schedule} ({plan.syncs_per_step:.3g} collectives per step)"),
         ("model", f"{plan.params / 1e9:.3f} B parameters"),
         ("workers", str(plan.workers) + (f" x {plan.ranks_per_worker} ranks" if plan.ranks_per_worker > 1 else "")),
         ("link", f"{plan.bandwidth_gbps} Gbit/s, {plan.latency_ms} ms"),

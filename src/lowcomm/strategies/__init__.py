@@ -2,9 +2,11 @@
 
 To add a method: write a :class:`Strategy` subclass with a ``name`` in a module of this
 package and list it in that module's ``METHODS`` tuple; every module here is scanned, so
-``lowcomm train --method NAME`` picks it up with no other change. Method options: a
-``kw_only`` dataclass per family, named by the class attribute ``options_field`` and held by
-the field of that name in :class:`lowcomm.config.TrainConfig`.
+``lowcomm train --method NAME`` and ``lowcomm plan --method NAME`` pick it up with no other
+change. The class is the method's one declaration (docs/ADDING_A_METHOD.md): its options
+(a ``kw_only`` dataclass, the type of the constructor's ``options``, in the group named by
+``options_field``: a field of that name is added to :class:`lowcomm.config.TrainConfig` and
+:class:`lowcomm.plan.PlanConfig`), its planner ``cost`` model, and its ``hierarchical_refusal``.
 """
 
 from __future__ import annotations

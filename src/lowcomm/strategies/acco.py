@@ -60,6 +60,7 @@ from lowcomm.strategies.base import (
     StrategyContext,
     clip_,
 )
+from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
 
 
@@ -542,6 +543,13 @@ class ACCO(_ShardedOverlap):
     """
 
     name: ClassVar[str] = "acco"
+    cost: ClassVar[CostModel] = CostModel(
+        description="two-stage delay compensation, accumulates",
+        traffic=every_step(2.0),  # two RS+AG phases per committed step
+        extra_copies=1,
+        shards_over_workers=True,
+        accumulates=True,
+    )
     phases_per_commit: ClassVar[int] = 2
     uses_lookahead: ClassVar[bool] = True
 
@@ -593,6 +601,12 @@ class DPU(_ShardedOverlap):
     """
 
     name: ClassVar[str] = "dpu"
+    cost: ClassVar[CostModel] = CostModel(
+        description="one-step-delayed ZeRO-1 update",
+        traffic=every_step(hidden_steps=1),
+        extra_copies=1,
+        shards_over_workers=True,
+    )
 
     def step(self, closure: Closure) -> StepStats:
         self.flat.check_params()
@@ -641,6 +655,12 @@ class WP(_ShardedOverlap):
     """
 
     name: ClassVar[str] = "wp"
+    cost: ClassVar[CostModel] = CostModel(
+        description="delayed update with weight prediction",
+        traffic=every_step(hidden_steps=1),
+        extra_copies=1,
+        shards_over_workers=True,
+    )
     uses_lookahead: ClassVar[bool] = True
 
     def step(self, closure: Closure) -> StepStats:

@@ -25,6 +25,7 @@ from torch import nn
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig, learning_rate
+from lowcomm.strategies.declaration import CostModel
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ class Strategy(ABC):
     #: same collective results, takes the same decisions (no per-rank clock-driven control
     #: flow, no collectives from a second thread).
     hierarchical_refusal: ClassVar[str | None] = None
+    #: The planner's closed-form model of this method (``lowcomm plan``): its traffic from its
+    #: options, what hides behind compute, extra model-sized copies, state sharding.
+    cost: ClassVar[CostModel]
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         self.model = model

@@ -48,6 +48,7 @@ from lowcomm.strategies.base import (
     clip_,
     run_microbatches,
 )
+from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
 
 InnerOptimizerKind = Literal["adamw", "sgd"]
@@ -377,6 +378,11 @@ class LocalSGD(_LocalUpdate):
     """
 
     name: ClassVar[str] = "local_sgd"
+    cost: ClassVar[CostModel] = CostModel(
+        description="parameter average every tau steps",
+        traffic=lambda o, t: [Transfer(1.0, 1 / o.sync_every)],
+        schedule=lambda o: f"tau = {o.sync_every} local steps per round",
+    )
     fixed_inner: ClassVar[InnerOptimizerKind | None] = "sgd"
 
     def _end_round(self) -> dict[str, float]:
@@ -412,6 +418,12 @@ class LocalAdamW(LocalSGD):
     """
 
     name: ClassVar[str] = "local_adamw"
+    cost: ClassVar[CostModel] = CostModel(
+        description="parameter average every tau steps",
+        traffic=lambda o, t: [Transfer(1.0, 1 / o.sync_every)],
+        schedule=lambda o: f"tau = {o.sync_every} local steps per round",
+        shards_over_replicas=True,
+    )
     fixed_inner: ClassVar[InnerOptimizerKind | None] = "adamw"
 
 
@@ -430,6 +442,13 @@ class OverlapLocalSGD(_LocalUpdate):
     """
 
     name: ClassVar[str] = "overlap_local_sgd"
+    cost: ClassVar[CostModel] = CostModel(
+        description="average overlaps next round",
+        traffic=lambda o, t: [Transfer(1.0, 1 / o.sync_every, hidden_steps=o.sync_every)],
+        schedule=lambda o: f"tau = {o.sync_every} local steps per round",
+        extra_copies=2,
+        shards_over_replicas=True,
+    )
 
     def __init__(
         self,
@@ -534,6 +553,13 @@ class SlowMo(_AnchoredOuter):
     """
 
     name: ClassVar[str] = "slowmo"
+    cost: ClassVar[CostModel] = CostModel(
+        description="outer momentum every tau steps",
+        traffic=lambda o, t: [Transfer(1.0, 1 / o.sync_every)],
+        schedule=lambda o: f"tau = {o.sync_every} local steps per round",
+        extra_copies=2,
+        shards_over_replicas=True,
+    )
 
     def _end_round(self) -> dict[str, float]:
         params = self.flat.params
@@ -594,6 +620,20 @@ class CO2(_AnchoredOuter):
     """
 
     name: ClassVar[str] = "co2"
+    cost: ClassVar[CostModel] = CostModel(
+        description="async outer all-reduce over next round",
+        # The shared displacement d travels in the same all-reduce: twice the payload.
+        traffic=lambda o, t: [
+            Transfer(
+                2.0 if o.gap_penalty and o.shared_displacement else 1.0,
+                1 / o.sync_every,
+                hidden_steps=o.sync_every,
+            )
+        ],
+        schedule=lambda o: f"tau = {o.sync_every} local steps per round",
+        extra_copies=4,
+        shards_over_replicas=True,
+    )
 
     def __init__(
         self,

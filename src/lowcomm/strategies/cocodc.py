@@ -16,6 +16,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.declaration import CostModel, fragment_traffic
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
 from lowcomm.strategies.streaming import InFlight, check_overlap, load_in_flight, save_in_flight
 
@@ -101,6 +102,34 @@ class CoCoDC(OuterLoopStrategy):
 
     name: ClassVar[str] = "cocodc"
     default_fragments: ClassVar[int] = 4
+    cost: ClassVar[CostModel] = CostModel(
+        description="streaming + delay compensation",
+        # Adaptive transmission: N = max(K, floor(gamma H T_c / T_s)) syncs per H, one every
+        # h = max(1, H // N) steps, each of a fragment Psi/K overlapping tau inner steps.
+        traffic=lambda o, t: fragment_traffic(
+            o.fragments or CoCoDC.default_fragments,
+            1
+            / max(
+                1,
+                o.sync_every
+                // syncs_per_period(
+                    o.fragments or CoCoDC.default_fragments,
+                    o.transmission_gamma,
+                    o.sync_every,
+                    t.step_seconds,
+                    t.all_reduce_seconds(1 / (o.fragments or CoCoDC.default_fragments)),
+                ),
+            ),
+            o.overlap_steps,
+        ),
+        schedule=lambda o: (
+            f"H = {o.sync_every}, K = {o.fragments or CoCoDC.default_fragments} fragments, "
+            f"tau = {o.overlap_steps}, "
+            f"N = max(K, floor({o.transmission_gamma} H T_c / T_s)) syncs per H"
+        ),
+        extra_copies=3,
+        shards_over_replicas=True,
+    )
 
     def __init__(
         self,

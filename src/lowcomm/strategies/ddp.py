@@ -27,6 +27,7 @@ from lowcomm.strategies.base import (
     clip_,
     run_microbatches,
 )
+from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
 
 
@@ -38,6 +39,11 @@ class DDP(Strategy):
     """
 
     name: ClassVar[str] = "ddp"
+    cost: ClassVar[CostModel] = CostModel(
+        description="all-reduce gradients every step",
+        traffic=every_step(),
+        shards_over_replicas=True,
+    )
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)

@@ -98,6 +98,7 @@ from lowcomm.strategies.base import (
     clip_,
     run_microbatches,
 )
+from lowcomm.strategies.declaration import CostModel, state_traffic
 from lowcomm.strategies.flat import FlatBuffers
 
 #: Order of states inside a fused all-reduce (and the role the fused call is issued under).
@@ -407,6 +408,14 @@ class Desloc(Strategy):
     """
 
     name: ClassVar[str] = "desloc"
+    cost: ClassVar[CostModel] = CostModel(
+        description="params/moments synced at own periods",
+        traffic=lambda o, t: state_traffic(Desloc.sync_periods(o), o.fuse),
+        schedule=lambda o: (
+            f"K_x = {o.param_period}, K_u = {o.first_moment_period or 3 * o.param_period}, "
+            f"K_v = {o.second_moment_period or 6 * o.param_period}"
+        ),
+    )
     options_field: ClassVar[str | None] = "desloc"
     #: Zero the moments and counters after every parameter sync (FedAvg with reset state).
     reset_after_parameter_sync: ClassVar[bool] = False
@@ -633,6 +642,13 @@ class LocalAdamMethod(_SinglePeriod):
     """
 
     name: ClassVar[str] = "local_adam"
+    cost: ClassVar[CostModel] = CostModel(
+        description="params and both moments every K",
+        traffic=lambda o, t: state_traffic(LocalAdamMethod.sync_periods(o), o.fuse),
+        schedule=lambda o: (
+            f"K = {o.param_period}"
+        ),
+    )
 
     @classmethod
     def sync_periods(cls, options: DeslocOptions) -> dict[Role, int | None]:
@@ -649,6 +665,13 @@ class FavgOpt(_SinglePeriod):
     """
 
     name: ClassVar[str] = "favg_opt"
+    cost: ClassVar[CostModel] = CostModel(
+        description="params every K, states kept",
+        traffic=lambda o, t: state_traffic(FavgOpt.sync_periods(o), o.fuse),
+        schedule=lambda o: (
+            f"K = {o.param_period}"
+        ),
+    )
 
     @classmethod
     def sync_periods(cls, options: DeslocOptions) -> dict[Role, int | None]:
@@ -664,6 +687,13 @@ class FavgReset(FavgOpt):
     """
 
     name: ClassVar[str] = "favg_reset"
+    cost: ClassVar[CostModel] = CostModel(
+        description="params every K, states reset",
+        traffic=lambda o, t: state_traffic(FavgReset.sync_periods(o), o.fuse),
+        schedule=lambda o: (
+            f"K = {o.param_period}"
+        ),
+    )
     reset_after_parameter_sync: ClassVar[bool] = True
 
 

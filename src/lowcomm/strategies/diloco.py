@@ -41,6 +41,7 @@ from lowcomm.strategies.base import (
     clip_,
     run_microbatches,
 )
+from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
 
 
@@ -588,6 +589,13 @@ class DiLoCo(OuterLoopStrategy):
     """
 
     name: ClassVar[str] = "diloco"
+    cost: ClassVar[CostModel] = CostModel(
+        description="outer Nesterov every H steps",
+        traffic=lambda o, t: [Transfer(1.0, 1 / o.sync_every)],
+        schedule=lambda o: f"H = {o.sync_every} inner steps per outer round",
+        extra_copies=2,
+        shards_over_replicas=True,
+    )
 
     def __init__(
         self,

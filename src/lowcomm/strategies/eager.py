@@ -15,6 +15,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.declaration import CostModel, fragment_traffic
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterExchange, OuterLoopStrategy
 from lowcomm.strategies.streaming import completion_offsets
 
@@ -139,6 +140,21 @@ class DiLoCoDelayed(DelayedOuterBase):
     """
 
     name: ClassVar[str] = "diloco_delayed"
+    cost: ClassVar[CostModel] = CostModel(
+        description="outer step one round late",
+        # K fragments (default 1) once per H, each all-reduce overlapping N outer rounds.
+        traffic=lambda o, t: fragment_traffic(
+            o.fragments or DelayedOuterBase.default_fragments,
+            (o.fragments or DelayedOuterBase.default_fragments) / o.sync_every,
+            o.outer_delay * o.sync_every,
+        ),
+        schedule=lambda o: (
+            f"H = {o.sync_every}, K = {o.fragments or DelayedOuterBase.default_fragments} "
+            f"fragments, N = {o.outer_delay} outer round(s) per all-reduce"
+        ),
+        extra_copies=3,
+        shards_over_replicas=True,
+    )
     eager = False
 
 
@@ -153,6 +169,21 @@ class Eager(DelayedOuterBase):
     """
 
     name: ClassVar[str] = "eager"
+    cost: ClassVar[CostModel] = CostModel(
+        description="eager local outer step, round overlap",
+        # K fragments (default 1) once per H, each all-reduce overlapping N outer rounds.
+        traffic=lambda o, t: fragment_traffic(
+            o.fragments or DelayedOuterBase.default_fragments,
+            (o.fragments or DelayedOuterBase.default_fragments) / o.sync_every,
+            o.outer_delay * o.sync_every,
+        ),
+        schedule=lambda o: (
+            f"H = {o.sync_every}, K = {o.fragments or DelayedOuterBase.default_fragments} "
+            f"fragments, N = {o.outer_delay} outer round(s) per all-reduce"
+        ),
+        extra_copies=3,
+        shards_over_replicas=True,
+    )
     eager = True
 
 

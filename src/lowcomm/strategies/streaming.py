@@ -15,6 +15,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.declaration import CostModel, fragment_traffic
 from lowcomm.strategies.diloco import (
     DiLoCoOptions,
     OuterExchange,
@@ -103,6 +104,21 @@ class StreamingDiLoCo(OuterLoopStrategy):
 
     name: ClassVar[str] = "streaming_diloco"
     default_fragments: ClassVar[int] = 4
+    cost: ClassVar[CostModel] = CostModel(
+        description="fragments overlap tau steps",
+        # K fragments of Psi/K, each synced once per H, each overlapping tau inner steps.
+        traffic=lambda o, t: fragment_traffic(
+            o.fragments or StreamingDiLoCo.default_fragments,
+            (o.fragments or StreamingDiLoCo.default_fragments) / o.sync_every,
+            o.overlap_steps,
+        ),
+        schedule=lambda o: (
+            f"H = {o.sync_every}, K = {o.fragments or StreamingDiLoCo.default_fragments} "
+            f"fragments, tau = {o.overlap_steps}"
+        ),
+        extra_copies=2,
+        shards_over_replicas=True,
+    )
 
     def __init__(
         self,

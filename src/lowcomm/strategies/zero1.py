@@ -31,6 +31,7 @@ from lowcomm.strategies.base import (
     clip_,
     run_microbatches,
 )
+from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
 
 
@@ -42,6 +43,11 @@ class ZeRO1(Strategy):
     """
 
     name: ClassVar[str] = "zero1"
+    cost: ClassVar[CostModel] = CostModel(
+        description="reduce-scatter + all-gather every step",
+        traffic=every_step(),  # RS + AG of the model: one all-reduce's bytes and time
+        shards_over_workers=True,
+    )
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)

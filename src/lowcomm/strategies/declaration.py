@@ -1,0 +1,164 @@
+"""What a method declares about itself, besides its update rule, for the planner and the CLI.
+
+Each strategy class carries, next to its ``name``:
+
+* ``options_field``: the option group (``--<group>.*``) of its options class (the type of its
+  constructor's ``options`` argument); ``train``, ``plan``, ``make_strategy``, ``config.json``
+  and ``--help`` all take the group from here (:func:`with_method_options`);
+* ``hierarchical_refusal``: why it cannot run with several ranks per worker, or None;
+* ``cost``: a :class:`CostModel`, the closed-form traffic, hiding and memory ``lowcomm plan``
+  evaluates, written against the same options object ``train`` hands the strategy.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+if TYPE_CHECKING:
+    from lowcomm.strategies.base import Strategy
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of collective a method issues, as the planner prices it.
+
+    Attributes:
+        fraction: its payload, in full-model payloads (1/K for one of K fragments; 2 for a
+            parameter payload sent with a same-sized companion; 3 for Local Adam's fused states).
+        per_step: how many of it a worker issues per optimizer step, averaged over the method's
+            schedule (1/H for once per round).
+        hidden_steps: steps of compute it overlaps (0: blocking); what does not fit is exposed.
+    """
+
+    fraction: float
+    per_step: float
+    hidden_steps: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What a cost model may need to know of the run it is priced for.
+
+    Attributes:
+        step_seconds: compute seconds of one optimizer step on one worker (T_c).
+        all_reduce_seconds: seconds of one all-reduce of ``fraction`` full-model payloads over
+            the workers' link (T_s of a sync of that size).
+    """
+
+    step_seconds: float
+    all_reduce_seconds: Callable[[float], float]
+
+
+#: A cost model's traffic: the options object the method is built with, and the timing.
+Traffic = Callable[[Any, Timing], Sequence[Transfer]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """How one method spends bytes, time and memory (read by ``lowcomm plan``).
+
+    Attributes:
+        description: one line for the plan's table.
+        traffic: the collectives the method issues per step, from its options (the same
+            object ``train`` gives the strategy) and the timing.
+        schedule: the sync period(s) in words, from its options (printed by ``plan``).
+        extra_copies: model-sized extra buffers (anchor, outer momentum, in-flight copies).
+        shards_over_workers: the optimizer states are sharded over the M workers (ZeRO-1).
+        shards_over_replicas: with several ranks per worker, the (inner) AdamW moments are
+            sharded over the worker's ranks (``lowcomm.optim.adamw.make_adamw``).
+        accumulates: the compute side never idles (ACCO): it keeps taking micro-batches until
+            communication is done, so nothing is exposed and committed steps absorb more tokens
+            when communication is the slower side.
+    """
+
+    description: str
+    traffic: Traffic
+    schedule: Callable[[Any], str] = lambda options: "every step"
+    extra_copies: float = 0.0
+    shards_over_workers: bool = False
+    shards_over_replicas: bool = False
+    accumulates: bool = False
+
+
+def every_step(fraction: float = 1.0, hidden_steps: float = 0.0) -> Traffic:
+    """Traffic of a method that sends ``fraction`` model payloads every optimizer step."""
+    return lambda options, timing: [Transfer(fraction, 1.0, hidden_steps)]
+
+
+def option_groups(strategies: dict[str, type[Strategy]]) -> dict[str, type]:
+    """The option group name -> options class of the registered methods, in discovery order.
+
+    Raises:
+        TypeError: when two methods put different options classes under one group name.
+    """
+    from lowcomm.strategies import options_class
+
+    groups: dict[str, type] = {}
+    for name, cls in strategies.items():
+        group = cls.options_field
+        kind = options_class(cls)
+        if group is None or kind is None:
+            continue
+        if groups.setdefault(group, kind) is not kind:
+            raise TypeError(
+                f"method {name!r} declares options group {group!r} with {kind.__name__}, but "
+                f"another method of that group uses {groups[group].__name__}"
+            )
+    return groups
+
+
+def group_members(strategies: dict[str, type[Strategy]]) -> dict[str, list[str]]:
+    """The option group name -> the methods that read it."""
+    members: dict[str, list[str]] = {}
+    for name, cls in strategies.items():
+        if cls.options_field is not None:
+            members.setdefault(cls.options_field, []).append(name)
+    return members
+
+
+_C = TypeVar("_C", bound=type)
+
+
+def with_method_options(kind: _C) -> _C:
+    """Class decorator, applied before ``@dataclass``: add one field per declared option group
+    (``acco: AccoOptions``, ...), defaulting to the options class's defaults, documented for
+    ``--help`` by the names of the methods that read it. ``TrainConfig`` and ``PlanConfig`` both
+    use it, so both take the same ``--<group>.<option>`` flags with the same defaults."""
+    import tyro
+
+    from lowcomm.strategies import STRATEGIES
+
+    members = group_members(STRATEGIES)
+    annotations = inspect.get_annotations(kind)
+    for group, options in option_groups(STRATEGIES).items():
+        names = members[group]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        help_text = f"Options of {listed}."
+        annotations[group] = Annotated[options, tyro.conf.arg(help=help_text)]  # type: ignore[valid-type]
+        setattr(kind, group, dataclasses.field(default_factory=options))
+    kind.__annotations__ = annotations
+    return kind
+
+
+def state_traffic(periods: dict[Any, int | None], fuse: bool) -> list[Transfer]:
+    """Traffic of a method that averages several model-sized states, each every K_j steps
+    (None: never); with ``fuse``, states sharing a period travel in one all-reduce."""
+    if not fuse:
+        return [Transfer(1.0, 1.0 / k) for k in periods.values() if k is not None]
+    shared: dict[int, int] = {}
+    for k in periods.values():
+        if k is not None:
+            shared[k] = shared.get(k, 0) + 1
+    return [Transfer(float(count), 1.0 / k) for k, count in shared.items()]
+
+
+def fragment_traffic(fragments: int, syncs_per_step: float, hidden_steps: float) -> list[Transfer]:
+    """Traffic of a method that syncs one of ``fragments`` equal fragments ``syncs_per_step``
+    times per step (K/H for once each per round), each overlapping ``hidden_steps`` steps."""
+    return [Transfer(1.0 / fragments, syncs_per_step, hidden_steps)]
