@@ -5,6 +5,7 @@ and every method either running hierarchically or refusing clearly."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,12 @@ import pytest
 import torch
 
 from _dist import closure_for, flat_params, global_batch, tiny_gpt
-from lowcomm.comm.base import CollectiveKind, Role
+from lowcomm.comm.base import CollectiveKind, Handle, Role, Settled
+from lowcomm.comm.clock import Clock, make_clock
+from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.fake import RecordingComm
 from lowcomm.comm.hierarchical import HierarchicalComm, slice_length, slice_segments
+from lowcomm.comm.network import NetworkProfile
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.strategies import STRATEGIES
 
@@ -50,6 +54,59 @@ def test_each_rank_sends_one_rth_of_the_payload_on_the_outer_link() -> None:
         assert list(call.segments or ()) == expected
         (gather,) = inner.calls
         assert gather.kind is CollectiveKind.ALL_GATHER and gather.numel == 12
+
+
+def _two_level_comm() -> tuple[HierarchicalComm, Clock]:
+    """One rank of a 2 x 2 run on recording fakes, both levels emulated, on a virtual clock."""
+    clock = make_clock("virtual", seconds_per_microbatch=0.01)
+    inner = NetworkComm(RecordingComm(rank=1, world_size=R), NetworkProfile.from_preset("ethernet"), clock)
+    outer = NetworkComm(RecordingComm(rank=0, world_size=M), NetworkProfile.from_preset("wan"), clock)
+    return HierarchicalComm(inner, outer, clock), clock
+
+
+_COLLECTIVES: dict[str, Callable[[HierarchicalComm], Handle]] = {
+    "all_reduce": lambda c: c.all_reduce(torch.ones(50_001), role=Role.PSEUDO_GRADIENT),
+    "broadcast": lambda c: c.broadcast(torch.ones(50_001), src=0, role=Role.PARAMETER),
+    "reduce_scatter": lambda c: c.reduce_scatter(
+        torch.empty(25_001), torch.ones(M * 25_001), role=Role.GRADIENT
+    ),
+    "all_gather": lambda c: c.all_gather(torch.empty(M * 25_001), torch.ones(25_001), role=Role.PARAMETER),
+    "barrier": lambda c: c.barrier(),
+}
+
+
+def _timeline(collective: str, stop: str | None) -> tuple[object, ...]:
+    """Launch a collective, compute a little, (settle it; with "resume", rebuild the comm and
+    clock from the checkpointed state and restore the handle), compute, wait: the readings."""
+    comm, clock = _two_level_comm()
+    handle = _COLLECTIVES[collective](comm)
+    clock.microbatch_done()
+    if stop is not None:
+        settled = handle.settle()
+        assert handle.settle() == settled  # settling twice changes nothing
+        if stop == "resume":
+            saved = clock.state_dict(), comm.state_dict(), settled.state_dict()
+            comm, clock = _two_level_comm()
+            clock.load_state_dict(saved[0])
+            comm.load_state_dict(saved[1])
+            handle = comm.runtime().restore(Settled.from_state(saved[2]))
+    for _ in range(3):
+        clock.microbatch_done()
+    handle.wait()
+    handle.wait()
+    return clock.now(), clock.exposed_comm_s, json.dumps(comm.level_counters(), sort_keys=True)
+
+
+@pytest.mark.parametrize("collective", sorted(_COLLECTIVES))
+def test_a_settled_two_level_handle_charges_the_clock_as_if_never_settled(collective: str) -> None:
+    """Settling (a checkpoint) moves the data without charging the clock; waiting afterwards,
+    on the same handle or on the one the runtime restores after a resume, charges exactly what
+    the unsettled handle would have: the outer completion, then the inner all-gather from the
+    moment the worker waits."""
+    straight = _timeline(collective, None)
+    assert straight[1] > 0  # the transfer is exposed: the settle really had something to defer
+    assert _timeline(collective, "settle") == straight
+    assert _timeline(collective, "resume") == straight
 
 
 def test_methods_that_cannot_run_hierarchically_refuse_with_the_reason() -> None:

@@ -154,23 +154,92 @@ def test_unknown_method_lists_the_choices() -> None:
         strategy_class("adam")
 
 
-def test_no_strategy_module_imports_torch_distributed() -> None:
+#: What a strategy may import of the communication layer: the Comm/Handle protocol, the
+#: runtime handed in with its context, and the communication-thread utility. Never the
+#: emulation, the two-level communicator, the clocks, a concrete communicator or the launcher
+#: (nor ``torch.distributed``): those reach it only through the ``Runtime``.
+ALLOWED_COMM_MODULES = ("lowcomm.comm.base", "lowcomm.comm.runtime", "lowcomm.comm.overlap")
+FORBIDDEN_PREFIXES = ("torch.distributed", "lowcomm.launch", "lowcomm.train", "lowcomm.cli")
+
+
+def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # a relative import: spell it out as the package it names
+                found += [(node.lineno, f"lowcomm.strategies.{node.module or ''}")]
+            elif node.module:
+                found.append((node.lineno, node.module))
+                # ``from lowcomm import comm`` / ``from lowcomm.comm import emulated``
+                found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            found += [
+                (node.lineno, arg.value)
+                for arg in node.args
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+            ]
+    return found
+
+
+def _forbidden(module: str) -> bool:
+    if any(module == p or module.startswith(p + ".") for p in FORBIDDEN_PREFIXES):
+        return True
+    if module == "lowcomm.comm":
+        return True  # the package re-exports the emulation
+    if module in ALLOWED_COMM_MODULES:
+        return False
+    if module.startswith("lowcomm.comm."):
+        # ``from lowcomm.comm.base import Comm`` also yields "lowcomm.comm.base.Comm".
+        return not any(module.startswith(allowed + ".") for allowed in ALLOWED_COMM_MODULES)
+    return False
+
+
+def test_strategies_import_only_the_comm_protocol_and_the_runtime() -> None:
     package = Path(__file__).resolve().parents[1] / "src" / "lowcomm" / "strategies"
     offenders = []
     for path in sorted(package.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
-                offenders.append(f"{path.name}:{node.lineno}")
-            if any(n.startswith("lowcomm.comm.torch_comm") or n.startswith("lowcomm.launch") for n in names):
-                offenders.append(f"{path.name}:{node.lineno}")
+        for lineno, module in _imported_modules(ast.parse(path.read_text())):
+            if _forbidden(module):
+                offenders.append(f"{path.name}:{lineno}: {module}")
     assert len(list(package.rglob("*.py"))) >= 4
     assert offenders == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist",
+        "from torch.distributed import all_reduce",
+        "from lowcomm.comm.emulated import NetworkComm",
+        "from lowcomm.comm.hierarchical import replica_group",
+        "from lowcomm.comm import emulated",
+        "from lowcomm.comm import NetworkComm",
+        "import lowcomm.comm.hierarchical",
+        "from lowcomm.comm.clock import Clock",
+        "from lowcomm.comm.torch_comm import TorchComm",
+        "from lowcomm.launch.groups import level_comms",
+        "from lowcomm.launch import spawn_workers",
+        "importlib.import_module('lowcomm.comm.emulated')",
+    ],
+)
+def test_the_import_check_catches(source: str) -> None:
+    assert any(_forbidden(module) for _, module in _imported_modules(ast.parse(source)))
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from lowcomm.comm.base import Comm, Handle, Role",
+        "from lowcomm.comm.runtime import Runtime, pending_state",
+        "from lowcomm.comm.overlap import CommThread",
+        "from lowcomm.optim.adamw import make_adamw",
+        "from lowcomm.strategies.base import Strategy",
+    ],
+)
+def test_the_import_check_allows(source: str) -> None:
+    assert not any(_forbidden(module) for _, module in _imported_modules(ast.parse(source)))
 
 
 # --- multi-process ---------------------------------------------------------------------

@@ -6,13 +6,21 @@ be handed an inner and an outer communicator. Every collective is asynchronous: 
 
 Every collective takes a :class:`Role` saying what the bytes are (gradient, parameter, moment,
 pseudo-gradient), so that byte accounting can be broken down by what moved.
+
+A checkpoint taken with collectives in flight *settles* each handle (:meth:`Handle.settle`):
+the data moves now, without charging the clock, and the handle returns a :class:`Settled`
+record of what it still owes the clock. The runtime of the strategy's communicator
+(:mod:`lowcomm.comm.runtime`) turns that record back into a handle after a resume, so every
+handle, emulated or two-level, is checkpointed the same way and the resumed run's modeled
+time equals the straight run's.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Literal, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -40,6 +48,69 @@ class CollectiveKind(str, enum.Enum):
     BARRIER = "barrier"
 
 
+@dataclass(frozen=True)
+class Charge:
+    """A collective whose data has already moved but whose cost is still to be charged: its
+    kind, role (None for a barrier) and full payload in bytes, as the network model prices it."""
+
+    kind: CollectiveKind
+    role: Role | None
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a settled collective still owes the clock (see :meth:`Handle.settle`).
+
+    Attributes:
+        finish_time: the modeled completion of its transfer on the link, on the run's clock
+            (None: not emulated, or already waited for; nothing to wait for).
+        then: collectives that follow the transfer on the worker's inner level (a two-level
+            communicator's all-gather), whose data has moved too; they are charged, in order,
+            once ``finish_time`` has passed, when the handle is waited for. Their modeled
+            start depends on when that wait happens, so it cannot be known when settling.
+    """
+
+    finish_time: float | None = None
+    then: tuple[Charge, ...] = ()
+
+    @property
+    def completion(self) -> float | None:
+        """The modeled completion of the whole collective when settling knows it (None when
+        it is known only once waited for, or when the collective is not emulated)."""
+        return self.finish_time if not self.then else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values, for a checkpoint."""
+        return {
+            "finish_time": self.finish_time,
+            "then": [
+                {
+                    "kind": charge.kind.value,
+                    "role": None if charge.role is None else charge.role.value,
+                    "payload_bytes": charge.payload_bytes,
+                }
+                for charge in self.then
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Settled:
+        """The record :meth:`state_dict` saved."""
+        finish = state["finish_time"]
+        return cls(
+            None if finish is None else float(finish),
+            tuple(
+                Charge(
+                    CollectiveKind(item["kind"]),
+                    None if item["role"] is None else Role(item["role"]),
+                    int(item["payload_bytes"]),
+                )
+                for item in state.get("then", ())
+            ),
+        )
+
+
 class CollectiveTimeout(TimeoutError):
     """A collective did not complete in time; the message names the rank, the collective and
     the time waited."""
@@ -55,6 +126,14 @@ class Handle(Protocol):
 
     def done(self) -> bool:
         """Whether ``wait()`` would return without blocking (never blocks on the wire)."""
+        ...
+
+    def settle(self) -> Settled:
+        """Finish the data movement now without charging the clock (for a checkpoint taken
+        with the collective in flight); return what it still owes the clock. A later
+        ``wait()`` still charges the clock exactly as if ``settle()`` had not been called,
+        and ``Runtime.restore`` of the record gives a handle whose ``wait()`` does the same
+        after a resume. A handle that is not emulated simply waits and returns ``Settled()``."""
         ...
 
 
@@ -130,6 +209,9 @@ class CompletedHandle:
 
     def done(self) -> bool:
         return True
+
+    def settle(self) -> Settled:
+        return Settled()
 
 
 def payload_bytes(tensor: torch.Tensor) -> int:

@@ -37,12 +37,14 @@ from lowcomm.comm.base import (
     ReduceOp,
     Role,
     Segments,
+    Settled,
     check_segments,
     payload_bytes,
 )
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.network import NetworkProfile, bytes_sent
 from lowcomm.comm.overlap import LaunchAgreement
+from lowcomm.comm.runtime import ClockReader, Runtime
 
 
 class _EmulatedHandle:
@@ -85,13 +87,13 @@ class _EmulatedHandle:
         self._owner.exposed_comm_s += clock.exposed_comm_s - exposed_before
         self._waited = True
 
-    def settle(self) -> float:
+    def settle(self) -> Settled:
         """Finish the data movement now without charging any time; return the modeled
         completion. A later :meth:`wait` still moves the clock to that completion (used to
         checkpoint a collective that is in flight without changing the run's timing)."""
         with self._owner.clock.blocked():
             self._inner.wait()
-            return self._owner._resolve(self)
+            return Settled(self._owner._resolve(self))
 
     def done(self) -> bool:
         if self._waited:
@@ -120,39 +122,8 @@ class ScheduledHandle:
     def done(self) -> bool:
         return self._clock.now() >= self.finish_time
 
-
-def settle(handle: Handle) -> float | None:
-    """Complete ``handle``'s data movement without charging time to the clock.
-
-    Returns the modeled completion time when the handle is emulated (its later ``wait()``
-    charges the clock as if nothing had happened), else None (the handle has been waited)."""
-    if isinstance(handle, _EmulatedHandle):
-        return handle.settle()
-    if isinstance(handle, ScheduledHandle):
-        return handle.finish_time
-    handle.wait()
-    return None
-
-
-def restore_handle(comm: Comm, finish_time: float | None) -> Handle:
-    """The handle of a collective checkpointed by :func:`settle`: its data is already in place;
-    on a :class:`NetworkComm` it completes at ``finish_time`` on the comm's clock."""
-    if finish_time is not None and isinstance(comm, NetworkComm):
-        return ScheduledHandle(comm.clock, finish_time)
-    return CompletedHandle()
-
-
-def pending_state(handle: Handle | None) -> dict[str, Any]:
-    """A checkpointable record of an optional in-flight collective (settled now)."""
-    return {
-        "pending": handle is not None,
-        "finish_time": settle(handle) if handle is not None else None,
-    }
-
-
-def restore_pending(comm: Comm, state: dict[str, Any]) -> Handle | None:
-    """The handle :func:`pending_state` recorded (None when nothing was in flight)."""
-    return restore_handle(comm, state["finish_time"]) if state["pending"] else None
+    def settle(self) -> Settled:
+        return Settled(self.finish_time)
 
 
 class NetworkComm:
@@ -382,6 +353,45 @@ class NetworkComm:
         )
         self._unresolved.append(handle)
         return handle
+
+    def charge(self, kind: CollectiveKind, *, role: Role | None, payload_bytes: int) -> Handle:
+        """Charge a collective whose data has already moved (settled for a checkpoint): count
+        its bytes, agree on its start (on the virtual clock, with the same uncharged exchange
+        as a launch) and queue it on the link as if it were launched now. The returned
+        handle's ``wait()`` moves the clock to its modeled completion."""
+        agreement = self.offload()
+        with self.clock.blocked():  # the launch-time exchange, as a launch's wait() runs it
+            agreement.run(self.inner)
+        return self.record(
+            kind,
+            role=role,
+            payload_bytes=payload_bytes,
+            completion=CompletedHandle(),
+            agreement=agreement,
+        )
+
+    def restore(self, settled: Settled) -> Handle:
+        """The handle of a collective settled on this communicator before a checkpoint: its
+        data is in place; it completes at the settled modeled completion on this clock."""
+        if settled.then:
+            raise ValueError(
+                "NetworkComm.restore: a one-level communicator never settles follow-up "
+                "collectives; the checkpoint was taken on a hierarchical run (resume it with "
+                "the same --ranks-per-worker)"
+            )
+        if settled.finish_time is None:
+            return CompletedHandle()
+        return ScheduledHandle(self.clock, settled.finish_time)
+
+    def runtime(self) -> Runtime:
+        """What a strategy on this communicator may use besides it (the read-only clock, the
+        un-emulated group, the accounting of a communication thread's collectives)."""
+        return Runtime(
+            uncharged=self.inner,
+            clock=ClockReader(self.clock),
+            offload=self,
+            restorer=self.restore,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Byte counters and the link's schedule (for a checkpoint). Every collective must be

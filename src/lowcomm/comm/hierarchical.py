@@ -22,22 +22,28 @@ worker still receives the same result, so decisions taken from collective result
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from lowcomm.comm.base import (
+    Charge,
+    CollectiveKind,
     Comm,
+    CompletedHandle,
     Handle,
     ReduceOp,
     Role,
     Segments,
+    Settled,
     check_scatter_shapes,
     check_segments,
 )
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
+from lowcomm.comm.runtime import ClockReader, Runtime
 
 T = TypeVar("T")
 
@@ -65,30 +71,89 @@ def slice_segments(
     return sliced
 
 
-class _TwoStageHandle:
-    """The outer collective, then (at ``wait()``) the inner all-gather and a copy-out."""
+def _gather_charge(output: torch.Tensor, role: Role) -> Charge:
+    """What the inner all-gather into ``output`` costs (its full payload, as NetworkComm
+    prices an all-gather)."""
+    return Charge(CollectiveKind.ALL_GATHER, role, output.numel() * output.element_size())
 
-    def __init__(self, outer: Handle, gather: Callable[[], Handle], finish: Callable[[], None]) -> None:
+
+class _TwoStageHandle:
+    """The outer collective, then (at ``wait()``) the inner all-gather and a copy-out.
+
+    ``settle()`` (a checkpoint with the collective in flight) finishes both stages' data
+    movement without charging the clock: the outer transfer is settled, the all-gather runs on
+    the un-emulated inner group. What the handle still owes is the outer completion and the
+    all-gather's charge on the inner link, whose modeled start is the moment the outer one
+    has completed *and* the worker waits: so ``wait()`` charges it then, exactly as the
+    unsettled path would have (and ``HierarchicalComm.restore`` rebuilds the same after a
+    resume)."""
+
+    def __init__(
+        self,
+        owner: HierarchicalComm,
+        outer: Handle,
+        gather: Callable[[Comm], Handle],
+        charge: Charge,
+        finish: Callable[[], None],
+    ) -> None:
+        self._owner = owner
         self._outer = outer
         self._gather = gather
+        self._charge = charge
         self._finish = finish
+        self._settled: Settled | None = None
         self._finished = False
-        self.finish_time: float | None = None
 
     def wait(self) -> None:
         if self._finished:
             return
         self._outer.wait()
-        inner = self._gather()
-        inner.wait()
-        self._finish()
-        finish = getattr(inner, "finish_time", None)
-        self.finish_time = float(finish) if isinstance(finish, float) else None
+        if self._settled is None:
+            self._gather(self._owner.inner_comm).wait()
+            self._finish()
+        else:  # the data has moved: charge the all-gather only
+            self._owner.charge_inner(self._charge).wait()
         self._finished = True
 
     def done(self) -> bool:
         # The slow part is the outer transfer; the inner all-gather runs inside wait().
         return self._finished or self._outer.done()
+
+    def settle(self) -> Settled:
+        if self._finished:
+            return Settled()
+        if self._settled is None:
+            outer = self._outer.settle()
+            with self._owner.blocked():  # time waiting on a transfer is never compute
+                self._gather(self._owner.uncharged_inner).wait()
+            self._finish()
+            self._settled = Settled(outer.finish_time, (*outer.then, self._charge))
+        return self._settled
+
+
+class _RestoredTwoStage:
+    """A two-level collective settled before a checkpoint, after the resume: its data is in
+    place; ``wait()`` waits for the outer completion, then charges the inner stages."""
+
+    def __init__(self, owner: HierarchicalComm, outer: Handle, settled: Settled) -> None:
+        self._owner = owner
+        self._outer = outer
+        self._settled = settled
+        self._finished = False
+
+    def wait(self) -> None:
+        if self._finished:
+            return
+        self._outer.wait()
+        for charge in self._settled.then:
+            self._owner.charge_inner(charge).wait()
+        self._finished = True
+
+    def done(self) -> bool:
+        return self._finished or self._outer.done()
+
+    def settle(self) -> Settled:
+        return Settled() if self._finished else self._settled
 
 
 class HierarchicalComm:
@@ -143,15 +208,24 @@ class HierarchicalComm:
 
     def _gather_into(
         self, work: torch.Tensor, piece: torch.Tensor, role: Role, tensor: torch.Tensor, copied: bool
-    ) -> tuple[Callable[[], Handle], Callable[[], None]]:
-        def gather() -> Handle:
-            return self.inner_comm.all_gather(work, piece.clone(), role=role)
+    ) -> tuple[Callable[[Comm], Handle], Charge, Callable[[], None]]:
+        def gather(level: Comm) -> Handle:
+            return level.all_gather(work, piece.clone(), role=role)
 
         def finish() -> None:
             if copied:
                 tensor.copy_(work[: tensor.numel()].view_as(tensor))
 
-        return gather, finish
+        return gather, _gather_charge(work, role), finish
+
+    def _two_stage(
+        self,
+        outer: Handle,
+        gather: Callable[[Comm], Handle],
+        charge: Charge,
+        finish: Callable[[], None],
+    ) -> Handle:
+        return _TwoStageHandle(self, outer, gather, charge, finish)
 
     # --- Comm --------------------------------------------------------------------------------
 
@@ -173,8 +247,7 @@ class HierarchicalComm:
             else slice_segments(segments, r * c, (r + 1) * c, tensor.numel(), role)
         )
         handle = self.outer_comm.all_reduce(piece, op=op, role=role, segments=outer_segments)
-        gather, finish = self._gather_into(work, piece, role, tensor, copied)
-        return _TwoStageHandle(handle, gather, finish)
+        return self._two_stage(handle, *self._gather_into(work, piece, role, tensor, copied))
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         if not 0 <= src < self.world_size:
@@ -183,8 +256,7 @@ class HierarchicalComm:
         r = self.local_rank
         piece = work[r * c : (r + 1) * c]
         handle = self.outer_comm.broadcast(piece, src=src, role=role)
-        gather, finish = self._gather_into(work, piece, role, tensor, copied)
-        return _TwoStageHandle(handle, gather, finish)
+        return self._two_stage(handle, *self._gather_into(work, piece, role, tensor, copied))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
@@ -201,13 +273,13 @@ class HierarchicalComm:
         handle = self.outer_comm.reduce_scatter(received, send.view(-1), op=op, role=role)
         full = torch.empty(ranks * c, dtype=input.dtype, device=input.device)
 
-        def gather() -> Handle:
-            return self.inner_comm.all_gather(full, received, role=role)
+        def gather(level: Comm) -> Handle:
+            return level.all_gather(full, received, role=role)
 
         def finish() -> None:
             output.copy_(full[:n].view_as(output))
 
-        return _TwoStageHandle(handle, gather, finish)
+        return self._two_stage(handle, gather, _gather_charge(full, role), finish)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         m_count = self.world_size
@@ -222,18 +294,70 @@ class HierarchicalComm:
         handle = self.outer_comm.all_gather(received, send, role=role)
         full = torch.empty(ranks * m_count * c, dtype=input.dtype, device=input.device)
 
-        def gather() -> Handle:
-            return self.inner_comm.all_gather(full, received, role=role)
+        def gather(level: Comm) -> Handle:
+            return level.all_gather(full, received, role=role)
 
         def finish() -> None:
             # full[r', m', :] is slice r' of worker m''s input.
             by_worker = full.view(ranks, m_count, c).permute(1, 0, 2).reshape(m_count, ranks * c)
             output.view(m_count, n).copy_(by_worker[:, :n])
 
-        return _TwoStageHandle(handle, gather, finish)
+        return self._two_stage(handle, gather, _gather_charge(full, role), finish)
 
     def barrier(self) -> Handle:
-        return _TwoStageHandle(self.outer_comm.barrier(), self.inner_comm.barrier, lambda: None)
+        def gather(level: Comm) -> Handle:
+            return level.barrier()
+
+        return self._two_stage(
+            self.outer_comm.barrier(),
+            gather,
+            Charge(CollectiveKind.BARRIER, None, 0),
+            lambda: None,
+        )
+
+    # --- settling and restoring ----------------------------------------------------------------
+
+    def blocked(self) -> AbstractContextManager[None]:
+        """The clock's blocked-on-communication region (nothing without a clock)."""
+        return self.clock.blocked() if self.clock is not None else nullcontext()
+
+    @property
+    def uncharged_inner(self) -> Comm:
+        """The inner group without emulation (where a settled handle's all-gather runs)."""
+        return uncharged(self.inner_comm)
+
+    def charge_inner(self, charge: Charge) -> Handle:
+        """Charge, on the inner link, an inner collective whose data has already moved."""
+        if isinstance(self.inner_comm, NetworkComm):
+            return self.inner_comm.charge(
+                charge.kind, role=charge.role, payload_bytes=charge.payload_bytes
+            )
+        return CompletedHandle()
+
+    def restore(self, settled: Settled) -> Handle:
+        """The handle of a collective settled on this communicator before a checkpoint: the
+        outer transfer completes at its settled time on the outer link's clock; the inner
+        stages are charged when it is waited for, as the original handle's would have been."""
+        outer: Handle = (
+            self.outer_comm.restore(Settled(settled.finish_time))
+            if isinstance(self.outer_comm, NetworkComm)
+            else CompletedHandle()
+        )
+        if not settled.then:
+            return outer
+        return _RestoredTwoStage(self, outer, settled)
+
+    def runtime(self) -> Runtime:
+        """What a strategy on this communicator may use besides it: the run's clock
+        (read-only), this worker's replica group when R > 1, the un-emulated levels. No
+        offloading: a communication thread's collectives would reach the inner group from two
+        threads (the methods that need one refuse hierarchical workers)."""
+        return Runtime(
+            uncharged=self.uncharged(),
+            clock=None if self.clock is None else ClockReader(self.clock),
+            replica_group=replica_group(self),
+            restorer=self.restore,
+        )
 
     # --- accounting (when the levels are NetworkComms) ----------------------------------------
 

@@ -30,7 +30,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from lowcomm.comm.base import Comm, Role
+from lowcomm.comm.base import Comm, Role, Settled
 
 T = TypeVar("T")
 
@@ -50,6 +50,10 @@ class FutureHandle(Generic[T]):
 
     def done(self) -> bool:
         return self._future.done()
+
+    def settle(self) -> Settled:
+        self.wait()
+        return Settled()
 
     def result(self) -> T:
         """Wait, then return what the work returned."""
@@ -163,3 +167,7 @@ class LaunchAgreement:
 
     def done(self) -> bool:
         return self._ready.is_set()
+
+    def settle(self) -> Settled:
+        self.wait()
+        return Settled()

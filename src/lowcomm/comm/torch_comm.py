@@ -19,6 +19,7 @@ from lowcomm.comm.base import (
     ReduceOp,
     Role,
     Segments,
+    Settled,
     check_scatter_shapes,
     check_segments,
 )
@@ -86,6 +87,10 @@ class _WorkHandle:
 
     def done(self) -> bool:
         return self._finished or self._work is None or bool(self._work.is_completed())
+
+    def settle(self) -> Settled:
+        self.wait()
+        return Settled()
 
 
 def _torch_op(op: ReduceOp) -> Any:

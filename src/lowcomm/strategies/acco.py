@@ -14,7 +14,7 @@ buffer B, and run the chain
 on a communication thread (:class:`lowcomm.comm.overlap.CommThread`, plus a side CUDA stream
 on GPU) while the main thread keeps running the closure, accumulating micro-batch gradients
 into G (the flat gradient buffer) and counting them in n, until the chain is done (at least
-one micro-batch; "done" by the run's clock when the communicator is a ``NetworkComm``). Then
+one micro-batch; "done" by the run's clock when the communicator is emulated). Then
 the *join*: theta <- B, B <- G, c_B <- n. Every reduction is normalised by C, the summed
 micro-batch counts of all workers, so workers may contribute different counts.
 
@@ -24,9 +24,10 @@ B, c_B -> ``self.buffer``, ``self.buffer_count``; Theta_i, m_i, v_i, s -> ``self
 W -> ``options.dpu_warmup_steps``; the forced per-phase count -> ``options.microbatches_per_phase``.
 
 Thread safety (docs/ARCHITECTURE.md hazards): while a chain is in flight, every collective of
-the strategy is issued by the communication thread, on the *inner* communicator; the main
-thread issues none and only does the accounting on the ``NetworkComm`` (``offload`` /
-``record``: bytes by role, modeled cost, completion time) and reads its own clock. Every
+the strategy is issued by the communication thread, on the runtime's *uncharged* channel
+(``self.inner``); the main thread issues none and only does the accounting through the
+runtime's ``offload`` (``offload`` / ``record``: bytes by role, modeled cost, completion time)
+and reads its own clock. Every
 ``step()`` waits for its last chain before returning, so no collective of ours is in flight
 when the training loop talks to other workers between steps.
 
@@ -49,8 +50,8 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, payload_bytes
-from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.overlap import CommThread, FutureHandle, LaunchAgreement
+from lowcomm.comm.runtime import Offload
 from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
 from lowcomm.strategies.base import (
     Closure,
@@ -215,8 +216,9 @@ class _ShardedOverlap(Strategy):
 
     Args:
         model: the model; its parameters are rebound into flat buffers.
-        comm: the communicator; a ``NetworkComm`` is accounted for on its clock while the
-            chain's real collectives run on its inner communicator.
+        comm: the communicator; an emulated one is accounted for on its clock (the
+            runtime's ``offload``) while the chain's real collectives run on the runtime's
+            uncharged channel.
         context: optimizer, schedule and step settings.
         options: the family's options (``--acco.*``).
     """
@@ -244,10 +246,10 @@ class _ShardedOverlap(Strategy):
     ) -> None:
         super().__init__(model, comm, context)
         self.options = options if options is not None else AccoOptions()
-        self.network: NetworkComm | None = comm if isinstance(comm, NetworkComm) else None
-        # The comm thread issues the real collectives on the inner communicator; accounting
-        # happens on the NetworkComm, on the main thread.
-        self.inner: Comm = comm.inner if isinstance(comm, NetworkComm) else comm
+        # The comm thread issues the real collectives on the uncharged channel; accounting
+        # (when the comm is emulated) happens on the main thread, through the runtime.
+        self.network: Offload | None = self.runtime.offload
+        self.inner: Comm = self.runtime.uncharged
         world_size = comm.world_size
         self.flat = FlatBuffers(model, pad_to=world_size)
         self.shard_numel = self.flat.padded_numel // world_size
@@ -402,7 +404,7 @@ class _ShardedOverlap(Strategy):
         """Accumulate micro-batches into G while ``chain`` runs; return them and C.
 
         "Done" is checked after each micro-batch (so at least one runs): by the run's clock
-        when the communicator is a NetworkComm (virtual: the virtual clock alone; real: the
+        when the communicator is emulated (virtual: the virtual clock alone; real: the
         thread finished and the modeled time passed), else when the thread finished. With
         ``microbatches_per_phase`` set, exactly that many run, then the chain is waited for."""
         forced = self.options.microbatches_per_phase

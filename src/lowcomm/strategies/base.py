@@ -7,7 +7,11 @@ closure of ``torch.optim.Optimizer.step``), so a method decides how many micro-b
 and at which parameters.
 
 Strategies never import ``torch.distributed``; they talk to other workers through the
-:class:`~lowcomm.comm.base.Comm` they are given.
+:class:`~lowcomm.comm.base.Comm` they are given and its handles, and use nothing else of the
+layer below but the :class:`~lowcomm.comm.runtime.Runtime` handed in with their context (the
+read-only clock, the replica group, the uncharged channel, a communication thread's
+accounting, the restoring of settled handles). They import nothing of the emulation, the
+two-level communicator or the launcher (``tests/test_strategies.py`` checks it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
+from lowcomm.comm.runtime import Runtime, runtime_for
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig, learning_rate
 from lowcomm.strategies.declaration import CostModel
@@ -64,6 +69,9 @@ class StrategyContext:
         microbatches_per_step: micro-batches each worker accumulates per step.
         max_grad_norm: clip the averaged gradient to this global L2 norm before the optimizer
             step (None = no clipping, the plain update rule of docs/ALGORITHMS.md).
+        runtime: what the strategy may use of the layer below besides its ``Comm`` (the
+            training loop hands in ``comm.runtime()``); None: the communicator's own, found
+            by :func:`lowcomm.comm.runtime.runtime_for`.
     """
 
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -71,6 +79,7 @@ class StrategyContext:
     total_steps: int = 100
     microbatches_per_step: int = 1
     max_grad_norm: float | None = 1.0
+    runtime: Runtime | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -112,6 +121,11 @@ class Strategy(ABC):
         self.model = model
         self.comm = comm
         self.context = context
+        #: The read-only clock, replica group, uncharged channel and restoring of settled
+        #: handles of ``comm`` (see :class:`~lowcomm.comm.runtime.Runtime`).
+        self.runtime: Runtime = (
+            context.runtime if context.runtime is not None else runtime_for(comm)
+        )
         self.step_index = 0
 
     def lr_at(self, step: int) -> float:

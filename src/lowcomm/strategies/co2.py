@@ -37,8 +37,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role
-from lowcomm.comm.emulated import pending_state, restore_pending
-from lowcomm.comm.hierarchical import replica_group, uncharged
+from lowcomm.comm.runtime import pending_state
 from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.strategies.base import (
     Closure,
@@ -216,13 +215,6 @@ class InnerOptimizer:
             self.momentum_buffer.copy_(state["momentum_buffer"])
 
 
-def _evaluation_comm(comm: Comm) -> Comm:
-    """The communicator for evaluation-only collectives: the un-emulated one (a NetworkComm's
-    inner, or a hierarchical comm's un-emulated levels), so averaging a model for validation
-    neither occupies the modeled link nor counts as training traffic (evaluation is off the clock)."""
-    return uncharged(comm)
-
-
 def _bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -253,7 +245,7 @@ class _LocalUpdate(Strategy):
             master = self.flat.params.float().clone()
         kind = self.fixed_inner or self.options.inner_optimizer
         self.inner = InnerOptimizer(
-            kind, master, context.optim, self.options.sgd_momentum, replica_group(comm)
+            kind, master, context.optim, self.options.sgd_momentum, self.runtime.replica_group
         )
         #: Inner steps taken in the current round (0 right after a round ended).
         self.local_steps = 0
@@ -340,7 +332,9 @@ class _LocalUpdate(Strategy):
         """The mean of the workers' current local models (an uncharged all-reduce of a copy;
         every rank calls it together)."""
         average = self.flat.params.clone()
-        _evaluation_comm(self.comm).all_reduce(average, op="mean", role=Role.PARAMETER).wait()
+        # On the uncharged channel: averaging a model for validation neither occupies the
+        # modeled link nor counts as training traffic (evaluation is off the clock).
+        self.runtime.uncharged.all_reduce(average, op="mean", role=Role.PARAMETER).wait()
         with self._swapped_in(average) as model:
             yield model
 
@@ -492,7 +486,7 @@ class OverlapLocalSGD(_LocalUpdate):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer.copy_(state["buffer"])
-        self.handle = restore_pending(self.comm, state)
+        self.handle = self.runtime.restore_pending(state)
 
 
 class _AnchoredOuter(_LocalUpdate):
@@ -771,7 +765,7 @@ class CO2(_AnchoredOuter):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer.copy_(state["buffer"])
-        self.handle = restore_pending(self.comm, state)
+        self.handle = self.runtime.restore_pending(state)
         self.inflight_steps = int(state["inflight_steps"])
         if self.displacement is not None:
             self.displacement.copy_(state["displacement"])

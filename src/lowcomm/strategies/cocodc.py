@@ -91,7 +91,7 @@ class CoCoDC(OuterLoopStrategy):
     (default 4), tau -> options.overlap_steps, lambda -> options.compensation, gamma ->
     options.transmission_gamma, R_p -> rates[p] (initially inf), t_{p,b} -> last_sync_steps[p]
     (initially 0), T_c -> mean inner-step compute seconds, T_s -> seconds from launch to
-    completion of one fragment sync, both on the run's clock (``comm.clock``).
+    completion of one fragment sync, both on the run's clock (``runtime.clock``).
 
     Agreement: each sync carries this worker's (T_c, T_s) as two float32 values next to the
     outer gradient; N = max(K, floor(gamma H T_c / T_s)) and h = floor(H / N) are recomputed
@@ -146,7 +146,7 @@ class CoCoDC(OuterLoopStrategy):
         self.syncs_per_h = self.num_fragments
         self.interval = self.options.sync_every // self.syncs_per_h
         self.in_flight: list[InFlight] = []
-        self.clock = getattr(comm, "clock", None)
+        self.clock = self.runtime.clock
         self.step_seconds = 0.0  # EMA of this worker's inner-step compute time (T_c)
         self.last_sync_seconds = 0.0  # this worker's last measured sync time (T_s)
         self.agreed_step_seconds = 0.0
@@ -187,8 +187,7 @@ class CoCoDC(OuterLoopStrategy):
     def _compute_seconds(self) -> float | None:
         if self.clock is None:
             return None
-        self.clock.mark()
-        return float(self.clock.compute_s)
+        return self.clock.compute_seconds()
 
     def complete(self, sync: InFlight, t: int) -> None:
         """Wait; outer step; compensated merge; update R_p, t_{p,b}, and the agreed N."""

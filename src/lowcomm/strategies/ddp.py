@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.comm.hierarchical import replica_group
 from lowcomm.optim.adamw import make_adamw
 from lowcomm.strategies.base import (
     Closure,
@@ -50,7 +49,7 @@ class DDP(Strategy):
         self.flat = FlatBuffers(model)
         # In fp32 the parameters are their own master copy (updated in place, no copy).
         master = self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float()
-        self.optimizer = make_adamw(master, context.optim, replica_group(comm))
+        self.optimizer = make_adamw(master, context.optim, self.runtime.replica_group)
 
     def step(self, closure: Closure) -> StepStats:
         self.flat.check_params()

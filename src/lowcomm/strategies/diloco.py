@@ -27,9 +27,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from lowcomm.comm.base import Comm, Handle, Role
-from lowcomm.comm.emulated import restore_handle, settle
-from lowcomm.comm.hierarchical import replica_group
+from lowcomm.comm.base import Comm, Handle, Role, Settled
+from lowcomm.comm.runtime import ClockReader, Runtime
 from lowcomm.optim.adamw import make_adamw
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
@@ -289,13 +288,16 @@ class OuterExchange:
         extras: torch.Tensor,
         quantization: QuantizationFormat,
         row_size: int,
+        *,
+        clock: ClockReader | None = None,
     ) -> None:
         self.comm = comm
+        self.clock = clock
         self.numel = delta.numel()
         self.extras_numel = extras.numel()
         self.quantization = quantization
         self.row_size = row_size
-        self.launch_time = _clock_now(comm)
+        self.launch_time = _clock_now(clock)
         self._result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # Everything handed to the collective lives on Delta's device (NCCL moves GPU tensors
         # only); the extras may come from the host.
@@ -316,6 +318,7 @@ class OuterExchange:
             self.handle = comm.all_gather(self._buffer, send, role=Role.PSEUDO_GRADIENT)
         self.sync_seconds: float | None = None
         self.finish_time: float | None = None
+        self._settled: Settled | None = None
         self._waited = False
 
     @property
@@ -332,7 +335,8 @@ class OuterExchange:
         """Finish the data movement (no time charged) and decode the result once."""
         if self._result is not None:
             return self._result
-        self.finish_time = settle(self.handle)
+        self._settled = self.handle.settle()
+        self.finish_time = self._settled.completion
         if self.quantization == "none":
             mean = self._buffer[: self.numel]
             extras = self._buffer[self.numel :].float()
@@ -357,9 +361,10 @@ class OuterExchange:
             return result
         self.handle.wait()  # charges the clock up to the modeled completion
         self._waited = True
-        # The sync time on the run's clock: the modeled completion of the collective when the
-        # comm reports it (NetworkComm), else the time this worker was released by wait().
-        now = _clock_now(self.comm)
+        # The sync time on the run's clock: the modeled completion of the collective when
+        # settling knew it (an emulated one-level comm), else the time this worker was
+        # released by wait().
+        now = _clock_now(self.clock)
         if self.launch_time is not None:
             end = self.finish_time if self.finish_time is not None else now
             if end is not None:
@@ -374,6 +379,7 @@ class OuterExchange:
             "extras": extras.clone(),
             "own": own.clone(),
             "finish_time": self.finish_time,
+            "settled": (self._settled or Settled()).state_dict(),
             "launch_time": self.launch_time,
             "waited": self._waited,
             "sync_seconds": self.sync_seconds,
@@ -381,12 +387,19 @@ class OuterExchange:
 
     @classmethod
     def restored(
-        cls, comm: Comm, state: dict[str, Any], quantization: QuantizationFormat, row_size: int
+        cls,
+        comm: Comm,
+        state: dict[str, Any],
+        quantization: QuantizationFormat,
+        row_size: int,
+        *,
+        runtime: Runtime,
     ) -> OuterExchange:
         """An exchange saved by :meth:`state_dict`: its result is known, its completion is
-        still charged to the clock when waited for."""
+        still charged to the clock when waited for (``runtime`` restores its handle)."""
         exchange = cls.__new__(cls)
         exchange.comm = comm
+        exchange.clock = runtime.clock
         exchange.numel = int(state["mean"].numel())
         exchange.extras_numel = int(state["extras"].numel())
         exchange.quantization = quantization
@@ -397,14 +410,20 @@ class OuterExchange:
         exchange._result = (state["mean"], state["extras"], state["own"])
         exchange._waited = bool(state["waited"])
         exchange.sync_seconds = state["sync_seconds"]
-        exchange.handle = restore_handle(comm, exchange.finish_time)
+        # A checkpoint of an older version holds only the one-level completion.
+        settled = (
+            Settled.from_state(state["settled"])
+            if "settled" in state
+            else Settled(exchange.finish_time)
+        )
+        exchange._settled = settled
+        exchange.handle = runtime.restore(settled)
         return exchange
 
 
-def _clock_now(comm: Comm) -> float | None:
-    """The run's clock (a NetworkComm's ``clock``), or None for a comm without one."""
-    clock = getattr(comm, "clock", None)
-    return float(clock.now()) if clock is not None else None
+def _clock_now(clock: ClockReader | None) -> float | None:
+    """The run's clock reading, or None without a clock."""
+    return clock.now() if clock is not None else None
 
 
 # --- the shared base ------------------------------------------------------------------------
@@ -436,7 +455,7 @@ class OuterLoopStrategy(Strategy):
             self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float().clone()
         )
         self.inner = (
-            make_adamw(self.master, context.optim, replica_group(comm))
+            make_adamw(self.master, context.optim, self.runtime.replica_group)
             if self.options.inner_optimizer == "adamw"
             else None
         )
@@ -504,6 +523,7 @@ class OuterLoopStrategy(Strategy):
             extras if extras is not None else torch.zeros(0),
             self.options.quantization,
             self.options.quantization_row_size,
+            clock=self.runtime.clock,
         )
 
     def outer_step(self, p: int, delta: torch.Tensor) -> None:
@@ -548,7 +568,11 @@ class OuterLoopStrategy(Strategy):
 
     def restore_exchange(self, state: dict[str, Any]) -> OuterExchange:
         return OuterExchange.restored(
-            self.comm, state, self.options.quantization, self.options.quantization_row_size
+            self.comm,
+            state,
+            self.options.quantization,
+            self.options.quantization_row_size,
+            runtime=self.runtime,
         )
 
     def state_dict(self) -> dict[str, Any]:

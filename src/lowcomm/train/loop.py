@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -148,7 +148,10 @@ def train_worker(
         comm = HierarchicalComm(inner_comm, outer_comm, clock)
     else:
         comm = NetworkComm(raw, profile, clock, device=device)
-    strategy = build_strategy(config.method, model, comm, config.strategy_context(), config)
+    # The strategy sees the Comm protocol and the runtime the comm describes (read-only
+    # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
+    context = replace(config.strategy_context(), runtime=comm.runtime())
+    strategy = build_strategy(config.method, model, comm, context, config)
 
     shard = WorkerShard(
         corpus,

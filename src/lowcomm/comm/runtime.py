@@ -1,0 +1,137 @@
+"""The runtime a strategy gets beside its ``Comm``: everything it may use of the layer below.
+
+A strategy talks to other workers through the :class:`~lowcomm.comm.base.Comm` protocol and
+its handles, and through one :class:`Runtime`, handed in with its
+:class:`~lowcomm.strategies.base.StrategyContext`. The runtime is built by the communicator
+itself (``comm.runtime()`` on an emulated or two-level communicator, see :func:`runtime_for`),
+so strategies never import the emulation, the two-level communicator or the launcher, and
+never ask which concrete communicator they were given. It holds:
+
+* ``clock``: the run's clock, read-only (:class:`ClockReader`), or None without one.
+* ``replica_group``: the communicator over the R replica ranks of this worker when a worker
+  has several (for sharding optimizer states inside it), else None.
+* ``uncharged``: the same group without emulation, for traffic that must neither occupy the
+  modeled link nor count as training bytes (evaluation), and for collectives a communication
+  thread issues while the clock's thread accounts for them.
+* ``offload``: that accounting (:class:`Offload`), for a chain a communication thread issues
+  on ``uncharged`` (ACCO, DPU, WP); None when the communicator is not emulated.
+* :meth:`Runtime.restore`: the handle of a collective checkpointed by ``Handle.settle()``.
+
+This module imports nothing of the emulation; a strategy may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from lowcomm.comm.base import CollectiveKind, Comm, CompletedHandle, Handle, Role, Settled
+from lowcomm.comm.overlap import LaunchAgreement
+
+if TYPE_CHECKING:
+    from lowcomm.comm.clock import Clock
+
+
+class ClockReader:
+    """A strategy's view of the run's clock: it may read it, never move it.
+
+    Args:
+        clock: the worker's clock.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+
+    @property
+    def kind(self) -> str:
+        """``"real"`` or ``"virtual"``."""
+        return self._clock.kind
+
+    def now(self) -> float:
+        """Seconds since the clock started (folds the compute done since the last reading)."""
+        return self._clock.now()
+
+    def compute_seconds(self) -> float:
+        """Compute time this worker has accumulated so far, on this clock."""
+        self._clock.mark()
+        return float(self._clock.compute_s)
+
+
+class Offload(Protocol):
+    """Accounting for collectives that a communication thread issues on the uncharged channel
+    (:class:`lowcomm.comm.emulated.NetworkComm` implements it); call on the clock's thread."""
+
+    def offload(self, device: torch.device | None = None) -> LaunchAgreement:
+        """Start a chain; the thread must ``run(uncharged)`` the agreement first."""
+        ...
+
+    def record(
+        self,
+        kind: CollectiveKind,
+        *,
+        role: Role | None,
+        payload_bytes: int,
+        completion: Handle,
+        agreement: LaunchAgreement,
+    ) -> Handle:
+        """Account for one collective of the chain, in the order the thread issues them."""
+        ...
+
+
+def _completed(settled: Settled) -> Handle:
+    return CompletedHandle()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """What a strategy may use besides its ``Comm`` (see the module docstring).
+
+    Attributes:
+        uncharged: the strategy's group without emulation.
+        clock: the run's clock, read-only; None without one.
+        replica_group: this worker's replica ranks when it has several, else None.
+        offload: accounting for collectives issued on ``uncharged`` by a communication
+            thread; None when nothing is emulated (the thread's collectives are then all).
+        restorer: builds :meth:`restore`'s handle (from the communicator; default: a
+            completed handle, right for a communicator without a clock).
+    """
+
+    uncharged: Comm
+    clock: ClockReader | None = None
+    replica_group: Comm | None = None
+    offload: Offload | None = None
+    restorer: Callable[[Settled], Handle] = field(default=_completed, repr=False)
+
+    def restore(self, settled: Settled) -> Handle:
+        """The handle of a collective checkpointed by ``Handle.settle()``: its data is already
+        in place; its ``wait()`` charges the clock what the original's would have."""
+        return self.restorer(settled)
+
+    def restore_pending(self, state: dict[str, Any]) -> Handle | None:
+        """The handle :func:`pending_state` recorded (None when nothing was in flight)."""
+        if not state["pending"]:
+            return None
+        return self.restore(Settled.from_state(state))
+
+
+def pending_state(handle: Handle | None) -> dict[str, Any]:
+    """A checkpointable record of an optional in-flight collective (settled now)."""
+    if handle is None:
+        return {"pending": False, **Settled().state_dict()}
+    return {"pending": True, **handle.settle().state_dict()}
+
+
+def runtime_for(comm: Comm) -> Runtime:
+    """The runtime of ``comm``: the one it describes (``comm.runtime()``, which the emulated
+    and the two-level communicators provide), else that of a plain communicator (no clock, no
+    replica group, ``comm`` itself uncharged, restored handles complete)."""
+    describe = getattr(comm, "runtime", None)
+    if callable(describe):
+        runtime = describe()
+        if not isinstance(runtime, Runtime):
+            raise TypeError(f"{type(comm).__name__}.runtime() returned {type(runtime).__name__}")
+        return runtime
+    return Runtime(uncharged=comm)
