@@ -33,7 +33,7 @@ from lowcomm.comm.base import Comm
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
 from lowcomm.optim.schedule import learning_rate
 from lowcomm.strategies import MicroBatchResult, StrategyContext, ZeRO1, strategy_class
-from lowcomm.strategies.acco import ACCO, DPU, WP, AccoOptions, adamw_lookahead
+from lowcomm.strategies.acco import ACCO, DPU, WP, AccoOptions
 from lowcomm.strategies.base import Strategy
 
 DIM = 5
@@ -283,7 +283,7 @@ def test_adamw_lookahead_equals_a_step_and_writes_nothing_back() -> None:
         optimizer.step(torch.randn(64), lr=LR)
     before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state_dict().items()}
     grad = torch.randn(64)
-    out = adamw_lookahead(optimizer, grad, lr=LR, out=torch.empty(64))
+    out = optimizer.lookahead(grad, lr=LR, out=torch.empty(64))
     after = optimizer.state_dict()
     assert after["step_count"] == before["step_count"] == 3
     for name in ("master", "exp_avg", "exp_avg_sq"):

@@ -51,7 +51,9 @@ from torch import nn
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, payload_bytes
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.overlap import CommThread, FutureHandle, LaunchAgreement
-from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
+from lowcomm.optim.adamw import FlatAdamW
+from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
+from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import (
     Closure,
     MicroBatchResult,
@@ -97,69 +99,6 @@ class AccoOptions:
             raise ValueError(
                 f"--acco.optimizer: unknown optimizer {self.optimizer!r}; choose adamw or sgd"
             )
-
-
-class FlatSGD:
-    """Plain SGD with decoupled weight decay on one flat fp32 master tensor.
-
-    ``theta <- theta (1 - lr lambda) - lr g`` (lambda = ``config.weight_decay``). Used with
-    ``--acco.optimizer sgd``; with lambda = 0 it is the optimizer of ACCO's Prop. 3.2.
-    """
-
-    bytes_per_parameter: ClassVar[int] = 4
-
-    def __init__(self, master: torch.Tensor, config: AdamWConfig) -> None:
-        if master.dtype != torch.float32 or master.dim() != 1:
-            raise ValueError("FlatSGD needs a 1-D float32 master tensor")
-        self.master = master
-        self.config = config
-        self.step_count = 0
-
-    def step(self, grad: torch.Tensor, *, lr: float) -> None:
-        self.step_count += 1
-        if self.config.weight_decay:
-            self.master.mul_(1.0 - lr * self.config.weight_decay)
-        self.master.add_(grad, alpha=-lr)
-
-    def lookahead(self, grad: torch.Tensor, *, lr: float, out: torch.Tensor) -> torch.Tensor:
-        """The parameters :meth:`step` would produce, written to ``out``; no state changes."""
-        out.copy_(self.master)
-        if self.config.weight_decay:
-            out.mul_(1.0 - lr * self.config.weight_decay)
-        return out.add_(grad, alpha=-lr)
-
-    def state_bytes(self) -> int:
-        return self.master.numel() * self.master.element_size()
-
-    def state_dict(self) -> dict[str, torch.Tensor | int]:
-        return {"master": self.master.clone(), "step_count": self.step_count}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor | int]) -> None:
-        master = state["master"]
-        step_count = state["step_count"]
-        assert isinstance(master, torch.Tensor) and isinstance(step_count, int)
-        self.master.copy_(master)
-        self.step_count = step_count
-
-
-def adamw_lookahead(
-    optimizer: FlatAdamW, grad: torch.Tensor, *, lr: float, out: torch.Tensor
-) -> torch.Tensor:
-    """AdamW lookahead (docs/ALGORITHMS.md §0.3): the theta' one AdamW step with ``grad`` would give
-    from the optimizer's current (theta, m, v, s), written to ``out``; m, v, s and theta are
-    not written back. Same operations, in the same order, as :meth:`FlatAdamW.step`, so the
-    result equals a committed step bit for bit."""
-    beta1, beta2 = optimizer.config.betas
-    step = optimizer.step_count + 1
-    bias1 = 1.0 - beta1**step
-    bias2 = 1.0 - beta2**step
-    out.copy_(optimizer.master)
-    if optimizer.config.weight_decay:
-        out.mul_(1.0 - lr * optimizer.config.weight_decay)
-    first = optimizer.exp_avg.clone().lerp_(grad, 1.0 - beta1)
-    second = optimizer.exp_avg_sq.clone().mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    denom = (second / bias2).sqrt_().add_(optimizer.config.eps)
-    return out.addcdiv_(first, denom, value=-lr / bias1)
 
 
 class _Mode(enum.Enum):
@@ -254,10 +193,10 @@ class _ShardedOverlap(Strategy):
         self.shard = slice(begin, begin + self.shard_numel)
         # clone(): on CPU .float() of a float32 tensor is the same storage (ZeRO-1's hazard).
         master = self.flat.params[self.shard].float().clone()
-        self.optimizer: FlatAdamW | FlatSGD = (
+        self.optimizer: FlatOptimizer = (
             FlatAdamW(master, context.optim)
             if self.options.optimizer == "adamw"
-            else FlatSGD(master, context.optim)
+            else FlatSGD(master, weight_decay=context.optim.weight_decay)
         )
         self.shard_grad = torch.zeros(
             self.shard_numel, dtype=self.flat.dtype, device=self.flat.device
@@ -345,8 +284,6 @@ class _ShardedOverlap(Strategy):
 
     def _lookahead(self, grad: torch.Tensor, lr: float) -> torch.Tensor:
         assert self.estimate is not None
-        if isinstance(self.optimizer, FlatAdamW):
-            return adamw_lookahead(self.optimizer, grad, lr=lr, out=self.estimate)
         return self.optimizer.lookahead(grad, lr=lr, out=self.estimate)
 
     # --- main thread ---------------------------------------------------------------------
@@ -480,16 +417,15 @@ class _ShardedOverlap(Strategy):
         if self.estimate is not None:
             extra += self.estimate.numel() * self.estimate.element_size()
         buffer = self.buffer.numel() * self.buffer.element_size()
-        return self.flat.bytes + buffer + self.optimizer.state_bytes() + extra
+        optimizer = tensor_bytes(self.optimizer.master) + self.optimizer.state_bytes()
+        return self.flat.bytes + buffer + optimizer + extra
 
     def formula_state_bytes(self) -> int:
         """ACCO Table 1: (2 + 2 + 2 + K/M) Psi in the precision actually used, i.e.
         (3 p + K/M) Psi with p the working dtype's bytes per parameter (params, G, B), K the
         sharded optimizer's fp32 bytes per parameter (12 for AdamW: master, m, v; 4 for SGD),
         M the world size and Psi the unpadded parameter count."""
-        optimizer_bytes = (
-            12 if isinstance(self.optimizer, FlatAdamW) else FlatSGD.bytes_per_parameter
-        )
+        optimizer_bytes = 4 * (1 + len(self.optimizer.states()))  # master + its states
         element = self.flat.params.element_size()
         psi = self.flat.numel
         return round((3 * element + optimizer_bytes / self.comm.world_size) * psi)

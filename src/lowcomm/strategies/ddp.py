@@ -72,8 +72,7 @@ class DDP(Strategy):
 
     def state_bytes(self) -> int:
         extra_master = 0 if self.optimizer.master is self.flat.params else self.optimizer.master.numel() * 4
-        moments = 2 * self.optimizer.exp_avg.numel() * self.optimizer.exp_avg.element_size()
-        return self.flat.bytes + moments + extra_master
+        return self.flat.bytes + self.optimizer.state_bytes() + extra_master
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "optimizer": self.optimizer.state_dict()}

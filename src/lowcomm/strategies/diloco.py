@@ -31,8 +31,10 @@ from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.comm.emulated import restore_handle, settle
 from lowcomm.comm.hierarchical import replica_group
 from lowcomm.optim.adamw import make_adamw
+from lowcomm.optim.flat import FlatOptimizer
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
+from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import (
     Closure,
     StepStats,
@@ -434,10 +436,11 @@ class OuterLoopStrategy(Strategy):
         self.master = (
             self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float().clone()
         )
-        self.inner = (
+        # sgd: plain theta <- theta - lr g (no momentum), for the reduction tests.
+        self.inner: FlatOptimizer = (
             make_adamw(self.master, context.optim, replica_group(comm))
             if self.options.inner_optimizer == "adamw"
-            else None
+            else FlatSGD(self.master, weight_decay=0.0)
         )
         self.num_fragments = self.options.fragments or default_fragment_count(
             model, self.default_fragments
@@ -471,10 +474,7 @@ class OuterLoopStrategy(Strategy):
                 grads.div_(count)
             # Clipping is local: the inner gradient is never communicated.
             clip_(grads, grads.square().sum(), self.context.max_grad_norm)
-            if self.inner is None:
-                self.master.add_(grads, alpha=-lr)
-            else:
-                self.inner.step(grads, lr=lr)
+            self.inner.step(grads, lr=lr)
             self.write_back()
         self.step_index += 1
         return StepStats(loss=loss, microbatches=count, samples=samples, tokens=tokens, lr=lr)
@@ -527,7 +527,7 @@ class OuterLoopStrategy(Strategy):
                 self.flat.params.copy_(local)
 
     def state_bytes(self) -> int:
-        inner = 0 if self.inner is None else self.inner.exp_avg.numel() * 2 * 4
+        inner = self.inner.state_bytes()
         master = 0 if self.master is self.flat.params else self.master.numel() * 4
         outer = sum(g.numel() * 4 + o.state_bytes() for g, o in zip(self.globals_, self.outer, strict=True))
         return self.flat.bytes + inner + master + outer + self.extra_state_bytes()
@@ -555,7 +555,7 @@ class OuterLoopStrategy(Strategy):
             **super().state_dict(),
             "in_flight": self.in_flight_state(),
             "master": self.master.clone(),
-            "inner": None if self.inner is None else self.inner.state_dict(),
+            "inner": self.inner.state_dict(),
             "globals": [g.clone() for g in self.globals_],
             "outer": [o.state_dict() for o in self.outer],
             "outer_steps": self.outer_steps,
@@ -564,9 +564,8 @@ class OuterLoopStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         with torch.no_grad():
+            self.inner.load_state_dict(state["inner"])
             self.master.copy_(state["master"])
-            if self.inner is not None:
-                self.inner.load_state_dict(state["inner"])
             for anchor, saved in zip(self.globals_, state["globals"], strict=True):
                 anchor.copy_(saved)
             for outer, saved in zip(self.outer, state["outer"], strict=True):

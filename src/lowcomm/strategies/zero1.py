@@ -23,6 +23,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.adamw import FlatAdamW
+from lowcomm.optim.flat import tensor_bytes
 from lowcomm.strategies.base import (
     Closure,
     StepStats,
@@ -88,7 +89,7 @@ class ZeRO1(Strategy):
         )
 
     def state_bytes(self) -> int:
-        shard = self.shard_grad.numel() * self.shard_grad.element_size()
+        shard = tensor_bytes(self.shard_grad, self.optimizer.master)
         return self.flat.bytes + self.optimizer.state_bytes() + shard
 
     def state_dict(self) -> dict[str, Any]:
