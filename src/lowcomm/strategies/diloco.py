@@ -54,7 +54,8 @@ class DiLoCoOptions:
     """H: inner steps per outer round (every fragment is synchronized once per H steps)."""
 
     inner_optimizer: Literal["adamw", "sgd"] = "adamw"
-    """Inner optimizer: adamw (the papers') or sgd (plain theta -= lr g, for reduction tests)."""
+    """Inner optimizer: adamw (the papers') or sgd (theta <- theta (1 - lr wd) - lr g with
+    --optim.weight-decay, as --local.inner-optimizer sgd; for reduction tests)."""
 
     outer_lr: float = 0.7
     """eta_out: outer learning rate."""
@@ -436,11 +437,12 @@ class OuterLoopStrategy(Strategy):
         self.master = (
             self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float().clone()
         )
-        # sgd: plain theta <- theta - lr g (no momentum), for the reduction tests.
+        # sgd: theta <- theta (1 - lr lambda) - lr g (no momentum), lambda = --optim.weight-decay
+        # as in the local family; the reduction tests pass weight decay 0.
         self.inner: FlatOptimizer = (
             make_adamw(self.master, context.optim, replica_group(comm))
             if self.options.inner_optimizer == "adamw"
-            else FlatSGD(self.master, weight_decay=0.0)
+            else FlatSGD(self.master, weight_decay=context.optim.weight_decay)
         )
         self.num_fragments = self.options.fragments or default_fragment_count(
             model, self.default_fragments
