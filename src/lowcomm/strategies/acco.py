@@ -40,7 +40,7 @@ synchronous baseline that would have consumed the same samples.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -129,6 +129,117 @@ class _Tally:
         self.microbatches += other.microbatches
         self.samples += other.samples
         self.tokens += other.tokens
+
+
+#: Bytes of one float64 scalar: the micro-batch count and the squared gradient norm.
+_SCALAR_BYTES = 8
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One collective of the chain, declared once: the communication thread issues it from
+    this declaration (:meth:`issue`) and the main thread accounts for it from the same one
+    (``NetworkComm.record``), so the two cannot drift apart.
+
+    Attributes:
+        kind: the collective (reductions are sums).
+        role: what the payload is.
+        payload_bytes: the full (unsharded) payload, as the issuing methods count it;
+            :meth:`issue` refuses a tensor of another size.
+        stage: what the thread does around the collective (prepares its tensors, calls
+            :meth:`issue`, consumes the result).
+    """
+
+    kind: CollectiveKind
+    role: Role
+    payload_bytes: int
+    stage: Callable[[Comm, _Link], None]
+
+    def issue(self, comm: Comm, output: torch.Tensor, input: torch.Tensor | None = None) -> None:
+        """Issue this collective on ``comm`` and wait for it (on the communication thread)."""
+        full = input if self.kind is CollectiveKind.REDUCE_SCATTER else output
+        assert full is not None and payload_bytes(full) == self.payload_bytes, (
+            f"ACCO chain: {self.kind.value} declared with {self.payload_bytes} bytes, issued with "
+            f"{None if full is None else payload_bytes(full)}"
+        )
+        if self.kind is CollectiveKind.ALL_REDUCE:
+            comm.all_reduce(output, op="sum", role=self.role).wait()
+        elif self.kind is CollectiveKind.REDUCE_SCATTER:
+            assert input is not None
+            comm.reduce_scatter(output, input, op="sum", role=self.role).wait()
+        else:
+            assert self.kind is CollectiveKind.ALL_GATHER and input is not None
+            comm.all_gather(output, input, role=self.role).wait()
+
+
+class _ChainRun:
+    """One chain, ``C <- AR_sum(c_B); g_hat <- RS_sum(source)[S_i] / C; [AR_sum(|g_hat|^2),
+    clip]; optimizer; target <- AG(shard)``, built on the main thread and run on the
+    communication thread.
+
+    :attr:`links` declares its collectives in issue order; :meth:`run` issues exactly these,
+    and :meth:`_ShardedOverlap._launch` accounts for exactly these.
+    """
+
+    def __init__(
+        self,
+        strategy: _ShardedOverlap,
+        source: torch.Tensor,
+        target: torch.Tensor,
+        local_count: int,
+        mode: _Mode,
+        lr: float,
+        committed_before: int,
+    ) -> None:
+        self.strategy = strategy
+        self.source = source
+        self.target = target
+        self.local_count = local_count
+        self.mode = mode
+        self.lr = lr
+        self.committed_before = committed_before
+        self.total = 0
+        self.grad: torch.Tensor | None = None
+        clipped = strategy.context.max_grad_norm is not None
+        self.links: list[_Link] = [
+            _Link(CollectiveKind.ALL_REDUCE, Role.OTHER, _SCALAR_BYTES, self._sum_counts),
+            _Link(CollectiveKind.REDUCE_SCATTER, Role.GRADIENT, payload_bytes(source), self._reduce_gradient),
+            *([_Link(CollectiveKind.ALL_REDUCE, Role.OTHER, _SCALAR_BYTES, self._clip)] if clipped else []),
+            _Link(CollectiveKind.ALL_GATHER, Role.PARAMETER, payload_bytes(target), self._step_and_gather),
+        ]  # fmt: skip
+
+    def run(self, comm: Comm) -> int:
+        """Issue every link on ``comm`` in order; returns C."""
+        for link in self.links:
+            link.stage(comm, link)
+        return self.total
+
+    def _sum_counts(self, comm: Comm, link: _Link) -> None:
+        """C <- AR_sum(c_B)."""
+        count = torch.full(
+            (1,), float(self.local_count), dtype=torch.float64, device=self.source.device
+        )
+        link.issue(comm, count)
+        self.total = round(float(count.item()))
+
+    def _reduce_gradient(self, comm: Comm, link: _Link) -> None:
+        """g_hat <- RS_sum(source)[S_i] / C."""
+        shard_grad = self.strategy.shard_grad
+        link.issue(comm, shard_grad, self.source)
+        self.grad = shard_grad.float().div_(self.total)
+
+    def _clip(self, comm: Comm, link: _Link) -> None:
+        """Clip g_hat to the global norm: one scalar all-reduce of the shards' squared norms."""
+        assert self.grad is not None
+        squared = self.grad.square().sum().reshape(1).double()
+        link.issue(comm, squared)
+        clip_(self.grad, squared, self.strategy.context.max_grad_norm)
+
+    def _step_and_gather(self, comm: Comm, link: _Link) -> None:
+        """The sharded optimizer (commit, lookahead or both), then target <- AG(shard)."""
+        assert self.grad is not None
+        out = self.strategy._optimize(self.grad, self.mode, self.lr, self.committed_before + self.total)
+        link.issue(comm, self.target, out.to(self.strategy.flat.dtype))
 
 
 @dataclass
@@ -234,17 +345,8 @@ class _ShardedOverlap(Strategy):
 
     # --- the chain (communication thread) ------------------------------------------------
 
-    def _run_chain(
-        self,
-        source: torch.Tensor,
-        target: torch.Tensor,
-        local_count: int,
-        mode: _Mode,
-        lr: float,
-        committed_before: int,
-        agreement: LaunchAgreement | None,
-    ) -> int:
-        """C <- AR(c_B); g_hat <- RS(source)/C; optimizer; target <- AG. Returns C.
+    def _run_chain(self, chain: _ChainRun, agreement: LaunchAgreement | None) -> int:
+        """Run ``chain`` (its declared links, in order); returns C.
 
         Runs on the communication thread; touches only the inner communicator, the optimizer
         shard and the buffers handed to it (never the clock, never ``flat.params`` during an
@@ -258,29 +360,23 @@ class _ShardedOverlap(Strategy):
             self.last_chain_stream = (
                 torch.cuda.current_stream(self.flat.device) if self.stream is not None else None
             )
-            count = torch.full((1,), float(local_count), dtype=torch.float64, device=source.device)
-            self.inner.all_reduce(count, op="sum", role=Role.OTHER).wait()
-            total = round(float(count.item()))
-            self.inner.reduce_scatter(self.shard_grad, source, op="sum", role=Role.GRADIENT).wait()
-            grad = self.shard_grad.float().div_(total)
-            if self.context.max_grad_norm is not None:
-                squared = grad.square().sum().reshape(1).double()
-                self.inner.all_reduce(squared, op="sum", role=Role.OTHER).wait()
-                clip_(grad, squared, self.context.max_grad_norm)
-            if mode is _Mode.COMMIT:
-                self.optimizer.step(grad, lr=lr)
-                out = self.optimizer.master
-            elif mode is _Mode.LOOKAHEAD:
-                out = self._lookahead(grad, lr)
-            else:
-                self.optimizer.step(grad, lr=lr)
-                # WP predicts the next committed step: its LR is the schedule's after this commit.
-                next_lr = self.lr_at(self.schedule_step(committed_before + total))
-                out = self._lookahead(grad, next_lr)
-            self.inner.all_gather(target, out.to(self.flat.dtype), role=Role.PARAMETER).wait()
+            total = chain.run(self.inner)
             if self.stream is not None:
                 self.stream.synchronize()
         return total
+
+    def _optimize(
+        self, grad: torch.Tensor, mode: _Mode, lr: float, committed_after: int
+    ) -> torch.Tensor:
+        """The sharded optimizer's part of a chain: the shard to all-gather."""
+        if mode is _Mode.COMMIT:
+            self.optimizer.step(grad, lr=lr)
+            return self.optimizer.master
+        if mode is _Mode.LOOKAHEAD:
+            return self._lookahead(grad, lr)
+        self.optimizer.step(grad, lr=lr)
+        # WP predicts the next committed step: its LR is the schedule's after this commit.
+        return self._lookahead(grad, self.lr_at(self.schedule_step(committed_after)))
 
     def _lookahead(self, grad: torch.Tensor, lr: float) -> torch.Tensor:
         assert self.estimate is not None
@@ -298,31 +394,23 @@ class _ShardedOverlap(Strategy):
             # B was written on the main stream: the side stream must see it.
             self.stream.wait_stream(torch.cuda.current_stream(self.flat.device))
         agreement = self.network.offload(source.device) if self.network is not None else None
-        committed_before = self.committed_gradients
-        future = self.thread.submit(
-            lambda: self._run_chain(
-                source, target, local_count, mode, lr, committed_before, agreement
-            )
+        chain = _ChainRun(
+            self, source, target, local_count, mode, lr, committed_before=self.committed_gradients
         )
+        future = self.thread.submit(lambda: self._run_chain(chain, agreement))
         if self.network is None or agreement is None:
             return _Chain(future, [future])
-        # Accounting, in the order the thread issues the collectives (same on every rank).
-        record = self.network.record
+        # Accounting from the chain's own declaration, in the order the thread issues it.
         handles = [
-            record(CollectiveKind.ALL_REDUCE, role=Role.OTHER, payload_bytes=8,
-                   completion=future, agreement=agreement),
-            record(CollectiveKind.REDUCE_SCATTER, role=Role.GRADIENT,
-                   payload_bytes=payload_bytes(source), completion=future, agreement=agreement),
-        ]  # fmt: skip
-        if self.context.max_grad_norm is not None:
-            handles.append(
-                record(CollectiveKind.ALL_REDUCE, role=Role.OTHER, payload_bytes=8,
-                       completion=future, agreement=agreement)
-            )  # fmt: skip
-        handles.append(
-            record(CollectiveKind.ALL_GATHER, role=Role.PARAMETER,
-                   payload_bytes=payload_bytes(target), completion=future, agreement=agreement)
-        )  # fmt: skip
+            self.network.record(
+                link.kind,
+                role=link.role,
+                payload_bytes=link.payload_bytes,
+                completion=future,
+                agreement=agreement,
+            )
+            for link in chain.links
+        ]
         return _Chain(future, handles)
 
     def _compute(self, closure: Closure, count: int) -> _Tally:
