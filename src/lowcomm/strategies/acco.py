@@ -60,9 +60,9 @@ from lowcomm.strategies.base import (
     StepStats,
     Strategy,
     StrategyContext,
-    clip_,
 )
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import average_and_clip
 
 
 @dataclass(kw_only=True)
@@ -226,14 +226,17 @@ class _ChainRun:
         """g_hat <- RS_sum(source)[S_i] / C."""
         shard_grad = self.strategy.shard_grad
         link.issue(comm, shard_grad, self.source)
-        self.grad = shard_grad.float().div_(self.total)
+        self.grad = average_and_clip(shard_grad, count=self.total, max_grad_norm=None)
 
     def _clip(self, comm: Comm, link: _Link) -> None:
         """Clip g_hat to the global norm: one scalar all-reduce of the shards' squared norms."""
         assert self.grad is not None
-        squared = self.grad.square().sum().reshape(1).double()
-        link.issue(comm, squared)
-        clip_(self.grad, squared, self.strategy.context.max_grad_norm)
+        average_and_clip(
+            self.grad,
+            count=1,
+            max_grad_norm=self.strategy.context.max_grad_norm,
+            sum_squared_norm=lambda squared: link.issue(comm, squared),
+        )
 
     def _step_and_gather(self, comm: Comm, link: _Link) -> None:
         """The sharded optimizer (commit, lookahead or both), then target <- AG(shard)."""

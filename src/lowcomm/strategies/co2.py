@@ -42,15 +42,9 @@ from lowcomm.comm.hierarchical import replica_group, uncharged
 from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
 from lowcomm.optim.sgd import FlatSGD
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
 InnerOptimizerKind = Literal["adamw", "sgd"]
 
@@ -215,21 +209,15 @@ class _LocalUpdate(Strategy):
 
     def _inner_step(self, closure: Closure) -> tuple[float, int, int, float]:
         """One local optimizer step on this worker's own gradient (no communication)."""
-        self.flat.check_params()
-        self.flat.zero_grads()
         count = self.context.microbatches_per_step
-        loss, samples, tokens = run_microbatches(closure, count)
-        self.flat.sync_grads()
+        loss, samples, tokens = accumulate(self.flat, closure, count)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            grads = self.flat.grads if self.flat.dtype == torch.float32 else self.flat.grads.float()
-            if count > 1:
-                grads.div_(count)
             # Local methods clip the worker's own gradient (there is no averaged one).
-            clip_(grads, grads.square().sum(), self.context.max_grad_norm)
-            self.inner.step(grads, lr=lr)
-            if self._separate_master:
-                self.flat.params.copy_(self.inner.master)
+            grads = average_and_clip(
+                self.flat.grads, count=count, max_grad_norm=self.context.max_grad_norm
+            )
+            step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
         self.step_index += 1
         self.local_steps += 1
         self._last_lr = lr

@@ -19,15 +19,9 @@ from torch import nn
 from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.hierarchical import replica_group
 from lowcomm.optim.adamw import make_adamw
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
 
 class DDP(Strategy):
@@ -47,20 +41,17 @@ class DDP(Strategy):
         self.optimizer = make_adamw(master, context.optim, replica_group(comm))
 
     def step(self, closure: Closure) -> StepStats:
-        self.flat.check_params()
-        self.flat.zero_grads()
-        loss, samples, tokens = run_microbatches(closure, self.context.microbatches_per_step)
-        self.flat.sync_grads()
+        count = self.context.microbatches_per_step
+        loss, samples, tokens = accumulate(self.flat, closure, count)
         grads = self.flat.grads
-        if self.context.microbatches_per_step > 1:
-            grads.div_(self.context.microbatches_per_step)
+        # Average the micro-batches before the all-reduce, which then moves one mean gradient.
+        if count > 1:
+            grads.div_(count)
         self.comm.all_reduce(grads, op="mean", role=Role.GRADIENT).wait()
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            clip_(grads, grads.float().square().sum(), self.context.max_grad_norm)
-            self.optimizer.step(grads if grads.dtype == torch.float32 else grads.float(), lr=lr)
-            if self.optimizer.master is not self.flat.params:
-                self.flat.params.copy_(self.optimizer.master)
+            grad = average_and_clip(grads, count=1, max_grad_norm=self.context.max_grad_norm)
+            step_and_publish(self.optimizer, grad, lr=lr, flat=self.flat)
         self.step_index += 1
         return StepStats(
             loss=loss,

@@ -91,15 +91,9 @@ from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
 from lowcomm.optim.adopt import AdoptConfig, FlatAdopt
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
 from lowcomm.optim.sgd import FlatSGD
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
 #: Order of states inside a fused all-reduce (and the role the fused call is issued under).
 SYNC_ORDER: tuple[Role, ...] = (Role.PARAMETER, Role.FIRST_MOMENT, Role.SECOND_MOMENT)
@@ -317,15 +311,12 @@ class Desloc(Strategy):
 
     def _gradient(self) -> torch.Tensor:
         """The local gradient, clipped per coordinate (rho) and, if set, by its L2 norm."""
-        grad = self.flat.grads
-        if self.context.microbatches_per_step > 1:
-            grad.div_(self.context.microbatches_per_step)
-        grad = grad if grad.dtype == torch.float32 else grad.float()
-        if self.options.clip_rho is not None:
-            grad.clamp_(-self.options.clip_rho, self.options.clip_rho)
-        if self.context.max_grad_norm is not None:
-            clip_(grad, grad.square().sum(), self.context.max_grad_norm)
-        return grad
+        return average_and_clip(
+            self.flat.grads,
+            count=self.context.microbatches_per_step,
+            max_grad_norm=self.context.max_grad_norm,
+            coordinate_clip=self.options.clip_rho,
+        )
 
     def step(self, closure: Closure) -> StepStats:
         if (
@@ -334,10 +325,7 @@ class Desloc(Strategy):
             and self.comm.rank == self.options.rejoin_rank
         ):
             self.rejoin()
-        self.flat.check_params()
-        self.flat.zero_grads()
-        loss, samples, tokens = run_microbatches(closure, self.context.microbatches_per_step)
-        self.flat.sync_grads()
+        loss, samples, tokens = accumulate(self.flat, closure, self.context.microbatches_per_step)
         lr = self.lr_at(self.step_index)
         extras: dict[str, float] = {}
         with torch.no_grad():
@@ -347,13 +335,12 @@ class Desloc(Strategy):
                 if self.options.track_state_change
                 else {}
             )
-            self.inner.step(grad, lr=lr)
+            step_and_publish(self.inner, grad, lr=lr, flat=self.flat)
             for role, previous in before.items():
                 current = self.inner.states()[role]
                 norm = float(previous.norm())
                 name = "first_moment_change" if role is Role.FIRST_MOMENT else "second_moment_change"
                 extras[name] = float((current - previous).norm()) / norm if norm > 0 else math.nan
-            self._publish_master()
         self.step_index += 1
         due = self.due_roles(self.step_index)
         self.synchronize(due)

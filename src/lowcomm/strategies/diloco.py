@@ -35,15 +35,9 @@ from lowcomm.optim.flat import FlatOptimizer
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
 from lowcomm.optim.sgd import FlatSGD
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
 
 @dataclass(kw_only=True)
@@ -464,20 +458,15 @@ class OuterLoopStrategy(Strategy):
 
     def inner_step(self, closure: Closure) -> StepStats:
         """One inner step on this worker's own parameters; advances ``step_index``."""
-        self.flat.check_params()
-        self.flat.zero_grads()
         count = self.context.microbatches_per_step
-        loss, samples, tokens = run_microbatches(closure, count)
-        self.flat.sync_grads()
-        grads = self.flat.grads if self.flat.dtype == torch.float32 else self.flat.grads.float()
+        loss, samples, tokens = accumulate(self.flat, closure, count)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            if count > 1:
-                grads.div_(count)
             # Clipping is local: the inner gradient is never communicated.
-            clip_(grads, grads.square().sum(), self.context.max_grad_norm)
-            self.inner.step(grads, lr=lr)
-            self.write_back()
+            grads = average_and_clip(
+                self.flat.grads, count=count, max_grad_norm=self.context.max_grad_norm
+            )
+            step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
         self.step_index += 1
         return StepStats(loss=loss, microbatches=count, samples=samples, tokens=tokens, lr=lr)
 
