@@ -33,7 +33,7 @@ from lowcomm.comm.base import Comm
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
 from lowcomm.optim.schedule import learning_rate
 from lowcomm.strategies import MicroBatchResult, StrategyContext, ZeRO1, strategy_class
-from lowcomm.strategies.acco import ACCO, DPU, WP, AccoOptions, adamw_lookahead
+from lowcomm.strategies.acco import ACCO, DPU, WP, AccoOptions
 from lowcomm.strategies.base import Strategy
 
 DIM = 5
@@ -283,7 +283,7 @@ def test_adamw_lookahead_equals_a_step_and_writes_nothing_back() -> None:
         optimizer.step(torch.randn(64), lr=LR)
     before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state_dict().items()}
     grad = torch.randn(64)
-    out = adamw_lookahead(optimizer, grad, lr=LR, out=torch.empty(64))
+    out = optimizer.lookahead(grad, lr=LR, out=torch.empty(64))
     after = optimizer.state_dict()
     assert after["step_count"] == before["step_count"] == 3
     for name in ("master", "exp_avg", "exp_avg_sq"):
@@ -399,6 +399,34 @@ def _emulated(
     clock = VirtualClock(seconds_per_microbatch=seconds)
     comm = NetworkComm(RecordingComm(rank=0, world_size=2), profile, clock)
     return strategy_factory(comm), comm, clock
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("name", ["acco", "dpu", "wp"])
+def test_the_clock_is_charged_for_exactly_the_collectives_the_thread_issues(name: str, max_grad_norm: float | None) -> None:
+    # The chain is declared once (acco._ChainRun.links): the thread issues it on the inner
+    # communicator, the NetworkComm accounts for it. Same collectives, kinds, roles, bytes.
+    from lowcomm.comm.network import bytes_sent
+
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=1.0)
+    context = StrategyContext(optim=ADAMW, total_steps=3, max_grad_norm=max_grad_norm)
+    cls = strategy_class(name)
+    strategy, comm, clock = _emulated(lambda c: cls(tiny_gpt(), c, context, AccoOptions(dpu_warmup_steps=1)), profile, 0.01)  # type: ignore[call-arg]
+    closure = _gpt_closure(strategy, clock)
+    for _ in range(3):
+        strategy.step(closure)
+    strategy.finish()
+    recording = comm.inner
+    assert isinstance(recording, RecordingComm)
+    # The launch-time agreement (a max all-reduce before each chain) is uncharged by design.
+    chain_calls = [call for call in recording.calls if call.op != "max"]
+    issued: dict[str, float] = {}
+    for call in chain_calls:
+        assert call.role is not None
+        issued[call.role.value] = issued.get(call.role.value, 0.0) + bytes_sent(call.kind, call.payload_bytes, 2, 0)
+    assert {role: value for role, value in comm.counters().items() if value} == issued
+    chains = 2 * 3 if name == "acco" else 3
+    assert len(chain_calls) == chains * (4 if max_grad_norm is not None else 3)
 
 
 def test_acco_moves_twice_zero1_bytes_per_committed_step() -> None:

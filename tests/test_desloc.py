@@ -24,7 +24,6 @@ from lowcomm.strategies.desloc import (
     DeslocOptions,
     FavgOpt,
     FavgReset,
-    LocalAdam,
     LocalAdamMethod,
     half_life,
     half_lives,
@@ -79,17 +78,10 @@ def test_adopt_first_step_only_seeds_the_second_moment() -> None:
         AdoptConfig(betas=(0.9, 1.0))
 
 
-def test_local_adam_equals_flat_adamw_without_resets() -> None:
-    torch.manual_seed(1)
-    x0 = torch.randn(30)
-    reference = FlatAdamW(x0.clone(), AdamWConfig(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1))
-    ours = LocalAdam(x0.clone(), betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    for _ in range(6):
-        g = torch.randn(30)
-        reference.step(g, lr=0.01)
-        ours.step(g, lr=0.01)
-    assert torch.allclose(ours.master, reference.master, atol=1e-7)
-    assert torch.allclose(ours.exp_avg_sq, reference.exp_avg_sq, atol=1e-7)
+def _counters(optimizer: object) -> dict[str, int]:
+    """The bias-correction counters of a DES-LOC Adam."""
+    assert isinstance(optimizer, FlatAdamW)
+    return {"first_moment_steps": optimizer.first_moment_steps, "second_moment_steps": optimizer.second_moment_steps}
 
 
 def test_half_lives_match_the_table() -> None:
@@ -204,7 +196,7 @@ def test_favg_reset_zeroes_moments_and_counter_after_each_sync() -> None:
         strategy.step(closure)
         keep.step(keep_closure)
         states = strategy.inner.states()
-        counters = strategy.inner.counters()
+        counters = _counters(strategy.inner)
         if t % 3 == 0:
             assert all(float(s.abs().max()) == 0.0 for s in states.values()), t
             assert counters == {"first_moment_steps": 0, "second_moment_steps": 0}
@@ -212,7 +204,7 @@ def test_favg_reset_zeroes_moments_and_counter_after_each_sync() -> None:
             assert all(float(s.abs().max()) > 0.0 for s in states.values()), t
             assert counters["first_moment_steps"] == t % 3
         # favg_opt keeps its state and its global counter.
-        assert keep.inner.counters()["first_moment_steps"] == t
+        assert _counters(keep.inner)["first_moment_steps"] == t
         assert float(keep.inner.states()[Role.SECOND_MOMENT].abs().max()) > 0.0
     # After a reset the first update is a fresh Adam step: bias correction with s = 1.
     assert not torch.allclose(flat_params(strategy.model), flat_params(keep.model))
@@ -327,7 +319,7 @@ def _worker(steps: int, join_step: int) -> dict[str, object]:
     counters = []
     for _ in range(steps):
         joiner.step(closure)
-        counters.append(joiner.inner.counters())
+        counters.append(_counters(joiner.inner))
     out["trace"] = joiner.trace
     out["counters"] = counters
     return out

@@ -17,6 +17,7 @@ from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import encoded_bytes
 from lowcomm.strategies import MicroBatchResult, StrategyContext, strategy_class
+from lowcomm.strategies.co2 import LocalOptions, OverlapLocalSGD
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions, fragment_assignment
 from lowcomm.strategies.streaming import StreamingDiLoCo
 
@@ -32,6 +33,26 @@ CONTEXT = StrategyContext(
 def two_layer_gpt(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=64))
+
+
+def test_inner_sgd_applies_the_same_weight_decay_as_the_local_family() -> None:
+    # --diloco.inner-optimizer sgd and --local.inner-optimizer sgd (no momentum) are the same
+    # optimizer: theta <- theta (1 - lr lambda) - lr g, lambda = --optim.weight-decay
+    # (docs/ALGORITHMS.md §0.3). Three inner steps, no round ends (H = tau = 8).
+    batches = [global_batch(s, 1) for s in range(3)]
+    diloco = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=8, inner_optimizer="sgd"))
+    local = OverlapLocalSGD(tiny_gpt(), LocalComm(), CONTEXT, LocalOptions(sync_every=8, inner_optimizer="sgd"))
+    undecayed = DiLoCo(
+        tiny_gpt(), LocalComm(), StrategyContext(optim=AdamWConfig(lr=3e-3, weight_decay=0.0), schedule=CONTEXT.schedule,
+                                                 total_steps=40, max_grad_norm=None),
+        DiLoCoOptions(sync_every=8, inner_optimizer="sgd"),
+    )  # fmt: skip
+    for strategy in (diloco, local, undecayed):
+        closure = closure_for(strategy, batches)
+        for _ in batches:
+            strategy.step(closure)
+    assert torch.equal(flat_params(diloco.model), flat_params(local.model))
+    assert not torch.allclose(flat_params(diloco.model), flat_params(undecayed.model), atol=1e-7)
 
 
 def test_outer_nesterov_matches_torch_sgd_nesterov() -> None:
@@ -250,7 +271,8 @@ def _gloo_worker(steps: int) -> dict[str, torch.Tensor]:
         return x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]
 
     mine = [shard(s) for s in range(steps)]
-    sgd_context = StrategyContext(optim=AdamWConfig(lr=0.1), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=steps, max_grad_norm=None)
+    # Weight decay 0: the reference below is plain SGD (inner SGD applies --optim.weight-decay).
+    sgd_context = StrategyContext(optim=AdamWConfig(lr=0.1, weight_decay=0.0), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=steps, max_grad_norm=None)
     results: dict[str, torch.Tensor] = {}
     ddp_like = DiLoCo(tiny_gpt(), comm, sgd_context, DiLoCoOptions(sync_every=1, inner_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0))
     closure = closure_for(ddp_like, mine)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lowcomm.comm.base import Comm, Role
+from lowcomm.optim.flat import check_master, tensor_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,14 +51,15 @@ def _adamw_update(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    step_count: int,
+    steps: tuple[int, int],
     config: AdamWConfig,
     lr: float,
 ) -> None:
-    """One AdamW update in place, ``step_count`` already incremented (the class docstring)."""
+    """One AdamW update in place; ``steps`` = (s_m, s_v), already incremented (the class
+    docstring). Shared by the step and the lookahead, so the two agree bit for bit."""
     beta1, beta2 = config.betas
-    bias1 = 1.0 - beta1**step_count
-    bias2 = 1.0 - beta2**step_count
+    bias1 = 1.0 - beta1 ** steps[0]
+    bias2 = 1.0 - beta2 ** steps[1]
     if config.weight_decay:
         master.mul_(1.0 - lr * config.weight_decay)
     exp_avg.lerp_(grad, 1.0 - beta1)
@@ -66,58 +69,95 @@ def _adamw_update(
 
 
 class FlatAdamW:
-    """AdamW over one flat fp32 master tensor.
+    """AdamW over one flat fp32 master tensor (a :class:`~lowcomm.optim.flat.FlatOptimizer`).
 
-    State: first moment ``m``, second moment ``v``, step count ``s``. One step is, with
-    gradient ``g`` and learning rate ``eta``::
+    State: first moment ``m``, second moment ``v``, one bias-correction counter per moment
+    (``s_m``, ``s_v``; equal, and called ``step_count``, unless DES-LOC averaged one moment
+    without the other). One step is, with gradient ``g`` and learning rate ``eta``::
 
-        s <- s + 1
+        s_m, s_v <- s_m + 1, s_v + 1
         theta <- theta * (1 - eta * lambda)
         m <- beta1 m + (1 - beta1) g
         v <- beta2 v + (1 - beta2) g^2
-        theta <- theta - eta * [m / (1 - beta1^s)] / (sqrt(v / (1 - beta2^s)) + eps)
+        theta <- theta - eta * [m / (1 - beta1^s_m)] / (sqrt(v / (1 - beta2^s_v)) + eps)
+
+    When a moment is replaced by a cross-worker average its counter becomes the global step
+    (the averaged moment carries the whole run's history; DES-LOC, docs/ALGORITHMS.md §5.5).
 
     Args:
         master: the fp32 parameters this optimizer owns; updated in place.
-        config: hyperparameters.
+        config: hyperparameters (``config.lr`` is not read: the learning rate comes with
+            each step).
     """
 
     def __init__(self, master: torch.Tensor, config: AdamWConfig) -> None:
-        if master.dtype != torch.float32 or master.dim() != 1:
-            raise ValueError("FlatAdamW needs a 1-D float32 master tensor")
+        check_master(master, type(self).__name__)
         self.master = master
         self.config = config
         self.exp_avg = torch.zeros_like(master)
         self.exp_avg_sq = torch.zeros_like(master)
-        self.step_count = 0
+        self.first_moment_steps = 0
+        self.second_moment_steps = 0
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken since the state started (the first moment's counter)."""
+        return self.first_moment_steps
 
     def step(self, grad: torch.Tensor, *, lr: float) -> None:
         """Apply one AdamW step with gradient ``grad`` (same shape as the master)."""
-        self.step_count += 1
+        self.first_moment_steps += 1
+        self.second_moment_steps += 1
         _adamw_update(
-            self.master, grad, self.exp_avg, self.exp_avg_sq, self.step_count, self.config, lr
-        )
+            self.master, grad, self.exp_avg, self.exp_avg_sq,
+            (self.first_moment_steps, self.second_moment_steps), self.config, lr,
+        )  # fmt: skip
+
+    def lookahead(self, grad: torch.Tensor, *, lr: float, out: torch.Tensor) -> torch.Tensor:
+        """AdamW lookahead (docs/ALGORITHMS.md §0.3): the theta' one step with ``grad`` would
+        give from the current (theta, m, v, s), written to ``out``; nothing is written back."""
+        out.copy_(self.master)
+        _adamw_update(
+            out, grad, self.exp_avg.clone(), self.exp_avg_sq.clone(),
+            (self.first_moment_steps + 1, self.second_moment_steps + 1), self.config, lr,
+        )  # fmt: skip
+        return out
+
+    def states(self) -> dict[Role, torch.Tensor]:
+        return {Role.FIRST_MOMENT: self.exp_avg, Role.SECOND_MOMENT: self.exp_avg_sq}
+
+    def on_states_averaged(self, roles: list[Role], global_step: int) -> None:
+        if Role.FIRST_MOMENT in roles:
+            self.first_moment_steps = global_step
+        if Role.SECOND_MOMENT in roles:
+            self.second_moment_steps = global_step
+
+    def reset(self) -> None:
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self.first_moment_steps = 0
+        self.second_moment_steps = 0
 
     def state_bytes(self) -> int:
-        """Bytes of the persistent tensors this optimizer holds (master and moments)."""
-        return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
+        """Bytes of the two moments (the master is counted by its owner)."""
+        return tensor_bytes(self.exp_avg, self.exp_avg_sq)
 
-    def state_dict(self) -> dict[str, torch.Tensor | int]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "master": self.master.clone(),
             "exp_avg": self.exp_avg.clone(),
             "exp_avg_sq": self.exp_avg_sq.clone(),
-            "step_count": self.step_count,
+            "step_count": self.first_moment_steps,
+            "second_moment_steps": self.second_moment_steps,
         }
 
-    def load_state_dict(self, state: dict[str, torch.Tensor | int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("master", "exp_avg", "exp_avg_sq"):
             value = state[name]
             assert isinstance(value, torch.Tensor)
             getattr(self, name).copy_(value)
-        step_count = state["step_count"]
-        assert isinstance(step_count, int)
-        self.step_count = step_count
+        self.first_moment_steps = int(state["step_count"])
+        self.second_moment_steps = int(state.get("second_moment_steps", state["step_count"]))
 
 
 class ReplicaShardedAdamW(FlatAdamW):
@@ -136,8 +176,7 @@ class ReplicaShardedAdamW(FlatAdamW):
     """
 
     def __init__(self, master: torch.Tensor, config: AdamWConfig, group: Comm) -> None:
-        if master.dtype != torch.float32 or master.dim() != 1:
-            raise ValueError("ReplicaShardedAdamW needs a 1-D float32 master tensor")
+        check_master(master, type(self).__name__)
         self.master = master
         self.config = config
         self.group = group
@@ -146,14 +185,16 @@ class ReplicaShardedAdamW(FlatAdamW):
         self.end = min(self.begin + self.slice_numel, master.numel())
         self.exp_avg = torch.zeros(self.end - self.begin, dtype=torch.float32, device=master.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self.step_count = 0
+        self.first_moment_steps = 0
+        self.second_moment_steps = 0
 
     def step(self, grad: torch.Tensor, *, lr: float) -> None:
-        self.step_count += 1
+        self.first_moment_steps += 1
+        self.second_moment_steps += 1
         mine = slice(self.begin, self.end)
         _adamw_update(
-            self.master[mine], grad[mine], self.exp_avg, self.exp_avg_sq, self.step_count,
-            self.config, lr,
+            self.master[mine], grad[mine], self.exp_avg, self.exp_avg_sq,
+            (self.first_moment_steps, self.second_moment_steps), self.config, lr,
         )  # fmt: skip
         piece = torch.zeros(self.slice_numel, dtype=torch.float32, device=self.master.device)
         piece[: self.end - self.begin].copy_(self.master[mine])
@@ -162,6 +203,18 @@ class ReplicaShardedAdamW(FlatAdamW):
         )
         self.group.all_gather(gathered, piece, role=Role.PARAMETER).wait()
         self.master.copy_(gathered[: self.master.numel()])
+
+    def lookahead(self, grad: torch.Tensor, *, lr: float, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(
+            "ReplicaShardedAdamW has no lookahead (its moments are split over the replicas); "
+            "ACCO, DPU and WP refuse --ranks-per-worker > 1"
+        )
+
+    def states(self) -> dict[Role, torch.Tensor]:
+        raise NotImplementedError(
+            "ReplicaShardedAdamW holds only its slice of the moments; a method that averages "
+            "optimizer states uses an unsharded optimizer"
+        )
 
 
 def make_adamw(master: torch.Tensor, config: AdamWConfig, replicas: Comm | None) -> FlatAdamW:

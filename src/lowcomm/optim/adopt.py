@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from lowcomm.comm.base import Role
+from lowcomm.optim.flat import check_master, tensor_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,8 +54,31 @@ class AdoptConfig:
             raise ValueError(f"adopt.weight_decay: {self.weight_decay} must be >= 0; try 0")
 
 
+def _adopt_update(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step_count: int,
+    config: AdoptConfig,
+    lr: float,
+) -> None:
+    """One ADOPT update (t = ``step_count`` >= 1) in place, ``exp_avg_sq`` still v_{t-1}: the
+    parameters and u only; the caller updates v afterwards (step) or not at all (lookahead)."""
+    beta1 = config.betas[0]
+    if config.weight_decay:
+        master.mul_(1.0 - lr * config.weight_decay)
+    # Normalise by the previous v (before v sees this gradient), then clip to t^(1/4).
+    denominator = exp_avg_sq.sqrt().clamp_(min=config.eps)
+    bound = step_count**0.25
+    normalised = (grad / denominator).clamp_(-bound, bound)
+    exp_avg.lerp_(normalised, 1.0 - beta1)
+    master.add_(exp_avg, alpha=-lr)
+
+
 class FlatAdopt:
-    """ADOPT over one flat fp32 tensor, updated in place.
+    """ADOPT over one flat fp32 tensor, updated in place (a
+    :class:`~lowcomm.optim.flat.FlatOptimizer`).
 
     State: first moment ``exp_avg`` (u), second moment ``exp_avg_sq`` (v), step counter
     ``step_count`` (t). A state with ``step_count == 0`` is fresh: its next step only
@@ -63,8 +90,7 @@ class FlatAdopt:
     """
 
     def __init__(self, master: torch.Tensor, config: AdoptConfig) -> None:
-        if master.dtype != torch.float32 or master.dim() != 1:
-            raise ValueError("FlatAdopt needs a 1-D float32 master tensor")
+        check_master(master, type(self).__name__)
         self.master = master
         self.config = config
         self.exp_avg = torch.zeros_like(master)
@@ -73,22 +99,37 @@ class FlatAdopt:
 
     def step(self, grad: torch.Tensor, *, lr: float) -> None:
         """Apply one ADOPT step with gradient ``grad``."""
-        beta1, beta2 = self.config.betas
+        beta2 = self.config.betas[1]
         if self.step_count == 0:
             # v_0 = g_0^2: the first gradient only seeds the second moment.
             self.exp_avg_sq.copy_(grad).mul_(grad)
             self.step_count = 1
             return
-        if self.config.weight_decay:
-            self.master.mul_(1.0 - lr * self.config.weight_decay)
-        # Normalise by the previous v (before v sees this gradient), then clip to t^(1/4).
-        denominator = self.exp_avg_sq.sqrt().clamp_(min=self.config.eps)
-        bound = self.step_count**0.25
-        normalised = (grad / denominator).clamp_(-bound, bound)
-        self.exp_avg.lerp_(normalised, 1.0 - beta1)
-        self.master.add_(self.exp_avg, alpha=-lr)
+        _adopt_update(
+            self.master, grad, self.exp_avg, self.exp_avg_sq, self.step_count, self.config, lr
+        )
         self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         self.step_count += 1
+
+    def lookahead(self, grad: torch.Tensor, *, lr: float, out: torch.Tensor) -> torch.Tensor:
+        """The parameters :meth:`step` would produce, in ``out``; nothing is written back (a
+        fresh state's step moves nothing, so its lookahead is the master itself)."""
+        out.copy_(self.master)
+        if self.step_count > 0:
+            _adopt_update(
+                out, grad, self.exp_avg.clone(), self.exp_avg_sq, self.step_count, self.config, lr
+            )
+        return out
+
+    def states(self) -> dict[Role, torch.Tensor]:
+        return {Role.FIRST_MOMENT: self.exp_avg, Role.SECOND_MOMENT: self.exp_avg_sq}
+
+    def on_states_averaged(self, roles: list[Role], global_step: int) -> None:
+        # The counter only sets the t^(1/4) clip bound; an averaged moment has the history of
+        # the whole run. A fresh state (counter 0) is never averaged by DES-LOC: an average
+        # always follows a step, and a step initialises the state.
+        if any(role is not Role.PARAMETER for role in roles):
+            self.step_count = max(self.step_count, global_step)
 
     def reset(self) -> None:
         """Forget the state (zero moments, counter 0), as a freshly started worker."""
@@ -98,4 +139,17 @@ class FlatAdopt:
 
     def state_bytes(self) -> int:
         """Bytes of the two moments (the parameters belong to the caller)."""
-        return 2 * self.exp_avg.numel() * self.exp_avg.element_size()
+        return tensor_bytes(self.exp_avg, self.exp_avg_sq)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "master": self.master.clone(),
+            "exp_avg": self.exp_avg.clone(),
+            "exp_avg_sq": self.exp_avg_sq.clone(),
+            "step_count": self.step_count,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self, name).copy_(state[name])
+        self.step_count = int(state["step_count"])

@@ -41,7 +41,7 @@ synchronous baseline that would have consumed the same samples.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -52,17 +52,19 @@ from torch import nn
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, payload_bytes
 from lowcomm.comm.overlap import CommThread, FutureHandle, LaunchAgreement
 from lowcomm.comm.runtime import Offload
-from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
+from lowcomm.optim.adamw import FlatAdamW
+from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
+from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import (
     Closure,
     MicroBatchResult,
     StepStats,
     Strategy,
     StrategyContext,
-    clip_,
 )
 from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import average_and_clip
 
 
 @dataclass(kw_only=True)
@@ -101,69 +103,6 @@ class AccoOptions:
             )
 
 
-class FlatSGD:
-    """Plain SGD with decoupled weight decay on one flat fp32 master tensor.
-
-    ``theta <- theta (1 - lr lambda) - lr g`` (lambda = ``config.weight_decay``). Used with
-    ``--acco.optimizer sgd``; with lambda = 0 it is the optimizer of ACCO's Prop. 3.2.
-    """
-
-    bytes_per_parameter: ClassVar[int] = 4
-
-    def __init__(self, master: torch.Tensor, config: AdamWConfig) -> None:
-        if master.dtype != torch.float32 or master.dim() != 1:
-            raise ValueError("FlatSGD needs a 1-D float32 master tensor")
-        self.master = master
-        self.config = config
-        self.step_count = 0
-
-    def step(self, grad: torch.Tensor, *, lr: float) -> None:
-        self.step_count += 1
-        if self.config.weight_decay:
-            self.master.mul_(1.0 - lr * self.config.weight_decay)
-        self.master.add_(grad, alpha=-lr)
-
-    def lookahead(self, grad: torch.Tensor, *, lr: float, out: torch.Tensor) -> torch.Tensor:
-        """The parameters :meth:`step` would produce, written to ``out``; no state changes."""
-        out.copy_(self.master)
-        if self.config.weight_decay:
-            out.mul_(1.0 - lr * self.config.weight_decay)
-        return out.add_(grad, alpha=-lr)
-
-    def state_bytes(self) -> int:
-        return self.master.numel() * self.master.element_size()
-
-    def state_dict(self) -> dict[str, torch.Tensor | int]:
-        return {"master": self.master.clone(), "step_count": self.step_count}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor | int]) -> None:
-        master = state["master"]
-        step_count = state["step_count"]
-        assert isinstance(master, torch.Tensor) and isinstance(step_count, int)
-        self.master.copy_(master)
-        self.step_count = step_count
-
-
-def adamw_lookahead(
-    optimizer: FlatAdamW, grad: torch.Tensor, *, lr: float, out: torch.Tensor
-) -> torch.Tensor:
-    """AdamW lookahead (docs/ALGORITHMS.md §0.3): the theta' one AdamW step with ``grad`` would give
-    from the optimizer's current (theta, m, v, s), written to ``out``; m, v, s and theta are
-    not written back. Same operations, in the same order, as :meth:`FlatAdamW.step`, so the
-    result equals a committed step bit for bit."""
-    beta1, beta2 = optimizer.config.betas
-    step = optimizer.step_count + 1
-    bias1 = 1.0 - beta1**step
-    bias2 = 1.0 - beta2**step
-    out.copy_(optimizer.master)
-    if optimizer.config.weight_decay:
-        out.mul_(1.0 - lr * optimizer.config.weight_decay)
-    first = optimizer.exp_avg.clone().lerp_(grad, 1.0 - beta1)
-    second = optimizer.exp_avg_sq.clone().mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    denom = (second / bias2).sqrt_().add_(optimizer.config.eps)
-    return out.addcdiv_(first, denom, value=-lr / bias1)
-
-
 class _Mode(enum.Enum):
     """What the sharded optimizer does with the reduced gradient in one chain."""
 
@@ -192,6 +131,120 @@ class _Tally:
         self.microbatches += other.microbatches
         self.samples += other.samples
         self.tokens += other.tokens
+
+
+#: Bytes of one float64 scalar: the micro-batch count and the squared gradient norm.
+_SCALAR_BYTES = 8
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One collective of the chain, declared once: the communication thread issues it from
+    this declaration (:meth:`issue`) and the main thread accounts for it from the same one
+    (``NetworkComm.record``), so the two cannot drift apart.
+
+    Attributes:
+        kind: the collective (reductions are sums).
+        role: what the payload is.
+        payload_bytes: the full (unsharded) payload, as the issuing methods count it;
+            :meth:`issue` refuses a tensor of another size.
+        stage: what the thread does around the collective (prepares its tensors, calls
+            :meth:`issue`, consumes the result).
+    """
+
+    kind: CollectiveKind
+    role: Role
+    payload_bytes: int
+    stage: Callable[[Comm, _Link], None]
+
+    def issue(self, comm: Comm, output: torch.Tensor, input: torch.Tensor | None = None) -> None:
+        """Issue this collective on ``comm`` and wait for it (on the communication thread)."""
+        full = input if self.kind is CollectiveKind.REDUCE_SCATTER else output
+        assert full is not None and payload_bytes(full) == self.payload_bytes, (
+            f"ACCO chain: {self.kind.value} declared with {self.payload_bytes} bytes, issued with "
+            f"{None if full is None else payload_bytes(full)}"
+        )
+        if self.kind is CollectiveKind.ALL_REDUCE:
+            comm.all_reduce(output, op="sum", role=self.role).wait()
+        elif self.kind is CollectiveKind.REDUCE_SCATTER:
+            assert input is not None
+            comm.reduce_scatter(output, input, op="sum", role=self.role).wait()
+        else:
+            assert self.kind is CollectiveKind.ALL_GATHER and input is not None
+            comm.all_gather(output, input, role=self.role).wait()
+
+
+class _ChainRun:
+    """One chain, ``C <- AR_sum(c_B); g_hat <- RS_sum(source)[S_i] / C; [AR_sum(|g_hat|^2),
+    clip]; optimizer; target <- AG(shard)``, built on the main thread and run on the
+    communication thread.
+
+    :attr:`links` declares its collectives in issue order; :meth:`run` issues exactly these,
+    and :meth:`_ShardedOverlap._launch` accounts for exactly these.
+    """
+
+    def __init__(
+        self,
+        strategy: _ShardedOverlap,
+        source: torch.Tensor,
+        target: torch.Tensor,
+        local_count: int,
+        mode: _Mode,
+        lr: float,
+        committed_before: int,
+    ) -> None:
+        self.strategy = strategy
+        self.source = source
+        self.target = target
+        self.local_count = local_count
+        self.mode = mode
+        self.lr = lr
+        self.committed_before = committed_before
+        self.total = 0
+        self.grad: torch.Tensor | None = None
+        clipped = strategy.context.max_grad_norm is not None
+        self.links: list[_Link] = [
+            _Link(CollectiveKind.ALL_REDUCE, Role.OTHER, _SCALAR_BYTES, self._sum_counts),
+            _Link(CollectiveKind.REDUCE_SCATTER, Role.GRADIENT, payload_bytes(source), self._reduce_gradient),
+            *([_Link(CollectiveKind.ALL_REDUCE, Role.OTHER, _SCALAR_BYTES, self._clip)] if clipped else []),
+            _Link(CollectiveKind.ALL_GATHER, Role.PARAMETER, payload_bytes(target), self._step_and_gather),
+        ]  # fmt: skip
+
+    def run(self, comm: Comm) -> int:
+        """Issue every link on ``comm`` in order; returns C."""
+        for link in self.links:
+            link.stage(comm, link)
+        return self.total
+
+    def _sum_counts(self, comm: Comm, link: _Link) -> None:
+        """C <- AR_sum(c_B)."""
+        count = torch.full(
+            (1,), float(self.local_count), dtype=torch.float64, device=self.source.device
+        )
+        link.issue(comm, count)
+        self.total = round(float(count.item()))
+
+    def _reduce_gradient(self, comm: Comm, link: _Link) -> None:
+        """g_hat <- RS_sum(source)[S_i] / C."""
+        shard_grad = self.strategy.shard_grad
+        link.issue(comm, shard_grad, self.source)
+        self.grad = average_and_clip(shard_grad, count=self.total, max_grad_norm=None)
+
+    def _clip(self, comm: Comm, link: _Link) -> None:
+        """Clip g_hat to the global norm: one scalar all-reduce of the shards' squared norms."""
+        assert self.grad is not None
+        average_and_clip(
+            self.grad,
+            count=1,
+            max_grad_norm=self.strategy.context.max_grad_norm,
+            sum_squared_norm=lambda squared: link.issue(comm, squared),
+        )
+
+    def _step_and_gather(self, comm: Comm, link: _Link) -> None:
+        """The sharded optimizer (commit, lookahead or both), then target <- AG(shard)."""
+        assert self.grad is not None
+        out = self.strategy._optimize(self.grad, self.mode, self.lr, self.committed_before + self.total)
+        link.issue(comm, self.target, out.to(self.strategy.flat.dtype))
 
 
 @dataclass
@@ -257,10 +310,10 @@ class _ShardedOverlap(Strategy):
         self.shard = slice(begin, begin + self.shard_numel)
         # clone(): on CPU .float() of a float32 tensor is the same storage (ZeRO-1's hazard).
         master = self.flat.params[self.shard].float().clone()
-        self.optimizer: FlatAdamW | FlatSGD = (
+        self.optimizer: FlatOptimizer = (
             FlatAdamW(master, context.optim)
             if self.options.optimizer == "adamw"
-            else FlatSGD(master, context.optim)
+            else FlatSGD(master, weight_decay=context.optim.weight_decay)
         )
         self.shard_grad = torch.zeros(
             self.shard_numel, dtype=self.flat.dtype, device=self.flat.device
@@ -298,17 +351,8 @@ class _ShardedOverlap(Strategy):
 
     # --- the chain (communication thread) ------------------------------------------------
 
-    def _run_chain(
-        self,
-        source: torch.Tensor,
-        target: torch.Tensor,
-        local_count: int,
-        mode: _Mode,
-        lr: float,
-        committed_before: int,
-        agreement: LaunchAgreement | None,
-    ) -> int:
-        """C <- AR(c_B); g_hat <- RS(source)/C; optimizer; target <- AG. Returns C.
+    def _run_chain(self, chain: _ChainRun, agreement: LaunchAgreement | None) -> int:
+        """Run ``chain`` (its declared links, in order); returns C.
 
         Runs on the communication thread; touches only the inner communicator, the optimizer
         shard and the buffers handed to it (never the clock, never ``flat.params`` during an
@@ -322,34 +366,26 @@ class _ShardedOverlap(Strategy):
             self.last_chain_stream = (
                 torch.cuda.current_stream(self.flat.device) if self.stream is not None else None
             )
-            count = torch.full((1,), float(local_count), dtype=torch.float64, device=source.device)
-            self.inner.all_reduce(count, op="sum", role=Role.OTHER).wait()
-            total = round(float(count.item()))
-            self.inner.reduce_scatter(self.shard_grad, source, op="sum", role=Role.GRADIENT).wait()
-            grad = self.shard_grad.float().div_(total)
-            if self.context.max_grad_norm is not None:
-                squared = grad.square().sum().reshape(1).double()
-                self.inner.all_reduce(squared, op="sum", role=Role.OTHER).wait()
-                clip_(grad, squared, self.context.max_grad_norm)
-            if mode is _Mode.COMMIT:
-                self.optimizer.step(grad, lr=lr)
-                out = self.optimizer.master
-            elif mode is _Mode.LOOKAHEAD:
-                out = self._lookahead(grad, lr)
-            else:
-                self.optimizer.step(grad, lr=lr)
-                # WP predicts the next committed step: its LR is the schedule's after this commit.
-                next_lr = self.lr_at(self.schedule_step(committed_before + total))
-                out = self._lookahead(grad, next_lr)
-            self.inner.all_gather(target, out.to(self.flat.dtype), role=Role.PARAMETER).wait()
+            total = chain.run(self.inner)
             if self.stream is not None:
                 self.stream.synchronize()
         return total
 
+    def _optimize(
+        self, grad: torch.Tensor, mode: _Mode, lr: float, committed_after: int
+    ) -> torch.Tensor:
+        """The sharded optimizer's part of a chain: the shard to all-gather."""
+        if mode is _Mode.COMMIT:
+            self.optimizer.step(grad, lr=lr)
+            return self.optimizer.master
+        if mode is _Mode.LOOKAHEAD:
+            return self._lookahead(grad, lr)
+        self.optimizer.step(grad, lr=lr)
+        # WP predicts the next committed step: its LR is the schedule's after this commit.
+        return self._lookahead(grad, self.lr_at(self.schedule_step(committed_after)))
+
     def _lookahead(self, grad: torch.Tensor, lr: float) -> torch.Tensor:
         assert self.estimate is not None
-        if isinstance(self.optimizer, FlatAdamW):
-            return adamw_lookahead(self.optimizer, grad, lr=lr, out=self.estimate)
         return self.optimizer.lookahead(grad, lr=lr, out=self.estimate)
 
     # --- main thread ---------------------------------------------------------------------
@@ -364,31 +400,23 @@ class _ShardedOverlap(Strategy):
             # B was written on the main stream: the side stream must see it.
             self.stream.wait_stream(torch.cuda.current_stream(self.flat.device))
         agreement = self.network.offload(source.device) if self.network is not None else None
-        committed_before = self.committed_gradients
-        future = self.thread.submit(
-            lambda: self._run_chain(
-                source, target, local_count, mode, lr, committed_before, agreement
-            )
+        chain = _ChainRun(
+            self, source, target, local_count, mode, lr, committed_before=self.committed_gradients
         )
+        future = self.thread.submit(lambda: self._run_chain(chain, agreement))
         if self.network is None or agreement is None:
             return _Chain(future, [future])
-        # Accounting, in the order the thread issues the collectives (same on every rank).
-        record = self.network.record
+        # Accounting from the chain's own declaration, in the order the thread issues it.
         handles = [
-            record(CollectiveKind.ALL_REDUCE, role=Role.OTHER, payload_bytes=8,
-                   completion=future, agreement=agreement),
-            record(CollectiveKind.REDUCE_SCATTER, role=Role.GRADIENT,
-                   payload_bytes=payload_bytes(source), completion=future, agreement=agreement),
-        ]  # fmt: skip
-        if self.context.max_grad_norm is not None:
-            handles.append(
-                record(CollectiveKind.ALL_REDUCE, role=Role.OTHER, payload_bytes=8,
-                       completion=future, agreement=agreement)
-            )  # fmt: skip
-        handles.append(
-            record(CollectiveKind.ALL_GATHER, role=Role.PARAMETER,
-                   payload_bytes=payload_bytes(target), completion=future, agreement=agreement)
-        )  # fmt: skip
+            self.network.record(
+                link.kind,
+                role=link.role,
+                payload_bytes=link.payload_bytes,
+                completion=future,
+                agreement=agreement,
+            )
+            for link in chain.links
+        ]
         return _Chain(future, handles)
 
     def _compute(self, closure: Closure, count: int) -> _Tally:
@@ -483,16 +511,15 @@ class _ShardedOverlap(Strategy):
         if self.estimate is not None:
             extra += self.estimate.numel() * self.estimate.element_size()
         buffer = self.buffer.numel() * self.buffer.element_size()
-        return self.flat.bytes + buffer + self.optimizer.state_bytes() + extra
+        optimizer = tensor_bytes(self.optimizer.master) + self.optimizer.state_bytes()
+        return self.flat.bytes + buffer + optimizer + extra
 
     def formula_state_bytes(self) -> int:
         """ACCO Table 1: (2 + 2 + 2 + K/M) Psi in the precision actually used, i.e.
         (3 p + K/M) Psi with p the working dtype's bytes per parameter (params, G, B), K the
         sharded optimizer's fp32 bytes per parameter (12 for AdamW: master, m, v; 4 for SGD),
         M the world size and Psi the unpadded parameter count."""
-        optimizer_bytes = (
-            12 if isinstance(self.optimizer, FlatAdamW) else FlatSGD.bytes_per_parameter
-        )
+        optimizer_bytes = 4 * (1 + len(self.optimizer.states()))  # master + its states
         element = self.flat.params.element_size()
         psi = self.flat.numel
         return round((3 * element + optimizer_bytes / self.comm.world_size) * psi)

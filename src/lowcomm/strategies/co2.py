@@ -39,16 +39,12 @@ from torch import nn
 from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.comm.runtime import pending_state
 from lowcomm.optim.adamw import AdamWConfig, make_adamw
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
+from lowcomm.optim.sgd import FlatSGD
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
 InnerOptimizerKind = Literal["adamw", "sgd"]
 
@@ -133,86 +129,26 @@ class LocalOptions:
             )
 
 
-class InnerOptimizer:
+def make_local_optimizer(
+    kind: InnerOptimizerKind,
+    master: torch.Tensor,
+    config: AdamWConfig,
+    momentum: float,
+    replicas: Comm | None = None,
+) -> FlatOptimizer:
     """The per-worker inner optimizer on the flat fp32 master (state local and persistent).
 
-    ``adamw``: :class:`~lowcomm.optim.adamw.FlatAdamW` (docs/ALGORITHMS.md §0.3).
-    ``sgd``: PyTorch SGD semantics with momentum mu (no dampening, no Nesterov) and the
-    same decoupled weight decay as AdamW, so switching the inner optimizer changes only the
-    direction rule::
+    ``adamw``: :class:`~lowcomm.optim.adamw.FlatAdamW` (docs/ALGORITHMS.md §0.3), its moments
+    split over ``replicas`` when a worker has several ranks. ``sgd``:
+    :class:`~lowcomm.optim.sgd.FlatSGD` with PyTorch's momentum mu (no dampening, no Nesterov)
+    and the same decoupled weight decay as AdamW, so switching the inner optimizer changes only
+    the direction rule::
 
         theta <- theta (1 - eta lambda);  b <- mu b + g  (b = g at first);  theta <- theta - eta b
     """
-
-    def __init__(
-        self,
-        kind: InnerOptimizerKind,
-        master: torch.Tensor,
-        config: AdamWConfig,
-        momentum: float,
-        replicas: Comm | None = None,
-    ) -> None:
-        self.kind = kind
-        self.master = master
-        self.config = config
-        self.momentum = momentum
-        self.adamw = make_adamw(master, config, replicas) if kind == "adamw" else None
-        # SGD without momentum holds no state at all (nothing allocated).
-        self.momentum_buffer = (
-            torch.zeros_like(master) if kind == "sgd" and momentum > 0 else None
-        )
-        self.sgd_steps = 0
-
-    def step(self, grad: torch.Tensor, *, lr: float) -> None:
-        if self.adamw is not None:
-            self.adamw.step(grad, lr=lr)
-            return
-        if self.config.weight_decay:
-            self.master.mul_(1.0 - lr * self.config.weight_decay)
-        direction = grad
-        if self.momentum_buffer is not None:
-            if self.sgd_steps == 0:
-                self.momentum_buffer.copy_(grad)
-            else:
-                self.momentum_buffer.mul_(self.momentum).add_(grad)
-            direction = self.momentum_buffer
-        self.master.add_(direction, alpha=-lr)
-        self.sgd_steps += 1
-
-    def state_bytes(self, *, include_master: bool) -> int:
-        """Bytes of the optimizer's own tensors (the master only when it is a separate copy)."""
-        tensors: list[torch.Tensor] = []
-        if include_master:
-            tensors.append(self.master)
-        if self.adamw is not None:
-            tensors += [self.adamw.exp_avg, self.adamw.exp_avg_sq]
-        if self.momentum_buffer is not None:
-            tensors.append(self.momentum_buffer)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"kind": self.kind, "sgd_steps": self.sgd_steps}
-        if self.adamw is not None:
-            state["adamw"] = self.adamw.state_dict()
-        else:
-            state["master"] = self.master.clone()
-        if self.momentum_buffer is not None:
-            state["momentum_buffer"] = self.momentum_buffer.clone()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["kind"] != self.kind:
-            raise ValueError(
-                f"checkpoint holds a {state['kind']} inner optimizer but this run uses "
-                f"{self.kind}; resume with the same --local.inner-optimizer"
-            )
-        self.sgd_steps = int(state["sgd_steps"])
-        if self.adamw is not None:
-            self.adamw.load_state_dict(state["adamw"])
-        else:
-            self.master.copy_(state["master"])
-        if self.momentum_buffer is not None:
-            self.momentum_buffer.copy_(state["momentum_buffer"])
+    if kind == "adamw":
+        return make_adamw(master, config, replicas)
+    return FlatSGD(master, weight_decay=config.weight_decay, momentum=momentum)
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:
@@ -243,9 +179,9 @@ class _LocalUpdate(Strategy):
             master = self.flat.params
         else:
             master = self.flat.params.float().clone()
-        kind = self.fixed_inner or self.options.inner_optimizer
-        self.inner = InnerOptimizer(
-            kind, master, context.optim, self.options.sgd_momentum, self.runtime.replica_group
+        self.inner_kind: InnerOptimizerKind = self.fixed_inner or self.options.inner_optimizer
+        self.inner = make_local_optimizer(
+            self.inner_kind, master, context.optim, self.options.sgd_momentum, self.runtime.replica_group
         )
         #: Inner steps taken in the current round (0 right after a round ended).
         self.local_steps = 0
@@ -266,21 +202,15 @@ class _LocalUpdate(Strategy):
 
     def _inner_step(self, closure: Closure) -> tuple[float, int, int, float]:
         """One local optimizer step on this worker's own gradient (no communication)."""
-        self.flat.check_params()
-        self.flat.zero_grads()
         count = self.context.microbatches_per_step
-        loss, samples, tokens = run_microbatches(closure, count)
-        self.flat.sync_grads()
+        loss, samples, tokens = accumulate(self.flat, closure, count)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            grads = self.flat.grads if self.flat.dtype == torch.float32 else self.flat.grads.float()
-            if count > 1:
-                grads.div_(count)
             # Local methods clip the worker's own gradient (there is no averaged one).
-            clip_(grads, grads.square().sum(), self.context.max_grad_norm)
-            self.inner.step(grads, lr=lr)
-            if self._separate_master:
-                self.flat.params.copy_(self.inner.master)
+            grads = average_and_clip(
+                self.flat.grads, count=count, max_grad_norm=self.context.max_grad_norm
+            )
+            step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
         self.step_index += 1
         self.local_steps += 1
         self._last_lr = lr
@@ -339,11 +269,13 @@ class _LocalUpdate(Strategy):
             yield model
 
     def _base_state_bytes(self) -> int:
-        return self.flat.bytes + self.inner.state_bytes(include_master=self._separate_master)
+        master = tensor_bytes(self.inner.master) if self._separate_master else 0
+        return self.flat.bytes + master + self.inner.state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
+            "inner_kind": self.inner_kind,
             "inner": self.inner.state_dict(),
             "params": self.flat.params.clone(),
             "local_steps": self.local_steps,
@@ -352,6 +284,11 @@ class _LocalUpdate(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        if state["inner_kind"] != self.inner_kind:
+            raise ValueError(
+                f"checkpoint holds a {state['inner_kind']} inner optimizer but this run uses "
+                f"{self.inner_kind}; resume with the same --local.inner-optimizer"
+            )
         self.inner.load_state_dict(state["inner"])
         with torch.no_grad():
             self.flat.params.copy_(state["params"])

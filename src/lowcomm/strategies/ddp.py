@@ -18,16 +18,10 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.adamw import make_adamw
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
 
 class DDP(Strategy):
@@ -52,20 +46,17 @@ class DDP(Strategy):
         self.optimizer = make_adamw(master, context.optim, self.runtime.replica_group)
 
     def step(self, closure: Closure) -> StepStats:
-        self.flat.check_params()
-        self.flat.zero_grads()
-        loss, samples, tokens = run_microbatches(closure, self.context.microbatches_per_step)
-        self.flat.sync_grads()
+        count = self.context.microbatches_per_step
+        loss, samples, tokens = accumulate(self.flat, closure, count)
         grads = self.flat.grads
-        if self.context.microbatches_per_step > 1:
-            grads.div_(self.context.microbatches_per_step)
+        # Average the micro-batches before the all-reduce, which then moves one mean gradient.
+        if count > 1:
+            grads.div_(count)
         self.comm.all_reduce(grads, op="mean", role=Role.GRADIENT).wait()
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            clip_(grads, grads.float().square().sum(), self.context.max_grad_norm)
-            self.optimizer.step(grads if grads.dtype == torch.float32 else grads.float(), lr=lr)
-            if self.optimizer.master is not self.flat.params:
-                self.flat.params.copy_(self.optimizer.master)
+            grad = average_and_clip(grads, count=1, max_grad_norm=self.context.max_grad_norm)
+            step_and_publish(self.optimizer, grad, lr=lr, flat=self.flat)
         self.step_index += 1
         return StepStats(
             loss=loss,
@@ -77,8 +68,7 @@ class DDP(Strategy):
 
     def state_bytes(self) -> int:
         extra_master = 0 if self.optimizer.master is self.flat.params else self.optimizer.master.numel() * 4
-        moments = 2 * self.optimizer.exp_avg.numel() * self.optimizer.exp_avg.element_size()
-        return self.flat.bytes + moments + extra_master
+        return self.flat.bytes + self.optimizer.state_bytes() + extra_master
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "optimizer": self.optimizer.state_dict()}

@@ -80,26 +80,21 @@ Memory: parameters + gradients + moments, as DDP ((2 + 2 + K) Psi, docs/ALGORITH
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role
-from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.optim.adamw import AdamWConfig, FlatAdamW
 from lowcomm.optim.adopt import AdoptConfig, FlatAdopt
-from lowcomm.optim.sgdm import FlatSGDM
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
+from lowcomm.optim.sgd import FlatSGD
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, state_traffic
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
 #: Order of states inside a fused all-reduce (and the role the fused call is issued under).
 SYNC_ORDER: tuple[Role, ...] = (Role.PARAMETER, Role.FIRST_MOMENT, Role.SECOND_MOMENT)
@@ -226,172 +221,31 @@ class DeslocOptions:
             raise ValueError(f"--desloc.rejoin-rank: {self.rejoin_rank} must be >= 0")
 
 
-# --- inner optimizers -------------------------------------------------------------------------
-
-
-class InnerOptimizer(Protocol):
-    """A worker-local optimizer whose states DES-LOC averages.
-
-    ``states`` maps each synchronisable moment's role to its tensor (same length as the
-    parameters); ``on_synced`` is told which moments were just averaged and the global step.
-    """
-
-    master: torch.Tensor
-
-    def states(self) -> dict[Role, torch.Tensor]: ...
-
-    def step(self, grad: torch.Tensor, *, lr: float) -> None: ...
-
-    def reset(self) -> None: ...
-
-    def on_synced(self, roles: list[Role], global_step: int) -> None: ...
-
-    def counters(self) -> dict[str, int]: ...
-
-    def load_counters(self, counters: dict[str, int]) -> None: ...
-
-
-class LocalAdam:
-    """Adam with decoupled weight decay and one bias-correction counter per moment.
-
-    With counters ``s_u`` and ``s_v`` (equal to the global step unless reset or rejoined)::
-
-        s_u, s_v <- s_u + 1, s_v + 1
-        x <- x (1 - eta lambda)
-        u <- beta1 u + (1 - beta1) g ;  v <- beta2 v + (1 - beta2) g^2
-        x <- x - eta [u / (1 - beta1^s_u)] / (sqrt(v / (1 - beta2^s_v)) + eps)
-
-    With ``s_u = s_v`` this is exactly :class:`lowcomm.optim.adamw.FlatAdamW` (§0.3).
-    """
-
-    def __init__(
-        self, master: torch.Tensor, *, betas: tuple[float, float], eps: float, weight_decay: float
-    ) -> None:
-        self.master = master
-        self.betas = betas
-        self.eps = eps
-        self.weight_decay = weight_decay
-        self.exp_avg = torch.zeros_like(master)
-        self.exp_avg_sq = torch.zeros_like(master)
-        self.first_moment_steps = 0
-        self.second_moment_steps = 0
-
-    def states(self) -> dict[Role, torch.Tensor]:
-        return {Role.FIRST_MOMENT: self.exp_avg, Role.SECOND_MOMENT: self.exp_avg_sq}
-
-    def step(self, grad: torch.Tensor, *, lr: float) -> None:
-        beta1, beta2 = self.betas
-        self.first_moment_steps += 1
-        self.second_moment_steps += 1
-        if self.weight_decay:
-            self.master.mul_(1.0 - lr * self.weight_decay)
-        self.exp_avg.lerp_(grad, 1.0 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        bias1 = 1.0 - beta1**self.first_moment_steps
-        bias2 = 1.0 - beta2**self.second_moment_steps
-        denominator = (self.exp_avg_sq / bias2).sqrt_().add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denominator, value=-lr / bias1)
-
-    def reset(self) -> None:
-        self.exp_avg.zero_()
-        self.exp_avg_sq.zero_()
-        self.first_moment_steps = 0
-        self.second_moment_steps = 0
-
-    def on_synced(self, roles: list[Role], global_step: int) -> None:
-        # The averaged moment carries the full history of the workers that never reset.
-        if Role.FIRST_MOMENT in roles:
-            self.first_moment_steps = global_step
-        if Role.SECOND_MOMENT in roles:
-            self.second_moment_steps = global_step
-
-    def counters(self) -> dict[str, int]:
-        return {"first_moment_steps": self.first_moment_steps, "second_moment_steps": self.second_moment_steps}
-
-    def load_counters(self, counters: dict[str, int]) -> None:
-        self.first_moment_steps = int(counters["first_moment_steps"])
-        self.second_moment_steps = int(counters["second_moment_steps"])
-
-
-class LocalAdopt:
-    """ADOPT (:class:`lowcomm.optim.adopt.FlatAdopt`) exposing its moments for syncing."""
-
-    def __init__(self, master: torch.Tensor, config: AdoptConfig) -> None:
-        self.optimizer = FlatAdopt(master, config)
-        self.master = master
-
-    def states(self) -> dict[Role, torch.Tensor]:
-        return {
-            Role.FIRST_MOMENT: self.optimizer.exp_avg,
-            Role.SECOND_MOMENT: self.optimizer.exp_avg_sq,
-        }
-
-    def step(self, grad: torch.Tensor, *, lr: float) -> None:
-        self.optimizer.step(grad, lr=lr)
-
-    def reset(self) -> None:
-        self.optimizer.reset()
-
-    def on_synced(self, roles: list[Role], global_step: int) -> None:
-        # ADOPT's counter only sets the t^(1/4) clip bound; an averaged moment has the
-        # history of the whole run. A fresh state (counter 0) is never synced: a sync always
-        # follows a step, and a step initialises the state.
-        if any(role is not Role.PARAMETER for role in roles):
-            self.optimizer.step_count = max(self.optimizer.step_count, global_step)
-
-    def counters(self) -> dict[str, int]:
-        return {"step_count": self.optimizer.step_count}
-
-    def load_counters(self, counters: dict[str, int]) -> None:
-        self.optimizer.step_count = int(counters["step_count"])
-
-
-class LocalSGDM:
-    """SGD with momentum (:class:`lowcomm.optim.sgdm.FlatSGDM`); its one state is u."""
-
-    def __init__(self, master: torch.Tensor, *, beta: float, weight_decay: float) -> None:
-        self.optimizer = FlatSGDM(master, beta=beta, weight_decay=weight_decay)
-        self.master = master
-
-    def states(self) -> dict[Role, torch.Tensor]:
-        return {Role.FIRST_MOMENT: self.optimizer.momentum}
-
-    def step(self, grad: torch.Tensor, *, lr: float) -> None:
-        self.optimizer.step(grad, lr=lr)
-
-    def reset(self) -> None:
-        self.optimizer.reset()
-
-    def on_synced(self, roles: list[Role], global_step: int) -> None:
-        return None  # no bias correction, nothing to adjust
-
-    def counters(self) -> dict[str, int]:
-        return {"step_count": self.optimizer.step_count}
-
-    def load_counters(self, counters: dict[str, int]) -> None:
-        self.optimizer.step_count = int(counters["step_count"])
+# --- inner optimizer --------------------------------------------------------------------------
 
 
 def make_inner_optimizer(
     master: torch.Tensor, options: DeslocOptions, optim: AdamWConfig
-) -> InnerOptimizer:
-    """The inner optimizer ``options.optimizer`` over ``master`` (weight decay from ``optim``)."""
+) -> FlatOptimizer:
+    """The inner optimizer ``options.optimizer`` over ``master`` (weight decay from ``optim``).
+
+    adam: :class:`~lowcomm.optim.adamw.FlatAdamW`, one bias-correction counter per moment set to
+    the global step when that moment is averaged; adopt: :class:`~lowcomm.optim.adopt.FlatAdopt`;
+    sgdm: :class:`~lowcomm.optim.sgd.FlatSGD` with the EMA momentum u <- beta1 u + (1 - beta1) g.
+    """
     if options.optimizer == "adam":
-        return LocalAdam(
-            master,
-            betas=options.betas or optim.betas,
-            eps=options.eps if options.eps is not None else optim.eps,
-            weight_decay=optim.weight_decay,
-        )
+        betas = options.betas or optim.betas
+        eps = options.eps if options.eps is not None else optim.eps
+        return FlatAdamW(master, replace(optim, betas=betas, eps=eps))
     if options.optimizer == "adopt":
         config = AdoptConfig(
             betas=options.betas or (0.9, 0.9999),
             eps=options.eps if options.eps is not None else 1e-6,
             weight_decay=optim.weight_decay,
         )
-        return LocalAdopt(master, config)
+        return FlatAdopt(master, config)
     beta = (options.betas or optim.betas)[0]
-    return LocalSGDM(master, beta=beta, weight_decay=optim.weight_decay)
+    return FlatSGD(master, weight_decay=optim.weight_decay, momentum=beta, dampening="ema")
 
 
 # --- strategies -------------------------------------------------------------------------------
@@ -442,7 +296,7 @@ class Desloc(Strategy):
             master = self.flat.params
         else:
             master = self.flat.params.float().clone()
-        self.inner: InnerOptimizer = make_inner_optimizer(master, self.options, context.optim)
+        self.inner: FlatOptimizer = make_inner_optimizer(master, self.options, context.optim)
         self.last_synced: list[Role] = []
 
     # -- configuration --
@@ -466,15 +320,12 @@ class Desloc(Strategy):
 
     def _gradient(self) -> torch.Tensor:
         """The local gradient, clipped per coordinate (rho) and, if set, by its L2 norm."""
-        grad = self.flat.grads
-        if self.context.microbatches_per_step > 1:
-            grad.div_(self.context.microbatches_per_step)
-        grad = grad if grad.dtype == torch.float32 else grad.float()
-        if self.options.clip_rho is not None:
-            grad.clamp_(-self.options.clip_rho, self.options.clip_rho)
-        if self.context.max_grad_norm is not None:
-            clip_(grad, grad.square().sum(), self.context.max_grad_norm)
-        return grad
+        return average_and_clip(
+            self.flat.grads,
+            count=self.context.microbatches_per_step,
+            max_grad_norm=self.context.max_grad_norm,
+            coordinate_clip=self.options.clip_rho,
+        )
 
     def step(self, closure: Closure) -> StepStats:
         if (
@@ -483,10 +334,7 @@ class Desloc(Strategy):
             and self.comm.rank == self.options.rejoin_rank
         ):
             self.rejoin()
-        self.flat.check_params()
-        self.flat.zero_grads()
-        loss, samples, tokens = run_microbatches(closure, self.context.microbatches_per_step)
-        self.flat.sync_grads()
+        loss, samples, tokens = accumulate(self.flat, closure, self.context.microbatches_per_step)
         lr = self.lr_at(self.step_index)
         extras: dict[str, float] = {}
         with torch.no_grad():
@@ -496,13 +344,12 @@ class Desloc(Strategy):
                 if self.options.track_state_change
                 else {}
             )
-            self.inner.step(grad, lr=lr)
+            step_and_publish(self.inner, grad, lr=lr, flat=self.flat)
             for role, previous in before.items():
                 current = self.inner.states()[role]
                 norm = float(previous.norm())
                 name = "first_moment_change" if role is Role.FIRST_MOMENT else "second_moment_change"
                 extras[name] = float((current - previous).norm()) / norm if norm > 0 else math.nan
-            self._publish_master()
         self.step_index += 1
         due = self.due_roles(self.step_index)
         self.synchronize(due)
@@ -557,7 +404,7 @@ class Desloc(Strategy):
                 ]
                 for handle in handles:
                     handle.wait()
-            self.inner.on_synced(roles, self.step_index)
+            self.inner.on_states_averaged(roles, self.step_index)
             self._publish_master()
 
     def _publish_master(self) -> None:
@@ -594,25 +441,19 @@ class Desloc(Strategy):
             self.synchronize([Role.PARAMETER])
 
     def state_bytes(self) -> int:
-        moments = sum(t.numel() * t.element_size() for t in self.inner.states().values())
-        master = 0 if self.inner.master is self.flat.params else self.inner.master.numel() * 4
-        return self.flat.bytes + moments + master
+        master = 0 if self.inner.master is self.flat.params else tensor_bytes(self.inner.master)
+        return self.flat.bytes + self.inner.state_bytes() + master
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
-            "master": self.inner.master.clone(),
-            "states": {role.value: t.clone() for role, t in self.inner.states().items()},
-            "counters": self.inner.counters(),
+            "optimizer": self.inner.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         with torch.no_grad():
-            self.inner.master.copy_(state["master"])
-            for role, tensor in self.inner.states().items():
-                tensor.copy_(state["states"][role.value])
-            self.inner.load_counters(state["counters"])
+            self.inner.load_state_dict(state["optimizer"])
             self._publish_master()
 
 

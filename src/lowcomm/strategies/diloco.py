@@ -30,18 +30,14 @@ from torch import nn
 from lowcomm.comm.base import Comm, Handle, Role, Settled
 from lowcomm.comm.runtime import ClockReader, Runtime
 from lowcomm.optim.adamw import make_adamw
+from lowcomm.optim.flat import FlatOptimizer
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.optim.sgd import FlatSGD
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
 
 @dataclass(kw_only=True)
@@ -52,7 +48,8 @@ class DiLoCoOptions:
     """H: inner steps per outer round (every fragment is synchronized once per H steps)."""
 
     inner_optimizer: Literal["adamw", "sgd"] = "adamw"
-    """Inner optimizer: adamw (the papers') or sgd (plain theta -= lr g, for reduction tests)."""
+    """Inner optimizer: adamw (the papers') or sgd (theta <- theta (1 - lr wd) - lr g with
+    --optim.weight-decay, as --local.inner-optimizer sgd; for reduction tests)."""
 
     outer_lr: float = 0.7
     """eta_out: outer learning rate."""
@@ -454,10 +451,12 @@ class OuterLoopStrategy(Strategy):
         self.master = (
             self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float().clone()
         )
-        self.inner = (
+        # sgd: theta <- theta (1 - lr lambda) - lr g (no momentum), lambda = --optim.weight-decay
+        # as in the local family; the reduction tests pass weight decay 0.
+        self.inner: FlatOptimizer = (
             make_adamw(self.master, context.optim, self.runtime.replica_group)
             if self.options.inner_optimizer == "adamw"
-            else None
+            else FlatSGD(self.master, weight_decay=context.optim.weight_decay)
         )
         self.num_fragments = self.options.fragments or default_fragment_count(
             model, self.default_fragments
@@ -479,23 +478,15 @@ class OuterLoopStrategy(Strategy):
 
     def inner_step(self, closure: Closure) -> StepStats:
         """One inner step on this worker's own parameters; advances ``step_index``."""
-        self.flat.check_params()
-        self.flat.zero_grads()
         count = self.context.microbatches_per_step
-        loss, samples, tokens = run_microbatches(closure, count)
-        self.flat.sync_grads()
-        grads = self.flat.grads if self.flat.dtype == torch.float32 else self.flat.grads.float()
+        loss, samples, tokens = accumulate(self.flat, closure, count)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            if count > 1:
-                grads.div_(count)
             # Clipping is local: the inner gradient is never communicated.
-            clip_(grads, grads.square().sum(), self.context.max_grad_norm)
-            if self.inner is None:
-                self.master.add_(grads, alpha=-lr)
-            else:
-                self.inner.step(grads, lr=lr)
-            self.write_back()
+            grads = average_and_clip(
+                self.flat.grads, count=count, max_grad_norm=self.context.max_grad_norm
+            )
+            step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
         self.step_index += 1
         return StepStats(loss=loss, microbatches=count, samples=samples, tokens=tokens, lr=lr)
 
@@ -548,7 +539,7 @@ class OuterLoopStrategy(Strategy):
                 self.flat.params.copy_(local)
 
     def state_bytes(self) -> int:
-        inner = 0 if self.inner is None else self.inner.exp_avg.numel() * 2 * 4
+        inner = self.inner.state_bytes()
         master = 0 if self.master is self.flat.params else self.master.numel() * 4
         outer = sum(g.numel() * 4 + o.state_bytes() for g, o in zip(self.globals_, self.outer, strict=True))
         return self.flat.bytes + inner + master + outer + self.extra_state_bytes()
@@ -580,7 +571,7 @@ class OuterLoopStrategy(Strategy):
             **super().state_dict(),
             "in_flight": self.in_flight_state(),
             "master": self.master.clone(),
-            "inner": None if self.inner is None else self.inner.state_dict(),
+            "inner": self.inner.state_dict(),
             "globals": [g.clone() for g in self.globals_],
             "outer": [o.state_dict() for o in self.outer],
             "outer_steps": self.outer_steps,
@@ -589,9 +580,8 @@ class OuterLoopStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         with torch.no_grad():
+            self.inner.load_state_dict(state["inner"])
             self.master.copy_(state["master"])
-            if self.inner is not None:
-                self.inner.load_state_dict(state["inner"])
             for anchor, saved in zip(self.globals_, state["globals"], strict=True):
                 anchor.copy_(saved)
             for outer, saved in zip(self.outer, state["outer"], strict=True):

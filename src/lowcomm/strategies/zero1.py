@@ -23,16 +23,11 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.adamw import FlatAdamW
-from lowcomm.strategies.base import (
-    Closure,
-    StepStats,
-    Strategy,
-    StrategyContext,
-    clip_,
-    run_microbatches,
-)
+from lowcomm.optim.flat import tensor_bytes
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.gradient_step import accumulate, average_and_clip
 
 
 class ZeRO1(Strategy):
@@ -65,22 +60,22 @@ class ZeRO1(Strategy):
         )
 
     def step(self, closure: Closure) -> StepStats:
-        self.flat.check_params()
-        self.flat.zero_grads()
-        loss, samples, tokens = run_microbatches(closure, self.context.microbatches_per_step)
-        self.flat.sync_grads()
+        loss, samples, tokens = accumulate(self.flat, closure, self.context.microbatches_per_step)
         self.comm.reduce_scatter(
             self.shard_grad, self.flat.grads, op="sum", role=Role.GRADIENT
         ).wait()
         contributions = self.comm.world_size * self.context.microbatches_per_step
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            grad = self.shard_grad.float().div_(contributions)
-            if self.context.max_grad_norm is not None:
-                # The global norm needs every shard's share: one scalar all-reduce.
-                squared = grad.square().sum().reshape(1).double()
-                self.comm.all_reduce(squared, op="sum", role=Role.OTHER).wait()
-                clip_(grad, squared, self.context.max_grad_norm)
+            # The global norm needs every shard's share: one scalar all-reduce.
+            grad = average_and_clip(
+                self.shard_grad,
+                count=contributions,
+                max_grad_norm=self.context.max_grad_norm,
+                sum_squared_norm=lambda squared: self.comm.all_reduce(
+                    squared, op="sum", role=Role.OTHER
+                ).wait(),
+            )
             self.optimizer.step(grad, lr=lr)
             update = self.optimizer.master.to(self.flat.dtype)
         self.comm.all_gather(self.flat.params, update, role=Role.PARAMETER).wait()
@@ -94,7 +89,7 @@ class ZeRO1(Strategy):
         )
 
     def state_bytes(self) -> int:
-        shard = self.shard_grad.numel() * self.shard_grad.element_size()
+        shard = tensor_bytes(self.shard_grad, self.optimizer.master)
         return self.flat.bytes + self.optimizer.state_bytes() + shard
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,78 @@
+"""The gradient step every family shares: accumulate micro-batches, average, clip, step.
+
+One place for what DDP, ZeRO-1, the ACCO chain and the inner steps of the local, DiLoCo and
+DES-LOC families all do with a gradient (docs/ALGORITHMS.md §0.3):
+
+1. :func:`accumulate`: run ``k`` micro-batches (forward and backward) into the flat gradient
+   buffer G (a sum);
+2. :func:`average_and_clip`: the fp32 gradient ``G / k`` (``k`` = micro-batches, or the
+   contributions of every worker after a sum reduce-scatter), optionally clipped per
+   coordinate to [-rho, rho] (DES-LOC), then scaled to global L2 norm at most
+   ``--max-grad-norm`` (the squared norm optionally summed over shards first);
+3. :func:`step_and_publish`: one optimizer step on the fp32 master, copied into the working
+   parameters when they are a separate (lower-precision) tensor.
+
+A family's own communication goes between 1 and 2 (DDP's gradient all-reduce, ZeRO-1's
+reduce-scatter) or after 3 (parameter averages, outer steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lowcomm.optim.flat import FlatOptimizer
+from lowcomm.strategies.base import Closure, clip_, run_microbatches
+from lowcomm.strategies.flat import FlatBuffers
+
+
+def accumulate(flat: FlatBuffers, closure: Closure, count: int) -> tuple[float, int, int]:
+    """Zero G, run ``count`` micro-batches into it; return (mean loss, samples, tokens)."""
+    flat.check_params()
+    flat.zero_grads()
+    result = run_microbatches(closure, count)
+    flat.sync_grads()
+    return result
+
+
+def average_and_clip(
+    grads: torch.Tensor,
+    *,
+    count: int,
+    max_grad_norm: float | None,
+    coordinate_clip: float | None = None,
+    sum_squared_norm: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """The fp32 gradient ``grads / count``, clipped (in place when ``grads`` is fp32).
+
+    Args:
+        grads: a summed gradient (G, or a reduced shard of it).
+        count: what it is a sum of (micro-batches, or contributions of all workers).
+        max_grad_norm: scale to this global L2 norm at most (None: no norm clip).
+        coordinate_clip: rho, clip every coordinate to [-rho, rho] first (None: off).
+        sum_squared_norm: for a shard of the gradient, sums a one-element float64 squared
+            norm over the shards in place (an all-reduce), so the norm is the global one.
+    """
+    grad = grads if grads.dtype == torch.float32 else grads.float()
+    if count > 1:
+        grad.div_(count)
+    if coordinate_clip is not None:
+        grad.clamp_(-coordinate_clip, coordinate_clip)
+    if max_grad_norm is not None:
+        squared = grad.square().sum()
+        if sum_squared_norm is not None:
+            squared = squared.reshape(1).double()
+            sum_squared_norm(squared)
+        clip_(grad, squared, max_grad_norm)
+    return grad
+
+
+def step_and_publish(
+    optimizer: FlatOptimizer, grad: torch.Tensor, *, lr: float, flat: FlatBuffers
+) -> None:
+    """One optimizer step; then the working parameters take the fp32 master's values unless
+    they are the master itself (fp32 parameters)."""
+    optimizer.step(grad, lr=lr)
+    if optimizer.master is not flat.params:
+        flat.params.copy_(optimizer.master)
