@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lowcomm.atomic import atomic_write_text
 from lowcomm.bench.runs import mean_sd as _mean_sd
 from lowcomm.bench.runs import run_or_resume
 from lowcomm.bench.runs import val_curve as _val_curve
 from lowcomm.config import TrainConfig
-from lowcomm.train.metrics import atomic_write_text
 
 
 @dataclass(kw_only=True)

@@ -195,7 +195,7 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
         "runs": _run_rows(results),
         "failures": failures,
     }
-    from lowcomm.train.metrics import atomic_write_text
+    from lowcomm.atomic import atomic_write_text
 
     atomic_write_text(out / "results.json", json.dumps(document, indent=2, default=str) + "\n")
     atomic_write_text(out / "report.md", _report(document))
@@ -306,7 +306,7 @@ def run_reproduce(config: ReproduceConfig) -> list[dict[str, Any]]:
         documents.append(document)
         print(f"[reproduce] {name}: " + ", ".join(f"{p['id']} {p['verdict']}" for p in document["predictions"]))
     if config.paper == "all":
-        from lowcomm.train.metrics import atomic_write_text
+        from lowcomm.atomic import atomic_write_text
 
         atomic_write_text(Path(config.out) / "summary.md", _summary(config, documents))
     return documents

@@ -191,7 +191,7 @@ def _rosenbrock(spec: RunSpec, seed: int, run_dir: Path, tag: str) -> str | None
         if match:
             distances[match.group(1)] = float(match.group(4))
     run_dir.mkdir(parents=True, exist_ok=True)
-    from lowcomm.train.metrics import atomic_write_text
+    from lowcomm.atomic import atomic_write_text
 
     atomic_write_text(result_path, json.dumps({"args": args, "distances": distances}, indent=2) + "\n")
     return None

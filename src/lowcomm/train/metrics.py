@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,24 +11,9 @@ from typing import Any, TextIO
 
 import torch
 
+from lowcomm.atomic import atomic_path, atomic_write_text
 from lowcomm.comm.network import NetworkProfile
 from lowcomm.config import TrainConfig
-
-
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` so a reader sees either the old file or the whole new one
-    (a temporary file, flushed and fsynced, then renamed)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
-    atomic_write_bytes(path, text.encode())
 
 
 @dataclass
@@ -257,10 +241,9 @@ class RunWriter:
             axis.legend()
         figure.suptitle(f"{self.config.method}, {self.config.workers} workers, network {self.config.network}")
         figure.tight_layout()
-        tmp = self.directory / ".loss.png.tmp.png"
-        figure.savefig(tmp, dpi=100)
+        with atomic_path(self.directory / "loss.png") as temporary:
+            figure.savefig(temporary, dpi=100, format="png")
         plt.close(figure)
-        os.replace(tmp, self.directory / "loss.png")
 
 
 def _json_default(value: Any) -> Any:
