@@ -218,8 +218,8 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
     with (
         tempfile.TemporaryDirectory() as empty,
         _cwd(empty),
-        mock.patch("lowcomm.launch.spawn_workers", spawner),
-        mock.patch("lowcomm.launch.under_torchrun", lambda: False),
+        mock.patch("lowcomm.launch.run.spawn_workers", spawner),
+        mock.patch("lowcomm.launch.run.under_torchrun", lambda: False),
         redirect_stderr(stderr),
         redirect_stdout(io.StringIO()),
     ):

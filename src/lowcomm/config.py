@@ -148,7 +148,10 @@ class TrainConfig:
     """Options of desloc, local_adam, favg_opt and favg_reset."""
 
     def validate(self) -> None:
-        """Check the whole configuration; raise :class:`ConfigError` on the first problem."""
+        """Check the options, alone and together; raise :class:`ConfigError` on the first
+        problem. Reads no file and builds no model: the checks that do (the data path, the
+        checkpoint to resume, the method on the real model, the run directory) are the
+        launch's pre-flight, :func:`lowcomm.launch.run.preflight`."""
         from lowcomm.strategies import strategy_class
 
         try:
@@ -226,12 +229,6 @@ class TrainConfig:
                 f"of seconds up to {MAX_TIMEOUT_S:g}"
             )
         self._validate_checkpointing()
-        self._validate_method_options()
-        if self.data.data is not None and not Path(self.data.data).expanduser().exists():
-            raise ConfigError(
-                f"--data: path {self.data.data!r} does not exist; pass a text file, a "
-                f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
-            )
 
     def _validate_checkpointing(self) -> None:
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
@@ -253,32 +250,16 @@ class TrainConfig:
                 f"--overwrite: clears the run directory that --resume {self.resume} would "
                 f"continue; pass one of them"
             )
-        if self.resume is not None and self.resume != "auto":
-            from lowcomm.train.checkpoint import (
-                CheckpointError,
-                find_latest,
-                fingerprint,
-                has_checkpoint,
+        if (
+            self.resume not in (None, "auto")
+            and self.out is not None
+            and Path(self.out).resolve() != Path(str(self.resume)).resolve()
+        ):
+            raise ConfigError(
+                f"--out: {self.out!r} differs from --resume {self.resume!r}; a resumed run "
+                f"continues in its own directory, so omit --out"
             )
 
-            if not has_checkpoint(Path(self.resume)):
-                latest = Path(self.resume) / "checkpoints" / "latest"
-                raise ConfigError(
-                    f"--resume: {self.resume!r} holds no checkpoint ({latest} is missing); pass "
-                    f"the --out directory of a run trained with --checkpoint-every or "
-                    f"--stop-after, or --resume auto"
-                )
-            try:
-                find_latest(
-                    Path(self.resume), self.workers * self.ranks_per_worker, fingerprint(self)
-                )
-            except CheckpointError as error:
-                raise ConfigError(str(error)) from None
-            if self.out is not None and Path(self.out).resolve() != Path(self.resume).resolve():
-                raise ConfigError(
-                    f"--out: {self.out!r} differs from --resume {self.resume!r}; a resumed run "
-                    f"continues in its own directory, so omit --out"
-                )
     def _validate_hierarchy(self) -> None:
         """Checks of --ranks-per-worker and the inner link."""
         from lowcomm.strategies import strategy_class
@@ -366,22 +347,6 @@ class TrainConfig:
             microbatches_per_step=self.microbatches_per_step,
             max_grad_norm=self.max_grad_norm,
         )
-
-    def _validate_method_options(self) -> None:
-        """Construct the method once on a recording communicator of the run's world size, so
-        options that depend on the model or the worker count fail here, before any worker
-        starts, with the method's own message."""
-        from lowcomm.comm.fake import RecordingComm
-        from lowcomm.models import build_model
-        from lowcomm.strategies import build_strategy
-
-        try:
-            model = build_model(self.model, self.data.vocab_size)
-            build_strategy(
-                self.method, model, RecordingComm(world_size=self.workers), self.strategy_context(), self
-            )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
 
     def network_profile(self) -> NetworkProfile:
         return NetworkProfile.from_preset(
