@@ -248,7 +248,7 @@ def first_step(config: TrainConfig) -> None:
     )
     if config.ranks_per_worker > 1:
         inner = NetworkComm(
-            RecordingComm(world_size=config.ranks_per_worker), config.inner_network_profile(), clock
+            RecordingComm(world_size=config.ranks_per_worker), config.replica_network_profile(), clock
         )
         comm = HierarchicalComm(inner, comm, clock)
     strategy = build_strategy(config.method, model, comm, config.strategy_context(), config)

@@ -1,5 +1,5 @@
 """The code's shape, checked from its source with ``ast``: no import cycles among lowcomm's
-modules (issue 15, item 5)."""
+modules, and no function in ``train/`` longer than a screen (issue 15, item 5)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import ast
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "lowcomm"
+
+#: The longest function ``train/`` may hold, in lines (decorators and docstring included).
+MAX_TRAIN_FUNCTION_LINES = 60
 
 
 def _modules() -> dict[str, Path]:
@@ -94,3 +97,15 @@ def test_the_cycle_detector_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert "lowcomm.config" in import_graph()["lowcomm.train.checkpoint"]
+
+
+def test_no_function_in_train_is_over_60_lines() -> None:
+    long = []
+    for path in sorted((SOURCE / "train").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                lines = (node.end_lineno or node.lineno) - first + 1
+                if lines > MAX_TRAIN_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == [], f"split these into named pieces: {long}"

@@ -261,7 +261,7 @@ class TrainConfig:
             )
 
     def _validate_hierarchy(self) -> None:
-        """Checks of --ranks-per-worker and the inner link."""
+        """Checks of --ranks-per-worker and the replica link (--inner-network)."""
         from lowcomm.strategies import strategy_class
 
         if self.ranks_per_worker < 1:
@@ -287,7 +287,7 @@ class TrainConfig:
                 f"a latency in milliseconds such as 0.005"
             )
         try:
-            self.inner_network_profile()
+            self.replica_network_profile()
         except ValueError as error:
             raise ConfigError(
                 str(error).replace("--network", "--inner-network").replace("network.", "inner_network.")
@@ -299,8 +299,8 @@ class TrainConfig:
                 f"{refusal}; use --ranks-per-worker 1 with this method"
             )
 
-    def inner_network_profile(self) -> NetworkProfile:
-        """The link between the ranks of one worker."""
+    def replica_network_profile(self) -> NetworkProfile:
+        """The replica link: between the ranks of one worker (``--inner-network``)."""
         return NetworkProfile.from_preset(
             self.inner_network,
             bandwidth_gbps=self.inner_bandwidth_gbps,
