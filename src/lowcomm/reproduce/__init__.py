@@ -20,14 +20,12 @@ from typing import Annotated, Any
 
 import tyro
 
+from lowcomm.models import ModelConfig
 from lowcomm.reproduce.papers import PAPERS, Paper
 from lowcomm.reproduce.runner import Results, Scale, execute
 from lowcomm.reproduce.stats import VERDICTS, Finding
 
-_SMALL_MODEL = (
-    "--model.n-layer", "2", "--model.n-embd", "64", "--model.n-head", "2",
-    "--model.block-size", "32", "--micro-batch-size", "8",
-)  # fmt: skip
+_SMALL_MODEL = ModelConfig(n_layer=2, n_embd=64, n_head=2, block_size=32)
 
 SCALES: dict[str, Scale] = {
     "quick": Scale(
@@ -35,6 +33,7 @@ SCALES: dict[str, Scale] = {
         steps=96,
         workers=2,
         model=_SMALL_MODEL,
+        micro_batch_size=8,
         eval_every=8,
         eval_batches=4,
         co2_taus=(6, 12),
@@ -53,6 +52,7 @@ SCALES: dict[str, Scale] = {
         steps=192,
         workers=4,
         model=_SMALL_MODEL,
+        micro_batch_size=8,
         eval_every=16,
         eval_batches=8,
         co2_taus=(6, 12),
