@@ -3,9 +3,11 @@ workers, same global batch and tokens (every process takes the same micro-batch 
 processes consume the same tokens per step either way), inner link ``datacenter``, outer link
 ``wan``, virtual clock; for ddp, diloco, eager and desloc.
 
-Every run is ``lowcomm train``. The table reports utilisation (compute / (compute + exposed
-communication)), modeled time, bytes each rank sent on the inner and the outer link, exposed
-seconds per level, and the final validation loss.
+Every run is a declared :class:`TrainConfig` run (or resumed) through lowcomm's one launch path
+(``lowcomm.bench.runs.run_or_resume``, what ``lowcomm bench compare`` and ``lowcomm reproduce``
+use), so a finished run is reused. The table reports utilisation (compute / (compute + exposed
+communication)), modeled time, bytes each rank sent on the replica (inner) and the outer link,
+exposed seconds per level, and the final validation loss.
 
 Reduced scale used for docs/results/hierarchical.md: the defaults below (one seed).
 """
@@ -13,49 +15,61 @@ Reduced scale used for docs/results/hierarchical.md: the defaults below (one see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from lowcomm.bench.runs import run_or_resume
+from lowcomm.config import TrainConfig
+from lowcomm.data import DataConfig
+from lowcomm.models import ModelConfig
+from lowcomm.strategies.desloc import DeslocOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
 
 METHODS = ("ddp", "diloco", "eager", "desloc")
 
+#: (layout name, table label, workers, ranks per worker): four processes either way.
+LAYOUTS = (("hier", "2 x 2", 2, 2), ("flat", "4 x 1", 4, 1))
 
-def run_one(method: str, layout: str, args: argparse.Namespace) -> dict[str, float]:
-    hierarchical = layout == "hier"
-    name = f"{method}-{layout}-s{args.seed}"
-    out = Path(args.out) / name
-    summary_path = out / "summary.json"
-    if not summary_path.exists():
-        command = [
-            sys.executable, "-m", "lowcomm", "train", "--method", method,
-            "--steps", str(args.steps), "--seed", str(args.seed),
-            "--network", args.network, "--clock", "virtual", "--progress", "False",
-            "--eval-every", str(args.steps), "--eval-batches", str(args.eval_batches),
-            "--model.n-layer", str(args.n_layer), "--model.n-embd", str(args.n_embd),
-            "--model.n-head", str(args.n_head), "--model.block-size", str(args.block_size),
-            "--micro-batch-size", str(args.micro_batch_size), "--out", str(out),
-            "--diloco.sync-every", str(args.sync_every),
-            "--desloc.param-period", str(args.desloc_sync_every),
-        ]  # fmt: skip
-        if hierarchical:
-            command += ["--workers", "2", "--ranks-per-worker", "2", "--inner-network", args.inner_network]
-        else:
-            command += ["--workers", "4"]
-        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
-        if result.returncode != 0:
-            raise RuntimeError(f"{name} failed:\n{result.stderr[-2000:]}")
-    summary = json.loads(summary_path.read_text())
+
+def declared_runs(args: argparse.Namespace) -> list[tuple[str, str, TrainConfig]]:
+    """The sweep: (method, layout label, configuration) per run."""
+    base = TrainConfig(
+        steps=args.steps, seed=args.seed, network=args.network, clock="virtual", progress=False,
+        eval_every=args.steps, eval_batches=args.eval_batches, inner_network=args.inner_network,
+        model=ModelConfig(
+            n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size
+        ),
+        data=DataConfig(micro_batch_size=args.micro_batch_size),
+        diloco=DiLoCoOptions(sync_every=args.sync_every),
+        desloc=DeslocOptions(param_period=args.desloc_sync_every),
+    )  # fmt: skip
+    runs = []
+    for method in args.methods:
+        for layout, label, workers, ranks in LAYOUTS:
+            out = Path(args.out) / f"{method}-{layout}-s{args.seed}"
+            config = dataclasses.replace(
+                base, method=method, workers=workers, ranks_per_worker=ranks, out=str(out)
+            )
+            runs.append((method, label, config))
+    return runs
+
+
+def run_one(config: TrainConfig) -> dict[str, float]:
+    name = Path(str(config.out)).name
+    error = run_or_resume(config, name, tag="hierarchical")
+    if error is not None:
+        raise RuntimeError(f"{name} failed: {error}")
+    summary = json.loads((Path(str(config.out)) / "summary.json").read_text())
     levels = summary["levels"]
     return {
         "val": float(summary["final_val_loss"]),
         "utilization": float(summary["utilization"]),
         "time": float(summary["modeled_time_s"]),
         "tokens": float(summary["tokens"]),
-        "inner_bytes": float(levels["inner"]["bytes_sent_per_rank"]),
+        "replica_bytes": float(levels["inner"]["bytes_sent_per_rank"]),
         "outer_bytes": float(levels["outer"]["bytes_sent_per_rank"]),
-        "inner_exposed": float(levels["inner"]["exposed_comm_s"]),
+        "replica_exposed": float(levels["inner"]["exposed_comm_s"]),
         "outer_exposed": float(levels["outer"]["exposed_comm_s"]),
     }
 
@@ -89,16 +103,15 @@ def main() -> None:
         "| inner exposed (s) | outer exposed (s) | tokens | final val loss |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for method in args.methods:
-        for layout, label in (("hier", "2 x 2"), ("flat", "4 x 1")):
-            r = run_one(method, layout, args)
-            print(
-                f"| {method} | {label} | {r['utilization']:.3f} | {r['time']:.2f} "
-                f"| {r['inner_bytes'] / 1e6:.2f} | {r['outer_bytes'] / 1e6:.2f} "
-                f"| {r['inner_exposed']:.3f} | {r['outer_exposed']:.2f} | {int(r['tokens']):,} "
-                f"| {r['val']:.4f} |",
-                flush=True,
-            )
+    for method, label, config in declared_runs(args):
+        r = run_one(config)
+        print(
+            f"| {method} | {label} | {r['utilization']:.3f} | {r['time']:.2f} "
+            f"| {r['replica_bytes'] / 1e6:.2f} | {r['outer_bytes'] / 1e6:.2f} "
+            f"| {r['replica_exposed']:.3f} | {r['outer_exposed']:.2f} | {int(r['tokens']):,} "
+            f"| {r['val']:.4f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -60,3 +60,49 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert "done before, skipped" in again.stderr
     assert summary.stat().st_mtime_ns == before
+
+
+def test_compare_with_ranks_per_worker_reports_the_right_worker_count(tmp_path: Path) -> None:
+    # 2 workers of 2 ranks each: 4 processes, and every report says 2 workers (issue 15).
+    out = tmp_path / "cmp"
+    result = subprocess.run(
+        [sys.executable, "-m", "lowcomm", "bench", "compare", "--methods", "ddp",
+         "--train.steps", "2", "--workers", "2", "--train.ranks-per-worker", "2",
+         "--out", str(out), *SMALL_TRAIN],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert (results["workers"], results["ranks_per_worker"], results["steps"]) == (2, 2, 2)
+    summary = json.loads((out / "runs" / "ddp-s0" / "summary.json").read_text())
+    assert (summary["workers"], summary["ranks_per_worker"]) == (2, 2)
+    # Each of the 4 ranks takes a micro-batch of 4 rows per step.
+    assert summary["tokens"] == 2 * 2 * 2 * 4 * 32
+    assert "2 workers of 2 ranks each" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("option", ["steps", "workers", "network", "clock"])
+def test_an_option_given_at_the_top_level_and_under_train_is_refused(
+    option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lowcomm import cli
+
+    value = {"steps": ("3", "4"), "workers": ("2", "3"), "network": ("wan", "none"), "clock": ("real", "virtual")}
+    top, under = value[option]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "compare", "--out", str(tmp_path), f"--{option}", top, f"--train.{option}", under])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"lowcomm: error: --{option}: given both") and "\n" not in error
+    assert not (tmp_path / "runs").exists()
+
+
+def test_top_level_and_train_options_are_one_option() -> None:
+    from lowcomm.bench.compare import CompareBench
+    from lowcomm.config import TrainConfig
+
+    assert CompareBench().run_config("ddp", 0).steps == 60  # the bench's own default
+    assert CompareBench(steps=5).run_config("ddp", 0).steps == 5
+    assert CompareBench(train=TrainConfig(steps=7)).run_config("ddp", 0).steps == 7
+    with pytest.raises(ValueError, match="--steps: given both"):
+        CompareBench(steps=5, train=TrainConfig(steps=7))

@@ -218,8 +218,8 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
     with (
         tempfile.TemporaryDirectory() as empty,
         _cwd(empty),
-        mock.patch("lowcomm.launch.spawn_workers", spawner),
-        mock.patch("lowcomm.launch.under_torchrun", lambda: False),
+        mock.patch("lowcomm.launch.run.spawn_workers", spawner),
+        mock.patch("lowcomm.launch.run.under_torchrun", lambda: False),
         redirect_stderr(stderr),
         redirect_stdout(io.StringIO()),
     ):
@@ -248,7 +248,7 @@ def first_step(config: TrainConfig) -> None:
     )
     if config.ranks_per_worker > 1:
         inner = NetworkComm(
-            RecordingComm(world_size=config.ranks_per_worker), config.inner_network_profile(), clock
+            RecordingComm(world_size=config.ranks_per_worker), config.replica_network_profile(), clock
         )
         comm = HierarchicalComm(inner, comm, clock)
     strategy = build_strategy(config.method, model, comm, config.strategy_context(), config)

@@ -483,9 +483,11 @@ def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str)
     config = TrainConfig(device=device, clock="real", progress=False, out=str(tmp_path / "run"))  # type: ignore[arg-type]
     writer = RunWriter(config)
     writer.close_steps()
-    columns = [1.0, 0.0, 1.0, 0.0, 1000.0, 64.0, 0.0, 0.0, 0.0, 0.0, 5e9]
+    from lowcomm.train.records import ProcessTotals
+
+    columns = [1.0, 0.0, 1.0, 0.0, 1000.0, 64.0, 0.0, 0.0, 0.0, 0.0]
     summary = writer.finish(
-        per_worker=torch.tensor([columns, [*columns[:-1], 6e9]], dtype=torch.float64),
+        per_process=[ProcessTotals(*columns, peak_memory=5e9), ProcessTotals(*columns, peak_memory=6e9)],
         bytes_by_role={},
         num_params=10,
         final_val_loss=1.0,

@@ -13,6 +13,7 @@ import pytest
 
 from lowcomm import cli
 from lowcomm.config import TrainConfig
+from lowcomm.models import ModelConfig
 from lowcomm.reproduce import PAPERS, SCALES, ReproduceConfig, papers
 from lowcomm.reproduce.runner import (
     Results,
@@ -22,6 +23,7 @@ from lowcomm.reproduce.runner import (
     loss_at_time,
     parse_train_flags,
     steps_to_target,
+    train_flags,
 )
 from lowcomm.reproduce.stats import (
     FAILS,
@@ -251,17 +253,23 @@ def test_every_declared_run_uses_real_options_and_methods(scale: str) -> None:
         specs = paper.runs(SCALES[scale])
         assert len({spec.label for spec in specs}) == len(specs), paper.name
         for spec in (spec for spec in specs if spec.kind == "train"):
-            flags = [token for token in spec.flags if token.startswith("--")]
-            assert set(flags) <= known, (spec.label, set(flags) - known)
-            method = spec.flags[spec.flags.index("--method") + 1]
-            assert method in STRATEGIES, (spec.label, method)
-            assert spec.flags[spec.flags.index("--clock") + 1] == "virtual"
+            assert isinstance(spec.run, TrainConfig)
+            assert spec.run.method in STRATEGIES, (spec.label, spec.run.method)
+            assert spec.run.clock == "virtual"
+            # The command a report shows is real options that give back the same run.
+            flags = train_flags(spec.run)
+            assert {token for token in flags if token.startswith("--")} <= known, spec.label
+            assert parse_train_flags(flags) == spec.run, spec.label
 
 
-def test_one_declared_run_per_paper_parses_and_validates() -> None:
+def test_one_declared_run_per_paper_validates_and_passes_preflight(tmp_path: Path) -> None:
+    from lowcomm.launch.run import preflight
+
     for paper in PAPERS.values():
         spec = paper.runs(QUICK)[-2]
-        parse_train_flags(list(spec.flags)).validate()
+        config = spec.train_config(0, tmp_path / paper.name)
+        config.validate()
+        preflight(config)
 
 
 def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -281,8 +289,8 @@ TINY = dataclasses.replace(
     QUICK,
     name="quick",
     steps=4,
-    model=("--model.n-layer", "1", "--model.n-embd", "16", "--model.n-head", "2",
-           "--model.block-size", "16", "--micro-batch-size", "2"),
+    model=ModelConfig(n_layer=1, n_embd=16, n_head=2, block_size=16),
+    micro_batch_size=2,
     eval_every=2,
     eval_batches=1,
 )

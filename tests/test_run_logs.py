@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from lowcomm.config import TrainConfig
 from lowcomm.train.metrics import RunWriter, StepRecord
+from lowcomm.train.records import StepMetrics
 
 SMALL = [
     "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
@@ -42,13 +42,12 @@ def test_final_validation_loss_is_the_last_point_of_metrics(tmp_path: Path) -> N
 
 
 def _records(count: int) -> list[StepRecord]:
-    per_worker = torch.tensor([[3.0, 0.1, 0.05, 100.0, 0.2, 1, 64, 1]], dtype=torch.float64)
-    fields = ("loss", "compute_s", "exposed_comm_s", "bytes_sent", "clock_s", "microbatches",
-              "tokens", "committed_steps")  # fmt: skip
+    def worker(step: int) -> StepMetrics:
+        values = [3.0, 0.1, 0.05, 100.0, 0.2, 1, 64, 1]
+        return StepMetrics(*(value - 0.1 * step for value in values), params_finite=1.0)
+
     return [
-        StepRecord.from_tensor(
-            step, 1e-3, per_worker - 0.1 * step, fields, 2.5 if step % 2 else None, "virtual"
-        )
+        StepRecord.from_workers(step, 1e-3, [worker(step)], 2.5 if step % 2 else None, "virtual")
         for step in range(count)
     ]
 

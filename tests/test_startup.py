@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lowcomm.bench.startup import PHASES, phase_costs
-from lowcomm.cli import warn_if_oversubscribed
+from lowcomm.launch.run import warn_if_oversubscribed
 
 SMALL = [
     "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -20,7 +19,6 @@ import tyro
 # process imports torch (lowcomm.config does), so that both imports run at once.
 if TYPE_CHECKING:
     from lowcomm.config import TrainConfig
-    from lowcomm.data import PreparedCorpus
     from lowcomm.plan import PlanConfig
 
 
@@ -35,84 +33,23 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 
 def run_train(config: TrainConfig) -> None:
-    """Validate, check the run directory, prepare data, then spawn the workers (or join
-    torchrun as one)."""
+    """Run one training job through the launch path (:func:`lowcomm.launch.run.run_training`),
+    turning its refusals into one-line errors and an interrupt into its exit status."""
+    from lowcomm.launch import Interrupted, WorkerFailed
+    from lowcomm.launch.run import run_training
+
     try:
-        _run_train(config)
-    except KeyboardInterrupt:  # before the workers start (they have their own handling)
-        print("lowcomm: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
-
-
-def _run_train(config: TrainConfig) -> None:
-    from lowcomm.config import ConfigError
-    from lowcomm.data import DataError, prepare_corpus
-    from lowcomm.launch import Interrupted, WorkerFailed, spawn_workers, under_torchrun
-    from lowcomm.train.rundir import ERROR_LOG, check_run_dir
-
-    config.make_paths_absolute()
-    torchrun = under_torchrun()
-    if torchrun:
-        _torchrun_world(config)
-    try:
-        config.validate()
-        note = check_run_dir(config)
-    except ConfigError as error:
+        run_training(config)
+    except ValueError as error:  # ConfigError and DataError: a refusal naming the fix
         _fail(str(error))
-    if torchrun:
-        _run_under_torchrun(config, note)
-        return
-    source = "the bundled corpus" if config.data.data is None else config.data.data
-    say(f"preparing corpus from {source}")
-    started = time.perf_counter()
-    try:
-        corpus = prepare_corpus(config.data, report=say)
-        config.check_corpus(corpus)
-    except (DataError, ConfigError) as error:
-        _fail(str(error))
-    except OSError as error:  # e.g. a cache directory that cannot be written
-        where = f" ({error.filename})" if error.filename else ""
-        _fail(
-            f"--data, --cache-dir: preparing the corpus failed: {error.strerror or error}{where}; "
-            f"check that the data is readable and the cache directory (--cache-dir, "
-            f"$LOWCOMM_CACHE_DIR or ~/.cache/lowcomm) is writable"
-        )
-    say(describe_corpus(corpus, time.perf_counter() - started))
-    warn_if_oversubscribed(config.world_size)
-    from lowcomm.train.loop import spawned_train
-
-    run_dir = config.run_dir()
-    _start_run_dir(config, note)
-    say(f"starting {config.world_size} worker processes")
-    try:
-        spawn_workers(
-            spawned_train,
-            config.world_size,
-            (config,),
-            device=config.device,
-            timeout_s=config.collective_timeout_s,
-            log_path=run_dir / ERROR_LOG,
-        )
     except WorkerFailed as error:
         _fail(str(error), code=1)
     except Interrupted as interrupt:
         print(_interrupted_message(config, interrupt), file=sys.stderr)
         raise SystemExit(128 + interrupt.signum) from None
-
-
-def _start_run_dir(config: TrainConfig, note: str | None) -> None:
-    """Say which checkpoint a resume falls back to, and clear the directory for --overwrite."""
-    from lowcomm.train.rundir import clear_run
-
-    if note is not None:
-        print(note, file=sys.stderr)
-    if config.overwrite:
-        removed = clear_run(config.run_dir())
-        if removed:
-            print(
-                f"lowcomm: --overwrite: removed {', '.join(removed)} from {config.run_dir()}",
-                file=sys.stderr,
-            )
+    except KeyboardInterrupt:  # before the workers start (they have their own handling)
+        print("lowcomm: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
@@ -138,98 +75,6 @@ def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
         f"lowcomm: {interrupt}: every worker stopped; {run_dir}/metrics.jsonl holds {steps} "
         f"steps, {state}"
     )
-
-
-def say(message: str) -> None:
-    """A start-up phase, shown as it happens (stdout, flushed: a pipe sees it at once)."""
-    print(f"lowcomm: {message}", flush=True)
-
-
-def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
-    """The line saying what the prepared corpus holds."""
-    files = len(corpus.source_names)
-    tokens = corpus.num_train_tokens + corpus.num_val_tokens
-    tokenizer = "tokenizer and tokens from the cache" if corpus.from_cache else "tokenized now"
-    return (
-        f"corpus: {files:,} file{'s' if files != 1 else ''}, {corpus.num_documents:,} "
-        f"documents, {tokens:,} tokens ({corpus.num_train_tokens:,} train, "
-        f"{corpus.num_val_tokens:,} validation), vocabulary {corpus.vocab_size:,}; "
-        f"{tokenizer} in {seconds:.1f} s"
-    )
-
-
-def warn_if_oversubscribed(processes: int) -> None:
-    """Say when this machine runs more worker processes than it has CPU cores."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if cores is not None and processes > cores:
-        print(
-            f"lowcomm: warning: {processes} worker processes on {cores} CPU cores: they take "
-            f"turns, so start-up and wall-clock times grow with the count (the virtual clock "
-            f"counts each worker's own CPU time and is not inflated)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _torchrun_world(config: TrainConfig) -> None:
-    """Take the worker count from torchrun's world (before the checks that depend on it)."""
-    import os
-
-    world_size = int(os.environ["WORLD_SIZE"])
-    if config.ranks_per_worker < 1:
-        return  # validate() names it
-    if world_size % config.ranks_per_worker:
-        _fail(
-            f"--ranks-per-worker: {config.ranks_per_worker} does not divide the torchrun world "
-            f"of {world_size} processes; launch workers x ranks-per-worker processes (e.g. "
-            f"--nproc-per-node {config.ranks_per_worker} on each of the workers' nodes)"
-        )
-    workers = world_size // config.ranks_per_worker
-    if config.workers != workers:
-        # torchrun decides the world; keep the recorded config truthful.
-        config.workers = workers
-        if config.speed_factors and len(config.speed_factors) != workers:
-            _fail(
-                f"--speed-factors: {len(config.speed_factors)} values for a torchrun world of "
-                f"{workers} workers; give one per worker"
-            )
-
-
-def _run_under_torchrun(config: TrainConfig, note: str | None) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    from lowcomm.comm.torch_comm import TorchComm
-    from lowcomm.data import prepare_corpus
-    from lowcomm.launch.spawn import init_from_env
-    from lowcomm.train.loop import train_worker
-
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank == 0:
-        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
-    try:
-        # Every process checked the run directory before the rendezvous; only then is it cleared.
-        if dist.get_rank() == 0:
-            _start_run_dir(config, note)
-            say(f"workers connected: {world_size} processes")
-        # One preparer per machine, the others wait: concurrent tokenizer training is waste.
-        if local_rank == 0:
-            started = time.perf_counter()
-            corpus = prepare_corpus(config.data, report=say)
-            if dist.get_rank() == 0:
-                say(describe_corpus(corpus, time.perf_counter() - started))
-        dist.barrier()
-        import torch
-
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
-    finally:
-        dist.destroy_process_group()
 
 
 def _resume_defaults(args: list[str]) -> TrainConfig | None:
@@ -301,6 +146,16 @@ def _refuse_other_families(args: list[str], config: TrainConfig | PlanConfig) ->
                 else f"--method {method} takes --{own}.* options; drop it"
             )
         _fail(f"{flag}: {which}; {fix}")
+
+
+def _refuse_given_twice(args: list[str], names: tuple[str, ...]) -> None:
+    """Refuse ``--steps 10 --train.steps 20``: a top-level option that is also a ``--train.``
+    option is one option, and neither value may silently win."""
+    given = {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
+    for name in names:
+        flag = f"--{name.replace('_', '-')}"
+        if flag in given and f"--train.{flag[2:]}" in given:
+            _fail(f"{flag}: given both as {flag} and as --train.{flag[2:]}; they are one option, give it once")
 
 
 def run_methods() -> None:
@@ -438,6 +293,10 @@ def _main(argv: list[str] | None) -> None:
         elif command == "bench":
             from lowcomm.bench import BENCHMARKS, run_bench
 
+            if rest[:1] == ["compare"]:
+                from lowcomm.bench.compare import SHARED_DEFAULTS
+
+                _refuse_given_twice(rest[1:], tuple(SHARED_DEFAULTS))
             run_bench(
                 tyro.extras.subcommand_cli_from_dict(
                     BENCHMARKS, args=rest, prog="lowcomm bench", config=config

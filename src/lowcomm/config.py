@@ -15,7 +15,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import tyro
 
@@ -26,6 +26,12 @@ from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
 from lowcomm.strategies.base import StrategyContext
 from lowcomm.strategies.declaration import with_method_options
+
+if TYPE_CHECKING:
+    from lowcomm.strategies.acco import AccoOptions
+    from lowcomm.strategies.co2 import LocalOptions
+    from lowcomm.strategies.desloc import DeslocOptions
+    from lowcomm.strategies.diloco import DiLoCoOptions
 
 #: Upper bound of --collective-timeout-s (about 31 years; a timedelta holds up to ~2.7e6 years).
 MAX_TIMEOUT_S = 1e9
@@ -138,9 +144,20 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     # One field per method option group (acco, local, diloco, desloc, ...), added by
     # @with_method_options from the methods' own declarations (strategies/declaration.py).
+    if TYPE_CHECKING:
+        # The groups of today's methods, named for the type checker only (so that
+        # `replace(config, diloco=...)` and `config.diloco.sync_every` are checked); at run
+        # time the decorator adds every declared group, a new method's included.
+        acco: AccoOptions = field(default_factory=AccoOptions)
+        local: LocalOptions = field(default_factory=LocalOptions)
+        diloco: DiLoCoOptions = field(default_factory=DiLoCoOptions)
+        desloc: DeslocOptions = field(default_factory=DeslocOptions)
 
     def validate(self) -> None:
-        """Check the whole configuration; raise :class:`ConfigError` on the first problem."""
+        """Check the options, alone and together; raise :class:`ConfigError` on the first
+        problem. Reads no file and builds no model: the checks that do (the data path, the
+        checkpoint to resume, the method on the real model, the run directory) are the
+        launch's pre-flight, :func:`lowcomm.launch.run.preflight`."""
         from lowcomm.strategies import strategy_class
 
         try:
@@ -218,12 +235,6 @@ class TrainConfig:
                 f"of seconds up to {MAX_TIMEOUT_S:g}"
             )
         self._validate_checkpointing()
-        self._validate_method_options()
-        if self.data.data is not None and not Path(self.data.data).expanduser().exists():
-            raise ConfigError(
-                f"--data: path {self.data.data!r} does not exist; pass a text file, a "
-                f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
-            )
 
     def _validate_checkpointing(self) -> None:
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
@@ -245,34 +256,18 @@ class TrainConfig:
                 f"--overwrite: clears the run directory that --resume {self.resume} would "
                 f"continue; pass one of them"
             )
-        if self.resume is not None and self.resume != "auto":
-            from lowcomm.train.checkpoint import (
-                CheckpointError,
-                find_latest,
-                fingerprint,
-                has_checkpoint,
+        if (
+            self.resume not in (None, "auto")
+            and self.out is not None
+            and Path(self.out).resolve() != Path(str(self.resume)).resolve()
+        ):
+            raise ConfigError(
+                f"--out: {self.out!r} differs from --resume {self.resume!r}; a resumed run "
+                f"continues in its own directory, so omit --out"
             )
 
-            if not has_checkpoint(Path(self.resume)):
-                latest = Path(self.resume) / "checkpoints" / "latest"
-                raise ConfigError(
-                    f"--resume: {self.resume!r} holds no checkpoint ({latest} is missing); pass "
-                    f"the --out directory of a run trained with --checkpoint-every or "
-                    f"--stop-after, or --resume auto"
-                )
-            try:
-                find_latest(
-                    Path(self.resume), self.workers * self.ranks_per_worker, fingerprint(self)
-                )
-            except CheckpointError as error:
-                raise ConfigError(str(error)) from None
-            if self.out is not None and Path(self.out).resolve() != Path(self.resume).resolve():
-                raise ConfigError(
-                    f"--out: {self.out!r} differs from --resume {self.resume!r}; a resumed run "
-                    f"continues in its own directory, so omit --out"
-                )
     def _validate_hierarchy(self) -> None:
-        """Checks of --ranks-per-worker and the inner link."""
+        """Checks of --ranks-per-worker and the replica link (--inner-network)."""
         from lowcomm.strategies import strategy_class
 
         if self.ranks_per_worker < 1:
@@ -298,7 +293,7 @@ class TrainConfig:
                 f"a latency in milliseconds such as 0.005"
             )
         try:
-            self.inner_network_profile()
+            self.replica_network_profile()
         except ValueError as error:
             raise ConfigError(
                 str(error).replace("--network", "--inner-network").replace("network.", "inner_network.")
@@ -310,8 +305,8 @@ class TrainConfig:
                 f"{refusal}; use --ranks-per-worker 1 with this method"
             )
 
-    def inner_network_profile(self) -> NetworkProfile:
-        """The link between the ranks of one worker."""
+    def replica_network_profile(self) -> NetworkProfile:
+        """The replica link: between the ranks of one worker (``--inner-network``)."""
         return NetworkProfile.from_preset(
             self.inner_network,
             bandwidth_gbps=self.inner_bandwidth_gbps,
@@ -358,22 +353,6 @@ class TrainConfig:
             microbatches_per_step=self.microbatches_per_step,
             max_grad_norm=self.max_grad_norm,
         )
-
-    def _validate_method_options(self) -> None:
-        """Construct the method once on a recording communicator of the run's world size, so
-        options that depend on the model or the worker count fail here, before any worker
-        starts, with the method's own message."""
-        from lowcomm.comm.fake import RecordingComm
-        from lowcomm.models import build_model
-        from lowcomm.strategies import build_strategy
-
-        try:
-            model = build_model(self.model, self.data.vocab_size)
-            build_strategy(
-                self.method, model, RecordingComm(world_size=self.workers), self.strategy_context(), self
-            )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
 
     def network_profile(self) -> NetworkProfile:
         return NetworkProfile.from_preset(

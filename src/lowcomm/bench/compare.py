@@ -22,11 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lowcomm.atomic import atomic_write_text
 from lowcomm.bench.runs import mean_sd as _mean_sd
 from lowcomm.bench.runs import run_or_resume
 from lowcomm.bench.runs import val_curve as _val_curve
 from lowcomm.config import TrainConfig
-from lowcomm.train.metrics import atomic_write_text
+
+#: The training options ``bench compare`` also takes at the top level (``--steps`` is
+#: ``--train.steps``), with the bench's own defaults. Giving one both ways is refused.
+SHARED_DEFAULTS: dict[str, Any] = {"network": "wan", "clock": "virtual", "steps": 60, "workers": 4}
+
+
+def _bench_train_defaults() -> TrainConfig:
+    return TrainConfig(**SHARED_DEFAULTS)
 
 
 @dataclass(kw_only=True)
@@ -36,20 +44,21 @@ class CompareBench:
     methods: str = "all"
     """Comma-separated method names, or `all` for every method of the library."""
 
-    network: str = "wan"
-    """Network preset for every run."""
+    network: str | None = None
+    """Network preset for every run (default wan; the same option as --train.network)."""
 
-    clock: Literal["real", "virtual"] = "virtual"
-    """Clock for every run."""
+    clock: Literal["real", "virtual"] | None = None
+    """Clock for every run (default virtual; the same option as --train.clock)."""
 
     seeds: int = 1
     """Seeds per method (0, 1, ...)."""
 
-    steps: int = 60
-    """Optimizer steps per run."""
+    steps: int | None = None
+    """Optimizer steps per run (default 60; the same option as --train.steps)."""
 
-    workers: int = 4
-    """Workers per run."""
+    workers: int | None = None
+    """Workers per run (default 4; the same option as --train.workers). With
+    --train.ranks-per-worker R each worker is R processes."""
 
     out: str = "runs/compare"
     """Output directory: runs/, report.md, results.json and plots."""
@@ -57,16 +66,28 @@ class CompareBench:
     target_loss: float | None = None
     """Validation loss for the time-to-target column (default: the median method's final mean)."""
 
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=_bench_train_defaults)
     """Every other training option, shared by all runs (`--train.model.n-layer 2`, ...)."""
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
             raise ValueError(f"--seeds: {self.seeds} must be >= 1")
-        if self.steps < 1:
-            raise ValueError(f"--steps: {self.steps} must be >= 1")
-        if self.workers < 1:
-            raise ValueError(f"--workers: {self.workers} must be >= 1")
+        for name, default in SHARED_DEFAULTS.items():
+            given = getattr(self, name)
+            if given is None:
+                continue
+            under_train = getattr(self.train, name)
+            if under_train not in (given, default):
+                raise ValueError(
+                    f"--{name}: given both as --{name} {given} and as --train.{name} "
+                    f"{under_train}; they are one option, give it once"
+                )
+            # One place holds the value from here on: the training configuration.
+            self.train = dataclasses.replace(self.train, **{name: given})
+        if self.train.steps < 1:
+            raise ValueError(f"--steps: {self.train.steps} must be >= 1")
+        if self.train.workers < 1:
+            raise ValueError(f"--workers: {self.train.workers} must be >= 1")
 
     def method_names(self) -> list[str]:
         from lowcomm.strategies import STRATEGIES
@@ -83,14 +104,12 @@ class CompareBench:
         return names
 
     def run_config(self, method: str, seed: int) -> TrainConfig:
+        """The declared run of ``method`` with ``seed``: the shared training configuration with
+        only the method, the seed and the run directory set."""
         return dataclasses.replace(
             self.train,
             method=method,
             seed=seed,
-            network=self.network,
-            clock=self.clock,
-            steps=self.steps,
-            workers=self.workers,
             progress=False,
             out=str(Path(self.out) / "runs" / f"{method}-s{seed}"),
         )
@@ -164,10 +183,11 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
             "runs": [str(Path(bench.run_config(method, seed).out or "")) for seed in range(len(summaries))],
         }
     results = {
-        "network": bench.network,
-        "clock": bench.clock,
-        "steps": bench.steps,
-        "workers": bench.workers,
+        "network": bench.train.network,
+        "clock": bench.train.clock,
+        "steps": bench.train.steps,
+        "workers": bench.train.workers,
+        "ranks_per_worker": bench.train.ranks_per_worker,
         "seeds": bench.seeds,
         "target_val_loss": target,
         "methods": rows,
@@ -175,7 +195,7 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         "train_config": bench.run_config(methods[0], 0).to_dict() if methods else {},
     }
     atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
-    _plot(out, finished, bench.clock)
+    _plot(out, finished, bench.train.clock)
     report = _report(bench, rows, target, failures)
     atomic_write_text(out / "report.md", report)
     print(report)
@@ -185,11 +205,13 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
 def _report(
     bench: CompareBench, rows: dict[str, dict[str, Any]], target: float | None, failures: dict[str, str]
 ) -> str:
-    clock = bench.clock
+    train = bench.train
+    clock = train.clock
+    ranks = f" of {train.ranks_per_worker} ranks each" if train.ranks_per_worker > 1 else ""
     lines = [
-        f"# Method comparison on `{bench.network}`",
+        f"# Method comparison on `{train.network}`",
         "",
-        f"{bench.workers} workers, {bench.steps} steps per run, {bench.seeds} seed(s), {clock} clock. "
+        f"{train.workers} workers{ranks}, {train.steps} steps per run, {bench.seeds} seed(s), {clock} clock. "
         f"Same model, data order and step budget for every method.",
         "",
         f"| method | final val loss | tokens | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"

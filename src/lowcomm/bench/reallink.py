@@ -35,8 +35,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from lowcomm.atomic import atomic_write_text
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import NetworkProfile
 
@@ -407,21 +408,23 @@ def format_report(result: RealLinkResult) -> list[str]:
     return lines
 
 
-def run_reallink(bench: RealLinkBench) -> None:
-    from lowcomm.cli import _fail
+def _fail(message: str) -> NoReturn:
+    # The CLI's one-line error, exit status 1 (not imported from lowcomm.cli: the CLI imports
+    # the benchmarks, so that would be an import cycle).
+    print(f"lowcomm: error: {message}", file=sys.stderr)
+    raise SystemExit(1)
 
+
+def run_reallink(bench: RealLinkBench) -> None:
     if os.geteuid() != 0:
-        _fail(
-            "bench reallink: network namespaces need root (ip netns add); run it as root",
-            code=1,
-        )
+        _fail("bench reallink: network namespaces need root (ip netns add); run it as root")
     try:
         result = measure(bench)
     except RuntimeError as error:  # RealLinkUnavailable, or a worker that failed
-        _fail(f"bench reallink: {error}", code=1)
+        _fail(f"bench reallink: {error}")
     out = Path(bench.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "reallink.json").write_text(json.dumps(_to_json(result), indent=2) + "\n")
+    atomic_write_text(out / "reallink.json", json.dumps(_to_json(result), indent=2) + "\n")
     for line in format_report(result):
         print(line)
     print(f"  (details: {out / 'reallink.json'})")

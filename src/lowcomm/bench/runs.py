@@ -19,21 +19,18 @@ from lowcomm.config import TrainConfig
 
 
 def run_one(config: TrainConfig) -> str | None:
-    """Run one training job (what ``lowcomm train`` does); return an error message instead of
-    raising."""
-    from lowcomm.launch import WorkerFailed, spawn_workers
-    from lowcomm.train.loop import spawned_train
+    """Run one training job through the one launch path (what ``lowcomm train`` does: the
+    same checks, ``workers x ranks-per-worker`` processes); return an error message instead
+    of raising. A directory holding an unfinished run of this sweep (an interrupted one) is
+    cleared first: the sweep runs it again from the start."""
+    from lowcomm.launch import WorkerFailed
+    from lowcomm.launch.run import run_training
+    from lowcomm.train.rundir import clear_run
 
+    clear_run(config.run_dir())
     try:
-        config.validate()
-        spawn_workers(
-            spawned_train,
-            config.workers,
-            (config,),
-            device=config.device,
-            timeout_s=config.collective_timeout_s,
-        )
-    except (WorkerFailed, ValueError) as error:
+        run_training(config, report=None)
+    except (WorkerFailed, ValueError) as error:  # ValueError: ConfigError, DataError
         return str(error)
     return None
 
@@ -45,6 +42,7 @@ def run_or_resume(config: TrainConfig, name: str, *, tag: str, option: str = "--
     Raises ValueError (naming ``option``) if the directory holds a finished run of another
     configuration.
     """
+    config.make_paths_absolute()  # as the run's config.json will hold them
     run_dir = Path(str(config.out))
     if (run_dir / "summary.json").exists():
         previous = json.loads((run_dir / "config.json").read_text())

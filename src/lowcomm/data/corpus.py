@@ -18,8 +18,6 @@ import contextlib
 import hashlib
 import io
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lowcomm.atomic import atomic_write_bytes
 from lowcomm.data.config import DataConfig
 from lowcomm.data.documents import Document, read_documents
 
@@ -116,28 +115,6 @@ def cache_key(documents: list[Document], vocab_size: int) -> str:
     return digest.hexdigest()
 
 
-def _atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` so that readers never observe a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The temporary file must live in the same directory: os.replace is only atomic within
-    # one file system.
-    descriptor, temporary_name = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
-    )
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        # mkstemp creates owner-only files; cache entries are plain shareable data.
-        os.chmod(temporary_name, 0o644)
-        os.replace(temporary_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary_name)
-        raise
-
-
 @contextlib.contextmanager
 def _exclusive_lock(lock_path: Path) -> Iterator[None]:
     """Hold an advisory lock so concurrent preparers train the tokenizer only once.
@@ -213,7 +190,7 @@ def _save_corpus(
         arrays[f"tokens_{index:05d}"] = stream
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    _atomic_write_bytes(path, buffer.getvalue())
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _load_corpus(path: Path) -> tuple[list[str], list[TokenArray], int, int] | None:
@@ -306,7 +283,7 @@ def prepare_corpus(
                     f"documents (first use of this text; cached in {cache_dir})"
                 )
             tokenizer = _train_tokenizer(documents, config.vocab_size)
-            _atomic_write_bytes(tokenizer_path, tokenizer.to_str().encode("utf-8"))
+            atomic_write_bytes(tokenizer_path, tokenizer.to_str().encode("utf-8"))
         eot_id = tokenizer.token_to_id(END_OF_TEXT)
         vocab_size = int(tokenizer.get_vocab_size())
         source_names, streams = _tokenize(tokenizer, documents, eot_id, vocab_size)

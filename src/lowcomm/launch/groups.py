@@ -1,7 +1,8 @@
 """Process groups of hierarchical workers (a worker made of R ranks).
 
-Global rank ``g`` is local rank ``g % R`` of worker ``g // R``. The inner group of worker ``m``
-is ranks ``[m R, (m + 1) R)``; the outer group of local index ``r`` is ranks ``{m R + r}``.
+Global rank ``g`` is local rank ``g % R`` of worker ``g // R``. The replica group of worker
+``m`` (its ranks, on the link of ``--inner-network``) is ranks ``[m R, (m + 1) R)``; the outer
+group of local index ``r`` is ranks ``{m R + r}``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from lowcomm.comm.torch_comm import TorchComm
 
 
 def worker_layout(world_size: int, ranks_per_worker: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(inner groups, outer groups) as lists of global ranks.
+    """(replica groups, outer groups) as lists of global ranks.
 
     Raises:
         ValueError: when ``world_size`` is not a multiple of ``ranks_per_worker``.
@@ -25,23 +26,23 @@ def worker_layout(world_size: int, ranks_per_worker: int) -> tuple[list[list[int
             f"{world_size}; launch workers x ranks-per-worker processes"
         )
     workers = world_size // ranks_per_worker
-    inner = [list(range(m * ranks_per_worker, (m + 1) * ranks_per_worker)) for m in range(workers)]
+    replica = [list(range(m * ranks_per_worker, (m + 1) * ranks_per_worker)) for m in range(workers)]
     outer = [[m * ranks_per_worker + r for m in range(workers)] for r in range(ranks_per_worker)]
-    return inner, outer
+    return replica, outer
 
 
 def level_comms(ranks_per_worker: int) -> tuple[TorchComm, TorchComm]:
-    """This rank's (inner, outer) communicators. Every rank of the world must call it (all
+    """This rank's (replica, outer) communicators. Every rank of the world must call it (all
     groups are created on every rank, in the same order, as torch.distributed requires)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    inner_groups, outer_groups = worker_layout(world_size, ranks_per_worker)
+    replica_groups, outer_groups = worker_layout(world_size, ranks_per_worker)
     mine: dict[str, Any] = {}
-    for ranks in inner_groups:
+    for ranks in replica_groups:
         group = dist.new_group(ranks)
         if rank in ranks:
-            mine["inner"] = group
+            mine["replica"] = group
     for ranks in outer_groups:
         group = dist.new_group(ranks)
         if rank in ranks:
             mine["outer"] = group
-    return TorchComm(mine["inner"]), TorchComm(mine["outer"])
+    return TorchComm(mine["replica"]), TorchComm(mine["outer"])

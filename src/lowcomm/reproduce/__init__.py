@@ -20,14 +20,12 @@ from typing import Annotated, Any
 
 import tyro
 
+from lowcomm.models import ModelConfig
 from lowcomm.reproduce.papers import PAPERS, Paper
 from lowcomm.reproduce.runner import Results, Scale, execute
 from lowcomm.reproduce.stats import VERDICTS, Finding
 
-_SMALL_MODEL = (
-    "--model.n-layer", "2", "--model.n-embd", "64", "--model.n-head", "2",
-    "--model.block-size", "32", "--micro-batch-size", "8",
-)  # fmt: skip
+_SMALL_MODEL = ModelConfig(n_layer=2, n_embd=64, n_head=2, block_size=32)
 
 SCALES: dict[str, Scale] = {
     "quick": Scale(
@@ -35,6 +33,7 @@ SCALES: dict[str, Scale] = {
         steps=96,
         workers=2,
         model=_SMALL_MODEL,
+        micro_batch_size=8,
         eval_every=8,
         eval_batches=4,
         co2_taus=(6, 12),
@@ -53,6 +52,7 @@ SCALES: dict[str, Scale] = {
         steps=192,
         workers=4,
         model=_SMALL_MODEL,
+        micro_batch_size=8,
         eval_every=16,
         eval_batches=8,
         co2_taus=(6, 12),
@@ -195,7 +195,7 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
         "runs": _run_rows(results),
         "failures": failures,
     }
-    from lowcomm.train.metrics import atomic_write_text
+    from lowcomm.atomic import atomic_write_text
 
     atomic_write_text(out / "results.json", json.dumps(document, indent=2, default=str) + "\n")
     atomic_write_text(out / "report.md", _report(document))
@@ -306,7 +306,7 @@ def run_reproduce(config: ReproduceConfig) -> list[dict[str, Any]]:
         documents.append(document)
         print(f"[reproduce] {name}: " + ", ".join(f"{p['id']} {p['verdict']}" for p in document["predictions"]))
     if config.paper == "all":
-        from lowcomm.train.metrics import atomic_write_text
+        from lowcomm.atomic import atomic_write_text
 
         atomic_write_text(Path(config.out) / "summary.md", _summary(config, documents))
     return documents

@@ -1,6 +1,6 @@
 """The five papers' CPU-scale experiments and the predictions of docs/ALGORITHMS.md §7.3.
 
-Per paper: ``runs(scale)`` declares every run (method and flags; hyperparameters are the
+Per paper: ``runs(scale)`` declares every run (a typed configuration; hyperparameters are the
 library's defaults and the papers' settings, the same for every method, never tuned so that a
 prediction holds), and one function per prediction turns the finished runs into a
 :class:`Finding`: the claim, what was measured (mean ± sd over seeds) and the verdict by the
@@ -12,10 +12,18 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from lowcomm.reproduce.runner import Results, RunSpec, Scale, loss_at_time, steps_to_target
+from lowcomm.config import TrainConfig
+from lowcomm.reproduce.runner import (
+    Results,
+    RosenbrockRun,
+    RunSpec,
+    Scale,
+    loss_at_time,
+    steps_to_target,
+)
 from lowcomm.reproduce.stats import (
     FAILS,
     HOLDS,
@@ -30,6 +38,10 @@ from lowcomm.reproduce.stats import (
     greater,
     less,
 )
+from lowcomm.strategies.acco import AccoOptions
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.desloc import DeslocOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
 
 Prediction = Callable[[Results, Scale], Finding]
 
@@ -65,20 +77,22 @@ def _dpu_warmups(s: Scale) -> tuple[int, int, int]:
 
 def acco_runs(s: Scale) -> list[RunSpec]:
     c = s.common()
-    equal = ("--microbatches-per-step", "2")
-    delayed = ("--acco.microbatches-per-phase", "2", *equal)
-    straggler = (*s.common(workers=4), "--speed-factors", "1", "1", "1", "4")
+    equal = replace(c, microbatches_per_step=2)
+    straggler = replace(s.common(workers=4), speed_factors=(1.0, 1.0, 1.0, 4.0))
     return [
-        RunSpec(DDP2, (*c, "--method", "ddp", *equal)),
-        RunSpec(ZERO2, (*c, "--method", "zero1", *equal)),
-        RunSpec(ACCO, (*c, "--method", "acco", "--acco.microbatches-per-phase", "1")),
+        RunSpec(DDP2, replace(equal, method="ddp")),
+        RunSpec(ZERO2, replace(equal, method="zero1")),
+        RunSpec(ACCO, replace(c, method="acco", acco=AccoOptions(microbatches_per_phase=1))),
         *[
-            RunSpec(_dpu(w), (*c, "--method", "dpu", *delayed, "--acco.dpu-warmup-steps", str(w)))
+            RunSpec(
+                _dpu(w),
+                replace(equal, method="dpu", acco=AccoOptions(microbatches_per_phase=2, dpu_warmup_steps=w)),
+            )
             for w in _dpu_warmups(s)
         ],
-        RunSpec(WP, (*c, "--method", "wp", *delayed)),
-        RunSpec(DDP_STRAG, (*straggler, "--method", "ddp")),
-        RunSpec(ACCO_STRAG, (*straggler, "--method", "acco")),
+        RunSpec(WP, replace(equal, method="wp", acco=AccoOptions(microbatches_per_phase=2))),
+        RunSpec(DDP_STRAG, replace(straggler, method="ddp")),
+        RunSpec(ACCO_STRAG, replace(straggler, method="acco")),
     ]
 
 
@@ -210,9 +224,7 @@ def _c4_cost(s: Scale) -> float:
     from lowcomm.comm import CollectiveKind
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.models import build_model
-    from lowcomm.reproduce.runner import parse_train_flags
-
-    config = parse_train_flags(list(s.common()))
+    config = s.common()
     model = build_model(config.model, config.data.vocab_size)
     params = sum(p.numel() for p in model.parameters())
     t_ar = NetworkProfile.from_preset("wan").collective_time(CollectiveKind.ALL_REDUCE, 4.0 * params, s.workers)
@@ -222,28 +234,35 @@ def _c4_cost(s: Scale) -> float:
 def co2_runs(s: Scale) -> list[RunSpec]:
     c = s.common()
     small, large = s.co2_taus
-    runs = [RunSpec("ddp", (*c, "--method", "ddp"))]
+    runs = [RunSpec("ddp", replace(c, method="ddp"))]
     for tau in (small, large):
         for method in ("co2", "slowmo", "local_adamw"):
-            runs.append(RunSpec(_co2(method, tau), (*c, "--method", method, "--local.sync-every", str(tau))))
+            runs.append(RunSpec(_co2(method, tau), replace(c, method=method, local=LocalOptions(sync_every=tau))))
         runs.append(
             RunSpec(
                 _co2("overlap_local_adamw", tau),
-                (*c, "--method", "overlap_local_sgd", "--local.inner-optimizer", "adamw", "--local.sync-every", str(tau)),
+                replace(c, method="overlap_local_sgd", local=LocalOptions(inner_optimizer="adamw", sync_every=tau)),
             )
         )
     runs += [
-        RunSpec(_co2("co2 no penalty", small), (*c, "--method", "co2", "--local.sync-every", str(small), "--local.gap-penalty", "False")),
-        RunSpec(_co2("co2 no clipping", small), (*c, "--method", "co2", "--local.sync-every", str(small), "--local.clip", "False")),
+        RunSpec(_co2("co2 no penalty", small), replace(c, method="co2", local=LocalOptions(sync_every=small, gap_penalty=False))),
+        RunSpec(_co2("co2 no clipping", small), replace(c, method="co2", local=LocalOptions(sync_every=small, clip=False))),
     ]
-    cost = _c4_cost(s)
-    timing = (*s.common(steps=s.c4_steps), "--eval-every", str(s.c4_steps), "--seconds-per-microbatch", str(cost))
-    runs.append(RunSpec("c4 local_adamw tau=4", (*timing, "--method", "local_adamw", "--local.sync-every", "4"), first_seed_only=True))
+    timing = replace(
+        s.common(steps=s.c4_steps), eval_every=s.c4_steps, seconds_per_microbatch=_c4_cost(s)
+    )
+    runs.append(
+        RunSpec(
+            "c4 local_adamw tau=4",
+            replace(timing, method="local_adamw", local=LocalOptions(sync_every=4)),
+            first_seed_only=True,
+        )
+    )
     for tau in C4_TAUS:
         runs.append(
             RunSpec(
                 f"c4 co2 tau={tau}",
-                (*timing, "--method", "co2", "--local.sync-every", str(tau), "--local.shared-displacement", "False"),
+                replace(timing, method="co2", local=LocalOptions(sync_every=tau, shared_displacement=False)),
                 first_seed_only=True,
             )
         )
@@ -355,17 +374,22 @@ COCO_TAU = 5
 def cocodc_runs(s: Scale) -> list[RunSpec]:
     c = s.common()
     h, k = s.diloco_sync, s.fragments
-    frag = ("--diloco.fragments", str(k))
     tau2 = min(COCO_TAU, h // (2 * k) - 1)
-    streaming = (*c, "--method", "streaming_diloco", "--diloco.sync-every", str(h), *frag, "--diloco.overlap-steps", str(COCO_TAU))
-    cocodc = (*c, "--method", "cocodc", "--diloco.sync-every", str(h), *frag, "--diloco.overlap-steps", str(COCO_TAU))
+    overlapped = DiLoCoOptions(sync_every=h, fragments=k, overlap_steps=COCO_TAU)
+    cocodc = replace(c, method="cocodc", diloco=overlapped)
     return [
-        RunSpec(DILOCO, (*c, "--method", "diloco", "--diloco.sync-every", str(h))),
-        RunSpec(STREAM, streaming),
+        RunSpec(DILOCO, replace(c, method="diloco", diloco=DiLoCoOptions(sync_every=h))),
+        RunSpec(STREAM, replace(c, method="streaming_diloco", diloco=overlapped)),
         RunSpec(COCO, cocodc),
-        RunSpec(COCO_LITERAL, (*cocodc, "--diloco.compensation-sign", "literal")),
-        RunSpec(COCO_NOCOMP, (*cocodc, "--diloco.compensation", "0.0")),
-        RunSpec(STREAM2, (*c, "--method", "streaming_diloco", "--diloco.sync-every", str(h // 2), *frag, "--diloco.overlap-steps", str(tau2))),
+        RunSpec(COCO_LITERAL, replace(cocodc, diloco=replace(overlapped, compensation_sign="literal"))),
+        RunSpec(COCO_NOCOMP, replace(cocodc, diloco=replace(overlapped, compensation=0.0))),
+        RunSpec(
+            STREAM2,
+            replace(
+                c, method="streaming_diloco",
+                diloco=DiLoCoOptions(sync_every=h // 2, fragments=k, overlap_steps=tau2),
+            ),
+        ),
     ]
 
 
@@ -451,24 +475,23 @@ def eager_runs(s: Scale) -> list[RunSpec]:
     c = s.common()
     low, h, high = _eager_hs(s)
 
-    def at(period: int) -> tuple[str, ...]:
-        return (*c, "--diloco.sync-every", str(period))
+    def at(period: int, method: str, **options: Any) -> TrainConfig:
+        return replace(c, method=method, diloco=DiLoCoOptions(sync_every=period, **options))
 
-    eager = (*at(h), "--method", "eager", "--diloco.outer-delay", "1")
     runs = [
-        RunSpec(f"diloco H={h}", (*at(h), "--method", "diloco")),
-        RunSpec(f"streaming 1-inner H={h}", (*at(h), "--method", "streaming_diloco", "--diloco.fragments", str(s.fragments), "--diloco.overlap-steps", "1")),
-        RunSpec(f"eager N=1 H={h}", eager),
-        RunSpec(f"eager N=2 H={h}", (*at(h), "--method", "eager", "--diloco.outer-delay", "2")),
-        RunSpec(f"delayed low lr H={h}", (*at(h), "--method", "diloco_delayed", "--diloco.outer-lr", "0.35")),
-        RunSpec(f"delayed H={h}", (*at(h), "--method", "diloco_delayed")),
-        RunSpec(f"eager N=1 fp8 H={h}", (*eager, "--diloco.quantization", "fp8")),
-        RunSpec(f"eager N=1 int4 H={h}", (*eager, "--diloco.quantization", "int4")),
+        RunSpec(f"diloco H={h}", at(h, "diloco")),
+        RunSpec(f"streaming 1-inner H={h}", at(h, "streaming_diloco", fragments=s.fragments, overlap_steps=1)),
+        RunSpec(f"eager N=1 H={h}", at(h, "eager", outer_delay=1)),
+        RunSpec(f"eager N=2 H={h}", at(h, "eager", outer_delay=2)),
+        RunSpec(f"delayed low lr H={h}", at(h, "diloco_delayed", outer_lr=0.35)),
+        RunSpec(f"delayed H={h}", at(h, "diloco_delayed")),
+        RunSpec(f"eager N=1 fp8 H={h}", at(h, "eager", outer_delay=1, quantization="fp8")),
+        RunSpec(f"eager N=1 int4 H={h}", at(h, "eager", outer_delay=1, quantization="int4")),
     ]
     for period in (low, high):
         runs += [
-            RunSpec(f"eager N=1 H={period}", (*at(period), "--method", "eager", "--diloco.outer-delay", "1")),
-            RunSpec(f"delayed H={period}", (*at(period), "--method", "diloco_delayed")),
+            RunSpec(f"eager N=1 H={period}", at(period, "eager", outer_delay=1)),
+            RunSpec(f"delayed H={period}", at(period, "diloco_delayed")),
         ]
     return runs
 
@@ -539,28 +562,31 @@ def _desloc_labels(s: Scale) -> dict[str, str]:
 
 
 def desloc_runs(s: Scale) -> list[RunSpec]:
-    c = (*s.common(), "--optim.betas", "0.9", "0.999")
+    base = s.common()
+    c = replace(base, optim=replace(base.optim, betas=(0.9, 0.999)))
     k = s.desloc_period
     labels = _desloc_labels(s)
 
-    def periods(x: int, u: int, v: int) -> tuple[str, ...]:
-        return ("--desloc.param-period", str(x), "--desloc.first-moment-period", str(u), "--desloc.second-moment-period", str(v))
+    def run(method: str, **options: Any) -> TrainConfig:
+        return replace(c, method=method, desloc=DeslocOptions(**options))
 
-    period = ("--desloc.param-period", str(k))
-    rejoin = ("--desloc.rejoin-rank", "1", "--desloc.rejoin-step", str(s.steps // 2))
+    def periods(x: int, u: int, v: int) -> TrainConfig:
+        return run("desloc", param_period=x, first_moment_period=u, second_moment_period=v)
+
+    rejoin = {"rejoin_rank": 1, "rejoin_step": s.steps // 2}
     worker_count, steps = s.rosenbrock
     return [
-        RunSpec("ddp", (*c, "--method", "ddp")),
-        RunSpec(labels["local_adam"], (*c, "--method", "local_adam", *period, "--desloc.track-state-change", "True")),
-        RunSpec(labels["desloc"], (*c, "--method", "desloc", *period)),
-        RunSpec(labels["favg_opt"], (*c, "--method", "favg_opt", *period)),
-        RunSpec(labels["favg_reset"], (*c, "--method", "favg_reset", *period)),
-        RunSpec(labels["kx"], (*c, "--method", "desloc", *periods(4 * k, 3 * k, 6 * k))),
-        RunSpec(labels["ku"], (*c, "--method", "desloc", *periods(k, 12 * k, 6 * k))),
-        RunSpec(labels["kv"], (*c, "--method", "desloc", *periods(k, 3 * k, 24 * k))),
-        RunSpec(labels["join_desloc"], (*c, "--method", "desloc", *period, *rejoin)),
-        RunSpec(labels["join_favg_opt"], (*c, "--method", "favg_opt", *period, *rejoin)),
-        RunSpec("rosenbrock", ("--workers", str(worker_count), "--steps", str(steps)), kind="rosenbrock"),
+        RunSpec("ddp", replace(c, method="ddp")),
+        RunSpec(labels["local_adam"], run("local_adam", param_period=k, track_state_change=True)),
+        RunSpec(labels["desloc"], run("desloc", param_period=k)),
+        RunSpec(labels["favg_opt"], run("favg_opt", param_period=k)),
+        RunSpec(labels["favg_reset"], run("favg_reset", param_period=k)),
+        RunSpec(labels["kx"], periods(4 * k, 3 * k, 6 * k)),
+        RunSpec(labels["ku"], periods(k, 12 * k, 6 * k)),
+        RunSpec(labels["kv"], periods(k, 3 * k, 24 * k)),
+        RunSpec(labels["join_desloc"], run("desloc", param_period=k, **rejoin)),
+        RunSpec(labels["join_favg_opt"], run("favg_opt", param_period=k, **rejoin)),
+        RunSpec("rosenbrock", RosenbrockRun(workers=worker_count, steps=steps)),
     ]
 
 

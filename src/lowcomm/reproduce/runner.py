@@ -1,13 +1,15 @@
 """Scales, declared runs, and running (or resuming) them.
 
-A paper's experiment is a list of :class:`RunSpec`: a label and the complete ``lowcomm train``
-flags of one run (the seed and output directory are added per seed). Each run goes through
-the same run-or-resume machinery as ``lowcomm bench compare``: a finished run (its
-``summary.json`` exists) is not run again, and one of a different configuration is refused.
+A paper's experiment is a list of :class:`RunSpec`: a label and the typed configuration of one
+run (a :class:`TrainConfig`; the seed and output directory are set per seed). Each run goes
+through the same run-or-resume machinery as ``lowcomm bench compare``, and so the one launch
+path: a finished run (its ``summary.json`` exists) is not run again, and one of a different
+configuration is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -23,6 +25,8 @@ import tyro
 
 from lowcomm.bench.runs import run_or_resume, val_curve
 from lowcomm.config import TrainConfig
+from lowcomm.data import DataConfig
+from lowcomm.models import ModelConfig
 from lowcomm.reproduce.stats import Stat
 
 
@@ -35,8 +39,8 @@ class Scale:
     """Optimizer steps per run (a multiple of every period used below)."""
     workers: int
     """Workers per run (the ACCO straggler runs always use 4)."""
-    model: tuple[str, ...]
-    """Model and batch flags of ``lowcomm train``."""
+    model: ModelConfig
+    micro_batch_size: int
     eval_every: int
     eval_batches: int
     co2_taus: tuple[int, int]
@@ -54,29 +58,71 @@ class Scale:
     description: str
     """One line for the report: what this scale is and how long it takes."""
 
-    def common(self, *, workers: int | None = None, steps: int | None = None) -> tuple[str, ...]:
-        return (
-            "--workers", str(workers or self.workers), "--steps", str(steps or self.steps),
-            "--network", "wan", "--clock", "virtual",
-            "--eval-every", str(self.eval_every), "--eval-batches", str(self.eval_batches),
-            *self.model,
+    def common(self, *, workers: int | None = None, steps: int | None = None) -> TrainConfig:
+        """The configuration every run of this scale starts from (the method is set per run)."""
+        return TrainConfig(
+            workers=workers or self.workers, steps=steps or self.steps, network="wan",
+            clock="virtual", eval_every=self.eval_every, eval_batches=self.eval_batches,
+            model=dataclasses.replace(self.model),
+            data=DataConfig(micro_batch_size=self.micro_batch_size),
         )  # fmt: skip
 
 
 @dataclass(frozen=True)
+class RosenbrockRun:
+    """A run of the Rosenbrock example (``examples/rosenbrock_desloc.py``, F5)."""
+
+    workers: int
+    steps: int
+
+    def args(self, seed: int) -> list[str]:
+        return ["--workers", str(self.workers), "--steps", str(self.steps), "--seed", str(seed)]
+
+
+@dataclass(frozen=True)
 class RunSpec:
-    """One declared run: a label and its ``lowcomm train`` flags (without seed and --out)."""
+    """One declared run: a label and its configuration (without seed and output directory)."""
 
     label: str
-    flags: tuple[str, ...]
+    run: TrainConfig | RosenbrockRun
     first_seed_only: bool = False
     """Deterministic runs (declared compute cost) need one seed only."""
-    kind: Literal["train", "rosenbrock"] = "train"
+
+    @property
+    def kind(self) -> Literal["train", "rosenbrock"]:
+        return "rosenbrock" if isinstance(self.run, RosenbrockRun) else "train"
+
+    def train_config(self, seed: int, run_dir: Path) -> TrainConfig:
+        """The run of ``seed`` into ``run_dir``."""
+        assert isinstance(self.run, TrainConfig), self.label
+        return dataclasses.replace(self.run, seed=seed, out=str(run_dir), progress=False)
 
     def command(self, seed: int) -> str:
-        if self.kind == "rosenbrock":
-            return f"python examples/rosenbrock_desloc.py {' '.join(self.flags)} --seed {seed}"
-        return f"lowcomm train {' '.join(self.flags)} --seed {seed}"
+        if isinstance(self.run, RosenbrockRun):
+            return f"python examples/rosenbrock_desloc.py {' '.join(self.run.args(seed))}"
+        return f"lowcomm train {' '.join(train_flags(self.run))} --seed {seed}"
+
+
+def train_flags(config: TrainConfig) -> list[str]:
+    """The ``lowcomm train`` options that give ``config`` (its settings that differ from the
+    defaults; the method first), for a report to show the command of a run."""
+    flags = ["--method", config.method]
+    _differing_flags(config, TrainConfig(), "", flags)
+    return flags
+
+
+def _differing_flags(value: Any, default: Any, prefix: str, flags: list[str]) -> None:
+    for field in dataclasses.fields(value):
+        mine, theirs = getattr(value, field.name), getattr(default, field.name)
+        if field.name == "method" or mine == theirs:
+            continue
+        if dataclasses.is_dataclass(mine):
+            # The data options are spelled without their prefix (--micro-batch-size).
+            inner = "" if field.name == "data" else f"{prefix}{field.name.replace('_', '-')}."
+            _differing_flags(mine, theirs, inner, flags)
+            continue
+        words = [str(item) for item in mine] if isinstance(mine, tuple) else [str(mine)]
+        flags += [f"--{prefix}{field.name.replace('_', '-')}", *words]
 
 
 @dataclass
@@ -95,6 +141,7 @@ def slug(label: str) -> str:
 
 
 def parse_train_flags(flags: list[str]) -> TrainConfig:
+    """The configuration ``lowcomm train FLAGS`` would run."""
     return tyro.cli(TrainConfig, args=flags, config=(tyro.conf.FlagConversionOff,))
 
 
@@ -167,7 +214,8 @@ def rosenbrock_script() -> Path:
 
 
 def _rosenbrock(spec: RunSpec, seed: int, run_dir: Path, tag: str) -> str | None:
-    args = [*spec.flags, "--seed", str(seed)]
+    assert isinstance(spec.run, RosenbrockRun)
+    args = spec.run.args(seed)
     result_path = run_dir / "result.json"
     if result_path.exists():
         previous = json.loads(result_path.read_text())
@@ -191,7 +239,7 @@ def _rosenbrock(spec: RunSpec, seed: int, run_dir: Path, tag: str) -> str | None
         if match:
             distances[match.group(1)] = float(match.group(4))
     run_dir.mkdir(parents=True, exist_ok=True)
-    from lowcomm.train.metrics import atomic_write_text
+    from lowcomm.atomic import atomic_write_text
 
     atomic_write_text(result_path, json.dumps({"args": args, "distances": distances}, indent=2) + "\n")
     return None
@@ -207,7 +255,7 @@ def execute(
     if train_specs:
         from lowcomm.data import prepare_corpus
 
-        prepare_corpus(parse_train_flags(list(train_specs[0].flags)).data)
+        prepare_corpus(train_specs[0].train_config(seeds[0], runs_dir).data)
     for spec in specs:
         for seed in seeds[:1] if spec.first_seed_only else seeds:
             run_dir = runs_dir / f"{slug(spec.label)}-s{seed}"
@@ -218,8 +266,8 @@ def execute(
                     data = json.loads((run_dir / "result.json").read_text())
                     runs[spec.label].append(RunData(spec.label, seed, data, [], []))
             else:
-                flags = [*spec.flags, "--seed", str(seed), "--out", str(run_dir), "--progress", "False"]
-                error = run_or_resume(parse_train_flags(flags), tag, tag="reproduce", option="--runs-dir")
+                config = spec.train_config(seed, run_dir)
+                error = run_or_resume(config, tag, tag="reproduce", option="--runs-dir")
                 if error is None:
                     runs[spec.label].append(_load(run_dir, spec.label, seed))
             if error is not None:

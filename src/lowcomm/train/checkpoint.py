@@ -20,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lowcomm.atomic import atomic_path, atomic_write_bytes
 from lowcomm.config import TrainConfig
-from lowcomm.train.metrics import atomic_write_bytes
 
 FORMAT_VERSION = 1
 
@@ -88,11 +87,8 @@ def write_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any])
     directory = step_directory(run_dir, step)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank{rank}.pt"
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save({"format": FORMAT_VERSION, **state}, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as temporary:
+        torch.save({"format": FORMAT_VERSION, **state}, temporary)
     return path
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,24 +20,12 @@ from lowcomm.comm.clock import Clock, make_clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
 from lowcomm.config import TrainConfig
-from lowcomm.data import WorkerShard, prepare_corpus, validation_batches
+from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint
 from lowcomm.train.metrics import RunWriter, StepRecord
-
-# Order of the per-step numbers each worker contributes to the gather on rank 0.
-_STEP_FIELDS = (
-    "loss",
-    "compute_s",
-    "exposed_comm_s",
-    "bytes_sent",
-    "clock_s",
-    "microbatches",
-    "tokens",
-    "committed_steps",
-    "params_finite",
-)
+from lowcomm.train.records import ProcessTotals, StepMetrics
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -95,6 +84,42 @@ def _evaluate(
     return float(total[0] / total[1]) if total[1] > 0 else math.nan
 
 
+@dataclass
+class Worker:
+    """Everything one training process holds between steps (built by :func:`set_up`)."""
+
+    config: TrainConfig
+    rank: int
+    """This process's global rank."""
+    world_size: int
+    """Processes in the run (workers x ranks per worker)."""
+    device: torch.device
+    model: torch.nn.Module
+    clock: Clock
+    comm: NetworkComm | HierarchicalComm
+    """The strategy's communicator (charged to the emulated links)."""
+    bookkeeping: Comm
+    """Metrics, evaluation sums and checkpoint barriers (uncharged, CPU tensors)."""
+    strategy: Strategy
+    shard: WorkerShard
+    validation: list[tuple[torch.Tensor, torch.Tensor]]
+    """This process's slice of the validation batches."""
+    validation_batches: int
+    """Validation batches of the whole run."""
+    step_closure: Callable[[], MicroBatchResult]
+
+
+@dataclass
+class Progress:
+    """Where training stands: the loop's counters (what a checkpoint saves besides state)."""
+
+    start_step: int = 0
+    tokens: int = 0
+    val_loss: float = math.nan
+    resumed_from: Path | None = None
+    """The run directory a resume continued (None: a fresh start)."""
+
+
 def train_worker(
     config: TrainConfig,
     raw: Comm,
@@ -104,80 +129,135 @@ def train_worker(
 ) -> WorkerSummary:
     """Train on this process. ``raw`` is the un-emulated communicator of the process group;
     strategy traffic goes through a :class:`NetworkComm` around it (or, with
-    ``--ranks-per-worker R > 1``, a :class:`HierarchicalComm` over an inner and an outer
-    ``NetworkComm``). Metrics, evaluation sums and checkpoint barriers go on ``bookkeeping``,
-    a separate group of CPU tensors (by default a Gloo group made here on every rank, see
-    :func:`bookkeeping_comm`), never on the strategy's group: on NCCL one communicator is one
-    queue, and a small gather behind an in-flight all-reduce would wait for all of it. With
-    ``keep_parameters`` the summary carries the final parameters (for tests)."""
+    ``--ranks-per-worker R > 1``, a :class:`HierarchicalComm` over a replica-level and an
+    outer ``NetworkComm``). Metrics, evaluation sums and checkpoint barriers go on
+    ``bookkeeping``, a separate group of CPU tensors (by default a Gloo group made here on
+    every rank, see :func:`bookkeeping_comm`), never on the strategy's group: on NCCL one
+    communicator is one queue, and a small gather behind an in-flight all-reduce would wait
+    for all of it. With ``keep_parameters`` the summary carries the final parameters (for
+    tests)."""
     set_up_start = time.perf_counter()
+    worker = set_up(config, raw, bookkeeping_comm(raw) if bookkeeping is None else bookkeeping)
+    progress = resume(worker)
+    if worker.rank == 0:
+        print(
+            f"lowcomm: training: {_parameter_count(worker.model) / 1e6:.2f} M "
+            f"parameters, {worker.validation_batches} validation batches; worker set-up "
+            f"{time.perf_counter() - set_up_start:.1f} s",
+            flush=True,
+        )
+    writer = _run_writer(worker, progress)
+    start_wall = time.perf_counter()
+    final = FinalState()
+    try:
+        if not train_steps(worker, progress, writer, final):
+            return _stopped(worker, progress, writer, keep_parameters)
+        final_evaluation(worker, progress, final, keep_parameters)
+    finally:
+        if writer is not None:
+            if final.last_record is not None:
+                writer.write_step(final.last_record)  # without val_loss if the evaluation failed
+            writer.close_steps()
+    return finish(worker, progress, writer, final, keep_parameters, time.perf_counter() - start_wall)
+
+
+# --- set-up ------------------------------------------------------------------------------
+
+
+def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
+    """Build this process's model, clock, communicators, strategy, data shard and closure."""
     rank, world_size = raw.rank, raw.world_size
-    if bookkeeping is None:
-        bookkeeping = bookkeeping_comm(raw)
-    ranks_per_worker = config.ranks_per_worker
-    # This process is local rank `replica` of worker `worker` (both = rank with flat workers).
-    worker, replica = divmod(rank, ranks_per_worker)
-    workers = world_size // ranks_per_worker
+    worker_index = rank // config.ranks_per_worker  # (= rank with flat workers)
     device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     corpus = prepare_corpus(config.data)
-    model = build_model(config.model, corpus.vocab_size).to(device)
+    model = _shared_initial_model(config, corpus.vocab_size, raw, device)
+    clock = make_clock(
+        config.clock,
+        speed_factor=config.network_profile().speed_factor(worker_index),
+        seconds_per_microbatch=config.seconds_per_microbatch,
+        device=device,
+    )
+    comm, replica_comm = _strategy_comms(config, raw, clock, device)
+    # The strategy sees the Comm protocol and the runtime the comm describes (read-only
+    # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
+    context = replace(config.strategy_context(), runtime=comm.runtime())
+    strategy = build_strategy(config.method, model, comm, context, config)
+    shard, validation, validation_batches = _data(config, corpus, rank, device)
+    closure = _closure(model, shard, clock, device)
+    # Synchronous data parallel inside a worker (R > 1): gradients averaged over its ranks
+    # after each micro-batch, charged to the replica link.
+    step_closure = closure if replica_comm is None else averaging_closure(closure, model, replica_comm)
+    return Worker(
+        config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
+        comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
+        validation_batches=validation_batches, step_closure=step_closure,
+    )  # fmt: skip
+
+
+def _shared_initial_model(
+    config: TrainConfig, vocab_size: int, raw: Comm, device: torch.device
+) -> torch.nn.Module:
+    model = build_model(config.model, vocab_size).to(device)
     # Same seed gives the same initial model everywhere; broadcast anyway (uncharged) so that
     # workers on different machines or library builds provably start from one point.
     with torch.no_grad():
         for parameter in model.parameters():
             raw.broadcast(parameter.data, src=0, role=Role.PARAMETER).wait()
+    return model
 
+
+def _strategy_comms(
+    config: TrainConfig, raw: Comm, clock: Clock, device: torch.device
+) -> tuple[NetworkComm | HierarchicalComm, Comm | None]:
+    """The strategy's communicator and, with ranks per worker > 1, the replica-level one
+    (between the ranks of one worker) the averaging closure uses."""
     profile = config.network_profile()
-    clock = make_clock(
-        config.clock,
-        speed_factor=profile.speed_factor(worker),
-        seconds_per_microbatch=config.seconds_per_microbatch,
-        device=device,
-    )
-    comm: NetworkComm | HierarchicalComm
-    inner_comm: Comm | None = None
-    if ranks_per_worker > 1:
-        from lowcomm.launch.groups import level_comms
+    if config.ranks_per_worker == 1:
+        return NetworkComm(raw, profile, clock, device=device), None
+    from lowcomm.launch.groups import level_comms
 
-        inner_raw, outer_raw = level_comms(ranks_per_worker)
-        inner_comm = NetworkComm(inner_raw, config.inner_network_profile(), clock, device=device)
-        outer_comm = NetworkComm(outer_raw, profile, clock, device=device)
-        comm = HierarchicalComm(inner_comm, outer_comm, clock)
-    else:
-        comm = NetworkComm(raw, profile, clock, device=device)
-    # The strategy sees the Comm protocol and the runtime the comm describes (read-only
-    # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
-    context = replace(config.strategy_context(), runtime=comm.runtime())
-    strategy = build_strategy(config.method, model, comm, context, config)
+    replica_raw, outer_raw = level_comms(config.ranks_per_worker)
+    replica_comm = NetworkComm(replica_raw, config.replica_network_profile(), clock, device=device)
+    outer_comm = NetworkComm(outer_raw, profile, clock, device=device)
+    return HierarchicalComm(replica_comm, outer_comm, clock), replica_comm
 
+
+def _data(
+    config: TrainConfig, corpus: PreparedCorpus, rank: int, device: torch.device
+) -> tuple[WorkerShard, list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """This process's training shard, its slice of the validation batches, and how many
+    validation batches the run has."""
+    ranks = config.ranks_per_worker
+    worker, replica = divmod(rank, ranks)
+    workers = config.workers
+    batch = config.data.micro_batch_size
     shard = WorkerShard(
-        corpus,
-        rank=worker,
-        world_size=workers,
-        seq_len=config.model.block_size,
-        micro_batch_size=config.data.micro_batch_size,
-        seed=config.seed,
-        split=config.data.split,
-        replica=replica,
-        replicas=ranks_per_worker,
-    )
+        corpus, rank=worker, world_size=workers, seq_len=config.model.block_size,
+        micro_batch_size=batch, seed=config.seed, split=config.data.split,
+        replica=replica, replicas=ranks,
+    )  # fmt: skip
     # A worker evaluates the batches a flat worker would (R x the micro-batch size), each of
     # its ranks a slice of every batch.
     all_val = validation_batches(
-        corpus,
-        seq_len=config.model.block_size,
-        batch_size=config.data.micro_batch_size * ranks_per_worker,
+        corpus, seq_len=config.model.block_size, batch_size=batch * ranks,
         num_batches=config.eval_batches,
-    )
-    rows = slice(replica * config.data.micro_batch_size, (replica + 1) * config.data.micro_batch_size)
-    my_val = [
+    )  # fmt: skip
+    rows = slice(replica * batch, (replica + 1) * batch)
+    mine = [
         (x[rows].to(device), y[rows].to(device))
         for x, y in all_val[worker::workers]
         if x[rows].shape[0] > 0
     ]
+    return shard, mine, len(all_val)
+
+
+def _closure(
+    model: torch.nn.Module, shard: WorkerShard, clock: Clock, device: torch.device
+) -> Callable[[], MicroBatchResult]:
+    """Forward and backward on the next micro-batch at the model's current parameters."""
 
     def to_device(batch: torch.Tensor) -> torch.Tensor:
         if device.type != "cuda":
@@ -196,187 +276,230 @@ def train_worker(
             loss=float(loss.detach()), samples=inputs.shape[0], tokens=inputs.numel()
         )
 
-    # Inner synchronous data parallel (R > 1): gradients averaged over the worker after each
-    # micro-batch, charged to the inner link.
-    step_closure = closure if inner_comm is None else averaging_closure(closure, model, inner_comm)
+    return closure
 
 
-    run_dir = config.run_dir()
-    start_step, tokens_total, val_loss = 0, 0, math.nan
-    resume_from = _resume_directory(config, run_dir)
+# --- resume ------------------------------------------------------------------------------
+
+
+def resume(worker: Worker) -> Progress:
+    """Restore the latest checkpoint when the run resumes (else a fresh start); every process
+    has read its file before anyone may write a new one."""
+    config = worker.config
+    progress = Progress()
+    resume_from = _resume_directory(config, config.run_dir())
     if resume_from is not None:
         start_step, directory = checkpoint.find_latest(
-            resume_from, world_size, checkpoint.fingerprint(config)
+            resume_from, worker.world_size, checkpoint.fingerprint(config)
         )
-        saved = checkpoint.read_rank_state(directory, rank, device)
-        model.load_state_dict(saved["model"])
-        strategy.load_state_dict(saved["strategy"])
-        shard.load_state_dict(saved["data"])
-        clock.load_state_dict(saved["clock"])
-        comm.load_state_dict(saved["comm"])
-        _restore_rng(saved["rng"], device)
-        tokens_total = int(saved["tokens"])
-        val_loss = float(saved["val_loss"])
-    bookkeeping.barrier().wait()  # every worker has read its file before anyone writes a new one
-    if resume_from is not None and rank == 0:
+        saved = checkpoint.read_rank_state(directory, worker.rank, worker.device)
+        worker.model.load_state_dict(saved["model"])
+        worker.strategy.load_state_dict(saved["strategy"])
+        worker.shard.load_state_dict(saved["data"])
+        worker.clock.load_state_dict(saved["clock"])
+        worker.comm.load_state_dict(saved["comm"])
+        _restore_rng(saved["rng"], worker.device)
+        progress = Progress(
+            start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
+            resumed_from=resume_from,
+        )  # fmt: skip
+    worker.bookkeeping.barrier().wait()
+    if resume_from is not None and worker.rank == 0:
         # Said whatever --progress is: a resumed run must not look like a fresh one.
         print(
-            f"lowcomm: resumed {resume_from} from step {start_step} (checkpoint "
-            f"{directory.name}); training steps {start_step + 1} to {config.steps}",
+            f"lowcomm: resumed {resume_from} from step {progress.start_step} (checkpoint "
+            f"{directory.name}); training steps {progress.start_step + 1} to {config.steps}",
             flush=True,
         )
+    return progress
 
-    if rank == 0:
-        print(
-            f"lowcomm: training: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M "
-            f"parameters, {len(all_val)} validation batches; worker set-up "
-            f"{time.perf_counter() - set_up_start:.1f} s",
-            flush=True,
-        )
-    writer = RunWriter(config, resume_step=start_step if resume_from is not None else None) if rank == 0 else None
-    start_wall = time.perf_counter()
-    stopped = False
+
+def _run_writer(worker: Worker, progress: Progress) -> RunWriter | None:
+    """Rank 0's writer of the run directory (None on the other ranks)."""
+    if worker.rank != 0:
+        return None
+    resumed = progress.resumed_from is not None
+    return RunWriter(worker.config, resume_step=progress.start_step if resumed else None)
+
+
+# --- steps -------------------------------------------------------------------------------
+
+
+@dataclass
+class FinalState:
+    """What the end of training fills in."""
+
     last_record: StepRecord | None = None
-    try:
-        for step in range(start_step, config.steps):
-            before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
-            before_bytes = comm.bytes_sent
-            stats = strategy.step(step_closure)
-            now = clock.now()
-            tokens_total += stats.tokens
-            with clock.excluded():
-                # CPU: the bookkeeping group is Gloo (the readings are host floats anyway).
-                local = torch.tensor(
-                    [
-                        stats.loss,
-                        clock.compute_s - before_compute,
-                        clock.exposed_comm_s - before_exposed,
-                        comm.bytes_sent - before_bytes,
-                        now,
-                        stats.microbatches,
-                        stats.tokens,
-                        stats.committed_steps,
-                        float(_all_finite(model)),
-                    ],
-                    dtype=torch.float64,
-                )
-                gathered = torch.zeros(world_size * len(_STEP_FIELDS), dtype=torch.float64)
-                bookkeeping.all_gather(gathered, local, role=Role.OTHER).wait()
-                per_worker = gathered.view(world_size, len(_STEP_FIELDS))
-                bad = [r for r in range(world_size) if not math.isfinite(float(per_worker[r, 0]))]
-                if bad:
-                    raise NonFiniteLoss(
-                        f"step {step}: worker {bad[0]} reported a non-finite loss "
-                        f"({float(per_worker[bad[0], 0])}); lower --optim.lr or check the data"
-                        f"{_NOT_SAVED}"
-                    )
-                bad = [r for r in range(world_size) if float(per_worker[r, -1]) != 1.0]
-                if bad:
-                    raise NonFiniteLoss(
-                        f"step {step}: worker {bad[0]} has non-finite parameters after the "
-                        f"update (a NaN/inf gradient); lower --optim.lr or --max-grad-norm"
-                        f"{_NOT_SAVED}"
-                    )
-                is_last = step == config.steps - 1
-                evaluate = (step + 1) % config.eval_every == 0 and not is_last
-                if evaluate:
-                    with strategy.deployed() as deployed_model:
-                        val_loss = _evaluate(deployed_model, my_val, bookkeeping)
-                if writer is not None:
-                    record = StepRecord.from_tensor(
-                        step,
-                        stats.lr,
-                        per_worker,
-                        _STEP_FIELDS[:-1],
-                        val_loss if evaluate else None,
-                        clock.kind,
-                        stats.extras,
-                    )
-                    if is_last:
-                        # Written once the final validation below gives it its val_loss, so
-                        # metrics.jsonl and loss.png end on summary.json's final_val_loss.
-                        last_record = record
-                    else:
-                        writer.write_step(record)
-                stopped = config.stop_after is not None and step + 1 == config.stop_after
-                every = config.checkpoint_every
-                if (every is not None and (step + 1) % every == 0 and not is_last) or stopped:
-                    _save_checkpoint(
-                        config, run_dir, step + 1, bookkeeping, model, strategy, shard, clock, comm,
-                        tokens_total, val_loss,
-                    )
-            if stopped:
-                break
-        if stopped:
-            if writer is not None:
-                writer.close_steps()
-                print(
-                    f"lowcomm: stopped after step {config.stop_after} with a checkpoint in "
-                    f"{run_dir}; continue with: lowcomm train --resume {run_dir}",
-                    flush=True,
-                )
-            return WorkerSummary(
-                rank=rank, compute_s=clock.compute_s, exposed_comm_s=clock.exposed_comm_s,
-                clock_s=clock.now(), bytes_sent=comm.bytes_sent, bytes_by_role=comm.counters(),
-                state_bytes=strategy.state_bytes(), tokens=tokens_total,
-                parameters=_flat_parameters(model) if keep_parameters else None,
-            )  # fmt: skip
-        strategy.finish()
-        final_clock = clock.now()
-        deployed: torch.Tensor | None = None
-        with clock.excluded(), strategy.deployed() as deployed_model:
-            val_loss = _evaluate(deployed_model, my_val, bookkeeping)
-            if keep_parameters:
-                deployed = _flat_parameters(deployed_model)
-        if last_record is not None:
-            last_record.val_loss = val_loss
-    finally:
-        if writer is not None:
-            if last_record is not None:
-                writer.write_step(last_record)  # without val_loss if the evaluation failed
-            writer.close_steps()
+    """The last step's record, written once the final validation gives it its val_loss."""
+    clock_s: float = math.nan
+    """The clock after the final drain."""
+    deployed: torch.Tensor | None = None
+    """The deployed parameters, flattened (with keep_parameters)."""
 
-    summary = WorkerSummary(
-        rank=rank,
-        compute_s=clock.compute_s,
-        exposed_comm_s=clock.exposed_comm_s,
-        clock_s=final_clock,
-        bytes_sent=comm.bytes_sent,
-        bytes_by_role=comm.counters(),
-        state_bytes=strategy.state_bytes(),
-        tokens=tokens_total,
-        parameters=_flat_parameters(model) if keep_parameters else None,
-        deployed_parameters=deployed,
-    )
-    # Every worker's summary goes to rank 0 through the bookkeeping group (uncharged).
-    levels = comm.level_counters() if isinstance(comm, HierarchicalComm) else None
-    level_columns = (
-        [levels[name][key] for name in ("inner", "outer") for key in ("bytes_sent", "exposed_comm_s")]
-        if levels is not None
-        else [0.0, 0.0, summary.bytes_sent, summary.exposed_comm_s]
-    )
-    peak_memory = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0
-    packed = torch.tensor(
-        [summary.compute_s, summary.exposed_comm_s, summary.clock_s, summary.bytes_sent,
-         float(summary.state_bytes), float(summary.tokens), *level_columns, peak_memory],
-        dtype=torch.float64,
-    )
-    everyone = torch.zeros(world_size * packed.numel(), dtype=torch.float64)
-    bookkeeping.all_gather(everyone, packed, role=Role.OTHER).wait()
+
+def train_steps(
+    worker: Worker, progress: Progress, writer: RunWriter | None, final: FinalState
+) -> bool:
+    """Train from the start step to the end; False if the run stopped early (--stop-after)."""
+    config = worker.config
+    for step in range(progress.start_step, config.steps):
+        if not train_step(worker, step, progress, writer, final):
+            return False
+    return True
+
+
+def train_step(
+    worker: Worker, step: int, progress: Progress, writer: RunWriter | None, final: FinalState
+) -> bool:
+    """One optimizer step, then (outside the clock) its metrics, evaluation and checkpoint;
+    False if the run stops after it (--stop-after)."""
+    config, clock, comm = worker.config, worker.clock, worker.comm
+    before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
+    before_bytes = comm.bytes_sent
+    stats = worker.strategy.step(worker.step_closure)
+    now = clock.now()
+    progress.tokens += stats.tokens
+    with clock.excluded():
+        mine = StepMetrics(
+            loss=stats.loss,
+            compute_s=clock.compute_s - before_compute,
+            exposed_comm_s=clock.exposed_comm_s - before_exposed,
+            bytes_sent=comm.bytes_sent - before_bytes,
+            clock_s=now,
+            microbatches=stats.microbatches,
+            tokens=stats.tokens,
+            committed_steps=stats.committed_steps,
+            params_finite=float(_all_finite(worker.model)),
+        )
+        everyone = mine.all_gather(worker.bookkeeping)
+        _check_finite(step, everyone)
+        is_last = step == config.steps - 1
+        evaluate = (step + 1) % config.eval_every == 0 and not is_last
+        if evaluate:
+            with worker.strategy.deployed() as deployed_model:
+                progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
+        if writer is not None:
+            record = StepRecord.from_workers(
+                step, stats.lr, everyone, progress.val_loss if evaluate else None, clock.kind,
+                stats.extras,
+            )  # fmt: skip
+            if is_last:
+                # Written once the final validation gives it its val_loss, so metrics.jsonl
+                # and loss.png end on summary.json's final_val_loss.
+                final.last_record = record
+            else:
+                writer.write_step(record)
+        stopped = config.stop_after is not None and step + 1 == config.stop_after
+        every = config.checkpoint_every
+        if (every is not None and (step + 1) % every == 0 and not is_last) or stopped:
+            _save_checkpoint(worker, step + 1, progress)
+    return not stopped
+
+
+def _check_finite(step: int, everyone: list[StepMetrics]) -> None:
+    """Stop the run on a non-finite loss or parameter on any worker."""
+    for rank, metrics in enumerate(everyone):
+        if not math.isfinite(metrics.loss):
+            raise NonFiniteLoss(
+                f"step {step}: worker {rank} reported a non-finite loss ({metrics.loss}); lower "
+                f"--optim.lr or check the data{_NOT_SAVED}"
+            )
+    for rank, metrics in enumerate(everyone):
+        if metrics.params_finite != 1.0:
+            raise NonFiniteLoss(
+                f"step {step}: worker {rank} has non-finite parameters after the update (a "
+                f"NaN/inf gradient); lower --optim.lr or --max-grad-norm{_NOT_SAVED}"
+            )
+
+
+# --- finish ------------------------------------------------------------------------------
+
+
+def _stopped(
+    worker: Worker, progress: Progress, writer: RunWriter | None, keep_parameters: bool
+) -> WorkerSummary:
+    """The summary of a run that stopped early with a checkpoint (--stop-after)."""
     if writer is not None:
-        num_params = sum(p.numel() for p in model.parameters())
+        writer.close_steps()
+        print(
+            f"lowcomm: stopped after step {worker.config.stop_after} with a checkpoint in "
+            f"{worker.config.run_dir()}; continue with: lowcomm train --resume "
+            f"{worker.config.run_dir()}",
+            flush=True,
+        )
+    return _worker_summary(worker, progress, worker.clock.now(), keep_parameters)
+
+
+def final_evaluation(
+    worker: Worker, progress: Progress, final: FinalState, keep_parameters: bool
+) -> None:
+    """Drain the method's communication, then validate the parameters it deploys."""
+    worker.strategy.finish()
+    final.clock_s = worker.clock.now()
+    with worker.clock.excluded(), worker.strategy.deployed() as deployed_model:
+        progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
+        if keep_parameters:
+            final.deployed = _flat_parameters(deployed_model)
+    if final.last_record is not None:
+        final.last_record.val_loss = progress.val_loss
+
+
+def _worker_summary(
+    worker: Worker, progress: Progress, clock_s: float, keep_parameters: bool,
+    deployed: torch.Tensor | None = None,
+) -> WorkerSummary:  # fmt: skip
+    clock, comm = worker.clock, worker.comm
+    return WorkerSummary(
+        rank=worker.rank, compute_s=clock.compute_s, exposed_comm_s=clock.exposed_comm_s,
+        clock_s=clock_s, bytes_sent=comm.bytes_sent, bytes_by_role=comm.counters(),
+        state_bytes=worker.strategy.state_bytes(), tokens=progress.tokens,
+        parameters=_flat_parameters(worker.model) if keep_parameters else None,
+        deployed_parameters=deployed,
+    )  # fmt: skip
+
+
+def finish(
+    worker: Worker, progress: Progress, writer: RunWriter | None, final: FinalState,
+    keep_parameters: bool, wall_clock_s: float,
+) -> WorkerSummary:  # fmt: skip
+    """Gather every process's totals on rank 0 (uncharged), which writes the summary."""
+    summary = _worker_summary(worker, progress, final.clock_s, keep_parameters, final.deployed)
+    everyone = _process_totals(worker, summary).all_gather(worker.bookkeeping)
+    if writer is not None:
+        config = worker.config
         writer.finish(
-            per_worker=everyone.view(world_size, packed.numel()),
+            per_process=everyone,
             bytes_by_role=summary.bytes_by_role,
-            num_params=num_params,
-            final_val_loss=val_loss,
-            wall_clock_s=time.perf_counter() - start_wall,
-            clock_kind=clock.kind,
-            network=profile,
-            inner_network=config.inner_network_profile() if ranks_per_worker > 1 else None,
+            num_params=_parameter_count(worker.model),
+            final_val_loss=progress.val_loss,
+            wall_clock_s=wall_clock_s,
+            clock_kind=worker.clock.kind,
+            network=config.network_profile(),
+            replica_network=config.replica_network_profile() if config.ranks_per_worker > 1 else None,
         )
     return summary
 
+
+def _process_totals(worker: Worker, summary: WorkerSummary) -> ProcessTotals:
+    comm, device = worker.comm, worker.device
+    if isinstance(comm, HierarchicalComm):
+        levels = comm.level_counters()
+        replica, outer = levels["inner"], levels["outer"]
+    else:  # flat workers: everything on the outer link
+        replica = {"bytes_sent": 0.0, "exposed_comm_s": 0.0}
+        outer = {"bytes_sent": summary.bytes_sent, "exposed_comm_s": summary.exposed_comm_s}
+    return ProcessTotals(
+        compute_s=summary.compute_s, exposed_comm_s=summary.exposed_comm_s,
+        clock_s=summary.clock_s, bytes_sent=summary.bytes_sent,
+        state_bytes=float(summary.state_bytes), tokens=float(summary.tokens),
+        replica_bytes_sent=replica["bytes_sent"], replica_exposed_comm_s=replica["exposed_comm_s"],
+        outer_bytes_sent=outer["bytes_sent"], outer_exposed_comm_s=outer["exposed_comm_s"],
+        peak_memory=float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0,
+    )  # fmt: skip
+
+
+def _parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def _flat_parameters(model: torch.nn.Module) -> torch.Tensor:
@@ -394,10 +517,6 @@ def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
     if config.resume == "auto":
         return run_dir if checkpoint.has_checkpoint(run_dir) else None
     return Path(config.resume)
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -418,30 +537,19 @@ def _restore_rng(saved: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
 
 
-def _save_checkpoint(
-    config: TrainConfig,
-    run_dir: Path,
-    step: int,
-    bookkeeping: Comm,
-    model: torch.nn.Module,
-    strategy: Strategy,
-    shard: WorkerShard,
-    clock: Clock,
-    comm: NetworkComm | HierarchicalComm,
-    tokens: int,
-    val_loss: float,
-) -> None:
+def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     """Every worker writes its file; once all have, rank 0 checksums them and commits."""
+    config, bookkeeping, run_dir = worker.config, worker.bookkeeping, worker.config.run_dir()
     state = {
         # The strategy first: it settles in-flight collectives, which the comm must not hold.
-        "strategy": strategy.state_dict(),
-        "model": model.state_dict(),
-        "data": shard.state_dict(),
-        "clock": clock.state_dict(),
-        "comm": comm.state_dict(),
-        "rng": _rng_state(_model_device(model)),
-        "tokens": tokens,
-        "val_loss": val_loss,
+        "strategy": worker.strategy.state_dict(),
+        "model": worker.model.state_dict(),
+        "data": worker.shard.state_dict(),
+        "clock": worker.clock.state_dict(),
+        "comm": worker.comm.state_dict(),
+        "rng": _rng_state(worker.device),
+        "tokens": progress.tokens,
+        "val_loss": progress.val_loss,
         "step": step,
     }
     checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)

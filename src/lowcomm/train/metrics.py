@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
-
+from lowcomm.atomic import atomic_path, atomic_write_text
 from lowcomm.comm.network import NetworkProfile
-from lowcomm.config import TrainConfig
+from lowcomm.train.records import ProcessTotals, StepMetrics
 
-
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` so a reader sees either the old file or the whole new one
-    (a temporary file, flushed and fsynced, then renamed)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
-    atomic_write_bytes(path, text.encode())
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
 
 
 @dataclass
@@ -54,34 +39,33 @@ class StepRecord:
     """Method-specific numbers (StepStats.extras) as seen by worker 0."""
 
     @classmethod
-    def from_tensor(
+    def from_workers(
         cls,
         step: int,
         lr: float,
-        per_worker: torch.Tensor,
-        fields: tuple[str, ...],
+        workers: list[StepMetrics],
         val_loss: float | None,
         clock: str,
         extras: dict[str, float] | None = None,
     ) -> StepRecord:
-        column = {name: per_worker[:, i].tolist() for i, name in enumerate(fields)}
-        compute = statistics.fmean(column["compute_s"])
-        exposed = statistics.fmean(column["exposed_comm_s"])
+        """The record of a step from every process's :class:`StepMetrics` (rank order)."""
+        compute = statistics.fmean(w.compute_s for w in workers)
+        exposed = statistics.fmean(w.exposed_comm_s for w in workers)
         total = compute + exposed
         return cls(
             step=step,
             lr=lr,
-            train_loss=statistics.fmean(column["loss"]),
+            train_loss=statistics.fmean(w.loss for w in workers),
             val_loss=val_loss,
             compute_s=compute,
             exposed_comm_s=exposed,
             utilization=compute / total if total > 0 else 1.0,
-            bytes_sent_per_worker=statistics.fmean(column["bytes_sent"]),
-            clock_s=max(column["clock_s"]),
-            microbatches_per_worker=[int(v) for v in column["microbatches"]],
-            committed_steps=int(column["committed_steps"][0]),
-            tokens=int(sum(column["tokens"])),
-            exposed_comm_s_per_worker=column["exposed_comm_s"],
+            bytes_sent_per_worker=statistics.fmean(w.bytes_sent for w in workers),
+            clock_s=max(w.clock_s for w in workers),
+            microbatches_per_worker=[int(w.microbatches) for w in workers],
+            committed_steps=int(workers[0].committed_steps),
+            tokens=int(sum(w.tokens for w in workers)),
+            exposed_comm_s_per_worker=[w.exposed_comm_s for w in workers],
             clock=clock,
             extras=dict(extras or {}),
         )
@@ -152,76 +136,33 @@ class RunWriter:
     def finish(
         self,
         *,
-        per_worker: torch.Tensor,
+        per_process: list[ProcessTotals],
         bytes_by_role: dict[str, float],
         num_params: int,
         final_val_loss: float,
         wall_clock_s: float,
         clock_kind: str,
         network: NetworkProfile,
-        inner_network: NetworkProfile | None = None,
+        replica_network: NetworkProfile | None = None,
     ) -> dict[str, Any]:
-        """Write summary.json and loss.png, print the summary table; return the summary."""
-        compute, exposed, clock_s, sent, state, tokens = (per_worker[:, i].tolist() for i in range(6))
-        # Rows are processes: with --ranks-per-worker R, R rows per worker. Columns 6-9, when
-        # present: bytes sent and exposed seconds on the inner link, then on the outer link.
-        ranks = self.config.ranks_per_worker
-        levels: dict[str, dict[str, float]] = {}
-        if per_worker.shape[1] >= 10:
-            for offset, name in ((6, "inner"), (8, "outer")):
-                levels[name] = {
-                    "bytes_sent_per_rank": statistics.fmean(per_worker[:, offset].tolist()),
-                    "exposed_comm_s": statistics.fmean(per_worker[:, offset + 1].tolist()),
-                }
-        compute_mean = statistics.fmean(compute)
-        exposed_mean = statistics.fmean(exposed)
-        total = compute_mean + exposed_mean
-        last = self.records[-1] if self.records else None
-        summary: dict[str, Any] = {
-            "method": self.config.method,
-            "workers": per_worker.shape[0] // ranks,
-            "ranks_per_worker": ranks,
-            "steps": len(self.records),
-            "num_params": num_params,
-            "tokens": int(sum(tokens)),
-            "final_train_loss": last.train_loss if last else math.nan,
-            "final_val_loss": final_val_loss,
-            "wall_clock_s": wall_clock_s,
-            "compute_s": compute_mean,
-            "exposed_comm_s": exposed_mean,
-            "utilization": compute_mean / total if total > 0 else 1.0,
-            "bytes_sent_per_worker": ranks * statistics.fmean(sent),
-            "bytes_sent_per_rank": statistics.fmean(sent),
-            "levels": levels,
-            "bytes_by_role": bytes_by_role,
-            "clock": clock_kind,
-            "modeled_time_s": max(clock_s),
-            "state_bytes_per_worker": int(max(state)),
-            "network": {
-                "name": network.name,
-                "bandwidth_gbps": network.bandwidth_gbps,
-                "latency_ms": network.latency_ms,
-                "speed_factors": list(network.speed_factors),
-            },
-            "inner_network": None
-            if inner_network is None
-            else {
-                "name": inner_network.name,
-                "bandwidth_gbps": inner_network.bandwidth_gbps,
-                "latency_ms": inner_network.latency_ms,
-            },
-            "per_worker": {
-                "compute_s": compute,
-                "exposed_comm_s": exposed,
-                "clock_s": clock_s,
-                "bytes_sent": sent,
-                "state_bytes": [int(v) for v in state],
-            },
-        }
-        if self.config.device == "cuda" and per_worker.shape[1] >= 11:
-            # Column 10: torch.cuda.max_memory_allocated, the honest figure on a GPU (it
-            # includes activations and the transient copies state_bytes leaves out).
-            peak = [int(v) for v in per_worker[:, 10].tolist()]
+        """Write summary.json and loss.png, print the summary table; return the summary.
+
+        ``per_process`` holds one entry per process: with --ranks-per-worker R, R per worker."""
+        summary = self._totals(per_process, num_params, final_val_loss)
+        summary.update(
+            wall_clock_s=wall_clock_s,
+            bytes_by_role=bytes_by_role,
+            clock=clock_kind,
+            network=_describe_network(network, speed_factors=True),
+            # (the summary's key names the option, --inner-network)
+            inner_network=None if replica_network is None else _describe_network(replica_network),
+            per_worker=_per_process_columns(per_process),
+        )
+        summary = {key: summary[key] for key in _SUMMARY_ORDER if key in summary}
+        if self.config.device == "cuda":
+            # torch.cuda.max_memory_allocated, the honest figure on a GPU (it includes
+            # activations and the transient copies state_bytes leaves out).
+            peak = [int(p.peak_memory) for p in per_process]
             summary["peak_device_memory_bytes_per_worker"] = max(peak)
             summary["per_worker"]["peak_device_memory_bytes"] = peak
         atomic_write_text(
@@ -230,6 +171,39 @@ class RunWriter:
         self._plot()
         print(format_summary(summary, self.directory))
         return summary
+
+    def _totals(
+        self, per_process: list[ProcessTotals], num_params: int, final_val_loss: float
+    ) -> dict[str, Any]:
+        """The summary's run-wide numbers: means over processes, the slowest clock."""
+        ranks = self.config.ranks_per_worker
+        compute_mean = statistics.fmean(p.compute_s for p in per_process)
+        exposed_mean = statistics.fmean(p.exposed_comm_s for p in per_process)
+        total = compute_mean + exposed_mean
+        sent_mean = statistics.fmean(p.bytes_sent for p in per_process)
+        last = self.records[-1] if self.records else None
+        return {
+            "method": self.config.method,
+            "workers": len(per_process) // ranks,
+            "ranks_per_worker": ranks,
+            "steps": len(self.records),
+            "num_params": num_params,
+            "tokens": int(sum(p.tokens for p in per_process)),
+            "final_train_loss": last.train_loss if last else math.nan,
+            "final_val_loss": final_val_loss,
+            "compute_s": compute_mean,
+            "exposed_comm_s": exposed_mean,
+            "utilization": compute_mean / total if total > 0 else 1.0,
+            "bytes_sent_per_worker": ranks * sent_mean,
+            "bytes_sent_per_rank": sent_mean,
+            # Summary keys (a file format): "inner" is the link between a worker's ranks.
+            "levels": {
+                "inner": _level(per_process, "replica_bytes_sent", "replica_exposed_comm_s"),
+                "outer": _level(per_process, "outer_bytes_sent", "outer_exposed_comm_s"),
+            },
+            "modeled_time_s": max(p.clock_s for p in per_process),
+            "state_bytes_per_worker": int(max(p.state_bytes for p in per_process)),
+        }
 
     def _plot(self) -> None:
         import matplotlib
@@ -257,10 +231,46 @@ class RunWriter:
             axis.legend()
         figure.suptitle(f"{self.config.method}, {self.config.workers} workers, network {self.config.network}")
         figure.tight_layout()
-        tmp = self.directory / ".loss.png.tmp.png"
-        figure.savefig(tmp, dpi=100)
+        with atomic_path(self.directory / "loss.png") as temporary:
+            figure.savefig(temporary, dpi=100, format="png")
         plt.close(figure)
-        os.replace(tmp, self.directory / "loss.png")
+
+
+#: The order of summary.json's keys (unchanged since before the named records).
+_SUMMARY_ORDER = (
+    "method", "workers", "ranks_per_worker", "steps", "num_params", "tokens", "final_train_loss",
+    "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
+    "bytes_sent_per_worker", "bytes_sent_per_rank", "levels", "bytes_by_role", "clock",
+    "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",
+)  # fmt: skip
+
+
+def _level(per_process: list[ProcessTotals], sent: str, exposed: str) -> dict[str, float]:
+    return {
+        "bytes_sent_per_rank": statistics.fmean(getattr(p, sent) for p in per_process),
+        "exposed_comm_s": statistics.fmean(getattr(p, exposed) for p in per_process),
+    }
+
+
+def _describe_network(network: NetworkProfile, *, speed_factors: bool = False) -> dict[str, Any]:
+    described: dict[str, Any] = {
+        "name": network.name,
+        "bandwidth_gbps": network.bandwidth_gbps,
+        "latency_ms": network.latency_ms,
+    }
+    if speed_factors:
+        described["speed_factors"] = list(network.speed_factors)
+    return described
+
+
+def _per_process_columns(per_process: list[ProcessTotals]) -> dict[str, list[Any]]:
+    return {
+        "compute_s": [p.compute_s for p in per_process],
+        "exposed_comm_s": [p.exposed_comm_s for p in per_process],
+        "clock_s": [p.clock_s for p in per_process],
+        "bytes_sent": [p.bytes_sent for p in per_process],
+        "state_bytes": [int(p.state_bytes) for p in per_process],
+    }
 
 
 def _json_default(value: Any) -> Any:

@@ -1,0 +1,281 @@
+"""The one launch path: a training configuration in, its summary out.
+
+``lowcomm train``, ``lowcomm bench compare`` and ``lowcomm reproduce`` all run a training job
+through :func:`run_training`, so every job is checked the same way and starts the same
+processes:
+
+1. ``config.validate()``: the options alone (no file read, no model built);
+2. :func:`preflight`: the checks that read files or build the model (the data path, the
+   checkpoint to resume, the method's options on the real model, the run directory);
+3. the corpus is prepared (cached) and checked against the worker count and batch size;
+4. ``workers x ranks-per-worker`` processes are spawned (or, under ``torchrun``, this process
+   joins as one of them) and each runs :func:`lowcomm.train.loop.train_worker`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.launch.spawn import spawn_workers, under_torchrun
+
+if TYPE_CHECKING:
+    from lowcomm.data import PreparedCorpus
+
+#: Where a start-up phase is said (``None``: nowhere, e.g. inside a sweep).
+Report = Callable[[str], None] | None
+
+
+def say(message: str) -> None:
+    """A start-up phase, shown as it happens (stdout, flushed: a pipe sees it at once)."""
+    print(f"lowcomm: {message}", flush=True)
+
+
+def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any] | None:
+    """Check, prepare and run one training job; return its ``summary.json``.
+
+    Args:
+        config: the job; its paths are made absolute in place, and under ``torchrun`` its
+            worker count is taken from the world.
+        report: where the start-up phases are said (also the oversubscription warning).
+
+    Returns:
+        The run's summary (what rank 0 wrote to ``summary.json``), or None when the run stopped
+        early (``--stop-after``) or this process is a ``torchrun`` rank other than 0.
+
+    Raises:
+        ConfigError: an option, file or directory the run cannot use (one line naming the fix).
+        DataError: the corpus cannot be read or gives a worker no batch.
+        WorkerFailed: a worker failed (its traceback is in the run's ``error.log``).
+        Interrupted: the launcher was sent SIGINT or SIGTERM; every worker was stopped.
+    """
+    config.make_paths_absolute()
+    torchrun = under_torchrun()
+    if torchrun:
+        adopt_torchrun_world(config)
+    config.validate()
+    note = preflight(config)
+    if torchrun:
+        return _join_torchrun(config, note, report)
+    prepare_checked_corpus(config, report)
+    if report is not None:
+        warn_if_oversubscribed(config.world_size)
+    start_run_dir(config, note)
+    if report is not None:
+        report(f"starting {config.world_size} worker processes")
+    from lowcomm.train.loop import spawned_train
+    from lowcomm.train.rundir import ERROR_LOG
+
+    spawn_workers(
+        spawned_train,
+        config.world_size,
+        (config,),
+        device=config.device,
+        timeout_s=config.collective_timeout_s,
+        log_path=config.run_dir() / ERROR_LOG,
+    )
+    return read_summary(config.run_dir())
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A finished run's ``summary.json`` (None if the run has none: it stopped early)."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    summary: dict[str, Any] = json.loads(path.read_text())
+    return summary
+
+
+def preflight(config: TrainConfig) -> str | None:
+    """The checks that need files or a model, run once before any worker starts (after
+    ``config.validate()``, which checks the options alone).
+
+    Returns:
+        A line to print when a resume passes over damaged checkpoints, else None.
+
+    Raises:
+        ConfigError: the first problem, in one line naming the option and the fix.
+    """
+    from lowcomm.train.rundir import check_run_dir
+
+    _check_resume(config)
+    _check_method_options(config)
+    _check_data_path(config)
+    return check_run_dir(config)
+
+
+def _check_data_path(config: TrainConfig) -> None:
+    if config.data.data is not None and not Path(config.data.data).expanduser().exists():
+        raise ConfigError(
+            f"--data: path {config.data.data!r} does not exist; pass a text file, a "
+            f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
+        )
+
+
+def _check_resume(config: TrainConfig) -> None:
+    """``--resume DIR``: the directory holds a checkpoint this configuration can continue."""
+    if config.resume is None or config.resume == "auto":
+        return
+    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint, has_checkpoint
+
+    if not has_checkpoint(Path(config.resume)):
+        latest = Path(config.resume) / "checkpoints" / "latest"
+        raise ConfigError(
+            f"--resume: {config.resume!r} holds no checkpoint ({latest} is missing); pass "
+            f"the --out directory of a run trained with --checkpoint-every or "
+            f"--stop-after, or --resume auto"
+        )
+    try:
+        find_latest(Path(config.resume), config.world_size, fingerprint(config))
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_method_options(config: TrainConfig) -> None:
+    """Construct the method once on a recording communicator of the run's worker count, so
+    options that depend on the model or the worker count fail here, before any worker starts,
+    with the method's own message."""
+    from lowcomm.comm.fake import RecordingComm
+    from lowcomm.models import build_model
+    from lowcomm.strategies import build_strategy
+
+    try:
+        model = build_model(config.model, config.data.vocab_size)
+        build_strategy(
+            config.method, model, RecordingComm(world_size=config.workers),
+            config.strategy_context(), config,
+        )  # fmt: skip
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def prepare_checked_corpus(
+    config: TrainConfig, report: Report, *, check: bool = True
+) -> PreparedCorpus:
+    """Prepare the corpus (tokenizer and tokens, cached) and (with ``check``) check that every
+    worker gets a batch from it."""
+    from lowcomm.data import prepare_corpus
+
+    source = "the bundled corpus" if config.data.data is None else config.data.data
+    if report is not None:
+        report(f"preparing corpus from {source}")
+    started = time.perf_counter()
+    try:
+        corpus = prepare_corpus(config.data, report=report)
+    except OSError as error:  # e.g. a cache directory that cannot be written
+        where = f" ({error.filename})" if error.filename else ""
+        raise ConfigError(
+            f"--data, --cache-dir: preparing the corpus failed: {error.strerror or error}{where}; "
+            f"check that the data is readable and the cache directory (--cache-dir, "
+            f"$LOWCOMM_CACHE_DIR or ~/.cache/lowcomm) is writable"
+        ) from None
+    if check:
+        config.check_corpus(corpus)
+    if report is not None:
+        report(describe_corpus(corpus, time.perf_counter() - started))
+    return corpus
+
+
+def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
+    """The line saying what the prepared corpus holds."""
+    files = len(corpus.source_names)
+    tokens = corpus.num_train_tokens + corpus.num_val_tokens
+    tokenizer = "tokenizer and tokens from the cache" if corpus.from_cache else "tokenized now"
+    return (
+        f"corpus: {files:,} file{'s' if files != 1 else ''}, {corpus.num_documents:,} "
+        f"documents, {tokens:,} tokens ({corpus.num_train_tokens:,} train, "
+        f"{corpus.num_val_tokens:,} validation), vocabulary {corpus.vocab_size:,}; "
+        f"{tokenizer} in {seconds:.1f} s"
+    )
+
+
+def warn_if_oversubscribed(processes: int) -> None:
+    """Say when this machine runs more worker processes than it has CPU cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores is not None and processes > cores:
+        print(
+            f"lowcomm: warning: {processes} worker processes on {cores} CPU cores: they take "
+            f"turns, so start-up and wall-clock times grow with the count (the virtual clock "
+            f"counts each worker's own CPU time and is not inflated)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def start_run_dir(config: TrainConfig, note: str | None) -> None:
+    """Say which checkpoint a resume falls back to, and clear the directory for --overwrite."""
+    from lowcomm.train.rundir import clear_run
+
+    if note is not None:
+        print(note, file=sys.stderr)
+    if config.overwrite:
+        removed = clear_run(config.run_dir())
+        if removed:
+            print(
+                f"lowcomm: --overwrite: removed {', '.join(removed)} from {config.run_dir()}",
+                file=sys.stderr,
+            )
+
+
+def adopt_torchrun_world(config: TrainConfig) -> None:
+    """Take the worker count from torchrun's world (before the checks that depend on it)."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    if config.ranks_per_worker < 1:
+        return  # validate() names it
+    if world_size % config.ranks_per_worker:
+        raise ConfigError(
+            f"--ranks-per-worker: {config.ranks_per_worker} does not divide the torchrun world "
+            f"of {world_size} processes; launch workers x ranks-per-worker processes (e.g. "
+            f"--nproc-per-node {config.ranks_per_worker} on each of the workers' nodes)"
+        )
+    workers = world_size // config.ranks_per_worker
+    if config.workers != workers:
+        # torchrun decides the world; keep the recorded config truthful.
+        config.workers = workers
+        if config.speed_factors and len(config.speed_factors) != workers:
+            raise ConfigError(
+                f"--speed-factors: {len(config.speed_factors)} values for a torchrun world of "
+                f"{workers} workers; give one per worker"
+            )
+
+
+def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dict[str, Any] | None:
+    """Run this process as one rank of a ``torchrun`` job."""
+    import torch
+    import torch.distributed as dist
+
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.data import prepare_corpus
+    from lowcomm.launch.spawn import init_from_env
+    from lowcomm.train.loop import train_worker
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank == 0 and report is not None:
+        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
+    try:
+        # Every process checked the run directory before the rendezvous; only then is it cleared.
+        first = dist.get_rank() == 0
+        if first:
+            start_run_dir(config, note)
+            if report is not None:
+                report(f"workers connected: {dist.get_world_size()} processes")
+        # One preparer per machine, the others wait: concurrent tokenizer training is waste.
+        corpus = None
+        if local_rank == 0:
+            corpus = prepare_checked_corpus(config, report if first else None, check=False)
+        dist.barrier()
+        # Checked on every rank (the others read the cache), so all refuse a corpus alike
+        # instead of some waiting at a barrier for one that failed.
+        config.check_corpus(corpus if corpus is not None else prepare_corpus(config.data))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
+    finally:
+        dist.destroy_process_group()
+    return read_summary(config.run_dir()) if first else None
