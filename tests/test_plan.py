@@ -229,7 +229,7 @@ def test_both_configs_hold_exactly_the_declared_option_groups() -> None:
 
     from lowcomm.config import TrainConfig
     from lowcomm.strategies import STRATEGIES
-    from lowcomm.strategies.declaration import option_groups
+    from lowcomm.strategies.option_groups import option_groups
 
     groups = option_groups(STRATEGIES)
     assert set(groups) == {"acco", "local", "diloco", "desloc"}

@@ -35,7 +35,7 @@ from lowcomm.strategies import (
     options_class,
     strategy_class,
 )
-from lowcomm.strategies.declaration import group_members
+from lowcomm.strategies.option_groups import group_members
 
 
 def connect(

@@ -120,7 +120,7 @@ def _refuse_other_families(args: list[str], config: TrainConfig | PlanConfig) ->
     --diloco.sync-every 2``): the method would ignore it, and the run (or plan) would not be
     the one asked for. The groups are the methods' own declarations (``options_field``)."""
     from lowcomm.strategies import STRATEGIES
-    from lowcomm.strategies.declaration import group_members
+    from lowcomm.strategies.option_groups import group_members
 
     method = config.method
     if method not in STRATEGIES:

@@ -25,7 +25,7 @@ from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
 from lowcomm.strategies.base import StrategyContext
-from lowcomm.strategies.declaration import with_method_options
+from lowcomm.strategies.option_groups import with_method_options
 
 if TYPE_CHECKING:
     from lowcomm.strategies.acco import AccoOptions

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import PRESETS, NetworkProfile
-from lowcomm.strategies.declaration import Timing, with_method_options
+from lowcomm.strategies.declaration import Timing
+from lowcomm.strategies.option_groups import with_method_options
 
 if TYPE_CHECKING:
     from lowcomm.strategies import Strategy
