@@ -261,11 +261,13 @@ def test_plan_diloco_uses_train_default_period_and_says_so() -> None:
 )
 def test_plan_refuses_what_train_refuses(method: str, group: str, options: dict[str, object]) -> None:
     from lowcomm.config import ConfigError, TrainConfig
+    from lowcomm.launch.run import check_method_options
 
     kind = type(getattr(TrainConfig(), group))
     train = TrainConfig(method=method, **{group: kind(**options)})  # type: ignore[arg-type]
+    train.validate()  # the options alone are fine: the method refuses them when built
     with pytest.raises(ConfigError) as refused:
-        train.validate()
+        check_method_options(train)  # train's pre-flight step
     with pytest.raises(ValueError) as planned:
         make_plan(PlanConfig(**{**BASE, "method": method, group: kind(**options)}))  # type: ignore[arg-type]
     assert str(planned.value) == str(refused.value)

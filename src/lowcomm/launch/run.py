@@ -105,7 +105,7 @@ def preflight(config: TrainConfig) -> str | None:
     from lowcomm.train.rundir import check_run_dir
 
     _check_resume(config)
-    _check_method_options(config)
+    check_method_options(config)
     _check_data_path(config)
     return check_run_dir(config)
 
@@ -137,7 +137,7 @@ def _check_resume(config: TrainConfig) -> None:
         raise ConfigError(str(error)) from None
 
 
-def _check_method_options(config: TrainConfig) -> None:
+def check_method_options(config: TrainConfig) -> None:
     """Construct the method once on a recording communicator of the run's worker count, so
     options that depend on the model or the worker count fail here, before any worker starts,
     with the method's own message."""
