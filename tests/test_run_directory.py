@@ -176,3 +176,16 @@ def test_resume_fails_only_when_no_checkpoint_is_intact(stopped_run: Path, tmp_p
     assert "no intact checkpoint" in line
     assert "step-000003" in line and "manifest.json" in line
     assert "step-000002" in line and "rank0.pt" in line and "checksum" in line
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_format_is_refused_in_one_line(
+    stopped_run: Path, tmp_path: Path
+) -> None:
+    run = _copy(stopped_run, tmp_path)
+    for manifest in (run / "checkpoints").glob("step-*/manifest.json"):
+        saved = json.loads(manifest.read_text())
+        saved["format"] = 1  # as an earlier lowcomm wrote it (its optimizer states differ)
+        manifest.write_text(json.dumps(saved))
+    line = _one_line_error(_train("--resume", str(run)))
+    assert "checkpoint format 1" in line and "another lowcomm version" in line

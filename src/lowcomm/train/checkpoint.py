@@ -29,7 +29,10 @@ import torch
 from lowcomm.atomic import atomic_path, atomic_write_bytes
 from lowcomm.config import TrainConfig
 
-FORMAT_VERSION = 1
+#: Version of the checkpoint layout. 2: every family's inner optimizer saves the one flat-optimizer
+#: state dict (co2's and DES-LOC's states changed shape), and in-flight exchanges save how they
+#: were settled.
+FORMAT_VERSION = 2
 
 
 class CheckpointError(ValueError):
@@ -204,6 +207,12 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
     except (OSError, ValueError, KeyError, TypeError) as error:
         reason = "is missing" if isinstance(error, FileNotFoundError) else f"is unreadable ({error})"
         return f"is incomplete: {manifest_path} {reason}"
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"--resume: {directory} was written by another lowcomm version (checkpoint format "
+            f"{manifest.get('format')!r}; this version reads format {FORMAT_VERSION}); continue "
+            f"it with the lowcomm that wrote it, or start a new run (--overwrite or another --out)"
+        )
     if manifest.get("world_size") != world_size:
         raise CheckpointError(
             f"--resume: the checkpoint was written by {manifest.get('world_size')} processes but "
