@@ -37,6 +37,7 @@ demo: $(VENV)/.installed
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy

@@ -75,7 +75,9 @@ def run_one(config: TrainConfig) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=48)

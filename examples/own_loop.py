@@ -31,7 +31,9 @@ def make_data(rank: int, world_size: int) -> DataLoader[tuple[torch.Tensor, ...]
     weights = torch.randn(32, 1, generator=generator)
     targets = inputs @ weights + 0.1 * torch.randn(4096, 1, generator=generator)
     dataset = TensorDataset(inputs[rank::world_size], targets[rank::world_size])
-    return DataLoader(dataset, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(rank))
+    return DataLoader(
+        dataset, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(rank)
+    )
 
 
 def endless(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -51,7 +53,9 @@ def main() -> None:
     comm = lowcomm.connect(network="ethernet", device=args.device)  # lowcomm
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(comm.device)
     batches = endless(make_data(comm.rank, comm.world_size))  # lowcomm: each worker its shard
-    strategy = lowcomm.make_strategy(args.method, model, comm, lr=3e-3, weight_decay=0.0, total_steps=args.steps)  # lowcomm
+    strategy = lowcomm.make_strategy(
+        args.method, model, comm, lr=3e-3, weight_decay=0.0, total_steps=args.steps
+    )  # lowcomm
 
     # lowcomm: the closure draws the next batch itself. A step may call it several times
     # (acco, dpu and wp accumulate micro-batches while they communicate, --microbatches-per-step
@@ -69,8 +73,10 @@ def main() -> None:
         if step == 0:
             first_loss = last_loss
     if comm.rank == 0:
-        print(f"method={args.method} workers={comm.world_size} first_loss={first_loss:.4f} "
-              f"last_loss={last_loss:.4f} bytes_sent={comm.bytes_sent:.0f}")
+        print(
+            f"method={args.method} workers={comm.world_size} first_loss={first_loss:.4f} "
+            f"last_loss={last_loss:.4f} bytes_sent={comm.bytes_sent:.0f}"
+        )
 
 
 if __name__ == "__main__":

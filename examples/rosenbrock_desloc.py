@@ -68,7 +68,9 @@ class StackedWorkers:
         self.payload_elements += tensor.numel() // self.workers
         return CompletedHandle()
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role) -> Handle:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
         raise NotImplementedError("the DES-LOC family only all-reduces")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
@@ -93,7 +95,16 @@ class Rosenbrock(nn.Module):
         return ((1 - x1) ** 2 + 100 * (x2 - x1**2) ** 2).sum()
 
 
-def run(method: str, options: DeslocOptions, *, workers: int, steps: int, sigma: float, lr: float, seed: int) -> torch.Tensor:
+def run(
+    method: str,
+    options: DeslocOptions,
+    *,
+    workers: int,
+    steps: int,
+    sigma: float,
+    lr: float,
+    seed: int,
+) -> torch.Tensor:
     """Train ``method`` and return the workers' averaged final point."""
     model = Rosenbrock(workers)
     comm = StackedWorkers(workers, dim=2)
@@ -121,7 +132,9 @@ def run(method: str, options: DeslocOptions, *, workers: int, steps: int, sigma:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workers", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--sigma", type=float, default=1.5)
@@ -132,16 +145,28 @@ def main() -> None:
     # The paper's toy periods (third-party excerpt): (K_x, K_u, K_v) = (192, 192, 692); the
     # baselines sync every K = 192.
     methods = {
-        "desloc": DeslocOptions(param_period=192, first_moment_period=192, second_moment_period=692),
+        "desloc": DeslocOptions(
+            param_period=192, first_moment_period=192, second_moment_period=692
+        ),
         "local_adam": DeslocOptions(param_period=192),
         "favg_opt": DeslocOptions(param_period=192),
         "favg_reset": DeslocOptions(param_period=192),
     }
     print(f"Rosenbrock from {START}, M = {args.workers}, sigma = {args.sigma}, {args.steps} steps")
     for method, options in methods.items():
-        point = run(method, options, workers=args.workers, steps=args.steps, sigma=args.sigma, lr=args.lr, seed=args.seed)
+        point = run(
+            method,
+            options,
+            workers=args.workers,
+            steps=args.steps,
+            sigma=args.sigma,
+            lr=args.lr,
+            seed=args.seed,
+        )
         distance = float((point - torch.tensor([1.0, 1.0])).norm())
-        print(f"{method:<11} x = ({float(point[0]):+.4f}, {float(point[1]):+.4f})  distance to (1, 1) {distance:.4f}")
+        print(
+            f"{method:<11} x = ({float(point[0]):+.4f}, {float(point[1]):+.4f})  distance to (1, 1) {distance:.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -17,10 +17,14 @@ def tiny_gpt(seed: int = 0) -> GPT:
     return GPT(TINY)
 
 
-def global_batch(step: int, world_size: int, per_rank: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(
+    step: int, world_size: int, per_rank: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic global batch for ``step``: rank r owns rows [r*per_rank, (r+1)*per_rank)."""
     generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, TINY.vocab_size, (world_size * per_rank, TINY.block_size + 1), generator=generator)
+    tokens = torch.randint(
+        0, TINY.vocab_size, (world_size * per_rank, TINY.block_size + 1), generator=generator
+    )
     return tokens[:, :-1], tokens[:, 1:]
 
 

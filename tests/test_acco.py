@@ -204,7 +204,9 @@ def _wp_reference(
         ({"optimizer": "lion"}, "--acco.optimizer: unknown optimizer 'lion'"),
     ],
 )
-def test_bad_options_name_the_flag_the_value_and_the_rule(kwargs: dict[str, Any], flag: str) -> None:
+def test_bad_options_name_the_flag_the_value_and_the_rule(
+    kwargs: dict[str, Any], flag: str
+) -> None:
     with pytest.raises(ValueError, match=flag):
         AccoOptions(**kwargs)
 
@@ -281,7 +283,10 @@ def test_adamw_lookahead_equals_a_step_and_writes_nothing_back() -> None:
     optimizer = FlatAdamW(torch.randn(64), ADAMW)
     for _ in range(3):
         optimizer.step(torch.randn(64), lr=LR)
-    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state_dict().items()}
+    before = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in optimizer.state_dict().items()
+    }
     grad = torch.randn(64)
     out = optimizer.lookahead(grad, lr=LR, out=torch.empty(64))
     after = optimizer.state_dict()
@@ -329,7 +334,9 @@ def test_wp_predicts_with_the_learning_rate_of_the_step_after_the_commit(optim: 
     steps = 7
     schedule = ScheduleConfig(kind="cosine", warmup_steps=3, min_lr_ratio=0.1)
     config, reference_opt = (SGD, _sgd) if optim == "sgd" else (ADAMW, _adamw)
-    context = StrategyContext(optim=config, schedule=schedule, total_steps=steps, max_grad_norm=None)
+    context = StrategyContext(
+        optim=config, schedule=schedule, total_steps=steps, max_grad_norm=None
+    )
     strategy = WP(_linear(), LocalComm(), context,
                   AccoOptions(microbatches_per_phase=1, optimizer=optim))  # type: ignore[arg-type]  # fmt: skip
 
@@ -403,7 +410,9 @@ def _emulated(
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
 @pytest.mark.parametrize("name", ["acco", "dpu", "wp"])
-def test_the_clock_is_charged_for_exactly_the_collectives_the_thread_issues(name: str, max_grad_norm: float | None) -> None:
+def test_the_clock_is_charged_for_exactly_the_collectives_the_thread_issues(
+    name: str, max_grad_norm: float | None
+) -> None:
     # The chain is declared once (acco._ChainRun.links): the thread issues it on the inner
     # communicator, the NetworkComm accounts for it. Same collectives, kinds, roles, bytes.
     from lowcomm.comm.network import bytes_sent
@@ -411,7 +420,9 @@ def test_the_clock_is_charged_for_exactly_the_collectives_the_thread_issues(name
     profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=1.0)
     context = StrategyContext(optim=ADAMW, total_steps=3, max_grad_norm=max_grad_norm)
     cls = strategy_class(name)
-    strategy, comm, clock = _emulated(lambda c: cls(tiny_gpt(), c, context, AccoOptions(dpu_warmup_steps=1)), profile, 0.01)  # type: ignore[call-arg]
+    strategy, comm, clock = _emulated(
+        lambda c: cls(tiny_gpt(), c, context, AccoOptions(dpu_warmup_steps=1)), profile, 0.01
+    )  # type: ignore[call-arg]
     closure = _gpt_closure(strategy, clock)
     for _ in range(3):
         strategy.step(closure)
@@ -423,7 +434,9 @@ def test_the_clock_is_charged_for_exactly_the_collectives_the_thread_issues(name
     issued: dict[str, float] = {}
     for call in chain_calls:
         assert call.role is not None
-        issued[call.role.value] = issued.get(call.role.value, 0.0) + bytes_sent(call.kind, call.payload_bytes, 2, 0)
+        issued[call.role.value] = issued.get(call.role.value, 0.0) + bytes_sent(
+            call.kind, call.payload_bytes, 2, 0
+        )
     assert {role: value for role, value in comm.counters().items() if value} == issued
     chains = 2 * 3 if name == "acco" else 3
     assert len(chain_calls) == chains * (4 if max_grad_norm is not None else 3)
@@ -557,13 +570,17 @@ def test_threaded_chain_on_two_gloo_ranks_follows_the_equations() -> None:
             assert torch.allclose(results[0][key][t], thetas[t], atol=1e-6), (key, t)
 
 
-def _heterogeneous(factors: tuple[float, ...], seconds: float, bandwidth_gbps: float) -> dict[str, Any]:
+def _heterogeneous(
+    factors: tuple[float, ...], seconds: float, bandwidth_gbps: float
+) -> dict[str, Any]:
     from lowcomm.comm.torch_comm import TorchComm
 
     raw = TorchComm()
     profile = NetworkProfile(name="t", bandwidth_gbps=bandwidth_gbps, latency_ms=0.0,
                              speed_factors=factors)  # fmt: skip
-    clock = VirtualClock(speed_factor=profile.speed_factor(raw.rank), seconds_per_microbatch=seconds)
+    clock = VirtualClock(
+        speed_factor=profile.speed_factor(raw.rank), seconds_per_microbatch=seconds
+    )
     comm = NetworkComm(raw, profile, clock)
     strategy = ACCO(tiny_gpt(), comm, StrategyContext(optim=ADAMW, total_steps=4))
     closure = _gpt_closure(strategy, clock)
@@ -600,12 +617,15 @@ def test_heterogeneous_workers_accumulate_different_counts_and_never_idle() -> N
         assert worker["committed"] == slow["committed"]
     previous = {"fast": 1.0, "slow": 1.0}  # the initial gradient g~(0)
     for t in range(4):
-        expected = (previous["fast"] + fast["estimate"][t]) + (previous["slow"] + slow["estimate"][t])
+        expected = (previous["fast"] + fast["estimate"][t]) + (
+            previous["slow"] + slow["estimate"][t]
+        )
         assert fast["committed"][t] == expected
         previous = {"fast": fast["update"][t], "slow": slow["update"][t]}
 
 
 # --- end to end -----------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["acco", "dpu", "wp"])
@@ -622,7 +642,9 @@ def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str) -> None:
     payload = 4 * summary["num_params"]
     phases = 2 if method == "acco" else 1
     assert summary["bytes_by_role"]["gradient"] == pytest.approx(3 * phases * payload / 2, rel=0.01)
-    assert summary["bytes_by_role"]["parameter"] == pytest.approx(3 * phases * payload / 2, rel=0.01)
+    assert summary["bytes_by_role"]["parameter"] == pytest.approx(
+        3 * phases * payload / 2, rel=0.01
+    )
     assert summary["final_val_loss"] < 10
 
 

@@ -17,9 +17,13 @@ def test_connect_without_a_launcher_is_a_single_worker() -> None:
 
 def test_make_strategy_passes_family_options() -> None:
     model = torch.nn.Linear(3, 1)
-    strategy = lowcomm.make_strategy("diloco", model, lowcomm.connect(), options=DiLoCoOptions(sync_every=4))
+    strategy = lowcomm.make_strategy(
+        "diloco", model, lowcomm.connect(), options=DiLoCoOptions(sync_every=4)
+    )
     assert strategy.options.sync_every == 4  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="takes no options"):
-        lowcomm.make_strategy("ddp", torch.nn.Linear(3, 1), lowcomm.connect(), options=DiLoCoOptions())
+        lowcomm.make_strategy(
+            "ddp", torch.nn.Linear(3, 1), lowcomm.connect(), options=DiLoCoOptions()
+        )
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         lowcomm.make_strategy("nope", torch.nn.Linear(3, 1), lowcomm.connect())

@@ -116,7 +116,10 @@ def test_a_non_finite_loss_stops_the_run_naming_step_and_worker(tmp_path: Path) 
     )  # fmt: skip
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    found = re.search(r"^lowcomm: error: worker \d failed: .*step (\d+): worker \d (reported a non-finite loss|has non-finite parameters)", last)
+    found = re.search(
+        r"^lowcomm: error: worker \d failed: .*step (\d+): worker \d (reported a non-finite loss|has non-finite parameters)",
+        last,
+    )
     assert found, last
     bad_step = int(found.group(1))
     steps_written = len((out / "metrics.jsonl").read_text().splitlines())

@@ -70,7 +70,11 @@ def _linear_closure(strategy: Strategy, gradients: list[torch.Tensor]):  # type:
     return closure
 
 
-def _batch_closure(strategy: Strategy, batches: list[tuple[torch.Tensor, torch.Tensor]], clock: VirtualClock | None = None):  # type: ignore[no-untyped-def]
+def _batch_closure(
+    strategy: Strategy,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    clock: VirtualClock | None = None,
+):  # type: ignore[no-untyped-def]
     queue = list(batches)
 
     def closure() -> MicroBatchResult:
@@ -342,7 +346,9 @@ class _TracingComm(RecordingComm):
 def test_asynchronous_all_reduce_is_waited_for_tau_steps_later(method: str, delay: int) -> None:
     tau, rounds = 3, 4
     comm = _TracingComm(world_size=4)
-    strategy = strategy_class(method)(tiny_gpt(), comm, SGD_CONTEXT, options=LocalOptions(sync_every=tau))  # type: ignore[call-arg]
+    strategy = strategy_class(method)(
+        tiny_gpt(), comm, SGD_CONTEXT, options=LocalOptions(sync_every=tau)
+    )  # type: ignore[call-arg]
     closure = _batch_closure(strategy, [global_batch(s, 1) for s in range(tau * rounds)])
     for _ in range(tau * rounds):
         strategy.step(closure)
@@ -371,7 +377,9 @@ def _utilisation(method: str, tau: int, rounds: int) -> float:
     profile = NetworkProfile(name="custom", bandwidth_gbps=bandwidth * 8 / 1e9, latency_ms=0.0)
     clock = VirtualClock(seconds_per_microbatch=seconds)
     comm = NetworkComm(RecordingComm(world_size=world), profile, clock)
-    strategy = strategy_class(method)(model, comm, SGD_CONTEXT, options=LocalOptions(sync_every=tau))  # type: ignore[call-arg]
+    strategy = strategy_class(method)(
+        model, comm, SGD_CONTEXT, options=LocalOptions(sync_every=tau)
+    )  # type: ignore[call-arg]
     batch = global_batch(0, 1)
     closure = _batch_closure(strategy, [batch] * (tau * rounds), clock)
     for _ in range(tau * rounds):
@@ -409,13 +417,17 @@ def test_co2_hides_the_all_reduce_on_the_virtual_clock() -> None:
 def test_state_bytes_count_the_real_tensors(
     method: str, options: dict[str, Any], bytes_per_parameter: int
 ) -> None:
-    strategy = strategy_class(method)(tiny_gpt(), RecordingComm(world_size=2), SGD_CONTEXT, options=LocalOptions(**options))  # type: ignore[call-arg]
+    strategy = strategy_class(method)(
+        tiny_gpt(), RecordingComm(world_size=2), SGD_CONTEXT, options=LocalOptions(**options)
+    )  # type: ignore[call-arg]
     assert strategy.state_bytes() == bytes_per_parameter * strategy.flat.padded_numel  # type: ignore[attr-defined]
 
 
 def test_co2_state_bytes_in_bf16_follow_the_acco_convention() -> None:
     model = tiny_gpt().to(torch.bfloat16)
-    strategy = CO2(model, RecordingComm(world_size=2), SGD_CONTEXT, LocalOptions(shared_displacement=False))
+    strategy = CO2(
+        model, RecordingComm(world_size=2), SGD_CONTEXT, LocalOptions(shared_displacement=False)
+    )
     psi = strategy.flat.padded_numel
     # bf16 params 2 + grads 2 + fp32 master and moments K = 12 + five extra copies at 2 bytes.
     assert strategy.state_bytes() == (2 + 2 + 12 + 5 * 2) * psi
@@ -562,6 +574,7 @@ def test_local_methods_on_three_gloo_ranks() -> None:
 
 
 # --- CLI ---------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(

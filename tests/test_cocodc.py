@@ -20,10 +20,14 @@ from lowcomm.strategies.diloco import DiLoCoOptions
 def test_merge_with_lambda_zero_is_new_global_plus_overlap_progress() -> None:
     torch.manual_seed(0)
     new_global, at_launch, now = torch.randn(10), torch.randn(10), torch.randn(10)
-    merged = compensated_merge(new_global, at_launch, now, overlap_steps=5, compensation=0.0, sync_every=50)
+    merged = compensated_merge(
+        new_global, at_launch, now, overlap_steps=5, compensation=0.0, sync_every=50
+    )
     assert torch.allclose(merged, new_global + (now - at_launch), atol=1e-6)
     # The literal printed sign moves against the local progress.
-    literal = compensated_merge(new_global, at_launch, now, overlap_steps=5, compensation=0.0, sync_every=50, sign="literal")
+    literal = compensated_merge(
+        new_global, at_launch, now, overlap_steps=5, compensation=0.0, sync_every=50, sign="literal"
+    )
     assert torch.allclose(literal, new_global - (now - at_launch), atol=1e-6)
 
 
@@ -31,7 +35,9 @@ def test_merge_extra_term_follows_the_formula() -> None:
     torch.manual_seed(1)
     new_global, at_launch, now = torch.randn(10), torch.randn(10), torch.randn(10)
     tau, lam, horizon = 4, 0.5, 20
-    merged = compensated_merge(new_global, at_launch, now, overlap_steps=tau, compensation=lam, sync_every=horizon)
+    merged = compensated_merge(
+        new_global, at_launch, now, overlap_steps=tau, compensation=lam, sync_every=horizon
+    )
     g = (at_launch - now) / tau
     d = new_global - at_launch
     extra = -(tau * lam / horizon) * g * g * d
@@ -66,8 +72,15 @@ def _model() -> GPT:
 
 
 def test_cocodc_round_robin_without_a_clock_and_rates_recorded() -> None:
-    context = StrategyContext(optim=AdamWConfig(lr=3e-3), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=24, max_grad_norm=None)
-    strategy = CoCoDC(_model(), LocalComm(), context, DiLoCoOptions(sync_every=12, fragments=4, overlap_steps=2))
+    context = StrategyContext(
+        optim=AdamWConfig(lr=3e-3),
+        schedule=ScheduleConfig(kind="constant", warmup_steps=0),
+        total_steps=24,
+        max_grad_norm=None,
+    )
+    strategy = CoCoDC(
+        _model(), LocalComm(), context, DiLoCoOptions(sync_every=12, fragments=4, overlap_steps=2)
+    )
     batch = global_batch(0, 1)
 
     def closure() -> MicroBatchResult:
@@ -108,11 +121,20 @@ def _recorded_cocodc_run(
     """A CoCoDC run on one worker with a batch per step; returns the strategy, its launches
     (step, fragment, fragments in flight) and completions (fragment, launched at, completed at,
     norm of the averaged outer gradient), recorded around the strategy's own methods."""
-    context = StrategyContext(optim=AdamWConfig(lr=1e-2), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=steps, max_grad_norm=None)
+    context = StrategyContext(
+        optim=AdamWConfig(lr=1e-2),
+        schedule=ScheduleConfig(kind="constant", warmup_steps=0),
+        total_steps=steps,
+        max_grad_norm=None,
+    )
     strategy = CoCoDC(_model(), LocalComm(), context, options)
     launches: list[tuple[int, int, list[int]]] = []
     completions: list[tuple[int, int, int, float]] = []
-    original_launch, original_complete, original_outer = strategy.launch_exchange, strategy.complete, strategy.outer_step
+    original_launch, original_complete, original_outer = (
+        strategy.launch_exchange,
+        strategy.complete,
+        strategy.outer_step,
+    )
     norms: list[float] = []
 
     def launch(p: int, extras: torch.Tensor | None = None) -> Any:
@@ -187,7 +209,12 @@ def test_rate_is_the_outer_gradient_norm_per_step_since_the_last_sync() -> None:
 def test_completed_sync_merges_against_the_snapshot_taken_at_launch() -> None:
     tau, lam, horizon = 2, 0.5, 12
     options = DiLoCoOptions(sync_every=horizon, fragments=4, overlap_steps=tau, compensation=lam)
-    context = StrategyContext(optim=AdamWConfig(lr=1e-2), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=30, max_grad_norm=None)
+    context = StrategyContext(
+        optim=AdamWConfig(lr=1e-2),
+        schedule=ScheduleConfig(kind="constant", warmup_steps=0),
+        total_steps=30,
+        max_grad_norm=None,
+    )
     strategy = CoCoDC(_model(), LocalComm(), context, options)
     snapshots: dict[int, torch.Tensor] = {}
     checked: list[int] = []
@@ -235,7 +262,12 @@ def _cocodc_worker(steps: int) -> tuple[list[int], list[float], int, float, floa
     clock = make_clock("virtual", seconds_per_microbatch=0.05 * (1 + raw.rank))
     comm = NetworkComm(raw, NetworkProfile.from_preset("wan"), clock)
     context = StrategyContext(optim=AdamWConfig(lr=3e-3), total_steps=steps, max_grad_norm=None)
-    strategy = CoCoDC(_model(), comm, context, DiLoCoOptions(sync_every=40, fragments=4, overlap_steps=2, transmission_gamma=1.0))
+    strategy = CoCoDC(
+        _model(),
+        comm,
+        context,
+        DiLoCoOptions(sync_every=40, fragments=4, overlap_steps=2, transmission_gamma=1.0),
+    )
     x, y = global_batch(0, raw.world_size)
     mine = (x[4 * raw.rank : 4 * raw.rank + 4], y[4 * raw.rank : 4 * raw.rank + 4])
 
@@ -252,7 +284,13 @@ def _cocodc_worker(steps: int) -> tuple[list[int], list[float], int, float, floa
         if "synced_fragment" in stats.extras:
             chosen.append(int(stats.extras["synced_fragment"]))
     strategy.finish()
-    return chosen, strategy.rates, strategy.syncs_per_h, strategy.agreed_step_seconds, strategy.agreed_sync_seconds
+    return (
+        chosen,
+        strategy.rates,
+        strategy.syncs_per_h,
+        strategy.agreed_step_seconds,
+        strategy.agreed_sync_seconds,
+    )
 
 
 @pytest.mark.slow

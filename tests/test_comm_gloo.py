@@ -109,7 +109,9 @@ def _real_allreduce_timing() -> tuple[float, float]:
     from lowcomm.comm.torch_comm import TorchComm
 
     raw = TorchComm()
-    comm = NetworkComm(raw, NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=150.0), RealClock())
+    comm = NetworkComm(
+        raw, NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=150.0), RealClock()
+    )
     raw.barrier().wait()
     begin = time.perf_counter()
     handle = comm.all_reduce(torch.ones(1000), role=Role.GRADIENT)

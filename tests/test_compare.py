@@ -32,7 +32,9 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
     result = _compare(out)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert {"network", "clock", "steps", "workers", "seeds", "target_val_loss", "methods"} <= set(results)
+    assert {"network", "clock", "steps", "workers", "seeds", "target_val_loss", "methods"} <= set(
+        results
+    )
     assert set(results["methods"]) == {"ddp", "zero1"}
     for row in results["methods"].values():
         assert {
@@ -87,10 +89,26 @@ def test_an_option_given_at_the_top_level_and_under_train_is_refused(
 ) -> None:
     from lowcomm import cli
 
-    value = {"steps": ("3", "4"), "workers": ("2", "3"), "network": ("wan", "none"), "clock": ("real", "virtual")}
+    value = {
+        "steps": ("3", "4"),
+        "workers": ("2", "3"),
+        "network": ("wan", "none"),
+        "clock": ("real", "virtual"),
+    }
     top, under = value[option]
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "compare", "--out", str(tmp_path), f"--{option}", top, f"--train.{option}", under])
+        cli.main(
+            [
+                "bench",
+                "compare",
+                "--out",
+                str(tmp_path),
+                f"--{option}",
+                top,
+                f"--train.{option}",
+                under,
+            ]
+        )
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"lowcomm: error: --{option}: given both") and "\n" not in error

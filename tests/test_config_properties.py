@@ -142,10 +142,7 @@ def _pick(draw: Any, option: str, choices: Choices, valid: bool, bad_option: str
 
 
 INVALID_OPTIONS = sorted(
-    option
-    for table in (COMMON, *FAMILY.values())
-    for option, (_, bad) in table.items()
-    if bad
+    option for table in (COMMON, *FAMILY.values()) for option, (_, bad) in table.items() if bad
 )
 
 
@@ -173,7 +170,10 @@ def command_lines(draw: Any) -> list[str]:
     if draw(st.booleans()):
         count = workers if valid and workers > 0 else draw(st.integers(1, 5))
         pool = ["1", "2", "0.5"] if valid else ["1", "2", "0", "-1", "nan", "inf"]
-        argv += ["--speed-factors", *draw(st.lists(st.sampled_from(pool), min_size=count, max_size=count))]
+        argv += [
+            "--speed-factors",
+            *draw(st.lists(st.sampled_from(pool), min_size=count, max_size=count)),
+        ]
     family = FAMILY_OF.get(method)
     if valid:
         # Another family's options are refused (issue 13): a valid line holds only its own.
@@ -185,8 +185,16 @@ def command_lines(draw: Any) -> list[str]:
             if option == bad_option or (name in families and draw(st.integers(0, 2)) == 0):
                 argv += [option, _pick(draw, option, choices, valid, bad_option)]
     if "desloc" in families and draw(st.integers(0, 2)) == 0:
-        argv += ["--desloc.betas", *draw(st.sampled_from(BETAS_VALID if valid else BETAS_VALID + BETAS_INVALID))]
-        rank, step = draw(st.sampled_from([("None", "None"), ("0", "0"), ("1", "0")] + ([] if valid else [("0", "None"), ("-1", "0"), ("0", "-1")])))
+        argv += [
+            "--desloc.betas",
+            *draw(st.sampled_from(BETAS_VALID if valid else BETAS_VALID + BETAS_INVALID)),
+        ]
+        rank, step = draw(
+            st.sampled_from(
+                [("None", "None"), ("0", "0"), ("1", "0")]
+                + ([] if valid else [("0", "None"), ("-1", "0"), ("0", "-1")])
+            )
+        )
         argv += ["--desloc.rejoin-rank", rank, "--desloc.rejoin-step", step]
     return argv
 
@@ -206,7 +214,9 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
     """Run ``lowcomm train ARGV`` up to the spawn; (config handed to the spawner, exit code, stderr)."""
     handed: list[TrainConfig] = []
 
-    def spawner(fn: object, world_size: int, args: tuple[Any, ...], **kwargs: object) -> list[object]:
+    def spawner(
+        fn: object, world_size: int, args: tuple[Any, ...], **kwargs: object
+    ) -> list[object]:
         assert world_size == args[0].world_size
         handed.append(args[0])
         return []
@@ -248,7 +258,9 @@ def first_step(config: TrainConfig) -> None:
     )
     if config.ranks_per_worker > 1:
         inner = NetworkComm(
-            RecordingComm(world_size=config.ranks_per_worker), config.replica_network_profile(), clock
+            RecordingComm(world_size=config.ranks_per_worker),
+            config.replica_network_profile(),
+            clock,
         )
         comm = HierarchicalComm(inner, comm, clock)
     strategy = build_strategy(config.method, model, comm, config.strategy_context(), config)
@@ -339,10 +351,15 @@ def test_a_configuration_is_accepted_and_steps_or_rejected_cleanly(argv: list[st
         (["--micro-batch-size", "10000000"], "--workers, --micro-batch-size"),
         (["--steps"], "--steps"),
         (["--ranks-per-worker", "2", "--inner-bandwidth-gbps", "-1"], "--inner-bandwidth-gbps"),
-        (["--model.family", "hf-llama", "--model.n-embd", "6", "--model.n-head", "2"], "--model.n-embd"),
+        (
+            ["--model.family", "hf-llama", "--model.n-embd", "6", "--model.n-head", "2"],
+            "--model.n-embd",
+        ),
     ],
 )
-def test_values_that_once_escaped_validation_are_one_line_errors(argv: list[str], option: str) -> None:
+def test_values_that_once_escaped_validation_are_one_line_errors(
+    argv: list[str], option: str
+) -> None:
     config, code, stderr = parse(argv)
     assert config is None
     check_rejection(argv, code, stderr)

@@ -61,7 +61,7 @@ class ToyDDP(DDP):
 METHODS: tuple[type[Strategy], ...] = (ToyDDP,)
 '''
 
-PROBE = '''
+PROBE = """
 import contextlib, importlib.util, io, json, sys
 from pathlib import Path
 
@@ -109,7 +109,7 @@ with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
     main(["train", "--help"])
 result["help"] = "--toy.period" in out.getvalue() and "Options of toy_ddp." in out.getvalue()
 print(json.dumps(result))
-'''
+"""
 
 
 def test_a_method_in_one_new_file_reaches_train_plan_and_the_api(tmp_path: Path) -> None:
@@ -141,7 +141,11 @@ PERIODS = {
     "desloc": {"param_period": 2, "first_moment_period": 6, "second_moment_period": 12},
 }
 SINGLE_PERIOD = {"param_period": 3}  # local_adam, favg_opt, favg_reset: K_u, K_v refused
-WHOLE_MODEL = {"diloco": {"fragments": None}, "diloco_delayed": {"fragments": None}, "eager": {"fragments": None}}
+WHOLE_MODEL = {
+    "diloco": {"fragments": None},
+    "diloco_delayed": {"fragments": None},
+    "eager": {"fragments": None},
+}
 
 
 def _options(method: str) -> object | None:
@@ -184,7 +188,9 @@ def test_declared_traffic_matches_the_collectives_issued(method: str) -> None:
     comm = RecordingComm(world_size=2)
     # One step beyond the 12 measured, so that no method skips a sync it could not finish.
     context = StrategyContext(total_steps=13, max_grad_norm=None)
-    strategy = cls(model, comm, context) if options is None else cls(model, comm, context, options=options)  # type: ignore[call-arg]
+    strategy = (
+        cls(model, comm, context) if options is None else cls(model, comm, context, options=options)
+    )  # type: ignore[call-arg]
     steps = 12
     closure = closure_for(strategy, [global_batch(s, 1) for s in range(4 * steps)])
     for _ in range(steps):
@@ -218,7 +224,11 @@ def test_declared_worker_sharding_matches_the_state_held(method: str) -> None:
         options = _options(method)
         context = StrategyContext(total_steps=13)
         comm = RecordingComm(world_size=workers)
-        strategy = cls(model, comm, context) if options is None else cls(model, comm, context, options=options)  # type: ignore[call-arg]
+        strategy = (
+            cls(model, comm, context)
+            if options is None
+            else cls(model, comm, context, options=options)
+        )  # type: ignore[call-arg]
         held.append(strategy.state_bytes())
         strategy.finish()
     if cls.cost.shards_over_workers:
@@ -242,12 +252,19 @@ def test_declared_replica_sharding_matches_the_state_held(method: str) -> None:
         assert not cls.cost.shards_over_replicas, method
         return
     held = []
-    for comm in (RecordingComm(world_size=2), HierarchicalComm(RecordingComm(world_size=2), RecordingComm(world_size=2))):
+    for comm in (
+        RecordingComm(world_size=2),
+        HierarchicalComm(RecordingComm(world_size=2), RecordingComm(world_size=2)),
+    ):
         torch.manual_seed(0)
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
         options = _options(method)
         context = StrategyContext(total_steps=13)
-        strategy = cls(model, comm, context) if options is None else cls(model, comm, context, options=options)  # type: ignore[call-arg]
+        strategy = (
+            cls(model, comm, context)
+            if options is None
+            else cls(model, comm, context, options=options)
+        )  # type: ignore[call-arg]
         held.append(strategy.state_bytes())
         strategy.finish()
     if cls.cost.shards_over_replicas:

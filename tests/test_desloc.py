@@ -37,7 +37,6 @@ CONTEXT = StrategyContext(
 )
 
 
-
 # --- optimizers against their equations ---------------------------------------------------------
 
 
@@ -81,7 +80,10 @@ def test_adopt_first_step_only_seeds_the_second_moment() -> None:
 def _counters(optimizer: object) -> dict[str, int]:
     """The bias-correction counters of a DES-LOC Adam."""
     assert isinstance(optimizer, FlatAdamW)
-    return {"first_moment_steps": optimizer.first_moment_steps, "second_moment_steps": optimizer.second_moment_steps}
+    return {
+        "first_moment_steps": optimizer.first_moment_steps,
+        "second_moment_steps": optimizer.second_moment_steps,
+    }
 
 
 def test_half_lives_match_the_table() -> None:
@@ -105,7 +107,9 @@ def test_default_periods_and_clipping() -> None:
     clipped.step(closure_for(clipped, [global_batch(0, 1)]))
     assert float(clipped.flat.grads.abs().max()) == pytest.approx(1e-3)
     # u = (1 - beta1) g_hat, beta1 = 0.9 from --optim.betas.
-    assert float(clipped.inner.states()[Role.FIRST_MOMENT].abs().max()) == pytest.approx(0.1 * 1e-3, rel=1e-5)
+    assert float(clipped.inner.states()[Role.FIRST_MOMENT].abs().max()) == pytest.approx(
+        0.1 * 1e-3, rel=1e-5
+    )
 
 
 def test_options_are_validated_with_the_flag_name() -> None:
@@ -115,10 +119,21 @@ def test_options_are_validated_with_the_flag_name() -> None:
         DeslocOptions(clip_rho=-1.0)
     with pytest.raises(ValueError, match=r"--desloc.rejoin-rank .* go together"):
         DeslocOptions(rejoin_rank=1)
-    with pytest.raises(ValueError, match=r"--desloc.first-moment-period: 5 is only used by --method desloc"):
-        LocalAdamMethod(tiny_gpt(), LocalComm(), CONTEXT, options=DeslocOptions(first_moment_period=5))
-    with pytest.raises(ValueError, match=r"--desloc.rejoin-rank: 3 is not a worker of a group of 2"):
-        Desloc(tiny_gpt(), RecordingComm(world_size=2), CONTEXT, options=DeslocOptions(rejoin_rank=3, rejoin_step=1))
+    with pytest.raises(
+        ValueError, match=r"--desloc.first-moment-period: 5 is only used by --method desloc"
+    ):
+        LocalAdamMethod(
+            tiny_gpt(), LocalComm(), CONTEXT, options=DeslocOptions(first_moment_period=5)
+        )
+    with pytest.raises(
+        ValueError, match=r"--desloc.rejoin-rank: 3 is not a worker of a group of 2"
+    ):
+        Desloc(
+            tiny_gpt(),
+            RecordingComm(world_size=2),
+            CONTEXT,
+            options=DeslocOptions(rejoin_rank=3, rejoin_step=1),
+        )
 
 
 # --- communication pattern and bytes ----------------------------------------------------------
@@ -134,10 +149,26 @@ def _network_comm(world_size: int) -> tuple[NetworkComm, RecordingComm]:
 @pytest.mark.parametrize(
     ("method", "options", "expected_roles"),
     [
-        ("desloc", DeslocOptions(param_period=2), {Role.PARAMETER: 2, Role.FIRST_MOMENT: 6, Role.SECOND_MOMENT: 12}),
-        ("desloc", DeslocOptions(param_period=2, fuse=False), {Role.PARAMETER: 2, Role.FIRST_MOMENT: 6, Role.SECOND_MOMENT: 12}),
-        ("desloc", DeslocOptions(param_period=3, first_moment_period=4, optimizer="sgdm"), {Role.PARAMETER: 3, Role.FIRST_MOMENT: 4}),
-        ("local_adam", DeslocOptions(param_period=4), {Role.PARAMETER: 4, Role.FIRST_MOMENT: 4, Role.SECOND_MOMENT: 4}),
+        (
+            "desloc",
+            DeslocOptions(param_period=2),
+            {Role.PARAMETER: 2, Role.FIRST_MOMENT: 6, Role.SECOND_MOMENT: 12},
+        ),
+        (
+            "desloc",
+            DeslocOptions(param_period=2, fuse=False),
+            {Role.PARAMETER: 2, Role.FIRST_MOMENT: 6, Role.SECOND_MOMENT: 12},
+        ),
+        (
+            "desloc",
+            DeslocOptions(param_period=3, first_moment_period=4, optimizer="sgdm"),
+            {Role.PARAMETER: 3, Role.FIRST_MOMENT: 4},
+        ),
+        (
+            "local_adam",
+            DeslocOptions(param_period=4),
+            {Role.PARAMETER: 4, Role.FIRST_MOMENT: 4, Role.SECOND_MOMENT: 4},
+        ),
         ("favg_opt", DeslocOptions(param_period=4), {Role.PARAMETER: 4}),
         ("favg_reset", DeslocOptions(param_period=6), {Role.PARAMETER: 6}),
     ],
@@ -152,7 +183,11 @@ def test_bytes_per_step_follow_the_periods(
     synced = {role: 0 for role in Role}
     for _ in range(steps):
         stats = strategy.step(closure)
-        for role, name in ((Role.PARAMETER, "synced_parameters"), (Role.FIRST_MOMENT, "synced_first_moment"), (Role.SECOND_MOMENT, "synced_second_moment")):
+        for role, name in (
+            (Role.PARAMETER, "synced_parameters"),
+            (Role.FIRST_MOMENT, "synced_first_moment"),
+            (Role.SECOND_MOMENT, "synced_second_moment"),
+        ):
             synced[role] += int(stats.extras[name])
     payload = 4 * strategy.flat.padded_numel
     one = bytes_sent(CollectiveKind.ALL_REDUCE, payload, world, 0)
@@ -178,18 +213,29 @@ def test_bytes_per_step_follow_the_periods(
 
 def test_fused_sync_sends_the_concatenation_of_due_states() -> None:
     recording = RecordingComm(world_size=2)
-    strategy = LocalAdamMethod(tiny_gpt(), recording, CONTEXT, options=DeslocOptions(param_period=2))
+    strategy = LocalAdamMethod(
+        tiny_gpt(), recording, CONTEXT, options=DeslocOptions(param_period=2)
+    )
     closure = closure_for(strategy, [global_batch(s, 1) for s in range(2)])
     assert strategy.step(closure).extras["synced_parameters"] == 0.0
     strategy.step(closure)
     (call,) = recording.calls
     n = strategy.flat.padded_numel
-    assert (call.kind, call.role, call.numel, call.op) == (CollectiveKind.ALL_REDUCE, Role.PARAMETER, 3 * n, "mean")
+    assert (call.kind, call.role, call.numel, call.op) == (
+        CollectiveKind.ALL_REDUCE,
+        Role.PARAMETER,
+        3 * n,
+        "mean",
+    )
 
 
 def test_favg_reset_zeroes_moments_and_counter_after_each_sync() -> None:
-    strategy = FavgReset(tiny_gpt(), RecordingComm(world_size=2), CONTEXT, options=DeslocOptions(param_period=3))
-    keep = FavgOpt(tiny_gpt(), RecordingComm(world_size=2), CONTEXT, options=DeslocOptions(param_period=3))
+    strategy = FavgReset(
+        tiny_gpt(), RecordingComm(world_size=2), CONTEXT, options=DeslocOptions(param_period=3)
+    )
+    keep = FavgOpt(
+        tiny_gpt(), RecordingComm(world_size=2), CONTEXT, options=DeslocOptions(param_period=3)
+    )
     batches = [global_batch(s, 1) for s in range(9)]
     closure, keep_closure = closure_for(strategy, batches), closure_for(keep, batches)
     for t in range(1, 10):
@@ -220,7 +266,10 @@ def test_finish_averages_parameters_unless_just_synced() -> None:
     assert len(recording.calls) == 1  # step 4 synced, finish adds nothing
     strategy.step(closure)
     strategy.finish()
-    assert [(c.role, c.numel) for c in recording.calls][-1] == (Role.PARAMETER, strategy.flat.padded_numel)
+    assert [(c.role, c.numel) for c in recording.calls][-1] == (
+        Role.PARAMETER,
+        strategy.flat.padded_numel,
+    )
 
 
 def test_state_dict_round_trip_resumes_exactly() -> None:
@@ -242,11 +291,21 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
 
 
 def test_every_variant_trains_a_tiny_model() -> None:
-    for method, optimizer in (("desloc", "adam"), ("desloc", "adopt"), ("desloc", "sgdm"), ("local_adam", "adam"), ("favg_reset", "adam")):
+    for method, optimizer in (
+        ("desloc", "adam"),
+        ("desloc", "adopt"),
+        ("desloc", "sgdm"),
+        ("local_adam", "adam"),
+        ("favg_reset", "adam"),
+    ):
         lr = 0.3 if optimizer == "sgdm" else 1e-2
-        context = StrategyContext(optim=AdamWConfig(lr=lr, weight_decay=0.0), total_steps=30, max_grad_norm=None)
+        context = StrategyContext(
+            optim=AdamWConfig(lr=lr, weight_decay=0.0), total_steps=30, max_grad_norm=None
+        )
         options = DeslocOptions(param_period=2, optimizer=optimizer)  # type: ignore[arg-type]
-        strategy = strategy_class(method)(tiny_gpt(), RecordingComm(world_size=2), context, options=options)  # type: ignore[call-arg]
+        strategy = strategy_class(method)(
+            tiny_gpt(), RecordingComm(world_size=2), context, options=options
+        )  # type: ignore[call-arg]
         closure = closure_for(strategy, [global_batch(0, 1)] * 30)
         losses = [strategy.step(closure).loss for _ in range(30)]
         assert losses[-1] < losses[0] - 0.5, (method, optimizer, losses[0], losses[-1])
@@ -280,9 +339,15 @@ class _RecordingDesloc(Desloc):
     def synchronize(self, roles: list[Role]) -> None:
         if not hasattr(self, "trace"):
             self.trace: list[dict[str, torch.Tensor | list[Role]]] = []
-        before = {"x": self.inner.master.clone(), **{r.value: t.clone() for r, t in self.inner.states().items()}}
+        before = {
+            "x": self.inner.master.clone(),
+            **{r.value: t.clone() for r, t in self.inner.states().items()},
+        }
         super().synchronize(roles)
-        after = {"x": self.inner.master.clone(), **{r.value: t.clone() for r, t in self.inner.states().items()}}
+        after = {
+            "x": self.inner.master.clone(),
+            **{r.value: t.clone() for r, t in self.inner.states().items()},
+        }
         self.trace.append({"roles": list(roles), "before": before, "after": after})  # type: ignore[dict-item]
 
 
@@ -295,8 +360,19 @@ def _worker(steps: int, join_step: int) -> dict[str, object]:
     out: dict[str, object] = {}
     unclipped = DeslocOptions(clip_rho=None)
     # (a) desloc, all periods 1, SGDM.
-    sgdm_context = StrategyContext(optim=AdamWConfig(lr=0.2, betas=(0.8, 0.95), weight_decay=0.05), schedule=CONTEXT.schedule, total_steps=steps, max_grad_norm=None)
-    options = DeslocOptions(param_period=1, first_moment_period=1, second_moment_period=1, optimizer="sgdm", clip_rho=None)
+    sgdm_context = StrategyContext(
+        optim=AdamWConfig(lr=0.2, betas=(0.8, 0.95), weight_decay=0.05),
+        schedule=CONTEXT.schedule,
+        total_steps=steps,
+        max_grad_norm=None,
+    )
+    options = DeslocOptions(
+        param_period=1,
+        first_moment_period=1,
+        second_moment_period=1,
+        optimizer="sgdm",
+        clip_rho=None,
+    )
     sgdm = Desloc(tiny_gpt(), comm, sgdm_context, options=options)
     closure = closure_for(sgdm, batches)
     for _ in range(steps):
@@ -305,7 +381,13 @@ def _worker(steps: int, join_step: int) -> dict[str, object]:
     # (b) local_adam(K) and desloc(K, K, K).
     for name, cls, opts in (
         ("local_adam", LocalAdamMethod, DeslocOptions(param_period=3, clip_rho=unclipped.clip_rho)),
-        ("desloc_kkk", Desloc, DeslocOptions(param_period=3, first_moment_period=3, second_moment_period=3, clip_rho=None)),
+        (
+            "desloc_kkk",
+            Desloc,
+            DeslocOptions(
+                param_period=3, first_moment_period=3, second_moment_period=3, clip_rho=None
+            ),
+        ),
     ):
         strategy = cls(tiny_gpt(), comm, CONTEXT, options=opts)
         closure = closure_for(strategy, batches)
@@ -313,7 +395,13 @@ def _worker(steps: int, join_step: int) -> dict[str, object]:
             strategy.step(closure)
         out[name] = flat_params(strategy.model)
     # (c) rank 1 rejoins with fresh state at join_step (K_x = 2, K_u = 4, K_v = 8).
-    join = DeslocOptions(param_period=2, first_moment_period=4, second_moment_period=8, rejoin_rank=1, rejoin_step=join_step)
+    join = DeslocOptions(
+        param_period=2,
+        first_moment_period=4,
+        second_moment_period=8,
+        rejoin_rank=1,
+        rejoin_step=join_step,
+    )
     joiner = _RecordingDesloc(tiny_gpt(), comm, CONTEXT, options=join)
     closure = closure_for(joiner, batches)
     counters = []
@@ -338,7 +426,9 @@ def test_reductions_and_a_joining_worker_on_three_gloo_ranks() -> None:
     x = flat_params(model)
     u = torch.zeros_like(x)
     for step in range(steps):
-        for p, value in zip(model.parameters(), torch.split(x, [p.numel() for p in model.parameters()]), strict=True):
+        for p, value in zip(
+            model.parameters(), torch.split(x, [p.numel() for p in model.parameters()]), strict=True
+        ):
             p.data = value.view_as(p).clone()
             p.grad = None
         inputs, targets = global_batch(step, world)
@@ -363,8 +453,16 @@ def test_reductions_and_a_joining_worker_on_three_gloo_ranks() -> None:
     for t in range(1, steps + 1):
         records = [trace[t - 1] for trace in traces]  # type: ignore[index]
         roles = records[0]["roles"]
-        assert roles == [r for r, k in ((Role.PARAMETER, 2), (Role.FIRST_MOMENT, 4), (Role.SECOND_MOMENT, 8)) if t % k == 0]
-        for key, role in (("x", Role.PARAMETER), ("first_moment", Role.FIRST_MOMENT), ("second_moment", Role.SECOND_MOMENT)):
+        assert roles == [
+            r
+            for r, k in ((Role.PARAMETER, 2), (Role.FIRST_MOMENT, 4), (Role.SECOND_MOMENT, 8))
+            if t % k == 0
+        ]
+        for key, role in (
+            ("x", Role.PARAMETER),
+            ("first_moment", Role.FIRST_MOMENT),
+            ("second_moment", Role.SECOND_MOMENT),
+        ):
             befores = torch.stack([rec["before"][key] for rec in records])
             afters = [rec["after"][key] for rec in records]
             if role in roles:
@@ -374,7 +472,8 @@ def test_reductions_and_a_joining_worker_on_three_gloo_ranks() -> None:
             elif t > join_step:
                 # Not synced since the join: the joiner's state is its own.
                 synced_since_join = any(
-                    t2 > join_step and t2 % {"x": 2, "first_moment": 4, "second_moment": 8}[key] == 0
+                    t2 > join_step
+                    and t2 % {"x": 2, "first_moment": 4, "second_moment": 8}[key] == 0
                     for t2 in range(join_step + 1, t + 1)
                 )
                 if not synced_since_join:
@@ -394,17 +493,31 @@ def test_reductions_and_a_joining_worker_on_three_gloo_ranks() -> None:
 
 # --- CLI and example ----------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "extra", "payloads"),
     [
         ("desloc", ["--desloc.param-period", "2"], 3 + 1),  # x at 2, 4, 6; u at 6; v at 12
         ("local_adam", ["--desloc.param-period", "3"], 6 * 3 / 3),
-        ("favg_opt", ["--desloc.param-period", "3", "--desloc.rejoin-rank", "1", "--desloc.rejoin-step", "2"], 6 / 3),
+        (
+            "favg_opt",
+            [
+                "--desloc.param-period",
+                "3",
+                "--desloc.rejoin-rank",
+                "1",
+                "--desloc.rejoin-step",
+                "2",
+            ],
+            6 / 3,
+        ),
         ("favg_reset", ["--desloc.param-period", "4", "--desloc.optimizer", "adopt"], 6 // 4 + 1),
     ],
 )
-def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str, extra: list[str], payloads: float) -> None:
+def test_cli_trains_and_writes_the_summary(
+    tmp_path: Path, method: str, extra: list[str], payloads: float
+) -> None:
     out = tmp_path / "run"
     result = lowcomm("train", "--method", method, "--steps", "6", "--out", str(out), *SMALL, *extra)
     assert result.returncode == 0, result.stderr
@@ -413,7 +526,9 @@ def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str, extra: l
     assert math.isfinite(summary["final_val_loss"])
     # Two workers: one all-reduce moves 2 (M-1)/M = 1 payload per worker. Payloads include
     # the final parameter average when the last step was not a parameter sync.
-    assert summary["bytes_sent_per_worker"] == pytest.approx(payloads * 4 * summary["num_params"], rel=0.01)
+    assert summary["bytes_sent_per_worker"] == pytest.approx(
+        payloads * 4 * summary["num_params"], rel=0.01
+    )
 
 
 def test_cli_rejects_a_bad_period() -> None:

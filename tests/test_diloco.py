@@ -29,7 +29,6 @@ CONTEXT = StrategyContext(
 )
 
 
-
 def two_layer_gpt(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=64))
@@ -40,8 +39,12 @@ def test_inner_sgd_applies_the_same_weight_decay_as_the_local_family() -> None:
     # optimizer: theta <- theta (1 - lr lambda) - lr g, lambda = --optim.weight-decay
     # (docs/ALGORITHMS.md §0.3). Three inner steps, no round ends (H = tau = 8).
     batches = [global_batch(s, 1) for s in range(3)]
-    diloco = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=8, inner_optimizer="sgd"))
-    local = OverlapLocalSGD(tiny_gpt(), LocalComm(), CONTEXT, LocalOptions(sync_every=8, inner_optimizer="sgd"))
+    diloco = DiLoCo(
+        tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=8, inner_optimizer="sgd")
+    )
+    local = OverlapLocalSGD(
+        tiny_gpt(), LocalComm(), CONTEXT, LocalOptions(sync_every=8, inner_optimizer="sgd")
+    )
     undecayed = DiLoCo(
         tiny_gpt(), LocalComm(), StrategyContext(optim=AdamWConfig(lr=3e-3, weight_decay=0.0), schedule=CONTEXT.schedule,
                                                  total_steps=40, max_grad_norm=None),
@@ -86,7 +89,9 @@ def test_diloco_outer_round_follows_the_equations() -> None:
         strategy.step(closure)
     assert comm.calls == []  # nothing before H steps
     strategy.step(closure)  # inner step 3 runs, then the outer round
-    assert [(c.kind, c.role) for c in comm.calls] == [(CollectiveKind.ALL_REDUCE, Role.PSEUDO_GRADIENT)]
+    assert [(c.kind, c.role) for c in comm.calls] == [
+        (CollectiveKind.ALL_REDUCE, Role.PSEUDO_GRADIENT)
+    ]
     # Reference: replay the three inner AdamW steps on a copy.
     replay = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=1000))
     replay_closure = closure_for(replay, [global_batch(s, 1) for s in range(3)])
@@ -135,7 +140,9 @@ def test_streaming_one_fragment_no_overlap_global_merge_equals_diloco() -> None:
 def test_streaming_schedule_merge_and_drain() -> None:
     # H=8, K=4, tau=1: fragment p launches at (p+1)*2 - 1 and merges one step later.
     options = DiLoCoOptions(sync_every=8, fragments=4, overlap_steps=1, mixing=0.3)
-    context = StrategyContext(optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=16, max_grad_norm=None)
+    context = StrategyContext(
+        optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=16, max_grad_norm=None
+    )
     strategy = StreamingDiLoCo(two_layer_gpt(), LocalComm(), context, options)
     launches: list[tuple[int, int]] = []
     original_launch = strategy.launch_exchange
@@ -224,9 +231,19 @@ def test_bad_options_name_the_flag(kwargs: dict[str, Any], flag: str) -> None:
 
 def test_overlap_must_leave_room_for_the_fragment_schedule() -> None:
     with pytest.raises(ValueError, match=r"--diloco.overlap-steps: 4 must be < H/K = 16//4 = 4"):
-        StreamingDiLoCo(two_layer_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=16, fragments=4, overlap_steps=4))
+        StreamingDiLoCo(
+            two_layer_gpt(),
+            LocalComm(),
+            CONTEXT,
+            DiLoCoOptions(sync_every=16, fragments=4, overlap_steps=4),
+        )
     with pytest.raises(ValueError, match=r"--diloco\.fragments: 6 leaves fragment 4"):
-        StreamingDiLoCo(two_layer_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=24, fragments=6, overlap_steps=1))
+        StreamingDiLoCo(
+            two_layer_gpt(),
+            LocalComm(),
+            CONTEXT,
+            DiLoCoOptions(sync_every=24, fragments=6, overlap_steps=1),
+        )
     with pytest.raises(ValueError, match=r"--diloco\.fragments: 2 is not allowed for diloco"):
         DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(fragments=2))
 
@@ -272,17 +289,35 @@ def _gloo_worker(steps: int) -> dict[str, torch.Tensor]:
 
     mine = [shard(s) for s in range(steps)]
     # Weight decay 0: the reference below is plain SGD (inner SGD applies --optim.weight-decay).
-    sgd_context = StrategyContext(optim=AdamWConfig(lr=0.1, weight_decay=0.0), schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=steps, max_grad_norm=None)
+    sgd_context = StrategyContext(
+        optim=AdamWConfig(lr=0.1, weight_decay=0.0),
+        schedule=ScheduleConfig(kind="constant", warmup_steps=0),
+        total_steps=steps,
+        max_grad_norm=None,
+    )
     results: dict[str, torch.Tensor] = {}
-    ddp_like = DiLoCo(tiny_gpt(), comm, sgd_context, DiLoCoOptions(sync_every=1, inner_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0))
+    ddp_like = DiLoCo(
+        tiny_gpt(),
+        comm,
+        sgd_context,
+        DiLoCoOptions(sync_every=1, inner_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0),
+    )
     closure = closure_for(ddp_like, mine)
     for _ in range(steps):
         ddp_like.step(closure)
     results["diloco_h1"] = flat_params(ddp_like.model)
     for key, method, options in (
         ("diloco", "diloco", DiLoCoOptions(sync_every=3)),
-        ("streaming_diloco", "streaming_diloco", DiLoCoOptions(sync_every=3, fragments=1, overlap_steps=0, mixing=0.0)),
-        ("streaming_int4", "streaming_diloco", DiLoCoOptions(sync_every=4, fragments=1, overlap_steps=1, quantization="int4")),
+        (
+            "streaming_diloco",
+            "streaming_diloco",
+            DiLoCoOptions(sync_every=3, fragments=1, overlap_steps=0, mixing=0.0),
+        ),
+        (
+            "streaming_int4",
+            "streaming_diloco",
+            DiLoCoOptions(sync_every=4, fragments=1, overlap_steps=1, quantization="int4"),
+        ),
     ):
         cls = strategy_class(method)
         strategy = cls(tiny_gpt(), comm, CONTEXT, options=options)  # type: ignore[call-arg]
@@ -336,7 +371,9 @@ SMALL = small_flags(n_layer=2)  # two blocks, so two fragments
         ("cocodc", ["--diloco.fragments", "2"]),
     ],
 )
-def test_cli_selects_the_method_and_writes_summary(tmp_path: Path, method: str, extra: list[str]) -> None:
+def test_cli_selects_the_method_and_writes_summary(
+    tmp_path: Path, method: str, extra: list[str]
+) -> None:
     out = tmp_path / "run"
     result = lowcomm("train", "--method", method, "--steps", "8", "--diloco.sync-every", "4",
                      "--out", str(out), *SMALL, *extra)  # fmt: skip
@@ -362,7 +399,9 @@ def test_deployed_evaluates_the_global_parameters_and_restores_the_local_ones() 
     from lowcomm.strategies import StrategyContext
     from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 
-    strategy = DiLoCo(tiny_gpt(), LocalComm(), StrategyContext(total_steps=8), options=DiLoCoOptions(sync_every=4))
+    strategy = DiLoCo(
+        tiny_gpt(), LocalComm(), StrategyContext(total_steps=8), options=DiLoCoOptions(sync_every=4)
+    )
     batches = [global_batch(s, 1) for s in range(2)]
 
     def closure():  # type: ignore[no-untyped-def]
@@ -394,8 +433,18 @@ def test_default_fragment_count_is_capped_at_the_number_of_blocks() -> None:
     # No blocks: the element-count split, at the largest count leaving no fragment empty
     # (two tensors, weight and bias, cannot fill four fragments).
     assert default_fragment_count(torch.nn.Linear(3, 3), 4) == 2
-    assert default_fragment_count(torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(4)]), 4) == 4
-    strategy = StreamingDiLoCo(two_blocks, LocalComm(), StrategyContext(), options=DiLoCoOptions(sync_every=8))
+    assert (
+        default_fragment_count(torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(4)]), 4)
+        == 4
+    )
+    strategy = StreamingDiLoCo(
+        two_blocks, LocalComm(), StrategyContext(), options=DiLoCoOptions(sync_every=8)
+    )
     assert strategy.num_fragments == 2
     with pytest.raises(ValueError, match=r"--diloco\.fragments: 4 leaves fragment"):
-        StreamingDiLoCo(two_blocks, LocalComm(), StrategyContext(), options=DiLoCoOptions(sync_every=8, fragments=4))
+        StreamingDiLoCo(
+            two_blocks,
+            LocalComm(),
+            StrategyContext(),
+            options=DiLoCoOptions(sync_every=8, fragments=4),
+        )

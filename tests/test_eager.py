@@ -45,7 +45,9 @@ class ScriptedComm:
         self.calls += 1
         return CompletedHandle()
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role) -> Handle:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
         raise AssertionError("not used")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
@@ -61,17 +63,28 @@ class ScriptedComm:
 def _scripted(rounds: int, numel: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     generator = torch.Generator().manual_seed(7)
     own = [torch.randn(numel, generator=generator) * 0.01 for _ in range(rounds)]
-    others = [[torch.randn(numel, generator=generator) * 0.01 for _ in range(WORLD - 1)] for _ in range(rounds)]
+    others = [
+        [torch.randn(numel, generator=generator) * 0.01 for _ in range(WORLD - 1)]
+        for _ in range(rounds)
+    ]
     return own, others
 
 
-def _run(cls: type, rounds: int, delay: int, momentum: float) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]], torch.Tensor]:
+def _run(
+    cls: type, rounds: int, delay: int, momentum: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]], torch.Tensor]:
     """H=1, inner SGD with lr 1 and a closure that sets the gradient to the scripted own Delta:
     each round's local parameters are phi - own[r], so Delta_m^(r) = own[r] exactly."""
     model = tiny_gpt()
     start = flat_params(model)
     own, others = _scripted(rounds, start.numel())
-    options = DiLoCoOptions(sync_every=1, inner_optimizer="sgd", outer_lr=0.8, outer_momentum=momentum, outer_delay=delay)
+    options = DiLoCoOptions(
+        sync_every=1,
+        inner_optimizer="sgd",
+        outer_lr=0.8,
+        outer_momentum=momentum,
+        outer_delay=delay,
+    )
     strategy = cls(model, ScriptedComm(others), CONTEXT, options)
     round_index = [0]
 
@@ -94,7 +107,9 @@ def _run(cls: type, rounds: int, delay: int, momentum: float) -> tuple[list[torc
     return phis, own, others, start
 
 
-def _reference_nesterov(start: torch.Tensor, updates: list[torch.Tensor | None], momentum: float) -> list[torch.Tensor]:
+def _reference_nesterov(
+    start: torch.Tensor, updates: list[torch.Tensor | None], momentum: float
+) -> list[torch.Tensor]:
     phi, b, out = start.clone(), torch.zeros_like(start), []
     for update in updates:
         if update is not None:
@@ -130,7 +145,12 @@ def test_eager_finish_applies_the_others_part_of_the_drained_rounds() -> None:
     # The scripted gradients and start point (the helper's run itself stops before finish()).
     _, own, others, start = _run(Eager, rounds, 1, momentum=0.0)
     model = tiny_gpt()
-    strategy = Eager(model, ScriptedComm(others), CONTEXT, DiLoCoOptions(sync_every=1, inner_optimizer="sgd", outer_lr=0.8, outer_momentum=0.0))
+    strategy = Eager(
+        model,
+        ScriptedComm(others),
+        CONTEXT,
+        DiLoCoOptions(sync_every=1, inner_optimizer="sgd", outer_lr=0.8, outer_momentum=0.0),
+    )
     index = [0]
 
     def closure() -> MicroBatchResult:

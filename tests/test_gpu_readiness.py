@@ -177,7 +177,10 @@ def _options(quantization: str) -> TrainConfig:
     return dataclasses.replace(
         config,
         diloco=dataclasses.replace(
-            config.diloco, sync_every=2, quantization=quantization, quantization_row_size=64  # type: ignore[arg-type]
+            config.diloco,
+            sync_every=2,
+            quantization=quantization,
+            quantization_row_size=64,  # type: ignore[arg-type]
         ),
         local=dataclasses.replace(config.local, sync_every=2),
         desloc=dataclasses.replace(config.desloc, param_period=2),
@@ -412,7 +415,9 @@ def test_the_communication_thread_binds_the_strategys_gpu(monkeypatch: pytest.Mo
 
     bound: list[tuple[str, torch.device]] = []
     monkeypatch.setattr(
-        torch.cuda, "set_device", lambda device: bound.append((threading.current_thread().name, device))
+        torch.cuda,
+        "set_device",
+        lambda device: bound.append((threading.current_thread().name, device)),
     )
     thread = CommThread(device=torch.device("cuda", 5))
     thread.submit(lambda: None).wait()
@@ -487,7 +492,10 @@ def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str)
 
     columns = [1.0, 0.0, 1.0, 0.0, 1000.0, 64.0, 0.0, 0.0, 0.0, 0.0]
     summary = writer.finish(
-        per_process=[ProcessTotals(*columns, peak_memory=5e9), ProcessTotals(*columns, peak_memory=6e9)],
+        per_process=[
+            ProcessTotals(*columns, peak_memory=5e9),
+            ProcessTotals(*columns, peak_memory=6e9),
+        ],
         bytes_by_role={},
         num_params=10,
         final_val_loss=1.0,
@@ -505,7 +513,9 @@ def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str)
 # --- item 4: the real clock synchronises the GPU where it reads the time ----------------
 
 
-def test_the_real_clock_synchronises_the_gpu_at_every_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_real_clock_synchronises_the_gpu_at_every_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from lowcomm.comm.clock import make_clock
 
     synced: list[torch.device] = []

@@ -33,10 +33,19 @@ STEPS, MICROBATCHES = 4, 2
 def test_slices_and_fused_segments_are_split_exactly() -> None:
     assert slice_length(10, 2) == 5 and slice_length(11, 2) == 6 and slice_length(0, 4) == 1
     segments = [(Role.PARAMETER, 4), (Role.FIRST_MOMENT, 3), (Role.SECOND_MOMENT, 3)]
-    assert slice_segments(segments, 0, 5, 10, Role.OTHER) == [(Role.PARAMETER, 4), (Role.FIRST_MOMENT, 1)]
-    assert slice_segments(segments, 5, 10, 10, Role.OTHER) == [(Role.FIRST_MOMENT, 2), (Role.SECOND_MOMENT, 3)]
+    assert slice_segments(segments, 0, 5, 10, Role.OTHER) == [
+        (Role.PARAMETER, 4),
+        (Role.FIRST_MOMENT, 1),
+    ]
+    assert slice_segments(segments, 5, 10, 10, Role.OTHER) == [
+        (Role.FIRST_MOMENT, 2),
+        (Role.SECOND_MOMENT, 3),
+    ]
     # an 11-element payload in 2 slices of 6: the last slice carries one padding element
-    assert slice_segments([(Role.GRADIENT, 11)], 6, 12, 11, Role.OTHER) == [(Role.GRADIENT, 5), (Role.OTHER, 1)]
+    assert slice_segments([(Role.GRADIENT, 11)], 6, 12, 11, Role.OTHER) == [
+        (Role.GRADIENT, 5),
+        (Role.OTHER, 1),
+    ]
 
 
 def test_each_rank_sends_one_rth_of_the_payload_on_the_outer_link() -> None:
@@ -50,7 +59,9 @@ def test_each_rank_sends_one_rth_of_the_payload_on_the_outer_link() -> None:
         # (values are checked on Gloo: the recording fake's all-gather tiles its own slice)
         (call,) = outer.calls
         assert call.kind is CollectiveKind.ALL_REDUCE and call.numel == 12 // R
-        expected = [(Role.PARAMETER, 6)] if r == 0 else [(Role.PARAMETER, 2), (Role.FIRST_MOMENT, 4)]
+        expected = (
+            [(Role.PARAMETER, 6)] if r == 0 else [(Role.PARAMETER, 2), (Role.FIRST_MOMENT, 4)]
+        )
         assert list(call.segments or ()) == expected
         (gather,) = inner.calls
         assert gather.kind is CollectiveKind.ALL_GATHER and gather.numel == 12
@@ -59,8 +70,12 @@ def test_each_rank_sends_one_rth_of_the_payload_on_the_outer_link() -> None:
 def _two_level_comm() -> tuple[HierarchicalComm, Clock]:
     """One rank of a 2 x 2 run on recording fakes, both levels emulated, on a virtual clock."""
     clock = make_clock("virtual", seconds_per_microbatch=0.01)
-    inner = NetworkComm(RecordingComm(rank=1, world_size=R), NetworkProfile.from_preset("ethernet"), clock)
-    outer = NetworkComm(RecordingComm(rank=0, world_size=M), NetworkProfile.from_preset("wan"), clock)
+    inner = NetworkComm(
+        RecordingComm(rank=1, world_size=R), NetworkProfile.from_preset("ethernet"), clock
+    )
+    outer = NetworkComm(
+        RecordingComm(rank=0, world_size=M), NetworkProfile.from_preset("wan"), clock
+    )
     return HierarchicalComm(inner, outer, clock), clock
 
 
@@ -70,7 +85,9 @@ _COLLECTIVES: dict[str, Callable[[HierarchicalComm], Handle]] = {
     "reduce_scatter": lambda c: c.reduce_scatter(
         torch.empty(25_001), torch.ones(M * 25_001), role=Role.GRADIENT
     ),
-    "all_gather": lambda c: c.all_gather(torch.empty(M * 25_001), torch.ones(25_001), role=Role.PARAMETER),
+    "all_gather": lambda c: c.all_gather(
+        torch.empty(M * 25_001), torch.ones(25_001), role=Role.PARAMETER
+    ),
     "barrier": lambda c: c.barrier(),
 }
 
@@ -157,7 +174,9 @@ def _gloo_collectives() -> dict[str, Any]:
             comm.all_reduce(x, op=op, role=Role.GRADIENT).wait()  # type: ignore[arg-type]
             out[f"all_reduce_{op}_{numel}"] = x
         x = _worker_value(m, numel, 2.0).view(1, numel)  # 2-D, segments
-        comm.all_reduce(x, role=Role.PARAMETER, segments=[(Role.PARAMETER, 3), (Role.FIRST_MOMENT, numel - 3)]).wait()
+        comm.all_reduce(
+            x, role=Role.PARAMETER, segments=[(Role.PARAMETER, 3), (Role.FIRST_MOMENT, numel - 3)]
+        ).wait()
         out[f"fused_{numel}"] = x
         x = _worker_value(m, numel, 3.0)
         comm.broadcast(x, src=1, role=Role.PARAMETER).wait()
@@ -195,10 +214,17 @@ def test_hierarchical_collectives_equal_plain_math_on_gloo() -> None:
             assert res[f"fused_{numel}"].shape == (1, numel)
             assert torch.allclose(res[f"fused_{numel}"].view(-1), fused)
             assert torch.equal(res[f"broadcast_{numel}"], _worker_value(1, numel, 3.0))
-            big_total = sum((_worker_value(m, M * numel, 4.0) for m in range(M)), torch.zeros(M * numel))
+            big_total = sum(
+                (_worker_value(m, M * numel, 4.0) for m in range(M)), torch.zeros(M * numel)
+            )
             w = res["worker"]
-            assert torch.equal(res[f"reduce_scatter_{numel}"], big_total[w * numel : (w + 1) * numel])
-            assert torch.equal(res[f"all_gather_{numel}"], torch.cat([_worker_value(m, numel, 5.0) for m in range(M)]))
+            assert torch.equal(
+                res[f"reduce_scatter_{numel}"], big_total[w * numel : (w + 1) * numel]
+            )
+            assert torch.equal(
+                res[f"all_gather_{numel}"],
+                torch.cat([_worker_value(m, numel, 5.0) for m in range(M)]),
+            )
         # ring formulas: outer all-reduce of S/R over M, inner all-gather of S over R
         payload = 8 * 4
         assert res["outer_bytes"] == 2 * (M - 1) / M * payload / R
@@ -276,7 +302,9 @@ def test_hierarchical_methods_equal_flat_workers_with_the_union_batch() -> None:
             # Every method runs; the replicas of a worker stay bitwise identical.
             assert torch.equal(result[method], hierarchical[worker * R][method]), method
         for method in REDUCED:
-            assert torch.allclose(result[method], flat[worker][method], rtol=1e-4, atol=1e-5), method
+            assert torch.allclose(result[method], flat[worker][method], rtol=1e-4, atol=1e-5), (
+                method
+            )
             # and training moved the parameters (the comparison is not vacuous)
             assert not torch.allclose(result[method], flat_params(tiny_gpt()), atol=1e-4), method
 
@@ -321,7 +349,9 @@ def test_training_loop_hierarchical_ddp_matches_flat_and_bytes_per_level(tmp_pat
     # inner: per micro-batch a gradient all-reduce over R, per step the all-gather of the
     # all-reduce's result and the all-gather of the sharded AdamW step (padded to R slices)
     padded = 4 * R * -(-h["num_params"] // R)
-    assert inner == pytest.approx(steps * (2 * (R - 1) / R * payload + (R - 1) / R * (payload + padded)))
+    assert inner == pytest.approx(
+        steps * (2 * (R - 1) / R * payload + (R - 1) / R * (payload + padded))
+    )
     # ZeRO-1 inside the worker: each rank keeps 1/R of the AdamW moments
     assert f["state_bytes_per_worker"] - h["state_bytes_per_worker"] == pytest.approx(
         2 * payload - 2 * (padded // R), abs=8
@@ -339,23 +369,37 @@ def test_plan_splits_the_outer_payload_over_the_ranks_and_prices_the_inner_link(
     from lowcomm.plan import PlanConfig, make_plan
     from lowcomm.strategies.diloco import DiLoCoOptions
 
-    base = {"method": "diloco", "params": "1b", "workers": 4, "network": "wan", "diloco": DiLoCoOptions(sync_every=50)}
+    base = {
+        "method": "diloco",
+        "params": "1b",
+        "workers": 4,
+        "network": "wan",
+        "diloco": DiLoCoOptions(sync_every=50),
+    }
     flat = make_plan(PlanConfig(**base))  # type: ignore[arg-type]
     hier = make_plan(PlanConfig(**base, ranks_per_worker=8, inner_network="datacenter"))  # type: ignore[arg-type]
     payload = 2.0 * 1e9
-    assert hier.outer_bytes_per_rank_per_step == pytest.approx(flat.comm_bytes_per_worker_per_step / 8)
+    assert hier.outer_bytes_per_rank_per_step == pytest.approx(
+        flat.comm_bytes_per_worker_per_step / 8
+    )
     # per step: the gradient all-reduce, the all-gather of the sharded inner AdamW step, and
     # 1/H of the all-gather that reassembles the outer result
     gathers = 1 + 1 / 50
-    assert hier.inner_bytes_per_rank_per_step == pytest.approx(2 * 7 / 8 * payload + gathers * 7 / 8 * payload)
-    inner = NetworkProfile.from_preset("datacenter")
-    per_step = inner.collective_time(CollectiveKind.ALL_REDUCE, payload, 8) + gathers * inner.collective_time(
-        CollectiveKind.ALL_GATHER, payload, 8
+    assert hier.inner_bytes_per_rank_per_step == pytest.approx(
+        2 * 7 / 8 * payload + gathers * 7 / 8 * payload
     )
+    inner = NetworkProfile.from_preset("datacenter")
+    per_step = inner.collective_time(
+        CollectiveKind.ALL_REDUCE, payload, 8
+    ) + gathers * inner.collective_time(CollectiveKind.ALL_GATHER, payload, 8)
     # AdamW's moments (8 of its 12 bytes per parameter) are split over the 8 replicas
-    assert flat.memory_per_worker_bytes - hier.memory_per_worker_bytes == pytest.approx((8 - 1) * 1e9)
+    assert flat.memory_per_worker_bytes - hier.memory_per_worker_bytes == pytest.approx(
+        (8 - 1) * 1e9
+    )
     assert hier.inner_comm_s == pytest.approx(hier.steps * per_step)
-    outer = NetworkProfile.from_preset("wan").collective_time(CollectiveKind.ALL_REDUCE, payload / 8, 4)
+    outer = NetworkProfile.from_preset("wan").collective_time(
+        CollectiveKind.ALL_REDUCE, payload / 8, 4
+    )
     assert hier.comm_total_s == pytest.approx(hier.steps * (outer / 50 + per_step))
     assert hier.compute_s == pytest.approx(flat.compute_s / 8)  # 8 ranks share each worker's batch
     with pytest.raises(ValueError, match=r"--ranks-per-worker: 2 with --method acco"):

@@ -21,10 +21,15 @@ TINY = [
     "--progress", "False", "--vocab-size", "300",
 ]  # fmt: skip
 
-TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 400
+TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune. "
+    * 400
+)
 
 
-def _lowcomm(*args: str, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _lowcomm(
+    *args: str, cwd: Path | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "lowcomm", *args],
         capture_output=True, text=True, timeout=timeout, cwd=cwd, env={**os.environ},
@@ -95,7 +100,9 @@ def test_binary_data_is_a_one_line_error_on_the_command_line(tmp_path: Path) -> 
 
 def test_a_jsonl_record_without_the_field_lists_the_fields_it_has(tmp_path: Path) -> None:
     path = tmp_path / "corpus.jsonl"
-    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"id": 7, "content": "x"}) + "\n")
+    path.write_text(
+        json.dumps({"text": "fine"}) + "\n" + json.dumps({"id": 7, "content": "x"}) + "\n"
+    )
     with pytest.raises(DataError) as caught:
         read_documents(str(path))
     message = str(caught.value)
@@ -109,8 +116,16 @@ def test_a_jsonl_record_without_the_field_lists_the_fields_it_has(tmp_path: Path
 @pytest.mark.parametrize(
     ("args", "option", "fix"),
     [
-        (["--method", "co2", "--diloco.sync-every", "2"], "--diloco.sync-every", "--local.sync-every"),
-        (["--method", "ddp", "--acco.dpu-warmup-steps", "3"], "--acco.dpu-warmup-steps", "no method options"),
+        (
+            ["--method", "co2", "--diloco.sync-every", "2"],
+            "--diloco.sync-every",
+            "--local.sync-every",
+        ),
+        (
+            ["--method", "ddp", "--acco.dpu-warmup-steps", "3"],
+            "--acco.dpu-warmup-steps",
+            "no method options",
+        ),
         (["--method", "desloc", "--local.outer-lr=0.5"], "--local.outer-lr", "--desloc."),
     ],
 )
@@ -153,6 +168,9 @@ def test_resume_works_from_another_working_directory(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     # With --progress False (saved in config.json) the resume is still announced.
     assert "lowcomm: resumed" in resumed.stdout and "from step 2" in resumed.stdout
-    records = [json.loads(line) for line in (first / "runs" / "r" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (first / "runs" / "r" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert not (elsewhere / "runs").exists() and not (elsewhere / "cache").exists()

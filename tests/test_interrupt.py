@@ -81,7 +81,9 @@ def _line_count(metrics: Path) -> int:
         return 0
 
 
-def _interrupt(out: Path, log: Path, signum: int, after_steps: int) -> tuple[int, str, dict[int, str]]:
+def _interrupt(
+    out: Path, log: Path, signum: int, after_steps: int
+) -> tuple[int, str, dict[int, str]]:
     """Start a long run, signal the launcher once ``after_steps`` are written; return its exit
     code, stderr and the processes it had started."""
     with open(log, "w") as stderr:

@@ -117,7 +117,9 @@ def test_bad_config_names_the_field(kwargs: dict[str, object], message: str) -> 
 def test_unknown_family() -> None:
     with pytest.raises(
         ValueError,
-        match=re.escape("--model.family: unknown family 'foo'; choose one of gpt, hf-gpt2, hf-llama"),
+        match=re.escape(
+            "--model.family: unknown family 'foo'; choose one of gpt, hf-gpt2, hf-llama"
+        ),
     ):
         ModelConfig(family="foo")
 

@@ -58,7 +58,9 @@ def test_presets_and_overrides() -> None:
     assert custom.bandwidth_gbps == 5.0 and custom.latency_ms == 10.0
     assert custom.name == "wan+custom"
     assert NetworkProfile.from_preset("none").is_unlimited
-    assert NetworkProfile.from_preset("none").collective_time(CollectiveKind.ALL_REDUCE, 1e9, 4) == 0.0
+    assert (
+        NetworkProfile.from_preset("none").collective_time(CollectiveKind.ALL_REDUCE, 1e9, 4) == 0.0
+    )
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,9 @@ LR, WD = 0.01, 0.1
 
 #: One of each optimizer and form, every one with weight decay WD.
 FACTORIES: dict[str, Callable[[torch.Tensor], FlatOptimizer]] = {
-    "adamw": lambda x: FlatAdamW(x, AdamWConfig(lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)),
+    "adamw": lambda x: FlatAdamW(
+        x, AdamWConfig(lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)
+    ),
     "adopt": lambda x: FlatAdopt(x, AdoptConfig(betas=(0.9, 0.9999), eps=1e-6, weight_decay=WD)),
     "sgd": lambda x: FlatSGD(x, weight_decay=WD),
     "sgd-momentum": lambda x: FlatSGD(x, weight_decay=WD, momentum=0.9),
@@ -96,7 +98,11 @@ def test_lookahead_equals_a_step_and_writes_nothing_back(name: str) -> None:
     after = optimizer.state_dict()
     assert before.keys() == after.keys()
     for key, value in before.items():
-        assert torch.equal(after[key], value) if isinstance(value, torch.Tensor) else after[key] == value, key
+        assert (
+            torch.equal(after[key], value)
+            if isinstance(value, torch.Tensor)
+            else after[key] == value
+        ), key
     optimizer.step(grads[3], lr=LR)
     assert torch.equal(out, optimizer.master)  # bit for bit
 
@@ -129,7 +135,9 @@ def test_state_dict_round_trip_and_reset(name: str) -> None:
 def test_adamw_keeps_one_bias_correction_counter_per_moment() -> None:
     # docs/ALGORITHMS.md §5.1: averaging a moment sets its counter to the global step.
     x0, grads = torch.randn(40), _grads(3)
-    optimizer = FlatAdamW(x0.clone(), AdamWConfig(lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=WD))
+    optimizer = FlatAdamW(
+        x0.clone(), AdamWConfig(lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=WD)
+    )
     optimizer.step(grads[0], lr=LR)
     optimizer.on_states_averaged([Role.PARAMETER, Role.FIRST_MOMENT], global_step=5)
     assert (optimizer.first_moment_steps, optimizer.second_moment_steps) == (5, 1)

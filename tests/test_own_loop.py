@@ -17,7 +17,9 @@ from lowcomm.optim.schedule import learning_rate
 
 
 def _load_example(repo_root: Path) -> Any:
-    spec = importlib.util.spec_from_file_location("own_loop_example", repo_root / "examples" / "own_loop.py")
+    spec = importlib.util.spec_from_file_location(
+        "own_loop_example", repo_root / "examples" / "own_loop.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -34,8 +36,12 @@ def test_own_loop_example_sees_a_distinct_batch_on_every_closure_call(
     seen: list[bytes] = []
     make_strategy = lowcomm.make_strategy
 
-    def recording(method: str, model: torch.nn.Module, *args: Any, **kwargs: Any) -> lowcomm.Strategy:
-        model.register_forward_pre_hook(lambda _module, inputs: seen.append(inputs[0].numpy().tobytes()))
+    def recording(
+        method: str, model: torch.nn.Module, *args: Any, **kwargs: Any
+    ) -> lowcomm.Strategy:
+        model.register_forward_pre_hook(
+            lambda _module, inputs: seen.append(inputs[0].numpy().tobytes())
+        )
         return make_strategy(method, model, *args, **kwargs)
 
     monkeypatch.setattr(lowcomm, "make_strategy", recording)
@@ -50,16 +56,22 @@ def test_own_loop_example_sees_a_distinct_batch_on_every_closure_call(
 
 def test_make_strategy_takes_only_its_familys_options_class() -> None:
     model = torch.nn.Linear(3, 1)
-    strategy = lowcomm.make_strategy("co2", model, lowcomm.connect(), options=lowcomm.LocalOptions(sync_every=3))
+    strategy = lowcomm.make_strategy(
+        "co2", model, lowcomm.connect(), options=lowcomm.LocalOptions(sync_every=3)
+    )
     assert strategy.options.sync_every == 3  # type: ignore[attr-defined]
     with pytest.raises(ValueError) as caught:
-        lowcomm.make_strategy("co2", torch.nn.Linear(3, 1), lowcomm.connect(), options=lowcomm.DiLoCoOptions())
+        lowcomm.make_strategy(
+            "co2", torch.nn.Linear(3, 1), lowcomm.connect(), options=lowcomm.DiLoCoOptions()
+        )
     message = str(caught.value)
     assert "DiLoCoOptions" in message and "LocalOptions" in message and "co2" in message
     with pytest.raises(ValueError, match="AccoOptions"):
         lowcomm.make_strategy("wp", torch.nn.Linear(3, 1), lowcomm.connect(), options={"x": 1})
     with pytest.raises(ValueError, match="takes no options"):
-        lowcomm.make_strategy("zero1", torch.nn.Linear(3, 1), lowcomm.connect(), options=lowcomm.AccoOptions())
+        lowcomm.make_strategy(
+            "zero1", torch.nn.Linear(3, 1), lowcomm.connect(), options=lowcomm.AccoOptions()
+        )
 
 
 def test_make_strategy_exposes_schedule_epsilon_and_clipping() -> None:
@@ -74,7 +86,9 @@ def test_make_strategy_exposes_schedule_epsilon_and_clipping() -> None:
     assert context.optim.eps == 1e-6 and context.max_grad_norm is None
     cosine = lowcomm.make_strategy("ddp", torch.nn.Linear(3, 1), lowcomm.connect(), schedule="cosine",
                                    warmup_steps=5, min_lr_ratio=0.2)  # fmt: skip
-    assert cosine.context.schedule == lowcomm.ScheduleConfig(kind="cosine", warmup_steps=5, min_lr_ratio=0.2)
+    assert cosine.context.schedule == lowcomm.ScheduleConfig(
+        kind="cosine", warmup_steps=5, min_lr_ratio=0.2
+    )
     with pytest.raises(ValueError, match="schedule"):
         lowcomm.make_strategy("ddp", torch.nn.Linear(3, 1), lowcomm.connect(), schedule="linear")  # type: ignore[arg-type]
 
@@ -90,4 +104,10 @@ def test_public_names_are_importable_from_lowcomm() -> None:
         StrategyContext,
     )
 
-    assert {"AccoOptions", "LocalOptions", "DiLoCoOptions", "DeslocOptions", "StrategyContext"} <= set(lowcomm.__all__)
+    assert {
+        "AccoOptions",
+        "LocalOptions",
+        "DiLoCoOptions",
+        "DeslocOptions",
+        "StrategyContext",
+    } <= set(lowcomm.__all__)

@@ -45,7 +45,16 @@ def test_ddp_by_hand() -> None:
 
 def test_memory_follows_acco_table_one() -> None:
     # (K, M, Psi) = (12, 64, 7.5B): 120, 31, 150, 150, 180, 46, 46, 46 GB.
-    expected = {"ddp": 120, "zero1": 31.4, "slowmo": 150, "diloco": 150, "co2": 180, "dpu": 46.4, "wp": 46.4, "acco": 46.4}
+    expected = {
+        "ddp": 120,
+        "zero1": 31.4,
+        "slowmo": 150,
+        "diloco": 150,
+        "co2": 180,
+        "dpu": 46.4,
+        "wp": 46.4,
+        "acco": 46.4,
+    }
     for method, gigabytes in expected.items():
         result = make_plan(PlanConfig(method=method, params="7.5b", workers=64))
         assert result.memory_per_worker_bytes / 1e9 == pytest.approx(gigabytes, abs=0.1), method
@@ -62,15 +71,25 @@ def test_overlap_hides_what_fits_in_the_window() -> None:
     assert blocking.comm_exposed_s == pytest.approx(10 * ALL_REDUCE / 2)
     # By default CO2 sends the shared displacement d in the same all-reduce: twice the payload.
     shared = plan(method="co2", local=LocalOptions(sync_every=4))
-    assert shared.comm_bytes_per_worker_per_step == pytest.approx(2 * hidden.comm_bytes_per_worker_per_step)
+    assert shared.comm_bytes_per_worker_per_step == pytest.approx(
+        2 * hidden.comm_bytes_per_worker_per_step
+    )
 
 
 def test_periods_scale_the_bytes() -> None:
     ddp = plan(method="ddp").comm_bytes_per_worker_per_step
-    assert plan(method="diloco", diloco=DiLoCoOptions(sync_every=16)).comm_bytes_per_worker_per_step == pytest.approx(ddp / 16)
-    assert plan(method="favg_opt", desloc=DeslocOptions(param_period=8)).comm_bytes_per_worker_per_step == pytest.approx(ddp / 8)
-    assert plan(method="local_adam", desloc=DeslocOptions(param_period=8)).comm_bytes_per_worker_per_step == pytest.approx(3 * ddp / 8)
-    desloc = plan(method="desloc", desloc=DeslocOptions(param_period=4))  # K_u = 12, K_v = 24 by default
+    assert plan(
+        method="diloco", diloco=DiLoCoOptions(sync_every=16)
+    ).comm_bytes_per_worker_per_step == pytest.approx(ddp / 16)
+    assert plan(
+        method="favg_opt", desloc=DeslocOptions(param_period=8)
+    ).comm_bytes_per_worker_per_step == pytest.approx(ddp / 8)
+    assert plan(
+        method="local_adam", desloc=DeslocOptions(param_period=8)
+    ).comm_bytes_per_worker_per_step == pytest.approx(3 * ddp / 8)
+    desloc = plan(
+        method="desloc", desloc=DeslocOptions(param_period=4)
+    )  # K_u = 12, K_v = 24 by default
     assert desloc.comm_bytes_per_worker_per_step == pytest.approx((1 / 4 + 1 / 12 + 1 / 24) * ddp)
     assert plan(method="acco").comm_bytes_per_worker_per_step == pytest.approx(2 * ddp)
 
@@ -90,7 +109,9 @@ def test_fragment_methods_by_hand(method: str) -> None:
     # K = 4 fragments of Psi/4, one sync each per H = 8 steps, each overlapping tau = 1 step of
     # 0.25 s. CoCoDC's N = max(K, floor(gamma H T_c / T_s)) = max(4, floor(0.4 * 8 * 0.25 /
     # 0.756)) = 4 syncs per H here, so it matches Streaming DiLoCo.
-    result = plan(method=method, diloco=DiLoCoOptions(fragments=4, sync_every=8), seconds_per_step=0.25)
+    result = plan(
+        method=method, diloco=DiLoCoOptions(fragments=4, sync_every=8), seconds_per_step=0.25
+    )
     syncs = 10 / 8 * 4
     assert result.compute_s == pytest.approx(2.5)
     assert result.comm_total_s == pytest.approx(syncs * FRAGMENT_ALL_REDUCE)
@@ -190,7 +211,9 @@ def test_plan_agrees_with_a_measured_virtual_run(tmp_path: Path) -> None:
         )
     )  # fmt: skip
     assert summary["modeled_time_s"] == pytest.approx(predicted.wall_clock_s, rel=0.10)
-    assert summary["bytes_sent_per_worker"] == pytest.approx(predicted.comm_bytes_per_worker, rel=0.01)
+    assert summary["bytes_sent_per_worker"] == pytest.approx(
+        predicted.comm_bytes_per_worker, rel=0.01
+    )
     assert summary["utilization"] == pytest.approx(predicted.utilization, rel=0.10)
 
 
@@ -215,7 +238,9 @@ def test_plan_and_train_share_every_default(method: str) -> None:
     from lowcomm.strategies import strategy_class
 
     train, planned = TrainConfig(method=method), PlanConfig(method=method)
-    shared = {f.name for f in dataclasses.fields(TrainConfig)} & {f.name for f in dataclasses.fields(PlanConfig)}
+    shared = {f.name for f in dataclasses.fields(TrainConfig)} & {
+        f.name for f in dataclasses.fields(PlanConfig)
+    }
     assert {"method", "workers", "network", "ranks_per_worker"} <= shared
     for name in sorted(shared):
         assert getattr(planned, name) == getattr(train, name), f"{method}: --{name} differs"
@@ -245,7 +270,9 @@ def test_plan_diloco_uses_train_default_period_and_says_so() -> None:
     h = DiLoCoOptions().sync_every
     assert h == 16
     ddp, diloco = plan(method="ddp"), plan(method="diloco")
-    assert diloco.comm_bytes_per_worker_per_step == pytest.approx(ddp.comm_bytes_per_worker_per_step / h)
+    assert diloco.comm_bytes_per_worker_per_step == pytest.approx(
+        ddp.comm_bytes_per_worker_per_step / h
+    )
     assert diloco.schedule.startswith("H = 16")
     assert diloco.options is not None and diloco.options["sync_every"] == 16
 
@@ -259,7 +286,9 @@ def test_plan_diloco_uses_train_default_period_and_says_so() -> None:
         ("local_adam", "desloc", {"first_moment_period": 3}),
     ],
 )
-def test_plan_refuses_what_train_refuses(method: str, group: str, options: dict[str, object]) -> None:
+def test_plan_refuses_what_train_refuses(
+    method: str, group: str, options: dict[str, object]
+) -> None:
     from lowcomm.config import ConfigError, TrainConfig
     from lowcomm.launch.run import check_method_options
 
@@ -281,6 +310,9 @@ def test_plan_command_line_takes_train_option_names() -> None:
     assert longer.returncode == 0, longer.stderr
     assert json.loads(longer.stdout)["schedule"].startswith("H = 32")
     refused = lowcomm("plan", "--method", "diloco", "--diloco.fragments", "4")
-    assert refused.returncode == 2 and "--diloco.fragments: 4 is not allowed for diloco" in refused.stderr
+    assert (
+        refused.returncode == 2
+        and "--diloco.fragments: 4 is not allowed for diloco" in refused.stderr
+    )
     other = lowcomm("plan", "--method", "co2", "--diloco.sync-every", "2")
     assert other.returncode == 2 and "use --local.sync-every" in other.stderr

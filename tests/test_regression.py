@@ -135,7 +135,9 @@ def _record(config: TrainConfig) -> dict[str, Any]:
             }
             for r in map(json.loads, lines)
         ]
-        result["final_val_loss"] = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
+        result["final_val_loss"] = json.loads((run_dir / "summary.json").read_text())[
+            "final_val_loss"
+        ]
     return result
 
 
@@ -155,7 +157,9 @@ def _merge(per_rank: list[dict[str, dict[str, Any] | str]]) -> dict[str, dict[st
     """One record per run: rank 0's steps and every rank's final numbers."""
     merged: dict[str, dict[str, Any] | str] = {}
     for key in per_rank[0]:
-        failures = [f"rank {r}: {got[key]}" for r, got in enumerate(per_rank) if isinstance(got[key], str)]
+        failures = [
+            f"rank {r}: {got[key]}" for r, got in enumerate(per_rank) if isinstance(got[key], str)
+        ]
         if failures:
             merged[key] = "; ".join(failures)
             continue
@@ -210,7 +214,9 @@ def _compare(key: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
 
     def loss(where: str, a: float | None, b: float | None) -> None:
         if a is None or b is None or (isinstance(a, float) and math.isnan(a)):
-            if not (a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))):
+            if not (
+                a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+            ):
                 problems.append(f"{where}: {a} != stored {b}")
         elif not math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=0.0):
             problems.append(f"{where}: {a!r} != stored {b!r} (rel 1e-6)")

@@ -89,7 +89,9 @@ def test_about_equal_with_and_without_a_claimed_bound() -> None:
     far = Stat("far", (3.0, 3.02, 2.98))
     assert about_equal(far, b).verdict == FAILS
     # A claimed bound: inside it holds even if the seeds agree closely.
-    assert about_equal(Stat("x", (1.005, 1.005)), Stat("y", (1.0, 1.0)), rel_tol=0.01).verdict == HOLDS
+    assert (
+        about_equal(Stat("x", (1.005, 1.005)), Stat("y", (1.0, 1.0)), rel_tol=0.01).verdict == HOLDS
+    )
     # Beyond the bound but within noise: inconclusive.
     noisy = Stat("noisy", (1.0, 1.2))
     assert about_equal(noisy, Stat("y", (1.0, 1.0)), rel_tol=0.01).verdict == NOISE
@@ -100,7 +102,9 @@ def test_about_equal_with_and_without_a_claimed_bound() -> None:
 def test_constants_have_zero_spread() -> None:
     ratio = Stat("ratio", (12.9, 13.1))
     assert about_equal(ratio, constant("13", 13.0), rel_tol=0.15).verdict == HOLDS
-    assert about_equal(Stat("ratio", (4.2, 4.3)), constant("13", 13.0), rel_tol=0.15).verdict == FAILS
+    assert (
+        about_equal(Stat("ratio", (4.2, 4.3)), constant("13", 13.0), rel_tol=0.15).verdict == FAILS
+    )
 
 
 def test_below_a_bound() -> None:
@@ -148,7 +152,10 @@ def _run(label: str, seed: int, final: float, *, curve: list[tuple[int, float, f
 
 def _results(finals: Mapping[str, tuple[float, ...]], **summary: Any) -> Results:
     return Results(
-        {label: [_run(label, seed, value, **summary) for seed, value in enumerate(values)] for label, values in finals.items()}
+        {
+            label: [_run(label, seed, value, **summary) for seed, value in enumerate(values)]
+            for label, values in finals.items()
+        }
     )
 
 
@@ -158,7 +165,9 @@ def test_e1_holds_on_the_claimed_order_and_fails_reversed() -> None:
     means = [3.00, 3.00, 3.10, 3.20, 3.30, 3.40]
     ordered = {f"{n} H={h}": (m - 0.005, m + 0.005) for n, m in zip(names, means, strict=True)}
     assert papers.e1(_results(ordered), QUICK).verdict == HOLDS
-    reversed_ = {f"{n} H={h}": (m - 0.005, m + 0.005) for n, m in zip(names, reversed(means), strict=True)}
+    reversed_ = {
+        f"{n} H={h}": (m - 0.005, m + 0.005) for n, m in zip(names, reversed(means), strict=True)
+    }
     assert papers.e1(_results(reversed_), QUICK).verdict == FAILS
 
 
@@ -217,7 +226,10 @@ def test_f3_payload_ratio_and_orderings() -> None:
     spiky = [{"train_loss": 3.5 if t % k == 0 and t > 0 else 3.0} for t in range(QUICK.steps)]
 
     def runs(label: str, final: float, sent: float, records: list[dict[str, Any]]) -> list[RunData]:
-        return [_run(label, s, final + s / 1000, records=records, bytes_sent_per_worker=sent) for s in (0, 1)]
+        return [
+            _run(label, s, final + s / 1000, records=records, bytes_sent_per_worker=sent)
+            for s in (0, 1)
+        ]
 
     results = Results({
         "ddp": runs("ddp", 2.5, 100.0, flat),
@@ -240,7 +252,9 @@ def _train_flag_names() -> set[str]:
         value = getattr(config, field.name)
         if dataclasses.is_dataclass(value):
             prefix = "" if field.name == "data" else f"{field.name}."  # data options are unprefixed
-            names |= {f"--{prefix}{sub.name.replace('_', '-')}" for sub in dataclasses.fields(value)}
+            names |= {
+                f"--{prefix}{sub.name.replace('_', '-')}" for sub in dataclasses.fields(value)
+            }
         else:
             names.add(f"--{field.name.replace('_', '-')}")
     return names
@@ -273,7 +287,11 @@ def test_one_declared_run_per_paper_validates_and_passes_preflight(tmp_path: Pat
 
 
 def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for args in (["reproduce", "nope"], ["reproduce", "acco", "--scale", "huge"], ["reproduce", "acco", "--seeds", "1", "1"]):
+    for args in (
+        ["reproduce", "nope"],
+        ["reproduce", "acco", "--scale", "huge"],
+        ["reproduce", "acco", "--seeds", "1", "1"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(args)
         assert exit_info.value.code == 2
@@ -306,7 +324,9 @@ def test_reproduce_end_to_end_writes_report_and_json_and_resumes(
 ) -> None:
     import lowcomm.reproduce as reproduce
 
-    tiny_paper = dataclasses.replace(PAPERS["acco"], runs=_tiny_runs, predictions=(papers.a5, papers.a1))
+    tiny_paper = dataclasses.replace(
+        PAPERS["acco"], runs=_tiny_runs, predictions=(papers.a5, papers.a1)
+    )
     monkeypatch.setitem(reproduce.SCALES, "quick", TINY)
     monkeypatch.setitem(reproduce.PAPERS, "acco", tiny_paper)
     # One seed keeps it to two short runs; the verdict rule with several seeds is tested above.
@@ -315,11 +335,18 @@ def test_reproduce_end_to_end_writes_report_and_json_and_resumes(
     paper_dir = tmp_path / "out" / "acco"
     doc = json.loads((paper_dir / "results.json").read_text())
     assert doc["paper"] == "acco" and doc["seeds"] == [0] and doc["scale"]["steps"] == 4
-    assert doc["command"] == f"lowcomm reproduce acco --out {tmp_path / 'out'} --seeds 0 --scale quick"
+    assert (
+        doc["command"] == f"lowcomm reproduce acco --out {tmp_path / 'out'} --seeds 0 --scale quick"
+    )
     assert [p["id"] for p in doc["predictions"]] == ["A5", "A1"]
     for prediction in doc["predictions"]:
         assert set(prediction) == {"id", "claim", "measured", "verdict", "links", "note"}
-        assert prediction["verdict"] in ("holds", "does not hold", "inconclusive (within noise)", "not measured")
+        assert prediction["verdict"] in (
+            "holds",
+            "does not hold",
+            "inconclusive (within noise)",
+            "not measured",
+        )
     # ZeRO-1 and DDP are the same update: A5 holds on real runs.
     assert doc["predictions"][0]["verdict"] == HOLDS
     # A1 needs the ACCO runs this tiny design lacks: reported, not skipped.
@@ -328,10 +355,22 @@ def test_reproduce_end_to_end_writes_report_and_json_and_resumes(
     assert set(rows) == {papers.DDP2, papers.ZERO2}
     assert rows[papers.DDP2]["seeds"] == [0] and len(rows[papers.DDP2]["final_val_loss"]) == 1
     assert rows[papers.DDP2]["rose_late_seeds"] in (0, 1)
-    assert rows[papers.DDP2]["command"].startswith("lowcomm train ") and "--method ddp" in rows[papers.DDP2]["command"]
+    assert (
+        rows[papers.DDP2]["command"].startswith("lowcomm train ")
+        and "--method ddp" in rows[papers.DDP2]["command"]
+    )
     assert doc["failures"] == {}
     report = (paper_dir / "report.md").read_text()
-    for text in ("# Reproduction:", "Scale **quick**", doc["command"], "### A5: holds", "**Claim.**", "## Runs", "| zero1 x2 accumulation | 1 |", "Rose late:"):
+    for text in (
+        "# Reproduction:",
+        "Scale **quick**",
+        doc["command"],
+        "### A5: holds",
+        "**Claim.**",
+        "## Runs",
+        "| zero1 x2 accumulation | 1 |",
+        "Rose late:",
+    ):
         assert text in report, text
     capsys.readouterr()
     # Re-running skips every finished run.
@@ -347,7 +386,9 @@ def test_a_finished_run_of_another_configuration_is_refused(tmp_path: Path) -> N
     (run_dir / "summary.json").write_text("{}")
     (run_dir / "config.json").write_text(json.dumps({"method": "zero1"}))
     config = parse_train_flags(["--method", "ddp", "--out", str(run_dir)])
-    with pytest.raises(ValueError, match=r"--runs-dir: .* holds a finished run with a different configuration"):
+    with pytest.raises(
+        ValueError, match=r"--runs-dir: .* holds a finished run with a different configuration"
+    ):
         run_or_resume(config, "ddp seed 0", tag="reproduce", option="--runs-dir")
     # The same configuration is reused without running anything.
     (run_dir / "config.json").write_text(config.to_json())

@@ -72,8 +72,12 @@ def _run_every_method(base: str) -> dict[str, dict[str, float] | str]:
 def _straight_and_resumed(root: Path, method: str) -> dict[str, float]:
     from lowcomm.train.loop import train_worker
 
-    straight = train_worker(tiny_config(method, root / "straight"), TorchComm(), keep_parameters=True)
-    train_worker(tiny_config(method, root / "resumed", stop_after=STOP, checkpoint_every=2), TorchComm())
+    straight = train_worker(
+        tiny_config(method, root / "straight"), TorchComm(), keep_parameters=True
+    )
+    train_worker(
+        tiny_config(method, root / "resumed", stop_after=STOP, checkpoint_every=2), TorchComm()
+    )
     resumed = train_worker(
         tiny_config(method, root / "resumed", resume=str(root / "resumed")),
         TorchComm(),
@@ -204,7 +208,9 @@ def _hierarchical_method(root: Path, method: str) -> dict[str, float]:
     stop = tiny_config(method, root / "resumed", stop_after=STOP, **hierarchical)
     train_worker(stop, TorchComm())
     resumed = train_worker(
-        replace(stop, stop_after=None, resume=str(root / "resumed")), TorchComm(), keep_parameters=True
+        replace(stop, stop_after=None, resume=str(root / "resumed")),
+        TorchComm(),
+        keep_parameters=True,
     )
     assert straight.parameters is not None and resumed.parameters is not None
     return {

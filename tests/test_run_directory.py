@@ -122,7 +122,9 @@ def test_up_front_errors_are_one_line_and_exit_2(stopped_run: Path, tmp_path: Pa
             "/proc/lowcomm-test",
         ),
         "overwrite and resume": (
-            ["--overwrite", "--resume", str(stopped_run)], "--overwrite: ", "pass one of them"
+            ["--overwrite", "--resume", str(stopped_run)],
+            "--overwrite: ",
+            "pass one of them",
         ),
     }
     for name, (args, starts, says) in cases.items():

@@ -15,12 +15,20 @@ def test_selftest_passes_on_two_gloo_processes() -> None:
     out = result.stdout
     assert "backend gloo, 2 ranks" in out
     assert "all-reduce bus bandwidth" in out
-    for name in ("collectives", "bookkeeping group", "method acco", "method diloco", "checkpoint and resume"):
+    for name in (
+        "collectives",
+        "bookkeeping group",
+        "method acco",
+        "method diloco",
+        "checkpoint and resume",
+    ):
         assert f"PASS  {name}" in out
     assert "FAIL" not in out
 
 
-def test_selftest_on_cuda_without_a_gpu_fails_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+def test_selftest_on_cuda_without_a_gpu_fails_with_the_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import torch
 
     if torch.cuda.is_available():
@@ -36,7 +44,11 @@ def test_the_report_names_each_failure_its_rank_and_its_fix() -> None:
     ok = Check("collectives", True, "correct")
     reports = [
         RankReport(0, environment, [ok, Check("method acco", True, "fine")]),
-        RankReport(1, {**environment, "device": "cuda:1"}, [ok, Check("method acco", False, "differs", "do X")]),
+        RankReport(
+            1,
+            {**environment, "device": "cuda:1"},
+            [ok, Check("method acco", False, "differs", "do X")],
+        ),
     ]
     text = format_report(reports, 42.0)
     assert "NCCL 2.21.5" in text and "rank 1: cuda:1 (H100)" in text

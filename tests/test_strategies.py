@@ -20,7 +20,6 @@ CONTEXT = StrategyContext(
 )
 
 
-
 def test_flat_adamw_follows_the_equations() -> None:
     torch.manual_seed(0)
     theta = torch.randn(50)
@@ -119,9 +118,15 @@ def test_zero1_with_accumulated_microbatches_equals_ddp(accumulate: int) -> None
     ddp_closure, zero_closure = closure_for(ddp, batches), closure_for(zero, batches)
     n = ddp.flat.numel
     for _ in range(5):
-        assert ddp.step(ddp_closure).microbatches == zero.step(zero_closure).microbatches == accumulate
-        assert torch.allclose(zero.optimizer.exp_avg[:n], ddp.optimizer.exp_avg, rtol=1e-5, atol=1e-9)
-        assert torch.allclose(zero.optimizer.exp_avg_sq[:n], ddp.optimizer.exp_avg_sq, rtol=1e-5, atol=1e-12)
+        assert (
+            ddp.step(ddp_closure).microbatches == zero.step(zero_closure).microbatches == accumulate
+        )
+        assert torch.allclose(
+            zero.optimizer.exp_avg[:n], ddp.optimizer.exp_avg, rtol=1e-5, atol=1e-9
+        )
+        assert torch.allclose(
+            zero.optimizer.exp_avg_sq[:n], ddp.optimizer.exp_avg_sq, rtol=1e-5, atol=1e-12
+        )
         assert torch.allclose(flat_params(ddp.model), flat_params(zero.model), atol=1e-6)
     assert not torch.allclose(flat_params(ddp.model), flat_params(tiny_gpt()))
 
@@ -142,7 +147,9 @@ def test_state_bytes_follow_the_memory_formulas() -> None:
 
 def test_strategies_train_a_tiny_model() -> None:
     for cls in (DDP, ZeRO1):
-        strategy = cls(tiny_gpt(), LocalComm(), StrategyContext(optim=AdamWConfig(lr=1e-2), total_steps=30))
+        strategy = cls(
+            tiny_gpt(), LocalComm(), StrategyContext(optim=AdamWConfig(lr=1e-2), total_steps=30)
+        )
         batch = global_batch(0, 1)
         closure = closure_for(strategy, [batch] * 30)
         losses = [strategy.step(closure).loss for _ in range(30)]
@@ -253,7 +260,10 @@ def _ddp_vs_zero1(steps: int, accumulate: int) -> tuple[torch.Tensor, ...]:
     comm = TorchComm()
     rank, world = comm.rank, comm.world_size
     context = StrategyContext(
-        optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps, microbatches_per_step=accumulate
+        optim=CONTEXT.optim,
+        schedule=CONTEXT.schedule,
+        total_steps=steps,
+        microbatches_per_step=accumulate,
     )
     per_micro = 4 // accumulate
     results = []
@@ -298,7 +308,10 @@ def _ddp_shard(steps: int, accumulate: int) -> torch.Tensor:
     comm = TorchComm()
     rank, world = comm.rank, comm.world_size
     context = StrategyContext(
-        optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps, microbatches_per_step=accumulate
+        optim=CONTEXT.optim,
+        schedule=CONTEXT.schedule,
+        total_steps=steps,
+        microbatches_per_step=accumulate,
     )
     strategy = DDP(tiny_gpt(), comm, context)
     per_micro = 4 // accumulate
@@ -322,7 +335,11 @@ def test_ddp_on_n_ranks_equals_one_process_on_the_global_batch(accumulate: int) 
 
     steps, world = 8, 3
     distributed = spawn_workers(_ddp_shard, world, (steps, accumulate))
-    single = DDP(tiny_gpt(), LocalComm(), StrategyContext(optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps))
+    single = DDP(
+        tiny_gpt(),
+        LocalComm(),
+        StrategyContext(optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=steps),
+    )
     closure = closure_for(single, [global_batch(s, world) for s in range(steps)])
     for _ in range(steps):
         single.step(closure)

@@ -148,7 +148,9 @@ def make_strategy(
     """
     context = StrategyContext(
         optim=AdamWConfig(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
-        schedule=ScheduleConfig(kind=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio),
+        schedule=ScheduleConfig(
+            kind=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio
+        ),
         total_steps=total_steps,
         microbatches_per_step=microbatches_per_step,
         max_grad_norm=max_grad_norm,

@@ -99,7 +99,9 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
     try:
         saved = TrainConfig.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError) as error:
-        _fail(f"--resume: {path} is not a readable lowcomm config ({error}); pass the options again")
+        _fail(
+            f"--resume: {path} is not a readable lowcomm config ({error}); pass the options again"
+        )
     saved.out, saved.stop_after, saved.resume, saved.overwrite = None, None, value, False
     return saved
 
@@ -155,7 +157,9 @@ def _refuse_given_twice(args: list[str], names: tuple[str, ...]) -> None:
     for name in names:
         flag = f"--{name.replace('_', '-')}"
         if flag in given and f"--train.{flag[2:]}" in given:
-            _fail(f"{flag}: given both as {flag} and as --train.{flag[2:]}; they are one option, give it once")
+            _fail(
+                f"{flag}: given both as {flag} and as --train.{flag[2:]}; they are one option, give it once"
+            )
 
 
 def run_methods() -> None:
@@ -220,9 +224,7 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
             raise _OptionError(named(event.argument, str(event.message)))
         if isinstance(event, InvalidChoice):
             choices = ", ".join(str(choice) for choice in event.choices)
-            raise _OptionError(
-                f"{flag(event.argument)}: {event.value!r} is not one of {choices}"
-            )
+            raise _OptionError(f"{flag(event.argument)}: {event.value!r} is not one of {choices}")
         if isinstance(event, BadValue):
             # The reason is a code such as "too_few_values".
             raise _OptionError(named(event.argument, str(event.reason).replace("_", " ")))
@@ -286,7 +288,9 @@ def _main(argv: list[str] | None) -> None:
         elif command == "reproduce":
             from lowcomm.reproduce import ReproduceConfig, run_reproduce
 
-            run_reproduce(tyro.cli(ReproduceConfig, args=rest, prog="lowcomm reproduce", config=config))
+            run_reproduce(
+                tyro.cli(ReproduceConfig, args=rest, prog="lowcomm reproduce", config=config)
+            )
         elif command == "methods":
             tyro.cli(MethodsCommand, args=rest, prog="lowcomm methods")
             run_methods()

@@ -165,7 +165,9 @@ class TrainConfig:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         if self.workers < 1:
-            raise ConfigError(f"--workers: {self.workers} is not a positive worker count; pass 1 or more")
+            raise ConfigError(
+                f"--workers: {self.workers} is not a positive worker count; pass 1 or more"
+            )
         if self.steps < 1:
             raise ConfigError(f"--steps: {self.steps} is not a positive step count; pass 1 or more")
         self._validate_hierarchy()
@@ -186,7 +188,9 @@ class TrainConfig:
                 f"--bandwidth-gbps: {self.bandwidth_gbps} is not positive; pass a bandwidth in "
                 f"Gbit/s such as 10"
             )
-        if self.latency_ms is not None and not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
+        if self.latency_ms is not None and not (
+            self.latency_ms >= 0 and math.isfinite(self.latency_ms)
+        ):
             raise ConfigError(
                 f"--latency-ms: {self.latency_ms} is not a non-negative number; pass a latency in "
                 f"milliseconds such as 0.05"
@@ -206,7 +210,11 @@ class TrainConfig:
             self.network_profile()
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        if self.device == "cuda" and self.clock == "virtual" and self.seconds_per_microbatch is None:
+        if (
+            self.device == "cuda"
+            and self.clock == "virtual"
+            and self.seconds_per_microbatch is None
+        ):
             raise ConfigError(
                 "--clock virtual: on cuda the CPU time the virtual clock measures does not see "
                 "GPU kernels; pass --seconds-per-microbatch (the device's cost) or --clock real"
@@ -243,9 +251,7 @@ class TrainConfig:
                 f"checkpoints), or None for no checkpoints"
             )
         if self.keep_checkpoints < 1:
-            raise ConfigError(
-                f"--keep-checkpoints: {self.keep_checkpoints} must be 1 or more"
-            )
+            raise ConfigError(f"--keep-checkpoints: {self.keep_checkpoints} must be 1 or more")
         if self.stop_after is not None and not 1 <= self.stop_after < self.steps:
             raise ConfigError(
                 f"--stop-after: {self.stop_after} must lie in [1, --steps {self.steps}); a run "
@@ -296,7 +302,9 @@ class TrainConfig:
             self.replica_network_profile()
         except ValueError as error:
             raise ConfigError(
-                str(error).replace("--network", "--inner-network").replace("network.", "inner_network.")
+                str(error)
+                .replace("--network", "--inner-network")
+                .replace("network.", "inner_network.")
             ) from None
         refusal = strategy_class(self.method).hierarchical_refusal
         if self.ranks_per_worker > 1 and refusal is not None:
@@ -317,6 +325,7 @@ class TrainConfig:
     def world_size(self) -> int:
         """Processes of the run: workers x ranks per worker."""
         return self.workers * self.ranks_per_worker
+
     def check_corpus(self, corpus: PreparedCorpus) -> None:
         """Check, on the prepared corpus, that every worker gets a micro-batch per epoch and the
         validation split holds a window (what each worker would otherwise fail on at start)."""

@@ -285,7 +285,9 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     def all_reduce(fraction: float) -> float:
         return profile.collective_time(CollectiveKind.ALL_REDUCE, fraction * payload, m)
 
-    transfers = model.traffic(options, Timing(step_seconds=step_compute, all_reduce_seconds=all_reduce))
+    transfers = model.traffic(
+        options, Timing(step_seconds=step_compute, all_reduce_seconds=all_reduce)
+    )
     payloads_per_step = sum(t.fraction * t.per_step for t in transfers)
     # Communication time per step (averaged over the schedule) and the part exposed: each
     # collective overlaps its hidden_steps of compute; what does not fit is exposed.
@@ -401,11 +403,18 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
         ("method", f"{plan.method} ({method_options(config)[0].cost.description})"),
         ("sync", f"{plan.schedule} ({plan.syncs_per_step:.3g} collectives per step)"),
         ("model", f"{plan.params / 1e9:.3f} B parameters"),
-        ("workers", str(plan.workers) + (f" x {plan.ranks_per_worker} ranks" if plan.ranks_per_worker > 1 else "")),
+        (
+            "workers",
+            str(plan.workers)
+            + (f" x {plan.ranks_per_worker} ranks" if plan.ranks_per_worker > 1 else ""),
+        ),
         ("link", f"{plan.bandwidth_gbps} Gbit/s, {plan.latency_ms} ms"),
         ("optimizer steps", f"{plan.steps:,.0f}"),
         ("compute", _human(plan.compute_s)),
-        ("communication", f"{_human(plan.comm_total_s)} ({_human(plan.comm_hidden_s)} hidden, {_human(plan.comm_exposed_s)} exposed)"),
+        (
+            "communication",
+            f"{_human(plan.comm_total_s)} ({_human(plan.comm_hidden_s)} hidden, {_human(plan.comm_exposed_s)} exposed)",
+        ),
         ("utilisation", f"{plan.utilization:.1%}"),
         ("wall clock", _human(plan.wall_clock_s)),
         ("sent per worker per step", _gb(plan.comm_bytes_per_worker_per_step)),
@@ -413,7 +422,9 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
         ("memory per worker", _gb(plan.memory_per_worker_bytes)),
     ]
     if plan.ranks_per_worker > 1:
-        rows[4:4] = [("inner link", f"{config.inner_network}, {_human(plan.inner_comm_s)} (blocking)")]
+        rows[4:4] = [
+            ("inner link", f"{config.inner_network}, {_human(plan.inner_comm_s)} (blocking)")
+        ]
         rows += [
             ("outer sent per rank per step", _gb(plan.outer_bytes_per_rank_per_step)),
             ("inner sent per rank per step", _gb(plan.inner_bytes_per_rank_per_step)),
@@ -424,7 +435,9 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
         rows.append(
             (
                 f"bandwidth for {config.solve_bandwidth:.0%}",
-                "unreachable (latency alone exceeds the budget)" if solved is None else f"{solved:.3f} Gbit/s",
+                "unreachable (latency alone exceeds the budget)"
+                if solved is None
+                else f"{solved:.3f} Gbit/s",
             )
         )
     width = max(len(name) for name, _ in rows)

@@ -184,7 +184,9 @@ def _environment(device: torch.device) -> dict[str, str]:
         )
         environment["cuda"] = str(torch.version.cuda)
         nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
-        environment["nccl"] = ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl)
+        environment["nccl"] = (
+            ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl)
+        )
     else:
         environment["device_name"] = "CPU"
     return environment
@@ -227,7 +229,9 @@ def _check_clock(device: torch.device) -> str:
         f"the clock charged {clock.compute_s * 1e3:.1f} ms of compute for "
         f"{kernels_s * 1e3:.1f} ms of queued kernels"
     )
-    return f"{clock.compute_s * 1e3:.1f} ms of compute charged for {kernels_s * 1e3:.1f} ms of kernels"
+    return (
+        f"{clock.compute_s * 1e3:.1f} ms of compute charged for {kernels_s * 1e3:.1f} ms of kernels"
+    )
 
 
 def _busy(device: torch.device) -> torch.Tensor:
@@ -294,7 +298,9 @@ def _check_bookkeeping(strategy_group: Any, bookkeeping: Any, device: torch.devi
     training_s = time.perf_counter() - begin
     want = torch.arange(bookkeeping.world_size, dtype=torch.float64).repeat_interleave(4)
     assert torch.equal(gathered, want), "the bookkeeping gather returned wrong values"
-    assert torch.all(big == strategy_group.world_size), "the training all-reduce returned wrong values"
+    assert torch.all(big == strategy_group.world_size), (
+        "the training all-reduce returned wrong values"
+    )
     # Timed on a GPU only: on a shared CPU both transfers compete for the same cores.
     if device.type == "cuda" and training_s > 0.05:
         assert metrics_s < 0.8 * training_s, (
@@ -354,7 +360,9 @@ def _tiny_model(device: torch.device) -> torch.nn.Module:
     from lowcomm.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0))
+    model = GPT(
+        GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0)
+    )
     return model.to(device)
 
 
@@ -364,9 +372,7 @@ def _batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, to
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def _build(
-    method: str, raw: Any, device: torch.device
-) -> tuple[Any, torch.nn.Module, Any, Any]:
+def _build(method: str, raw: Any, device: torch.device) -> tuple[Any, torch.nn.Module, Any, Any]:
     """(strategy, model, network comm, clock) of a short deterministic run on ``device``:
     the virtual clock with a declared micro-batch cost, so clock-driven choices (ACCO's
     micro-batch counts, CoCoDC's schedule) are the same on every device."""
@@ -420,8 +426,12 @@ def _check_method(method: str, strategy_group: Any, bookkeeping: Any, device: to
         )
         stream_note = ", chain on the side stream"
     strategy.finish()
-    reference, reference_model, _, reference_clock = _build(method, bookkeeping, torch.device("cpu"))
-    reference_loss = _train(reference, reference_model, reference_clock, range(_STEPS), bookkeeping.rank)
+    reference, reference_model, _, reference_clock = _build(
+        method, bookkeeping, torch.device("cpu")
+    )
+    reference_loss = _train(
+        reference, reference_model, reference_clock, range(_STEPS), bookkeeping.rank
+    )
     reference.finish()
     for each in (strategy, reference):
         close = getattr(getattr(each, "thread", None), "close", None)
@@ -513,7 +523,9 @@ def format_report(reports: list[RankReport], seconds: float) -> str:
     if "nccl" in env:
         lines.append(f"NCCL {env['nccl']}, CUDA {env['cuda']}")
     for report in reports:
-        lines.append(f"  rank {report.rank}: {report.environment['device']} ({report.environment['device_name']})")
+        lines.append(
+            f"  rank {report.rank}: {report.environment['device']} ({report.environment['device_name']})"
+        )
     if "allreduce_bus_gbps" in env:
         lines.append(f"link: all-reduce bus bandwidth {env['allreduce_bus_gbps']} Gbit/s per rank")
     passed = 0

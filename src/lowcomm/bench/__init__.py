@@ -35,4 +35,11 @@ def run_bench(command: object) -> None:
     raise TypeError(f"unknown bench command {command!r}")
 
 
-__all__ = ["BENCHMARKS", "CompareBench", "OverheadBench", "RealLinkBench", "StartupBench", "run_bench"]
+__all__ = [
+    "BENCHMARKS",
+    "CompareBench",
+    "OverheadBench",
+    "RealLinkBench",
+    "StartupBench",
+    "run_bench",
+]

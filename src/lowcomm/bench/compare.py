@@ -166,21 +166,28 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for method, summaries in finished.items():
         mean, sd = finals[method]
-        times = [_time_to_target(s["curve"], target) for s in summaries] if target is not None else []
+        times = (
+            [_time_to_target(s["curve"], target) for s in summaries] if target is not None else []
+        )
         reached = [t for t in times if t is not None]
         rows[method] = {
             "seeds": len(summaries),
             "final_val_loss_mean": mean,
             "final_val_loss_sd": None if math.isnan(sd) else sd,  # JSON has no NaN
             "tokens": statistics.fmean(s["tokens"] for s in summaries),
-            "time_to_target_s": statistics.fmean(reached) if len(reached) == len(times) and reached else None,
+            "time_to_target_s": statistics.fmean(reached)
+            if len(reached) == len(times) and reached
+            else None,
             "modeled_time_s": statistics.fmean(s["modeled_time_s"] for s in summaries),
             "utilization": statistics.fmean(s["utilization"] for s in summaries),
             "bytes_per_worker_per_step": statistics.fmean(
                 s["bytes_sent_per_worker"] / s["steps"] for s in summaries
             ),
             "state_bytes_per_worker": max(s["state_bytes_per_worker"] for s in summaries),
-            "runs": [str(Path(bench.run_config(method, seed).out or "")) for seed in range(len(summaries))],
+            "runs": [
+                str(Path(bench.run_config(method, seed).out or ""))
+                for seed in range(len(summaries))
+            ],
         }
     results = {
         "network": bench.train.network,
@@ -203,7 +210,10 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
 
 
 def _report(
-    bench: CompareBench, rows: dict[str, dict[str, Any]], target: float | None, failures: dict[str, str]
+    bench: CompareBench,
+    rows: dict[str, dict[str, Any]],
+    target: float | None,
+    failures: dict[str, str],
 ) -> str:
     train = bench.train
     clock = train.clock
@@ -244,7 +254,11 @@ def _report(
         "",
     ]
     if failures:
-        lines += ["## Failed runs", ""] + [f"- `{name}`: {error}" for name, error in failures.items()] + [""]
+        lines += (
+            ["## Failed runs", ""]
+            + [f"- `{name}`: {error}" for name, error in failures.items()]
+            + [""]
+        )
     return "\n".join(lines)
 
 
@@ -268,7 +282,9 @@ def _plot(out: Path, finished: dict[str, list[dict[str, Any]]], clock: str) -> N
             xs = [statistics.fmean(c[i][x_index] for c in curves) for i in range(length)]
             ys = [statistics.fmean(c[i][2] for c in curves) for i in range(length)]
             style = "-" if index % 2 == 0 else "--"
-            axis.plot(xs, ys, style, marker="o", markersize=3, label=method, color=colours[index % 20])
+            axis.plot(
+                xs, ys, style, marker="o", markersize=3, label=method, color=colours[index % 20]
+            )
         axis.set_xlabel(label)
         axis.set_ylabel("validation loss")
         axis.grid(alpha=0.3)

@@ -123,7 +123,9 @@ def overhead_worker(bench: OverheadBench) -> dict[str, list[float]]:
 
     def handwritten_block(steps: int) -> None:
         for index in range(steps):
-            _handwritten_step(handwritten_model, handwritten_opt, batches[index % len(batches)], raw.world_size)
+            _handwritten_step(
+                handwritten_model, handwritten_opt, batches[index % len(batches)], raw.world_size
+            )
 
     sides = {"lowcomm": lowcomm_block, "handwritten": handwritten_block}
     for run in sides.values():
@@ -149,8 +151,10 @@ def run_overhead(bench: OverheadBench) -> None:
     lowcomm_step = statistics.median(times["lowcomm"])
     handwritten_step = statistics.median(times["handwritten"])
     ratio = lowcomm_step / handwritten_step
-    print(f"lowcomm bench overhead: {bench.workers} Gloo workers, {bench.repeats} interleaved blocks "
-          f"of {bench.steps_per_block} steps, no emulation")
+    print(
+        f"lowcomm bench overhead: {bench.workers} Gloo workers, {bench.repeats} interleaved blocks "
+        f"of {bench.steps_per_block} steps, no emulation"
+    )
     print(f"  hand-written DDP loop  {handwritten_step * 1e3:8.1f} ms/step (median)")
     print(f"  lowcomm ddp            {lowcomm_step * 1e3:8.1f} ms/step (median)")
     print(f"  ratio lowcomm/hand-written = {ratio:.3f}  (goal <= 1.03)")

@@ -92,8 +92,20 @@ class ShapedStar:
         # burst: a few full-size frames (the kernel's hrtimer-based tbf needs no HZ-sized
         # bucket); queue bound by latency so TCP sees back-pressure, not a huge buffer.
         _netns_run(
-            namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
-            "rate", f"{self.rate_mbit}mbit", "burst", "32kb", "latency", "100ms",
+            namespace,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            device,
+            "root",
+            "tbf",
+            "rate",
+            f"{self.rate_mbit}mbit",
+            "burst",
+            "32kb",
+            "latency",
+            "100ms",
         )
 
     def create(self) -> None:
@@ -121,13 +133,28 @@ class ShapedStar:
                 # Both ends are created directly inside their namespaces: no name is ever
                 # taken in the caller's namespace.
                 _ip(
-                    "-n", namespace, "link", "add", WORKER_IFNAME, "type", "veth",
-                    "peer", "name", port, "netns", self.hub,
+                    "-n",
+                    namespace,
+                    "link",
+                    "add",
+                    WORKER_IFNAME,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    port,
+                    "netns",
+                    self.hub,
                 )
                 _netns_run(namespace, "ip", "link", "set", "lo", "up")
                 _netns_run(
-                    namespace, "ip", "addr", "add", f"{worker_address(rank)}/24",
-                    "dev", WORKER_IFNAME,
+                    namespace,
+                    "ip",
+                    "addr",
+                    "add",
+                    f"{worker_address(rank)}/24",
+                    "dev",
+                    WORKER_IFNAME,
                 )
                 _netns_run(namespace, "ip", "link", "set", WORKER_IFNAME, "up")
                 _netns_run(self.hub, "ip", "link", "set", port, "master", "br0")
@@ -233,21 +260,36 @@ class RealLinkResult:
 
 def _train_args(bench: RealLinkBench, method: str, run_dir: Path) -> list[str]:
     return [
-        "--method", method,
-        "--workers", str(bench.workers),
-        "--steps", str(bench.steps),
-        "--network", "none",
-        "--clock", "real",
-        "--progress", "False",
-        "--eval-every", str(bench.steps + 1),
-        "--eval-batches", str(bench.workers),
-        "--collective-timeout-s", str(bench.timeout_s),
-        "--model.n-layer", str(bench.n_layer),
-        "--model.n-head", "2",
-        "--model.n-embd", str(bench.n_embd),
-        "--model.block-size", str(bench.block_size),
-        "--micro-batch-size", str(bench.micro_batch_size),
-        "--out", str(run_dir),
+        "--method",
+        method,
+        "--workers",
+        str(bench.workers),
+        "--steps",
+        str(bench.steps),
+        "--network",
+        "none",
+        "--clock",
+        "real",
+        "--progress",
+        "False",
+        "--eval-every",
+        str(bench.steps + 1),
+        "--eval-batches",
+        str(bench.workers),
+        "--collective-timeout-s",
+        str(bench.timeout_s),
+        "--model.n-layer",
+        str(bench.n_layer),
+        "--model.n-head",
+        "2",
+        "--model.n-embd",
+        str(bench.n_embd),
+        "--model.block-size",
+        str(bench.block_size),
+        "--micro-batch-size",
+        str(bench.micro_batch_size),
+        "--out",
+        str(run_dir),
     ]
 
 
@@ -278,8 +320,15 @@ def run_method_on_star(
             log = open(run_dir / f"worker{rank}.log", "wb")  # noqa: SIM115
             logs.append(log)
             command = [
-                "ip", "netns", "exec", star.namespace(rank),
-                sys.executable, "-m", "lowcomm", "train", *args,
+                "ip",
+                "netns",
+                "exec",
+                star.namespace(rank),
+                sys.executable,
+                "-m",
+                "lowcomm",
+                "train",
+                *args,
             ]
             processes.append(
                 subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -428,4 +477,3 @@ def run_reallink(bench: RealLinkBench) -> None:
     for line in format_report(result):
         print(line)
     print(f"  (details: {out / 'reallink.json'})")
-

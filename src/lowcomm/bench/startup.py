@@ -161,7 +161,9 @@ def run_startup(bench: StartupBench) -> list[StartupRun]:
                 first, exit_s, code, lines = time_command(command, out / "metrics.jsonl", env=env)
                 run = StartupRun(workers, first, exit_s, code, phase_costs(lines, first), lines)
                 runs.append(run)
-                status = "" if code == 0 else f"  (exit code {code}: {lines[-1][1] if lines else ''})"
+                status = (
+                    "" if code == 0 else f"  (exit code {code}: {lines[-1][1] if lines else ''})"
+                )
                 print(
                     f"  {workers:>3} workers: first step {first:6.2f} s, exit {exit_s:6.2f} s{status}",
                     flush=True,
@@ -190,7 +192,9 @@ def run_startup(bench: StartupBench) -> list[StartupRun]:
             for name in names
         )  # fmt: skip
         print(f"{workers:>7}  {first:>13.2f}  {exit_s:>8.2f}  {cells}")
-        table.append({"workers": workers, "first_step_s": first, "exit_s": exit_s, "phases": phases})
+        table.append(
+            {"workers": workers, "first_step_s": first, "exit_s": exit_s, "phases": phases}
+        )
     if bench.json_out is not None:
         Path(bench.json_out).write_text(
             json.dumps(

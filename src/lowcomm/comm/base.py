@@ -219,7 +219,9 @@ def payload_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def check_scatter_shapes(output: torch.Tensor, input: torch.Tensor, world_size: int, op: str) -> None:
+def check_scatter_shapes(
+    output: torch.Tensor, input: torch.Tensor, world_size: int, op: str
+) -> None:
     """Raise a clear error when a reduce-scatter or all-gather is handed mismatched buffers."""
     big, small = (input, output) if op == "reduce_scatter" else (output, input)
     if big.numel() != small.numel() * world_size:

@@ -237,9 +237,7 @@ class NetworkComm:
             launch_times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
             launch_times_handle = self.inner.all_reduce(launch_times, op="max", role=Role.OTHER)
         inner = issue()
-        handle = _EmulatedHandle(
-            self, inner, cost, launch_time, launch_times, launch_times_handle
-        )
+        handle = _EmulatedHandle(self, inner, cost, launch_time, launch_times, launch_times_handle)
         self._unresolved.append(handle)
         return handle
 
@@ -425,4 +423,3 @@ class NetworkComm:
     def counters(self) -> dict[str, float]:
         """Bytes this worker sent, by role (for metrics)."""
         return {role.value: value for role, value in self.bytes_by_role.items()}
-

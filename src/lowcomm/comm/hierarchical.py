@@ -207,7 +207,12 @@ class HierarchicalComm:
         return work, c, True
 
     def _gather_into(
-        self, work: torch.Tensor, piece: torch.Tensor, role: Role, tensor: torch.Tensor, copied: bool
+        self,
+        work: torch.Tensor,
+        piece: torch.Tensor,
+        role: Role,
+        tensor: torch.Tensor,
+        copied: bool,
     ) -> tuple[Callable[[Comm], Handle], Charge, Callable[[], None]]:
         def gather(level: Comm) -> Handle:
             return level.all_gather(work, piece.clone(), role=role)
@@ -251,7 +256,9 @@ class HierarchicalComm:
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         if not 0 <= src < self.world_size:
-            raise ValueError(f"broadcast: src {src} is not a worker of a group of {self.world_size}")
+            raise ValueError(
+                f"broadcast: src {src} is not a worker of a group of {self.world_size}"
+            )
         work, c, copied = self._work_buffer(tensor)
         r = self.local_rank
         piece = work[r * c : (r + 1) * c]

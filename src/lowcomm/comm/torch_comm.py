@@ -118,7 +118,11 @@ class TorchComm:
         self._timeout_s = timeout_s
 
     def _handle(
-        self, work: Any, what: str, tensor: torch.Tensor | None, finish: Callable[[], None] | None = None
+        self,
+        work: Any,
+        what: str,
+        tensor: torch.Tensor | None,
+        finish: Callable[[], None] | None = None,
     ) -> _WorkHandle:
         size = "" if tensor is None else f" of {tensor.numel() * tensor.element_size()} bytes"
         return _WorkHandle(
@@ -153,14 +157,18 @@ class TorchComm:
     ) -> Handle:
         check_segments(tensor, segments)
         work = dist.all_reduce(tensor, op=_torch_op(op), group=self._group, async_op=True)
-        return self._handle(work, f"all_reduce ({role.value})", tensor, self._mean_after(tensor, op))
+        return self._handle(
+            work, f"all_reduce ({role.value})", tensor, self._mean_after(tensor, op)
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
     ) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "reduce_scatter")
         work = _reduce_scatter(output, input, op=_torch_op(op), group=self._group, async_op=True)
-        return self._handle(work, f"reduce_scatter ({role.value})", input, self._mean_after(output, op))
+        return self._handle(
+            work, f"reduce_scatter ({role.value})", input, self._mean_after(output, op)
+        )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "all_gather")

@@ -51,16 +51,16 @@ def _decode(path: Path, raw: bytes) -> str:
     invalid = len(_ESCAPED_BYTE.findall(text))
     bad = invalid + nul
     if bad > max(1, MAX_BAD_BYTE_FRACTION * len(raw)):
-        what = (
-            f"{nul:,} NUL bytes" if nul > invalid else f"{invalid:,} bytes that are not UTF-8"
-        )
+        what = f"{nul:,} NUL bytes" if nul > invalid else f"{invalid:,} bytes that are not UTF-8"
         raise DataError(
             f"--data: {path} is not UTF-8 text ({what} in {len(raw):,}, "
             f"{bad / len(raw):.1%}; at most {MAX_BAD_BYTE_FRACTION:.1%} is tolerated); pass "
             f"text files only, or convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
         )
-    return text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace").replace(
-        "\x00", "\ufffd"
+    return (
+        text.encode("utf-8", errors="surrogateescape")
+        .decode("utf-8", errors="replace")
+        .replace("\x00", "\ufffd")
     )
 
 

@@ -56,7 +56,9 @@ def given_own_gpu(visible: int, cuda_visible_devices: str | None) -> bool:
     return len(names) == 1
 
 
-def bind_device(device: str, local_rank: int, *, local_world_size: int | None = None) -> torch.device:
+def bind_device(
+    device: str, local_rank: int, *, local_world_size: int | None = None
+) -> torch.device:
     """Make this process's device current and return it: ``cuda:local_rank`` for cuda (after
     checking the node has a GPU for it), or ``cuda:0`` when the launcher gave this process a
     GPU of its own; the CPU otherwise.

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from lowcomm.comm.torch_comm import TorchComm
 
 
-def worker_layout(world_size: int, ranks_per_worker: int) -> tuple[list[list[int]], list[list[int]]]:
+def worker_layout(
+    world_size: int, ranks_per_worker: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """(replica groups, outer groups) as lists of global ranks.
 
     Raises:
@@ -26,7 +28,9 @@ def worker_layout(world_size: int, ranks_per_worker: int) -> tuple[list[list[int
             f"{world_size}; launch workers x ranks-per-worker processes"
         )
     workers = world_size // ranks_per_worker
-    replica = [list(range(m * ranks_per_worker, (m + 1) * ranks_per_worker)) for m in range(workers)]
+    replica = [
+        list(range(m * ranks_per_worker, (m + 1) * ranks_per_worker)) for m in range(workers)
+    ]
     outer = [[m * ranks_per_worker + r for m in range(workers)] for r in range(ranks_per_worker)]
     return replica, outer
 

@@ -83,8 +83,6 @@ class WorkerFailed(RuntimeError):
         self.message = message
 
 
-
-
 def init_from_env(*, device: str, timeout_s: float) -> None:
     """Join the process group described by torchrun's environment variables, on this
     process's device (``cuda:LOCAL_RANK`` for cuda, checked against the node's GPUs)."""
@@ -143,9 +141,7 @@ def _worker_entry(
     os.environ.update(environment)
     os.environ.update(_WORKER_ENV)
     os.chdir(cwd)
-    os.environ.update(
-        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size)
-    )
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
         bound = bind_device(device, local_rank, local_world_size=world_size)
@@ -270,7 +266,9 @@ def spawn_workers(
                 ) from None
             finally:
                 quiet.restore()
-        return [torch.load(Path(scratch) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        return [
+            torch.load(Path(scratch) / f"rank{r}.pt", weights_only=False) for r in range(world_size)
+        ]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -376,7 +374,9 @@ def _first_failure(
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             return WorkerFailed(rank, f"killed by {name} (exit code {code})")
     if not records:
-        return WorkerFailed(reported_rank, reported.strip().splitlines()[-1] if reported.strip() else reported)
+        return WorkerFailed(
+            reported_rank, reported.strip().splitlines()[-1] if reported.strip() else reported
+        )
     _, rank, text = min(records)
     lines = [line for line in text.strip().splitlines() if line.strip()]
     message = lines[-1] if lines else reported

@@ -34,10 +34,14 @@ class AdamWConfig:
 
     def __post_init__(self) -> None:
         if not (self.lr >= 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--optim.lr: {self.lr} must be a finite non-negative number; try 1e-3")
+            raise ValueError(
+                f"--optim.lr: {self.lr} must be a finite non-negative number; try 1e-3"
+            )
         for index, beta in enumerate(self.betas):
             if not 0.0 <= beta < 1.0:
-                raise ValueError(f"--optim.betas[{index}]: {beta} must lie in [0, 1); try 0.9, 0.95")
+                raise ValueError(
+                    f"--optim.betas[{index}]: {beta} must lie in [0, 1); try 0.9, 0.95"
+                )
         if not (self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"--optim.eps: {self.eps} must be a finite positive number; try 1e-8")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):

@@ -35,7 +35,9 @@ _INT4_MAX = 7
 
 def _check(fmt: str, row_size: int) -> None:
     if fmt not in FORMATS:
-        raise ValueError(f"quantization: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise ValueError(
+            f"quantization: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}"
+        )
     if row_size < 1:
         raise ValueError(f"quantization row_size: {row_size} must be >= 1; try 256")
 
@@ -85,7 +87,9 @@ def encode(values: torch.Tensor, fmt: QuantizationFormat, row_size: int = 256) -
         levels = scaled.round().clamp(-_INT4_MAX, _INT4_MAX).to(torch.int16) + 8  # in [1, 15]
         levels = levels.reshape(-1)
         if levels.numel() % 2:
-            levels = torch.cat([levels, torch.full((1,), 8, dtype=torch.int16, device=levels.device)])
+            levels = torch.cat(
+                [levels, torch.full((1,), 8, dtype=torch.int16, device=levels.device)]
+            )
         pairs = levels.view(-1, 2)
         code_bytes = (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
     return torch.cat([code_bytes, scales.float().contiguous().view(torch.uint8)])

@@ -72,7 +72,9 @@ class FlatSGD:
             return buffer.copy_(grad)
         return buffer.mul_(self.momentum).add_(grad)
 
-    def _update(self, target: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor | None, lr: float) -> None:
+    def _update(
+        self, target: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor | None, lr: float
+    ) -> None:
         if self.weight_decay:
             target.mul_(1.0 - lr * self.weight_decay)
         target.add_(self._direction(grad, buffer), alpha=-lr)

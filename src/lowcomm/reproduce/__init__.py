@@ -240,10 +240,20 @@ def _report(doc: dict[str, Any]) -> str:
         "",
     ]
     for p in doc["predictions"]:
-        lines += [f"### {p['id']}: {p['verdict']}", "", f"**Claim.** {p['claim']}", "", "**Measured** (mean ± sd over seeds):", ""]
+        lines += [
+            f"### {p['id']}: {p['verdict']}",
+            "",
+            f"**Claim.** {p['claim']}",
+            "",
+            "**Measured** (mean ± sd over seeds):",
+            "",
+        ]
         lines += [f"- {m}" for m in p["measured"]]
         lines += ["", "| comparison | verdict | numbers |", "|---|---|---|"]
-        lines += [f"| {_cell(link['text'])} | {link['verdict']} | {_cell(link['detail'])} |" for link in p["links"]]
+        lines += [
+            f"| {_cell(link['text'])} | {link['verdict']} | {_cell(link['detail'])} |"
+            for link in p["links"]
+        ]
         if p["note"]:
             lines += ["", p["note"]]
         lines.append("")
@@ -257,16 +267,32 @@ def _report(doc: dict[str, Any]) -> str:
     ]
     for row in doc["runs"]:
         if "distances" in row:
-            distances = "; ".join(", ".join(f"{m} {d:.4f}" for m, d in seed.items()) for seed in row["distances"])
-            lines.append(f"| {row['label']} | {len(row['seeds'])} | distances to (1, 1) per seed: {distances} | | | | `{row['command']}` |")
+            distances = "; ".join(
+                ", ".join(f"{m} {d:.4f}" for m, d in seed.items()) for seed in row["distances"]
+            )
+            lines.append(
+                f"| {row['label']} | {len(row['seeds'])} | distances to (1, 1) per seed: {distances} | | | | `{row['command']}` |"
+            )
             continue
         mean, sd = row["final_val_loss_mean"], row["final_val_loss_sd"]
-        loss = "no finished run" if mean is None else f"{mean:.4f}" + ("" if sd is None else f" ± {sd:.4f}")
+        loss = (
+            "no finished run"
+            if mean is None
+            else f"{mean:.4f}" + ("" if sd is None else f" ± {sd:.4f}")
+        )
         time = f"{statistics.fmean(row['modeled_time_s']):.2f}" if row["modeled_time_s"] else ""
-        sent = f"{statistics.fmean(row['bytes_sent_per_worker']) / 1e6:.2f} MB" if row["bytes_sent_per_worker"] else ""
-        lines.append(f"| {row['label']} | {len(row['seeds'])} | {loss} | {row['rose_late_seeds']} | {time} | {sent} | `{row['command']}` |")
+        sent = (
+            f"{statistics.fmean(row['bytes_sent_per_worker']) / 1e6:.2f} MB"
+            if row["bytes_sent_per_worker"]
+            else ""
+        )
+        lines.append(
+            f"| {row['label']} | {len(row['seeds'])} | {loss} | {row['rose_late_seeds']} | {time} | {sent} | `{row['command']}` |"
+        )
     if doc["failures"]:
-        lines += ["", "## Failed runs", ""] + [f"- {name}: {error}" for name, error in doc["failures"].items()]
+        lines += ["", "## Failed runs", ""] + [
+            f"- {name}: {error}" for name, error in doc["failures"].items()
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -292,8 +318,14 @@ def _summary(config: ReproduceConfig, documents: list[dict[str, Any]]) -> str:
         for p in doc["predictions"]:
             counts[p["verdict"]] += 1
             measured = _cell("; ".join(p["measured"][:3]))
-            lines.append(f"| {p['id']} | {p['verdict']} | {measured} | [{doc['paper']}]({doc['paper']}/report.md) |")
-    lines += ["", "Totals: " + ", ".join(f"{verdict}: {count}" for verdict, count in counts.items()), ""]
+            lines.append(
+                f"| {p['id']} | {p['verdict']} | {measured} | [{doc['paper']}]({doc['paper']}/report.md) |"
+            )
+    lines += [
+        "",
+        "Totals: " + ", ".join(f"{verdict}: {count}" for verdict, count in counts.items()),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -304,7 +336,10 @@ def run_reproduce(config: ReproduceConfig) -> list[dict[str, Any]]:
     for name in config.papers():
         document = reproduce_paper(PAPERS[name], config, scale)
         documents.append(document)
-        print(f"[reproduce] {name}: " + ", ".join(f"{p['id']} {p['verdict']}" for p in document["predictions"]))
+        print(
+            f"[reproduce] {name}: "
+            + ", ".join(f"{p['id']} {p['verdict']}" for p in document["predictions"])
+        )
     if config.paper == "all":
         from lowcomm.atomic import atomic_write_text
 

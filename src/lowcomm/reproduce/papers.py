@@ -86,7 +86,11 @@ def acco_runs(s: Scale) -> list[RunSpec]:
         *[
             RunSpec(
                 _dpu(w),
-                replace(equal, method="dpu", acco=AccoOptions(microbatches_per_phase=2, dpu_warmup_steps=w)),
+                replace(
+                    equal,
+                    method="dpu",
+                    acco=AccoOptions(microbatches_per_phase=2, dpu_warmup_steps=w),
+                ),
             )
             for w in _dpu_warmups(s)
         ],
@@ -136,7 +140,9 @@ def a2(r: Results, s: Scale) -> Finding:
     w0, w1, w2 = _dpu_warmups(s)
     d0, d1, d2 = (r.val_at(_dpu(w), mid, f"dpu W={w} @ {mid}") for w in (w0, w1, w2))
     acco, ddp = r.val_at(ACCO, mid, f"acco @ {mid}"), r.val_at(DDP2, mid, f"ddp @ {mid}")
-    end_gap = derive("final dpu(W=late) − ddp", lambda a, b: a - b, r.final(_dpu(w2)), r.final(DDP2))
+    end_gap = derive(
+        "final dpu(W=late) − ddp", lambda a, b: a - b, r.final(_dpu(w2)), r.final(DDP2)
+    )
     links = [
         greater(d0, d1),
         greater(d1, d2, strict=False),
@@ -173,18 +179,41 @@ def _micro_ratio(records: list[dict[str, Any]]) -> float:
 
 
 def a4(r: Results, s: Scale) -> Finding:
-    acco_ratio = r.per_seed(ACCO_STRAG, lambda run: _micro_ratio(run.records), "acco micro-batches per slow micro-batch")
-    ddp_ratio = r.per_seed(DDP_STRAG, lambda run: _micro_ratio(run.records), "ddp micro-batches per slow micro-batch")
+    acco_ratio = r.per_seed(
+        ACCO_STRAG, lambda run: _micro_ratio(run.records), "acco micro-batches per slow micro-batch"
+    )
+    ddp_ratio = r.per_seed(
+        DDP_STRAG, lambda run: _micro_ratio(run.records), "ddp micro-batches per slow micro-batch"
+    )
     acco_runs, ddp_runs = r.of(ACCO_STRAG), r.of(DDP_STRAG)
-    horizon = [min(a.curve[-1][1], d.curve[-1][1]) for a, d in zip(acco_runs, ddp_runs, strict=False)]
-    acco_t = Stat("acco val loss at equal time", tuple(loss_at_time(a.curve, t) for a, t in zip(acco_runs, horizon, strict=False)))
-    ddp_t = Stat("ddp val loss at equal time", tuple(loss_at_time(d.curve, t) for d, t in zip(ddp_runs, horizon, strict=False)))
-    links = [
-        about_equal(acco_ratio, constant("13", 13.0), rel_tol=0.15, text="ACCO ≈ 13 micro-batches per slow one (±15%)"),
-        about_equal(ddp_ratio, constant("4", 4.0), rel_tol=0.15, text="DDP ≈ 4 (±15%)"),
-        less(acco_t, ddp_t, text="ACCO's loss-vs-time lies below DDP's (at the common time horizon)"),
+    horizon = [
+        min(a.curve[-1][1], d.curve[-1][1]) for a, d in zip(acco_runs, ddp_runs, strict=False)
     ]
-    horizon_text = f"common horizon {statistics.fmean(horizon):.2f} s (virtual clock)" if horizon else "no runs"
+    acco_t = Stat(
+        "acco val loss at equal time",
+        tuple(loss_at_time(a.curve, t) for a, t in zip(acco_runs, horizon, strict=False)),
+    )
+    ddp_t = Stat(
+        "ddp val loss at equal time",
+        tuple(loss_at_time(d.curve, t) for d, t in zip(ddp_runs, horizon, strict=False)),
+    )
+    links = [
+        about_equal(
+            acco_ratio,
+            constant("13", 13.0),
+            rel_tol=0.15,
+            text="ACCO ≈ 13 micro-batches per slow one (±15%)",
+        ),
+        about_equal(ddp_ratio, constant("4", 4.0), rel_tol=0.15, text="DDP ≈ 4 (±15%)"),
+        less(
+            acco_t, ddp_t, text="ACCO's loss-vs-time lies below DDP's (at the common time horizon)"
+        ),
+    ]
+    horizon_text = (
+        f"common horizon {statistics.fmean(horizon):.2f} s (virtual clock)"
+        if horizon
+        else "no runs"
+    )
     return Finding(
         "A4",
         "With one of 4 workers 4× slower, ACCO processes about 13 micro-batches per slow-worker micro-batch against DDP's 4, and its loss-vs-simulated-time curve lies below DDP's.",
@@ -199,7 +228,9 @@ def a5(r: Results, s: Scale) -> Finding:
         return max(abs(a[2] - b[2]) for a, b in zip(ddp.curve, zero.curve, strict=False))
 
     count = min(len(r.of(DDP2)), len(r.of(ZERO2)))
-    gap = Stat("max |ddp − zero1| over the curve (same seed)", tuple(paired_max(i) for i in range(count)))
+    gap = Stat(
+        "max |ddp − zero1| over the curve (same seed)", tuple(paired_max(i) for i in range(count))
+    )
     return Finding(
         "A5",
         "ZeRO-1 and DDP give identical curves up to floating-point noise.",
@@ -224,10 +255,13 @@ def _c4_cost(s: Scale) -> float:
     from lowcomm.comm import CollectiveKind
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.models import build_model
+
     config = s.common()
     model = build_model(config.model, config.data.vocab_size)
     params = sum(p.numel() for p in model.parameters())
-    t_ar = NetworkProfile.from_preset("wan").collective_time(CollectiveKind.ALL_REDUCE, 4.0 * params, s.workers)
+    t_ar = NetworkProfile.from_preset("wan").collective_time(
+        CollectiveKind.ALL_REDUCE, 4.0 * params, s.workers
+    )
     return float(f"{t_ar / C4_CROSSOVER:.3g}")
 
 
@@ -237,16 +271,30 @@ def co2_runs(s: Scale) -> list[RunSpec]:
     runs = [RunSpec("ddp", replace(c, method="ddp"))]
     for tau in (small, large):
         for method in ("co2", "slowmo", "local_adamw"):
-            runs.append(RunSpec(_co2(method, tau), replace(c, method=method, local=LocalOptions(sync_every=tau))))
+            runs.append(
+                RunSpec(
+                    _co2(method, tau), replace(c, method=method, local=LocalOptions(sync_every=tau))
+                )
+            )
         runs.append(
             RunSpec(
                 _co2("overlap_local_adamw", tau),
-                replace(c, method="overlap_local_sgd", local=LocalOptions(inner_optimizer="adamw", sync_every=tau)),
+                replace(
+                    c,
+                    method="overlap_local_sgd",
+                    local=LocalOptions(inner_optimizer="adamw", sync_every=tau),
+                ),
             )
         )
     runs += [
-        RunSpec(_co2("co2 no penalty", small), replace(c, method="co2", local=LocalOptions(sync_every=small, gap_penalty=False))),
-        RunSpec(_co2("co2 no clipping", small), replace(c, method="co2", local=LocalOptions(sync_every=small, clip=False))),
+        RunSpec(
+            _co2("co2 no penalty", small),
+            replace(c, method="co2", local=LocalOptions(sync_every=small, gap_penalty=False)),
+        ),
+        RunSpec(
+            _co2("co2 no clipping", small),
+            replace(c, method="co2", local=LocalOptions(sync_every=small, clip=False)),
+        ),
     ]
     timing = replace(
         s.common(steps=s.c4_steps), eval_every=s.c4_steps, seconds_per_microbatch=_c4_cost(s)
@@ -262,7 +310,11 @@ def co2_runs(s: Scale) -> list[RunSpec]:
         runs.append(
             RunSpec(
                 f"c4 co2 tau={tau}",
-                replace(timing, method="co2", local=LocalOptions(sync_every=tau, shared_displacement=False)),
+                replace(
+                    timing,
+                    method="co2",
+                    local=LocalOptions(sync_every=tau, shared_displacement=False),
+                ),
                 first_seed_only=True,
             )
         )
@@ -284,7 +336,10 @@ def c1(r: Results, s: Scale) -> Finding:
     gaps = []
     for tau in s.co2_taus:
         co2, slowmo = r.final(_co2("co2", tau)), r.final(_co2("slowmo", tau))
-        local, overlap = r.final(_co2("local_adamw", tau)), r.final(_co2("overlap_local_adamw", tau))
+        local, overlap = (
+            r.final(_co2("local_adamw", tau)),
+            r.final(_co2("overlap_local_adamw", tau)),
+        )
         measured += _texts(co2, slowmo, local, overlap)
         links += [
             less(r.final("ddp"), co2, strict=False, text=f"tau={tau}: ddp ≲ co2"),
@@ -293,7 +348,15 @@ def c1(r: Results, s: Scale) -> Finding:
             less(slowmo, local, text=f"tau={tau}: slowmo < local_adamw"),
             about_equal(local, overlap, text=f"tau={tau}: local_adamw ≈ overlap_local_adamw"),
         ]
-        gaps.append(derive(f"local-method gap to ddp, tau={tau}", lambda a, b, d: (a + b) / 2 - d, local, overlap, r.final("ddp")))
+        gaps.append(
+            derive(
+                f"local-method gap to ddp, tau={tau}",
+                lambda a, b, d: (a + b) / 2 - d,
+                local,
+                overlap,
+                r.final("ddp"),
+            )
+        )
     measured += _texts(*gaps)
     links.append(less(gaps[0], gaps[1], text="the local-method gap grows with tau"))
     return Finding(
@@ -317,13 +380,19 @@ def c2(r: Results, s: Scale) -> Finding:
 
 def c3(r: Results, s: Scale) -> Finding:
     tau = s.co2_taus[0]
-    fractions = [max(values, default=math.nan) for values in r.extras(_co2("co2", tau), "clipped_fraction")]
+    fractions = [
+        max(values, default=math.nan) for values in r.extras(_co2("co2", tau), "clipped_fraction")
+    ]
     clipped = Stat(f"largest clipped fraction per run (co2 tau={tau}, phi=1)", tuple(fractions))
     off, on = r.final(_co2("co2 no clipping", tau)), r.final(_co2("co2", tau))
     links = [
         below(clipped, 1e-9, text="phi = 1 never activates (clipped fraction 0)"),
         about_equal(off, on, text="no clipping ≈ co2"),
-        Link("fewer or smaller loss spikes with clipping", NOT_MEASURED, "spikes need a phi near |m|; this design runs phi = 1 only"),
+        Link(
+            "fewer or smaller loss spikes with clipping",
+            NOT_MEASURED,
+            "spikes need a phi near |m|; this design runs phi = 1 only",
+        ),
     ]
     return Finding(
         "C3",
@@ -341,10 +410,18 @@ def _exposed(run_records: list[dict[str, Any]]) -> float:
 def c4(r: Results, s: Scale) -> Finding:
     base = r.of("c4 local_adamw tau=4")
     if not base:
-        return Finding("C4", _C4_CLAIM, ["the Local-AdamW timing run did not finish"], [Link("overlap ratio", NOT_MEASURED, "no run")])
+        return Finding(
+            "C4",
+            _C4_CLAIM,
+            ["the Local-AdamW timing run did not finish"],
+            [Link("overlap ratio", NOT_MEASURED, "no run")],
+        )
     cost = _c4_cost(s)  # the declared compute seconds per micro-batch (one per step)
     t_ar = _exposed(base[0].records) / (s.c4_steps // 4)
-    links, measured = [], [f"t_AR = {t_ar:.4f} s per all-reduce (Local-AdamW, blocking), c = {cost:.4f} s per step"]
+    links, measured = (
+        [],
+        [f"t_AR = {t_ar:.4f} s per all-reduce (Local-AdamW, blocking), c = {cost:.4f} s per step"],
+    )
     for tau in C4_TAUS:
         runs = r.of(f"c4 co2 tau={tau}")
         if not runs:
@@ -356,9 +433,23 @@ def c4(r: Results, s: Scale) -> Finding:
         ratio = 1.0 - exposed / t_ar
         predicted = min(1.0, tau * cost / t_ar)
         ok = abs(ratio - predicted) <= 0.05
-        measured.append(f"tau={tau}: overlap ratio measured {ratio:.3f}, predicted min(1, tau c / t_AR) = {predicted:.3f}")
-        links.append(Link(f"tau={tau}: measured ≈ predicted (±0.05)", HOLDS if ok else FAILS, f"{ratio:.3f} vs {predicted:.3f}"))
-    return Finding("C4", _C4_CLAIM, measured, links, note="Deterministic (declared compute cost): one seed, a ±0.05 tolerance instead of the 2 sd rule.")
+        measured.append(
+            f"tau={tau}: overlap ratio measured {ratio:.3f}, predicted min(1, tau c / t_AR) = {predicted:.3f}"
+        )
+        links.append(
+            Link(
+                f"tau={tau}: measured ≈ predicted (±0.05)",
+                HOLDS if ok else FAILS,
+                f"{ratio:.3f} vs {predicted:.3f}",
+            )
+        )
+    return Finding(
+        "C4",
+        _C4_CLAIM,
+        measured,
+        links,
+        note="Deterministic (declared compute cost): one seed, a ±0.05 tolerance instead of the 2 sd rule.",
+    )
 
 
 _C4_CLAIM = "The simulated overlap ratio equals min(1, tau c / t_AR), reproducing the shape of CO2's Table 8."
@@ -381,12 +472,15 @@ def cocodc_runs(s: Scale) -> list[RunSpec]:
         RunSpec(DILOCO, replace(c, method="diloco", diloco=DiLoCoOptions(sync_every=h))),
         RunSpec(STREAM, replace(c, method="streaming_diloco", diloco=overlapped)),
         RunSpec(COCO, cocodc),
-        RunSpec(COCO_LITERAL, replace(cocodc, diloco=replace(overlapped, compensation_sign="literal"))),
+        RunSpec(
+            COCO_LITERAL, replace(cocodc, diloco=replace(overlapped, compensation_sign="literal"))
+        ),
         RunSpec(COCO_NOCOMP, replace(cocodc, diloco=replace(overlapped, compensation=0.0))),
         RunSpec(
             STREAM2,
             replace(
-                c, method="streaming_diloco",
+                c,
+                method="streaming_diloco",
                 diloco=DiLoCoOptions(sync_every=h // 2, fragments=k, overlap_steps=tau2),
             ),
         ),
@@ -418,13 +512,21 @@ def d1(r: Results, s: Scale) -> Finding:
     target = max((b for b in bests if math.isfinite(b)), default=math.nan)
     censored = s.steps + s.eval_every
     steps = {
-        label: r.per_seed(label, lambda run: steps_to_target(run.curve, target, censored), f"{label} steps to {target:.3f}")
+        label: r.per_seed(
+            label,
+            lambda run: steps_to_target(run.curve, target, censored),
+            f"{label} steps to {target:.3f}",
+        )
         for label in finals
     }
     return Finding(
         "D1",
         "Steps to a target loss: CoCoDC (sign fix) ≤ DiLoCo < Streaming DiLoCo (alpha = 0.5).",
-        [*_texts(*steps.values()), *_texts(*finals.values()), f"target: the highest of the methods' lowest seed-mean validation loss, {target:.4f}; not reached counts as {censored}"],
+        [
+            *_texts(*steps.values()),
+            *_texts(*finals.values()),
+            f"target: the highest of the methods' lowest seed-mean validation loss, {target:.4f}; not reached counts as {censored}",
+        ],
         [less(steps[COCO], steps[DILOCO], strict=False), less(steps[DILOCO], steps[STREAM])],
     )
 
@@ -435,14 +537,20 @@ def d2(r: Results, s: Scale) -> Finding:
     return Finding(
         "D2",
         "The literal Eq. 8 sign performs worse than sign-fixed CoCoDC (and likely worse than Streaming DiLoCo).",
-        [*_texts(literal, fixed, stream), f"secondary (\"likely\"), not in the verdict: literal > streaming: {secondary.verdict} ({secondary.detail})"],
+        [
+            *_texts(literal, fixed, stream),
+            f'secondary ("likely"), not in the verdict: literal > streaming: {secondary.verdict} ({secondary.detail})',
+        ],
         [greater(literal, fixed)],
     )
 
 
 def d3(r: Results, s: Scale) -> Finding:
     off, on = r.final(COCO_NOCOMP), r.final(COCO)
-    ratios = Stat("largest ‖compensation‖/‖tau g‖ per run", tuple(max(v, default=math.nan) for v in r.extras(COCO, "compensation_ratio")))
+    ratios = Stat(
+        "largest ‖compensation‖/‖tau g‖ per run",
+        tuple(max(v, default=math.nan) for v in r.extras(COCO, "compensation_ratio")),
+    )
     return Finding(
         "D3",
         "lambda = 0 and lambda = 0.5 are indistinguishable; the logged ratio ‖compensation‖/‖tau g‖ is below 1e-4.",
@@ -453,8 +561,13 @@ def d3(r: Results, s: Scale) -> Finding:
 
 def d4(r: Results, s: Scale) -> Finding:
     gap = derive("streaming − cocodc", lambda a, b: a - b, r.final(STREAM), r.final(COCO))
-    gap_eq = derive("streaming 2x syncs − cocodc", lambda a, b: a - b, r.final(STREAM2), r.final(COCO))
-    volume = [r.summary(label, "bytes_sent_per_worker", f"{label} bytes/worker") for label in (COCO, STREAM, STREAM2)]
+    gap_eq = derive(
+        "streaming 2x syncs − cocodc", lambda a, b: a - b, r.final(STREAM2), r.final(COCO)
+    )
+    volume = [
+        r.summary(label, "bytes_sent_per_worker", f"{label} bytes/worker")
+        for label in (COCO, STREAM, STREAM2)
+    ]
     return Finding(
         "D4",
         "At equal communication volume (Streaming DiLoCo with twice the syncs) the adaptive-transmission advantage shrinks.",
@@ -480,7 +593,10 @@ def eager_runs(s: Scale) -> list[RunSpec]:
 
     runs = [
         RunSpec(f"diloco H={h}", at(h, "diloco")),
-        RunSpec(f"streaming 1-inner H={h}", at(h, "streaming_diloco", fragments=s.fragments, overlap_steps=1)),
+        RunSpec(
+            f"streaming 1-inner H={h}",
+            at(h, "streaming_diloco", fragments=s.fragments, overlap_steps=1),
+        ),
         RunSpec(f"eager N=1 H={h}", at(h, "eager", outer_delay=1)),
         RunSpec(f"eager N=2 H={h}", at(h, "eager", outer_delay=2)),
         RunSpec(f"delayed low lr H={h}", at(h, "diloco_delayed", outer_lr=0.35)),
@@ -520,7 +636,12 @@ def e1(r: Results, s: Scale) -> Finding:
 
 def e2(r: Results, s: Scale) -> Finding:
     gaps = [
-        derive(f"delayed − eager, H={period}", lambda a, b: a - b, r.final(f"delayed H={period}"), r.final(f"eager N=1 H={period}"))
+        derive(
+            f"delayed − eager, H={period}",
+            lambda a, b: a - b,
+            r.final(f"delayed H={period}"),
+            r.final(f"eager N=1 H={period}"),
+        )
         for period in _eager_hs(s)
     ]
     return Finding(
@@ -539,7 +660,10 @@ def e3(r: Results, s: Scale) -> Finding:
         "E3",
         "Simulated fp8/fp4 quantization of the outer gradients changes the eager loss by less than 1%.",
         _texts(base, fp8, int4),
-        [about_equal(fp8, base, rel_tol=0.01), about_equal(int4, base, rel_tol=0.01, text="int4 (for fp4) ≈ eager, < 1%")],
+        [
+            about_equal(fp8, base, rel_tol=0.01),
+            about_equal(int4, base, rel_tol=0.01, text="int4 (for fp4) ≈ eager, < 1%"),
+        ],
     )
 
 
@@ -607,8 +731,14 @@ def _median_second_half(values: list[float]) -> float:
 
 def f1(r: Results, s: Scale) -> Finding:
     label = _desloc_labels(s)["local_adam"]
-    u = Stat("u relative change per step", tuple(_median_second_half(v) for v in r.extras(label, "first_moment_change")))
-    v = Stat("v relative change per step", tuple(_median_second_half(v) for v in r.extras(label, "second_moment_change")))
+    u = Stat(
+        "u relative change per step",
+        tuple(_median_second_half(v) for v in r.extras(label, "first_moment_change")),
+    )
+    v = Stat(
+        "v relative change per step",
+        tuple(_median_second_half(v) for v in r.extras(label, "second_moment_change")),
+    )
     return Finding(
         "F1",
         "The measured relative change rate ‖s_{t+1} − s_t‖/‖s_t‖ is smaller for v than for u.",
@@ -626,7 +756,12 @@ def f2(r: Results, s: Scale) -> Finding:
         "F2",
         "Loss rises steeply with K_x but is nearly flat in K_v, and in K_u whenever K_u is at least a few times tau_0.5(beta1) (6.6 steps).",
         _texts(base, kx, ku, kv, rise_x, rise_v),
-        [greater(kx, base), less(rise_v, rise_x, text="rise with K_v < rise with K_x"), about_equal(kv, base), about_equal(ku, base)],
+        [
+            greater(kx, base),
+            less(rise_v, rise_x, text="rise with K_v < rise with K_x"),
+            about_equal(kv, base),
+            about_equal(ku, base),
+        ],
     )
 
 
@@ -641,7 +776,9 @@ def _spike(run_records: list[dict[str, Any]], period: int) -> float:
 def f3(r: Results, s: Scale) -> Finding:
     labels = _desloc_labels(s)
     k = s.desloc_period
-    desloc, local, favg_opt, favg_reset = (r.final(labels[key]) for key in ("desloc", "local_adam", "favg_opt", "favg_reset"))
+    desloc, local, favg_opt, favg_reset = (
+        r.final(labels[key]) for key in ("desloc", "local_adam", "favg_opt", "favg_reset")
+    )
     ddp = r.final("ddp")
     payload = derive(
         "bytes desloc / local_adam",
@@ -649,11 +786,21 @@ def f3(r: Results, s: Scale) -> Finding:
         r.summary(labels["desloc"], "bytes_sent_per_worker"),
         r.summary(labels["local_adam"], "bytes_sent_per_worker"),
     )
-    spike_reset = r.per_seed(labels["favg_reset"], lambda run: _spike(run.records, k), "favg_reset train-loss jump at a sync")
-    spike_local = r.per_seed(labels["local_adam"], lambda run: _spike(run.records, k), "local_adam train-loss jump at a sync")
+    spike_reset = r.per_seed(
+        labels["favg_reset"],
+        lambda run: _spike(run.records, k),
+        "favg_reset train-loss jump at a sync",
+    )
+    spike_local = r.per_seed(
+        labels["local_adam"],
+        lambda run: _spike(run.records, k),
+        "local_adam train-loss jump at a sync",
+    )
     links = [
         about_equal(desloc, local),
-        about_equal(payload, constant("0.5", 0.5), rel_tol=0.02, text="exactly half the payloads (±2%)"),
+        about_equal(
+            payload, constant("0.5", 0.5), rel_tol=0.02, text="exactly half the payloads (±2%)"
+        ),
         less(desloc, favg_reset),
         less(local, favg_reset),
         greater(spike_reset, spike_local, text="FAVG−OPT spikes after each sync"),
@@ -672,8 +819,18 @@ def f3(r: Results, s: Scale) -> Finding:
 
 def f4(r: Results, s: Scale) -> Finding:
     labels = _desloc_labels(s)
-    harm_opt = derive("favg_opt: rejoin − no rejoin", lambda a, b: a - b, r.final(labels["join_favg_opt"]), r.final(labels["favg_opt"]))
-    harm_desloc = derive("desloc: rejoin − no rejoin", lambda a, b: a - b, r.final(labels["join_desloc"]), r.final(labels["desloc"]))
+    harm_opt = derive(
+        "favg_opt: rejoin − no rejoin",
+        lambda a, b: a - b,
+        r.final(labels["join_favg_opt"]),
+        r.final(labels["favg_opt"]),
+    )
+    harm_desloc = derive(
+        "desloc: rejoin − no rejoin",
+        lambda a, b: a - b,
+        r.final(labels["join_desloc"]),
+        r.final(labels["desloc"]),
+    )
     return Finding(
         "F4",
         "A worker that rejoins mid-run with zero optimizer states hurts FAVG+OPT more lastingly than DES-LOC.",
@@ -692,26 +849,61 @@ def f5(r: Results, s: Scale) -> Finding:
             [Link("Rosenbrock", NOT_MEASURED, "example unavailable or failed")],
         )
     d = {
-        method: Stat(f"{method} distance to (1, 1)", tuple(float(run.summary["distances"].get(method, math.nan)) for run in runs))
+        method: Stat(
+            f"{method} distance to (1, 1)",
+            tuple(float(run.summary["distances"].get(method, math.nan)) for run in runs),
+        )
         for method in ("desloc", "local_adam", "favg_opt", "favg_reset")
     }
     reach = 0.1
     links = [
         below(d["desloc"], reach, text=f"desloc reaches (1, 1) (distance < {reach})"),
         below(d["local_adam"], reach, text=f"local_adam reaches (1, 1) (distance < {reach})"),
-        greater(d["favg_opt"], constant(str(reach), reach), text=f"favg_opt stalls or oscillates (distance > {reach})"),
-        greater(d["favg_reset"], constant(str(reach), reach), text=f"favg_reset stalls or oscillates (distance > {reach})"),
+        greater(
+            d["favg_opt"],
+            constant(str(reach), reach),
+            text=f"favg_opt stalls or oscillates (distance > {reach})",
+        ),
+        greater(
+            d["favg_reset"],
+            constant(str(reach), reach),
+            text=f"favg_reset stalls or oscillates (distance > {reach})",
+        ),
     ]
     return Finding("F5", _F5_CLAIM, _texts(*d.values()), links)
 
 
-_F5_CLAIM = "On the Rosenbrock toy, DES-LOC and Local Adam reach (1, 1), while FAVG±OPT oscillate or stall."
+_F5_CLAIM = (
+    "On the Rosenbrock toy, DES-LOC and Local Adam reach (1, 1), while FAVG±OPT oscillate or stall."
+)
 
 
 PAPERS: dict[str, Paper] = {
-    "acco": Paper("acco", "ACCO (accumulate while you communicate)", acco_runs, (a1, a2, a3, a4, a5), _acco_setting),
-    "co2": Paper("co2", "CO2 (one-step-delayed local updates)", co2_runs, (c1, c2, c3, c4), _co2_setting),
-    "cocodc": Paper("cocodc", "CoCoDC, DiLoCo and Streaming DiLoCo", cocodc_runs, (d1, d2, d3, d4), _cocodc_setting),
-    "eager": Paper("eager", "Eager updates for overlapped DiLoCo", eager_runs, (e1, e2, e3), _eager_setting),
-    "desloc": Paper("desloc", "DES-LOC (desynced low-communication Adam)", desloc_runs, (f1, f2, f3, f4, f5), _desloc_setting),
+    "acco": Paper(
+        "acco",
+        "ACCO (accumulate while you communicate)",
+        acco_runs,
+        (a1, a2, a3, a4, a5),
+        _acco_setting,
+    ),
+    "co2": Paper(
+        "co2", "CO2 (one-step-delayed local updates)", co2_runs, (c1, c2, c3, c4), _co2_setting
+    ),
+    "cocodc": Paper(
+        "cocodc",
+        "CoCoDC, DiLoCo and Streaming DiLoCo",
+        cocodc_runs,
+        (d1, d2, d3, d4),
+        _cocodc_setting,
+    ),
+    "eager": Paper(
+        "eager", "Eager updates for overlapped DiLoCo", eager_runs, (e1, e2, e3), _eager_setting
+    ),
+    "desloc": Paper(
+        "desloc",
+        "DES-LOC (desynced low-communication Adam)",
+        desloc_runs,
+        (f1, f2, f3, f4, f5),
+        _desloc_setting,
+    ),
 }

@@ -205,7 +205,9 @@ def _load(run_dir: Path, label: str, seed: int) -> RunData:
     return RunData(label, seed, summary, records, val_curve(run_dir, summary))
 
 
-_DISTANCE = re.compile(r"^(\w+)\s+x = \(([-+.\deE]+|nan), ([-+.\deE]+|nan)\)\s+distance to \(1, 1\) (\S+)")
+_DISTANCE = re.compile(
+    r"^(\w+)\s+x = \(([-+.\deE]+|nan), ([-+.\deE]+|nan)\)\s+distance to \(1, 1\) (\S+)"
+)
 
 
 def rosenbrock_script() -> Path:
@@ -241,7 +243,9 @@ def _rosenbrock(spec: RunSpec, seed: int, run_dir: Path, tag: str) -> str | None
     run_dir.mkdir(parents=True, exist_ok=True)
     from lowcomm.atomic import atomic_write_text
 
-    atomic_write_text(result_path, json.dumps({"args": args, "distances": distances}, indent=2) + "\n")
+    atomic_write_text(
+        result_path, json.dumps({"args": args, "distances": distances}, indent=2) + "\n"
+    )
     return None
 
 

@@ -52,7 +52,9 @@ def strategy_class(name: str) -> type[Strategy]:
         ValueError: naming the unknown method and the available ones.
     """
     if name not in STRATEGIES:
-        close = difflib.get_close_matches(name.lower().replace("-", "_"), STRATEGIES, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(
+            name.lower().replace("-", "_"), STRATEGIES, n=1, cutoff=0.6
+        )
         hint = f"did you mean {close[0]}? " if close else ""
         raise ValueError(
             f"--method: unknown method {name!r}; {hint}choose one of "

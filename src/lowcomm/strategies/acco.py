@@ -243,7 +243,9 @@ class _ChainRun:
     def _step_and_gather(self, comm: Comm, link: _Link) -> None:
         """The sharded optimizer (commit, lookahead or both), then target <- AG(shard)."""
         assert self.grad is not None
-        out = self.strategy._optimize(self.grad, self.mode, self.lr, self.committed_before + self.total)
+        out = self.strategy._optimize(
+            self.grad, self.mode, self.lr, self.committed_before + self.total
+        )
         link.issue(comm, self.target, out.to(self.strategy.flat.dtype))
 
 

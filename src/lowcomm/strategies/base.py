@@ -89,9 +89,7 @@ class StrategyContext:
         if self.total_steps < 1:
             raise ValueError(f"total_steps: {self.total_steps} must be >= 1")
         if self.microbatches_per_step < 1:
-            raise ValueError(
-                f"--microbatches-per-step: {self.microbatches_per_step} must be >= 1"
-            )
+            raise ValueError(f"--microbatches-per-step: {self.microbatches_per_step} must be >= 1")
 
 
 class Strategy(ABC):

@@ -91,7 +91,11 @@ class LocalOptions:
     d (half the bytes, anchors may drift apart slowly)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
+        if (
+            isinstance(self.sync_every, bool)
+            or not isinstance(self.sync_every, int)
+            or self.sync_every < 1
+        ):
             raise ValueError(
                 f"--local.sync-every: {self.sync_every} must be an integer >= 1; pass the number "
                 f"of local steps per round, e.g. 6"
@@ -181,7 +185,11 @@ class _LocalUpdate(Strategy):
             master = self.flat.params.float().clone()
         self.inner_kind: InnerOptimizerKind = self.fixed_inner or self.options.inner_optimizer
         self.inner = make_local_optimizer(
-            self.inner_kind, master, context.optim, self.options.sgd_momentum, self.runtime.replica_group
+            self.inner_kind,
+            master,
+            context.optim,
+            self.options.sgd_momentum,
+            self.runtime.replica_group,
         )
         #: Inner steps taken in the current round (0 right after a round ended).
         self.local_steps = 0
@@ -578,12 +586,12 @@ class CO2(_AnchoredOuter):
         penalty = self.options.gap_penalty
         shared = penalty and self.options.shared_displacement
         like = self.flat.params
-        self.buffer = torch.zeros(2 * numel if shared else numel, dtype=like.dtype, device=like.device)
+        self.buffer = torch.zeros(
+            2 * numel if shared else numel, dtype=like.dtype, device=like.device
+        )
         self.displacement = torch.zeros_like(like) if penalty else None
         # Local d: d_{t-1} must survive round t, whose first step writes d_t.
-        self.previous_displacement = (
-            torch.zeros_like(like) if penalty and not shared else None
-        )
+        self.previous_displacement = torch.zeros_like(like) if penalty and not shared else None
         self.handle: Handle | None = None
         #: Inner steps of the round whose outer gradient is in flight (tau in Lambda).
         self.inflight_steps = 0
@@ -617,8 +625,8 @@ class CO2(_AnchoredOuter):
                 assert self.previous_displacement is not None
                 displacement = self.previous_displacement
             # Denominator tau |d_{t-1}| + eps, in place: d_{t-1} is not needed afterwards.
-            denominator = displacement.abs_().mul_(self.inflight_steps).add_(
-                self.options.penalty_epsilon
+            denominator = (
+                displacement.abs_().mul_(self.inflight_steps).add_(self.options.penalty_epsilon)
             )
             # |x_{t,0} - x_{t-1,0}| = alpha |clip(m_{t-1})|, read before m is overwritten.
             penalty = self._clipped_momentum().abs().mul_(self.options.outer_lr)

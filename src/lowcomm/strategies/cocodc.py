@@ -77,7 +77,9 @@ def select_fragment(
     return max(candidates, key=lambda p: (rates[p], -p))
 
 
-def syncs_per_period(fragments: int, gamma: float, sync_every: int, step_s: float, sync_s: float) -> int:
+def syncs_per_period(
+    fragments: int, gamma: float, sync_every: int, step_s: float, sync_s: float
+) -> int:
     """Eq. 9-10: N = max(K, floor(gamma H T_c / T_s))."""
     if not (step_s > 0 and sync_s > 0):
         return fragments
@@ -159,7 +161,9 @@ class CoCoDC(OuterLoopStrategy):
         after = self._compute_seconds()
         if before is not None and after is not None:
             measured = after - before
-            self.step_seconds = measured if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * measured
+            self.step_seconds = (
+                measured if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * measured
+            )
         t = self.step_index
         for sync in [s for s in self.in_flight if s.complete_at <= t]:
             self.in_flight.remove(sync)
@@ -168,7 +172,10 @@ class CoCoDC(OuterLoopStrategy):
         can_launch = not self.in_flight or self.interval >= tau
         if t % self.interval == 0 and t + tau <= self.context.total_steps and can_launch:
             p = select_fragment(
-                t, self.last_sync_steps, self.rates, [s.fragment for s in self.in_flight],
+                t,
+                self.last_sync_steps,
+                self.rates,
+                [s.fragment for s in self.in_flight],
                 self.options.sync_every,
             )
             if p is not None:
@@ -199,7 +206,9 @@ class CoCoDC(OuterLoopStrategy):
         assert sync.snapshot is not None
         now = self.local_fragment(p)
         merged = compensated_merge(
-            self.globals_[p], sync.snapshot, now,
+            self.globals_[p],
+            sync.snapshot,
+            now,
             overlap_steps=self.options.overlap_steps,
             compensation=self.options.compensation,
             sync_every=self.options.sync_every,
@@ -209,7 +218,9 @@ class CoCoDC(OuterLoopStrategy):
             # ||compensation|| / ||tau g^m|| (prediction D3 of docs/ALGORITHMS.md §7.3).
             plain = self.globals_[p] + (now - sync.snapshot)
             progress = float((now - sync.snapshot).norm())
-            self.compensation_ratio = float((merged - plain).norm()) / progress if progress > 0 else 0.0
+            self.compensation_ratio = (
+                float((merged - plain).norm()) / progress if progress > 0 else 0.0
+            )
         self.set_local_fragment(p, merged)
         # Eq. 11-12: the rate metric from the averaged outer gradient, then the last-sync step.
         self.rates[p] = float(mean.norm()) / max(1, sync.launched_at - self.last_sync_steps[p])
@@ -218,8 +229,11 @@ class CoCoDC(OuterLoopStrategy):
             self.agreed_step_seconds = float(extras[0])
             self.agreed_sync_seconds = float(extras[1])
             self.syncs_per_h = syncs_per_period(
-                self.num_fragments, self.options.transmission_gamma, self.options.sync_every,
-                self.agreed_step_seconds, self.agreed_sync_seconds,
+                self.num_fragments,
+                self.options.transmission_gamma,
+                self.options.sync_every,
+                self.agreed_step_seconds,
+                self.agreed_sync_seconds,
             )
             self.interval = max(1, self.options.sync_every // self.syncs_per_h)
 

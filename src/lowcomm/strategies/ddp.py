@@ -67,7 +67,9 @@ class DDP(Strategy):
         )
 
     def state_bytes(self) -> int:
-        extra_master = 0 if self.optimizer.master is self.flat.params else self.optimizer.master.numel() * 4
+        extra_master = (
+            0 if self.optimizer.master is self.flat.params else self.optimizer.master.numel() * 4
+        )
         return self.flat.bytes + self.optimizer.state_bytes() + extra_master
 
     def state_dict(self) -> dict[str, Any]:

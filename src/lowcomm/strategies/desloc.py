@@ -348,7 +348,9 @@ class Desloc(Strategy):
             for role, previous in before.items():
                 current = self.inner.states()[role]
                 norm = float(previous.norm())
-                name = "first_moment_change" if role is Role.FIRST_MOMENT else "second_moment_change"
+                name = (
+                    "first_moment_change" if role is Role.FIRST_MOMENT else "second_moment_change"
+                )
                 extras[name] = float((current - previous).norm()) / norm if norm > 0 else math.nan
         self.step_index += 1
         due = self.due_roles(self.step_index)
@@ -390,7 +392,9 @@ class Desloc(Strategy):
         with torch.no_grad():
             if len(roles) > 1 and self.options.fuse:
                 buffer = torch.cat(tensors)
-                segments = [(role, tensor.numel()) for role, tensor in zip(roles, tensors, strict=True)]
+                segments = [
+                    (role, tensor.numel()) for role, tensor in zip(roles, tensors, strict=True)
+                ]
                 self.comm.all_reduce(buffer, op="mean", role=roles[0], segments=segments).wait()
                 offset = 0
                 for tensor in tensors:
@@ -437,7 +441,12 @@ class Desloc(Strategy):
 
     def finish(self) -> None:
         k_x = self.periods[Role.PARAMETER]
-        if self.options.final_sync and self.step_index > 0 and k_x is not None and self.step_index % k_x:
+        if (
+            self.options.final_sync
+            and self.step_index > 0
+            and k_x is not None
+            and self.step_index % k_x
+        ):
             self.synchronize([Role.PARAMETER])
 
     def state_bytes(self) -> int:
@@ -486,9 +495,7 @@ class LocalAdamMethod(_SinglePeriod):
     cost: ClassVar[CostModel] = CostModel(
         description="params and both moments every K",
         traffic=lambda o, t: state_traffic(LocalAdamMethod.sync_periods(o), o.fuse),
-        schedule=lambda o: (
-            f"K = {o.param_period}"
-        ),
+        schedule=lambda o: f"K = {o.param_period}",
     )
 
     @classmethod
@@ -509,15 +516,17 @@ class FavgOpt(_SinglePeriod):
     cost: ClassVar[CostModel] = CostModel(
         description="params every K, states kept",
         traffic=lambda o, t: state_traffic(FavgOpt.sync_periods(o), o.fuse),
-        schedule=lambda o: (
-            f"K = {o.param_period}"
-        ),
+        schedule=lambda o: f"K = {o.param_period}",
     )
 
     @classmethod
     def sync_periods(cls, options: DeslocOptions) -> dict[Role, int | None]:
         cls._reject_moment_periods(options)
-        return {Role.PARAMETER: options.param_period, Role.FIRST_MOMENT: None, Role.SECOND_MOMENT: None}
+        return {
+            Role.PARAMETER: options.param_period,
+            Role.FIRST_MOMENT: None,
+            Role.SECOND_MOMENT: None,
+        }
 
 
 class FavgReset(FavgOpt):
@@ -531,9 +540,7 @@ class FavgReset(FavgOpt):
     cost: ClassVar[CostModel] = CostModel(
         description="params every K, states reset",
         traffic=lambda o, t: state_traffic(FavgReset.sync_periods(o), o.fuse),
-        schedule=lambda o: (
-            f"K = {o.param_period}"
-        ),
+        schedule=lambda o: f"K = {o.param_period}",
     )
     reset_after_parameter_sync: ClassVar[bool] = True
 

@@ -141,8 +141,7 @@ class DiLoCoOptions:
             )
         if not (self.compensation >= 0 and math.isfinite(self.compensation)):
             raise ValueError(
-                f"--diloco.compensation: {self.compensation} must be a finite number >= 0; "
-                f"try 0.5"
+                f"--diloco.compensation: {self.compensation} must be a finite number >= 0; try 0.5"
             )
         if self.compensation_sign not in ("fixed", "literal"):
             raise ValueError(
@@ -234,7 +233,9 @@ def default_fragment_count(model: nn.Module, preferred: int) -> int:
     without such blocks (e.g. a transformers model), the largest count up to ``preferred``
     whose element-count split leaves no fragment empty."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    indices = {int(match.group(1)) for name, _ in named if (match := _BLOCK.match(name)) is not None}
+    indices = {
+        int(match.group(1)) for name, _ in named if (match := _BLOCK.match(name)) is not None
+    }
     if indices:
         return min(preferred, len(indices))
     names, sizes = [name for name, _ in named], [p.numel() for _, p in named]
@@ -302,7 +303,9 @@ class OuterExchange:
         if quantization == "none":
             self._own = delta.detach().float().clone()
             self._buffer = torch.cat([self._own, extras32])
-            self.handle: Handle = comm.all_reduce(self._buffer, op="mean", role=Role.PSEUDO_GRADIENT)
+            self.handle: Handle = comm.all_reduce(
+                self._buffer, op="mean", role=Role.PSEUDO_GRADIENT
+            )
         else:
             payload = encode(delta, quantization, row_size)
             # What the others will decode of this worker's Delta (the eager rule removes it).
@@ -343,7 +346,9 @@ class OuterExchange:
             mean = torch.zeros(self.numel, dtype=torch.float32, device=rows.device)
             extras = torch.zeros(self.extras_numel, dtype=torch.float32, device=rows.device)
             for worker in range(self.comm.world_size):
-                mean += decode(rows[worker, :cut].clone(), self.numel, self.quantization, self.row_size)
+                mean += decode(
+                    rows[worker, :cut].clone(), self.numel, self.quantization, self.row_size
+                )
                 if self.extras_numel:
                     extras += rows[worker, cut:].clone().view(torch.float32)
             mean /= self.comm.world_size
@@ -449,7 +454,9 @@ class OuterLoopStrategy(Strategy):
         self.options = options or DiLoCoOptions()
         self.flat = FlatBuffers(model)
         self.master = (
-            self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float().clone()
+            self.flat.params
+            if self.flat.dtype == torch.float32
+            else self.flat.params.float().clone()
         )
         # sgd: theta <- theta (1 - lr lambda) - lr g (no momentum), lambda = --optim.weight-decay
         # as in the local family; the reduction tests pass weight decay 0.
@@ -541,7 +548,9 @@ class OuterLoopStrategy(Strategy):
     def state_bytes(self) -> int:
         inner = self.inner.state_bytes()
         master = 0 if self.master is self.flat.params else self.master.numel() * 4
-        outer = sum(g.numel() * 4 + o.state_bytes() for g, o in zip(self.globals_, self.outer, strict=True))
+        outer = sum(
+            g.numel() * 4 + o.state_bytes() for g, o in zip(self.globals_, self.outer, strict=True)
+        )
         return self.flat.bytes + inner + master + outer + self.extra_state_bytes()
 
     def extra_state_bytes(self) -> int:
@@ -555,7 +564,9 @@ class OuterLoopStrategy(Strategy):
     def load_in_flight_state(self, saved: list[Any]) -> None:
         """Restore what :meth:`in_flight_state` saved."""
         if saved:
-            raise ValueError(f"{self.name}: the checkpoint holds in-flight exchanges this method never has")
+            raise ValueError(
+                f"{self.name}: the checkpoint holds in-flight exchanges this method never has"
+            )
 
     def restore_exchange(self, state: dict[str, Any]) -> OuterExchange:
         return OuterExchange.restored(

@@ -131,7 +131,9 @@ class StreamingDiLoCo(OuterLoopStrategy):
         check_overlap(options, model, self.default_fragments, self.name)
         super().__init__(model, comm, context, options)
         tau = self.options.overlap_steps
-        self.launch_offsets = [c - tau for c in completion_offsets(self.options.sync_every, self.num_fragments)]
+        self.launch_offsets = [
+            c - tau for c in completion_offsets(self.options.sync_every, self.num_fragments)
+        ]
         self.in_flight: list[InFlight] = []
 
     def step(self, closure: Closure) -> StepStats:

@@ -65,7 +65,9 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
         "data": dataclasses.asdict(config.data),
         "optim": dataclasses.asdict(config.optim),
         "schedule": dataclasses.asdict(config.schedule),
-        "options": None if options_field is None else dataclasses.asdict(getattr(config, options_field)),
+        "options": None
+        if options_field is None
+        else dataclasses.asdict(getattr(config, options_field)),
     }
     normalised: dict[str, Any] = json.loads(json.dumps(chosen, default=str))
     return normalised
@@ -78,7 +80,9 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 def committed(run_dir: Path) -> list[Path]:
     """The checkpoint (step-*) directories with a manifest, oldest first."""
-    return sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").exists())
+    return sorted(
+        p for p in (run_dir / "checkpoints").glob("step-*") if (p / "manifest.json").exists()
+    )
 
 
 def step_directory(run_dir: Path, step: int) -> Path:
@@ -109,7 +113,9 @@ def commit_checkpoint(
         "fingerprint": fingerprint,
         "sha256": files,
     }
-    atomic_write_bytes(directory / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write_bytes(
+        directory / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode()
+    )
     atomic_write_bytes(run_dir / "checkpoints" / "latest", (directory.name + "\n").encode())
     complete = committed(run_dir)
     # After a resume from an older checkpoint (the newer ones were not intact), those newer
@@ -205,7 +211,9 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
         int(manifest["step"])
         hashes = dict(manifest["sha256"])
     except (OSError, ValueError, KeyError, TypeError) as error:
-        reason = "is missing" if isinstance(error, FileNotFoundError) else f"is unreadable ({error})"
+        reason = (
+            "is missing" if isinstance(error, FileNotFoundError) else f"is unreadable ({error})"
+        )
         return f"is incomplete: {manifest_path} {reason}"
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(
@@ -242,7 +250,11 @@ def read_rank_state(
     try:
         state = torch.load(directory / f"rank{rank}.pt", weights_only=True, map_location=device)
     except Exception as error:  # torch raises several types for a bad file
-        raise CheckpointError(f"--resume: cannot load {directory / f'rank{rank}.pt'}: {error}") from None
+        raise CheckpointError(
+            f"--resume: cannot load {directory / f'rank{rank}.pt'}: {error}"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"--resume: {directory / f'rank{rank}.pt'} is not a lowcomm checkpoint")
+        raise CheckpointError(
+            f"--resume: {directory / f'rank{rank}.pt'} is not a lowcomm checkpoint"
+        )
     return state

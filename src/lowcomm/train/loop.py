@@ -158,7 +158,9 @@ def train_worker(
             if final.last_record is not None:
                 writer.write_step(final.last_record)  # without val_loss if the evaluation failed
             writer.close_steps()
-    return finish(worker, progress, writer, final, keep_parameters, time.perf_counter() - start_wall)
+    return finish(
+        worker, progress, writer, final, keep_parameters, time.perf_counter() - start_wall
+    )
 
 
 # --- set-up ------------------------------------------------------------------------------
@@ -168,7 +170,9 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     """Build this process's model, clock, communicators, strategy, data shard and closure."""
     rank, world_size = raw.rank, raw.world_size
     worker_index = rank // config.ranks_per_worker  # (= rank with flat workers)
-    device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+    device = torch.device(
+        config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    )
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -189,7 +193,9 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     closure = _closure(model, shard, clock, device)
     # Synchronous data parallel inside a worker (R > 1): gradients averaged over its ranks
     # after each micro-batch, charged to the replica link.
-    step_closure = closure if replica_comm is None else averaging_closure(closure, model, replica_comm)
+    step_closure = (
+        closure if replica_comm is None else averaging_closure(closure, model, replica_comm)
+    )
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
@@ -475,7 +481,9 @@ def finish(
             wall_clock_s=wall_clock_s,
             clock_kind=worker.clock.kind,
             network=config.network_profile(),
-            replica_network=config.replica_network_profile() if config.ranks_per_worker > 1 else None,
+            replica_network=config.replica_network_profile()
+            if config.ranks_per_worker > 1
+            else None,
         )
     return summary
 
@@ -556,7 +564,10 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     bookkeeping.barrier().wait()
     if bookkeeping.rank == 0:
         checkpoint.commit_checkpoint(
-            run_dir, step, bookkeeping.world_size, checkpoint.fingerprint(config),
+            run_dir,
+            step,
+            bookkeeping.world_size,
+            checkpoint.fingerprint(config),
             keep=config.keep_checkpoints,
         )
     bookkeeping.barrier().wait()

@@ -166,7 +166,8 @@ class RunWriter:
             summary["peak_device_memory_bytes_per_worker"] = max(peak)
             summary["per_worker"]["peak_device_memory_bytes"] = peak
         atomic_write_text(
-            self.directory / "summary.json", json.dumps(summary, indent=2, default=_json_default) + "\n"
+            self.directory / "summary.json",
+            json.dumps(summary, indent=2, default=_json_default) + "\n",
         )
         self._plot()
         print(format_summary(summary, self.directory))
@@ -229,7 +230,9 @@ class RunWriter:
         for axis in (by_step, by_time):
             axis.grid(alpha=0.3)
             axis.legend()
-        figure.suptitle(f"{self.config.method}, {self.config.workers} workers, network {self.config.network}")
+        figure.suptitle(
+            f"{self.config.method}, {self.config.workers} workers, network {self.config.network}"
+        )
         figure.tight_layout()
         with atomic_path(self.directory / "loss.png") as temporary:
             figure.savefig(temporary, dpi=100, format="png")
@@ -293,7 +296,10 @@ def _level_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     inner = summary["inner_network"]
     rows = [
-        ("inner network", f"{inner['name']} ({inner['bandwidth_gbps']} Gbit/s, {inner['latency_ms']} ms)")
+        (
+            "inner network",
+            f"{inner['name']} ({inner['bandwidth_gbps']} Gbit/s, {inner['latency_ms']} ms)",
+        )
     ]
     clock = summary["clock"]
     for name in ("inner", "outer"):
@@ -319,7 +325,10 @@ def format_summary(summary: dict[str, Any], directory: Path) -> str:
         ("tokens", f"{summary['tokens']:,}"),
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
         ("final val loss", f"{summary['final_val_loss']:.4f}"),
-        ("network", f"{summary['network']['name']} ({summary['network']['bandwidth_gbps']} Gbit/s, {summary['network']['latency_ms']} ms)"),
+        (
+            "network",
+            f"{summary['network']['name']} ({summary['network']['bandwidth_gbps']} Gbit/s, {summary['network']['latency_ms']} ms)",
+        ),
         (f"time ({clock} clock)", f"{summary['modeled_time_s']:.2f} s"),
         (f"compute ({clock} clock)", f"{summary['compute_s']:.2f} s"),
         (f"exposed comm ({clock} clock)", f"{summary['exposed_comm_s']:.2f} s"),

@@ -32,7 +32,9 @@ class _Gathered:
     def from_rows(cls: type[_Record], rows: torch.Tensor) -> list[_Record]:
         """One record per row of ``rows`` (processes x fields)."""
         names = [field.name for field in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        return [cls(**dict(zip(names, row, strict=True))) for row in rows.view(-1, len(names)).tolist()]
+        return [
+            cls(**dict(zip(names, row, strict=True))) for row in rows.view(-1, len(names)).tolist()
+        ]
 
     def all_gather(self: _Record, bookkeeping: Comm) -> list[_Record]:
         """Every process's record, in rank order (uncharged: the bookkeeping group)."""
