@@ -427,7 +427,7 @@ def test_the_clock_is_charged_for_exactly_the_collectives_the_thread_issues(
     for _ in range(3):
         strategy.step(closure)
     strategy.finish()
-    recording = comm.inner
+    recording = comm.raw
     assert isinstance(recording, RecordingComm)
     # The launch-time agreement (a max all-reduce before each chain) is uncharged by design.
     chain_calls = [call for call in recording.calls if call.op != "max"]

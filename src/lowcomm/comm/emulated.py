@@ -130,7 +130,7 @@ class NetworkComm:
     """Charges every collective of an inner ``Comm`` its modeled cost and counts its bytes.
 
     Args:
-        inner: the communicator that moves the data.
+        raw: the communicator that moves the data.
         profile: the declared link and per-worker speed factors.
         clock: this worker's clock (real or virtual).
         device: the device of the group's tensors (cuda for NCCL), used for barriers.
@@ -138,13 +138,13 @@ class NetworkComm:
 
     def __init__(
         self,
-        inner: Comm,
+        raw: Comm,
         profile: NetworkProfile,
         clock: Clock,
         *,
         device: torch.device | None = None,
     ) -> None:
-        self.inner = inner
+        self.raw = raw
         # Where the launch-time exchange of a barrier lives (the group's device).
         self._barrier_device = device or torch.device("cpu")
         self.profile = profile
@@ -164,11 +164,11 @@ class NetworkComm:
 
     @property
     def rank(self) -> int:
-        return self.inner.rank
+        return self.raw.rank
 
     @property
     def world_size(self) -> int:
-        return self.inner.world_size
+        return self.raw.world_size
 
     @property
     def device(self) -> torch.device:
@@ -198,12 +198,12 @@ class NetworkComm:
         """Count one collective's bytes (by role, or by each fused share's role, and by kind);
         return its modeled cost. Ring bytes are linear in the payload, so a fused payload's
         bytes split exactly by share."""
-        world_size = self.inner.world_size
-        sent = bytes_sent(kind, payload_bytes, world_size, self.inner.rank, src)
+        world_size = self.raw.world_size
+        sent = bytes_sent(kind, payload_bytes, world_size, self.raw.rank, src)
         if shares is not None:
             for share_role, share_bytes in shares:
                 self.bytes_by_role[share_role] += bytes_sent(
-                    kind, share_bytes, world_size, self.inner.rank, src
+                    kind, share_bytes, world_size, self.raw.rank, src
                 )
         elif role is not None:
             self.bytes_by_role[role] += sent
@@ -223,7 +223,7 @@ class NetworkComm:
         src: int = 0,
         shares: list[tuple[Role, int]] | None = None,
     ) -> Handle:
-        world_size = self.inner.world_size
+        world_size = self.raw.world_size
         cost = self._account(kind, role, full_bytes, src, shares)
         launch_time = self.clock.now()
         launch_times: torch.Tensor | None = None
@@ -235,7 +235,7 @@ class NetworkComm:
             # torch.tensor([...]): a fill kernel takes the value as an argument, where a
             # tensor built from a list is a blocking host-to-device copy on every launch.
             launch_times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
-            launch_times_handle = self.inner.all_reduce(launch_times, op="max", role=Role.OTHER)
+            launch_times_handle = self.raw.all_reduce(launch_times, op="max", role=Role.OTHER)
         inner = issue()
         handle = _EmulatedHandle(self, inner, cost, launch_time, launch_times, launch_times_handle)
         self._unresolved.append(handle)
@@ -259,7 +259,7 @@ class NetworkComm:
             CollectiveKind.ALL_REDUCE,
             role,
             payload_bytes(tensor),
-            lambda: self.inner.all_reduce(tensor, op=op, role=role, segments=segments),
+            lambda: self.raw.all_reduce(tensor, op=op, role=role, segments=segments),
             tensor.device,
             shares=shares,
         )
@@ -271,7 +271,7 @@ class NetworkComm:
             CollectiveKind.REDUCE_SCATTER,
             role,
             payload_bytes(input),
-            lambda: self.inner.reduce_scatter(output, input, op=op, role=role),
+            lambda: self.raw.reduce_scatter(output, input, op=op, role=role),
             input.device,
         )
 
@@ -280,7 +280,7 @@ class NetworkComm:
             CollectiveKind.ALL_GATHER,
             role,
             payload_bytes(output),
-            lambda: self.inner.all_gather(output, input, role=role),
+            lambda: self.raw.all_gather(output, input, role=role),
             output.device,
         )
 
@@ -289,15 +289,13 @@ class NetworkComm:
             CollectiveKind.BROADCAST,
             role,
             payload_bytes(tensor),
-            lambda: self.inner.broadcast(tensor, src=src, role=role),
+            lambda: self.raw.broadcast(tensor, src=src, role=role),
             tensor.device,
             src=src,
         )
 
     def barrier(self) -> Handle:
-        return self._launch(
-            CollectiveKind.BARRIER, None, 0, self.inner.barrier, self._barrier_device
-        )
+        return self._launch(CollectiveKind.BARRIER, None, 0, self.raw.barrier, self._barrier_device)
 
     # --- collectives issued on another thread (lowcomm.comm.overlap) ----------------------
 
@@ -305,10 +303,10 @@ class NetworkComm:
         """Start a chain of collectives that a communication thread will issue on ``inner``.
 
         Call on the clock's thread. Returns the :class:`LaunchAgreement` the communication
-        thread must ``run(self.inner)`` before any collective of the chain; pass it to
+        thread must ``run(self.raw)`` before any collective of the chain; pass it to
         :meth:`record` for each collective of the chain. This worker's launch time is read now.
         """
-        exchange = self.clock.kind == "virtual" and self.inner.world_size > 1
+        exchange = self.clock.kind == "virtual" and self.raw.world_size > 1
         return LaunchAgreement(
             self.clock.now(), exchange=exchange, device=device or self._barrier_device
         )
@@ -359,7 +357,7 @@ class NetworkComm:
         handle's ``wait()`` moves the clock to its modeled completion."""
         agreement = self.offload()
         with self.clock.blocked():  # the launch-time exchange, as a launch's wait() runs it
-            agreement.run(self.inner)
+            agreement.run(self.raw)
         return self.record(
             kind,
             role=role,
@@ -385,7 +383,7 @@ class NetworkComm:
         """What a strategy on this communicator may use besides it (the read-only clock, the
         un-emulated group, the accounting of a communication thread's collectives)."""
         return Runtime(
-            uncharged=self.inner,
+            uncharged=self.raw,
             clock=ClockReader(self.clock),
             offload=self,
             restorer=self.restore,

@@ -109,7 +109,7 @@ class _TwoStageHandle:
             return
         self._outer.wait()
         if self._settled is None:
-            self._gather(self._owner.inner_comm).wait()
+            self._gather(self._owner.replica_comm).wait()
             self._finish()
         else:  # the data has moved: charge the all-gather only
             self._owner.charge_inner(self._charge).wait()
@@ -160,14 +160,14 @@ class HierarchicalComm:
     """The ``Comm`` over workers made of R replica ranks each.
 
     Args:
-        inner: the communicator over this worker's R ranks (fast link).
+        replica: the communicator over this worker's R ranks (fast link).
         outer: the communicator over the ranks of the same local index in the M workers
             (slow link).
         clock: the worker's clock shared by both levels (None without emulation).
     """
 
-    def __init__(self, inner: Comm, outer: Comm, clock: Clock | None = None) -> None:
-        self.inner_comm = inner
+    def __init__(self, replica: Comm, outer: Comm, clock: Clock | None = None) -> None:
+        self.replica_comm = replica
         self.outer_comm = outer
         self.clock = clock
 
@@ -183,16 +183,16 @@ class HierarchicalComm:
 
     @property
     def ranks_per_worker(self) -> int:
-        return self.inner_comm.world_size
+        return self.replica_comm.world_size
 
     @property
     def local_rank(self) -> int:
         """This rank's index r inside its worker."""
-        return self.inner_comm.rank
+        return self.replica_comm.rank
 
     def uncharged(self) -> HierarchicalComm:
         """The same collectives on the un-emulated communicators (for evaluation only)."""
-        return HierarchicalComm(uncharged(self.inner_comm), uncharged(self.outer_comm))
+        return HierarchicalComm(uncharged(self.replica_comm), uncharged(self.outer_comm))
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -331,12 +331,12 @@ class HierarchicalComm:
     @property
     def uncharged_inner(self) -> Comm:
         """The inner group without emulation (where a settled handle's all-gather runs)."""
-        return uncharged(self.inner_comm)
+        return uncharged(self.replica_comm)
 
     def charge_inner(self, charge: Charge) -> Handle:
         """Charge, on the inner link, an inner collective whose data has already moved."""
-        if isinstance(self.inner_comm, NetworkComm):
-            return self.inner_comm.charge(
+        if isinstance(self.replica_comm, NetworkComm):
+            return self.replica_comm.charge(
                 charge.kind, role=charge.role, payload_bytes=charge.payload_bytes
             )
         return CompletedHandle()
@@ -372,19 +372,19 @@ class HierarchicalComm:
         """Both levels' counters and link schedules (for a checkpoint)."""
         return {
             name: level.state_dict()
-            for name, level in (("inner", self.inner_comm), ("outer", self.outer_comm))
+            for name, level in (("inner", self.replica_comm), ("outer", self.outer_comm))
             if isinstance(level, NetworkComm)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, level in (("inner", self.inner_comm), ("outer", self.outer_comm)):
+        for name, level in (("inner", self.replica_comm), ("outer", self.outer_comm)):
             if isinstance(level, NetworkComm):
                 level.load_state_dict(state[name])
 
     def level_counters(self) -> dict[str, dict[str, float]]:
         """Per level (inner, outer): bytes this rank sent and exposed seconds, when emulated."""
         levels: dict[str, dict[str, float]] = {}
-        for name, level in (("inner", self.inner_comm), ("outer", self.outer_comm)):
+        for name, level in (("inner", self.replica_comm), ("outer", self.outer_comm)):
             levels[name] = {
                 "bytes_sent": float(getattr(level, "bytes_sent", 0.0)),
                 "exposed_comm_s": float(getattr(level, "exposed_comm_s", 0.0)),
@@ -400,7 +400,7 @@ class HierarchicalComm:
     def counters(self) -> dict[str, float]:
         """Bytes this rank sent, by role, both levels together."""
         total: dict[str, float] = {role.value: 0.0 for role in Role}
-        for level in (self.inner_comm, self.outer_comm):
+        for level in (self.replica_comm, self.outer_comm):
             counters = getattr(level, "counters", None)
             if callable(counters):
                 for role, value in counters().items():
@@ -412,17 +412,17 @@ def replica_group(comm: Comm) -> Comm | None:
     """The communicator over this worker's replica ranks when ``comm`` is hierarchical with
     R > 1 (for sharding optimizer states inside a worker), else None."""
     if isinstance(comm, HierarchicalComm) and comm.ranks_per_worker > 1:
-        return comm.inner_comm
+        return comm.replica_comm
     return None
 
 
 def uncharged(comm: Comm) -> Comm:
-    """``comm`` without emulation: a NetworkComm's inner communicator, a HierarchicalComm over
+    """``comm`` without emulation: a NetworkComm's raw communicator, a HierarchicalComm over
     un-emulated levels, else ``comm`` itself. For evaluation-only collectives, which must
     neither occupy the modeled link nor count as training traffic."""
 
     if isinstance(comm, NetworkComm):
-        return comm.inner
+        return comm.raw
     if isinstance(comm, HierarchicalComm):
         return comm.uncharged()
     return comm

@@ -25,7 +25,7 @@ W -> ``options.dpu_warmup_steps``; the forced per-phase count -> ``options.micro
 
 Thread safety (docs/ARCHITECTURE.md hazards): while a chain is in flight, every collective of
 the strategy is issued by the communication thread, on the runtime's *uncharged* channel
-(``self.inner``); the main thread issues none and only does the accounting through the
+(``self.uncharged``); the main thread issues none and only does the accounting through the
 runtime's ``offload`` (``offload`` / ``record``: bytes by role, modeled cost, completion time)
 and reads its own clock. Every
 ``step()`` waits for its last chain before returning, so no collective of ours is in flight
@@ -304,7 +304,7 @@ class _ShardedOverlap(Strategy):
         # The comm thread issues the real collectives on the uncharged channel; accounting
         # (when the comm is emulated) happens on the main thread, through the runtime.
         self.network: Offload | None = self.runtime.offload
-        self.inner: Comm = self.runtime.uncharged
+        self.uncharged: Comm = self.runtime.uncharged
         world_size = comm.world_size
         self.flat = FlatBuffers(model, pad_to=world_size)
         self.shard_numel = self.flat.padded_numel // world_size
@@ -360,7 +360,7 @@ class _ShardedOverlap(Strategy):
         shard and the buffers handed to it (never the clock, never ``flat.params`` during an
         overlapped phase)."""
         if agreement is not None:
-            agreement.run(self.inner)
+            agreement.run(self.uncharged)
         stream_context = (
             torch.cuda.stream(self.stream) if self.stream is not None else _null_context()
         )
@@ -368,7 +368,7 @@ class _ShardedOverlap(Strategy):
             self.last_chain_stream = (
                 torch.cuda.current_stream(self.flat.device) if self.stream is not None else None
             )
-            total = chain.run(self.inner)
+            total = chain.run(self.uncharged)
             if self.stream is not None:
                 self.stream.synchronize()
         return total
@@ -730,7 +730,7 @@ class WP(_ShardedOverlap):
             raise RuntimeError("wp.deployed() while a chain is in flight; call it between steps")
         committed = torch.empty_like(self.flat.params)
         master = self.optimizer.master.to(self.flat.dtype)
-        self.inner.all_gather(committed, master, role=Role.PARAMETER).wait()
+        self.uncharged.all_gather(committed, master, role=Role.PARAMETER).wait()
         prediction = self.flat.params.clone()
         with torch.no_grad():
             self.flat.params.copy_(committed)
