@@ -5,8 +5,9 @@ the gradients are averaged with one all-reduce, and every worker applies the sam
 Nothing overlaps the all-reduce: it is fully exposed, which is what the other methods improve
 on.
 
-Reductions: with one micro-batch per step and SGD, N workers of DDP equal one process stepping
-on the concatenation of their batches (tests/test_strategies.py checks it).
+Reductions: N workers of DDP equal one process taking the same AdamW step on the
+concatenation of their batches, with one or several micro-batches per step
+(tests/test_strategies.py::test_ddp_on_n_ranks_equals_one_process_on_the_global_batch).
 """
 
 from __future__ import annotations
