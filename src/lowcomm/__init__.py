@@ -31,11 +31,13 @@ _PUBLIC = {
     "Strategy": "lowcomm.strategies",
     "StrategyContext": "lowcomm.strategies",
     "connect": "lowcomm.api",
+    "load_model": "lowcomm.models.export",
     "make_strategy": "lowcomm.api",
 }
 
 if TYPE_CHECKING:
     from lowcomm.api import connect, make_strategy
+    from lowcomm.models.export import load_model
     from lowcomm.optim.adamw import AdamWConfig
     from lowcomm.optim.schedule import ScheduleConfig
     from lowcomm.strategies import MicroBatchResult, StepStats, Strategy, StrategyContext
@@ -71,5 +73,6 @@ __all__ = [
     "StrategyContext",
     "__version__",
     "connect",
+    "load_model",
     "make_strategy",
 ]

@@ -22,6 +22,7 @@ from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
+from lowcomm.models.export import save_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint
 from lowcomm.train.metrics import RunWriter, StepRecord
@@ -107,6 +108,8 @@ class Worker:
     validation_batches: int
     """Validation batches of the whole run."""
     step_closure: Callable[[], MicroBatchResult]
+    tokenizer_path: Path | None = None
+    """The run's tokenizer (saved with the final model)."""
 
 
 @dataclass
@@ -200,6 +203,7 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
         validation_batches=validation_batches, step_closure=step_closure,
+        tokenizer_path=corpus.tokenizer_path,
     )  # fmt: skip
 
 
@@ -446,6 +450,10 @@ def final_evaluation(
         progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
         if keep_parameters:
             final.deployed = _flat_parameters(deployed_model)
+        if worker.rank == 0:
+            # The deployed parameters (rank 0's: worker 0's outer copy for eager and the
+            # delayed DiLoCo) become OUT/model/.
+            save_model(deployed_model, worker.config.run_dir() / "model", worker.tokenizer_path)
     if final.last_record is not None:
         final.last_record.val_loss = progress.val_loss
 

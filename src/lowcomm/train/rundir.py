@@ -16,7 +16,10 @@ from pathlib import Path
 from lowcomm.config import ConfigError, TrainConfig
 
 #: What a run writes into its directory (the checkpoints directory included).
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "error.log", "checkpoints")
+RUN_FILES = (
+    "config.json", "metrics.jsonl", "summary.json", "loss.png", "error.log", "checkpoints",
+    "model",
+)  # fmt: skip
 
 #: Where a failed run's worker tracebacks go (the one-line error names it).
 ERROR_LOG = "error.log"
@@ -139,7 +142,10 @@ def clear_run(run_dir: Path) -> list[str]:
             shutil.rmtree(path)
         else:
             path.unlink()
-    for name in RUN_FILES:  # temporary files of an interrupted atomic write
-        for leftover in run_dir.glob(f".{name}.tmp*"):
-            leftover.unlink(missing_ok=True)
+    for name in RUN_FILES:  # temporary files (model/: directories) of an interrupted write
+        for leftover in [*run_dir.glob(f".{name}.tmp*"), *run_dir.glob(f".{name}.old*")]:
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
     return removed

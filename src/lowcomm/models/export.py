@@ -1,0 +1,174 @@
+"""Saving a trained model as ``OUT/model/`` and loading it back.
+
+Two layouts, one per kind of model:
+
+* HF families (``hf-gpt2``, ``hf-llama``): ``save_pretrained`` output (``config.json`` and
+  ``model.safetensors``) plus the tokenizer files of ``PreTrainedTokenizerFast``, so that
+  ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and
+  ``transformers.PreTrainedTokenizerFast.from_pretrained(path)`` load it without lowcomm.
+* the built-in GPT: ``model.safetensors`` (the ``safetensors`` package), ``config.json``
+  (``{"lowcomm_family": "gpt", ...GPTConfig fields}``) and ``tokenizer.json``; load it with
+  :func:`load_model`.
+
+The directory is written atomically: everything goes to a temporary sibling directory which
+is renamed into place, so an interrupted write leaves no half-written model that loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowcomm.models.base import CausalLM
+from lowcomm.models.gpt import GPT, GPTConfig
+from lowcomm.models.hf import HFCausalLM, _import_transformers
+
+WEIGHTS_FILE = "model.safetensors"
+"""The weights file of either layout."""
+
+_GPT_FAMILY = "gpt"
+_TIED = "lm_head.weight"
+"""The built-in GPT's output matrix, tied to (and saved as) the token embedding."""
+
+
+class NoModelError(ValueError):
+    """A path that holds no saved model (no config.json with weights beside it)."""
+
+
+def save_model(model: torch.nn.Module, directory: Path, tokenizer_path: Path | None) -> None:
+    """Write ``model`` (a :class:`GPT` or :class:`HFCausalLM`) and its tokenizer to
+    ``directory`` atomically, replacing what was there.
+
+    Raises:
+        TypeError: If ``model`` is neither a built-in GPT nor an HF model.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp"))
+    try:
+        _write(model, temporary, tokenizer_path)
+        os.chmod(temporary, 0o755)
+        _replace_directory(temporary, directory)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def _write(model: torch.nn.Module, directory: Path, tokenizer_path: Path | None) -> None:
+    if isinstance(model, HFCausalLM):
+        # A copy with plain tensors: a method's parameters may be views into one flat buffer,
+        # which safetensors would take for shared storage.
+        transformers = _import_transformers()
+        plain = transformers.AutoModelForCausalLM.from_config(model.hf_config)
+        plain.load_state_dict(_plain_state(model.model))
+        plain.save_pretrained(directory, safe_serialization=True)
+        if tokenizer_path is not None:
+            tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
+            tokenizer.save_pretrained(directory)
+    elif isinstance(model, GPT):
+        from safetensors.torch import save_file
+
+        # The output matrix is the token embedding (tied): stored once.
+        state = _plain_state(model)
+        del state[_TIED]
+        save_file(state, str(directory / WEIGHTS_FILE))
+        config = {"lowcomm_family": _GPT_FAMILY, **dataclasses.asdict(model.config)}
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, directory / "tokenizer.json")
+    else:
+        raise TypeError(f"cannot save a {type(model).__name__}: not a GPT or HF model")
+    for path in directory.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def _plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as separate contiguous CPU tensors."""
+    return {
+        name: tensor.detach().cpu().clone().contiguous()
+        for name, tensor in model.state_dict().items()
+    }
+
+
+def _replace_directory(temporary: Path, directory: Path) -> None:
+    """Rename ``temporary`` to ``directory``; an old ``directory`` is moved aside first and
+    removed afterwards (a directory cannot be renamed over a non-empty one)."""
+    old: Path | None = None
+    if directory.exists():
+        old = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.old"))
+        old.rmdir()
+        os.replace(directory, old)
+    os.replace(temporary, directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_directory(path: Path) -> Path:
+    """The model directory ``path`` names: itself, or a run directory's ``model/``.
+
+    Raises:
+        NoModelError: If neither holds a config.json and weights.
+    """
+    for candidate in (path / "model", path):
+        if (candidate / "config.json").is_file() and (candidate / WEIGHTS_FILE).is_file():
+            return candidate
+    raise NoModelError(
+        f"{path}: no saved model here (expected config.json and {WEIGHTS_FILE}, or a run "
+        f"directory whose model/ holds them); pass the OUT of a finished lowcomm run or its "
+        f"model/ directory"
+    )
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> CausalLM:
+    """Load a model saved by a lowcomm run.
+
+    Args:
+        path: A run directory (its ``model/`` is read) or a model directory.
+        device: Where to put the parameters.
+
+    Returns:
+        The model in evaluation mode: a :class:`GPT` or an :class:`HFCausalLM`, called as
+        ``model(idx, targets) -> (logits, loss)``.
+
+    Raises:
+        NoModelError: If ``path`` holds no saved model.
+    """
+    directory = model_directory(Path(path))
+    config: dict[str, Any] = json.loads((directory / "config.json").read_text())
+    model: CausalLM
+    if config.get("lowcomm_family") == _GPT_FAMILY:
+        from safetensors.torch import load_file
+
+        fields = {field.name for field in dataclasses.fields(GPTConfig)}
+        model = GPT(GPTConfig(**{k: v for k, v in config.items() if k in fields}))
+        missing, unexpected = model.load_state_dict(
+            load_file(str(directory / WEIGHTS_FILE)), strict=False
+        )
+        if missing != [_TIED] or unexpected:
+            raise NoModelError(
+                f"{directory}: the weights do not fit the config (missing {missing}, "
+                f"unexpected {unexpected}); save the model again with a finished lowcomm run"
+            )
+    else:
+        transformers = _import_transformers()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+        model = HFCausalLM(hf.config)
+        model.model = hf
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The ``tokenizers.Tokenizer`` saved beside a model (``tokenizer.json``), or None."""
+    tokenizer_file = model_directory(Path(path)) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(tokenizer_file))

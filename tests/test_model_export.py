@@ -1,0 +1,124 @@
+"""OUT/model/: a finished run's deployed model, saved and loaded back (issue 16, item 1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowcomm.comm.torch_comm import TorchComm
+from lowcomm.config import TrainConfig
+from lowcomm.data import DataConfig, prepare_corpus
+from lowcomm.launch import spawn_workers
+from lowcomm.models import ModelConfig, build_model
+from lowcomm.models.export import NoModelError, load_model, save_model
+from lowcomm.strategies.diloco import DiLoCoOptions
+
+
+def _tokenizer() -> Path:
+    return prepare_corpus(DataConfig(micro_batch_size=2)).tokenizer_path
+
+
+def _logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        logits, _ = model(idx)
+    return logits
+
+
+@pytest.mark.parametrize("family", ["gpt", "hf-gpt2"])
+def test_save_then_load_gives_identical_logits(tmp_path: Path, family: str) -> None:
+    torch.manual_seed(0)
+    config = ModelConfig(family=family, n_layer=1, n_head=2, n_embd=32, block_size=16)
+    model = build_model(config, vocab_size=300)
+    save_model(model, tmp_path / "model", _tokenizer())
+    loaded = load_model(tmp_path)  # a run directory: its model/ is read
+    idx = torch.randint(0, 300, (2, 16))
+    assert torch.equal(_logits(model, idx), _logits(loaded, idx))
+    assert (tmp_path / "model" / "tokenizer.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+def test_hf_export_loads_with_transformers_alone(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = ModelConfig(family="hf-gpt2", n_layer=1, n_head=2, n_embd=32, block_size=16)
+    model = build_model(config, vocab_size=300)
+    save_model(model, tmp_path / "model", _tokenizer())
+    idx = torch.randint(0, 300, (2, 16))
+    torch.save(idx, tmp_path / "idx.pt")
+    _, loss = model.eval()(idx[:, :-1], idx[:, 1:])
+    script = (
+        "import sys, torch, transformers\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1] + '/model')\n"
+        "t = transformers.PreTrainedTokenizerFast.from_pretrained(sys.argv[1] + '/model')\n"
+        "assert len(t('hello world').input_ids) > 0\n"
+        "idx = torch.load(sys.argv[1] + '/idx.pt')\n"
+        "with torch.no_grad(): print(float(m(input_ids=idx, labels=idx).loss))\n"
+        "assert 'lowcomm' not in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert loss is not None
+    assert float(result.stdout.strip()) == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_a_path_without_weights_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(NoModelError, match="no saved model"):
+        load_model(tmp_path)
+
+
+def test_a_failed_write_leaves_the_old_model(tmp_path: Path) -> None:
+    model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), 300)
+    save_model(model, tmp_path / "model", None)
+    with pytest.raises(TypeError):
+        save_model(torch.nn.Linear(2, 2), tmp_path / "model", None)
+    assert isinstance(load_model(tmp_path), type(model))
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def _diloco_runs(base: str) -> dict[str, dict[str, torch.Tensor]]:
+    return {family: _diloco_run(str(Path(base) / family), family) for family in FAMILIES}
+
+
+FAMILIES = ("gpt", "hf-gpt2")
+
+
+def _diloco_run(out: str, family: str) -> dict[str, torch.Tensor]:
+    from lowcomm.train.loop import train_worker
+
+    config = TrainConfig(
+        method="diloco", workers=2, steps=6, network="wan", clock="virtual",
+        seconds_per_microbatch=0.01, eval_every=100, eval_batches=2, progress=False, out=out,
+        model=ModelConfig(family=family, n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=4),
+    )  # fmt: skip
+    summary = train_worker(config, TorchComm(), keep_parameters=True)
+    assert summary.parameters is not None and summary.deployed_parameters is not None
+    return {"local": summary.parameters, "deployed": summary.deployed_parameters}
+
+
+@pytest.fixture(scope="module")
+def diloco_results(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    _tokenizer()
+    base = tmp_path_factory.mktemp("diloco")
+    return base, spawn_workers(_diloco_runs, 2, (str(base),), timeout_s=180)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_diloco_saves_the_global_parameters(
+    diloco_results: tuple[Path, dict[str, dict[str, torch.Tensor]]], family: str
+) -> None:
+    base, results = diloco_results
+    saved = load_model(base / family)
+    flat = torch.cat([p.detach().reshape(-1) for p in saved.parameters()])
+    assert torch.equal(flat, results[family]["deployed"])
+    assert not torch.equal(flat, results[family]["local"])  # 6 steps, sync every 4: differ
+    assert json.loads((base / family / "summary.json").read_text())["method"] == "diloco"
