@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _cli import TINY, lowcomm
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig, prepare_corpus
@@ -122,3 +123,32 @@ def test_diloco_saves_the_global_parameters(
     assert torch.equal(flat, results[family]["deployed"])
     assert not torch.equal(flat, results[family]["local"])  # 6 steps, sync every 4: differ
     assert json.loads((base / family / "summary.json").read_text())["method"] == "diloco"
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lowcomm: error: "), result.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_extended(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = lowcomm("train", *TINY, "--steps", "3", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "checkpoints" / "step-000003" / "manifest.json").is_file()  # the last step's
+    three = torch.cat([p.detach().reshape(-1) for p in load_model(out).parameters()])
+
+    fewer = lowcomm("train", "--resume", str(out), "--steps", "2")
+    assert "--steps: 2 is below the 3 steps" in _one_line_error(fewer)
+
+    extended = lowcomm("train", "--resume", str(out), "--steps", "6")
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["extended_at_steps"] == [3]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(6))
+    six = torch.cat([p.detach().reshape(-1) for p in load_model(out).parameters()])
+    assert not torch.equal(three, six)
+    assert (out / "checkpoints" / "step-000006" / "manifest.json").is_file()

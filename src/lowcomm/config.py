@@ -59,7 +59,12 @@ class TrainConfig:
     processes; --micro-batch-size is per rank."""
 
     steps: int = 80
-    """Optimizer steps to take."""
+    """Optimizer steps to take. With --resume OUT of a finished run, steps above its steps
+    extend it (from the final checkpoint every completed run writes; fewer are refused): the
+    learning-rate schedule is recomputed for the new total (same warm-up, cosine decay
+    stretched to the new --steps), so the extension restarts at the rate that total gives
+    the finished step; summary.json's extended_at_steps records where the run was
+    extended."""
 
     microbatches_per_step: int = 1
     """Micro-batches each worker accumulates per optimizer step (synchronous methods)."""

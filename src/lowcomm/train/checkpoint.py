@@ -228,6 +228,8 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
         )
     saved = manifest.get("fingerprint", {})
     for key, value in fingerprint.items():
+        if key == "steps" and _extends(int(manifest["step"]), saved, value, directory):
+            continue
         if saved.get(key) != value:
             raise CheckpointError(
                 f"--resume: the checkpoint was written with {key}={saved.get(key)!r} but this "
@@ -241,6 +243,32 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
         if _sha256(path) != expected:
             return f"is damaged: {path} fails its checksum (truncated or corrupted)"
     return None
+
+
+def _extends(step: int, saved: dict[str, Any], steps: Any, directory: Path) -> bool:
+    """Whether a resume with ``--steps steps`` extends a finished run: the checkpoint is its
+    final one (taken at its last step). Fewer steps than it finished are refused.
+
+    Raises:
+        CheckpointError: ``steps`` is below the finished run's steps.
+    """
+    if step != saved.get("steps") or not isinstance(steps, int):
+        return False
+    if steps < step:
+        raise CheckpointError(
+            f"--steps: {steps} is below the {step} steps the run in {directory.parent.parent} "
+            f"finished; to extend it pass --steps above {step}"
+        )
+    return True
+
+
+def extension_of(directory: Path, steps: int) -> int | None:
+    """The finished steps a resume from checkpoint ``directory`` extends to ``steps``, or None
+    when it continues an unfinished run (or adds no steps)."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    finished = manifest.get("fingerprint", {}).get("steps")
+    step = int(manifest["step"])
+    return step if step == finished and steps > step else None
 
 
 def read_rank_state(

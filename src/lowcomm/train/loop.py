@@ -121,6 +121,8 @@ class Progress:
     val_loss: float = math.nan
     resumed_from: Path | None = None
     """The run directory a resume continued (None: a fresh start)."""
+    extended_from: int | None = None
+    """The steps of the finished run this one extends (None: not an extension)."""
 
 
 def train_worker(
@@ -156,6 +158,10 @@ def train_worker(
         if not train_steps(worker, progress, writer, final):
             return _stopped(worker, progress, writer, keep_parameters)
         final_evaluation(worker, progress, final, keep_parameters)
+        if progress.start_step < worker.config.steps:
+            # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
+            with worker.clock.excluded():
+                _save_checkpoint(worker, worker.config.steps, progress)
     finally:
         if writer is not None:
             if final.last_record is not None:
@@ -312,6 +318,7 @@ def resume(worker: Worker) -> Progress:
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
             resumed_from=resume_from,
+            extended_from=checkpoint.extension_of(directory, config.steps),
         )  # fmt: skip
     worker.bookkeeping.barrier().wait()
     if resume_from is not None and worker.rank == 0:
@@ -329,7 +336,10 @@ def _run_writer(worker: Worker, progress: Progress) -> RunWriter | None:
     if worker.rank != 0:
         return None
     resumed = progress.resumed_from is not None
-    return RunWriter(worker.config, resume_step=progress.start_step if resumed else None)
+    writer = RunWriter(worker.config, resume_step=progress.start_step if resumed else None)
+    if progress.extended_from is not None:
+        writer.extended_at.append(progress.extended_from)
+    return writer
 
 
 # --- steps -------------------------------------------------------------------------------

@@ -87,6 +87,15 @@ def read_records(path: Path, *, before: int) -> list[StepRecord]:
     return records
 
 
+def _previous_extensions(summary_path: Path) -> list[int]:
+    """extended_at_steps of the summary a resumed run leaves behind (empty if none)."""
+    try:
+        previous = json.loads(summary_path.read_text()).get("extended_at_steps", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [int(step) for step in previous] if isinstance(previous, list) else []
+
+
 class RunWriter:
     """Writes the run directory as training goes (rank 0)."""
 
@@ -97,7 +106,11 @@ class RunWriter:
         atomic_write_text(self.directory / "config.json", config.to_json() + "\n")
         metrics_path = self.directory / "metrics.jsonl"
         self.records: list[StepRecord] = []
+        self.extended_at: list[int] = []
+        """The finished steps at which this run was extended (summary.json's
+        extended_at_steps)."""
         if resume_step is not None:
+            self.extended_at = _previous_extensions(self.directory / "summary.json")
             # Keep the steps the checkpoint covers; later lines belong to the run that died.
             self.records = read_records(metrics_path, before=resume_step)
             atomic_write_text(
@@ -158,6 +171,8 @@ class RunWriter:
             inner_network=None if replica_network is None else _describe_network(replica_network),
             per_worker=_per_process_columns(per_process),
         )
+        if self.extended_at:
+            summary["extended_at_steps"] = self.extended_at
         summary = {key: summary[key] for key in _SUMMARY_ORDER if key in summary}
         if self.config.device == "cuda":
             # torch.cuda.max_memory_allocated, the honest figure on a GPU (it includes
@@ -241,7 +256,7 @@ class RunWriter:
 
 #: The order of summary.json's keys (unchanged since before the named records).
 _SUMMARY_ORDER = (
-    "method", "workers", "ranks_per_worker", "steps", "num_params", "tokens", "final_train_loss",
+    "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "num_params", "tokens", "final_train_loss",
     "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
     "bytes_sent_per_worker", "bytes_sent_per_rank", "levels", "bytes_by_role", "clock",
     "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",
