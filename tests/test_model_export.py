@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,61 @@ def test_a_finished_run_is_extended(tmp_path: Path) -> None:
     six = torch.cat([p.detach().reshape(-1) for p in load_model(out).parameters()])
     assert not torch.equal(three, six)
     assert (out / "checkpoints" / "step-000006" / "manifest.json").is_file()
+
+
+def _eval_loss(result: subprocess.CompletedProcess[str]) -> float:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return float(result.stdout.split()[1])
+
+
+@pytest.mark.slow
+def test_eval_and_generate_use_a_saved_model(tmp_path: Path) -> None:
+    gpt, hf = tmp_path / "gpt", tmp_path / "hf"
+    for out, family in ((gpt, "gpt"), (hf, "hf-gpt2")):
+        done = lowcomm("train", *TINY, "--steps", "2", "--model.family", family, "--out", str(out))
+        assert done.returncode == 0, done.stderr[-3000:]
+    # The run's validation split: the same loss the final validation reported.
+    summary = json.loads((gpt / "summary.json").read_text())
+    assert _eval_loss(lowcomm("eval", str(gpt))) == pytest.approx(summary["final_val_loss"])
+
+    # The HF export, loaded with transformers alone, gives the loss lowcomm eval reports.
+    from lowcomm.config import TrainConfig
+    from lowcomm.data import validation_batches
+
+    run = TrainConfig.from_dict(json.loads((hf / "config.json").read_text()))
+    batches = validation_batches(prepare_corpus(run.data), 16, 2, run.eval_batches)
+    torch.save(batches, tmp_path / "batches.pt")
+    script = (
+        "import sys, torch, transformers\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "losses = []\n"
+        "for x, y in torch.load(sys.argv[2]):\n"
+        "    with torch.no_grad(): logits = m(input_ids=x).logits\n"
+        "    losses.append(float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), "
+        "y.flatten())))\n"
+        "print(sum(losses) / len(losses))\n"
+        "assert 'lowcomm' not in sys.modules\n"
+    )
+    alone = subprocess.run(
+        [sys.executable, "-c", script, str(hf / "model"), str(tmp_path / "batches.pt")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lowcomm_loss = _eval_loss(lowcomm("eval", str(hf / "model")))
+    assert float(alone.stdout) == pytest.approx(lowcomm_loss, rel=1e-5)
+    assert lowcomm_loss == pytest.approx(
+        json.loads((hf / "summary.json").read_text())["final_val_loss"]
+    )
+
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    assert math.isfinite(_eval_loss(lowcomm("eval", str(gpt), "--data", str(text))))
+
+    args = ("generate", str(gpt), "--prompt", "The", "--max-new-tokens", "8", "--seed", "1")
+    first, again = lowcomm(*args), lowcomm(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.startswith("The") and first.stdout == again.stdout
+
+
+def test_eval_of_a_path_without_weights_is_one_line(tmp_path: Path) -> None:
+    for command in (("eval", str(tmp_path)), ("generate", str(tmp_path), "--prompt", "a")):
+        assert "no saved model here" in _one_line_error(lowcomm(*command))

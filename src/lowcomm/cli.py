@@ -181,10 +181,12 @@ def run_methods() -> None:
         )
 
 
-USAGE = """usage: lowcomm {train,bench,plan,reproduce,methods,selftest} [OPTIONS]
+USAGE = """usage: lowcomm {train,eval,generate,bench,plan,reproduce,methods,selftest} [OPTIONS]
        lowcomm --version
 
   train     train a model data-parallel with one method (lowcomm train --help)
+  eval      validation loss and perplexity of a saved model (lowcomm eval OUT)
+  generate  sample text from a saved model (lowcomm generate OUT --prompt TEXT)
   bench     benchmarks: overhead ratio, side-by-side method comparison (lowcomm bench --help)
   plan      predict time, bytes and memory of a method at any scale (lowcomm plan --help)
   reproduce run the papers' CPU-scale experiments, judge their claims (lowcomm reproduce --help)
@@ -291,6 +293,16 @@ def _main(argv: list[str] | None) -> None:
             run_reproduce(
                 tyro.cli(ReproduceConfig, args=rest, prog="lowcomm reproduce", config=config)
             )
+        elif command in ("eval", "generate"):
+            from lowcomm.use import EvalConfig, GenerateConfig, run_eval, run_generate
+
+            if command == "eval":
+                run_eval(tyro.cli(EvalConfig, args=rest, prog="lowcomm eval", config=config))
+            else:
+                options = tyro.cli(
+                    GenerateConfig, args=rest, prog="lowcomm generate", config=config
+                )
+                run_generate(options)
         elif command == "methods":
             tyro.cli(MethodsCommand, args=rest, prog="lowcomm methods")
             run_methods()
@@ -313,7 +325,8 @@ def _main(argv: list[str] | None) -> None:
             raise SystemExit(run_selftest(selftest))
         else:
             _fail(
-                f"unknown command {command!r}; choose train, bench, plan, reproduce, methods or "
+                f"unknown command {command!r}; choose train, eval, generate, bench, plan, "
+                f"reproduce, methods or "
                 f"selftest"
             )
     except ValueError as error:
