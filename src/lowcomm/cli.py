@@ -103,6 +103,7 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
             f"--resume: {path} is not a readable lowcomm config ({error}); pass the options again"
         )
     saved.out, saved.stop_after, saved.resume, saved.overwrite = None, None, value, False
+    saved.init_from = None  # the checkpoint holds the weights; --init-from again is refused
     return saved
 
 

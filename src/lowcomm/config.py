@@ -143,6 +143,14 @@ class TrainConfig:
     """Stop after this many steps with a checkpoint, as a job with a time limit would;
     continue later with --resume OUT."""
 
+    init_from: str | None = None
+    """Start from this model instead of random weights: a finished run's OUT (its model/), a
+    lowcomm model directory, or a local HF model directory (config.json and weights; only
+    local paths are read, nothing is downloaded). Its tokenizer.json, when it has one, is the
+    run's tokenizer unless --tokenizer is given. --model.* must describe the saved model (its
+    embedding size comes from the weights). Not with --resume DIR (a resume continues its
+    checkpoint)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -261,6 +269,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--stop-after: {self.stop_after} must lie in [1, --steps {self.steps}); a run "
                 f"that stops at its last step has nothing to resume"
+            )
+        if self.init_from is not None and self.resume not in (None, "auto"):
+            raise ConfigError(
+                f"--init-from: {self.init_from!r} with --resume {self.resume!r}; a resumed run "
+                f"continues its checkpoint's weights, so pass one of them"
             )
         if self.overwrite and self.resume is not None:
             raise ConfigError(
@@ -387,6 +400,13 @@ class TrainConfig:
         if self.resume != "auto":
             self.resume = absolute(self.resume)
         self.data.data = absolute(self.data.data)
+        # A path that does not exist (a hub name) stays as given, for pre-flight to name.
+        if self.init_from is not None and os.path.exists(os.path.expanduser(self.init_from)):
+            self.init_from = absolute(self.init_from)
+        if self.data.tokenizer is not None and os.path.exists(
+            os.path.expanduser(self.data.tokenizer)
+        ):
+            self.data.tokenizer = absolute(self.data.tokenizer)
         self.data.cache_dir = absolute(self.data.cache_dir)
 
     def run_dir(self) -> Path:

@@ -62,7 +62,12 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
         "max_grad_norm": config.max_grad_norm,
         "clock": config.clock,
         "model": dataclasses.asdict(config.model),
-        "data": dataclasses.asdict(config.data),
+        # (--tokenizer only when given: checkpoints from before it existed still match.)
+        "data": {
+            key: value
+            for key, value in dataclasses.asdict(config.data).items()
+            if key != "tokenizer" or value is not None
+        },
         "optim": dataclasses.asdict(config.optim),
         "schedule": dataclasses.asdict(config.schedule),
         "options": None

@@ -216,7 +216,12 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
 def _shared_initial_model(
     config: TrainConfig, vocab_size: int, raw: Comm, device: torch.device
 ) -> torch.nn.Module:
-    model = build_model(config.model, vocab_size).to(device)
+    if config.init_from is None:
+        model = build_model(config.model, vocab_size).to(device)
+    else:  # --init-from: the saved weights (pre-flight checked that they fit)
+        from lowcomm.models.init_from import initial_model, read_initial_weights
+
+        model = initial_model(config.model, read_initial_weights(config.init_from)).to(device)
     # Same seed gives the same initial model everywhere; broadcast anyway (uncharged) so that
     # workers on different machines or library builds provably start from one point.
     with torch.no_grad():
