@@ -122,6 +122,17 @@ class TrainConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     """cpu (Gloo) or cuda (NCCL, one GPU per worker)."""
 
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    """fp32, or bf16-mixed: forward and backward under torch.autocast in bfloat16 (CPU and
+    CUDA), with float32 master parameters, gradients and optimizer states (so state bytes do
+    not change); validation runs in float32."""
+
+    comm_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype gradients and pseudo-gradients travel in: bf16 sends a bfloat16 copy (half the
+    bytes and the modeled transfer time) and reduces it in bfloat16, the result copied back
+    into float32. Parameters and optimizer states travel in float32. Not with --method acco
+    (its collectives run on a communication thread)."""
+
     collective_timeout_s: float = 300.0
     """A collective that does not complete within this many seconds fails the run."""
 
@@ -254,6 +265,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--collective-timeout-s: {self.collective_timeout_s} must be a positive number "
                 f"of seconds up to {MAX_TIMEOUT_S:g}"
+            )
+        if self.comm_dtype != "fp32" and self.method == "acco":
+            raise ConfigError(
+                f"--comm-dtype: {self.comm_dtype} with --method acco: its collectives are issued "
+                f"on a communication thread that does not cast them; use --comm-dtype fp32"
             )
         self._validate_checkpointing()
 
