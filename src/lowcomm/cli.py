@@ -270,7 +270,7 @@ def _main(argv: list[str] | None) -> None:
                 start_forkserver()
             from lowcomm.config import TrainConfig
 
-            rest = _bare_switches(rest)
+            rest = _bare_switches(rest, ("--overwrite", "--tensorboard"))
             defaults = _resume_defaults(rest)
             if defaults is None:
                 train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config)

@@ -139,6 +139,11 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
 
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files under OUT/tensorboard/ (losses,
+    learning rate, utilisation and bytes against the step; loss against the modeled time):
+    `--tensorboard` (or `--tensorboard True`); needs pip install 'lowcomm[tensorboard]'."""
+
     checkpoint_every: int | None = None
     """Write a checkpoint to OUT/checkpoints every this many steps (None: never)."""
 
@@ -471,6 +476,7 @@ _MISSING = object()
 _RUN_NAME_EXCLUDED = frozenset(
     {
         "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
+        "tensorboard",
         "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
     }
 )  # fmt: skip

@@ -107,6 +107,11 @@ def preflight(config: TrainConfig) -> str | None:
 
     _check_resume(config)
     check_init_from(config)
+    if config.tensorboard:
+        from lowcomm.train.tensorboard import MISSING, tensorboard_available
+
+        if not tensorboard_available():
+            raise ConfigError(MISSING)
     check_method_options(config)
     _check_data_path(config)
     return check_run_dir(config)
