@@ -131,3 +131,32 @@ def test_plan_takes_the_same_options_with_the_same_defaults() -> None:
     bf16 = make_plan(PlanConfig(method="ddp", comm_dtype="bf16"))
     assert bf16.comm_bytes_per_worker * 2 == pytest.approx(fp32.comm_bytes_per_worker)
     assert bf16.comm_total_s < fp32.comm_total_s
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [({}, {"precision": "bf16-mixed"}), ({"comm_dtype": "bf16"}, {}), ({}, {"comm_dtype": "bf16"})],
+)
+def test_a_resume_with_another_precision_or_comm_dtype_is_refused(
+    tmp_path: Path, saved: dict[str, str], resumed: dict[str, str]
+) -> None:
+    """An exact resume needs the precision and wire dtype the checkpoint was written with, in
+    either direction, and a checkpoint written before these settings existed reads as fp32."""
+    from lowcomm.train.checkpoint import (
+        CheckpointError,
+        commit_checkpoint,
+        find_resumable,
+        fingerprint,
+        write_rank_state,
+    )
+
+    base = TrainConfig(method="ddp", workers=1)
+    written = fingerprint(replace(base, **saved))
+    if not saved:  # as written before the two keys existed
+        del written["precision"], written["comm_dtype"]
+    write_rank_state(tmp_path, 2, 0, {"step": 2})
+    commit_checkpoint(tmp_path, 2, 1, written)
+    assert find_resumable(tmp_path, 1, fingerprint(replace(base, **saved))) is not None
+    key = next(iter(resumed or saved))
+    with pytest.raises(CheckpointError, match=f"written with {key}="):
+        find_resumable(tmp_path, 1, fingerprint(replace(base, **resumed)))
