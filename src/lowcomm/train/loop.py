@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.comm.clock import Clock, make_clock
+from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
 from lowcomm.config import TrainConfig
@@ -25,6 +25,7 @@ from lowcomm.models import build_model
 from lowcomm.models.export import save_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint
+from lowcomm.train.compute import worker_clock
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics
 
@@ -155,13 +156,14 @@ def train_worker(
     start_wall = time.perf_counter()
     final = FinalState()
     try:
-        if not train_steps(worker, progress, writer, final):
-            return _stopped(worker, progress, writer, keep_parameters)
-        final_evaluation(worker, progress, final, keep_parameters)
-        if progress.start_step < worker.config.steps:
-            # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
-            with worker.clock.excluded():
-                _save_checkpoint(worker, worker.config.steps, progress)
+        with worker.clock.training():  # (the calibrated model counts the work done in it)
+            if not train_steps(worker, progress, writer, final):
+                return _stopped(worker, progress, writer, keep_parameters)
+            final_evaluation(worker, progress, final, keep_parameters)
+            if progress.start_step < worker.config.steps:
+                # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
+                with worker.clock.excluded():
+                    _save_checkpoint(worker, worker.config.steps, progress)
     finally:
         if writer is not None:
             if final.last_record is not None:
@@ -178,7 +180,6 @@ def train_worker(
 def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     """Build this process's model, clock, communicators, strategy, data shard and closure."""
     rank, world_size = raw.rank, raw.world_size
-    worker_index = rank // config.ranks_per_worker  # (= rank with flat workers)
     device = torch.device(
         config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
     )
@@ -187,12 +188,7 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
         torch.cuda.reset_peak_memory_stats(device)
     corpus = prepare_corpus(config.data)
     model = _shared_initial_model(config, corpus.vocab_size, raw, device)
-    clock = make_clock(
-        config.clock,
-        speed_factor=config.network_profile().speed_factor(worker_index),
-        seconds_per_microbatch=config.seconds_per_microbatch,
-        device=device,
-    )
+    clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
     comm, replica_comm = _strategy_comms(config, raw, clock, device)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
@@ -282,12 +278,12 @@ def _closure(
         return batch.pin_memory().to(device, non_blocking=True)
 
     def closure() -> MicroBatchResult:
-        inputs, targets = shard.next_batch()
-        inputs, targets = to_device(inputs), to_device(targets)
-        _, loss = model(inputs, targets)
-        assert loss is not None
-        loss.backward()
-        clock.microbatch_done()
+        with clock.microbatch():
+            inputs, targets = shard.next_batch()
+            inputs, targets = to_device(inputs), to_device(targets)
+            _, loss = model(inputs, targets)
+            assert loss is not None
+            loss.backward()
         return MicroBatchResult(
             loss=float(loss.detach()), samples=inputs.shape[0], tokens=inputs.numel()
         )
@@ -498,6 +494,7 @@ def finish(
             final_val_loss=progress.val_loss,
             wall_clock_s=wall_clock_s,
             clock_kind=worker.clock.kind,
+            compute_model=worker.clock.describe_compute(),
             network=config.network_profile(),
             replica_network=config.replica_network_profile()
             if config.ranks_per_worker > 1
