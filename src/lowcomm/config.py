@@ -100,6 +100,12 @@ class TrainConfig:
     seconds_per_microbatch: float | None = None
     """Virtual clock only: declared compute seconds per micro-batch (models a target device)."""
 
+    token_budget: int | None = None
+    """End the run at the first step where the committed tokens (summed over workers) reach
+    this, --steps still capping it; methods with a variable number of micro-batches per step
+    (acco, dpu, wp) lay their learning-rate schedule out over it. For equal-token comparisons
+    (bench compare and reproduce set it); None: the run takes --steps steps."""
+
     compute_model: Literal["calibrated", "cpu-time"] = "calibrated"
     """Virtual clock without --seconds-per-microbatch: how compute is charged. calibrated:
     before training the workers time a micro-batch and an optimizer update in turn and agree
@@ -245,6 +251,11 @@ class TrainConfig:
                     f"positive number of seconds"
                 )
         self._validate_compute_model()
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ConfigError(
+                f"--token-budget: {self.token_budget} must be 1 or more tokens, or None for a "
+                f"step budget"
+            )
         if not 0 <= self.seed < 2**64:
             # torch.manual_seed takes a 64-bit unsigned seed, numpy's SeedSequence a non-negative one.
             raise ConfigError(f"--seed: {self.seed} must lie in [0, 2**64); pass e.g. 0")
@@ -403,7 +414,14 @@ class TrainConfig:
             total_steps=self.steps,
             microbatches_per_step=self.microbatches_per_step,
             max_grad_norm=self.max_grad_norm,
+            microbatch_budget=None
+            if self.token_budget is None
+            else -(-self.token_budget // self.tokens_per_microbatch()),
         )
+
+    def tokens_per_microbatch(self) -> int:
+        """Tokens in one worker's micro-batch (all its ranks)."""
+        return self.data.micro_batch_size * self.model.block_size * self.ranks_per_worker
 
     def network_profile(self) -> NetworkProfile:
         return NetworkProfile.from_preset(

@@ -1,4 +1,5 @@
-"""The worker's clock with its compute model (see :mod:`lowcomm.comm.calibration`)."""
+"""The worker's clock with its compute model (see :mod:`lowcomm.comm.calibration`), and the
+token budget that ends an equal-token run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from lowcomm.comm.base import Comm
 from lowcomm.comm.calibration import CalibratedClock, Calibration, calibrate
 from lowcomm.comm.clock import Clock, make_clock
 from lowcomm.config import TrainConfig
+from lowcomm.strategies import Strategy
 
 
 def uses_calibration(config: TrainConfig) -> bool:
@@ -62,3 +64,20 @@ def run_calibration(
     if path is not None and bookkeeping.rank == 0:
         calibration.save(path)
     return calibration
+
+
+def committed_tokens(config: TrainConfig, strategy: Strategy, consumed_tokens: int) -> int:
+    """Tokens (summed over workers) whose gradients the run has committed: the micro-batches
+    a method with a variable number per step has committed (its ``committed_gradients``, the
+    same on every worker), else every token consumed (``consumed_tokens``: this process's
+    count times the processes, which take equal counts)."""
+    committed = getattr(strategy, "committed_gradients", None)
+    if committed is None:
+        return consumed_tokens
+    return int(committed) * config.tokens_per_microbatch()
+
+
+def budget_spent(config: TrainConfig, strategy: Strategy, consumed_tokens: int) -> bool:
+    """Whether a --token-budget run has committed its budget (False without a budget)."""
+    budget = config.token_budget
+    return budget is not None and committed_tokens(config, strategy, consumed_tokens) >= budget

@@ -25,7 +25,7 @@ from lowcomm.models import build_model
 from lowcomm.models.export import save_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint
-from lowcomm.train.compute import worker_clock
+from lowcomm.train.compute import budget_spent, committed_tokens, worker_clock
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics
 
@@ -124,6 +124,8 @@ class Progress:
     """The run directory a resume continued (None: a fresh start)."""
     extended_from: int | None = None
     """The steps of the finished run this one extends (None: not an extension)."""
+    end_step: int | None = None
+    """The step after which a --token-budget run ended (None: it runs to --steps)."""
 
 
 def train_worker(
@@ -163,7 +165,7 @@ def train_worker(
             if progress.start_step < worker.config.steps:
                 # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
                 with worker.clock.excluded():
-                    _save_checkpoint(worker, worker.config.steps, progress)
+                    _save_checkpoint(worker, progress.end_step or worker.config.steps, progress)
     finally:
         if writer is not None:
             if final.last_record is not None:
@@ -361,6 +363,8 @@ def train_steps(
     for step in range(progress.start_step, config.steps):
         if not train_step(worker, step, progress, writer, final):
             return False
+        if progress.end_step is not None:
+            return True
     return True
 
 
@@ -375,6 +379,8 @@ def train_step(
     stats = worker.strategy.step(worker.step_closure)
     now = clock.now()
     progress.tokens += stats.tokens
+    if budget_spent(config, worker.strategy, progress.tokens * worker.world_size):
+        progress.end_step = step + 1
     with clock.excluded():
         mine = StepMetrics(
             loss=stats.loss,
@@ -389,7 +395,7 @@ def train_step(
         )
         everyone = mine.all_gather(worker.bookkeeping)
         _check_finite(step, everyone)
-        is_last = step == config.steps - 1
+        is_last = step == config.steps - 1 or progress.end_step is not None
         evaluate = (step + 1) % config.eval_every == 0 and not is_last
         if evaluate:
             with worker.strategy.deployed() as deployed_model:
@@ -495,6 +501,9 @@ def finish(
             wall_clock_s=wall_clock_s,
             clock_kind=worker.clock.kind,
             compute_model=worker.clock.describe_compute(),
+            committed_tokens=committed_tokens(
+                config, worker.strategy, progress.tokens * worker.world_size
+            ),
             network=config.network_profile(),
             replica_network=config.replica_network_profile()
             if config.ranks_per_worker > 1

@@ -158,6 +158,7 @@ class RunWriter:
         network: NetworkProfile,
         replica_network: NetworkProfile | None = None,
         compute_model: dict[str, object] | None = None,
+        committed_tokens: int | None = None,
     ) -> dict[str, Any]:
         """Write summary.json and loss.png, print the summary table; return the summary.
 
@@ -168,6 +169,8 @@ class RunWriter:
             bytes_by_role=bytes_by_role,
             clock=clock_kind,
             compute_model=compute_model,
+            committed_tokens=committed_tokens,
+            token_budget=self.config.token_budget,
             network=_describe_network(network, speed_factors=True),
             # (the summary's key names the option, --inner-network)
             inner_network=None if replica_network is None else _describe_network(replica_network),
@@ -258,7 +261,8 @@ class RunWriter:
 
 #: The order of summary.json's keys (unchanged since before the named records).
 _SUMMARY_ORDER = (
-    "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "num_params", "tokens", "final_train_loss",
+    "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "num_params", "tokens",
+    "committed_tokens", "token_budget", "final_train_loss",
     "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
     "bytes_sent_per_worker", "bytes_sent_per_rank", "levels", "bytes_by_role", "clock",
     "compute_model", "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",
