@@ -158,3 +158,40 @@ def test_a_calibration_of_other_shapes_is_refused(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "2 x 16 tokens" in lines[0] and "4 x 16" in lines[0]
+
+
+def _straight_and_resumed_calibrated(base: str, method: str) -> dict[str, float]:
+    from dataclasses import replace
+
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.config import TrainConfig
+    from lowcomm.data import DataConfig
+    from lowcomm.train.loop import train_worker
+
+    root = Path(base)
+    config = TrainConfig(
+        method=method, workers=2, steps=6, network="wan", eval_every=3, eval_batches=2,
+        progress=False, model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2), calibration=str(root / "calibration.json"),
+    )  # fmt: skip
+    straight = train_worker(replace(config, out=str(root / "straight")), TorchComm())
+    stop = replace(config, out=str(root / "resumed"), stop_after=3)
+    train_worker(stop, TorchComm())
+    resumed = train_worker(
+        replace(stop, stop_after=None, resume=str(root / "resumed")), TorchComm()
+    )
+    return {
+        "clock_diff": abs(straight.clock_s - resumed.clock_s),
+        "compute_diff": abs(straight.compute_s - resumed.compute_s),
+        "tokens_diff": abs(straight.tokens - resumed.tokens),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["co2", "acco"])
+def test_resume_on_the_calibrated_model_is_exact(tmp_path: Path, method: str) -> None:
+    from lowcomm.data import DataConfig, prepare_corpus
+
+    prepare_corpus(DataConfig(micro_batch_size=2))
+    for got in spawn_workers(_straight_and_resumed_calibrated, 2, (str(tmp_path), method)):
+        assert got == {"clock_diff": 0.0, "compute_diff": 0.0, "tokens_diff": 0.0}, got

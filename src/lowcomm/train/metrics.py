@@ -330,6 +330,21 @@ def _level_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _compute_model_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """How the virtual clock charged compute (none on the real clock)."""
+    model = summary.get("compute_model")
+    if not model or model.get("model") == "wall":
+        return []
+    if "seconds_per_microbatch" not in model:
+        return [("compute model", str(model["model"]))]
+    return [
+        (
+            "compute model",
+            f"{model['model']} ({model['seconds_per_microbatch'] * 1e3:.2f} ms per micro-batch)",
+        )
+    ]
+
+
 def format_summary(summary: dict[str, Any], directory: Path) -> str:
     """The final table printed after a run."""
     clock = summary["clock"]
@@ -352,6 +367,7 @@ def format_summary(summary: dict[str, Any], directory: Path) -> str:
         ),
         (f"time ({clock} clock)", f"{summary['modeled_time_s']:.2f} s"),
         (f"compute ({clock} clock)", f"{summary['compute_s']:.2f} s"),
+        *_compute_model_rows(summary),
         (f"exposed comm ({clock} clock)", f"{summary['exposed_comm_s']:.2f} s"),
         ("utilization", f"{summary['utilization']:.1%}"),
         ("sent per worker", _human_bytes(summary["bytes_sent_per_worker"])),
