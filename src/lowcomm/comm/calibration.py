@@ -49,7 +49,7 @@ from lowcomm.comm.clock import VirtualClock
 
 #: Timed repeats in all (split over the workers, at least one each) after the warm-up.
 TIMED_REPEATS = 4
-#: Untimed warm-up passes per worker (all workers at once; one more pass sizes the turns).
+#: Warm-up passes per worker (all workers at once; the last one's timing sizes the turns).
 WARMUP = 1
 #: A worker's turn lasts about this long when its passes are cheap (up to MAX_REPEATS each).
 TURN_S = 0.2
@@ -229,11 +229,12 @@ def calibrate(
     forward_backward = _forward_backward(model, vocab_size, micro_batch_size, block_size)
     counter = ElementCounter()
     update = _update(num_params, counter)
-    for _ in range(WARMUP):  # all workers at once: warm-up timings are not used
-        forward_backward()
+    warmup_s = 0.0
+    for _ in range(WARMUP):  # all workers at once: only sizes the turns
+        warmup_s = _thread_cpu_timing(forward_backward)
         update()
     rank, world = bookkeeping.rank, bookkeeping.world_size
-    repeats = _repeats(_thread_cpu_timing(forward_backward), bookkeeping)
+    repeats = _repeats(warmup_s, bookkeeping)
     mine = torch.zeros(2 * repeats, dtype=torch.float64)
     for turn in range(world):
         bookkeeping.barrier().wait()
