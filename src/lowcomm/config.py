@@ -100,6 +100,22 @@ class TrainConfig:
     seconds_per_microbatch: float | None = None
     """Virtual clock only: declared compute seconds per micro-batch (models a target device)."""
 
+    token_budget: int | None = None
+    """End the run at the first step where the committed tokens (summed over workers) reach
+    this, --steps still capping it; methods with a variable number of micro-batches per step
+    (acco, dpu, wp) lay their learning-rate schedule out over it. For equal-token comparisons
+    (bench compare and reproduce set it); None: the run takes --steps steps."""
+
+    compute_model: Literal["calibrated", "cpu-time"] = "calibrated"
+    """Virtual clock without --seconds-per-microbatch: how compute is charged. calibrated:
+    before training the workers time a micro-batch and an optimizer update in turn and agree
+    on fixed costs (the same numbers whatever the machine's load). cpu-time: each worker's
+    thread CPU time as it trains (moves with the load)."""
+
+    calibration: str | None = None
+    """Calibrated compute model: a JSON file of calibrated costs; read if it exists (no
+    measuring), else measured and written there. Two runs with one file charge identically."""
+
     seed: int = 0
     """Random seed (model init and data order)."""
 
@@ -258,6 +274,12 @@ class TrainConfig:
                     f"--seconds-per-microbatch: {self.seconds_per_microbatch} must be a finite "
                     f"positive number of seconds"
                 )
+        self._validate_compute_model()
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ConfigError(
+                f"--token-budget: {self.token_budget} must be 1 or more tokens, or None for a "
+                f"step budget"
+            )
         if not 0 <= self.seed < 2**64:
             # torch.manual_seed takes a 64-bit unsigned seed, numpy's SeedSequence a non-negative one.
             raise ConfigError(f"--seed: {self.seed} must lie in [0, 2**64); pass e.g. 0")
@@ -277,6 +299,32 @@ class TrainConfig:
                 f"on a communication thread that does not cast them; use --comm-dtype fp32"
             )
         self._validate_checkpointing()
+
+    def _validate_compute_model(self) -> None:
+        if self.calibration is None:
+            return
+        if self.clock != "virtual" or self.seconds_per_microbatch is not None:
+            raise ConfigError(
+                f"--calibration: {self.calibration} calibrates the virtual clock's compute; it "
+                f"needs --clock virtual without --seconds-per-microbatch"
+            )
+        if self.compute_model != "calibrated":
+            raise ConfigError(
+                f"--calibration: {self.calibration} needs --compute-model calibrated (this run "
+                f"uses {self.compute_model}); drop --calibration or choose calibrated"
+            )
+        from lowcomm.comm.calibration import check_calibration_file
+
+        problem = check_calibration_file(
+            Path(self.calibration),
+            micro_batch_size=self.data.micro_batch_size,
+            block_size=self.model.block_size,
+        )
+        if problem is not None:
+            raise ConfigError(
+                f"--calibration: {self.calibration} {problem}; pass another file (a missing "
+                f"one is measured and written)"
+            )
 
     def _validate_checkpointing(self) -> None:
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
@@ -400,7 +448,14 @@ class TrainConfig:
             total_steps=self.steps,
             microbatches_per_step=self.microbatches_per_step,
             max_grad_norm=self.max_grad_norm,
+            microbatch_budget=None
+            if self.token_budget is None
+            else -(-self.token_budget // self.tokens_per_microbatch()),
         )
+
+    def tokens_per_microbatch(self) -> int:
+        """Tokens in one worker's micro-batch (all its ranks)."""
+        return self.data.micro_batch_size * self.model.block_size * self.ranks_per_worker
 
     def network_profile(self) -> NetworkProfile:
         return NetworkProfile.from_preset(

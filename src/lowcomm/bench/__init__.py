@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowcomm.bench.clock import ClockBench, run_clock
 from lowcomm.bench.compare import CompareBench, run_compare
 from lowcomm.bench.overhead import OverheadBench, run_overhead
 from lowcomm.bench.reallink import RealLinkBench, run_reallink
@@ -15,6 +16,7 @@ BENCHMARKS: dict[str, Any] = {
     "compare": CompareBench,
     "reallink": RealLinkBench,
     "startup": StartupBench,
+    "clock": ClockBench,
 }
 
 
@@ -32,11 +34,15 @@ def run_bench(command: object) -> None:
     if isinstance(command, StartupBench):
         run_startup(command)
         return
+    if isinstance(command, ClockBench):
+        run_clock(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
 __all__ = [
     "BENCHMARKS",
+    "ClockBench",
     "CompareBench",
     "OverheadBench",
     "RealLinkBench",

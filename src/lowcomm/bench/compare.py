@@ -66,6 +66,12 @@ class CompareBench:
     target_loss: float | None = None
     """Validation loss for the time-to-target column (default: the median method's final mean)."""
 
+    budget: Literal["tokens", "steps"] = "tokens"
+    """tokens: every run commits the tokens DDP commits in --steps steps (--train.token-budget
+    set for every run; acco, dpu and wp, which take a variable number of micro-batches per
+    step, end when they reach it, their schedule laid out over it). steps: every run takes
+    --steps steps, whatever its tokens."""
+
     train: TrainConfig = field(default_factory=_bench_train_defaults)
     """Every other training option, shared by all runs (`--train.model.n-layer 2`, ...)."""
 
@@ -112,7 +118,17 @@ class CompareBench:
             seed=seed,
             progress=False,
             out=str(Path(self.out) / "runs" / f"{method}-s{seed}"),
+            token_budget=self.token_budget(),
         )
+
+    def token_budget(self) -> int | None:
+        """With --budget tokens: the tokens (summed over workers) DDP commits in --steps
+        steps; None with --budget steps."""
+        if self.budget == "steps":
+            return None
+        train = self.train
+        per_step = train.workers * train.microbatches_per_step * train.tokens_per_microbatch()
+        return train.steps * per_step
 
 
 def _time_to_target(curve: list[tuple[int, float, float]], target: float) -> float | None:
@@ -174,7 +190,9 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
             "seeds": len(summaries),
             "final_val_loss_mean": mean,
             "final_val_loss_sd": None if math.isnan(sd) else sd,  # JSON has no NaN
-            "tokens": statistics.fmean(s["tokens"] for s in summaries),
+            "tokens": statistics.fmean(s.get("committed_tokens") or s["tokens"] for s in summaries),
+            "tokens_consumed": statistics.fmean(s["tokens"] for s in summaries),
+            "steps": statistics.fmean(s["steps"] for s in summaries),
             "time_to_target_s": statistics.fmean(reached)
             if len(reached) == len(times) and reached
             else None,
@@ -193,6 +211,8 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         "network": bench.train.network,
         "clock": bench.train.clock,
         "steps": bench.train.steps,
+        "budget": bench.budget,
+        "token_budget": bench.token_budget(),
         "workers": bench.train.workers,
         "ranks_per_worker": bench.train.ranks_per_worker,
         "seeds": bench.seeds,
@@ -218,31 +238,44 @@ def _report(
     train = bench.train
     clock = train.clock
     ranks = f" of {train.ranks_per_worker} ranks each" if train.ranks_per_worker > 1 else ""
+    budget = (
+        f"a budget of {bench.token_budget():,} committed tokens (DDP's in {train.steps} steps; "
+        f"at most {train.steps} steps)"
+        if bench.budget == "tokens"
+        else f"{train.steps} steps per run"
+    )
     lines = [
         f"# Method comparison on `{train.network}`",
         "",
-        f"{train.workers} workers{ranks}, {train.steps} steps per run, {bench.seeds} seed(s), {clock} clock. "
-        f"Same model, data order and step budget for every method.",
+        f"{train.workers} workers{ranks}, {budget}, {bench.seeds} seed(s), {clock} clock. "
+        f"Same model, data order and budget for every method.",
         "",
-        f"| method | final val loss | tokens | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"
+        f"| method | final val loss | tokens | steps | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"
         if target is not None
-        else "| method | final val loss | tokens | time to target | time | utilisation | bytes/worker/step | state bytes/worker |",
-        "|---|---|---|---|---|---|---|---|",
+        else "| method | final val loss | tokens | steps | time to target | time | utilisation | bytes/worker/step | state bytes/worker |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for method, row in sorted(rows.items(), key=lambda item: item[1]["final_val_loss_mean"]):
         to_target = row["time_to_target_s"]
         lines.append(
             f"| {method} | {_fmt_loss(row['final_val_loss_mean'], row['final_val_loss_sd'])} | "
-            f"{row['tokens']:,.0f} | {'not reached' if to_target is None else f'{to_target:.1f} s'} | "
+            f"{row['tokens']:,.0f} | {row['steps']:g} | {'not reached' if to_target is None else f'{to_target:.1f} s'} | "
             f"{row['modeled_time_s']:.1f} s | {row['utilization']:.1%} | "
             f"{_fmt_bytes(row['bytes_per_worker_per_step'])} | {_fmt_bytes(row['state_bytes_per_worker'])} |"
         )
     lines += [
         "",
-        "Loss: mean ± sample standard deviation over seeds (mean only for one seed). Tokens differ "
-        "where a method takes a variable number of micro-batches per step (ACCO, DPU, WP "
-        "accumulate while they communicate): the budget is in steps. Time to target: first "
-        "evaluation at or "
+        "Loss: mean ± sample standard deviation over seeds (mean only for one seed). Tokens: "
+        "committed (whose gradients reached an update), summed over workers. "
+        + (
+            "Every run commits the same tokens; ACCO, DPU and WP (a variable number of "
+            "micro-batches per step) take fewer steps to get there, their schedule laid out "
+            "over the budget, so the time to target is read on the same tokens. "
+            if bench.budget == "tokens"
+            else "Tokens differ where a method takes a variable number of micro-batches per step "
+            "(ACCO, DPU, WP accumulate while they communicate): the budget is in steps. "
+        )
+        + "Time to target: first evaluation at or "
         "below the target validation loss, on the run's clock, averaged over seeds (reported only "
         "if every seed reached it).",
         "",

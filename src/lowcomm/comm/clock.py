@@ -11,7 +11,8 @@ wait, so strategies never have to bracket their compute by hand.
   before a collective would be charged to whichever region blocks next (a wait, as exposed
   communication, or an excluded evaluation), and a wait that only orders streams would show
   no exposed time at all.
-* :class:`VirtualClock` keeps a modeled time per worker. Compute advances it by the CPU time
+* :class:`VirtualClock` keeps a modeled time per worker (:class:`~lowcomm.comm.calibration.CalibratedClock`,
+  the training default, charges calibrated costs instead). Compute advances it by the CPU time
   of the calling thread times the worker's speed factor (so four workers sharing two cores
   do not see their compute inflate), or by a declared number of seconds per micro-batch for a
   target device. Waiting moves it to the modeled completion of the collective.
@@ -72,10 +73,33 @@ class Clock(ABC):
         """Called after each forward/backward micro-batch; only a declared cost uses it."""
         return None
 
+    @contextmanager
+    def microbatch(self) -> Iterator[None]:
+        """A forward/backward micro-batch (the training loop's closure runs in it); ends with
+        :meth:`microbatch_done`."""
+        yield
+        self.microbatch_done()
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """The worker's training, entered on the thread that owns the clock (the calibrated
+        model counts the work done in it)."""
+        yield
+
+    @property
+    def compute_model(self) -> str:
+        """How compute is charged: wall (real clock), cpu-time, declared or calibrated."""
+        return "wall"
+
+    def describe_compute(self) -> dict[str, object]:
+        """The compute model and its figures (for the run's summary)."""
+        return {"model": self.compute_model}
+
     def state_dict(self) -> dict[str, float | str]:
         """The clock's readings (for a checkpoint)."""
         return {
             "kind": self.kind,
+            "compute_model": self.compute_model,
             "now": self.now(),
             "compute_s": self.compute_s,
             "exposed_comm_s": self.exposed_comm_s,
@@ -87,6 +111,12 @@ class Clock(ABC):
             raise ValueError(
                 f"--clock: the checkpoint was taken on the {state['kind']} clock, this run uses "
                 f"{self.kind}; resume with --clock {state['kind']}"
+            )
+        saved_model = state.get("compute_model", self.compute_model)
+        if saved_model != self.compute_model:
+            raise ValueError(
+                f"--compute-model: the checkpoint was taken with the {saved_model} compute model, "
+                f"this run uses {self.compute_model}; resume with the same compute model"
             )
         self.compute_s = float(state["compute_s"])
         self.exposed_comm_s = float(state["exposed_comm_s"])
@@ -223,6 +253,15 @@ class VirtualClock(Clock):
             self._time += elapsed
             self.compute_s += elapsed
         self._last_cpu = cpu
+
+    @property
+    def compute_model(self) -> str:
+        return "cpu-time" if self.seconds_per_microbatch is None else "declared"
+
+    def describe_compute(self) -> dict[str, object]:
+        if self.seconds_per_microbatch is None:
+            return {"model": "cpu-time"}
+        return {"model": "declared", "seconds_per_microbatch": self.seconds_per_microbatch}
 
     def microbatch_done(self) -> None:
         if self.seconds_per_microbatch is not None:

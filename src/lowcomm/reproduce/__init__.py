@@ -16,7 +16,7 @@ import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import tyro
 
@@ -94,6 +94,12 @@ class ReproduceConfig:
     scale: str = "full"
     """quick (2 workers, 96 steps) or full (4 workers, 192 steps; about 30 min per paper)."""
 
+    budget: Literal["tokens", "steps"] = "tokens"
+    """tokens: a method with a variable number of micro-batches per step (acco, dpu, wp with
+    no fixed count per phase) commits the tokens its fixed-count comparator commits in the
+    run's steps (--token-budget), its schedule laid out over them. steps: every run takes
+    its steps, whatever its tokens."""
+
     def __post_init__(self) -> None:
         choices = [*PAPERS, "all"]
         if self.paper not in choices:
@@ -120,6 +126,8 @@ class ReproduceConfig:
         if self.runs_dir is not None:
             parts += ["--runs-dir", self.runs_dir]
         parts += ["--seeds", *map(str, self.seeds), "--scale", self.scale]
+        if self.budget != "tokens":
+            parts += ["--budget", self.budget]
         return shlex.join(parts)
 
 
@@ -148,7 +156,9 @@ def _rose_late(curve: list[tuple[int, float, float]]) -> bool:
     return bool(curve[-1][2] > (1.0 + ROSE_LATE) * best)
 
 
-def _run_rows(results: Results) -> list[dict[str, Any]]:
+def _run_rows(
+    results: Results, budget: Literal["tokens", "steps"] = "tokens"
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for label, runs in results.runs.items():
         spec = results.specs[label]
@@ -161,11 +171,11 @@ def _run_rows(results: Results) -> list[dict[str, Any]]:
             {
                 "label": label,
                 "seeds": [r.seed for r in runs],
-                "command": spec.command(runs[0].seed if runs else 0),
+                "command": spec.command(runs[0].seed if runs else 0, budget),
                 "final_val_loss": finals,
                 "final_val_loss_mean": _finite(statistics.fmean(finals)) if finals else None,
                 "final_val_loss_sd": statistics.stdev(finals) if len(finals) > 1 else None,
-                "tokens": [r.summary["tokens"] for r in runs],
+                "tokens": [r.summary.get("committed_tokens") or r.summary["tokens"] for r in runs],
                 "modeled_time_s": [r.summary["modeled_time_s"] for r in runs],
                 "utilization": [r.summary["utilization"] for r in runs],
                 "bytes_sent_per_worker": [r.summary["bytes_sent_per_worker"] for r in runs],
@@ -182,7 +192,7 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
     out.mkdir(parents=True, exist_ok=True)
     runs_dir = Path(config.runs_dir) / paper.name if config.runs_dir else out / "runs"
     specs = paper.runs(scale)
-    results, failures = execute(paper.name, specs, config.seeds, runs_dir)
+    results, failures = execute(paper.name, specs, config.seeds, runs_dir, config.budget)
     findings = [prediction(results, scale) for prediction in paper.predictions]
     document = {
         "paper": paper.name,
@@ -192,7 +202,7 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
         "seeds": list(config.seeds),
         "setting": paper.setting(scale),
         "predictions": [_finding_json(f) for f in findings],
-        "runs": _run_rows(results),
+        "runs": _run_rows(results, config.budget),
         "failures": failures,
     }
     from lowcomm.atomic import atomic_write_text

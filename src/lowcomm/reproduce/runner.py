@@ -92,15 +92,34 @@ class RunSpec:
     def kind(self) -> Literal["train", "rosenbrock"]:
         return "rosenbrock" if isinstance(self.run, RosenbrockRun) else "train"
 
-    def train_config(self, seed: int, run_dir: Path) -> TrainConfig:
-        """The run of ``seed`` into ``run_dir``."""
+    def train_config(
+        self, seed: int, run_dir: Path, budget: Literal["tokens", "steps"] = "tokens"
+    ) -> TrainConfig:
+        """The run of ``seed`` into ``run_dir`` (``budget``: see :func:`equal_tokens`)."""
         assert isinstance(self.run, TrainConfig), self.label
-        return dataclasses.replace(self.run, seed=seed, out=str(run_dir), progress=False)
+        run = equal_tokens(self.run) if budget == "tokens" else self.run
+        return dataclasses.replace(run, seed=seed, out=str(run_dir), progress=False)
 
-    def command(self, seed: int) -> str:
+    def command(self, seed: int, budget: Literal["tokens", "steps"] = "tokens") -> str:
         if isinstance(self.run, RosenbrockRun):
             return f"python examples/rosenbrock_desloc.py {' '.join(self.run.args(seed))}"
-        return f"lowcomm train {' '.join(train_flags(self.run))} --seed {seed}"
+        run = equal_tokens(self.run) if budget == "tokens" else self.run
+        return f"lowcomm train {' '.join(train_flags(run))} --seed {seed}"
+
+
+#: Methods that take a variable number of micro-batches per step (unless forced per phase).
+VARIABLE_MICROBATCHES = ("acco", "dpu", "wp")
+
+
+def equal_tokens(config: TrainConfig) -> TrainConfig:
+    """``config`` at equal tokens: a method with a variable number of micro-batches per step
+    gets the token budget a fixed-count method commits in ``config.steps`` steps (its
+    schedule laid out over it); any other run is returned unchanged."""
+    variable = config.method in VARIABLE_MICROBATCHES and config.acco.microbatches_per_phase is None
+    if not variable or config.token_budget is not None:
+        return config
+    per_step = config.workers * config.microbatches_per_step * config.tokens_per_microbatch()
+    return dataclasses.replace(config, token_budget=config.steps * per_step)
 
 
 def train_flags(config: TrainConfig) -> list[str]:
@@ -250,9 +269,14 @@ def _rosenbrock(spec: RunSpec, seed: int, run_dir: Path, tag: str) -> str | None
 
 
 def execute(
-    paper: str, specs: list[RunSpec], seeds: tuple[int, ...], runs_dir: Path
+    paper: str,
+    specs: list[RunSpec],
+    seeds: tuple[int, ...],
+    runs_dir: Path,
+    budget: Literal["tokens", "steps"] = "tokens",
 ) -> tuple[Results, dict[str, str]]:
-    """Run (or resume) every declared run; return the finished ones and the failures."""
+    """Run (or resume) every declared run; return the finished ones and the failures
+    (``budget``: equal tokens or equal steps, see :func:`equal_tokens`)."""
     runs: dict[str, list[RunData]] = {spec.label: [] for spec in specs}
     failures: dict[str, str] = {}
     train_specs = [spec for spec in specs if spec.kind == "train"]
@@ -270,7 +294,7 @@ def execute(
                     data = json.loads((run_dir / "result.json").read_text())
                     runs[spec.label].append(RunData(spec.label, seed, data, [], []))
             else:
-                config = spec.train_config(seed, run_dir)
+                config = spec.train_config(seed, run_dir, budget)
                 error = run_or_resume(config, tag, tag="reproduce", option="--runs-dir")
                 if error is None:
                     runs[spec.label].append(_load(run_dir, spec.label, seed))

@@ -35,7 +35,9 @@ Learning-rate schedule: indexed by committed samples, as ACCO's reference code a
 scheduler by the micro-batch gradients each committed step consumed. Schedule step =
 floor(committed gradients summed over workers / (phases x M x ``--microbatches-per-step``)),
 phases = 2 for ACCO (its two halves) and 1 for DPU and WP: the number of steps of the
-synchronous baseline that would have consumed the same samples.
+synchronous baseline that would have consumed the same samples. With a token budget
+(``--token-budget``) the schedule is laid out over the budget instead: schedule step =
+floor(committed gradients x total steps / budgeted micro-batches).
 """
 
 from __future__ import annotations
@@ -333,6 +335,8 @@ class _ShardedOverlap(Strategy):
         self.primed = False
         # Micro-batch gradients (summed over workers) consumed by committed steps so far.
         self.committed_gradients = 0
+        # Micro-batches this worker has computed (for a token budget's per-worker share).
+        self.computed = 0
         self.thread: CommThread | None = None
         self.stream: Any = (
             torch.cuda.Stream(device=self.flat.device)  # type: ignore[no-untyped-call]
@@ -348,6 +352,10 @@ class _ShardedOverlap(Strategy):
         """The LR schedule's step after ``committed_gradients`` committed micro-batch
         gradients (default: the current count); see the module docstring."""
         count = self.committed_gradients if committed_gradients is None else committed_gradients
+        budget = self.context.microbatch_budget
+        if budget is not None:
+            # A token budget: the schedule's last step lands where the budget is spent.
+            return count * self.context.total_steps // budget
         unit = self.phases_per_commit * self.comm.world_size * self.context.microbatches_per_step
         return count // unit
 
@@ -427,6 +435,7 @@ class _ShardedOverlap(Strategy):
         for _ in range(count):
             tally.add(closure())
             self.accumulated += 1
+            self.computed += 1
         self.flat.sync_grads()
         return tally
 
@@ -442,14 +451,21 @@ class _ShardedOverlap(Strategy):
         while True:
             tally.add(closure())
             self.accumulated += 1
+            self.computed += 1
             if forced is not None:
                 if tally.microbatches >= forced:
                     break
-            elif chain.done():
+            elif chain.done() or self._share_spent():
                 break
         total = chain.wait()
         self.flat.sync_grads()
         return tally, total
+
+    def _share_spent(self) -> bool:
+        """With a token budget: this worker has computed its share of the budgeted
+        micro-batches (it then computes one per phase, the minimum, until the run ends)."""
+        budget = self.context.microbatch_budget
+        return budget is not None and self.computed >= -(-budget // self.comm.world_size)
 
     def _sequential_step(self, closure: Closure) -> tuple[_Tally, int]:
         """One plain ZeRO-1 step (§1.2) through the same chain: compute, then communicate."""
@@ -537,6 +553,7 @@ class _ShardedOverlap(Strategy):
             "accumulated": self.accumulated,
             "primed": self.primed,
             "committed_gradients": self.committed_gradients,
+            "computed": self.computed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -550,6 +567,7 @@ class _ShardedOverlap(Strategy):
         self.accumulated = int(state["accumulated"])
         self.primed = bool(state["primed"])
         self.committed_gradients = int(state["committed_gradients"])
+        self.computed = int(state.get("computed", 0))
 
 
 @contextmanager

@@ -69,6 +69,8 @@ class StrategyContext:
         microbatches_per_step: micro-batches each worker accumulates per step.
         max_grad_norm: clip the averaged gradient to this global L2 norm before the optimizer
             step (None = no clipping, the plain update rule of docs/ALGORITHMS.md).
+        microbatch_budget: with a token budget, the micro-batches (summed over workers) a
+            method with a variable number per step lays its schedule out over (None: none).
         runtime: what the strategy may use of the layer below besides its ``Comm`` (the
             training loop hands in ``comm.runtime()``); None: the communicator's own, found
             by :func:`lowcomm.comm.runtime.runtime_for`.
@@ -79,6 +81,7 @@ class StrategyContext:
     total_steps: int = 100
     microbatches_per_step: int = 1
     max_grad_norm: float | None = 1.0
+    microbatch_budget: int | None = None
     runtime: Runtime | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.cast import wire_dtype
-from lowcomm.comm.clock import Clock, make_clock
+from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
 from lowcomm.config import TrainConfig
@@ -26,6 +26,7 @@ from lowcomm.models import build_model
 from lowcomm.models.export import save_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint
+from lowcomm.train.compute import budget_spent, committed_tokens, worker_clock
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics
 
@@ -124,6 +125,8 @@ class Progress:
     """The run directory a resume continued (None: a fresh start)."""
     extended_from: int | None = None
     """The steps of the finished run this one extends (None: not an extension)."""
+    end_step: int | None = None
+    """The step after which a --token-budget run ended (None: it runs to --steps)."""
 
 
 def train_worker(
@@ -156,13 +159,14 @@ def train_worker(
     start_wall = time.perf_counter()
     final = FinalState()
     try:
-        if not train_steps(worker, progress, writer, final):
-            return _stopped(worker, progress, writer, keep_parameters)
-        final_evaluation(worker, progress, final, keep_parameters)
-        if progress.start_step < worker.config.steps:
-            # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
-            with worker.clock.excluded():
-                _save_checkpoint(worker, worker.config.steps, progress)
+        with worker.clock.training():  # (the calibrated model counts the work done in it)
+            if not train_steps(worker, progress, writer, final):
+                return _stopped(worker, progress, writer, keep_parameters)
+            final_evaluation(worker, progress, final, keep_parameters)
+            if progress.start_step < worker.config.steps:
+                # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
+                with worker.clock.excluded():
+                    _save_checkpoint(worker, progress.end_step or worker.config.steps, progress)
     finally:
         if writer is not None:
             if final.last_record is not None:
@@ -179,7 +183,6 @@ def train_worker(
 def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     """Build this process's model, clock, communicators, strategy, data shard and closure."""
     rank, world_size = raw.rank, raw.world_size
-    worker_index = rank // config.ranks_per_worker  # (= rank with flat workers)
     device = torch.device(
         config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
     )
@@ -188,12 +191,7 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
         torch.cuda.reset_peak_memory_stats(device)
     corpus = prepare_corpus(config.data)
     model = _shared_initial_model(config, corpus.vocab_size, raw, device)
-    clock = make_clock(
-        config.clock,
-        speed_factor=config.network_profile().speed_factor(worker_index),
-        seconds_per_microbatch=config.seconds_per_microbatch,
-        device=device,
-    )
+    clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
     comm, replica_comm = _strategy_comms(config, raw, clock, device)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
@@ -292,13 +290,13 @@ def _closure(
         return batch.pin_memory().to(device, non_blocking=True)
 
     def closure() -> MicroBatchResult:
-        inputs, targets = shard.next_batch()
-        inputs, targets = to_device(inputs), to_device(targets)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            _, loss = model(inputs, targets)
-        assert loss is not None
-        loss.backward()
-        clock.microbatch_done()
+        with clock.microbatch():
+            inputs, targets = shard.next_batch()
+            inputs, targets = to_device(inputs), to_device(targets)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(inputs, targets)
+            assert loss is not None
+            loss.backward()
         return MicroBatchResult(
             loss=float(loss.detach()), samples=inputs.shape[0], tokens=inputs.numel()
         )
@@ -376,6 +374,8 @@ def train_steps(
     for step in range(progress.start_step, config.steps):
         if not train_step(worker, step, progress, writer, final):
             return False
+        if progress.end_step is not None:
+            return True
     return True
 
 
@@ -390,6 +390,8 @@ def train_step(
     stats = worker.strategy.step(worker.step_closure)
     now = clock.now()
     progress.tokens += stats.tokens
+    if budget_spent(config, worker.strategy, progress.tokens * worker.world_size):
+        progress.end_step = step + 1
     with clock.excluded():
         mine = StepMetrics(
             loss=stats.loss,
@@ -404,7 +406,7 @@ def train_step(
         )
         everyone = mine.all_gather(worker.bookkeeping)
         _check_finite(step, everyone)
-        is_last = step == config.steps - 1
+        is_last = step == config.steps - 1 or progress.end_step is not None
         evaluate = (step + 1) % config.eval_every == 0 and not is_last
         if evaluate:
             with worker.strategy.deployed() as deployed_model:
@@ -509,6 +511,10 @@ def finish(
             final_val_loss=progress.val_loss,
             wall_clock_s=wall_clock_s,
             clock_kind=worker.clock.kind,
+            compute_model=worker.clock.describe_compute(),
+            committed_tokens=committed_tokens(
+                config, worker.strategy, progress.tokens * worker.world_size
+            ),
             network=config.network_profile(),
             replica_network=config.replica_network_profile()
             if config.ranks_per_worker > 1

@@ -168,6 +168,8 @@ class RunWriter:
         clock_kind: str,
         network: NetworkProfile,
         replica_network: NetworkProfile | None = None,
+        compute_model: dict[str, object] | None = None,
+        committed_tokens: int | None = None,
     ) -> dict[str, Any]:
         """Write summary.json and loss.png, print the summary table; return the summary.
 
@@ -177,6 +179,9 @@ class RunWriter:
             wall_clock_s=wall_clock_s,
             bytes_by_role=bytes_by_role,
             clock=clock_kind,
+            compute_model=compute_model,
+            committed_tokens=committed_tokens,
+            token_budget=self.config.token_budget,
             network=_describe_network(network, speed_factors=True),
             # (the summary's key names the option, --inner-network)
             inner_network=None if replica_network is None else _describe_network(replica_network),
@@ -267,10 +272,11 @@ class RunWriter:
 
 #: The order of summary.json's keys (unchanged since before the named records).
 _SUMMARY_ORDER = (
-    "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "num_params", "tokens", "final_train_loss",
+    "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "num_params", "tokens",
+    "committed_tokens", "token_budget", "final_train_loss",
     "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
     "bytes_sent_per_worker", "bytes_sent_per_rank", "levels", "bytes_by_role", "clock",
-    "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",
+    "compute_model", "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",
 )  # fmt: skip
 
 
@@ -335,6 +341,21 @@ def _level_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _compute_model_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """How the virtual clock charged compute (none on the real clock)."""
+    model = summary.get("compute_model")
+    if not model or model.get("model") == "wall":
+        return []
+    if "seconds_per_microbatch" not in model:
+        return [("compute model", str(model["model"]))]
+    return [
+        (
+            "compute model",
+            f"{model['model']} ({model['seconds_per_microbatch'] * 1e3:.2f} ms per micro-batch)",
+        )
+    ]
+
+
 def format_summary(summary: dict[str, Any], directory: Path) -> str:
     """The final table printed after a run."""
     clock = summary["clock"]
@@ -357,6 +378,7 @@ def format_summary(summary: dict[str, Any], directory: Path) -> str:
         ),
         (f"time ({clock} clock)", f"{summary['modeled_time_s']:.2f} s"),
         (f"compute ({clock} clock)", f"{summary['compute_s']:.2f} s"),
+        *_compute_model_rows(summary),
         (f"exposed comm ({clock} clock)", f"{summary['exposed_comm_s']:.2f} s"),
         ("utilization", f"{summary['utilization']:.1%}"),
         ("sent per worker", _human_bytes(summary["bytes_sent_per_worker"])),

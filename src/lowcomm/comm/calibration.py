@@ -1,0 +1,340 @@
+"""The calibrated compute model of the virtual clock: compute costs that do not move with
+the machine's load.
+
+Before training, every worker times a forward-backward pass of its own model on its own
+micro-batch shape, and an AdamW update over a flat tensor of its parameter count. The workers
+take turns (barriers on the bookkeeping group), so the processes of one run never compete for
+cores while they are timed; all the timings of all the workers are then gathered and every
+worker takes the same statistic of them, so they agree on one number without a further
+exchange. Timings are the calling thread's CPU time (workers run one intra-op thread), and
+the statistic is the **minimum**: interference (another process, a cache flush, a page fault)
+only ever adds time, so the least-interfered timing is the most repeatable estimate of the
+work's own cost.
+
+Two figures come out:
+
+* ``seconds_per_microbatch``: the cost charged for every micro-batch (times the worker's
+  straggler speed factor), whatever the machine is doing while the run trains.
+* ``seconds_per_element``: the cost of touching one tensor element, charged for all the
+  compute outside micro-batches (inner and outer optimizer steps, delay compensation,
+  quantization, averaging arithmetic): an :class:`ElementCounter` sees every ATen operation
+  the worker's thread runs there and counts the elements it writes (views are free). The
+  same counter counts the calibration's AdamW update, so the per-element cost is the one of
+  the update arithmetic every method runs. Python overhead and communication calls are not
+  charged (the clock charges communication from the network model).
+
+A :class:`Calibration` is saved to and loaded from a JSON file (``--calibration FILE``) and
+travels in the clock's checkpoint state, so a resumed run charges exactly what it charged
+before.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lowcomm.atomic import atomic_write_text
+from lowcomm.comm.base import Comm, Role
+from lowcomm.comm.clock import VirtualClock
+
+#: Timed repeats in all (split over the workers, at least one each) after the warm-up.
+TIMED_REPEATS = 4
+#: Warm-up passes per worker (all workers at once; the last one's timing sizes the turns).
+WARMUP = 1
+#: A worker's turn lasts about this long when its passes are cheap (up to MAX_REPEATS each).
+TURN_S = 0.2
+MAX_REPEATS = 40
+
+
+def robust_cost(samples: Sequence[float]) -> float:
+    """The agreed cost of a set of timings: their minimum (interference only adds time).
+
+    Non-finite and non-positive timings are ignored; with none left this raises."""
+    valid = [s for s in samples if math.isfinite(s) and s > 0]
+    if not valid:
+        raise ValueError(f"calibration: no positive finite timing among {list(samples)}")
+    return min(valid)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Calibrated compute costs (see the module docstring)."""
+
+    seconds_per_microbatch: float
+    seconds_per_element: float
+    micro_batch_size: int
+    block_size: int
+    num_params: int
+    microbatch_samples: tuple[float, ...] = ()
+    element_samples: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compute_model": "calibrated", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        return cls(
+            seconds_per_microbatch=float(data["seconds_per_microbatch"]),
+            seconds_per_element=float(data["seconds_per_element"]),
+            micro_batch_size=int(data["micro_batch_size"]),
+            block_size=int(data["block_size"]),
+            num_params=int(data["num_params"]),
+            microbatch_samples=tuple(float(s) for s in data.get("microbatch_samples", ())),
+            element_samples=tuple(float(s) for s in data.get("element_samples", ())),
+        )
+
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def check_calibration_file(path: Path, *, micro_batch_size: int, block_size: int) -> str | None:
+    """Why the calibration file at ``path`` cannot serve a run of these shapes (None: it can,
+    or it does not exist yet and the run will write it)."""
+    if not path.exists():
+        return None
+    try:
+        calibration = Calibration.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"is not a calibration file ({type(error).__name__}: {error})"
+    shapes = (calibration.micro_batch_size, calibration.block_size)
+    if shapes != (micro_batch_size, block_size):
+        return (
+            f"was measured on micro-batches of {shapes[0]} x {shapes[1]} tokens, this run uses "
+            f"{micro_batch_size} x {block_size}"
+        )
+    return None
+
+
+class ElementCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the tensor elements the ATen operations of this thread write while counting.
+
+    Thread-local (a dispatch mode); views and non-ATen operations (communication) count
+    nothing; an operation with no tensor result counts its first tensor argument."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.elements = 0
+        self.counting = True
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.counting and func.namespace == "aten" and not func.is_view:
+            written = _numel(out)
+            self.elements += written if written else _numel(args[0] if args else None)
+        return out
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        was = self.counting
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = was
+
+
+def _numel(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)):
+        return sum(_numel(v) for v in value)
+    return 0
+
+
+def _thread_cpu_timing(work: Callable[[], None]) -> float:
+    begin = time.thread_time()
+    work()
+    return time.thread_time() - begin
+
+
+def _forward_backward(
+    model: torch.nn.Module, vocab_size: int, micro_batch_size: int, block_size: int
+) -> Callable[[], None]:
+    """One forward-backward pass of a copy of ``model`` on a fixed random micro-batch."""
+    replica = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    shape = (micro_batch_size, block_size)
+    device = next(replica.parameters()).device
+    inputs = torch.randint(0, vocab_size, shape, generator=generator).to(device)
+    targets = torch.randint(0, vocab_size, shape, generator=generator).to(device)
+
+    def run() -> None:
+        replica.zero_grad(set_to_none=True)
+        _, loss = replica(inputs, targets)
+        loss.backward()
+
+    return run
+
+
+def _update(num_params: int, counter: ElementCounter) -> Callable[[], None]:
+    """One AdamW update (the library's own arithmetic) over ``num_params`` elements."""
+    from lowcomm.optim.adamw import AdamWConfig, _adamw_update
+
+    generator = torch.Generator().manual_seed(0)
+    master = torch.randn(num_params, generator=generator)
+    grad = torch.randn(num_params, generator=generator)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    config = AdamWConfig()
+
+    def run() -> None:
+        with counter:
+            _adamw_update(master, grad, exp_avg, exp_avg_sq, (1, 1), config, 1e-3)
+
+    return run
+
+
+def _repeats(pass_s: float, bookkeeping: Comm) -> int:
+    """Timed repeats per worker, the same on all: enough for TIMED_REPEATS in all, more
+    when a pass is cheap (a turn of about TURN_S), at most MAX_REPEATS."""
+    slowest = torch.tensor([pass_s], dtype=torch.float64)
+    bookkeeping.all_reduce(slowest, op="max", role=Role.OTHER).wait()
+    enough = math.ceil(TIMED_REPEATS / bookkeeping.world_size)
+    cheap = math.ceil(TURN_S / max(float(slowest), 1e-6))
+    return max(1, min(MAX_REPEATS, max(enough, cheap)))
+
+
+def calibrate(
+    model: torch.nn.Module,
+    *,
+    vocab_size: int,
+    micro_batch_size: int,
+    block_size: int,
+    bookkeeping: Comm,
+) -> Calibration:
+    """Measure this run's compute costs on every worker in turn and agree on them (every
+    process of the run calls this at the same point). Leaves ``model`` and the global random
+    state as they were."""
+    rng = torch.get_rng_state()
+    num_params = sum(p.numel() for p in model.parameters())
+    forward_backward = _forward_backward(model, vocab_size, micro_batch_size, block_size)
+    counter = ElementCounter()
+    update = _update(num_params, counter)
+    warmup_s = 0.0
+    for _ in range(WARMUP):  # all workers at once: only sizes the turns
+        warmup_s = _thread_cpu_timing(forward_backward)
+        update()
+    rank, world = bookkeeping.rank, bookkeeping.world_size
+    repeats = _repeats(warmup_s, bookkeeping)
+    mine = torch.zeros(2 * repeats, dtype=torch.float64)
+    for turn in range(world):
+        bookkeeping.barrier().wait()
+        if turn == rank:
+            for index in range(repeats):
+                mine[index] = _thread_cpu_timing(forward_backward)
+                counter.elements = 0
+                mine[repeats + index] = _thread_cpu_timing(update) / max(counter.elements, 1)
+    everyone = torch.zeros(world * 2 * repeats, dtype=torch.float64)
+    bookkeeping.all_gather(everyone, mine, role=Role.OTHER).wait()
+    rows = everyone.view(world, 2, repeats)
+    microbatch = tuple(float(s) for s in rows[:, 0].flatten())
+    element = tuple(float(s) for s in rows[:, 1].flatten())
+    torch.set_rng_state(rng)
+    return Calibration(
+        seconds_per_microbatch=robust_cost(microbatch),
+        seconds_per_element=robust_cost(element),
+        micro_batch_size=micro_batch_size,
+        block_size=block_size,
+        num_params=num_params,
+        microbatch_samples=microbatch,
+        element_samples=element,
+    )
+
+
+class CalibratedClock(VirtualClock):
+    """The virtual clock on the calibrated compute model: every micro-batch costs
+    ``calibration.seconds_per_microbatch`` and every element written outside micro-batches
+    ``calibration.seconds_per_element`` (both times the speed factor); CPU time is never read.
+
+    The elements are counted on the thread that enters :meth:`training`; blocked and
+    excluded regions count nothing."""
+
+    def __init__(self, calibration: Calibration, *, speed_factor: float = 1.0) -> None:
+        super().__init__(
+            speed_factor=speed_factor, seconds_per_microbatch=calibration.seconds_per_microbatch
+        )
+        self.calibration = calibration
+        self.counter = ElementCounter()
+        self._charged_elements = 0
+
+    @property
+    def compute_model(self) -> str:
+        return "calibrated"
+
+    def describe_compute(self) -> dict[str, object]:
+        c = self.calibration
+        return {
+            "model": "calibrated",
+            "seconds_per_microbatch": c.seconds_per_microbatch,
+            "seconds_per_element": c.seconds_per_element,
+            "statistic": "minimum of the thread CPU time of all workers' timed repeats",
+            "microbatch_samples": list(c.microbatch_samples),
+            "element_samples": list(c.element_samples),
+        }
+
+    def mark(self) -> None:
+        elements = self.counter.elements
+        if elements > self._charged_elements:
+            cost = (elements - self._charged_elements) * self.calibration.seconds_per_element
+            self._time += cost * self.speed_factor
+            self.compute_s += cost * self.speed_factor
+        self._charged_elements = elements
+
+    def _restart_at(self, now: float) -> None:
+        self._time = now
+        self._charged_elements = self.counter.elements
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        with self.counter:
+            yield
+
+    @contextmanager
+    def microbatch(self) -> Iterator[None]:
+        self.mark()
+        with self.counter.paused():
+            yield
+        self.microbatch_done()
+
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        self.mark()
+        with self.counter.paused():
+            yield
+
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        self.mark()
+        with self.counter.paused():
+            yield
+
+    def state_dict(self) -> dict[str, float | str]:
+        return {**super().state_dict(), "calibration": json.dumps(self.calibration.to_dict())}
+
+    def load_state_dict(self, state: dict[str, float | str]) -> None:
+        """Continue from saved readings with the saved calibration (a resume charges what the
+        first part of the run charged)."""
+        super().load_state_dict(state)
+        saved = state.get("calibration")
+        if isinstance(saved, str):
+            self.calibration = Calibration.from_dict(json.loads(saved))
+            self.seconds_per_microbatch = self.calibration.seconds_per_microbatch

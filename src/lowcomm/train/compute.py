@@ -1,0 +1,83 @@
+"""The worker's clock with its compute model (see :mod:`lowcomm.comm.calibration`), and the
+token budget that ends an equal-token run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lowcomm.comm.base import Comm
+from lowcomm.comm.calibration import CalibratedClock, Calibration, calibrate
+from lowcomm.comm.clock import Clock, make_clock
+from lowcomm.config import TrainConfig
+from lowcomm.strategies import Strategy
+
+
+def uses_calibration(config: TrainConfig) -> bool:
+    """Whether the run charges compute on the calibrated model."""
+    return (
+        config.clock == "virtual"
+        and config.seconds_per_microbatch is None
+        and config.compute_model == "calibrated"
+    )
+
+
+def worker_clock(
+    config: TrainConfig,
+    model: torch.nn.Module,
+    vocab_size: int,
+    bookkeeping: Comm,
+    device: torch.device,
+) -> Clock:
+    """This process's clock: real, virtual on a declared cost or CPU time, or virtual on the
+    calibrated model (measured here, every process in turn, or read from --calibration)."""
+    worker_index = bookkeeping.rank // config.ranks_per_worker
+    speed_factor = config.network_profile().speed_factor(worker_index)
+    if not uses_calibration(config):
+        return make_clock(
+            config.clock,
+            speed_factor=speed_factor,
+            seconds_per_microbatch=config.seconds_per_microbatch,
+            device=device,
+        )
+    return CalibratedClock(
+        run_calibration(config, model, vocab_size, bookkeeping), speed_factor=speed_factor
+    )
+
+
+def run_calibration(
+    config: TrainConfig, model: torch.nn.Module, vocab_size: int, bookkeeping: Comm
+) -> Calibration:
+    """The run's calibration: read from --calibration if that file exists, else measured
+    (and written there by rank 0 when --calibration names a file)."""
+    path = None if config.calibration is None else Path(config.calibration)
+    if path is not None and path.exists():
+        return Calibration.load(path)
+    calibration = calibrate(
+        model,
+        vocab_size=vocab_size,
+        micro_batch_size=config.data.micro_batch_size,
+        block_size=config.model.block_size,
+        bookkeeping=bookkeeping,
+    )
+    if path is not None and bookkeeping.rank == 0:
+        calibration.save(path)
+    return calibration
+
+
+def committed_tokens(config: TrainConfig, strategy: Strategy, consumed_tokens: int) -> int:
+    """Tokens (summed over workers) whose gradients the run has committed: the micro-batches
+    a method with a variable number per step has committed (its ``committed_gradients``, the
+    same on every worker), else every token consumed (``consumed_tokens``: this process's
+    count times the processes, which take equal counts)."""
+    committed = getattr(strategy, "committed_gradients", None)
+    if committed is None:
+        return consumed_tokens
+    return int(committed) * config.tokens_per_microbatch()
+
+
+def budget_spent(config: TrainConfig, strategy: Strategy, consumed_tokens: int) -> bool:
+    """Whether a --token-budget run has committed its budget (False without a budget)."""
+    budget = config.token_budget
+    return budget is not None and committed_tokens(config, strategy, consumed_tokens) >= budget

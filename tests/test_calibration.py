@@ -1,0 +1,197 @@
+"""The calibrated compute model: its statistic, the agreement across Gloo processes, the clock
+that charges it, and runs that load one calibration (identical modeled times, identical
+ACCO/CoCoDC decisions)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tests._cli import lowcomm
+
+from lowcomm.comm.calibration import (
+    CalibratedClock,
+    Calibration,
+    ElementCounter,
+    calibrate,
+    robust_cost,
+)
+from lowcomm.launch import spawn_workers
+from lowcomm.models import ModelConfig, build_model
+
+CALIBRATION = Calibration(
+    seconds_per_microbatch=0.5, seconds_per_element=1e-6, micro_batch_size=2, block_size=16,
+    num_params=10,
+)  # fmt: skip
+
+
+def test_robust_cost_is_the_least_interfered_timing() -> None:
+    assert robust_cost([0.31, 0.30, 0.95, 0.33]) == 0.30
+    assert robust_cost([math.nan, 0.0, -1.0, 0.2, math.inf]) == 0.2
+    with pytest.raises(ValueError, match="no positive finite timing"):
+        robust_cost([math.nan, 0.0])
+
+
+def test_element_counter_counts_written_elements_not_views() -> None:
+    x = torch.zeros(10)
+    counter = ElementCounter()
+    with counter:
+        x.add_(1.0)  # 10
+        y = x.view(2, 5)  # a view: free
+        z = y * 2  # 10
+        with counter.paused():
+            _ = z + 1
+    assert counter.elements == 20
+
+
+def test_calibrated_clock_charges_fixed_costs_only() -> None:
+    clock = CalibratedClock(CALIBRATION, speed_factor=2.0)
+    with clock.training():
+        with clock.microbatch():
+            _ = torch.ones(1000) * 3  # inside a micro-batch: its calibrated cost only
+        assert clock.now() == pytest.approx(2.0 * 0.5)
+        _ = torch.ones(100).mul_(2.0)  # ones (100) + mul_ (100) outside: 200 elements
+        assert clock.now() == pytest.approx(2.0 * (0.5 + 200e-6))
+        with clock.excluded():
+            _ = torch.ones(10_000) + 1
+        with clock.blocked():
+            _ = torch.ones(10_000) + 1
+        clock.wait_until(clock.now() + 1.0)
+    assert clock.compute_s == pytest.approx(2.0 * (0.5 + 200e-6))
+    assert clock.exposed_comm_s == pytest.approx(1.0)
+    assert clock.describe_compute()["model"] == "calibrated"
+
+
+def test_resumed_clock_charges_the_checkpoint_calibration() -> None:
+    clock = CalibratedClock(CALIBRATION)
+    clock.microbatch_done()
+    other = Calibration(**{**CALIBRATION.__dict__, "seconds_per_microbatch": 9.0})
+    resumed = CalibratedClock(other)
+    resumed.load_state_dict(clock.state_dict())
+    assert resumed.calibration == CALIBRATION
+    resumed.microbatch_done()
+    assert resumed.now() == pytest.approx(1.0)
+
+
+def _calibrate_tiny() -> Calibration:
+    from lowcomm.comm.torch_comm import TorchComm
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), 64)
+    before = [p.detach().clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    calibration = calibrate(
+        model, vocab_size=64, micro_batch_size=2, block_size=16, bookkeeping=TorchComm()
+    )
+    assert torch.equal(rng, torch.get_rng_state())  # the run's random stream is untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    return calibration
+
+
+def test_workers_agree_on_one_calibration() -> None:
+    results = spawn_workers(_calibrate_tiny, 3)
+    first = results[0]
+    assert all(result == first for result in results)
+    # Every worker took its turn: its timings are all in, and the agreed cost is their minimum.
+    assert len(first.microbatch_samples) >= 3 and len(first.microbatch_samples) % 3 == 0
+    assert first.seconds_per_microbatch == min(first.microbatch_samples)
+    assert first.seconds_per_element == min(first.element_samples)
+    assert first.num_params == sum(
+        p.numel()
+        for p in build_model(
+            ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), 64
+        ).parameters()
+    )
+
+
+FLAGS = (
+    "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
+    "--model.block-size", "16", "--micro-batch-size", "2", "--eval-every", "100",
+    "--eval-batches", "2", "--progress", "False", "--network", "wan", "--seed", "3",
+)  # fmt: skip
+
+
+def _train(out: Path, *args: str) -> dict[str, object]:
+    result = lowcomm("train", *FLAGS, "--out", str(out), *args, timeout=180)
+    assert result.returncode == 0, result.stderr
+    summary: dict[str, object] = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["acco", "cocodc"])
+def test_runs_on_one_calibration_are_identical(tmp_path: Path, method: str) -> None:
+    calibration = tmp_path / "calibration.json"
+    common = ("--method", method, "--steps", "6", "--calibration", str(calibration))
+    first = _train(tmp_path / "a", *common)  # measures and writes the calibration
+    second = _train(tmp_path / "b", *common)  # reads it
+    assert calibration.exists()
+    saved = json.loads(calibration.read_text())
+    model = first["compute_model"]
+    assert isinstance(model, dict)
+    assert model["model"] == "calibrated"
+    assert model["seconds_per_microbatch"] == saved["seconds_per_microbatch"]
+    for key in ("modeled_time_s", "compute_s", "tokens", "final_val_loss", "final_train_loss"):
+        assert first[key] == second[key], key
+
+
+def test_calibration_needs_the_calibrated_model(tmp_path: Path) -> None:
+    result = lowcomm(
+        "train", "--compute-model", "cpu-time", "--calibration", str(tmp_path / "c.json"),
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("lowcomm: error: --calibration")
+
+
+def test_a_calibration_of_other_shapes_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    CALIBRATION.save(path)
+    result = lowcomm("train", *FLAGS, "--micro-batch-size", "4", "--calibration", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "2 x 16 tokens" in lines[0] and "4 x 16" in lines[0]
+
+
+def _straight_and_resumed_calibrated(base: str, method: str) -> dict[str, float]:
+    from dataclasses import replace
+
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.config import TrainConfig
+    from lowcomm.data import DataConfig
+    from lowcomm.train.loop import train_worker
+
+    root = Path(base)
+    config = TrainConfig(
+        method=method, workers=2, steps=6, network="wan", eval_every=3, eval_batches=2,
+        progress=False, model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2), calibration=str(root / "calibration.json"),
+    )  # fmt: skip
+    straight = train_worker(replace(config, out=str(root / "straight")), TorchComm())
+    stop = replace(config, out=str(root / "resumed"), stop_after=3)
+    train_worker(stop, TorchComm())
+    resumed = train_worker(
+        replace(stop, stop_after=None, resume=str(root / "resumed")), TorchComm()
+    )
+    return {
+        "clock_diff": abs(straight.clock_s - resumed.clock_s),
+        "compute_diff": abs(straight.compute_s - resumed.compute_s),
+        "tokens_diff": abs(straight.tokens - resumed.tokens),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["co2", "acco"])
+def test_resume_on_the_calibrated_model_is_exact(tmp_path: Path, method: str) -> None:
+    from lowcomm.data import DataConfig, prepare_corpus
+
+    prepare_corpus(DataConfig(micro_batch_size=2))
+    for got in spawn_workers(_straight_and_resumed_calibrated, 2, (str(tmp_path), method)):
+        assert got == {"clock_diff": 0.0, "compute_diff": 0.0, "tokens_diff": 0.0}, got
