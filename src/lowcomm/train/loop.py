@@ -27,6 +27,7 @@ from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics
+from lowcomm.train.reshard import read_resharded
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -123,6 +124,8 @@ class Progress:
     """The run directory a resume continued (None: a fresh start)."""
     extended_from: int | None = None
     """The steps of the finished run this one extends (None: not an extension)."""
+    membership: dict[str, int] | None = None
+    """The membership change this resume made (old and new workers), or None."""
 
 
 def train_worker(
@@ -308,16 +311,18 @@ def resume(worker: Worker) -> Progress:
         start_step, directory = checkpoint.find_latest(
             resume_from, worker.world_size, checkpoint.fingerprint(config)
         )
-        saved = checkpoint.read_rank_state(directory, worker.rank, worker.device)
+        # Written with another number of workers: re-sharded here (train/reshard.py).
+        saved = read_resharded(directory, config, worker.rank, worker.device)
         worker.model.load_state_dict(saved["model"])
         worker.strategy.load_state_dict(saved["strategy"])
         worker.shard.load_state_dict(saved["data"])
         worker.clock.load_state_dict(saved["clock"])
-        worker.comm.load_state_dict(saved["comm"])
+        if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
+            worker.comm.load_state_dict(saved["comm"])
         _restore_rng(saved["rng"], worker.device)
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
-            resumed_from=resume_from,
+            resumed_from=resume_from, membership=saved.get("membership"),
             extended_from=checkpoint.extension_of(directory, config.steps),
         )  # fmt: skip
     worker.bookkeeping.barrier().wait()
@@ -339,6 +344,7 @@ def _run_writer(worker: Worker, progress: Progress) -> RunWriter | None:
     writer = RunWriter(worker.config, resume_step=progress.start_step if resumed else None)
     if progress.extended_from is not None:
         writer.extended_at.append(progress.extended_from)
+    writer.membership = progress.membership
     return writer
 
 
