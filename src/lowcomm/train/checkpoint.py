@@ -222,11 +222,6 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
             f"it with the lowcomm that wrote it, or start a new run (--overwrite or another --out)"
         )
     saved = manifest.get("fingerprint", {})
-    if (manifest.get("world_size"), saved.get("ranks_per_worker")) != (
-        world_size,
-        fingerprint["ranks_per_worker"],
-    ):
-        _check_reshardable(directory, manifest, world_size, fingerprint)
     for key, value in fingerprint.items():
         if key == "steps" and _extends(int(manifest["step"]), saved, value, directory):
             continue
@@ -244,6 +239,9 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
             return f"is incomplete: {path} is missing"
         if _sha256(path) != expected:
             return f"is damaged: {path} fails its checksum (truncated or corrupted)"
+    layout = (world_size, fingerprint["ranks_per_worker"])
+    if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
+        _check_reshardable(directory, manifest, world_size, fingerprint)
     return None
 
 

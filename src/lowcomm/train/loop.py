@@ -330,10 +330,18 @@ def resume(worker: Worker) -> Progress:
         # Said whatever --progress is: a resumed run must not look like a fresh one.
         print(
             f"lowcomm: resumed {resume_from} from step {progress.start_step} (checkpoint "
-            f"{directory.name}); training steps {progress.start_step + 1} to {config.steps}",
+            f"{directory.name}{_membership_note(progress)}); training steps "
+            f"{progress.start_step + 1} to {config.steps}",
             flush=True,
         )
     return progress
+
+
+def _membership_note(progress: Progress) -> str:
+    change = progress.membership
+    if change is None:
+        return ""
+    return f", re-sharded from {change['old_workers']} to {change['new_workers']} workers"
 
 
 def _run_writer(worker: Worker, progress: Progress) -> RunWriter | None:

@@ -139,6 +139,8 @@ def reshard(
         )
     workers = [_join_replicas(states, old, w) for w in range(old.workers)]
     strategy = _combine([w["strategy"] for w in workers], "strategy", rules, sharded=True)
+    if rules.shards_over_workers:  # flat buffers padded to a multiple of the worker count
+        strategy = _repad(strategy, rules.numel, old.workers, new.workers)
     model = _combine([w["model"] for w in workers], "model", rules, sharded=False)
     try:
         carry = consumed_in_pass([s["data"] for s in states]).state()
@@ -259,6 +261,8 @@ def _combine(values: list[Any], path: str, rules: Rules, *, sharded: bool) -> An
     if isinstance(first, torch.Tensor) and first.is_floating_point():
         mean = torch.stack([v.double() for v in values]).mean(dim=0)
         return mean.to(first.dtype)
+    if isinstance(first, float):
+        return sum(float(v) for v in values) / len(values)
     raise CheckpointError(
         f"--resume: cannot re-shard {path}: the workers hold different values "
         f"({values[0]!r} and others) that have no combining rule; resume with the old --workers"
@@ -269,6 +273,20 @@ def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
     return bool(a == b)
+
+
+def _repad(tree: Any, numel: int, old: int, new: int) -> Any:
+    """``tree`` with every flat buffer padded for ``old`` workers (1-D, ``numel`` plus fewer
+    than ``old`` zeros) padded for ``new`` instead (``FlatBuffers(pad_to=new)``)."""
+    if isinstance(tree, dict):
+        return {key: _repad(value, numel, old, new) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_repad(value, numel, old, new) for value in tree]
+    if isinstance(tree, torch.Tensor) and tree.dim() == 1 and numel <= tree.numel() < numel + old:
+        padded = torch.zeros(-(-numel // new) * new, dtype=tree.dtype)
+        padded[:numel] = tree[:numel]
+        return padded
+    return tree
 
 
 def _concat(shards: list[torch.Tensor], numel: int) -> torch.Tensor:
