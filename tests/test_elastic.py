@@ -8,8 +8,15 @@ shards gathered back equal) and on hand-made states; the data order on real shar
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +359,81 @@ def test_plan_prices_losing_a_worker(capsys: pytest.CaptureFixture[str]) -> None
     assert "losing 1 of 4" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--lose-workers"):
         PlanConfig(workers=2, lose_workers=2)
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+    return found
+
+
+def _steps(metrics: Path) -> list[int]:
+    steps = []
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        with contextlib.suppress(ValueError):  # a line being written
+            steps.append(json.loads(line)["step"])
+    return steps
+
+
+@pytest.mark.slow
+def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Path) -> None:
+    """3 single-process torchrun agents (c10d rendezvous on loopback, --nnodes 2:3); one is
+    SIGKILLed with its worker mid-run and never comes back: the other two restart, re-shard
+    the latest checkpoint for 2 workers and finish."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None, "torchrun ships with torch"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    steps, out = 80, tmp_path / "elastic"
+    command = [
+        torchrun, "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+        "--local-addr", "127.0.0.1", "--rdzv-conf",
+        "join_timeout=60,last_call_timeout=1,close_timeout=5",
+        "--monitor-interval", "0.5", "-m", "lowcomm", "train", "--method", "ddp", "--steps",
+        str(steps), "--checkpoint-every", "10", "--model.n-layer", "1", "--model.n-embd", "32",
+        "--model.n-head", "2", "--model.block-size", "16", "--micro-batch-size", "2",
+        "--eval-every", "100", "--eval-batches", "2", "--progress", "False", "--clock", "real",
+        "--network", "slow-wan", "--collective-timeout-s", "10", "--resume", "auto", "--out",
+        str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    agents: list[subprocess.Popen[str]] = []
+    try:
+        for index in range(3):
+            log = open(tmp_path / f"agent{index}.log", "w")  # noqa: SIM115
+            agents.append(
+                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+            )
+            time.sleep(0.5)  # the first agent hosts the rendezvous store
+        deadline = time.monotonic() + 180
+        while len(_steps(out / "metrics.jsonl")) < 20:
+            assert all(a.poll() is None for a in agents), "an agent ended before the kill"
+            assert time.monotonic() < deadline, "the job never reached the kill step"
+            time.sleep(0.02)
+        victims = _children(agents[2].pid)
+        assert len(victims) == 1, victims
+        os.kill(agents[2].pid, signal.SIGKILL)
+        os.kill(victims[0], signal.SIGKILL)
+        codes = [agent.wait(timeout=240) for agent in agents[:2]]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    logs = (tmp_path / "agent0.log").read_text()[-3000:]
+    assert codes == [0, 0], logs
+    assert _steps(out / "metrics.jsonl") == list(range(steps))  # every step once
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers"] == 2
+    (change,) = summary["membership_changes"]
+    assert (change["old_workers"], change["new_workers"]) == (3, 2)
+    assert change["step"] % 10 == 0 and 20 <= change["step"] < steps
+    assert "re-sharded from 3 to 2 workers" in logs

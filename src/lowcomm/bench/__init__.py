@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lowcomm.bench.compare import CompareBench, run_compare
+from lowcomm.bench.elastic import ElasticBench, run_elastic
 from lowcomm.bench.overhead import OverheadBench, run_overhead
 from lowcomm.bench.reallink import RealLinkBench, run_reallink
 from lowcomm.bench.startup import StartupBench, run_startup
@@ -15,6 +16,7 @@ BENCHMARKS: dict[str, Any] = {
     "compare": CompareBench,
     "reallink": RealLinkBench,
     "startup": StartupBench,
+    "elastic": ElasticBench,
 }
 
 
@@ -32,12 +34,16 @@ def run_bench(command: object) -> None:
     if isinstance(command, StartupBench):
         run_startup(command)
         return
+    if isinstance(command, ElasticBench):
+        run_elastic(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
 __all__ = [
     "BENCHMARKS",
     "CompareBench",
+    "ElasticBench",
     "OverheadBench",
     "RealLinkBench",
     "StartupBench",
