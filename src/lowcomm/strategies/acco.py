@@ -276,6 +276,11 @@ class _ShardedOverlap(Strategy):
             uncharged channel.
         context: optimizer, schedule and step settings.
         options: the family's options (``--acco.*``).
+
+    Elastic resume (``--resume DIR --workers M2``): the optimizer shards are re-sharded exactly
+    and theta kept; the accumulated sums G, B and their counts n, c_B are pooled onto the new
+    worker 0 (every reduction divides by the summed count C); the schedule continues by
+    committed samples.
     """
 
     hierarchical_refusal: ClassVar[str | None] = (

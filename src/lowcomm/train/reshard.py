@@ -12,8 +12,10 @@ resumed run writes its own checkpoints as usual. The rules, per kind of state:
   moments split over a worker's ranks (``shards_over_replicas``, ZeRO-1 inside a worker) are
   joined and split for R2 ranks;
 * **per-worker** state that differs between workers (local parameters, inner optimizer states,
-  DES-LOC's unsynchronised moments, local displacements) is **averaged** (in float64); the next
-  averaging step of every local method then sees the same mean it would have seen;
+  DES-LOC's unsynchronised moments, local displacements, and float readings such as CoCoDC's
+  compensation ratio) is **averaged** (in float64); the next averaging step of every local
+  method then sees the same mean it would have seen; an integer or string that differs
+  between workers has no rule and the resume is refused naming it;
 * **pooled** state (a strategy's ``reshard_pooled`` keys: the ACCO family's accumulated
   gradient sums and their micro-batch counts, which every reduction normalises by their total)
   is summed onto the new worker 0 (zeros elsewhere), so the next reduction is unchanged;
