@@ -437,3 +437,36 @@ def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Pa
     assert (change["old_workers"], change["new_workers"]) == (3, 2)
     assert change["step"] % 10 == 0 and 20 <= change["step"] < steps
     assert "re-sharded from 3 to 2 workers" in logs
+
+
+def test_reshard_moments_split_over_a_workers_ranks() -> None:
+    """ZeRO-1 inside a worker (--ranks-per-worker): the AdamW moments split over a worker's
+    ranks are joined and split again for the new ranks; the master is replicated and kept."""
+    master = torch.arange(5, dtype=torch.float32)
+    moments = torch.arange(10, 15, dtype=torch.float32)
+    slices = [slice(0, 3), slice(3, 5)]  # ReplicaShardedAdamW: ceil(5 / 2) = 3 per rank
+    states = []
+    for rank in range(4):  # 2 workers x 2 ranks
+        part = slices[rank % 2]
+        states.append({
+            "format": 2, "step": 4, "val_loss": 1.0, "tokens": 8,
+            "model": {"w": master.clone()},
+            "strategy": {"step_index": 4, "inner": {
+                "master": master.clone(), "exp_avg": moments[part].clone(),
+                "exp_avg_sq": 2 * moments[part], "step_count": 4}},
+            "data": {"position": 1, "seed": 0, "rank": rank // 2, "world_size": 2, "seq_len": 4,
+                     "micro_batch_size": 2, "num_windows": 100, "replica": rank % 2,
+                     "replicas": 2},
+            "clock": {"kind": "virtual", "now": 1.0, "compute_s": 1.0, "exposed_comm_s": 0.0},
+            "comm": {"inner": {}, "outer": {}}, "rng": {"torch": torch.zeros(3, dtype=torch.uint8)},
+        })  # fmt: skip
+    rules = Rules(numel=5, shards_over_replicas=True)
+    out = reshard(states, Layout(2, 2), Layout(1, 3), rules)
+    assert len(out) == 3
+    inner = [s["strategy"]["inner"] for s in out]
+    assert [i["exp_avg"].numel() for i in inner] == [2, 2, 1]  # ceil(5 / 3) = 2 per rank
+    assert torch.equal(torch.cat([i["exp_avg"] for i in inner]), moments)
+    assert torch.equal(torch.cat([i["exp_avg_sq"] for i in inner]), 2 * moments)
+    assert all(torch.equal(i["master"], master) for i in inner)
+    assert [(s["data"]["rank"], s["data"]["replica"]) for s in out] == [(0, 0), (0, 1), (0, 2)]
+    assert all(s["comm"] is None for s in out)  # another --ranks-per-worker: counters afresh
