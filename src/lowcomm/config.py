@@ -169,7 +169,8 @@ class TrainConfig:
     resume: str | None = None
     """Resume from the latest checkpoint of this run directory (its config.json supplies the
     defaults), or `auto`: resume from OUT if it holds a checkpoint, else start afresh (for
-    jobs that restart themselves, e.g. torchrun --max-restarts)."""
+    jobs that restart themselves, e.g. torchrun --max-restarts). With another --workers (or
+    --ranks-per-worker) than the checkpoint's, it is re-sharded for them (elastic resume)."""
 
     stop_after: int | None = None
     """Stop after this many steps with a checkpoint, as a job with a time limit would;

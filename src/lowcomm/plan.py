@@ -120,6 +120,11 @@ class PlanConfig:
     json: bool = False
     """Print machine-readable JSON instead of a table."""
 
+    lose_workers: int = 0
+    """Also price the run after losing this many of the M workers (an elastic resume on
+    M - K, the global batch kept: each remaining worker computes M/(M-K) times more per step):
+    time per step before and after."""
+
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers: {self.workers} must be >= 1")
@@ -148,6 +153,11 @@ class PlanConfig:
             raise ValueError(
                 f"--solve-bandwidth: {self.solve_bandwidth} is a target utilisation and must "
                 f"lie in (0, 1), e.g. 0.9"
+            )
+        if not 0 <= self.lose_workers < self.workers:
+            raise ValueError(
+                f"--lose-workers: {self.lose_workers} must lie in [0, --workers={self.workers}); "
+                f"at least one worker must remain"
             )
         if self.bytes_per_element is not None and not self.bytes_per_element > 0:
             raise ValueError(f"--bytes-per-element: {self.bytes_per_element} must be positive")
@@ -404,6 +414,23 @@ def _gb(count: float) -> str:
     return f"{count / 1e9:.3f} GB"
 
 
+def _after_losing(config: PlanConfig, plan: Plan) -> dict[str, float]:
+    """Time per step on M workers and on M - K (same global batch and options)."""
+    smaller = make_plan(
+        dataclasses.replace(config, workers=config.workers - config.lose_workers, lose_workers=0)
+    )
+    before = plan.wall_clock_s / plan.steps
+    after = smaller.wall_clock_s / smaller.steps
+    return {
+        "workers": smaller.workers,
+        "step_s_before": before,
+        "step_s_after": after,
+        "slowdown": after / before if before > 0 else math.inf,
+        "utilization": smaller.utilization,
+        "wall_clock_s": smaller.wall_clock_s,
+    }
+
+
 def run_plan(config: PlanConfig) -> dict[str, object]:
     """Print the plan (table or JSON) and return it as a dictionary."""
     plan = make_plan(config)
@@ -411,6 +438,8 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
     if config.solve_bandwidth is not None:
         result["solved_bandwidth_gbps"] = solve_bandwidth(config, config.solve_bandwidth)
         result["solve_target_utilization"] = config.solve_bandwidth
+    if config.lose_workers:
+        result["after_losing"] = _after_losing(config, plan)
     if config.json:
         print(json.dumps(result, indent=2))
         return result
@@ -445,6 +474,17 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
             ("inner sent per rank per step", _gb(plan.inner_bytes_per_rank_per_step)),
             ("memory per rank", "= memory per worker (states replicated inside a worker)"),
         ]
+    if config.lose_workers:
+        after = result["after_losing"]
+        assert isinstance(after, dict)
+        rows.append(
+            (
+                f"losing {config.lose_workers} of {plan.workers}",
+                f"{_human(after['step_s_before'])} -> {_human(after['step_s_after'])} per step "
+                f"on {after['workers']} workers ({after['slowdown']:.2f}x), utilisation "
+                f"{after['utilization']:.1%}",
+            )
+        )
     if config.solve_bandwidth is not None:
         solved = result["solved_bandwidth_gbps"]
         rows.append(

@@ -6,6 +6,7 @@ from typing import Any
 
 from lowcomm.bench.clock import ClockBench, run_clock
 from lowcomm.bench.compare import CompareBench, run_compare
+from lowcomm.bench.elastic import ElasticBench, run_elastic
 from lowcomm.bench.overhead import OverheadBench, run_overhead
 from lowcomm.bench.reallink import RealLinkBench, run_reallink
 from lowcomm.bench.startup import StartupBench, run_startup
@@ -17,6 +18,7 @@ BENCHMARKS: dict[str, Any] = {
     "reallink": RealLinkBench,
     "startup": StartupBench,
     "clock": ClockBench,
+    "elastic": ElasticBench,
 }
 
 
@@ -37,6 +39,9 @@ def run_bench(command: object) -> None:
     if isinstance(command, ClockBench):
         run_clock(command)
         return
+    if isinstance(command, ElasticBench):
+        run_elastic(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
@@ -44,6 +49,7 @@ __all__ = [
     "BENCHMARKS",
     "ClockBench",
     "CompareBench",
+    "ElasticBench",
     "OverheadBench",
     "RealLinkBench",
     "StartupBench",

@@ -9,7 +9,8 @@ needs to store.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -148,11 +149,39 @@ class WorkerShard:
         self.position = 0
         self._epoch_cached: int | None = None
         self._epoch_order: IndexArray = np.zeros(0, dtype=np.int64)
+        self.carry: Carry | None = None
+        """After a resume on another worker count: the pass it continues (see :class:`Carry`)."""
 
     @property
     def epoch(self) -> int:
         """Epoch of the next micro-batch (how many times this shard has been exhausted)."""
-        return self.position // self.batches_per_epoch
+        return self._locate(self.position)[0]
+
+    def _carry_batches(self) -> int:
+        """Micro-batches of the carried-over pass (0 without one)."""
+        if self.carry is None:
+            return 0
+        remaining = self.num_windows - len(self.carry.consumed)
+        return (remaining // self.world_size) // (self.micro_batch_size * self.replicas)
+
+    def _locate(self, position: int) -> tuple[int, int, bool]:
+        """(epoch, micro-batch within it, whether it is the carried-over pass) of ``position``."""
+        carried = self._carry_batches()
+        if self.carry is not None and position < carried:
+            return self.carry.epoch, position, True
+        first = 0 if self.carry is None else self.carry.epoch + 1
+        epoch, batch = divmod(position - carried, self.batches_per_epoch)
+        return first + epoch, batch, False
+
+    def _carried_order(self) -> IndexArray:
+        """This worker's windows of the carried-over pass: the pass's permutation without the
+        positions the old workers consumed, dealt round-robin over the new workers."""
+        assert self.carry is not None
+        permutation = np.random.default_rng([self.seed, self.carry.epoch]).permutation(
+            self.num_windows
+        )
+        left = np.setdiff1d(np.arange(self.num_windows, dtype=np.int64), self.carry.consumed)
+        return permutation[left[self.rank :: self.world_size]].astype(np.int64)
 
     def _window_indices_for_epoch(self, epoch: int) -> IndexArray:
         """This worker's window indices, in visiting order, for one epoch."""
@@ -213,22 +242,28 @@ class WorkerShard:
             ``(x, y)``, both int64 of shape ``(micro_batch_size, seq_len)``, with
             ``y[:, t] == x[:, t + 1]`` for ``t < seq_len - 1``.
         """
-        epoch, batch_in_epoch = divmod(self.position, self.batches_per_epoch)
-        if self._epoch_cached != epoch:
-            self._epoch_order = self._window_indices_for_epoch(epoch)
-            self._epoch_cached = epoch
+        epoch, batch_in_epoch, carried = self._locate(self.position)
+        key = -1 - epoch if carried else epoch
+        if self._epoch_cached != key:
+            self._epoch_order = (
+                self._carried_order() if carried else self._window_indices_for_epoch(epoch)
+            )
+            self._epoch_cached = key
         begin = (batch_in_epoch * self.replicas + self.replica) * self.micro_batch_size
         chosen = self._epoch_order[begin : begin + self.micro_batch_size]
         self.position += 1
         return _gather(self._flat, self._starts[chosen], self._window)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Return what is needed to resume exactly.
 
         Returns:
-            The position (micro-batches consumed) plus the settings it is valid for.
+            The position (micro-batches consumed) plus the settings it is valid for (and,
+            after a resume on another worker count, the carried-over pass).
         """
+        carry = {} if self.carry is None else self.carry.state()
         return {
+            **carry,
             "position": self.position,
             "seed": self.seed,
             "rank": self.rank,
@@ -240,7 +275,7 @@ class WorkerShard:
             "replicas": self.replicas,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` output.
 
         Args:
@@ -254,7 +289,9 @@ class WorkerShard:
         mismatched = [
             f"{name}={state[name]} (this shard has {mine[name]})"
             for name in mine
-            if name != "position" and name in state and int(state[name]) != mine[name]
+            if name not in ("position", *Carry.KEYS)
+            and name in state
+            and int(state[name]) != mine[name]
         ]
         if mismatched:
             raise ValueError(
@@ -267,6 +304,80 @@ class WorkerShard:
         if position < 0:
             raise ValueError(f"data state: position {position} is negative")
         self.position = position
+        self.carry = Carry.from_state(state)
+        self._epoch_cached = None
+
+
+@dataclass(frozen=True)
+class Carry:
+    """The pass a shard continues after a resume on another number of workers (IID only).
+
+    The old workers consumed ``consumed``: positions in pass ``epoch``'s permutation of all
+    windows. The new workers deal the rest of that permutation round-robin among themselves
+    (the remainder that does not fill a micro-batch on every worker is dropped, as at every
+    epoch's end), then go on with epoch ``epoch + 1`` as usual. So no window of the current
+    pass is repeated or skipped.
+    """
+
+    KEYS: ClassVar[tuple[str, str]] = ("carry_epoch", "carry_consumed")
+    epoch: int
+    consumed: IndexArray
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "carry_epoch": self.epoch,
+            "carry_consumed": torch.from_numpy(self.consumed.astype(np.int64)),
+        }
+
+    @staticmethod
+    def from_state(state: dict[str, Any]) -> Carry | None:
+        if "carry_epoch" not in state:
+            return None
+        consumed = state["carry_consumed"]
+        array = consumed.cpu().numpy() if isinstance(consumed, Tensor) else np.asarray(consumed)
+        return Carry(int(state["carry_epoch"]), np.sort(array.astype(np.int64)))
+
+
+def consumed_in_pass(states: list[dict[str, Any]]) -> Carry:
+    """What a group of shards (the per-rank data states of one checkpoint, every worker's
+    ranks included) consumed of their current pass, as a :class:`Carry` for new shards.
+
+    Raises:
+        DataError: the shards are not in the same pass.
+    """
+    first = states[0]
+    workers, replicas = int(first["world_size"]), int(first["replicas"])
+    per_batch = int(first["micro_batch_size"]) * replicas
+    located: dict[int, tuple[int, int, Carry | None]] = {}
+    for state in states:
+        shard_carry = Carry.from_state(state)
+        position = int(state["position"])
+        carried = 0
+        if shard_carry is not None:
+            unused = int(first["num_windows"]) - len(shard_carry.consumed)
+            carried = (unused // workers) // per_batch
+        if shard_carry is not None and position < carried:
+            located[int(state["rank"])] = (shard_carry.epoch, position, shard_carry)
+        else:
+            base = 0 if shard_carry is None else shard_carry.epoch + 1
+            per_epoch = (int(first["num_windows"]) // workers) // per_batch
+            epoch, batch = divmod(position - carried, per_epoch)
+            located[int(state["rank"])] = (base + epoch, batch, None)
+    epochs = {epoch for epoch, _, _ in located.values()}
+    if len(epochs) != 1:
+        raise DataError(f"the workers are in different passes over the data ({sorted(epochs)})")
+    epoch = epochs.pop()
+    taken: list[IndexArray] = []
+    for rank, (_, batch, carry) in sorted(located.items()):
+        mine = np.arange(batch * per_batch, dtype=np.int64)
+        if carry is None:
+            taken.append(rank + workers * mine)
+        else:
+            left = np.setdiff1d(
+                np.arange(int(first["num_windows"]), dtype=np.int64), carry.consumed
+            )
+            taken.extend([carry.consumed, left[rank::workers][mine]])
+    return Carry(epoch, np.unique(np.concatenate(taken)))
 
 
 def validation_batches(

@@ -278,6 +278,11 @@ class _ShardedOverlap(Strategy):
             uncharged channel.
         context: optimizer, schedule and step settings.
         options: the family's options (``--acco.*``).
+
+    Elastic resume (``--resume DIR --workers M2``): the optimizer shards are re-sharded exactly
+    and theta kept; the accumulated sums G, B and their counts n, c_B are pooled onto the new
+    worker 0 (every reduction divides by the summed count C); the schedule continues by
+    committed samples.
     """
 
     hierarchical_refusal: ClassVar[str | None] = (
@@ -289,6 +294,10 @@ class _ShardedOverlap(Strategy):
     )
 
     options_field: ClassVar[str | None] = "acco"
+    #: Elastic resume: G, B and their counts n, c_B are sums every reduction divides by the
+    #: total count C, so they are pooled onto the new worker 0 (the optimizer shards are
+    #: re-sharded exactly, theta is replicated).
+    reshard_pooled: ClassVar[tuple[str, ...]] = ("grads", "buffer", "buffer_count", "accumulated")
     #: Communication phases per committed optimizer step (the schedule's unit).
     phases_per_commit: ClassVar[int] = 1
     #: Whether the chain ever computes a lookahead (needs an extra fp32 shard).

@@ -114,6 +114,10 @@ class Strategy(ABC):
     #: same collective results, takes the same decisions (no per-rank clock-driven control
     #: flow, no collectives from a second thread).
     hierarchical_refusal: ClassVar[str | None] = None
+    #: State keys (of ``state_dict()``) holding per-worker sums that a later reduction
+    #: normalises by their summed counts: an elastic resume pools them onto the new worker 0
+    #: (``lowcomm.train.reshard``); other per-worker state is averaged.
+    reshard_pooled: ClassVar[tuple[str, ...]] = ()
     #: The planner's closed-form model of this method (``lowcomm plan``): its traffic from its
     #: options, what hides behind compute, extra model-sized copies, state sharding.
     cost: ClassVar[CostModel]

@@ -160,7 +160,13 @@ def _bytes(*tensors: torch.Tensor | None) -> int:
 
 
 class _LocalUpdate(Strategy):
-    """Shared machinery: flat buffers, the inner step, round bookkeeping."""
+    """Shared machinery: flat buffers, the inner step, round bookkeeping.
+
+    Elastic resume (``--resume DIR --workers M2``): replicated state (anchor, outer momentum,
+    settled exchange results) is kept exactly; per-worker state (local parameters, inner
+    optimizer states, displacements) is averaged over the old workers, so the next averaging
+    step sees the same mean.
+    """
 
     options_field: ClassVar[str | None] = "local"
     #: Inner optimizer fixed by the method (None: ``options.inner_optimizer``).

@@ -100,6 +100,9 @@ class CoCoDC(OuterLoopStrategy):
     from the worker-mean when a sync completes, so every worker uses the same h. Until two syncs
     have completed (or with a comm that has no clock) N = K, h = H/K: plain round robin.
     R_p = ||mean Delta_p|| / max(1, t_p - t_{p,b}) uses the averaged Delta, also identical.
+
+    Elastic resume: as :class:`OuterLoopStrategy` (global state kept, local state averaged); the
+    per-worker compensation ratio and schedule readings that differ are averaged too.
     """
 
     name: ClassVar[str] = "cocodc"

@@ -30,6 +30,10 @@ class DDP(Strategy):
 
     Memory per worker: parameters + gradients + AdamW moments (the fp32 parameters double as
     AdamW's master copy), i.e. (2 + 2 + K) Psi in ACCO's bf16 convention.
+
+    Elastic resume (``--resume DIR --workers M2``): parameters and AdamW state are replicated
+    and kept exactly (with ``--ranks-per-worker`` the moments are re-split over the new ranks);
+    the run continues as DDP on M2 workers.
     """
 
     name: ClassVar[str] = "ddp"

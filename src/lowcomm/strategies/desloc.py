@@ -259,6 +259,10 @@ class Desloc(Strategy):
     options.first_moment_period (default 3 K_x), K_v -> options.second_moment_period (default
     6 K_x), rho -> options.clip_rho. Reduces to: DDP with SGDM when every period is 1
     (optimizer sgdm, no clipping); to local_adam when K_x = K_u = K_v.
+
+    Elastic resume (``--resume DIR --workers M2``): the local parameters and both Adam moments
+    are averaged over the old workers (an early synchronisation of every state); counters are
+    kept.
     """
 
     name: ClassVar[str] = "desloc"

@@ -438,6 +438,12 @@ class OuterLoopStrategy(Strategy):
     optimizer updates (``self.master``, the parameters themselves in fp32), the inner optimizer
     (AdamW, local and persistent), and per fragment p the global parameters ``globals_[p]``
     (theta^g_p, an explicit clone) with its outer optimizer ``outer[p]``.
+
+    Elastic resume (``--resume DIR --workers M2``): the global parameters, outer momentum and
+    settled exchange results are replicated and kept exactly; each worker's local parameters and
+    inner AdamW states are averaged over the old workers (the next outer step sees the same mean
+    pseudo-gradient); with ``--ranks-per-worker`` the inner moments are re-split over the new
+    ranks.
     """
 
     options_field: ClassVar[str | None] = "diloco"

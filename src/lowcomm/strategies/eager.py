@@ -44,7 +44,11 @@ class DelayedOuterBase(OuterLoopStrategy):
     """Per-worker outer parameters phi_m (``globals_``) stepped with an outer gradient whose
     all-reduce overlaps the next N inner phases. Per fragment when K > 1: fragment p syncs at
     steps (p+1)H/K (mod H), each fragment's gradient delayed by N of its own periods H, and the
-    local fragment is reset to phi_{m,p} after its outer step (no alpha-mixing)."""
+    local fragment is reset to phi_{m,p} after its outer step (no alpha-mixing).
+
+    Elastic resume: as :class:`~lowcomm.strategies.diloco.OuterLoopStrategy`; the delayed outer
+    exchange is saved settled and kept.
+    """
 
     eager: ClassVar[bool]
 

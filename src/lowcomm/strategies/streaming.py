@@ -100,6 +100,9 @@ class StreamingDiLoCo(OuterLoopStrategy):
     globals_[p]. Fragment p launches at steps t = (p+1)H/K - tau (mod H) and merges tau steps
     later; no sync starts within tau steps of the end; finish() drains one in flight.
     Reduces to: diloco with K=1, tau=0, alpha=0 (tests/test_diloco.py checks it).
+
+    Elastic resume: as :class:`~lowcomm.strategies.diloco.OuterLoopStrategy`; fragments in
+    flight are saved settled (their results are replicated and kept).
     """
 
     name: ClassVar[str] = "streaming_diloco"

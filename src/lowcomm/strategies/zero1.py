@@ -35,6 +35,9 @@ class ZeRO1(Strategy):
 
     Memory per worker: parameters + gradients + (fp32 master + two moments) / M, i.e.
     (2 + 2 + K/M) Psi in ACCO's bf16 convention.
+
+    Elastic resume (``--resume DIR --workers M2``): the optimizer shards are gathered and re-
+    sharded exactly for M2 workers; parameters are replicated and kept.
     """
 
     name: ClassVar[str] = "zero1"

@@ -233,14 +233,11 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
             f"{manifest.get('format')!r}; this version reads format {FORMAT_VERSION}); continue "
             f"it with the lowcomm that wrote it, or start a new run (--overwrite or another --out)"
         )
-    if manifest.get("world_size") != world_size:
-        raise CheckpointError(
-            f"--resume: the checkpoint was written by {manifest.get('world_size')} processes but "
-            f"this run has {world_size}; resume with the same --workers (and --ranks-per-worker)"
-        )
     saved = {**_ADDED_LATER, **manifest.get("fingerprint", {})}
     for key, value in fingerprint.items():
         if key == "steps" and _extends(int(manifest["step"]), saved, value, directory):
+            continue
+        if key == "ranks_per_worker":  # another layout is re-sharded (train/reshard.py)
             continue
         if saved.get(key) != value:
             raise CheckpointError(
@@ -254,7 +251,42 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
             return f"is incomplete: {path} is missing"
         if _sha256(path) != expected:
             return f"is damaged: {path} fails its checksum (truncated or corrupted)"
+    layout = (world_size, fingerprint["ranks_per_worker"])
+    if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
+        _check_reshardable(directory, manifest, world_size, fingerprint)
     return None
+
+
+def _check_reshardable(
+    directory: Path, manifest: dict[str, Any], world_size: int, fingerprint: dict[str, Any]
+) -> None:
+    """A checkpoint of another layout (workers x ranks per worker) is re-sharded by each
+    resumed rank (``lowcomm.train.reshard``); refuse here, before any worker starts, what
+    cannot be: a manifest that disagrees with the rank files present, or non-IID data.
+
+    Raises:
+        CheckpointError: in one line, naming why.
+    """
+    old_world = int(manifest.get("world_size", 0))
+    old_ranks = int(manifest.get("fingerprint", {}).get("ranks_per_worker", 1))
+    new_ranks = int(fingerprint["ranks_per_worker"])
+    listed = set(manifest.get("sha256", {}))
+    expected = {f"rank{rank}.pt" for rank in range(old_world)}
+    present = {path.name for path in directory.glob("rank*.pt")}
+    if old_world < 1 or old_world % old_ranks or listed != expected or present != expected:
+        raise CheckpointError(
+            f"--resume: {directory} cannot be re-sharded for {world_size} processes: its "
+            f"manifest says {old_world} processes but lists {sorted(listed)} and the directory "
+            f"holds {sorted(present)}; restore the checkpoint, or resume an intact one"
+        )
+    split = fingerprint.get("data", {}).get("split", "iid")
+    if split != "iid":
+        raise CheckpointError(
+            f"--workers: the checkpoint has {old_world // old_ranks} workers x {old_ranks} ranks "
+            f"and this run {world_size // new_ranks} x {new_ranks}, but --split {split} cuts "
+            f"each worker's block of the data by the worker count; resume with the old "
+            f"--workers and --ranks-per-worker, or train with --split iid"
+        )
 
 
 def _extends(step: int, saved: dict[str, Any], steps: Any, directory: Path) -> bool:

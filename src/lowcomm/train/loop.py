@@ -29,6 +29,7 @@ from lowcomm.train import checkpoint
 from lowcomm.train.compute import budget_spent, committed_tokens, worker_clock
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics
+from lowcomm.train.reshard import read_resharded
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -127,6 +128,8 @@ class Progress:
     """The steps of the finished run this one extends (None: not an extension)."""
     end_step: int | None = None
     """The step after which a --token-budget run ended (None: it runs to --steps)."""
+    membership: dict[str, int] | None = None
+    """The membership change this resume made (old and new workers), or None."""
 
 
 def train_worker(
@@ -317,16 +320,18 @@ def resume(worker: Worker) -> Progress:
         start_step, directory = checkpoint.find_latest(
             resume_from, worker.world_size, checkpoint.fingerprint(config)
         )
-        saved = checkpoint.read_rank_state(directory, worker.rank, worker.device)
+        # Written with another number of workers: re-sharded here (train/reshard.py).
+        saved = read_resharded(directory, config, worker.rank, worker.device)
         worker.model.load_state_dict(saved["model"])
         worker.strategy.load_state_dict(saved["strategy"])
         worker.shard.load_state_dict(saved["data"])
         worker.clock.load_state_dict(saved["clock"])
-        worker.comm.load_state_dict(saved["comm"])
+        if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
+            worker.comm.load_state_dict(saved["comm"])
         _restore_rng(saved["rng"], worker.device)
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
-            resumed_from=resume_from,
+            resumed_from=resume_from, membership=saved.get("membership"),
             extended_from=checkpoint.extension_of(directory, config.steps),
         )  # fmt: skip
     worker.bookkeeping.barrier().wait()
@@ -334,10 +339,18 @@ def resume(worker: Worker) -> Progress:
         # Said whatever --progress is: a resumed run must not look like a fresh one.
         print(
             f"lowcomm: resumed {resume_from} from step {progress.start_step} (checkpoint "
-            f"{directory.name}); training steps {progress.start_step + 1} to {config.steps}",
+            f"{directory.name}{_membership_note(progress)}); training steps "
+            f"{progress.start_step + 1} to {config.steps}",
             flush=True,
         )
     return progress
+
+
+def _membership_note(progress: Progress) -> str:
+    change = progress.membership
+    if change is None:
+        return ""
+    return f", re-sharded from {change['old_workers']} to {change['new_workers']} workers"
 
 
 def _run_writer(worker: Worker, progress: Progress) -> RunWriter | None:
@@ -348,6 +361,7 @@ def _run_writer(worker: Worker, progress: Progress) -> RunWriter | None:
     writer = RunWriter(worker.config, resume_step=progress.start_step if resumed else None)
     if progress.extended_from is not None:
         writer.extended_at.append(progress.extended_from)
+    writer.membership = progress.membership
     return writer
 
 

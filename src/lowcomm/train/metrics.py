@@ -37,6 +37,14 @@ class StepRecord:
     clock: str
     extras: dict[str, float]
     """Method-specific numbers (StepStats.extras) as seen by worker 0."""
+    membership: dict[str, int] | None = None
+    """On the first step after a membership change (an elastic resume on another number of
+    workers): the checkpoint's step and the old and new worker counts (absent otherwise)."""
+
+    def line(self) -> str:
+        """This record as one metrics.jsonl line (without ``membership`` when there is none)."""
+        fields = {k: v for k, v in self.__dict__.items() if k != "membership" or v is not None}
+        return json.dumps(fields) + "\n"
 
     @classmethod
     def from_workers(
@@ -87,6 +95,19 @@ def read_records(path: Path, *, before: int) -> list[StepRecord]:
     return records
 
 
+def membership_changes(records: list[StepRecord]) -> list[dict[str, int]]:
+    """Every membership change the records hold: step, old and new worker counts."""
+    return [
+        {
+            "step": r.membership["step"],
+            "old_workers": r.membership["old_workers"],
+            "new_workers": r.membership["new_workers"],
+        }
+        for r in records
+        if r.membership is not None
+    ]
+
+
 def _previous_extensions(summary_path: Path) -> list[int]:
     """extended_at_steps of the summary a resumed run leaves behind (empty if none)."""
     try:
@@ -106,6 +127,8 @@ class RunWriter:
         atomic_write_text(self.directory / "config.json", config.to_json() + "\n")
         metrics_path = self.directory / "metrics.jsonl"
         self.records: list[StepRecord] = []
+        self.membership: dict[str, int] | None = None
+        """A membership change this run made at its start, for its first step's record."""
         self.extended_at: list[int] = []
         """The finished steps at which this run was extended (summary.json's
         extended_at_steps)."""
@@ -113,9 +136,7 @@ class RunWriter:
             self.extended_at = _previous_extensions(self.directory / "summary.json")
             # Keep the steps the checkpoint covers; later lines belong to the run that died.
             self.records = read_records(metrics_path, before=resume_step)
-            atomic_write_text(
-                metrics_path, "".join(json.dumps(r.__dict__) + "\n" for r in self.records)
-            )
+            atomic_write_text(metrics_path, "".join(r.line() for r in self.records))
         # Kept open for the whole run (one line per step), closed by close_steps().
         self._metrics: TextIO | None = open(metrics_path, "a" if resume_step is not None else "w")  # noqa: SIM115
         self._tensorboard: Any = None
@@ -135,7 +156,9 @@ class RunWriter:
     def write_step(self, record: StepRecord) -> None:
         self.records.append(record)
         if self._metrics is not None:
-            self._metrics.write(json.dumps(record.__dict__) + "\n")
+            if self.membership is not None:
+                record.membership, self.membership = self.membership, None
+            self._metrics.write(record.line())
             self._metrics.flush()
         if self._tensorboard is not None:
             self._tensorboard.write_step(record)
@@ -189,6 +212,9 @@ class RunWriter:
         )
         if self.extended_at:
             summary["extended_at_steps"] = self.extended_at
+        changes = membership_changes(self.records)
+        if changes:
+            summary["membership_changes"] = changes
         summary = {key: summary[key] for key in _SUMMARY_ORDER if key in summary}
         if self.config.device == "cuda":
             # torch.cuda.max_memory_allocated, the honest figure on a GPU (it includes
@@ -255,6 +281,9 @@ class RunWriter:
             val_loss = [v[2] for v in val]
             by_step.plot([v[0] for v in val], val_loss, "o-", color=val_colour, label="validation")
             by_time.plot([v[1] for v in val], val_loss, "o-", color=val_colour, label="validation")
+        for change in membership_changes(self.records):
+            label = f"{change['old_workers']} -> {change['new_workers']} workers"
+            by_step.axvline(change["step"], color="grey", linestyle="--", label=label)
         by_step.set_xlabel("step")
         by_step.set_ylabel("loss")
         by_time.set_xlabel(f"time on the {self.config.clock} clock (s)")
@@ -272,8 +301,8 @@ class RunWriter:
 
 #: The order of summary.json's keys (unchanged since before the named records).
 _SUMMARY_ORDER = (
-    "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "num_params", "tokens",
-    "committed_tokens", "token_budget", "final_train_loss",
+    "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "membership_changes",
+    "num_params", "tokens", "committed_tokens", "token_budget", "final_train_loss",
     "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
     "bytes_sent_per_worker", "bytes_sent_per_rank", "levels", "bytes_by_role", "clock",
     "compute_model", "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",

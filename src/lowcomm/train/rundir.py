@@ -91,7 +91,8 @@ def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str
         # No checkpoint yet: a restart of the same run starts it afresh, another run is kept.
         try:
             saved = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-            same = fingerprint(saved) == mine and saved.world_size == config.world_size
+            # (Another worker count is the same run: an elastic restart before any checkpoint.)
+            same = fingerprint(saved) == mine
         except (OSError, ValueError, TypeError):
             same = False
         if same and "summary.json" in held:

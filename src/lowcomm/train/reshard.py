@@ -1,0 +1,337 @@
+"""Re-sharding a checkpoint for another number of workers (an elastic resume).
+
+:func:`reshard` is a pure function from the M per-rank states of a checkpoint (M workers of R
+ranks) to the M2 x R2 per-rank states a run with M2 workers of R2 ranks starts from. Every
+resumed rank calls it on the old files (:func:`read_resharded`); nothing is written: the
+resumed run writes its own checkpoints as usual. The rules, per kind of state:
+
+* **replicated** state (equal on every worker: parameters of synchronous methods, anchors,
+  global parameters, outer momentum, settled exchange results, counters) is kept exactly;
+* **sharded** state is re-sharded exactly: the optimizer shards of ZeRO-1 and the ACCO family
+  (``CostModel.shards_over_workers``) are concatenated and cut for M2 workers, and the AdamW
+  moments split over a worker's ranks (``shards_over_replicas``, ZeRO-1 inside a worker) are
+  joined and split for R2 ranks;
+* **per-worker** state that differs between workers (local parameters, inner optimizer states,
+  DES-LOC's unsynchronised moments, local displacements, and float readings such as CoCoDC's
+  compensation ratio) is **averaged** (in float64); the next averaging step of every local
+  method then sees the same mean it would have seen; an integer or string that differs
+  between workers has no rule and the resume is refused naming it;
+* **pooled** state (a strategy's ``reshard_pooled`` keys: the ACCO family's accumulated
+  gradient sums and their micro-batch counts, which every reduction normalises by their total)
+  is summed onto the new worker 0 (zeros elsewhere), so the next reduction is unchanged;
+* the **data** order continues: the rest of the current pass is dealt to the new workers
+  (:func:`lowcomm.data.sampling.consumed_in_pass`), so no sample of it is skipped or repeated;
+* the **clock** of every new rank starts at the latest old clock (a restart waits for everyone);
+  a surviving rank keeps its counters (bytes, tokens), a new one starts them at zero (with
+  another ``--ranks-per-worker`` the byte counters start afresh: their levels differ).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowcomm.config import TrainConfig
+from lowcomm.data import DataError
+from lowcomm.data.sampling import consumed_in_pass
+from lowcomm.train.checkpoint import CheckpointError, read_rank_state
+
+_ADAMW_KEYS = frozenset({"master", "exp_avg", "exp_avg_sq"})
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's processes are arranged: workers, and ranks per worker."""
+
+    workers: int
+    ranks_per_worker: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.workers * self.ranks_per_worker
+
+    def __str__(self) -> str:
+        extra = "" if self.ranks_per_worker == 1 else f" x {self.ranks_per_worker} ranks"
+        return f"{self.workers} workers{extra}"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What a method declares for re-sharding (from its strategy class)."""
+
+    numel: int
+    """Parameters in the model (the unpadded length of flat state)."""
+    shards_over_workers: bool = False
+    shards_over_replicas: bool = False
+    pooled: frozenset[str] = frozenset()
+
+
+def rules_for(method: str, numel: int) -> Rules:
+    """The re-sharding rules of ``method``'s strategy class."""
+    from lowcomm.strategies import strategy_class
+
+    cls = strategy_class(method)
+    return Rules(
+        numel=numel,
+        shards_over_workers=cls.cost.shards_over_workers,
+        shards_over_replicas=cls.cost.shards_over_replicas,
+        pooled=frozenset(cls.reshard_pooled),
+    )
+
+
+def saved_layout(directory: Path) -> Layout:
+    """The layout a checkpoint was written with (from its manifest)."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    ranks = int(manifest.get("fingerprint", {}).get("ranks_per_worker", 1))
+    return Layout(int(manifest["world_size"]) // ranks, ranks)
+
+
+def read_resharded(
+    directory: Path, config: TrainConfig, rank: int, device: torch.device
+) -> dict[str, Any]:
+    """This rank's state from the checkpoint in ``directory``, re-sharded when it was written
+    with another layout (every old file is read; nothing is written)."""
+    old, new = saved_layout(directory), Layout(config.workers, config.ranks_per_worker)
+    if old == new:
+        return read_rank_state(directory, rank, device)
+    states = [read_rank_state(directory, r, "cpu") for r in range(old.world_size)]
+    mine = reshard(states, old, new, rules_for(config.method, parameter_count(states[0])))[rank]
+    moved: dict[str, Any] = _to_device(mine, device)
+    return moved
+
+
+def parameter_count(state: dict[str, Any]) -> int:
+    """Parameters of the model in a rank state (tied weights counted once)."""
+    seen = {
+        (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        for t in state["model"].values()
+        if t.is_floating_point()
+    }
+    return sum(numel for _, _, numel in seen)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    return value
+
+
+def reshard(
+    states: list[dict[str, Any]], old: Layout, new: Layout, rules: Rules
+) -> list[dict[str, Any]]:
+    """The per-rank states of ``new`` from the per-rank ``states`` of ``old`` (see the module
+    docstring for the rules). A pure function: ``states`` is not modified.
+
+    Raises:
+        CheckpointError: the states cannot be combined (naming the key), or are not ``old``'s.
+    """
+    if len(states) != old.world_size:
+        raise CheckpointError(
+            f"--resume: {len(states)} rank states for {old} ({old.world_size} processes)"
+        )
+    workers = [_join_replicas(states, old, w) for w in range(old.workers)]
+    strategy = _combine([w["strategy"] for w in workers], "strategy", rules, sharded=True)
+    if rules.shards_over_workers:  # flat buffers padded to a multiple of the worker count
+        strategy = _repad(strategy, rules.numel, old.workers, new.workers)
+    model = _combine([w["model"] for w in workers], "model", rules, sharded=False)
+    try:
+        carry = consumed_in_pass([s["data"] for s in states]).state()
+    except DataError as error:
+        raise CheckpointError(f"--resume: cannot continue the data order: {error}") from None
+    latest = max(float(s["clock"]["now"]) for s in states)
+    out = []
+    for rank in range(new.world_size):
+        worker, replica = divmod(rank, new.ranks_per_worker)
+        state = {
+            key: value for key, value in states[0].items() if key in ("format", "val_loss", "step")
+        }
+        state["model"] = model
+        state["strategy"] = _split(strategy, new, worker, replica, rules)
+        state["data"] = {
+            **{k: v for k, v in states[0]["data"].items() if not k.startswith("carry")},
+            **carry, "position": 0, "rank": worker, "world_size": new.workers,
+            "replica": replica, "replicas": new.ranks_per_worker,
+        }  # fmt: skip
+        state.update(_counters(states, old, new, rank, latest))
+        state["membership"] = {
+            "step": int(states[0]["step"]), "old_workers": old.workers,
+            "new_workers": new.workers, "old_ranks_per_worker": old.ranks_per_worker,
+            "new_ranks_per_worker": new.ranks_per_worker,
+        }  # fmt: skip
+        out.append(state)
+    return out
+
+
+def _counters(
+    states: list[dict[str, Any]], old: Layout, new: Layout, rank: int, latest: float
+) -> dict[str, Any]:
+    """Clock, comm counters, tokens and random state of new ``rank``."""
+    survivor = rank < old.world_size
+    own = states[rank] if survivor else states[0]
+    clock = {
+        key: (value if survivor else 0.0) if isinstance(value, float) else value
+        for key, value in own["clock"].items()
+    }
+    clock["now"] = latest
+    comm: Any = None
+    if old.ranks_per_worker == new.ranks_per_worker:
+        comm = own["comm"] if survivor else _zeroed(own["comm"])
+    return {
+        "clock": clock,
+        "comm": comm,
+        "rng": states[rank % old.world_size]["rng"],
+        "tokens": int(own["tokens"]) if survivor else 0,
+    }
+
+
+def _zeroed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _zeroed(item) for key, item in value.items()}
+    if isinstance(value, bool | str):
+        return value
+    if isinstance(value, int | float):
+        return type(value)(0)
+    return value
+
+
+def _is_adamw(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) >= _ADAMW_KEYS
+
+
+def _join_replicas(states: list[dict[str, Any]], old: Layout, worker: int) -> dict[str, Any]:
+    """One worker's state: its first rank's, with moments split over its ranks joined."""
+    ranks = states[worker * old.ranks_per_worker : (worker + 1) * old.ranks_per_worker]
+    if len(ranks) == 1:
+        return ranks[0]
+    return {**ranks[0], "strategy": _map_adamw([r["strategy"] for r in ranks], _join_moments)}
+
+
+def _join_moments(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    master = parts[0]["master"]
+    if parts[0]["exp_avg"].numel() == master.numel():
+        return parts[0]
+    joined = {name: torch.cat([p[name] for p in parts]) for name in _MOMENTS}
+    return {**parts[0], **joined}
+
+
+def _map_adamw(trees: list[Any], apply: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> Any:
+    """``trees`` (same structure) with every AdamW state dict replaced by ``apply`` of the
+    corresponding dicts of all trees (the other leaves: the first tree's)."""
+    first = trees[0]
+    if _is_adamw(first):
+        return apply(trees)
+    if isinstance(first, dict):
+        return {key: _map_adamw([t[key] for t in trees], apply) for key in first}
+    if isinstance(first, list):
+        return [_map_adamw([t[i] for t in trees], apply) for i in range(len(first))]
+    return first
+
+
+def _combine(values: list[Any], path: str, rules: Rules, *, sharded: bool) -> Any:
+    """One state from the workers' ``values`` (same structure) by the module's rules."""
+    first = values[0]
+    name = path.rsplit(".", 1)[-1]
+    if isinstance(first, dict):
+        if any(set(v) != set(first) for v in values):
+            raise CheckpointError(f"--resume: cannot re-shard {path}: workers hold other keys")
+        worker_shards = sharded and rules.shards_over_workers and _is_adamw(first)
+        return {
+            key: _concat([v[key] for v in values], rules.numel)
+            if worker_shards and key in _ADAMW_KEYS
+            else _combine([v[key] for v in values], f"{path}.{key}", rules, sharded=sharded)
+            for key in first
+        }
+    if isinstance(first, list | tuple):
+        return [
+            _combine([v[i] for v in values], f"{path}[{i}]", rules, sharded=sharded)
+            for i in range(len(first))
+        ]
+    if sharded and name in rules.pooled:
+        return sum(values[1:], start=first)
+    if all(_equal(first, v) for v in values[1:]):
+        return first
+    if isinstance(first, torch.Tensor) and first.is_floating_point():
+        mean = torch.stack([v.double() for v in values]).mean(dim=0)
+        return mean.to(first.dtype)
+    if isinstance(first, float):
+        return sum(float(v) for v in values) / len(values)
+    raise CheckpointError(
+        f"--resume: cannot re-shard {path}: the workers hold different values "
+        f"({values[0]!r} and others) that have no combining rule; resume with the old --workers"
+    )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return bool(a == b)
+
+
+def _repad(tree: Any, numel: int, old: int, new: int) -> Any:
+    """``tree`` with every flat buffer padded for ``old`` workers (1-D, ``numel`` plus fewer
+    than ``old`` zeros) padded for ``new`` instead (``FlatBuffers(pad_to=new)``)."""
+    if isinstance(tree, dict):
+        return {key: _repad(value, numel, old, new) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_repad(value, numel, old, new) for value in tree]
+    if isinstance(tree, torch.Tensor) and tree.dim() == 1 and numel <= tree.numel() < numel + old:
+        padded = torch.zeros(-(-numel // new) * new, dtype=tree.dtype)
+        padded[:numel] = tree[:numel]
+        return padded
+    return tree
+
+
+def _concat(shards: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """The whole (unpadded) tensor from equal worker shards; scalars are kept."""
+    if shards[0].dim() == 0:
+        return shards[0]
+    return torch.cat(shards)[:numel]
+
+
+def _split(tree: Any, new: Layout, worker: int, replica: int, rules: Rules) -> Any:
+    """New (worker, replica)'s strategy state from the combined one."""
+    if isinstance(tree, dict):
+        if rules.shards_over_workers and _is_adamw(tree):
+            return {k: _cut(v, new.workers, worker, rules.numel) for k, v in tree.items()}
+        if rules.shards_over_replicas and new.ranks_per_worker > 1 and _is_adamw(tree):
+            return {**tree, **_replica_slice(tree, new.ranks_per_worker, replica)}
+        return {k: _split_leaf(k, v, new, worker, replica, rules) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_split(item, new, worker, replica, rules) for item in tree]
+    return tree
+
+
+def _split_leaf(key: str, value: Any, new: Layout, worker: int, replica: int, rules: Rules) -> Any:
+    if key in rules.pooled and worker != 0:
+        return torch.zeros_like(value) if isinstance(value, torch.Tensor) else type(value)(0)
+    return _split(value, new, worker, replica, rules)
+
+
+def _cut(value: Any, parts: int, index: int, numel: int) -> Any:
+    """Part ``index`` of ``parts`` equal parts of ``value`` zero-padded to a multiple of
+    ``parts`` (ZeRO-1's layout, :class:`lowcomm.strategies.flat.FlatBuffers`)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    padded = torch.zeros(-(-numel // parts) * parts, dtype=value.dtype)
+    padded[:numel] = value[:numel]
+    size = padded.numel() // parts
+    return padded[index * size : (index + 1) * size].clone()
+
+
+def _replica_slice(tree: dict[str, Any], replicas: int, replica: int) -> dict[str, Any]:
+    """Replica ``replica``'s slice of the moments (``ReplicaShardedAdamW``'s layout)."""
+    numel = tree["master"].numel()
+    size = -(-numel // replicas)
+    begin = min(replica * size, numel)
+    end = min(begin + size, numel)
+    return {name: tree[name][begin:end].clone() for name in _MOMENTS}
