@@ -435,7 +435,8 @@ def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Pa
     assert summary["workers"] == 2
     (change,) = summary["membership_changes"]
     assert (change["old_workers"], change["new_workers"]) == (3, 2)
-    assert change["step"] % 10 == 0 and 20 <= change["step"] < steps
+    # The latest checkpoint at the kill (after 20 steps: step 20's may not be committed yet).
+    assert change["step"] in (10, 20, 30)
     assert "re-sharded from 3 to 2 workers" in logs
 
 
