@@ -397,7 +397,7 @@ def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Pa
         torchrun, "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
         "--local-addr", "127.0.0.1", "--rdzv-conf",
-        "join_timeout=60,last_call_timeout=1,close_timeout=5",
+        "join_timeout=120,last_call_timeout=1,close_timeout=5,read_timeout=180",
         "--monitor-interval", "0.5", "-m", "lowcomm", "train", "--method", "ddp", "--steps",
         str(steps), "--checkpoint-every", "10", "--model.n-layer", "1", "--model.n-embd", "32",
         "--model.n-head", "2", "--model.block-size", "16", "--micro-batch-size", "2",
