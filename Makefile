@@ -58,7 +58,7 @@ test-regression: $(VENV)/.installed-dev
 
 # Rewrite tests/regression/*.json from a fresh run; commit them saying why the numbers moved.
 regen-regression: $(VENV)/.installed-dev
-	LOWCOMM_REGEN=1 $(BIN)/python -m pytest -q tests/test_regression.py
+	LOWCOMM_REGEN=1 $(BIN)/python -m pytest -q tests/test_regression.py tests/test_regression_precision.py
 
 bench: $(VENV)/.installed
 	$(BIN)/lowcomm bench overhead

@@ -375,6 +375,7 @@ def test_plan_splits_the_outer_payload_over_the_ranks_and_prices_the_inner_link(
         "workers": 4,
         "network": "wan",
         "diloco": DiLoCoOptions(sync_every=50),
+        "comm_dtype": "bf16",  # 2 bytes per element: the payload below
     }
     flat = make_plan(PlanConfig(**base))  # type: ignore[arg-type]
     hier = make_plan(PlanConfig(**base, ranks_per_worker=8, inner_network="datacenter"))  # type: ignore[arg-type]

@@ -211,3 +211,64 @@ def test_eval_and_generate_use_a_saved_model(tmp_path: Path) -> None:
 def test_eval_of_a_path_without_weights_is_one_line(tmp_path: Path) -> None:
     for command in (("eval", str(tmp_path)), ("generate", str(tmp_path), "--prompt", "a")):
         assert "no saved model here" in _one_line_error(lowcomm(*command))
+
+
+def _flat(run: Path) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in load_model(run).parameters()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_extending_n_to_2n_equals_training_the_saved_state_n_more_steps(
+    tmp_path: Path, method: str
+) -> None:
+    """The rule an extension follows: steps N..2N-1 take the schedule of a 2N-step run. With a
+    constant rate after a warm-up inside the first N steps, that schedule is the same for
+    either total on steps 0..N-1, so a finished N-step run extended to 2N must equal, parameter
+    for parameter, one 2N-step run: the saved state at N trained N more steps under the same
+    rule (optimizer moments, outer momentum, data order and random state included)."""
+    flags = (
+        *TINY,
+        "--method",
+        method,
+        "--schedule.kind",
+        "constant",
+        "--schedule.warmup-steps",
+        "2",
+    )
+    if method == "diloco":
+        flags = (*flags, "--diloco.sync-every", "2")
+    extended, straight = tmp_path / "extended", tmp_path / "straight"
+    first = lowcomm("train", *flags, "--steps", "3", "--out", str(extended))
+    assert first.returncode == 0, first.stderr[-3000:]
+    more = lowcomm("train", "--resume", str(extended), "--steps", "6")
+    assert more.returncode == 0, more.stderr[-3000:]
+    whole = lowcomm("train", *flags, "--steps", "6", "--out", str(straight))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert torch.equal(_flat(extended), _flat(straight))
+    losses = [
+        [
+            json.loads(line)["train_loss"]
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
+        for run in (extended, straight)
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+
+
+@pytest.mark.slow
+def test_an_extension_follows_the_schedule_of_the_new_total(tmp_path: Path) -> None:
+    from lowcomm.optim.schedule import ScheduleConfig, learning_rate
+
+    out = tmp_path / "run"
+    first = lowcomm(
+        "train", *TINY, "--steps", "4", "--schedule.warmup-steps", "2", "--out", str(out)
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    more = lowcomm("train", "--resume", str(out), "--steps", "8")
+    assert more.returncode == 0, more.stderr[-3000:]
+    rates = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    peak = TrainConfig().optim.lr
+    schedule = ScheduleConfig(warmup_steps=2)
+    assert rates[:4] == pytest.approx([learning_rate(schedule, peak, s, 4) for s in range(4)])
+    assert rates[4:] == pytest.approx([learning_rate(schedule, peak, s, 8) for s in range(4, 8)])

@@ -24,6 +24,7 @@ BASE = {
     "network": "wan",
     "bandwidth_gbps": 8.0,
     "latency_ms": 1.0,
+    "comm_dtype": "bf16",  # 2 bytes per element
 }
 ALL_REDUCE = 2 * 3 / 4 * 2e9 / 1e9 + 2 * 3 * 1e-3  # one bf16 model on 4 workers: 3.006 s
 

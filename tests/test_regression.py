@@ -46,7 +46,7 @@ REGEN = os.environ.get("LOWCOMM_REGEN") == "1"
 LOSS_RTOL = 1e-6
 TIME_ATOL = 1e-9
 HIERARCHICAL = ("streaming_diloco",)  # fragment exchanges over a two-level comm
-# Still to add once the library has them: a bf16 / --comm-dtype run (issue 14).
+# The bf16-mixed / --comm-dtype bf16 runs are pinned by test_regression_precision.py.
 
 #: What every stored run is; kept in each file so a reviewer sees what the numbers are of.
 DESCRIPTION = (

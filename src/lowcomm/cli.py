@@ -103,6 +103,7 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
             f"--resume: {path} is not a readable lowcomm config ({error}); pass the options again"
         )
     saved.out, saved.stop_after, saved.resume, saved.overwrite = None, None, value, False
+    saved.init_from = None  # the checkpoint holds the weights; --init-from again is refused
     return saved
 
 
@@ -269,7 +270,7 @@ def _main(argv: list[str] | None) -> None:
                 start_forkserver()
             from lowcomm.config import TrainConfig
 
-            rest = _bare_switches(rest)
+            rest = _bare_switches(rest, ("--overwrite", "--tensorboard"))
             defaults = _resume_defaults(rest)
             if defaults is None:
                 train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config)

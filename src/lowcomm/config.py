@@ -138,11 +138,27 @@ class TrainConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     """cpu (Gloo) or cuda (NCCL, one GPU per worker)."""
 
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    """fp32, or bf16-mixed: forward and backward under torch.autocast in bfloat16 (CPU and
+    CUDA), with float32 master parameters, gradients and optimizer states (so state bytes do
+    not change); validation runs in float32."""
+
+    comm_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype gradients and pseudo-gradients travel in: bf16 sends a bfloat16 copy (half the
+    bytes and the modeled transfer time) and reduces it in bfloat16, the result copied back
+    into float32. Parameters and optimizer states travel in float32. Not with --method acco
+    (its collectives run on a communication thread)."""
+
     collective_timeout_s: float = 300.0
     """A collective that does not complete within this many seconds fails the run."""
 
     progress: bool = True
     """Show a progress bar."""
+
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files under OUT/tensorboard/ (losses,
+    learning rate, utilisation and bytes against the step; loss against the modeled time):
+    `--tensorboard` (or `--tensorboard True`); needs pip install 'lowcomm[tensorboard]'."""
 
     checkpoint_every: int | None = None
     """Write a checkpoint to OUT/checkpoints every this many steps (None: never)."""
@@ -158,6 +174,14 @@ class TrainConfig:
     stop_after: int | None = None
     """Stop after this many steps with a checkpoint, as a job with a time limit would;
     continue later with --resume OUT."""
+
+    init_from: str | None = None
+    """Start from this model instead of random weights: a finished run's OUT (its model/), a
+    lowcomm model directory, or a local HF model directory (config.json and weights; only
+    local paths are read, nothing is downloaded). Its tokenizer.json, when it has one, is the
+    run's tokenizer unless --tokenizer is given. --model.* must describe the saved model (its
+    embedding size comes from the weights). Not with --resume DIR (a resume continues its
+    checkpoint)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
@@ -269,6 +293,11 @@ class TrainConfig:
                 f"--collective-timeout-s: {self.collective_timeout_s} must be a positive number "
                 f"of seconds up to {MAX_TIMEOUT_S:g}"
             )
+        if self.comm_dtype != "fp32" and self.method == "acco":
+            raise ConfigError(
+                f"--comm-dtype: {self.comm_dtype} with --method acco: its collectives are issued "
+                f"on a communication thread that does not cast them; use --comm-dtype fp32"
+            )
         self._validate_checkpointing()
 
     def _validate_compute_model(self) -> None:
@@ -290,6 +319,7 @@ class TrainConfig:
             Path(self.calibration),
             micro_batch_size=self.data.micro_batch_size,
             block_size=self.model.block_size,
+            bf16=self.precision == "bf16-mixed",
         )
         if problem is not None:
             raise ConfigError(
@@ -309,6 +339,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--stop-after: {self.stop_after} must lie in [1, --steps {self.steps}); a run "
                 f"that stops at its last step has nothing to resume"
+            )
+        if self.init_from is not None and self.resume not in (None, "auto"):
+            raise ConfigError(
+                f"--init-from: {self.init_from!r} with --resume {self.resume!r}; a resumed run "
+                f"continues its checkpoint's weights, so pass one of them"
             )
         if self.overwrite and self.resume is not None:
             raise ConfigError(
@@ -442,6 +477,13 @@ class TrainConfig:
         if self.resume != "auto":
             self.resume = absolute(self.resume)
         self.data.data = absolute(self.data.data)
+        # A path that does not exist (a hub name) stays as given, for pre-flight to name.
+        if self.init_from is not None and os.path.exists(os.path.expanduser(self.init_from)):
+            self.init_from = absolute(self.init_from)
+        if self.data.tokenizer is not None and os.path.exists(
+            os.path.expanduser(self.data.tokenizer)
+        ):
+            self.data.tokenizer = absolute(self.data.tokenizer)
         self.data.cache_dir = absolute(self.data.cache_dir)
 
     def run_dir(self) -> Path:
@@ -490,6 +532,7 @@ _MISSING = object()
 _RUN_NAME_EXCLUDED = frozenset(
     {
         "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
+        "tensorboard",
         "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
     }
 )  # fmt: skip

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import PRESETS, NetworkProfile
@@ -99,8 +99,17 @@ class PlanConfig:
     latency_ms: float | None = None
     """Override the preset's latency (ms)."""
 
-    bytes_per_element: float = 2.0
-    """Bytes per communicated element (2 = bf16; 1 = fp8; 0.5 = 4-bit)."""
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    """As `lowcomm train --precision` (same default). Compute is priced by --flops/--mfu
+    either way; memory follows ACCO's convention below whichever is chosen."""
+
+    comm_dtype: Literal["fp32", "bf16"] = "fp32"
+    """As `lowcomm train --comm-dtype` (same default): the dtype gradients and
+    pseudo-gradients travel in, so 4 (fp32) or 2 (bf16) bytes per communicated element
+    unless --bytes-per-element says otherwise."""
+
+    bytes_per_element: float | None = None
+    """Bytes per communicated element (None: from --comm-dtype; 1 = fp8; 0.5 = 4-bit)."""
 
     optimizer_bytes: float = 12.0
     """K: bytes per parameter of the optimizer (fp32 master + two moments = 12)."""
@@ -140,8 +149,14 @@ class PlanConfig:
                 f"--solve-bandwidth: {self.solve_bandwidth} is a target utilisation and must "
                 f"lie in (0, 1), e.g. 0.9"
             )
-        if not self.bytes_per_element > 0:
+        if self.bytes_per_element is not None and not self.bytes_per_element > 0:
             raise ValueError(f"--bytes-per-element: {self.bytes_per_element} must be positive")
+
+    def element_bytes(self) -> float:
+        """Bytes per communicated element: --bytes-per-element, else --comm-dtype's size."""
+        if self.bytes_per_element is not None:
+            return self.bytes_per_element
+        return 4.0 if self.comm_dtype == "fp32" else 2.0
 
 
 def parse_params(text: str) -> float:
@@ -278,7 +293,7 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     else:
         tokens_per_rank = config.tokens_per_step / (m * ranks)
         step_compute = 6.0 * params * tokens_per_rank / (config.flops * config.mfu)
-    model_bytes = config.bytes_per_element * params
+    model_bytes = config.element_bytes() * params
     # Each rank carries 1/R of every outer payload over its own outer transfer.
     payload = model_bytes / ranks
 

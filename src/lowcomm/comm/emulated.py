@@ -41,6 +41,7 @@ from lowcomm.comm.base import (
     check_segments,
     payload_bytes,
 )
+from lowcomm.comm.cast import CastBackHandle, travels_cast
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.network import NetworkProfile, bytes_sent
 from lowcomm.comm.overlap import LaunchAgreement
@@ -134,6 +135,8 @@ class NetworkComm:
         profile: the declared link and per-worker speed factors.
         clock: this worker's clock (real or virtual).
         device: the device of the group's tensors (cuda for NCCL), used for barriers.
+        wire_dtype: the dtype float32 gradients and pseudo-gradients travel in
+            (``--comm-dtype``, :mod:`lowcomm.comm.cast`); other roles travel as they are.
     """
 
     def __init__(
@@ -143,8 +146,10 @@ class NetworkComm:
         clock: Clock,
         *,
         device: torch.device | None = None,
+        wire_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.raw = raw
+        self.wire_dtype = wire_dtype
         # Where the launch-time exchange of a barrier lives (the group's device).
         self._barrier_device = device or torch.device("cpu")
         self.profile = profile
@@ -250,6 +255,10 @@ class NetworkComm:
         segments: Segments | None = None,
     ) -> Handle:
         check_segments(tensor, segments)
+        if travels_cast(tensor, role, self.wire_dtype):
+            wire = tensor.to(self.wire_dtype)
+            handle = self.all_reduce(wire, op=op, role=role, segments=segments)
+            return CastBackHandle(handle, wire, tensor)
         shares = (
             None
             if segments is None
@@ -267,6 +276,10 @@ class NetworkComm:
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
     ) -> Handle:
+        if travels_cast(input, role, self.wire_dtype):
+            wire_out = torch.empty_like(output, dtype=self.wire_dtype)
+            handle = self.reduce_scatter(wire_out, input.to(self.wire_dtype), op=op, role=role)
+            return CastBackHandle(handle, wire_out, output)
         return self._launch(
             CollectiveKind.REDUCE_SCATTER,
             role,
@@ -276,6 +289,10 @@ class NetworkComm:
         )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        if travels_cast(input, role, self.wire_dtype):
+            wire_out = torch.empty_like(output, dtype=self.wire_dtype)
+            handle = self.all_gather(wire_out, input.to(self.wire_dtype), role=role)
+            return CastBackHandle(handle, wire_out, output)
         return self._launch(
             CollectiveKind.ALL_GATHER,
             role,

@@ -48,6 +48,11 @@ class DataConfig:
     micro_batch_size: int = 8
     """Sequences per micro-batch on each worker."""
 
+    tokenizer: str | None = None
+    """A tokenizer.json to tokenize with instead of training a BPE (--vocab-size is then
+    unused); it needs an <|endoftext|> token. None: with --init-from, the model's own
+    tokenizer.json, else a BPE trained on the data."""
+
     cache_dir: str | None = None
     """Cache for tokenizers and tokenized corpora; None means $LOWCOMM_CACHE_DIR if set,
     else ~/.cache/lowcomm."""
@@ -72,6 +77,10 @@ class DataConfig:
                 f"--vocab-size: {self.vocab_size!r} is outside "
                 f"[{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}] (256 byte tokens plus end-of-text is the "
                 f"minimum); pass a size such as 2048"
+            )
+        if self.tokenizer is not None and not str(self.tokenizer).strip():
+            raise DataError(
+                "--tokenizer: '' is an empty path; pass a tokenizer.json, or omit --tokenizer"
             )
         if not 0.0 < self.val_fraction <= 0.5:
             raise DataError(

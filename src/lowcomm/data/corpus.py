@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lowcomm.atomic import atomic_write_bytes
-from lowcomm.data.config import DataConfig
+from lowcomm.data.config import DataConfig, DataError
 from lowcomm.data.documents import Document, read_documents
 
 CACHE_FORMAT_VERSION = 1
@@ -97,18 +97,21 @@ class PreparedCorpus:
         return _import_tokenizers().Tokenizer.from_file(str(self.tokenizer_path))
 
 
-def cache_key(documents: list[Document], vocab_size: int) -> str:
+def cache_key(documents: list[Document], vocab_size: int, tokenizer: bytes | None = None) -> str:
     """Hash the inputs that determine the tokenizer and the token ids.
 
     Args:
         documents: ``(source_name, text)`` pairs in reading order.
         vocab_size: Requested vocabulary size.
+        tokenizer: A given tokenizer's JSON (``--tokenizer``), or None for a trained BPE.
 
     Returns:
         A hex SHA-256 digest.
     """
     digest = hashlib.sha256()
     digest.update(f"lowcomm-corpus-v{CACHE_FORMAT_VERSION}\0vocab={vocab_size}\0".encode())
+    if tokenizer is not None:
+        digest.update(b"tokenizer\0" + hashlib.sha256(tokenizer).digest())
     for source_name, text in documents:
         digest.update(source_name.encode("utf-8", errors="replace") + b"\0")
         digest.update(hashlib.sha256(text.encode("utf-8", errors="replace")).digest())
@@ -241,7 +244,8 @@ def prepare_corpus(
         DataError: If the input is missing, malformed or empty.
     """
     documents = read_documents(config.data, config.text_field)
-    key = cache_key(documents, config.vocab_size)
+    given = _given_tokenizer(config)
+    key = cache_key(documents, 0 if given is not None else config.vocab_size, given)
     cache_dir = config.resolved_cache_dir()
     tokenizer_path = cache_dir / "tokenizers" / f"{key}.json"
     corpus_path = cache_dir / "corpora" / f"{key}.npz"
@@ -276,6 +280,9 @@ def prepare_corpus(
             if loaded is not None:
                 return finish(loaded, from_cache=True)
             tokenizer = _import_tokenizers().Tokenizer.from_file(str(tokenizer_path))
+        elif given is not None:
+            tokenizer = _import_tokenizers().Tokenizer.from_str(given.decode("utf-8"))
+            atomic_write_bytes(tokenizer_path, given)
         else:
             if report is not None:
                 report(
@@ -285,10 +292,28 @@ def prepare_corpus(
             tokenizer = _train_tokenizer(documents, config.vocab_size)
             atomic_write_bytes(tokenizer_path, tokenizer.to_str().encode("utf-8"))
         eot_id = tokenizer.token_to_id(END_OF_TEXT)
+        if eot_id is None:
+            raise DataError(
+                f"--tokenizer: {config.tokenizer} has no {END_OF_TEXT} token, which lowcomm "
+                f"places after every document; pass a tokenizer that has one"
+            )
         vocab_size = int(tokenizer.get_vocab_size())
         source_names, streams = _tokenize(tokenizer, documents, eot_id, vocab_size)
         _save_corpus(corpus_path, source_names, streams, vocab_size, eot_id)
     return finish((source_names, streams, vocab_size, eot_id), from_cache=False)
+
+
+def _given_tokenizer(config: DataConfig) -> bytes | None:
+    """The bytes of ``--tokenizer`` (None: train a BPE)."""
+    if config.tokenizer is None:
+        return None
+    try:
+        return Path(config.tokenizer).expanduser().read_bytes()
+    except OSError as error:
+        raise DataError(
+            f"--tokenizer: cannot read {config.tokenizer} ({error.strerror or error}); pass "
+            f"an existing tokenizer.json"
+        ) from None
 
 
 def time_prepare(config: DataConfig) -> tuple[PreparedCorpus, float]:

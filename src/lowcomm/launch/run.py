@@ -102,9 +102,16 @@ def preflight(config: TrainConfig) -> str | None:
     Raises:
         ConfigError: the first problem, in one line naming the option and the fix.
     """
+    from lowcomm.launch.init_check import check_init_from
     from lowcomm.train.rundir import check_run_dir
 
     _check_resume(config)
+    check_init_from(config)
+    if config.tensorboard:
+        from lowcomm.train.tensorboard import MISSING, tensorboard_available
+
+        if not tensorboard_available():
+            raise ConfigError(MISSING)
     check_method_options(config)
     _check_data_path(config)
     return check_run_dir(config)

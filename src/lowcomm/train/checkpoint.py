@@ -47,6 +47,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: Fingerprint keys added after format 2 was released, with the value a checkpoint that
+#: predates them was necessarily written with.
+_ADDED_LATER: dict[str, Any] = {"precision": "fp32", "comm_dtype": "fp32"}
+
+
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The settings a checkpoint's state depends on: resuming under different ones would not
     continue the same run (JSON-normalised so it compares equal after a round trip)."""
@@ -61,8 +66,15 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
         "microbatches_per_step": config.microbatches_per_step,
         "max_grad_norm": config.max_grad_norm,
         "clock": config.clock,
+        "precision": config.precision,
+        "comm_dtype": config.comm_dtype,
         "model": dataclasses.asdict(config.model),
-        "data": dataclasses.asdict(config.data),
+        # (--tokenizer only when given: checkpoints from before it existed still match.)
+        "data": {
+            key: value
+            for key, value in dataclasses.asdict(config.data).items()
+            if key != "tokenizer" or value is not None
+        },
         "optim": dataclasses.asdict(config.optim),
         "schedule": dataclasses.asdict(config.schedule),
         "options": None
@@ -226,7 +238,7 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
             f"--resume: the checkpoint was written by {manifest.get('world_size')} processes but "
             f"this run has {world_size}; resume with the same --workers (and --ranks-per-worker)"
         )
-    saved = manifest.get("fingerprint", {})
+    saved = {**_ADDED_LATER, **manifest.get("fingerprint", {})}
     for key, value in fingerprint.items():
         if key == "steps" and _extends(int(manifest["step"]), saved, value, directory):
             continue

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from lowcomm.comm.base import Comm, Role
+from lowcomm.comm.cast import wire_dtype
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
@@ -197,7 +198,7 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     context = replace(config.strategy_context(), runtime=comm.runtime())
     strategy = build_strategy(config.method, model, comm, context, config)
     shard, validation, validation_batches = _data(config, corpus, rank, device)
-    closure = _closure(model, shard, clock, device)
+    closure = _closure(model, shard, clock, device, bf16=config.precision == "bf16-mixed")
     # Synchronous data parallel inside a worker (R > 1): gradients averaged over its ranks
     # after each micro-batch, charged to the replica link.
     step_closure = (
@@ -214,7 +215,12 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
 def _shared_initial_model(
     config: TrainConfig, vocab_size: int, raw: Comm, device: torch.device
 ) -> torch.nn.Module:
-    model = build_model(config.model, vocab_size).to(device)
+    if config.init_from is None:
+        model = build_model(config.model, vocab_size).to(device)
+    else:  # --init-from: the saved weights (pre-flight checked that they fit)
+        from lowcomm.models.init_from import initial_model, read_initial_weights
+
+        model = initial_model(config.model, read_initial_weights(config.init_from)).to(device)
     # Same seed gives the same initial model everywhere; broadcast anyway (uncharged) so that
     # workers on different machines or library builds provably start from one point.
     with torch.no_grad():
@@ -229,13 +235,15 @@ def _strategy_comms(
     """The strategy's communicator and, with ranks per worker > 1, the replica-level one
     (between the ranks of one worker) the averaging closure uses."""
     profile = config.network_profile()
+    wire = wire_dtype(config.comm_dtype)
     if config.ranks_per_worker == 1:
-        return NetworkComm(raw, profile, clock, device=device), None
+        return NetworkComm(raw, profile, clock, device=device, wire_dtype=wire), None
     from lowcomm.launch.groups import level_comms
 
     replica_raw, outer_raw = level_comms(config.ranks_per_worker)
-    replica_comm = NetworkComm(replica_raw, config.replica_network_profile(), clock, device=device)
-    outer_comm = NetworkComm(outer_raw, profile, clock, device=device)
+    replica_profile = config.replica_network_profile()
+    replica_comm = NetworkComm(replica_raw, replica_profile, clock, device=device, wire_dtype=wire)
+    outer_comm = NetworkComm(outer_raw, profile, clock, device=device, wire_dtype=wire)
     return HierarchicalComm(replica_comm, outer_comm, clock), replica_comm
 
 
@@ -269,9 +277,11 @@ def _data(
 
 
 def _closure(
-    model: torch.nn.Module, shard: WorkerShard, clock: Clock, device: torch.device
+    model: torch.nn.Module, shard: WorkerShard, clock: Clock, device: torch.device, bf16: bool
 ) -> Callable[[], MicroBatchResult]:
-    """Forward and backward on the next micro-batch at the model's current parameters."""
+    """Forward and backward on the next micro-batch at the model's current parameters (with
+    ``bf16``, under bfloat16 autocast: the backward runs in the forward's dtypes, the
+    gradients land in the float32 parameters' float32 ``.grad``)."""
 
     def to_device(batch: torch.Tensor) -> torch.Tensor:
         if device.type != "cuda":
@@ -283,7 +293,8 @@ def _closure(
         with clock.microbatch():
             inputs, targets = shard.next_batch()
             inputs, targets = to_device(inputs), to_device(targets)
-            _, loss = model(inputs, targets)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(inputs, targets)
             assert loss is not None
             loss.backward()
         return MicroBatchResult(

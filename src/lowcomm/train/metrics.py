@@ -118,6 +118,12 @@ class RunWriter:
             )
         # Kept open for the whole run (one line per step), closed by close_steps().
         self._metrics: TextIO | None = open(metrics_path, "a" if resume_step is not None else "w")  # noqa: SIM115
+        self._tensorboard: Any = None
+        if config.tensorboard:
+            from lowcomm.train.tensorboard import TensorBoardLog
+
+            before = sum(r.bytes_sent_per_worker for r in self.records)
+            self._tensorboard = TensorBoardLog(self.directory, before)
         self._progress: Any = None
         if config.progress:
             from tqdm import tqdm
@@ -131,6 +137,8 @@ class RunWriter:
         if self._metrics is not None:
             self._metrics.write(json.dumps(record.__dict__) + "\n")
             self._metrics.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.write_step(record)
         if self._progress is not None:
             postfix = {"loss": f"{record.train_loss:.3f}", "util": f"{record.utilization:.2f}"}
             if record.val_loss is not None:
@@ -142,6 +150,9 @@ class RunWriter:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._progress is not None:
             self._progress.close()
             self._progress = None

@@ -18,7 +18,7 @@ from lowcomm.config import ConfigError, TrainConfig
 #: What a run writes into its directory (the checkpoints directory included).
 RUN_FILES = (
     "config.json", "metrics.jsonl", "summary.json", "loss.png", "error.log", "checkpoints",
-    "model",
+    "model", "tensorboard",
 )  # fmt: skip
 
 #: Where a failed run's worker tracebacks go (the one-line error names it).

@@ -1,0 +1,49 @@
+"""Pre-flight of ``--init-from`` and ``--tokenizer``: read once, before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lowcomm.config import ConfigError, TrainConfig
+
+
+def check_init_from(config: TrainConfig) -> None:
+    """Check the model ``--init-from`` names and the tokenizer the run will use; with
+    ``--init-from`` and no ``--tokenizer``, make the model's own ``tokenizer.json`` the run's
+    tokenizer (recorded in config.json).
+
+    Raises:
+        ConfigError: The first problem, in one line naming the option and the fix.
+    """
+    from lowcomm.models.init_from import (
+        InitFromError,
+        initial_model,
+        read_initial_weights,
+        tokenizer_vocab_size,
+    )
+
+    tokenizer = config.data.tokenizer
+    if tokenizer is not None and not Path(tokenizer).expanduser().is_file():
+        raise ConfigError(
+            f"--tokenizer: {tokenizer!r} is not a file; pass a tokenizer.json (e.g. a saved "
+            f"model's), or omit --tokenizer to train a BPE on the data"
+        )
+    try:
+        if tokenizer is not None:
+            tokenizer_vocab_size(tokenizer)
+        if config.init_from is None:
+            return
+        weights = read_initial_weights(config.init_from)
+        initial_model(config.model, weights)  # the shapes fit
+        if tokenizer is None and weights.tokenizer is not None:
+            tokenizer = config.data.tokenizer = str(weights.tokenizer)
+        if tokenizer is not None:
+            tokens = tokenizer_vocab_size(tokenizer)
+            if tokens > weights.vocab_size:
+                raise ConfigError(
+                    f"--tokenizer: {tokenizer} has {tokens} tokens but the model's embedding "
+                    f"in {weights.directory} has {weights.vocab_size} rows (larger ids would "
+                    f"index past it); pass the tokenizer the model was trained with"
+                )
+    except InitFromError as error:
+        raise ConfigError(str(error)) from None
