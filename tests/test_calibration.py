@@ -195,3 +195,13 @@ def test_resume_on_the_calibrated_model_is_exact(tmp_path: Path, method: str) ->
     prepare_corpus(DataConfig(micro_batch_size=2))
     for got in spawn_workers(_straight_and_resumed_calibrated, 2, (str(tmp_path), method)):
         assert got == {"clock_diff": 0.0, "compute_diff": 0.0, "tokens_diff": 0.0}, got
+
+
+def test_a_calibration_of_the_other_precision_is_refused(tmp_path: Path) -> None:
+    from lowcomm.comm.calibration import check_calibration_file
+
+    path = tmp_path / "c.json"
+    CALIBRATION.save(path)  # measured in fp32
+    assert check_calibration_file(path, micro_batch_size=2, block_size=16) is None
+    problem = check_calibration_file(path, micro_batch_size=2, block_size=16, bf16=True)
+    assert problem is not None and "--precision fp32" in problem

@@ -320,6 +320,7 @@ class TrainConfig:
             Path(self.calibration),
             micro_batch_size=self.data.micro_batch_size,
             block_size=self.model.block_size,
+            bf16=self.precision == "bf16-mixed",
         )
         if problem is not None:
             raise ConfigError(

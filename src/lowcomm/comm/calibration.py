@@ -75,6 +75,8 @@ class Calibration:
     micro_batch_size: int
     block_size: int
     num_params: int
+    bf16: bool = False
+    """Measured under bfloat16 autocast (--precision bf16-mixed)."""
     microbatch_samples: tuple[float, ...] = ()
     element_samples: tuple[float, ...] = ()
 
@@ -89,6 +91,7 @@ class Calibration:
             micro_batch_size=int(data["micro_batch_size"]),
             block_size=int(data["block_size"]),
             num_params=int(data["num_params"]),
+            bf16=bool(data.get("bf16", False)),
             microbatch_samples=tuple(float(s) for s in data.get("microbatch_samples", ())),
             element_samples=tuple(float(s) for s in data.get("element_samples", ())),
         )
@@ -101,7 +104,9 @@ class Calibration:
         return cls.from_dict(json.loads(path.read_text()))
 
 
-def check_calibration_file(path: Path, *, micro_batch_size: int, block_size: int) -> str | None:
+def check_calibration_file(
+    path: Path, *, micro_batch_size: int, block_size: int, bf16: bool = False
+) -> str | None:
     """Why the calibration file at ``path`` cannot serve a run of these shapes (None: it can,
     or it does not exist yet and the run will write it)."""
     if not path.exists():
@@ -116,6 +121,9 @@ def check_calibration_file(path: Path, *, micro_batch_size: int, block_size: int
             f"was measured on micro-batches of {shapes[0]} x {shapes[1]} tokens, this run uses "
             f"{micro_batch_size} x {block_size}"
         )
+    if calibration.bf16 != bf16:
+        measured = "bf16-mixed" if calibration.bf16 else "fp32"
+        return f"was measured at --precision {measured}, this run uses the other precision"
     return None
 
 
@@ -168,9 +176,10 @@ def _thread_cpu_timing(work: Callable[[], None]) -> float:
 
 
 def _forward_backward(
-    model: torch.nn.Module, vocab_size: int, micro_batch_size: int, block_size: int
+    model: torch.nn.Module, vocab_size: int, micro_batch_size: int, block_size: int, bf16: bool
 ) -> Callable[[], None]:
-    """One forward-backward pass of a copy of ``model`` on a fixed random micro-batch."""
+    """One forward-backward pass of a copy of ``model`` on a fixed random micro-batch (under
+    bfloat16 autocast with ``bf16``, as the training loop runs it)."""
     replica = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(0)
     shape = (micro_batch_size, block_size)
@@ -180,7 +189,8 @@ def _forward_backward(
 
     def run() -> None:
         replica.zero_grad(set_to_none=True)
-        _, loss = replica(inputs, targets)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            _, loss = replica(inputs, targets)
         loss.backward()
 
     return run
@@ -220,13 +230,14 @@ def calibrate(
     micro_batch_size: int,
     block_size: int,
     bookkeeping: Comm,
+    bf16: bool = False,
 ) -> Calibration:
     """Measure this run's compute costs on every worker in turn and agree on them (every
     process of the run calls this at the same point). Leaves ``model`` and the global random
     state as they were."""
     rng = torch.get_rng_state()
     num_params = sum(p.numel() for p in model.parameters())
-    forward_backward = _forward_backward(model, vocab_size, micro_batch_size, block_size)
+    forward_backward = _forward_backward(model, vocab_size, micro_batch_size, block_size, bf16)
     counter = ElementCounter()
     update = _update(num_params, counter)
     warmup_s = 0.0
@@ -255,6 +266,7 @@ def calibrate(
         micro_batch_size=micro_batch_size,
         block_size=block_size,
         num_params=num_params,
+        bf16=bf16,
         microbatch_samples=microbatch,
         element_samples=element,
     )

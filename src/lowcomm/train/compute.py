@@ -60,6 +60,7 @@ def run_calibration(
         micro_batch_size=config.data.micro_batch_size,
         block_size=config.model.block_size,
         bookkeeping=bookkeeping,
+        bf16=config.precision == "bf16-mixed",
     )
     if path is not None and bookkeeping.rank == 0:
         calibration.save(path)
