@@ -47,12 +47,14 @@ from lowcomm.atomic import atomic_write_text
 from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.clock import VirtualClock
 
-#: Timed repeats in all (split over the workers, at least one each) after the warm-up.
-TIMED_REPEATS = 4
+#: Timed repeats in all (split over the workers, at least one each) after the warm-up. Spread
+#: over several seconds, so that a transient slowdown of the host (seen on a shared VM: every
+#: one of 4 timings 20% slow) does not set the minimum.
+TIMED_REPEATS = 12
 #: Warm-up passes per worker (all workers at once; the last one's timing sizes the turns).
 WARMUP = 1
 #: A worker's turn lasts about this long when its passes are cheap (up to MAX_REPEATS each).
-TURN_S = 0.2
+TURN_S = 0.5
 MAX_REPEATS = 40
 
 
