@@ -54,7 +54,7 @@ TIMED_REPEATS = 12
 #: Warm-up passes per worker (all workers at once; the last one's timing sizes the turns).
 WARMUP = 1
 #: A worker's turn lasts about this long when its passes are cheap (up to MAX_REPEATS each).
-TURN_S = 0.5
+TURN_S = 0.2
 MAX_REPEATS = 40
 
 
