@@ -12,7 +12,14 @@ import multiprocessing
 import os
 
 #: What the server imports once for every worker it forks.
-WORKER_MODULES = ["torch", "torch.distributed", "lowcomm.launch.spawn", "lowcomm.train.loop"]
+WORKER_MODULES = [
+    "torch",
+    "torch.distributed",
+    # (imported by the first operation under a dispatch mode: the calibrated clock counts with one)
+    "torch._dynamo",
+    "lowcomm.launch.spawn",
+    "lowcomm.train.loop",
+]
 
 
 def under_torchrun() -> bool:
