@@ -9,18 +9,28 @@ few milliseconds of compute) makes communication dominate DDP's step so the band
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
 import pytest
+import tyro
 
 from lowcomm.bench.reallink import (
+    FRAME,
+    TCP_PAYLOAD,
+    MethodResult,
     RealLinkBench,
     ddp_comparison,
+    goodput_gbps,
     namespaces_available,
     run_method_on_star,
+    run_method_virtual,
+    seconds_per_step,
     shaped_star,
+    virtual_args,
 )
+from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig, prepare_corpus
 
 pytestmark = pytest.mark.slow
@@ -63,6 +73,18 @@ def test_ddp_matches_the_model_and_overlap_beats_it(
         f"{predicted * 1e3:.1f} ms (ratio {ratio:.3f})"
     )
     assert acco.utilization > ddp.utilization
+    # The veths' counters saw at least what lowcomm counted (frames add headers; the initial
+    # parameter broadcast and the rendezvous are not counted as training traffic).
+    counted = sum(ddp.bytes_sent_per_step)
+    assert ddp.wire_bytes_per_worker is not None
+    assert counted <= ddp.wire_bytes_per_worker <= 2 * counted
+    # The same run on the virtual clock with the link declared: the modeled time per step is
+    # the shaped link's within 2x (the benchmark reports the ratio; its goal is 10%).
+    virtual = run_method_virtual(bench, "ddp", tmp_path / "ddp-virtual")
+    assert virtual.wire_bytes_per_worker is None
+    assert virtual.bytes_sent_per_step == ddp.bytes_sent_per_step
+    ratio = seconds_per_step(virtual) / seconds_per_step(ddp)
+    assert 0.5 <= ratio <= 2.0, ratio
 
 
 def test_an_unbuildable_star_is_refused_and_leaves_nothing(
@@ -90,3 +112,26 @@ def test_bench_without_root_is_a_one_line_error(
     err = capsys.readouterr().err.strip()
     assert err.startswith("lowcomm: error: bench reallink:") and "root" in err
     assert len(err.splitlines()) == 1
+
+
+def test_the_virtual_run_declares_the_shaped_link_at_its_goodput(tmp_path: Path) -> None:
+    bench = RealLinkBench(workers=3, bandwidth_mbit=100.0, steps=5)
+    args = virtual_args(bench, "co2", tmp_path / "run")
+    config = tyro.cli(TrainConfig, args=args, config=(tyro.conf.FlagConversionOff,))
+    assert (config.clock, config.network, config.workers) == ("virtual", "wan", 3)
+    assert (config.method, config.steps, config.seconds_per_microbatch) == ("co2", 5, None)
+    profile = config.network_profile()
+    assert profile.latency_ms == 0.0
+    # tbf meters 1514-byte frames that carry 1448 bytes of TCP payload each.
+    assert profile.bandwidth_gbps == pytest.approx(0.1 * 1448 / 1514)
+    assert goodput_gbps(1000.0) == pytest.approx(TCP_PAYLOAD / FRAME)
+
+
+def test_seconds_per_step_leaves_out_the_first_step() -> None:
+    result = MethodResult(
+        method="ddp", exposed_comm_s_per_step=[], bytes_sent_per_step=[], utilization=1.0,
+        wall_clock_s=9.0, clock_s_per_step=[5.0, 6.0, 7.5, 9.0],
+    )  # fmt: skip
+    assert seconds_per_step(result) == pytest.approx(4.0 / 3)
+    with pytest.raises(ValueError, match="1 step"):
+        seconds_per_step(dataclasses.replace(result, clock_s_per_step=[5.0]))

@@ -16,6 +16,13 @@ first, which also opens the connections) against the ring model's all-reduce tim
 same payload at the shaped bandwidth with zero latency, their ratio, and the utilisation
 (compute / (compute + exposed communication)) of DDP and of an overlapped method.
 
+With ``--virtual`` (the default), every method also runs once more, locally, on the virtual
+clock (calibrated compute model) with the link declared to the emulator (``--bandwidth-gbps``
+at the link's TCP goodput, ``--latency-ms 0``), and the report sets the modeled time per step
+beside the measured one. The goodput is the shaped rate times ``TCP_PAYLOAD / FRAME`` (1448
+payload bytes in every 1514-byte Ethernet frame): tbf meters whole frames, the emulator's
+bandwidth is the payload rate.
+
 Traffic stays inside the namespaces this module creates; they carry unique names (with this
 process's id) and are deleted on exit, error or interrupt. Needs root (``ip netns add``).
 """
@@ -48,6 +55,10 @@ SUBNET_PREFIX = "10.231.0"
 #: Rendezvous port of rank 0's TCPStore, inside rank 0's namespace (so it never collides).
 MASTER_PORT = 29500
 MAX_WORKERS = 4
+#: TCP payload bytes in one full Ethernet frame at MTU 1500 (with TCP timestamps), and the
+#: frame's bytes as tbf meters them (headers included, no preamble or gap).
+TCP_PAYLOAD = 1448
+FRAME = 1514
 
 
 class RealLinkUnavailable(RuntimeError):
@@ -233,6 +244,10 @@ class RealLinkBench:
     timeout_s: float = 240.0
     """Give up on a method's run after this many seconds."""
 
+    virtual: bool = True
+    """Also run every method on the virtual clock with the link declared to the emulator (at
+    its TCP goodput, no latency), and report modeled against measured time per step."""
+
 
 @dataclass
 class MethodResult:
@@ -243,6 +258,12 @@ class MethodResult:
     bytes_sent_per_step: list[float]
     utilization: float
     wall_clock_s: float
+    clock_s_per_step: list[float] = field(default_factory=list)
+    """The run clock's time at the end of every step (real: wall time; virtual: modeled)."""
+    wire_bytes_per_worker: float | None = None
+    """Bytes the workers' veths sent during the run, averaged over the workers (frames as tbf
+    meters them; connection set-up, the rendezvous and evaluation included). None: not on
+    the real link."""
 
 
 @dataclass
@@ -256,6 +277,8 @@ class RealLinkResult:
     predicted_s: float
     ratio: float
     methods: dict[str, MethodResult]
+    virtual: dict[str, MethodResult] = field(default_factory=dict)
+    """The same methods on the virtual clock (empty without ``--virtual``)."""
 
 
 def _train_args(bench: RealLinkBench, method: str, run_dir: Path) -> list[str]:
@@ -293,11 +316,92 @@ def _train_args(bench: RealLinkBench, method: str, run_dir: Path) -> list[str]:
     ]
 
 
+def _results(method: str, run_dir: Path, wall: float) -> MethodResult:
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return MethodResult(
+        method=method,
+        exposed_comm_s_per_step=[float(r["exposed_comm_s"]) for r in records],
+        bytes_sent_per_step=[float(r["bytes_sent_per_worker"]) for r in records],
+        utilization=float(summary["utilization"]),
+        wall_clock_s=wall,
+        clock_s_per_step=[float(r["clock_s"]) for r in records],
+    )
+
+
+def goodput_gbps(bandwidth_mbit: float) -> float:
+    """The TCP payload rate, in Gbit/s, of a link that tbf shapes to ``bandwidth_mbit``."""
+    return bandwidth_mbit / 1e3 * TCP_PAYLOAD / FRAME
+
+
+def virtual_args(bench: RealLinkBench, method: str, run_dir: Path) -> list[str]:
+    """The real run's arguments with the link declared to the emulator, on the virtual clock
+    (its default compute model, calibrated) and the local spawner."""
+    args = _train_args(bench, method, run_dir)
+    network = args.index("--network")
+    args[network + 1 : network + 2] = [
+        "wan", "--bandwidth-gbps", repr(goodput_gbps(bench.bandwidth_mbit)), "--latency-ms", "0",
+    ]  # fmt: skip
+    args[args.index("--clock") + 1] = "virtual"
+    return args
+
+
+def run_method_virtual(bench: RealLinkBench, method: str, run_dir: Path) -> MethodResult:
+    """Run ``method`` locally on the virtual clock with the shaped link declared."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    begin = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(run_dir / "train.log", "wb") as log:
+        try:
+            code = subprocess.run(
+                [sys.executable, "-m", "lowcomm", "train", *virtual_args(bench, method, run_dir)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, timeout=bench.timeout_s,
+                check=False,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"{method} (virtual clock): did not finish within {bench.timeout_s:.0f} s "
+                f"(log: {run_dir / 'train.log'})"
+            ) from None
+    if code != 0:
+        tail = (run_dir / "train.log").read_text(errors="replace").strip()
+        last = tail.splitlines()[-1] if tail else "(no output)"
+        raise RuntimeError(
+            f"{method} (virtual clock) exited with code {code}: {last} "
+            f"(log: {run_dir / 'train.log'})"
+        )
+    return _results(method, run_dir, time.perf_counter() - begin)
+
+
+def seconds_per_step(result: MethodResult) -> float:
+    """Mean time per step after the first (the first also opens the connections, and on the
+    virtual clock follows the calibration)."""
+    clock = result.clock_s_per_step
+    if len(clock) < 2:
+        raise ValueError(f"{result.method}: {len(clock)} step(s) recorded, need 2 or more")
+    return (clock[-1] - clock[0]) / (len(clock) - 1)
+
+
+def _tx_bytes(star: ShapedStar, rank: int) -> int:
+    """Bytes sent so far by worker ``rank``'s veth (its kernel counter)."""
+    result = subprocess.run(
+        ["ip", "netns", "exec", star.namespace(rank), "cat",
+         f"/sys/class/net/{WORKER_IFNAME}/statistics/tx_bytes"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(result.stdout.strip())
+
+
 def run_method_on_star(
     star: ShapedStar, bench: RealLinkBench, method: str, run_dir: Path
 ) -> MethodResult:
     """Run ``lowcomm train --method METHOD`` with one worker process per namespace."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    sent_before = [_tx_bytes(star, rank) for rank in range(star.workers)]
     args = _train_args(bench, method, run_dir)
     processes: list[subprocess.Popen[bytes]] = []
     logs = []
@@ -356,20 +460,10 @@ def run_method_on_star(
                 process.wait()
         for log in logs:
             log.close()
-    wall = time.perf_counter() - begin
-    records = [
-        json.loads(line)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return MethodResult(
-        method=method,
-        exposed_comm_s_per_step=[float(r["exposed_comm_s"]) for r in records],
-        bytes_sent_per_step=[float(r["bytes_sent_per_worker"]) for r in records],
-        utilization=float(summary["utilization"]),
-        wall_clock_s=wall,
-    )
+    result = _results(method, run_dir, time.perf_counter() - begin)
+    sent = [_tx_bytes(star, rank) - sent_before[rank] for rank in range(star.workers)]
+    result.wire_bytes_per_worker = statistics.fmean(sent)
+    return result
 
 
 def predicted_allreduce_s(payload_bytes: float, workers: int, bandwidth_mbit: float) -> float:
@@ -412,6 +506,10 @@ def measure(bench: RealLinkBench) -> RealLinkResult:
     with shaped_star(bench.workers, bench.bandwidth_mbit) as star:
         for method in bench.methods:
             results[method] = run_method_on_star(star, bench, method, out / method)
+    virtual = {}
+    if bench.virtual:
+        for method in bench.methods:
+            virtual[method] = run_method_virtual(bench, method, out / f"{method}-virtual")
     payload, measured, predicted = ddp_comparison(
         results["ddp"], bench.workers, bench.bandwidth_mbit
     )
@@ -423,6 +521,7 @@ def measure(bench: RealLinkBench) -> RealLinkResult:
         predicted_s=predicted,
         ratio=measured / predicted,
         methods=results,
+        virtual=virtual,
     )
 
 
@@ -435,6 +534,23 @@ def _to_json(result: RealLinkResult) -> dict[str, Any]:
         "ddp_predicted_s_per_step": result.predicted_s,
         "ratio_measured_over_predicted": result.ratio,
         "methods": {name: vars(r) for name, r in result.methods.items()},
+        "virtual_goodput_gbps": goodput_gbps(result.bandwidth_mbit),
+        "virtual": {name: vars(r) for name, r in result.virtual.items()},
+        "seconds_per_step": {
+            name: {
+                "real": seconds_per_step(real),
+                **(
+                    {
+                        "virtual": seconds_per_step(result.virtual[name]),
+                        "virtual_over_real": seconds_per_step(result.virtual[name])
+                        / seconds_per_step(real),
+                    }
+                    if name in result.virtual
+                    else {}
+                ),
+            }
+            for name, real in result.methods.items()
+        },
     }
 
 
@@ -454,6 +570,29 @@ def format_report(result: RealLinkResult) -> list[str]:
             f"  utilisation {name:22s}{method.utilization:10.3f}  "
             f"(wall {method.wall_clock_s:.1f} s for the run)"
         )
+    lines.append(
+        "  bytes per worker over the run: counted by lowcomm (the collectives' ring-model "
+        "payloads) / sent by the veth (frames)"
+    )
+    for name, method in result.methods.items():
+        counted = sum(method.bytes_sent_per_step)
+        wire = method.wire_bytes_per_worker
+        if wire is not None:
+            ratio = f"{wire / counted:8.3f}" if counted > 0 else "       -"
+            lines.append(
+                f"    {name:12s}{counted / 1e6:10.2f} MB{wire / 1e6:10.2f} MB  wire/counted {ratio}"
+            )
+    if result.virtual:
+        lines.append(
+            f"  real vs virtual clock (link declared at its TCP goodput "
+            f"{goodput_gbps(result.bandwidth_mbit) * 1e3:.2f} Mbit/s, no latency; "
+            f"s per step after the first):"
+        )
+        lines.append(f"    {'method':12s}{'real':>10s}{'virtual':>10s}{'virtual/real':>14s}")
+        for name, real in result.methods.items():
+            if name in result.virtual:
+                r, v = seconds_per_step(real), seconds_per_step(result.virtual[name])
+                lines.append(f"    {name:12s}{r:10.3f}{v:10.3f}{v / r:14.3f}")
     return lines
 
 
