@@ -47,6 +47,28 @@ def test_element_counter_counts_written_elements_not_views() -> None:
     assert counter.elements == 20
 
 
+def test_a_microbatch_runs_outside_the_counting_mode() -> None:
+    """No Python hook on a micro-batch's operations (it is charged as a whole); the counter
+    is back, counting, after it; under a mode entered later it only pauses."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    clock = CalibratedClock(CALIBRATION)
+    with clock.training():
+        assert _get_current_dispatch_mode() is clock.counter
+        with clock.microbatch():
+            assert _get_current_dispatch_mode() is None
+            _ = torch.ones(1000) * 3
+        assert _get_current_dispatch_mode() is clock.counter
+        _ = torch.ones(10) + 1  # ones (10) + add (10)
+        inner = ElementCounter()
+        with inner, clock.microbatch():
+            assert _get_current_dispatch_mode() is inner
+            _ = torch.ones(1000) * 3  # the outer counter sees it, paused
+        clock.mark()
+    assert clock.counter.elements == 20
+    assert clock.now() == pytest.approx(2 * 0.5 + 20e-6)
+
+
 def test_calibrated_clock_charges_fixed_costs_only() -> None:
     clock = CalibratedClock(CALIBRATION, speed_factor=2.0)
     with clock.training():

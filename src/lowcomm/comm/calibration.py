@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from lowcomm.atomic import atomic_write_text
 from lowcomm.comm.base import Comm, Role
@@ -161,6 +161,21 @@ class ElementCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             yield
         finally:
             self.counting = was
+
+    @contextmanager
+    def off(self) -> Iterator[None]:
+        """Count nothing, and when this counter is the innermost dispatch mode, leave the mode
+        for the duration: its Python hook on every operation costs a forward-backward pass
+        3-4% of its time on a CPU. (Under another mode entered later, it only pauses.)"""
+        if _get_current_dispatch_mode() is not self:
+            with self.paused():
+                yield
+            return
+        self.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.__enter__()
 
 
 def _numel(value: Any) -> int:
@@ -325,7 +340,7 @@ class CalibratedClock(VirtualClock):
     @contextmanager
     def microbatch(self) -> Iterator[None]:
         self.mark()
-        with self.counter.paused():
+        with self.counter.off():  # charged as a whole: no hook on its operations
             yield
         self.microbatch_done()
 
