@@ -171,11 +171,11 @@ class ElementCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             with self.paused():
                 yield
             return
-        self.__exit__(None, None, None)
+        self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         try:
             yield
         finally:
-            self.__enter__()
+            self.__enter__()  # type: ignore[no-untyped-call]
 
 
 def _numel(value: Any) -> int:
