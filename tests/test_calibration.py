@@ -69,6 +69,31 @@ def test_a_microbatch_runs_outside_the_counting_mode() -> None:
     assert clock.now() == pytest.approx(2 * 0.5 + 20e-6)
 
 
+def test_a_pending_clock_measures_only_when_no_checkpoint_gave_a_calibration() -> None:
+    measured: list[Calibration] = []
+
+    def measure() -> Calibration:
+        measured.append(CALIBRATION)
+        return CALIBRATION
+
+    saved = CalibratedClock(CALIBRATION).state_dict()
+    resumed = CalibratedClock(measure=measure)
+    assert resumed.pending
+    resumed.load_state_dict(saved)  # a resume: the checkpoint's calibration, nothing timed
+    resumed.finish_calibration()
+    assert not resumed.pending and measured == []
+    assert resumed.calibration == CALIBRATION
+
+    fresh = CalibratedClock(measure=measure)
+    with pytest.raises(RuntimeError, match="no calibration yet"):
+        _ = fresh.calibration
+    with fresh.training():  # measured on entering training at the latest, once
+        fresh.finish_calibration()
+    assert measured == [CALIBRATION] and fresh.seconds_per_microbatch == 0.5
+    with pytest.raises(ValueError, match="a calibration or a way to measure one"):
+        CalibratedClock(CALIBRATION, measure=measure)
+
+
 def test_calibrated_clock_charges_fixed_costs_only() -> None:
     clock = CalibratedClock(CALIBRATION, speed_factor=2.0)
     with clock.training():

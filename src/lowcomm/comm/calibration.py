@@ -300,15 +300,51 @@ class CalibratedClock(VirtualClock):
     ``calibration.seconds_per_element`` (both times the speed factor); CPU time is never read.
 
     The elements are counted on the thread that enters :meth:`training`; blocked and
-    excluded regions count nothing."""
+    excluded regions count nothing.
 
-    def __init__(self, calibration: Calibration, *, speed_factor: float = 1.0) -> None:
-        super().__init__(
-            speed_factor=speed_factor, seconds_per_microbatch=calibration.seconds_per_microbatch
-        )
-        self.calibration = calibration
+    Built with ``measure`` instead of a calibration, the clock is *pending*: a resume's
+    :meth:`load_state_dict` gives it the checkpoint's calibration, and otherwise
+    :meth:`finish_calibration` (at the latest on entering :meth:`training`; every process of
+    the run at the same point) measures one. So a resumed run does not time passes only to
+    throw the result away."""
+
+    def __init__(
+        self,
+        calibration: Calibration | None = None,
+        *,
+        speed_factor: float = 1.0,
+        measure: Callable[[], Calibration] | None = None,
+    ) -> None:
+        if (calibration is None) == (measure is None):
+            raise ValueError("CalibratedClock: pass a calibration or a way to measure one")
+        cost = 1.0 if calibration is None else calibration.seconds_per_microbatch
+        super().__init__(speed_factor=speed_factor, seconds_per_microbatch=cost)
+        self._calibration = calibration
+        self._measure = measure
         self.counter = ElementCounter()
         self._charged_elements = 0
+
+    @property
+    def pending(self) -> bool:
+        """No calibration yet (neither measured nor read from a checkpoint)."""
+        return self._calibration is None
+
+    @property
+    def calibration(self) -> Calibration:
+        if self._calibration is None:
+            raise RuntimeError("CalibratedClock: no calibration yet; call finish_calibration()")
+        return self._calibration
+
+    @calibration.setter
+    def calibration(self, calibration: Calibration) -> None:
+        self._calibration = calibration
+        self.seconds_per_microbatch = calibration.seconds_per_microbatch
+
+    def finish_calibration(self) -> None:
+        """Measure the calibration if neither the constructor nor a checkpoint gave one."""
+        if self._calibration is None:
+            assert self._measure is not None
+            self.calibration = self._measure()
 
     @property
     def compute_model(self) -> str:
@@ -339,6 +375,7 @@ class CalibratedClock(VirtualClock):
 
     @contextmanager
     def training(self) -> Iterator[None]:
+        self.finish_calibration()
         with self.counter:
             yield
 
@@ -371,4 +408,3 @@ class CalibratedClock(VirtualClock):
         saved = state.get("calibration")
         if isinstance(saved, str):
             self.calibration = Calibration.from_dict(json.loads(saved))
-            self.seconds_per_microbatch = self.calibration.seconds_per_microbatch

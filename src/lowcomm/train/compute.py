@@ -31,7 +31,8 @@ def worker_clock(
     device: torch.device,
 ) -> Clock:
     """This process's clock: real, virtual on a declared cost or CPU time, or virtual on the
-    calibrated model (measured here, every process in turn, or read from --calibration)."""
+    calibrated model (read from --calibration, or from the checkpoint a resume reads, or
+    measured by :func:`finish_calibration`, every process in turn)."""
     worker_index = bookkeeping.rank // config.ranks_per_worker
     speed_factor = config.network_profile().speed_factor(worker_index)
     if not uses_calibration(config):
@@ -41,9 +42,21 @@ def worker_clock(
             seconds_per_microbatch=config.seconds_per_microbatch,
             device=device,
         )
+    path = None if config.calibration is None else Path(config.calibration)
+    if path is not None and path.exists():
+        return CalibratedClock(Calibration.load(path), speed_factor=speed_factor)
+    # Measured after the resume (finish_calibration), unless the checkpoint brings one.
     return CalibratedClock(
-        run_calibration(config, model, vocab_size, bookkeeping), speed_factor=speed_factor
+        speed_factor=speed_factor,
+        measure=lambda: run_calibration(config, model, vocab_size, bookkeeping),
     )
+
+
+def finish_calibration(clock: Clock) -> None:
+    """Measure a calibrated clock's calibration if it has none yet (every process of the run
+    calls this at the same point: after a resume, before training)."""
+    if isinstance(clock, CalibratedClock):
+        clock.finish_calibration()
 
 
 def run_calibration(

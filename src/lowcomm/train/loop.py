@@ -26,7 +26,12 @@ from lowcomm.models import build_model
 from lowcomm.models.export import save_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint
-from lowcomm.train.compute import budget_spent, committed_tokens, worker_clock
+from lowcomm.train.compute import (
+    budget_spent,
+    committed_tokens,
+    finish_calibration,
+    worker_clock,
+)
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics
 from lowcomm.train.reshard import read_resharded
@@ -151,6 +156,7 @@ def train_worker(
     set_up_start = time.perf_counter()
     worker = set_up(config, raw, bookkeeping_comm(raw) if bookkeeping is None else bookkeeping)
     progress = resume(worker)
+    finish_calibration(worker.clock)  # (a resume took its checkpoint's: nothing to measure)
     if worker.rank == 0:
         print(
             f"lowcomm: training: {_parameter_count(worker.model) / 1e6:.2f} M "
