@@ -94,6 +94,26 @@ def test_a_pending_clock_measures_only_when_no_checkpoint_gave_a_calibration() -
         CalibratedClock(CALIBRATION, measure=measure)
 
 
+def test_a_resume_writes_its_checkpoints_calibration_to_a_new_calibration_file(
+    tmp_path: Path,
+) -> None:
+    from lowcomm.config import TrainConfig
+    from lowcomm.train.compute import finish_calibration
+
+    path = tmp_path / "calibration.json"
+    config = TrainConfig(calibration=str(path))
+
+    def measure() -> Calibration:
+        raise AssertionError("a resume must not measure")
+
+    clock = CalibratedClock(measure=measure)
+    clock.load_state_dict(CalibratedClock(CALIBRATION).state_dict())
+    finish_calibration(clock, config, rank=1)  # only rank 0 writes
+    assert not path.exists()
+    finish_calibration(clock, config, rank=0)
+    assert Calibration.load(path) == CALIBRATION
+
+
 def test_calibrated_clock_charges_fixed_costs_only() -> None:
     clock = CalibratedClock(CALIBRATION, speed_factor=2.0)
     with clock.training():

@@ -42,42 +42,39 @@ def worker_clock(
             seconds_per_microbatch=config.seconds_per_microbatch,
             device=device,
         )
-    path = None if config.calibration is None else Path(config.calibration)
+    path = calibration_file(config)
     if path is not None and path.exists():
         return CalibratedClock(Calibration.load(path), speed_factor=speed_factor)
     # Measured after the resume (finish_calibration), unless the checkpoint brings one.
     return CalibratedClock(
         speed_factor=speed_factor,
-        measure=lambda: run_calibration(config, model, vocab_size, bookkeeping),
+        measure=lambda: calibrate(
+            model,
+            vocab_size=vocab_size,
+            micro_batch_size=config.data.micro_batch_size,
+            block_size=config.model.block_size,
+            bookkeeping=bookkeeping,
+            bf16=config.precision == "bf16-mixed",
+        ),
     )
 
 
-def finish_calibration(clock: Clock) -> None:
+def calibration_file(config: TrainConfig) -> Path | None:
+    """The --calibration file, if the run names one."""
+    return None if config.calibration is None else Path(config.calibration)
+
+
+def finish_calibration(clock: Clock, config: TrainConfig, rank: int) -> None:
     """Measure a calibrated clock's calibration if it has none yet (every process of the run
-    calls this at the same point: after a resume, before training)."""
-    if isinstance(clock, CalibratedClock):
-        clock.finish_calibration()
-
-
-def run_calibration(
-    config: TrainConfig, model: torch.nn.Module, vocab_size: int, bookkeeping: Comm
-) -> Calibration:
-    """The run's calibration: read from --calibration if that file exists, else measured
-    (and written there by rank 0 when --calibration names a file)."""
-    path = None if config.calibration is None else Path(config.calibration)
-    if path is not None and path.exists():
-        return Calibration.load(path)
-    calibration = calibrate(
-        model,
-        vocab_size=vocab_size,
-        micro_batch_size=config.data.micro_batch_size,
-        block_size=config.model.block_size,
-        bookkeeping=bookkeeping,
-        bf16=config.precision == "bf16-mixed",
-    )
-    if path is not None and bookkeeping.rank == 0:
-        calibration.save(path)
-    return calibration
+    calls this at the same point: after a resume, before training); when --calibration names
+    a file that does not exist yet, rank 0 writes the run's calibration there (measured, or
+    the checkpoint's)."""
+    if not isinstance(clock, CalibratedClock):
+        return
+    clock.finish_calibration()
+    path = calibration_file(config)
+    if path is not None and rank == 0 and not path.exists():
+        clock.calibration.save(path)
 
 
 def committed_tokens(config: TrainConfig, strategy: Strategy, consumed_tokens: int) -> int:

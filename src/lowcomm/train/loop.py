@@ -156,7 +156,7 @@ def train_worker(
     set_up_start = time.perf_counter()
     worker = set_up(config, raw, bookkeeping_comm(raw) if bookkeeping is None else bookkeeping)
     progress = resume(worker)
-    finish_calibration(worker.clock)  # (a resume took its checkpoint's: nothing to measure)
+    finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
     if worker.rank == 0:
         print(
             f"lowcomm: training: {_parameter_count(worker.model) / 1e6:.2f} M "
