@@ -382,6 +382,18 @@ def _steps(metrics: Path) -> list[int]:
     return steps
 
 
+def _wait_listening(port: int, host: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    """Until something accepts connections on 127.0.0.1:``port`` (``host`` must stay up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert host.poll() is None, "the first agent ended before its rendezvous store was up"
+        assert time.monotonic() < deadline, f"no rendezvous store on port {port}"
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Path) -> None:
     """3 single-process torchrun agents (c10d rendezvous on loopback, --nnodes 2:3); one is
@@ -407,13 +419,17 @@ def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Pa
     ]  # fmt: skip
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     agents: list[subprocess.Popen[str]] = []
+    logs = []
     try:
         for index in range(3):
-            log = open(tmp_path / f"agent{index}.log", "w")  # noqa: SIM115
+            logs.append(open(tmp_path / f"agent{index}.log", "w"))  # noqa: SIM115
             agents.append(
-                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+                subprocess.Popen(
+                    command, stdout=logs[-1], stderr=subprocess.STDOUT, text=True, env=env
+                )
             )
-            time.sleep(0.5)  # the first agent hosts the rendezvous store
+            if index == 0:  # the first agent hosts the rendezvous store: the others join it
+                _wait_listening(port, agents[0])
         deadline = time.monotonic() + 180
         while len(_steps(out / "metrics.jsonl")) < 20:
             assert all(a.poll() is None for a in agents), "an agent ended before the kill"
@@ -428,8 +444,10 @@ def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Pa
         for agent in agents:
             if agent.poll() is None:
                 agent.kill()
-    logs = (tmp_path / "agent0.log").read_text()[-3000:]
-    assert codes == [0, 0], logs
+        for log in logs:
+            log.close()
+    tail = (tmp_path / "agent0.log").read_text()[-3000:]
+    assert codes == [0, 0], tail
     assert _steps(out / "metrics.jsonl") == list(range(steps))  # every step once
     summary = json.loads((out / "summary.json").read_text())
     assert summary["workers"] == 2
@@ -437,7 +455,7 @@ def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Pa
     assert (change["old_workers"], change["new_workers"]) == (3, 2)
     # The latest checkpoint at the kill (after 20 steps: step 20's may not be committed yet).
     assert change["step"] in (10, 20, 30)
-    assert "re-sharded from 3 to 2 workers" in logs
+    assert "re-sharded from 3 to 2 workers" in tail
 
 
 def test_reshard_moments_split_over_a_workers_ranks() -> None:
