@@ -333,6 +333,13 @@ def _results(method: str, run_dir: Path, wall: float) -> MethodResult:
     )
 
 
+def _exited(who: str, code: int, log: Path) -> RuntimeError:
+    """The error for a training process that exited with ``code``: its log's last line."""
+    tail = log.read_text(errors="replace").strip()
+    last = tail.splitlines()[-1] if tail else "(no output)"
+    return RuntimeError(f"{who} exited with code {code}: {last} (log: {log})")
+
+
 def goodput_gbps(bandwidth_mbit: float) -> float:
     """The TCP payload rate, in Gbit/s, of a link that tbf shapes to ``bandwidth_mbit``."""
     return bandwidth_mbit / 1e3 * TCP_PAYLOAD / FRAME
@@ -368,12 +375,7 @@ def run_method_virtual(bench: RealLinkBench, method: str, run_dir: Path) -> Meth
                 f"(log: {run_dir / 'train.log'})"
             ) from None
     if code != 0:
-        tail = (run_dir / "train.log").read_text(errors="replace").strip()
-        last = tail.splitlines()[-1] if tail else "(no output)"
-        raise RuntimeError(
-            f"{method} (virtual clock) exited with code {code}: {last} "
-            f"(log: {run_dir / 'train.log'})"
-        )
+        raise _exited(f"{method} (virtual clock)", code, run_dir / "train.log")
     return _results(method, run_dir, time.perf_counter() - begin)
 
 
@@ -447,12 +449,7 @@ def run_method_on_star(
                     f"(log: {run_dir / f'worker{rank}.log'})"
                 ) from None
             if code != 0:
-                tail = (run_dir / f"worker{rank}.log").read_text(errors="replace").strip()
-                last = tail.splitlines()[-1] if tail else "(no output)"
-                raise RuntimeError(
-                    f"{method}: worker {rank} exited with code {code}: {last} "
-                    f"(log: {run_dir / f'worker{rank}.log'})"
-                )
+                raise _exited(f"{method}: worker {rank}", code, run_dir / f"worker{rank}.log")
     finally:
         for process in processes:
             if process.poll() is None:
