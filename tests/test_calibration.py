@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from lowcomm.comm.calibration import (
     Calibration,
     ElementCounter,
     calibrate,
+    pinned_to_current_cpu,
     robust_cost,
 )
 from lowcomm.launch import spawn_workers
@@ -143,6 +145,23 @@ def test_resumed_clock_charges_the_checkpoint_calibration() -> None:
     assert resumed.now() == pytest.approx(1.0)
 
 
+def _affinity() -> set[int] | None:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_a_timed_turn_keeps_its_thread_on_the_cpu_it_started_on() -> None:
+    allowed = os.sched_getaffinity(0)
+    with pinned_to_current_cpu() as cpu:
+        assert cpu is not None and cpu in allowed
+        assert os.sched_getaffinity(0) == {cpu}
+        torch.ones(1000).sum()  # the thread keeps running, on that CPU only
+    assert os.sched_getaffinity(0) == allowed
+    with pytest.raises(KeyError), pinned_to_current_cpu():
+        raise KeyError("an error in the turn")  # restored on the way out too
+    assert os.sched_getaffinity(0) == allowed
+
+
 def _calibrate_tiny() -> Calibration:
     from lowcomm.comm.torch_comm import TorchComm
 
@@ -150,10 +169,12 @@ def _calibrate_tiny() -> Calibration:
     model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), 64)
     before = [p.detach().clone() for p in model.parameters()]
     rng = torch.get_rng_state()
+    affinity = _affinity()
     calibration = calibrate(
         model, vocab_size=64, micro_batch_size=2, block_size=16, bookkeeping=TorchComm()
     )
     assert torch.equal(rng, torch.get_rng_state())  # the run's random stream is untouched
+    assert _affinity() == affinity  # the turn's pinning is undone
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())
     return calibration

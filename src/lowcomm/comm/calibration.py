@@ -4,7 +4,8 @@ the machine's load.
 Before training, every worker times a forward-backward pass of its own model on its own
 micro-batch shape, and an AdamW update over a flat tensor of its parameter count. The workers
 take turns (barriers on the bookkeeping group), so the processes of one run never compete for
-cores while they are timed; all the timings of all the workers are then gathered and every
+cores while they are timed, and a worker's turn keeps its thread on one CPU (a loaded machine's
+scheduler would otherwise move it between cores, each move refilling its caches); all the timings of all the workers are then gathered and every
 worker takes the same statistic of them, so they agree on one number without a further
 exchange. Timings are the calling thread's CPU time (workers run one intra-op thread), and
 the statistic is the **minimum**: interference (another process, a cache flush, a page fault)
@@ -33,6 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -187,6 +189,37 @@ def _numel(value: Any) -> int:
     return 0
 
 
+def _current_cpu() -> int | None:
+    """The CPU this thread runs on (Linux; None where it cannot be read)."""
+    try:
+        fields = Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[36])  # field 39 of proc(5), "processor"; fields[0] is field 3
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@contextmanager
+def pinned_to_current_cpu() -> Iterator[int | None]:
+    """Keep the calling thread on the CPU it is on for the duration (yields it; None and no
+    pinning where affinity cannot be set). A busy machine's scheduler otherwise moves a timed
+    thread between cores, and every move refills its caches: on 2 cores with 4 spinning
+    processes that added 2-5% to a pass's minimum CPU time (see docs/results/clock.md)."""
+    cpu = _current_cpu()
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:  # a restricted cpuset: time unpinned
+        yield None
+        return
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 def _thread_cpu_timing(work: Callable[[], None]) -> float:
     begin = time.thread_time()
     work()
@@ -268,14 +301,15 @@ def calibrate(
     for turn in range(world):
         bookkeeping.barrier().wait()
         if turn == rank:
-            # The first pass after the wait finds caches the other workers' turns filled
-            # (measured 15-20% slower than the next ones): untimed.
-            forward_backward()
-            update()
-            for index in range(repeats):
-                mine[index] = _thread_cpu_timing(forward_backward)
-                counter.elements = 0
-                mine[repeats + index] = _thread_cpu_timing(update) / max(counter.elements, 1)
+            with pinned_to_current_cpu():
+                # The first pass after the wait finds caches the other workers' turns filled
+                # (measured 15-20% slower than the next ones): untimed.
+                forward_backward()
+                update()
+                for index in range(repeats):
+                    mine[index] = _thread_cpu_timing(forward_backward)
+                    counter.elements = 0
+                    mine[repeats + index] = _thread_cpu_timing(update) / max(counter.elements, 1)
     everyone = torch.zeros(world * 2 * repeats, dtype=torch.float64)
     bookkeeping.all_gather(everyone, mine, role=Role.OTHER).wait()
     rows = everyone.view(world, 2, repeats)
