@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,12 +62,16 @@ class ClockBench:
     network: str = "wan"
     """Network preset of every run."""
 
-    agreement_methods: str = "ddp,co2,acco,cocodc"
-    """Methods run on the real and on the virtual clock (ddp and an overlapped method of
-    each family); empty: skip the agreement."""
+    agreement_methods: str = "ddp,co2,acco,cocodc,streaming_diloco,eager"
+    """Methods run on the real and on the virtual clock (ddp and the overlapped methods of
+    the families); empty: skip the agreement."""
 
     agreement_workers: int = 2
     """Workers per agreement run (at most the machine's cores: see the module docstring)."""
+
+    agreement_steps: int = 30
+    """Steps per agreement run: enough that the real clock's one-time costs of the first
+    steps (first-touch allocations, cold caches) weigh little in its time per step."""
 
     out: str = "runs/bench-clock"
     """Output directory: runs/, report.md and results.json."""
@@ -75,7 +80,7 @@ class ClockBench:
     """Every other training option (`--train.model.n-layer 2`, ...)."""
 
     def __post_init__(self) -> None:
-        for name in ("repeats", "steps", "workers", "agreement_workers"):
+        for name in ("repeats", "steps", "workers", "agreement_workers", "agreement_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} must be >= 1")
         if self.busy < 0:
@@ -116,10 +121,13 @@ def busy_processes(count: int) -> Iterator[None]:
 
 
 def _summary(config: TrainConfig) -> dict[str, Any]:
+    """Run ``config``; its summary. The run's checkpoint is deleted: the benchmark reads only
+    the summary and metrics, and 50 runs of checkpoints filled 12 GB."""
     error = run_one(config)
     if error is not None:
         raise RuntimeError(f"bench clock: {config.method} failed: {error}")
     summary: dict[str, Any] = json.loads((config.run_dir() / "summary.json").read_text())
+    shutil.rmtree(config.run_dir() / "checkpoints", ignore_errors=True)
     return summary
 
 
@@ -140,16 +148,17 @@ def _load_runs(bench: ClockBench, out: Path) -> dict[str, Any]:
         with busy_processes(bench.busy if load == "loaded" else 0):
             for method in methods:
                 for model in MODELS:
-                    times, utils = [], []
+                    times, utils, costs = [], [], []
                     for repeat in range(bench.repeats):
                         run_dir = out / "runs" / f"{method}-{model}-{load}-{repeat}"
                         print(f"[bench clock] {method} {model} {load} {repeat}", file=sys.stderr)
                         summary = _summary(bench.config(method, model, run_dir))
                         times.append(float(summary["modeled_time_s"]))
                         utils.append(float(summary["utilization"]))
+                        costs.append(summary["compute_model"].get("seconds_per_microbatch"))
                     cells[f"{method}/{model}/{load}"] = {
                         "modeled_time_s": _stats(times), "utilization": _stats(utils),
-                        "times": times, "utilizations": utils,
+                        "times": times, "utilizations": utils, "seconds_per_microbatch": costs,
                     }  # fmt: skip
     return cells
 
@@ -163,9 +172,10 @@ def _agreement(bench: ClockBench, out: Path) -> dict[str, Any]:
             print(f"[bench clock] agreement {method} {clock}", file=sys.stderr)
             per_clock[clock] = _summary(
                 bench.config(
-                    method, "calibrated", run_dir, clock=clock, workers=bench.agreement_workers
+                    method, "calibrated", run_dir, clock=clock, workers=bench.agreement_workers,
+                    steps=bench.agreement_steps, eval_every=bench.agreement_steps,
                 )
-            )
+            )  # fmt: skip
         real, virtual = per_clock["real"], per_clock["virtual"]
         real_step = real["modeled_time_s"] / real["steps"]
         virtual_step = virtual["modeled_time_s"] / virtual["steps"]
@@ -215,7 +225,7 @@ def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any])
             "",
             "## Real and virtual clock",
             "",
-            f"{bench.agreement_workers} workers, {bench.network}, {bench.steps} steps; the virtual "
+            f"{bench.agreement_workers} workers, {bench.network}, {bench.agreement_steps} steps; the virtual "
             "clock on the calibrated model. Time per step (the real clock's is measured wall "
             "time on the emulated link).",
             "",
