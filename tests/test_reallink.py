@@ -21,7 +21,9 @@ from lowcomm.bench.reallink import (
     TCP_PAYLOAD,
     MethodResult,
     RealLinkBench,
+    RealLinkResult,
     ddp_comparison,
+    format_report,
     goodput_gbps,
     namespaces_available,
     run_method_on_star,
@@ -135,3 +137,24 @@ def test_seconds_per_step_leaves_out_the_first_step() -> None:
     assert seconds_per_step(result) == pytest.approx(4.0 / 3)
     with pytest.raises(ValueError, match="1 step"):
         seconds_per_step(dataclasses.replace(result, clock_s_per_step=[5.0]))
+
+
+def test_the_report_keeps_its_columns_with_long_method_names() -> None:
+    def run(method: str, wall: float) -> MethodResult:
+        return MethodResult(
+            method=method, exposed_comm_s_per_step=[0.1, 0.1], bytes_sent_per_step=[1e6, 1e6],
+            utilization=0.5, wall_clock_s=wall, clock_s_per_step=[1.0, wall],
+            wire_bytes_per_worker=2.2e6,
+        )  # fmt: skip
+
+    methods = {name: run(name, 2.0) for name in ("ddp", "streaming_diloco")}
+    result = RealLinkResult(
+        workers=2, bandwidth_mbit=100.0, payload_bytes=1e6, measured_exposed_s=0.1,
+        predicted_s=0.1, ratio=1.0, methods=methods,
+        virtual={name: run(name, 1.9) for name in methods},
+    )  # fmt: skip
+    lines = format_report(result)
+    for marker in ("wire/counted", "0.900"):  # a bytes row and a real-vs-virtual row each
+        rows = [line for line in lines if marker in line and line.lstrip().split()[0] in methods]
+        assert len(rows) == 2
+        assert len({row.index(marker) for row in rows}) == 1, rows  # aligned

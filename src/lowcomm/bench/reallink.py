@@ -552,6 +552,7 @@ def _to_json(result: RealLinkResult) -> dict[str, Any]:
 
 
 def format_report(result: RealLinkResult) -> list[str]:
+    width = max([12, *(len(name) + 2 for name in result.methods)])  # method names in a column
     lines = [
         f"lowcomm bench reallink: {result.workers} workers in network namespaces, each link "
         f"direction shaped by tbf to {result.bandwidth_mbit:g} Mbit/s (no added latency), "
@@ -577,7 +578,8 @@ def format_report(result: RealLinkResult) -> list[str]:
         if wire is not None:
             ratio = f"{wire / counted:8.3f}" if counted > 0 else "       -"
             lines.append(
-                f"    {name:12s}{counted / 1e6:10.2f} MB{wire / 1e6:10.2f} MB  wire/counted {ratio}"
+                f"    {name:{width}s}{counted / 1e6:10.2f} MB{wire / 1e6:10.2f} MB  "
+                f"wire/counted {ratio}"
             )
     if result.virtual:
         lines.append(
@@ -585,11 +587,11 @@ def format_report(result: RealLinkResult) -> list[str]:
             f"{goodput_gbps(result.bandwidth_mbit) * 1e3:.2f} Mbit/s, no latency; "
             f"s per step after the first):"
         )
-        lines.append(f"    {'method':12s}{'real':>10s}{'virtual':>10s}{'virtual/real':>14s}")
+        lines.append(f"    {'method':{width}s}{'real':>10s}{'virtual':>10s}{'virtual/real':>14s}")
         for name, real in result.methods.items():
             if name in result.virtual:
                 r, v = seconds_per_step(real), seconds_per_step(result.virtual[name])
-                lines.append(f"    {name:12s}{r:10.3f}{v:10.3f}{v / r:14.3f}")
+                lines.append(f"    {name:{width}s}{r:10.3f}{v:10.3f}{v / r:14.3f}")
     return lines
 
 
