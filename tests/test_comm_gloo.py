@@ -135,6 +135,35 @@ def test_real_clock_delays_and_overlaps_across_processes() -> None:
         assert cost <= overlapped < 2 * cost  # total is the max, not the sum
 
 
+def _settled_after_a_late_peer() -> tuple[float, float, float | None]:
+    from lowcomm.comm.torch_comm import TorchComm
+
+    raw = TorchComm()
+    clock = RealClock()
+    comm = NetworkComm(raw, NetworkProfile(), clock)  # --network none: the model costs nothing
+    raw.barrier().wait()
+    if raw.rank == 1:
+        time.sleep(0.5)  # the peer launches late: rank 0's data arrives 0.5 s after its launch
+    launched = clock.now()
+    handle = comm.all_reduce(torch.ones(1000), role=Role.GRADIENT)
+    time.sleep(1.0)  # compute past the arrival
+    settled = handle.settle()
+    handle.wait()
+    return launched, clock.now(), settled.finish_time
+
+
+def test_a_settled_collective_on_the_real_clock_completes_when_its_data_arrived() -> None:
+    """What CoCoDC reads as its sync time: with no modeled cost (--network none) the settled
+    completion is the data's arrival, not the launch, and never after the settle."""
+    (launched0, settled0, finish0), (launched1, settled1, finish1) = spawn_workers(
+        _settled_after_a_late_peer, 2
+    )
+    assert finish0 is not None and finish1 is not None
+    assert launched0 <= finish0 <= settled0 and launched1 <= finish1 <= settled1
+    assert 0.4 <= finish0 - launched0 < 1.0  # rank 0's data waited for the late peer
+    assert finish1 - launched1 < 0.4
+
+
 def _raise_on_rank_one() -> None:
     from lowcomm.comm.torch_comm import TorchComm
 

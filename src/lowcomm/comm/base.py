@@ -63,8 +63,9 @@ class Settled:
     """What a settled collective still owes the clock (see :meth:`Handle.settle`).
 
     Attributes:
-        finish_time: the modeled completion of its transfer on the link, on the run's clock
-            (None: not emulated, or already waited for; nothing to wait for).
+        finish_time: the completion of its transfer on the link, on the run's clock: the
+            modeled one, or on the real clock the data's arrival when that came later (None:
+            not emulated, or already waited for; nothing to wait for).
         then: collectives that follow the transfer on the worker's inner level (a two-level
             communicator's all-gather), whose data has moved too; they are charged, in order,
             once ``finish_time`` has passed, when the handle is waited for. Their modeled

@@ -60,3 +60,8 @@ class CastBackHandle:
         settled = self._inner.settle()
         self._copy_back()
         return settled
+
+    def completed_at(self) -> float | None:
+        """The inner collective's arrival stamp (see ``_WorkHandle.completed_at``)."""
+        completed_at = getattr(self._inner, "completed_at", None)
+        return None if completed_at is None else completed_at()

@@ -177,6 +177,12 @@ class RealClock(Clock):
         self.mark()
         return self._wall()
 
+    def at(self, instant: float) -> float:
+        """The reading at ``instant``, a past ``time.perf_counter()`` value, without folding
+        compute (safe from any thread). Excluded time since ``instant`` is subtracted too, so
+        the reading errs early when an excluded region came between."""
+        return instant - self._start - self._excluded_s
+
     def _restart_at(self, now: float) -> None:
         self._last_mark = self._time()
         self._start = self._last_mark - now

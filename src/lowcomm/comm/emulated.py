@@ -42,7 +42,7 @@ from lowcomm.comm.base import (
     payload_bytes,
 )
 from lowcomm.comm.cast import CastBackHandle, travels_cast
-from lowcomm.comm.clock import Clock
+from lowcomm.comm.clock import Clock, RealClock
 from lowcomm.comm.network import NetworkProfile, bytes_sent
 from lowcomm.comm.overlap import LaunchAgreement
 from lowcomm.comm.runtime import ClockReader, Runtime
@@ -89,12 +89,26 @@ class _EmulatedHandle:
         self._waited = True
 
     def settle(self) -> Settled:
-        """Finish the data movement now without charging any time; return the modeled
-        completion. A later :meth:`wait` still moves the clock to that completion (used to
-        checkpoint a collective that is in flight without changing the run's timing)."""
+        """Finish the data movement now without charging any time; return the completion:
+        the modeled one, and on the real clock the data's arrival if that was later (with
+        ``--network none`` the model's is the launch itself). A later :meth:`wait` still moves
+        the clock to the modeled completion (used to checkpoint a collective that is in flight
+        without changing the run's timing, and by CoCoDC to time its syncs)."""
         with self._owner.clock.blocked():
             self._inner.wait()
-            return Settled(self._owner._resolve(self))
+            finish = self._owner._resolve(self)
+            arrival = self._arrival()
+            return Settled(finish if arrival is None else max(finish, arrival))
+
+    def _arrival(self) -> float | None:
+        """When the data arrived, on the real clock (None on the virtual clock, or when the
+        inner communicator does not stamp its completions)."""
+        clock = self._owner.clock
+        completed_at = getattr(self._inner, "completed_at", None)
+        if not isinstance(clock, RealClock) or completed_at is None:
+            return None
+        instant = completed_at()
+        return None if instant is None else clock.at(instant)
 
     def done(self) -> bool:
         if self._waited:

@@ -61,6 +61,19 @@ class _WorkHandle:
         self._what = what
         self._rank = rank
         self._timeout_s = timeout_s
+        self._completed_at: float | None = None
+        get_future = getattr(work, "get_future", None)
+        if get_future is not None:
+            # Stamped by the backend's thread when the data has arrived (also on an error).
+            get_future().add_done_callback(self._stamp)
+
+    def _stamp(self, _future: Any) -> None:
+        self._completed_at = time.perf_counter()
+
+    def completed_at(self) -> float | None:
+        """When the collective's data arrived (``time.perf_counter``; None: not yet, or the
+        backend gives no completion future)."""
+        return self._completed_at
 
     def wait(self) -> None:
         if self._finished:
