@@ -64,7 +64,9 @@ class _WorkHandle:
         self._completed_at: float | None = None
         get_future = getattr(work, "get_future", None)
         if get_future is not None:
-            # Stamped by the backend's thread when the data has arrived (also on an error).
+            # Gloo stamps it from its thread when the data has arrived (also on an error).
+            # NCCL's future completes when the collective is queued on the stream, so there
+            # the stamp is the launch and never moves a completion.
             get_future().add_done_callback(self._stamp)
 
     def _stamp(self, _future: Any) -> None:
@@ -72,7 +74,7 @@ class _WorkHandle:
 
     def completed_at(self) -> float | None:
         """When the collective's data arrived (``time.perf_counter``; None: not yet, or the
-        backend gives no completion future)."""
+        backend gives no completion future; on NCCL, when it was queued)."""
         return self._completed_at
 
     def wait(self) -> None:
