@@ -3,7 +3,8 @@ does it agree with the real clock?
 
 Load: the same runs (by default ddp and co2, the default model, 4 workers, wan) ``--repeats``
 times on the machine as it is ("quiet") and ``--repeats`` times with ``--busy`` extra busy
-processes that the benchmark starts before and stops after them ("loaded"), once on the
+processes that the benchmark starts before and stops after them ("loaded"), quiet and loaded
+blocks alternating, once on the
 CPU-time compute model and once on the calibrated one (each calibrated run calibrates anew,
 under the same load as its training). Per method and compute model it reports the modeled time
 and utilisation, mean and spread, and the loaded/quiet ratio; the goal of the calibrated model
@@ -141,25 +142,31 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def _load_runs(bench: ClockBench, out: Path) -> dict[str, Any]:
-    """Every (method, model, load) cell: the runs' modeled times and utilisations."""
-    cells: dict[str, Any] = {}
+    """Every (method, model, load) cell: the runs' modeled times and utilisations.
+
+    Quiet and loaded blocks alternate, one repeat of every cell per block, so a drift of the
+    host's speed over the benchmark (a shared VM's speed moves by several percent over
+    minutes) falls on both loads alike instead of posing as the load's effect."""
+    runs: dict[str, list[dict[str, Any]]] = {}
     methods = [m.strip() for m in bench.methods.split(",") if m.strip()]
-    for load in ("quiet", "loaded"):
-        with busy_processes(bench.busy if load == "loaded" else 0):
-            for method in methods:
-                for model in MODELS:
-                    times, utils, costs = [], [], []
-                    for repeat in range(bench.repeats):
+    for repeat in range(bench.repeats):
+        for load in ("quiet", "loaded"):
+            with busy_processes(bench.busy if load == "loaded" else 0):
+                for method in methods:
+                    for model in MODELS:
                         run_dir = out / "runs" / f"{method}-{model}-{load}-{repeat}"
                         print(f"[bench clock] {method} {model} {load} {repeat}", file=sys.stderr)
                         summary = _summary(bench.config(method, model, run_dir))
-                        times.append(float(summary["modeled_time_s"]))
-                        utils.append(float(summary["utilization"]))
-                        costs.append(summary["compute_model"].get("seconds_per_microbatch"))
-                    cells[f"{method}/{model}/{load}"] = {
-                        "modeled_time_s": _stats(times), "utilization": _stats(utils),
-                        "times": times, "utilizations": utils, "seconds_per_microbatch": costs,
-                    }  # fmt: skip
+                        runs.setdefault(f"{method}/{model}/{load}", []).append(summary)
+    cells: dict[str, Any] = {}
+    for key, summaries in runs.items():
+        times = [float(s["modeled_time_s"]) for s in summaries]
+        utils = [float(s["utilization"]) for s in summaries]
+        costs = [s["compute_model"].get("seconds_per_microbatch") for s in summaries]
+        cells[key] = {
+            "modeled_time_s": _stats(times), "utilization": _stats(utils),
+            "times": times, "utilizations": utils, "seconds_per_microbatch": costs,
+        }  # fmt: skip
     return cells
 
 
