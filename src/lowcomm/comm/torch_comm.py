@@ -67,7 +67,12 @@ class _WorkHandle:
             # Gloo stamps it from its thread when the data has arrived (also on an error).
             # NCCL's future completes when the collective is queued on the stream, so there
             # the stamp is the launch and never moves a completion.
-            get_future().add_done_callback(self._stamp)
+            try:
+                future = get_future()
+            except RuntimeError:  # "Work::getFuture not implemented" (Gloo's reduce-scatter)
+                future = None
+            if future is not None:
+                future.add_done_callback(self._stamp)
 
     def _stamp(self, _future: Any) -> None:
         self._completed_at = time.perf_counter()
