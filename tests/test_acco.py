@@ -672,3 +672,25 @@ def test_chain_runs_on_a_side_stream_on_gpu() -> None:
     assert strategy.last_chain_stream != torch.cuda.default_stream(device)
     # the main thread ran backward passes while a chain was in flight
     assert any(overlapped)
+
+
+def test_a_long_phase_is_announced_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Compute declared far cheaper than the link: a phase runs many micro-batches, and the
+    # run would look hung without a word. Rank 0 says why, once.
+    import lowcomm.strategies.acco as acco_module
+
+    monkeypatch.setattr(acco_module, "LONG_PHASE_MICROBATCHES", 20)
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=30.0)
+    context = StrategyContext(optim=ADAMW, total_steps=3)
+    strategy, _, clock = _emulated(
+        lambda c: ACCO(tiny_gpt(), c, context, AccoOptions()), profile, 0.001
+    )
+    closure = _gpt_closure(strategy, clock)
+    counts = [strategy.step(closure).microbatches for _ in range(3)]
+    strategy.finish()
+    assert max(counts) > 20  # the phases really were long
+    said = capsys.readouterr().err
+    assert said.count("micro-batches in one phase") == 1
+    assert "--acco.microbatches-per-phase" in said

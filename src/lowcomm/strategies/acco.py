@@ -43,6 +43,7 @@ floor(committed gradients x total steps / budgeted micro-batches).
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -137,6 +138,10 @@ class _Tally:
 
 #: Bytes of one float64 scalar: the micro-batch count and the squared gradient norm.
 _SCALAR_BYTES = 8
+
+#: Micro-batches in one overlapped phase after which rank 0 says, once, why the run seems to
+#: hang: compute declared (or measured) far cheaper than the link's modeled time.
+LONG_PHASE_MICROBATCHES = 1000
 
 
 @dataclass(frozen=True)
@@ -346,6 +351,7 @@ class _ShardedOverlap(Strategy):
         self.committed_gradients = 0
         # Micro-batches this worker has computed (for a token budget's per-worker share).
         self.computed = 0
+        self._said_long_phase = False
         self.thread: CommThread | None = None
         self.stream: Any = (
             torch.cuda.Stream(device=self.flat.device)  # type: ignore[no-untyped-call]
@@ -466,9 +472,25 @@ class _ShardedOverlap(Strategy):
                     break
             elif chain.done() or self._share_spent():
                 break
+            elif tally.microbatches == LONG_PHASE_MICROBATCHES:
+                self._say_long_phase()
         total = chain.wait()
         self.flat.sync_grads()
         return tally, total
+
+    def _say_long_phase(self) -> None:
+        if self._said_long_phase:
+            return
+        self._said_long_phase = True
+        if self.comm.rank == 0:
+            print(
+                f"lowcomm: {self.name}: {LONG_PHASE_MICROBATCHES} micro-batches in one phase and "
+                "its communication is still running (a micro-batch costs far less than the "
+                "link's time); the phase goes on until it is done. Bound it with "
+                "--acco.microbatches-per-phase N or --token-budget TOKENS",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _share_spent(self) -> bool:
         """With a token budget: this worker has computed its share of the budgeted
