@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -139,9 +140,11 @@ class _Tally:
 #: Bytes of one float64 scalar: the micro-batch count and the squared gradient norm.
 _SCALAR_BYTES = 8
 
-#: Micro-batches in one overlapped phase after which rank 0 says, once, why the run seems to
-#: hang: compute declared (or measured) far cheaper than the link's modeled time.
-LONG_PHASE_MICROBATCHES = 1000
+#: An overlapped phase of at least this many micro-batches and this many seconds of wall time
+#: makes rank 0 say, once, why the run seems to hang: compute declared (or measured) far
+#: cheaper than the link's time.
+LONG_PHASE_MICROBATCHES = 100
+LONG_PHASE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -463,6 +466,7 @@ class _ShardedOverlap(Strategy):
         ``microbatches_per_phase`` set, exactly that many run, then the chain is waited for."""
         forced = self.options.microbatches_per_phase
         tally = _Tally()
+        begin = time.monotonic()
         while True:
             tally.add(closure())
             self.accumulated += 1
@@ -472,21 +476,24 @@ class _ShardedOverlap(Strategy):
                     break
             elif chain.done() or self._share_spent():
                 break
-            elif tally.microbatches == LONG_PHASE_MICROBATCHES:
-                self._say_long_phase()
+            elif (
+                tally.microbatches >= LONG_PHASE_MICROBATCHES
+                and time.monotonic() - begin >= LONG_PHASE_SECONDS
+            ):
+                self._say_long_phase(tally.microbatches, time.monotonic() - begin)
         total = chain.wait()
         self.flat.sync_grads()
         return tally, total
 
-    def _say_long_phase(self) -> None:
+    def _say_long_phase(self, microbatches: int, seconds: float) -> None:
         if self._said_long_phase:
             return
         self._said_long_phase = True
         if self.comm.rank == 0:
             print(
-                f"lowcomm: {self.name}: {LONG_PHASE_MICROBATCHES} micro-batches in one phase and "
-                "its communication is still running (a micro-batch costs far less than the "
-                "link's time); the phase goes on until it is done. Bound it with "
+                f"lowcomm: {self.name}: {microbatches} micro-batches ({seconds:.0f} s) in one "
+                "phase and its communication is still running (a micro-batch costs far less "
+                "than the link's time); the phase goes on until it is done. Bound it with "
                 "--acco.microbatches-per-phase N or --token-budget TOKENS",
                 file=sys.stderr,
                 flush=True,
