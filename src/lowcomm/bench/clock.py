@@ -123,7 +123,7 @@ def busy_processes(count: int) -> Iterator[None]:
 
 def _summary(config: TrainConfig) -> dict[str, Any]:
     """Run ``config``; its summary. The run's checkpoint is deleted: the benchmark reads only
-    the summary and metrics, and 50 runs of checkpoints filled 12 GB."""
+    the summary and metrics, and one benchmark's checkpoints took 12 GB."""
     error = run_one(config)
     if error is not None:
         raise RuntimeError(f"bench clock: {config.method} failed: {error}")

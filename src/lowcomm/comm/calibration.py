@@ -4,10 +4,10 @@ the machine's load.
 Before training, every worker times a forward-backward pass of its own model on its own
 micro-batch shape, and an AdamW update over a flat tensor of its parameter count. The workers
 take turns (barriers on the bookkeeping group), so the processes of one run never compete for
-cores while they are timed, and a worker's turn keeps its thread on one CPU (a loaded machine's
-scheduler would otherwise move it between cores, each move refilling its caches); all the timings of all the workers are then gathered and every
-worker takes the same statistic of them, so they agree on one number without a further
-exchange. Timings are the calling thread's CPU time (workers run one intra-op thread), and
+cores while they are timed, and a worker's turn keeps its thread on one CPU (a loaded
+machine's scheduler would otherwise move it between cores, each move refilling its caches);
+all the timings of all the workers are then gathered and every worker takes the same
+statistic of them, so they agree on one number without a further exchange. Timings are the calling thread's CPU time (workers run one intra-op thread), and
 the statistic is the **minimum**: interference (another process, a cache flush, a page fault)
 only ever adds time, so the least-interfered timing is the most repeatable estimate of the
 work's own cost.
