@@ -54,6 +54,7 @@ class _WorkHandle:
         what: str = "collective",
         rank: int = 0,
         timeout_s: float | None = None,
+        stamp: bool = False,
     ) -> None:
         self._work = work
         self._finish = finish
@@ -62,13 +63,11 @@ class _WorkHandle:
         self._rank = rank
         self._timeout_s = timeout_s
         self._completed_at: float | None = None
-        get_future = getattr(work, "get_future", None)
-        if get_future is not None:
-            # Gloo stamps it from its thread when the data has arrived (also on an error).
-            # NCCL's future completes when the collective is queued on the stream, so there
-            # the stamp is the launch and never moves a completion.
+        if stamp and work is not None:
+            # Gloo's future completes on its thread when the data has arrived (also on an
+            # error): the stamp is the arrival.
             try:
-                future = get_future()
+                future = work.get_future()
             except RuntimeError:  # "Work::getFuture not implemented" (Gloo's reduce-scatter)
                 future = None
             if future is not None:
@@ -78,8 +77,8 @@ class _WorkHandle:
         self._completed_at = time.perf_counter()
 
     def completed_at(self) -> float | None:
-        """When the collective's data arrived (``time.perf_counter``; None: not yet, or the
-        backend gives no completion future; on NCCL, when it was queued)."""
+        """When the collective's data arrived (``time.perf_counter``; None: not yet, not
+        stamped, or the work has no completion future)."""
         return self._completed_at
 
     def wait(self) -> None:
@@ -136,6 +135,9 @@ class TorchComm:
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         self._timeout_s = timeout_s
+        # Arrival stamps (``_WorkHandle.completed_at``) on Gloo only: NCCL's future completes
+        # when the collective is queued on the stream, so its stamp would be the launch.
+        self._stamp = dist.get_backend(group) == "gloo"
 
     def _handle(
         self,
@@ -146,8 +148,9 @@ class TorchComm:
     ) -> _WorkHandle:
         size = "" if tensor is None else f" of {tensor.numel() * tensor.element_size()} bytes"
         return _WorkHandle(
-            work, finish, what=f"{what}{size}", rank=self._rank, timeout_s=self._timeout_s
-        )
+            work, finish, what=f"{what}{size}", rank=self._rank, timeout_s=self._timeout_s,
+            stamp=self._stamp,
+        )  # fmt: skip
 
     @property
     def rank(self) -> int:
