@@ -476,17 +476,15 @@ class _ShardedOverlap(Strategy):
                     break
             elif chain.done() or self._share_spent():
                 break
-            elif (
-                tally.microbatches >= LONG_PHASE_MICROBATCHES
-                and time.monotonic() - begin >= LONG_PHASE_SECONDS
-            ):
+            elif not self._said_long_phase and tally.microbatches >= LONG_PHASE_MICROBATCHES:
                 self._say_long_phase(tally.microbatches, time.monotonic() - begin)
         total = chain.wait()
         self.flat.sync_grads()
         return tally, total
 
     def _say_long_phase(self, microbatches: int, seconds: float) -> None:
-        if self._said_long_phase:
+        """Once per run, after LONG_PHASE_SECONDS of one phase: why it seems to hang."""
+        if seconds < LONG_PHASE_SECONDS:
             return
         self._said_long_phase = True
         if self.comm.rank == 0:
