@@ -215,6 +215,13 @@ class CompletedHandle:
         return Settled()
 
 
+def arrival_stamp(handle: object) -> float | None:
+    """When ``handle``'s data arrived (``time.perf_counter``), for handles that stamp it
+    (a Gloo collective, or a wrapper of one); None otherwise or not yet."""
+    completed_at = getattr(handle, "completed_at", None)
+    return None if completed_at is None else completed_at()
+
+
 def payload_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor occupies on the wire, at its own dtype."""
     return tensor.numel() * tensor.element_size()

@@ -14,7 +14,7 @@ from typing import Literal, get_args
 
 import torch
 
-from lowcomm.comm.base import Handle, Role, Settled
+from lowcomm.comm.base import Handle, Role, Settled, arrival_stamp
 
 CommDtype = Literal["fp32", "bf16"]
 COMM_DTYPES: tuple[str, ...] = get_args(CommDtype)
@@ -62,6 +62,5 @@ class CastBackHandle:
         return settled
 
     def completed_at(self) -> float | None:
-        """The inner collective's arrival stamp (see ``_WorkHandle.completed_at``)."""
-        completed_at = getattr(self._inner, "completed_at", None)
-        return None if completed_at is None else completed_at()
+        """The inner collective's arrival stamp."""
+        return arrival_stamp(self._inner)

@@ -38,6 +38,7 @@ from lowcomm.comm.base import (
     Role,
     Segments,
     Settled,
+    arrival_stamp,
     check_segments,
     payload_bytes,
 )
@@ -104,10 +105,9 @@ class _EmulatedHandle:
         """When the data arrived, on the real clock (None on the virtual clock, or when the
         inner communicator does not stamp its completions)."""
         clock = self._owner.clock
-        completed_at = getattr(self._inner, "completed_at", None)
-        if not isinstance(clock, RealClock) or completed_at is None:
+        if not isinstance(clock, RealClock):
             return None
-        instant = completed_at()
+        instant = arrival_stamp(self._inner)
         return None if instant is None else clock.at(instant)
 
     def done(self) -> bool:
