@@ -76,3 +76,57 @@ def test_quiet_and_loaded_blocks_alternate(monkeypatch: pytest.MonkeyPatch) -> N
     assert cells["ddp/cpu-time/quiet"]["times"] == [1.0, 5.0]
     assert cells["ddp/calibrated/loaded"]["times"] == [4.0, 8.0]
     assert cells["ddp/calibrated/loaded"]["seconds_per_microbatch"] == [None, None]
+
+
+def test_agreement_splits_the_ratio_into_compute_and_communication(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each method runs once on the real clock and once per virtual compute model; the row's
+    ratio is virtual/real time per step, its parts the compute and exposed-communication
+    ratios of the headline (first) model, and the report prints them side by side."""
+    import lowcomm.bench.clock as clock_bench
+
+    seen: list[tuple[str, str, str]] = []
+    # (clock, compute model) -> (compute_s, exposed_comm_s) over 10 steps
+    times = {
+        ("real", "calibrated"): (8.0, 2.0),
+        ("virtual", "calibrated"): (7.0, 1.5),
+        ("virtual", "cpu-time"): (8.5, 2.5),
+    }
+
+    def fake_summary(config: TrainConfig) -> dict[str, object]:
+        seen.append((config.method, config.clock, config.compute_model))
+        compute, comm = times[(config.clock, config.compute_model)]
+        return {
+            "modeled_time_s": compute + comm, "steps": config.steps,
+            "compute_s": compute, "exposed_comm_s": comm, "utilization": compute / 10,
+        }  # fmt: skip
+
+    monkeypatch.setattr(clock_bench, "_summary", fake_summary)
+    bench = ClockBench(agreement_methods="ddp,co2", agreement_steps=10)
+    rows = clock_bench._agreement(bench, Path("/nonexistent"))
+    assert seen[:3] == [
+        ("ddp", "real", "calibrated"),
+        ("ddp", "virtual", "calibrated"),
+        ("ddp", "virtual", "cpu-time"),
+    ]
+    row = rows["ddp"]
+    assert row["real_s_per_step"] == pytest.approx(1.0)
+    assert row["virtual_s_per_step"] == pytest.approx(0.85)
+    assert row["ratio"] == pytest.approx(0.85)
+    assert row["compute_ratio"] == pytest.approx(7 / 8)
+    assert row["exposed_comm_ratio"] == pytest.approx(0.75)
+    assert row["ratios_by_model"] == {"calibrated": pytest.approx(0.85), "cpu-time": 1.1}
+    report = clock_bench._report(bench, {}, rows)
+    assert "| ddp | 1.000 | 0.850 | 0.850 | 0.875 | 0.750 | 1.100 | 80.0% | 70.0% |" in report
+    assert "cpu-time virtual/real" in report
+
+
+def test_agreement_models_are_checked() -> None:
+    with pytest.raises(ValueError, match="--agreement-models: 'calibrated,cpu_time' must name"):
+        ClockBench(agreement_models="calibrated,cpu_time")
+    with pytest.raises(ValueError, match="--agreement-models"):
+        ClockBench(agreement_models=" , ")
+    assert ClockBench(agreement_models="", agreement_methods="").agreement_model_list() == []
+    only = ClockBench(agreement_models="cpu-time,cpu-time")
+    assert only.agreement_model_list() == ["cpu-time"]

@@ -11,10 +11,14 @@ and utilisation, mean and spread, and the loaded/quiet ratio; the goal of the ca
 is a ratio within 3% of 1.
 
 Agreement (``--agreement-methods``, empty to skip): each method once on the real clock (wall
-time, transfers delayed to the emulated link) and once on the virtual clock (calibrated),
-with ``--agreement-workers`` workers (at most the cores, so that the real clock measures
-compute that does not wait for a core), and the modeled/measured ratio of the time per step
-(goal: within 10% of 1).
+time, transfers delayed to the emulated link) and once on the virtual clock per compute model
+of ``--agreement-models`` (calibrated first), with ``--agreement-workers`` workers (at most
+the cores, so that the real clock measures compute that does not wait for a core), and the
+modeled/measured ratio of the time per step (goal: within 10% of 1). The ratio is split into
+its parts, virtual/real compute and virtual/real exposed communication, so a disagreement
+says where it lives: in the compute model (the calibrated cost against the passes the run
+really took) or in the network and overlap model; the CPU-time model's ratio, which charges
+the passes the virtual run really took, shows the second alone.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class ClockBench:
     """Methods run on the real and on the virtual clock (ddp and the overlapped methods of
     the families); empty: skip the agreement."""
 
+    agreement_models: str = "calibrated,cpu-time"
+    """Compute models of the virtual agreement runs (comma-separated; the first is the one the
+    headline ratio uses)."""
+
     agreement_workers: int = 2
     """Workers per agreement run (at most the machine's cores: see the module docstring)."""
 
@@ -86,6 +94,18 @@ class ClockBench:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} must be >= 1")
         if self.busy < 0:
             raise ValueError(f"--busy: {self.busy} must be >= 0")
+        models = self.agreement_model_list()
+        unknown = [m for m in models if m not in MODELS]
+        if unknown or (self.agreement_methods.strip() and not models):
+            raise ValueError(
+                f"--agreement-models: {self.agreement_models!r} must name one or more of "
+                f"{', '.join(MODELS)}, comma-separated (e.g. --agreement-models calibrated)"
+            )
+
+    def agreement_model_list(self) -> list[ComputeModel]:
+        """The compute models of the virtual agreement runs, in order, without repeats."""
+        names = [m.strip() for m in self.agreement_models.split(",") if m.strip()]
+        return list(dict.fromkeys(names))  # type: ignore[arg-type]
 
     def command(self) -> str:
         """The command line of this benchmark (the options that differ from the defaults)."""
@@ -172,34 +192,56 @@ def _load_runs(bench: ClockBench, out: Path) -> dict[str, Any]:
 
 def _agreement(bench: ClockBench, out: Path) -> dict[str, Any]:
     rows: dict[str, Any] = {}
+    models = bench.agreement_model_list()
     for method in [m.strip() for m in bench.agreement_methods.split(",") if m.strip()]:
-        per_clock: dict[str, dict[str, Any]] = {}
-        for clock in ("real", "virtual"):
-            run_dir = out / "runs" / f"agree-{method}-{clock}"
-            print(f"[bench clock] agreement {method} {clock}", file=sys.stderr)
-            per_clock[clock] = _summary(
+        runs: dict[str, dict[str, Any]] = {}
+        for clock, model in [("real", models[0]), *(("virtual", m) for m in models)]:
+            name = "real" if clock == "real" else f"virtual-{model}"
+            print(f"[bench clock] agreement {method} {name}", file=sys.stderr)
+            runs[name] = _summary(
                 bench.config(
-                    method, "calibrated", run_dir, clock=clock, workers=bench.agreement_workers,
-                    steps=bench.agreement_steps, eval_every=bench.agreement_steps,
+                    method, model, out / "runs" / f"agree-{method}-{name}", clock=clock,
+                    workers=bench.agreement_workers, steps=bench.agreement_steps,
+                    eval_every=bench.agreement_steps,
                 )
             )  # fmt: skip
-        real, virtual = per_clock["real"], per_clock["virtual"]
-        real_step = real["modeled_time_s"] / real["steps"]
-        virtual_step = virtual["modeled_time_s"] / virtual["steps"]
-        rows[method] = {
-            "real_s_per_step": real_step,
-            "virtual_s_per_step": virtual_step,
-            "ratio": virtual_step / real_step,
-            "real_utilization": real["utilization"],
-            "virtual_utilization": virtual["utilization"],
-        }
+        rows[method] = agreement_row(runs["real"], {m: runs[f"virtual-{m}"] for m in models})
     return rows
+
+
+def agreement_row(real: dict[str, Any], virtual: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One method's agreement from its real run's summary and its virtual runs' (by compute
+    model, the headline one first): time per step, the ratio and its parts."""
+
+    def per_step(summary: dict[str, Any]) -> float:
+        return float(summary["modeled_time_s"]) / int(summary["steps"])
+
+    def ratio(name: str, of: dict[str, Any]) -> float | None:
+        measured = float(real[name])
+        return float(of[name]) / measured if measured > 0 else None
+
+    headline, first = next(iter(virtual.items()))
+    return {
+        "real_s_per_step": per_step(real),
+        "virtual_s_per_step": per_step(first),
+        "ratio": per_step(first) / per_step(real),
+        "compute_model": headline,
+        "compute_ratio": ratio("compute_s", first),
+        "exposed_comm_ratio": ratio("exposed_comm_s", first),
+        "ratios_by_model": {m: per_step(s) / per_step(real) for m, s in virtual.items()},
+        "real_utilization": real["utilization"],
+        "virtual_utilization": first["utilization"],
+    }
 
 
 def _cell(stats: dict[str, float], unit: str) -> str:
     if unit == "%":
         return f"{stats['mean']:.1%} ± {stats['sd']:.1%}"
     return f"{stats['mean']:.2f} ± {stats['sd']:.2f} s"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any]) -> str:
@@ -228,23 +270,30 @@ def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any])
                 f"{lu['mean'] / qu['mean']:.3f} |"
             )
     if agreement:
+        others = list(next(iter(agreement.values()))["ratios_by_model"])[1:]
+        headline = next(iter(agreement.values()))["compute_model"]
         lines += [
             "",
             "## Real and virtual clock",
             "",
             f"{bench.agreement_workers} workers, {bench.network}, {bench.agreement_steps} steps; the virtual "
-            "clock on the calibrated model. Time per step (the real clock's is measured wall "
-            "time on the emulated link).",
+            f"clock on the {headline} model. Time per step (the real clock's is measured wall "
+            "time on the emulated link); the ratio's parts: compute and exposed communication, "
+            "virtual over real"
+            + (f"; and the ratio on the {', '.join(others)} model." if others else "."),
             "",
-            "| method | real s/step | virtual s/step | virtual/real | utilisation real | "
-            "utilisation virtual |",
-            "|---|---|---|---|---|---|",
+            "| method | real s/step | virtual s/step | virtual/real | compute | exposed comm | "
+            + "".join(f"{m} virtual/real | " for m in others)
+            + "utilisation real | utilisation virtual |",
+            "|---|---|---|---|---|---|" + "---|" * len(others) + "---|---|",
         ]
         for method, row in agreement.items():
             lines.append(
                 f"| {method} | {row['real_s_per_step']:.3f} | {row['virtual_s_per_step']:.3f} | "
-                f"{row['ratio']:.3f} | {row['real_utilization']:.1%} | "
-                f"{row['virtual_utilization']:.1%} |"
+                f"{row['ratio']:.3f} | {_ratio(row['compute_ratio'])} | "
+                f"{_ratio(row['exposed_comm_ratio'])} | "
+                + "".join(f"{row['ratios_by_model'][m]:.3f} | " for m in others)
+                + f"{row['real_utilization']:.1%} | {row['virtual_utilization']:.1%} |"
             )
     return "\n".join(lines) + "\n"
 
