@@ -143,6 +143,30 @@ def test_real_clock_overlap_hides_the_transfer() -> None:
     assert clock.exposed_comm_s < cost / 2
 
 
+def test_real_clock_reads_a_past_instant_across_later_excluded_regions() -> None:
+    """``at(instant)`` subtracts only the excluded time before the instant: an evaluation
+    between a collective's arrival and its settle does not move the arrival earlier."""
+    clock = RealClock()
+    before = time.perf_counter()
+    reading = clock.at(before)
+    entered = time.perf_counter()
+    with clock.excluded():
+        time.sleep(0.02)
+        inside = time.perf_counter()
+        time.sleep(0.02)
+    left = time.perf_counter()
+    assert clock.at(before) == pytest.approx(reading, abs=1e-9)
+    # an instant inside the region reads as the region's start (its 0.02 s so far excluded)
+    assert reading <= clock.at(inside) <= reading + (inside - before) - 0.02
+    after = time.perf_counter()
+    with clock.excluded():
+        time.sleep(0.01)
+    # only the first region (at least its 0.04 s of sleep, at most entered..left) is before
+    elapsed = after - before
+    assert reading + elapsed - (left - entered) <= clock.at(after) <= reading + elapsed - 0.04
+    assert clock.at(before) == pytest.approx(reading, abs=1e-9)
+
+
 def test_real_clock_straggler_sleeps_on_compute() -> None:
     clock = RealClock(speed_factor=3.0)
     begin = time.perf_counter()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -132,6 +133,11 @@ class Clock(ABC):
         return self.compute_s / total if total > 0 else 1.0
 
 
+#: Excluded regions a real clock remembers for reading past instants (``RealClock.at``): a
+#: collective's arrival is read a few steps after it at most, each step has one or two.
+EXCLUSIONS_KEPT = 64
+
+
 class RealClock(Clock):
     """Wall-clock time, measured with ``time.perf_counter``.
 
@@ -150,6 +156,8 @@ class RealClock(Clock):
         self._start = time.perf_counter()
         self._excluded_s = 0.0
         self._last_mark = self._start
+        # The latest excluded regions, (begin, end) perf_counter values, for at().
+        self._exclusions: deque[tuple[float, float]] = deque(maxlen=EXCLUSIONS_KEPT)
 
     def _time(self) -> float:
         """``perf_counter`` after the device's queued work is done."""
@@ -179,14 +187,21 @@ class RealClock(Clock):
 
     def at(self, instant: float) -> float:
         """The reading at ``instant``, a past ``time.perf_counter()`` value, without folding
-        compute (safe from any thread). Excluded time since ``instant`` is subtracted too, so
-        the reading errs early when an excluded region came between."""
-        return instant - self._start - self._excluded_s
+        compute: only the excluded time before ``instant`` is subtracted (an instant inside an
+        excluded region reads as the region's start). Exact for an instant at most
+        ``EXCLUSIONS_KEPT`` excluded regions back, early by the older ones' time before that."""
+        excluded = self._excluded_s
+        for begin, end in reversed(self._exclusions):
+            if end <= instant:
+                break
+            excluded -= end - max(begin, instant)
+        return instant - self._start - excluded
 
     def _restart_at(self, now: float) -> None:
         self._last_mark = self._time()
         self._start = self._last_mark - now
         self._excluded_s = 0.0
+        self._exclusions.clear()
 
     def wait_until(self, deadline: float) -> None:
         remaining = deadline - self._wall()
@@ -214,6 +229,7 @@ class RealClock(Clock):
         finally:
             end = self._time()  # the excluded region's kernels stay excluded
             self._excluded_s += end - begin
+            self._exclusions.append((begin, end))
             self._last_mark = end
 
 
