@@ -537,3 +537,123 @@ def test_the_real_clock_synchronises_the_gpu_at_every_reading(
     with cpu_clock.blocked():
         pass
     assert len(synced) == 6
+
+
+class _FakeCuda:
+    """A stand-in for ``torch.cuda``'s streams and timing events: the GPU's clock is the
+    host's ``perf_counter`` plus an offset; a stream made to wait for a work is ready when
+    the work's data arrives; an event records when its stream is ready."""
+
+    OFFSET = 5000.0  # GPU time - host time
+
+    def __init__(self) -> None:
+        self.current: Any = "default"
+        self.streams: list[Any] = []
+
+    def gpu_now(self) -> float:
+        import time
+
+        return time.perf_counter() + self.OFFSET
+
+    def Stream(self, device: torch.device) -> Any:
+        stream = _FakeStream(device)
+        self.streams.append(stream)
+        return stream
+
+    @contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def Event(self, enable_timing: bool = False) -> Any:
+        assert enable_timing, "elapsed_time needs timing events"
+        return _FakeEvent(self)
+
+
+@dataclasses.dataclass
+class _FakeStream:
+    device: torch.device
+    ready_at: float = 0.0  # GPU time
+
+
+class _FakeEvent:
+    def __init__(self, cuda: _FakeCuda) -> None:
+        self.cuda = cuda
+        self.at: float | None = None
+
+    def record(self, stream: _FakeStream) -> None:
+        self.at = max(stream.ready_at, self.cuda.gpu_now())
+
+    def synchronize(self) -> None:
+        import time
+
+        assert self.at is not None
+        time.sleep(max(0.0, self.at - self.cuda.gpu_now()))
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) * 1000.0
+
+
+class _FakeNcclWork:
+    """An NCCL work whose data arrives ``delay`` after the launch: its wait() makes the
+    current stream wait for that, without blocking the host."""
+
+    def __init__(self, cuda: _FakeCuda, delay: float) -> None:
+        self.cuda = cuda
+        self.arrives = cuda.gpu_now() + delay
+        self.waited_on: list[Any] = []
+
+    def wait(self) -> bool:
+        stream = self.cuda.current
+        self.waited_on.append(stream)
+        if isinstance(stream, _FakeStream):
+            stream.ready_at = max(stream.ready_at, self.arrives)
+        return True
+
+
+def test_an_nccl_collectives_arrival_is_timed_on_a_side_stream_without_blocking() -> None:
+    """NCCL's completion future fires at the launch; the arrival comes from a timing event
+    on a side stream that waits for the work: the launch does not block the host or touch
+    the compute stream, and the arrival converts back to the host's clock."""
+    import time
+
+    from lowcomm.comm.cuda_arrival import EventArrival
+    from lowcomm.comm.torch_comm import _WorkHandle
+
+    cuda = _FakeCuda()
+    device = torch.device("cuda", 0)
+    work = _FakeNcclWork(cuda, delay=0.15)
+    begin = time.perf_counter()
+    arrival = EventArrival(work, device, cuda=cuda)
+    assert time.perf_counter() - begin < 0.1  # the launch did not wait for the data
+    assert work.waited_on == [cuda.streams[0]]  # the side stream waits, not "default"
+    assert cuda.current == "default"
+    handle = _WorkHandle(None, arrival=arrival)
+    arrived = handle.completed_at()  # asked early: waits for the data
+    assert arrived == pytest.approx(work.arrives - cuda.OFFSET, abs=0.01)
+    assert time.perf_counter() >= arrived
+    assert handle.completed_at() == arrived  # read once
+    # A second collective of the same device uses the same side stream; one arrived long
+    # before it is asked for still reads as its arrival, not as the time it was asked.
+    early = _FakeNcclWork(cuda, delay=0.0)
+    second = EventArrival(early, device, cuda=cuda)
+    time.sleep(0.1)
+    assert second.completed_at() == pytest.approx(early.arrives - cuda.OFFSET, abs=0.01)
+    assert len(cuda.streams) == 2  # one side and one reference stream per device
+
+
+def test_nccl_blocking_wait_turns_the_arrival_events_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowcomm.comm.cuda_arrival import blocking_wait
+
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not blocking_wait()
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    assert blocking_wait()
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    monkeypatch.setenv("NCCL_BLOCKING_WAIT", "true")
+    assert blocking_wait()

@@ -217,7 +217,8 @@ class CompletedHandle:
 
 def arrival_stamp(handle: object) -> float | None:
     """When ``handle``'s data arrived (``time.perf_counter``), for handles that stamp it
-    (a Gloo collective, or a wrapper of one); None otherwise or not yet."""
+    (a Gloo or NCCL collective, or a wrapper of one); None otherwise or not yet. Ask after
+    the handle's wait: an NCCL collective's arrival is waited for."""
     completed_at = getattr(handle, "completed_at", None)
     return None if completed_at is None else completed_at()
 

@@ -23,6 +23,7 @@ from lowcomm.comm.base import (
     check_scatter_shapes,
     check_segments,
 )
+from lowcomm.comm.cuda_arrival import EventArrival, blocking_wait
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old
 # names (which newer ones keep as deprecated aliases).
@@ -55,6 +56,7 @@ class _WorkHandle:
         rank: int = 0,
         timeout_s: float | None = None,
         stamp: bool = False,
+        arrival: EventArrival | None = None,
     ) -> None:
         self._work = work
         self._finish = finish
@@ -63,6 +65,7 @@ class _WorkHandle:
         self._rank = rank
         self._timeout_s = timeout_s
         self._completed_at: float | None = None
+        self._arrival = arrival  # an NCCL collective's (see lowcomm.comm.cuda_arrival)
         if stamp and work is not None:
             # Gloo's future completes on its thread when the data has arrived (also on an
             # error): the stamp is the arrival.
@@ -77,8 +80,11 @@ class _WorkHandle:
         self._completed_at = time.perf_counter()
 
     def completed_at(self) -> float | None:
-        """When the collective's data arrived (``time.perf_counter``; None: not yet, not
-        stamped, or the work has no completion future)."""
+        """When the collective's data arrived (``time.perf_counter``; None: not stamped, the
+        work has no completion future, or a Gloo collective not yet in). An NCCL collective's
+        arrival is waited for: ask after ``wait()``."""
+        if self._arrival is not None:
+            return self._arrival.completed_at()
         return self._completed_at
 
     def wait(self) -> None:
@@ -135,9 +141,12 @@ class TorchComm:
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         self._timeout_s = timeout_s
-        # Arrival stamps (``_WorkHandle.completed_at``) on Gloo only: NCCL's future completes
-        # when the collective is queued on the stream, so its stamp would be the launch.
-        self._stamp = dist.get_backend(group) == "gloo"
+        # Arrival stamps (``_WorkHandle.completed_at``): Gloo's completion future fires when
+        # the data is in; NCCL's fires when the collective is queued, so there a CUDA event
+        # on a side stream times it (unless NCCL waits block the host).
+        backend = dist.get_backend(group)
+        self._stamp = backend == "gloo"
+        self._event_arrival = backend == "nccl" and not blocking_wait()
 
     def _handle(
         self,
@@ -147,9 +156,12 @@ class TorchComm:
         finish: Callable[[], None] | None = None,
     ) -> _WorkHandle:
         size = "" if tensor is None else f" of {tensor.numel() * tensor.element_size()} bytes"
+        arrival = None
+        if self._event_arrival and work is not None and tensor is not None and tensor.is_cuda:
+            arrival = EventArrival(work, tensor.device)
         return _WorkHandle(
             work, finish, what=f"{what}{size}", rank=self._rank, timeout_s=self._timeout_s,
-            stamp=self._stamp,
+            stamp=self._stamp, arrival=arrival,
         )  # fmt: skip
 
     @property
