@@ -18,6 +18,7 @@ def test_selftest_passes_on_two_gloo_processes() -> None:
     for name in (
         "collectives",
         "bookkeeping group",
+        "arrival time",
         "method acco",
         "method diloco",
         "checkpoint and resume",

@@ -140,6 +140,14 @@ def selftest_worker(config: SelftestConfig) -> RankReport:
     )
     _run_check(
         report,
+        "arrival time",
+        "the real clock times a settled collective from its data's arrival "
+        "(lowcomm.comm.cuda_arrival on NCCL, the completion future on Gloo); without it CoCoDC "
+        "with --network none synchronises every step: report this as a bug with the output",
+        lambda: _check_arrival(strategy_group, device),
+    )
+    _run_check(
+        report,
         "real clock",
         "the real clock must wait for queued kernels before reading the time "
         "(lowcomm.comm.clock.RealClock with device=cuda); report this as a bug",
@@ -232,6 +240,39 @@ def _check_clock(device: torch.device) -> str:
     return (
         f"{clock.compute_s * 1e3:.1f} ms of compute charged for {kernels_s * 1e3:.1f} ms of kernels"
     )
+
+
+#: How late the last rank joins the arrival check's collective.
+LATE_S = 0.3
+
+
+def _check_arrival(comm: Any, device: torch.device) -> str:
+    """A collective the last rank joins LATE_S late: on every other rank its data arrives
+    that late after the launch, and the handle's arrival stamp must say so (NCCL's own
+    completion future fires at the launch)."""
+    from lowcomm.comm.base import Role, arrival_stamp
+
+    comm.barrier().wait()
+    late = comm.rank == comm.world_size - 1
+    if late:
+        time.sleep(LATE_S)
+    tensor = torch.ones(1 << 10, device=device)
+    launched = time.perf_counter()
+    handle = comm.all_reduce(tensor, op="sum", role=Role.OTHER)
+    handle.wait()
+    arrived = arrival_stamp(handle)
+    assert arrived is not None, "the collective's handle has no arrival time"
+    after = arrived - launched
+    assert after <= time.perf_counter() - launched + 1e-3, (
+        f"the arrival is stamped {after:.3f} s after the launch, later than the wait's return"
+    )
+    if late:
+        return f"stamped {after * 1e3:.1f} ms after the launch on the late rank"
+    assert after >= 0.8 * LATE_S, (
+        f"the data of a collective one rank joined {LATE_S:.1f} s late is stamped "
+        f"{after * 1e3:.1f} ms after the launch"
+    )
+    return f"stamped {after * 1e3:.0f} ms after the launch, a peer {LATE_S * 1e3:.0f} ms late"
 
 
 def _busy(device: torch.device) -> torch.Tensor:
