@@ -204,12 +204,19 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
     """Make a value that an option rejects a one-line error naming the option.
 
     Covers an options dataclass's own validation, a value of the wrong type (``--workers
-    two``), a value outside an option's choices and a wrong number of values. tyro reports
+    two``), a value outside an option's choices, a wrong number of values and an unknown
+    option (with the closest known one: :func:`unrecognized_options`). tyro reports
     these in a multi-line box; its hook to take over is not public API yet, so this degrades
     to tyro's own box (still exit code 2) if the hook moves.
     """
     try:
-        from tyro._errors import BadValue, InstantiationFailure, InvalidChoice, on_parse_error
+        from tyro._errors import (
+            BadValue,
+            InstantiationFailure,
+            InvalidChoice,
+            UnrecognizedArgs,
+            on_parse_error,
+        )
     except ImportError:
         return contextlib.nullcontext()
 
@@ -223,6 +230,8 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
         return first if first.startswith("--") else f"{flag(argument)}: {first}"
 
     def hook(event: object) -> None:
+        if isinstance(event, UnrecognizedArgs):
+            raise _OptionError(unrecognized_options(str(event.prog), list(event.tokens)))
         if isinstance(event, InstantiationFailure):
             raise _OptionError(named(event.argument, str(event.message)))
         if isinstance(event, InvalidChoice):
@@ -233,6 +242,105 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
             raise _OptionError(named(event.argument, str(event.reason).replace("_", " ")))
 
     return on_parse_error(hook)
+
+
+def unrecognized_options(prog: str, tokens: list[str]) -> str:
+    """The one-line error for command-line tokens ``prog`` does not know: each unknown option
+    with the closest known one, if any is close, and where the options are listed."""
+    import difflib
+
+    if prog == "lowcomm bench":  # tyro names no benchmark: the command line does
+        chosen = [word for word in _command_line[1:2] if word in _bench_names()]
+        prog = " ".join([prog, *chosen])
+    classes = _option_classes(prog)
+    options = [token for token in tokens if token.startswith("-")]
+    if not options:
+        return f"{prog}: unexpected argument {tokens[0]!r} (options take the form --name value)"
+    named = []
+    for option in options:
+        name = option.split("=", 1)[0]
+        owners = [cls for cls in classes if name in option_flags(cls)]
+        if owners:  # `lowcomm bench --repeats 2`: an option of a benchmark, none named
+            which = ", ".join(_bench_name(cls) for cls in owners)
+            named.append(f"{name} (an option of lowcomm bench {which}: name the benchmark first)")
+            continue
+        known = [flag for cls in classes for flag in option_flags(cls)]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        named.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    noun = "option" if len(named) == 1 else "options"
+    return f"{prog}: unknown {noun} {', '.join(named)}; `{prog} --help` lists them"
+
+
+def option_flags(cls: type, prefix: str = "") -> list[str]:
+    """The command-line flags tyro makes of an options dataclass (nested dataclasses as
+    ``--outer.inner-name``)."""
+    import typing
+
+    hints = typing.get_type_hints(cls, include_extras=True)
+    flags: list[str] = []
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if not field.init:
+            continue
+        name = prefix + field.name.replace("_", "-")
+        hint = hints.get(field.name)
+        extras: tuple[object, ...] = ()
+        if typing.get_origin(hint) is typing.Annotated:
+            hint, *rest = typing.get_args(hint)
+            extras = tuple(rest)
+        if tyro.conf.Positional in extras:
+            continue
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            inner = "" if tyro.conf.OmitArgPrefixes in extras else name + "."
+            flags += option_flags(hint, inner)
+        else:
+            flags.append(f"--{name}")
+    return flags
+
+
+def _bench_names() -> list[str]:
+    from lowcomm.bench import BENCHMARKS
+
+    return list(BENCHMARKS)
+
+
+def _bench_name(cls: type) -> str:
+    from lowcomm.bench import BENCHMARKS
+
+    return next(name for name, bench in BENCHMARKS.items() if bench is cls)
+
+
+#: The arguments after ``lowcomm`` being parsed (tyro's error events name ``lowcomm bench``
+#: without the benchmark).
+_command_line: list[str] = []
+
+
+def _option_classes(prog: str) -> list[type]:
+    """The options dataclasses of the command ``prog`` names (``lowcomm train``, ...)."""
+    words = prog.split()[1:]
+    command = words[0] if words else ""
+    if command == "bench":
+        from lowcomm.bench import BENCHMARKS
+
+        chosen = [BENCHMARKS[w] for w in words[1:2] if w in BENCHMARKS]
+        return chosen or list(BENCHMARKS.values())
+    if command in ("train", "plan"):
+        from lowcomm.config import TrainConfig
+        from lowcomm.plan import PlanConfig
+
+        return [TrainConfig if command == "train" else PlanConfig]
+    if command == "reproduce":
+        from lowcomm.reproduce import ReproduceConfig
+
+        return [ReproduceConfig]
+    if command in ("eval", "generate"):
+        from lowcomm.use import EvalConfig, GenerateConfig
+
+        return [EvalConfig if command == "eval" else GenerateConfig]
+    if command == "selftest":
+        from lowcomm.selftest import SelftestConfig
+
+        return [SelftestConfig]
+    return []
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,6 +369,7 @@ def _main(argv: list[str] | None) -> None:
         print(f"lowcomm {__version__}")
         return
     command, rest = args[0], args[1:]
+    _command_line[:] = args
     config = (tyro.conf.FlagConversionOff,)
     try:
         if command == "train":
