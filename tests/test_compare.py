@@ -54,6 +54,10 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
     assert "| ddp |" in report and "| zero1 |" in report
     for png in ("val_loss_vs_step.png", "val_loss_vs_time.png", "utilization.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    # A finished run's checkpoints are dropped (--checkpoints drop); its model stays.
+    for run in ("ddp-s0", "zero1-s0"):
+        assert not (out / "runs" / run / "checkpoints").exists()
+        assert (out / "runs" / run / "model").is_dir()
 
     # Re-running skips finished runs (their summaries are left untouched).
     summary = out / "runs" / "ddp-s0" / "summary.json"
@@ -70,7 +74,7 @@ def test_compare_with_ranks_per_worker_reports_the_right_worker_count(tmp_path: 
     result = subprocess.run(
         [sys.executable, "-m", "lowcomm", "bench", "compare", "--methods", "ddp",
          "--train.steps", "2", "--workers", "2", "--train.ranks-per-worker", "2",
-         "--out", str(out), *SMALL_TRAIN],
+         "--checkpoints", "keep", "--out", str(out), *SMALL_TRAIN],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -81,6 +85,7 @@ def test_compare_with_ranks_per_worker_reports_the_right_worker_count(tmp_path: 
     # Each of the 4 ranks takes a micro-batch of 4 rows per step.
     assert summary["tokens"] == 2 * 2 * 2 * 4 * 32
     assert "2 workers of 2 ranks each" in (out / "report.md").read_text()
+    assert (out / "runs" / "ddp-s0" / "checkpoints" / "latest").exists()  # --checkpoints keep
 
 
 @pytest.mark.parametrize("option", ["steps", "workers", "network", "clock"])

@@ -427,3 +427,45 @@ def test_rose_late_flags_a_run_that_ends_above_its_best() -> None:
 
     assert _rose_late([(8, 1.0, 6.5), (16, 2.0, 6.3), (24, 3.0, 7.0)])
     assert not _rose_late([(8, 1.0, 6.5), (16, 2.0, 6.3), (24, 3.0, 6.31)])
+
+
+@pytest.mark.parametrize("policy", ["drop", "keep"])
+def test_a_sweeps_finished_runs_drop_their_checkpoints_unless_kept(
+    policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`reproduce --checkpoints` reaches the shared run-or-resume (a finished run's
+    checkpoints are deleted unless kept; a failed run's stay for a look)."""
+    import lowcomm.bench.runs as runs
+    import lowcomm.reproduce as reproduce
+
+    assert ReproduceConfig(paper="acco").checkpoints == "drop"
+    seen: list[str] = []
+
+    def fake_run(config: TrainConfig) -> str | None:
+        run_dir = Path(str(config.out))
+        (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+        (run_dir / "model").mkdir()
+        seen.append(config.method)
+        return "boom" if config.method == "ddp" else None
+
+    monkeypatch.setattr(runs, "run_one", fake_run)
+    ok = TrainConfig(method="diloco", out=str(tmp_path / "ok"))
+    bad = TrainConfig(method="ddp", out=str(tmp_path / "bad"))
+    assert runs.run_or_resume(ok, "ok", tag="t", checkpoints=policy) is None
+    assert runs.run_or_resume(bad, "bad", tag="t", checkpoints=policy) == "boom"
+    assert (tmp_path / "ok" / "checkpoints").exists() == (policy == "keep")
+    assert (tmp_path / "ok" / "model").is_dir()
+    assert (tmp_path / "bad" / "checkpoints").exists()
+    # The option travels from the command line to the runs.
+    passed: list[str] = []
+
+    def fake_execute(*args: Any, **kwargs: Any) -> Any:
+        passed.append(args[5] if len(args) > 5 else kwargs["checkpoints"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(reproduce, "execute", fake_execute)
+    with pytest.raises(SystemExit):
+        reproduce.run_reproduce(
+            ReproduceConfig(paper="acco", checkpoints=policy, out=str(tmp_path / "r"))
+        )
+    assert passed == [policy] and seen == ["diloco", "ddp"]

@@ -20,11 +20,13 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import tyro
 
 from lowcomm.atomic import atomic_write_text
+from lowcomm.bench.runs import CHECKPOINTS_HELP, CheckpointPolicy, run_or_resume
 from lowcomm.bench.runs import mean_sd as _mean_sd
-from lowcomm.bench.runs import run_or_resume
 from lowcomm.bench.runs import val_curve as _val_curve
 from lowcomm.config import TrainConfig
 
@@ -71,6 +73,8 @@ class CompareBench:
     set for every run; acco, dpu and wp, which take a variable number of micro-batches per
     step, end when they reach it, their schedule laid out over it). steps: every run takes
     --steps steps, whatever its tokens."""
+
+    checkpoints: Annotated[CheckpointPolicy, tyro.conf.arg(help=CHECKPOINTS_HELP)] = "drop"
 
     train: TrainConfig = field(default_factory=_bench_train_defaults)
     """Every other training option, shared by all runs (`--train.model.n-layer 2`, ...)."""
@@ -165,7 +169,9 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
             config = bench.run_config(method, seed)
             run_dir = Path(str(config.out))
             summary_path = run_dir / "summary.json"
-            error = run_or_resume(config, f"{method} seed {seed}", tag="compare")
+            error = run_or_resume(
+                config, f"{method} seed {seed}", tag="compare", checkpoints=bench.checkpoints
+            )
             if error is not None:
                 failures[f"{method}-s{seed}"] = error
                 continue

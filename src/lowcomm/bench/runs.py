@@ -4,16 +4,20 @@
 A run directory whose ``summary.json`` exists (written atomically, last) holds a finished run:
 it is not run again, so an interrupted sweep resumes where it stopped. A finished run whose
 ``config.json`` differs from the requested configuration is refused, never silently reused.
+A finished run's checkpoints are dropped unless asked to keep them (``--checkpoints keep``):
+the reports read the summary and metrics, the final model stays in ``model/``, an interrupted
+run is run again from its start, and one benchmark's checkpoints filled 12 GB of disk.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lowcomm.config import TrainConfig
 
@@ -35,9 +39,26 @@ def run_one(config: TrainConfig) -> str | None:
     return None
 
 
-def run_or_resume(config: TrainConfig, name: str, *, tag: str, option: str = "--out") -> str | None:
+#: What a sweep does with a finished run's checkpoints (``--checkpoints``).
+CheckpointPolicy = Literal["drop", "keep"]
+CHECKPOINTS_HELP = (
+    "drop: delete a finished run's checkpoints (its model/, metrics and summary stay, which is "
+    "all the report reads; an interrupted run is run again from its start). keep: keep them, "
+    "to resume a run with more --steps later (about 100 MB per run of the default model)."
+)
+
+
+def run_or_resume(
+    config: TrainConfig,
+    name: str,
+    *,
+    tag: str,
+    option: str = "--out",
+    checkpoints: CheckpointPolicy = "drop",
+) -> str | None:
     """Run ``config`` into ``config.out`` unless a finished run of the same configuration is
-    there; return an error message if the run failed, None if its summary is available.
+    there; return an error message if the run failed, None if its summary is available. A
+    finished run's checkpoints are deleted unless ``checkpoints`` is ``keep``.
 
     Raises ValueError (naming ``option``) if the directory holds a finished run of another
     configuration.
@@ -57,6 +78,8 @@ def run_or_resume(config: TrainConfig, name: str, *, tag: str, option: str = "--
     error = run_one(config)
     if error is not None:
         print(f"[{tag}] {name}: FAILED: {error}", file=sys.stderr)
+    elif checkpoints == "drop":
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return error
 
 

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
+from lowcomm.bench.runs import CHECKPOINTS_HELP, CheckpointPolicy
 from lowcomm.models import ModelConfig
 from lowcomm.reproduce.papers import PAPERS, Paper
 from lowcomm.reproduce.runner import Results, Scale, execute
@@ -99,6 +100,8 @@ class ReproduceConfig:
     no fixed count per phase) commits the tokens its fixed-count comparator commits in the
     run's steps (--token-budget), its schedule laid out over them. steps: every run takes
     its steps, whatever its tokens."""
+
+    checkpoints: Annotated[CheckpointPolicy, tyro.conf.arg(help=CHECKPOINTS_HELP)] = "drop"
 
     def __post_init__(self) -> None:
         choices = [*PAPERS, "all"]
@@ -192,7 +195,9 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
     out.mkdir(parents=True, exist_ok=True)
     runs_dir = Path(config.runs_dir) / paper.name if config.runs_dir else out / "runs"
     specs = paper.runs(scale)
-    results, failures = execute(paper.name, specs, config.seeds, runs_dir, config.budget)
+    results, failures = execute(
+        paper.name, specs, config.seeds, runs_dir, config.budget, config.checkpoints
+    )
     findings = [prediction(results, scale) for prediction in paper.predictions]
     document = {
         "paper": paper.name,

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import tyro
 
-from lowcomm.bench.runs import run_or_resume, val_curve
+from lowcomm.bench.runs import CheckpointPolicy, run_or_resume, val_curve
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
@@ -274,9 +274,11 @@ def execute(
     seeds: tuple[int, ...],
     runs_dir: Path,
     budget: Literal["tokens", "steps"] = "tokens",
+    checkpoints: CheckpointPolicy = "drop",
 ) -> tuple[Results, dict[str, str]]:
     """Run (or resume) every declared run; return the finished ones and the failures
-    (``budget``: equal tokens or equal steps, see :func:`equal_tokens`)."""
+    (``budget``: equal tokens or equal steps, see :func:`equal_tokens`; ``checkpoints``: a
+    finished run's, see :func:`lowcomm.bench.runs.run_or_resume`)."""
     runs: dict[str, list[RunData]] = {spec.label: [] for spec in specs}
     failures: dict[str, str] = {}
     train_specs = [spec for spec in specs if spec.kind == "train"]
@@ -295,7 +297,9 @@ def execute(
                     runs[spec.label].append(RunData(spec.label, seed, data, [], []))
             else:
                 config = spec.train_config(seed, run_dir, budget)
-                error = run_or_resume(config, tag, tag="reproduce", option="--runs-dir")
+                error = run_or_resume(
+                    config, tag, tag="reproduce", option="--runs-dir", checkpoints=checkpoints
+                )
                 if error is None:
                     runs[spec.label].append(_load(run_dir, spec.label, seed))
             if error is not None:
