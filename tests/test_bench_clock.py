@@ -122,6 +122,23 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
     assert "cpu-time virtual/real" in report
 
 
+def test_agreement_gives_no_ratio_of_milliseconds() -> None:
+    """Communication the real clock hides (under 1% of its time) gets no ratio: "hidden", or
+    the virtual clock's seconds where that clock exposed some."""
+    from lowcomm.bench.clock import _exposed, agreement_row
+
+    def summary(compute: float, comm: float) -> dict[str, float]:
+        return {"modeled_time_s": compute + comm, "steps": 10, "compute_s": compute,
+                "exposed_comm_s": comm, "utilization": 1.0}  # fmt: skip
+
+    real = summary(10.0, 0.0006)
+    hidden = agreement_row(real, {"calibrated": summary(9.0, 0.0)})
+    assert hidden["exposed_comm_ratio"] is None and _exposed(hidden) == "hidden"
+    assert hidden["compute_ratio"] == pytest.approx(0.9)
+    exposed = agreement_row(real, {"calibrated": summary(9.0, 0.5)})
+    assert _exposed(exposed) == "hidden on real, 0.50 s virtual"
+
+
 def test_agreement_models_are_checked() -> None:
     with pytest.raises(ValueError, match="--agreement-models: 'calibrated,cpu_time' must name"):
         ClockBench(agreement_models="calibrated,cpu_time")
