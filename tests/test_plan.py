@@ -130,6 +130,24 @@ def test_fragment_methods_by_hand(method: str) -> None:
     assert deep.comm_hidden_s == pytest.approx(10 / 16 * 4 * FRAGMENT_ALL_REDUCE)
 
 
+def test_a_quantized_outer_exchange_is_an_all_gather_of_encoded_payloads_by_hand() -> None:
+    """--diloco.quantization int4: every worker sends its encoded payload (0.5 byte per
+    element padded to rows of 256, plus a 4-byte scale per row) to the M - 1 others, as
+    training does, instead of an all-reduce of 2-byte elements."""
+    int4 = plan(method="diloco", diloco=DiLoCoOptions(sync_every=10, quantization="int4"))
+    rows = math.ceil(1e9 / 256)
+    encoded = rows * 256 / 2 + 4 * rows  # bytes of one worker's payload
+    assert int4.comm_bytes_per_worker_per_step == pytest.approx(3 * encoded / 10)
+    gather = 3 / 4 * (4 * encoded) / 1e9 + 3 * 1e-3  # ring all-gather of the 4 payloads
+    assert int4.comm_total_s == pytest.approx(gather)  # one sync in the 10 steps
+    assert int4.comm_exposed_s == pytest.approx(gather)
+    plain = plan(method="diloco", diloco=DiLoCoOptions(sync_every=10))
+    assert plain.comm_total_s == pytest.approx(ALL_REDUCE)
+    # fp8's payload: a byte per element plus the scales.
+    fp8 = plan(method="diloco", diloco=DiLoCoOptions(sync_every=10, quantization="fp8"))
+    assert fp8.comm_bytes_per_worker_per_step == pytest.approx(3 * (rows * 256 + 4 * rows) / 10)
+
+
 def test_cocodc_plan_counts_the_adaptive_syncs() -> None:
     # With a slow step, CoCoDC's adaptive transmission makes N = floor(gamma H T_c / T_s) > K
     # syncs per H (its declared cost model), where Streaming DiLoCo stays at K.
@@ -192,7 +210,13 @@ def test_bad_planner_input() -> None:
 
 
 @pytest.mark.slow
-def test_plan_agrees_with_a_measured_virtual_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [("ddp", []), ("diloco", ["--diloco.sync-every", "3", "--diloco.quantization", "int4"])],
+)
+def test_plan_agrees_with_a_measured_virtual_run(
+    method: str, options: list[str], tmp_path: Path
+) -> None:
     out = tmp_path / "run"
     args = [
         "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
@@ -200,15 +224,17 @@ def test_plan_agrees_with_a_measured_virtual_run(tmp_path: Path) -> None:
         "--progress", "False", "--steps", "6", "--network", "wan",
         "--seconds-per-microbatch", "0.05", "--max-grad-norm", "None",
     ]  # fmt: skip
-    result = lowcomm("train", "--method", "ddp", *args, "--out", str(out))
+    result = lowcomm("train", "--method", method, *options, *args, "--out", str(out))
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     tokens_per_step = 2 * 4 * 32
+    quantized = {"quantization": "int4", "sync_every": 3} if method == "diloco" else {}
     predicted = make_plan(
         PlanConfig(
-            method="ddp", params=str(summary["num_params"]), workers=2,
+            method=method, params=str(summary["num_params"]), workers=2,
             tokens=6 * tokens_per_step, tokens_per_step=tokens_per_step,
             seconds_per_step=0.05, network="wan", bytes_per_element=4.0,
+            diloco=DiLoCoOptions(**quantized),
         )
     )  # fmt: skip
     assert summary["modeled_time_s"] == pytest.approx(predicted.wall_clock_s, rel=0.10)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import PRESETS, NetworkProfile
+from lowcomm.optim.quantize import QuantizationFormat, encoded_bytes
 from lowcomm.strategies.declaration import Timing
 from lowcomm.strategies.option_groups import with_method_options
 
@@ -109,7 +110,9 @@ class PlanConfig:
     unless --bytes-per-element says otherwise."""
 
     bytes_per_element: float | None = None
-    """Bytes per communicated element (None: from --comm-dtype; 1 = fp8; 0.5 = 4-bit)."""
+    """Bytes per communicated element (None: from --comm-dtype; 1 = fp8; 0.5 = 4-bit). The
+    DiLoCo family's --diloco.quantization, when set, sizes its outer exchange itself (an
+    all-gather of the encoded payloads, as training sends it)."""
 
     optimizer_bytes: float = 12.0
     """K: bytes per parameter of the optimizer (fp32 master + two moments = 12)."""
@@ -306,9 +309,29 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     model_bytes = config.element_bytes() * params
     # Each rank carries 1/R of every outer payload over its own outer transfer.
     payload = model_bytes / ranks
+    # The DiLoCo family's quantized outer gradients are all-gathered at their encoded size
+    # (lowcomm.strategies.diloco.OuterExchange); everything else is an all-reduce.
+    quantization: QuantizationFormat = getattr(options, "quantization", "none")
+    row_size = int(getattr(options, "quantization_row_size", 256))
+
+    def encoded(fraction: float) -> float:
+        return float(
+            encoded_bytes(max(1, round(fraction * params / ranks)), quantization, row_size)
+        )
 
     def all_reduce(fraction: float) -> float:
+        """Seconds of one outer exchange of ``fraction`` of the model."""
+        if quantization != "none":
+            return profile.collective_time(CollectiveKind.ALL_GATHER, m * encoded(fraction), m)
         return profile.collective_time(CollectiveKind.ALL_REDUCE, fraction * payload, m)
+
+    def exchange_bytes(fraction: float) -> float:
+        """Bytes one rank sends for one outer exchange of ``fraction`` of the model."""
+        if m <= 1:
+            return 0.0
+        if quantization != "none":
+            return (m - 1) * encoded(fraction)
+        return 2.0 * (m - 1) / m * fraction * payload
 
     transfers = model.traffic(
         options, Timing(step_seconds=step_compute, all_reduce_seconds=all_reduce)
@@ -351,7 +374,7 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     exposed = steps * (exposed_per_step + inner_per_step)
     total_comm = steps * (comm_per_step + inner_per_step)
     wall = compute + exposed
-    outer_bytes_per_step = payloads_per_step * 2.0 * (m - 1) / m * payload if m > 1 else 0.0
+    outer_bytes_per_step = sum(t.per_step * exchange_bytes(t.fraction) for t in transfers)
     bytes_per_step = ranks * (outer_bytes_per_step + inner_bytes_per_step)
     sharded = m if model.shards_over_workers else 1
     optimizer_bytes = config.optimizer_bytes / sharded
