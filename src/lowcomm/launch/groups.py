@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lowcomm.comm.torch_comm import TorchComm
+from lowcomm.comm.torch_comm import TorchComm, process_group_timeout
 
 
 def worker_layout(
@@ -35,18 +35,26 @@ def worker_layout(
     return replica, outer
 
 
-def level_comms(ranks_per_worker: int) -> tuple[TorchComm, TorchComm]:
-    """This rank's (replica, outer) communicators. Every rank of the world must call it (all
-    groups are created on every rank, in the same order, as torch.distributed requires)."""
+def level_comms(
+    ranks_per_worker: int, timeout_s: float | None = None
+) -> tuple[TorchComm, TorchComm]:
+    """This rank's (replica, outer) communicators, whose waits give up after ``timeout_s``
+    (``--collective-timeout-s``, as the world's) with the rank and collective named. Every
+    rank of the world must call it (all groups are created on every rank, in the same order,
+    as torch.distributed requires)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     replica_groups, outer_groups = worker_layout(world_size, ranks_per_worker)
+    timeout = None if timeout_s is None else process_group_timeout(timeout_s)
     mine: dict[str, Any] = {}
     for ranks in replica_groups:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine["replica"] = group
     for ranks in outer_groups:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine["outer"] = group
-    return TorchComm(mine["replica"]), TorchComm(mine["outer"])
+    return (
+        TorchComm(mine["replica"], timeout_s=timeout_s),
+        TorchComm(mine["outer"], timeout_s=timeout_s),
+    )

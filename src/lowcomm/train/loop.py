@@ -249,7 +249,7 @@ def _strategy_comms(
         return NetworkComm(raw, profile, clock, device=device, wire_dtype=wire), None
     from lowcomm.launch.groups import level_comms
 
-    replica_raw, outer_raw = level_comms(config.ranks_per_worker)
+    replica_raw, outer_raw = level_comms(config.ranks_per_worker, config.collective_timeout_s)
     replica_profile = config.replica_network_profile()
     replica_comm = NetworkComm(replica_raw, replica_profile, clock, device=device, wire_dtype=wire)
     outer_comm = NetworkComm(outer_raw, profile, clock, device=device, wire_dtype=wire)
