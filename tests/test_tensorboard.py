@@ -49,3 +49,29 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path: Path) -> None:
     walltimes = [event.wall_time for event in events.Scalars("loss/train")]
     assert walltimes == pytest.approx([r["clock_s"] for r in records])
     assert len(steps) == 4
+
+
+def test_tensorboard_without_the_package_is_refused_before_any_worker_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--tensorboard on a machine without the tensorboard package: one line naming the option
+    and the install command, from the pre-flight (no worker started, no run directory)."""
+    import importlib.util
+
+    from lowcomm.config import ConfigError, TrainConfig
+    from lowcomm.launch.run import preflight
+
+    real_find_spec = importlib.util.find_spec
+
+    def without_tensorboard(name: str, *args: object) -> object:
+        return None if name == "tensorboard" else real_find_spec(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_tensorboard)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as refused:
+        preflight(TrainConfig(tensorboard=True, out=str(out)))
+    assert str(refused.value) == (
+        "--tensorboard: needs the tensorboard package: pip install 'lowcomm[tensorboard]'"
+    )
+    assert not out.exists()
+    preflight(TrainConfig(tensorboard=False, out=str(out)))  # the same run without it passes
