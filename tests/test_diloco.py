@@ -448,3 +448,29 @@ def test_default_fragment_count_is_capped_at_the_number_of_blocks() -> None:
             StrategyContext(),
             options=DiLoCoOptions(sync_every=8, fragments=4),
         )
+
+
+def test_a_run_that_ends_mid_round_is_told_its_final_model_leaves_out_the_tail(
+    tmp_path: Path,
+) -> None:
+    """DiLoCo deploys the outer model (§4.1 has no final round): before a run of --steps that
+    is not a multiple of H starts, the launcher says which inner steps the final model leaves
+    out and which --steps ends on a round; not for a run that ends on one, nor for a
+    --token-budget run."""
+    from lowcomm.config import TrainConfig
+    from lowcomm.launch.run import preflight
+
+    def note(**options: object) -> str | None:
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        return preflight(TrainConfig(method="diloco", out=str(out), **options))
+
+    sixteen = DiLoCoOptions(sync_every=16)
+    assert note(steps=30, diloco=sixteen) == (
+        "lowcomm: note: --steps 30 is not a multiple of --diloco.sync-every 16: the final model "
+        "is the outer one of step 16, without the last 14 inner steps of every worker "
+        "(--steps 32 ends on a round)"
+    )
+    assert "the initial one (no round ends)" in str(note(steps=10, diloco=sixteen))
+    assert note(steps=32, diloco=sixteen) is None
+    assert note(steps=30, diloco=sixteen, token_budget=10**6) is None
+    assert preflight(TrainConfig(method="ddp", steps=30, out=str(tmp_path / "ddp"))) is None

@@ -112,9 +112,10 @@ def preflight(config: TrainConfig) -> str | None:
 
         if not tensorboard_available():
             raise ConfigError(MISSING)
-    check_method_options(config)
+    method_note = check_method_options(config)
     _check_data_path(config)
-    return check_run_dir(config)
+    notes = [note for note in (check_run_dir(config), method_note) if note is not None]
+    return "\n".join(notes) if notes else None
 
 
 def _check_data_path(config: TrainConfig) -> None:
@@ -144,22 +145,28 @@ def _check_resume(config: TrainConfig) -> None:
         raise ConfigError(str(error)) from None
 
 
-def check_method_options(config: TrainConfig) -> None:
+def check_method_options(config: TrainConfig) -> str | None:
     """Construct the method once on a recording communicator of the run's worker count, so
     options that depend on the model or the worker count fail here, before any worker starts,
-    with the method's own message."""
+    with the method's own message. Returns the method's note on a run of ``--steps`` whose
+    final model leaves out the last steps (:meth:`Strategy.unsynchronized_tail`; not for a
+    --token-budget run, which may end sooner)."""
     from lowcomm.comm.fake import RecordingComm
     from lowcomm.models import build_model
     from lowcomm.strategies import build_strategy
 
     try:
         model = build_model(config.model, config.data.vocab_size)
-        build_strategy(
+        strategy = build_strategy(
             config.method, model, RecordingComm(world_size=config.workers),
             config.strategy_context(), config,
         )  # fmt: skip
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if config.token_budget is not None:
+        return None
+    tail = strategy.unsynchronized_tail(config.steps)
+    return None if tail is None else f"lowcomm: note: {tail}"
 
 
 def prepare_checked_corpus(

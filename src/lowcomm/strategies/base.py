@@ -158,6 +158,11 @@ class Strategy(ABC):
         """Drain any communication still in flight at the end of training."""
         return None
 
+    def unsynchronized_tail(self, steps: int) -> str | None:
+        """Why the model deployed after ``steps`` steps leaves out the last of them (one line
+        the launcher prints before the run starts), or None when it holds every step."""
+        return None
+
     @abstractmethod
     def state_bytes(self) -> int:
         """Bytes of the persistent tensors this worker holds: parameters, gradients,

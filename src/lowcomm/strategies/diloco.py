@@ -653,5 +653,20 @@ class DiLoCo(OuterLoopStrategy):
             stats.extras["outer_step"] = 1.0
         return stats
 
+    def unsynchronized_tail(self, steps: int) -> str | None:
+        """The deployed model is the outer one (docs/ALGORITHMS.md §4.1 has no final round):
+        the inner steps after the last multiple of H are not in it."""
+        h = self.options.sync_every
+        tail = steps % h
+        if tail == 0:
+            return None
+        last = steps - tail
+        model = f"the outer one of step {last}" if last else "the initial one (no round ends)"
+        return (
+            f"--steps {steps} is not a multiple of --diloco.sync-every {h}: the final model is "
+            f"{model}, without the last {tail} inner steps of every worker (--steps {last + h} "
+            f"ends on a round)"
+        )
+
 
 METHODS: tuple[type[Strategy], ...] = (DiLoCo,)
