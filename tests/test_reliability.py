@@ -20,53 +20,34 @@ from lowcomm.launch import WorkerFailed, spawn_workers
 pytestmark = pytest.mark.slow
 
 
-def _rank_one_never_joins() -> None:
+def _rank_one_never_joins(hierarchical: bool) -> None:
+    """Rank 1 stays alive but never joins an all-reduce (on the world's group, or on the
+    replica group of one worker of 2 ranks); rank 0 waits for it."""
     import torch
 
     from lowcomm.comm.base import Role
     from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.launch.groups import level_comms
 
-    comm = TorchComm(timeout_s=1.5)
+    comm = level_comms(2, timeout_s=1.5)[0] if hierarchical else TorchComm(timeout_s=1.5)
     if comm.rank == 1:
         time.sleep(30)  # alive but hung: the launcher cannot tell, only the timeout can
         return
     comm.all_reduce(torch.ones(8), role=Role.GRADIENT).wait()
 
 
-def test_a_hung_collective_raises_naming_rank_operation_and_time() -> None:
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_a_hung_collective_raises_naming_rank_operation_and_time(hierarchical: bool) -> None:
+    """Also inside a hierarchical worker: the replica and outer groups of --ranks-per-worker
+    take --collective-timeout-s like the world's (they waited without a limit)."""
     begin = time.perf_counter()
     with pytest.raises(WorkerFailed) as failure:
-        spawn_workers(_rank_one_never_joins, 2, timeout_s=60)
+        spawn_workers(_rank_one_never_joins, 2, (hierarchical,), timeout_s=60)
     message = str(failure.value)
     assert "worker 0 failed:" in message
     assert "CollectiveTimeout: rank 0: all_reduce (gradient) of 32 bytes" in message
     assert "did not complete within 1." in message and "--collective-timeout-s 1.5" in message
     assert time.perf_counter() - begin < 25  # the timeout ended it, not the sleeping peer
-
-
-def _replica_peer_never_joins() -> None:
-    import torch
-
-    from lowcomm.comm.base import Role
-    from lowcomm.launch.groups import level_comms
-
-    replica, _outer = level_comms(2, timeout_s=1.5)  # 2 ranks: one worker of 2 ranks
-    if replica.rank == 1:
-        time.sleep(30)
-        return
-    replica.all_reduce(torch.ones(8), role=Role.GRADIENT).wait()
-
-
-def test_a_hung_collective_inside_a_hierarchical_worker_raises_too() -> None:
-    """The replica and outer groups of --ranks-per-worker take --collective-timeout-s like
-    the world's (they waited without a limit)."""
-    begin = time.perf_counter()
-    with pytest.raises(WorkerFailed) as failure:
-        spawn_workers(_replica_peer_never_joins, 2, timeout_s=60)
-    message = str(failure.value)
-    assert "CollectiveTimeout: rank 0: all_reduce (gradient) of 32 bytes" in message
-    assert "--collective-timeout-s 1.5" in message
-    assert time.perf_counter() - begin < 25
 
 
 def _workers_of(parent: int) -> list[int]:
