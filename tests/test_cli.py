@@ -201,3 +201,34 @@ def test_a_non_finite_loss_stops_the_run_naming_step_and_worker(tmp_path: Path) 
 
     state = torch.load(out / "checkpoints" / latest / "rank0.pt", weights_only=True)
     assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        # The typo is the cause of the missing value: it is named, not the symptom.
+        (
+            ["generate", "runs/x", "--promt", "hi"],
+            "lowcomm generate: unknown option --promt (did you mean --prompt?); "
+            "`lowcomm generate --help` lists them",
+        ),
+        (
+            ["generate", "--promt", "hi", "runs/x"],
+            "lowcomm generate: unknown option --promt (did you mean --prompt?); "
+            "`lowcomm generate --help` lists them",
+        ),
+        (
+            ["generate", "runs/x"],
+            "lowcomm generate: missing --prompt (required); `lowcomm generate --help` says more",
+        ),
+    ],
+)
+def test_a_missing_value_is_one_line_and_a_typo_behind_it_is_named(
+    args: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lowcomm.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"lowcomm: error: {line}"]

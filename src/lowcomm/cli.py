@@ -214,6 +214,7 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
             BadValue,
             InstantiationFailure,
             InvalidChoice,
+            MissingArgs,
             UnrecognizedArgs,
             on_parse_error,
         )
@@ -232,6 +233,15 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
     def hook(event: object) -> None:
         if isinstance(event, UnrecognizedArgs):
             raise _OptionError(unrecognized_options(str(event.prog), list(event.tokens)))
+        # A typo in an option's name also shows as the value it was meant for missing: name
+        # the typo, which is the cause.
+        prog = str(getattr(event, "prog", "lowcomm"))
+        unknown = _unknown_options(prog)
+        if unknown and isinstance(event, (MissingArgs, BadValue)):
+            raise _OptionError(unrecognized_options(prog, unknown))
+        if isinstance(event, MissingArgs):
+            missing = ", ".join(flag(getattr(a, "arg", a)) for a in event.missing_arguments)
+            raise _OptionError(f"{prog}: missing {missing} (required); `{prog} --help` says more")
         if isinstance(event, InstantiationFailure):
             raise _OptionError(named(event.argument, str(event.message)))
         if isinstance(event, InvalidChoice):
@@ -269,6 +279,15 @@ def unrecognized_options(prog: str, tokens: list[str]) -> str:
         named.append(f"{name} (did you mean {close[0]}?)" if close else name)
     noun = "option" if len(named) == 1 else "options"
     return f"{prog}: unknown {noun} {', '.join(named)}; `{prog} --help` lists them"
+
+
+def _unknown_options(prog: str) -> list[str]:
+    """The options on the command line being parsed that ``prog`` does not know."""
+    known = {flag for cls in _option_classes(prog) for flag in option_flags(cls)}
+    if not known:
+        return []
+    given = [token.split("=", 1)[0] for token in _command_line if token.startswith("--")]
+    return [name for name in given if name not in known and name != "--help"]
 
 
 def option_flags(cls: type, prefix: str = "") -> list[str]:
