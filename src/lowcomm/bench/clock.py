@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lowcomm.atomic import atomic_write_text
-from lowcomm.bench.runs import run_one
+from lowcomm.bench.runs import drop_checkpoints, run_one
 from lowcomm.config import TrainConfig
 
 ComputeModel = Literal["cpu-time", "calibrated"]
@@ -148,7 +147,7 @@ def _summary(config: TrainConfig) -> dict[str, Any]:
     if error is not None:
         raise RuntimeError(f"bench clock: {config.method} failed: {error}")
     summary: dict[str, Any] = json.loads((config.run_dir() / "summary.json").read_text())
-    shutil.rmtree(config.run_dir() / "checkpoints", ignore_errors=True)
+    drop_checkpoints(config.run_dir())
     return summary
 
 

@@ -79,8 +79,13 @@ def run_or_resume(
     if error is not None:
         print(f"[{tag}] {name}: FAILED: {error}", file=sys.stderr)
     elif checkpoints == "drop":
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        drop_checkpoints(run_dir)
     return error
+
+
+def drop_checkpoints(run_dir: Path) -> None:
+    """Delete a finished run's checkpoints (its model/, metrics and summary stay)."""
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
 def val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, float]]:
