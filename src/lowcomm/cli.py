@@ -233,13 +233,14 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
     def hook(event: object) -> None:
         if isinstance(event, UnrecognizedArgs):
             raise _OptionError(unrecognized_options(str(event.prog), list(event.tokens)))
-        # A typo in an option's name also shows as the value it was meant for missing: name
-        # the typo, which is the cause.
-        prog = str(getattr(event, "prog", "lowcomm"))
-        unknown = _unknown_options(prog)
-        if unknown and isinstance(event, (MissingArgs, BadValue)):
-            raise _OptionError(unrecognized_options(prog, unknown))
+        if isinstance(event, (MissingArgs, BadValue)):
+            # A typo in an option's name also shows as the value it was meant for missing:
+            # name the typo, which is the cause.
+            unknown = _unknown_options(str(event.prog))
+            if unknown:
+                raise _OptionError(unrecognized_options(str(event.prog), unknown))
         if isinstance(event, MissingArgs):
+            prog = str(event.prog)
             missing = ", ".join(flag(getattr(a, "arg", a)) for a in event.missing_arguments)
             raise _OptionError(f"{prog}: missing {missing} (required); `{prog} --help` says more")
         if isinstance(event, InstantiationFailure):
@@ -262,19 +263,19 @@ def unrecognized_options(prog: str, tokens: list[str]) -> str:
     if prog == "lowcomm bench":  # tyro names no benchmark: the command line does
         chosen = [word for word in _command_line[1:2] if word in _bench_names()]
         prog = " ".join([prog, *chosen])
-    classes = _option_classes(prog)
+    flags = {cls: option_flags(cls) for cls in _option_classes(prog)}
+    known = [flag for listed in flags.values() for flag in listed]
     options = [token for token in tokens if token.startswith("-")]
     if not options:
         return f"{prog}: unexpected argument {tokens[0]!r} (options take the form --name value)"
     named = []
     for option in options:
         name = option.split("=", 1)[0]
-        owners = [cls for cls in classes if name in option_flags(cls)]
+        owners = [cls for cls, listed in flags.items() if name in listed]
         if owners:  # `lowcomm bench --repeats 2`: an option of a benchmark, none named
             which = ", ".join(_bench_name(cls) for cls in owners)
             named.append(f"{name} (an option of lowcomm bench {which}: name the benchmark first)")
             continue
-        known = [flag for cls in classes for flag in option_flags(cls)]
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         named.append(f"{name} (did you mean {close[0]}?)" if close else name)
     noun = "option" if len(named) == 1 else "options"
