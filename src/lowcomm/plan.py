@@ -319,8 +319,9 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
             encoded_bytes(max(1, round(fraction * params / ranks)), quantization, row_size)
         )
 
-    def all_reduce(fraction: float) -> float:
-        """Seconds of one outer exchange of ``fraction`` of the model."""
+    def exchange_seconds(fraction: float) -> float:
+        """Seconds of one outer exchange of ``fraction`` of the model (an all-reduce, or the
+        quantized all-gather)."""
         if quantization != "none":
             return profile.collective_time(CollectiveKind.ALL_GATHER, m * encoded(fraction), m)
         return profile.collective_time(CollectiveKind.ALL_REDUCE, fraction * payload, m)
@@ -334,17 +335,17 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
         return 2.0 * (m - 1) / m * fraction * payload
 
     transfers = model.traffic(
-        options, Timing(step_seconds=step_compute, all_reduce_seconds=all_reduce)
+        options, Timing(step_seconds=step_compute, all_reduce_seconds=exchange_seconds)
     )
     payloads_per_step = sum(t.fraction * t.per_step for t in transfers)
     # Communication time per step (averaged over the schedule) and the part exposed: each
     # collective overlaps its hidden_steps of compute; what does not fit is exposed.
-    comm_per_step = sum(t.per_step * all_reduce(t.fraction) for t in transfers)
+    comm_per_step = sum(t.per_step * exchange_seconds(t.fraction) for t in transfers)
     if model.accumulates:
         exposed_per_step = 0.0
     else:
         exposed_per_step = sum(
-            t.per_step * max(0.0, all_reduce(t.fraction) - t.hidden_steps * step_compute)
+            t.per_step * max(0.0, exchange_seconds(t.fraction) - t.hidden_steps * step_compute)
             for t in transfers
         )
 
@@ -354,7 +355,7 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
         # model, and each phase's compute lasts until its communication is done (at least
         # half a step's batch). When communication is the slower side, each committed step
         # absorbs more tokens, so there are fewer of them; the compute never idles.
-        stretch = max(1.0, all_reduce(1.0) / (step_compute / 2))
+        stretch = max(1.0, exchange_seconds(1.0) / (step_compute / 2))
         steps = steps / stretch
     # Inner link (R > 1), blocking: the gradient all-reduce of every step, and the all-gather
     # that reassembles each outer payload inside the worker.

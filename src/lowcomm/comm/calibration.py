@@ -7,10 +7,10 @@ take turns (barriers on the bookkeeping group), so the processes of one run neve
 cores while they are timed, and a worker's turn keeps its thread on one CPU (a loaded
 machine's scheduler would otherwise move it between cores, each move refilling its caches);
 all the timings of all the workers are then gathered and every worker takes the same
-statistic of them, so they agree on one number without a further exchange. Timings are the calling thread's CPU time (workers run one intra-op thread), and
-the statistic is the **minimum**: interference (another process, a cache flush, a page fault)
-only ever adds time, so the least-interfered timing is the most repeatable estimate of the
-work's own cost.
+statistic of them, so they agree on one number without a further exchange. Timings are the
+calling thread's CPU time (workers run one intra-op thread), and the statistic is the
+**minimum**: interference (another process, a cache flush, a page fault) only ever adds time,
+so the least-interfered timing is the most repeatable estimate of the work's own cost.
 
 Two figures come out:
 

@@ -46,8 +46,9 @@ class Timing:
 
     Attributes:
         step_seconds: compute seconds of one optimizer step on one worker (T_c).
-        all_reduce_seconds: seconds of one all-reduce of ``fraction`` full-model payloads over
-            the workers' link (T_s of a sync of that size).
+        all_reduce_seconds: seconds of one exchange of ``fraction`` full-model payloads over
+            the workers' link (T_s of a sync of that size): an all-reduce, or the all-gather
+            of a quantized DiLoCo-family exchange.
     """
 
     step_seconds: float
