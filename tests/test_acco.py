@@ -30,6 +30,7 @@ from lowcomm.comm import (
     VirtualClock,
 )
 from lowcomm.comm.base import Comm
+from lowcomm.comm.calibration import CalibratedClock, Calibration, ElementCounter
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
 from lowcomm.optim.schedule import learning_rate
 from lowcomm.strategies import MicroBatchResult, StrategyContext, ZeRO1, strategy_class
@@ -440,6 +441,54 @@ def test_the_clock_is_charged_for_exactly_the_collectives_the_thread_issues(
     assert {role: value for role, value in comm.counters().items() if value} == issued
     chains = 2 * 3 if name == "acco" else 3
     assert len(chain_calls) == chains * (4 if max_grad_norm is not None else 3)
+
+
+@pytest.mark.parametrize("name", ["acco", "dpu"])
+def test_the_chains_compute_is_charged_to_the_worker_on_the_calibrated_clock(name: str) -> None:
+    """The chain's arithmetic (averaging, the sharded optimizer step) runs on the
+    communication thread, which shares the worker's device: every chain's elements are folded
+    into the worker's clock once it is joined, so its compute is the micro-batches' calibrated
+    cost plus every element written on either thread."""
+    calibration = Calibration(
+        seconds_per_microbatch=0.01, seconds_per_element=1e-9, micro_batch_size=1,
+        block_size=8, num_params=1,
+    )  # fmt: skip
+    clock = CalibratedClock(calibration)
+    comm = NetworkComm(
+        RecordingComm(rank=0, world_size=2), NetworkProfile(name="t", bandwidth_gbps=1.0), clock
+    )
+    strategy = strategy_class(name)(
+        tiny_gpt(), comm, StrategyContext(optim=ADAMW, total_steps=3), AccoOptions()
+    )  # type: ignore[call-arg]
+    folded: list[float] = []
+    fold = clock.fold
+    clock.fold = lambda meter: (folded.append(meter.seconds()), fold(meter))[-1]  # type: ignore[method-assign]
+    inputs, targets = global_batch(0, 1)
+
+    def closure() -> MicroBatchResult:
+        with clock.microbatch():
+            _, loss = strategy.model(inputs, targets)
+            assert loss is not None
+            loss.backward()
+        return MicroBatchResult(float(loss.detach()), inputs.shape[0], inputs.numel())
+
+    microbatches = 0
+    with clock.training():
+        for _ in range(3):
+            microbatches += strategy.step(closure).microbatches
+        strategy.finish()
+        clock.mark()
+    assert len(folded) == (2 * 3 if name == "acco" else 3)  # one fold per chain
+    # Each chain at least runs AdamW over this worker's shard.
+    counter = ElementCounter()
+    shard = torch.zeros(strategy.shard_numel)  # type: ignore[attr-defined]
+    with counter:
+        FlatAdamW(shard.clone(), ADAMW).step(torch.ones_like(shard), lr=LR)
+    assert min(folded) >= counter.elements * 1e-9 > 0
+    helper_elements = round(sum(folded) / 1e-9)
+    assert clock.compute_s == pytest.approx(
+        microbatches * 0.01 + (clock.counter.elements + helper_elements) * 1e-9, rel=1e-12
+    )
 
 
 def test_acco_moves_twice_zero1_bytes_per_committed_step() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from lowcomm.comm.calibration import (
     pinned_to_current_cpu,
     robust_cost,
 )
+from lowcomm.comm.clock import HelperMeter, RealClock, VirtualClock
 from lowcomm.launch import spawn_workers
 from lowcomm.models import ModelConfig, build_model
 
@@ -69,6 +72,51 @@ def test_a_microbatch_runs_outside_the_counting_mode() -> None:
         clock.mark()
     assert clock.counter.elements == 20
     assert clock.now() == pytest.approx(2 * 0.5 + 20e-6)
+
+
+def _on_a_helper_thread(meter: HelperMeter, work: Callable[[], object]) -> None:
+    thread = threading.Thread(target=lambda: _measured(meter, work))
+    thread.start()
+    thread.join()
+
+
+def _measured(meter: HelperMeter, work: Callable[[], object]) -> None:
+    with meter.measuring():
+        work()
+
+
+def test_a_helper_threads_elements_are_folded_into_the_workers_clock() -> None:
+    """A helper thread's work (ACCO's chain) is counted on that thread alone and charged to
+    the worker, at the calibrated cost per element times the speed factor, when folded."""
+    clock = CalibratedClock(CALIBRATION, speed_factor=2.0)
+    with clock.training():
+        meter = clock.helper_meter()
+        _on_a_helper_thread(meter, lambda: torch.ones(300).mul_(2.0))  # 600 elements
+        _ = torch.ones(50)  # the main thread's own: 50 elements
+        assert meter.seconds() == pytest.approx(600e-6)
+        assert clock.now() == pytest.approx(2.0 * 50e-6)  # nothing of the helper yet
+        clock.fold(meter)
+        assert clock.now() == pytest.approx(2.0 * 650e-6)
+    assert clock.counter.elements == 50  # the helper's elements never reach this counter
+    assert clock.compute_s == pytest.approx(2.0 * 650e-6)
+
+
+def test_helper_compute_on_the_other_clocks() -> None:
+    """cpu-time: the helper thread's CPU time; declared cost and real clock: nothing (the
+    declared model charges micro-batches only; the real clock pays it in wall time)."""
+    cpu_time = VirtualClock(speed_factor=3.0)
+    meter = cpu_time.helper_meter()
+    _on_a_helper_thread(meter, lambda: sum(i * i for i in range(200_000)))
+    assert meter.seconds() > 0
+    before = cpu_time.now()
+    cpu_time.fold(meter)
+    assert cpu_time.now() - before == pytest.approx(3.0 * meter.seconds(), abs=1e-3)
+    for clock in (VirtualClock(seconds_per_microbatch=0.1), RealClock()):
+        meter = clock.helper_meter()
+        _on_a_helper_thread(meter, lambda: torch.ones(300).mul_(2.0))
+        compute = clock.compute_s
+        clock.fold(meter)
+        assert meter.seconds() == 0.0 and clock.compute_s == compute
 
 
 def test_a_pending_clock_measures_only_when_no_checkpoint_gave_a_calibration() -> None:

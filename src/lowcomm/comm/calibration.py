@@ -19,7 +19,9 @@ Two figures come out:
 * ``seconds_per_element``: the cost of touching one tensor element, charged for all the
   compute outside micro-batches (inner and outer optimizer steps, delay compensation,
   quantization, averaging arithmetic): an :class:`ElementCounter` sees every ATen operation
-  the worker's thread runs there and counts the elements it writes (views are free). The
+  the worker's thread runs there and counts the elements it writes (views are free); a
+  helper thread's work for the worker (ACCO's chain: averaging, the sharded optimizer step)
+  is counted on that thread by an :class:`ElementMeter` and folded in when it is joined. The
   same counter counts the calibration's AdamW update, so the per-element cost is the one of
   the update arithmetic every method runs. Python overhead and communication calls are not
   charged (the clock charges communication from the network model).
@@ -47,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from lowcomm.atomic import atomic_write_text
 from lowcomm.comm.base import Comm, Role
-from lowcomm.comm.clock import VirtualClock
+from lowcomm.comm.clock import HelperMeter, VirtualClock
 
 #: Timed repeats in all (split over the workers, at least one each) after the warm-up. Spread
 #: over several seconds, so that a transient slowdown of the host (seen on a shared VM: every
@@ -328,6 +330,23 @@ def calibrate(
     )
 
 
+class ElementMeter(HelperMeter):
+    """The elements a helper thread's ATen operations write, at the calibrated cost per
+    element (the calibrated model's charge for a helper's work)."""
+
+    def __init__(self, seconds_per_element: float) -> None:
+        self.seconds_per_element = seconds_per_element
+        self.counter = ElementCounter()
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        with self.counter:
+            yield
+
+    def seconds(self) -> float:
+        return self.counter.elements * self.seconds_per_element
+
+
 class CalibratedClock(VirtualClock):
     """The virtual clock on the calibrated compute model: every micro-batch costs
     ``calibration.seconds_per_microbatch`` and every element written outside micro-batches
@@ -394,6 +413,9 @@ class CalibratedClock(VirtualClock):
             "microbatch_samples": list(c.microbatch_samples),
             "element_samples": list(c.element_samples),
         }
+
+    def helper_meter(self) -> HelperMeter:
+        return ElementMeter(self.calibration.seconds_per_element)
 
     def mark(self) -> None:
         elements = self.counter.elements

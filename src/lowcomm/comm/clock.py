@@ -16,6 +16,12 @@ wait, so strategies never have to bracket their compute by hand.
   of the calling thread times the worker's speed factor (so four workers sharing two cores
   do not see their compute inflate), or by a declared number of seconds per micro-batch for a
   target device. Waiting moves it to the modeled completion of the collective.
+
+Compute that a helper thread does for a worker (ACCO's chain runs the sharded optimizer step on
+a communication thread) is measured on that thread by a :class:`HelperMeter` from
+:meth:`Clock.helper_meter` and folded into the worker's compute by the clock's own thread
+(:meth:`Clock.fold`): the helper shares the worker's device, so its work takes the worker's
+time (the real clock pays it in wall time already).
 """
 
 from __future__ import annotations
@@ -31,6 +37,40 @@ from typing import Literal
 import torch
 
 ClockKind = Literal["real", "virtual"]
+
+
+class HelperMeter:
+    """Compute a helper thread does for a worker, measured on that thread (:meth:`measuring`,
+    any number of times) and read by the clock's thread once the helper is done
+    (:meth:`seconds`, before the speed factor). This base measures nothing: the real clock
+    pays the helper's work in wall time, and a declared cost charges micro-batches only."""
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        """The helper's work runs in this (on the helper thread)."""
+        yield
+
+    def seconds(self) -> float:
+        """The compute measured so far."""
+        return 0.0
+
+
+class CpuTimeMeter(HelperMeter):
+    """The helper thread's CPU time (the cpu-time model's charge)."""
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        begin = time.thread_time()
+        try:
+            yield
+        finally:
+            self._seconds += time.thread_time() - begin
+
+    def seconds(self) -> float:
+        return self._seconds
 
 
 class Clock(ABC):
@@ -86,6 +126,16 @@ class Clock(ABC):
         """The worker's training, entered on the thread that owns the clock (the calibrated
         model counts the work done in it)."""
         yield
+
+    def helper_meter(self) -> HelperMeter:
+        """A meter for compute a helper thread will do for this worker (see the module
+        docstring); pass it to :meth:`fold` once the helper is done."""
+        return HelperMeter()
+
+    def fold(self, meter: HelperMeter) -> None:
+        """Charge the compute ``meter`` measured on a helper thread to this worker (times the
+        speed factor), now. Call on the clock's thread, after the helper is done."""
+        return None
 
     @property
     def compute_model(self) -> str:
@@ -275,6 +325,16 @@ class VirtualClock(Clock):
             self._time += elapsed
             self.compute_s += elapsed
         self._last_cpu = cpu
+
+    def helper_meter(self) -> HelperMeter:
+        return CpuTimeMeter() if self.seconds_per_microbatch is None else HelperMeter()
+
+    def fold(self, meter: HelperMeter) -> None:
+        seconds = meter.seconds() * self.speed_factor
+        if seconds > 0:
+            self.mark()
+            self._time += seconds
+            self.compute_s += seconds
 
     @property
     def compute_model(self) -> str:

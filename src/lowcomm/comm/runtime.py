@@ -32,11 +32,13 @@ from lowcomm.comm.base import CollectiveKind, Comm, CompletedHandle, Handle, Rol
 from lowcomm.comm.overlap import LaunchAgreement
 
 if TYPE_CHECKING:
-    from lowcomm.comm.clock import Clock
+    from lowcomm.comm.clock import Clock, HelperMeter
 
 
 class ClockReader:
-    """A strategy's view of the run's clock: it may read it, never move it.
+    """A strategy's view of the run's clock: it may read it, and fold in compute a helper
+    thread did for the worker (:meth:`helper_meter`, :meth:`fold`); it never moves it
+    otherwise.
 
     Args:
         clock: the worker's clock.
@@ -53,6 +55,16 @@ class ClockReader:
     def now(self) -> float:
         """Seconds since the clock started (folds the compute done since the last reading)."""
         return self._clock.now()
+
+    def helper_meter(self) -> HelperMeter:
+        """A meter for compute a helper thread will do for this worker: the helper runs its
+        work in ``meter.measuring()``; once it is done, :meth:`fold` charges it."""
+        return self._clock.helper_meter()
+
+    def fold(self, meter: HelperMeter) -> None:
+        """Charge the helper's measured compute to this worker's clock (on the clock's
+        thread, after the helper is done): the helper shares the worker's device."""
+        self._clock.fold(meter)
 
     def compute_seconds(self) -> float:
         """Compute time this worker has accumulated so far, on this clock."""

@@ -54,8 +54,9 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, payload_bytes
+from lowcomm.comm.clock import HelperMeter
 from lowcomm.comm.overlap import CommThread, FutureHandle, LaunchAgreement
-from lowcomm.comm.runtime import Offload
+from lowcomm.comm.runtime import ClockReader, Offload
 from lowcomm.optim.adamw import FlatAdamW
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
 from lowcomm.optim.sgd import FlatSGD
@@ -261,10 +262,13 @@ class _ChainRun:
 
 @dataclass
 class _Chain:
-    """One chain in flight: the thread's future and the modeled handles of its collectives."""
+    """One chain in flight: the thread's future, the modeled handles of its collectives, and
+    the meter of the compute the thread does (the sharded optimizer step, the averaging)."""
 
     future: FutureHandle[int]
     handles: list[Handle]
+    meter: HelperMeter
+    clock: ClockReader | None
 
     def done(self) -> bool:
         # The link serves the chain's collectives in order: the last one done = all done.
@@ -273,7 +277,11 @@ class _Chain:
     def wait(self) -> int:
         for handle in self.handles:
             handle.wait()  # on the main thread: exposed time is charged here, and only here
-        return self.future.result()
+        total = self.future.result()
+        if self.clock is not None:
+            # The thread's compute shared the worker's device: it takes the worker's time.
+            self.clock.fold(self.meter)
+        return total
 
 
 class _ShardedOverlap(Strategy):
@@ -379,18 +387,21 @@ class _ShardedOverlap(Strategy):
 
     # --- the chain (communication thread) ------------------------------------------------
 
-    def _run_chain(self, chain: _ChainRun, agreement: LaunchAgreement | None) -> int:
+    def _run_chain(
+        self, chain: _ChainRun, agreement: LaunchAgreement | None, meter: HelperMeter
+    ) -> int:
         """Run ``chain`` (its declared links, in order); returns C.
 
         Runs on the communication thread; touches only the inner communicator, the optimizer
-        shard and the buffers handed to it (never the clock, never ``flat.params`` during an
+        shard, the buffers handed to it and ``meter``, which measures its compute for the
+        main thread to fold into the clock (never the clock, never ``flat.params`` during an
         overlapped phase)."""
         if agreement is not None:
             agreement.run(self.uncharged)
         stream_context = (
             torch.cuda.stream(self.stream) if self.stream is not None else _null_context()
         )
-        with stream_context:
+        with stream_context, meter.measuring():
             self.last_chain_stream = (
                 torch.cuda.current_stream(self.flat.device) if self.stream is not None else None
             )
@@ -431,9 +442,11 @@ class _ShardedOverlap(Strategy):
         chain = _ChainRun(
             self, source, target, local_count, mode, lr, committed_before=self.committed_gradients
         )
-        future = self.thread.submit(lambda: self._run_chain(chain, agreement))
+        clock = self.runtime.clock
+        meter = clock.helper_meter() if clock is not None else HelperMeter()
+        future = self.thread.submit(lambda: self._run_chain(chain, agreement, meter))
         if self.network is None or agreement is None:
-            return _Chain(future, [future])
+            return _Chain(future, [future], meter, clock)
         # Accounting from the chain's own declaration, in the order the thread issues it.
         handles = [
             self.network.record(
@@ -445,7 +458,7 @@ class _ShardedOverlap(Strategy):
             )
             for link in chain.links
         ]
-        return _Chain(future, handles)
+        return _Chain(future, handles, meter, clock)
 
     def _compute(self, closure: Closure, count: int) -> _Tally:
         """Run exactly ``count`` micro-batches into G (no communication in flight)."""
