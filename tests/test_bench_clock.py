@@ -97,9 +97,10 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
     def fake_summary(config: TrainConfig) -> dict[str, object]:
         seen.append((config.method, config.clock, config.compute_model))
         compute, comm = times[(config.clock, config.compute_model)]
+        model = {"model": "wall", "on_core": 0.9} if config.clock == "real" else {"model": "x"}
         return {
-            "modeled_time_s": compute + comm, "steps": config.steps,
-            "compute_s": compute, "exposed_comm_s": comm, "utilization": compute / 10,
+            "modeled_time_s": compute + comm, "steps": config.steps, "compute_s": compute,
+            "exposed_comm_s": comm, "utilization": compute / 10, "compute_model": model,
         }  # fmt: skip
 
     monkeypatch.setattr(clock_bench, "_summary", fake_summary)
@@ -118,7 +119,10 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
     assert row["exposed_comm_ratio"] == pytest.approx(0.75)
     assert row["ratios_by_model"] == {"calibrated": pytest.approx(0.85), "cpu-time": 1.1}
     report = clock_bench._report(bench, {}, rows)
-    assert "| ddp | 1.000 | 0.850 | 0.850 | 0.875 | 0.750 | 1.100 | 80.0% | 70.0% |" in report
+    assert row["real_on_core"] == 0.9
+    assert (
+        "| ddp | 1.000 | 0.850 | 0.850 | 0.875 | 0.750 | 1.100 | 90.0% | 80.0% | 70.0% |" in report
+    )
     assert "cpu-time virtual/real" in report
 
 

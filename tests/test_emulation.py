@@ -178,6 +178,37 @@ def test_real_clock_straggler_sleeps_on_compute() -> None:
     assert clock.exposed_comm_s == 0.0
 
 
+def test_real_clock_says_how_much_of_its_compute_ran_on_a_core() -> None:
+    """On a CPU the real clock also keeps its thread's CPU time over the compute regions:
+    time the thread spends off a core (here a sleep standing in for a preemption) is compute
+    on the wall but not on the thread; blocked and excluded regions count in neither."""
+    clock = RealClock()
+    begin = time.thread_time()
+    while time.thread_time() - begin < 0.05:
+        pass
+    time.sleep(0.2)
+    clock.mark()
+    assert clock.compute_cpu_s >= 0.05
+    assert clock.compute_s - clock.compute_cpu_s >= 0.2 - 0.01
+    before = clock.compute_cpu_s
+    for region in (clock.blocked, clock.excluded):
+        with region():
+            begin = time.thread_time()
+            while time.thread_time() - begin < 0.05:
+                pass
+    clock.mark()
+    assert clock.compute_cpu_s - before < 0.01
+    described = clock.describe_compute()
+    assert described["model"] == "wall"
+    assert described["on_core"] == pytest.approx(clock.compute_cpu_s / clock.compute_s)
+    resumed = RealClock()
+    resumed.load_state_dict(clock.state_dict())
+    assert resumed.compute_cpu_s == clock.compute_cpu_s
+    older = {k: v for k, v in clock.state_dict().items() if k != "compute_cpu_s"}
+    resumed.load_state_dict(older)  # a checkpoint without it: the share is unknown
+    assert resumed.describe_compute() == {"model": "wall"}
+
+
 def test_virtual_clock_reads_its_owner_threads_cpu_from_another_thread() -> None:
     import threading
 

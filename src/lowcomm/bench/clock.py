@@ -241,6 +241,8 @@ def agreement_row(real: dict[str, Any], virtual: dict[str, dict[str, Any]]) -> d
         "ratios_by_model": {m: per_step(s) / per_step(real) for m, s in virtual.items()},
         "real_utilization": real["utilization"],
         "virtual_utilization": first["utilization"],
+        # The share of the real run's compute its thread ran on a core (None: not measured).
+        "real_on_core": real.get("compute_model", {}).get("on_core"),
     }
 
 
@@ -248,6 +250,10 @@ def _cell(stats: dict[str, float], unit: str) -> str:
     if unit == "%":
         return f"{stats['mean']:.1%} ± {stats['sd']:.1%}"
     return f"{stats['mean']:.2f} ± {stats['sd']:.2f} s"
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
 
 
 def _ratio(value: float | None) -> str:
@@ -301,18 +307,22 @@ def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any])
             f"clock on the {headline} model. Time per step (the real clock's is measured wall "
             "time on the emulated link); the ratio's parts: compute and exposed communication, "
             "virtual over real"
-            + (f"; and the ratio on the {', '.join(others)} model." if others else "."),
+            + (f"; and the ratio on the {', '.join(others)} model." if others else ".")
+            + " Real compute on a core: the share of the real run's compute its thread ran "
+            "(the rest it waited for a core, taken by the run's other threads and processes: "
+            "the transport, a communication chain, the other workers).",
             "",
             "| method | real s/step | virtual s/step | virtual/real | compute | exposed comm | "
             + "".join(f"{m} virtual/real | " for m in others)
-            + "utilisation real | utilisation virtual |",
-            "|---|---|---|---|---|---|" + "---|" * len(others) + "---|---|",
+            + "real compute on a core | utilisation real | utilisation virtual |",
+            "|---|---|---|---|---|---|" + "---|" * len(others) + "---|---|---|",
         ]
         for method, row in agreement.items():
             lines.append(
                 f"| {method} | {row['real_s_per_step']:.3f} | {row['virtual_s_per_step']:.3f} | "
                 f"{row['ratio']:.3f} | {_ratio(row['compute_ratio'])} | {_exposed(row)} | "
                 + "".join(f"{row['ratios_by_model'][m]:.3f} | " for m in others)
+                + f"{_share(row.get('real_on_core'))} | "
                 + f"{row['real_utilization']:.1%} | {row['virtual_utilization']:.1%} |"
             )
     return "\n".join(lines) + "\n"

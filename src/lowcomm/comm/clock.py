@@ -73,6 +73,21 @@ class CpuTimeMeter(HelperMeter):
         return self._seconds
 
 
+class _OwnerCpu:
+    """The CPU time of the thread that built it, readable from any thread (through its
+    CPU-time clock; ``time.thread_time`` of the caller where that clock is unavailable)."""
+
+    def __init__(self) -> None:
+        self._clock: int | None = None
+        if hasattr(time, "pthread_getcpuclockid"):
+            self._clock = time.pthread_getcpuclockid(threading.get_ident())
+
+    def read(self) -> float:
+        if self._clock is None:
+            return time.thread_time()
+        return time.clock_gettime(self._clock)
+
+
 class Clock(ABC):
     """A worker's clock. Not thread-safe: one thread at a time may call it."""
 
@@ -206,6 +221,12 @@ class RealClock(Clock):
         self._start = time.perf_counter()
         self._excluded_s = 0.0
         self._last_mark = self._start
+        # On a CPU: the CPU time the worker's thread spent in its compute regions, so the
+        # summary can say how much of the measured compute waited for a core.
+        self._owner_cpu = _OwnerCpu() if self._device is None else None
+        self._last_cpu = self._owner_cpu.read() if self._owner_cpu is not None else 0.0
+        self.compute_cpu_s = 0.0
+        self._cpu_known = True
         # The latest excluded regions, (begin, end) perf_counter values, for at().
         self._exclusions: deque[tuple[float, float]] = deque(maxlen=EXCLUSIONS_KEPT)
 
@@ -230,6 +251,37 @@ class RealClock(Clock):
             elapsed = now - self._last_mark
         self.compute_s += elapsed
         self._last_mark = now
+        if self._owner_cpu is not None:
+            cpu = self._owner_cpu.read()
+            self.compute_cpu_s += cpu - self._last_cpu
+            self._last_cpu = cpu
+
+    def _skip_cpu(self) -> None:
+        """The owner thread's CPU time since the last mark is not compute."""
+        if self._owner_cpu is not None:
+            self._last_cpu = self._owner_cpu.read()
+
+    def state_dict(self) -> dict[str, float | str]:
+        state = super().state_dict()
+        if self._owner_cpu is not None and self._cpu_known:
+            state["compute_cpu_s"] = self.compute_cpu_s
+        return state
+
+    def load_state_dict(self, state: dict[str, float | str]) -> None:
+        super().load_state_dict(state)
+        # A checkpoint without it (a GPU run's, an older one's): the share stays unknown.
+        self._cpu_known = "compute_cpu_s" in state
+        self.compute_cpu_s = float(state.get("compute_cpu_s", 0.0))
+
+    def describe_compute(self) -> dict[str, object]:
+        if self._owner_cpu is None or not self._cpu_known:
+            return {"model": "wall"}
+        return {
+            "model": "wall",
+            "compute_s": self.compute_s,
+            "thread_cpu_s": self.compute_cpu_s,
+            "on_core": self.compute_cpu_s / self.compute_s if self.compute_s > 0 else 1.0,
+        }
 
     def now(self) -> float:
         self.mark()
@@ -249,6 +301,7 @@ class RealClock(Clock):
 
     def _restart_at(self, now: float) -> None:
         self._last_mark = self._time()
+        self._skip_cpu()
         self._start = self._last_mark - now
         self._excluded_s = 0.0
         self._exclusions.clear()
@@ -269,6 +322,7 @@ class RealClock(Clock):
             end = self._time()
             self.exposed_comm_s += end - begin
             self._last_mark = end
+            self._skip_cpu()
 
     @contextmanager
     def excluded(self) -> Iterator[None]:
@@ -281,6 +335,7 @@ class RealClock(Clock):
             self._excluded_s += end - begin
             self._exclusions.append((begin, end))
             self._last_mark = end
+            self._skip_cpu()
 
 
 class VirtualClock(Clock):
@@ -308,15 +363,11 @@ class VirtualClock(Clock):
         # Compute is the CPU time of the thread that owns the clock (the worker's main
         # thread), read through its CPU-time clock so the reading is right from any thread
         # (a communication thread may mark the clock too).
-        self._cpu_clock: int | None = None
-        if hasattr(time, "pthread_getcpuclockid"):
-            self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+        self._owner_cpu = _OwnerCpu()
         self._last_cpu = self._cpu()
 
     def _cpu(self) -> float:
-        if self._cpu_clock is None:
-            return time.thread_time()
-        return time.clock_gettime(self._cpu_clock)
+        return self._owner_cpu.read()
 
     def mark(self) -> None:
         cpu = self._cpu()

@@ -371,8 +371,11 @@ def _level_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _compute_model_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """How the virtual clock charged compute (none on the real clock)."""
+    """How the virtual clock charged compute; on the real clock on a CPU, the share of the
+    measured compute that rank 0's thread ran on a core (the rest waited for one)."""
     model = summary.get("compute_model")
+    if model and model.get("model") == "wall" and "on_core" in model:
+        return [("compute on a core", f"{model['on_core']:.1%} (rank 0's thread CPU time)")]
     if not model or model.get("model") == "wall":
         return []
     if "seconds_per_microbatch" not in model:
