@@ -23,7 +23,8 @@ from lowcomm.comm.calibration import (
     pinned_to_current_cpu,
     robust_cost,
 )
-from lowcomm.comm.clock import HelperMeter, RealClock, VirtualClock
+from lowcomm.comm.clock import RealClock, VirtualClock
+from lowcomm.comm.overlap import HelperMeter
 from lowcomm.launch import spawn_workers
 from lowcomm.models import ModelConfig, build_model
 

@@ -49,7 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from lowcomm.atomic import atomic_write_text
 from lowcomm.comm.base import Comm, Role
-from lowcomm.comm.clock import HelperMeter, VirtualClock
+from lowcomm.comm.clock import VirtualClock
+from lowcomm.comm.overlap import HelperMeter
 
 #: Timed repeats in all (split over the workers, at least one each) after the warm-up. Spread
 #: over several seconds, so that a transient slowdown of the host (seen on a shared VM: every

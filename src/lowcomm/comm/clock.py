@@ -36,23 +36,9 @@ from typing import Literal
 
 import torch
 
+from lowcomm.comm.overlap import HelperMeter
+
 ClockKind = Literal["real", "virtual"]
-
-
-class HelperMeter:
-    """Compute a helper thread does for a worker, measured on that thread (:meth:`measuring`,
-    any number of times) and read by the clock's thread once the helper is done
-    (:meth:`seconds`, before the speed factor). This base measures nothing: the real clock
-    pays the helper's work in wall time, and a declared cost charges micro-batches only."""
-
-    @contextmanager
-    def measuring(self) -> Iterator[None]:
-        """The helper's work runs in this (on the helper thread)."""
-        yield
-
-    def seconds(self) -> float:
-        """The compute measured so far."""
-        return 0.0
 
 
 class CpuTimeMeter(HelperMeter):

@@ -15,7 +15,10 @@ Rules that keep this safe (the hazards of docs/ARCHITECTURE.md):
 * **The clock stays on the main thread.** The thread never touches the :class:`Clock`. Under
   emulation, the main thread accounts for the chain's collectives with
   :meth:`NetworkComm.record` (bytes, modeled cost, completion time) and decides "done" by its
-  own clock; the thread only performs the real transfers on the *inner* communicator.
+  own clock; the thread only performs the real transfers on the *inner* communicator. The
+  chain's compute (averaging, the optimizer step) is measured on the thread by a
+  :class:`HelperMeter` the main thread hands it, and folded into the clock by the main thread
+  once the chain is joined.
 * **The virtual start is agreed on the thread.** A :class:`LaunchAgreement` carries this
   worker's launch time; the thread all-reduces (max) it as the chain's first collective, so
   every rank computes the same modeled start without the main thread issuing anything.
@@ -24,8 +27,9 @@ Rules that keep this safe (the hazards of docs/ARCHITECTURE.md):
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 import torch
@@ -58,6 +62,22 @@ class FutureHandle(Generic[T]):
     def result(self) -> T:
         """Wait, then return what the work returned."""
         return self._future.result()
+
+
+class HelperMeter:
+    """Compute a helper thread does for a worker, measured on that thread (:meth:`measuring`,
+    any number of times) and read by the clock's thread once the helper is done
+    (:meth:`seconds`, before the speed factor). This base measures nothing: the real clock
+    pays the helper's work in wall time, and a declared cost charges micro-batches only."""
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        """The helper's work runs in this (on the helper thread)."""
+        yield
+
+    def seconds(self) -> float:
+        """The compute measured so far."""
+        return 0.0
 
 
 class CommThread:

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from lowcomm.comm.base import CollectiveKind, Comm, CompletedHandle, Handle, Role, Settled
-from lowcomm.comm.overlap import LaunchAgreement
+from lowcomm.comm.overlap import HelperMeter, LaunchAgreement
 
 if TYPE_CHECKING:
-    from lowcomm.comm.clock import Clock, HelperMeter
+    from lowcomm.comm.clock import Clock
 
 
 class ClockReader:

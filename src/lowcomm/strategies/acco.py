@@ -54,8 +54,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, payload_bytes
-from lowcomm.comm.clock import HelperMeter
-from lowcomm.comm.overlap import CommThread, FutureHandle, LaunchAgreement
+from lowcomm.comm.overlap import CommThread, FutureHandle, HelperMeter, LaunchAgreement
 from lowcomm.comm.runtime import ClockReader, Offload
 from lowcomm.optim.adamw import FlatAdamW
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
