@@ -146,6 +146,7 @@ class TorchComm:
         # on a side stream times it (unless NCCL waits block the host).
         backend = dist.get_backend(group)
         self._stamp = backend == "gloo"
+        self._scatter_by_exchange = backend == "gloo"
         self._event_arrival = backend == "nccl" and not blocking_wait()
 
     def _handle(
@@ -200,10 +201,38 @@ class TorchComm:
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
     ) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "reduce_scatter")
+        what = f"reduce_scatter ({role.value})"
+        if self._scatter_by_exchange and op != "max" and self._world_size > 1:
+            return self._reduce_scatter_by_exchange(output, input, op, what)
         work = _reduce_scatter(output, input, op=_torch_op(op), group=self._group, async_op=True)
-        return self._handle(
-            work, f"reduce_scatter ({role.value})", input, self._mean_after(output, op)
+        return self._handle(work, what, input, self._mean_after(output, op))
+
+    def _reduce_scatter_by_exchange(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, what: str
+    ) -> Handle:
+        """A sum (or mean) reduce-scatter on Gloo as an exchange and a local sum.
+
+        Gloo's own reduce-scatter moves an all-reduce's bytes, twice the ring's: on 2 ranks a
+        16.8 MB ``reduce_scatter_tensor`` put 33.6 MB through loopback, as ``all_reduce``
+        did. ``all_to_all_single`` hands every rank the chunk of every other rank's input it
+        owns, (n-1)/n of the payload as in the ring (16.8 MB there, in 10.8-14.4 ms against
+        19.0-22.3 ms), and the rank sums the n chunks when the exchange is waited for. The
+        result is the same (bit for bit on 2 ranks; on more, the sum's order may round
+        differently), with the same transient buffer of the input's size that Gloo's own
+        reduce-scatter allocates."""
+        world_size = self._world_size
+        received = torch.empty_like(input).reshape(-1)
+        work = dist.all_to_all_single(
+            received, input.contiguous().reshape(-1), group=self._group, async_op=True
         )
+
+        def reduce() -> None:
+            summed = received.view(world_size, -1).sum(dim=0)
+            if op == "mean":
+                summed.div_(world_size)
+            output.copy_(summed.view_as(output))
+
+        return self._handle(work, what, input, reduce)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "all_gather")
