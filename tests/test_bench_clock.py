@@ -97,7 +97,11 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
     def fake_summary(config: TrainConfig) -> dict[str, object]:
         seen.append((config.method, config.clock, config.compute_model))
         compute, comm = times[(config.clock, config.compute_model)]
-        model = {"model": "wall", "on_core": 0.9} if config.clock == "real" else {"model": "x"}
+        model = (
+            {"model": "wall", "on_core": 0.9, "compute_s": compute}
+            if config.clock == "real"
+            else {"model": "x"}
+        )
         return {
             "modeled_time_s": compute + comm, "steps": config.steps, "compute_s": compute,
             "exposed_comm_s": comm, "utilization": compute / 10, "compute_model": model,
@@ -120,8 +124,11 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
     assert row["ratios_by_model"] == {"calibrated": pytest.approx(0.85), "cpu-time": 1.1}
     report = clock_bench._report(bench, {}, rows)
     assert row["real_on_core"] == 0.9
+    # 0.8 s of the real run's 8 s of compute waited for a core: 8.5 / (10 - 0.8)
+    assert row["ratio_on_core"] == pytest.approx(8.5 / 9.2)
     assert (
-        "| ddp | 1.000 | 0.850 | 0.850 | 0.875 | 0.750 | 1.100 | 90.0% | 80.0% | 70.0% |" in report
+        "| ddp | 1.000 | 0.850 | 0.850 | 0.875 | 0.750 | 1.100 | 90.0% | 0.924 | 80.0% | 70.0% |"
+        in report
     )
     assert "cpu-time virtual/real" in report
 
