@@ -98,10 +98,13 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
         seen.append((config.method, config.clock, config.compute_model))
         compute, comm = times[(config.clock, config.compute_model)]
         model = (
-            {"model": "wall", "on_core": 0.9, "compute_s": compute}
+            {
+                "model": "wall", "on_core": 0.9, "compute_s": compute,
+                "microbatch_wall_s": {"count": 10, "min": 0.25, "median": 0.3, "mean": 0.32},
+            }
             if config.clock == "real"
-            else {"model": "x"}
-        )
+            else {"model": "x", "seconds_per_microbatch": 0.24}
+        )  # fmt: skip
         return {
             "modeled_time_s": compute + comm, "steps": config.steps, "compute_s": compute,
             "exposed_comm_s": comm, "utilization": compute / 10, "compute_model": model,
@@ -131,6 +134,7 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
         in report
     )
     assert "cpu-time virtual/real" in report
+    assert "| ddp | 240.0 ms | 250.0 ms | 300.0 ms | 320.0 ms | 0.800 |" in report
 
 
 def test_agreement_gives_no_ratio_of_milliseconds() -> None:

@@ -209,6 +209,28 @@ def test_real_clock_says_how_much_of_its_compute_ran_on_a_core() -> None:
     assert resumed.describe_compute() == {"model": "wall"}
 
 
+def test_real_clock_keeps_the_passes_it_paid() -> None:
+    """On a CPU every micro-batch's wall and thread CPU time is kept: the summary gives their
+    least, median and mean (the calibrated cost is set against them), and prints them."""
+    from lowcomm.train.metrics import _compute_model_rows
+
+    clock = RealClock()
+    for pause in (0.03, 0.01, 0.02):
+        with clock.microbatch():
+            time.sleep(pause)
+    passes = clock.describe_compute()["microbatch_wall_s"]
+    assert isinstance(passes, dict)
+    assert passes["count"] == 3
+    assert passes["min"] >= 0.01 and passes["median"] >= 0.02 and passes["mean"] >= 0.02
+    assert passes["min"] <= passes["median"] <= max(clock.pass_wall_s)
+    cpu = clock.describe_compute()["microbatch_cpu_s"]
+    assert isinstance(cpu, dict) and cpu["count"] == 3
+    assert all(c <= w + 1e-3 for c, w in zip(clock.pass_cpu_s, clock.pass_wall_s, strict=True))
+    rows = dict(_compute_model_rows({"compute_model": clock.describe_compute()}))
+    assert rows["micro-batch"].startswith(f"median {passes['median'] * 1e3:.1f} ms, least ")
+    assert "compute on a core" in rows
+
+
 def test_virtual_clock_reads_its_owner_threads_cpu_from_another_thread() -> None:
     import threading
 

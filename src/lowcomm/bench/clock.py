@@ -245,6 +245,9 @@ def agreement_row(real: dict[str, Any], virtual: dict[str, dict[str, Any]]) -> d
         # and virtual/real with the real run's waits for a core taken out of its time.
         "real_on_core": real.get("compute_model", {}).get("on_core"),
         "ratio_on_core": _ratio_on_core(real, first),
+        # The charged micro-batch cost against the passes the real run paid (wall, rank 0).
+        "calibrated_microbatch_s": first.get("compute_model", {}).get("seconds_per_microbatch"),
+        "real_microbatch_s": real.get("compute_model", {}).get("microbatch_wall_s"),
     }
 
 
@@ -340,7 +343,35 @@ def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any])
                 + f"{_share(row.get('real_on_core'))} | {_ratio(row.get('ratio_on_core'))} | "
                 + f"{row['real_utilization']:.1%} | {row['virtual_utilization']:.1%} |"
             )
+        lines += _passes_table(agreement, headline)
     return "\n".join(lines) + "\n"
+
+
+def _passes_table(agreement: dict[str, Any], headline: str) -> list[str]:
+    """The micro-batch cost the virtual clock charged against the passes the real run paid:
+    where the compute part of the ratio comes from."""
+    rows = [
+        (method, row["calibrated_microbatch_s"], row["real_microbatch_s"])
+        for method, row in agreement.items()
+        if row.get("calibrated_microbatch_s") and row.get("real_microbatch_s")
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Micro-batches: the cost the virtual clock charged ({headline} model) against the "
+        "passes the real run paid (rank 0's wall time: least, median, mean).",
+        "",
+        "| method | charged | real least | real median | real mean | charged/real median |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method, charged, real in rows:
+        lines.append(
+            f"| {method} | {charged * 1e3:.1f} ms | {real['min'] * 1e3:.1f} ms | "
+            f"{real['median'] * 1e3:.1f} ms | {real['mean'] * 1e3:.1f} ms | "
+            f"{charged / real['median']:.3f} |"
+        )
+    return lines
 
 
 def run_clock(bench: ClockBench) -> dict[str, Any]:

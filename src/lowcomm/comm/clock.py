@@ -26,9 +26,11 @@ time (the real clock pays it in wall time already).
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from abc import ABC, abstractmethod
+from array import array
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,6 +59,16 @@ class CpuTimeMeter(HelperMeter):
 
     def seconds(self) -> float:
         return self._seconds
+
+
+def _spread(samples: array[float]) -> dict[str, float]:
+    """Count, minimum, median and mean of a set of timings."""
+    return {
+        "count": len(samples),
+        "min": min(samples),
+        "median": statistics.median(samples),
+        "mean": statistics.fmean(samples),
+    }
 
 
 class _OwnerCpu:
@@ -213,6 +225,10 @@ class RealClock(Clock):
         self._last_cpu = self._owner_cpu.read() if self._owner_cpu is not None else 0.0
         self.compute_cpu_s = 0.0
         self._cpu_known = True
+        # On a CPU: every micro-batch's wall and thread CPU seconds in this process, for the
+        # summary's statistics of the passes the real clock paid (not checkpointed).
+        self.pass_wall_s: array[float] = array("d")
+        self.pass_cpu_s: array[float] = array("d")
         # The latest excluded regions, (begin, end) perf_counter values, for at().
         self._exclusions: deque[tuple[float, float]] = deque(maxlen=EXCLUSIONS_KEPT)
 
@@ -259,15 +275,32 @@ class RealClock(Clock):
         self._cpu_known = "compute_cpu_s" in state
         self.compute_cpu_s = float(state.get("compute_cpu_s", 0.0))
 
+    @contextmanager
+    def microbatch(self) -> Iterator[None]:
+        if self._owner_cpu is None:
+            yield
+            self.microbatch_done()
+            return
+        wall, cpu = time.perf_counter(), self._owner_cpu.read()
+        yield
+        self.pass_wall_s.append(time.perf_counter() - wall)
+        self.pass_cpu_s.append(self._owner_cpu.read() - cpu)
+        self.microbatch_done()
+
     def describe_compute(self) -> dict[str, object]:
-        if self._owner_cpu is None or not self._cpu_known:
-            return {"model": "wall"}
-        return {
-            "model": "wall",
-            "compute_s": self.compute_s,
-            "thread_cpu_s": self.compute_cpu_s,
-            "on_core": self.compute_cpu_s / self.compute_s if self.compute_s > 0 else 1.0,
-        }
+        description: dict[str, object] = {"model": "wall"}
+        if self._owner_cpu is None:
+            return description
+        if self.pass_wall_s:
+            description["microbatch_wall_s"] = _spread(self.pass_wall_s)
+            description["microbatch_cpu_s"] = _spread(self.pass_cpu_s)
+        if self._cpu_known:
+            description.update(
+                compute_s=self.compute_s,
+                thread_cpu_s=self.compute_cpu_s,
+                on_core=self.compute_cpu_s / self.compute_s if self.compute_s > 0 else 1.0,
+            )
+        return description
 
     def now(self) -> float:
         self.mark()

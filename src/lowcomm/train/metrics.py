@@ -374,9 +374,21 @@ def _compute_model_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """How the virtual clock charged compute; on the real clock on a CPU, the share of the
     measured compute that rank 0's thread ran on a core (the rest waited for one)."""
     model = summary.get("compute_model")
-    if model and model.get("model") == "wall" and "on_core" in model:
-        return [("compute on a core", f"{model['on_core']:.1%} (rank 0's thread CPU time)")]
-    if not model or model.get("model") == "wall":
+    if model and model.get("model") == "wall":
+        rows = []
+        passes = model.get("microbatch_wall_s")
+        if passes:
+            rows.append(
+                (
+                    "micro-batch",
+                    f"median {passes['median'] * 1e3:.1f} ms, least {passes['min'] * 1e3:.1f} ms "
+                    "(rank 0's, wall)",
+                )
+            )
+        if "on_core" in model:
+            rows.append(("compute on a core", f"{model['on_core']:.1%} (rank 0's thread CPU time)"))
+        return rows
+    if not model:
         return []
     if "seconds_per_microbatch" not in model:
         return [("compute model", str(model["model"]))]
