@@ -99,7 +99,7 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
         compute, comm = times[(config.clock, config.compute_model)]
         model = (
             {
-                "model": "wall", "on_core": 0.9, "compute_s": compute,
+                "model": "wall", "on_core": 0.9, "compute_s": compute, "waiting_s": 0.1 * compute,
                 "microbatch_wall_s": {"count": 10, "min": 0.25, "median": 0.3, "mean": 0.32},
             }
             if config.clock == "real"

@@ -201,12 +201,29 @@ def test_real_clock_says_how_much_of_its_compute_ran_on_a_core() -> None:
     described = clock.describe_compute()
     assert described["model"] == "wall"
     assert described["on_core"] == pytest.approx(clock.compute_cpu_s / clock.compute_s)
+    assert described["waiting_s"] == pytest.approx(clock.compute_s - clock.compute_cpu_s)
     resumed = RealClock()
     resumed.load_state_dict(clock.state_dict())
     assert resumed.compute_cpu_s == clock.compute_cpu_s
     older = {k: v for k, v in clock.state_dict().items() if k != "compute_cpu_s"}
     resumed.load_state_dict(older)  # a checkpoint without it: the share is unknown
     assert resumed.describe_compute() == {"model": "wall"}
+
+
+def test_a_stragglers_emulated_slowdown_is_not_a_wait_for_a_core() -> None:
+    clock = RealClock(speed_factor=3.0)
+    begin = time.thread_time()
+    while time.thread_time() - begin < 0.05:
+        pass
+    clock.mark()  # sleeps 2 x the compute: slowdown, charged to compute
+    described = clock.describe_compute()
+    assert clock.slowdown_s >= 0.1
+    assert described["slowdown_s"] == clock.slowdown_s
+    assert described["waiting_s"] == pytest.approx(
+        max(0.0, clock.compute_s - clock.slowdown_s - clock.compute_cpu_s)
+    )
+    measured = clock.compute_s - clock.slowdown_s
+    assert described["on_core"] == pytest.approx(min(1.0, clock.compute_cpu_s / measured))
 
 
 def test_real_clock_keeps_the_passes_it_paid() -> None:

@@ -256,9 +256,9 @@ def _ratio_on_core(real: dict[str, Any], virtual: dict[str, Any]) -> float | Non
     core (rank 0's share, off its own compute): what the real clock would have read had its
     compute never waited for one. None where the real run did not measure the share."""
     model = real.get("compute_model", {})
-    if "on_core" not in model:
+    if "waiting_s" not in model:
         return None
-    waiting = (1.0 - float(model["on_core"])) * float(model["compute_s"])
+    waiting = float(model["waiting_s"])
     return float(virtual["modeled_time_s"]) / (float(real["modeled_time_s"]) - waiting)
 
 

@@ -224,6 +224,7 @@ class RealClock(Clock):
         self._owner_cpu = _OwnerCpu() if self._device is None else None
         self._last_cpu = self._owner_cpu.read() if self._owner_cpu is not None else 0.0
         self.compute_cpu_s = 0.0
+        self.slowdown_s = 0.0  # the straggler's sleeps: compute, but not a wait for a core
         self._cpu_known = True
         # On a CPU: every micro-batch's wall and thread CPU seconds in this process, for the
         # summary's statistics of the passes the real clock paid (not checkpointed).
@@ -249,6 +250,7 @@ class RealClock(Clock):
             extra = (self.speed_factor - 1.0) * elapsed
             if extra > 0:
                 time.sleep(extra)
+                self.slowdown_s += extra
             now = time.perf_counter()  # the sleep queued nothing on the device
             elapsed = now - self._last_mark
         self.compute_s += elapsed
@@ -267,6 +269,7 @@ class RealClock(Clock):
         state = super().state_dict()
         if self._owner_cpu is not None and self._cpu_known:
             state["compute_cpu_s"] = self.compute_cpu_s
+            state["slowdown_s"] = self.slowdown_s
         return state
 
     def load_state_dict(self, state: dict[str, float | str]) -> None:
@@ -274,6 +277,7 @@ class RealClock(Clock):
         # A checkpoint without it (a GPU run's, an older one's): the share stays unknown.
         self._cpu_known = "compute_cpu_s" in state
         self.compute_cpu_s = float(state.get("compute_cpu_s", 0.0))
+        self.slowdown_s = float(state.get("slowdown_s", 0.0))
 
     @contextmanager
     def microbatch(self) -> Iterator[None]:
@@ -295,10 +299,14 @@ class RealClock(Clock):
             description["microbatch_wall_s"] = _spread(self.pass_wall_s)
             description["microbatch_cpu_s"] = _spread(self.pass_cpu_s)
         if self._cpu_known:
+            # The straggler's emulated slowdown is compute the thread sleeps through by design.
+            measured = self.compute_s - self.slowdown_s
             description.update(
                 compute_s=self.compute_s,
                 thread_cpu_s=self.compute_cpu_s,
-                on_core=self.compute_cpu_s / self.compute_s if self.compute_s > 0 else 1.0,
+                slowdown_s=self.slowdown_s,
+                waiting_s=max(0.0, measured - self.compute_cpu_s),
+                on_core=min(1.0, self.compute_cpu_s / measured) if measured > 0 else 1.0,
             )
         return description
 
