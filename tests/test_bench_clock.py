@@ -137,6 +137,46 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
     assert "| ddp | 240.0 ms | 250.0 ms | 300.0 ms | 320.0 ms | 0.800 |" in report
 
 
+def test_agreement_rounds_alternate_and_keep_the_median_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With --agreement-repeats N every round runs every method once (so a drift of the
+    host falls on all methods alike); the row is the median round's, with every round's
+    virtual/real beside it."""
+    import lowcomm.bench.clock as clock_bench
+
+    seen: list[tuple[str, str, str]] = []
+    real_seconds = iter([10.0, 10.0, 8.0, 8.0, 12.5, 12.5])  # per (round, method) real run
+
+    def fake_summary(config: TrainConfig) -> dict[str, object]:
+        seen.append((config.method, config.clock, Path(config.out).name))
+        seconds = next(real_seconds) if config.clock == "real" else 9.0
+        return {
+            "modeled_time_s": seconds, "steps": config.steps, "compute_s": seconds,
+            "exposed_comm_s": 0.0, "utilization": 1.0, "compute_model": {"model": "x"},
+        }  # fmt: skip
+
+    monkeypatch.setattr(clock_bench, "_summary", fake_summary)
+    bench = ClockBench(
+        agreement_methods="ddp,co2", agreement_models="calibrated", agreement_repeats=3,
+        agreement_steps=10,
+    )  # fmt: skip
+    rows = clock_bench._agreement(bench, Path("/nonexistent"))
+    assert [(method, clock) for method, clock, _ in seen[:4]] == [
+        ("ddp", "real"), ("ddp", "virtual"), ("co2", "real"), ("co2", "virtual"),
+    ]  # fmt: skip
+    assert seen[4][2] == "agree-ddp-real-1"  # the second round, in its own directory
+    for method in ("ddp", "co2"):
+        assert rows[method]["ratio_rounds"] == pytest.approx([0.9, 9 / 8, 0.72])
+        assert rows[method]["ratio"] == pytest.approx(0.9)  # the median round
+        assert rows[method]["real_s_per_step"] == pytest.approx(1.0)
+    report = clock_bench._report(bench, {}, rows)
+    assert "3 rounds (the median round's row)" in report
+    assert "| 0.900, 1.125, 0.720 |" in report
+    with pytest.raises(ValueError, match="--agreement-repeats: 0 must be >= 1"):
+        ClockBench(agreement_repeats=0)
+
+
 def test_agreement_gives_no_ratio_of_milliseconds() -> None:
     """Communication the real clock hides (under 1% of its time) gets no ratio: "hidden", or
     the virtual clock's seconds where that clock exposed some."""

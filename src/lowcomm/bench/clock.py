@@ -81,6 +81,11 @@ class ClockBench:
     """Steps per agreement run: enough that the real clock's one-time costs of the first
     steps (first-touch allocations, cold caches) weigh little in its time per step."""
 
+    agreement_repeats: int = 1
+    """Rounds of the agreement: every round runs every method's real and virtual runs once,
+    so a drift of the host's speed falls on all methods alike; the report gives every
+    round's virtual/real and the median round's parts."""
+
     out: str = "runs/bench-clock"
     """Output directory: runs/, report.md and results.json."""
 
@@ -88,7 +93,10 @@ class ClockBench:
     """Every other training option (`--train.model.n-layer 2`, ...)."""
 
     def __post_init__(self) -> None:
-        for name in ("repeats", "steps", "workers", "agreement_workers", "agreement_steps"):
+        for name in (
+            "repeats", "steps", "workers", "agreement_workers", "agreement_steps",
+            "agreement_repeats",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)} must be >= 1")
         if self.busy < 0:
@@ -190,21 +198,34 @@ def _load_runs(bench: ClockBench, out: Path) -> dict[str, Any]:
 
 
 def _agreement(bench: ClockBench, out: Path) -> dict[str, Any]:
-    rows: dict[str, Any] = {}
+    """Every method's agreement row: with several rounds, the median round's row (by its
+    virtual/real) with every round's ratio in ``ratio_rounds``."""
     models = bench.agreement_model_list()
-    for method in [m.strip() for m in bench.agreement_methods.split(",") if m.strip()]:
-        runs: dict[str, dict[str, Any]] = {}
-        for clock, model in [("real", models[0]), *(("virtual", m) for m in models)]:
-            name = "real" if clock == "real" else f"virtual-{model}"
-            print(f"[bench clock] agreement {method} {name}", file=sys.stderr)
-            runs[name] = _summary(
-                bench.config(
-                    method, model, out / "runs" / f"agree-{method}-{name}", clock=clock,
-                    workers=bench.agreement_workers, steps=bench.agreement_steps,
-                    eval_every=bench.agreement_steps,
-                )
-            )  # fmt: skip
-        rows[method] = agreement_row(runs["real"], {m: runs[f"virtual-{m}"] for m in models})
+    methods = [m.strip() for m in bench.agreement_methods.split(",") if m.strip()]
+    rounds: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
+    for round_index in range(bench.agreement_repeats):
+        suffix = f"-{round_index}" if bench.agreement_repeats > 1 else ""
+        for method in methods:
+            runs: dict[str, dict[str, Any]] = {}
+            for clock, model in [("real", models[0]), *(("virtual", m) for m in models)]:
+                name = "real" if clock == "real" else f"virtual-{model}"
+                print(f"[bench clock] agreement {method} {name}{suffix}", file=sys.stderr)
+                runs[name] = _summary(
+                    bench.config(
+                        method, model, out / "runs" / f"agree-{method}-{name}{suffix}",
+                        clock=clock, workers=bench.agreement_workers,
+                        steps=bench.agreement_steps, eval_every=bench.agreement_steps,
+                    )
+                )  # fmt: skip
+            virtual: dict[str, dict[str, Any]] = {m: runs[f"virtual-{m}"] for m in models}
+            rounds[method].append(agreement_row(runs["real"], virtual))
+    rows: dict[str, Any] = {}
+    for method, method_rounds in rounds.items():
+        ordered = sorted(method_rounds, key=lambda row: float(row["ratio"]))
+        rows[method] = {
+            **ordered[(len(ordered) - 1) // 2],
+            "ratio_rounds": [row["ratio"] for row in method_rounds],
+        }
     return rows
 
 
@@ -319,7 +340,13 @@ def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any])
             "",
             "## Real and virtual clock",
             "",
-            f"{bench.agreement_workers} workers, {bench.network}, {bench.agreement_steps} steps; the virtual "
+            f"{bench.agreement_workers} workers, {bench.network}, {bench.agreement_steps} steps"
+            + (
+                f", {bench.agreement_repeats} rounds (the median round's row)"
+                if bench.agreement_repeats > 1
+                else ""
+            )
+            + "; the virtual "
             f"clock on the {headline} model. Time per step (the real clock's is measured wall "
             "time on the emulated link); the ratio's parts: compute and exposed communication, "
             "virtual over real"
@@ -332,8 +359,12 @@ def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any])
             "| method | real s/step | virtual s/step | virtual/real | compute | exposed comm | "
             + "".join(f"{m} virtual/real | " for m in others)
             + "real compute on a core | virtual/real on a core | utilisation real | "
-            "utilisation virtual |",
-            "|---|---|---|---|---|---|" + "---|" * len(others) + "---|---|---|---|",
+            "utilisation virtual |"
+            + (" virtual/real, every round |" if bench.agreement_repeats > 1 else ""),
+            "|---|---|---|---|---|---|"
+            + "---|" * len(others)
+            + "---|---|---|---|"
+            + ("---|" if bench.agreement_repeats > 1 else ""),
         ]
         for method, row in agreement.items():
             lines.append(
@@ -342,6 +373,11 @@ def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any])
                 + "".join(f"{row['ratios_by_model'][m]:.3f} | " for m in others)
                 + f"{_share(row.get('real_on_core'))} | {_ratio(row.get('ratio_on_core'))} | "
                 + f"{row['real_utilization']:.1%} | {row['virtual_utilization']:.1%} |"
+                + (
+                    " " + ", ".join(f"{r:.3f}" for r in row["ratio_rounds"]) + " |"
+                    if bench.agreement_repeats > 1
+                    else ""
+                )
             )
         lines += _passes_table(agreement, headline)
     return "\n".join(lines) + "\n"
