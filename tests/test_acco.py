@@ -744,3 +744,37 @@ def test_a_long_phase_is_announced_once(
     said = capsys.readouterr().err
     assert said.count("in one phase and its communication is still running") == 1
     assert "--acco.microbatches-per-phase" in said
+
+
+@pytest.mark.parametrize("old, new", [(3, 2), (2, 3)])  # (the same padded length)
+def test_an_elastic_resume_keeps_the_schedule_step_reached(old: int, new: int) -> None:
+    """The schedule is indexed by committed samples per synchronous step, which depends on the
+    worker count: after a resume on another count it goes on from the step reached, at the
+    new count's rate, instead of jumping (3 -> 2 workers used to jump from step 10 to 15)."""
+    context = _context(SGD, 100)
+
+    def acco(workers: int) -> ACCO:
+        return ACCO(_linear(), RecordingComm(rank=0, world_size=workers), context, AccoOptions())
+
+    before = acco(old)
+    per_step = {m: 2 * m * context.microbatches_per_step for m in (old, new)}  # 2 phases
+    before.committed_gradients = 10 * per_step[old] + 1
+    assert before.schedule_step() == 10
+    state = {**before.state_dict(), "optimizer": acco(new).optimizer.state_dict()}
+
+    after = acco(new)
+    after.load_state_dict(state)
+    assert after.schedule_step() == 10
+    committed = after.committed_gradients
+    assert after.schedule_step(committed + per_step[new] - 1) == 10
+    assert after.schedule_step(committed + per_step[new]) == 11
+    assert after.schedule_step(committed + 5 * per_step[new]) == 15
+    # And a second change goes on from there.
+    again = acco(old)
+    again.load_state_dict({**after.state_dict(), "optimizer": before.optimizer.state_dict()})
+    assert again.schedule_step() == 10
+
+    # The same count resumes exactly as before.
+    same = acco(old)
+    same.load_state_dict({**before.state_dict()})
+    assert same.schedule_base == (0, 0) and same.schedule_step() == 10

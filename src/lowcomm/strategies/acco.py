@@ -35,7 +35,8 @@ Learning-rate schedule: indexed by committed samples, as ACCO's reference code a
 scheduler by the micro-batch gradients each committed step consumed. Schedule step =
 floor(committed gradients summed over workers / (phases x M x ``--microbatches-per-step``)),
 phases = 2 for ACCO (its two halves) and 1 for DPU and WP: the number of steps of the
-synchronous baseline that would have consumed the same samples. With a token budget
+synchronous baseline that would have consumed the same samples (after an elastic resume,
+counted from the step reached, at the new M). With a token budget
 (``--token-budget``) the schedule is laid out over the budget instead: schedule step =
 floor(committed gradients x total steps / budgeted micro-batches).
 """
@@ -297,7 +298,8 @@ class _ShardedOverlap(Strategy):
     Elastic resume (``--resume DIR --workers M2``): the optimizer shards are re-sharded exactly
     and theta kept; the accumulated sums G, B and their counts n, c_B are pooled onto the new
     worker 0 (every reduction divides by the summed count C); the schedule continues by
-    committed samples.
+    committed samples: the schedule step reached stays, and later commits advance it by the
+    new worker count's samples per step.
     """
 
     hierarchical_refusal: ClassVar[str | None] = (
@@ -359,6 +361,9 @@ class _ShardedOverlap(Strategy):
         self.primed = False
         # Micro-batch gradients (summed over workers) consumed by committed steps so far.
         self.committed_gradients = 0
+        # (schedule step, committed gradients) where this worker count took over: an elastic
+        # resume continues the schedule from there, at the new count's samples per step.
+        self.schedule_base = (0, 0)
         # Micro-batches this worker has computed (for a token budget's per-worker share).
         self.computed = 0
         self._said_long_phase = False
@@ -381,8 +386,14 @@ class _ShardedOverlap(Strategy):
         if budget is not None:
             # A token budget: the schedule's last step lands where the budget is spent.
             return count * self.context.total_steps // budget
-        unit = self.phases_per_commit * self.comm.world_size * self.context.microbatches_per_step
-        return count // unit
+        base_step, base_gradients = self.schedule_base
+        return base_step + max(0, count - base_gradients) // self._schedule_unit(
+            self.comm.world_size
+        )
+
+    def _schedule_unit(self, workers: int) -> int:
+        """Micro-batch gradients per schedule step with ``workers`` workers."""
+        return self.phases_per_commit * workers * self.context.microbatches_per_step
 
     # --- the chain (communication thread) ------------------------------------------------
 
@@ -602,6 +613,9 @@ class _ShardedOverlap(Strategy):
             "primed": self.primed,
             "committed_gradients": self.committed_gradients,
             "computed": self.computed,
+            "schedule_workers": self.comm.world_size,
+            "schedule_base_step": self.schedule_base[0],
+            "schedule_base_gradients": self.schedule_base[1],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -616,6 +630,19 @@ class _ShardedOverlap(Strategy):
         self.primed = bool(state["primed"])
         self.committed_gradients = int(state["committed_gradients"])
         self.computed = int(state.get("computed", 0))
+        self.schedule_base = (
+            int(state.get("schedule_base_step", 0)),
+            int(state.get("schedule_base_gradients", 0)),
+        )
+        workers = int(state.get("schedule_workers", self.comm.world_size))
+        if workers != self.comm.world_size and self.context.microbatch_budget is None:
+            # An elastic resume: the schedule step reached so far stays, and later committed
+            # samples advance it at the new count's rate (not re-read at the new rate from 0).
+            base_step, base_gradients = self.schedule_base
+            reached = base_step + max(0, self.committed_gradients - base_gradients) // (
+                self._schedule_unit(workers)
+            )
+            self.schedule_base = (reached, self.committed_gradients)
 
 
 @contextmanager
