@@ -245,7 +245,16 @@ def test_real_clock_keeps_the_passes_it_paid() -> None:
     assert all(c <= w + 1e-3 for c, w in zip(clock.pass_cpu_s, clock.pass_wall_s, strict=True))
     rows = dict(_compute_model_rows({"compute_model": clock.describe_compute()}))
     assert rows["micro-batch"].startswith(f"median {passes['median'] * 1e3:.1f} ms, least ")
+    assert rows["micro-batch"].endswith("(rank 0's 3, wall)")
     assert "compute on a core" in rows
+
+    # Not checkpointed: a resumed clock's passes are those since the resume, and say so.
+    resumed = RealClock()
+    resumed.load_state_dict(clock.state_dict())
+    with resumed.microbatch():
+        time.sleep(0.01)
+    rows = dict(_compute_model_rows({"compute_model": resumed.describe_compute()}))
+    assert rows["micro-batch"].endswith("(rank 0's 1 since the resume, wall)")
 
 
 def test_virtual_clock_reads_its_owner_threads_cpu_from_another_thread() -> None:

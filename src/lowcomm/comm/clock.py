@@ -227,9 +227,11 @@ class RealClock(Clock):
         self.slowdown_s = 0.0  # the straggler's sleeps: compute, but not a wait for a core
         self._cpu_known = True
         # On a CPU: every micro-batch's wall and thread CPU seconds in this process, for the
-        # summary's statistics of the passes the real clock paid (not checkpointed).
+        # summary's statistics of the passes the real clock paid (not checkpointed: after a
+        # resume they cover the resumed part, and say so).
         self.pass_wall_s: array[float] = array("d")
         self.pass_cpu_s: array[float] = array("d")
+        self._resumed = False
         # The latest excluded regions, (begin, end) perf_counter values, for at().
         self._exclusions: deque[tuple[float, float]] = deque(maxlen=EXCLUSIONS_KEPT)
 
@@ -274,6 +276,7 @@ class RealClock(Clock):
 
     def load_state_dict(self, state: dict[str, float | str]) -> None:
         super().load_state_dict(state)
+        self._resumed = True
         # A checkpoint without it (a GPU run's, an older one's): the share stays unknown.
         self._cpu_known = "compute_cpu_s" in state
         self.compute_cpu_s = float(state.get("compute_cpu_s", 0.0))
@@ -298,6 +301,7 @@ class RealClock(Clock):
         if self.pass_wall_s:
             description["microbatch_wall_s"] = _spread(self.pass_wall_s)
             description["microbatch_cpu_s"] = _spread(self.pass_cpu_s)
+            description["microbatches_since_resume"] = self._resumed
         if self._cpu_known:
             # The straggler's emulated slowdown is compute the thread sleeps through by design.
             measured = self.compute_s - self.slowdown_s

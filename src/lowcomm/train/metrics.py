@@ -378,11 +378,12 @@ def _compute_model_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows = []
         passes = model.get("microbatch_wall_s")
         if passes:
+            since = " since the resume" if model.get("microbatches_since_resume") else ""
             rows.append(
                 (
                     "micro-batch",
                     f"median {passes['median'] * 1e3:.1f} ms, least {passes['min'] * 1e3:.1f} ms "
-                    "(rank 0's, wall)",
+                    f"(rank 0's {passes['count']}{since}, wall)",
                 )
             )
         if "on_core" in model:
