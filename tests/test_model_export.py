@@ -49,7 +49,7 @@ def test_hf_export_loads_with_transformers_alone(tmp_path: Path) -> None:
     torch.manual_seed(0)
     config = ModelConfig(family="hf-gpt2", n_layer=1, n_head=2, n_embd=32, block_size=16)
     model = build_model(config, vocab_size=300)
-    save_model(model, tmp_path / "model", _tokenizer())
+    save_model(model, tmp_path / "model", _tokenizer(), "<|endoftext|>")
     idx = torch.randint(0, 300, (2, 16))
     torch.save(idx, tmp_path / "idx.pt")
     _, loss = model.eval()(idx[:, :-1], idx[:, 1:])
@@ -58,6 +58,7 @@ def test_hf_export_loads_with_transformers_alone(tmp_path: Path) -> None:
         "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1] + '/model')\n"
         "t = transformers.PreTrainedTokenizerFast.from_pretrained(sys.argv[1] + '/model')\n"
         "assert len(t('hello world').input_ids) > 0\n"
+        "assert t.eos_token == '<|endoftext|>' and t.eos_token_id is not None, t.eos_token\n"
         "idx = torch.load(sys.argv[1] + '/idx.pt')\n"
         "with torch.no_grad(): print(float(m(input_ids=idx, labels=idx).loss))\n"
         "assert 'lowcomm' not in sys.modules\n"

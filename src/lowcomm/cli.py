@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import tyro
@@ -81,7 +82,6 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
     """With ``--resume DIR``, the run's saved config.json supplies every default, so
     ``lowcomm train --resume DIR`` alone continues the run; options given override it."""
     import json
-    from pathlib import Path
 
     from lowcomm.config import TrainConfig
 
@@ -104,7 +104,25 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
         )
     saved.out, saved.stop_after, saved.resume, saved.overwrite = None, None, value, False
     saved.init_from = None  # the checkpoint holds the weights; --init-from again is refused
+    if not any(arg == "--tokenizer" or arg.startswith("--tokenizer=") for arg in args):
+        _tokenizer_copy(saved, Path(value))
     return saved
+
+
+def _tokenizer_copy(saved: TrainConfig, run_dir: Path) -> None:
+    """A resumed run's tokenizer, when the file config.json names has moved or is gone: the
+    copy the run kept beside its checkpoints (the fingerprint names it by content)."""
+    from lowcomm.train.rundir import TOKENIZER_COPY
+
+    tokenizer = saved.data.tokenizer
+    copy = run_dir / TOKENIZER_COPY
+    if tokenizer is None or Path(tokenizer).expanduser().is_file() or not copy.is_file():
+        return
+    print(
+        f"lowcomm: --tokenizer {tokenizer} is gone; resuming with the run's copy {copy}",
+        file=sys.stderr,
+    )
+    saved.data.tokenizer = str(copy)
 
 
 def _bare_switches(args: list[str], switches: tuple[str, ...] = ("--overwrite",)) -> list[str]:

@@ -11,7 +11,7 @@ Typical use::
 from __future__ import annotations
 
 from lowcomm.data.config import DataConfig, DataError
-from lowcomm.data.corpus import END_OF_TEXT, PreparedCorpus, prepare_corpus
+from lowcomm.data.corpus import END_OF_TEXT, PreparedCorpus, prepare_corpus, resolve_end_of_text
 from lowcomm.data.documents import BUNDLED_CORPUS_DIR, read_documents
 from lowcomm.data.sampling import WorkerShard, validation_batches
 
@@ -24,5 +24,6 @@ __all__ = [
     "WorkerShard",
     "prepare_corpus",
     "read_documents",
+    "resolve_end_of_text",
     "validation_batches",
 ]

@@ -50,8 +50,14 @@ class DataConfig:
 
     tokenizer: str | None = None
     """A tokenizer.json to tokenize with instead of training a BPE (--vocab-size is then
-    unused); it needs an <|endoftext|> token. None: with --init-from, the model's own
-    tokenizer.json, else a BPE trained on the data."""
+    unused). None: with --init-from, the model's own tokenizer.json, else a BPE trained on the
+    data."""
+
+    end_of_text: str | None = None
+    """The token placed after every document (the model sees document boundaries). None: for a
+    trained BPE <|endoftext|>; for --tokenizer its <|endoftext|> if it has one, else the
+    eos_token of the tokenizer_config.json beside it, else the first of </s>,
+    <|end_of_text|>, <eos> it has. Pre-flight records the choice in config.json."""
 
     cache_dir: str | None = None
     """Cache for tokenizers and tokenized corpora; None means $LOWCOMM_CACHE_DIR if set,
@@ -81,6 +87,13 @@ class DataConfig:
         if self.tokenizer is not None and not str(self.tokenizer).strip():
             raise DataError(
                 "--tokenizer: '' is an empty path; pass a tokenizer.json, or omit --tokenizer"
+            )
+        if self.end_of_text is not None and (
+            not isinstance(self.end_of_text, str) or not self.end_of_text.strip()
+        ):
+            raise DataError(
+                f"--end-of-text: {self.end_of_text!r} is not a token; pass one of the "
+                f"tokenizer's special tokens, such as '</s>', or omit it"
             )
         if not 0.0 < self.val_fraction <= 0.5:
             raise DataError(

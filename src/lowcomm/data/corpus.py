@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,10 @@ CACHE_FORMAT_VERSION = 1
 
 END_OF_TEXT = "<|endoftext|>"
 """Special token appended after every document, so the model sees document boundaries."""
+
+OTHER_ENDS = ("</s>", "<|end_of_text|>", "<eos>")
+"""End-of-document tokens of other tokenizer families (Llama 2 and Mistral, Llama 3, Gemma),
+tried after <|endoftext|> and the tokenizer's declared eos_token."""
 
 TokenArray = npt.NDArray[np.unsignedinteger[Any] | np.signedinteger[Any]]
 
@@ -76,6 +81,8 @@ class PreparedCorpus:
     """Whether both the tokenizer and the token ids were loaded from the cache."""
 
     num_documents: int = 0
+    end_of_text: str = END_OF_TEXT
+    """The token after every document (``eot_id``'s text)."""
     """Documents read (a text file is one, a JSONL file one per non-empty record)."""
 
     @property
@@ -97,13 +104,19 @@ class PreparedCorpus:
         return _import_tokenizers().Tokenizer.from_file(str(self.tokenizer_path))
 
 
-def cache_key(documents: list[Document], vocab_size: int, tokenizer: bytes | None = None) -> str:
+def cache_key(
+    documents: list[Document],
+    vocab_size: int,
+    tokenizer: bytes | None = None,
+    end_of_text: str = END_OF_TEXT,
+) -> str:
     """Hash the inputs that determine the tokenizer and the token ids.
 
     Args:
         documents: ``(source_name, text)`` pairs in reading order.
         vocab_size: Requested vocabulary size.
         tokenizer: A given tokenizer's JSON (``--tokenizer``), or None for a trained BPE.
+        end_of_text: The token after every document.
 
     Returns:
         A hex SHA-256 digest.
@@ -112,6 +125,8 @@ def cache_key(documents: list[Document], vocab_size: int, tokenizer: bytes | Non
     digest.update(f"lowcomm-corpus-v{CACHE_FORMAT_VERSION}\0vocab={vocab_size}\0".encode())
     if tokenizer is not None:
         digest.update(b"tokenizer\0" + hashlib.sha256(tokenizer).digest())
+    if end_of_text != END_OF_TEXT:  # (the default leaves the keys of older caches as they were)
+        digest.update(b"end_of_text\0" + end_of_text.encode("utf-8") + b"\0")
     for source_name, text in documents:
         digest.update(source_name.encode("utf-8", errors="replace") + b"\0")
         digest.update(hashlib.sha256(text.encode("utf-8", errors="replace")).digest())
@@ -140,7 +155,57 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _train_tokenizer(documents: list[Document], vocab_size: int) -> Any:
+def resolve_end_of_text(config: DataConfig) -> str:
+    """The token this configuration places after every document (see
+    ``DataConfig.end_of_text``), checked against the given tokenizer.
+
+    Raises:
+        DataError: The tokenizer cannot be read, lacks the token asked for, or has none of
+            the known end-of-document tokens.
+    """
+    given = _given_tokenizer(config)
+    if given is None:
+        return config.end_of_text or END_OF_TEXT
+    try:
+        tokenizer = _import_tokenizers().Tokenizer.from_str(given.decode("utf-8"))
+    except Exception as error:  # the tokenizers library raises its own exception type
+        raise DataError(
+            f"--tokenizer: {config.tokenizer} is not a tokenizers JSON file ({error}); pass a "
+            f"tokenizer.json"
+        ) from None
+    if config.end_of_text is not None:
+        if tokenizer.token_to_id(config.end_of_text) is None:
+            raise DataError(
+                f"--end-of-text: {config.end_of_text!r} is not a token of {config.tokenizer}; "
+                f"pass one of its special tokens, or omit --end-of-text to pick its own"
+            )
+        return config.end_of_text
+    declared = _declared_eos(Path(str(config.tokenizer)).expanduser().parent)
+    candidates = [END_OF_TEXT, *([declared] if declared else []), *OTHER_ENDS]
+    for candidate in candidates:
+        if tokenizer.token_to_id(candidate) is not None:
+            return candidate
+    raise DataError(
+        f"--tokenizer: {config.tokenizer} has none of {', '.join(dict.fromkeys(candidates))}, "
+        f"so lowcomm cannot mark where a document ends; pass --end-of-text TOKEN naming one "
+        f"of its special tokens"
+    )
+
+
+def _declared_eos(directory: Path) -> str | None:
+    """The eos_token of a Hugging Face tokenizer_config.json in ``directory`` (None: none)."""
+    try:
+        eos = json.loads((directory / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # an AddedToken written out: {"content": ..., ...}
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
+def _train_tokenizer(
+    documents: list[Document], vocab_size: int, end_of_text: str = END_OF_TEXT
+) -> Any:
     tokenizers = _import_tokenizers()
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     # add_prefix_space=False keeps decode(encode(text)) == text exactly.
@@ -148,7 +213,7 @@ def _train_tokenizer(documents: list[Document], vocab_size: int) -> Any:
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
+        special_tokens=[end_of_text],
         # Seeding all 256 byte symbols guarantees any input text can be encoded later.
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -245,7 +310,8 @@ def prepare_corpus(
     """
     documents = read_documents(config.data, config.text_field)
     given = _given_tokenizer(config)
-    key = cache_key(documents, 0 if given is not None else config.vocab_size, given)
+    end_of_text = resolve_end_of_text(config)
+    key = cache_key(documents, 0 if given is not None else config.vocab_size, given, end_of_text)
     cache_dir = config.resolved_cache_dir()
     tokenizer_path = cache_dir / "tokenizers" / f"{key}.json"
     corpus_path = cache_dir / "corpora" / f"{key}.npz"
@@ -265,6 +331,7 @@ def prepare_corpus(
             cache_key=key,
             from_cache=from_cache,
             num_documents=len(documents),
+            end_of_text=end_of_text,
         )
 
     # Fast path without the lock: a complete cache entry is immutable once it exists.
@@ -289,14 +356,9 @@ def prepare_corpus(
                     f"training a {config.vocab_size}-token BPE tokenizer on {len(documents):,} "
                     f"documents (first use of this text; cached in {cache_dir})"
                 )
-            tokenizer = _train_tokenizer(documents, config.vocab_size)
+            tokenizer = _train_tokenizer(documents, config.vocab_size, end_of_text)
             atomic_write_bytes(tokenizer_path, tokenizer.to_str().encode("utf-8"))
-        eot_id = tokenizer.token_to_id(END_OF_TEXT)
-        if eot_id is None:
-            raise DataError(
-                f"--tokenizer: {config.tokenizer} has no {END_OF_TEXT} token, which lowcomm "
-                f"places after every document; pass a tokenizer that has one"
-            )
+        eot_id = tokenizer.token_to_id(end_of_text)  # resolve_end_of_text checked it
         vocab_size = int(tokenizer.get_vocab_size())
         source_names, streams = _tokenize(tokenizer, documents, eot_id, vocab_size)
         _save_corpus(corpus_path, source_names, streams, vocab_size, eot_id)

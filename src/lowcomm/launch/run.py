@@ -105,8 +105,8 @@ def preflight(config: TrainConfig) -> str | None:
     from lowcomm.launch.init_check import check_init_from
     from lowcomm.train.rundir import check_run_dir
 
+    check_init_from(config)  # first: it settles the tokenizer the resume check compares
     _check_resume(config)
-    check_init_from(config)
     if config.tensorboard:
         from lowcomm.train.tensorboard import MISSING, tensorboard_available
 

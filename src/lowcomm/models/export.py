@@ -42,9 +42,15 @@ class NoModelError(ValueError):
     """A path that holds no saved model (no config.json with weights beside it)."""
 
 
-def save_model(model: torch.nn.Module, directory: Path, tokenizer_path: Path | None) -> None:
+def save_model(
+    model: torch.nn.Module,
+    directory: Path,
+    tokenizer_path: Path | None,
+    end_of_text: str | None = None,
+) -> None:
     """Write ``model`` (a :class:`GPT` or :class:`HFCausalLM`) and its tokenizer to
-    ``directory`` atomically, replacing what was there.
+    ``directory`` atomically, replacing what was there. An HF model's tokenizer files declare
+    ``end_of_text`` (the token the run placed after every document) as its eos_token.
 
     Raises:
         TypeError: If ``model`` is neither a built-in GPT nor an HF model.
@@ -52,7 +58,7 @@ def save_model(model: torch.nn.Module, directory: Path, tokenizer_path: Path | N
     directory.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp"))
     try:
-        _write(model, temporary, tokenizer_path)
+        _write(model, temporary, tokenizer_path, end_of_text)
         os.chmod(temporary, 0o755)
         _replace_directory(temporary, directory)
     except BaseException:
@@ -60,7 +66,9 @@ def save_model(model: torch.nn.Module, directory: Path, tokenizer_path: Path | N
         raise
 
 
-def _write(model: torch.nn.Module, directory: Path, tokenizer_path: Path | None) -> None:
+def _write(
+    model: torch.nn.Module, directory: Path, tokenizer_path: Path | None, end_of_text: str | None
+) -> None:
     if isinstance(model, HFCausalLM):
         # A copy with plain tensors: a method's parameters may be views into one flat buffer,
         # which safetensors would take for shared storage.
@@ -69,7 +77,9 @@ def _write(model: torch.nn.Module, directory: Path, tokenizer_path: Path | None)
         plain.load_state_dict(_plain_state(model.model))
         plain.save_pretrained(directory, safe_serialization=True)
         if tokenizer_path is not None:
-            tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
+            tokenizer = transformers.PreTrainedTokenizerFast(
+                tokenizer_file=str(tokenizer_path), eos_token=end_of_text
+            )
             tokenizer.save_pretrained(directory)
     elif isinstance(model, GPT):
         from safetensors.torch import save_file

@@ -28,6 +28,7 @@ import torch
 
 from lowcomm.atomic import atomic_path, atomic_write_bytes
 from lowcomm.config import TrainConfig
+from lowcomm.data import END_OF_TEXT
 
 #: Version of the checkpoint layout. 2: every family's inner optimizer saves the one flat-optimizer
 #: state dict (co2's and DES-LOC's states changed shape), and in-flight exchanges save how they
@@ -52,9 +53,26 @@ def _sha256(path: Path) -> str:
 _ADDED_LATER: dict[str, Any] = {"precision": "fp32", "comm_dtype": "fp32"}
 
 
+#: How a fingerprint names a given tokenizer: by its content, so a run resumes with the same
+#: tokenizer.json read from another place (the run directory's copy, a moved source).
+_TOKENIZER_DIGEST = "sha256:"
+
+
+def tokenizer_identity(path: str | None) -> str | None:
+    """A --tokenizer file's identity in a fingerprint: ``sha256:<hex>`` of its bytes (its
+    path as given where it cannot be read; pre-flight names that problem)."""
+    if path is None:
+        return None
+    try:
+        return _TOKENIZER_DIGEST + _sha256(Path(path).expanduser())
+    except OSError:
+        return path
+
+
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The settings a checkpoint's state depends on: resuming under different ones would not
-    continue the same run (JSON-normalised so it compares equal after a round trip)."""
+    continue the same run (JSON-normalised so it compares equal after a round trip). A given
+    tokenizer is named by its content (:func:`tokenizer_identity`), not its path."""
     from lowcomm.strategies import strategy_class
 
     options_field = strategy_class(config.method).options_field
@@ -69,11 +87,13 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
         "precision": config.precision,
         "comm_dtype": config.comm_dtype,
         "model": dataclasses.asdict(config.model),
-        # (--tokenizer only when given: checkpoints from before it existed still match.)
+        # (--tokenizer only when given, --end-of-text only when not <|endoftext|>: checkpoints
+        # from before they existed still match.)
         "data": {
-            key: value
+            key: tokenizer_identity(value) if key == "tokenizer" else value
             for key, value in dataclasses.asdict(config.data).items()
-            if key != "tokenizer" or value is not None
+            if not (key == "tokenizer" and value is None)
+            and not (key == "end_of_text" and value in (None, END_OF_TEXT))
         },
         "optim": dataclasses.asdict(config.optim),
         "schedule": dataclasses.asdict(config.schedule),
@@ -233,16 +253,17 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
             f"{manifest.get('format')!r}; this version reads format {FORMAT_VERSION}); continue "
             f"it with the lowcomm that wrote it, or start a new run (--overwrite or another --out)"
         )
-    saved = {**_ADDED_LATER, **manifest.get("fingerprint", {})}
+    saved = _by_content({**_ADDED_LATER, **manifest.get("fingerprint", {})})
     for key, value in fingerprint.items():
         if key == "steps" and _extends(int(manifest["step"]), saved, value, directory):
             continue
         if key == "ranks_per_worker":  # another layout is re-sharded (train/reshard.py)
             continue
         if saved.get(key) != value:
+            name, before, now = _first_difference(key, saved.get(key), value)
             raise CheckpointError(
-                f"--resume: the checkpoint was written with {key}={saved.get(key)!r} but this "
-                f"run has {key}={value!r}; an exact resume needs the same setting (drop the "
+                f"--resume: the checkpoint was written with {name}={before!r} but this "
+                f"run has {name}={now!r}; an exact resume needs the same setting (drop the "
                 f"override, or start a new run with a different --out)"
             )
     for name, expected in hashes.items():
@@ -255,6 +276,29 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
         _check_reshardable(directory, manifest, world_size, fingerprint)
     return None
+
+
+def _first_difference(key: str, saved: Any, value: Any) -> tuple[str, Any, Any]:
+    """The first setting under ``key`` where two fingerprints differ (``data.tokenizer``
+    rather than the whole ``data`` group)."""
+    if isinstance(saved, dict) and isinstance(value, dict):
+        for inner in [*value, *(k for k in saved if k not in value)]:
+            if saved.get(inner) != value.get(inner):
+                return _first_difference(f"{key}.{inner}", saved.get(inner), value.get(inner))
+    return key, saved, value
+
+
+def _by_content(saved: dict[str, Any]) -> dict[str, Any]:
+    """A fingerprint written before tokenizers were named by content names its tokenizer by
+    path: read that file's content now (it was the run's tokenizer; if it is gone, the path
+    stays and cannot match)."""
+    data = saved.get("data")
+    if not isinstance(data, dict):
+        return saved
+    tokenizer = data.get("tokenizer")
+    if not isinstance(tokenizer, str) or tokenizer.startswith(_TOKENIZER_DIGEST):
+        return saved
+    return {**saved, "data": {**data, "tokenizer": tokenizer_identity(tokenizer)}}
 
 
 def _check_reshardable(

@@ -118,6 +118,8 @@ class Worker:
     step_closure: Callable[[], MicroBatchResult]
     tokenizer_path: Path | None = None
     """The run's tokenizer (saved with the final model)."""
+    end_of_text: str | None = None
+    """The token after every document (the saved HF tokenizer's eos_token)."""
 
 
 @dataclass
@@ -217,7 +219,7 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
         validation_batches=validation_batches, step_closure=step_closure,
-        tokenizer_path=corpus.tokenizer_path,
+        tokenizer_path=corpus.tokenizer_path, end_of_text=corpus.end_of_text,
     )  # fmt: skip
 
 
@@ -496,7 +498,12 @@ def final_evaluation(
         if worker.rank == 0:
             # The deployed parameters (rank 0's: worker 0's outer copy for eager and the
             # delayed DiLoCo) become OUT/model/.
-            save_model(deployed_model, worker.config.run_dir() / "model", worker.tokenizer_path)
+            save_model(
+                deployed_model,
+                worker.config.run_dir() / "model",
+                worker.tokenizer_path,
+                worker.end_of_text,
+            )
     if final.last_record is not None:
         final.last_record.val_loss = progress.val_loss
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from lowcomm.atomic import atomic_path, atomic_write_text
+from lowcomm.atomic import atomic_path, atomic_write_bytes, atomic_write_text
 from lowcomm.comm.network import NetworkProfile
 from lowcomm.train.records import ProcessTotals, StepMetrics
+from lowcomm.train.rundir import TOKENIZER_COPY
 
 if TYPE_CHECKING:
     from lowcomm.config import TrainConfig
@@ -117,6 +118,18 @@ def _previous_extensions(summary_path: Path) -> list[int]:
     return [int(step) for step in previous] if isinstance(previous, list) else []
 
 
+def keep_tokenizer(tokenizer: str | None, directory: Path) -> None:
+    """Copy a given tokenizer into the run directory (atomically; nothing when it is that
+    copy already), so the run resumes after its source moves or is deleted."""
+    if tokenizer is None:
+        return
+    source, copy = Path(tokenizer).expanduser(), directory / TOKENIZER_COPY
+    if copy.exists() and copy.resolve() == source.resolve():
+        return
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(copy, source.read_bytes())
+
+
 class RunWriter:
     """Writes the run directory as training goes (rank 0)."""
 
@@ -124,6 +137,7 @@ class RunWriter:
         self.config = config
         self.directory = config.run_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
+        keep_tokenizer(config.data.tokenizer, self.directory)
         atomic_write_text(self.directory / "config.json", config.to_json() + "\n")
         metrics_path = self.directory / "metrics.jsonl"
         self.records: list[StepRecord] = []

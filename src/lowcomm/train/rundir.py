@@ -15,6 +15,10 @@ from pathlib import Path
 
 from lowcomm.config import ConfigError, TrainConfig
 
+#: The run's copy of a given --tokenizer, beside its checkpoints: a resume reads it when the
+#: original (say, an --init-from model's tokenizer.json) has moved or is gone.
+TOKENIZER_COPY = "checkpoints/tokenizer.json"
+
 #: What a run writes into its directory (the checkpoints directory included).
 RUN_FILES = (
     "config.json", "metrics.jsonl", "summary.json", "loss.png", "error.log", "checkpoints",
