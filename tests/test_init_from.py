@@ -156,6 +156,12 @@ def test_a_run_resumes_after_its_init_from_model_is_gone(tmp_path: Path) -> None
     )
     shutil.rmtree(model)
 
+    # The first command again, with --resume auto: the model is gone, and the line says how
+    # to continue.
+    again = _refusal("--steps", "4", "--init-from", str(model), "--out", str(out),
+                     "--resume", "auto")  # fmt: skip
+    assert f"has a checkpoint: `lowcomm train --resume {out}` continues it" in again
+
     second = lowcomm("train", "--resume", str(out))
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"is gone; resuming with the run's copy {copy}" in second.stderr

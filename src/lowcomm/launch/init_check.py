@@ -46,8 +46,21 @@ def check_init_from(config: TrainConfig) -> None:
                         f"ids would index past it); pass the tokenizer the model was trained with"
                     )
     except InitFromError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(f"{error}{_resume_hint(config)}") from None
     _settle_end_of_text(config)
+
+
+def _resume_hint(config: TrainConfig) -> str:
+    """With --resume auto and a checkpoint in the run directory, how to continue without the
+    --init-from model (the checkpoint holds the weights)."""
+    from lowcomm.train.checkpoint import has_checkpoint
+
+    if config.resume != "auto" or not has_checkpoint(config.run_dir()):
+        return ""
+    return (
+        f" (the run in {config.run_dir()} has a checkpoint: `lowcomm train --resume "
+        f"{config.run_dir()}` continues it without --init-from)"
+    )
 
 
 def _settle_end_of_text(config: TrainConfig) -> None:
