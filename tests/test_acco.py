@@ -778,3 +778,30 @@ def test_an_elastic_resume_keeps_the_schedule_step_reached(old: int, new: int) -
     same = acco(old)
     same.load_state_dict({**before.state_dict()})
     assert same.schedule_base == (0, 0) and same.schedule_step() == 10
+
+
+@pytest.mark.parametrize("name", ["acco", "dpu", "wp"])
+def test_a_token_budget_commits_exactly_the_budget(name: str) -> None:
+    """With a token budget the run ends when the committed micro-batches reach it: a worker
+    whose share is computed runs no more micro-batches (a phase may then run none), so the
+    last commit never takes more than the budget, wherever the share ends in a step (an
+    ACCO run of `bench compare` used to commit one micro-batch per worker too many)."""
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=20.0)
+    outcomes = []  # (budget, committed, this worker's micro-batches)
+    for budget in range(4, 41, 2):  # 2 workers: shares of 2 to 20 micro-batches
+        context = StrategyContext(
+            optim=ADAMW, total_steps=40, max_grad_norm=None, microbatch_budget=budget
+        )
+        strategy, _, clock = _emulated(
+            lambda c, context=context: strategy_class(name)(tiny_gpt(), c, context),
+            profile,
+            0.01,
+        )
+        assert isinstance(strategy, ACCO | DPU | WP)
+        closure = _gpt_closure(strategy, clock)
+        computed = 0
+        while strategy.committed_gradients < budget:
+            computed += strategy.step(closure).microbatches
+        strategy.finish()
+        outcomes.append((budget, strategy.committed_gradients, computed))
+    assert outcomes == [(budget, budget, budget // 2) for budget, _, _ in outcomes]

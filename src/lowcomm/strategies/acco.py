@@ -483,14 +483,16 @@ class _ShardedOverlap(Strategy):
     def _overlapped_phase(self, closure: Closure, chain: _Chain) -> tuple[_Tally, int]:
         """Accumulate micro-batches into G while ``chain`` runs; return them and C.
 
-        "Done" is checked after each micro-batch (so at least one runs): by the run's clock
-        when the communicator is emulated (virtual: the virtual clock alone; real: the
-        thread finished and the modeled time passed), else when the thread finished. With
+        "Done" is checked after each micro-batch (so at least one runs, unless a token
+        budget's share of this worker is already computed: then none does, and the phase
+        only waits, so the run commits no more than its budget): by the run's clock when the
+        communicator is emulated (virtual: the virtual clock alone; real: the thread finished
+        and the modeled time passed), else when the thread finished. With
         ``microbatches_per_phase`` set, exactly that many run, then the chain is waited for."""
         forced = self.options.microbatches_per_phase
         tally = _Tally()
         begin = time.monotonic()
-        while True:
+        while forced is not None or not self._share_spent():
             tally.add(closure())
             self.accumulated += 1
             self.computed += 1
@@ -522,7 +524,7 @@ class _ShardedOverlap(Strategy):
 
     def _share_spent(self) -> bool:
         """With a token budget: this worker has computed its share of the budgeted
-        micro-batches (it then computes one per phase, the minimum, until the run ends)."""
+        micro-batches (its phases then compute none until the run ends)."""
         budget = self.context.microbatch_budget
         return budget is not None and self.computed >= -(-budget // self.comm.world_size)
 
