@@ -805,3 +805,37 @@ def test_a_token_budget_commits_exactly_the_budget(name: str) -> None:
         strategy.finish()
         outcomes.append((budget, strategy.committed_gradients, computed))
     assert outcomes == [(budget, budget, budget // 2) for budget, _, _ in outcomes]
+
+
+def test_budget_shares_follow_the_workers_speeds() -> None:
+    from lowcomm.config import TrainConfig
+    from lowcomm.strategies.base import budget_shares
+
+    # One of 4 workers 4x slower: 13 micro-batches per slow one, as in ACCO's straggler claim.
+    assert budget_shares(384, [1, 1, 1, 4]) == (118, 118, 118, 30)
+    assert budget_shares(10, [1, 1, 1]) == (4, 3, 3)  # the remainder to the lower ranks
+    assert budget_shares(7, [1, 2]) == (5, 2)
+    assert budget_shares(3, [1, 1, 100]) == (1, 1, 1)  # at least one each while it allows
+    for budget in range(1, 60):
+        for factors in ([1.0], [1, 3], [2, 1, 1.5], [1, 1, 1, 4]):
+            shares = budget_shares(budget, factors)
+            assert sum(shares) == budget and min(shares) >= (1 if budget >= len(factors) else 0)
+
+    config = TrainConfig(method="acco", workers=4, speed_factors=(1, 1, 1, 4), token_budget=98304)
+    context = config.strategy_context()
+    assert context.microbatch_budget == 98304 // config.tokens_per_microbatch()
+    assert context.microbatch_shares == budget_shares(context.microbatch_budget, [1, 1, 1, 4])
+    assert TrainConfig(method="acco").strategy_context().microbatch_shares is None
+
+
+def test_a_worker_stops_at_its_own_share() -> None:
+    context = StrategyContext(
+        optim=ADAMW, total_steps=10, max_grad_norm=None, microbatch_budget=8,
+        microbatch_shares=(6, 2),
+    )  # fmt: skip
+    fast = ACCO(_linear(), RecordingComm(rank=0, world_size=2), context, AccoOptions())
+    slow = ACCO(_linear(), RecordingComm(rank=1, world_size=2), context, AccoOptions())
+    fast.computed = slow.computed = 2
+    assert not fast._share_spent() and slow._share_spent()
+    fast.computed = 6
+    assert fast._share_spent()

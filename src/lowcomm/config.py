@@ -24,7 +24,7 @@ from lowcomm.data import DataConfig, PreparedCorpus
 from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
-from lowcomm.strategies.base import StrategyContext
+from lowcomm.strategies.base import StrategyContext, budget_shares
 from lowcomm.strategies.option_groups import with_method_options
 
 if TYPE_CHECKING:
@@ -444,15 +444,21 @@ class TrainConfig:
             ) from None
 
     def strategy_context(self) -> StrategyContext:
+        budget = (
+            None
+            if self.token_budget is None
+            else -(-self.token_budget // self.tokens_per_microbatch())
+        )
         return StrategyContext(
             optim=self.optim,
             schedule=self.schedule,
             total_steps=self.steps,
             microbatches_per_step=self.microbatches_per_step,
             max_grad_norm=self.max_grad_norm,
-            microbatch_budget=None
-            if self.token_budget is None
-            else -(-self.token_budget // self.tokens_per_microbatch()),
+            microbatch_budget=budget,
+            microbatch_shares=None
+            if budget is None
+            else budget_shares(budget, self.speed_factors or (1.0,) * self.workers),
         )
 
     def tokens_per_microbatch(self) -> int:

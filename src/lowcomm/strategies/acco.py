@@ -524,9 +524,16 @@ class _ShardedOverlap(Strategy):
 
     def _share_spent(self) -> bool:
         """With a token budget: this worker has computed its share of the budgeted
-        micro-batches (its phases then compute none until the run ends)."""
+        micro-batches (its phases then compute none until the run ends). The shares are in
+        proportion to the workers' speeds (``--speed-factors``), so a fast worker contributes
+        more, as ACCO means it to, and all finish theirs at about the same time."""
         budget = self.context.microbatch_budget
-        return budget is not None and self.computed >= -(-budget // self.comm.world_size)
+        if budget is None:
+            return False
+        shares = self.context.microbatch_shares
+        if shares is not None and len(shares) == self.comm.world_size:
+            return self.computed >= shares[self.comm.rank]
+        return self.computed >= -(-budget // self.comm.world_size)
 
     def _sequential_step(self, closure: Closure) -> tuple[_Tally, int]:
         """One plain ZeRO-1 step (§1.2) through the same chain: compute, then communicate."""

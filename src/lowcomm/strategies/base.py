@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -71,6 +71,8 @@ class StrategyContext:
             step (None = no clipping, the plain update rule of docs/ALGORITHMS.md).
         microbatch_budget: with a token budget, the micro-batches (summed over workers) a
             method with a variable number per step lays its schedule out over (None: none).
+        microbatch_shares: with a token budget, each worker's share of it (summing to it),
+            in proportion to the worker's speed (:func:`budget_shares`); None: equal shares.
         runtime: what the strategy may use of the layer below besides its ``Comm`` (the
             training loop hands in ``comm.runtime()``); None: the communicator's own, found
             by :func:`lowcomm.comm.runtime.runtime_for`.
@@ -82,6 +84,7 @@ class StrategyContext:
     microbatches_per_step: int = 1
     max_grad_norm: float | None = 1.0
     microbatch_budget: int | None = None
+    microbatch_shares: tuple[int, ...] | None = None
     runtime: Runtime | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +96,24 @@ class StrategyContext:
             raise ValueError(f"total_steps: {self.total_steps} must be >= 1")
         if self.microbatches_per_step < 1:
             raise ValueError(f"--microbatches-per-step: {self.microbatches_per_step} must be >= 1")
+
+
+def budget_shares(budget: int, speed_factors: Sequence[float]) -> tuple[int, ...]:
+    """Split ``budget`` micro-batches over workers in proportion to their speed (1 / speed
+    factor): a worker twice as slow gets half the share, so all finish their shares at about
+    the same time. Largest remainders (ties: the lower rank) make the shares sum to
+    ``budget``; while the budget allows, every worker gets at least one."""
+    weights = [1.0 / factor for factor in speed_factors]
+    exact = [budget * weight / sum(weights) for weight in weights]
+    shares = [int(value) for value in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for index in by_remainder[: budget - sum(shares)]:
+        shares[index] += 1
+    for index in range(len(shares)):
+        if shares[index] == 0 and budget >= len(shares):
+            shares[shares.index(max(shares))] -= 1
+            shares[index] = 1
+    return tuple(shares)
 
 
 class Strategy(ABC):
