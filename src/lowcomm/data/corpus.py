@@ -81,9 +81,9 @@ class PreparedCorpus:
     """Whether both the tokenizer and the token ids were loaded from the cache."""
 
     num_documents: int = 0
+    """Documents read (a text file is one, a JSONL file one per non-empty record)."""
     end_of_text: str = END_OF_TEXT
     """The token after every document (``eot_id``'s text)."""
-    """Documents read (a text file is one, a JSONL file one per non-empty record)."""
 
     @property
     def num_train_tokens(self) -> int:
