@@ -103,8 +103,10 @@ class TrainConfig:
     token_budget: int | None = None
     """End the run at the first step where the committed tokens (summed over workers) reach
     this, --steps still capping it; methods with a variable number of micro-batches per step
-    (acco, dpu, wp) lay their learning-rate schedule out over it. For equal-token comparisons
-    (bench compare and reproduce set it); None: the run takes --steps steps."""
+    (acco, dpu, wp) lay their learning-rate schedule out over it, and each of their workers
+    computes its share (in proportion to 1 / its --speed-factors value) and then stops, so the
+    run commits exactly the budget. For equal-token comparisons (bench compare and reproduce
+    set it); None: the run takes --steps steps."""
 
     compute_model: Literal["calibrated", "cpu-time"] = "calibrated"
     """Virtual clock without --seconds-per-microbatch: how compute is charged. calibrated:
