@@ -386,14 +386,14 @@ class _ShardedOverlap(Strategy):
         if budget is not None:
             # A token budget: the schedule's last step lands where the budget is spent.
             return count * self.context.total_steps // budget
-        base_step, base_gradients = self.schedule_base
-        return base_step + max(0, count - base_gradients) // self._schedule_unit(
-            self.comm.world_size
-        )
+        return self._step_reached(count, self.comm.world_size)
 
-    def _schedule_unit(self, workers: int) -> int:
-        """Micro-batch gradients per schedule step with ``workers`` workers."""
-        return self.phases_per_commit * workers * self.context.microbatches_per_step
+    def _step_reached(self, count: int, workers: int) -> int:
+        """The schedule step after ``count`` committed gradients, counted from
+        ``schedule_base`` at ``workers`` workers' samples per step."""
+        base_step, base_gradients = self.schedule_base
+        unit = self.phases_per_commit * workers * self.context.microbatches_per_step
+        return base_step + max(0, count - base_gradients) // unit
 
     # --- the chain (communication thread) ------------------------------------------------
 
@@ -647,10 +647,7 @@ class _ShardedOverlap(Strategy):
         if workers != self.comm.world_size and self.context.microbatch_budget is None:
             # An elastic resume: the schedule step reached so far stays, and later committed
             # samples advance it at the new count's rate (not re-read at the new rate from 0).
-            base_step, base_gradients = self.schedule_base
-            reached = base_step + max(0, self.committed_gradients - base_gradients) // (
-                self._schedule_unit(workers)
-            )
+            reached = self._step_reached(self.committed_gradients, workers)
             self.schedule_base = (reached, self.committed_gradients)
 
 
