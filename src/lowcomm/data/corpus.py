@@ -163,9 +163,14 @@ def resolve_end_of_text(config: DataConfig) -> str:
         DataError: The tokenizer cannot be read, lacks the token asked for, or has none of
             the known end-of-document tokens.
     """
-    given = _given_tokenizer(config)
+    return _end_of_text(config, _given_tokenizer(config))[0]
+
+
+def _end_of_text(config: DataConfig, given: bytes | None) -> tuple[str, Any]:
+    """:func:`resolve_end_of_text` for the given tokenizer's bytes, with the tokenizer parsed
+    from them (None for a trained BPE)."""
     if given is None:
-        return config.end_of_text or END_OF_TEXT
+        return config.end_of_text or END_OF_TEXT, None
     try:
         tokenizer = _import_tokenizers().Tokenizer.from_str(given.decode("utf-8"))
     except Exception as error:  # the tokenizers library raises its own exception type
@@ -179,12 +184,12 @@ def resolve_end_of_text(config: DataConfig) -> str:
                 f"--end-of-text: {config.end_of_text!r} is not a token of {config.tokenizer}; "
                 f"pass one of its special tokens, or omit --end-of-text to pick its own"
             )
-        return config.end_of_text
+        return config.end_of_text, tokenizer
     declared = _declared_eos(Path(str(config.tokenizer)).expanduser().parent)
     candidates = [END_OF_TEXT, *([declared] if declared else []), *OTHER_ENDS]
     for candidate in candidates:
         if tokenizer.token_to_id(candidate) is not None:
-            return candidate
+            return candidate, tokenizer
     raise DataError(
         f"--tokenizer: {config.tokenizer} has none of {', '.join(dict.fromkeys(candidates))}, "
         f"so lowcomm cannot mark where a document ends; pass --end-of-text TOKEN naming one "
@@ -310,7 +315,7 @@ def prepare_corpus(
     """
     documents = read_documents(config.data, config.text_field)
     given = _given_tokenizer(config)
-    end_of_text = resolve_end_of_text(config)
+    end_of_text, parsed = _end_of_text(config, given)
     key = cache_key(documents, 0 if given is not None else config.vocab_size, given, end_of_text)
     cache_dir = config.resolved_cache_dir()
     tokenizer_path = cache_dir / "tokenizers" / f"{key}.json"
@@ -348,7 +353,7 @@ def prepare_corpus(
                 return finish(loaded, from_cache=True)
             tokenizer = _import_tokenizers().Tokenizer.from_file(str(tokenizer_path))
         elif given is not None:
-            tokenizer = _import_tokenizers().Tokenizer.from_str(given.decode("utf-8"))
+            tokenizer = parsed
             atomic_write_bytes(tokenizer_path, given)
         else:
             if report is not None:
