@@ -27,6 +27,7 @@ _PUBLIC = {
     "LocalOptions": "lowcomm.strategies.co2",
     "MicroBatchResult": "lowcomm.strategies",
     "ScheduleConfig": "lowcomm.optim.schedule",
+    "SparseLoCoOptions": "lowcomm.strategies.sparseloco",
     "StepStats": "lowcomm.strategies",
     "Strategy": "lowcomm.strategies",
     "StrategyContext": "lowcomm.strategies",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from lowcomm.strategies.co2 import LocalOptions
     from lowcomm.strategies.desloc import DeslocOptions
     from lowcomm.strategies.diloco import DiLoCoOptions
+    from lowcomm.strategies.sparseloco import SparseLoCoOptions
 
 
 def __getattr__(name: str) -> Any:
@@ -68,6 +70,7 @@ __all__ = [
     "LocalOptions",
     "MicroBatchResult",
     "ScheduleConfig",
+    "SparseLoCoOptions",
     "StepStats",
     "Strategy",
     "StrategyContext",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import PRESETS, NetworkProfile
 from lowcomm.optim.quantize import QuantizationFormat, encoded_bytes
-from lowcomm.strategies.declaration import Timing
+from lowcomm.strategies.declaration import Timing, Transfer
 from lowcomm.strategies.option_groups import with_method_options
 
 if TYPE_CHECKING:
@@ -337,15 +337,36 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     transfers = model.traffic(
         options, Timing(step_seconds=step_compute, all_reduce_seconds=exchange_seconds)
     )
-    payloads_per_step = sum(t.fraction * t.per_step for t in transfers)
+
+    def gathered(t: Transfer) -> float:
+        """Bytes of one rank's encoded part of a compressed transfer (an all-gather)."""
+        return (t.bytes_per_parameter or 0.0) * t.fraction * params / ranks
+
+    def transfer_seconds(t: Transfer) -> float:
+        if t.bytes_per_parameter is not None:
+            return profile.collective_time(CollectiveKind.ALL_GATHER, m * gathered(t), m)
+        return exchange_seconds(t.fraction)
+
+    def transfer_bytes(t: Transfer) -> float:
+        if t.bytes_per_parameter is not None:
+            return (m - 1) * gathered(t) if m > 1 else 0.0
+        return exchange_bytes(t.fraction)
+
+    def inner_payloads(t: Transfer) -> float:
+        """What one transfer reassembles inside a worker, in model payloads."""
+        if t.bytes_per_parameter is not None:
+            return m * gathered(t) * ranks / model_bytes
+        return t.fraction
+
+    payloads_per_step = sum(inner_payloads(t) * t.per_step for t in transfers)
     # Communication time per step (averaged over the schedule) and the part exposed: each
     # collective overlaps its hidden_steps of compute; what does not fit is exposed.
-    comm_per_step = sum(t.per_step * exchange_seconds(t.fraction) for t in transfers)
+    comm_per_step = sum(t.per_step * transfer_seconds(t) for t in transfers)
     if model.accumulates:
         exposed_per_step = 0.0
     else:
         exposed_per_step = sum(
-            t.per_step * max(0.0, exchange_seconds(t.fraction) - t.hidden_steps * step_compute)
+            t.per_step * max(0.0, transfer_seconds(t) - t.hidden_steps * step_compute)
             for t in transfers
         )
 
@@ -375,7 +396,7 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     exposed = steps * (exposed_per_step + inner_per_step)
     total_comm = steps * (comm_per_step + inner_per_step)
     wall = compute + exposed
-    outer_bytes_per_step = sum(t.per_step * exchange_bytes(t.fraction) for t in transfers)
+    outer_bytes_per_step = sum(t.per_step * transfer_bytes(t) for t in transfers)
     bytes_per_step = ranks * (outer_bytes_per_step + inner_bytes_per_step)
     sharded = m if model.shards_over_workers else 1
     optimizer_bytes = config.optimizer_bytes / sharded

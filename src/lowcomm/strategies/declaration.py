@@ -33,11 +33,16 @@ class Transfer:
         per_step: how many of it a worker issues per optimizer step, averaged over the method's
             schedule (1/H for once per round).
         hidden_steps: steps of compute it overlaps (0: blocking); what does not fit is exposed.
+        bytes_per_parameter: None for an all-reduce of ``fraction`` model payloads at the
+            run's element width; a number for a compressed exchange (SparseLoCo): each worker's
+            encoded payload, this many bytes per parameter of ``fraction`` of the model, is
+            all-gathered.
     """
 
     fraction: float
     per_step: float
     hidden_steps: float = 0.0
+    bytes_per_parameter: float | None = None
 
 
 @dataclass(frozen=True)
