@@ -139,6 +139,7 @@ PERIODS = {
     "local": {"sync_every": 3},
     "diloco": {"sync_every": 4, "fragments": 2, "overlap_steps": 1},
     "desloc": {"param_period": 2, "first_moment_period": 6, "second_moment_period": 12},
+    "sparseloco": {"sync_every": 4, "chunk": 64, "topk": 4},
 }
 SINGLE_PERIOD = {"param_period": 3}  # local_adam, favg_opt, favg_reset: K_u, K_v refused
 WHOLE_MODEL = {
@@ -204,7 +205,15 @@ def test_declared_traffic_matches_the_collectives_issued(method: str) -> None:
         elif call.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER):
             measured += units / 2
     timing = Timing(step_seconds=1e-9, all_reduce_seconds=lambda fraction: 1.0)
-    declared = sum(t.fraction * t.per_step for t in cls.cost.traffic(options, timing))
+    # A compressed transfer (bytes_per_parameter) is an all-gather of that many bytes per
+    # parameter from each worker: in fp32 model payloads, bytes_per_parameter / 4 (the two
+    # workers' gathered output, halved above, is one worker's part).
+    declared = sum(
+        t.fraction
+        * t.per_step
+        * (1.0 if t.bytes_per_parameter is None else t.bytes_per_parameter / 4)
+        for t in cls.cost.traffic(options, timing)
+    )
     assert measured / steps == pytest.approx(declared, rel=0.05, abs=1e-3), method
 
 
