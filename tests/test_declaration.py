@@ -280,3 +280,231 @@ def test_declared_replica_sharding_matches_the_state_held(method: str) -> None:
         assert held[1] < 0.95 * held[0], method
     else:
         assert held[1] == pytest.approx(held[0], rel=0.01), method
+
+
+# --- issue 34 item 5: what the planner, selftest, exports and precision checks read ------------
+
+DECLARED_TOY = '''
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from lowcomm.strategies.base import Strategy
+from lowcomm.strategies.ddp import DDP
+from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
+
+
+@dataclass(kw_only=True)
+class SquashOptions:
+    """Options of squash."""
+
+    encoding: str = "none"
+    """How the toy's exchange is encoded (none, bf16, fp8, int4)."""
+
+    rows: int = 128
+    """Elements per scale row."""
+
+    fixed_count: int | None = None
+    """Micro-batches per step (None: as many as communication allows)."""
+
+
+class Squash(DDP):
+    """A toy declaring everything a method can declare, each under its own option names."""
+
+    name: ClassVar[str] = "squash"
+    options_field: ClassVar[str | None] = "squash"
+    cost: ClassVar[CostModel] = CostModel(
+        description="a toy", traffic=lambda o, t: [Transfer(1.0, 1.0)]
+    )
+    quantized_exchange: ClassVar[QuantizedExchange | None] = QuantizedExchange("encoding", "rows")
+    comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
+    comm_dtype_refusal: ClassVar[str | None] = "the toy sends what it is given"
+    quick_options: ClassVar[Mapping[str, object]] = {"rows": 64}
+
+    @classmethod
+    def takes_variable_microbatches(cls, options: Any) -> bool:
+        return options.fixed_count is None
+
+    def __init__(self, model, comm, context, options: SquashOptions | None = None) -> None:
+        self.options = options or SquashOptions()
+        super().__init__(model, comm, context)
+
+
+METHODS: tuple[type[Strategy], ...] = (Squash,)
+'''
+
+DECLARED_PROBE = """
+import importlib.util, json, sys
+from dataclasses import replace
+from pathlib import Path
+
+import lowcomm
+
+real = Path(lowcomm.__file__).parent / "strategies"
+spec = importlib.util.spec_from_file_location(
+    "lowcomm.strategies", real / "__init__.py", submodule_search_locations=[str(real), sys.argv[1]]
+)
+module = importlib.util.module_from_spec(spec)
+sys.modules["lowcomm.strategies"] = module
+spec.loader.exec_module(module)
+
+import torch
+from lowcomm.comm.local import LocalComm
+from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.plan import PlanConfig, make_plan
+from lowcomm.reproduce.runner import equal_tokens
+from lowcomm import selftest
+
+toy = sys.modules["lowcomm.strategies.squash"]
+result = {}
+plain = make_plan(PlanConfig(method="squash", workers=8))
+fp8 = make_plan(PlanConfig(method="squash", workers=8, squash=toy.SquashOptions(encoding="fp8")))
+result["fp8_bytes_ratio"] = fp8.comm_bytes_per_worker_per_step / plain.comm_bytes_per_worker_per_step
+for name, attempt in (
+    ("train_bf16", lambda: TrainConfig(method="squash", comm_dtype="bf16").validate()),
+    ("plan_bf16", lambda: make_plan(PlanConfig(method="squash", comm_dtype="bf16"))),
+):
+    try:
+        attempt()
+        result[name] = None
+    except ValueError as error:
+        result[name] = str(error)
+result["selftest_lists"] = "squash" in selftest.methods_to_check()
+result["selftest_rows"] = selftest.quick_options("squash").rows
+result["selftest_check"] = selftest._check_method(
+    "squash", LocalComm(), LocalComm(), torch.device("cpu")
+).startswith("4 steps")
+result["exported"] = lowcomm.SquashOptions is toy.SquashOptions
+base = TrainConfig(method="squash", steps=10)
+result["budget"] = equal_tokens(base).token_budget
+result["tokens_per_microbatch"] = base.tokens_per_microbatch()
+fixed = replace(base, squash=toy.SquashOptions(fixed_count=2))
+result["fixed_budget"] = equal_tokens(fixed).token_budget
+print(json.dumps(result))
+"""
+
+
+def test_a_toy_method_gets_planner_selftest_export_and_precision_checks(tmp_path: Path) -> None:
+    """Issue 34 item 5: a method declared in one new file, with its quantization, variable
+    micro-batch count and comm dtypes under names of its own, is priced by the planner,
+    refused --comm-dtype bf16 by train and plan with its reason, run by selftest with its short
+    options, exported from lowcomm and given a token budget by equal-token studies, with no
+    other edit."""
+    (tmp_path / "squash.py").write_text(textwrap.dedent(DECLARED_TOY))
+    done = subprocess.run(
+        [sys.executable, "-c", DECLARED_PROBE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    refusal = (
+        "--comm-dtype: bf16 with --method squash: the toy sends what it is given; use "
+        "--comm-dtype fp32"
+    )
+    # fp8 in 128-element rows: 1 byte per element plus a 4-byte scale per row, against
+    # 4 bytes per element all-reduced (an all-gather of M = 8 payloads: (M - 1) x 1.03 against
+    # 2 (M - 1) / M x 4 bytes per element).
+    tokens = result.pop("tokens_per_microbatch")
+    assert result.pop("fp8_bytes_ratio") == pytest.approx(7 * (1 + 4 / 128) / (2 * 7 / 8 * 4))
+    assert result == {
+        "train_bf16": refusal,
+        "plan_bf16": refusal,
+        "selftest_lists": True,
+        "selftest_rows": 64,
+        "selftest_check": True,
+        "exported": True,
+        "budget": 10 * 4 * tokens,
+        "fixed_budget": None,
+    }
+
+
+def test_a_wrong_declaration_fails_at_discovery_naming_the_fix() -> None:
+    from lowcomm.strategies import check_declaration, strategy_class
+    from lowcomm.strategies.declaration import QuantizedExchange
+
+    diloco = strategy_class("diloco")
+    misnamed = type(
+        "Misnamed", (diloco,), {"quantized_exchange": QuantizedExchange("quant", "rows")}
+    )
+    with pytest.raises(TypeError, match=r"quantized_exchange names quant, rows, but DiLoCoOpt"):
+        check_declaration(misnamed)
+    unexplained = type("Unexplained", (diloco,), {"comm_dtypes": ("fp32",)})
+    with pytest.raises(TypeError, match="declare comm_dtype_refusal"):
+        check_declaration(unexplained)
+    unknown = type("Unknown", (diloco,), {"quick_options": {"sync_evry": 2}})
+    with pytest.raises(TypeError, match="quick_options names sync_evry"):
+        check_declaration(unknown)
+
+
+def test_the_declared_dtypes_are_the_values_of_comm_dtype() -> None:
+    import typing
+
+    from lowcomm.comm.cast import COMM_DTYPES
+    from lowcomm.config import TrainConfig
+    from lowcomm.strategies.declaration import COMM_DTYPES as DECLARED
+
+    assert (
+        DECLARED == COMM_DTYPES == typing.get_args(typing.get_type_hints(TrainConfig)["comm_dtype"])
+    )
+
+
+def test_every_registered_options_class_is_exported_and_listed() -> None:
+    """lowcomm.<Options> for every registered method, and named in __all__ (for `import *`
+    and type checkers; a new method's class resolves without it, but add it there)."""
+    import lowcomm
+    from lowcomm.strategies import STRATEGIES
+    from lowcomm.strategies.option_groups import option_groups
+
+    for kind in option_groups(STRATEGIES).values():
+        assert getattr(lowcomm, kind.__name__) is kind
+        assert kind.__name__ in lowcomm.__all__, f"add {kind.__name__} to lowcomm._PUBLIC"
+
+
+@pytest.mark.parametrize("method", _registered())
+def test_declared_comm_dtypes_are_what_the_method_sends(method: str) -> None:
+    """With --comm-dtype bf16, a method declaring bf16 puts no gradient or pseudo-gradient
+    collective on the wire in float32; a method that refuses it (its reason:
+    they would travel in float32) indeed sends some in float32."""
+    from lowcomm.comm import RecordingComm, Role
+    from lowcomm.comm.clock import make_clock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.selftest import quick_options
+    from lowcomm.strategies import MicroBatchResult, StrategyContext, strategy_class
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    recording = RecordingComm(world_size=2)
+    clock = make_clock("virtual", seconds_per_microbatch=0.01)
+    comm = NetworkComm(
+        recording, NetworkProfile.from_preset("wan"), clock, wire_dtype=torch.bfloat16
+    )
+    cls, options = strategy_class(method), quick_options(method)
+    context = StrategyContext(total_steps=4, runtime=comm.runtime())
+    strategy = (
+        cls(model, comm, context) if options is None else cls(model, comm, context, options=options)
+    )  # type: ignore[call-arg]
+    tokens = torch.randint(0, 64, (2, 17))
+
+    def closure() -> MicroBatchResult:
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        assert loss is not None
+        loss.backward()
+        clock.microbatch_done()
+        return MicroBatchResult(loss=float(loss.detach()), samples=2, tokens=32)
+
+    for _ in range(4):
+        strategy.step(closure)
+    strategy.finish()
+    close = getattr(getattr(strategy, "thread", None), "close", None)
+    if close is not None:
+        close()
+    cast_roles = (Role.GRADIENT, Role.PSEUDO_GRADIENT)
+    dtypes = {call.dtype for call in recording.calls if call.role in cast_roles}
+    # (A quantized exchange's encoded payload travels as bytes, uint8.)
+    assert (torch.float32 in dtypes) == ("bf16" not in cls.comm_dtypes), (method, dtypes)

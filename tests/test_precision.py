@@ -81,9 +81,11 @@ def test_a_cast_collective_writes_the_bf16_result_into_the_fp32_tensor() -> None
     ]
 
 
-def test_comm_dtype_bf16_with_acco_is_refused() -> None:
-    with pytest.raises(ConfigError, match="--comm-dtype: bf16 with --method acco"):
-        TrainConfig(method="acco", comm_dtype="bf16").validate()
+@pytest.mark.parametrize("method", ["acco", "dpu", "wp"])
+def test_comm_dtype_bf16_with_the_acco_family_is_refused(method: str) -> None:
+    """Issue 31 item 8: DPU and WP run ACCO's communication thread, which does not cast."""
+    with pytest.raises(ConfigError, match=f"--comm-dtype: bf16 with --method {method}: its"):
+        TrainConfig(method=method, comm_dtype="bf16").validate()
 
 
 def _summary(out: Path, *flags: str) -> dict[str, Any]:

@@ -51,11 +51,24 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("_") and name in _method_options():
+        value = _method_options()[name]  # a method's options class not listed above
+    else:
         raise AttributeError(f"module 'lowcomm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # once imported, an ordinary attribute
     return value
+
+
+def _method_options() -> dict[str, type]:
+    """Every registered method's options class by class name (so a new method's options are
+    ``lowcomm.TheirOptions`` with no edit here; tests/test_declaration.py checks that the
+    list above names them all, for ``import *`` and type checkers)."""
+    from lowcomm.strategies import STRATEGIES
+    from lowcomm.strategies.option_groups import option_groups
+
+    return {kind.__name__: kind for kind in option_groups(STRATEGIES).values()}
 
 
 def __dir__() -> list[str]:

@@ -154,8 +154,9 @@ class TrainConfig:
     comm_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype gradients and pseudo-gradients travel in: bf16 sends a bfloat16 copy (half the
     bytes and the modeled transfer time) and reduces it in bfloat16, the result copied back
-    into float32. Parameters and optimizer states travel in float32. Not with --method acco
-    (its collectives run on a communication thread)."""
+    into float32. Parameters and optimizer states travel in float32. Not with a method whose
+    collectives run on a communication thread (acco, dpu, wp: `lowcomm methods` says which
+    dtypes each method supports)."""
 
     collective_timeout_s: float = 300.0
     """A collective that does not complete within this many seconds fails the run."""
@@ -212,7 +213,7 @@ class TrainConfig:
         problem. Reads no file and builds no model: the checks that do (the data path, the
         checkpoint to resume, the method on the real model, the run directory) are the
         launch's pre-flight, :func:`lowcomm.launch.run.preflight`."""
-        from lowcomm.strategies import strategy_class
+        from lowcomm.strategies import comm_dtype_problem, strategy_class
 
         try:
             strategy_class(self.method)
@@ -276,11 +277,9 @@ class TrainConfig:
                 f"--collective-timeout-s: {self.collective_timeout_s} must be a positive number "
                 f"of seconds up to {MAX_TIMEOUT_S:g}"
             )
-        if self.comm_dtype != "fp32" and self.method == "acco":
-            raise ConfigError(
-                f"--comm-dtype: {self.comm_dtype} with --method acco: its collectives are issued "
-                f"on a communication thread that does not cast them; use --comm-dtype fp32"
-            )
+        dtype_problem = comm_dtype_problem(self.method, self.comm_dtype)
+        if dtype_problem is not None:
+            raise ConfigError(dtype_problem)
         self._validate_checkpointing()
 
     def _validate_compute_model(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -217,21 +218,24 @@ def method_options(config: PlanConfig) -> tuple[type[Strategy], object | None]:
     Raises:
         ValueError: for an unknown method, naming the known ones.
     """
-    from lowcomm.strategies import strategy_class
+    from lowcomm import strategies
 
-    cls = strategy_class(config.method)
-    return cls, None if cls.options_field is None else getattr(config, cls.options_field)
+    cls = strategies.strategy_class(config.method)
+    return cls, strategies.method_options(cls, config)
 
 
 def check_plan(config: PlanConfig) -> None:
     """Refuse what ``lowcomm train`` refuses for this method, options and worker layout:
-    a method that cannot run hierarchically with ``--ranks-per-worker`` > 1, and options the
+    a method that cannot run hierarchically with ``--ranks-per-worker`` > 1, a
+    ``--comm-dtype`` its collectives cannot travel in, and options the
     method's constructor rejects (built once, as ``train``'s validation does, on a recording
     communicator of ``--workers`` around ``train``'s default model).
 
     Raises:
         ValueError: the method's own message, naming the option and the fix.
     """
+    from lowcomm.strategies import comm_dtype_problem
+
     cls, options = method_options(config)
     ranks = config.ranks_per_worker
     if ranks > 1 and cls.hierarchical_refusal is not None:
@@ -239,6 +243,9 @@ def check_plan(config: PlanConfig) -> None:
             f"--ranks-per-worker: {ranks} with --method {config.method}: "
             f"{cls.hierarchical_refusal}; use --ranks-per-worker 1 with this method"
         )
+    dtype_problem = comm_dtype_problem(config.method, config.comm_dtype)
+    if dtype_problem is not None:
+        raise ValueError(dtype_problem)
     values = None if options is None else dataclasses.asdict(options)  # type: ignore[call-overload]
     key = (config.method, config.workers, json.dumps(values, default=str))
     if key not in _CHECKED:
@@ -303,14 +310,19 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     model_bytes = config.element_bytes() * params
     # Each rank carries 1/R of every outer payload over its own outer transfer.
     payload = model_bytes / ranks
-    # The DiLoCo family's quantized outer gradients are all-gathered at their encoded size
-    # (lowcomm.strategies.diloco.OuterExchange); everything else is an all-reduce.
-    quantization: QuantizationFormat = getattr(options, "quantization", "none")
-    row_size = int(getattr(options, "quantization_row_size", 256))
+    # A quantized outer exchange (the options the method declares as its quantized_exchange)
+    # is an all-gather of the encoded payloads; everything else is an all-reduce.
+    quantization, row_size = (
+        ("none", 1) if cls.quantized_exchange is None else cls.quantized_exchange.of(options)
+    )
 
     def encoded(fraction: float) -> float:
         return float(
-            encoded_bytes(max(1, round(fraction * params / ranks)), quantization, row_size)
+            encoded_bytes(
+                max(1, round(fraction * params / ranks)),
+                typing.cast(QuantizationFormat, quantization),
+                row_size,
+            )
         )
 
     def exchange_seconds(fraction: float) -> float:

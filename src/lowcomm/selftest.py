@@ -18,10 +18,11 @@ The checks:
   all-reduce is in flight on the strategy's group (metrics never queue behind training).
 * **bandwidth**: a timed all-reduce (report only).
 * **real clock**: compute queued on the GPU is charged to compute when the clock reads time.
-* **methods**: a few steps of each method family (DDP, ZeRO-1, ACCO with its communication
-  thread and, on a GPU, its side stream, CO2, DiLoCo with an int4-quantized exchange,
-  streaming DiLoCo, eager, CoCoDC, DES-LOC) on the device, compared with the same run on the
-  CPU over the Gloo group (on the CPU the two runs must agree exactly).
+* **methods**: a few steps of every registered method (with the options its declaration gives
+  for a short run, ``Strategy.quick_options``: the DiLoCo family with an int4-quantized
+  exchange, ACCO with its communication thread and, on a GPU, its side stream, ...) on the
+  device, compared with the same run on the CPU over the Gloo group (on the CPU the two runs
+  must agree exactly).
 * **checkpoint**: a run stopped mid-period, saved, restored into fresh objects and resumed
   equals the run straight through.
 """
@@ -36,14 +37,10 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
 
-_METHODS = (
-    "ddp", "zero1", "acco", "co2", "diloco", "streaming_diloco", "eager", "cocodc", "desloc",
-)  # fmt: skip
 _STEPS = 4
 # Relative L2 distance allowed between a run on the GPU and the same run on the CPU (kernels
 # differ in summation order; AdamW amplifies sign flips of tiny gradients to +-lr).
@@ -153,7 +150,7 @@ def selftest_worker(config: SelftestConfig) -> RankReport:
         "(lowcomm.comm.clock.RealClock with device=cuda); report this as a bug",
         lambda: _check_clock(device),
     )
-    for method in _METHODS:
+    for method in methods_to_check():
         _run_check(
             report,
             f"method {method}",
@@ -383,18 +380,21 @@ def _measure_bandwidth(comm: Any, device: torch.device, environment: dict[str, s
 # --- method runs ----------------------------------------------------------------------------
 
 
-def _options() -> SimpleNamespace:
-    from lowcomm.strategies.acco import AccoOptions
-    from lowcomm.strategies.co2 import LocalOptions
-    from lowcomm.strategies.desloc import DeslocOptions
-    from lowcomm.strategies.diloco import DiLoCoOptions
+def methods_to_check() -> tuple[str, ...]:
+    """Every registered method, in registry order."""
+    from lowcomm.strategies import STRATEGIES
 
-    return SimpleNamespace(
-        acco=AccoOptions(),
-        local=LocalOptions(sync_every=2),
-        diloco=DiLoCoOptions(sync_every=2, quantization="int4", quantization_row_size=64),
-        desloc=DeslocOptions(param_period=2, first_moment_period=2, second_moment_period=4),
-    )
+    return tuple(STRATEGIES)
+
+
+def quick_options(method: str) -> object | None:
+    """The options of ``method`` for a short run: its declared ``quick_options``, the rest
+    at their defaults (None for a method without options)."""
+    from lowcomm.strategies import options_class, strategy_class
+
+    cls = strategy_class(method)
+    kind = options_class(cls)
+    return None if kind is None else kind(**cls.quick_options)
 
 
 def _tiny_model(device: torch.device) -> torch.nn.Module:
@@ -421,13 +421,17 @@ def _build(method: str, raw: Any, device: torch.device) -> tuple[Any, torch.nn.M
     from lowcomm.comm.emulated import NetworkComm
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.optim import AdamWConfig
-    from lowcomm.strategies import StrategyContext, build_strategy
+    from lowcomm.strategies import StrategyContext, strategy_class
 
     clock = make_clock("virtual", seconds_per_microbatch=0.05, device=device)
     comm = NetworkComm(raw, NetworkProfile.from_preset("ethernet"), clock, device=device)
     model = _tiny_model(device)
     context = StrategyContext(optim=AdamWConfig(lr=1e-3), total_steps=2 * _STEPS, max_grad_norm=1.0)
-    return build_strategy(method, model, comm, context, _options()), model, comm, clock
+    cls, options = strategy_class(method), quick_options(method)
+    strategy = (
+        cls(model, comm, context) if options is None else cls(model, comm, context, options=options)  # type: ignore[call-arg]
+    )
+    return strategy, model, comm, clock
 
 
 def _train(strategy: Any, model: torch.nn.Module, clock: Any, steps: range, rank: int) -> float:
@@ -460,10 +464,11 @@ def _check_method(method: str, strategy_group: Any, bookkeeping: Any, device: to
     strategy, model, _, clock = _build(method, strategy_group, device)
     loss = _train(strategy, model, clock, range(_STEPS), strategy_group.rank)
     stream_note = ""
-    if method == "acco" and device.type == "cuda":
-        side = getattr(strategy, "last_chain_stream", None)
+    # A method with a communication thread (the ACCO family) says which stream its chain ran on.
+    if hasattr(strategy, "last_chain_stream") and device.type == "cuda":
+        side = strategy.last_chain_stream
         assert side is not None and side != torch.cuda.default_stream(device), (
-            "ACCO's chain ran on the default stream, not its side stream"
+            f"{method}'s chain ran on the default stream, not its side stream"
         )
         stream_note = ", chain on the side stream"
     strategy.finish()

@@ -107,15 +107,14 @@ class RunSpec:
         return f"lowcomm train {' '.join(train_flags(run))} --seed {seed}"
 
 
-#: Methods that take a variable number of micro-batches per step (unless forced per phase).
-VARIABLE_MICROBATCHES = ("acco", "dpu", "wp")
-
-
 def equal_tokens(config: TrainConfig) -> TrainConfig:
     """``config`` at equal tokens: a method with a variable number of micro-batches per step
     gets the token budget a fixed-count method commits in ``config.steps`` steps (its
     schedule laid out over it); any other run is returned unchanged."""
-    variable = config.method in VARIABLE_MICROBATCHES and config.acco.microbatches_per_phase is None
+    from lowcomm.strategies import method_options, strategy_class
+
+    cls = strategy_class(config.method)
+    variable = cls.takes_variable_microbatches(method_options(cls, config))
     if not variable or config.token_budget is not None:
         return config
     per_step = config.workers * config.microbatches_per_step * config.tokens_per_microbatch()

@@ -311,6 +311,20 @@ class _ShardedOverlap(Strategy):
     )
 
     options_field: ClassVar[str | None] = "acco"
+    # DPU and WP too (issue 31 item 8): the thread issues the chain on the uncharged channel,
+    # which moves the float32 buffers as they are.
+    comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
+    comm_dtype_refusal: ClassVar[str | None] = (
+        "its gradient collectives are issued on a communication thread that does not cast "
+        "them, so they would travel in float32 while being priced in bfloat16"
+    )
+
+    @classmethod
+    def takes_variable_microbatches(cls, options: Any) -> bool:
+        """Unless --acco.microbatches-per-phase fixes the count, each phase computes for as
+        long as its communication lasts."""
+        return options is None or options.microbatches_per_phase is None
+
     #: Elastic resume: G, B and their counts n, c_B are sums every reduction divides by the
     #: total count C, so they are pooled onto the new worker 0 (the optimizer shards are
     #: re-sharded exactly, theta is replicated).

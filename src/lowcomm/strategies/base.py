@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -30,7 +30,7 @@ from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.runtime import Runtime, runtime_for
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig, learning_rate
-from lowcomm.strategies.declaration import CostModel
+from lowcomm.strategies.declaration import COMM_DTYPES, CostModel, QuantizedExchange
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,25 @@ class Strategy(ABC):
     #: The planner's closed-form model of this method (``lowcomm plan``): its traffic from its
     #: options, what hides behind compute, extra model-sized copies, state sharding.
     cost: ClassVar[CostModel]
+    #: The options that quantize the method's outer exchange (the planner prices the encoded
+    #: all-gather from them), or None when it has none.
+    quantized_exchange: ClassVar[QuantizedExchange | None] = None
+    #: The dtypes (``--comm-dtype``) its gradient and pseudo-gradient collectives can travel
+    #: in: they must be issued through the strategy's ``Comm``, which casts them.
+    comm_dtypes: ClassVar[tuple[str, ...]] = COMM_DTYPES
+    #: Why a dtype missing from ``comm_dtypes`` is refused (one clause, quoted in the error);
+    #: required when ``comm_dtypes`` leaves one out.
+    comm_dtype_refusal: ClassVar[str | None] = None
+    #: Option values (fields of its options class, the rest at their defaults) under which a
+    #: few steps run the method's whole cycle: ``lowcomm selftest`` runs it so.
+    quick_options: ClassVar[Mapping[str, object]] = {}
+
+    @classmethod
+    def takes_variable_microbatches(cls, options: Any) -> bool:
+        """Whether, built with ``options``, the method takes a variable number of
+        micro-batches per step (its compute keeps going while it communicates): an
+        equal-token comparison gives such a run a token budget instead of a step count."""
+        return False
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         self.model = model

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -169,6 +169,7 @@ class _LocalUpdate(Strategy):
     """
 
     options_field: ClassVar[str | None] = "local"
+    quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 2}
     #: Inner optimizer fixed by the method (None: ``options.inner_optimizer``).
     fixed_inner: ClassVar[InnerOptimizerKind | None] = None
 

@@ -8,7 +8,18 @@ Each strategy class carries, next to its ``name``:
   (:func:`lowcomm.strategies.option_groups.with_method_options`);
 * ``hierarchical_refusal``: why it cannot run with several ranks per worker, or None;
 * ``cost``: a :class:`CostModel`, the closed-form traffic, hiding and memory ``lowcomm plan``
-  evaluates, written against the same options object ``train`` hands the strategy.
+  evaluates, written against the same options object ``train`` hands the strategy;
+* ``quantized_exchange``: a :class:`QuantizedExchange` naming the options that quantize its
+  outer exchange (the planner prices the encoded all-gather from them), or None;
+* ``comm_dtypes`` and ``comm_dtype_refusal``: the dtypes (``--comm-dtype``) its gradient and
+  pseudo-gradient collectives can travel in, and why the others are refused;
+* ``quick_options``: option values under which a few steps run its whole cycle (``lowcomm
+  selftest`` runs every registered method so);
+* ``takes_variable_microbatches(options)``: whether it takes a variable number of
+  micro-batches per step (equal-token comparisons give it a token budget).
+
+The registry checks each declaration when it discovers the method
+(:func:`lowcomm.strategies.check_declaration`).
 
 Nothing here imports torch.
 """
@@ -17,10 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,35 @@ class Transfer:
     per_step: float
     hidden_steps: float = 0.0
     bytes_per_parameter: float | None = None
+
+
+#: Every value of ``--comm-dtype`` (:data:`lowcomm.comm.cast.COMM_DTYPES`, which
+#: tests/test_declaration.py checks it equals; strategies do not import the cast module).
+COMM_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class QuantizedExchange:
+    """The options (fields of the method's options class) that quantize its outer exchange:
+    with a format other than ``none`` each worker's encoded payload is all-gathered
+    (:mod:`lowcomm.optim.quantize`), and ``lowcomm plan`` prices it so.
+
+    Attributes:
+        format_option: the field holding the format (none, bf16, fp8, int4).
+        row_size_option: the field holding the elements per scale row.
+    """
+
+    format_option: str
+    row_size_option: str
+
+    def of(self, options: object) -> tuple[str, int]:
+        """The (format, row size) ``options`` sets."""
+        return str(getattr(options, self.format_option)), int(
+            getattr(options, self.row_size_option)
+        )
+
+    def option_names(self) -> tuple[str, ...]:
+        return (self.format_option, self.row_size_option)
 
 
 @dataclass(frozen=True)

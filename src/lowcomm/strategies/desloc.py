@@ -80,6 +80,7 @@ Memory: parameters + gradients + moments, as DDP ((2 + 2 + K) Psi, docs/ALGORITH
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
@@ -275,6 +276,9 @@ class Desloc(Strategy):
         ),
     )
     options_field: ClassVar[str | None] = "desloc"
+    quick_options: ClassVar[Mapping[str, object]] = {
+        "param_period": 2, "first_moment_period": 2, "second_moment_period": 4,
+    }  # fmt: skip
     #: Zero the moments and counters after every parameter sync (FedAvg with reset state).
     reset_after_parameter_sync: ClassVar[bool] = False
 
@@ -472,6 +476,8 @@ class Desloc(Strategy):
 
 class _SinglePeriod(Desloc):
     """Shared by the baselines whose only period is --desloc.param-period."""
+
+    quick_options: ClassVar[Mapping[str, object]] = {"param_period": 2}
 
     @classmethod
     def _reject_moment_periods(cls, options: DeslocOptions) -> None:

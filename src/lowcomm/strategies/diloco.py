@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -35,7 +35,7 @@ from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, Transfer
+from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
@@ -448,6 +448,12 @@ class OuterLoopStrategy(Strategy):
 
     options_field: ClassVar[str | None] = "diloco"
     default_fragments: ClassVar[int] = 1
+    quantized_exchange: ClassVar[QuantizedExchange | None] = QuantizedExchange(
+        "quantization", "quantization_row_size"
+    )
+    quick_options: ClassVar[Mapping[str, object]] = {
+        "sync_every": 2, "quantization": "int4", "quantization_row_size": 64,
+    }  # fmt: skip
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ which every worker decodes and averages in fp32 in worker order (bit-identical e
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,7 +31,7 @@ from torch import nn
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.sparse import SparseCodec, index_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, Transfer
+from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
 
 
@@ -126,6 +127,9 @@ class SparseLoCo(OuterLoopStrategy):
 
     name: ClassVar[str] = "sparseloco"
     options_field: ClassVar[str | None] = "sparseloco"
+    # Its own compressed all-gather is priced from Transfer.bytes_per_parameter.
+    quantized_exchange: ClassVar[QuantizedExchange | None] = None
+    quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 2, "chunk": 64, "topk": 4}
     cost: ClassVar[CostModel] = CostModel(
         description="top-k + 2-bit error-feedback all-gather every H steps",
         traffic=lambda o, t: [
