@@ -36,6 +36,7 @@ from lowcomm.optim.schedule import learning_rate
 from lowcomm.strategies import MicroBatchResult, StrategyContext, ZeRO1, strategy_class
 from lowcomm.strategies.acco import ACCO, DPU, WP, AccoOptions
 from lowcomm.strategies.base import Strategy
+from lowcomm.train.context import strategy_context
 
 DIM = 5
 LR = 0.05
@@ -822,10 +823,10 @@ def test_budget_shares_follow_the_workers_speeds() -> None:
             assert sum(shares) == budget and min(shares) >= (1 if budget >= len(factors) else 0)
 
     config = TrainConfig(method="acco", workers=4, speed_factors=(1, 1, 1, 4), token_budget=98304)
-    context = config.strategy_context()
+    context = strategy_context(config)
     assert context.microbatch_budget == 98304 // config.tokens_per_microbatch()
     assert context.microbatch_shares == budget_shares(context.microbatch_budget, [1, 1, 1, 4])
-    assert TrainConfig(method="acco").strategy_context().microbatch_shares is None
+    assert strategy_context(TrainConfig(method="acco")).microbatch_shares is None
 
 
 def test_a_worker_stops_at_its_own_share() -> None:

@@ -44,6 +44,7 @@ from lowcomm.config import TrainConfig
 from lowcomm.data import WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
 from lowcomm.strategies import STRATEGIES, MicroBatchResult, build_strategy
+from lowcomm.train.context import network_profile, replica_network_profile, strategy_context
 
 # option -> (valid values, invalid values); values are command-line strings.
 Choices = tuple[tuple[str, ...], tuple[str, ...]]
@@ -243,7 +244,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
 def first_step(config: TrainConfig) -> None:
     """What a worker does up to and through its first step (rank 0, in this process)."""
     datetime.timedelta(seconds=config.collective_timeout_s)  # the process group's timeout
-    profile = config.network_profile()
+    profile = network_profile(config)
     make_clock(
         config.clock,
         speed_factor=profile.speed_factor(0),
@@ -259,11 +260,11 @@ def first_step(config: TrainConfig) -> None:
     if config.ranks_per_worker > 1:
         inner = NetworkComm(
             RecordingComm(world_size=config.ranks_per_worker),
-            config.replica_network_profile(),
+            replica_network_profile(config),
             clock,
         )
         comm = HierarchicalComm(inner, comm, clock)
-    strategy = build_strategy(config.method, model, comm, config.strategy_context(), config)
+    strategy = build_strategy(config.method, model, comm, strategy_context(config), config)
     shard = WorkerShard(
         corpus,
         rank=0,

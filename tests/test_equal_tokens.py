@@ -11,6 +11,7 @@ from tests._cli import lowcomm
 
 from lowcomm.config import TrainConfig
 from lowcomm.reproduce.runner import equal_tokens
+from lowcomm.train.context import strategy_context
 
 TRAIN = (
     "--train.model.n-layer", "1", "--train.model.n-embd", "32", "--train.model.n-head", "2",
@@ -51,7 +52,7 @@ def test_equal_tokens_budgets_only_variable_methods() -> None:
     budgeted = equal_tokens(acco)
     per_microbatch = acco.data.micro_batch_size * acco.model.block_size
     assert budgeted.token_budget == 8 * 2 * per_microbatch
-    assert budgeted.strategy_context().microbatch_budget == 8 * 2
+    assert strategy_context(budgeted).microbatch_budget == 8 * 2
     assert equal_tokens(TrainConfig(method="ddp")).token_budget is None
 
 

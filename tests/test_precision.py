@@ -19,6 +19,7 @@ from lowcomm.comm.network import NetworkProfile
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.models import ModelConfig, build_model
 from lowcomm.strategies import MicroBatchResult, build_strategy
+from lowcomm.train.context import strategy_context
 
 
 def _network(wire: torch.dtype) -> tuple[NetworkComm, RecordingComm]:
@@ -34,7 +35,7 @@ def _ddp_step(wire: torch.dtype) -> tuple[NetworkComm, RecordingComm, int]:
     model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), 300)
     comm, recording = _network(wire)
     config = TrainConfig(workers=2)
-    context = replace(config.strategy_context(), runtime=comm.runtime())
+    context = replace(strategy_context(config), runtime=comm.runtime())
     strategy = build_strategy("ddp", model, comm, context, config)
     tokens = torch.randint(0, 300, (2, 17))
 

@@ -34,6 +34,7 @@ from lowcomm.bench.reallink import (
 )
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig, prepare_corpus
+from lowcomm.train.context import network_profile
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +128,7 @@ def test_the_virtual_run_declares_the_shaped_link_at_its_goodput(tmp_path: Path)
     config = tyro.cli(TrainConfig, args=args, config=(tyro.conf.FlagConversionOff,))
     assert (config.clock, config.network, config.workers) == ("virtual", "wan", 3)
     assert (config.method, config.steps, config.seconds_per_microbatch) == ("co2", 5, None)
-    profile = config.network_profile()
+    profile = network_profile(config)
     assert profile.latency_ms == 0.0
     # tbf meters 1514-byte frames that carry 1448 bytes of TCP payload each.
     assert profile.bandwidth_gbps == pytest.approx(0.1 * 1448 / 1514)

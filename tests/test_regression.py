@@ -39,6 +39,7 @@ from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
+from lowcomm.train.rundir import run_directory
 
 pytestmark = pytest.mark.regression
 
@@ -121,7 +122,7 @@ def _record(config: TrainConfig) -> dict[str, Any]:
     }
     result: dict[str, Any] = {"rank": rank}
     if summary.rank == 0:
-        run_dir = config.run_dir()
+        run_dir = run_directory(config)
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         result["steps"] = [
             {

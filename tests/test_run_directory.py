@@ -16,6 +16,7 @@ import pytest
 from _cli import TINY, lowcomm
 from lowcomm.config import TrainConfig
 from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.train.rundir import run_directory
 
 
 def _train(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -85,15 +86,15 @@ def test_a_new_run_into_a_run_directory_is_refused_and_overwrite_replaces_it(
 
 def test_default_run_names_differ_by_setting() -> None:
     base = TrainConfig()
-    assert base.run_dir() == Path("runs/ddp-wan-w4-s0")
+    assert run_directory(base) == Path("runs/ddp-wan-w4-s0")
     # A learning-rate sweep without --out: one directory per value.
-    names = {TrainConfig(optim=AdamWConfig(lr=lr)).run_dir() for lr in (1e-4, 2e-4, 5e-4)}
-    assert len(names) == 3 and base.run_dir() not in names
+    names = {run_directory(TrainConfig(optim=AdamWConfig(lr=lr))) for lr in (1e-4, 2e-4, 5e-4)}
+    assert len(names) == 3 and run_directory(base) not in names
     assert all(name.name.startswith("ddp-wan-w4-s0-") for name in names)
-    assert TrainConfig(steps=100).run_dir() != base.run_dir()
+    assert run_directory(TrainConfig(steps=100)) != run_directory(base)
     # The same settings give the same name; settings that only steer the run change nothing.
-    assert TrainConfig(optim=AdamWConfig(lr=5e-4)).run_dir() in names
-    assert TrainConfig(progress=False, checkpoint_every=5).run_dir() == base.run_dir()
+    assert run_directory(TrainConfig(optim=AdamWConfig(lr=5e-4))) in names
+    assert run_directory(TrainConfig(progress=False, checkpoint_every=5)) == run_directory(base)
 
 
 @pytest.mark.slow

@@ -56,8 +56,9 @@ def run_train(config: TrainConfig) -> None:
 def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
     """One line: what stopped the run, and what its directory now holds."""
     from lowcomm.train.checkpoint import committed
+    from lowcomm.train.rundir import run_directory
 
-    run_dir = config.run_dir()
+    run_dir = run_directory(config)
     try:
         steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
     except (OSError, UnicodeDecodeError):

@@ -8,13 +8,10 @@ fields at once. Environment variables never override a field.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import tyro
@@ -22,15 +19,13 @@ import tyro
 from lowcomm.comm.network import (
     INNER_LINK,
     OUTER_LINK,
-    NetworkProfile,
     check_link,
     check_speed_factors,
 )
-from lowcomm.data import DataConfig, PreparedCorpus
+from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
-from lowcomm.strategies.base import StrategyContext, budget_shares
 from lowcomm.strategies.option_groups import with_method_options
 
 if TYPE_CHECKING:
@@ -211,8 +206,9 @@ class TrainConfig:
     def validate(self) -> None:
         """Check the options, alone and together; raise :class:`ConfigError` on the first
         problem. Reads no file and builds no model: the checks that do (the data path, the
-        checkpoint to resume, the method on the real model, the run directory) are the
-        launch's pre-flight, :func:`lowcomm.launch.run.preflight`."""
+        calibration file, the checkpoint to resume and its directory, the method on the real
+        model, the run directory) are the launch's pre-flight,
+        :func:`lowcomm.launch.run.preflight`."""
         from lowcomm.strategies import comm_dtype_problem, strategy_class
 
         try:
@@ -295,19 +291,6 @@ class TrainConfig:
                 f"--calibration: {self.calibration} needs --compute-model calibrated (this run "
                 f"uses {self.compute_model}); drop --calibration or choose calibrated"
             )
-        from lowcomm.comm.calibration import check_calibration_file
-
-        problem = check_calibration_file(
-            Path(self.calibration),
-            micro_batch_size=self.data.micro_batch_size,
-            block_size=self.model.block_size,
-            bf16=self.precision == "bf16-mixed",
-        )
-        if problem is not None:
-            raise ConfigError(
-                f"--calibration: {self.calibration} {problem}; pass another file (a missing "
-                f"one is measured and written)"
-            )
 
     def _validate_checkpointing(self) -> None:
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
@@ -332,15 +315,6 @@ class TrainConfig:
                 f"--overwrite: clears the run directory that --resume {self.resume} would "
                 f"continue; pass one of them"
             )
-        if (
-            self.resume not in (None, "auto")
-            and self.out is not None
-            and Path(self.out).resolve() != Path(str(self.resume)).resolve()
-        ):
-            raise ConfigError(
-                f"--out: {self.out!r} differs from --resume {self.resume!r}; a resumed run "
-                f"continues in its own directory, so omit --out"
-            )
 
     def _validate_hierarchy(self) -> None:
         """Checks of --ranks-per-worker and the replica link (--inner-network)."""
@@ -364,121 +338,14 @@ class TrainConfig:
                 f"{refusal}; use --ranks-per-worker 1 with this method"
             )
 
-    def replica_network_profile(self) -> NetworkProfile:
-        """The replica link: between the ranks of one worker (``--inner-network``)."""
-        return NetworkProfile.from_preset(
-            self.inner_network,
-            bandwidth_gbps=self.inner_bandwidth_gbps,
-            latency_ms=self.inner_latency_ms,
-            names=INNER_LINK,
-        )
-
     @property
     def world_size(self) -> int:
         """Processes of the run: workers x ranks per worker."""
         return self.workers * self.ranks_per_worker
 
-    def check_corpus(self, corpus: PreparedCorpus) -> None:
-        """Check, on the prepared corpus, that every worker gets a micro-batch per epoch and the
-        validation split holds a window (what each worker would otherwise fail on at start)."""
-        from lowcomm.data import WorkerShard, validation_batches
-
-        try:
-            WorkerShard(
-                corpus,
-                rank=0,
-                world_size=self.workers,
-                seq_len=self.model.block_size,
-                micro_batch_size=self.data.micro_batch_size,
-                seed=self.seed,
-                split=self.data.split,
-                replica=0,
-                replicas=self.ranks_per_worker,
-            )
-            validation_batches(
-                corpus,
-                seq_len=self.model.block_size,
-                batch_size=self.data.micro_batch_size * self.ranks_per_worker,
-                num_batches=1,
-            )
-        except ValueError as error:  # DataError included
-            raise ConfigError(
-                f"--workers, --micro-batch-size, --model.block-size: {error}"
-            ) from None
-
-    def strategy_context(self) -> StrategyContext:
-        budget = (
-            None
-            if self.token_budget is None
-            else -(-self.token_budget // self.tokens_per_microbatch())
-        )
-        return StrategyContext(
-            optim=self.optim,
-            schedule=self.schedule,
-            total_steps=self.steps,
-            microbatches_per_step=self.microbatches_per_step,
-            max_grad_norm=self.max_grad_norm,
-            microbatch_budget=budget,
-            microbatch_shares=None
-            if budget is None
-            else budget_shares(budget, self.speed_factors or (1.0,) * self.workers),
-        )
-
     def tokens_per_microbatch(self) -> int:
         """Tokens in one worker's micro-batch (all its ranks)."""
         return self.data.micro_batch_size * self.model.block_size * self.ranks_per_worker
-
-    def network_profile(self) -> NetworkProfile:
-        return NetworkProfile.from_preset(
-            self.network,
-            bandwidth_gbps=self.bandwidth_gbps,
-            latency_ms=self.latency_ms,
-            speed_factors=tuple(self.speed_factors),
-        )
-
-    def make_paths_absolute(self) -> None:
-        """Store every path option absolute (``~`` expanded), so the saved config.json, and
-        ``--resume`` from it, mean the same files from any working directory."""
-
-        def absolute(path: str | None) -> str | None:
-            return None if path is None else os.path.abspath(os.path.expanduser(path))
-
-        self.out = absolute(self.out)
-        if self.resume != "auto":
-            self.resume = absolute(self.resume)
-        self.data.data = absolute(self.data.data)
-        # A path that does not exist (a hub name) stays as given, for pre-flight to name.
-        if self.init_from is not None and os.path.exists(os.path.expanduser(self.init_from)):
-            self.init_from = absolute(self.init_from)
-        if self.data.tokenizer is not None and os.path.exists(
-            os.path.expanduser(self.data.tokenizer)
-        ):
-            self.data.tokenizer = absolute(self.data.tokenizer)
-        self.data.cache_dir = absolute(self.data.cache_dir)
-
-    def run_dir(self) -> Path:
-        if self.out is not None:
-            return Path(self.out)
-        if self.resume is not None and self.resume != "auto":
-            return Path(self.resume)
-        name = f"{self.method}-{self.network}-w{self.workers}-s{self.seed}"
-        differing = self.non_default_settings()
-        if differing:
-            # Runs that differ in any other setting (a learning-rate sweep) get their own directory.
-            digest = hashlib.sha256(json.dumps(differing, sort_keys=True, default=str).encode())
-            name += f"-{digest.hexdigest()[:6]}"
-        return Path("runs") / name
-
-    def non_default_settings(self) -> dict[str, Any]:
-        """The settings, other than those in the default run name and those that only steer
-        the run (output, resume, progress, checkpointing, timeout), that differ from their
-        defaults, as flat ``dotted.name: value`` pairs."""
-        mine, defaults = _flatten(self.to_dict()), _flatten(TrainConfig().to_dict())
-        return {
-            key: value
-            for key, value in mine.items()
-            if key not in _RUN_NAME_EXCLUDED and defaults.get(key, _MISSING) != value
-        }
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -493,29 +360,6 @@ class TrainConfig:
         built = _from_dict(cls, values)
         assert isinstance(built, TrainConfig)
         return built
-
-
-_MISSING = object()
-
-#: Fields left out of the default run name's hash: the name spells the first four, the others
-#: steer a run without changing what it computes.
-_RUN_NAME_EXCLUDED = frozenset(
-    {
-        "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
-        "tensorboard",
-        "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
-    }
-)  # fmt: skip
-
-
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _from_dict(kind: type[Any], values: dict[str, Any]) -> Any:

@@ -38,6 +38,7 @@ from typing import Any, Literal
 from lowcomm.atomic import atomic_write_text
 from lowcomm.bench.runs import drop_checkpoints, run_one
 from lowcomm.config import TrainConfig
+from lowcomm.train.rundir import run_directory
 
 ComputeModel = Literal["cpu-time", "calibrated"]
 MODELS: tuple[ComputeModel, ...] = ("cpu-time", "calibrated")
@@ -154,8 +155,8 @@ def _summary(config: TrainConfig) -> dict[str, Any]:
     error = run_one(config)
     if error is not None:
         raise RuntimeError(f"bench clock: {config.method} failed: {error}")
-    summary: dict[str, Any] = json.loads((config.run_dir() / "summary.json").read_text())
-    drop_checkpoints(config.run_dir())
+    summary: dict[str, Any] = json.loads((run_directory(config) / "summary.json").read_text())
+    drop_checkpoints(run_directory(config))
     return summary
 
 

@@ -29,9 +29,9 @@ def run_one(config: TrainConfig) -> str | None:
     cleared first: the sweep runs it again from the start."""
     from lowcomm.launch import WorkerFailed
     from lowcomm.launch.run import run_training
-    from lowcomm.train.rundir import clear_run
+    from lowcomm.train.rundir import clear_run, run_directory
 
-    clear_run(config.run_dir())
+    clear_run(run_directory(config))
     try:
         run_training(config, report=None)
     except (WorkerFailed, ValueError) as error:  # ValueError: ConfigError, DataError
@@ -63,7 +63,9 @@ def run_or_resume(
     Raises ValueError (naming ``option``) if the directory holds a finished run of another
     configuration.
     """
-    config.make_paths_absolute()  # as the run's config.json will hold them
+    from lowcomm.launch.run import make_paths_absolute
+
+    make_paths_absolute(config)  # as the run's config.json will hold them
     run_dir = Path(str(config.out))
     if (run_dir / "summary.json").exists():
         previous = json.loads((run_dir / "config.json").read_text())

@@ -54,12 +54,13 @@ def _resume_hint(config: TrainConfig) -> str:
     """With --resume auto and a checkpoint in the run directory, how to continue without the
     --init-from model (the checkpoint holds the weights)."""
     from lowcomm.train.checkpoint import has_checkpoint
+    from lowcomm.train.rundir import run_directory
 
-    if config.resume != "auto" or not has_checkpoint(config.run_dir()):
+    if config.resume != "auto" or not has_checkpoint(run_directory(config)):
         return ""
     return (
-        f" (the run in {config.run_dir()} has a checkpoint: `lowcomm train --resume "
-        f"{config.run_dir()}` continues it without --init-from)"
+        f" (the run in {run_directory(config)} has a checkpoint: `lowcomm train --resume "
+        f"{run_directory(config)}` continues it without --init-from)"
     )
 
 

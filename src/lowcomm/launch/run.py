@@ -6,7 +6,8 @@ processes:
 
 1. ``config.validate()``: the options alone (no file read, no model built);
 2. :func:`preflight`: the checks that read files or build the model (the data path, the
-   checkpoint to resume, the method's options on the real model, the run directory);
+   calibration file, the checkpoint to resume, the method's options on the real model, the
+   run directory);
 3. the corpus is prepared (cached) and checked against the worker count and batch size;
 4. ``workers x ranks-per-worker`` processes are spawned (or, under ``torchrun``, this process
    joins as one of them) and each runs :func:`lowcomm.train.loop.train_worker`.
@@ -55,7 +56,7 @@ def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any]
         WorkerFailed: a worker failed (its traceback is in the run's ``error.log``).
         Interrupted: the launcher was sent SIGINT or SIGTERM; every worker was stopped.
     """
-    config.make_paths_absolute()
+    make_paths_absolute(config)
     torchrun = under_torchrun()
     if torchrun:
         adopt_torchrun_world(config)
@@ -70,7 +71,7 @@ def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any]
     if report is not None:
         report(f"starting {config.world_size} worker processes")
     from lowcomm.train.loop import spawned_train
-    from lowcomm.train.rundir import ERROR_LOG
+    from lowcomm.train.rundir import ERROR_LOG, run_directory
 
     spawn_workers(
         spawned_train,
@@ -78,9 +79,30 @@ def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any]
         (config,),
         device=config.device,
         timeout_s=config.collective_timeout_s,
-        log_path=config.run_dir() / ERROR_LOG,
+        log_path=run_directory(config) / ERROR_LOG,
     )
-    return read_summary(config.run_dir())
+    return read_summary(run_directory(config))
+
+
+def make_paths_absolute(config: TrainConfig) -> None:
+    """Store every path option absolute (``~`` expanded), so the saved config.json, and
+    ``--resume`` from it, mean the same files from any working directory. A path that does
+    not exist stays as given (an ``--init-from`` or ``--tokenizer`` that is a hub name), for
+    pre-flight to name."""
+
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+    config.out = absolute(config.out)
+    if config.resume != "auto":
+        config.resume = absolute(config.resume)
+    config.data.data = absolute(config.data.data)
+    if config.init_from is not None and os.path.exists(os.path.expanduser(config.init_from)):
+        config.init_from = absolute(config.init_from)
+    tokenizer = config.data.tokenizer
+    if tokenizer is not None and os.path.exists(os.path.expanduser(tokenizer)):
+        config.data.tokenizer = absolute(tokenizer)
+    config.data.cache_dir = absolute(config.data.cache_dir)
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -107,6 +129,7 @@ def preflight(config: TrainConfig) -> str | None:
 
     check_init_from(config)  # first: it settles the tokenizer the resume check compares
     _check_resume(config)
+    _check_calibration_file(config)
     if config.tensorboard:
         from lowcomm.train.tensorboard import MISSING, tensorboard_available
 
@@ -126,10 +149,35 @@ def _check_data_path(config: TrainConfig) -> None:
         )
 
 
+def _check_calibration_file(config: TrainConfig) -> None:
+    """``--calibration FILE``: an existing file is a calibration of this run's shapes."""
+    if config.calibration is None:
+        return
+    from lowcomm.comm.calibration import check_calibration_file
+
+    problem = check_calibration_file(
+        Path(config.calibration),
+        micro_batch_size=config.data.micro_batch_size,
+        block_size=config.model.block_size,
+        bf16=config.precision == "bf16-mixed",
+    )
+    if problem is not None:
+        raise ConfigError(
+            f"--calibration: {config.calibration} {problem}; pass another file (a missing "
+            f"one is measured and written)"
+        )
+
+
 def _check_resume(config: TrainConfig) -> None:
-    """``--resume DIR``: the directory holds a checkpoint this configuration can continue."""
+    """``--resume DIR``: the directory holds a checkpoint this configuration can continue
+    (and is the run's directory: an ``--out`` elsewhere is refused)."""
     if config.resume is None or config.resume == "auto":
         return
+    if config.out is not None and Path(config.out).resolve() != Path(config.resume).resolve():
+        raise ConfigError(
+            f"--out: {config.out!r} differs from --resume {config.resume!r}; a resumed run "
+            f"continues in its own directory, so omit --out"
+        )
     from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint, has_checkpoint
 
     if not has_checkpoint(Path(config.resume)):
@@ -154,12 +202,13 @@ def check_method_options(config: TrainConfig) -> str | None:
     from lowcomm.comm.fake import RecordingComm
     from lowcomm.models import build_model
     from lowcomm.strategies import build_strategy
+    from lowcomm.train.context import strategy_context
 
     try:
         model = build_model(config.model, config.data.vocab_size)
         strategy = build_strategy(
             config.method, model, RecordingComm(world_size=config.workers),
-            config.strategy_context(), config,
+            strategy_context(config), config,
         )  # fmt: skip
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -190,10 +239,35 @@ def prepare_checked_corpus(
             f"$LOWCOMM_CACHE_DIR or ~/.cache/lowcomm) is writable"
         ) from None
     if check:
-        config.check_corpus(corpus)
+        check_corpus(config, corpus)
     if report is not None:
         report(describe_corpus(corpus, time.perf_counter() - started))
     return corpus
+
+
+def check_corpus(config: TrainConfig, corpus: PreparedCorpus) -> None:
+    """Check, on the prepared corpus, that every worker gets a micro-batch per epoch and the
+    validation split holds a window (what each worker would otherwise fail on at start).
+
+    Raises:
+        ConfigError: naming the options that size the batches, and the corpus's reason.
+    """
+    from lowcomm.data import WorkerShard, validation_batches
+
+    try:
+        WorkerShard(
+            corpus, rank=0, world_size=config.workers, seq_len=config.model.block_size,
+            micro_batch_size=config.data.micro_batch_size, seed=config.seed,
+            split=config.data.split, replica=0, replicas=config.ranks_per_worker,
+        )  # fmt: skip
+        validation_batches(
+            corpus,
+            seq_len=config.model.block_size,
+            batch_size=config.data.micro_batch_size * config.ranks_per_worker,
+            num_batches=1,
+        )
+    except ValueError as error:  # DataError included
+        raise ConfigError(f"--workers, --micro-batch-size, --model.block-size: {error}") from None
 
 
 def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
@@ -216,7 +290,8 @@ def warn_if_oversubscribed(processes: int) -> None:
         print(
             f"lowcomm: warning: {processes} worker processes on {cores} CPU cores: they take "
             f"turns, so start-up and wall-clock times grow with the count (the virtual clock "
-            f"counts each worker's own CPU time and is not inflated)",
+            f"is not inflated: it charges compute costs calibrated before training, or each "
+            f"worker's own CPU time with --compute-model cpu-time)",
             file=sys.stderr,
             flush=True,
         )
@@ -224,15 +299,15 @@ def warn_if_oversubscribed(processes: int) -> None:
 
 def start_run_dir(config: TrainConfig, note: str | None) -> None:
     """Say which checkpoint a resume falls back to, and clear the directory for --overwrite."""
-    from lowcomm.train.rundir import clear_run
+    from lowcomm.train.rundir import clear_run, run_directory
 
     if note is not None:
         print(note, file=sys.stderr)
     if config.overwrite:
-        removed = clear_run(config.run_dir())
+        removed = clear_run(run_directory(config))
         if removed:
             print(
-                f"lowcomm: --overwrite: removed {', '.join(removed)} from {config.run_dir()}",
+                f"lowcomm: --overwrite: removed {', '.join(removed)} from {run_directory(config)}",
                 file=sys.stderr,
             )
 
@@ -268,6 +343,7 @@ def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dic
     from lowcomm.data import prepare_corpus
     from lowcomm.launch.spawn import init_from_env
     from lowcomm.train.loop import train_worker
+    from lowcomm.train.rundir import run_directory
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank == 0 and report is not None:
@@ -287,9 +363,9 @@ def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dic
         dist.barrier()
         # Checked on every rank (the others read the cache), so all refuse a corpus alike
         # instead of some waiting at a barrier for one that failed.
-        config.check_corpus(corpus if corpus is not None else prepare_corpus(config.data))
+        check_corpus(config, corpus if corpus is not None else prepare_corpus(config.data))
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
     finally:
         dist.destroy_process_group()
-    return read_summary(config.run_dir()) if first else None
+    return read_summary(run_directory(config)) if first else None

@@ -12,6 +12,7 @@ from lowcomm.comm.calibration import CalibratedClock, Calibration, calibrate
 from lowcomm.comm.clock import Clock, make_clock
 from lowcomm.config import TrainConfig
 from lowcomm.strategies import Strategy
+from lowcomm.train.context import network_profile
 
 
 def uses_calibration(config: TrainConfig) -> bool:
@@ -34,7 +35,7 @@ def worker_clock(
     calibrated model (read from --calibration, or from the checkpoint a resume reads, or
     measured by :func:`finish_calibration`, every process in turn)."""
     worker_index = bookkeeping.rank // config.ranks_per_worker
-    speed_factor = config.network_profile().speed_factor(worker_index)
+    speed_factor = network_profile(config).speed_factor(worker_index)
     if not uses_calibration(config):
         return make_clock(
             config.clock,

@@ -32,9 +32,11 @@ from lowcomm.train.compute import (
     finish_calibration,
     worker_clock,
 )
+from lowcomm.train.context import network_profile, replica_network_profile, strategy_context
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics
 from lowcomm.train.reshard import read_resharded
+from lowcomm.train.rundir import run_directory
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -206,7 +208,7 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     comm, replica_comm = _strategy_comms(config, raw, clock, device)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
-    context = replace(config.strategy_context(), runtime=comm.runtime())
+    context = replace(strategy_context(config), runtime=comm.runtime())
     strategy = build_strategy(config.method, model, comm, context, config)
     shard, validation, validation_batches = _data(config, corpus, rank, device)
     closure = _closure(model, shard, clock, device, bf16=config.precision == "bf16-mixed")
@@ -245,14 +247,14 @@ def _strategy_comms(
 ) -> tuple[NetworkComm | HierarchicalComm, Comm | None]:
     """The strategy's communicator and, with ranks per worker > 1, the replica-level one
     (between the ranks of one worker) the averaging closure uses."""
-    profile = config.network_profile()
+    profile = network_profile(config)
     wire = wire_dtype(config.comm_dtype)
     if config.ranks_per_worker == 1:
         return NetworkComm(raw, profile, clock, device=device, wire_dtype=wire), None
     from lowcomm.launch.groups import level_comms
 
     replica_raw, outer_raw = level_comms(config.ranks_per_worker, config.collective_timeout_s)
-    replica_profile = config.replica_network_profile()
+    replica_profile = replica_network_profile(config)
     replica_comm = NetworkComm(replica_raw, replica_profile, clock, device=device, wire_dtype=wire)
     outer_comm = NetworkComm(outer_raw, profile, clock, device=device, wire_dtype=wire)
     return HierarchicalComm(replica_comm, outer_comm, clock), replica_comm
@@ -323,7 +325,7 @@ def resume(worker: Worker) -> Progress:
     has read its file before anyone may write a new one."""
     config = worker.config
     progress = Progress()
-    resume_from = _resume_directory(config, config.run_dir())
+    resume_from = _resume_directory(config, run_directory(config))
     if resume_from is not None:
         start_step, directory = checkpoint.find_latest(
             resume_from, worker.world_size, checkpoint.fingerprint(config)
@@ -478,8 +480,8 @@ def _stopped(
         writer.close_steps()
         print(
             f"lowcomm: stopped after step {worker.config.stop_after} with a checkpoint in "
-            f"{worker.config.run_dir()}; continue with: lowcomm train --resume "
-            f"{worker.config.run_dir()}",
+            f"{run_directory(worker.config)}; continue with: lowcomm train --resume "
+            f"{run_directory(worker.config)}",
             flush=True,
         )
     return _worker_summary(worker, progress, worker.clock.now(), keep_parameters)
@@ -500,7 +502,7 @@ def final_evaluation(
             # delayed DiLoCo) become OUT/model/.
             save_model(
                 deployed_model,
-                worker.config.run_dir() / "model",
+                run_directory(worker.config) / "model",
                 worker.tokenizer_path,
                 worker.end_of_text,
             )
@@ -542,8 +544,8 @@ def finish(
             committed_tokens=committed_tokens(
                 config, worker.strategy, progress.tokens * worker.world_size
             ),
-            network=config.network_profile(),
-            replica_network=config.replica_network_profile()
+            network=network_profile(config),
+            replica_network=replica_network_profile(config)
             if config.ranks_per_worker > 1
             else None,
         )
@@ -609,7 +611,7 @@ def _restore_rng(saved: dict[str, torch.Tensor], device: torch.device) -> None:
 
 def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     """Every worker writes its file; once all have, rank 0 checksums them and commits."""
-    config, bookkeeping, run_dir = worker.config, worker.bookkeeping, worker.config.run_dir()
+    config, bookkeeping, run_dir = worker.config, worker.bookkeeping, run_directory(worker.config)
     state = {
         # The strategy first: it settles in-flight collectives, which the comm must not hold.
         "strategy": worker.strategy.state_dict(),

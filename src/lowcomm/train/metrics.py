@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from lowcomm.atomic import atomic_path, atomic_write_bytes, atomic_write_text
 from lowcomm.comm.network import NetworkProfile
 from lowcomm.train.records import ProcessTotals, StepMetrics
-from lowcomm.train.rundir import TOKENIZER_COPY
+from lowcomm.train.rundir import TOKENIZER_COPY, run_directory
 
 if TYPE_CHECKING:
     from lowcomm.config import TrainConfig
@@ -135,7 +135,7 @@ class RunWriter:
 
     def __init__(self, config: TrainConfig, *, resume_step: int | None = None) -> None:
         self.config = config
-        self.directory = config.run_dir()
+        self.directory = run_directory(config)
         self.directory.mkdir(parents=True, exist_ok=True)
         keep_tokenizer(config.data.tokenizer, self.directory)
         atomic_write_text(self.directory / "config.json", config.to_json() + "\n")

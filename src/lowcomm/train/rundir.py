@@ -1,5 +1,6 @@
-"""The run directory before a run starts: refuse to overwrite a run, check it can be written,
-and clear it when asked (``--overwrite``).
+"""The run directory: where a configuration's run goes (:func:`run_directory`), and before a run
+starts: refuse to overwrite a run, check it can be written, and clear it when asked
+(``--overwrite``).
 
 A directory *holds a run* when it has any file a run writes (:data:`RUN_FILES`). Other files
 in it are never touched, so ``--out`` may point into a directory that holds other things, and
@@ -8,10 +9,12 @@ in it are never touched, so ``--out`` may point into a directory that holds othe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from lowcomm.config import ConfigError, TrainConfig
 
@@ -27,6 +30,58 @@ RUN_FILES = (
 
 #: Where a failed run's worker tracebacks go (the one-line error names it).
 ERROR_LOG = "error.log"
+
+
+def run_directory(config: TrainConfig) -> Path:
+    """The run's directory: ``--out``, else the ``--resume`` directory, else
+    ``runs/<method>-<network>-w<workers>-s<seed>``, plus ``-<hash>`` of the other settings
+    that differ from their defaults (:func:`non_default_settings`)."""
+    if config.out is not None:
+        return Path(config.out)
+    if config.resume is not None and config.resume != "auto":
+        return Path(config.resume)
+    name = f"{config.method}-{config.network}-w{config.workers}-s{config.seed}"
+    differing = non_default_settings(config)
+    if differing:
+        # Runs that differ in any other setting (a learning-rate sweep) get their own directory.
+        digest = hashlib.sha256(json.dumps(differing, sort_keys=True, default=str).encode())
+        name += f"-{digest.hexdigest()[:6]}"
+    return Path("runs") / name
+
+
+def non_default_settings(config: TrainConfig) -> dict[str, Any]:
+    """The settings, other than those in the default run name and those that only steer
+    the run (output, resume, progress, checkpointing, timeout), that differ from their
+    defaults, as flat ``dotted.name: value`` pairs."""
+    mine, defaults = _flatten(config.to_dict()), _flatten(TrainConfig().to_dict())
+    return {
+        key: value
+        for key, value in mine.items()
+        if key not in _RUN_NAME_EXCLUDED and defaults.get(key, _MISSING) != value
+    }
+
+
+_MISSING = object()
+
+#: Fields left out of the default run name's hash: the name spells the first four, the others
+#: steer a run without changing what it computes.
+_RUN_NAME_EXCLUDED = frozenset(
+    {
+        "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
+        "tensorboard",
+        "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
+    }
+)  # fmt: skip
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def run_files(run_dir: Path) -> list[str]:
@@ -56,21 +111,21 @@ def check_run_dir(config: TrainConfig) -> str | None:
     Raises:
         ConfigError: the one-line reason.
     """
-    run_dir = config.run_dir()
+    directory = run_directory(config)
     option = _option(config)
-    _check_writable(run_dir, option)
-    held = run_files(run_dir)
+    _check_writable(directory, option)
+    held = run_files(directory)
     if config.resume is None:
         if held and not config.overwrite:
             from lowcomm.train.checkpoint import has_checkpoint
 
-            resume = f", --resume {run_dir} to continue it" if has_checkpoint(run_dir) else ""
+            resume = f", --resume {directory} to continue it" if has_checkpoint(directory) else ""
             raise ConfigError(
-                f"{option}: {run_dir} already holds a run ({', '.join(held)}); pass --overwrite "
+                f"{option}: {directory} already holds a run ({', '.join(held)}); pass --overwrite "
                 f"to replace it{resume}, or --out NEW_DIR for a fresh one"
             )
         return None
-    return _check_resumable(config, run_dir, held)
+    return _check_resumable(config, directory, held)
 
 
 def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str | None:

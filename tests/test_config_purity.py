@@ -1,0 +1,79 @@
+"""Issue 34 item 3: configuration is pure. ``TrainConfig.validate()`` reads no file; what needs
+the disk is the launch's pre-flight, with the same one-line errors."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lowcomm.comm.calibration import Calibration
+from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.launch.run import preflight
+
+
+def _no_disk(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make every file-system read fail the test, and record what was attempted."""
+    attempts: list[str] = []
+
+    def refuse(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            attempts.append(f"{name}({args[0] if args else ''})")
+            raise AssertionError(f"validate() touched the disk: {name}")
+
+        return call
+
+    for name in ("stat", "lstat", "listdir", "scandir", "readlink", "access"):
+        monkeypatch.setattr(os, name, refuse(f"os.{name}"))
+    monkeypatch.setattr(builtins, "open", refuse("open"))
+    return attempts
+
+
+def test_validate_reads_no_file_whatever_paths_it_is_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    TrainConfig(method="diloco", ranks_per_worker=2).validate()  # imports done before the ban
+    config = TrainConfig(
+        calibration=str(tmp_path / "c.json"),
+        out=str(tmp_path / "a"),
+        resume=str(tmp_path / "b"),
+        checkpoint_every=2,
+    )
+    config.data.data = str(tmp_path / "corpus.txt")
+    attempts = _no_disk(monkeypatch)
+    config.validate()  # --out differing from --resume needs the disk to tell: pre-flight's
+    assert attempts == []
+
+
+def test_a_calibration_of_other_shapes_is_refused_in_preflight(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    Calibration(
+        seconds_per_microbatch=0.01,
+        seconds_per_element=1e-9,
+        micro_batch_size=8,
+        block_size=64,
+        num_params=1000,
+    ).save(path)
+    config = TrainConfig(calibration=str(path), out=str(tmp_path / "run"))
+    config.validate()  # the options alone are fine
+    with pytest.raises(ConfigError) as refused:
+        preflight(config)
+    message = str(refused.value)
+    assert message.startswith(f"--calibration: {path} was measured on micro-batches of 8 x 64")
+    assert "\n" not in message
+
+
+def test_out_differing_from_resume_is_refused_in_preflight(tmp_path: Path) -> None:
+    config = TrainConfig(out=str(tmp_path / "a"), resume=str(tmp_path / "b"))
+    config.validate()
+    with pytest.raises(ConfigError, match=r"^--out: .* differs from --resume .*omit --out$"):
+        preflight(config)
+    # The same directory through a symbolic link is the same run directory.
+    (tmp_path / "b").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "b")
+    linked = TrainConfig(out=str(tmp_path / "link"), resume=str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match=r"--resume: .* holds no checkpoint"):
+        preflight(linked)
