@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import INNER_LINK, OUTER_LINK, NetworkProfile, check_link
 from lowcomm.optim.quantize import QuantizationFormat, encoded_bytes
-from lowcomm.strategies.declaration import Timing, Transfer
+from lowcomm.strategies.declaration import CostModel, Timing, Transfer
 from lowcomm.strategies.option_groups import with_method_options
 
 if TYPE_CHECKING:
@@ -284,156 +284,184 @@ def make_plan(config: PlanConfig, *, bandwidth_gbps: float | None = None) -> Pla
     return _evaluate(config, bandwidth_gbps)
 
 
-def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
-    cls, options = method_options(config)
-    model = cls.cost
-    ranks = config.ranks_per_worker
-    inner_profile = NetworkProfile.from_preset(
-        config.inner_network,
-        bandwidth_gbps=config.inner_bandwidth_gbps,
-        latency_ms=config.inner_latency_ms,
-        names=INNER_LINK,
-    )
+@dataclass(frozen=True)
+class _Pricing:
+    """What one collective of a method costs on the outer link, per rank (each rank carries
+    1/R of every outer payload over its own outer transfer).
+
+    A quantized outer exchange (the options the method declares as its
+    ``quantized_exchange``) is an all-gather of the encoded payloads, a compressed transfer
+    (``Transfer.bytes_per_parameter``) an all-gather of that many bytes per parameter;
+    everything else is an all-reduce."""
+
+    profile: NetworkProfile
+    workers: int
+    ranks: int
+    params: float
+    model_bytes: float
+    quantization: str = "none"
+    row_size: int = 1
+
+    def encoded(self, fraction: float) -> float:
+        numel = max(1, round(fraction * self.params / self.ranks))
+        fmt = typing.cast(QuantizationFormat, self.quantization)
+        return float(encoded_bytes(numel, fmt, self.row_size))
+
+    def exchange_seconds(self, fraction: float) -> float:
+        """Seconds of one outer exchange of ``fraction`` of the model (an all-reduce, or the
+        quantized all-gather)."""
+        m = self.workers
+        if self.quantization != "none":
+            return self.profile.collective_time(
+                CollectiveKind.ALL_GATHER, m * self.encoded(fraction), m
+            )
+        payload = fraction * self.model_bytes / self.ranks
+        return self.profile.collective_time(CollectiveKind.ALL_REDUCE, payload, m)
+
+    def exchange_bytes(self, fraction: float) -> float:
+        """Bytes one rank sends for one outer exchange of ``fraction`` of the model."""
+        m = self.workers
+        if m <= 1:
+            return 0.0
+        if self.quantization != "none":
+            return (m - 1) * self.encoded(fraction)
+        return 2.0 * (m - 1) / m * fraction * self.model_bytes / self.ranks
+
+    def gathered(self, t: Transfer) -> float:
+        """Bytes of one rank's encoded part of a compressed transfer (an all-gather)."""
+        return (t.bytes_per_parameter or 0.0) * t.fraction * self.params / self.ranks
+
+    def seconds(self, t: Transfer) -> float:
+        if t.bytes_per_parameter is not None:
+            m = self.workers
+            return self.profile.collective_time(CollectiveKind.ALL_GATHER, m * self.gathered(t), m)
+        return self.exchange_seconds(t.fraction)
+
+    def sent(self, t: Transfer) -> float:
+        """Bytes one rank sends for one ``t``."""
+        if t.bytes_per_parameter is not None:
+            return (self.workers - 1) * self.gathered(t) if self.workers > 1 else 0.0
+        return self.exchange_bytes(t.fraction)
+
+    def inner_payloads(self, t: Transfer) -> float:
+        """What one transfer reassembles inside a worker, in model payloads."""
+        if t.bytes_per_parameter is not None:
+            return self.workers * self.gathered(t) * self.ranks / self.model_bytes
+        return t.fraction
+
+
+def _step_compute(config: PlanConfig, params: float) -> float:
+    """Compute seconds of one optimizer step on one rank."""
+    if config.seconds_per_step is not None:
+        return config.seconds_per_step
+    tokens_per_rank = config.tokens_per_step / (config.workers * config.ranks_per_worker)
+    return 6.0 * params * tokens_per_rank / (config.flops * config.mfu)
+
+
+def _pricing(
+    config: PlanConfig, cls: type[Strategy], options: object | None, bandwidth_gbps: float | None
+) -> _Pricing:
     params = parse_params(config.params)
     profile = NetworkProfile.from_preset(
         config.network,
         bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else config.bandwidth_gbps,
         latency_ms=config.latency_ms,
     )
-    m = config.workers
-    steps = config.tokens / config.tokens_per_step
-    if config.seconds_per_step is not None:
-        step_compute = config.seconds_per_step
-    else:
-        tokens_per_rank = config.tokens_per_step / (m * ranks)
-        step_compute = 6.0 * params * tokens_per_rank / (config.flops * config.mfu)
-    model_bytes = config.element_bytes() * params
-    # Each rank carries 1/R of every outer payload over its own outer transfer.
-    payload = model_bytes / ranks
-    # A quantized outer exchange (the options the method declares as its quantized_exchange)
-    # is an all-gather of the encoded payloads; everything else is an all-reduce.
     quantization, row_size = (
         ("none", 1) if cls.quantized_exchange is None else cls.quantized_exchange.of(options)
     )
+    return _Pricing(
+        profile, config.workers, config.ranks_per_worker, params,
+        config.element_bytes() * params, quantization, row_size,
+    )  # fmt: skip
 
-    def encoded(fraction: float) -> float:
-        return float(
-            encoded_bytes(
-                max(1, round(fraction * params / ranks)),
-                typing.cast(QuantizationFormat, quantization),
-                row_size,
-            )
-        )
 
-    def exchange_seconds(fraction: float) -> float:
-        """Seconds of one outer exchange of ``fraction`` of the model (an all-reduce, or the
-        quantized all-gather)."""
-        if quantization != "none":
-            return profile.collective_time(CollectiveKind.ALL_GATHER, m * encoded(fraction), m)
-        return profile.collective_time(CollectiveKind.ALL_REDUCE, fraction * payload, m)
-
-    def exchange_bytes(fraction: float) -> float:
-        """Bytes one rank sends for one outer exchange of ``fraction`` of the model."""
-        if m <= 1:
-            return 0.0
-        if quantization != "none":
-            return (m - 1) * encoded(fraction)
-        return 2.0 * (m - 1) / m * fraction * payload
-
-    transfers = model.traffic(
-        options, Timing(step_seconds=step_compute, all_reduce_seconds=exchange_seconds)
+def _inner_link(
+    config: PlanConfig, pricing: _Pricing, payloads_per_step: float, replica_sharded: bool
+) -> tuple[float, float]:
+    """Seconds and bytes per rank per step on the inner link (R > 1), blocking: the gradient
+    all-reduce of every step, and the all-gather that reassembles each outer payload inside
+    the worker (``payloads_per_step`` model payloads); methods whose (inner) AdamW moments
+    are sharded over the replicas add one all-gather of the parameters per step (ZeRO-1
+    inside the worker)."""
+    ranks, model_bytes = config.ranks_per_worker, pricing.model_bytes
+    if ranks <= 1:
+        return 0.0, 0.0
+    inner = NetworkProfile.from_preset(
+        config.inner_network,
+        bandwidth_gbps=config.inner_bandwidth_gbps,
+        latency_ms=config.inner_latency_ms,
+        names=INNER_LINK,
     )
+    gathers = payloads_per_step + (1.0 if replica_sharded else 0.0)
+    seconds = inner.collective_time(
+        CollectiveKind.ALL_REDUCE, model_bytes, ranks
+    ) + gathers * inner.collective_time(CollectiveKind.ALL_GATHER, model_bytes, ranks)
+    sent = 2.0 * (ranks - 1) / ranks * model_bytes + gathers * (ranks - 1) / ranks * model_bytes
+    return seconds, sent
 
-    def gathered(t: Transfer) -> float:
-        """Bytes of one rank's encoded part of a compressed transfer (an all-gather)."""
-        return (t.bytes_per_parameter or 0.0) * t.fraction * params / ranks
 
-    def transfer_seconds(t: Transfer) -> float:
-        if t.bytes_per_parameter is not None:
-            return profile.collective_time(CollectiveKind.ALL_GATHER, m * gathered(t), m)
-        return exchange_seconds(t.fraction)
+def _memory_per_worker(
+    config: PlanConfig, model: CostModel, params: float, replica_sharded: bool
+) -> float:
+    """ACCO's convention: bf16 parameters and gradients, K bytes of optimizer states per
+    parameter (divided by M when sharded over workers), 2 bytes per extra model copy."""
+    optimizer_bytes = config.optimizer_bytes / (config.workers if model.shards_over_workers else 1)
+    if replica_sharded:
+        # The two moments (2/3 of AdamW's fp32 bytes) are split over the R replicas.
+        optimizer_bytes = config.optimizer_bytes * (1 / 3 + 2 / 3 / config.ranks_per_worker)
+    return (2 + 2 + 2 * model.extra_copies) * params + optimizer_bytes * params
 
-    def transfer_bytes(t: Transfer) -> float:
-        if t.bytes_per_parameter is not None:
-            return (m - 1) * gathered(t) if m > 1 else 0.0
-        return exchange_bytes(t.fraction)
 
-    def inner_payloads(t: Transfer) -> float:
-        """What one transfer reassembles inside a worker, in model payloads."""
-        if t.bytes_per_parameter is not None:
-            return m * gathered(t) * ranks / model_bytes
-        return t.fraction
-
-    payloads_per_step = sum(inner_payloads(t) * t.per_step for t in transfers)
+def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
+    cls, options = method_options(config)
+    model, ranks = cls.cost, config.ranks_per_worker
+    pricing = _pricing(config, cls, options, bandwidth_gbps)
+    step_compute = _step_compute(config, pricing.params)
+    transfers = model.traffic(
+        options, Timing(step_seconds=step_compute, all_reduce_seconds=pricing.exchange_seconds)
+    )
     # Communication time per step (averaged over the schedule) and the part exposed: each
-    # collective overlaps its hidden_steps of compute; what does not fit is exposed.
-    comm_per_step = sum(t.per_step * transfer_seconds(t) for t in transfers)
-    if model.accumulates:
-        exposed_per_step = 0.0
-    else:
-        exposed_per_step = sum(
-            t.per_step * max(0.0, transfer_seconds(t) - t.hidden_steps * step_compute)
-            for t in transfers
-        )
-
+    # collective overlaps its hidden_steps of compute; what does not fit is exposed (nothing
+    # for a method that accumulates: its compute never idles).
+    comm_per_step = sum(t.per_step * pricing.seconds(t) for t in transfers)
+    exposed_per_step = sum(
+        t.per_step * max(0.0, pricing.seconds(t) - t.hidden_steps * step_compute)
+        for t in transfers
+        if not model.accumulates
+    )
+    steps = config.tokens / config.tokens_per_step
     compute = steps * step_compute
     if model.accumulates:
         # ACCO: each committed step is two phases (estimate, update), each one RS+AG of the
         # model, and each phase's compute lasts until its communication is done (at least
         # half a step's batch). When communication is the slower side, each committed step
         # absorbs more tokens, so there are fewer of them; the compute never idles.
-        stretch = max(1.0, exchange_seconds(1.0) / (step_compute / 2))
-        steps = steps / stretch
-    # Inner link (R > 1), blocking: the gradient all-reduce of every step, and the all-gather
-    # that reassembles each outer payload inside the worker.
-    # Methods whose (inner) AdamW moments are sharded over the replicas add one all-gather of
-    # the parameters per step (ZeRO-1 inside the worker).
-    inner_per_step = 0.0
-    inner_bytes_per_step = 0.0
+        steps /= max(1.0, pricing.exchange_seconds(1.0) / (step_compute / 2))
     replica_sharded = ranks > 1 and model.shards_over_replicas
-    if ranks > 1:
-        gathers = payloads_per_step + (1.0 if replica_sharded else 0.0)
-        inner_per_step = inner_profile.collective_time(
-            CollectiveKind.ALL_REDUCE, model_bytes, ranks
-        ) + gathers * inner_profile.collective_time(CollectiveKind.ALL_GATHER, model_bytes, ranks)
-        inner_bytes_per_step = (
-            2.0 * (ranks - 1) / ranks * model_bytes + gathers * (ranks - 1) / ranks * model_bytes
-        )
+    payloads_per_step = sum(pricing.inner_payloads(t) * t.per_step for t in transfers)
+    inner_per_step, inner_bytes_per_step = _inner_link(
+        config, pricing, payloads_per_step, replica_sharded
+    )
     exposed = steps * (exposed_per_step + inner_per_step)
     total_comm = steps * (comm_per_step + inner_per_step)
     wall = compute + exposed
-    outer_bytes_per_step = sum(t.per_step * transfer_bytes(t) for t in transfers)
+    outer_bytes_per_step = sum(t.per_step * pricing.sent(t) for t in transfers)
     bytes_per_step = ranks * (outer_bytes_per_step + inner_bytes_per_step)
-    sharded = m if model.shards_over_workers else 1
-    optimizer_bytes = config.optimizer_bytes / sharded
-    if replica_sharded:
-        # The two moments (2/3 of AdamW's fp32 bytes) are split over the R replicas.
-        optimizer_bytes = config.optimizer_bytes * (1 / 3 + 2 / 3 / ranks)
-    memory = (2 + 2 + 2 * model.extra_copies) * params + optimizer_bytes * params
     return Plan(
-        method=config.method,
-        params=params,
-        workers=m,
-        steps=steps,
-        bandwidth_gbps=profile.bandwidth_gbps,
-        latency_ms=profile.latency_ms,
-        compute_s=compute,
-        comm_total_s=total_comm,
-        comm_exposed_s=exposed,
-        comm_hidden_s=total_comm - exposed,
-        utilization=compute / wall if wall > 0 else 1.0,
-        wall_clock_s=wall,
-        comm_bytes_per_worker_per_step=bytes_per_step,
+        method=config.method, params=pricing.params, workers=config.workers, steps=steps,
+        bandwidth_gbps=pricing.profile.bandwidth_gbps, latency_ms=pricing.profile.latency_ms,
+        compute_s=compute, comm_total_s=total_comm, comm_exposed_s=exposed,
+        comm_hidden_s=total_comm - exposed, utilization=compute / wall if wall > 0 else 1.0,
+        wall_clock_s=wall, comm_bytes_per_worker_per_step=bytes_per_step,
         comm_bytes_per_worker=bytes_per_step * steps,
-        memory_per_worker_bytes=memory,
-        ranks_per_worker=ranks,
-        inner_comm_s=steps * inner_per_step,
+        memory_per_worker_bytes=_memory_per_worker(config, model, pricing.params, replica_sharded),
+        ranks_per_worker=ranks, inner_comm_s=steps * inner_per_step,
         outer_bytes_per_rank_per_step=outer_bytes_per_step,
         inner_bytes_per_rank_per_step=inner_bytes_per_step,
-        schedule=model.schedule(options),
-        syncs_per_step=sum(t.per_step for t in transfers),
+        schedule=model.schedule(options), syncs_per_step=sum(t.per_step for t in transfers),
         options=None if options is None else dataclasses.asdict(options),  # type: ignore[call-overload]
-    )
+    )  # fmt: skip
 
 
 def solve_bandwidth(config: PlanConfig, target: float) -> float | None:
@@ -494,6 +522,15 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
     if config.json:
         print(json.dumps(result, indent=2))
         return result
+    rows = _table(config, plan, result)
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name.ljust(width)}  {value}")
+    return result
+
+
+def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tuple[str, str]]:
+    """The plan's rows (name, value) as ``lowcomm plan`` prints them."""
     rows = [
         ("method", f"{plan.method} ({method_options(config)[0].cost.description})"),
         ("sync", f"{plan.schedule} ({plan.syncs_per_step:.3g} collectives per step)"),
@@ -546,7 +583,4 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
                 else f"{solved:.3f} Gbit/s",
             )
         )
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"  {name.ljust(width)}  {value}")
-    return result
+    return rows
