@@ -107,6 +107,33 @@ def selftest_worker(config: SelftestConfig) -> RankReport:
     report = RankReport(rank=rank, environment=_environment(device))
     strategy_group = TorchComm(timeout_s=config.timeout_s)
     bookkeeping = strategy_group.cpu_side_group()
+    _communication_checks(report, strategy_group, bookkeeping, device)
+    for method in methods_to_check():
+        _run_check(
+            report,
+            f"method {method}",
+            f"{method} on {device.type} differs from the same run on the CPU or failed: rerun "
+            f"with CUBLAS_WORKSPACE_CONFIG=:4096:8 and NVIDIA_TF32_OVERRIDE=0 to rule out "
+            f"nondeterministic or TF32 kernels, then report the output as a bug"
+            if device.type == "cuda"
+            else f"{method} gave different results on two Gloo groups: report this as a bug",
+            lambda method=method: _check_method(method, strategy_group, bookkeeping, device),  # type: ignore[misc]
+        )
+    _run_check(
+        report,
+        "checkpoint and resume",
+        "a resumed run must continue the uninterrupted one: report this as a bug with the "
+        "output (and check the disk is writable)",
+        lambda: _check_resume(strategy_group, device),
+    )
+    bookkeeping.barrier().wait()
+    return report
+
+
+def _communication_checks(
+    report: RankReport, strategy_group: Any, bookkeeping: Any, device: torch.device
+) -> None:
+    """The checks of the process groups, the link and the clock, into ``report``."""
     nccl_fix = (
         "rerun with NCCL_DEBUG=INFO to see the transport NCCL chose; try NCCL_P2P_DISABLE=1 or "
         "NCCL_IB_DISABLE=1 to isolate a broken link, and check every process sees its own GPU"
@@ -150,26 +177,6 @@ def selftest_worker(config: SelftestConfig) -> RankReport:
         "(lowcomm.comm.clock.RealClock with device=cuda); report this as a bug",
         lambda: _check_clock(device),
     )
-    for method in methods_to_check():
-        _run_check(
-            report,
-            f"method {method}",
-            f"{method} on {device.type} differs from the same run on the CPU or failed: rerun "
-            f"with CUBLAS_WORKSPACE_CONFIG=:4096:8 and NVIDIA_TF32_OVERRIDE=0 to rule out "
-            f"nondeterministic or TF32 kernels, then report the output as a bug"
-            if device.type == "cuda"
-            else f"{method} gave different results on two Gloo groups: report this as a bug",
-            lambda method=method: _check_method(method, strategy_group, bookkeeping, device),  # type: ignore[misc]
-        )
-    _run_check(
-        report,
-        "checkpoint and resume",
-        "a resumed run must continue the uninterrupted one: report this as a bug with the "
-        "output (and check the disk is writable)",
-        lambda: _check_resume(strategy_group, device),
-    )
-    bookkeeping.barrier().wait()
-    return report
 
 
 def _environment(device: torch.device) -> dict[str, str]:

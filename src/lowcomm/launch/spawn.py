@@ -11,7 +11,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -218,59 +219,61 @@ def spawn_workers(
         check_gpu_count(world_size)  # before any process starts
     scratch = tempfile.mkdtemp(prefix="lowcomm-spawn-")
     try:
-        store_path = os.path.join(scratch, "store")
-        saved_env = {key: os.environ.get(key) for key in _WORKER_ENV}
-        os.environ.update(_WORKER_ENV)  # inherited by the spawned interpreters at start-up
         with _LauncherSignals() as signals:
-            try:
+            with _worker_environment():  # inherited by the spawned interpreters at start-up
+                store = os.path.join(scratch, "store")
+                entry = (fn, args, world_size, store, scratch, device, timeout_s, dict(os.environ))
                 context = start_processes(  # type: ignore[no-untyped-call]
                     _worker_entry,
-                    args=(
-                        fn,
-                        args,
-                        world_size,
-                        store_path,
-                        scratch,
-                        device,
-                        timeout_s,
-                        dict(os.environ),
-                        os.getcwd(),
-                    ),
+                    args=(*entry, os.getcwd()),
                     nprocs=world_size,
                     join=False,
                     start_method=_start_method(fn),
                 )
-            finally:
-                for key, value in saved_env.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
-            # torch logs each survivor it terminates after a failure: the failure's own line says
-            # what happened.
-            quiet = _Quiet("torch.multiprocessing.spawn")
-            try:
-                signals.arm()  # a signal during the start was held until now
-                while not context.join(timeout=1.0):
-                    pass
-                signals.disarm()
-            except _LauncherSignal as received:
-                signals.disarm()
-                _stop_workers(context.processes, signals)
-                raise Interrupted(received.signum) from None
-            except (ProcessRaisedException, ProcessExitedException) as error:
-                signals.disarm()
-                exit_codes = [process.exitcode for process in context.processes]
-                raise _first_failure(
-                    scratch, error.error_index, str(error), exit_codes, log_path
-                ) from None
-            finally:
-                quiet.restore()
+            _join(context, signals, scratch, log_path)
         return [
             torch.load(Path(scratch) / f"rank{r}.pt", weights_only=False) for r in range(world_size)
         ]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def _worker_environment() -> Iterator[None]:
+    """This process's environment with :data:`_WORKER_ENV` set, restored afterwards."""
+    saved_env = {key: os.environ.get(key) for key in _WORKER_ENV}
+    os.environ.update(_WORKER_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _join(context: Any, signals: _LauncherSignals, scratch: str, log_path: Path | None) -> None:
+    """Wait for every worker; stop them all on a signal to the launcher (:class:`Interrupted`)
+    or on the first failure (:class:`WorkerFailed`)."""
+    # torch logs each survivor it terminates after a failure: the failure's own line says what
+    # happened.
+    quiet = _Quiet("torch.multiprocessing.spawn")
+    try:
+        signals.arm()  # a signal during the start was held until now
+        while not context.join(timeout=1.0):
+            pass
+        signals.disarm()
+    except _LauncherSignal as received:
+        signals.disarm()
+        _stop_workers(context.processes, signals)
+        raise Interrupted(received.signum) from None
+    except (ProcessRaisedException, ProcessExitedException) as error:
+        signals.disarm()
+        exit_codes = [process.exitcode for process in context.processes]
+        raise _first_failure(scratch, error.error_index, str(error), exit_codes, log_path) from None
+    finally:
+        quiet.restore()
 
 
 class _Quiet:
