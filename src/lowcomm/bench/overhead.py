@@ -11,11 +11,13 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from lowcomm.comm.base import Comm
 from lowcomm.comm.clock import RealClock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.network import NetworkProfile
@@ -79,55 +81,15 @@ def overhead_worker(bench: OverheadBench) -> dict[str, list[float]]:
     torch.manual_seed(bench.seed)
     corpus = prepare_corpus(bench.data)
     shard = WorkerShard(
-        corpus,
-        rank=raw.rank,
-        world_size=raw.world_size,
-        seq_len=bench.model.block_size,
-        micro_batch_size=bench.data.micro_batch_size,
-        seed=bench.seed,
-        split=bench.data.split,
-    )
+        corpus, rank=raw.rank, world_size=raw.world_size, seq_len=bench.model.block_size,
+        micro_batch_size=bench.data.micro_batch_size, seed=bench.seed, split=bench.data.split,
+    )  # fmt: skip
     batches = [shard.next_batch() for _ in range(bench.steps_per_block)]
-    optim = AdamWConfig()
     base = build_model(bench.model, corpus.vocab_size)
-    handwritten_model = copy.deepcopy(base)
-    handwritten_opt = torch.optim.AdamW(
-        handwritten_model.parameters(),
-        lr=optim.lr,
-        betas=optim.betas,
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-    )
-    comm = NetworkComm(raw, NetworkProfile.from_preset("none"), RealClock())
-    total = bench.warmup_steps + bench.repeats * bench.steps_per_block
-    strategy = DDP(
-        copy.deepcopy(base),
-        comm,
-        StrategyContext(
-            optim=optim, schedule=ScheduleConfig(kind="constant", warmup_steps=0), total_steps=total
-        ),
-    )
-    cursor = [0]
-
-    def closure() -> MicroBatchResult:
-        inputs, targets = batches[cursor[0] % len(batches)]
-        cursor[0] += 1
-        _, loss = strategy.model(inputs, targets)
-        assert loss is not None
-        loss.backward()
-        return MicroBatchResult(float(loss.detach()), inputs.shape[0], inputs.numel())
-
-    def lowcomm_block(steps: int) -> None:
-        for _ in range(steps):
-            strategy.step(closure)
-
-    def handwritten_block(steps: int) -> None:
-        for index in range(steps):
-            _handwritten_step(
-                handwritten_model, handwritten_opt, batches[index % len(batches)], raw.world_size
-            )
-
-    sides = {"lowcomm": lowcomm_block, "handwritten": handwritten_block}
+    sides = {
+        "lowcomm": _lowcomm_side(bench, raw, copy.deepcopy(base), batches),
+        "handwritten": _handwritten_side(copy.deepcopy(base), batches, raw.world_size),
+    }
     for run in sides.values():
         run(bench.warmup_steps)
     times: dict[str, list[float]] = {name: [] for name in sides}
@@ -140,6 +102,53 @@ def overhead_worker(bench: OverheadBench) -> dict[str, list[float]]:
             dist.barrier()
             times[name].append((time.perf_counter() - begin) / bench.steps_per_block)
     return times
+
+
+_Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _lowcomm_side(
+    bench: OverheadBench, raw: Comm, model: torch.nn.Module, batches: _Batches
+) -> Callable[[int], None]:
+    """Steps of lowcomm's DDP on a free link (no emulated cost) over ``raw``."""
+    comm = NetworkComm(raw, NetworkProfile.from_preset("none"), RealClock())
+    total = bench.warmup_steps + bench.repeats * bench.steps_per_block
+    schedule = ScheduleConfig(kind="constant", warmup_steps=0)
+    strategy = DDP(
+        model, comm, StrategyContext(optim=AdamWConfig(), schedule=schedule, total_steps=total)
+    )
+    cursor = [0]
+
+    def closure() -> MicroBatchResult:
+        inputs, targets = batches[cursor[0] % len(batches)]
+        cursor[0] += 1
+        _, loss = strategy.model(inputs, targets)
+        assert loss is not None
+        loss.backward()
+        return MicroBatchResult(float(loss.detach()), inputs.shape[0], inputs.numel())
+
+    def block(steps: int) -> None:
+        for _ in range(steps):
+            strategy.step(closure)
+
+    return block
+
+
+def _handwritten_side(
+    model: torch.nn.Module, batches: _Batches, world_size: int
+) -> Callable[[int], None]:
+    """Steps of the hand-written loop: torch's AdamW after an all-reduce of the gradients."""
+    optim = AdamWConfig()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )  # fmt: skip
+
+    def block(steps: int) -> None:
+        for index in range(steps):
+            _handwritten_step(model, optimizer, batches[index % len(batches)], world_size)
+
+    return block
 
 
 def run_overhead(bench: OverheadBench) -> None:
