@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 from lowcomm.atomic import atomic_write_text
 from lowcomm.comm.base import CollectiveKind
@@ -406,50 +406,13 @@ def run_method_on_star(
     sent_before = [_tx_bytes(star, rank) for rank in range(star.workers)]
     args = _train_args(bench, method, run_dir)
     processes: list[subprocess.Popen[bytes]] = []
-    logs = []
+    logs: list[BinaryIO] = []
     begin = time.perf_counter()
     try:
         for rank in range(star.workers):
-            env = dict(os.environ)
-            for key in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-                env.pop(key, None)
-            env.update(
-                RANK=str(rank),
-                WORLD_SIZE=str(star.workers),
-                LOCAL_RANK="0",  # one worker per "machine" (namespace)
-                MASTER_ADDR=worker_address(0),
-                MASTER_PORT=str(MASTER_PORT),
-                GLOO_SOCKET_IFNAME=WORKER_IFNAME,
-                OMP_NUM_THREADS="1",
-                MKL_NUM_THREADS="1",
-            )
-            log = open(run_dir / f"worker{rank}.log", "wb")  # noqa: SIM115
-            logs.append(log)
-            command = [
-                "ip",
-                "netns",
-                "exec",
-                star.namespace(rank),
-                sys.executable,
-                "-m",
-                "lowcomm",
-                "train",
-                *args,
-            ]
-            processes.append(
-                subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-            )
-        deadline = time.monotonic() + bench.timeout_s
-        for rank, process in enumerate(processes):
-            try:
-                code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(
-                    f"{method}: worker {rank} did not finish within {bench.timeout_s:.0f} s "
-                    f"(log: {run_dir / f'worker{rank}.log'})"
-                ) from None
-            if code != 0:
-                raise _exited(f"{method}: worker {rank}", code, run_dir / f"worker{rank}.log")
+            logs.append(open(run_dir / f"worker{rank}.log", "wb"))  # noqa: SIM115
+            processes.append(_start_worker(star, rank, args, logs[-1]))
+        _wait_for_workers(processes, bench, method, run_dir)
     finally:
         for process in processes:
             if process.poll() is None:
@@ -461,6 +424,45 @@ def run_method_on_star(
     sent = [_tx_bytes(star, rank) - sent_before[rank] for rank in range(star.workers)]
     result.wire_bytes_per_worker = statistics.fmean(sent)
     return result
+
+
+def _start_worker(
+    star: ShapedStar, rank: int, args: list[str], log: BinaryIO
+) -> subprocess.Popen[bytes]:
+    """Start worker ``rank`` in its namespace, joining the others through torchrun's variables."""
+    env = dict(os.environ)
+    for key in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(key, None)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(star.workers),
+        LOCAL_RANK="0",  # one worker per "machine" (namespace)
+        MASTER_ADDR=worker_address(0),
+        MASTER_PORT=str(MASTER_PORT),
+        GLOO_SOCKET_IFNAME=WORKER_IFNAME,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+    )
+    namespace = ["ip", "netns", "exec", star.namespace(rank)]
+    command = [*namespace, sys.executable, "-m", "lowcomm", "train", *args]
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_for_workers(
+    processes: list[subprocess.Popen[bytes]], bench: RealLinkBench, method: str, run_dir: Path
+) -> None:
+    """Wait for every worker until ``bench.timeout_s``; raise naming the first that failed."""
+    deadline = time.monotonic() + bench.timeout_s
+    for rank, process in enumerate(processes):
+        try:
+            code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"{method}: worker {rank} did not finish within {bench.timeout_s:.0f} s "
+                f"(log: {run_dir / f'worker{rank}.log'})"
+            ) from None
+        if code != 0:
+            raise _exited(f"{method}: worker {rank}", code, run_dir / f"worker{rank}.log")
 
 
 def predicted_allreduce_s(payload_bytes: float, workers: int, bandwidth_mbit: float) -> float:
