@@ -137,14 +137,29 @@ def time_command(
 
 def run_startup(bench: StartupBench) -> list[StartupRun]:
     """Time the command for each worker count; print the table; return the runs."""
-    import statistics
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    runs: list[StartupRun] = []
     if not bench.cold:
         from lowcomm.data import DataConfig, prepare_corpus
 
         prepare_corpus(DataConfig())  # so that "warm" is true of the first run too
+    runs = _time_runs(bench)
+    print(f"\nlowcomm bench startup: {bench.method}, tiny model, {bench.steps} steps, "
+          f"{'cold' if bench.cold else 'warm'} tokenizer cache, {cores} CPU cores, "
+          f"median of {bench.repeats}")  # fmt: skip
+    table = _print_table(bench, runs)
+    if bench.json_out is not None:
+        report = {
+            "method": bench.method, "steps": bench.steps, "cold": bench.cold, "cores": cores,
+            "table": table, "runs": [dataclasses.asdict(run) for run in runs],
+        }  # fmt: skip
+        Path(bench.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return runs
+
+
+def _time_runs(bench: StartupBench) -> list[StartupRun]:
+    """Run the command ``bench.repeats`` times for each worker count, each into a scratch
+    directory (with a cold cache, each its own empty one)."""
+    runs: list[StartupRun] = []
     with tempfile.TemporaryDirectory(prefix="lowcomm-startup-") as scratch:
         env = {**os.environ}
         for repeat in range(bench.repeats):
@@ -159,8 +174,9 @@ def run_startup(bench: StartupBench) -> list[StartupRun]:
                     *TINY_MODEL,
                 ]  # fmt: skip
                 first, exit_s, code, lines = time_command(command, out / "metrics.jsonl", env=env)
-                run = StartupRun(workers, first, exit_s, code, phase_costs(lines, first), lines)
-                runs.append(run)
+                runs.append(
+                    StartupRun(workers, first, exit_s, code, phase_costs(lines, first), lines)
+                )
                 status = (
                     "" if code == 0 else f"  (exit code {code}: {lines[-1][1] if lines else ''})"
                 )
@@ -168,9 +184,14 @@ def run_startup(bench: StartupBench) -> list[StartupRun]:
                     f"  {workers:>3} workers: first step {first:6.2f} s, exit {exit_s:6.2f} s{status}",
                     flush=True,
                 )
-    print(f"\nlowcomm bench startup: {bench.method}, tiny model, {bench.steps} steps, "
-          f"{'cold' if bench.cold else 'warm'} tokenizer cache, {cores} CPU cores, "
-          f"median of {bench.repeats}")  # fmt: skip
+    return runs
+
+
+def _print_table(bench: StartupBench, runs: list[StartupRun]) -> list[dict[str, object]]:
+    """Print the medians per worker count (to the first step, to exit, per phase); return
+    them as rows."""
+    import statistics
+
     names = [name for name, _ in PHASES] + ["first step"]
     header = f"{'workers':>7}  {'to first step':>13}  {'to exit':>8}  " + "  ".join(
         f"{name:>{max(9, len(name))}}" for name in names
@@ -195,19 +216,4 @@ def run_startup(bench: StartupBench) -> list[StartupRun]:
         table.append(
             {"workers": workers, "first_step_s": first, "exit_s": exit_s, "phases": phases}
         )
-    if bench.json_out is not None:
-        Path(bench.json_out).write_text(
-            json.dumps(
-                {
-                    "method": bench.method,
-                    "steps": bench.steps,
-                    "cold": bench.cold,
-                    "cores": cores,
-                    "table": table,
-                    "runs": [dataclasses.asdict(run) for run in runs],
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    return runs
+    return table
