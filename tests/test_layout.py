@@ -1,5 +1,6 @@
 """The code's shape, checked from its source with ``ast``: no import cycles among lowcomm's
-modules, and no function in ``train/`` longer than a screen (issue 15, item 5)."""
+modules, and no function in ``src/`` longer than a screen (issue 15 item 5 for ``train/``,
+issue 34 item 6 for the rest)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,28 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "lowcomm"
 
-#: The longest function ``train/`` may hold, in lines (decorators and docstring included).
-MAX_TRAIN_FUNCTION_LINES = 60
+#: The longest function ``src/`` may hold, in lines (decorators and docstring included).
+MAX_FUNCTION_LINES = 60
+
+#: Functions allowed to stay longer, ``module.py:qualified.name`` -> why. Each entry is a debt
+#: with its reason; the test fails when one is no longer needed, so the list only shrinks.
+_PARALLEL = "being changed on another branch today (issue 34's study, the data and HF-model work); split once it lands"
+_AFTER_MERGE = "split after today's merge of main (issue 34 item 6: config, cli and the API are edited in parallel)"
+LONG_FUNCTIONS: dict[str, str] = {
+    "api.py:connect": _AFTER_MERGE,
+    "api.py:make_strategy": _AFTER_MERGE,
+    "bench/clock.py:_report": _PARALLEL,
+    "bench/compare.py:_report": _PARALLEL,
+    "bench/compare.py:run_compare": _PARALLEL,
+    "cli.py:_main": _AFTER_MERGE,
+    "config.py:TrainConfig.validate": _AFTER_MERGE,
+    "data/corpus.py:prepare_corpus": _PARALLEL,
+    "data/sampling.py:WorkerShard.__init__": _PARALLEL,
+    "data/sampling.py:validation_batches": _PARALLEL,
+    "models/hf.py:build_hf_model": _PARALLEL,
+    "reproduce/__init__.py:_report": _PARALLEL,
+    "strategies/diloco.py:DiLoCoOptions.__post_init__": _PARALLEL,
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -99,13 +120,44 @@ def test_the_cycle_detector_finds_a_cycle() -> None:
     assert "lowcomm.config" in import_graph()["lowcomm.train.checkpoint"]
 
 
-def test_no_function_in_train_is_over_60_lines() -> None:
-    long = []
-    for path in sorted((SOURCE / "train").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-                lines = (node.end_lineno or node.lineno) - first + 1
-                if lines > MAX_TRAIN_FUNCTION_LINES:
-                    long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
-    assert long == [], f"split these into named pieces: {long}"
+def long_functions(source: Path = SOURCE) -> dict[str, int]:
+    """Every function (methods and nested functions included) longer than
+    :data:`MAX_FUNCTION_LINES`, as ``path/relative/to/lowcomm.py:qualified.name`` -> lines."""
+    found: dict[str, int] = {}
+    for path in sorted(source.rglob("*.py")):
+        where = path.relative_to(source).as_posix()
+        _collect(ast.parse(path.read_text()), where, "", found)
+    return found
+
+
+def _collect(node: ast.AST, where: str, prefix: str, found: dict[str, int]) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{child.name}"
+            if not isinstance(child, ast.ClassDef):
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                lines = (child.end_lineno or child.lineno) - first + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found[f"{where}:{name}"] = lines
+            _collect(child, where, f"{name}.", found)
+        else:
+            _collect(child, where, prefix, found)
+
+
+def test_no_function_in_src_is_over_60_lines() -> None:
+    found = long_functions()
+    offenders = {name: lines for name, lines in found.items() if name not in LONG_FUNCTIONS}
+    assert offenders == {}, f"split these into named pieces (lines): {offenders}"
+    stale = sorted(set(LONG_FUNCTIONS) - set(found))
+    assert stale == [], f"no longer over {MAX_FUNCTION_LINES} lines, drop from LONG_FUNCTIONS"
+
+
+def test_the_length_checker_counts_decorators_docstrings_and_nested_functions(
+    tmp_path: Path,
+) -> None:
+    body = "".join(f"            x{i} = {i}\n" for i in range(56))
+    (tmp_path / "m.py").write_text(
+        "@staticmethod\ndef short():\n    pass\n\n\nclass C:\n    @property\n"
+        f'    def long(self):\n        """doc"""\n\n        def inner():\n{body}'
+    )
+    assert long_functions(tmp_path) == {"m.py:C.long": 61}
