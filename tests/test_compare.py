@@ -47,6 +47,20 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
     # Same data order and start: DDP and ZeRO-1 reach the same loss.
     ddp, zero = results["methods"]["ddp"], results["methods"]["zero1"]
     assert ddp["final_val_loss_mean"] == pytest.approx(zero["final_val_loss_mean"], abs=1e-3)
+    # One calibration, measured before the first run, charged by every run of the study.
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert results["calibration"]["path"] == str((out / "calibration.json").resolve())
+    charged = set()
+    for run in ("ddp-s0", "zero1-s0", "ddp+lr-s0"):
+        summary = json.loads((out / "runs" / run / "summary.json").read_text())
+        run_config = json.loads((out / "runs" / run / "config.json").read_text())
+        assert run_config["calibration"] == str((out / "calibration.json").resolve())
+        charged.add(summary["compute_model"]["seconds_per_microbatch"])
+    assert charged == {calibration["seconds_per_microbatch"]}
+    assert (
+        "every run on the calibrated model charges one calibration"
+        in (out / "report.md").read_text()
+    )
     # The variant is ddp at another learning rate, in its own run directory, under its label.
     variant = results["methods"]["ddp+lr"]
     assert (variant["method"], variant["options"]) == ("ddp", {"optim.lr": "0.003"})

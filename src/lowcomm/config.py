@@ -95,7 +95,8 @@ class TrainConfig:
 
     clock: Literal["real", "virtual"] = "virtual"
     """real: wall time, with transfers delayed to the modeled time. virtual: modeled time per
-    worker from its own CPU time (or --seconds-per-microbatch) and the network model."""
+    worker from the calibrated compute cost (see --compute-model; or --seconds-per-microbatch)
+    and the network model."""
 
     seconds_per_microbatch: float | None = None
     """Virtual clock only: declared compute seconds per micro-batch (models a target device)."""

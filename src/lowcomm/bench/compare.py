@@ -25,7 +25,14 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from lowcomm.atomic import atomic_write_text
-from lowcomm.bench.runs import CHECKPOINTS_HELP, CheckpointPolicy, run_or_resume
+from lowcomm.bench.runs import (
+    CHECKPOINTS_HELP,
+    STUDY_CALIBRATION,
+    CheckpointPolicy,
+    StudyCalibration,
+    run_or_resume,
+    study_calibration,
+)
 from lowcomm.bench.runs import mean_sd as _mean_sd
 from lowcomm.bench.runs import val_curve as _val_curve
 from lowcomm.bench.variants import Variant, parse_methods
@@ -165,13 +172,22 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     from lowcomm.data import prepare_corpus
 
-    prepare_corpus(bench.train.data)
+    corpus = prepare_corpus(bench.train.data)
+    given = bench.train.calibration
+    study = study_calibration(
+        bench.train,
+        Path(given) if given else out / STUDY_CALIBRATION,
+        vocab_size=corpus.vocab_size,
+        option="--train.calibration" if given else "--out",
+        tag="compare",
+    )
     runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
     failures: dict[str, str] = {}
     for variant in variants:
         method = variant.label
         for seed in range(bench.seeds):
             config = bench.run_config(variant, seed)
+            config = config if study is None else study.apply(config)
             run_dir = Path(str(config.out))
             summary_path = run_dir / "summary.json"
             error = run_or_resume(
@@ -233,11 +249,12 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         "target_val_loss": target,
         "methods": rows,
         "failures": failures,
+        "calibration": None if study is None else study.to_dict(),
         "train_config": bench.run_config(variants[0].method, 0).to_dict() if variants else {},
     }
     atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
     _plot(out, finished, bench.train.clock)
-    report = _report(bench, rows, target, failures)
+    report = _report(bench, rows, target, failures, study)
     atomic_write_text(out / "report.md", report)
     print(report)
     return results
@@ -248,6 +265,7 @@ def _report(
     rows: dict[str, dict[str, Any]],
     target: float | None,
     failures: dict[str, str],
+    study: StudyCalibration | None = None,
 ) -> str:
     train = bench.train
     clock = train.clock
@@ -264,6 +282,7 @@ def _report(
         f"{train.workers} workers{ranks}, {budget}, {bench.seeds} seed(s), {clock} clock. "
         f"Same model, data order and budget for every method.",
         "",
+        *([study.describe("--train.calibration"), ""] if study is not None else []),
         f"| method | final val loss | tokens | steps | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"
         if target is not None
         else "| method | final val loss | tokens | steps | time to target | time | utilisation | bytes/worker/step | state bytes/worker |",

@@ -65,7 +65,7 @@ def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any]
         return _join_torchrun(config, note, report)
     prepare_checked_corpus(config, report)
     if report is not None:
-        warn_if_oversubscribed(config.world_size)
+        warn_if_oversubscribed(config.world_size, config)
     start_run_dir(config, note)
     if report is not None:
         report(f"starting {config.world_size} worker processes")
@@ -209,17 +209,35 @@ def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
     )
 
 
-def warn_if_oversubscribed(processes: int) -> None:
-    """Say when this machine runs more worker processes than it has CPU cores."""
+def warn_if_oversubscribed(processes: int, config: TrainConfig | None = None) -> None:
+    """Say when this machine runs more worker processes than it has CPU cores, and what that
+    does to the run's clock (``config``'s; without one, the default clock's)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if cores is not None and processes > cores:
         print(
             f"lowcomm: warning: {processes} worker processes on {cores} CPU cores: they take "
-            f"turns, so start-up and wall-clock times grow with the count (the virtual clock "
-            f"counts each worker's own CPU time and is not inflated)",
+            f"turns, so start-up and wall-clock times grow with the count "
+            f"({_clock_under_load(config or TrainConfig())})",
             file=sys.stderr,
             flush=True,
         )
+
+
+def _clock_under_load(config: TrainConfig) -> str:
+    """What the run's clock makes of workers taking turns on the cores."""
+    if config.clock == "real":
+        return "the real clock's modeled time grows with them: try --clock virtual"
+    if config.seconds_per_microbatch is not None:
+        return "the virtual clock charges the declared --seconds-per-microbatch and is not inflated"
+    if config.compute_model == "cpu-time":
+        return (
+            "the virtual clock counts each worker's own CPU time, which sharing a core "
+            "inflates by a few percent"
+        )
+    return (
+        "the virtual clock charges the compute cost the workers calibrate in turn before "
+        "training, and is not inflated"
+    )
 
 
 def start_run_dir(config: TrainConfig, note: str | None) -> None:
@@ -271,7 +289,7 @@ def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dic
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank == 0 and report is not None:
-        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), config)
     init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
     try:
         # Every process checked the run directory before the rendezvous; only then is it cleared.
