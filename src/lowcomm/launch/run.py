@@ -170,10 +170,14 @@ def check_method_options(config: TrainConfig) -> str | None:
 
 
 def prepare_checked_corpus(
-    config: TrainConfig, report: Report, *, check: bool = True
+    config: TrainConfig,
+    report: Report,
+    *,
+    check: bool = True,
+    waiting: Callable[[str], None] | None = None,
 ) -> PreparedCorpus:
     """Prepare the corpus (tokenizer and tokens, cached) and (with ``check``) check that every
-    worker gets a batch from it."""
+    worker gets a batch from it; ``waiting`` is told while another process prepares it."""
     from lowcomm.data import prepare_corpus
 
     source = "the bundled corpus" if config.data.data is None else config.data.data
@@ -181,7 +185,7 @@ def prepare_checked_corpus(
         report(f"preparing corpus from {source}")
     started = time.perf_counter()
     try:
-        corpus = prepare_corpus(config.data, report=report)
+        corpus = prepare_corpus(config.data, report=report, waiting=waiting)
     except OSError as error:  # e.g. a cache directory that cannot be written
         where = f" ({error.filename})" if error.filename else ""
         raise ConfigError(
@@ -283,7 +287,6 @@ def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dic
     import torch.distributed as dist
 
     from lowcomm.comm.torch_comm import TorchComm
-    from lowcomm.data import prepare_corpus
     from lowcomm.launch.spawn import init_from_env
     from lowcomm.train.loop import train_worker
 
@@ -298,14 +301,16 @@ def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dic
             start_run_dir(config, note)
             if report is not None:
                 report(f"workers connected: {dist.get_world_size()} processes")
-        # One preparer per machine, the others wait: concurrent tokenizer training is waste.
-        corpus = None
-        if local_rank == 0:
-            corpus = prepare_checked_corpus(config, report if first else None, check=False)
-        dist.barrier()
-        # Checked on every rank (the others read the cache), so all refuse a corpus alike
-        # instead of some waiting at a barrier for one that failed.
-        config.check_corpus(corpus if corpus is not None else prepare_corpus(config.data))
+        # Every rank prepares: the first to take the cache's file lock tokenizes, the others
+        # wait on that lock (saying so every 30 s), never inside a collective, where NCCL's
+        # watchdog would end a long wait; then all map the same token file. Checked on every
+        # rank, so all refuse a corpus alike.
+        rank = dist.get_rank()
+
+        def waiting(line: str) -> None:
+            print(f"lowcomm: rank {rank}: {line}", file=sys.stderr, flush=True)
+
+        prepare_checked_corpus(config, report if first else None, waiting=waiting)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
     finally:
