@@ -151,12 +151,19 @@ def check_method_options(config: TrainConfig) -> str | None:
     with the method's own message. Returns the method's note on a run of ``--steps`` whose
     final model leaves out the last steps (:meth:`Strategy.unsynchronized_tail`; not for a
     --token-budget run, which may end sooner)."""
+    import torch
+
     from lowcomm.comm.fake import RecordingComm
     from lowcomm.models import build_model
     from lowcomm.strategies import build_strategy
 
     try:
-        model = build_model(config.model, config.data.vocab_size)
+        # On the meta device: the method needs the shapes, not a copy of the weights. A model
+        # described by a config.json has its own vocabulary size (checked against the
+        # tokenizer's in pre-flight), so any size up to it does here.
+        vocab_size = config.data.vocab_size if config.model.config is None else 1
+        with torch.device("meta"):
+            model = build_model(config.model, vocab_size)
         strategy = build_strategy(
             config.method, model, RecordingComm(world_size=config.workers),
             config.strategy_context(), config,
