@@ -337,3 +337,10 @@ def test_cli_trains_and_counts_the_packed_bytes(tmp_path: Path) -> None:
     # coefficients of a 16 x 16 block (more for vectors), 8 index bits and 32 value bits.
     sent = summary["bytes_by_role"]["pseudo_gradient"]
     assert 2 * 8 * 5 * summary["num_params"] / 256 <= sent < 2 * 4 * summary["num_params"] / 10
+
+
+def test_options_are_exported_from_lowcomm() -> None:
+    import lowcomm
+
+    assert "DeMoOptions" in lowcomm.__all__
+    assert lowcomm.DeMoOptions is DeMoOptions
