@@ -113,6 +113,7 @@ def make_strategy(
     microbatches_per_step: int = 1,
     max_grad_norm: float | None = 1.0,
     options: object | None = None,
+    seed: int = 0,
 ) -> Strategy:
     """Build the strategy ``method`` around ``model``.
 
@@ -141,6 +142,8 @@ def make_strategy(
             :class:`DiLoCoOptions`: diloco, streaming_diloco, diloco_delayed, eager, cocodc;
             :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset); None uses the
             family's defaults. ddp and zero1 take none.
+        seed: the run's seed, the same on every worker (SPARTA draws the indices it averages
+            from it and the step number).
 
     Raises:
         ValueError: for an unknown method, an options object of another family, or an invalid
@@ -154,6 +157,7 @@ def make_strategy(
         total_steps=total_steps,
         microbatches_per_step=microbatches_per_step,
         max_grad_norm=max_grad_norm,
+        seed=seed,
     )
     cls = strategy_class(method)
     expected = options_class(cls)
