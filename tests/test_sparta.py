@@ -307,3 +307,15 @@ def test_sparta_diloco_says_when_the_last_round_is_cut() -> None:
     tail = strategy.unsynchronized_tail(10)
     assert tail is not None and "--sparta.sync-every 4" in tail and "--steps 12" in tail
     assert math.isclose(SpartaOptions().fraction, 0.005)
+
+
+def test_exported_and_built_by_make_strategy_with_the_run_seed() -> None:
+    import lowcomm
+
+    strategy = lowcomm.make_strategy(
+        "sparta_diloco", tiny_gpt(), lowcomm.connect(),
+        options=lowcomm.SpartaOptions(fraction=0.1, sync_every=8), seed=9,
+    )  # fmt: skip
+    assert isinstance(strategy, SpartaDiLoCo)
+    assert (strategy.average.seed, strategy.average.fraction) == (9, 0.1)
+    assert strategy.options.sync_every == 8 and strategy.options.outer_lr == 0.7

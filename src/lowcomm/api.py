@@ -140,7 +140,8 @@ def make_strategy(
             sync_every=32)`` for diloco (:class:`AccoOptions`: acco, dpu, wp;
             :class:`LocalOptions`: local_sgd, local_adamw, overlap_local_sgd, slowmo, co2;
             :class:`DiLoCoOptions`: diloco, streaming_diloco, diloco_delayed, eager, cocodc;
-            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset); None uses the
+            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset;
+            :class:`SpartaOptions`: sparta, sparta_diloco); None uses the
             family's defaults. ddp and zero1 take none.
         seed: the run's seed, the same on every worker (SPARTA draws the indices it averages
             from it and the step number).
