@@ -29,6 +29,7 @@ _PUBLIC = {
     "MicroBatchResult": "lowcomm.strategies",
     "ScheduleConfig": "lowcomm.optim.schedule",
     "SparseLoCoOptions": "lowcomm.strategies.sparseloco",
+    "SpartaOptions": "lowcomm.strategies.sparta",
     "StepStats": "lowcomm.strategies",
     "Strategy": "lowcomm.strategies",
     "StrategyContext": "lowcomm.strategies",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from lowcomm.strategies.desloc import DeslocOptions
     from lowcomm.strategies.diloco import DiLoCoOptions
     from lowcomm.strategies.sparseloco import SparseLoCoOptions
+    from lowcomm.strategies.sparta import SpartaOptions
 
 
 def __getattr__(name: str) -> Any:
@@ -74,6 +76,7 @@ __all__ = [
     "MicroBatchResult",
     "ScheduleConfig",
     "SparseLoCoOptions",
+    "SpartaOptions",
     "StepStats",
     "Strategy",
     "StrategyContext",

@@ -127,6 +127,7 @@ def make_strategy(
     microbatches_per_step: int = 1,
     max_grad_norm: float | None = 1.0,
     options: object | None = None,
+    seed: int = 0,
 ) -> Strategy:
     """Build the strategy ``method`` around ``model``.
 
@@ -153,8 +154,11 @@ def make_strategy(
             sync_every=32)`` for diloco (:class:`AccoOptions`: acco, dpu, wp;
             :class:`LocalOptions`: local_sgd, local_adamw, overlap_local_sgd, slowmo, co2;
             :class:`DiLoCoOptions`: diloco, streaming_diloco, diloco_delayed, eager, cocodc;
-            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset); None uses the
+            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset;
+            :class:`SpartaOptions`: sparta, sparta_diloco); None uses the
             family's defaults. ddp and zero1 take none.
+        seed: the run's seed, the same on every worker (SPARTA draws the indices it averages
+            from it and the step number).
 
     Raises:
         ValueError: for an unknown method, an options object of another family, or an invalid
@@ -168,6 +172,7 @@ def make_strategy(
         total_steps=total_steps,
         microbatches_per_step=microbatches_per_step,
         max_grad_norm=max_grad_norm,
+        seed=seed,
     )
     cls = strategy_class(method)
     expected = options_class(cls)

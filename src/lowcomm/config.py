@@ -424,6 +424,7 @@ class TrainConfig:
             microbatch_shares=None
             if budget is None
             else budget_shares(budget, self.speed_factors or (1.0,) * self.workers),
+            seed=self.seed,
         )
 
     def tokens_per_microbatch(self) -> int:
