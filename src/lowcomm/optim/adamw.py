@@ -15,7 +15,6 @@ import torch
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.flat import check_master, tensor_bytes
 
-
 #: The inner optimizers ``--optim.name`` chooses from.
 OptimizerName = Literal["adamw", "muon"]
 #: Muon's learning-rate scaling by matrix shape (rows A, columns B).

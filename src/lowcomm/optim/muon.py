@@ -83,9 +83,7 @@ def takes_muon(model: nn.Module) -> list[bool]:
     """For each trainable parameter of ``model`` (``model.parameters()`` order, tied ones
     once: :class:`~lowcomm.strategies.flat.FlatBuffers`' order), whether Muon updates it."""
     excluded = _excluded_ids(model)
-    return [
-        p.dim() == 2 and id(p) not in excluded for p in model.parameters() if p.requires_grad
-    ]
+    return [p.dim() == 2 and id(p) not in excluded for p in model.parameters() if p.requires_grad]
 
 
 def muon_parameter_names(model: nn.Module) -> list[str]:
@@ -131,7 +129,11 @@ class MuonLayout:
 
     @classmethod
     def build(
-        cls, model: nn.Module, parameters: Sequence[nn.Parameter], offsets: Sequence[int], numel: int
+        cls,
+        model: nn.Module,
+        parameters: Sequence[nn.Parameter],
+        offsets: Sequence[int],
+        numel: int,
     ) -> MuonLayout:
         """The layout of a flat buffer holding ``parameters`` at ``offsets`` (``numel``
         long, padding included), the Muon ones chosen by :func:`takes_muon`."""
