@@ -24,7 +24,7 @@ from lowcomm.optim.muon import (
     muon_parameter_names,
     newton_schulz,
 )
-from lowcomm.plan import PlanConfig, PlanOptimizer, make_plan
+from lowcomm.plan import PlanConfig, make_plan
 from lowcomm.strategies import STRATEGIES, StrategyContext
 from lowcomm.strategies.co2 import CO2, LocalOptions
 from lowcomm.strategies.ddp import DDP
@@ -265,22 +265,19 @@ def test_plan_prices_one_momentum_on_the_muon_share() -> None:
     base = PlanConfig(method="diloco", params="1e9", workers=4)
     adamw = make_plan(base)
     muon = make_plan(
-        PlanConfig(method="diloco", params="1e9", workers=4,
-                   optim=PlanOptimizer(name="muon", muon_share=0.75))
+        PlanConfig(method="diloco", params="1e9", workers=4, optim=MUON, muon_share=0.75)
     )  # fmt: skip
     # AdamW's K = 12 bytes per parameter; Muon's share keeps 4 bytes fewer (one momentum).
     assert adamw.memory_per_worker_bytes - muon.memory_per_worker_bytes == pytest.approx(3e9)
     assert muon.comm_bytes_per_worker == adamw.comm_bytes_per_worker
     # The default share of 1b: 1 - (50257 + 2048) * 2048 / 1e9.
-    estimated = make_plan(
-        PlanConfig(method="diloco", params="1b", workers=4, optim=PlanOptimizer(name="muon"))
-    )
+    estimated = make_plan(PlanConfig(method="diloco", params="1b", workers=4, optim=MUON))
     share = 1 - (50257 + 2048) * 2048 / 1e9
     assert adamw.memory_per_worker_bytes - estimated.memory_per_worker_bytes == pytest.approx(
         4 * share * 1e9
     )
     with pytest.raises(ValueError, match=r"--optim\.name: muon with --method zero1"):
-        make_plan(PlanConfig(method="zero1", optim=PlanOptimizer(name="muon")))
+        make_plan(PlanConfig(method="zero1", optim=MUON))
 
 
 # --- multi-process and the command line ------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import PRESETS, NetworkProfile
+from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.quantize import QuantizationFormat, encoded_bytes
 from lowcomm.strategies.declaration import Timing, Transfer
 from lowcomm.strategies.option_groups import with_method_options
@@ -51,30 +52,6 @@ _WIDTHS: dict[str, int] = {
 }  # fmt: skip
 #: Vocabulary (GPT-2's) and context of the embeddings those shapes are priced with.
 _VOCAB, _CONTEXT = 50257, 2048
-
-
-@dataclass(kw_only=True)
-class PlanOptimizer:
-    """The (inner) optimizer whose states the plan prices."""
-
-    name: Literal["adamw", "muon"] = "adamw"
-    """As `lowcomm train --optim.name`: adamw (K bytes per parameter, --optimizer-bytes), or
-    muon: Muon's one momentum on the hidden matrices instead of AdamW's two moments, so
-    K - 4 bytes per Muon parameter. Refused by the methods train refuses it for."""
-
-    muon_share: float | None = None
-    """With muon: the share of the parameters in hidden 2-D matrices (Muon's). None: the
-    built-in GPT's for --params tiny, else 1 - (V + T) d / N for a GPT of width d (the named
-    size's, or the nearest named size's), V = 50257, T = 2048."""
-
-    def __post_init__(self) -> None:
-        if self.name not in ("adamw", "muon"):
-            raise ValueError(f"--optim.name: unknown {self.name!r}; choose adamw or muon")
-        if self.muon_share is not None and not 0.0 <= self.muon_share <= 1.0:
-            raise ValueError(
-                f"--optim.muon-share: {self.muon_share} must lie in [0, 1]; it is the share of "
-                f"the parameters in hidden matrices, e.g. 0.9"
-            )
 
 
 @dataclass(kw_only=True)
@@ -155,7 +132,16 @@ class PlanConfig:
     json: bool = False
     """Print machine-readable JSON instead of a table."""
 
-    optim: PlanOptimizer = dataclasses.field(default_factory=PlanOptimizer)
+    optim: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
+    """As train's --optim.*; the plan reads --optim.name: adamw (K bytes per parameter of
+    state, --optimizer-bytes) or muon (one momentum instead of AdamW's two moments on the
+    hidden matrices: K - 4 bytes on --muon-share of the parameters). Refused by the methods
+    train refuses it for."""
+
+    muon_share: float | None = None
+    """With --optim.name muon: the share of the parameters in hidden 2-D matrices (Muon's).
+    None: the built-in GPT's for --params tiny, else 1 - (V + T) d / N for a GPT of width d
+    (the named size's, or the nearest named size's), V = 50257, T = 2048."""
 
     lose_workers: int = 0
     """Also price the run after losing this many of the M workers (an elastic resume on
@@ -198,6 +184,11 @@ class PlanConfig:
             )
         if self.bytes_per_element is not None and not self.bytes_per_element > 0:
             raise ValueError(f"--bytes-per-element: {self.bytes_per_element} must be positive")
+        if self.muon_share is not None and not 0.0 <= self.muon_share <= 1.0:
+            raise ValueError(
+                f"--muon-share: {self.muon_share} must lie in [0, 1]; it is the share of the "
+                f"parameters in hidden matrices, e.g. 0.9"
+            )
 
     def element_bytes(self) -> float:
         """Bytes per communicated element: --bytes-per-element, else --comm-dtype's size."""
@@ -207,9 +198,9 @@ class PlanConfig:
 
 
 def muon_share(config: PlanConfig) -> float:
-    """The share of the parameters Muon updates (:class:`PlanOptimizer`'s muon_share)."""
-    if config.optim.muon_share is not None:
-        return config.optim.muon_share
+    """The share of the parameters Muon updates (``--muon-share``, or its estimate)."""
+    if config.muon_share is not None:
+        return config.muon_share
     key = config.params.strip().lower()
     if key == "tiny":
         from lowcomm.data.config import DataConfig
@@ -325,13 +316,12 @@ def _build_once(method: str, workers: int, options: object | None, optimizer: st
     from lowcomm.comm.fake import RecordingComm
     from lowcomm.data.config import DataConfig
     from lowcomm.models import ModelConfig, build_model
-    from lowcomm.optim.adamw import AdamWConfig
     from lowcomm.strategies import StrategyContext, strategy_class
 
     cls = strategy_class(method)
     model = build_model(ModelConfig(), DataConfig().vocab_size)
     comm = RecordingComm(world_size=workers)
-    context = StrategyContext(optim=AdamWConfig(name=optimizer))  # type: ignore[arg-type]
+    context = StrategyContext(optim=AdamWConfig(name="muon" if optimizer == "muon" else "adamw"))
     if options is None:
         strategy = cls(model, comm, context)
     else:
