@@ -162,5 +162,5 @@ def test_hf_adapter_forward_and_unshifted_loss(family: str) -> None:
 
 def test_build_hf_model_rejects_unknown_type() -> None:
     pytest.importorskip("transformers", reason="the HF adapter needs the optional transformers")
-    with pytest.raises(ValueError, match="hf-lama is not a causal-LM model type.*hf-llama"):
+    with pytest.raises(ValueError, match=r"hf-lama is not a causal-LM model type.*hf-llama"):
         build_hf_model("lama", vocab_size=64, block_size=16)
