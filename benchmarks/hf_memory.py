@@ -3,7 +3,7 @@
 Each measurement runs in a fresh Python process and reports its peak resident set size
 (``VmHWM``) above the process's size just before the measured code (``/proc/self/clear_refs``
 resets the peak), so imports and the inputs do not count. "before" runs the code of a git
-revision (default: the branch point with main, ``--before``), unpacked with ``git archive``;
+revision (``--before``, default :data:`BEFORE`, the last one before this work), unpacked with ``git archive``;
 "after" runs this checkout's.
 
 1. Loading: one worker loads a Llama-shaped model of about 0.5B parameters (24 layers, hidden
@@ -38,6 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 #: The 0.5B Llama-shaped model (old options: key-value heads = heads, tied, 8/3 MLP rule).
 SHAPE = {"n_layer": 24, "n_embd": 1280, "n_head": 20, "block_size": 128}
 VOCAB = 32000
+
+#: The last revision before issue 28's model work (the old loading path and loss).
+BEFORE = "136eaef"
 
 PEAK = textwrap.dedent(
     """
@@ -140,11 +143,7 @@ def _gib(value: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_before = subprocess.run(
-        ["git", "-C", str(REPO), "merge-base", "HEAD", "main"],
-        capture_output=True, text=True, check=False,
-    ).stdout.strip()  # fmt: skip
-    parser.add_argument("--before", default=default_before or "main")
+    parser.add_argument("--before", default=BEFORE)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "hf-memory")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
