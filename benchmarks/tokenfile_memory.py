@@ -18,7 +18,10 @@ file-backed part, ``RssFile``: pages of the mapped token file, which sit in the 
 are shared by every rank of the machine, and are dropped by the kernel under memory pressure
 (the kernel maps a cached file in large folios, so a few windows drawn show up as megabytes
 here; over an epoch this part tends to the file's size, once per machine). Also its peak
-resident memory, ``VmHWM`` (both parts, imports included). The files are deleted
+resident memory, ``VmHWM`` (both parts, imports included). Then ``--ranks`` (4) "after"
+workers run at once on the same file and report, all alive and done drawing, their
+private memory and, from ``/proc/self/smaps``, the resident and proportional size of their
+mapping of the token file (``Pss``: a page shared by N processes counts 1/N in each). The files are deleted
 at the end (``--keep`` keeps them).
 
     python benchmarks/tokenfile_memory.py                  # 100 MB, 1 GB, 2 GB
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -39,7 +43,31 @@ from typing import Any
 import numpy as np
 
 VOCAB = 1 << 16
+_ALIVE: list[Any] = []
 SEQ_LEN, MICRO_BATCH, WORKERS, DRAWS, VAL_BATCHES = 1024, 8, 4, 50, 10
+
+
+def _mapping_of(path: Path) -> dict[str, int]:
+    """Resident (``Rss``) and proportional (``Pss``: a page shared by N processes counts 1/N)
+    bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    totals = {"Rss": 0, "Pss": 0}
+    inside = False
+    target = str(path.resolve())
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line
+            inside = line.rstrip().endswith(target)
+        elif inside and first in ("Rss:", "Pss:"):
+            totals[first[:-1]] += int(line.split()[1]) * 1024
+    return totals
+
+
+def _rendezvous(directory: Path, stage: str, ranks: int) -> None:
+    """Wait until ``ranks`` processes have reached ``stage`` (files in ``directory``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{stage}-{os.getpid()}").touch()
+    while len(list(directory.glob(f"{stage}-*"))) < ranks:
+        time.sleep(0.05)
 
 
 def _status() -> dict[str, int]:
@@ -93,21 +121,29 @@ def _new_worker(path: Path, tokenizer: Path, cache: Path) -> dict[str, int]:
     validation_batches(corpus, SEQ_LEN, MICRO_BATCH, VAL_BATCHES)
     for _ in range(DRAWS):
         shard.next_batch()
+    _ALIVE.append((corpus, shard))  # mapped until the process ends, as in training
     return _status()
 
 
 def worker(mode: str, path: Path, tokenizer: Path, cache: Path) -> dict[str, Any]:
     """One measured worker process (run as ``--worker MODE ...``)."""
-    import lowcomm.data  # noqa: F401  (the imports' memory is the baseline)
-    import torch  # noqa: F401
+    import torch  # noqa: F401  (the imports' memory is the baseline)
+
+    import lowcomm.data  # noqa: F401
 
     baseline = _status()
     started = time.perf_counter()
-    if mode == "before":
-        status = _old_worker(path, 0.05)
-    else:
-        status = _new_worker(path, tokenizer, cache)
+    old = mode == "before"
+    status = _old_worker(path, 0.05) if old else _new_worker(path, tokenizer, cache)
     seconds = time.perf_counter() - started
+    if mode == "after-ranks":  # every rank alive and done drawing, then all measure
+        sync = Path(os.environ["TOKENFILE_BENCH_SYNC"])
+        ranks = int(os.environ["TOKENFILE_BENCH_RANKS"])
+        _rendezvous(sync, "drawn", ranks)
+        mapped = _mapping_of(path)
+        _rendezvous(sync, "measured", ranks)
+        anon = status["RssAnon"] - baseline["RssAnon"]
+        return {"anon": anon, "rss": mapped["Rss"], "pss": mapped["Pss"]}
     return {
         "peak": status["VmHWM"], "anon": status["RssAnon"] - baseline["RssAnon"],
         "file": status["RssFile"] - baseline["RssFile"], "seconds": seconds,
@@ -147,11 +183,32 @@ def _measure(mode: str, path: Path, tokenizer: Path, cache: Path) -> dict[str, A
     return measured
 
 
+def _measure_ranks(path: Path, tokenizer: Path, cache: Path, ranks: int) -> dict[str, float]:
+    """``ranks`` "after" workers at once on the same file: their mean private memory, and the
+    resident and proportional size of their mapping of the file."""
+    sync = cache / f"sync-{path.stem}"
+    environment = {
+        **os.environ,
+        "TOKENFILE_BENCH_SYNC": str(sync),
+        "TOKENFILE_BENCH_RANKS": str(ranks),
+    }
+    command = [sys.executable, __file__, "--worker", "after-ranks", str(path), str(tokenizer)]
+    processes = [
+        subprocess.Popen([*command, str(cache)], stdout=subprocess.PIPE, text=True, env=environment)
+        for _ in range(ranks)
+    ]
+    results = [
+        json.loads(process.communicate()[0].strip().splitlines()[-1]) for process in processes
+    ]
+    return {name: sum(result[name] for result in results) / ranks for name in results[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1024, 2048])
     parser.add_argument("--dir", type=Path, default=None, help="where the files go (a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the token files")
+    parser.add_argument("--ranks", type=int, default=4, help="workers at once for the PSS table")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.worker:
@@ -168,10 +225,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     from lowcomm.data import DataConfig, prepare_corpus
 
+    shared: list[str] = []
     for size_mb in arguments.sizes_mb:
         path = directory / f"tokens-{size_mb}mb.bin"
         _write_tokens(path, size_mb)
-        config = DataConfig(str(path), data_dtype="uint16", tokenizer=str(tokenizer), cache_dir=str(cache))
+        config = DataConfig(
+            str(path), data_dtype="uint16", tokenizer=str(tokenizer), cache_dir=str(cache)
+        )
         prepare_corpus(config)  # the launcher's one check of the ids; workers find it cached
         for mode in ("before", "after"):
             r = _measure(mode, path, tokenizer, cache)
@@ -180,8 +240,20 @@ def main() -> None:
                 f"| {r['peak'] / mb:,.0f} MB | {r['seconds']:.2f} s |",
                 flush=True,
             )
+        pss = _measure_ranks(path, tokenizer, cache, arguments.ranks)
+        shared.append(
+            f"| {size_mb:,} MB | {arguments.ranks} | {pss['anon'] / mb:,.1f} MB "
+            f"| {pss['rss'] / mb:,.1f} MB | {pss['pss'] / mb:,.1f} MB |"
+        )
         if not arguments.keep:
             path.unlink()
+    print(f"\n{arguments.ranks} 'after' workers at once on the same file, per worker (mean):\n")
+    print(
+        "| token file | workers | private memory (RssAnon) | token file resident (Rss) "
+        "| token file proportional (Pss) |"
+    )
+    print("|---|---|---|---|---|")
+    print("\n".join(shared))
     if not arguments.keep:
         import shutil
 
