@@ -44,7 +44,7 @@ def _tokens_of(text: Path, cache: Path) -> tuple[np.ndarray, Path]:
 
 def _losses(run: Path) -> list[float]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+    return [json.loads(line)["train_loss"] for line in lines]
 
 
 # --- the cache and given token files are mapped, not read -----------------------------------

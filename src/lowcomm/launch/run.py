@@ -121,8 +121,9 @@ def preflight(config: TrainConfig) -> str | None:
 def _check_data_path(config: TrainConfig) -> None:
     if config.data.data is not None and not Path(config.data.data).expanduser().exists():
         raise ConfigError(
-            f"--data: path {config.data.data!r} does not exist; pass a text file, a "
-            f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
+            f"--data: path {config.data.data!r} does not exist; pass a text, JSONL or parquet "
+            f"file, a folder of them, a save_to_disk dataset, a .npy/.bin token file, or omit "
+            f"it to use the bundled corpus"
         )
 
 
