@@ -76,4 +76,6 @@ def test_a_bad_entry_is_refused_in_one_line_naming_it(
 
 def test_all_is_every_method_and_a_plain_variant_is_the_method() -> None:
     assert CompareBench().method_names() == sorted(STRATEGIES)
+    with_variant = CompareBench(methods=("all", "diloco+h4:diloco.sync-every=4"))
+    assert with_variant.method_names() == [*sorted(STRATEGIES), "diloco+h4"]
     assert Variant("ddp").label == "ddp" and Variant("ddp", "a").spec() == "ddp+a"
