@@ -139,7 +139,9 @@ def test_streaming_one_fragment_no_overlap_global_merge_equals_diloco() -> None:
 
 def test_streaming_schedule_merge_and_drain() -> None:
     # H=8, K=4, tau=1: fragment p launches at (p+1)*2 - 1 and merges one step later.
-    options = DiLoCoOptions(sync_every=8, fragments=4, overlap_steps=1, mixing=0.3)
+    options = DiLoCoOptions(
+        sync_every=8, fragments=4, overlap_steps=1, mixing=0.3, outer_lr=0.7, outer_momentum=0.9
+    )
     context = StrategyContext(
         optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=16, max_grad_norm=None
     )

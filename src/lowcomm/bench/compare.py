@@ -25,11 +25,13 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from lowcomm.atomic import atomic_write_text
+from lowcomm.bench.figures import plot_all
 from lowcomm.bench.runs import (
     CHECKPOINTS_HELP,
     STUDY_CALIBRATION,
     CheckpointPolicy,
     StudyCalibration,
+    bytes_curve,
     run_or_resume,
     study_calibration,
 )
@@ -198,6 +200,7 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
                 continue
             summary = json.loads(summary_path.read_text())
             summary["curve"] = _val_curve(run_dir, summary)
+            summary["bytes_curve"] = bytes_curve(run_dir, summary["curve"], summary)
             runs[method].append(summary)
 
     finished = {method: summaries for method, summaries in runs.items() if summaries}
@@ -253,7 +256,7 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         "train_config": bench.run_config(variants[0].method, 0).to_dict() if variants else {},
     }
     atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
-    _plot(out, finished, bench.train.clock)
+    plot_all(out, finished, bench.train.clock)
     report = _report(bench, rows, target, failures, study)
     atomic_write_text(out / "report.md", report)
     print(report)
@@ -312,9 +315,22 @@ def _report(
         "below the target validation loss, on the run's clock, averaged over seeds (reported only "
         "if every seed reached it).",
         "",
-        "![validation loss vs step](val_loss_vs_step.png)",
+        "Which method wins on this link: final validation loss against modeled time and "
+        "against bytes sent per worker, one point per method (mean, error bars one seed "
+        "standard deviation, faint dots the seeds); ringed and joined, the Pareto front (no "
+        "other method is both faster, or sends less, and ends lower).",
+        "",
+        "![final loss vs modeled time](final_loss_vs_time.png)",
+        "",
+        "![final loss vs bytes](final_loss_vs_bytes.png)",
+        "",
+        "Validation curves, one panel per family, ddp dashed in every panel as the reference:",
         "",
         "![validation loss vs time](val_loss_vs_time.png)",
+        "",
+        "![validation loss vs bytes](val_loss_vs_bytes.png)",
+        "",
+        "![validation loss vs step](val_loss_vs_step.png)",
         "",
         "![utilisation](utilization.png)",
         "",
@@ -334,44 +350,3 @@ def _report(
             + [""]
         )
     return "\n".join(lines)
-
-
-def _plot(out: Path, finished: dict[str, list[dict[str, Any]]], clock: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for name, x_index, label in (
-        ("val_loss_vs_step.png", 0, "step"),
-        ("val_loss_vs_time.png", 1, f"time on the {clock} clock (s)"),
-    ):
-        figure, axis = plt.subplots(figsize=(8, 5))
-        # 20 distinct colours and alternating line styles: every method stays tellable apart.
-        colour_map = plt.get_cmap("tab20")
-        colours = [colour_map(i) for i in range(20)]
-        for index, (method, summaries) in enumerate(sorted(finished.items())):
-            curves = [s["curve"] for s in summaries]
-            length = min(len(c) for c in curves)
-            xs = [statistics.fmean(c[i][x_index] for c in curves) for i in range(length)]
-            ys = [statistics.fmean(c[i][2] for c in curves) for i in range(length)]
-            style = "-" if index % 2 == 0 else "--"
-            axis.plot(
-                xs, ys, style, marker="o", markersize=3, label=method, color=colours[index % 20]
-            )
-        axis.set_xlabel(label)
-        axis.set_ylabel("validation loss")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7, ncol=2)
-        figure.tight_layout()
-        figure.savefig(out / name, dpi=100)
-        plt.close(figure)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    names = sorted(finished)
-    axis.bar(names, [statistics.fmean(s["utilization"] for s in finished[m]) for m in names])
-    axis.set_ylim(0, 1)
-    axis.set_ylabel("utilisation")
-    axis.tick_params(axis="x", rotation=45)
-    figure.tight_layout()
-    figure.savefig(out / "utilization.png", dpi=100)
-    plt.close(figure)

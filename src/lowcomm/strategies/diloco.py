@@ -56,11 +56,18 @@ class DiLoCoOptions:
     """Inner optimizer: adamw (the papers') or sgd (theta <- theta (1 - lr wd) - lr g with
     --optim.weight-decay, as --local.inner-optimizer sgd; for reduction tests)."""
 
-    outer_lr: float = 0.7
-    """eta_out: outer learning rate."""
+    outer_lr: float | None = None
+    """eta_out: outer learning rate (None: from H by --diloco.outer-defaults)."""
 
-    outer_momentum: float = 0.9
-    """mu: outer momentum (0 = plain outer SGD)."""
+    outer_momentum: float | None = None
+    """mu: outer momentum, 0 = plain outer SGD (None: from H by --diloco.outer-defaults)."""
+
+    outer_defaults: Literal["scaled", "paper"] = "scaled"
+    """What an unset --diloco.outer-lr / --diloco.outer-momentum takes. scaled (lowcomm's):
+    from H, t = min(1, log H / log 256), mu = 0.9 t^2, eta_out = 1 - 0.3 t: plain averaging
+    (1, 0) at H = 1, (0.85, 0.225) at the default H = 16, the papers' (0.7, 0.9) from H = 256.
+    paper: DiLoCo's eta_out 0.7, mu 0.9 at every H (tuned for H in the hundreds from a warm
+    start; from scratch at H = 16 it overshoots and the loss rises again)."""
 
     outer_nesterov: bool = True
     """Nesterov form of the outer momentum (False = heavy ball)."""
@@ -107,13 +114,20 @@ class DiLoCoOptions:
             raise ValueError(
                 f"--diloco.inner-optimizer: {self.inner_optimizer!r} is unknown; choose adamw or sgd"
             )
-        if not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
+        if self.outer_lr is not None and not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
             raise ValueError(
-                f"--diloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7"
+                f"--diloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7, "
+                f"or None for the default of --diloco.outer-defaults"
             )
-        if not 0.0 <= self.outer_momentum < 1.0:
+        if self.outer_momentum is not None and not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(
-                f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9"
+                f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9, "
+                f"or None for the default of --diloco.outer-defaults"
+            )
+        if self.outer_defaults not in ("scaled", "paper"):
+            raise ValueError(
+                f"--diloco.outer-defaults: {self.outer_defaults!r} is unknown; choose scaled "
+                f"or paper"
             )
         if self.fragments is not None and self.fragments < 1:
             raise ValueError(
@@ -158,6 +172,33 @@ class DiLoCoOptions:
                 f"--diloco.transmission-gamma: {self.transmission_gamma} must be a positive "
                 f"number; try 0.4"
             )
+
+    def outer(self) -> tuple[float, float]:
+        """(eta_out, mu) of the outer step: the options given, the unset ones by
+        ``outer_defaults`` (:func:`scaled_outer` of H, or the papers' 0.7 and 0.9)."""
+        lr, momentum = (
+            scaled_outer(self.sync_every) if self.outer_defaults == "scaled" else PAPER_OUTER
+        )
+        return (
+            lr if self.outer_lr is None else self.outer_lr,
+            momentum if self.outer_momentum is None else self.outer_momentum,
+        )
+
+
+#: DiLoCo's outer learning rate and Nesterov momentum (Douillard et al. 2023, H = 500).
+PAPER_OUTER = (0.7, 0.9)
+#: From this H on, the scaled defaults are the papers' values.
+PAPER_H = 256
+
+
+def scaled_outer(sync_every: int) -> tuple[float, float]:
+    """lowcomm's default (eta_out, mu) for H = ``sync_every``: t = min(1, log H / log 256),
+    mu = 0.9 t^2, eta_out = 1 - 0.3 t. From plain averaging (1, 0) at H = 1, where the
+    pseudo-gradients of consecutive rounds point the same way and momentum would add them up
+    (the steady-state step of heavy momentum is eta_out / (1 - mu) rounds of progress: 7 with
+    the papers' values), to the papers' (0.7, 0.9) at H >= 256, where they were tuned."""
+    t = min(1.0, math.log(max(sync_every, 1)) / math.log(PAPER_H))
+    return 1.0 - (1.0 - PAPER_OUTER[0]) * t, PAPER_OUTER[1] * t * t
 
 
 # --- fragments -------------------------------------------------------------------------------
@@ -491,8 +532,8 @@ class OuterLoopStrategy(Strategy):
         self.outer = [
             OuterNesterov(
                 anchor,
-                lr=self.options.outer_lr,
-                momentum=self.options.outer_momentum,
+                lr=self.options.outer()[0],
+                momentum=self.options.outer()[1],
                 nesterov=self.options.outer_nesterov,
             )
             for anchor in self.globals_
