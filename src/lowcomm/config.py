@@ -137,6 +137,12 @@ class TrainConfig:
     eval_batches: int = 8
     """Validation batches per evaluation (split across workers)."""
 
+    log_every: int = 10
+    """Read the training loss and the finiteness check on the host, and gather every worker's
+    step metrics, every this many steps (and before a checkpoint and at the end): each read
+    waits for the device and each gather is a barrier of all workers. metrics.jsonl still has
+    every step; a non-finite loss stops the run up to this many steps after it appeared."""
+
     device: Literal["cpu", "cuda"] = "cpu"
     """cpu (Gloo) or cuda (NCCL, one GPU per worker)."""
 
@@ -290,6 +296,8 @@ class TrainConfig:
             raise ConfigError(f"--eval-every: {self.eval_every} must be 1 or more")
         if self.eval_batches < 1:
             raise ConfigError(f"--eval-batches: {self.eval_batches} must be 1 or more")
+        if self.log_every < 1:
+            raise ConfigError(f"--log-every: {self.log_every} must be 1 or more (steps)")
         if not 0 < self.collective_timeout_s <= MAX_TIMEOUT_S:
             # (A process group's timeout is a timedelta: inf or a huge value overflows it.)
             raise ConfigError(
@@ -541,7 +549,7 @@ _MISSING = object()
 _RUN_NAME_EXCLUDED = frozenset(
     {
         "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
-        "tensorboard",
+        "tensorboard", "log_every",
         "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
     }
 )  # fmt: skip

@@ -41,7 +41,7 @@ from lowcomm.comm.runtime import pending_state
 from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
 from lowcomm.optim.sgd import FlatSGD
-from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.base import Closure, Loss, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
@@ -214,7 +214,7 @@ class _LocalUpdate(Strategy):
         if self._separate_master:
             self.inner.master.copy_(self.flat.params)
 
-    def _inner_step(self, closure: Closure) -> tuple[float, int, int, float]:
+    def _inner_step(self, closure: Closure) -> tuple[Loss, int, int, float]:
         """One local optimizer step on this worker's own gradient (no communication)."""
         count = self.context.microbatches_per_step
         loss, samples, tokens = accumulate(self.flat, closure, count)

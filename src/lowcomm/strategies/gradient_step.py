@@ -23,11 +23,11 @@ from collections.abc import Callable
 import torch
 
 from lowcomm.optim.flat import FlatOptimizer
-from lowcomm.strategies.base import Closure, clip_, run_microbatches
+from lowcomm.strategies.base import Closure, Loss, clip_, run_microbatches
 from lowcomm.strategies.flat import FlatBuffers
 
 
-def accumulate(flat: FlatBuffers, closure: Closure, count: int) -> tuple[float, int, int]:
+def accumulate(flat: FlatBuffers, closure: Closure, count: int) -> tuple[Loss, int, int]:
     """Zero G, run ``count`` micro-batches into it; return (mean loss, samples, tokens)."""
     flat.check_params()
     flat.zero_grads()

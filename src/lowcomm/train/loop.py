@@ -35,16 +35,11 @@ from lowcomm.train.compute import (
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics
 from lowcomm.train.reshard import read_resharded
+from lowcomm.train.step_log import StepLog, parameters_finite
 
 
 class NonFiniteLoss(FloatingPointError):
     """Training produced a NaN or infinite loss or parameter."""
-
-
-def _all_finite(model: torch.nn.Module) -> bool:
-    """Whether every parameter is finite (a NaN/inf gradient shows up here after the update)."""
-    flags = [torch.isfinite(p).all() for p in model.parameters()]
-    return bool(torch.stack(flags).all()) if flags else True
 
 
 @dataclass
@@ -308,9 +303,8 @@ def _closure(
                 _, loss = model(inputs, targets)
             assert loss is not None
             loss.backward()
-        return MicroBatchResult(
-            loss=float(loss.detach()), samples=inputs.shape[0], tokens=inputs.numel()
-        )
+        # The loss stays on the device: it is read every --log-every steps (train/step_log.py).
+        return MicroBatchResult(loss=loss.detach(), samples=inputs.shape[0], tokens=inputs.numel())
 
     return closure
 
@@ -393,8 +387,9 @@ def train_steps(
 ) -> bool:
     """Train from the start step to the end; False if the run stopped early (--stop-after)."""
     config = worker.config
+    log = StepLog(config.log_every)
     for step in range(progress.start_step, config.steps):
-        if not train_step(worker, step, progress, writer, final):
+        if not train_step(worker, step, progress, writer, final, log):
             return False
         if progress.end_step is not None:
             return True
@@ -402,10 +397,16 @@ def train_steps(
 
 
 def train_step(
-    worker: Worker, step: int, progress: Progress, writer: RunWriter | None, final: FinalState
+    worker: Worker,
+    step: int,
+    progress: Progress,
+    writer: RunWriter | None,
+    final: FinalState,
+    log: StepLog,
 ) -> bool:
-    """One optimizer step, then (outside the clock) its metrics, evaluation and checkpoint;
-    False if the run stops after it (--stop-after)."""
+    """One optimizer step, then (outside the clock) its evaluation and checkpoint; its
+    metrics are held in ``log`` and read, checked and written every --log-every steps and
+    before a checkpoint or the end. False if the run stops after it (--stop-after)."""
     config, clock, comm = worker.config, worker.clock, worker.comm
     before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
     before_bytes = comm.bytes_sent
@@ -416,7 +417,7 @@ def train_step(
         progress.end_step = step + 1
     with clock.excluded():
         mine = StepMetrics(
-            loss=stats.loss,
+            loss=math.nan,  # (held on the device until the read)
             compute_s=clock.compute_s - before_compute,
             exposed_comm_s=clock.exposed_comm_s - before_exposed,
             bytes_sent=comm.bytes_sent - before_bytes,
@@ -424,31 +425,52 @@ def train_step(
             microbatches=stats.microbatches,
             tokens=stats.tokens,
             committed_steps=stats.committed_steps,
-            params_finite=float(_all_finite(worker.model)),
+            params_finite=math.nan,
         )
-        everyone = mine.all_gather(worker.bookkeeping)
-        _check_finite(step, everyone)
         is_last = step == config.steps - 1 or progress.end_step is not None
         evaluate = (step + 1) % config.eval_every == 0 and not is_last
         if evaluate:
             with worker.strategy.deployed() as deployed_model:
                 progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
-        if writer is not None:
-            record = StepRecord.from_workers(
-                step, stats.lr, everyone, progress.val_loss if evaluate else None, clock.kind,
-                stats.extras,
-            )  # fmt: skip
-            if is_last:
-                # Written once the final validation gives it its val_loss, so metrics.jsonl
-                # and loss.png end on summary.json's final_val_loss.
-                final.last_record = record
-            else:
-                writer.write_step(record)
+        log.hold(
+            step, stats, mine, parameters_finite(worker.model),
+            progress.val_loss if evaluate else None,
+        )  # fmt: skip
         stopped = config.stop_after is not None and step + 1 == config.stop_after
         every = config.checkpoint_every
-        if (every is not None and (step + 1) % every == 0 and not is_last) or stopped:
+        save = (every is not None and (step + 1) % every == 0 and not is_last) or stopped
+        if save or is_last or log.due(step):
+            # (Before a checkpoint: a non-finite state must stop the run, not be saved.)
+            _write_held(worker, log, writer, final, clock.kind, is_last)
+        if save:
             _save_checkpoint(worker, step + 1, progress)
     return not stopped
+
+
+def _write_held(
+    worker: Worker,
+    log: StepLog,
+    writer: RunWriter | None,
+    final: FinalState,
+    clock_kind: str,
+    is_last: bool,
+) -> None:
+    """Read and gather the held steps' metrics and write them, in order, up to a step with a
+    non-finite loss or parameter, which stops the run."""
+    steps = log.read(worker.bookkeeping)
+    for index, (held, everyone) in enumerate(steps):
+        _check_finite(held.step, everyone)
+        if writer is None:
+            continue
+        record = StepRecord.from_workers(
+            held.step, held.lr, everyone, held.val_loss, clock_kind, held.extras
+        )
+        if is_last and index == len(steps) - 1:
+            # Written once the final validation gives it its val_loss, so metrics.jsonl
+            # and loss.png end on summary.json's final_val_loss.
+            final.last_record = record
+        else:
+            writer.write_step(record)
 
 
 def _check_finite(step: int, everyone: list[StepMetrics]) -> None:

@@ -1,0 +1,90 @@
+"""The GPU path, second pass (issue 31), checked without a GPU: host reads per logging
+interval, event-based timing against a fake event source, the two-step quantized exchange,
+the hierarchical inner all-reduce count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from lowcomm.comm.base import Handle, Role
+from lowcomm.comm.local import LocalComm
+from lowcomm.config import TrainConfig
+from lowcomm.data import DataConfig
+from lowcomm.models import ModelConfig
+from lowcomm.strategies import StepStats
+from lowcomm.train import loop
+from lowcomm.train.records import StepMetrics
+from lowcomm.train.step_log import StepLog, parameters_finite
+from test_gpu_readiness import GPU, DeviceCheckingComm, stand_in_gpu
+
+# --- item 4: loss and finiteness stay on the device; read every --log-every steps -------
+
+
+def _metrics() -> StepMetrics:
+    nan = float("nan")
+    return StepMetrics(nan, 1.0, 0.5, 10.0, 2.0, 1.0, 64.0, 1.0, nan)
+
+
+def test_held_steps_are_read_with_one_host_read_and_one_gather() -> None:
+    """Three steps' device losses and finiteness flags: nothing is read while they are
+    held; the read is one host read and one all-gather, and gives each step its values."""
+    bookkeeping = DeviceCheckingComm(torch.device("cpu"), world_size=1)
+    log = StepLog(3)
+    with stand_in_gpu() as reads:
+        parameter = torch.nn.Linear(4, 4, device=GPU)
+        for step in range(3):
+            stats = StepStats(
+                loss=torch.zeros((), device=GPU), microbatches=1, samples=2, tokens=64, lr=0.1
+            )
+            log.hold(step, stats, _metrics(), parameters_finite(parameter), None)
+        assert reads.count == 0
+        assert [log.due(step) for step in range(6)] == [False, False, True] * 2
+        steps = log.read(bookkeeping)
+    assert reads.count == 1  # (the stand-in reads zeros: losses 0.0, flags 0.0)
+    assert len(bookkeeping.calls) == 1
+    assert [held.step for held, _ in steps] == [0, 1, 2]
+    assert all(len(everyone) == 1 and everyone[0].loss == 0.0 for _, everyone in steps)
+    assert log.held == []
+
+
+class _CountingLocal(LocalComm):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathers = 0
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        self.gathers += 1
+        return super().all_gather(output, input, role=role)
+
+
+def _run(tmp_path: Path, log_every: int) -> tuple[int, list[dict[str, object]]]:
+    config = TrainConfig(
+        method="diloco", workers=1, steps=7, eval_every=100, eval_batches=1, progress=False,
+        log_every=log_every, out=str(tmp_path / f"every{log_every}"),
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2),
+    )  # fmt: skip
+    bookkeeping = _CountingLocal()
+    loop.train_worker(config, LocalComm(), bookkeeping=bookkeeping)
+    lines = (tmp_path / f"every{log_every}" / "metrics.jsonl").read_text().splitlines()
+    return bookkeeping.gathers, [json.loads(line) for line in lines]
+
+
+def test_metrics_are_gathered_every_log_every_steps_with_the_same_records(
+    tmp_path: Path,
+) -> None:
+    """Seven steps with --log-every 3 gather step metrics at steps 3, 6 and 7, against one
+    gather per step with --log-every 1 (the set-up's and the summary's gathers are the same
+    in both), and write the same metrics.jsonl."""
+    every_step, records = _run(tmp_path, 1)
+    every_three, held_records = _run(tmp_path, 3)
+    assert every_step - every_three == 7 - 3
+    assert [r["step"] for r in held_records] == list(range(7))
+
+    def numbers(rows: list[dict[str, object]]) -> list[tuple[object, ...]]:
+        return [(r["step"], r["train_loss"], r["tokens"], r["val_loss"]) for r in rows]
+
+    assert numbers(held_records) == numbers(records)
