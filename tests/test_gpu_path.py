@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from lowcomm.comm.base import Handle, Role
@@ -88,3 +89,40 @@ def test_metrics_are_gathered_every_log_every_steps_with_the_same_records(
         return [(r["step"], r["train_loss"], r["tokens"], r["val_loss"]) for r in rows]
 
     assert numbers(held_records) == numbers(records)
+
+
+# --- item 7: the hierarchical inner all-reduce runs once per step on the flat gradient ---
+
+
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_hierarchical_workers_average_the_flat_gradient_once_per_step(method: str) -> None:
+    """Three micro-batches per step on a worker of two ranks: one inner gradient all-reduce
+    per step, of the whole flat gradient (not one per micro-batch, nor per parameter)."""
+    from _dist import tiny_gpt
+    from lowcomm.comm.base import CollectiveKind
+    from lowcomm.comm.fake import RecordingComm
+    from lowcomm.comm.hierarchical import HierarchicalComm
+    from lowcomm.strategies import MicroBatchResult, StrategyContext, build_strategy
+
+    inner = RecordingComm(rank=1, world_size=2)
+    comm = HierarchicalComm(inner, RecordingComm(rank=0, world_size=2))
+    model = tiny_gpt()
+    context = StrategyContext(total_steps=2, microbatches_per_step=3)
+    strategy = build_strategy(method, model, comm, context, TrainConfig())
+    batch = torch.zeros(2, 16, dtype=torch.long)
+    runs = []
+
+    def closure() -> MicroBatchResult:
+        _, loss = model(batch, batch)
+        assert loss is not None
+        loss.backward()
+        runs.append(1)
+        return MicroBatchResult(loss=loss.detach(), samples=2, tokens=batch.numel())
+
+    for _ in range(2):
+        strategy.step(closure)
+    gradient = [c for c in inner.calls if c.kind is CollectiveKind.ALL_REDUCE]
+    assert len(runs) == 6
+    assert [c.role for c in gradient] == [Role.GRADIENT] * 2
+    numel = sum(p.numel() for p in model.parameters())
+    assert [c.numel for c in gradient] == [numel] * 2

@@ -217,7 +217,7 @@ class _LocalUpdate(Strategy):
     def _inner_step(self, closure: Closure) -> tuple[Loss, int, int, float]:
         """One local optimizer step on this worker's own gradient (no communication)."""
         count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count)
+        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
             # Local methods clip the worker's own gradient (there is no averaged one).

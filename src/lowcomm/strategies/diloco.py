@@ -492,7 +492,7 @@ class OuterLoopStrategy(Strategy):
     def inner_step(self, closure: Closure) -> StepStats:
         """One inner step on this worker's own parameters; advances ``step_index``."""
         count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count)
+        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
             # Clipping is local: the inner gradient is never communicated.

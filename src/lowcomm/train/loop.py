@@ -19,7 +19,7 @@ from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.cast import wire_dtype
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
-from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
+from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
@@ -198,18 +198,17 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     corpus = prepare_corpus(config.data)
     model = _shared_initial_model(config, corpus.vocab_size, raw, device)
     clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
-    comm, replica_comm = _strategy_comms(config, raw, clock, device)
+    comm, _ = _strategy_comms(config, raw, clock, device)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     context = replace(config.strategy_context(), runtime=comm.runtime())
     strategy = build_strategy(config.method, model, comm, context, config)
     shard, validation, validation_batches = _data(config, corpus, rank, device)
     closure = _closure(model, shard, clock, device, bf16=config.precision == "bf16-mixed")
-    # Synchronous data parallel inside a worker (R > 1): gradients averaged over its ranks
-    # after each micro-batch, charged to the replica link.
-    step_closure = (
-        closure if replica_comm is None else averaging_closure(closure, model, replica_comm)
-    )
+    # Synchronous data parallel inside a worker (R > 1): the strategy averages its flat
+    # gradient over the worker's ranks once per step (gradient_step.accumulate), charged to
+    # the replica link (runtime.replica_group).
+    step_closure = closure
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
