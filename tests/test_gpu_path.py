@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowcomm.comm.base import Handle, Role
+from lowcomm.comm.base import CompletedHandle, Handle, Role
+from lowcomm.comm.fake import RecordingComm
 from lowcomm.comm.local import LocalComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig
@@ -126,3 +127,110 @@ def test_hierarchical_workers_average_the_flat_gradient_once_per_step(method: st
     assert [c.role for c in gradient] == [Role.GRADIENT] * 2
     numel = sum(p.numel() for p in model.parameters())
     assert [c.numel for c in gradient] == [numel] * 2
+
+
+# --- item 6: the quantized outer exchange in two steps ----------------------------------
+
+
+class _Bus:
+    """M in-process workers' collectives, moved by hand once every worker has issued one."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.issued: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def move(self) -> None:
+        """Carry out the collective every worker issued (in rank order)."""
+        assert len(self.issued) == self.world_size
+        kinds = {kind for kind, _, _ in self.issued}
+        assert len(kinds) == 1, kinds
+        (kind,) = kinds
+        for rank, (_, output, _) in enumerate(self.issued):
+            for source, (_, _, input) in enumerate(self.issued):
+                chunks = input.view(self.world_size, -1) if kind == "all_to_all" else input
+                piece = chunks[rank] if kind == "all_to_all" else chunks.reshape(-1)
+                output.view(self.world_size, -1)[source].copy_(piece)
+        self.issued = []
+
+
+class _BusComm(RecordingComm):
+    def __init__(self, bus: _Bus, rank: int) -> None:
+        super().__init__(rank=rank, world_size=bus.world_size)
+        self.bus = bus
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        self.bus.issued.append(("all_to_all", output, input))
+        return CompletedHandle()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        self.bus.issued.append(("all_gather", output, input))
+        return CompletedHandle()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+def test_the_two_step_exchange_equals_the_all_gather_mean_to_the_quantizers_error(
+    fmt: str,
+) -> None:
+    """Four workers' different outer gradients: every worker gets the same mean, within the
+    quantizer's error bound of the all-gather exchange's exact mean of the decoded payloads
+    (the requantization of the mean is the one extra rounding), and the extras' exact mean."""
+    from lowcomm.optim.quantize import decode, encode, error_bound
+    from lowcomm.strategies.two_step import TwoStepQuantized
+
+    workers, numel, row = 4, 1000, 64
+    generator = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(numel, generator=generator) * (1 + w) for w in range(workers)]
+    extras = [torch.tensor([float(w), 2.0 * w]) for w in range(workers)]
+    bus = _Bus(workers)
+    sides = [
+        TwoStepQuantized(_BusComm(bus, w), deltas[w], extras[w], fmt, row)  # type: ignore[arg-type]
+        for w in range(workers)
+    ]
+    bus.move()
+    for side in sides:
+        side.launch_second()
+    bus.move()
+    results = [side.result() for side in sides]
+    # Today's all-gather exchange: the fp32 mean of every worker's decoded payload.
+    today = torch.zeros(numel)
+    for delta in deltas:
+        today += decode(encode(delta, fmt, row), numel, fmt, row)  # type: ignore[arg-type]
+    today /= workers
+    bound = error_bound(today, fmt, row) * (1 + 1e-5) + 1e-7  # type: ignore[arg-type]
+    for w, (mean, mean_extras) in enumerate(results):
+        assert torch.equal(mean, results[0][0])
+        assert bool(((mean - today).abs() <= bound).all()), fmt
+        assert torch.equal(mean_extras, torch.tensor([1.5, 3.0]))
+        own = decode(encode(deltas[w], fmt, row), numel, fmt, row)  # type: ignore[arg-type]
+        assert torch.equal(sides[w].own, own)  # shards are whole rows: the same encoding
+    assert not torch.equal(results[0][0], today) or fmt == "bf16"  # a real second rounding
+
+
+def _exchange_bytes(fmt: str, workers: int) -> float:
+    from lowcomm.comm.clock import VirtualClock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.strategies.diloco import OuterExchange
+
+    comm = NetworkComm(
+        RecordingComm(world_size=workers), NetworkProfile.from_preset("wan"), VirtualClock()
+    )
+    OuterExchange(comm, torch.randn(4096), torch.zeros(1), fmt, 256).wait()  # type: ignore[arg-type]
+    return comm.bytes_by_role[Role.PSEUDO_GRADIENT]
+
+
+def test_fp8_sends_fewer_bytes_than_float32_at_sixteen_workers() -> None:
+    """Item 6: at M = 16 an all-gather of whole fp8 payloads (M - 1 of them, about a byte per
+    element each) sent more than a float32 ring all-reduce (2 (M-1)/M x 4 bytes); the
+    two-step exchange sends 2 (M-1)/M of the encoded size, under a third of float32's."""
+    from lowcomm.comm.base import CollectiveKind
+    from lowcomm.comm.network import bytes_sent
+    from lowcomm.optim.quantize import encoded_bytes
+
+    fp32 = _exchange_bytes("none", 16)
+    fp8 = _exchange_bytes("fp8", 16)
+    old_all_gather = bytes_sent(
+        CollectiveKind.ALL_GATHER, 16 * (encoded_bytes(4096, "fp8", 256) + 4), 16, 0
+    )
+    assert old_all_gather > fp32  # what the issue found
+    assert fp8 < fp32 / 3

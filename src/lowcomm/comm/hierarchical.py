@@ -308,6 +308,32 @@ class HierarchicalComm:
 
         return self._two_stage(handle, gather, _gather_charge(full, role), finish)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        """Each rank moves slice ``r`` of every chunk over the outer link (the chunks are the
+        same on every rank of a worker), then the inner all-gather reassembles the chunks
+        this worker received."""
+        m_count = self.world_size
+        check_scatter_shapes(output, input, 1, "all_to_all")
+        n = input.numel() // m_count
+        ranks, r = self.ranks_per_worker, self.local_rank
+        c = slice_length(n, ranks)
+        begin, end = min(r * c, n), min((r + 1) * c, n)
+        send = torch.zeros(m_count, c, dtype=input.dtype, device=input.device)
+        send[:, : end - begin] = input.reshape(m_count, n)[:, begin:end]
+        received = torch.empty(m_count * c, dtype=input.dtype, device=input.device)
+        handle = self.outer_comm.all_to_all(received, send.view(-1), role=role)
+        full = torch.empty(ranks * m_count * c, dtype=input.dtype, device=input.device)
+
+        def gather(level: Comm) -> Handle:
+            return level.all_gather(full, received, role=role)
+
+        def finish() -> None:
+            # full[r', i, :] is slice r' of what worker i sent this worker.
+            by_worker = full.view(ranks, m_count, c).permute(1, 0, 2).reshape(m_count, ranks * c)
+            output.view(m_count, n).copy_(by_worker[:, :n])
+
+        return self._two_stage(handle, gather, _gather_charge(full, role), finish)
+
     def barrier(self) -> Handle:
         def gather(level: Comm) -> Handle:
             return level.barrier()
