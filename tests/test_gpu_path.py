@@ -234,3 +234,90 @@ def test_fp8_sends_fewer_bytes_than_float32_at_sixteen_workers() -> None:
     )
     assert old_all_gather > fp32  # what the issue found
     assert fp8 < fp32 / 3
+
+
+# --- item 1: the real clock times a GPU with events, never a device-wide sync -----------
+
+
+class _EventCuda:
+    """A stand-in for ``torch.cuda``'s timing events: the device runs queued work up to
+    ``device_time`` (the test advances it as if kernels and stream waits were queued); an
+    event records the device time it was queued at and completes once the host has waited
+    for it (``query`` is False until then, as for work still queued)."""
+
+    def __init__(self) -> None:
+        self.device_time = 0.0
+        self.event_waits = 0
+
+    def current_stream(self, device: torch.device) -> str:
+        return "compute"
+
+    def Event(self, enable_timing: bool = False) -> _Event:
+        assert enable_timing
+        return _Event(self)
+
+
+class _Event:
+    def __init__(self, cuda: _EventCuda) -> None:
+        self.cuda = cuda
+        self.at = 0.0
+        self.done = False
+
+    def record(self, stream: str) -> None:
+        assert stream == "compute"
+        self.at = self.cuda.device_time
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.cuda.event_waits += 1
+        self.done = True
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+def test_the_real_clock_on_a_gpu_times_regions_with_events_without_syncing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Item 1: compute, a wait that only orders the stream after a collective (its device
+    time is the exposure), more compute and an excluded region, with no device-wide
+    synchronisation and no host wait until the step's times are read; then the step's
+    compute and exposed times are the device times of its regions."""
+    from lowcomm.comm.clock import RealClock
+
+    def no_device_sync(device: object = None) -> None:
+        raise AssertionError("torch.cuda.synchronize drains NCCL's streams")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_device_sync)
+    cuda = _EventCuda()
+    clock = RealClock(device=torch.device("cuda", 0), cuda=cuda)
+    begin = clock.marker()
+    cuda.device_time += 2.0  # forward/backward kernels
+    with clock.blocked():
+        cuda.device_time += 0.5  # the stream waits for the all-reduce
+    cuda.device_time += 1.0  # the optimizer step
+    clock.now()
+    end = clock.marker()
+    with clock.excluded():
+        cuda.device_time += 4.0  # an evaluation
+    assert cuda.event_waits == 0  # nothing waited for during the step
+    assert clock.compute_s == 0.0  # (not known yet: the device has not reported)
+    (compute0, exposed0), (compute1, exposed1) = clock.totals_at(begin), clock.totals_at(end)
+    assert (compute1 - compute0, exposed1 - exposed0) == pytest.approx((3.0, 0.5))
+    clock.settle_timing()
+    assert clock.compute_s == pytest.approx(3.0) and clock.exposed_comm_s == pytest.approx(0.5)
+    restored = RealClock(device=torch.device("cuda", 0), cuda=_EventCuda())
+    restored.load_state_dict(clock.state_dict())  # a checkpoint carries the device totals
+    assert restored.compute_s == pytest.approx(3.0)
+
+
+def test_the_cpu_clock_markers_are_its_totals() -> None:
+    from lowcomm.comm.clock import make_clock
+
+    clock = make_clock("virtual", seconds_per_microbatch=0.25)
+    begin = clock.marker()
+    clock.microbatch_done()
+    assert clock.totals_at(clock.marker()) == (0.25, 0.0)
+    assert clock.totals_at(begin) == (0.0, 0.0)

@@ -515,35 +515,6 @@ def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str)
         assert "peak_device_memory_bytes_per_worker" not in summary
 
 
-# --- item 4: the real clock synchronises the GPU where it reads the time ----------------
-
-
-def test_the_real_clock_synchronises_the_gpu_at_every_reading(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from lowcomm.comm.clock import make_clock
-
-    synced: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
-    gpu = torch.device("cuda", 1)
-    clock = make_clock("real", device=gpu)
-    clock.mark()
-    assert synced == [gpu]  # queued compute is charged to compute
-    with clock.blocked():
-        pass
-    assert len(synced) == 3  # compute before the wait, then the transfer's end
-    with clock.excluded():
-        pass
-    assert len(synced) == 5  # and the excluded region's own kernels stay excluded
-    clock.now()
-    assert len(synced) == 6
-    cpu_clock = make_clock("real", device=torch.device("cpu"))
-    cpu_clock.mark()
-    with cpu_clock.blocked():
-        pass
-    assert len(synced) == 6
-
-
 class _FakeCuda:
     """A stand-in for ``torch.cuda``'s streams and timing events: the GPU's clock is the
     host's ``perf_counter`` plus an offset; a stream made to wait for a work is ready when

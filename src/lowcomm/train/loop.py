@@ -407,18 +407,21 @@ def train_step(
     metrics are held in ``log`` and read, checked and written every --log-every steps and
     before a checkpoint or the end. False if the run stops after it (--stop-after)."""
     config, clock, comm = worker.config, worker.clock, worker.comm
-    before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
+    # (Markers: on a GPU the step's compute and exposed times are known once the device has
+    # run it; they are read with the loss, every --log-every steps.)
+    begin = clock.marker()
     before_bytes = comm.bytes_sent
     stats = worker.strategy.step(worker.step_closure)
     now = clock.now()
+    end = clock.marker()
     progress.tokens += stats.tokens
     if budget_spent(config, worker.strategy, progress.tokens * worker.world_size):
         progress.end_step = step + 1
     with clock.excluded():
         mine = StepMetrics(
             loss=math.nan,  # (held on the device until the read)
-            compute_s=clock.compute_s - before_compute,
-            exposed_comm_s=clock.exposed_comm_s - before_exposed,
+            compute_s=math.nan,  # (from the markers, at the read)
+            exposed_comm_s=math.nan,
             bytes_sent=comm.bytes_sent - before_bytes,
             clock_s=now,
             microbatches=stats.microbatches,
@@ -433,7 +436,7 @@ def train_step(
                 progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
         log.hold(
             step, stats, mine, parameters_finite(worker.model),
-            progress.val_loss if evaluate else None,
+            progress.val_loss if evaluate else None, (begin, end),
         )  # fmt: skip
         stopped = config.stop_after is not None and step + 1 == config.stop_after
         every = config.checkpoint_every
@@ -456,7 +459,7 @@ def _write_held(
 ) -> None:
     """Read and gather the held steps' metrics and write them, in order, up to a step with a
     non-finite loss or parameter, which stops the run."""
-    steps = log.read(worker.bookkeeping)
+    steps = log.read(worker.bookkeeping, worker.clock)
     for index, (held, everyone) in enumerate(steps):
         _check_finite(held.step, everyone)
         if writer is None:
@@ -534,6 +537,7 @@ def _worker_summary(
     deployed: torch.Tensor | None = None,
 ) -> WorkerSummary:  # fmt: skip
     clock, comm = worker.clock, worker.comm
+    clock.settle_timing()
     return WorkerSummary(
         rank=worker.rank, compute_s=clock.compute_s, exposed_comm_s=clock.exposed_comm_s,
         clock_s=clock_s, bytes_sent=comm.bytes_sent, bytes_by_role=comm.counters(),

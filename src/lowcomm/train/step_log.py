@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lowcomm.comm.base import Comm, Role
+from lowcomm.comm.clock import Clock
 from lowcomm.strategies import StepStats
 from lowcomm.train.records import StepMetrics
 
@@ -47,6 +48,9 @@ class HeldStep:
     loss: Reading
     finite: Reading
     val_loss: float | None
+    span: tuple[object, object] | None = None
+    """The clock's markers at the step's start and end (``Clock.marker``): its compute and
+    exposed times are read from them (None: ``metrics`` holds them already)."""
 
 
 def read_on_host(values: list[Reading]) -> list[float]:
@@ -91,24 +95,41 @@ class StepLog:
         metrics: StepMetrics,
         finite: Reading,
         val_loss: float | None,
+        span: tuple[object, object] | None = None,
     ) -> None:
-        """Keep step ``step``'s record until the next :meth:`read`."""
+        """Keep step ``step``'s record until the next :meth:`read` (``span``: the clock's
+        markers around the step, see :class:`HeldStep`)."""
         self.held.append(
-            HeldStep(step, stats.lr, dict(stats.extras), metrics, stats.loss, finite, val_loss)
+            HeldStep(
+                step, stats.lr, dict(stats.extras), metrics, stats.loss, finite, val_loss, span
+            )
         )
 
-    def read(self, bookkeeping: Comm) -> list[tuple[HeldStep, list[StepMetrics]]]:
+    def read(
+        self, bookkeeping: Comm, clock: Clock | None = None
+    ) -> list[tuple[HeldStep, list[StepMetrics]]]:
         """Every held step with every process's metrics for it (rank order): one host read
-        of this process's device values, one all-gather. All processes must call it at the
-        same steps (it is collective). Empties the log."""
+        of this process's device values (and, on a GPU clock, one wait for its timing events),
+        one all-gather. All processes must call it at the same steps (it is collective).
+        Empties the log."""
         held, self.held = self.held, []
         if not held:
             return []
         numbers = read_on_host([h.loss for h in held] + [h.finite for h in held])
         rows = []
         for index, step in enumerate(held):
+            times = {}
+            if step.span is not None and clock is not None:
+                (compute0, exposed0), (compute1, exposed1) = (
+                    clock.totals_at(step.span[0]),
+                    clock.totals_at(step.span[1]),
+                )
+                times = {"compute_s": compute1 - compute0, "exposed_comm_s": exposed1 - exposed0}
             step.metrics = dataclasses.replace(
-                step.metrics, loss=numbers[index], params_finite=numbers[len(held) + index]
+                step.metrics,
+                loss=numbers[index],
+                params_finite=numbers[len(held) + index],
+                **times,
             )
             rows.append(step.metrics.to_tensor())
         local = torch.cat(rows)
