@@ -321,3 +321,31 @@ def test_the_cpu_clock_markers_are_its_totals() -> None:
     clock.microbatch_done()
     assert clock.totals_at(clock.marker()) == (0.25, 0.0)
     assert clock.totals_at(begin) == (0.0, 0.0)
+
+
+# --- item 3: the default command on CUDA: a calibrated virtual clock timed by events ----
+
+
+def test_the_default_clock_is_accepted_on_cuda_and_cpu_time_is_refused() -> None:
+    from lowcomm.config import ConfigError
+
+    config = TrainConfig(device="cuda")  # the virtual clock, calibrated compute
+    assert config.clock == "virtual" and config.compute_model == "calibrated"
+    config.validate()
+    with pytest.raises(ConfigError, match="--compute-model cpu-time: on cuda"):
+        TrainConfig(device="cuda", compute_model="cpu-time").validate()
+
+
+def test_calibration_times_a_gpu_pass_with_events() -> None:
+    """Item 3: a pass's cost on a GPU is the device time between two events around it (the
+    host's CPU time would see the launches only), waited for once."""
+    from lowcomm.comm.calibration import _cuda_event_timing
+
+    cuda = _EventCuda()
+
+    def queue_kernels() -> None:
+        cuda.device_time += 0.3
+
+    seconds = _cuda_event_timing(queue_kernels, torch.device("cuda", 0), cuda)
+    assert seconds == pytest.approx(0.3)
+    assert cuda.event_waits == 1

@@ -268,10 +268,12 @@ class TrainConfig:
             self.device == "cuda"
             and self.clock == "virtual"
             and self.seconds_per_microbatch is None
+            and self.compute_model == "cpu-time"
         ):
             raise ConfigError(
-                "--clock virtual: on cuda the CPU time the virtual clock measures does not see "
-                "GPU kernels; pass --seconds-per-microbatch (the device's cost) or --clock real"
+                "--compute-model cpu-time: on cuda the CPU time the virtual clock measures does "
+                "not see GPU kernels; use --compute-model calibrated (the default: the passes "
+                "are timed with CUDA events), --seconds-per-microbatch, or --clock real"
             )
         if self.seconds_per_microbatch is not None:
             if self.clock != "virtual":
