@@ -349,3 +349,52 @@ def test_calibration_times_a_gpu_pass_with_events() -> None:
     seconds = _cuda_event_timing(queue_kernels, torch.device("cuda", 0), cuda)
     assert seconds == pytest.approx(0.3)
     assert cuda.event_waits == 1
+
+
+# --- item 5: torch's fused AdamW kernel where it exists (on a GPU) ----------------------
+
+
+def test_the_fused_adamw_kernel_equals_the_flat_update_to_rounding() -> None:
+    from lowcomm.optim.adamw import AdamWConfig, _adamw_update, _fused_adamw_update
+
+    config = AdamWConfig(weight_decay=0.1)
+    generator = torch.Generator().manual_seed(5)
+    master = torch.randn(4096, generator=generator)
+    fused = [master.clone(), torch.zeros(4096), torch.zeros(4096)]
+    flat = [master.clone(), torch.zeros(4096), torch.zeros(4096)]
+    for step in range(1, 4):
+        grad = torch.randn(4096, generator=generator)
+        _fused_adamw_update(*fused[:1], grad, *fused[1:], torch.tensor(float(step)), config, 1e-2)
+        _adamw_update(flat[0], grad, flat[1], flat[2], (step, step), config, 1e-2)
+    for a, b in zip(fused, flat, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert not torch.equal(fused[0], master)
+
+
+def test_flat_adamw_uses_the_fused_kernel_on_a_gpu_for_step_and_lookahead_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step and the lookahead go through one update, so they agree bit for bit on either
+    path; moments counting different steps (DES-LOC) keep the unfused update; on the CPU the
+    unfused update is the one the regression pins hold."""
+    from lowcomm.optim import adamw
+
+    assert not adamw.fused_available(torch.zeros(2))
+    calls: list[str] = []
+    original = adamw._fused_adamw_update
+
+    def counting(*args: object, **kwargs: object) -> None:
+        calls.append("fused")
+        original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adamw, "fused_available", lambda master: True)
+    monkeypatch.setattr(adamw, "_fused_adamw_update", counting)
+    generator = torch.Generator().manual_seed(6)
+    optimizer = adamw.FlatAdamW(torch.randn(256, generator=generator), adamw.AdamWConfig())
+    grad = torch.randn(256, generator=generator)
+    predicted = optimizer.lookahead(grad, lr=1e-2, out=torch.empty(256))
+    optimizer.step(grad, lr=1e-2)
+    assert torch.equal(predicted, optimizer.master) and calls == ["fused", "fused"]
+    optimizer.on_states_averaged([adamw.Role.FIRST_MOMENT], global_step=5)
+    optimizer.step(grad, lr=1e-2)
+    assert calls == ["fused", "fused"]  # s_m = 6, s_v = 2: the unfused update

@@ -151,6 +151,11 @@ class TrainConfig:
     CUDA), with float32 master parameters, gradients and optimizer states (so state bytes do
     not change); validation runs in float32."""
 
+    tf32: bool = True
+    """On cuda, float32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa
+    inputs, float32 accumulation): `--tf32 False` keeps them in full float32. No effect on
+    the CPU."""
+
     comm_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype gradients and pseudo-gradients travel in: bf16 sends a bfloat16 copy (half the
     bytes and the modeled transfer time) and reduces it in bfloat16, the result copied back

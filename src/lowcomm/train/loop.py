@@ -195,6 +195,8 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        torch.backends.cuda.matmul.allow_tf32 = config.tf32  # (--tf32)
+        torch.backends.cudnn.allow_tf32 = config.tf32
     corpus = prepare_corpus(config.data)
     model = _shared_initial_model(config, corpus.vocab_size, raw, device)
     clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
