@@ -256,10 +256,27 @@ def pinned_to_current_cpu() -> Iterator[int | None]:
         os.sched_setaffinity(0, allowed)
 
 
-def _thread_cpu_timing(work: Callable[[], None]) -> float:
+def _thread_cpu_timing(work: Callable[[], None], device: torch.device | None = None) -> float:
+    """Seconds ``work`` takes: this thread's CPU time, or on a GPU the device time between
+    two timing events around it (the host's CPU time would see only the launches)."""
+    if device is not None and device.type == "cuda":
+        return _cuda_event_timing(work, device)
     begin = time.thread_time()
     work()
     return time.thread_time() - begin
+
+
+def _cuda_event_timing(work: Callable[[], None], device: torch.device, cuda: Any = None) -> float:
+    """The device time of the kernels ``work`` queues on the current stream (waits for
+    them: calibration runs before training). ``cuda``: ``torch.cuda`` (a stand-in in tests)."""
+    cuda = torch.cuda if cuda is None else cuda
+    stream = cuda.current_stream(device)
+    begin, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+    begin.record(stream)
+    work()
+    end.record(stream)
+    end.synchronize()
+    return float(begin.elapsed_time(end)) / 1000.0
 
 
 def _forward_backward(
@@ -283,13 +300,16 @@ def _forward_backward(
     return run
 
 
-def _update(num_params: int, counter: ElementCounter) -> Callable[[], None]:
-    """One AdamW update (the library's own arithmetic) over ``num_params`` elements."""
+def _update(
+    num_params: int, counter: ElementCounter, device: torch.device | None = None
+) -> Callable[[], None]:
+    """One AdamW update (the library's own arithmetic) over ``num_params`` elements, on
+    ``device`` (the CPU by default)."""
     from lowcomm.optim.adamw import AdamWConfig, _adamw_update
 
     generator = torch.Generator().manual_seed(0)
-    master = torch.randn(num_params, generator=generator)
-    grad = torch.randn(num_params, generator=generator)
+    master = torch.randn(num_params, generator=generator).to(device or "cpu")
+    grad = torch.randn(num_params, generator=generator).to(device or "cpu")
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     config = AdamWConfig()
 
@@ -326,10 +346,11 @@ def calibrate(
     num_params = sum(p.numel() for p in model.parameters())
     forward_backward = _forward_backward(model, vocab_size, micro_batch_size, block_size, bf16)
     counter = ElementCounter()
-    update = _update(num_params, counter)
+    device = next(model.parameters()).device  # (on a GPU the passes are timed by events)
+    update = _update(num_params, counter, device)
     warmup_s = 0.0
     for _ in range(WARMUP):  # all workers at once: only sizes the turns
-        warmup_s = _thread_cpu_timing(forward_backward)
+        warmup_s = _thread_cpu_timing(forward_backward, device)
         update()
     rank, world = bookkeeping.rank, bookkeeping.world_size
     repeats = _repeats(warmup_s, bookkeeping)
@@ -343,9 +364,10 @@ def calibrate(
                 forward_backward()
                 update()
                 for index in range(repeats):
-                    mine[index] = _thread_cpu_timing(forward_backward)
+                    mine[index] = _thread_cpu_timing(forward_backward, device)
                     counter.elements = 0
-                    mine[repeats + index] = _thread_cpu_timing(update) / max(counter.elements, 1)
+                    update_s = _thread_cpu_timing(update, device)
+                    mine[repeats + index] = update_s / max(counter.elements, 1)
     everyone = torch.zeros(world * 2 * repeats, dtype=torch.float64)
     bookkeeping.all_gather(everyone, mine, role=Role.OTHER).wait()
     rows = everyone.view(world, 2, repeats)
