@@ -26,7 +26,7 @@ from lowcomm.strategies.sparta import (
     SpartaDiLoCo,
     SpartaOptions,
     selected_indices,
-    selection_seed,
+    selection_streams,
 )
 
 CONTEXT = StrategyContext(
@@ -39,10 +39,12 @@ CONTEXT = StrategyContext(
 
 
 def hand_drawn(numel: int, p: float, seed: int, step: int) -> torch.Tensor:
-    """S_t straight from the rule: u ~ U[0, 1)^n from a generator seeded by (seed, t); i in
-    S_t iff u_i < p."""
-    generator = torch.Generator().manual_seed(selection_seed(seed, step))
-    return torch.nonzero(torch.rand(numel, generator=generator) < p).reshape(-1)
+    """S_t of a one-block model written out: k ~ Binomial(n, p) from the step's count stream,
+    then the first k entries of a random permutation from its position stream, sorted."""
+    counts, draw_seed = selection_streams(seed, step)
+    k = int(counts.binomial(numel, p))
+    generator = torch.Generator().manual_seed(draw_seed)
+    return torch.randperm(numel, generator=generator)[:k].sort().values
 
 
 def _run(strategy: Any, steps: int, start: int = 0) -> None:
@@ -66,6 +68,27 @@ def test_indices_are_a_seeded_bernoulli_draw_shared_by_every_worker() -> None:
     assert 50 < drawn.numel() < 150  # about p n = 100
     assert selected_indices(10, 0.0, 0, 1, drawn.device).numel() == 0
     assert torch.equal(selected_indices(10, 1.0, 0, 1, drawn.device), torch.arange(10))
+
+
+def test_every_entry_is_averaged_with_probability_p() -> None:
+    # Bernoulli(p) per entry, as exogym's mask: over 400 steps each of 1000 entries is drawn
+    # about 0.1 x 400 = 40 times (binomial sd 6), and the steps' counts average p n = 100.
+    hits = torch.zeros(1000)
+    sizes = []
+    for step in range(1, 401):
+        drawn = selected_indices(1000, 0.1, seed=0, step=step, device=torch.device("cpu"))
+        assert torch.equal(drawn, drawn.unique())  # no entry twice
+        hits[drawn] += 1
+        sizes.append(drawn.numel())
+    assert 15 < hits.min() and hits.max() < 65
+    assert sum(sizes) / 400 == pytest.approx(100, rel=0.03)
+    assert len(set(sizes)) > 10  # the count itself is random, not fixed at p n
+    # A model larger than one block of the draw: every block gets its share.
+    big = (1 << 22) + 100_000
+    drawn = selected_indices(big, 0.001, seed=1, step=1, device=torch.device("cpu"))
+    assert drawn.numel() == pytest.approx(0.001 * big, rel=0.1)
+    assert (drawn >= 1 << 22).sum() == pytest.approx(100, abs=40)
+    assert torch.equal(drawn, drawn.unique()) and int(drawn.max()) < big
 
 
 class _PeerComm:

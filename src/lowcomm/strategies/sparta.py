@@ -8,7 +8,7 @@ openreview.net/forum?id=stFPf3gzq1); reference code: exogym (github.com/exo-expl
 ``exogym/strategy/sparta.py`` and ``sparta_diloco.py``). At every step t, on every worker::
 
     theta      <- AdamW(theta, g)                         (local, persistent moments)
-    S_t        = {i : u_i < p},  u ~ U[0, 1)^n from a generator seeded by (seed, t)
+    S_t        = each i independently with probability p, drawn from (seed, t)
     theta[S_t] <- mean_workers(theta[S_t])                (an all-reduce of |S_t| values)
 
 Every worker draws the same S_t from the run's seed and the step (no mask is sent), so the
@@ -36,7 +36,7 @@ from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
-#: Uniforms drawn per block when selecting indices (bounds the transient memory to 16 MiB).
+#: Entries per block of the index draw (bounds the draw's transient memory to 32 MiB).
 _DRAW_BLOCK = 1 << 22
 #: Mixed into every selection seed, so the draw is not the stream of another use of --seed.
 _DOMAIN = 0x5BA27A
@@ -86,31 +86,41 @@ class SpartaOptions:
             )
 
 
-def selection_seed(seed: int, step: int) -> int:
-    """The seed of step ``step``'s index draw: a hash of (run seed, step), the same on every
-    worker and on a resumed run (numpy's SeedSequence, stable across versions)."""
-    state = np.random.SeedSequence([seed, step, _DOMAIN]).generate_state(1, dtype=np.uint64)
-    return int(state[0])
+def selection_streams(seed: int, step: int) -> tuple[np.random.Generator, int]:
+    """The two random streams of step ``step``'s draw, functions of (run seed, step) only, the
+    same on every worker and on a resumed run (numpy's SeedSequence, stable across versions):
+    a numpy generator for the per-block counts and the seed of the ``torch.Generator`` that
+    picks the positions."""
+    counts = np.random.default_rng(np.random.SeedSequence([seed, step, _DOMAIN, 0]))
+    words = np.random.SeedSequence([seed, step, _DOMAIN, 1]).generate_state(1, dtype=np.uint64)
+    return counts, int(words[0])
 
 
 def selected_indices(
     numel: int, fraction: float, seed: int, step: int, device: torch.device
 ) -> torch.Tensor:
-    """The sorted flat indices S averaged at step ``step``: each of ``numel`` entries with
-    probability ``fraction`` (u_i < p, u_i uniform in [0, 1)), drawn in blocks of 2^22 from
-    a ``torch.Generator`` on ``device`` seeded by :func:`selection_seed`."""
+    """The sorted flat indices S averaged at step ``step``: every entry independently with
+    probability ``fraction`` (exogym's Bernoulli mask). Drawn per block of 2^22 entries as a
+    Binomial(block, p) count k (on the host) and a uniformly random k-subset of the block (the
+    first k of a random permutation from a seeded ``torch.Generator``, on ``device`` when it
+    is a GPU), which is the same distribution with no read back from the device."""
     if fraction <= 0.0:
         return torch.zeros(0, dtype=torch.long, device=device)
     if fraction >= 1.0:
         return torch.arange(numel, device=device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(selection_seed(seed, step))
+    counts, draw_seed = selection_streams(seed, step)
+    # A GPU draws with its own generator; any other device (CPU, the test suite's stand-in)
+    # draws on the CPU.
+    draw_on = device if device.type == "cuda" else torch.device("cpu")
+    generator = torch.Generator(device=draw_on)
+    generator.manual_seed(draw_seed)
     parts = []
     for start in range(0, numel, _DRAW_BLOCK):
         size = min(_DRAW_BLOCK, numel - start)
-        uniform = torch.rand(size, generator=generator, device=device)
-        parts.append(torch.nonzero(uniform < fraction).reshape(-1) + start)
-    return torch.cat(parts)
+        k = int(counts.binomial(size, fraction))
+        order = torch.randperm(size, generator=generator, device=draw_on)
+        parts.append(order[:k] + start)
+    return torch.sort(torch.cat(parts)).values.to(device)
 
 
 class SparseAverage:
