@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "AccoOptions": "lowcomm.strategies.acco",
     "AdamWConfig": "lowcomm.optim.adamw",
+    "DeMoOptions": "lowcomm.strategies.demo",
     "DeslocOptions": "lowcomm.strategies.desloc",
     "DiLoCoOptions": "lowcomm.strategies.diloco",
     "LocalOptions": "lowcomm.strategies.co2",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from lowcomm.strategies import MicroBatchResult, StepStats, Strategy, StrategyContext
     from lowcomm.strategies.acco import AccoOptions
     from lowcomm.strategies.co2 import LocalOptions
+    from lowcomm.strategies.demo import DeMoOptions
     from lowcomm.strategies.desloc import DeslocOptions
     from lowcomm.strategies.diloco import DiLoCoOptions
     from lowcomm.strategies.sparseloco import SparseLoCoOptions
@@ -67,6 +69,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AccoOptions",
     "AdamWConfig",
+    "DeMoOptions",
     "DeslocOptions",
     "DiLoCoOptions",
     "LocalOptions",

@@ -25,7 +25,7 @@ from lowcomm.comm.base import Comm
 from lowcomm.comm.clock import ClockKind, make_clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.local import LocalComm
-from lowcomm.comm.network import NetworkProfile
+from lowcomm.comm.network import LinkNames, NetworkProfile
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
 from lowcomm.strategies import (
@@ -36,6 +36,14 @@ from lowcomm.strategies import (
     strategy_class,
 )
 from lowcomm.strategies.option_groups import group_members
+
+#: How :func:`connect`'s link arguments are named when one is refused.
+_CONNECT_ARGUMENTS = LinkNames(
+    "connect(network=)",
+    "connect(bandwidth_gbps=)",
+    "connect(latency_ms=)",
+    "connect(speed_factors=)",
+)
 
 
 def connect(
@@ -62,12 +70,21 @@ def connect(
             is set longer, so this error comes first).
 
     Raises:
-        ValueError: for cuda without enough GPUs on this node, naming the fix.
+        ValueError: for a bad link setting, or cuda without enough GPUs on this node, naming
+            the fix.
     """
     import os
 
     import torch
     import torch.distributed as dist
+
+    profile = NetworkProfile.from_preset(
+        network,
+        bandwidth_gbps=bandwidth_gbps,
+        latency_ms=latency_ms,
+        speed_factors=speed_factors,
+        names=_CONNECT_ARGUMENTS,
+    )
 
     inner: Comm
     bound = torch.device("cpu")
@@ -90,9 +107,6 @@ def connect(
         if device == "cuda":
             bound = torch.device("cuda", torch.cuda.current_device())
         inner = LocalComm()
-    profile = NetworkProfile.from_preset(
-        network, bandwidth_gbps=bandwidth_gbps, latency_ms=latency_ms, speed_factors=speed_factors
-    )
     worker_clock = make_clock(clock, speed_factor=profile.speed_factor(inner.rank), device=bound)
     return NetworkComm(inner, profile, worker_clock, device=bound)
 
