@@ -216,6 +216,9 @@ def test_plan_prices_a_sparse_all_reduce_every_step_by_hand() -> None:
     )
     full = 2 * 3 / 4 * 4e9
     assert both.comm_bytes_per_worker_per_step == pytest.approx(2 * 3 / 4 * payload + full / 10)
+    # p = 0: no step issues a collective, so nothing is priced (not even latency).
+    none = make_plan(PlanConfig(method="sparta", sparta=SpartaOptions(fraction=0.0), **config))  # type: ignore[arg-type]
+    assert none.comm_total_s == 0.0 and none.comm_bytes_per_worker_per_step == 0.0
 
 
 # --- multi-process -----------------------------------------------------------------------------

@@ -123,6 +123,12 @@ def selected_indices(
     return torch.sort(torch.cat(parts)).values.to(device)
 
 
+def _sparse_traffic(options: SpartaOptions) -> list[Transfer]:
+    """The sparse average's traffic: an all-reduce of p of the model every step (none at
+    p = 0, where no step draws an index and none issues a collective)."""
+    return [Transfer(options.fraction, 1.0)] if options.fraction > 0 else []
+
+
 class SparseAverage:
     """SPARTA's exchange: the mean over the workers of the values of a flat fp32 tensor at the
     indices drawn for a step (one blocking all-reduce of those values; none when none)."""
@@ -161,7 +167,7 @@ class Sparta(Strategy):
     options_field: ClassVar[str | None] = "sparta"
     cost: ClassVar[CostModel] = CostModel(
         description="average a random fraction p of the parameters every step",
-        traffic=lambda o, t: [Transfer(o.fraction, 1.0)],
+        traffic=lambda o, t: _sparse_traffic(o),
         schedule=lambda o: f"every step, p = {o.fraction:g} of the parameters",
         shards_over_replicas=True,
     )
@@ -261,7 +267,7 @@ class SpartaDiLoCo(DiLoCo):
     options_field: ClassVar[str | None] = "sparta"
     cost: ClassVar[CostModel] = CostModel(
         description="random fraction p every step + outer Nesterov every H steps",
-        traffic=lambda o, t: [Transfer(o.fraction, 1.0), Transfer(1.0, 1 / o.sync_every)],
+        traffic=lambda o, t: [*_sparse_traffic(o), Transfer(1.0, 1 / o.sync_every)],
         schedule=lambda o: (
             f"every step, p = {o.fraction:g} of the parameters; H = {o.sync_every} inner steps "
             f"per outer round"
