@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ from lowcomm.strategies.sparta import (
     SpartaDiLoCo,
     SpartaOptions,
     selected_indices,
-    selection_streams,
+    selection_rng,
 )
 
 CONTEXT = StrategyContext(
@@ -39,12 +40,11 @@ CONTEXT = StrategyContext(
 
 
 def hand_drawn(numel: int, p: float, seed: int, step: int) -> torch.Tensor:
-    """S_t of a one-block model written out: k ~ Binomial(n, p) from the step's count stream,
-    then the first k entries of a random permutation from its position stream, sorted."""
-    counts, draw_seed = selection_streams(seed, step)
-    k = int(counts.binomial(numel, p))
-    generator = torch.Generator().manual_seed(draw_seed)
-    return torch.randperm(numel, generator=generator)[:k].sort().values
+    """S_t written out as a Bernoulli process: from the step's stream, gaps G_j ~ Geometric(p)
+    (trials up to a success); the selected entries are at G_1 - 1, G_1 + G_2 - 1, ... < n."""
+    gaps = selection_rng(seed, step).geometric(p, size=numel)  # n trials hold <= n successes
+    positions = np.cumsum(gaps) - 1
+    return torch.from_numpy(positions[positions < numel].astype(np.int64))
 
 
 def _run(strategy: Any, steps: int, start: int = 0) -> None:
@@ -83,11 +83,12 @@ def test_every_entry_is_averaged_with_probability_p() -> None:
     assert hits.min() > 15 and hits.max() < 65
     assert sum(sizes) / 400 == pytest.approx(100, rel=0.03)
     assert len(set(sizes)) > 10  # the count itself is random, not fixed at p n
-    # A model larger than one block of the draw: every block gets its share.
-    big = (1 << 22) + 100_000
-    drawn = selected_indices(big, 0.001, seed=1, step=1, device=torch.device("cpu"))
-    assert drawn.numel() == pytest.approx(0.001 * big, rel=0.1)
-    assert (drawn >= 1 << 22).sum() == pytest.approx(100, abs=40)
+    # More entries than one batch of gaps (2^20): the draw continues where it stopped.
+    big = 3_000_000
+    drawn = selected_indices(big, 0.5, seed=1, step=1, device=torch.device("cpu"))
+    assert torch.equal(drawn, hand_drawn(big, 0.5, 1, 1))
+    assert drawn.numel() == pytest.approx(0.5 * big, rel=0.01)
+    assert (drawn >= 2_000_000).sum() == pytest.approx(500_000, rel=0.01)
     assert torch.equal(drawn, drawn.unique()) and int(drawn.max()) < big
 
 

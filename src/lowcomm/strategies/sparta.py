@@ -36,8 +36,8 @@ from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 
-#: Entries per block of the index draw (bounds the draw's transient memory to 32 MiB).
-_DRAW_BLOCK = 1 << 22
+#: Most Geometric gaps drawn at once when selecting indices (bounds the draw's memory).
+_GAPS_PER_DRAW = 1 << 20
 #: Mixed into every selection seed, so the draw is not the stream of another use of --seed.
 _DOMAIN = 0x5BA27A
 
@@ -86,41 +86,43 @@ class SpartaOptions:
             )
 
 
-def selection_streams(seed: int, step: int) -> tuple[np.random.Generator, int]:
-    """The two random streams of step ``step``'s draw, functions of (run seed, step) only, the
-    same on every worker and on a resumed run (numpy's SeedSequence, stable across versions):
-    a numpy generator for the per-block counts and the seed of the ``torch.Generator`` that
-    picks the positions."""
-    counts = np.random.default_rng(np.random.SeedSequence([seed, step, _DOMAIN, 0]))
-    words = np.random.SeedSequence([seed, step, _DOMAIN, 1]).generate_state(1, dtype=np.uint64)
-    return counts, int(words[0])
+def selection_rng(seed: int, step: int) -> np.random.Generator:
+    """The random stream of step ``step``'s draw: a function of (run seed, step) only, the same
+    on every worker and on a resumed run (numpy's SeedSequence and PCG64, stable across
+    versions); never the process-global RNG."""
+    return np.random.default_rng(np.random.SeedSequence([seed, step, _DOMAIN]))
 
 
 def selected_indices(
     numel: int, fraction: float, seed: int, step: int, device: torch.device
 ) -> torch.Tensor:
     """The sorted flat indices S averaged at step ``step``: every entry independently with
-    probability ``fraction`` (exogym's Bernoulli mask). Drawn per block of 2^22 entries as a
-    Binomial(block, p) count k (on the host) and a uniformly random k-subset of the block (the
-    first k of a random permutation from a seeded ``torch.Generator``, on ``device`` when it
-    is a GPU), which is the same distribution with no read back from the device."""
+    probability ``fraction`` (exogym's Bernoulli mask), drawn as a Bernoulli process: the gaps
+    between successive selected entries are Geometric(p) (trials up to a success), so the
+    first is at G_1 - 1 and the next at the running sums. O(p n) work on the host, no read
+    back from a GPU; the indices reach one by a pinned, non-blocking copy."""
     if fraction <= 0.0:
         return torch.zeros(0, dtype=torch.long, device=device)
     if fraction >= 1.0:
         return torch.arange(numel, device=device)
-    counts, draw_seed = selection_streams(seed, step)
-    # A GPU draws with its own generator; any other device (CPU, the test suite's stand-in)
-    # draws on the CPU.
-    draw_on = device if device.type == "cuda" else torch.device("cpu")
-    generator = torch.Generator(device=draw_on)
-    generator.manual_seed(draw_seed)
+    rng = selection_rng(seed, step)
     parts = []
-    for start in range(0, numel, _DRAW_BLOCK):
-        size = min(_DRAW_BLOCK, numel - start)
-        k = int(counts.binomial(size, fraction))
-        order = torch.randperm(size, generator=generator, device=draw_on)
-        parts.append(order[:k] + start)
-    return torch.sort(torch.cat(parts)).values.to(device)
+    last = -1  # the last position drawn so far
+    while True:
+        # Enough gaps to pass the end almost surely (mean + 6 sd), at most 2^20 at a time
+        # (8 MiB); draw more until past the end.
+        expected = (numel - 1 - last) * fraction
+        count = min(int(expected + 6.0 * math.sqrt(expected) + 16), _GAPS_PER_DRAW)
+        positions = last + np.cumsum(rng.geometric(fraction, size=count))
+        inside = positions[positions < numel]
+        parts.append(inside)
+        if inside.size < count:
+            break
+        last = int(positions[-1])
+    indices = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+    if device.type == "cuda":
+        return indices.pin_memory().to(device, non_blocking=True)
+    return indices.to(device)
 
 
 def _sparse_traffic(options: SpartaOptions) -> list[Transfer]:
