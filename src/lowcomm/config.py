@@ -365,6 +365,25 @@ class TrainConfig:
                 f"--ranks-per-worker: {self.ranks_per_worker} with --method {self.method}: "
                 f"{refusal}; use --ranks-per-worker 1 with this method"
             )
+        self._validate_muon()
+
+    def _validate_muon(self) -> None:
+        """--optim.name muon: refused by a method that cannot take it, and with several
+        ranks per worker (the method's own build refuses an SGD inner optimizer)."""
+        from lowcomm.optim.muon import muon_refusal
+        from lowcomm.strategies import strategy_class
+
+        if self.optim.name != "muon":
+            return
+        refusal = strategy_class(self.method).muon_refusal
+        if refusal is not None:
+            raise ConfigError(str(muon_refusal(self.method, refusal)))
+        if self.ranks_per_worker > 1:
+            raise ConfigError(
+                f"--optim.name: muon with --ranks-per-worker {self.ranks_per_worker}: Muon's "
+                f"matrices are not split over a worker's ranks; use --ranks-per-worker 1 or "
+                f"--optim.name adamw"
+            )
 
     def replica_network_profile(self) -> NetworkProfile:
         """The replica link: between the ranks of one worker (``--inner-network``)."""

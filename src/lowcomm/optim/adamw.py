@@ -8,29 +8,52 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.flat import check_master, tensor_bytes
 
+#: The inner optimizers ``--optim.name`` chooses from.
+OptimizerName = Literal["adamw", "muon"]
+#: Muon's learning-rate scaling by matrix shape (rows A, columns B).
+MuonLrScale = Literal["match_rms_adamw", "original"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class AdamWConfig:
-    """AdamW hyperparameters.
+    """The (inner) optimizer's hyperparameters: AdamW's, and Muon's with --optim.name muon.
 
     Attributes:
-        lr: peak learning rate (eta).
+        name: adamw, or muon: Muon on the hidden 2-D matrices and AdamW (these same
+            settings) on embeddings, head, norms and biases (docs/ALGORITHMS.md, MuLoCo;
+            diloco with muon is MuLoCo). Not with zero1, the ACCO family, the DES-LOC
+            family, an SGD inner optimizer or --ranks-per-worker > 1.
+        lr: peak learning rate (eta); with muon it drives both optimizers (see
+            muon_lr_scale).
         betas: (beta1, beta2) decay rates of the first and second moments.
         eps: added to the denominator for numerical stability.
-        weight_decay: decoupled weight decay (lambda), applied as theta *= 1 - lr * lambda.
+        weight_decay: decoupled weight decay (lambda), applied as theta *= 1 - lr * lambda
+            (to the Muon matrices too).
+        muon_momentum: Muon's momentum mu (B <- mu B + (1 - mu) g; 0.95, Keller Jordan's
+            and torch.optim.Muon's default).
+        muon_nesterov: Muon orthogonalises the Nesterov form (1 - mu) g + mu B instead of B.
+        muon_ns_steps: Newton-Schulz iterations of the orthogonalisation (5, the reference's).
+        muon_lr_scale: match_rms_adamw (Moonlight, arXiv 2502.16982: the step of an A x B
+            matrix is lr * 0.2 * sqrt(max(A, B)), so Muon reuses AdamW's lr and weight decay)
+            or original (Keller Jordan's: lr * sqrt(max(1, A / B)), which wants a larger lr).
     """
 
+    name: OptimizerName = "adamw"
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_lr_scale: MuonLrScale = "match_rms_adamw"
 
     def __post_init__(self) -> None:
         if not (self.lr >= 0 and math.isfinite(self.lr)):
@@ -47,6 +70,28 @@ class AdamWConfig:
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ValueError(
                 f"--optim.weight-decay: {self.weight_decay} must be a finite number >= 0; try 0.1"
+            )
+        self._check_muon()
+
+    def _check_muon(self) -> None:
+        if self.name not in ("adamw", "muon"):
+            raise ValueError(f"--optim.name: unknown {self.name!r}; choose adamw or muon")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(
+                f"--optim.muon-momentum: {self.muon_momentum} must lie in [0, 1); try 0.95"
+            )
+        if (
+            isinstance(self.muon_ns_steps, bool)
+            or not isinstance(self.muon_ns_steps, int)
+            or not 1 <= self.muon_ns_steps <= 20
+        ):
+            raise ValueError(
+                f"--optim.muon-ns-steps: {self.muon_ns_steps} must be an integer in [1, 20]; try 5"
+            )
+        if self.muon_lr_scale not in ("match_rms_adamw", "original"):
+            raise ValueError(
+                f"--optim.muon-lr-scale: unknown {self.muon_lr_scale!r}; choose "
+                f"match_rms_adamw or original"
             )
 
 

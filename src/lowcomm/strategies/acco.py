@@ -302,6 +302,10 @@ class _ShardedOverlap(Strategy):
     new worker count's samples per step.
     """
 
+    muon_refusal: ClassVar[str | None] = (
+        "ACCO, DPU and WP step a flat optimizer shard per worker, cut across the weight "
+        "matrices Muon orthogonalises whole"
+    )
     hierarchical_refusal: ClassVar[str | None] = (
         "ACCO, DPU and WP run their reduce-scatter/step/all-gather chain on a communication "
         "thread beside the main thread's backward passes, and (unless "

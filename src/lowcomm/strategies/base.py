@@ -29,6 +29,7 @@ from torch import nn
 from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.runtime import Runtime, runtime_for
 from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.schedule import ScheduleConfig, learning_rate
 from lowcomm.strategies.declaration import CostModel
 
@@ -63,7 +64,7 @@ class StrategyContext:
     """Settings every strategy receives from the training loop.
 
     Attributes:
-        optim: inner AdamW hyperparameters.
+        optim: the (inner) optimizer's hyperparameters (AdamW, or Muon + AdamW).
         schedule: learning-rate schedule.
         total_steps: optimizer steps the run will take (for the schedule).
         microbatches_per_step: micro-batches each worker accumulates per step.
@@ -139,6 +140,10 @@ class Strategy(ABC):
     #: same collective results, takes the same decisions (no per-rank clock-driven control
     #: flow, no collectives from a second thread).
     hierarchical_refusal: ClassVar[str | None] = None
+    #: Why the method cannot take ``--optim.name muon`` (Muon on the hidden matrices in place
+    #: of its AdamW), or None when it can: a method that builds its (inner) optimizer with
+    #: ``gradient_step.make_inner_optimizer`` sets None (and refuses an SGD inner itself).
+    muon_refusal: ClassVar[str | None] = "its optimizer is not an AdamW that Muon can replace"
     #: State keys (of ``state_dict()``) holding per-worker sums that a later reduction
     #: normalises by their summed counts: an elastic resume pools them onto the new worker 0
     #: (``lowcomm.train.reshard``); other per-worker state is averaged.
@@ -157,6 +162,8 @@ class Strategy(ABC):
             context.runtime if context.runtime is not None else runtime_for(comm)
         )
         self.step_index = 0
+        if context.optim.name == "muon" and self.muon_refusal is not None:
+            raise muon_refusal(self.name, self.muon_refusal)
 
     def lr_at(self, step: int) -> float:
         """Learning rate at 0-based optimizer step ``step``."""

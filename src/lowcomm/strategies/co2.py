@@ -40,11 +40,17 @@ from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.comm.runtime import pending_state
 from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
+from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
+from lowcomm.strategies.gradient_step import (
+    accumulate,
+    average_and_clip,
+    make_inner_optimizer,
+    step_and_publish,
+)
 
 InnerOptimizerKind = Literal["adamw", "sgd"]
 
@@ -171,6 +177,7 @@ class _LocalUpdate(Strategy):
     options_field: ClassVar[str | None] = "local"
     #: Inner optimizer fixed by the method (None: ``options.inner_optimizer``).
     fixed_inner: ClassVar[InnerOptimizerKind | None] = None
+    muon_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -190,12 +197,18 @@ class _LocalUpdate(Strategy):
         else:
             master = self.flat.params.float().clone()
         self.inner_kind: InnerOptimizerKind = self.fixed_inner or self.options.inner_optimizer
-        self.inner = make_local_optimizer(
-            self.inner_kind,
-            master,
-            context.optim,
-            self.options.sgd_momentum,
-            self.runtime.replica_group,
+        if context.optim.name == "muon" and self.inner_kind == "sgd":
+            raise muon_refusal(
+                self.name, "--local.inner-optimizer sgd has no AdamW for Muon to replace"
+            )
+        self.inner = (
+            make_inner_optimizer(
+                model, self.flat, master, context.optim, self.runtime.replica_group, self.name
+            )
+            if self.inner_kind == "adamw"
+            else make_local_optimizer(
+                self.inner_kind, master, context.optim, self.options.sgd_momentum
+            )
         )
         #: Inner steps taken in the current round (0 right after a round ended).
         self.local_steps = 0
@@ -329,6 +342,7 @@ class LocalSGD(_LocalUpdate):
         schedule=lambda o: f"tau = {o.sync_every} local steps per round",
     )
     fixed_inner: ClassVar[InnerOptimizerKind | None] = "sgd"
+    muon_refusal: ClassVar[str | None] = "its inner optimizer is SGD"
 
     def _end_round(self) -> dict[str, float]:
         self.comm.all_reduce(self.flat.params, op="mean", role=Role.PARAMETER).wait()
@@ -370,6 +384,7 @@ class LocalAdamW(LocalSGD):
         shards_over_replicas=True,
     )
     fixed_inner: ClassVar[InnerOptimizerKind | None] = "adamw"
+    muon_refusal: ClassVar[str | None] = None
 
 
 class OverlapLocalSGD(_LocalUpdate):

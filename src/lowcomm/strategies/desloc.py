@@ -266,6 +266,10 @@ class Desloc(Strategy):
     """
 
     name: ClassVar[str] = "desloc"
+    muon_refusal: ClassVar[str | None] = (
+        "the DES-LOC family averages the optimizer's moments on their own periods and Muon "
+        "has no master-sized moments"
+    )
     cost: ClassVar[CostModel] = CostModel(
         description="params/moments synced at own periods",
         traffic=lambda o, t: state_traffic(Desloc.sync_periods(o), o.fuse),

@@ -29,15 +29,20 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role, Settled
 from lowcomm.comm.runtime import ClockReader, Runtime
-from lowcomm.optim.adamw import make_adamw
 from lowcomm.optim.flat import FlatOptimizer
+from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
+from lowcomm.strategies.gradient_step import (
+    accumulate,
+    average_and_clip,
+    make_inner_optimizer,
+    step_and_publish,
+)
 
 
 @dataclass(kw_only=True)
@@ -448,6 +453,7 @@ class OuterLoopStrategy(Strategy):
 
     options_field: ClassVar[str | None] = "diloco"
     default_fragments: ClassVar[int] = 1
+    muon_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -466,8 +472,14 @@ class OuterLoopStrategy(Strategy):
         )
         # sgd: theta <- theta (1 - lr lambda) - lr g (no momentum), lambda = --optim.weight-decay
         # as in the local family; the reduction tests pass weight decay 0.
+        if context.optim.name == "muon" and self.options.inner_optimizer == "sgd":
+            raise muon_refusal(
+                self.name, "--diloco.inner-optimizer sgd has no AdamW for Muon to replace"
+            )
         self.inner: FlatOptimizer = (
-            make_adamw(self.master, context.optim, self.runtime.replica_group)
+            make_inner_optimizer(
+                model, self.flat, self.master, context.optim, self.runtime.replica_group, self.name
+            )
             if self.options.inner_optimizer == "adamw"
             else FlatSGD(self.master, weight_decay=context.optim.weight_decay)
         )
@@ -610,6 +622,8 @@ class OuterLoopStrategy(Strategy):
 
 class DiLoCo(OuterLoopStrategy):
     """DiLoCo: H local AdamW steps, then a blocking all-reduce of Delta and outer Nesterov.
+    With --optim.name muon (Muon inner steps on the hidden matrices) it is MuLoCo (Therien et
+    al. 2025, arXiv 2505.23725).
 
     Paper: Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
     Models" (docs/ALGORITHMS.md §4.1). Symbols: H -> options.sync_every, eta_out ->

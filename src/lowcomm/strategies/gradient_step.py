@@ -21,8 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
+from lowcomm.comm.base import Comm
+from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.optim.flat import FlatOptimizer
+from lowcomm.optim.muon import FlatMuon, MuonLayout, check_muon_replicas
 from lowcomm.strategies.base import Closure, clip_, run_microbatches
 from lowcomm.strategies.flat import FlatBuffers
 
@@ -76,3 +80,23 @@ def step_and_publish(
     optimizer.step(grad, lr=lr)
     if optimizer.master is not flat.params:
         flat.params.copy_(optimizer.master)
+
+
+def make_inner_optimizer(
+    model: nn.Module,
+    flat: FlatBuffers,
+    master: torch.Tensor,
+    config: AdamWConfig,
+    replicas: Comm | None,
+    method: str,
+) -> FlatOptimizer:
+    """The AdamW-family optimizer of a method's (inner) step on the whole flat ``master``:
+    AdamW (its moments split over ``replicas``, ``make_adamw``), or with ``--optim.name
+    muon`` Muon on ``model``'s hidden matrices and AdamW on the rest
+    (:class:`~lowcomm.optim.muon.FlatMuon`; refused with several ranks per worker)."""
+    if config.name != "muon":
+        return make_adamw(master, config, replicas)
+    check_muon_replicas(config, replicas, method)
+    return FlatMuon(
+        master, config, MuonLayout.build(model, flat.parameters, flat.offsets, master.numel())
+    )

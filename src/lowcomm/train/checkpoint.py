@@ -111,7 +111,13 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
             if not (key == "tokenizer" and value is None)
             and not (key == "end_of_text" and value in (None, END_OF_TEXT))
         },
-        "optim": dataclasses.asdict(config.optim),
+        # (--optim.name and Muon's settings only with muon: checkpoints from before Muon
+        # existed still match.)
+        "optim": {
+            key: value
+            for key, value in dataclasses.asdict(config.optim).items()
+            if config.optim.name == "muon" or not (key == "name" or key.startswith("muon_"))
+        },
         "schedule": dataclasses.asdict(config.schedule),
         "options": None
         if options_field is None

@@ -72,9 +72,9 @@ def calibrate_in_process(config: TrainConfig, vocab_size: int) -> Calibration:
         if config.init_from is None:
             model = build_model(config.model, vocab_size)
         else:
-            from lowcomm.models.init_from import initial_model, read_initial_weights
+            from lowcomm.models.init_from import preflight_init_from
 
-            model = initial_model(config.model, read_initial_weights(config.init_from))
+            model = preflight_init_from(config.init_from, config.model).load()
         return calibrate(
             model.to(torch.device(config.device)),
             vocab_size=vocab_size,
