@@ -346,3 +346,21 @@ def test_exported_and_built_by_make_strategy_with_the_run_seed() -> None:
     assert isinstance(strategy, SpartaDiLoCo)
     assert (strategy.average.seed, strategy.average.fraction) == (9, 0.1)
     assert strategy.options.sync_every == 8 and strategy.options.outer_lr == 0.7
+
+
+def test_both_take_muon_as_their_local_optimizer() -> None:
+    from lowcomm.optim.muon import FlatMuon
+
+    muon = StrategyContext(
+        optim=AdamWConfig(name="muon", lr=3e-3, weight_decay=0.1),
+        schedule=ScheduleConfig(kind="constant", warmup_steps=0),
+        total_steps=40, max_grad_norm=None, seed=7,
+    )  # fmt: skip
+    for cls in (Sparta, SpartaDiLoCo):
+        comm = RecordingComm(world_size=2)
+        strategy = cls(tiny_gpt(), comm, muon, SpartaOptions(fraction=0.05, sync_every=2))
+        assert isinstance(strategy.inner, FlatMuon), cls.name
+        _run(strategy, 2)
+        assert torch.isfinite(flat_params(strategy.model)).all()
+        n = strategy.flat.numel
+        assert comm.calls[0].numel == hand_drawn(n, 0.05, 7, 1).numel(), cls.name

@@ -28,13 +28,17 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.optim.adamw import make_adamw
 from lowcomm.optim.flat import tensor_bytes
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
+from lowcomm.strategies.gradient_step import (
+    accumulate,
+    average_and_clip,
+    make_inner_optimizer,
+    step_and_publish,
+)
 
 #: Most Geometric gaps drawn at once when selecting indices (bounds the draw's memory).
 _GAPS_PER_DRAW = 1 << 20
@@ -159,7 +163,8 @@ class Sparta(Strategy):
     Paper: Beton et al. 2025, "Improving the Efficiency of Distributed Training using Sparse
     Parameter Averaging" (docs/ALGORITHMS.md "SPARTA"); exogym's SPARTAStrategy. Symbols: p ->
     options.fraction, S_t -> ``selected_indices(..., step=t)``, inner optimizer -> --optim.*.
-    Inner AdamW state local and persistent, never averaged.
+    Inner AdamW state local and persistent, never averaged (Muon on the hidden matrices with
+    --optim.name muon).
     Deploys: the mean of the workers' models (an uncharged all-reduce, for evaluation only).
     Reduces to: averaging the parameters after every local step (local_adamw with
     --local.sync-every 1) when p = 1 (tests/test_sparta.py checks it).
@@ -167,6 +172,7 @@ class Sparta(Strategy):
 
     name: ClassVar[str] = "sparta"
     options_field: ClassVar[str | None] = "sparta"
+    muon_refusal: ClassVar[str | None] = None  # its local optimizer is AdamW
     cost: ClassVar[CostModel] = CostModel(
         description="average a random fraction p of the parameters every step",
         traffic=lambda o, t: _sparse_traffic(o),
@@ -190,7 +196,10 @@ class Sparta(Strategy):
             if self.flat.dtype == torch.float32
             else self.flat.params.float().clone()
         )
-        self.inner = make_adamw(self.master, context.optim, self.runtime.replica_group)
+        # AdamW, or with --optim.name muon Muon on the hidden matrices and AdamW on the rest.
+        self.inner = make_inner_optimizer(
+            model, self.flat, self.master, context.optim, self.runtime.replica_group, self.name
+        )
         self.average = SparseAverage(comm, self.flat.numel, self.options.fraction, context.seed)
 
     def step(self, closure: Closure) -> StepStats:
