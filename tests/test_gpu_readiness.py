@@ -189,6 +189,9 @@ def _options(quantization: str) -> TrainConfig:
         ),
         local=dataclasses.replace(config.local, sync_every=2),
         desloc=dataclasses.replace(config.desloc, param_period=2),
+        # Rounds within the few steps run here (the defaults, H = 15 and 100, have none).
+        sparseloco=dataclasses.replace(config.sparseloco, sync_every=2),
+        sparta=dataclasses.replace(config.sparta, sync_every=2),
     )
 
 
