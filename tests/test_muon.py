@@ -258,6 +258,29 @@ def test_bad_muon_options_name_the_flag(kwargs: dict[str, Any], flag: str) -> No
         AdamWConfig(**kwargs)
 
 
+def test_a_muon_setting_without_muon_is_refused() -> None:
+    # It would be silently unused.
+    with pytest.raises(ValueError, match=r"--optim\.muon-momentum: 0\.9 is set but --optim\.name"):
+        AdamWConfig(muon_momentum=0.9)
+    with pytest.raises(ValueError, match=r"--optim\.muon-ns-steps: 3 .* add --optim\.name muon"):
+        AdamWConfig(muon_ns_steps=3)
+    AdamWConfig(name="muon", muon_momentum=0.9, muon_ns_steps=3)
+
+
+def test_a_checkpoint_of_one_optimizer_does_not_resume_under_the_other() -> None:
+    from lowcomm.train.checkpoint import fingerprint
+
+    adamw, muon = TrainConfig(method="diloco"), TrainConfig(method="diloco", optim=MUON)
+    assert fingerprint(adamw)["optim"] != fingerprint(muon)["optim"]
+    # AdamW runs keep the fingerprint they had before Muon existed.
+    assert set(fingerprint(adamw)["optim"]) == {"lr", "betas", "eps", "weight_decay"}
+    strategy = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT)
+    with pytest.raises(ValueError, match=r"resume with --optim\.name adamw"):
+        strategy.inner.load_state_dict(
+            DiLoCo(tiny_gpt(), LocalComm(), StrategyContext()).inner.state_dict()
+        )
+
+
 # --- the planner -----------------------------------------------------------------------------
 
 
