@@ -140,6 +140,8 @@ PERIODS = {
     "diloco": {"sync_every": 4, "fragments": 2, "overlap_steps": 1},
     "desloc": {"param_period": 2, "first_moment_period": 6, "second_moment_period": 12},
     "sparseloco": {"sync_every": 4, "chunk": 64, "topk": 4},
+    "demo": {"chunk": 4, "topk": 1},  # 4 x 4 blocks: the tiny GPT is almost all whole blocks
+    "sparta": {"fraction": 0.05, "sync_every": 4},
 }
 SINGLE_PERIOD = {"param_period": 3}  # local_adam, favg_opt, favg_reset: K_u, K_v refused
 WHOLE_MODEL = {

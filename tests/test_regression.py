@@ -39,6 +39,7 @@ from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
+from lowcomm.strategies.sparta import SpartaOptions
 
 pytestmark = pytest.mark.regression
 
@@ -56,7 +57,7 @@ DESCRIPTION = (
     "GPT 2 layers x 32 wide, block 16, micro-batch 2, 8 steps, AdamW lr 3e-3 with 3 warm-up "
     "steps then cosine, grad clip 1.0, eval every 3 steps on 2 batches; local.sync_every 2, "
     "diloco.sync_every 4 / overlap 1, desloc periods 2/3/4 (others 2), acco.dpu_warmup_steps 2, "
-    "sparseloco.sync_every 4"
+    "sparseloco.sync_every 4, sparta.sync_every 4"
 )
 
 
@@ -87,6 +88,7 @@ def regression_config(method: str, out: Path, ranks_per_worker: int = 1) -> Trai
         ),
         acco=AccoOptions(dpu_warmup_steps=2),
         sparseloco=SparseLoCoOptions(sync_every=4),
+        sparta=SpartaOptions(sync_every=4),
     )
 
 

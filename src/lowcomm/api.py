@@ -25,7 +25,7 @@ from lowcomm.comm.base import Comm
 from lowcomm.comm.clock import ClockKind, make_clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.local import LocalComm
-from lowcomm.comm.network import NetworkProfile
+from lowcomm.comm.network import LinkNames, NetworkProfile
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
 from lowcomm.strategies import (
@@ -36,6 +36,14 @@ from lowcomm.strategies import (
     strategy_class,
 )
 from lowcomm.strategies.option_groups import group_members
+
+#: How :func:`connect`'s link arguments are named when one is refused.
+_CONNECT_ARGUMENTS = LinkNames(
+    "connect(network=)",
+    "connect(bandwidth_gbps=)",
+    "connect(latency_ms=)",
+    "connect(speed_factors=)",
+)
 
 
 def connect(
@@ -62,12 +70,21 @@ def connect(
             is set longer, so this error comes first).
 
     Raises:
-        ValueError: for cuda without enough GPUs on this node, naming the fix.
+        ValueError: for a bad link setting, or cuda without enough GPUs on this node, naming
+            the fix.
     """
     import os
 
     import torch
     import torch.distributed as dist
+
+    profile = NetworkProfile.from_preset(
+        network,
+        bandwidth_gbps=bandwidth_gbps,
+        latency_ms=latency_ms,
+        speed_factors=speed_factors,
+        names=_CONNECT_ARGUMENTS,
+    )
 
     inner: Comm
     bound = torch.device("cpu")
@@ -90,9 +107,6 @@ def connect(
         if device == "cuda":
             bound = torch.device("cuda", torch.cuda.current_device())
         inner = LocalComm()
-    profile = NetworkProfile.from_preset(
-        network, bandwidth_gbps=bandwidth_gbps, latency_ms=latency_ms, speed_factors=speed_factors
-    )
     worker_clock = make_clock(clock, speed_factor=profile.speed_factor(inner.rank), device=bound)
     return NetworkComm(inner, profile, worker_clock, device=bound)
 
@@ -113,6 +127,7 @@ def make_strategy(
     microbatches_per_step: int = 1,
     max_grad_norm: float | None = 1.0,
     options: object | None = None,
+    seed: int = 0,
 ) -> Strategy:
     """Build the strategy ``method`` around ``model``.
 
@@ -139,8 +154,11 @@ def make_strategy(
             sync_every=32)`` for diloco (:class:`AccoOptions`: acco, dpu, wp;
             :class:`LocalOptions`: local_sgd, local_adamw, overlap_local_sgd, slowmo, co2;
             :class:`DiLoCoOptions`: diloco, streaming_diloco, diloco_delayed, eager, cocodc;
-            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset); None uses the
+            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset;
+            :class:`SpartaOptions`: sparta, sparta_diloco); None uses the
             family's defaults. ddp and zero1 take none.
+        seed: the run's seed, the same on every worker (SPARTA draws the indices it averages
+            from it and the step number).
 
     Raises:
         ValueError: for an unknown method, an options object of another family, or an invalid
@@ -154,6 +172,7 @@ def make_strategy(
         total_steps=total_steps,
         microbatches_per_step=microbatches_per_step,
         max_grad_norm=max_grad_norm,
+        seed=seed,
     )
     cls = strategy_class(method)
     expected = options_class(cls)

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import tyro
 
-from lowcomm.comm.network import PRESETS, NetworkProfile
+from lowcomm.comm.network import (
+    INNER_LINK,
+    OUTER_LINK,
+    NetworkProfile,
+    check_link,
+    check_speed_factors,
+)
 from lowcomm.data import DataConfig, PreparedCorpus
 from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
@@ -95,7 +101,8 @@ class TrainConfig:
 
     clock: Literal["real", "virtual"] = "virtual"
     """real: wall time, with transfers delayed to the modeled time. virtual: modeled time per
-    worker from its own CPU time (or --seconds-per-microbatch) and the network model."""
+    worker from the calibrated compute cost (see --compute-model; or --seconds-per-microbatch)
+    and the network model."""
 
     seconds_per_microbatch: float | None = None
     """Virtual clock only: declared compute seconds per micro-batch (models a target device)."""
@@ -227,35 +234,9 @@ class TrainConfig:
             raise ConfigError(
                 f"--max-grad-norm: {self.max_grad_norm} must be positive, or None to disable"
             )
-        if self.network not in PRESETS:
-            raise ConfigError(
-                f"--network: unknown preset {self.network!r}; choose one of {', '.join(PRESETS)}"
-            )
-        if self.bandwidth_gbps is not None and not (self.bandwidth_gbps > 0):
-            raise ConfigError(
-                f"--bandwidth-gbps: {self.bandwidth_gbps} is not positive; pass a bandwidth in "
-                f"Gbit/s such as 10"
-            )
-        if self.latency_ms is not None and not (
-            self.latency_ms >= 0 and math.isfinite(self.latency_ms)
-        ):
-            raise ConfigError(
-                f"--latency-ms: {self.latency_ms} is not a non-negative number; pass a latency in "
-                f"milliseconds such as 0.05"
-            )
-        if self.speed_factors and len(self.speed_factors) != self.workers:
-            raise ConfigError(
-                f"--speed-factors: {len(self.speed_factors)} values for {self.workers} workers; "
-                f"give exactly one compute-time multiplier per worker"
-            )
-        for index, factor in enumerate(self.speed_factors):
-            if not (factor > 0 and math.isfinite(factor)):
-                raise ConfigError(
-                    f"--speed-factors: {factor} (worker {index}) is not a finite positive "
-                    f"compute-time multiplier; pass e.g. 1 1 1 2"
-                )
         try:
-            self.network_profile()
+            check_link(self.network, self.bandwidth_gbps, self.latency_ms, OUTER_LINK)
+            check_speed_factors(self.speed_factors, self.workers)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         if (
@@ -372,31 +353,12 @@ class TrainConfig:
                 f"--ranks-per-worker: {self.ranks_per_worker} is not a positive rank count; "
                 f"pass 1 (flat workers) or more"
             )
-        if self.inner_network not in PRESETS:
-            raise ConfigError(
-                f"--inner-network: unknown preset {self.inner_network!r}; choose one of "
-                f"{', '.join(PRESETS)}"
-            )
-        if self.inner_bandwidth_gbps is not None and not self.inner_bandwidth_gbps > 0:
-            raise ConfigError(
-                f"--inner-bandwidth-gbps: {self.inner_bandwidth_gbps} is not positive; pass a "
-                f"bandwidth in Gbit/s such as 100"
-            )
-        if self.inner_latency_ms is not None and not (
-            self.inner_latency_ms >= 0 and math.isfinite(self.inner_latency_ms)
-        ):
-            raise ConfigError(
-                f"--inner-latency-ms: {self.inner_latency_ms} is not a non-negative number; pass "
-                f"a latency in milliseconds such as 0.005"
-            )
         try:
-            self.replica_network_profile()
+            check_link(
+                self.inner_network, self.inner_bandwidth_gbps, self.inner_latency_ms, INNER_LINK
+            )
         except ValueError as error:
-            raise ConfigError(
-                str(error)
-                .replace("--network", "--inner-network")
-                .replace("network.", "inner_network.")
-            ) from None
+            raise ConfigError(str(error)) from None
         refusal = strategy_class(self.method).hierarchical_refusal
         if self.ranks_per_worker > 1 and refusal is not None:
             raise ConfigError(
@@ -429,6 +391,7 @@ class TrainConfig:
             self.inner_network,
             bandwidth_gbps=self.inner_bandwidth_gbps,
             latency_ms=self.inner_latency_ms,
+            names=INNER_LINK,
         )
 
     @property
@@ -480,6 +443,7 @@ class TrainConfig:
             microbatch_shares=None
             if budget is None
             else budget_shares(budget, self.speed_factors or (1.0,) * self.workers),
+            seed=self.seed,
         )
 
     def tokens_per_microbatch(self) -> int:

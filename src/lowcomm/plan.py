@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from lowcomm.comm.base import CollectiveKind
-from lowcomm.comm.network import PRESETS, NetworkProfile
+from lowcomm.comm.network import INNER_LINK, OUTER_LINK, NetworkProfile, check_link
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.quantize import QuantizationFormat, encoded_bytes
 from lowcomm.strategies.declaration import Timing, Transfer
@@ -155,11 +155,8 @@ class PlanConfig:
             raise ValueError(
                 f"--ranks-per-worker: {self.ranks_per_worker} must be >= 1 (1: flat workers)"
             )
-        if self.inner_network not in PRESETS:
-            raise ValueError(
-                f"--inner-network: unknown preset {self.inner_network!r}; choose one of "
-                f"{', '.join(PRESETS)}"
-            )
+        check_link(self.network, self.bandwidth_gbps, self.latency_ms, OUTER_LINK)
+        check_link(self.inner_network, self.inner_bandwidth_gbps, self.inner_latency_ms, INNER_LINK)
         for name in ("tokens", "tokens_per_step", "flops"):
             value = getattr(self, name)
             if not value > 0:
@@ -168,10 +165,6 @@ class PlanConfig:
             raise ValueError(f"--mfu: {self.mfu} must lie in (0, 1]; try 0.4")
         if self.seconds_per_step is not None and not self.seconds_per_step > 0:
             raise ValueError(f"--seconds-per-step: {self.seconds_per_step} must be positive")
-        if self.network not in PRESETS:
-            raise ValueError(
-                f"--network: unknown preset {self.network!r}; choose one of {', '.join(PRESETS)}"
-            )
         if self.solve_bandwidth is not None and not 0 < self.solve_bandwidth < 1:
             raise ValueError(
                 f"--solve-bandwidth: {self.solve_bandwidth} is a target utilisation and must "
@@ -348,6 +341,7 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
         config.inner_network,
         bandwidth_gbps=config.inner_bandwidth_gbps,
         latency_ms=config.inner_latency_ms,
+        names=INNER_LINK,
     )
     params = parse_params(config.params)
     profile = NetworkProfile.from_preset(

@@ -33,6 +33,84 @@ PRESET_HELP = (
 
 
 @dataclass(frozen=True)
+class LinkNames:
+    """How a link's settings are named in error messages: the flags of ``lowcomm train`` and
+    ``lowcomm plan`` for the outer and the inner link, or the arguments of an API."""
+
+    preset: str
+    bandwidth: str
+    latency: str
+    speed_factors: str = "--speed-factors"
+
+
+#: The link between workers (``--network``).
+OUTER_LINK = LinkNames("--network", "--bandwidth-gbps", "--latency-ms")
+#: The link between the ranks of one worker (``--inner-network``).
+INNER_LINK = LinkNames("--inner-network", "--inner-bandwidth-gbps", "--inner-latency-ms")
+#: A :class:`NetworkProfile` built directly, named by its fields.
+PROFILE_FIELDS = LinkNames(
+    "NetworkProfile.name",
+    "NetworkProfile.bandwidth_gbps",
+    "NetworkProfile.latency_ms",
+    "NetworkProfile.speed_factors",
+)
+
+
+def check_link(
+    preset: str | None,
+    bandwidth_gbps: float | None,
+    latency_ms: float | None,
+    names: LinkNames = OUTER_LINK,
+) -> None:
+    """The one validation of a link's settings (either level, the planner's, a profile's).
+
+    Args:
+        preset: a name of :data:`PRESETS`, or None when there is none to check.
+        bandwidth_gbps: Gbit/s (``inf``: unlimited), or None for the preset's.
+        latency_ms: one-hop latency in milliseconds, or None for the preset's.
+        names: how each setting is named in the message.
+
+    Raises:
+        ValueError: the first bad setting, in one line naming it, its value, the rule and
+            the fix.
+    """
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"{names.preset}: unknown preset {preset!r}; choose one of {PRESET_HELP}")
+    if bandwidth_gbps is not None and not bandwidth_gbps > 0:
+        raise ValueError(
+            f"{names.bandwidth}: {bandwidth_gbps} is not a positive bandwidth; pass Gbit/s "
+            f"such as 10 (inf: unlimited)"
+        )
+    if latency_ms is not None and not (latency_ms >= 0 and math.isfinite(latency_ms)):
+        raise ValueError(
+            f"{names.latency}: {latency_ms} is not a finite non-negative latency; pass "
+            f"milliseconds such as 0.05"
+        )
+
+
+def check_speed_factors(
+    speed_factors: tuple[float, ...], workers: int | None = None, name: str = "--speed-factors"
+) -> None:
+    """Per-worker compute-time multipliers: finite and positive, one per worker when
+    ``workers`` is given (none at all: every worker runs at 1).
+
+    Raises:
+        ValueError: in one line naming ``name``, the value and the fix.
+    """
+    if speed_factors and workers is not None and len(speed_factors) != workers:
+        raise ValueError(
+            f"{name}: {len(speed_factors)} values for {workers} workers; give exactly one "
+            f"compute-time multiplier per worker, e.g. 1 1 1 2"
+        )
+    for index, factor in enumerate(speed_factors):
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(
+                f"{name}: {factor} (worker {index}) is not a finite positive compute-time "
+                f"multiplier; pass e.g. 1 1 1 2"
+            )
+
+
+@dataclass(frozen=True)
 class NetworkProfile:
     """A declared link between workers and the compute speed of each worker.
 
@@ -50,22 +128,8 @@ class NetworkProfile:
     speed_factors: tuple[float, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if not self.bandwidth_gbps > 0:
-            raise ValueError(
-                f"network.bandwidth_gbps: {self.bandwidth_gbps} is not positive; "
-                f"pass a bandwidth in Gbit/s such as 10"
-            )
-        if not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
-            raise ValueError(
-                f"network.latency_ms: {self.latency_ms} is not a finite non-negative number; "
-                f"pass a latency in milliseconds such as 0.05"
-            )
-        for index, factor in enumerate(self.speed_factors):
-            if not (factor > 0 and math.isfinite(factor)):
-                raise ValueError(
-                    f"network.speed_factors[{index}]: {factor} is not a positive number; "
-                    f"pass compute-time multipliers such as 1,1,1,2"
-                )
+        check_link(None, self.bandwidth_gbps, self.latency_ms, PROFILE_FIELDS)
+        check_speed_factors(self.speed_factors, name=PROFILE_FIELDS.speed_factors)
 
     @classmethod
     def from_preset(
@@ -75,17 +139,18 @@ class NetworkProfile:
         bandwidth_gbps: float | None = None,
         latency_ms: float | None = None,
         speed_factors: tuple[float, ...] = (),
+        names: LinkNames = OUTER_LINK,
     ) -> NetworkProfile:
         """Build a profile from a named preset, with explicit overrides.
+
+        Args:
+            names: how the settings are named if one is refused (:func:`check_link`).
 
         Raises:
             ValueError: for an unknown preset name or an invalid override.
         """
-        if name not in PRESETS:
-            raise ValueError(
-                f"--network: unknown preset {name!r}; choose one of {', '.join(PRESETS)} "
-                f"or give --bandwidth-gbps and --latency-ms"
-            )
+        check_link(name, bandwidth_gbps, latency_ms, names)
+        check_speed_factors(tuple(speed_factors), name=names.speed_factors)
         bandwidth, latency = PRESETS[name]
         overridden = bandwidth_gbps is not None or latency_ms is not None
         return cls(
@@ -113,7 +178,7 @@ class NetworkProfile:
             return 1.0
         if rank >= len(self.speed_factors):
             raise ValueError(
-                f"network.speed_factors: {len(self.speed_factors)} factors given but rank "
+                f"{PROFILE_FIELDS.speed_factors}: {len(self.speed_factors)} factors given but rank "
                 f"{rank} exists; give one factor per worker"
             )
         return self.speed_factors[rank]

@@ -77,6 +77,9 @@ class StrategyContext:
         runtime: what the strategy may use of the layer below besides its ``Comm`` (the
             training loop hands in ``comm.runtime()``); None: the communicator's own, found
             by :func:`lowcomm.comm.runtime.runtime_for`.
+        seed: the run's seed (``--seed``), the same on every worker: a method that needs the
+            same random draw on every worker (SPARTA's indices) seeds its own
+            ``torch.Generator`` from it, never the process-global RNG.
     """
 
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -87,6 +90,7 @@ class StrategyContext:
     microbatch_budget: int | None = None
     microbatch_shares: tuple[int, ...] | None = None
     runtime: Runtime | None = field(default=None, compare=False, repr=False)
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

@@ -69,6 +69,22 @@ def tokenizer_identity(path: str | None) -> str | None:
         return path
 
 
+def _model_identity(config: TrainConfig) -> dict[str, Any]:
+    """The model options in a fingerprint: unset ones as their from-scratch defaults (the
+    values checkpoints from before they could be unset carry), the options only some
+    families have only when set, and a --model.config file by its content."""
+    from lowcomm.models import DEFAULTS, HF_ONLY
+
+    model = dataclasses.asdict(config.model)
+    if model["config"] is not None:  # the architecture is the file's
+        model["config"] = tokenizer_identity(model["config"])
+    else:
+        for name, default in DEFAULTS.items():
+            if model.get(name) is None and name not in HF_ONLY:
+                model[name] = default
+    return {key: value for key, value in model.items() if value is not None}
+
+
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The settings a checkpoint's state depends on: resuming under different ones would not
     continue the same run (JSON-normalised so it compares equal after a round trip). A given
@@ -86,7 +102,7 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
         "clock": config.clock,
         "precision": config.precision,
         "comm_dtype": config.comm_dtype,
-        "model": dataclasses.asdict(config.model),
+        "model": _model_identity(config),
         # (--tokenizer only when given, --end-of-text only when not <|endoftext|>: checkpoints
         # from before they existed still match.)
         "data": {

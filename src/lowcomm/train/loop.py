@@ -228,10 +228,11 @@ def _shared_initial_model(
 ) -> torch.nn.Module:
     if config.init_from is None:
         model = build_model(config.model, vocab_size).to(device)
-    else:  # --init-from: the saved weights (pre-flight checked that they fit)
-        from lowcomm.models.init_from import initial_model, read_initial_weights
+    else:  # --init-from: the saved weights, loaded straight into the model (pre-flight
+        # checked that they fit); the architecture is the directory's config.json.
+        from lowcomm.models.init_from import preflight_init_from
 
-        model = initial_model(config.model, read_initial_weights(config.init_from)).to(device)
+        model = preflight_init_from(config.init_from, config.model).load().to(device)
     # Same seed gives the same initial model everywhere; broadcast anyway (uncharged) so that
     # workers on different machines or library builds provably start from one point.
     with torch.no_grad():
@@ -503,6 +504,7 @@ def final_evaluation(
                 worker.config.run_dir() / "model",
                 worker.tokenizer_path,
                 worker.end_of_text,
+                tokenizer_source=worker.config.data.tokenizer,
             )
     if final.last_record is not None:
         final.last_record.val_loss = progress.val_loss

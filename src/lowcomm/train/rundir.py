@@ -19,6 +19,10 @@ from lowcomm.config import ConfigError, TrainConfig
 #: original (say, an --init-from model's tokenizer.json) has moved or is gone.
 TOKENIZER_COPY = "checkpoints/tokenizer.json"
 
+#: The run's copy of the model's config.json (--model.config, which --init-from sets): a resume
+#: rebuilds the architecture from it when the original has moved or is gone.
+MODEL_CONFIG_COPY = "checkpoints/model_config.json"
+
 #: What a run writes into its directory (the checkpoints directory included).
 RUN_FILES = (
     "config.json", "metrics.jsonl", "summary.json", "loss.png", "error.log", "checkpoints",
