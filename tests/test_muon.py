@@ -203,6 +203,7 @@ def test_diloco_muon_differs_from_adamw_and_resumes_exactly() -> None:
     [
         lambda: DDP(tiny_gpt(), LocalComm(), CONTEXT),
         lambda: CO2(tiny_gpt(), LocalComm(), CONTEXT, LocalOptions(sync_every=2)),
+        lambda: STRATEGIES["sparta"](tiny_gpt(), LocalComm(), CONTEXT),
     ],
 )
 def test_other_adamw_methods_take_muon(build: Any) -> None:
@@ -220,6 +221,7 @@ def test_other_adamw_methods_take_muon(build: Any) -> None:
         ("desloc", "DES-LOC family"),
         ("local_adam", "DES-LOC family"),
         ("local_sgd", "inner optimizer is SGD"),
+        ("demo", "DeMo's optimizer is its own"),
     ],
 )
 def test_methods_without_an_adamw_to_replace_refuse(method: str, words: str) -> None:

@@ -28,13 +28,17 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.optim.adamw import make_adamw
 from lowcomm.optim.flat import tensor_bytes
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
+from lowcomm.strategies.gradient_step import (
+    accumulate,
+    average_and_clip,
+    make_inner_optimizer,
+    step_and_publish,
+)
 
 #: Uniforms drawn per block when selecting indices (bounds the transient memory to 16 MiB).
 _DRAW_BLOCK = 1 << 22
@@ -155,6 +159,7 @@ class Sparta(Strategy):
         schedule=lambda o: f"every step, p = {o.fraction:g} of the parameters",
         shards_over_replicas=True,
     )
+    muon_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -172,7 +177,9 @@ class Sparta(Strategy):
             if self.flat.dtype == torch.float32
             else self.flat.params.float().clone()
         )
-        self.inner = make_adamw(self.master, context.optim, self.runtime.replica_group)
+        self.inner = make_inner_optimizer(
+            model, self.flat, self.master, context.optim, self.runtime.replica_group, self.name
+        )
         self.average = SparseAverage(comm, self.flat.numel, self.options.fraction, context.seed)
 
     def step(self, closure: Closure) -> StepStats:
