@@ -335,6 +335,7 @@ def _gloo_worker(steps: int, base: str) -> dict[str, Any]:
         keep_parameters=True,
     )
     assert straight.parameters is not None and resumed.parameters is not None
+    train_worker(_config(Path(base) / "elastic", stop_after=3), comm)  # resumed on 1 below
     return {
         "params": flat_params(strategy.model),
         "momentum": inner.state.momentum.clone(),
@@ -358,7 +359,7 @@ def _config(out: Path, **overrides: object) -> TrainConfig:
     return config
 
 
-def test_two_gloo_ranks_agree_and_resume_exactly(tmp_path: Path) -> None:
+def test_two_gloo_ranks_agree_resume_exactly_and_on_one_worker(tmp_path: Path) -> None:
     from lowcomm.data import DataConfig, prepare_corpus
     from lowcomm.launch import spawn_workers
 
@@ -370,6 +371,33 @@ def test_two_gloo_ranks_agree_and_resume_exactly(tmp_path: Path) -> None:
     assert not torch.equal(results[0]["momentum"], results[1]["momentum"])
     for result in results:
         assert result["resume_diff"] == 0.0 and result["bytes_diff"] == 0
+    # Elastic resume on one worker: Muon's momentum and AdamW's moments (per-worker state,
+    # mid-round at step 3) are averaged over the old workers, then the run goes on.
+    from lowcomm.train.checkpoint import read_rank_state
+    from lowcomm.train.reshard import Layout, parameter_count, reshard, rules_for
+
+    directory = tmp_path / "elastic" / "checkpoints" / "step-000003"
+    states = [read_rank_state(directory, rank) for rank in range(2)]
+    (merged,) = reshard(
+        states, Layout(2), Layout(1), rules_for("diloco", parameter_count(states[0]))
+    )
+    old = [state["strategy"]["inner"] for state in states]
+    assert not torch.equal(old[0]["muon_momentum"], old[1]["muon_momentum"])
+    for key in ("muon_momentum", "adamw_exp_avg", "adamw_exp_avg_sq", "master"):
+        mean = ((old[0][key].double() + old[1][key].double()) / 2).float()
+        assert torch.equal(merged["strategy"]["inner"][key], mean), key
+    spawn_workers(_elastic_worker, 1, (str(tmp_path),), timeout_s=120)
+    summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
+    assert summary["steps"] == 6 and math.isfinite(summary["final_val_loss"])
+
+
+def _elastic_worker(base: str) -> None:
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.train.loop import train_worker
+
+    config = _config(Path(base) / "elastic", resume=str(Path(base) / "elastic"))
+    config.workers = 1
+    train_worker(config, TorchComm())
 
 
 def test_cli_refuses_muon_where_it_cannot_apply(capsys: pytest.CaptureFixture[str]) -> None:
