@@ -213,6 +213,15 @@ def test_other_adamw_methods_take_muon(build: Any) -> None:
     assert torch.isfinite(flat_params(strategy.model)).all()
 
 
+def test_the_python_api_builds_muloco() -> None:
+    from lowcomm.api import make_strategy
+
+    strategy = make_strategy("diloco", tiny_gpt(), LocalComm(), optimizer="muon")
+    assert isinstance(strategy.inner, FlatMuon)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"--optim\.name: muon with --method zero1"):
+        make_strategy("zero1", tiny_gpt(), LocalComm(), optimizer="muon")
+
+
 @pytest.mark.parametrize(
     ("method", "words"),
     [
