@@ -93,6 +93,15 @@ class AdamWConfig:
                 f"--optim.muon-lr-scale: unknown {self.muon_lr_scale!r}; choose "
                 f"match_rms_adamw or original"
             )
+        if self.name != "muon":
+            defaults = AdamWConfig(name="muon")
+            for key in ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_lr_scale"):
+                if getattr(self, key) != getattr(defaults, key):
+                    flag = "--optim." + key.replace("_", "-")
+                    raise ValueError(
+                        f"{flag}: {getattr(self, key)!r} is set but --optim.name is "
+                        f"{self.name}; add --optim.name muon, or drop {flag}"
+                    )
 
 
 def _adamw_update(

@@ -171,6 +171,9 @@ class DeMo(Strategy):
 
     name: ClassVar[str] = "demo"
     options_field: ClassVar[str | None] = "demo"
+    muon_refusal: ClassVar[str | None] = (
+        "DeMo's optimizer is its own (decoupled momentum, sign update), not an AdamW"
+    )
     cost: ClassVar[CostModel] = CostModel(
         description="top-k DCT momentum components all-gathered every step, sign step",
         traffic=lambda o, t: [Transfer(1.0, 1.0, bytes_per_parameter=o.bytes_per_parameter())],
