@@ -131,7 +131,13 @@ def _check_resume(config: TrainConfig) -> None:
     """``--resume DIR``: the directory holds a checkpoint this configuration can continue."""
     if config.resume is None or config.resume == "auto":
         return
-    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint, has_checkpoint
+    from lowcomm.train.checkpoint import (
+        CheckpointError,
+        find_latest,
+        fingerprint,
+        has_checkpoint,
+        preflight_ranks,
+    )
 
     if not has_checkpoint(Path(config.resume)):
         latest = Path(config.resume) / "checkpoints" / "latest"
@@ -141,7 +147,7 @@ def _check_resume(config: TrainConfig) -> None:
             f"--stop-after, or --resume auto"
         )
     try:
-        find_latest(Path(config.resume), config.world_size, fingerprint(config))
+        find_latest(Path(config.resume), config.world_size, fingerprint(config), preflight_ranks())
     except CheckpointError as error:
         raise ConfigError(str(error)) from None
 

@@ -321,8 +321,9 @@ def resume(worker: Worker) -> Progress:
     progress = Progress()
     resume_from = _resume_directory(config, config.run_dir())
     if resume_from is not None:
-        start_step, directory = checkpoint.find_latest(
-            resume_from, worker.world_size, checkpoint.fingerprint(config)
+        # Each rank verifies its own files; all agree on the newest intact for everyone.
+        start_step, directory = checkpoint.agree_latest(
+            resume_from, worker.world_size, checkpoint.fingerprint(config), worker.bookkeeping
         )
         # Written with another number of workers: re-sharded here (train/reshard.py).
         saved = read_resharded(directory, config, worker.rank, worker.device)
@@ -637,7 +638,8 @@ def _restore_rng(saved: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
-    """Every worker writes its file; once all have, rank 0 checksums them and commits."""
+    """Every rank writes and checksums its own file; the checksums are gathered and every
+    rank commits the same manifest into its own view of the run directory."""
     config, bookkeeping, run_dir = worker.config, worker.bookkeeping, worker.config.run_dir()
     state = {
         # The strategy first: it settles in-flight collectives, which the comm must not hold.
@@ -651,16 +653,16 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
         "val_loss": progress.val_loss,
         "step": step,
     }
-    checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
-    bookkeeping.barrier().wait()
-    if bookkeeping.rank == 0:
-        checkpoint.commit_checkpoint(
-            run_dir,
-            step,
-            bookkeeping.world_size,
-            checkpoint.fingerprint(config),
-            keep=config.keep_checkpoints,
-        )
+    path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
+    digests = checkpoint.gather_digests(bookkeeping, checkpoint.file_digest(path))
+    checkpoint.commit_checkpoint(
+        run_dir,
+        step,
+        bookkeeping.world_size,
+        checkpoint.fingerprint(config),
+        keep=config.keep_checkpoints,
+        digests=digests,
+    )
     bookkeeping.barrier().wait()
 
 

@@ -83,12 +83,13 @@ def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str
         find_resumable,
         fingerprint,
         has_checkpoint,
+        preflight_ranks,
     )
 
     mine = fingerprint(config)
     if has_checkpoint(run_dir):
         try:
-            found = find_resumable(run_dir, config.world_size, mine)
+            found = find_resumable(run_dir, config.world_size, mine, preflight_ranks())
         except CheckpointError as error:
             message = str(error)
             if config.resume == "auto":
