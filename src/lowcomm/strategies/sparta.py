@@ -179,7 +179,6 @@ class Sparta(Strategy):
         schedule=lambda o: f"every step, p = {o.fraction:g} of the parameters",
         shards_over_replicas=True,
     )
-    muon_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
