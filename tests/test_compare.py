@@ -21,7 +21,7 @@ SMALL_TRAIN = [
 def _compare(out: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "lowcomm", "bench", "compare", "--methods", "ddp,zero1",
-         "--network", "wan", "--seeds", "1", "--steps", "4", "--workers", "2",
+         "ddp+lr:optim.lr=0.003", "--network", "wan", "--seeds", "1", "--steps", "4", "--workers", "2",
          "--out", str(out), *SMALL_TRAIN],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -35,7 +35,7 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
     assert {"network", "clock", "steps", "workers", "seeds", "target_val_loss", "methods"} <= set(
         results
     )
-    assert set(results["methods"]) == {"ddp", "zero1"}
+    assert set(results["methods"]) == {"ddp", "zero1", "ddp+lr"}
     for row in results["methods"].values():
         assert {
             "final_val_loss_mean", "final_val_loss_sd", "tokens", "time_to_target_s",
@@ -47,15 +47,36 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
     # Same data order and start: DDP and ZeRO-1 reach the same loss.
     ddp, zero = results["methods"]["ddp"], results["methods"]["zero1"]
     assert ddp["final_val_loss_mean"] == pytest.approx(zero["final_val_loss_mean"], abs=1e-3)
+    # One calibration, measured before the first run, charged by every run of the study.
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert results["calibration"]["path"] == str((out / "calibration.json").resolve())
+    charged = set()
+    for run in ("ddp-s0", "zero1-s0", "ddp+lr-s0"):
+        summary = json.loads((out / "runs" / run / "summary.json").read_text())
+        run_config = json.loads((out / "runs" / run / "config.json").read_text())
+        assert run_config["calibration"] == str((out / "calibration.json").resolve())
+        charged.add(summary["compute_model"]["seconds_per_microbatch"])
+    assert charged == {calibration["seconds_per_microbatch"]}
+    assert (
+        "every run on the calibrated model charges one calibration"
+        in (out / "report.md").read_text()
+    )
+    # The variant is ddp at another learning rate, in its own run directory, under its label.
+    variant = results["methods"]["ddp+lr"]
+    assert (variant["method"], variant["options"]) == ("ddp", {"optim.lr": "0.003"})
+    config = json.loads((out / "runs" / "ddp+lr-s0" / "config.json").read_text())
+    assert (config["method"], config["optim"]["lr"]) == ("ddp", 0.003)
+    assert variant["final_val_loss_mean"] != ddp["final_val_loss_mean"]
     # At M = 2 ZeRO-1 holds 8 + (12 + 4) / 2 = 16 bytes per parameter, as much as DDP.
     assert zero["state_bytes_per_worker"] <= ddp["state_bytes_per_worker"]
     report = (out / "report.md").read_text()
     assert report.startswith("# Method comparison on `wan`")
-    assert "| ddp |" in report and "| zero1 |" in report
+    assert "| ddp |" in report and "| zero1 |" in report and "| ddp+lr |" in report
+    assert "- `ddp+lr`: ddp with `optim.lr=0.003`" in report
     for png in ("val_loss_vs_step.png", "val_loss_vs_time.png", "utilization.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     # A finished run's checkpoints are dropped (--checkpoints drop); its model stays.
-    for run in ("ddp-s0", "zero1-s0"):
+    for run in ("ddp-s0", "zero1-s0", "ddp+lr-s0"):
         assert not (out / "runs" / run / "checkpoints").exists()
         assert (out / "runs" / run / "model").is_dir()
 

@@ -124,7 +124,8 @@ def test_cache_is_reused(
     config = DataConfig(data=str(small_text_dir), vocab_size=SMALL_VOCAB, cache_dir=str(tmp_path))
     first = prepare_corpus(config)
     assert not first.from_cache
-    corpus_file = tmp_path / "corpora" / f"{first.cache_key}.npz"
+    corpus_file = tmp_path / "corpora" / f"{first.cache_key}.tokens"
+    assert first.token_file == corpus_file
     assert first.tokenizer_path == tmp_path / "tokenizers" / f"{first.cache_key}.json"
     modified = (first.tokenizer_path.stat().st_mtime_ns, corpus_file.stat().st_mtime_ns)
 

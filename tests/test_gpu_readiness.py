@@ -117,6 +117,10 @@ class DeviceCheckingComm(RecordingComm):
         self._check("all_gather", output, input)
         return super().all_gather(output, input, role=role)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        self._check("all_to_all", output, input)
+        return super().all_to_all(output, input, role=role)
+
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         self._check("broadcast", tensor)
         return super().broadcast(tensor, src=src, role=role)
@@ -164,7 +168,8 @@ def test_quantization_round_trip_stays_on_the_device(fmt: str) -> None:
 def test_diloco_family_exchange_is_on_the_parameters_device(method: str, fmt: str) -> None:
     """Item 2: every tensor of a (quantized) outer-gradient exchange is on the GPU."""
     comm = _run_on_stand_in(method, quantization=fmt)
-    kind = CollectiveKind.ALL_REDUCE if fmt == "none" else CollectiveKind.ALL_GATHER
+    # (Quantized: the two-step exchange's first step counts as a reduce-scatter.)
+    kind = CollectiveKind.ALL_REDUCE if fmt == "none" else CollectiveKind.REDUCE_SCATTER
     assert comm.count(kind, Role.PSEUDO_GRADIENT) > 0
     assert set(comm.devices) == {GPU}
 
@@ -184,6 +189,9 @@ def _options(quantization: str) -> TrainConfig:
         ),
         local=dataclasses.replace(config.local, sync_every=2),
         desloc=dataclasses.replace(config.desloc, param_period=2),
+        # Rounds within the few steps run here (the defaults, H = 15 and 100, have none).
+        sparseloco=dataclasses.replace(config.sparseloco, sync_every=2),
+        sparta=dataclasses.replace(config.sparta, sync_every=2),
     )
 
 
@@ -510,35 +518,6 @@ def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str)
         assert "peak_device_memory_bytes_per_worker" not in summary
 
 
-# --- item 4: the real clock synchronises the GPU where it reads the time ----------------
-
-
-def test_the_real_clock_synchronises_the_gpu_at_every_reading(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from lowcomm.comm.clock import make_clock
-
-    synced: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
-    gpu = torch.device("cuda", 1)
-    clock = make_clock("real", device=gpu)
-    clock.mark()
-    assert synced == [gpu]  # queued compute is charged to compute
-    with clock.blocked():
-        pass
-    assert len(synced) == 3  # compute before the wait, then the transfer's end
-    with clock.excluded():
-        pass
-    assert len(synced) == 5  # and the excluded region's own kernels stay excluded
-    clock.now()
-    assert len(synced) == 6
-    cpu_clock = make_clock("real", device=torch.device("cpu"))
-    cpu_clock.mark()
-    with cpu_clock.blocked():
-        pass
-    assert len(synced) == 6
-
-
 class _FakeCuda:
     """A stand-in for ``torch.cuda``'s streams and timing events: the GPU's clock is the
     host's ``perf_counter`` plus an offset; a stream made to wait for a work is ready when
@@ -599,20 +578,34 @@ class _FakeEvent:
 
 
 class _FakeNcclWork:
-    """An NCCL work whose data arrives ``delay`` after the launch: its wait() makes the
-    current stream wait for that, without blocking the host."""
+    """An NCCL work whose data arrives ``delay`` after the launch: its completion future is
+    complete at once, and the future's wait() makes the current stream wait for the data,
+    without blocking the host. The work's own wait() (which on NCCL also releases the
+    collective's tensors to the allocator) is recorded apart."""
 
     def __init__(self, cuda: _FakeCuda, delay: float) -> None:
         self.cuda = cuda
         self.arrives = cuda.gpu_now() + delay
         self.waited_on: list[Any] = []
+        self.work_waits = 0
+
+    def get_future(self) -> _FakeNcclFuture:
+        return _FakeNcclFuture(self)
 
     def wait(self) -> bool:
-        stream = self.cuda.current
-        self.waited_on.append(stream)
-        if isinstance(stream, _FakeStream):
-            stream.ready_at = max(stream.ready_at, self.arrives)
+        self.work_waits += 1
         return True
+
+
+class _FakeNcclFuture:
+    def __init__(self, work: _FakeNcclWork) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        stream = self.work.cuda.current
+        self.work.waited_on.append(stream)
+        if isinstance(stream, _FakeStream):
+            stream.ready_at = max(stream.ready_at, self.work.arrives)
 
 
 def test_an_nccl_collectives_arrival_is_timed_on_a_side_stream_without_blocking() -> None:
@@ -631,6 +624,7 @@ def test_an_nccl_collectives_arrival_is_timed_on_a_side_stream_without_blocking(
     arrival = EventArrival(work, device, cuda=cuda)
     assert time.perf_counter() - begin < 0.1  # the launch did not wait for the data
     assert work.waited_on == [cuda.streams[0]]  # the side stream waits, not "default"
+    assert work.work_waits == 0  # not work.wait(): the collective's tensors stay held
     assert cuda.current == "default"
     handle = _WorkHandle(None, arrival=arrival)
     arrived = handle.completed_at()  # asked early: waits for the data
@@ -657,3 +651,90 @@ def test_nccl_blocking_wait_turns_the_arrival_events_off(monkeypatch: pytest.Mon
     monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
     monkeypatch.setenv("NCCL_BLOCKING_WAIT", "true")
     assert blocking_wait()
+
+
+# --- issue 31 item 2: a handle keeps its tensors; no work.wait() at the launch ----------
+
+
+class _RecordedWork:
+    """A work that records whether it was waited for (and how)."""
+
+    def __init__(self) -> None:
+        self.waits: list[object] = []
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waits.append(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.waits)
+
+    def get_future(self) -> Any:
+        raise RuntimeError("Work::getFuture not implemented")
+
+
+def test_a_handle_keeps_its_tensors_referenced_until_wait() -> None:
+    """Item 2: on NCCL without recorded streams the process group drops its references to a
+    collective's tensors at work.wait(); a send buffer only the collective uses (a cast copy,
+    a hierarchical send buffer) must stay referenced by the handle until the method waits,
+    and be released then."""
+    import gc
+    import weakref
+
+    from lowcomm.comm.torch_comm import _WorkHandle
+
+    work = _RecordedWork()
+    send = torch.ones(8)
+    alive = weakref.ref(send)
+    handle = _WorkHandle(work, keep=(send,))
+    del send
+    gc.collect()
+    assert alive() is not None and work.waits == []  # nothing waited at the launch
+    handle.wait()
+    gc.collect()
+    assert alive() is None and len(work.waits) == 1
+
+
+def test_torch_comm_hands_every_collectives_tensors_to_its_handle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Item 2: each collective's handle holds the tensors the collective reads and writes
+    (the input of a reduce-scatter or all-gather included), and an NCCL group waits without
+    a deadline (a deadline makes the host poll the work)."""
+    import torch.distributed as dist
+
+    from lowcomm.comm import torch_comm
+
+    issued: list[_RecordedWork] = []
+
+    def fake(*args: Any, **kwargs: Any) -> _RecordedWork:
+        issued.append(_RecordedWork())
+        return issued[-1]
+
+    monkeypatch.setattr(dist, "all_reduce", fake)
+    monkeypatch.setattr(torch_comm, "_reduce_scatter", fake)
+    monkeypatch.setattr(torch_comm, "_all_gather", fake)
+    comm = object.__new__(TorchComm)
+    comm.__dict__.update(
+        _group=None,
+        _rank=0,
+        _world_size=2,
+        _timeout_s=30.0,
+        _stamp=False,
+        _scatter_by_exchange=False,
+        _event_arrival=False,
+        _wait_timeout_s=None,
+    )  # fmt: skip (an NCCL group's settings, without NCCL)
+    full, shard = torch.zeros(8), torch.zeros(4)
+    handles = [
+        comm.all_reduce(full, role=Role.GRADIENT),
+        comm.reduce_scatter(shard, full, role=Role.GRADIENT),
+        comm.all_gather(full, shard, role=Role.PARAMETER),
+    ]
+    kept = [{id(t) for t in handle._keep} for handle in handles]  # type: ignore[attr-defined]
+    assert kept == [{id(full)}, {id(full), id(shard)}, {id(full), id(shard)}]
+    assert all(work.waits == [] for work in issued)
+    for handle in handles:
+        handle.wait()
+    assert [work.waits for work in issued] == [[None]] * 3
+    assert all(handle._keep == () for handle in handles)  # type: ignore[attr-defined]

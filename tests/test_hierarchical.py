@@ -259,7 +259,6 @@ def _batches(worker: int, replica: int, replicas: int) -> list[tuple[torch.Tenso
 
 
 def _train(methods: list[str], hierarchical: bool) -> dict[str, torch.Tensor]:
-    from lowcomm.comm.hierarchical import averaging_closure
     from lowcomm.comm.torch_comm import TorchComm
     from lowcomm.launch.groups import level_comms
     from lowcomm.strategies import StrategyContext, build_strategy
@@ -276,8 +275,6 @@ def _train(methods: list[str], hierarchical: bool) -> dict[str, torch.Tensor]:
     for method in methods:
         strategy = build_strategy(method, tiny_gpt(), comm, context, _options_source(method))
         closure = closure_for(strategy, _batches(worker, replica, replicas))
-        if hierarchical:
-            closure = averaging_closure(closure, strategy.model, inner)
         for _ in range(STEPS):
             strategy.step(closure)
         strategy.finish()
@@ -287,6 +284,7 @@ def _train(methods: list[str], hierarchical: bool) -> dict[str, torch.Tensor]:
 
 
 REDUCED = ["ddp", "zero1", "diloco", "co2", "desloc"]
+REDUCED += ["demo"]  # the inner average is the union batch's gradient: same top-k, same sign
 
 
 @pytest.mark.slow

@@ -25,9 +25,9 @@ LONG_FUNCTIONS: dict[str, str] = {
     "cli.py:_main": _AFTER_MERGE,
     "config.py:TrainConfig.validate": _AFTER_MERGE,
     "data/corpus.py:prepare_corpus": _PARALLEL,
-    "data/sampling.py:WorkerShard.__init__": _PARALLEL,
     "data/sampling.py:validation_batches": _PARALLEL,
-    "models/hf.py:build_hf_model": _PARALLEL,
+    "models/hf.py:hf_config": _PARALLEL,
+    "launch/init_check.py:check_init_from": _AFTER_MERGE,
     "reproduce/__init__.py:_report": _PARALLEL,
     "strategies/diloco.py:DiLoCoOptions.__post_init__": _PARALLEL,
 }

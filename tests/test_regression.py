@@ -39,6 +39,7 @@ from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
+from lowcomm.strategies.sparta import SpartaOptions
 from lowcomm.train.rundir import run_directory
 
 pytestmark = pytest.mark.regression
@@ -48,6 +49,7 @@ REGEN = os.environ.get("LOWCOMM_REGEN") == "1"
 LOSS_RTOL = 1e-6
 TIME_ATOL = 1e-9
 HIERARCHICAL = ("streaming_diloco",)  # fragment exchanges over a two-level comm
+MUON = ("diloco",)  # pinned again with --optim.name muon as "<method>_muon" (MuLoCo)
 # The bf16-mixed / --comm-dtype bf16 runs are pinned by test_regression_precision.py.
 
 #: What every stored run is; kept in each file so a reviewer sees what the numbers are of.
@@ -56,7 +58,7 @@ DESCRIPTION = (
     "GPT 2 layers x 32 wide, block 16, micro-batch 2, 8 steps, AdamW lr 3e-3 with 3 warm-up "
     "steps then cosine, grad clip 1.0, eval every 3 steps on 2 batches; local.sync_every 2, "
     "diloco.sync_every 4 / overlap 1, desloc periods 2/3/4 (others 2), acco.dpu_warmup_steps 2, "
-    "sparseloco.sync_every 4"
+    "sparseloco.sync_every 4, sparta.sync_every 4"
 )
 
 
@@ -87,6 +89,7 @@ def regression_config(method: str, out: Path, ranks_per_worker: int = 1) -> Trai
         ),
         acco=AccoOptions(dpu_warmup_steps=2),
         sparseloco=SparseLoCoOptions(sync_every=4),
+        sparta=SpartaOptions(sync_every=4),
     )
 
 
@@ -151,7 +154,10 @@ def _run_all(base: str, runs: list[tuple[str, str, int]]) -> dict[str, dict[str,
     results: dict[str, dict[str, Any] | str] = {}
     for key, method, ranks in runs:
         try:
-            results[key] = _record(regression_config(method, Path(base) / key, ranks))
+            config = regression_config(method, Path(base) / key, ranks)
+            if key.endswith("_muon"):
+                config.optim = AdamWConfig(lr=3e-3, name="muon")
+            results[key] = _record(config)
         except Exception as error:
             results[key] = f"{type(error).__name__}: {error}"
     return results
@@ -178,6 +184,7 @@ def _merge(per_rank: list[dict[str, dict[str, Any] | str]]) -> dict[str, dict[st
 
 
 FLAT = [(method, method, 1) for method in sorted(STRATEGIES)]
+FLAT += [(f"{method}_muon", method, 1) for method in MUON]
 HIER = [(f"hierarchical-{method}", method, 2) for method in HIERARCHICAL]
 
 

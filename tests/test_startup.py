@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lowcomm.bench.startup import PHASES, phase_costs
+from lowcomm.config import TrainConfig
 from lowcomm.launch.run import warn_if_oversubscribed
 
 SMALL = [
@@ -45,6 +46,12 @@ def test_more_processes_than_cores_is_warned(
     warn_if_oversubscribed(16)
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("lowcomm: warning: 16 worker processes on 2 CPU cores")
+    # What it says of the clock follows the run's compute model (calibrated by default).
+    assert "calibrate in turn" in line and "own CPU time" not in line
+    warn_if_oversubscribed(16, TrainConfig(compute_model="cpu-time"))
+    assert "each worker's own CPU time" in capsys.readouterr().err
+    warn_if_oversubscribed(16, TrainConfig(clock="real"))
+    assert "the real clock's modeled time grows" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -22,12 +22,14 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "AccoOptions": "lowcomm.strategies.acco",
     "AdamWConfig": "lowcomm.optim.adamw",
+    "DeMoOptions": "lowcomm.strategies.demo",
     "DeslocOptions": "lowcomm.strategies.desloc",
     "DiLoCoOptions": "lowcomm.strategies.diloco",
     "LocalOptions": "lowcomm.strategies.co2",
     "MicroBatchResult": "lowcomm.strategies",
     "ScheduleConfig": "lowcomm.optim.schedule",
     "SparseLoCoOptions": "lowcomm.strategies.sparseloco",
+    "SpartaOptions": "lowcomm.strategies.sparta",
     "StepStats": "lowcomm.strategies",
     "Strategy": "lowcomm.strategies",
     "StrategyContext": "lowcomm.strategies",
@@ -44,9 +46,11 @@ if TYPE_CHECKING:
     from lowcomm.strategies import MicroBatchResult, StepStats, Strategy, StrategyContext
     from lowcomm.strategies.acco import AccoOptions
     from lowcomm.strategies.co2 import LocalOptions
+    from lowcomm.strategies.demo import DeMoOptions
     from lowcomm.strategies.desloc import DeslocOptions
     from lowcomm.strategies.diloco import DiLoCoOptions
     from lowcomm.strategies.sparseloco import SparseLoCoOptions
+    from lowcomm.strategies.sparta import SpartaOptions
 
 
 def __getattr__(name: str) -> Any:
@@ -78,12 +82,14 @@ def __dir__() -> list[str]:
 __all__ = [
     "AccoOptions",
     "AdamWConfig",
+    "DeMoOptions",
     "DeslocOptions",
     "DiLoCoOptions",
     "LocalOptions",
     "MicroBatchResult",
     "ScheduleConfig",
     "SparseLoCoOptions",
+    "SpartaOptions",
     "StepStats",
     "Strategy",
     "StrategyContext",

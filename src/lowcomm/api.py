@@ -127,6 +127,8 @@ def make_strategy(
     microbatches_per_step: int = 1,
     max_grad_norm: float | None = 1.0,
     options: object | None = None,
+    seed: int = 0,
+    optimizer: Literal["adamw", "muon"] = "adamw",
 ) -> Strategy:
     """Build the strategy ``method`` around ``model``.
 
@@ -153,21 +155,28 @@ def make_strategy(
             sync_every=32)`` for diloco (:class:`AccoOptions`: acco, dpu, wp;
             :class:`LocalOptions`: local_sgd, local_adamw, overlap_local_sgd, slowmo, co2;
             :class:`DiLoCoOptions`: diloco, streaming_diloco, diloco_delayed, eager, cocodc;
-            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset); None uses the
+            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset;
+            :class:`SpartaOptions`: sparta, sparta_diloco); None uses the
             family's defaults. ddp and zero1 take none.
+        seed: the run's seed, the same on every worker (SPARTA draws the indices it averages
+            from it and the step number).
+        optimizer: ``"adamw"``, or ``"muon"`` (``train``'s ``--optim.name``): Muon on the
+            hidden matrices and AdamW with the settings above on the rest, with Muon's default
+            settings; diloco with it is MuLoCo. Refused by the methods ``train`` refuses it for.
 
     Raises:
         ValueError: for an unknown method, an options object of another family, or an invalid
             hyperparameter, naming the fix.
     """
     context = StrategyContext(
-        optim=AdamWConfig(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+        optim=AdamWConfig(name=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
         schedule=ScheduleConfig(
             kind=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio
         ),
         total_steps=total_steps,
         microbatches_per_step=microbatches_per_step,
         max_grad_norm=max_grad_norm,
+        seed=seed,
     )
     cls = strategy_class(method)
     expected = options_class(cls)

@@ -107,7 +107,25 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
     saved.init_from = None  # the checkpoint holds the weights; --init-from again is refused
     if not any(arg == "--tokenizer" or arg.startswith("--tokenizer=") for arg in args):
         _tokenizer_copy(saved, Path(value))
+    if not any(arg == "--model.config" or arg.startswith("--model.config=") for arg in args):
+        _model_config_copy(saved, Path(value))
     return saved
+
+
+def _model_config_copy(saved: TrainConfig, run_dir: Path) -> None:
+    """A resumed run's model config.json, when the file config.json names (an --init-from
+    model's) has moved or is gone: the copy the run kept beside its checkpoints."""
+    from lowcomm.train.rundir import MODEL_CONFIG_COPY
+
+    model_config = saved.model.config
+    copy = run_dir / MODEL_CONFIG_COPY
+    if model_config is None or Path(model_config).expanduser().is_file() or not copy.is_file():
+        return
+    print(
+        f"lowcomm: --model.config {model_config} is gone; resuming with the run's copy {copy}",
+        file=sys.stderr,
+    )
+    saved.model.config = str(copy)
 
 
 def _tokenizer_copy(saved: TrainConfig, run_dir: Path) -> None:

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import INNER_LINK, OUTER_LINK, NetworkProfile, check_link
-from lowcomm.optim.quantize import QuantizationFormat, encoded_bytes
+from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.optim.quantize import QuantizationFormat
 from lowcomm.strategies.declaration import CostModel, Timing, Transfer
 from lowcomm.strategies.option_groups import with_method_options
+from lowcomm.strategies.two_step import shard_payload_bytes
 
 if TYPE_CHECKING:
     from lowcomm.strategies import Strategy
@@ -44,6 +46,14 @@ MODEL_SIZES: dict[str, float] = {
     "7b": 7.0e9,
     "7.5b": 7.5e9,
 }
+
+
+#: Model width d of the named sizes past ``tiny`` (GPT-2 / GPT-3 shapes), for Muon's share.
+_WIDTHS: dict[str, int] = {
+    "125m": 768, "350m": 1024, "1b": 2048, "1.3b": 2048, "7b": 4096, "7.5b": 4096,
+}  # fmt: skip
+#: Vocabulary (GPT-2's) and context of the embeddings those shapes are priced with.
+_VOCAB, _CONTEXT = 50257, 2048
 
 
 @dataclass(kw_only=True)
@@ -124,6 +134,17 @@ class PlanConfig:
     json: bool = False
     """Print machine-readable JSON instead of a table."""
 
+    optim: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
+    """As train's --optim.*; the plan reads --optim.name: adamw (K bytes per parameter of
+    state, --optimizer-bytes) or muon (one momentum instead of AdamW's two moments on the
+    hidden matrices: K - 4 bytes on --muon-share of the parameters). Refused by the methods
+    train refuses it for."""
+
+    muon_share: float | None = None
+    """With --optim.name muon: the share of the parameters in hidden 2-D matrices (Muon's).
+    None: the built-in GPT's for --params tiny, else 1 - (V + T) d / N for a GPT of width d
+    (the named size's, or the nearest named size's), V = 50257, T = 2048."""
+
     lose_workers: int = 0
     """Also price the run after losing this many of the M workers (an elastic resume on
     M - K, the global batch kept: each remaining worker computes M/(M-K) times more per step):
@@ -158,12 +179,37 @@ class PlanConfig:
             )
         if self.bytes_per_element is not None and not self.bytes_per_element > 0:
             raise ValueError(f"--bytes-per-element: {self.bytes_per_element} must be positive")
+        if self.muon_share is not None and not 0.0 <= self.muon_share <= 1.0:
+            raise ValueError(
+                f"--muon-share: {self.muon_share} must lie in [0, 1]; it is the share of the "
+                f"parameters in hidden matrices, e.g. 0.9"
+            )
 
     def element_bytes(self) -> float:
         """Bytes per communicated element: --bytes-per-element, else --comm-dtype's size."""
         if self.bytes_per_element is not None:
             return self.bytes_per_element
         return 4.0 if self.comm_dtype == "fp32" else 2.0
+
+
+def muon_share(config: PlanConfig) -> float:
+    """The share of the parameters Muon updates (``--muon-share``, or its estimate)."""
+    if config.muon_share is not None:
+        return config.muon_share
+    key = config.params.strip().lower()
+    if key == "tiny":
+        from lowcomm.data.config import DataConfig
+        from lowcomm.models import ModelConfig, build_model
+        from lowcomm.optim.muon import takes_muon
+
+        model = build_model(ModelConfig(), DataConfig().vocab_size)
+        sizes = [p.numel() for p in model.parameters()]
+        chosen = takes_muon(model)
+        return sum(n for n, muon in zip(sizes, chosen, strict=True) if muon) / sum(sizes)
+    params = parse_params(config.params)
+    if key not in _WIDTHS:
+        key = min(_WIDTHS, key=lambda name: abs(math.log(MODEL_SIZES[name] / params)))
+    return min(1.0, max(0.0, 1.0 - (_VOCAB + _CONTEXT) * _WIDTHS[key] / params))
 
 
 def parse_params(text: str) -> float:
@@ -246,18 +292,28 @@ def check_plan(config: PlanConfig) -> None:
     dtype_problem = comm_dtype_problem(config.method, config.comm_dtype)
     if dtype_problem is not None:
         raise ValueError(dtype_problem)
+    if config.optim.name == "muon":
+        from lowcomm.optim.muon import muon_refusal
+
+        if cls.muon_refusal is not None:
+            raise muon_refusal(config.method, cls.muon_refusal)
+        if ranks > 1:
+            raise ValueError(
+                f"--optim.name: muon with --ranks-per-worker {ranks}: Muon's matrices are not "
+                f"split over a worker's ranks; use --ranks-per-worker 1 or --optim.name adamw"
+            )
     values = None if options is None else dataclasses.asdict(options)  # type: ignore[call-overload]
-    key = (config.method, config.workers, json.dumps(values, default=str))
+    key = (config.method, config.workers, json.dumps(values, default=str), config.optim.name)
     if key not in _CHECKED:
-        _build_once(config.method, config.workers, options)
+        _build_once(config.method, config.workers, options, config.optim.name)
         _CHECKED.add(key)
 
 
-#: (method, workers, options) combinations already built by :func:`check_plan`.
-_CHECKED: set[tuple[str, int, str]] = set()
+#: (method, workers, options, optimizer) combinations already built by :func:`check_plan`.
+_CHECKED: set[tuple[str, int, str, str]] = set()
 
 
-def _build_once(method: str, workers: int, options: object | None) -> None:
+def _build_once(method: str, workers: int, options: object | None, optimizer: str) -> None:
     from lowcomm.comm.fake import RecordingComm
     from lowcomm.data.config import DataConfig
     from lowcomm.models import ModelConfig, build_model
@@ -266,10 +322,11 @@ def _build_once(method: str, workers: int, options: object | None) -> None:
     cls = strategy_class(method)
     model = build_model(ModelConfig(), DataConfig().vocab_size)
     comm = RecordingComm(world_size=workers)
+    context = StrategyContext(optim=AdamWConfig(name="muon" if optimizer == "muon" else "adamw"))
     if options is None:
-        strategy = cls(model, comm, StrategyContext())
+        strategy = cls(model, comm, context)
     else:
-        strategy = cls(model, comm, StrategyContext(), options=options)  # type: ignore[call-arg]
+        strategy = cls(model, comm, context, options=options)  # type: ignore[call-arg]
     strategy.finish()
 
 
@@ -290,7 +347,8 @@ class _Pricing:
     1/R of every outer payload over its own outer transfer).
 
     A quantized outer exchange (the options the method declares as its
-    ``quantized_exchange``) is an all-gather of the encoded payloads, a compressed transfer
+    ``quantized_exchange``) travels in two steps at its encoded size (a reduce-scatter of
+    encoded shards, an all-gather of the re-encoded mean shards), a compressed transfer
     (``Transfer.bytes_per_parameter``) an all-gather of that many bytes per parameter;
     everything else is an all-reduce."""
 
@@ -302,19 +360,22 @@ class _Pricing:
     quantization: str = "none"
     row_size: int = 1
 
-    def encoded(self, fraction: float) -> float:
+    def encoded_shard(self, fraction: float) -> float:
+        """Bytes of one worker's encoded shard of ``fraction`` of the model (its chunk in
+        either step of the two-step exchange, :mod:`lowcomm.strategies.two_step`)."""
         numel = max(1, round(fraction * self.params / self.ranks))
         fmt = typing.cast(QuantizationFormat, self.quantization)
-        return float(encoded_bytes(numel, fmt, self.row_size))
+        return float(shard_payload_bytes(numel, self.workers, fmt, self.row_size))
 
     def exchange_seconds(self, fraction: float) -> float:
         """Seconds of one outer exchange of ``fraction`` of the model (an all-reduce, or the
-        quantized all-gather)."""
+        quantized reduce-scatter and all-gather)."""
         m = self.workers
         if self.quantization != "none":
+            full = m * self.encoded_shard(fraction)
             return self.profile.collective_time(
-                CollectiveKind.ALL_GATHER, m * self.encoded(fraction), m
-            )
+                CollectiveKind.REDUCE_SCATTER, full, m
+            ) + self.profile.collective_time(CollectiveKind.ALL_GATHER, full, m)
         payload = fraction * self.model_bytes / self.ranks
         return self.profile.collective_time(CollectiveKind.ALL_REDUCE, payload, m)
 
@@ -324,7 +385,7 @@ class _Pricing:
         if m <= 1:
             return 0.0
         if self.quantization != "none":
-            return (m - 1) * self.encoded(fraction)
+            return 2.0 * (m - 1) * self.encoded_shard(fraction)
         return 2.0 * (m - 1) / m * fraction * self.model_bytes / self.ranks
 
     def gathered(self, t: Transfer) -> float:
@@ -405,11 +466,15 @@ def _memory_per_worker(
     config: PlanConfig, model: CostModel, params: float, replica_sharded: bool
 ) -> float:
     """ACCO's convention: bf16 parameters and gradients, K bytes of optimizer states per
-    parameter (divided by M when sharded over workers), 2 bytes per extra model copy."""
+    parameter (divided by M when sharded over workers; 4 fewer on Muon's share with
+    --optim.name muon), 2 bytes per extra model copy."""
     optimizer_bytes = config.optimizer_bytes / (config.workers if model.shards_over_workers else 1)
     if replica_sharded:
         # The two moments (2/3 of AdamW's fp32 bytes) are split over the R replicas.
         optimizer_bytes = config.optimizer_bytes * (1 / 3 + 2 / 3 / config.ranks_per_worker)
+    if config.optim.name == "muon":
+        # Muon keeps one fp32 momentum (4 bytes) where AdamW keeps two moments, on its share.
+        optimizer_bytes -= 4.0 * muon_share(config)
     return (2 + 2 + 2 * model.extra_copies) * params + optimizer_bytes * params
 
 
@@ -553,6 +618,11 @@ def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tu
         ("sent per worker, total", _gb(plan.comm_bytes_per_worker)),
         ("memory per worker", _gb(plan.memory_per_worker_bytes)),
     ]
+    if config.optim.name == "muon":
+        rows.insert(
+            3,
+            ("optimizer", f"muon on {muon_share(config):.1%} of the parameters, adamw on the rest"),
+        )
     if plan.ranks_per_worker > 1:
         rows[4:4] = [
             ("inner link", f"{config.inner_network}, {_human(plan.inner_comm_s)} (blocking)")

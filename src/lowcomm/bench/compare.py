@@ -25,9 +25,19 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from lowcomm.atomic import atomic_write_text
-from lowcomm.bench.runs import CHECKPOINTS_HELP, CheckpointPolicy, run_or_resume
+from lowcomm.bench.figures import plot_all
+from lowcomm.bench.runs import (
+    CHECKPOINTS_HELP,
+    STUDY_CALIBRATION,
+    CheckpointPolicy,
+    StudyCalibration,
+    bytes_curve,
+    run_or_resume,
+    study_calibration,
+)
 from lowcomm.bench.runs import mean_sd as _mean_sd
 from lowcomm.bench.runs import val_curve as _val_curve
+from lowcomm.bench.variants import Variant, parse_methods
 from lowcomm.config import TrainConfig
 
 #: The training options ``bench compare`` also takes at the top level (``--steps`` is
@@ -43,8 +53,12 @@ def _bench_train_defaults() -> TrainConfig:
 class CompareBench:
     """Run several methods side by side and write a report."""
 
-    methods: str = "all"
-    """Comma-separated method names, or `all` for every method of the library."""
+    methods: tuple[str, ...] = ("all",)
+    """Methods to compare (space- or comma-separated), or `all` for every method of the
+    library. A variant runs one method with other options under its own label:
+    METHOD+TAG:KEY=VALUE[,KEY=VALUE], KEY a training option as after --train. (e.g.
+    `diloco+muon:optim.name=muon`, `diloco+h64:diloco.sync-every=64,diloco.outer-lr=0.5`),
+    so one method can appear twice."""
 
     network: str | None = None
     """Network preset for every run (default wan; the same option as --train.network)."""
@@ -98,30 +112,28 @@ class CompareBench:
             raise ValueError(f"--steps: {self.train.steps} must be >= 1")
         if self.train.workers < 1:
             raise ValueError(f"--workers: {self.train.workers} must be >= 1")
+        self.variants()  # a bad --methods entry is refused before any run
 
-    def method_names(self) -> list[str]:
+    def variants(self) -> list[Variant]:
+        """The methods and variants --methods names, in its order (sorted for ``all``)."""
         from lowcomm.strategies import STRATEGIES
 
-        if self.methods.strip() == "all":
-            return sorted(STRATEGIES)
-        names = [name.strip() for name in self.methods.split(",") if name.strip()]
-        unknown = [name for name in names if name not in STRATEGIES]
-        if unknown or not names:
-            raise ValueError(
-                f"--methods: unknown method(s) {', '.join(unknown) or '(none given)'}; choose "
-                f"from {', '.join(sorted(STRATEGIES))} or pass all"
-            )
-        return names
+        return parse_methods(self.methods, STRATEGIES)
 
-    def run_config(self, method: str, seed: int) -> TrainConfig:
-        """The declared run of ``method`` with ``seed``: the shared training configuration with
-        only the method, the seed and the run directory set."""
+    def method_names(self) -> list[str]:
+        """The labels of :meth:`variants` (a plain method's label is its name)."""
+        return [variant.label for variant in self.variants()]
+
+    def run_config(self, method: str | Variant, seed: int) -> TrainConfig:
+        """The declared run of ``method`` (a method name or a variant) with ``seed``: the
+        shared training configuration with only the method (and a variant's options), the
+        seed and the run directory set."""
+        variant = method if isinstance(method, Variant) else Variant(method)
         return dataclasses.replace(
-            self.train,
-            method=method,
+            variant.apply(self.train),
             seed=seed,
             progress=False,
-            out=str(Path(self.out) / "runs" / f"{method}-s{seed}"),
+            out=str(Path(self.out) / "runs" / f"{variant.label}-s{seed}"),
             token_budget=self.token_budget(),
         )
 
@@ -156,17 +168,28 @@ def _fmt_bytes(count: float) -> str:
 
 def run_compare(bench: CompareBench) -> dict[str, Any]:
     """Run (or resume) the sweep, then write report.md, results.json and the plots."""
-    methods = bench.method_names()
+    variants = bench.variants()
+    methods = [variant.label for variant in variants]
     out = Path(bench.out)
     out.mkdir(parents=True, exist_ok=True)
     from lowcomm.data import prepare_corpus
 
-    prepare_corpus(bench.train.data)
+    corpus = prepare_corpus(bench.train.data)
+    given = bench.train.calibration
+    study = study_calibration(
+        bench.train,
+        Path(given) if given else out / STUDY_CALIBRATION,
+        vocab_size=corpus.vocab_size,
+        option="--train.calibration" if given else "--out",
+        tag="compare",
+    )
     runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
     failures: dict[str, str] = {}
-    for method in methods:
+    for variant in variants:
+        method = variant.label
         for seed in range(bench.seeds):
-            config = bench.run_config(method, seed)
+            config = bench.run_config(variant, seed)
+            config = config if study is None else study.apply(config)
             run_dir = Path(str(config.out))
             summary_path = run_dir / "summary.json"
             error = run_or_resume(
@@ -177,6 +200,7 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
                 continue
             summary = json.loads(summary_path.read_text())
             summary["curve"] = _val_curve(run_dir, summary)
+            summary["bytes_curve"] = bytes_curve(run_dir, summary["curve"], summary)
             runs[method].append(summary)
 
     finished = {method: summaries for method, summaries in runs.items() if summaries}
@@ -185,6 +209,7 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
     if target is None and finals:
         # The median method's final loss: informative even when one method barely learns.
         target = statistics.median(mean for mean, _ in finals.values())
+    by_label = {variant.label: variant for variant in variants}
     rows: dict[str, dict[str, Any]] = {}
     for method, summaries in finished.items():
         mean, sd = finals[method]
@@ -193,6 +218,8 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         )
         reached = [t for t in times if t is not None]
         rows[method] = {
+            "method": by_label[method].method,
+            "options": dict(by_label[method].options),
             "seeds": len(summaries),
             "final_val_loss_mean": mean,
             "final_val_loss_sd": None if math.isnan(sd) else sd,  # JSON has no NaN
@@ -209,7 +236,7 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
             ),
             "state_bytes_per_worker": max(s["state_bytes_per_worker"] for s in summaries),
             "runs": [
-                str(Path(bench.run_config(method, seed).out or ""))
+                str(Path(bench.run_config(by_label[method], seed).out or ""))
                 for seed in range(len(summaries))
             ],
         }
@@ -225,11 +252,12 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         "target_val_loss": target,
         "methods": rows,
         "failures": failures,
-        "train_config": bench.run_config(methods[0], 0).to_dict() if methods else {},
+        "calibration": None if study is None else study.to_dict(),
+        "train_config": bench.run_config(variants[0].method, 0).to_dict() if variants else {},
     }
     atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
-    _plot(out, finished, bench.train.clock)
-    report = _report(bench, rows, target, failures)
+    plot_all(out, finished, bench.train.clock)
+    report = _report(bench, rows, target, failures, study)
     atomic_write_text(out / "report.md", report)
     print(report)
     return results
@@ -240,6 +268,7 @@ def _report(
     rows: dict[str, dict[str, Any]],
     target: float | None,
     failures: dict[str, str],
+    study: StudyCalibration | None = None,
 ) -> str:
     train = bench.train
     clock = train.clock
@@ -256,6 +285,7 @@ def _report(
         f"{train.workers} workers{ranks}, {budget}, {bench.seeds} seed(s), {clock} clock. "
         f"Same model, data order and budget for every method.",
         "",
+        *([study.describe("--train.calibration"), ""] if study is not None else []),
         f"| method | final val loss | tokens | steps | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"
         if target is not None
         else "| method | final val loss | tokens | steps | time to target | time | utilisation | bytes/worker/step | state bytes/worker |",
@@ -285,13 +315,34 @@ def _report(
         "below the target validation loss, on the run's clock, averaged over seeds (reported only "
         "if every seed reached it).",
         "",
-        "![validation loss vs step](val_loss_vs_step.png)",
+        "Which method wins on this link: final validation loss against modeled time and "
+        "against bytes sent per worker, one point per method (mean, error bars one seed "
+        "standard deviation, faint dots the seeds); ringed and joined, the Pareto front (no "
+        "other method is both faster, or sends less, and ends lower).",
+        "",
+        "![final loss vs modeled time](final_loss_vs_time.png)",
+        "",
+        "![final loss vs bytes](final_loss_vs_bytes.png)",
+        "",
+        "Validation curves, one panel per family, ddp dashed in every panel as the reference:",
         "",
         "![validation loss vs time](val_loss_vs_time.png)",
+        "",
+        "![validation loss vs bytes](val_loss_vs_bytes.png)",
+        "",
+        "![validation loss vs step](val_loss_vs_step.png)",
         "",
         "![utilisation](utilization.png)",
         "",
     ]
+    variants = [v for v in bench.variants() if v.options and v.label in rows]
+    if variants:
+        lines += ["Variants (the study's options, with these set):", ""] + [
+            f"- `{v.label}`: {v.method} with "
+            + ", ".join(f"`{key}={value}`" for key, value in v.options)
+            for v in variants
+        ]
+        lines.append("")
     if failures:
         lines += (
             ["## Failed runs", ""]
@@ -299,44 +350,3 @@ def _report(
             + [""]
         )
     return "\n".join(lines)
-
-
-def _plot(out: Path, finished: dict[str, list[dict[str, Any]]], clock: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for name, x_index, label in (
-        ("val_loss_vs_step.png", 0, "step"),
-        ("val_loss_vs_time.png", 1, f"time on the {clock} clock (s)"),
-    ):
-        figure, axis = plt.subplots(figsize=(8, 5))
-        # 20 distinct colours and alternating line styles: every method stays tellable apart.
-        colour_map = plt.get_cmap("tab20")
-        colours = [colour_map(i) for i in range(20)]
-        for index, (method, summaries) in enumerate(sorted(finished.items())):
-            curves = [s["curve"] for s in summaries]
-            length = min(len(c) for c in curves)
-            xs = [statistics.fmean(c[i][x_index] for c in curves) for i in range(length)]
-            ys = [statistics.fmean(c[i][2] for c in curves) for i in range(length)]
-            style = "-" if index % 2 == 0 else "--"
-            axis.plot(
-                xs, ys, style, marker="o", markersize=3, label=method, color=colours[index % 20]
-            )
-        axis.set_xlabel(label)
-        axis.set_ylabel("validation loss")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7, ncol=2)
-        figure.tight_layout()
-        figure.savefig(out / name, dpi=100)
-        plt.close(figure)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    names = sorted(finished)
-    axis.bar(names, [statistics.fmean(s["utilization"] for s in finished[m]) for m in names])
-    axis.set_ylim(0, 1)
-    axis.set_ylabel("utilisation")
-    axis.tick_params(axis="x", rotation=45)
-    figure.tight_layout()
-    figure.savefig(out / "utilization.png", dpi=100)
-    plt.close(figure)

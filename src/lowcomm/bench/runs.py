@@ -1,5 +1,5 @@
-"""Run-or-resume of one ``lowcomm train`` configuration, shared by ``bench compare`` and
-``reproduce``.
+"""Run-or-resume of one ``lowcomm train`` configuration, and the one compute calibration of a
+study, shared by ``bench compare`` and ``reproduce``.
 
 A run directory whose ``summary.json`` exists (written atomically, last) holds a finished run:
 it is not run again, so an interrupted sweep resumes where it stopped. A finished run whose
@@ -11,15 +11,20 @@ run is run again from its start, and one benchmark's checkpoints filled 12 GB of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lowcomm.config import TrainConfig
+
+if TYPE_CHECKING:
+    from lowcomm.comm.calibration import Calibration
 
 
 def run_one(config: TrainConfig) -> str | None:
@@ -105,8 +110,110 @@ def val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, 
     return curve
 
 
+def bytes_curve(
+    run_dir: Path, curve: list[tuple[int, float, float]], summary: dict[str, Any]
+) -> list[float]:
+    """The bytes sent per worker up to each point of ``curve`` (:func:`val_curve`): the sum
+    of metrics.jsonl's per-step bytes through the point's step; the last point's is the
+    summary's total (the final drain included)."""
+    sent: dict[int, float] = {}
+    total = 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        total += float(record.get("bytes_sent_per_worker", 0.0))
+        sent[record["step"] + 1] = total
+    steps = sorted(sent)
+    points = []
+    for step, _, _ in curve:
+        reached = [s for s in steps if s <= step]
+        points.append(sent[reached[-1]] if reached else 0.0)
+    if points:
+        points[-1] = float(summary["bytes_sent_per_worker"])
+    return points
+
+
 def mean_sd(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (NaN when there are fewer than two values)."""
     if not values:
         return math.nan, math.nan
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+#: A study's calibration file in its output directory (unless the study is given one).
+STUDY_CALIBRATION = "calibration.json"
+
+
+@dataclass(frozen=True)
+class StudyCalibration:
+    """The one compute calibration every run of a study charges (``bench compare``,
+    ``reproduce``, ...): measured once before the study's first run, or read from the file
+    of an earlier study, and passed to every run as ``--calibration``."""
+
+    path: Path
+    calibration: Calibration
+    measured: bool
+    """Measured by this study (False: read from the file)."""
+
+    def apply(self, config: TrainConfig) -> TrainConfig:
+        """``config`` charging this calibration (unchanged if it is not on the calibrated
+        compute model: the real clock, a declared cost, the CPU-time model)."""
+        from lowcomm.train.compute import uses_calibration
+
+        if not uses_calibration(config):
+            return config
+        return dataclasses.replace(config, calibration=str(self.path))
+
+    def describe(self, reuse: str) -> str:
+        """The report's sentence: what every run charged and how to charge it again."""
+        c = self.calibration
+        origin = "measured before the study's first run, saved in" if self.measured else "read from"
+        return (
+            f"Compute: every run on the calibrated model charges one calibration, "
+            f"{c.seconds_per_microbatch * 1e3:.1f} ms per micro-batch of {c.micro_batch_size} x "
+            f"{c.block_size} tokens and {c.seconds_per_element * 1e9:.3f} ns per element "
+            f"outside micro-batches ({origin} `{self.path}`), so every method is charged the "
+            f"same compute. Charge it again in another study: `{reuse} {self.path}`."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "measured": self.measured, **self.calibration.to_dict()}
+
+
+def study_calibration(
+    train: TrainConfig, path: Path, *, vocab_size: int, option: str, tag: str
+) -> StudyCalibration | None:
+    """The study's one calibration at ``path``: read if the file exists, else measured now in
+    this process (before any run) and written there. None when ``train`` does not use the
+    calibrated compute model.
+
+    Raises ValueError (naming ``option``) when the file was measured for another model,
+    micro-batch shape or precision."""
+    from lowcomm.comm.calibration import Calibration, check_calibration_file
+    from lowcomm.models import build_model
+    from lowcomm.train.compute import calibrate_in_process, uses_calibration
+
+    if not uses_calibration(train):
+        return None
+    bf16 = train.precision == "bf16-mixed"
+    problem = check_calibration_file(
+        path, micro_batch_size=train.data.micro_batch_size, block_size=train.model.block_size,
+        bf16=bf16,
+    )  # fmt: skip
+    if problem is None and path.exists():
+        calibration = Calibration.load(path)
+        params = sum(p.numel() for p in build_model(train.model, vocab_size).parameters())
+        if train.init_from is None and calibration.num_params != params:
+            problem = (
+                f"was measured on a model of {calibration.num_params:,} parameters, this study "
+                f"trains one of {params:,}"
+            )
+    if problem is not None:
+        raise ValueError(f"{option}: {path} {problem}; pass another {option} or move it away")
+    if path.exists():
+        print(f"[{tag}] compute calibration: read from {path}", file=sys.stderr)
+        return StudyCalibration(path.resolve(), Calibration.load(path), measured=False)
+    print(f"[{tag}] compute calibration: measuring once for every run", file=sys.stderr)
+    calibration = calibrate_in_process(train, vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    calibration.save(path)
+    return StudyCalibration(path.resolve(), calibration, measured=True)

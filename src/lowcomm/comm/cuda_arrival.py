@@ -4,8 +4,18 @@ Gloo's completion future fires on its own thread when the data is in, so its cal
 is the arrival. NCCL's future fires when the collective is queued on its stream, long before
 the data moves, and waiting on the work only makes the *current* stream wait; neither tells
 the host when the transfer ended. So at launch a side stream is made to wait for the work
-(``work.wait()`` under that stream: the host does not block, the compute stream is not
-touched) and a timing event is recorded on it: the event completes when the collective does.
+through its completion future (``work.get_future().wait()`` under that stream: NCCL's future
+is complete at the launch, so the host does not block, and the future's wait only makes the
+side stream wait for the events NCCL recorded at the collective's end; the compute stream is
+not touched) and a timing event is recorded on it: the event completes when the collective
+does.
+
+Not ``work.wait()``: where PyTorch does not record streams for NCCL's tensors
+(``TORCH_NCCL_AVOID_RECORD_STREAMS``, the default in recent releases), ``work.wait()`` also
+drops the references the process group keeps to the collective's tensors, and the caching
+allocator may then hand their memory to the compute stream while NCCL still reads it. The
+work is waited for only by the method, when it asks (``_WorkHandle.wait``), and the handle
+keeps the tensors referenced until then.
 When the arrival is asked for, the event is waited for, and a second event recorded on an
 idle stream completes at once; the host time right after it, less the GPU time between the
 two events, is the arrival.
@@ -71,7 +81,9 @@ class EventArrival:
         self._side, self._reference = _STREAMS.get(self._cuda, device)
         self._arrived_at: float | None = None
         with self._cuda.stream(self._side):
-            work.wait()  # the side stream waits for the collective; the host goes on
+            # The side stream waits for the collective; the host goes on (see above: not
+            # work.wait(), which would release the collective's tensors to the allocator).
+            work.get_future().wait()
             self._event = self._cuda.Event(enable_timing=True)
             self._event.record(self._side)
 

@@ -45,7 +45,14 @@ class _WorkHandle:
     """Wraps a ``torch.distributed`` work object; runs a finishing step once after it.
 
     ``wait()`` gives up after ``timeout_s`` with a :class:`CollectiveTimeout` naming the rank,
-    the collective and the time waited."""
+    the collective and the time waited (None: waits without a deadline; on NCCL a wait with a
+    deadline polls the work on the host, so there the process group's watchdog, set beyond
+    the collective timeout, ends a hung collective instead).
+
+    ``keep``: the collective's input and output tensors, referenced until ``wait()`` (the
+    method's wait; nothing else waits on the work): a send buffer or cast copy that only the
+    collective uses would otherwise return to the caching allocator while NCCL still reads
+    or writes it (see :mod:`lowcomm.comm.cuda_arrival`)."""
 
     def __init__(
         self,
@@ -57,8 +64,10 @@ class _WorkHandle:
         timeout_s: float | None = None,
         stamp: bool = False,
         arrival: EventArrival | None = None,
+        keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self._work = work
+        self._keep = keep
         self._finish = finish
         self._finished = False
         self._what = what
@@ -109,6 +118,7 @@ class _WorkHandle:
         if self._finish is not None:
             self._finish()
         self._finished = True
+        self._keep = ()  # the caller's wait ordered its stream after the collective
 
     def done(self) -> bool:
         return self._finished or self._work is None or bool(self._work.is_completed())
@@ -148,6 +158,9 @@ class TorchComm:
         self._stamp = backend == "gloo"
         self._scatter_by_exchange = backend == "gloo"
         self._event_arrival = backend == "nccl" and not blocking_wait()
+        # No deadline on an NCCL wait (a deadline makes the host poll the work); the process
+        # group's watchdog ends a hung collective after process_group_timeout(timeout_s).
+        self._wait_timeout_s = None if backend == "nccl" else timeout_s
 
     def _handle(
         self,
@@ -155,14 +168,17 @@ class TorchComm:
         what: str,
         tensor: torch.Tensor | None,
         finish: Callable[[], None] | None = None,
+        keep: tuple[torch.Tensor, ...] = (),
     ) -> _WorkHandle:
+        """``tensor``: the payload (named in errors, and its device times the arrival);
+        ``keep``: every tensor the collective reads or writes, held until the wait."""
         size = "" if tensor is None else f" of {tensor.numel() * tensor.element_size()} bytes"
         arrival = None
         if self._event_arrival and work is not None and tensor is not None and tensor.is_cuda:
             arrival = EventArrival(work, tensor.device)
         return _WorkHandle(
-            work, finish, what=f"{what}{size}", rank=self._rank, timeout_s=self._timeout_s,
-            stamp=self._stamp, arrival=arrival,
+            work, finish, what=f"{what}{size}", rank=self._rank, timeout_s=self._wait_timeout_s,
+            stamp=self._stamp, arrival=arrival, keep=keep,
         )  # fmt: skip
 
     @property
@@ -194,7 +210,7 @@ class TorchComm:
         check_segments(tensor, segments)
         work = dist.all_reduce(tensor, op=_torch_op(op), group=self._group, async_op=True)
         return self._handle(
-            work, f"all_reduce ({role.value})", tensor, self._mean_after(tensor, op)
+            work, f"all_reduce ({role.value})", tensor, self._mean_after(tensor, op), (tensor,)
         )
 
     def reduce_scatter(
@@ -205,7 +221,7 @@ class TorchComm:
         if self._scatter_by_exchange and op != "max" and self._world_size > 1:
             return self._reduce_scatter_by_exchange(output, input, op, what)
         work = _reduce_scatter(output, input, op=_torch_op(op), group=self._group, async_op=True)
-        return self._handle(work, what, input, self._mean_after(output, op))
+        return self._handle(work, what, input, self._mean_after(output, op), (output, input))
 
     def _reduce_scatter_by_exchange(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, what: str
@@ -222,9 +238,8 @@ class TorchComm:
         reduce-scatter allocates."""
         world_size = self._world_size
         received = torch.empty_like(input).reshape(-1)
-        work = dist.all_to_all_single(
-            received, input.contiguous().reshape(-1), group=self._group, async_op=True
-        )
+        send = input.contiguous().reshape(-1)
+        work = dist.all_to_all_single(received, send, group=self._group, async_op=True)
 
         def reduce() -> None:
             summed = received.view(world_size, -1).sum(dim=0)
@@ -232,17 +247,22 @@ class TorchComm:
                 summed.div_(world_size)
             output.copy_(summed.view_as(output))
 
-        return self._handle(work, what, input, reduce)
+        return self._handle(work, what, input, reduce, (received, send))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "all_gather")
         work = _all_gather(output, input, group=self._group, async_op=True)
-        return self._handle(work, f"all_gather ({role.value})", output)
+        return self._handle(work, f"all_gather ({role.value})", output, keep=(output, input))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        check_scatter_shapes(output, input, 1, "all_to_all")
+        work = dist.all_to_all_single(output, input, group=self._group, async_op=True)
+        return self._handle(work, f"all_to_all ({role.value})", input, keep=(output, input))
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         global_src = dist.get_global_rank(self._group, src) if self._group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self._group, async_op=True)
-        return self._handle(work, f"broadcast ({role.value}) from {src}", tensor)
+        return self._handle(work, f"broadcast ({role.value}) from {src}", tensor, keep=(tensor,))
 
     def barrier(self) -> Handle:
         # On NCCL the barrier runs on the device bound at init (``device_id``), not a guess.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lowcomm.data.config import DataConfig, DataError
 from lowcomm.data.corpus import END_OF_TEXT, PreparedCorpus, prepare_corpus, resolve_end_of_text
-from lowcomm.data.documents import BUNDLED_CORPUS_DIR, read_documents
+from lowcomm.data.documents import BUNDLED_CORPUS_DIR, iter_documents, read_documents
 from lowcomm.data.sampling import WorkerShard, validation_batches
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "DataError",
     "PreparedCorpus",
     "WorkerShard",
+    "iter_documents",
     "prepare_corpus",
     "read_documents",
     "resolve_end_of_text",

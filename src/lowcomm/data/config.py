@@ -16,6 +16,12 @@ could not even hold the initial alphabet."""
 MAX_VOCAB_SIZE = 1 << 20
 """Generous upper bound that still catches typos such as an extra zero or two."""
 
+TOKEN_FILE_SUFFIXES = (".npy", ".bin")
+"""``--data`` files of token ids (mapped, not tokenized)."""
+
+TOKEN_DTYPES = ("uint16", "uint32")
+"""Values accepted by :attr:`DataConfig.data_dtype`, and the dtypes a ``.npy`` may hold."""
+
 CACHE_DIR_ENV = "LOWCOMM_CACHE_DIR"
 """Environment variable giving the cache directory when :attr:`DataConfig.cache_dir` is None."""
 
@@ -29,8 +35,14 @@ class DataConfig:
     """Where the training text comes from, how it is tokenized, and how it is split."""
 
     data: str | None = None
-    """Training text: None for the bundled Jane Austen corpus, otherwise a .txt, .txt.gz or .jsonl
-    file, or a folder searched recursively (sorted) for .txt, .txt.gz and .jsonl files."""
+    """Training data: None for the bundled Jane Austen corpus; a .txt, .txt.gz, .jsonl or
+    .parquet file, a folder searched recursively (sorted) for such files, or a dataset saved
+    with datasets' save_to_disk (text tokenized once into a token file in the cache); or a file
+    of token ids, .npy or raw .bin (with --data-dtype), mapped as it is (needs --tokenizer)."""
+
+    data_dtype: str | None = None
+    """Width of the ids in a raw .bin token file: uint16 (nanoGPT's) or uint32. A .npy file's
+    header gives its own."""
 
     text_field: str = "text"
     """Field holding the document text in each JSONL object."""
@@ -69,6 +81,8 @@ class DataConfig:
                 "--data: '' is an empty path; pass a text file or folder, "
                 "or omit --data to use the bundled corpus"
             )
+        if self.data_dtype is not None:
+            self._check_data_dtype()
         if not isinstance(self.text_field, str) or not self.text_field:
             raise DataError(
                 f"--text-field: {self.text_field!r} is not a non-empty string; "
@@ -112,6 +126,19 @@ class DataConfig:
             raise DataError(
                 f"--micro-batch-size: {self.micro_batch_size!r} is not a positive integer; "
                 f"pass an integer >= 1 such as 8"
+            )
+
+    def _check_data_dtype(self) -> None:
+        if self.data_dtype not in TOKEN_DTYPES:
+            raise DataError(
+                f"--data-dtype: {self.data_dtype!r} is not a token id dtype; pass one of "
+                f"{', '.join(TOKEN_DTYPES)}"
+            )
+        if self.data is None or not str(self.data).lower().endswith(TOKEN_FILE_SUFFIXES):
+            raise DataError(
+                f"--data-dtype: {self.data_dtype} given, but --data "
+                f"{'(the bundled corpus)' if self.data is None else repr(self.data)} is not a "
+                f".bin or .npy file of token ids; omit --data-dtype"
             )
 
     def resolved_cache_dir(self) -> Path:

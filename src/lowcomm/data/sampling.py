@@ -23,39 +23,36 @@ from lowcomm.data.corpus import PreparedCorpus, TokenArray
 IndexArray = npt.NDArray[np.int64]
 
 
-def _flatten(streams: list[TokenArray]) -> tuple[TokenArray, IndexArray]:
-    """Concatenate streams into one array; return it and each stream's start offset.
+class _Windows:
+    """Whole windows of ``window`` tokens in each stream, numbered by source then position,
+    located arithmetically: no per-window array, and the streams (views of a memory-mapped
+    token file) are read only where a drawn window lies."""
 
-    The tokens keep their compact storage dtype (usually uint16) and are widened to int64 only
-    per batch, so a large corpus costs 2 bytes per token per process rather than 8.
-    """
-    lengths = np.array([len(stream) for stream in streams], dtype=np.int64)
-    offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])[:-1]
-    if not streams:
-        return np.zeros(0, dtype=np.int64), offsets
-    return np.concatenate(streams), offsets
+    def __init__(self, streams: list[TokenArray], window: int) -> None:
+        self.streams = streams
+        self.window = window
+        counts = np.array([len(stream) // window for stream in streams], dtype=np.int64)
+        self.first: IndexArray = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
+        self.count = int(self.first[-1])
 
+    def locate(self, indices: IndexArray) -> tuple[IndexArray, IndexArray]:
+        """``(source, start within that source)`` of each window index."""
+        sources = np.searchsorted(self.first, indices, side="right").astype(np.int64) - 1
+        return sources, (indices - self.first[sources]) * self.window
 
-def _window_starts(
-    streams: list[TokenArray], offsets: IndexArray, window: int
-) -> tuple[IndexArray, IndexArray]:
-    """Flat start offsets of every whole window, ordered by source then position.
-
-    Returns:
-        ``(starts, source_of_window)``.
-    """
-    starts: list[IndexArray] = [np.zeros(0, dtype=np.int64)]
-    sources: list[IndexArray] = [np.zeros(0, dtype=np.int64)]
-    for source_index, (stream, offset) in enumerate(zip(streams, offsets.tolist(), strict=True)):
-        count = len(stream) // window
-        starts.append(offset + window * np.arange(count, dtype=np.int64))
-        sources.append(np.full(count, source_index, dtype=np.int64))
-    return np.concatenate(starts), np.concatenate(sources)
+    def gather(self, indices: IndexArray) -> tuple[Tensor, Tensor]:
+        sources, starts = self.locate(np.asarray(indices, dtype=np.int64))
+        return _gather(self.streams, sources, starts, self.window)
 
 
-def _gather(flat: TokenArray, starts: IndexArray, window: int) -> tuple[Tensor, Tensor]:
-    positions = starts[:, None] + np.arange(window, dtype=np.int64)[None, :]  # (B, T+1)
-    tokens = torch.from_numpy(flat[positions].astype(np.int64))  # (B, T+1)
+def _gather(
+    streams: list[TokenArray], sources: IndexArray, starts: IndexArray, window: int
+) -> tuple[Tensor, Tensor]:
+    rows = [
+        np.asarray(streams[source][start : start + window])
+        for source, start in zip(sources.tolist(), starts.tolist(), strict=True)
+    ]
+    tokens = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T), (B, T)
 
 
@@ -130,11 +127,8 @@ class WorkerShard:
         self.replica = replica
         self.replicas = replicas
         self._window = seq_len + 1
-        self._flat, self._source_offsets = _flatten(corpus.train_tokens)
-        self._starts, self._window_sources = _window_starts(
-            corpus.train_tokens, self._source_offsets, self._window
-        )
-        self.num_windows = len(self._starts)
+        self._windows = _Windows(corpus.train_tokens, self._window)
+        self.num_windows = self._windows.count
         self.windows_per_worker = self.num_windows // world_size
         self.batches_per_epoch = self.windows_per_worker // (micro_batch_size * replicas)
         if self.batches_per_epoch == 0:
@@ -216,8 +210,7 @@ class WorkerShard:
         Returns:
             The source index (into ``corpus.source_names``) of each window.
         """
-        sources: IndexArray = self._window_sources[indices]
-        return sources
+        return self._windows.locate(np.asarray(indices, dtype=np.int64))[0]
 
     def window_token_ranges(self, indices: IndexArray) -> list[tuple[int, int, int]]:
         """Token ranges covered by windows, as ``(source, start, stop)`` within that source.
@@ -228,12 +221,11 @@ class WorkerShard:
         Returns:
             One half-open range per window, in the source's training token stream.
         """
-        ranges: list[tuple[int, int, int]] = []
-        for index in indices.tolist():
-            source = int(self._window_sources[index])
-            start = int(self._starts[index] - self._source_offsets[source])
-            ranges.append((source, start, start + self._window))
-        return ranges
+        sources, starts = self._windows.locate(np.asarray(indices, dtype=np.int64))
+        return [
+            (source, start, start + self._window)
+            for source, start in zip(sources.tolist(), starts.tolist(), strict=True)
+        ]
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
         """Return the next micro-batch and advance the position.
@@ -252,7 +244,7 @@ class WorkerShard:
         begin = (batch_in_epoch * self.replicas + self.replica) * self.micro_batch_size
         chosen = self._epoch_order[begin : begin + self.micro_batch_size]
         self.position += 1
-        return _gather(self._flat, self._starts[chosen], self._window)
+        return self._windows.gather(chosen)
 
     def state_dict(self) -> dict[str, Any]:
         """Return what is needed to resume exactly.
@@ -409,7 +401,6 @@ def validation_batches(
             f"num_batches={num_batches} must all be positive"
         )
     window = seq_len + 1
-    flat, offsets = _flatten(corpus.val_tokens)
     available = [len(stream) // window for stream in corpus.val_tokens]
     total_available = sum(available)
     if total_available == 0:
@@ -429,7 +420,7 @@ def validation_batches(
             if remaining > 0 and quota[source] < capacity:
                 quota[source] += 1
                 remaining -= 1
-    chosen: list[tuple[float, int, int]] = []  # (relative position, source, start)
+    chosen: list[tuple[float, int, int]] = []  # (relative position, source, start in it)
     for source, count in enumerate(quota):
         if count == 0:
             continue
@@ -438,13 +429,15 @@ def validation_batches(
         window_indices = np.rint(np.linspace(0, available[source] - 1, count)).astype(np.int64)
         for rank_in_source, window_index in enumerate(window_indices.tolist()):
             relative = (rank_in_source + 0.5) / count
-            chosen.append((relative, source, int(offsets[source]) + window * window_index))
+            chosen.append((relative, source, window * window_index))
     # Interleave sources so that any prefix of the batches is itself spread over sources.
     chosen.sort()
+    sources = np.array([source for _, source, _ in chosen], dtype=np.int64)
     starts = np.array([start for _, _, start in chosen], dtype=np.int64)
     batches: list[tuple[Tensor, Tensor]] = []
     for begin in range(0, len(starts), batch_size):
-        batches.append(_gather(flat, starts[begin : begin + batch_size], window))
+        piece = slice(begin, begin + batch_size)
+        batches.append(_gather(corpus.val_tokens, sources[piece], starts[piece], window))
     return batches
 
 

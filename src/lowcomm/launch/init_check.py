@@ -1,4 +1,5 @@
-"""Pre-flight of ``--init-from`` and ``--tokenizer``: read once, before any worker starts."""
+"""Pre-flight of ``--init-from``, ``--model.config`` and ``--tokenizer``: read once, before any
+worker starts (config files and weight headers only, never the weights)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ from lowcomm.config import ConfigError, TrainConfig
 
 
 def check_init_from(config: TrainConfig) -> None:
-    """Check the model ``--init-from`` names and the tokenizer the run will use; with
-    ``--init-from`` and no ``--tokenizer``, make the model's own ``tokenizer.json`` the run's
-    tokenizer, and settle the token placed after every document (both recorded in
-    config.json).
+    """Check the model ``--init-from`` names (or ``--model.config``) and the tokenizer the run
+    will use. With ``--init-from``: the model's own ``tokenizer.json`` becomes the run's
+    tokenizer unless ``--tokenizer`` is given (a model without one needs ``--tokenizer``), and
+    ``--model.config`` and ``--model.family`` are set to the model's config.json and family,
+    so that config.json records the architecture (a resume rebuilds it from there). Then the
+    token placed after every document is settled (recorded in config.json).
 
     Raises:
         ConfigError: The first problem, in one line naming the option and the fix.
     """
     from lowcomm.models.init_from import (
         InitFromError,
-        initial_model,
-        read_initial_weights,
+        architecture_from_file,
+        preflight_init_from,
         tokenizer_vocab_size,
     )
 
@@ -29,24 +32,45 @@ def check_init_from(config: TrainConfig) -> None:
             f"--tokenizer: {tokenizer!r} is not a file; pass a tokenizer.json (e.g. a saved "
             f"model's), or omit --tokenizer to train a BPE on the data"
         )
+    if config.model.config is not None and not Path(config.model.config).expanduser().is_file():
+        raise ConfigError(
+            f"--model.config: {config.model.config!r} is not a file; pass a model's config.json"
+        )
     try:
         if tokenizer is not None:
             tokenizer_vocab_size(tokenizer)
         if config.init_from is not None:
-            weights = read_initial_weights(config.init_from)
-            initial_model(config.model, weights)  # the shapes fit
-            if tokenizer is None and weights.tokenizer is not None:
-                tokenizer = config.data.tokenizer = str(weights.tokenizer)
-            if tokenizer is not None:
-                tokens = tokenizer_vocab_size(tokenizer)
-                if tokens > weights.vocab_size:
+            initial = preflight_init_from(config.init_from, config.model)
+            if tokenizer is None:
+                if initial.tokenizer is None:
                     raise ConfigError(
-                        f"--tokenizer: {tokenizer} has {tokens} tokens but the model's "
-                        f"embedding in {weights.directory} has {weights.vocab_size} rows (larger "
-                        f"ids would index past it); pass the tokenizer the model was trained with"
+                        f"--init-from: {initial.directory} has no tokenizer.json; pass "
+                        f"--tokenizer FILE (the tokenizer the model was trained with: a BPE "
+                        f"trained on the data would not match its embedding)"
                     )
-    except InitFromError as error:
+                tokenizer = config.data.tokenizer = str(initial.tokenizer)
+            architecture = initial.architecture
+            config.model.config = str(architecture.source)
+            config.model.family = architecture.family
+        elif config.model.config is not None:
+            architecture = architecture_from_file(
+                Path(config.model.config).expanduser(), config.model, "--model.config"
+            )
+        else:
+            architecture = None
+        if architecture is not None and tokenizer is not None:
+            architecture.check_vocabulary(tokenizer_vocab_size(tokenizer), tokenizer)
+        elif architecture is not None and config.data.vocab_size > architecture.vocab_size:
+            raise ConfigError(
+                f"--vocab-size: the BPE trained on the data may get {config.data.vocab_size} "
+                f"tokens but the model's embedding in {architecture.source} has "
+                f"{architecture.vocab_size} rows; pass --vocab-size {architecture.vocab_size} "
+                f"or less, or --tokenizer FILE"
+            )
+    except (InitFromError, ImportError) as error:
         raise ConfigError(f"{error}{_resume_hint(config)}") from None
+    except ValueError as error:  # a config transformers refuses
+        raise ConfigError(str(error).strip().splitlines()[0]) from None
     _settle_end_of_text(config)
 
 

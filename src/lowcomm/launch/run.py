@@ -66,7 +66,7 @@ def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any]
         return _join_torchrun(config, note, report)
     prepare_checked_corpus(config, report)
     if report is not None:
-        warn_if_oversubscribed(config.world_size)
+        warn_if_oversubscribed(config.world_size, config)
     start_run_dir(config, note)
     if report is not None:
         report(f"starting {config.world_size} worker processes")
@@ -144,8 +144,9 @@ def preflight(config: TrainConfig) -> str | None:
 def _check_data_path(config: TrainConfig) -> None:
     if config.data.data is not None and not Path(config.data.data).expanduser().exists():
         raise ConfigError(
-            f"--data: path {config.data.data!r} does not exist; pass a text file, a "
-            f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
+            f"--data: path {config.data.data!r} does not exist; pass a text, JSONL or parquet "
+            f"file, a folder of them, a save_to_disk dataset, a .npy/.bin token file, or omit "
+            f"it to use the bundled corpus"
         )
 
 
@@ -178,7 +179,13 @@ def _check_resume(config: TrainConfig) -> None:
             f"--out: {config.out!r} differs from --resume {config.resume!r}; a resumed run "
             f"continues in its own directory, so omit --out"
         )
-    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint, has_checkpoint
+    from lowcomm.train.checkpoint import (
+        CheckpointError,
+        find_latest,
+        fingerprint,
+        has_checkpoint,
+        preflight_ranks,
+    )
 
     if not has_checkpoint(Path(config.resume)):
         latest = Path(config.resume) / "checkpoints" / "latest"
@@ -188,7 +195,7 @@ def _check_resume(config: TrainConfig) -> None:
             f"--stop-after, or --resume auto"
         )
     try:
-        find_latest(Path(config.resume), config.world_size, fingerprint(config))
+        find_latest(Path(config.resume), config.world_size, fingerprint(config), preflight_ranks())
     except CheckpointError as error:
         raise ConfigError(str(error)) from None
 
@@ -199,13 +206,20 @@ def check_method_options(config: TrainConfig) -> str | None:
     with the method's own message. Returns the method's note on a run of ``--steps`` whose
     final model leaves out the last steps (:meth:`Strategy.unsynchronized_tail`; not for a
     --token-budget run, which may end sooner)."""
+    import torch
+
     from lowcomm.comm.fake import RecordingComm
     from lowcomm.models import build_model
     from lowcomm.strategies import build_strategy
     from lowcomm.train.context import strategy_context
 
     try:
-        model = build_model(config.model, config.data.vocab_size)
+        # On the meta device: the method needs the shapes, not a copy of the weights. A model
+        # described by a config.json has its own vocabulary size (checked against the
+        # tokenizer's in pre-flight), so any size up to it does here.
+        vocab_size = config.data.vocab_size if config.model.config is None else 1
+        with torch.device("meta"):
+            model = build_model(config.model, vocab_size)
         strategy = build_strategy(
             config.method, model, RecordingComm(world_size=config.workers),
             strategy_context(config), config,
@@ -219,10 +233,14 @@ def check_method_options(config: TrainConfig) -> str | None:
 
 
 def prepare_checked_corpus(
-    config: TrainConfig, report: Report, *, check: bool = True
+    config: TrainConfig,
+    report: Report,
+    *,
+    check: bool = True,
+    waiting: Callable[[str], None] | None = None,
 ) -> PreparedCorpus:
     """Prepare the corpus (tokenizer and tokens, cached) and (with ``check``) check that every
-    worker gets a batch from it."""
+    worker gets a batch from it; ``waiting`` is told while another process prepares it."""
     from lowcomm.data import prepare_corpus
 
     source = "the bundled corpus" if config.data.data is None else config.data.data
@@ -230,7 +248,7 @@ def prepare_checked_corpus(
         report(f"preparing corpus from {source}")
     started = time.perf_counter()
     try:
-        corpus = prepare_corpus(config.data, report=report)
+        corpus = prepare_corpus(config.data, report=report, waiting=waiting)
     except OSError as error:  # e.g. a cache directory that cannot be written
         where = f" ({error.filename})" if error.filename else ""
         raise ConfigError(
@@ -283,18 +301,35 @@ def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
     )
 
 
-def warn_if_oversubscribed(processes: int) -> None:
-    """Say when this machine runs more worker processes than it has CPU cores."""
+def warn_if_oversubscribed(processes: int, config: TrainConfig | None = None) -> None:
+    """Say when this machine runs more worker processes than it has CPU cores, and what that
+    does to the run's clock (``config``'s; without one, the default clock's)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if cores is not None and processes > cores:
         print(
             f"lowcomm: warning: {processes} worker processes on {cores} CPU cores: they take "
-            f"turns, so start-up and wall-clock times grow with the count (the virtual clock "
-            f"is not inflated: it charges compute costs calibrated before training, or each "
-            f"worker's own CPU time with --compute-model cpu-time)",
+            f"turns, so start-up and wall-clock times grow with the count "
+            f"({_clock_under_load(config or TrainConfig())})",
             file=sys.stderr,
             flush=True,
         )
+
+
+def _clock_under_load(config: TrainConfig) -> str:
+    """What the run's clock makes of workers taking turns on the cores."""
+    if config.clock == "real":
+        return "the real clock's modeled time grows with them: try --clock virtual"
+    if config.seconds_per_microbatch is not None:
+        return "the virtual clock charges the declared --seconds-per-microbatch and is not inflated"
+    if config.compute_model == "cpu-time":
+        return (
+            "the virtual clock counts each worker's own CPU time, which sharing a core "
+            "inflates by a few percent"
+        )
+    return (
+        "the virtual clock charges the compute cost the workers calibrate in turn before "
+        "training, and is not inflated"
+    )
 
 
 def start_run_dir(config: TrainConfig, note: str | None) -> None:
@@ -340,14 +375,13 @@ def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dic
     import torch.distributed as dist
 
     from lowcomm.comm.torch_comm import TorchComm
-    from lowcomm.data import prepare_corpus
     from lowcomm.launch.spawn import init_from_env
     from lowcomm.train.loop import train_worker
     from lowcomm.train.rundir import run_directory
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank == 0 and report is not None:
-        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), config)
     init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
     try:
         # Every process checked the run directory before the rendezvous; only then is it cleared.
@@ -356,14 +390,16 @@ def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dic
             start_run_dir(config, note)
             if report is not None:
                 report(f"workers connected: {dist.get_world_size()} processes")
-        # One preparer per machine, the others wait: concurrent tokenizer training is waste.
-        corpus = None
-        if local_rank == 0:
-            corpus = prepare_checked_corpus(config, report if first else None, check=False)
-        dist.barrier()
-        # Checked on every rank (the others read the cache), so all refuse a corpus alike
-        # instead of some waiting at a barrier for one that failed.
-        check_corpus(config, corpus if corpus is not None else prepare_corpus(config.data))
+        # Every rank prepares: the first to take the cache's file lock tokenizes, the others
+        # wait on that lock (saying so every 30 s), never inside a collective, where NCCL's
+        # watchdog would end a long wait; then all map the same token file. Checked on every
+        # rank, so all refuse a corpus alike.
+        rank = dist.get_rank()
+
+        def waiting(line: str) -> None:
+            print(f"lowcomm: rank {rank}: {line}", file=sys.stderr, flush=True)
+
+        prepare_checked_corpus(config, report if first else None, waiting=waiting)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
     finally:

@@ -21,7 +21,9 @@ class CausalLM(nn.Module, abc.ABC):
     """
 
     @abc.abstractmethod
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None
+    ) -> tuple[Tensor | None, Tensor | None]:
         """Run the model.
 
         Args:
@@ -30,7 +32,10 @@ class CausalLM(nn.Module, abc.ABC):
 
         Returns:
             ``(logits, loss)``: logits of shape ``(B, T, V)`` and the mean cross-entropy over
-            all ``B * T`` positions (a scalar), or None when ``targets`` is None.
+            all ``B * T`` positions (a scalar), or None when ``targets`` is None. With
+            ``targets`` and more than :data:`lowcomm.models.loss.CHUNK_ELEMENTS` logits, the
+            loss is computed chunk by chunk and the logits, never materialised whole, are
+            None.
         """
 
     def num_parameters(self) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from lowcomm.models.base import CausalLM
 from lowcomm.models.gpt import GPT, GPTConfig
-from lowcomm.models.hf import HFCausalLM, _import_transformers
+from lowcomm.models.hf import HFCausalLM, _import_transformers, load_pretrained, quiet_progress
 
 WEIGHTS_FILE = "model.safetensors"
 """The weights file of either layout."""
@@ -47,9 +47,15 @@ def save_model(
     directory: Path,
     tokenizer_path: Path | None,
     end_of_text: str | None = None,
+    tokenizer_source: str | Path | None = None,
 ) -> None:
     """Write ``model`` (a :class:`GPT` or :class:`HFCausalLM`) and its tokenizer to
-    ``directory`` atomically, replacing what was there. An HF model's tokenizer files declare
+    ``directory`` atomically, replacing what was there.
+
+    An HF model keeps its config (only the weights change; they are saved in float32, which
+    config.json states). Its tokenizer: when ``tokenizer_source`` (the run's ``--tokenizer``)
+    has a Hugging Face tokenizer_config.json beside it, that tokenizer's files, copied as
+    they are; otherwise ``tokenizer_path`` saved as a ``PreTrainedTokenizerFast`` declaring
     ``end_of_text`` (the token the run placed after every document) as its eos_token.
 
     Raises:
@@ -59,6 +65,8 @@ def save_model(
     temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp"))
     try:
         _write(model, temporary, tokenizer_path, end_of_text)
+        if isinstance(model, HFCausalLM) and tokenizer_source is not None:
+            copy_tokenizer_files(Path(tokenizer_source).expanduser(), temporary)
         os.chmod(temporary, 0o755)
         _replace_directory(temporary, directory)
     except BaseException:
@@ -73,9 +81,11 @@ def _write(
         # A copy with plain tensors: a method's parameters may be views into one flat buffer,
         # which safetensors would take for shared storage.
         transformers = _import_transformers()
-        plain = transformers.AutoModelForCausalLM.from_config(model.hf_config)
-        plain.load_state_dict(_plain_state(model.model))
-        plain.save_pretrained(directory, safe_serialization=True)
+        _state_float32(model.model.config)
+        with quiet_progress():
+            model.model.save_pretrained(
+                directory, state_dict=_plain_state(model.model), safe_serialization=True
+            )
         if tokenizer_path is not None:
             tokenizer = transformers.PreTrainedTokenizerFast(
                 tokenizer_file=str(tokenizer_path), eos_token=end_of_text
@@ -100,11 +110,44 @@ def _write(
 
 
 def _plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict as separate contiguous CPU tensors."""
-    return {
-        name: tensor.detach().cpu().clone().contiguous()
-        for name, tensor in model.state_dict().items()
-    }
+    """The state dict as separate contiguous CPU tensors; a tensor shared by several names
+    (tied embeddings) stays one tensor."""
+    copies: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in copies:
+            copies[key] = tensor.detach().cpu().clone().contiguous()
+        state[name] = copies[key]
+    return state
+
+
+def _state_float32(config: Any) -> None:
+    """Say in the config that the weights are float32."""
+    config.dtype = torch.float32
+
+
+#: The files of a Hugging Face tokenizer that a model directory carries.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+)  # fmt: skip
+
+
+def copy_tokenizer_files(tokenizer: Path, directory: Path) -> bool:
+    """Copy a Hugging Face tokenizer (``tokenizer`` is its tokenizer.json; the other files lie
+    beside it) into ``directory`` as they are, replacing the files saved there. Nothing
+    happens (False) without a tokenizer_config.json beside it: a bare tokenizer.json."""
+    source = tokenizer.parent
+    if not (source / "tokenizer_config.json").is_file() or not tokenizer.is_file():
+        return False
+    for name in TOKENIZER_FILES:
+        (directory / name).unlink(missing_ok=True)
+    shutil.copyfile(tokenizer, directory / "tokenizer.json")
+    for name in TOKENIZER_FILES[1:]:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, directory / name)
+    return True
 
 
 def _replace_directory(temporary: Path, directory: Path) -> None:
@@ -168,9 +211,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> CausalLM
             )
     else:
         transformers = _import_transformers()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
-        model = HFCausalLM(hf.config)
-        model.model = hf
+        model = load_pretrained(directory, transformers.AutoConfig.from_pretrained(directory))
     return model.to(device).eval()
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as functional
 from torch import Tensor, nn
 
 from lowcomm.models.base import CausalLM
+from lowcomm.models.loss import chunked_cross_entropy, fits_one_chunk, next_token_loss
 
 
 @dataclass(kw_only=True)
@@ -178,7 +179,9 @@ class GPT(CausalLM):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None
+    ) -> tuple[Tensor | None, Tensor | None]:
         """Compute next-token logits and, given targets, the mean cross-entropy.
 
         Args:
@@ -203,12 +206,14 @@ class GPT(CausalLM):
         for block in self.blocks:
             x = block(x)  # (B, T, C)
         x = self.final_norm(x)
+        if targets is not None and not fits_one_chunk(
+            x.size(0) * x.size(1), self.config.vocab_size
+        ):
+            # A large vocabulary: the loss chunk by chunk, the (B, T, V) logits never whole.
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
         logits: Tensor = self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits, None
         # Cross-entropy in float32 even under autocast: the log-sum-exp over the vocabulary
         # is where low precision hurts.
-        loss = functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)
-        )
-        return logits, loss
+        return logits, next_token_loss(logits, targets)

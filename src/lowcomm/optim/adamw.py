@@ -8,29 +8,52 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.flat import check_master, tensor_bytes
 
+#: The inner optimizers ``--optim.name`` chooses from.
+OptimizerName = Literal["adamw", "muon"]
+#: Muon's learning-rate scaling by matrix shape (rows A, columns B).
+MuonLrScale = Literal["match_rms_adamw", "original"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class AdamWConfig:
-    """AdamW hyperparameters.
+    """The (inner) optimizer's hyperparameters: AdamW's, and Muon's with --optim.name muon.
 
     Attributes:
-        lr: peak learning rate (eta).
+        name: adamw, or muon: Muon on the hidden 2-D matrices and AdamW (these same
+            settings) on embeddings, head, norms and biases (docs/ALGORITHMS.md, MuLoCo;
+            diloco with muon is MuLoCo). Not with zero1, the ACCO family, the DES-LOC
+            family, an SGD inner optimizer or --ranks-per-worker > 1.
+        lr: peak learning rate (eta); with muon it drives both optimizers (see
+            muon_lr_scale).
         betas: (beta1, beta2) decay rates of the first and second moments.
         eps: added to the denominator for numerical stability.
-        weight_decay: decoupled weight decay (lambda), applied as theta *= 1 - lr * lambda.
+        weight_decay: decoupled weight decay (lambda), applied as theta *= 1 - lr * lambda
+            (to the Muon matrices too).
+        muon_momentum: Muon's momentum mu (B <- mu B + (1 - mu) g; 0.95, Keller Jordan's
+            and torch.optim.Muon's default).
+        muon_nesterov: Muon orthogonalises the Nesterov form (1 - mu) g + mu B instead of B.
+        muon_ns_steps: Newton-Schulz iterations of the orthogonalisation (5, the reference's).
+        muon_lr_scale: match_rms_adamw (Moonlight, arXiv 2502.16982: the step of an A x B
+            matrix is lr * 0.2 * sqrt(max(A, B)), so Muon reuses AdamW's lr and weight decay)
+            or original (Keller Jordan's: lr * sqrt(max(1, A / B)), which wants a larger lr).
     """
 
+    name: OptimizerName = "adamw"
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_lr_scale: MuonLrScale = "match_rms_adamw"
 
     def __post_init__(self) -> None:
         if not (self.lr >= 0 and math.isfinite(self.lr)):
@@ -48,6 +71,37 @@ class AdamWConfig:
             raise ValueError(
                 f"--optim.weight-decay: {self.weight_decay} must be a finite number >= 0; try 0.1"
             )
+        self._check_muon()
+
+    def _check_muon(self) -> None:
+        if self.name not in ("adamw", "muon"):
+            raise ValueError(f"--optim.name: unknown {self.name!r}; choose adamw or muon")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(
+                f"--optim.muon-momentum: {self.muon_momentum} must lie in [0, 1); try 0.95"
+            )
+        if (
+            isinstance(self.muon_ns_steps, bool)
+            or not isinstance(self.muon_ns_steps, int)
+            or not 1 <= self.muon_ns_steps <= 20
+        ):
+            raise ValueError(
+                f"--optim.muon-ns-steps: {self.muon_ns_steps} must be an integer in [1, 20]; try 5"
+            )
+        if self.muon_lr_scale not in ("match_rms_adamw", "original"):
+            raise ValueError(
+                f"--optim.muon-lr-scale: unknown {self.muon_lr_scale!r}; choose "
+                f"match_rms_adamw or original"
+            )
+        if self.name != "muon":
+            defaults = AdamWConfig(name="muon")
+            for key in ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_lr_scale"):
+                if getattr(self, key) != getattr(defaults, key):
+                    flag = "--optim." + key.replace("_", "-")
+                    raise ValueError(
+                        f"{flag}: {getattr(self, key)!r} is set but --optim.name is "
+                        f"{self.name}; add --optim.name muon, or drop {flag}"
+                    )
 
 
 def _adamw_update(
@@ -70,6 +124,34 @@ def _adamw_update(
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     denom = (exp_avg_sq / bias2).sqrt_().add_(config.eps)
     master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+def fused_available(master: torch.Tensor) -> bool:
+    """Whether steps on ``master`` use torch's fused AdamW kernel: on a GPU, where it exists
+    (one kernel for the whole update, no full-size temporary). On the CPU the update stays
+    :func:`_adamw_update`'s, bit for bit the one the regression pins were recorded with."""
+    return master.is_cuda and hasattr(torch, "_fused_adamw_")
+
+
+def _fused_adamw_update(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    config: AdamWConfig,
+    lr: float,
+) -> None:
+    """:func:`_adamw_update` with one counter (s_m = s_v, held in the one-element float32
+    ``step`` on the master's device) through torch's fused AdamW kernel: the same update,
+    equal to rounding (it divides sqrt(v) by sqrt(1 - beta2^s) where the unfused path takes
+    sqrt(v / (1 - beta2^s)))."""
+    beta1, beta2 = config.betas
+    torch._fused_adamw_(
+        [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=config.weight_decay, eps=config.eps,
+        amsgrad=False, maximize=False,
+    )  # fmt: skip
 
 
 class FlatAdamW:
@@ -103,6 +185,26 @@ class FlatAdamW:
         self.first_moment_steps = 0
         self.second_moment_steps = 0
 
+    def _update(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        moments: tuple[torch.Tensor, torch.Tensor],
+        steps: tuple[int, int],
+        lr: float,
+    ) -> None:
+        """One update (the step's and the lookahead's, so that the two agree): torch's fused
+        kernel on a GPU when both moments count the same steps, else :func:`_adamw_update`."""
+        if fused_available(master) and steps[0] == steps[1]:
+            counter = getattr(self, "_fused_step", None)
+            if counter is None:
+                counter = torch.zeros((), dtype=torch.float32, device=master.device)
+                self._fused_step = counter
+            counter.fill_(float(steps[0]))  # (a fill kernel: no host-to-device copy)
+            _fused_adamw_update(master, grad, *moments, counter, self.config, lr)
+            return
+        _adamw_update(master, grad, *moments, steps, self.config, lr)
+
     @property
     def step_count(self) -> int:
         """Steps taken since the state started (the first moment's counter)."""
@@ -112,18 +214,18 @@ class FlatAdamW:
         """Apply one AdamW step with gradient ``grad`` (same shape as the master)."""
         self.first_moment_steps += 1
         self.second_moment_steps += 1
-        _adamw_update(
-            self.master, grad, self.exp_avg, self.exp_avg_sq,
-            (self.first_moment_steps, self.second_moment_steps), self.config, lr,
+        self._update(
+            self.master, grad, (self.exp_avg, self.exp_avg_sq),
+            (self.first_moment_steps, self.second_moment_steps), lr,
         )  # fmt: skip
 
     def lookahead(self, grad: torch.Tensor, *, lr: float, out: torch.Tensor) -> torch.Tensor:
         """AdamW lookahead (docs/ALGORITHMS.md §0.3): the theta' one step with ``grad`` would
         give from the current (theta, m, v, s), written to ``out``; nothing is written back."""
         out.copy_(self.master)
-        _adamw_update(
-            out, grad, self.exp_avg.clone(), self.exp_avg_sq.clone(),
-            (self.first_moment_steps + 1, self.second_moment_steps + 1), self.config, lr,
+        self._update(
+            out, grad, (self.exp_avg.clone(), self.exp_avg_sq.clone()),
+            (self.first_moment_steps + 1, self.second_moment_steps + 1), lr,
         )  # fmt: skip
         return out
 
@@ -196,9 +298,9 @@ class ReplicaShardedAdamW(FlatAdamW):
         self.first_moment_steps += 1
         self.second_moment_steps += 1
         mine = slice(self.begin, self.end)
-        _adamw_update(
-            self.master[mine], grad[mine], self.exp_avg, self.exp_avg_sq,
-            (self.first_moment_steps, self.second_moment_steps), self.config, lr,
+        self._update(
+            self.master[mine], grad[mine], (self.exp_avg, self.exp_avg_sq),
+            (self.first_moment_steps, self.second_moment_steps), lr,
         )  # fmt: skip
         piece = torch.zeros(self.slice_numel, dtype=torch.float32, device=self.master.device)
         piece[: self.end - self.begin].copy_(self.master[mine])

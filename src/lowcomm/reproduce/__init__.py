@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from lowcomm.bench.runs import CHECKPOINTS_HELP, CheckpointPolicy
+from lowcomm.bench.runs import CHECKPOINTS_HELP, STUDY_CALIBRATION, CheckpointPolicy
 from lowcomm.models import ModelConfig
 from lowcomm.reproduce.papers import PAPERS, Paper
 from lowcomm.reproduce.runner import Results, Scale, execute
@@ -103,6 +103,12 @@ class ReproduceConfig:
 
     checkpoints: Annotated[CheckpointPolicy, tyro.conf.arg(help=CHECKPOINTS_HELP)] = "drop"
 
+    calibration: str | None = None
+    """The compute calibration every run on the calibrated model charges (a JSON file from an
+    earlier study, or a path to write one to); default OUT/calibration.json. A missing file is
+    measured once, before the first run, so every method of every paper is charged the same
+    compute."""
+
     def __post_init__(self) -> None:
         choices = [*PAPERS, "all"]
         if self.paper not in choices:
@@ -121,6 +127,12 @@ class ReproduceConfig:
                 f"integers; pass e.g. --seeds 0 1 2"
             )
 
+    def calibration_file(self) -> tuple[Path, str]:
+        """The study's calibration file and the option that names it."""
+        if self.calibration is not None:
+            return Path(self.calibration), "--calibration"
+        return Path(self.out) / STUDY_CALIBRATION, "--out"
+
     def papers(self) -> list[str]:
         return list(PAPERS) if self.paper == "all" else [self.paper]
 
@@ -131,6 +143,8 @@ class ReproduceConfig:
         parts += ["--seeds", *map(str, self.seeds), "--scale", self.scale]
         if self.budget != "tokens":
             parts += ["--budget", self.budget]
+        if self.calibration is not None:
+            parts += ["--calibration", self.calibration]
         return shlex.join(parts)
 
 
@@ -196,8 +210,9 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
     runs_dir = Path(config.runs_dir) / paper.name if config.runs_dir else out / "runs"
     specs = paper.runs(scale)
     results, failures = execute(
-        paper.name, specs, config.seeds, runs_dir, config.budget, config.checkpoints
-    )
+        paper.name, specs, config.seeds, runs_dir, config.budget, config.checkpoints,
+        calibration=config.calibration_file(),
+    )  # fmt: skip
     findings = [prediction(results, scale) for prediction in paper.predictions]
     document = {
         "paper": paper.name,
@@ -208,6 +223,10 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
         "setting": paper.setting(scale),
         "predictions": [_finding_json(f) for f in findings],
         "runs": _run_rows(results, config.budget),
+        "calibration": None if results.calibration is None else results.calibration.to_dict(),
+        "calibration_note": None
+        if results.calibration is None
+        else results.calibration.describe("--calibration"),
         "failures": failures,
     }
     from lowcomm.atomic import atomic_write_text
@@ -241,6 +260,7 @@ def _report(doc: dict[str, Any]) -> str:
         "",
         f"Setting: {doc['setting']}",
         "",
+        *([doc["calibration_note"], ""] if doc.get("calibration_note") else []),
         "Verdicts follow docs/ALGORITHMS.md §7.2: an ordering holds only if the mean gap exceeds two "
         "seed standard deviations (the larger of the two groups' sample sd); reversed by more, "
         "it does not hold; otherwise it is inconclusive (within noise). A claim of several "

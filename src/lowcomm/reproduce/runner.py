@@ -23,7 +23,13 @@ from typing import Any, Literal
 
 import tyro
 
-from lowcomm.bench.runs import CheckpointPolicy, run_or_resume, val_curve
+from lowcomm.bench.runs import (
+    CheckpointPolicy,
+    StudyCalibration,
+    run_or_resume,
+    study_calibration,
+    val_curve,
+)
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
@@ -169,6 +175,8 @@ class Results:
     def __init__(self, runs: dict[str, list[RunData]], specs: list[RunSpec] | None = None) -> None:
         self.runs = runs
         self.specs = {spec.label: spec for spec in specs or []}
+        self.calibration: StudyCalibration | None = None
+        """The study's one compute calibration, if its runs charge one."""
 
     def of(self, label: str) -> list[RunData]:
         return self.runs.get(label, [])
@@ -274,17 +282,37 @@ def execute(
     runs_dir: Path,
     budget: Literal["tokens", "steps"] = "tokens",
     checkpoints: CheckpointPolicy = "drop",
+    calibration: tuple[Path, str] | None = None,
 ) -> tuple[Results, dict[str, str]]:
     """Run (or resume) every declared run; return the finished ones and the failures
     (``budget``: equal tokens or equal steps, see :func:`equal_tokens`; ``checkpoints``: a
-    finished run's, see :func:`lowcomm.bench.runs.run_or_resume`)."""
+    finished run's, see :func:`lowcomm.bench.runs.run_or_resume`; ``calibration``: the
+    study's calibration file and the option that names it, measured before the first run
+    if missing and charged by every run on the calibrated compute model, see
+    :func:`lowcomm.bench.runs.study_calibration`)."""
     runs: dict[str, list[RunData]] = {spec.label: [] for spec in specs}
     failures: dict[str, str] = {}
     train_specs = [spec for spec in specs if spec.kind == "train"]
+    study = None
     if train_specs:
         from lowcomm.data import prepare_corpus
 
-        prepare_corpus(train_specs[0].train_config(seeds[0], runs_dir).data)
+        first = train_specs[0].train_config(seeds[0], runs_dir)
+        corpus = prepare_corpus(first.data)
+        if calibration is not None:
+            path, option = calibration
+            from lowcomm.train.compute import uses_calibration
+
+            calibrated = [
+                s.run
+                for s in train_specs
+                if isinstance(s.run, TrainConfig) and uses_calibration(s.run)
+            ]
+            if calibrated:
+                study = study_calibration(
+                    calibrated[0], path, vocab_size=corpus.vocab_size, option=option,
+                    tag="reproduce",
+                )  # fmt: skip
     for spec in specs:
         for seed in seeds[:1] if spec.first_seed_only else seeds:
             run_dir = runs_dir / f"{slug(spec.label)}-s{seed}"
@@ -296,6 +324,7 @@ def execute(
                     runs[spec.label].append(RunData(spec.label, seed, data, [], []))
             else:
                 config = spec.train_config(seed, run_dir, budget)
+                config = config if study is None else study.apply(config)
                 error = run_or_resume(
                     config, tag, tag="reproduce", option="--runs-dir", checkpoints=checkpoints
                 )
@@ -303,7 +332,9 @@ def execute(
                     runs[spec.label].append(_load(run_dir, spec.label, seed))
             if error is not None:
                 failures[f"{spec.label} (seed {seed})"] = error
-    return Results(runs, specs), failures
+    results = Results(runs, specs)
+    results.calibration = study
+    return results, failures
 
 
 def finite_or_none(value: float) -> float | None:

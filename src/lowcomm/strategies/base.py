@@ -29,15 +29,29 @@ from torch import nn
 from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.runtime import Runtime, runtime_for
 from lowcomm.optim.adamw import AdamWConfig
+from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.schedule import ScheduleConfig, learning_rate
 from lowcomm.strategies.declaration import COMM_DTYPES, CostModel, QuantizedExchange
+
+#: A micro-batch's or a step's loss: a host float or a 0-dim (device) tensor.
+Loss = float | torch.Tensor
+
+
+def add_loss(total: Loss, loss: Loss) -> Loss:
+    """``total + loss`` in float64 without a host read (a tensor stays on its device): the
+    same number, bit for bit, as summing the losses as Python floats in the same order."""
+    if isinstance(loss, torch.Tensor):
+        loss = loss.detach().to(torch.float64)
+    return total + loss
 
 
 @dataclass(frozen=True)
 class MicroBatchResult:
-    """What a closure reports about the micro-batch it ran."""
+    """What a closure reports about the micro-batch it ran (``loss``: a float, or a 0-dim
+    tensor left on the device so that the step reads nothing back to the host; the training
+    loop reads it every ``--log-every`` steps)."""
 
-    loss: float
+    loss: Loss
     samples: int
     tokens: int
 
@@ -49,7 +63,9 @@ Closure = Callable[[], MicroBatchResult]
 class StepStats:
     """What one strategy step did on this worker."""
 
-    loss: float
+    loss: Loss
+    """Mean loss of the step's micro-batches: a float, or a float64 device tensor when the
+    closure reported tensors (see :func:`add_loss`)."""
     microbatches: int
     samples: int
     tokens: int
@@ -63,7 +79,7 @@ class StrategyContext:
     """Settings every strategy receives from the training loop.
 
     Attributes:
-        optim: inner AdamW hyperparameters.
+        optim: the (inner) optimizer's hyperparameters (AdamW, or Muon + AdamW).
         schedule: learning-rate schedule.
         total_steps: optimizer steps the run will take (for the schedule).
         microbatches_per_step: micro-batches each worker accumulates per step.
@@ -76,6 +92,9 @@ class StrategyContext:
         runtime: what the strategy may use of the layer below besides its ``Comm`` (the
             training loop hands in ``comm.runtime()``); None: the communicator's own, found
             by :func:`lowcomm.comm.runtime.runtime_for`.
+        seed: the run's seed (``--seed``), the same on every worker: a method that needs the
+            same random draw on every worker (SPARTA's indices) seeds its own
+            ``torch.Generator`` from it, never the process-global RNG.
     """
 
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -86,6 +105,7 @@ class StrategyContext:
     microbatch_budget: int | None = None
     microbatch_shares: tuple[int, ...] | None = None
     runtime: Runtime | None = field(default=None, compare=False, repr=False)
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -135,6 +155,10 @@ class Strategy(ABC):
     #: same collective results, takes the same decisions (no per-rank clock-driven control
     #: flow, no collectives from a second thread).
     hierarchical_refusal: ClassVar[str | None] = None
+    #: Why the method cannot take ``--optim.name muon`` (Muon on the hidden matrices in place
+    #: of its AdamW), or None when it can: a method that builds its (inner) optimizer with
+    #: ``gradient_step.make_inner_optimizer`` sets None (and refuses an SGD inner itself).
+    muon_refusal: ClassVar[str | None] = "its optimizer is not an AdamW that Muon can replace"
     #: State keys (of ``state_dict()``) holding per-worker sums that a later reduction
     #: normalises by their summed counts: an elastic resume pools them onto the new worker 0
     #: (``lowcomm.train.reshard``); other per-worker state is averaged.
@@ -172,6 +196,8 @@ class Strategy(ABC):
             context.runtime if context.runtime is not None else runtime_for(comm)
         )
         self.step_index = 0
+        if context.optim.name == "muon" and self.muon_refusal is not None:
+            raise muon_refusal(self.name, self.muon_refusal)
 
     def lr_at(self, step: int) -> float:
         """Learning rate at 0-based optimizer step ``step``."""
@@ -235,14 +261,14 @@ def clip_(grads: torch.Tensor, squared_norm: torch.Tensor, max_norm: float | Non
     grads.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
 
 
-def run_microbatches(closure: Closure, count: int) -> tuple[float, int, int]:
+def run_microbatches(closure: Closure, count: int) -> tuple[Loss, int, int]:
     """Run ``count`` micro-batches; return (mean loss, samples, tokens)."""
-    total_loss = 0.0
+    total_loss: Loss = 0.0
     samples = 0
     tokens = 0
     for _ in range(count):
         result = closure()
-        total_loss += result.loss
+        total_loss = add_loss(total_loss, result.loss)
         samples += result.samples
         tokens += result.tokens
     return total_loss / count, samples, tokens

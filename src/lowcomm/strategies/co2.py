@@ -40,11 +40,17 @@ from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.comm.runtime import pending_state
 from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
+from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.sgd import FlatSGD
-from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.base import Closure, Loss, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
+from lowcomm.strategies.gradient_step import (
+    accumulate,
+    average_and_clip,
+    make_inner_optimizer,
+    step_and_publish,
+)
 
 InnerOptimizerKind = Literal["adamw", "sgd"]
 
@@ -172,6 +178,7 @@ class _LocalUpdate(Strategy):
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 2}
     #: Inner optimizer fixed by the method (None: ``options.inner_optimizer``).
     fixed_inner: ClassVar[InnerOptimizerKind | None] = None
+    muon_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -191,12 +198,18 @@ class _LocalUpdate(Strategy):
         else:
             master = self.flat.params.float().clone()
         self.inner_kind: InnerOptimizerKind = self.fixed_inner or self.options.inner_optimizer
-        self.inner = make_local_optimizer(
-            self.inner_kind,
-            master,
-            context.optim,
-            self.options.sgd_momentum,
-            self.runtime.replica_group,
+        if context.optim.name == "muon" and self.inner_kind == "sgd":
+            raise muon_refusal(
+                self.name, "--local.inner-optimizer sgd has no AdamW for Muon to replace"
+            )
+        self.inner = (
+            make_inner_optimizer(
+                model, self.flat, master, context.optim, self.runtime.replica_group, self.name
+            )
+            if self.inner_kind == "adamw"
+            else make_local_optimizer(
+                self.inner_kind, master, context.optim, self.options.sgd_momentum
+            )
         )
         #: Inner steps taken in the current round (0 right after a round ended).
         self.local_steps = 0
@@ -215,10 +228,10 @@ class _LocalUpdate(Strategy):
         if self._separate_master:
             self.inner.master.copy_(self.flat.params)
 
-    def _inner_step(self, closure: Closure) -> tuple[float, int, int, float]:
+    def _inner_step(self, closure: Closure) -> tuple[Loss, int, int, float]:
         """One local optimizer step on this worker's own gradient (no communication)."""
         count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count)
+        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
             # Local methods clip the worker's own gradient (there is no averaged one).
@@ -330,6 +343,7 @@ class LocalSGD(_LocalUpdate):
         schedule=lambda o: f"tau = {o.sync_every} local steps per round",
     )
     fixed_inner: ClassVar[InnerOptimizerKind | None] = "sgd"
+    muon_refusal: ClassVar[str | None] = "its inner optimizer is SGD"
 
     def _end_round(self) -> dict[str, float]:
         self.comm.all_reduce(self.flat.params, op="mean", role=Role.PARAMETER).wait()
@@ -371,6 +385,7 @@ class LocalAdamW(LocalSGD):
         shards_over_replicas=True,
     )
     fixed_inner: ClassVar[InnerOptimizerKind | None] = "adamw"
+    muon_refusal: ClassVar[str | None] = None
 
 
 class OverlapLocalSGD(_LocalUpdate):

@@ -18,11 +18,15 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.optim.adamw import make_adamw
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
+from lowcomm.strategies.gradient_step import (
+    accumulate,
+    average_and_clip,
+    make_inner_optimizer,
+    step_and_publish,
+)
 
 
 class DDP(Strategy):
@@ -42,17 +46,20 @@ class DDP(Strategy):
         traffic=every_step(),
         shards_over_replicas=True,
     )
+    muon_refusal: ClassVar[str | None] = None
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)
         self.flat = FlatBuffers(model)
         # In fp32 the parameters are their own master copy (updated in place, no copy).
         master = self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float()
-        self.optimizer = make_adamw(master, context.optim, self.runtime.replica_group)
+        self.optimizer = make_inner_optimizer(
+            model, self.flat, master, context.optim, self.runtime.replica_group, self.name
+        )
 
     def step(self, closure: Closure) -> StepStats:
         count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count)
+        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
         grads = self.flat.grads
         # Average the micro-batches before the all-reduce, which then moves one mean gradient.
         if count > 1:

@@ -267,6 +267,10 @@ class Desloc(Strategy):
     """
 
     name: ClassVar[str] = "desloc"
+    muon_refusal: ClassVar[str | None] = (
+        "the DES-LOC family averages the optimizer's moments on their own periods and Muon "
+        "has no master-sized moments"
+    )
     cost: ClassVar[CostModel] = CostModel(
         description="params/moments synced at own periods",
         traffic=lambda o, t: state_traffic(Desloc.sync_periods(o), o.fuse),
@@ -342,7 +346,9 @@ class Desloc(Strategy):
             and self.comm.rank == self.options.rejoin_rank
         ):
             self.rejoin()
-        loss, samples, tokens = accumulate(self.flat, closure, self.context.microbatches_per_step)
+        loss, samples, tokens = accumulate(
+            self.flat, closure, self.context.microbatches_per_step, self.runtime.replica_group
+        )
         lr = self.lr_at(self.step_index)
         extras: dict[str, float] = {}
         with torch.no_grad():

@@ -85,6 +85,11 @@ class FlatBuffers:
                 p.data = view.view_as(p)
 
     @property
+    def offsets(self) -> list[int]:
+        """Where each of :attr:`parameters` starts in the flat buffers."""
+        return list(self._offsets)
+
+    @property
     def bytes(self) -> int:
         """Bytes of the flat parameter and gradient buffers."""
         return 2 * self.padded_numel * self.params.element_size()

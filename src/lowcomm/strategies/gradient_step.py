@@ -21,18 +21,34 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
+from lowcomm.comm.base import Comm, Role
+from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.optim.flat import FlatOptimizer
-from lowcomm.strategies.base import Closure, clip_, run_microbatches
+from lowcomm.optim.muon import FlatMuon, MuonLayout, check_muon_replicas
+from lowcomm.strategies.base import Closure, Loss, clip_, run_microbatches
 from lowcomm.strategies.flat import FlatBuffers
 
 
-def accumulate(flat: FlatBuffers, closure: Closure, count: int) -> tuple[float, int, int]:
-    """Zero G, run ``count`` micro-batches into it; return (mean loss, samples, tokens)."""
+def accumulate(
+    flat: FlatBuffers, closure: Closure, count: int, replicas: Comm | None = None
+) -> tuple[Loss, int, int]:
+    """Zero G, run ``count`` micro-batches into it; return (mean loss, samples, tokens).
+
+    ``replicas``: the worker's replica group when a worker is several ranks (hierarchical
+    workers, ``runtime.replica_group``): G is then averaged over it once, on the flat buffer,
+    after the step's micro-batches (a mean of sums is the sum of the means: inner
+    synchronous data parallelism, exact up to rounding), so every replica steps on the same
+    gradient."""
     flat.check_params()
     flat.zero_grads()
     result = run_microbatches(closure, count)
     flat.sync_grads()
+    if replicas is not None and replicas.world_size > 1:
+        # (The gradients themselves, not the padding: the bytes of the per-micro-batch
+        # averaging this replaces, once per step.)
+        replicas.all_reduce(flat.grads[: flat.numel], op="mean", role=Role.GRADIENT).wait()
     return result
 
 
@@ -76,3 +92,23 @@ def step_and_publish(
     optimizer.step(grad, lr=lr)
     if optimizer.master is not flat.params:
         flat.params.copy_(optimizer.master)
+
+
+def make_inner_optimizer(
+    model: nn.Module,
+    flat: FlatBuffers,
+    master: torch.Tensor,
+    config: AdamWConfig,
+    replicas: Comm | None,
+    method: str,
+) -> FlatOptimizer:
+    """The AdamW-family optimizer of a method's (inner) step on the whole flat ``master``:
+    AdamW (its moments split over ``replicas``, ``make_adamw``), or with ``--optim.name
+    muon`` Muon on ``model``'s hidden matrices and AdamW on the rest
+    (:class:`~lowcomm.optim.muon.FlatMuon`; refused with several ranks per worker)."""
+    if config.name != "muon":
+        return make_adamw(master, config, replicas)
+    check_muon_replicas(config, replicas, method)
+    return FlatMuon(
+        master, config, MuonLayout.build(model, flat.parameters, flat.offsets, master.numel())
+    )

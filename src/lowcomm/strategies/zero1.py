@@ -46,6 +46,10 @@ class ZeRO1(Strategy):
         traffic=every_step(),  # RS + AG of the model: one all-reduce's bytes and time
         shards_over_workers=True,
     )
+    muon_refusal: ClassVar[str | None] = (
+        "ZeRO-1 shards the optimizer over the workers in flat slices cut across the weight "
+        "matrices Muon orthogonalises whole"
+    )
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)
@@ -63,7 +67,9 @@ class ZeRO1(Strategy):
         )
 
     def step(self, closure: Closure) -> StepStats:
-        loss, samples, tokens = accumulate(self.flat, closure, self.context.microbatches_per_step)
+        loss, samples, tokens = accumulate(
+            self.flat, closure, self.context.microbatches_per_step, self.runtime.replica_group
+        )
         self.comm.reduce_scatter(
             self.shard_grad, self.flat.grads, op="sum", role=Role.GRADIENT
         ).wait()

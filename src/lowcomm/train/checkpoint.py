@@ -12,7 +12,13 @@ run killed mid-write leaves the previous checkpoint intact. A resume takes the n
 checkpoint: a newer one that is incomplete, truncated or corrupted is passed over (and named). Every file is written to a
 temporary name, flushed, fsynced and renamed. Loading verifies the checksum and uses
 ``torch.load(weights_only=True)``, which refuses anything but tensors and plain containers.
-The directory must be on storage every worker can read (one machine, or a shared file system).
+
+No rank reads another rank's file, so the nodes of a run need not share a file system: each
+rank checksums the file it wrote, the checksums are gathered over the bookkeeping group, and
+every rank writes the same manifest (and ``latest``) into its own view of the run directory. A
+resume verifies each rank's own file, and the ranks agree on the newest checkpoint intact for
+all of them (:func:`agree_latest`). Only a resume with another layout (``--workers``,
+``--ranks-per-worker``: ``train/reshard.py``) reads every old file, so it needs them all.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lowcomm.atomic import atomic_path, atomic_write_bytes
+from lowcomm.comm.base import Comm, Role
 from lowcomm.config import TrainConfig
 from lowcomm.data import END_OF_TEXT
 
@@ -69,6 +78,22 @@ def tokenizer_identity(path: str | None) -> str | None:
         return path
 
 
+def _model_identity(config: TrainConfig) -> dict[str, Any]:
+    """The model options in a fingerprint: unset ones as their from-scratch defaults (the
+    values checkpoints from before they could be unset carry), the options only some
+    families have only when set, and a --model.config file by its content."""
+    from lowcomm.models import DEFAULTS, HF_ONLY
+
+    model = dataclasses.asdict(config.model)
+    if model["config"] is not None:  # the architecture is the file's
+        model["config"] = tokenizer_identity(model["config"])
+    else:
+        for name, default in DEFAULTS.items():
+            if model.get(name) is None and name not in HF_ONLY:
+                model[name] = default
+    return {key: value for key, value in model.items() if value is not None}
+
+
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The settings a checkpoint's state depends on: resuming under different ones would not
     continue the same run (JSON-normalised so it compares equal after a round trip). A given
@@ -86,7 +111,7 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
         "clock": config.clock,
         "precision": config.precision,
         "comm_dtype": config.comm_dtype,
-        "model": dataclasses.asdict(config.model),
+        "model": _model_identity(config),
         # (--tokenizer only when given, --end-of-text only when not <|endoftext|>: checkpoints
         # from before they existed still match.)
         "data": {
@@ -95,7 +120,13 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
             if not (key == "tokenizer" and value is None)
             and not (key == "end_of_text" and value in (None, END_OF_TEXT))
         },
-        "optim": dataclasses.asdict(config.optim),
+        # (--optim.name and Muon's settings only with muon: checkpoints from before Muon
+        # existed still match.)
+        "optim": {
+            key: value
+            for key, value in dataclasses.asdict(config.optim).items()
+            if config.optim.name == "muon" or not (key == "name" or key.startswith("muon_"))
+        },
         "schedule": dataclasses.asdict(config.schedule),
         "options": None
         if options_field is None
@@ -131,19 +162,51 @@ def write_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any])
     return path
 
 
+def file_digest(path: Path) -> str:
+    """The sha256 (hex) of the file at ``path``: a rank's checksum of the file it wrote."""
+    return _sha256(path)
+
+
+#: Bytes of a sha256 digest.
+_DIGEST_BYTES = 32
+
+
+def gather_digests(bookkeeping: Comm, digest: str) -> list[str]:
+    """Every rank's checksum of its own file, in rank order (a collective over
+    ``bookkeeping``): what the manifest lists, without any rank reading another's file."""
+    mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.int64)
+    everyone = torch.zeros(bookkeeping.world_size * _DIGEST_BYTES, dtype=torch.int64)
+    bookkeeping.all_gather(everyone, mine, role=Role.OTHER).wait()
+    rows = everyone.view(bookkeeping.world_size, _DIGEST_BYTES).tolist()
+    return [bytes(row).hex() for row in rows]
+
+
 def commit_checkpoint(
-    run_dir: Path, step: int, world_size: int, fingerprint: dict[str, Any], keep: int = 2
+    run_dir: Path,
+    step: int,
+    world_size: int,
+    fingerprint: dict[str, Any],
+    keep: int = 2,
+    digests: Sequence[str] | None = None,
 ) -> None:
-    """After every worker wrote its file: checksum them, write the manifest, move ``latest``,
-    then drop checkpoints older than the newest ``keep`` (rank 0 only)."""
+    """After every rank wrote its file: write the manifest, move ``latest``, then drop
+    checkpoints older than the newest ``keep``.
+
+    ``digests``: every rank's checksum of its own file (:func:`gather_digests`); every rank
+    then commits into its own view of ``run_dir`` (the same bytes, written atomically, so ranks
+    that share a disk may race harmlessly), and no file of another rank is read. Without them
+    (one process holding every file), the files are hashed here."""
     directory = step_directory(run_dir, step)
-    files = {f"rank{rank}.pt": _sha256(directory / f"rank{rank}.pt") for rank in range(world_size)}
+    if digests is None:
+        digests = [_sha256(directory / f"rank{rank}.pt") for rank in range(world_size)]
+    if len(digests) != world_size:
+        raise ValueError(f"{len(digests)} checksums for a checkpoint of {world_size} ranks")
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
         "world_size": world_size,
         "fingerprint": fingerprint,
-        "sha256": files,
+        "sha256": {f"rank{rank}.pt": digest for rank, digest in enumerate(digests)},
     }
     atomic_write_bytes(
         directory / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode()
@@ -157,6 +220,14 @@ def commit_checkpoint(
     complete = [p for p in complete if p.name <= directory.name]
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def preflight_ranks() -> tuple[int, ...] | None:
+    """The ranks whose checkpoint files this process's pre-flight may verify: under
+    ``torchrun`` its own (another node's files need not be on this disk), else all (None)."""
+    from lowcomm.prestart import under_torchrun
+
+    return (int(os.environ["RANK"]),) if under_torchrun() and "RANK" in os.environ else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,27 +248,24 @@ class Resumable:
         )
 
 
-def find_latest(run_dir: Path, world_size: int, fingerprint: dict[str, Any]) -> tuple[int, Path]:
+def find_latest(
+    run_dir: Path,
+    world_size: int,
+    fingerprint: dict[str, Any],
+    ranks: Collection[int] | None = None,
+) -> tuple[int, Path]:
     """The newest intact checkpoint of ``run_dir``; returns (step, directory).
 
     Raises:
         CheckpointError: naming what is wrong and what to do.
     """
-    found = find_resumable(run_dir, world_size, fingerprint)
+    found = find_resumable(run_dir, world_size, fingerprint, ranks)
     return found.step, found.directory
 
 
-def find_resumable(run_dir: Path, world_size: int, fingerprint: dict[str, Any]) -> Resumable:
-    """The newest intact checkpoint of ``run_dir``, verified, and the newer ones it passes over.
-
-    The committed checkpoints (those with a manifest, and the one ``checkpoints/latest``
-    names) are tried newest first: one that is incomplete, truncated or corrupted is passed
-    over for the next older one kept (``--keep-checkpoints``). A checkpoint of another
-    configuration or world size is not damage: that fails at once.
-
-    Raises:
-        CheckpointError: naming what is wrong and what to do.
-    """
+def _candidates(run_dir: Path) -> tuple[list[Path], list[str]]:
+    """The committed checkpoint directories (those with a manifest, and the one
+    ``checkpoints/latest`` names), newest first, and what was wrong with ``latest``."""
     root = run_dir / "checkpoints"
     pointer = root / "latest"
     candidates = set(committed(run_dir))
@@ -213,26 +281,112 @@ def find_resumable(run_dir: Path, world_size: int, fingerprint: dict[str, Any]) 
             candidates.add(root / named)
     # Newest first. (A checkpoint can be newer than `latest`: a run stopped between writing
     # its manifest and moving `latest` left it complete.)
-    candidates_newest_first = sorted(candidates, key=lambda p: p.name, reverse=True)
+    return sorted(candidates, key=lambda p: p.name, reverse=True), skipped
+
+
+def find_resumable(
+    run_dir: Path,
+    world_size: int,
+    fingerprint: dict[str, Any],
+    ranks: Collection[int] | None = None,
+) -> Resumable:
+    """The newest intact checkpoint of ``run_dir``, verified, and the newer ones it passes over.
+
+    The committed checkpoints are tried newest first: one that is incomplete, truncated or
+    corrupted is passed over for the next older one kept (``--keep-checkpoints``). A
+    checkpoint of another configuration or world size is not damage: that fails at once.
+    ``ranks``: whose files to verify (None: all; a rank verifies only its own, which is all
+    its disk need hold).
+
+    Raises:
+        CheckpointError: naming what is wrong and what to do.
+    """
+    candidates_newest_first, skipped = _candidates(run_dir)
     if not candidates_newest_first:
         raise CheckpointError(
             f"--resume: {run_dir} has no checkpoint (no checkpoints/latest); train with "
             f"--checkpoint-every N to write them"
         )
     for directory in candidates_newest_first:
-        problem = _damage(directory, world_size, fingerprint)
+        problem = _damage(directory, world_size, fingerprint, ranks)
         if problem is None:
             manifest = json.loads((directory / "manifest.json").read_text())
             return Resumable(int(manifest["step"]), directory, tuple(skipped))
         skipped.append(f"{directory.name} {problem}")
     raise CheckpointError(
-        f"--resume: no intact checkpoint in {root}: {'; '.join(skipped)}; start afresh "
-        f"(--overwrite) or restore a copy"
+        f"--resume: no intact checkpoint in {run_dir / 'checkpoints'}: {'; '.join(skipped)}; "
+        f"start afresh (--overwrite) or restore a copy"
     )
 
 
-def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> str | None:
-    """Why the checkpoint in ``directory`` cannot be loaded, or None if it is intact.
+def _intact(
+    run_dir: Path, world_size: int, fingerprint: dict[str, Any], rank: int
+) -> tuple[dict[int, Path], list[str]]:
+    """The checkpoints whose file of ``rank`` is intact, by step, and why the others are not."""
+    candidates, skipped = _candidates(run_dir)
+    intact: dict[int, Path] = {}
+    for directory in candidates:
+        problem = _damage(directory, world_size, fingerprint, (rank,))
+        if problem is None:
+            manifest = json.loads((directory / "manifest.json").read_text())
+            intact[int(manifest["step"])] = directory
+        else:
+            skipped.append(f"{directory.name} {problem}")
+    return intact, skipped
+
+
+def agree_latest(
+    run_dir: Path, world_size: int, fingerprint: dict[str, Any], bookkeeping: Comm
+) -> tuple[int, Path]:
+    """The newest checkpoint whose file is intact on every rank (a collective over
+    ``bookkeeping``): each rank verifies only its own file, in its own view of ``run_dir``.
+
+    Each round, every rank proposes its newest intact step at or below the bound (-1: none,
+    -2: it cannot read the checkpoints); the bound becomes the smallest proposal, until all
+    proposals are equal. Returns (step, this rank's directory of it).
+
+    Raises:
+        CheckpointError: on every rank alike, when no checkpoint is intact for all.
+    """
+    error: CheckpointError | None = None
+    try:
+        intact, skipped = _intact(run_dir, world_size, fingerprint, bookkeeping.rank)
+    except CheckpointError as raised:
+        error, intact, skipped = raised, {}, []
+    bound = None
+    while True:
+        mine = (
+            -2
+            if error is not None
+            else max((step for step in intact if bound is None or step <= bound), default=-1)
+        )
+        proposals = torch.tensor([mine, -mine], dtype=torch.int64)
+        bookkeeping.all_reduce(proposals, op="max", role=Role.OTHER).wait()
+        highest, lowest = int(proposals[0]), -int(proposals[1])
+        if lowest == highest and lowest >= 0:
+            return lowest, intact[lowest]
+        if lowest < 0:
+            break
+        bound = lowest
+    if error is not None:
+        raise error
+    own = "; ".join(skipped) if skipped else "its own files are intact"
+    if lowest == -2:
+        own += ", but another rank cannot read the checkpoints (see its error)"
+    raise CheckpointError(
+        f"--resume: no checkpoint in {run_dir / 'checkpoints'} is intact on every rank "
+        f"(rank {bookkeeping.rank}: {own}); start afresh (--overwrite) or restore a copy"
+    )
+
+
+def _damage(
+    directory: Path,
+    world_size: int,
+    fingerprint: dict[str, Any],
+    ranks: Collection[int] | None = None,
+) -> str | None:
+    """Why the checkpoint in ``directory`` cannot be loaded, or None if it is intact (the
+    files of ``ranks`` verified; None: every file).
 
     Raises:
         CheckpointError: the checkpoint is intact but of another world size or configuration.
@@ -266,7 +420,10 @@ def _damage(directory: Path, world_size: int, fingerprint: dict[str, Any]) -> st
                 f"run has {name}={now!r}; an exact resume needs the same setting (drop the "
                 f"override, or start a new run with a different --out)"
             )
+    mine = None if ranks is None else {f"rank{rank}.pt" for rank in ranks}
     for name, expected in hashes.items():
+        if mine is not None and name not in mine:
+            continue
         path = directory / name
         if not path.exists():
             return f"is incomplete: {path} is missing"

@@ -60,6 +60,34 @@ def worker_clock(
     )
 
 
+def calibrate_in_process(config: TrainConfig, vocab_size: int) -> Calibration:
+    """Measure the calibration a run of ``config`` would measure, in this process, before any
+    run (a study's one calibration): the run's model on its device, one intra-op thread as a
+    worker runs, the same timed passes as :func:`calibrate` on a group of one."""
+    from lowcomm.comm.local import LocalComm
+    from lowcomm.models import build_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if config.init_from is None:
+            model = build_model(config.model, vocab_size)
+        else:
+            from lowcomm.models.init_from import preflight_init_from
+
+            model = preflight_init_from(config.init_from, config.model).load()
+        return calibrate(
+            model.to(torch.device(config.device)),
+            vocab_size=vocab_size,
+            micro_batch_size=config.data.micro_batch_size,
+            block_size=config.model.block_size,
+            bookkeeping=LocalComm(),
+            bf16=config.precision == "bf16-mixed",
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
 def calibration_file(config: TrainConfig) -> Path | None:
     """The --calibration file, if the run names one."""
     return None if config.calibration is None else Path(config.calibration)

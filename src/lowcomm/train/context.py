@@ -55,4 +55,5 @@ def strategy_context(config: TrainConfig) -> StrategyContext:
         max_grad_norm=config.max_grad_norm,
         microbatch_budget=budget,
         microbatch_shares=shares,
+        seed=config.seed,
     )

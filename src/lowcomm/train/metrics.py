@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from lowcomm.atomic import atomic_path, atomic_write_bytes, atomic_write_text
 from lowcomm.comm.network import NetworkProfile
 from lowcomm.train.records import ProcessTotals, StepMetrics
-from lowcomm.train.rundir import TOKENIZER_COPY, run_directory
+from lowcomm.train.rundir import MODEL_CONFIG_COPY, TOKENIZER_COPY, run_directory
 
 if TYPE_CHECKING:
     from lowcomm.config import TrainConfig
@@ -128,6 +128,26 @@ def keep_tokenizer(tokenizer: str | None, directory: Path) -> None:
         return
     copy.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(copy, source.read_bytes())
+    # A Hugging Face tokenizer's other files (tokenizer_config.json: its eos_token, ...) too,
+    # so the export of a resumed run carries them.
+    from lowcomm.models.export import TOKENIZER_FILES
+
+    if (source.parent / "tokenizer_config.json").is_file():
+        for name in TOKENIZER_FILES[1:]:
+            if (source.parent / name).is_file():
+                atomic_write_bytes(copy.parent / name, (source.parent / name).read_bytes())
+
+
+def keep_model_config(model_config: str | None, directory: Path) -> None:
+    """Copy the run's --model.config (an --init-from model's config.json) into the run
+    directory, so the run resumes after its source moves or is deleted."""
+    if model_config is None:
+        return
+    source, copy = Path(model_config).expanduser(), directory / MODEL_CONFIG_COPY
+    if copy.exists() and copy.resolve() == source.resolve():
+        return
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(copy, source.read_bytes())
 
 
 class RunWriter:
@@ -138,6 +158,7 @@ class RunWriter:
         self.directory = run_directory(config)
         self.directory.mkdir(parents=True, exist_ok=True)
         keep_tokenizer(config.data.tokenizer, self.directory)
+        keep_model_config(config.model.config, self.directory)
         atomic_write_text(self.directory / "config.json", config.to_json() + "\n")
         metrics_path = self.directory / "metrics.jsonl"
         self.records: list[StepRecord] = []

@@ -22,6 +22,10 @@ from lowcomm.config import ConfigError, TrainConfig
 #: original (say, an --init-from model's tokenizer.json) has moved or is gone.
 TOKENIZER_COPY = "checkpoints/tokenizer.json"
 
+#: The run's copy of the model's config.json (--model.config, which --init-from sets): a resume
+#: rebuilds the architecture from it when the original has moved or is gone.
+MODEL_CONFIG_COPY = "checkpoints/model_config.json"
+
 #: What a run writes into its directory (the checkpoints directory included).
 RUN_FILES = (
     "config.json", "metrics.jsonl", "summary.json", "loss.png", "error.log", "checkpoints",
@@ -68,7 +72,7 @@ _MISSING = object()
 _RUN_NAME_EXCLUDED = frozenset(
     {
         "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
-        "tensorboard",
+        "tensorboard", "log_every",
         "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
     }
 )  # fmt: skip
@@ -134,12 +138,13 @@ def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str
         find_resumable,
         fingerprint,
         has_checkpoint,
+        preflight_ranks,
     )
 
     mine = fingerprint(config)
     if has_checkpoint(run_dir):
         try:
-            found = find_resumable(run_dir, config.world_size, mine)
+            found = find_resumable(run_dir, config.world_size, mine, preflight_ranks())
         except CheckpointError as error:
             message = str(error)
             if config.resume == "auto":
