@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -427,75 +428,104 @@ def _main(argv: list[str] | None) -> None:
         return
     command, rest = args[0], args[1:]
     _command_line[:] = args
-    config = (tyro.conf.FlagConversionOff,)
+    handler = _COMMANDS.get(command)
+    if handler is None:
+        _fail(
+            f"unknown command {command!r}; choose train, eval, generate, bench, plan, "
+            f"reproduce, methods or selftest"
+        )
     try:
-        if command == "train":
-            if not {"-h", "--help"} & set(rest):
-                from lowcomm.prestart import start_forkserver
-
-                start_forkserver()
-            from lowcomm.config import TrainConfig
-
-            rest = _bare_switches(rest, ("--overwrite", "--tensorboard"))
-            defaults = _resume_defaults(rest)
-            if defaults is None:
-                train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=config)
-            else:
-                train = tyro.cli(
-                    TrainConfig, args=rest, prog="lowcomm train", config=config, default=defaults
-                )
-            _refuse_other_families(rest, train)
-            run_train(train)
-        elif command == "plan":
-            from lowcomm.plan import PlanConfig, run_plan
-
-            # train's flag style (the method options are train's own); `--json` alone is a switch.
-            rest = _bare_switches(rest, ("--json",))
-            plan = tyro.cli(PlanConfig, args=rest, prog="lowcomm plan", config=config)
-            _refuse_other_families(rest, plan)
-            run_plan(plan)
-        elif command == "reproduce":
-            from lowcomm.reproduce import ReproduceConfig, run_reproduce
-
-            run_reproduce(
-                tyro.cli(ReproduceConfig, args=rest, prog="lowcomm reproduce", config=config)
-            )
-        elif command in ("eval", "generate"):
-            from lowcomm.use import EvalConfig, GenerateConfig, run_eval, run_generate
-
-            if command == "eval":
-                run_eval(tyro.cli(EvalConfig, args=rest, prog="lowcomm eval", config=config))
-            else:
-                options = tyro.cli(
-                    GenerateConfig, args=rest, prog="lowcomm generate", config=config
-                )
-                run_generate(options)
-        elif command == "methods":
-            tyro.cli(MethodsCommand, args=rest, prog="lowcomm methods")
-            run_methods()
-        elif command == "bench":
-            from lowcomm.bench import BENCHMARKS, run_bench
-
-            if rest[:1] == ["compare"]:
-                from lowcomm.bench.compare import SHARED_DEFAULTS
-
-                _refuse_given_twice(rest[1:], tuple(SHARED_DEFAULTS))
-            run_bench(
-                tyro.extras.subcommand_cli_from_dict(
-                    BENCHMARKS, args=rest, prog="lowcomm bench", config=config
-                )
-            )
-        elif command == "selftest":
-            from lowcomm.selftest import SelftestConfig, run_selftest
-
-            selftest = tyro.cli(SelftestConfig, args=rest, prog="lowcomm selftest", config=config)
-            raise SystemExit(run_selftest(selftest))
-        else:
-            _fail(
-                f"unknown command {command!r}; choose train, eval, generate, bench, plan, "
-                f"reproduce, methods or "
-                f"selftest"
-            )
+        handler(rest)
     except ValueError as error:
         # Raised by a config dataclass's own validation while the options were parsed.
         _fail(str(error))
+
+
+#: tyro's settings for every command: flags are written as their options are (no --no-x).
+_TYRO = (tyro.conf.FlagConversionOff,)
+
+
+def _train_command(rest: list[str]) -> None:
+    if not {"-h", "--help"} & set(rest):
+        from lowcomm.prestart import start_forkserver
+
+        start_forkserver()
+    from lowcomm.config import TrainConfig
+
+    rest = _bare_switches(rest, ("--overwrite", "--tensorboard"))
+    defaults = _resume_defaults(rest)
+    if defaults is None:
+        train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=_TYRO)
+    else:
+        train = tyro.cli(
+            TrainConfig, args=rest, prog="lowcomm train", config=_TYRO, default=defaults
+        )
+    _refuse_other_families(rest, train)
+    run_train(train)
+
+
+def _plan_command(rest: list[str]) -> None:
+    from lowcomm.plan import PlanConfig, run_plan
+
+    # train's flag style (the method options are train's own); `--json` alone is a switch.
+    rest = _bare_switches(rest, ("--json",))
+    plan = tyro.cli(PlanConfig, args=rest, prog="lowcomm plan", config=_TYRO)
+    _refuse_other_families(rest, plan)
+    run_plan(plan)
+
+
+def _reproduce_command(rest: list[str]) -> None:
+    from lowcomm.reproduce import ReproduceConfig, run_reproduce
+
+    run_reproduce(tyro.cli(ReproduceConfig, args=rest, prog="lowcomm reproduce", config=_TYRO))
+
+
+def _eval_command(rest: list[str]) -> None:
+    from lowcomm.use import EvalConfig, run_eval
+
+    run_eval(tyro.cli(EvalConfig, args=rest, prog="lowcomm eval", config=_TYRO))
+
+
+def _generate_command(rest: list[str]) -> None:
+    from lowcomm.use import GenerateConfig, run_generate
+
+    run_generate(tyro.cli(GenerateConfig, args=rest, prog="lowcomm generate", config=_TYRO))
+
+
+def _methods_command(rest: list[str]) -> None:
+    tyro.cli(MethodsCommand, args=rest, prog="lowcomm methods")
+    run_methods()
+
+
+def _bench_command(rest: list[str]) -> None:
+    from lowcomm.bench import BENCHMARKS, run_bench
+
+    if rest[:1] == ["compare"]:
+        from lowcomm.bench.compare import SHARED_DEFAULTS
+
+        _refuse_given_twice(rest[1:], tuple(SHARED_DEFAULTS))
+    run_bench(
+        tyro.extras.subcommand_cli_from_dict(
+            BENCHMARKS, args=rest, prog="lowcomm bench", config=_TYRO
+        )
+    )
+
+
+def _selftest_command(rest: list[str]) -> None:
+    from lowcomm.selftest import SelftestConfig, run_selftest
+
+    selftest = tyro.cli(SelftestConfig, args=rest, prog="lowcomm selftest", config=_TYRO)
+    raise SystemExit(run_selftest(selftest))
+
+
+#: What each command runs, on the arguments after its name.
+_COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "train": _train_command,
+    "plan": _plan_command,
+    "reproduce": _reproduce_command,
+    "eval": _eval_command,
+    "generate": _generate_command,
+    "methods": _methods_command,
+    "bench": _bench_command,
+    "selftest": _selftest_command,
+}

@@ -227,13 +227,28 @@ class TrainConfig:
             strategy_class(self.method)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        self._validate_counts()
+        self._validate_hierarchy()
+        try:
+            check_link(self.network, self.bandwidth_gbps, self.latency_ms, OUTER_LINK)
+            check_speed_factors(self.speed_factors, self.workers)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self._validate_clock()
+        self._validate_compute_model()
+        dtype_problem = comm_dtype_problem(self.method, self.comm_dtype)
+        if dtype_problem is not None:
+            raise ConfigError(dtype_problem)
+        self._validate_checkpointing()
+
+    def _validate_counts(self) -> None:
+        """The counts, sizes and limits that stand alone (workers, steps, batches, seed, ...)."""
         if self.workers < 1:
             raise ConfigError(
                 f"--workers: {self.workers} is not a positive worker count; pass 1 or more"
             )
         if self.steps < 1:
             raise ConfigError(f"--steps: {self.steps} is not a positive step count; pass 1 or more")
-        self._validate_hierarchy()
         if self.microbatches_per_step < 1:
             raise ConfigError(
                 f"--microbatches-per-step: {self.microbatches_per_step} must be 1 or more"
@@ -242,11 +257,30 @@ class TrainConfig:
             raise ConfigError(
                 f"--max-grad-norm: {self.max_grad_norm} must be positive, or None to disable"
             )
-        try:
-            check_link(self.network, self.bandwidth_gbps, self.latency_ms, OUTER_LINK)
-            check_speed_factors(self.speed_factors, self.workers)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ConfigError(
+                f"--token-budget: {self.token_budget} must be 1 or more tokens, or None for a "
+                f"step budget"
+            )
+        if not 0 <= self.seed < 2**64:
+            # torch.manual_seed takes a 64-bit unsigned seed, numpy's SeedSequence a non-negative one.
+            raise ConfigError(f"--seed: {self.seed} must lie in [0, 2**64); pass e.g. 0")
+        for flag, value in (
+            ("--eval-every", self.eval_every),
+            ("--eval-batches", self.eval_batches),
+            ("--log-every", self.log_every),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag}: {value} must be 1 or more")
+        if not 0 < self.collective_timeout_s <= MAX_TIMEOUT_S:
+            # (A process group's timeout is a timedelta: inf or a huge value overflows it.)
+            raise ConfigError(
+                f"--collective-timeout-s: {self.collective_timeout_s} must be a positive number "
+                f"of seconds up to {MAX_TIMEOUT_S:g}"
+            )
+
+    def _validate_clock(self) -> None:
+        """The clock and how it charges compute (--clock, --seconds-per-microbatch, --device)."""
         if (
             self.device == "cuda"
             and self.clock == "virtual"
@@ -258,41 +292,17 @@ class TrainConfig:
                 "not see GPU kernels; use --compute-model calibrated (the default: the passes "
                 "are timed with CUDA events), --seconds-per-microbatch, or --clock real"
             )
-        if self.seconds_per_microbatch is not None:
-            if self.clock != "virtual":
-                raise ConfigError(
-                    "--seconds-per-microbatch: a declared compute cost needs --clock virtual"
-                )
-            if not (self.seconds_per_microbatch > 0 and math.isfinite(self.seconds_per_microbatch)):
-                raise ConfigError(
-                    f"--seconds-per-microbatch: {self.seconds_per_microbatch} must be a finite "
-                    f"positive number of seconds"
-                )
-        self._validate_compute_model()
-        if self.token_budget is not None and self.token_budget < 1:
+        if self.seconds_per_microbatch is None:
+            return
+        if self.clock != "virtual":
             raise ConfigError(
-                f"--token-budget: {self.token_budget} must be 1 or more tokens, or None for a "
-                f"step budget"
+                "--seconds-per-microbatch: a declared compute cost needs --clock virtual"
             )
-        if not 0 <= self.seed < 2**64:
-            # torch.manual_seed takes a 64-bit unsigned seed, numpy's SeedSequence a non-negative one.
-            raise ConfigError(f"--seed: {self.seed} must lie in [0, 2**64); pass e.g. 0")
-        if self.eval_every < 1:
-            raise ConfigError(f"--eval-every: {self.eval_every} must be 1 or more")
-        if self.eval_batches < 1:
-            raise ConfigError(f"--eval-batches: {self.eval_batches} must be 1 or more")
-        if self.log_every < 1:
-            raise ConfigError(f"--log-every: {self.log_every} must be 1 or more (steps)")
-        if not 0 < self.collective_timeout_s <= MAX_TIMEOUT_S:
-            # (A process group's timeout is a timedelta: inf or a huge value overflows it.)
+        if not (self.seconds_per_microbatch > 0 and math.isfinite(self.seconds_per_microbatch)):
             raise ConfigError(
-                f"--collective-timeout-s: {self.collective_timeout_s} must be a positive number "
-                f"of seconds up to {MAX_TIMEOUT_S:g}"
+                f"--seconds-per-microbatch: {self.seconds_per_microbatch} must be a finite "
+                f"positive number of seconds"
             )
-        dtype_problem = comm_dtype_problem(self.method, self.comm_dtype)
-        if dtype_problem is not None:
-            raise ConfigError(dtype_problem)
-        self._validate_checkpointing()
 
     def _validate_compute_model(self) -> None:
         if self.calibration is None:
