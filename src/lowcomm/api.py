@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm
@@ -73,11 +74,6 @@ def connect(
         ValueError: for a bad link setting, or cuda without enough GPUs on this node, naming
             the fix.
     """
-    import os
-
-    import torch
-    import torch.distributed as dist
-
     profile = NetworkProfile.from_preset(
         network,
         bandwidth_gbps=bandwidth_gbps,
@@ -86,29 +82,35 @@ def connect(
         names=_CONNECT_ARGUMENTS,
     )
 
-    inner: Comm
-    bound = torch.device("cpu")
+    inner, bound = _join_group(device, timeout_s)
+    worker_clock = make_clock(clock, speed_factor=profile.speed_factor(inner.rank), device=bound)
+    return NetworkComm(inner, profile, worker_clock, device=bound)
+
+
+def _join_group(device: Literal["cpu", "cuda"], timeout_s: float) -> tuple[Comm, torch.device]:
+    """This process's communicator over the process group (joined from torchrun's variables
+    if it is not yet), or a group of one without a launcher; and the device it binds."""
+    import os
+
+    import torch.distributed as dist
+
+    bound = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         from lowcomm.launch.spawn import init_from_env
 
         init_from_env(device=device, timeout_s=timeout_s)
-    if dist.is_available() and dist.is_initialized():
-        from lowcomm.comm.torch_comm import TorchComm
+        if device == "cuda":  # init_from_env bound this process's GPU
+            bound = torch.device("cuda", torch.cuda.current_device())
+    if not (dist.is_available() and dist.is_initialized()):
+        return LocalComm(), bound or torch.device("cpu")
+    from lowcomm.comm.torch_comm import TorchComm
 
-        if dist.get_backend() == "nccl" and device != "cuda":
-            raise ValueError(
-                "connect: the process group is NCCL, which moves GPU tensors only; pass "
-                "device='cuda' (and move the model to comm.device)"
-            )
-        if device == "cuda":
-            bound = torch.device("cuda", torch.cuda.current_device())
-        inner = TorchComm(timeout_s=timeout_s)
-    else:
-        if device == "cuda":
-            bound = torch.device("cuda", torch.cuda.current_device())
-        inner = LocalComm()
-    worker_clock = make_clock(clock, speed_factor=profile.speed_factor(inner.rank), device=bound)
-    return NetworkComm(inner, profile, worker_clock, device=bound)
+    if dist.get_backend() == "nccl" and device != "cuda":
+        raise ValueError(
+            "connect: the process group is NCCL, which moves GPU tensors only; pass "
+            "device='cuda' (and move the model to comm.device)"
+        )
+    return TorchComm(timeout_s=timeout_s), bound or torch.device("cpu")
 
 
 def make_strategy(
@@ -130,11 +132,10 @@ def make_strategy(
     seed: int = 0,
     optimizer: Literal["adamw", "muon"] = "adamw",
 ) -> Strategy:
-    """Build the strategy ``method`` around ``model``.
-
-    The closure given to ``strategy.step`` must draw a fresh micro-batch on every call: acco,
-    dpu and wp call it several times per step (as many micro-batches as fit while they
-    communicate), and ``microbatches_per_step > 1`` does too.
+    """Build the strategy ``method`` around ``model``. The closure given to ``strategy.step``
+    must draw a fresh micro-batch on every call: methods with a variable number of
+    micro-batches (acco, dpu, wp) call it as often as fits while they communicate, and
+    ``microbatches_per_step > 1`` several times too.
 
     Args:
         method: a ``lowcomm methods`` name.
@@ -143,23 +144,16 @@ def make_strategy(
         lr, betas, eps, weight_decay: the (inner) AdamW's peak learning rate, moment decays,
             denominator epsilon and decoupled weight decay.
         total_steps: optimizer steps the loop will take (the schedule's length).
-        schedule: ``"cosine"`` (linear warm-up over ``warmup_steps``, then cosine decay to
-            ``min_lr_ratio x lr``) or ``"constant"`` (``lr`` throughout after the warm-up;
-            with ``warmup_steps=0``, exactly ``lr`` at every step).
-        warmup_steps: steps of linear warm-up from 0 to ``lr`` (0: none).
-        min_lr_ratio: floor of the cosine decay, as a fraction of ``lr``.
+        schedule, warmup_steps, min_lr_ratio: ``"cosine"`` (a linear warm-up from 0 over
+            ``warmup_steps``, then cosine decay to ``min_lr_ratio x lr``) or ``"constant"``
+            (``lr`` after the warm-up; with ``warmup_steps=0``, exactly ``lr`` throughout).
         microbatches_per_step: micro-batches accumulated per step (synchronous methods).
         max_grad_norm: clip the averaged gradient to this global L2 norm; None: no clipping.
-        options: the options class the method declares (its group, ``options_field``, is
-            ``train``'s ``--<group>.*``), e.g. ``lowcomm.DiLoCoOptions(
-            sync_every=32)`` for diloco (:class:`AccoOptions`: acco, dpu, wp;
-            :class:`LocalOptions`: local_sgd, local_adamw, overlap_local_sgd, slowmo, co2;
-            :class:`DiLoCoOptions`: diloco, streaming_diloco, diloco_delayed, eager, cocodc;
-            :class:`DeslocOptions`: desloc, local_adam, favg_opt, favg_reset;
-            :class:`SpartaOptions`: sparta, sparta_diloco); None uses the
-            family's defaults. ddp and zero1 take none.
-        seed: the run's seed, the same on every worker (SPARTA draws the indices it averages
-            from it and the step number).
+        options: an instance of the options class the method declares (the type of its
+            ``options`` argument, exported as ``lowcomm.<ClassName>``; its fields are
+            ``train``'s ``--<group>.*``), e.g. ``lowcomm.DiLoCoOptions(sync_every=32)`` for
+            diloco; None uses the defaults. A method without options (ddp) takes none.
+        seed: the run's seed, the same on every worker (SPARTA's random indices come from it).
         optimizer: ``"adamw"``, or ``"muon"`` (``train``'s ``--optim.name``): Muon on the
             hidden matrices and AdamW with the settings above on the rest, with Muon's default
             settings; diloco with it is MuLoCo. Refused by the methods ``train`` refuses it for.
@@ -170,20 +164,23 @@ def make_strategy(
     """
     context = StrategyContext(
         optim=AdamWConfig(name=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
-        schedule=ScheduleConfig(
-            kind=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio
-        ),
-        total_steps=total_steps,
-        microbatches_per_step=microbatches_per_step,
-        max_grad_norm=max_grad_norm,
-        seed=seed,
-    )
+        schedule=ScheduleConfig(kind=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio),
+        total_steps=total_steps, microbatches_per_step=microbatches_per_step,
+        max_grad_norm=max_grad_norm, seed=seed,
+    )  # fmt: skip
     cls = strategy_class(method)
+    if _checked_options(method, cls, options) is None:
+        return cls(model, comm, context)
+    return cls(model, comm, context, options=options)  # type: ignore[call-arg]
+
+
+def _checked_options(method: str, cls: type[Strategy], options: object | None) -> object | None:
+    """``options``, refused when it is not the options class ``cls`` declares."""
     expected = options_class(cls)
     if options is None or expected is None:
         if options is not None:
             raise ValueError(f"options: method {method!r} takes no options; drop the argument")
-        return cls(model, comm, context)
+        return None
     if not isinstance(options, expected):
         family = sorted(group_members(STRATEGIES)[str(cls.options_field)])
         raise ValueError(
@@ -191,4 +188,4 @@ def make_strategy(
             f"lowcomm.{expected.__name__}(...) (the options of {', '.join(family)}), or None "
             f"for its defaults"
         )
-    return cls(model, comm, context, options=options)  # type: ignore[call-arg]
+    return options
