@@ -26,16 +26,8 @@ def check_init_from(config: TrainConfig) -> None:
         tokenizer_vocab_size,
     )
 
+    _check_files(config)
     tokenizer = config.data.tokenizer
-    if tokenizer is not None and not Path(tokenizer).expanduser().is_file():
-        raise ConfigError(
-            f"--tokenizer: {tokenizer!r} is not a file; pass a tokenizer.json (e.g. a saved "
-            f"model's), or omit --tokenizer to train a BPE on the data"
-        )
-    if config.model.config is not None and not Path(config.model.config).expanduser().is_file():
-        raise ConfigError(
-            f"--model.config: {config.model.config!r} is not a file; pass a model's config.json"
-        )
     try:
         if tokenizer is not None:
             tokenizer_vocab_size(tokenizer)
@@ -72,6 +64,20 @@ def check_init_from(config: TrainConfig) -> None:
     except ValueError as error:  # a config transformers refuses
         raise ConfigError(str(error).strip().splitlines()[0]) from None
     _settle_end_of_text(config)
+
+
+def _check_files(config: TrainConfig) -> None:
+    """``--tokenizer`` and ``--model.config``, when given, are files."""
+    tokenizer = config.data.tokenizer
+    if tokenizer is not None and not Path(tokenizer).expanduser().is_file():
+        raise ConfigError(
+            f"--tokenizer: {tokenizer!r} is not a file; pass a tokenizer.json (e.g. a saved "
+            f"model's), or omit --tokenizer to train a BPE on the data"
+        )
+    if config.model.config is not None and not Path(config.model.config).expanduser().is_file():
+        raise ConfigError(
+            f"--model.config: {config.model.config!r} is not a file; pass a model's config.json"
+        )
 
 
 def _resume_hint(config: TrainConfig) -> str:

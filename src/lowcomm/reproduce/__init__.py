@@ -242,8 +242,18 @@ def _cell(text: str) -> str:
 
 
 def _report(doc: dict[str, Any]) -> str:
+    lines = [*_report_header(doc), *_report_predictions(doc), *_report_runs(doc)]
+    if doc["failures"]:
+        lines += ["", "## Failed runs", ""] + [
+            f"- {name}: {error}" for name, error in doc["failures"].items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _report_header(doc: dict[str, Any]) -> list[str]:
+    """The title, the scale's caveat, the command, the setting and how verdicts are read."""
     scale = doc["scale"]
-    lines = [
+    return [
         f"# Reproduction: {doc['title']}",
         "",
         f"Scale **{scale['name']}**: {scale['description']}. Seeds: {', '.join(map(str, doc['seeds']))}. "
@@ -269,6 +279,12 @@ def _report(doc: dict[str, Any]) -> str:
         "",
         "## Predictions",
         "",
+    ]
+
+
+def _report_predictions(doc: dict[str, Any]) -> list[str]:
+    """The verdict of each prediction, then each one's claim, numbers and comparisons."""
+    lines = [
         "| prediction | verdict |",
         "|---|---|",
         *[f"| {p['id']} | {p['verdict']} |" for p in doc["predictions"]],
@@ -292,7 +308,12 @@ def _report(doc: dict[str, Any]) -> str:
         if p["note"]:
             lines += ["", p["note"]]
         lines.append("")
-    lines += [
+    return lines
+
+
+def _report_runs(doc: dict[str, Any]) -> list[str]:
+    """One row per run: loss over seeds, late rises, modeled time, bytes and its command."""
+    lines = [
         "## Runs",
         "",
         f"Rose late: seeds whose final validation loss ended more than {ROSE_LATE:.0%} above their best evaluation (a divergence or oscillation late in the run).",
@@ -324,11 +345,7 @@ def _report(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {row['label']} | {len(row['seeds'])} | {loss} | {row['rose_late_seeds']} | {time} | {sent} | `{row['command']}` |"
         )
-    if doc["failures"]:
-        lines += ["", "## Failed runs", ""] + [
-            f"- {name}: {error}" for name, error in doc["failures"].items()
-        ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _summary(config: ReproduceConfig, documents: list[dict[str, Any]]) -> str:
