@@ -22,7 +22,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "data/corpus.py:prepare_corpus": _PARALLEL,
     "data/sampling.py:validation_batches": _PARALLEL,
     "models/hf.py:hf_config": _PARALLEL,
-    "strategies/diloco.py:DiLoCoOptions.__post_init__": _PARALLEL,
 }
 
 

@@ -112,14 +112,21 @@ class DiLoCoOptions:
     """gamma (cocodc): syncs per H are N = max(K, floor(gamma H T_c / T_s))."""
 
     def __post_init__(self) -> None:
+        for flag, value, choices in (
+            ("--diloco.inner-optimizer", self.inner_optimizer, ("adamw", "sgd")),
+            ("--diloco.outer-defaults", self.outer_defaults, ("scaled", "paper")),
+            ("--diloco.quantization", self.quantization, ("none", "bf16", "fp8", "int4")),
+            ("--diloco.compensation-sign", self.compensation_sign, ("fixed", "literal")),
+        ):
+            if value not in choices:
+                raise ValueError(
+                    f"{flag}: {value!r} is unknown; choose {', '.join(choices[:-1])} or "
+                    f"{choices[-1]}"
+                )
         if self.sync_every < 1:
             raise ValueError(
                 f"--diloco.sync-every: {self.sync_every} must be >= 1; pass the number of "
                 f"inner steps per outer round, e.g. 16"
-            )
-        if self.inner_optimizer not in ("adamw", "sgd"):
-            raise ValueError(
-                f"--diloco.inner-optimizer: {self.inner_optimizer!r} is unknown; choose adamw or sgd"
             )
         if self.outer_lr is not None and not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
             raise ValueError(
@@ -130,11 +137,6 @@ class DiLoCoOptions:
             raise ValueError(
                 f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9, "
                 f"or None for the default of --diloco.outer-defaults"
-            )
-        if self.outer_defaults not in ("scaled", "paper"):
-            raise ValueError(
-                f"--diloco.outer-defaults: {self.outer_defaults!r} is unknown; choose scaled "
-                f"or paper"
             )
         if self.fragments is not None and self.fragments < 1:
             raise ValueError(
@@ -155,11 +157,6 @@ class DiLoCoOptions:
                 f"--diloco.outer-delay: {self.outer_delay} must be >= 1; pass 1 for the "
                 f"1-outer-step form"
             )
-        if self.quantization not in ("none", "bf16", "fp8", "int4"):
-            raise ValueError(
-                f"--diloco.quantization: {self.quantization!r} is unknown; choose none, bf16, "
-                f"fp8 or int4"
-            )
         if self.quantization_row_size < 1:
             raise ValueError(
                 f"--diloco.quantization-row-size: {self.quantization_row_size} must be >= 1; "
@@ -168,11 +165,6 @@ class DiLoCoOptions:
         if not (self.compensation >= 0 and math.isfinite(self.compensation)):
             raise ValueError(
                 f"--diloco.compensation: {self.compensation} must be a finite number >= 0; try 0.5"
-            )
-        if self.compensation_sign not in ("fixed", "literal"):
-            raise ValueError(
-                f"--diloco.compensation-sign: {self.compensation_sign!r} is unknown; choose "
-                f"fixed or literal"
             )
         if not (self.transmission_gamma > 0 and math.isfinite(self.transmission_gamma)):
             raise ValueError(
