@@ -275,6 +275,10 @@ def test_jsonl_parquet_and_a_saved_dataset_give_the_same_tokens(tmp_path: Path) 
     dataset.save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": dataset}).save_to_disk(str(tmp_path / "saved_dict"))
     inputs += [tmp_path / "saved", tmp_path / "saved_dict"]
+    local = tmp_path / "local_dataset" / "data"  # a dataset repository's layout
+    local.mkdir(parents=True)
+    parquet.write_table(table, local / "train-00000-of-00001.parquet", row_group_size=5)
+    inputs.append(tmp_path / "local_dataset")
     for path in inputs:
         corpus = prepare_corpus(DataConfig(data=str(path), tokenizer=tokenizer, cache_dir=cache))
         assert corpus.num_documents == len(records), path
@@ -288,6 +292,17 @@ def test_jsonl_parquet_and_a_saved_dataset_give_the_same_tokens(tmp_path: Path) 
         prepare_corpus(
             DataConfig(data=str(inputs[0]), text_field="id", tokenizer=tokenizer, cache_dir=cache)
         )
+
+
+def test_parquet_without_pyarrow_is_refused_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    (tmp_path / "a.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(DataError, match=r"a.parquet needs pyarrow; install pyarrow \(pip install"):
+        prepare_corpus(DataConfig(data=str(tmp_path / "a.parquet"), cache_dir=str(tmp_path)))
 
 
 def test_a_dataset_dict_without_a_train_split_names_its_splits(tmp_path: Path) -> None:
