@@ -322,10 +322,14 @@ def test_cli_trains_and_counts_the_sparse_bytes(tmp_path: Path) -> None:
     assert sent == pytest.approx(3 * 0.02 * n * 4, rel=0.1)
 
 
-def test_cli_refuses_a_bad_fraction() -> None:
-    result = lowcomm("train", "--method", "sparta", "--sparta.fraction", "2", "--steps", "1")
-    assert result.returncode != 0
-    assert "--sparta.fraction: 2" in result.stderr and "[0, 1]" in result.stderr
+def test_cli_refuses_a_bad_fraction_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from lowcomm.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--method", "sparta", "--sparta.fraction", "2", "--steps", "1"])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--sparta.fraction: 2" in line and "[0, 1]" in line and "try 0.005" in line
 
 
 def test_sparta_diloco_says_when_the_last_round_is_cut() -> None:

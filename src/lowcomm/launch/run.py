@@ -292,7 +292,13 @@ def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
     """The line saying what the prepared corpus holds."""
     files = len(corpus.source_names)
     tokens = corpus.num_train_tokens + corpus.num_val_tokens
-    tokenizer = "tokenizer and tokens from the cache" if corpus.from_cache else "tokenized now"
+    from lowcomm.data.tokenfile import is_token_file
+
+    if is_token_file(str(corpus.token_file)):
+        checked = "checked before" if corpus.from_cache else "checked now"
+        tokenizer = f"mapped from {corpus.token_file}, {checked},"
+    else:
+        tokenizer = "tokenizer and tokens from the cache" if corpus.from_cache else "tokenized now"
     return (
         f"corpus: {files:,} file{'s' if files != 1 else ''}, {corpus.num_documents:,} "
         f"documents, {tokens:,} tokens ({corpus.num_train_tokens:,} train, "
