@@ -20,7 +20,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "bench/compare.py:_report": _PARALLEL,
     "bench/compare.py:run_compare": _PARALLEL,
     "data/corpus.py:prepare_corpus": _PARALLEL,
-    "data/sampling.py:validation_batches": _PARALLEL,
     "models/hf.py:hf_config": _PARALLEL,
 }
 

@@ -412,24 +412,7 @@ def validation_batches(
     wanted = min(batch_size * num_batches, total_available)
     if wanted >= batch_size:
         wanted -= wanted % batch_size
-    # Water-filling: hand out one window per source in turn, skipping exhausted sources.
-    quota = [0] * len(available)
-    remaining = wanted
-    while remaining > 0:
-        for source, capacity in enumerate(available):
-            if remaining > 0 and quota[source] < capacity:
-                quota[source] += 1
-                remaining -= 1
-    chosen: list[tuple[float, int, int]] = []  # (relative position, source, start in it)
-    for source, count in enumerate(quota):
-        if count == 0:
-            continue
-        # linspace over whole-window indices; spacing >= 1 because count <= capacity, so the
-        # rounded indices are distinct and the windows cannot overlap.
-        window_indices = np.rint(np.linspace(0, available[source] - 1, count)).astype(np.int64)
-        for rank_in_source, window_index in enumerate(window_indices.tolist()):
-            relative = (rank_in_source + 0.5) / count
-            chosen.append((relative, source, window * window_index))
+    chosen = _spread_windows(available, wanted, window)
     # Interleave sources so that any prefix of the batches is itself spread over sources.
     chosen.sort()
     sources = np.array([source for _, source, _ in chosen], dtype=np.int64)
@@ -439,6 +422,30 @@ def validation_batches(
         piece = slice(begin, begin + batch_size)
         batches.append(_gather(corpus.val_tokens, sources[piece], starts[piece], window))
     return batches
+
+
+def _spread_windows(available: list[int], wanted: int, window: int) -> list[tuple[float, int, int]]:
+    """``wanted`` windows shared over sources holding ``available`` windows each:
+    (relative position in its source, source, start in it), evenly spaced in each source."""
+    # Water-filling: hand out one window per source in turn, skipping exhausted sources.
+    quota = [0] * len(available)
+    remaining = wanted
+    while remaining > 0:
+        for source, capacity in enumerate(available):
+            if remaining > 0 and quota[source] < capacity:
+                quota[source] += 1
+                remaining -= 1
+    chosen: list[tuple[float, int, int]] = []
+    for source, count in enumerate(quota):
+        if count == 0:
+            continue
+        # linspace over whole-window indices; spacing >= 1 because count <= capacity, so the
+        # rounded indices are distinct and the windows cannot overlap.
+        window_indices = np.rint(np.linspace(0, available[source] - 1, count)).astype(np.int64)
+        for rank_in_source, window_index in enumerate(window_indices.tolist()):
+            relative = (rank_in_source + 0.5) / count
+            chosen.append((relative, source, window * window_index))
+    return chosen
 
 
 def describe_shard(shard: WorkerShard) -> dict[str, Any]:
