@@ -489,3 +489,13 @@ def test_reshard_moments_split_over_a_workers_ranks() -> None:
     assert all(torch.equal(i["master"], master) for i in inner)
     assert [(s["data"]["rank"], s["data"]["replica"]) for s in out] == [(0, 0), (0, 1), (0, 2)]
     assert all(s["comm"] is None for s in out)  # another --ranks-per-worker: counters afresh
+
+
+def test_bench_elastic_sets_each_methods_period_from_its_declared_options() -> None:
+    """The flag comes from the method's options class, not a list of method names."""
+    from lowcomm.bench.elastic import _method_flags
+
+    assert _method_flags("ddp", 8) == []
+    assert _method_flags("streaming_diloco", 8) == ["--diloco.sync-every", "8"]
+    assert _method_flags("favg_opt", 8) == ["--desloc.param-period", "8"]
+    assert _method_flags("co2", 8) == ["--local.sync-every", "8"]

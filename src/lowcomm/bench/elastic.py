@@ -47,7 +47,7 @@ class ElasticBench:
     """Optimizer steps per run; the change comes after a third of them."""
 
     sync_every: int = 5
-    """The local methods' period (--diloco.sync-every, --desloc.param-period)."""
+    """The local methods' period (their group's --<group>.sync-every, or --desloc.param-period)."""
 
     out: str | None = None
     """Directory for the runs (default: a temporary one, deleted afterwards)."""
@@ -111,10 +111,18 @@ def run_elastic(bench: ElasticBench) -> dict[str, Any]:
 
 
 def _method_flags(method: str, period: int) -> list[str]:
-    if method.startswith("diloco"):
-        return ["--diloco.sync-every", str(period)]
-    if method in ("desloc", "favg_opt", "favg_reset", "local_adam"):
-        return ["--desloc.param-period", str(period)]
+    """The flag that sets ``method``'s sync period, read from its declared options (its
+    group's ``sync_every``, or DES-LOC's ``param_period``); none for a method without one."""
+    import dataclasses
+
+    from lowcomm.strategies import options_class, strategy_class
+
+    cls = strategy_class(method)
+    kind = options_class(cls)
+    fields = set() if kind is None else {field.name for field in dataclasses.fields(kind)}
+    for name in ("sync_every", "param_period"):
+        if name in fields:
+            return [f"--{cls.options_field}.{name.replace('_', '-')}", str(period)]
     return []
 
 
