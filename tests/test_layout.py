@@ -19,7 +19,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "bench/clock.py:_report": _PARALLEL,
     "bench/compare.py:_report": _PARALLEL,
     "bench/compare.py:run_compare": _PARALLEL,
-    "data/corpus.py:prepare_corpus": _PARALLEL,
     "models/hf.py:hf_config": _PARALLEL,
 }
 

@@ -426,19 +426,10 @@ def prepare_corpus(
         [(name, file_digest(path, cache_dir)) for name, path in files],
         0 if given is not None else config.vocab_size, given, end_of_text, config.text_field,
     )  # fmt: skip
-    tokenizer_path = cache_dir / "tokenizers" / f"{key}.json"
-    description_path = cache_dir / "corpora" / f"{key}.json"
-    tokens_path = cache_dir / "corpora" / f"{key}.tokens"
+    tokenizer_path, description_path, tokens_path = _cache_paths(cache_dir, key)
 
     def finish(loaded: Loaded, from_cache: bool) -> PreparedCorpus:
-        source_names, streams, vocab_size, eot_id, documents = loaded
-        train, validation = split_streams(streams, config.val_fraction)
-        return PreparedCorpus(
-            tokenizer_path=tokenizer_path, vocab_size=vocab_size, eot_id=eot_id,
-            source_names=source_names, train_tokens=train, val_tokens=validation,
-            cache_key=key, from_cache=from_cache, num_documents=documents,
-            end_of_text=end_of_text, token_file=tokens_path,
-        )  # fmt: skip
+        return _prepared(config, key, end_of_text, loaded, from_cache)
 
     # Fast path without the lock: a complete cache entry is immutable once it exists.
     loaded = _load_corpus(description_path, tokens_path) if tokenizer_path.exists() else None
@@ -449,23 +440,64 @@ def prepare_corpus(
         loaded = _load_corpus(description_path, tokens_path) if tokenizer_path.exists() else None
         if loaded is not None:
             return finish(loaded, from_cache=True)
-
-        def documents() -> Iterator[Document]:
-            return iter_documents(config.data, config.text_field, files)
-
-        tokenizer = _tokenizer_for(config, tokenizer_path, given, parsed, documents, report)
-        if report is not None:
-            report(
-                f"tokenizing {len(files):,} file{'s' if len(files) != 1 else ''} into {tokens_path}"
-            )
-        description = _write_tokens(
-            tokenizer, documents(), tokenizer.token_to_id(end_of_text),  # resolve_end_of_text checked it
-            int(tokenizer.get_vocab_size()), tokens_path,
-        )  # fmt: skip
-        atomic_write_text(description_path, json.dumps(description))
+        _tokenize(config, files, (given, parsed, end_of_text), _cache_paths(cache_dir, key), report)
         loaded = _load_corpus(description_path, tokens_path)
     assert loaded is not None, f"the corpus just written to {tokens_path} does not load"
     return finish(loaded, from_cache=False)
+
+
+def _prepared(
+    config: DataConfig, key: str, end_of_text: str, loaded: Loaded, from_cache: bool
+) -> PreparedCorpus:
+    """The corpus of cache entry ``key``, split into train and validation streams."""
+    source_names, streams, vocab_size, eot_id, documents = loaded
+    train, validation = split_streams(streams, config.val_fraction)
+    tokenizer_path, _, tokens_path = _cache_paths(config.resolved_cache_dir(), key)
+    return PreparedCorpus(
+        tokenizer_path=tokenizer_path, vocab_size=vocab_size, eot_id=eot_id,
+        source_names=source_names, train_tokens=train, val_tokens=validation,
+        cache_key=key, from_cache=from_cache, num_documents=documents,
+        end_of_text=end_of_text, token_file=tokens_path,
+    )  # fmt: skip
+
+
+def _cache_paths(cache_dir: Path, key: str) -> tuple[Path, Path, Path]:
+    """The cache entry ``key``: its tokenizer, its corpus description and its token file."""
+    return (
+        cache_dir / "tokenizers" / f"{key}.json",
+        cache_dir / "corpora" / f"{key}.json",
+        cache_dir / "corpora" / f"{key}.tokens",
+    )
+
+
+def _tokenize(
+    config: DataConfig,
+    files: list[tuple[str, Path]],
+    tokenizer_choice: tuple[bytes | None, Any, str],
+    paths: tuple[Path, Path, Path],
+    report: Callable[[str], None] | None,
+) -> None:
+    """Train (or take) the tokenizer and write the cache entry's token file and description.
+
+    Args:
+        tokenizer_choice: the given tokenizer's bytes (None: train a BPE), its parse, and the
+            end-of-text token placed after every document.
+        paths: the entry's tokenizer, description and token file (:func:`_cache_paths`).
+    """
+    given, parsed, end_of_text = tokenizer_choice
+    tokenizer_path, description_path, tokens_path = paths
+
+    def documents() -> Iterator[Document]:
+        return iter_documents(config.data, config.text_field, files)
+
+    tokenizer = _tokenizer_for(config, tokenizer_path, given, parsed, documents, report)
+    if report is not None:
+        report(f"tokenizing {len(files):,} file{'s' if len(files) != 1 else ''} into {tokens_path}")
+    description = _write_tokens(
+        tokenizer, documents(), tokenizer.token_to_id(end_of_text),  # resolve_end_of_text checked it
+        int(tokenizer.get_vocab_size()), tokens_path,
+    )  # fmt: skip
+    atomic_write_text(description_path, json.dumps(description))
 
 
 def _tokenizer_for(
