@@ -11,7 +11,9 @@ revision (``--before``, default :data:`BEFORE`, the last one before this work), 
    could express), with random float32 weights saved locally by ``save_pretrained``.
    before: ``initial_model(read_initial_weights(DIR))`` (the model loaded, a random model of
    the configured shape built, the weights copied into it); after:
-   ``preflight_init_from(DIR).load()`` (weights loaded straight into the model). Also the
+   ``preflight_init_from(DIR).load()`` (weights loaded straight into the model). Every
+   parameter is read once after the load (a parameter still mapped from the file and never
+   read is not resident; training reads them all). Also the
    pre-flight alone (after: config.json and safetensors headers; before: the same load as a
    worker's).
 2. The loss at a 128k vocabulary (128256, Llama 3), micro-batch 8 x 256, hidden 1024, float32:
@@ -49,6 +51,11 @@ PEAK = textwrap.dedent(
         for line in open("/proc/self/status"):
             if line.startswith(field):
                 return int(line.split()[1]) * 1024
+    def touch(model):
+        # Read every parameter: weights mapped from the file but not yet read are not
+        # resident, and training reads them all.
+        sum(float(p.sum()) for p in model.parameters())
+        return model
     def measure(run):
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")  # the peak (VmHWM) restarts from the current size
@@ -80,13 +87,13 @@ LOAD_BEFORE = """
 from lowcomm.models import ModelConfig
 from lowcomm.models.init_from import initial_model, read_initial_weights
 config = ModelConfig(family="hf-llama", {options})
-model = measure(lambda: initial_model(config, read_initial_weights(sys.argv[1])))
+model = measure(lambda: touch(initial_model(config, read_initial_weights(sys.argv[1]))))
 """
 
 LOAD_AFTER = """
 from lowcomm.models import ModelConfig
 from lowcomm.models.init_from import preflight_init_from
-model = measure(lambda: preflight_init_from(sys.argv[1], ModelConfig(block_size=128)).load())
+model = measure(lambda: touch(preflight_init_from(sys.argv[1], ModelConfig(block_size=128)).load()))
 """
 
 PREFLIGHT_AFTER = """

@@ -248,6 +248,7 @@ class _EventCuda:
     def __init__(self) -> None:
         self.device_time = 0.0
         self.event_waits = 0
+        self.recorded: list[_Event] = []
 
     def current_stream(self, device: torch.device) -> str:
         return "compute"
@@ -266,13 +267,16 @@ class _Event:
     def record(self, stream: str) -> None:
         assert stream == "compute"
         self.at = self.cuda.device_time
+        self.cuda.recorded.append(self)
 
     def query(self) -> bool:
         return self.done
 
     def synchronize(self) -> None:
+        """Waits for this event, so for every one recorded before it on the stream."""
         self.cuda.event_waits += 1
-        self.done = True
+        for event in self.cuda.recorded[: self.cuda.recorded.index(self) + 1]:
+            event.done = True
 
     def elapsed_time(self, end: _Event) -> float:
         return (end.at - self.at) * 1000.0
@@ -398,3 +402,61 @@ def test_flat_adamw_uses_the_fused_kernel_on_a_gpu_for_step_and_lookahead_alike(
     optimizer.on_states_averaged([adamw.Role.FIRST_MOMENT], global_step=5)
     optimizer.step(grad, lr=1e-2)
     assert calls == ["fused", "fused"]  # s_m = 6, s_v = 2: the unfused update
+
+
+# --- items 1 and 4: a step of every method on a GPU's real clock: no device-wide sync ----
+
+# Waits a method asks for itself: CoCoDC reads its inner step's compute time to schedule its
+# syncs (a wait for the worker's stream to reach the point, not for the device).
+_ASKED_FOR = {"cocodc": 8}
+
+
+@pytest.mark.parametrize(
+    "method", ["ddp", "zero1", "co2", "diloco", "streaming_diloco", "eager", "cocodc", "desloc"]
+)
+def test_a_step_on_the_gpu_real_clock_makes_no_device_sync_and_no_host_read(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parameters on the stand-in device, the real clock of a GPU with a stand-in event source,
+    the network model charging each collective: four steps synchronise no device, wait for no
+    timing event (beyond what a method asks for) and read nothing back to the host."""
+    import dataclasses
+
+    from _dist import TINY
+    from lowcomm.comm.clock import RealClock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.models.gpt import GPT
+    from lowcomm.strategies import MicroBatchResult, StrategyContext, build_strategy
+    from test_gpu_readiness import _ALLOWED_HOST_READS, _options
+
+    syncs: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    cuda = _EventCuda()
+    clock = RealClock(device=torch.device("cuda", 0), cuda=cuda)
+    context = StrategyContext(total_steps=4, max_grad_norm=1.0)
+    options = _options("none")
+    options = dataclasses.replace(options, local=dataclasses.replace(options.local, sync_every=2))
+    with stand_in_gpu() as reads:
+        with GPU:
+            model = GPT(TINY)
+        comm = NetworkComm(
+            DeviceCheckingComm(GPU), NetworkProfile.from_preset("none"), clock, device=GPU
+        )
+        strategy = build_strategy(method, model, comm, context, options)
+        batch = torch.zeros(2, TINY.block_size, dtype=torch.long, device=GPU)
+
+        def closure() -> MicroBatchResult:
+            with clock.microbatch():
+                _, loss = model(batch, batch)
+                assert loss is not None
+                loss.backward()
+            return MicroBatchResult(loss=loss.detach(), samples=2, tokens=batch.numel())
+
+        for _ in range(4):
+            strategy.step(closure)
+            cuda.device_time += 1.0
+    assert syncs == []
+    assert cuda.event_waits <= _ASKED_FOR.get(method, 0)
+    # (co2's and cocodc's per-sync diagnostics, listed in test_gpu_readiness)
+    assert reads.count <= 4 * _ALLOWED_HOST_READS.get(method, 0)

@@ -215,7 +215,11 @@ def run_methods() -> None:
         summary = " ".join(line.strip() for line in first.splitlines())
         print(
             textwrap.fill(
-                summary, width=width, initial_indent=f"{name:20s} ", subsequent_indent=" " * 21
+                summary,
+                width=width,
+                initial_indent=f"{name:20s} ",
+                subsequent_indent=" " * 21,
+                break_on_hyphens=False,
             )
         )
 

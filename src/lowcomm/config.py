@@ -268,10 +268,13 @@ class TrainConfig:
         for flag, value in (
             ("--eval-every", self.eval_every),
             ("--eval-batches", self.eval_batches),
-            ("--log-every", self.log_every),
         ):
             if value < 1:
                 raise ConfigError(f"{flag}: {value} must be 1 or more")
+        if self.log_every < 1:
+            raise ConfigError(
+                f"--log-every: {self.log_every} must be 1 or more steps; pass e.g. 10"
+            )
         if not 0 < self.collective_timeout_s <= MAX_TIMEOUT_S:
             # (A process group's timeout is a timedelta: inf or a huge value overflows it.)
             raise ConfigError(

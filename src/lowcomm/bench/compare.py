@@ -166,24 +166,28 @@ def _fmt_bytes(count: float) -> str:
     return f"{count:.1f} TB"
 
 
-def run_compare(bench: CompareBench) -> dict[str, Any]:
-    """Run (or resume) the sweep, then write report.md, results.json and the plots."""
-    variants = bench.variants()
-    methods = [variant.label for variant in variants]
-    out = Path(bench.out)
-    out.mkdir(parents=True, exist_ok=True)
+def _study_calibration(bench: CompareBench) -> StudyCalibration | None:
+    """The study's one calibration (``--train.calibration`` or OUT/calibration.json),
+    measured before the first run if the file is missing."""
     from lowcomm.data import prepare_corpus
 
     corpus = prepare_corpus(bench.train.data)
     given = bench.train.calibration
-    study = study_calibration(
+    return study_calibration(
         bench.train,
-        Path(given) if given else out / STUDY_CALIBRATION,
+        Path(given) if given else Path(bench.out) / STUDY_CALIBRATION,
         vocab_size=corpus.vocab_size,
         option="--train.calibration" if given else "--out",
         tag="compare",
     )
-    runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
+
+
+def _run_all(
+    bench: CompareBench, variants: list[Variant], study: StudyCalibration | None
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """Run (or resume) every (variant, seed); the finished runs' summaries by label, each
+    with its validation curve and bytes curve, and the failures."""
+    runs: dict[str, list[dict[str, Any]]] = {variant.label: [] for variant in variants}
     failures: dict[str, str] = {}
     for variant in variants:
         method = variant.label
@@ -191,18 +195,26 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
             config = bench.run_config(variant, seed)
             config = config if study is None else study.apply(config)
             run_dir = Path(str(config.out))
-            summary_path = run_dir / "summary.json"
             error = run_or_resume(
                 config, f"{method} seed {seed}", tag="compare", checkpoints=bench.checkpoints
             )
             if error is not None:
                 failures[f"{method}-s{seed}"] = error
                 continue
-            summary = json.loads(summary_path.read_text())
+            summary = json.loads((run_dir / "summary.json").read_text())
             summary["curve"] = _val_curve(run_dir, summary)
             summary["bytes_curve"] = bytes_curve(run_dir, summary["curve"], summary)
             runs[method].append(summary)
+    return runs, failures
 
+
+def run_compare(bench: CompareBench) -> dict[str, Any]:
+    """Run (or resume) the sweep, then write report.md, results.json and the plots."""
+    variants = bench.variants()
+    out = Path(bench.out)
+    out.mkdir(parents=True, exist_ok=True)
+    study = _study_calibration(bench)
+    runs, failures = _run_all(bench, variants, study)
     finished = {method: summaries for method, summaries in runs.items() if summaries}
     finals = {m: _mean_sd([s["final_val_loss"] for s in ss]) for m, ss in finished.items()}
     target = bench.target_loss

@@ -107,7 +107,7 @@ def _final_scatter(
             capsize=3, markersize=6,
         )  # fmt: skip
         axis.scatter(costs, losses, s=10, alpha=0.35, color=colours[label])
-        axis.annotate(label, (cost, loss), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    _label_points(axis, points, log=log)
     front = pareto_front(points)
     if front:
         xs = [points[label][0] for label in front]
@@ -125,6 +125,30 @@ def _final_scatter(
     plt.close(figure)
 
 
+def _label_points(axis: Any, points: dict[str, tuple[float, float]], *, log: bool) -> None:
+    """Name every point; a label near one already placed (within 4% of both axes' spans)
+    moves down a line, so clustered methods stay readable."""
+
+    def position(cost: float) -> float:
+        return math.log10(cost) if log and cost > 0 else cost
+
+    xs = [position(c) for c, _ in points.values()]
+    ys = [v for _, v in points.values()]
+    width = (max(xs) - min(xs)) or 1.0
+    height = (max(ys) - min(ys)) or 1.0
+    placed: list[tuple[float, float]] = []
+    for label, (cost, loss) in sorted(points.items(), key=lambda item: item[1][1]):
+        x, y = position(cost), loss
+        near = sum(
+            1 for px, py in placed if abs(px - x) < 0.04 * width and abs(py - y) < 0.04 * height
+        )
+        placed.append((x, y))
+        axis.annotate(
+            label, (cost, loss), textcoords="offset points", xytext=(6, 4 - 10 * near),
+            fontsize=8,
+        )  # fmt: skip
+
+
 def _family_panels(path: Path, runs: Runs, axis_name: str, index: int) -> None:
     import matplotlib.pyplot as plt
 
@@ -134,8 +158,9 @@ def _family_panels(path: Path, runs: Runs, axis_name: str, index: int) -> None:
             families.setdefault(family(label), []).append(label)
     columns = min(3, len(families)) or 1
     rows = math.ceil(len(families) / columns) or 1
+    size = (4.2, 3.2) if len(families) > 1 else (7.0, 4.8)
     figure, axes = plt.subplots(
-        rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False, sharey=True
+        rows, columns, figsize=(size[0] * columns, size[1] * rows), squeeze=False, sharey=True
     )
     for panel, (name, labels) in zip(axes.flat, sorted(families.items()), strict=False):
         if REFERENCE in runs and REFERENCE not in labels:
@@ -149,7 +174,7 @@ def _family_panels(path: Path, runs: Runs, axis_name: str, index: int) -> None:
         panel.legend(fontsize=7)
         panel.set_xlabel(axis_name, fontsize=8)
         if index == 3:
-            panel.set_xscale("symlog")
+            panel.set_xscale("log")  # evaluations before a method's first exchange: not drawn
     for panel in list(axes.flat)[len(families) :]:
         panel.set_visible(False)
     for row in axes:
@@ -165,6 +190,9 @@ def _mean_curve(summaries: list[dict[str, Any]], index: int) -> tuple[list[float
     length = min(len(c) for c in curves)
     xs = [statistics.fmean(c[i][index] for c in curves) for i in range(length)]
     ys = [statistics.fmean(c[i][2] for c in curves) for i in range(length)]
+    if index == 3:  # on a log axis: only the points after something was sent
+        kept = [(x, y) for x, y in zip(xs, ys, strict=True) if x > 0]
+        return [x for x, _ in kept], [y for _, y in kept]
     return xs, ys
 
 

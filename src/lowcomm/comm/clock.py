@@ -222,9 +222,11 @@ class RealClock(Clock):
 
     Args:
         speed_factor: emulated slowdown of this worker's compute.
-        device: the worker's device; on a GPU every reading first waits for the work queued
-            on it (``torch.cuda.synchronize``), so queued kernels land in the region that
-            issued them.
+        device: the worker's device; on a GPU, compute and exposed communication are the
+            device times between timing events at the region boundaries
+            (:mod:`lowcomm.comm.device_timing`): known once the device has run them (read a
+            step's through :meth:`marker`), never by synchronising the device.
+        cuda: ``torch.cuda`` (a stand-in in tests).
     """
 
     kind: ClockKind = "real"

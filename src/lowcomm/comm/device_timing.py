@@ -69,11 +69,15 @@ class DeviceTimeline:
     def resolve(self, until: int | None) -> None:
         """Fold in the completed boundaries; with ``until``, wait for the boundaries up to
         that index first (a wait on the worker's stream, not on the device)."""
+        waited = -1  # the boundaries up to this index are known complete
+        if until is not None:
+            last = [entry for entry in self._pending if entry[0] <= until]
+            if last:  # one wait: the stream runs its events in order
+                last[-1][1].synchronize()
+                waited = last[-1][0]
         while self._pending:
             index, event, ended = self._pending[0]
-            if until is not None and index <= until:
-                event.synchronize()
-            elif not event.query():
+            if index > waited and not event.query():
                 return
             self.totals[ended] += self._previous.elapsed_time(event) / 1000.0
             self._previous = event

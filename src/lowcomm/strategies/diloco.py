@@ -128,16 +128,7 @@ class DiLoCoOptions:
                 f"--diloco.sync-every: {self.sync_every} must be >= 1; pass the number of "
                 f"inner steps per outer round, e.g. 16"
             )
-        if self.outer_lr is not None and not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
-            raise ValueError(
-                f"--diloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7, "
-                f"or None for the default of --diloco.outer-defaults"
-            )
-        if self.outer_momentum is not None and not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(
-                f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9, "
-                f"or None for the default of --diloco.outer-defaults"
-            )
+        self._check_outer()
         if self.fragments is not None and self.fragments < 1:
             raise ValueError(
                 f"--diloco.fragments: {self.fragments} must be >= 1; pass e.g. 4, or None for "
@@ -170,6 +161,24 @@ class DiLoCoOptions:
             raise ValueError(
                 f"--diloco.transmission-gamma: {self.transmission_gamma} must be a positive "
                 f"number; try 0.4"
+            )
+
+    def _check_outer(self) -> None:
+        """The outer step's options: a given rate finite and >= 0, a given momentum in [0, 1)."""
+        if self.outer_lr is not None and not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
+            raise ValueError(
+                f"--diloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7, "
+                f"or None for the default of --diloco.outer-defaults"
+            )
+        if self.outer_momentum is not None and not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(
+                f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9, "
+                f"or None for the default of --diloco.outer-defaults"
+            )
+        if self.outer_defaults not in ("scaled", "paper"):
+            raise ValueError(
+                f"--diloco.outer-defaults: {self.outer_defaults!r} is unknown; choose scaled "
+                f"or paper"
             )
 
     def outer(self) -> tuple[float, float]:
