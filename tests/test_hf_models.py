@@ -243,6 +243,8 @@ def test_from_scratch_any_family_takes_the_modern_shape_options(tmp_path: Path) 
     }
     with pytest.raises(ValueError, match=r"--model.n-kv-head: 4 disagrees .* which has 2"):
         build_model(ModelConfig(config=str(file), n_kv_head=4, block_size=16), vocab_size=100)
+    with pytest.raises(ValueError, match=r"--model.n-kv-head: the built-in gpt family has no"):
+        build_model(ModelConfig(n_kv_head=2), vocab_size=100)  # the default family
     with pytest.raises(ValueError, match=r"--model.n-kv-head: --model.family hf-gpt2 has no"):
         build_model(ModelConfig(family="hf-gpt2", n_kv_head=2), vocab_size=100)
     with pytest.raises(ValueError, match=r"--model.n-kv-head: 3 does not divide --model.n-head=4"):

@@ -113,14 +113,22 @@ class ModelConfig:
                 f"rotary base such as 10000"
             )
         if family == GPT_FAMILY:
-            given = [name for name in HF_ONLY if getattr(self, name) is not None]
-            if given:
-                raise ValueError(
-                    f"--model.{given[0].replace('_', '-')}: the built-in gpt family has no such "
-                    f"option; pick an hf-* family (e.g. --model.family hf-llama) or drop it"
-                )
+            self.refuse_hf_options()
         if self.config is not None and not str(self.config).strip():
             raise ValueError("--model.config: '' is an empty path; pass a config.json or omit it")
+
+    def refuse_hf_options(self) -> None:
+        """Refuse an option only hf-* families have, for the built-in GPT.
+
+        Raises:
+            ValueError: naming the first such option given.
+        """
+        given = [name for name in HF_ONLY if getattr(self, name) is not None]
+        if given:
+            raise ValueError(
+                f"--model.{given[0].replace('_', '-')}: the built-in gpt family has no such "
+                f"option; pick an hf-* family (e.g. --model.family hf-llama) or drop it"
+            )
 
     def value(self, name: str) -> Any:
         """An option's value, its from-scratch default where unset."""
@@ -177,6 +185,7 @@ def build_model(config: ModelConfig, vocab_size: int) -> CausalLM:
         return architecture.build()
     family = config.value("family")
     if family == GPT_FAMILY:
+        config.refuse_hf_options()  # (the family may be the default, unset)
         return GPT(
             GPTConfig(
                 n_layer=config.value("n_layer"),
