@@ -1,0 +1,101 @@
+"""Sharded workers (--worker-sharding fsdp): a worker's model fully_shard-ed over its ranks on a
+workers x ranks DeviceMesh, the method exchanging each rank's local shards with rank r of the
+other workers, equals the replicated --ranks-per-worker form on 2 workers x 2 ranks (Gloo)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import closure_for, global_batch, tiny_gpt
+from lowcomm.config import TrainConfig
+from lowcomm.train.sharding import SHARDED_METHODS, sharding_refusal
+
+M, R = 2, 2  # workers, ranks per worker
+B = 2  # sequences per rank per micro-batch
+STEPS, MICROBATCHES = 4, 2
+
+
+def _options(method: str) -> TrainConfig:
+    config = TrainConfig(method=method)
+    config.diloco.sync_every = 2
+    return config
+
+
+def _batches(worker: int, replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``replica`` of worker ``worker`` takes its B rows of the worker's R B rows."""
+    batches = []
+    for index in range(STEPS * MICROBATCHES):
+        x, y = global_batch(index, M, per_rank=R * B)
+        begin = worker * R * B + replica * B
+        batches.append((x[begin : begin + B], y[begin : begin + B]))
+    return batches
+
+
+def _train(sharded: bool) -> dict[str, Any]:
+    from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.launch.groups import level_comms
+    from lowcomm.strategies import StrategyContext, build_strategy
+    from lowcomm.train.sharding import attach_inner, full_flat, shard_model, worker_mesh
+
+    context = StrategyContext(total_steps=STEPS, microbatches_per_step=MICROBATCHES)
+    if sharded:
+        mesh = worker_mesh(M, R)
+        inner = TorchComm(mesh.get_group("ranks"))
+        comm: Any = TorchComm(mesh.get_group("workers"))
+        worker, replica = comm.rank, inner.rank
+    else:
+        inner, outer = level_comms(R)
+        comm = HierarchicalComm(inner, outer)
+        worker, replica = comm.rank, comm.local_rank
+    results: dict[str, Any] = {}
+    for method in SHARDED_METHODS:
+        model = tiny_gpt()
+        whole = sum(p.numel() for p in model.parameters())
+        if sharded:
+            shard_model(model, mesh["ranks"])
+            attach_inner(model, inner)
+        strategy = build_strategy(method, model, comm, context, _options(method))
+        closure = closure_for(strategy, _batches(worker, replica))
+        if not sharded:
+            closure = averaging_closure(closure, strategy.model, inner)
+        for _ in range(STEPS):
+            strategy.step(closure)
+        strategy.finish()
+        with strategy.deployed() as deployed:
+            results[method] = full_flat(deployed)
+        results[f"{method}_local"] = strategy.flat.params.numel()
+        results[f"{method}_whole"] = whole
+    return results
+
+
+@pytest.mark.slow
+def test_sharded_workers_equal_replicated_workers() -> None:
+    from lowcomm.launch import spawn_workers
+
+    sharded = spawn_workers(_train, M * R, (True,))
+    replicated = spawn_workers(_train, M * R, (False,))
+    start = torch.cat([p.detach().reshape(-1) for p in tiny_gpt().parameters()])
+    for rank in range(M * R):
+        for method in SHARDED_METHODS:
+            got, want = sharded[rank][method], replicated[rank][method]
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (method, rank)
+            assert not torch.allclose(got, start, atol=1e-4), method  # training moved them
+            # each rank holds about 1/R of the replica (up to padding)
+            whole = sharded[rank][f"{method}_whole"]
+            assert sharded[rank][f"{method}_local"] <= whole // R + 64, method
+            assert replicated[rank][f"{method}_local"] >= whole, method
+
+
+def test_other_methods_and_values_are_refused_in_one_line() -> None:
+    assert sharding_refusal("ddp", "replicate", 1) is None
+    assert sharding_refusal("diloco", "fsdp", 2) is None
+    refusal = sharding_refusal("acco", "fsdp", 2)
+    assert refusal is not None and "--worker-sharding fsdp" in refusal and "acco" in refusal
+    typo = sharding_refusal("ddp", "fsdb", 2)
+    assert typo is not None and "'fsdb'" in typo and "replicate" in typo
+    alone = sharding_refusal("ddp", "fsdp", 1)
+    assert alone is not None and "--ranks-per-worker" in alone
