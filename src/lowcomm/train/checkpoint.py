@@ -59,7 +59,11 @@ def _sha256(path: Path) -> str:
 
 #: Fingerprint keys added after format 2 was released, with the value a checkpoint that
 #: predates them was necessarily written with.
-_ADDED_LATER: dict[str, Any] = {"precision": "fp32", "comm_dtype": "fp32"}
+_ADDED_LATER: dict[str, Any] = {
+    "precision": "fp32",
+    "comm_dtype": "fp32",
+    "worker_sharding": "replicate",
+}
 
 
 #: How a fingerprint names a given tokenizer: by its content, so a run resumes with the same
@@ -104,6 +108,7 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
     chosen = {
         "method": config.method,
         "ranks_per_worker": config.ranks_per_worker,
+        "worker_sharding": config.worker_sharding,
         "seed": config.seed,
         "steps": config.steps,
         "microbatches_per_step": config.microbatches_per_step,

@@ -24,13 +24,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.strategies.flat import FlatBuffers
+
+if TYPE_CHECKING:
+    from lowcomm.comm.clock import Clock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.config import TrainConfig
 
 #: The values of --worker-sharding.
 SHARDINGS = ("replicate", "fsdp")
@@ -69,6 +74,20 @@ def sharding_refusal(method: str, sharding: str, ranks_per_worker: int) -> str |
         return (
             f"--worker-sharding fsdp: --ranks-per-worker {ranks_per_worker} leaves nothing to "
             f"shard; pass --ranks-per-worker 2 or more"
+        )
+    return None
+
+
+def config_refusal(config: TrainConfig) -> str | None:
+    """Why ``config``'s --worker-sharding cannot run, in one line, or None."""
+    refusal = sharding_refusal(config.method, config.worker_sharding, config.ranks_per_worker)
+    if refusal is not None or config.worker_sharding == "replicate":
+        return refusal
+    if config.precision != "fp32":
+        return (
+            f"--worker-sharding fsdp: --precision {config.precision} is not supported on "
+            f"sharded workers yet (FSDP2's mixed-precision policy is still to be wired); "
+            f"pass --precision fp32"
         )
     return None
 
@@ -209,17 +228,92 @@ def full_flat(model: nn.Module) -> torch.Tensor:
     return torch.cat(parts)
 
 
+# --- the training loop's worker --------------------------------------------------------------
+
+
+def shard_worker(
+    config: TrainConfig, model: nn.Module, clock: Clock, device: torch.device
+) -> NetworkComm:
+    """Shard ``model`` over this rank's worker (every rank calls it: the mesh's groups are
+    made collectively) and return the strategy's communicator: rank r of every worker, over
+    --network. The worker's own communicator (over --inner-network) sums clipping norms."""
+    from lowcomm.comm.cast import wire_dtype
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.torch_comm import TorchComm
+
+    mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type)
+    wire, timeout = wire_dtype(config.comm_dtype), config.collective_timeout_s
+    inner = NetworkComm(
+        TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
+        config.replica_network_profile(), clock, device=device, wire_dtype=wire,
+    )  # fmt: skip
+    outer = NetworkComm(
+        TorchComm(mesh.get_group("workers"), timeout_s=timeout),
+        config.network_profile(), clock, device=device, wire_dtype=wire,
+    )  # fmt: skip
+    shard_model(model, mesh["ranks"])
+    attach_inner(model, inner)
+    return outer
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state with every sharded tensor as this rank's local shard (what its own
+    checkpoint file holds)."""
+    return {
+        name: value.to_local() if hasattr(value, "to_local") else value
+        for name, value in model.state_dict().items()
+    }
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Undo :func:`model_state`: copy each saved (local) tensor into ``model``'s in place, so
+    a sharded model's storage stays its flat buffer's."""
+    if not is_sharded(model):
+        model.load_state_dict(state)
+        return
+    current = model.state_dict()
+    if set(current) != set(state):
+        raise ValueError(f"the checkpoint's model keys differ: {sorted(set(current) ^ set(state))}")
+    with torch.no_grad():
+        for name, value in current.items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            local.copy_(state[name])
+
+
+def exportable(model: nn.Module, worker_index: int) -> nn.Module | None:
+    """The whole model to export: ``model`` itself, or for a sharded model the full state
+    gathered (a collective over the worker's ranks, made by worker 0's ranks only) into a
+    fresh unsharded copy (None on the other workers)."""
+    if not is_sharded(model):
+        return model
+    if worker_index != 0:
+        return None
+    full = {
+        name: value.full_tensor() if hasattr(value, "full_tensor") else value
+        for name, value in model.state_dict().items()
+    }
+    plain_class = type(model).__bases__[1]  # fully_shard made it (FSDPModule, the class)
+    plain: nn.Module = plain_class(model.config)
+    plain.load_state_dict(full)
+    return plain
+
+
 __all__ = [
     "SHARDED_METHODS",
     "SHARDINGS",
     "ShardedFlatBuffers",
     "attach_inner",
+    "config_refusal",
+    "exportable",
     "flat_buffers",
     "flat_numel",
     "full_flat",
     "is_sharded",
+    "load_model_state",
+    "model_state",
     "norm_summer",
     "shard_model",
+    "shard_worker",
     "sharding_refusal",
     "worker_mesh",
 ]
