@@ -4,6 +4,8 @@ other workers, equals the replicated --ranks-per-worker form on 2 workers x 2 ra
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,3 +101,61 @@ def test_other_methods_and_values_are_refused_in_one_line() -> None:
     assert typo is not None and "'fsdb'" in typo and "replicate" in typo
     alone = sharding_refusal("ddp", "fsdp", 1)
     assert alone is not None and "--ranks-per-worker" in alone
+
+
+# --- end to end through the command line ---------------------------------------------------------
+
+FLAGS = (
+    "train",
+    "--workers", "2", "--ranks-per-worker", "2", "--steps", "4", "--eval-every", "4",
+    "--eval-batches", "2", "--model.n-layer", "2", "--model.n-embd", "32", "--model.n-head", "2",
+    "--model.block-size", "16", "--micro-batch-size", "2", "--progress", "False",
+    "--seconds-per-microbatch", "0.01",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_sharded_run_stops_resumes_and_exports_what_a_replicated_run_does(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file
+
+    from _cli import lowcomm
+
+    replicated, sharded = tmp_path / "replicated", tmp_path / "sharded"
+    done = lowcomm(
+        *FLAGS, "--method", "diloco", "--diloco.sync-every", "2", "--out", str(replicated)
+    )
+    assert done.returncode == 0, done.stderr
+    common = (*FLAGS, "--method", "diloco", "--diloco.sync-every", "2", "--worker-sharding", "fsdp")
+    stopped = lowcomm(
+        *common, "--checkpoint-every", "2", "--stop-after", "2", "--out", str(sharded)
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    resumed = lowcomm(*common, "--resume", str(sharded), "--out", str(sharded))
+    assert resumed.returncode == 0, resumed.stderr
+    want = json.loads((replicated / "summary.json").read_text())["final_val_loss"]
+    got = json.loads((sharded / "summary.json").read_text())["final_val_loss"]
+    assert got == pytest.approx(want, rel=1e-5)
+    # the export is whole (gathered from the shards) and the replicated run's model
+    mine, theirs = (load_file(d / "model" / "model.safetensors") for d in (sharded, replicated))
+    assert sorted(mine) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.allclose(mine[name], tensor, rtol=1e-4, atol=1e-6), name
+    # each rank's checkpoint file holds its own shards: about half a replica's model
+    held = []
+    for run in (sharded, replicated):
+        final = sorted((run / "checkpoints").glob("step-*"))[-1]
+        rank0 = torch.load(final / "rank0.pt", weights_only=True)
+        held.append(sum(t.numel() for t in rank0["model"].values()))
+    assert held[0] < 0.6 * held[1]
+
+
+def test_the_command_line_refuses_what_does_not_shard_yet() -> None:
+    from _cli import lowcomm
+
+    refused = lowcomm(
+        *FLAGS, "--method", "zero1", "--worker-sharding", "fsdp", "--out", "/nonexistent/x"
+    )
+    assert refused.returncode == 2 and "--worker-sharding fsdp" in refused.stderr
+    assert "zero1" in refused.stderr and "Traceback" not in refused.stderr
