@@ -134,9 +134,19 @@ def test_a_sharded_run_stops_resumes_and_exports_what_a_replicated_run_does(
     assert stopped.returncode == 0, stopped.stderr
     resumed = lowcomm(*common, "--resume", str(sharded), "--out", str(sharded))
     assert resumed.returncode == 0, resumed.stderr
-    want = json.loads((replicated / "summary.json").read_text())["final_val_loss"]
-    got = json.loads((sharded / "summary.json").read_text())["final_val_loss"]
-    assert got == pytest.approx(want, rel=1e-5)
+    theirs_summary = json.loads((replicated / "summary.json").read_text())
+    mine_summary = json.loads((sharded / "summary.json").read_text())
+    assert mine_summary["final_val_loss"] == pytest.approx(
+        theirs_summary["final_val_loss"], rel=1e-5
+    )
+    # per rank, P the parameters' bytes: replicated, parameters, gradients, anchor and outer
+    # momentum whole (4P) and the AdamW moments split over the 2 ranks (P): 5P; sharded,
+    # everything halved: (2 + 2 + 2)P / 2 = 3P (up to padding)
+    rank_ratio = mine_summary["state_bytes_per_rank"] / theirs_summary["state_bytes_per_rank"]
+    assert rank_ratio == pytest.approx(3 / 5, rel=0.02)
+    worker = mine_summary["state_bytes_per_worker"] / mine_summary["state_bytes_per_rank"]
+    assert worker == pytest.approx(2, rel=0.02)  # a sharded worker's is the sum of its ranks'
+    assert mine_summary["peak_memory_bytes_per_rank"] > mine_summary["state_bytes_per_rank"]
     # the export is whole (gathered from the shards) and the replicated run's model
     mine, theirs = (load_file(d / "model" / "model.safetensors") for d in (sharded, replicated))
     assert sorted(mine) == sorted(theirs)

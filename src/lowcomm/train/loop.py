@@ -33,7 +33,7 @@ from lowcomm.train.compute import (
     worker_clock,
 )
 from lowcomm.train.metrics import RunWriter, StepRecord
-from lowcomm.train.records import ProcessTotals, StepMetrics
+from lowcomm.train.records import ProcessTotals, StepMetrics, peak_memory_bytes
 from lowcomm.train.reshard import read_resharded
 
 
@@ -575,7 +575,7 @@ def _process_totals(worker: Worker, summary: WorkerSummary) -> ProcessTotals:
         state_bytes=float(summary.state_bytes), tokens=float(summary.tokens),
         replica_bytes_sent=replica["bytes_sent"], replica_exposed_comm_s=replica["exposed_comm_s"],
         outer_bytes_sent=outer["bytes_sent"], outer_exposed_comm_s=outer["exposed_comm_s"],
-        peak_memory=float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0,
+        peak_memory=float(peak_memory_bytes(device)),
     )  # fmt: skip
 
 
