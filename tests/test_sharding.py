@@ -145,7 +145,7 @@ def test_a_sharded_run_stops_resumes_and_exports_what_a_replicated_run_does(
     rank_ratio = mine_summary["state_bytes_per_rank"] / theirs_summary["state_bytes_per_rank"]
     assert rank_ratio == pytest.approx(3 / 5, rel=0.02)
     worker = mine_summary["state_bytes_per_worker"] / mine_summary["state_bytes_per_rank"]
-    assert worker == pytest.approx(2, rel=0.02)  # a sharded worker's is the sum of its ranks'
+    assert worker == pytest.approx(2, rel=0.02)  # a sharded worker's is the sum of its ranks
     assert mine_summary["peak_memory_bytes_per_rank"] > mine_summary["state_bytes_per_rank"]
     # the export is whole (gathered from the shards) and the replicated run's model
     mine, theirs = (load_file(d / "model" / "model.safetensors") for d in (sharded, replicated))
@@ -169,3 +169,22 @@ def test_the_command_line_refuses_what_does_not_shard_yet() -> None:
     )
     assert refused.returncode == 2 and "--worker-sharding fsdp" in refused.stderr
     assert "zero1" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_sharded_checkpoints_are_not_resharded_to_another_layout(tmp_path: Path) -> None:
+    from lowcomm.train import checkpoint
+
+    config = TrainConfig(method="ddp", workers=2, ranks_per_worker=2, worker_sharding="fsdp")
+    written = checkpoint.fingerprint(config)
+    for rank in range(4):
+        checkpoint.write_rank_state(tmp_path, 2, rank, {"step": 2})
+    checkpoint.commit_checkpoint(tmp_path, 2, 4, written)
+    assert checkpoint.find_latest(tmp_path, 4, written)[0] == 2
+    fewer = checkpoint.fingerprint(TrainConfig(method="ddp", workers=1, ranks_per_worker=2,
+                                               worker_sharding="fsdp"))  # fmt: skip
+    with pytest.raises(checkpoint.CheckpointError, match="not re-sharded"):
+        checkpoint.find_latest(tmp_path, 2, fewer)
+    # nor resumed replicated: another --worker-sharding is another run
+    replicated = checkpoint.fingerprint(TrainConfig(method="ddp", workers=2, ranks_per_worker=2))
+    with pytest.raises(checkpoint.CheckpointError, match="worker_sharding='fsdp'"):
+        checkpoint.find_latest(tmp_path, 4, replicated)

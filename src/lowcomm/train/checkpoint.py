@@ -436,6 +436,13 @@ def _damage(
             return f"is damaged: {path} fails its checksum (truncated or corrupted)"
     layout = (world_size, fingerprint["ranks_per_worker"])
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
+        if saved.get("worker_sharding", "replicate") != "replicate":
+            raise CheckpointError(
+                f"--workers: {directory} holds sharded workers (--worker-sharding "
+                f"{saved['worker_sharding']}) of {saved.get('ranks_per_worker')} ranks and "
+                f"{manifest.get('world_size')} processes; sharded state is not re-sharded to "
+                f"another layout yet: resume with the old --workers and --ranks-per-worker"
+            )
         _check_reshardable(directory, manifest, world_size, fingerprint)
     return None
 

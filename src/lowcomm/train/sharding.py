@@ -89,6 +89,17 @@ def config_refusal(config: TrainConfig) -> str | None:
             f"sharded workers yet (FSDP2's mixed-precision policy is still to be wired); "
             f"pass --precision fp32"
         )
+    if config.model.config is not None or config.model.value("family") != "gpt":
+        return (
+            "--worker-sharding fsdp: only the built-in GPT (--model.family gpt) is sharded "
+            "for now (a transformers model's blocks and export are still to be wired); pass "
+            "--worker-sharding replicate"
+        )
+    if config.init_from is not None:
+        return (
+            f"--worker-sharding fsdp: --init-from {config.init_from} is not read shard by "
+            f"shard yet; start from scratch, or pass --worker-sharding replicate"
+        )
     return None
 
 
