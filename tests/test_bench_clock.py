@@ -3,6 +3,7 @@ measurements, never thresholds in tests)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -202,3 +203,30 @@ def test_agreement_models_are_checked() -> None:
     assert ClockBench(agreement_models="", agreement_methods="").agreement_model_list() == []
     only = ClockBench(agreement_models="cpu-time,cpu-time")
     assert only.agreement_model_list() == ["cpu-time"]
+
+
+def test_the_load_comparison_can_run_the_calibrated_model_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lowcomm.bench.clock as clock_bench
+
+    models: list[str] = []
+
+    def fake_summary(config: TrainConfig) -> dict[str, object]:
+        models.append(config.compute_model)
+        time = 1.02 if config.out and "loaded" in str(config.out) else 1.0
+        return {"modeled_time_s": time, "utilization": 0.5, "compute_model": {"model": "x"}}
+
+    monkeypatch.setattr(clock_bench, "busy_processes", lambda count: contextlib.nullcontext())
+    monkeypatch.setattr(clock_bench, "_summary", fake_summary)
+    bench = ClockBench(methods="ddp", repeats=1, models="calibrated")
+    cells = clock_bench._load_runs(bench, Path("/nonexistent"))
+    assert models == ["calibrated", "calibrated"] and set(cells) == {
+        "ddp/calibrated/quiet",
+        "ddp/calibrated/loaded",
+    }
+    report = clock_bench._report(bench, cells, {})
+    assert "loaded/quiet modeled time over 1 repetitions: ddp 1.020" in report
+    assert "largest gap 2.0% (goal: within 3%, met)" in report
+    with pytest.raises(ValueError, match="--models"):
+        ClockBench(models="calibrate")

@@ -68,6 +68,8 @@ COMMON: dict[str, Choices] = {
     "--optim.lr": (("1e-3", "0", "0.01"), ("-1", "nan", "inf")),
     "--optim.weight-decay": (("0.1", "0"), ("-1", "nan", "inf")),
     "--optim.eps": (("1e-8", "1e-6"), ("0", "-1", "nan", "inf")),
+    "--optim.name": (("adamw", "muon"), ("sgd",)),
+    "--optim.muon-momentum": (("0.95", "0.9"), ("1.0", "-0.1")),
     "--schedule.kind": (("constant", "cosine"), ()),
     "--schedule.warmup-steps": (("0", "3"), ("-1",)),
     "--schedule.min-lr-ratio": (("0.1", "0", "1"), ("-0.5", "2", "nan")),

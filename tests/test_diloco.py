@@ -15,7 +15,6 @@ from lowcomm.comm import CollectiveKind, LocalComm, RecordingComm, Role
 from lowcomm.models.gpt import GPT, GPTConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.optim.outer import OuterNesterov
-from lowcomm.optim.quantize import encoded_bytes
 from lowcomm.strategies import MicroBatchResult, StrategyContext, strategy_class
 from lowcomm.strategies.co2 import LocalOptions, OverlapLocalSGD
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions, fragment_assignment
@@ -139,7 +138,9 @@ def test_streaming_one_fragment_no_overlap_global_merge_equals_diloco() -> None:
 
 def test_streaming_schedule_merge_and_drain() -> None:
     # H=8, K=4, tau=1: fragment p launches at (p+1)*2 - 1 and merges one step later.
-    options = DiLoCoOptions(sync_every=8, fragments=4, overlap_steps=1, mixing=0.3)
+    options = DiLoCoOptions(
+        sync_every=8, fragments=4, overlap_steps=1, mixing=0.3, outer_lr=0.7, outer_momentum=0.9
+    )
     context = StrategyContext(
         optim=CONTEXT.optim, schedule=CONTEXT.schedule, total_steps=16, max_grad_norm=None
     )
@@ -198,19 +199,26 @@ def test_streaming_does_not_launch_within_tau_of_the_end_and_finish_drains() -> 
     assert early.in_flight == [] and early.outer[0].step_count == 1
 
 
-def test_quantized_streaming_all_gathers_the_quantized_payload() -> None:
+def test_quantized_streaming_sends_quantized_shards_in_two_steps() -> None:
+    """Each fragment's fp8 outer gradient: a reduce-scatter of the three encoded shards, then
+    an all-gather of the three encoded mean shards (lowcomm.strategies.two_step)."""
+    from lowcomm.strategies.two_step import shard_payload_bytes
+
     options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1, quantization="fp8")
     comm = RecordingComm(world_size=3)
     strategy = StreamingDiLoCo(two_layer_gpt(), comm, CONTEXT, options)
     closure = closure_for(strategy, [global_batch(0, 1)] * 4)
     for _ in range(4):
         strategy.step(closure)
-    gathers = [c for c in comm.calls if c.kind is CollectiveKind.ALL_GATHER]
-    assert len(gathers) == 2 and all(c.role is Role.PSEUDO_GRADIENT for c in gathers)
-    for call, fragment in zip(gathers, strategy.fragments, strict=True):
-        assert call.dtype == torch.uint8
-        assert call.payload_bytes == 3 * encoded_bytes(fragment.numel, "fp8", 256)
-        assert call.payload_bytes < 3 * 4 * fragment.numel / 3.5  # about a quarter of fp32
+    kinds = (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER)
+    steps = [c for c in comm.calls if c.kind in kinds]
+    assert [c.kind for c in steps] == list(kinds) * 2
+    assert all(c.role is Role.PSEUDO_GRADIENT and c.dtype == torch.uint8 for c in steps)
+    for index, fragment in enumerate(strategy.fragments):
+        shard = shard_payload_bytes(fragment.numel, 3, "fp8", 256)
+        for call in steps[2 * index : 2 * index + 2]:
+            assert call.payload_bytes == 3 * shard
+            assert call.payload_bytes < 4 * fragment.numel / 3.5  # about a quarter of fp32
 
 
 @pytest.mark.parametrize(

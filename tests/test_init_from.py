@@ -95,22 +95,42 @@ def test_a_path_without_weights_is_refused(tmp_path: Path) -> None:
     assert f"--init-from: {tmp_path} holds no weights" in line
 
 
-def test_a_shape_mismatch_names_the_first_tensor_and_both_shapes(tmp_path: Path) -> None:
+def test_an_option_that_disagrees_with_the_model_is_refused_naming_both_values(
+    tmp_path: Path,
+) -> None:
     model = _saved(tmp_path / "model")
+    line = _refusal(
+        "--init-from", str(model), "--model.n-embd", "64", "--out", str(tmp_path / "run")
+    )
+    assert (
+        f"--model.n-embd: 64 disagrees with the model --init-from {model / 'config.json'}" in line
+    )
+    assert "which has 32" in line
+
+
+def test_weights_that_do_not_fit_their_config_name_the_tensor_and_both_shapes(
+    tmp_path: Path,
+) -> None:
+    """Pre-flight compares the safetensors header's shapes with the model config.json
+    describes (the weights themselves are not read)."""
+    model = _saved(tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
     line = _refusal(
         "--init-from", str(model), "--model.n-embd", "64", "--out", str(tmp_path / "run")
     )
     vocab = _vocab()
     assert (
         f"tensor token_embedding.weight has shape ({vocab}, 32) in {model} but ({vocab}, 64) "
-        f"in the configured model"
+        f"in the model its config.json describes"
     ) in line
 
 
 def test_another_family_is_refused(tmp_path: Path) -> None:
     model = _saved(tmp_path / "model")
     line = _refusal("--init-from", str(model), "--model.family", "hf-gpt2")
-    assert "holds a gpt model but --model.family is hf-gpt2" in line
+    assert "--model.family: 'hf-gpt2' disagrees with the model --init-from" in line
+    assert "which has 'gpt'" in line
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path: Path) -> None:

@@ -203,6 +203,7 @@ def test_diloco_muon_differs_from_adamw_and_resumes_exactly() -> None:
     [
         lambda: DDP(tiny_gpt(), LocalComm(), CONTEXT),
         lambda: CO2(tiny_gpt(), LocalComm(), CONTEXT, LocalOptions(sync_every=2)),
+        lambda: STRATEGIES["sparta"](tiny_gpt(), LocalComm(), CONTEXT),
     ],
 )
 def test_other_adamw_methods_take_muon(build: Any) -> None:
@@ -210,6 +211,15 @@ def test_other_adamw_methods_take_muon(build: Any) -> None:
     assert isinstance(getattr(strategy, "optimizer", None) or strategy.inner, FlatMuon)
     _run(strategy, 2)
     assert torch.isfinite(flat_params(strategy.model)).all()
+
+
+def test_the_python_api_builds_muloco() -> None:
+    from lowcomm.api import make_strategy
+
+    strategy = make_strategy("diloco", tiny_gpt(), LocalComm(), optimizer="muon")
+    assert isinstance(strategy.inner, FlatMuon)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"--optim\.name: muon with --method zero1"):
+        make_strategy("zero1", tiny_gpt(), LocalComm(), optimizer="muon")
 
 
 @pytest.mark.parametrize(
@@ -220,6 +230,7 @@ def test_other_adamw_methods_take_muon(build: Any) -> None:
         ("desloc", "DES-LOC family"),
         ("local_adam", "DES-LOC family"),
         ("local_sgd", "inner optimizer is SGD"),
+        ("demo", "DeMo's optimizer is its own"),
     ],
 )
 def test_methods_without_an_adamw_to_replace_refuse(method: str, words: str) -> None:
@@ -256,6 +267,29 @@ def test_sgd_inner_and_several_ranks_refuse() -> None:
 def test_bad_muon_options_name_the_flag(kwargs: dict[str, Any], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         AdamWConfig(**kwargs)
+
+
+def test_a_muon_setting_without_muon_is_refused() -> None:
+    # It would be silently unused.
+    with pytest.raises(ValueError, match=r"--optim\.muon-momentum: 0\.9 is set but --optim\.name"):
+        AdamWConfig(muon_momentum=0.9)
+    with pytest.raises(ValueError, match=r"--optim\.muon-ns-steps: 3 .* add --optim\.name muon"):
+        AdamWConfig(muon_ns_steps=3)
+    AdamWConfig(name="muon", muon_momentum=0.9, muon_ns_steps=3)
+
+
+def test_a_checkpoint_of_one_optimizer_does_not_resume_under_the_other() -> None:
+    from lowcomm.train.checkpoint import fingerprint
+
+    adamw, muon = TrainConfig(method="diloco"), TrainConfig(method="diloco", optim=MUON)
+    assert fingerprint(adamw)["optim"] != fingerprint(muon)["optim"]
+    # AdamW runs keep the fingerprint they had before Muon existed.
+    assert set(fingerprint(adamw)["optim"]) == {"lr", "betas", "eps", "weight_decay"}
+    strategy = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT)
+    with pytest.raises(ValueError, match=r"resume with --optim\.name adamw"):
+        strategy.inner.load_state_dict(
+            DiLoCo(tiny_gpt(), LocalComm(), StrategyContext()).inner.state_dict()
+        )
 
 
 # --- the planner -----------------------------------------------------------------------------
@@ -310,6 +344,7 @@ def _gloo_worker(steps: int, base: str) -> dict[str, Any]:
         keep_parameters=True,
     )
     assert straight.parameters is not None and resumed.parameters is not None
+    train_worker(_config(Path(base) / "elastic", stop_after=3), comm)  # resumed on 1 below
     return {
         "params": flat_params(strategy.model),
         "momentum": inner.state.momentum.clone(),
@@ -333,7 +368,7 @@ def _config(out: Path, **overrides: object) -> TrainConfig:
     return config
 
 
-def test_two_gloo_ranks_agree_and_resume_exactly(tmp_path: Path) -> None:
+def test_two_gloo_ranks_agree_resume_exactly_and_on_one_worker(tmp_path: Path) -> None:
     from lowcomm.data import DataConfig, prepare_corpus
     from lowcomm.launch import spawn_workers
 
@@ -345,6 +380,33 @@ def test_two_gloo_ranks_agree_and_resume_exactly(tmp_path: Path) -> None:
     assert not torch.equal(results[0]["momentum"], results[1]["momentum"])
     for result in results:
         assert result["resume_diff"] == 0.0 and result["bytes_diff"] == 0
+    # Elastic resume on one worker: Muon's momentum and AdamW's moments (per-worker state,
+    # mid-round at step 3) are averaged over the old workers, then the run goes on.
+    from lowcomm.train.checkpoint import read_rank_state
+    from lowcomm.train.reshard import Layout, parameter_count, reshard, rules_for
+
+    directory = tmp_path / "elastic" / "checkpoints" / "step-000003"
+    states = [read_rank_state(directory, rank) for rank in range(2)]
+    (merged,) = reshard(
+        states, Layout(2), Layout(1), rules_for("diloco", parameter_count(states[0]))
+    )
+    old = [state["strategy"]["inner"] for state in states]
+    assert not torch.equal(old[0]["muon_momentum"], old[1]["muon_momentum"])
+    for key in ("muon_momentum", "adamw_exp_avg", "adamw_exp_avg_sq", "master"):
+        mean = ((old[0][key].double() + old[1][key].double()) / 2).float()
+        assert torch.equal(merged["strategy"]["inner"][key], mean), key
+    spawn_workers(_elastic_worker, 1, (str(tmp_path),), timeout_s=120)
+    summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
+    assert summary["steps"] == 6 and math.isfinite(summary["final_val_loss"])
+
+
+def _elastic_worker(base: str) -> None:
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.train.loop import train_worker
+
+    config = _config(Path(base) / "elastic", resume=str(Path(base) / "elastic"))
+    config.workers = 1
+    train_worker(config, TorchComm())
 
 
 def test_cli_refuses_muon_where_it_cannot_apply(capsys: pytest.CaptureFixture[str]) -> None:
@@ -355,8 +417,9 @@ def test_cli_refuses_muon_where_it_cannot_apply(capsys: pytest.CaptureFixture[st
 
     run_methods()
     listing = " ".join(capsys.readouterr().out.split())
-    assert "it is MuLoCo" in listing
-    assert "works with the methods whose inner optimizer is AdamW: co2, cocodc, ddp," in listing
+    assert (
+        "With --optim.name muon (Muon inner steps on the hidden matrices) it is MuLoCo" in listing
+    )
 
 
 @pytest.mark.slow

@@ -130,22 +130,23 @@ def test_fragment_methods_by_hand(method: str) -> None:
     assert deep.comm_hidden_s == pytest.approx(10 / 16 * 4 * FRAGMENT_ALL_REDUCE)
 
 
-def test_a_quantized_outer_exchange_is_an_all_gather_of_encoded_payloads_by_hand() -> None:
-    """--diloco.quantization int4: every worker sends its encoded payload (0.5 byte per
-    element padded to rows of 256, plus a 4-byte scale per row) to the M - 1 others, as
-    training does, instead of an all-reduce of 2-byte elements."""
+def test_a_quantized_outer_exchange_is_two_steps_of_encoded_shards_by_hand() -> None:
+    """--diloco.quantization int4: every worker encodes its M shards (0.5 byte per element in
+    rows of 256, plus a 4-byte scale per row), reduce-scatters them and all-gathers the
+    re-encoded mean shards, as training does (lowcomm.strategies.two_step): 2 (M-1) shards
+    sent, instead of an all-reduce of 2-byte elements."""
     int4 = plan(method="diloco", diloco=DiLoCoOptions(sync_every=10, quantization="int4"))
-    rows = math.ceil(1e9 / 256)
-    encoded = rows * 256 / 2 + 4 * rows  # bytes of one worker's payload
-    assert int4.comm_bytes_per_worker_per_step == pytest.approx(3 * encoded / 10)
-    gather = 3 / 4 * (4 * encoded) / 1e9 + 3 * 1e-3  # ring all-gather of the 4 payloads
-    assert int4.comm_total_s == pytest.approx(gather)  # one sync in the 10 steps
-    assert int4.comm_exposed_s == pytest.approx(gather)
+    rows = math.ceil(1e9 / (4 * 256))  # rows of one worker's shard
+    shard = rows * 256 / 2 + 4 * rows  # bytes of one encoded shard
+    assert int4.comm_bytes_per_worker_per_step == pytest.approx(2 * 3 * shard / 10)
+    step = 3 / 4 * (4 * shard) / 1e9 + 3 * 1e-3  # a ring reduce-scatter (or all-gather)
+    assert int4.comm_total_s == pytest.approx(2 * step)  # one sync in the 10 steps
+    assert int4.comm_exposed_s == pytest.approx(2 * step)
     plain = plan(method="diloco", diloco=DiLoCoOptions(sync_every=10))
     assert plain.comm_total_s == pytest.approx(ALL_REDUCE)
-    # fp8's payload: a byte per element plus the scales.
+    # fp8's shard: a byte per element plus the scales.
     fp8 = plan(method="diloco", diloco=DiLoCoOptions(sync_every=10, quantization="fp8"))
-    assert fp8.comm_bytes_per_worker_per_step == pytest.approx(3 * (rows * 256 + 4 * rows) / 10)
+    assert fp8.comm_bytes_per_worker_per_step == pytest.approx(2 * 3 * (rows * 256 + 4 * rows) / 10)
 
 
 def test_cocodc_plan_counts_the_adaptive_syncs() -> None:

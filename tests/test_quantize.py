@@ -43,14 +43,27 @@ def test_int4_bound_is_half_a_step() -> None:
 
 
 def test_exchange_averages_dequantized_payloads_and_counts_quantized_bytes() -> None:
-    comm = RecordingComm(world_size=4)
+    from lowcomm.comm.base import CollectiveKind
+    from lowcomm.strategies.two_step import shard_payload_bytes
+
     delta = torch.randn(300)
-    exchange = OuterExchange(comm, delta, torch.tensor([2.0, 3.0]), "fp8", 128)
-    mean, extras, own = exchange.wait()
-    # Identical replicas: the mean of four equal payloads is the dequantized own value.
-    assert torch.equal(mean, own)
+    # Values on a group of one (the recording fake tiles this rank's shard into every slot
+    # of an all-gather, so it cannot play the other owners of a sharded exchange): the mean
+    # is the dequantized own value, requantized once (within a float32 rounding of it).
+    single = OuterExchange(RecordingComm(world_size=1), delta, torch.tensor([2.0, 3.0]), "fp8", 128)
+    mean, extras, own = single.wait()
+    assert torch.allclose(mean, own, rtol=1e-6, atol=0.0)
     assert torch.allclose(mean, delta, atol=float(error_bound(delta, "fp8", 128).max()))
     assert torch.equal(extras, torch.tensor([2.0, 3.0]))
-    (call,) = comm.calls
-    assert call.payload_bytes == 4 * (encoded_bytes(300, "fp8", 128) + 8)
-    assert exchange.wire_bytes == encoded_bytes(300, "fp8", 128) + 8
+    # Bytes on four workers: a reduce-scatter of the four encoded shards (each with the
+    # extras' 8 bytes), then an all-gather of the four encoded mean shards.
+    comm = RecordingComm(world_size=4)
+    exchange = OuterExchange(comm, delta, torch.tensor([2.0, 3.0]), "fp8", 128)
+    exchange.wait()
+    shard = shard_payload_bytes(300, 4, "fp8", 128)
+    assert shard == encoded_bytes(128, "fp8", 128)  # one row of 128 per shard
+    assert [(c.kind, c.payload_bytes) for c in comm.calls] == [
+        (CollectiveKind.REDUCE_SCATTER, 4 * (shard + 8)),
+        (CollectiveKind.ALL_GATHER, 4 * shard),
+    ]
+    assert exchange.wire_bytes == 4 * (shard + 8)

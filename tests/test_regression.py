@@ -48,6 +48,7 @@ REGEN = os.environ.get("LOWCOMM_REGEN") == "1"
 LOSS_RTOL = 1e-6
 TIME_ATOL = 1e-9
 HIERARCHICAL = ("streaming_diloco",)  # fragment exchanges over a two-level comm
+MUON = ("diloco",)  # pinned again with --optim.name muon as "<method>_muon" (MuLoCo)
 # The bf16-mixed / --comm-dtype bf16 runs are pinned by test_regression_precision.py.
 
 #: What every stored run is; kept in each file so a reviewer sees what the numbers are of.
@@ -152,7 +153,10 @@ def _run_all(base: str, runs: list[tuple[str, str, int]]) -> dict[str, dict[str,
     results: dict[str, dict[str, Any] | str] = {}
     for key, method, ranks in runs:
         try:
-            results[key] = _record(regression_config(method, Path(base) / key, ranks))
+            config = regression_config(method, Path(base) / key, ranks)
+            if key.endswith("_muon"):
+                config.optim = AdamWConfig(lr=3e-3, name="muon")
+            results[key] = _record(config)
         except Exception as error:
             results[key] = f"{type(error).__name__}: {error}"
     return results
@@ -179,6 +183,7 @@ def _merge(per_rank: list[dict[str, dict[str, Any] | str]]) -> dict[str, dict[st
 
 
 FLAT = [(method, method, 1) for method in sorted(STRATEGIES)]
+FLAT += [(f"{method}_muon", method, 1) for method in MUON]
 HIER = [(f"hierarchical-{method}", method, 2) for method in HIERARCHICAL]
 
 

@@ -360,7 +360,18 @@ def test_reproduce_end_to_end_writes_report_and_json_and_resumes(
         and "--method ddp" in rows[papers.DDP2]["command"]
     )
     assert doc["failures"] == {}
+    # One calibration for the study, measured before its first run, charged by both runs.
+    calibration = tmp_path / "out" / "calibration.json"
+    assert (
+        doc["calibration"]["path"] == str(calibration.resolve()) and doc["calibration"]["measured"]
+    )
+    charged = {
+        json.loads((run / "summary.json").read_text())["compute_model"]["seconds_per_microbatch"]
+        for run in (paper_dir / "runs").iterdir()
+    }
+    assert charged == {json.loads(calibration.read_text())["seconds_per_microbatch"]}
     report = (paper_dir / "report.md").read_text()
+    assert f"Charge it again in another study: `--calibration {calibration.resolve()}`" in report
     for text in (
         "# Reproduction:",
         "Scale **quick**",

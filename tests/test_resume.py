@@ -26,6 +26,8 @@ from lowcomm.strategies.acco import AccoOptions
 from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
+from lowcomm.strategies.sparseloco import SparseLoCoOptions
+from lowcomm.strategies.sparta import SpartaOptions
 
 STEPS = 8
 STOP = 5  # mid-period for every method below, with collectives in flight
@@ -53,6 +55,9 @@ def tiny_config(method: str, out: Path, **overrides: object) -> TrainConfig:
             else DeslocOptions(param_period=2)
         ),
         acco=AccoOptions(dpu_warmup_steps=2),
+        # Rounds before STOP, so the checkpoint holds a non-zero error buffer / outer state.
+        sparseloco=SparseLoCoOptions(sync_every=2),
+        sparta=SpartaOptions(sync_every=4),
     )
     for key, value in overrides.items():
         setattr(config, key, value)

@@ -27,6 +27,34 @@ def test_selftest_passes_on_two_gloo_processes() -> None:
     assert "FAIL" not in out
 
 
+@pytest.mark.slow
+def test_selftest_under_torchrun_runs_as_the_torchrun_world() -> None:
+    """Item 9 of issue 31: under torchrun the battery runs on torchrun's ranks (not processes
+    of its own), with the real-clock, bf16, fp8, Hugging Face, hierarchical and on-disk
+    checkpoint checks, and rank 0 prints one report ending with the block to paste."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", "selftest"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "the torchrun world, 2 ranks" in out and out.count("checks passed") == 1
+    for name in (
+        "method co2 (real clock)",
+        "method ddp (bf16 on the wire)",
+        "method diloco (fp8 exchange)",
+        "hierarchical group",
+        "checkpoint and resume",
+    ):
+        assert f"PASS  {name}" in out
+    assert "--- paste into a bug report ---" in out and "failed: none" in out
+
+
 def test_selftest_on_cuda_without_a_gpu_fails_with_the_fix(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -57,3 +85,7 @@ def test_the_report_names_each_failure_its_rank_and_its_fix() -> None:
     assert "PASS  collectives" in text
     assert "FAIL  method acco (rank 1): differs" in text and "fix: do X" in text
     assert "1/2 checks passed" in text
+    # The block to paste into a bug report: versions, world, devices and what failed.
+    block = text.split("--- paste into a bug report ---")[1]
+    assert "1/2 passed" in block and "NCCL 2.21.5" in block and "2 ranks" in block
+    assert "failed: method acco" in block and "H100" in block

@@ -37,7 +37,7 @@ def _batches(worker: int, replica: int) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def _train(sharded: bool) -> dict[str, Any]:
-    from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
+    from lowcomm.comm.hierarchical import HierarchicalComm
     from lowcomm.comm.torch_comm import TorchComm
     from lowcomm.launch.groups import level_comms
     from lowcomm.strategies import StrategyContext, build_strategy
@@ -61,9 +61,8 @@ def _train(sharded: bool) -> dict[str, Any]:
             shard_model(model, mesh["ranks"])
             attach_inner(model, inner)
         strategy = build_strategy(method, model, comm, context, _options(method))
+        # (replicated: the strategy averages the gradient over the worker's ranks itself)
         closure = closure_for(strategy, _batches(worker, replica))
-        if not sharded:
-            closure = averaging_closure(closure, strategy.model, inner)
         for _ in range(STEPS):
             strategy.step(closure)
         strategy.finish()

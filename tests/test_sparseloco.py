@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -297,16 +296,44 @@ def test_two_gloo_ranks_agree_and_reduce_to_diloco() -> None:
 # --- command line ------------------------------------------------------------------------------
 
 
-def test_cli_trains_and_counts_the_packed_bytes(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    result = lowcomm("train", "--method", "sparseloco", "--steps", "4",
-                     "--sparseloco.sync-every", "2", "--sparseloco.chunk", "256",
-                     "--sparseloco.topk", "8", "--out", str(out), *small_flags())  # fmt: skip
+#: The short CLI run's options (H = 2 over 4 steps: two rounds), for train and plan alike.
+CLI_OPTIONS = ("--sparseloco.sync-every", "2", "--sparseloco.chunk", "256",
+               "--sparseloco.topk", "8")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cli_summary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One short `lowcomm train` run of sparseloco, shared by the CLI tests below."""
+    out = tmp_path_factory.mktemp("sparseloco_cli") / "run"
+    result = lowcomm("train", "--method", "sparseloco", "--steps", "4", *CLI_OPTIONS,
+                     "--out", str(out), *small_flags())  # fmt: skip
     assert result.returncode == 0, result.stderr
-    summary = json.loads((out / "summary.json").read_text())
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+def test_cli_trains_and_counts_the_packed_bytes(cli_summary: dict[str, Any]) -> None:
+    summary = cli_summary
     assert summary["method"] == "sparseloco" and summary["steps"] == 4
     assert summary["bytes_by_role"]["gradient"] == 0
     chunks = math.ceil(summary["num_params"] / 256)
     payload = math.ceil(8 * chunks * 8 / 8) + math.ceil(8 * chunks * 2 / 8) + 16 * chunks
     # Two rounds; each worker sends its payload to the other one.
     assert summary["bytes_by_role"]["pseudo_gradient"] == pytest.approx(2 * payload, rel=0.02)
+
+
+def test_plan_predicts_the_bytes_a_cli_run_sends(cli_summary: dict[str, Any]) -> None:
+    # `lowcomm plan` for the same model size, workers, steps and options as the run above.
+    n = cli_summary["num_params"]
+    result = lowcomm("plan", "--method", "sparseloco", "--params", str(n), "--workers", "2",
+                     "--tokens", "4", "--tokens-per-step", "1", *CLI_OPTIONS,
+                     "--json", "True")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    planned = json.loads(result.stdout)["comm_bytes_per_worker"]
+    sent = cli_summary["bytes_sent_per_worker"]
+    assert sent == cli_summary["bytes_by_role"]["pseudo_gradient"] > 0
+    # The plan prices n / 256 chunks, the run sends whole chunks (the last one padded) and
+    # whole bytes: per round at most one chunk's 26 bytes (8 x 8 + 8 x 2 bits, 4 fp32
+    # levels) and 2 bytes of rounding apart.
+    assert abs(planned - sent) <= 2 * (26 + 2)
+    assert planned == pytest.approx(sent, rel=0.01)

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ from lowcomm.strategies.sparta import (
     SpartaDiLoCo,
     SpartaOptions,
     selected_indices,
-    selection_seed,
+    selection_rng,
 )
 
 CONTEXT = StrategyContext(
@@ -39,10 +40,11 @@ CONTEXT = StrategyContext(
 
 
 def hand_drawn(numel: int, p: float, seed: int, step: int) -> torch.Tensor:
-    """S_t straight from the rule: u ~ U[0, 1)^n from a generator seeded by (seed, t); i in
-    S_t iff u_i < p."""
-    generator = torch.Generator().manual_seed(selection_seed(seed, step))
-    return torch.nonzero(torch.rand(numel, generator=generator) < p).reshape(-1)
+    """S_t written out as a Bernoulli process: from the step's stream, gaps G_j ~ Geometric(p)
+    (trials up to a success); the selected entries are at G_1 - 1, G_1 + G_2 - 1, ... < n."""
+    gaps = selection_rng(seed, step).geometric(p, size=numel)  # n trials hold <= n successes
+    positions = np.cumsum(gaps) - 1
+    return torch.from_numpy(positions[positions < numel].astype(np.int64))
 
 
 def _run(strategy: Any, steps: int, start: int = 0) -> None:
@@ -66,6 +68,28 @@ def test_indices_are_a_seeded_bernoulli_draw_shared_by_every_worker() -> None:
     assert 50 < drawn.numel() < 150  # about p n = 100
     assert selected_indices(10, 0.0, 0, 1, drawn.device).numel() == 0
     assert torch.equal(selected_indices(10, 1.0, 0, 1, drawn.device), torch.arange(10))
+
+
+def test_every_entry_is_averaged_with_probability_p() -> None:
+    # Bernoulli(p) per entry, as exogym's mask: over 400 steps each of 1000 entries is drawn
+    # about 0.1 x 400 = 40 times (binomial sd 6), and the steps' counts average p n = 100.
+    hits = torch.zeros(1000)
+    sizes = []
+    for step in range(1, 401):
+        drawn = selected_indices(1000, 0.1, seed=0, step=step, device=torch.device("cpu"))
+        assert torch.equal(drawn, drawn.unique())  # no entry twice
+        hits[drawn] += 1
+        sizes.append(drawn.numel())
+    assert hits.min() > 15 and hits.max() < 65
+    assert sum(sizes) / 400 == pytest.approx(100, rel=0.03)
+    assert len(set(sizes)) > 10  # the count itself is random, not fixed at p n
+    # More entries than one batch of gaps (2^20): the draw continues where it stopped.
+    big = 3_000_000
+    drawn = selected_indices(big, 0.5, seed=1, step=1, device=torch.device("cpu"))
+    assert torch.equal(drawn, hand_drawn(big, 0.5, 1, 1))
+    assert drawn.numel() == pytest.approx(0.5 * big, rel=0.01)
+    assert (drawn >= 2_000_000).sum() == pytest.approx(500_000, rel=0.01)
+    assert torch.equal(drawn, drawn.unique()) and int(drawn.max()) < big
 
 
 class _PeerComm:
@@ -193,6 +217,9 @@ def test_plan_prices_a_sparse_all_reduce_every_step_by_hand() -> None:
     )
     full = 2 * 3 / 4 * 4e9
     assert both.comm_bytes_per_worker_per_step == pytest.approx(2 * 3 / 4 * payload + full / 10)
+    # p = 0: no step issues a collective, so nothing is priced (not even latency).
+    none = make_plan(PlanConfig(method="sparta", sparta=SpartaOptions(fraction=0.0), **config))  # type: ignore[arg-type]
+    assert none.comm_total_s == 0.0 and none.comm_bytes_per_worker_per_step == 0.0
 
 
 # --- multi-process -----------------------------------------------------------------------------
@@ -295,10 +322,14 @@ def test_cli_trains_and_counts_the_sparse_bytes(tmp_path: Path) -> None:
     assert sent == pytest.approx(3 * 0.02 * n * 4, rel=0.1)
 
 
-def test_cli_refuses_a_bad_fraction() -> None:
-    result = lowcomm("train", "--method", "sparta", "--sparta.fraction", "2", "--steps", "1")
-    assert result.returncode != 0
-    assert "--sparta.fraction: 2" in result.stderr and "[0, 1]" in result.stderr
+def test_cli_refuses_a_bad_fraction_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from lowcomm.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--method", "sparta", "--sparta.fraction", "2", "--steps", "1"])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--sparta.fraction: 2" in line and "[0, 1]" in line and "try 0.005" in line
 
 
 def test_sparta_diloco_says_when_the_last_round_is_cut() -> None:
@@ -319,3 +350,21 @@ def test_exported_and_built_by_make_strategy_with_the_run_seed() -> None:
     assert isinstance(strategy, SpartaDiLoCo)
     assert (strategy.average.seed, strategy.average.fraction) == (9, 0.1)
     assert strategy.options.sync_every == 8 and strategy.options.outer_lr == 0.7
+
+
+def test_both_take_muon_as_their_local_optimizer() -> None:
+    from lowcomm.optim.muon import FlatMuon
+
+    muon = StrategyContext(
+        optim=AdamWConfig(name="muon", lr=3e-3, weight_decay=0.1),
+        schedule=ScheduleConfig(kind="constant", warmup_steps=0),
+        total_steps=40, max_grad_norm=None, seed=7,
+    )  # fmt: skip
+    for cls in (Sparta, SpartaDiLoCo):
+        comm = RecordingComm(world_size=2)
+        strategy = cls(tiny_gpt(), comm, muon, SpartaOptions(fraction=0.05, sync_every=2))
+        assert isinstance(strategy.inner, FlatMuon), cls.name
+        _run(strategy, 2)
+        assert torch.isfinite(flat_params(strategy.model)).all()
+        n = strategy.flat.numel
+        assert comm.calls[0].numel == hand_drawn(n, 0.05, 7, 1).numel(), cls.name

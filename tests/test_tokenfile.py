@@ -44,7 +44,7 @@ def _tokens_of(text: Path, cache: Path) -> tuple[np.ndarray, Path]:
 
 def _losses(run: Path) -> list[float]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+    return [json.loads(line)["train_loss"] for line in lines]
 
 
 # --- the cache and given token files are mapped, not read -----------------------------------
@@ -176,36 +176,73 @@ def test_a_bad_token_file_is_a_one_line_error_on_the_command_line(tmp_path: Path
 # --- a run on a token file is the run on its text, and resumes exactly ----------------------
 
 
-@pytest.mark.slow
-def test_a_run_on_a_token_file_equals_the_run_on_its_text_and_resumes_exactly(
-    book: tuple[Path, Path], tmp_path: Path
-) -> None:
-    text, cache = book
-    tokens, tokenizer = _tokens_of(text, cache)
-    np.save(tmp_path / "book.npy", tokens)
-    tokens.astype(np.uint16).tofile(tmp_path / "book.bin")
-    common = ("train", "--method", "diloco", "--steps", "4", "--cache-dir", str(cache), *TINY)
+COMMON = ("train", "--method", "diloco", "--steps", "4", *TINY)
 
-    def train(*args: str) -> None:
-        result = lowcomm(*common, *args)
-        assert result.returncode == 0, result.stderr[-3000:]
 
-    train("--data", str(text), "--vocab-size", str(VOCAB), "--out", str(tmp_path / "text"))
-    on_tokens = ("--data", str(tmp_path / "book.npy"), "--tokenizer", str(tokenizer))
-    train(*on_tokens, "--out", str(tmp_path / "npy"))
-    expected = _losses(tmp_path / "text")
-    assert len(expected) == 4 and _losses(tmp_path / "npy") == expected
-    on_bin = ("--data", str(tmp_path / "book.bin"), "--data-dtype", "uint16", "--tokenizer")
-    train(*on_bin, str(tokenizer), "--stop-after", "2", "--out", str(tmp_path / "bin"))
-    assert len(_losses(tmp_path / "bin")) == 2
-    result = lowcomm("train", "--resume", str(tmp_path / "bin"))
+def _train(cache: Path, *args: str) -> None:
+    result = lowcomm(*COMMON, "--cache-dir", str(cache), *args)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert _losses(tmp_path / "bin") == expected
+
+
+@pytest.fixture(scope="module")
+def token_runs(book: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The text and its tokens (.npy, .bin), and a 4-step run on the text."""
+    text, cache = book
+    folder = tmp_path_factory.mktemp("token_runs")
+    tokens, tokenizer = _tokens_of(text, cache)
+    np.save(folder / "book.npy", tokens)
+    tokens.astype(np.uint16).tofile(folder / "book.bin")
+    (folder / "tokenizer").write_text(str(tokenizer))
+    _train(cache, "--data", str(text), "--vocab-size", str(VOCAB), "--out", str(folder / "text"))
+    return folder
+
+
+def _on_bin(folder: Path) -> tuple[str, ...]:
+    tokenizer = (folder / "tokenizer").read_text()
+    return ("--data", str(folder / "book.bin"), "--data-dtype", "uint16", "--tokenizer", tokenizer)
+
+
+@pytest.mark.slow
+def test_a_run_on_a_token_file_equals_the_run_on_its_text(
+    book: tuple[Path, Path], token_runs: Path
+) -> None:
+    tokenizer = (token_runs / "tokenizer").read_text()
+    on_npy = ("--data", str(token_runs / "book.npy"), "--tokenizer", tokenizer)
+    _train(book[1], *on_npy, "--out", str(token_runs / "npy"))
+    expected = _losses(token_runs / "text")
+    assert len(expected) == 4 and _losses(token_runs / "npy") == expected
+
+
+@pytest.mark.slow
+def test_a_run_on_a_token_file_resumes_exactly(book: tuple[Path, Path], token_runs: Path) -> None:
+    out = token_runs / "bin"
+    _train(book[1], *_on_bin(token_runs), "--stop-after", "2", "--out", str(out))
+    assert len(_losses(out)) == 2
+    result = lowcomm("train", "--resume", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(out) == _losses(token_runs / "text")
     final = [
-        json.loads((tmp_path / run / "summary.json").read_text())["final_val_loss"]
-        for run in ("text", "bin")
+        json.loads((run / "summary.json").read_text())["final_val_loss"]
+        for run in (token_runs / "text", out)
     ]
     assert final[0] == final[1]
+
+
+@pytest.mark.slow
+def test_a_run_on_a_token_file_resumes_on_more_workers(
+    book: tuple[Path, Path], token_runs: Path
+) -> None:
+    out = token_runs / "elastic"
+    _train(book[1], *_on_bin(token_runs), "--stop-after", "2", "--out", str(out))
+    result = lowcomm("train", "--resume", str(out), "--workers", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    steps = [record["step"] for record in records]
+    assert steps == list(range(steps[0], steps[0] + 4))
+    change = records[2]["membership"]
+    assert (change["step"], change["old_workers"], change["new_workers"]) == (steps[2], 2, 3)
+    assert all("membership" not in record for record in records[:2] + records[3:])
+    assert all(len(record["microbatches_per_worker"]) == 3 for record in records[2:])
 
 
 # --- JSONL, parquet and save_to_disk datasets ------------------------------------------------
@@ -238,6 +275,10 @@ def test_jsonl_parquet_and_a_saved_dataset_give_the_same_tokens(tmp_path: Path) 
     dataset.save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": dataset}).save_to_disk(str(tmp_path / "saved_dict"))
     inputs += [tmp_path / "saved", tmp_path / "saved_dict"]
+    local = tmp_path / "local_dataset" / "data"  # a dataset repository's layout
+    local.mkdir(parents=True)
+    parquet.write_table(table, local / "train-00000-of-00001.parquet", row_group_size=5)
+    inputs.append(tmp_path / "local_dataset")
     for path in inputs:
         corpus = prepare_corpus(DataConfig(data=str(path), tokenizer=tokenizer, cache_dir=cache))
         assert corpus.num_documents == len(records), path
@@ -251,6 +292,17 @@ def test_jsonl_parquet_and_a_saved_dataset_give_the_same_tokens(tmp_path: Path) 
         prepare_corpus(
             DataConfig(data=str(inputs[0]), text_field="id", tokenizer=tokenizer, cache_dir=cache)
         )
+
+
+def test_parquet_without_pyarrow_is_refused_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    (tmp_path / "a.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(DataError, match=r"a.parquet needs pyarrow; install pyarrow \(pip install"):
+        prepare_corpus(DataConfig(data=str(tmp_path / "a.parquet"), cache_dir=str(tmp_path)))
 
 
 def test_a_dataset_dict_without_a_train_split_names_its_splits(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def test_one_method_twice_with_different_options_gets_its_own_label_and_run() ->
     plain, h4, int4 = (bench.run_config(v, 1) for v in bench.variants())
     assert (plain.method, h4.method, int4.method) == ("diloco", "diloco", "streaming_diloco")
     assert (plain.diloco.sync_every, h4.diloco.sync_every) == (16, 4)
-    assert (plain.diloco.outer_lr, h4.diloco.outer_lr) == (0.7, 0.5)
+    assert (plain.diloco.outer_lr, h4.diloco.outer_lr) == (None, 0.5)
     assert int4.diloco.quantization == "int4" and plain.diloco.quantization == "none"
     assert str(h4.out).endswith("runs/diloco+h4-s1") and h4.seed == 1
     # Everything else is the study's: the same budget, steps and network.
@@ -76,4 +76,6 @@ def test_a_bad_entry_is_refused_in_one_line_naming_it(
 
 def test_all_is_every_method_and_a_plain_variant_is_the_method() -> None:
     assert CompareBench().method_names() == sorted(STRATEGIES)
+    with_variant = CompareBench(methods=("all", "diloco+h4:diloco.sync-every=4"))
+    assert with_variant.method_names() == [*sorted(STRATEGIES), "diloco+h4"]
     assert Variant("ddp").label == "ddp" and Variant("ddp", "a").spec() == "ddp+a"

@@ -128,6 +128,7 @@ def make_strategy(
     max_grad_norm: float | None = 1.0,
     options: object | None = None,
     seed: int = 0,
+    optimizer: Literal["adamw", "muon"] = "adamw",
 ) -> Strategy:
     """Build the strategy ``method`` around ``model``.
 
@@ -159,13 +160,16 @@ def make_strategy(
             family's defaults. ddp and zero1 take none.
         seed: the run's seed, the same on every worker (SPARTA draws the indices it averages
             from it and the step number).
+        optimizer: ``"adamw"``, or ``"muon"`` (``train``'s ``--optim.name``): Muon on the
+            hidden matrices and AdamW with the settings above on the rest, with Muon's default
+            settings; diloco with it is MuLoCo. Refused by the methods ``train`` refuses it for.
 
     Raises:
         ValueError: for an unknown method, an options object of another family, or an invalid
             hyperparameter, naming the fix.
     """
     context = StrategyContext(
-        optim=AdamWConfig(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+        optim=AdamWConfig(name=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
         schedule=ScheduleConfig(
             kind=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio
         ),

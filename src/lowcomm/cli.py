@@ -213,17 +213,13 @@ def run_methods() -> None:
         summary = " ".join(line.strip() for line in first.splitlines())
         print(
             textwrap.fill(
-                summary, width=width, initial_indent=f"{name:20s} ", subsequent_indent=" " * 21
+                summary,
+                width=width,
+                initial_indent=f"{name:20s} ",
+                subsequent_indent=" " * 21,
+                break_on_hyphens=False,
             )
         )
-    muon = [name for name, cls in sorted(STRATEGIES.items()) if cls.muon_refusal is None]
-    note = (
-        f"--optim.name muon (Muon on the hidden matrices, AdamW on the rest) works with the "
-        f"methods whose inner optimizer is AdamW: {', '.join(muon)}; diloco with muon is "
-        f"MuLoCo (arXiv 2505.23725)."
-    )
-    print()
-    print(textwrap.fill(note, width=width))
 
 
 USAGE = """usage: lowcomm {train,eval,generate,bench,plan,reproduce,methods,selftest} [OPTIONS]

@@ -149,6 +149,12 @@ class TrainConfig:
     eval_batches: int = 8
     """Validation batches per evaluation (split across workers)."""
 
+    log_every: int = 10
+    """Read the training loss and the finiteness check on the host, and gather every worker's
+    step metrics, every this many steps (and before a checkpoint and at the end): each read
+    waits for the device and each gather is a barrier of all workers. metrics.jsonl still has
+    every step; a non-finite loss stops the run up to this many steps after it appeared."""
+
     device: Literal["cpu", "cuda"] = "cpu"
     """cpu (Gloo) or cuda (NCCL, one GPU per worker)."""
 
@@ -156,6 +162,11 @@ class TrainConfig:
     """fp32, or bf16-mixed: forward and backward under torch.autocast in bfloat16 (CPU and
     CUDA), with float32 master parameters, gradients and optimizer states (so state bytes do
     not change); validation runs in float32."""
+
+    tf32: bool = True
+    """On cuda, float32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa
+    inputs, float32 accumulation): `--tf32 False` keeps them in full float32. No effect on
+    the CPU."""
 
     comm_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype gradients and pseudo-gradients travel in: bf16 sends a bfloat16 copy (half the
@@ -248,10 +259,12 @@ class TrainConfig:
             self.device == "cuda"
             and self.clock == "virtual"
             and self.seconds_per_microbatch is None
+            and self.compute_model == "cpu-time"
         ):
             raise ConfigError(
-                "--clock virtual: on cuda the CPU time the virtual clock measures does not see "
-                "GPU kernels; pass --seconds-per-microbatch (the device's cost) or --clock real"
+                "--compute-model cpu-time: on cuda the CPU time the virtual clock measures does "
+                "not see GPU kernels; use --compute-model calibrated (the default: the passes "
+                "are timed with CUDA events), --seconds-per-microbatch, or --clock real"
             )
         if self.seconds_per_microbatch is not None:
             if self.clock != "virtual":
@@ -276,6 +289,10 @@ class TrainConfig:
             raise ConfigError(f"--eval-every: {self.eval_every} must be 1 or more")
         if self.eval_batches < 1:
             raise ConfigError(f"--eval-batches: {self.eval_batches} must be 1 or more")
+        if self.log_every < 1:
+            raise ConfigError(
+                f"--log-every: {self.log_every} must be 1 or more steps; pass e.g. 10"
+            )
         if not 0 < self.collective_timeout_s <= MAX_TIMEOUT_S:
             # (A process group's timeout is a timedelta: inf or a huge value overflows it.)
             raise ConfigError(
@@ -534,7 +551,7 @@ _MISSING = object()
 _RUN_NAME_EXCLUDED = frozenset(
     {
         "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
-        "tensorboard",
+        "tensorboard", "log_every",
         "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
     }
 )  # fmt: skip

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import INNER_LINK, OUTER_LINK, NetworkProfile, check_link
 from lowcomm.optim.adamw import AdamWConfig
-from lowcomm.optim.quantize import QuantizationFormat, encoded_bytes
+from lowcomm.optim.quantize import QuantizationFormat
 from lowcomm.strategies.declaration import Timing, Transfer
 from lowcomm.strategies.option_groups import with_method_options
+from lowcomm.strategies.two_step import shard_payload_bytes
 
 if TYPE_CHECKING:
     from lowcomm.strategies import Strategy
@@ -359,21 +360,25 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     model_bytes = config.element_bytes() * params
     # Each rank carries 1/R of every outer payload over its own outer transfer.
     payload = model_bytes / ranks
-    # The DiLoCo family's quantized outer gradients are all-gathered at their encoded size
-    # (lowcomm.strategies.diloco.OuterExchange); everything else is an all-reduce.
+    # The DiLoCo family's quantized outer gradients travel in two steps at their encoded size
+    # (lowcomm.strategies.two_step: a reduce-scatter of encoded shards, an all-gather of the
+    # re-encoded mean shards); everything else is an all-reduce.
     quantization: QuantizationFormat = getattr(options, "quantization", "none")
     row_size = int(getattr(options, "quantization_row_size", 256))
 
-    def encoded(fraction: float) -> float:
-        return float(
-            encoded_bytes(max(1, round(fraction * params / ranks)), quantization, row_size)
-        )
+    def encoded_shard(fraction: float) -> float:
+        """Bytes of one worker's encoded shard (its chunk in either step)."""
+        numel = max(1, round(fraction * params / ranks))
+        return float(shard_payload_bytes(numel, m, quantization, row_size))
 
     def exchange_seconds(fraction: float) -> float:
         """Seconds of one outer exchange of ``fraction`` of the model (an all-reduce, or the
-        quantized all-gather)."""
+        quantized reduce-scatter and all-gather)."""
         if quantization != "none":
-            return profile.collective_time(CollectiveKind.ALL_GATHER, m * encoded(fraction), m)
+            full = m * encoded_shard(fraction)
+            return profile.collective_time(
+                CollectiveKind.REDUCE_SCATTER, full, m
+            ) + profile.collective_time(CollectiveKind.ALL_GATHER, full, m)
         return profile.collective_time(CollectiveKind.ALL_REDUCE, fraction * payload, m)
 
     def exchange_bytes(fraction: float) -> float:
@@ -381,7 +386,7 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
         if m <= 1:
             return 0.0
         if quantization != "none":
-            return (m - 1) * encoded(fraction)
+            return 2.0 * (m - 1) * encoded_shard(fraction)
         return 2.0 * (m - 1) / m * fraction * payload
 
     transfers = model.traffic(

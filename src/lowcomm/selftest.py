@@ -22,20 +22,31 @@ The checks:
   thread and, on a GPU, its side stream, CO2, DiLoCo with an int4-quantized exchange,
   streaming DiLoCo, eager, CoCoDC, DES-LOC) on the device, compared with the same run on the
   CPU over the Gloo group (on the CPU the two runs must agree exactly).
-* **checkpoint**: a run stopped mid-period, saved, restored into fresh objects and resumed
-  equals the run straight through.
+* **variants**: CO2 and streaming DiLoCo on the real clock (nothing emulated), DDP with bf16
+  on the wire, DiLoCo with an fp8 two-step exchange, and DDP on a Hugging Face GPT-2 (when
+  transformers is installed), each compared with the same run on the CPU.
+* **hierarchical group**: DiLoCo with an fp8 exchange on workers of two ranks each; the
+  replicas of a worker must agree.
+* **checkpoint**: a run stopped mid-period, saved to disk, restored into fresh objects and
+  resumed equals the run straight through.
+
+Under ``torchrun`` (``torchrun --nnodes N --nproc-per-node G ... -m lowcomm selftest --device
+cuda``) the battery runs as torchrun's world, every node's ranks together, instead of
+starting its own processes; rank 0 prints the report. The report ends with a short block to
+paste into a bug report.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import math
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -164,6 +175,22 @@ def selftest_worker(config: SelftestConfig) -> RankReport:
             else f"{method} gave different results on two Gloo groups: report this as a bug",
             lambda method=method: _check_method(method, strategy_group, bookkeeping, device),  # type: ignore[misc]
         )
+    for name, method, variant in _variants():
+        _run_check(
+            report,
+            name,
+            f"{name} differs from the same run on the CPU or failed: report the output as a bug",
+            lambda method=method, variant=variant: _check_method(  # type: ignore[misc]
+                method, strategy_group, bookkeeping, device, variant
+            ),
+        )
+    _run_check(
+        report,
+        "hierarchical group",
+        "workers of two ranks each (--ranks-per-worker 2) failed: check that every rank can "
+        "create sub-groups of the world, then report the output as a bug",
+        lambda: _check_hierarchical(bookkeeping, device, config.timeout_s),
+    )
     _run_check(
         report,
         "checkpoint and resume",
@@ -230,8 +257,10 @@ def _check_clock(device: torch.device) -> str:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     kernels_s = time.perf_counter() - begin
-    # Without the synchronisation the clock would see only the launches (microseconds). On
-    # the CPU nothing is queued; only a sanity check there (a shared CPU preempts).
+    clock.settle_timing()
+    # Timed by the host alone the clock would see only the launches (microseconds); on a GPU
+    # it charges the device time between its timing events. On the CPU nothing is queued;
+    # only a sanity check there (a shared CPU preempts).
     needed = 0.5 * kernels_s if device.type == "cuda" else 0.0
     assert clock.compute_s > needed, (
         f"the clock charged {clock.compute_s * 1e3:.1f} ms of compute for "
@@ -383,7 +412,7 @@ def _measure_bandwidth(comm: Any, device: torch.device, environment: dict[str, s
 # --- method runs ----------------------------------------------------------------------------
 
 
-def _options() -> SimpleNamespace:
+def _options(quantization: str = "int4") -> SimpleNamespace:
     from lowcomm.strategies.acco import AccoOptions
     from lowcomm.strategies.co2 import LocalOptions
     from lowcomm.strategies.desloc import DeslocOptions
@@ -392,15 +421,24 @@ def _options() -> SimpleNamespace:
     return SimpleNamespace(
         acco=AccoOptions(),
         local=LocalOptions(sync_every=2),
-        diloco=DiLoCoOptions(sync_every=2, quantization="int4", quantization_row_size=64),
+        diloco=DiLoCoOptions(
+            sync_every=2,
+            quantization=quantization,  # type: ignore[arg-type]
+            quantization_row_size=64,
+        ),
         desloc=DeslocOptions(param_period=2, first_moment_period=2, second_moment_period=4),
     )
 
 
-def _tiny_model(device: torch.device) -> torch.nn.Module:
+def _tiny_model(device: torch.device, family: str = "gpt") -> torch.nn.Module:
     from lowcomm.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
+    if family != "gpt":  # a Hugging Face model through lowcomm's wrapper
+        from lowcomm.models import ModelConfig, build_model
+
+        config = ModelConfig(family=family, n_layer=1, n_head=2, n_embd=32, block_size=16)
+        return build_model(config, 64).to(device)
     model = GPT(
         GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0)
     )
@@ -413,21 +451,43 @@ def _batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, to
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def _build(method: str, raw: Any, device: torch.device) -> tuple[Any, torch.nn.Module, Any, Any]:
+@dataclass(frozen=True)
+class Variant:
+    """How a method check runs besides the defaults (the virtual clock, float32 on the wire,
+    the int4-quantized DiLoCo exchange, lowcomm's GPT)."""
+
+    clock: Literal["virtual", "real"] = "virtual"
+    comm_dtype: Literal["fp32", "bf16"] = "fp32"
+    quantization: str = "int4"
+    family: str = "gpt"
+
+
+def _build(
+    method: str, raw: Any, device: torch.device, variant: Variant = Variant()
+) -> tuple[Any, torch.nn.Module, Any, Any]:
     """(strategy, model, network comm, clock) of a short deterministic run on ``device``:
-    the virtual clock with a declared micro-batch cost, so clock-driven choices (ACCO's
-    micro-batch counts, CoCoDC's schedule) are the same on every device."""
+    by default the virtual clock with a declared micro-batch cost, so clock-driven choices
+    (ACCO's micro-batch counts, CoCoDC's schedule) are the same on every device; the real
+    clock (``variant``) with nothing emulated, for methods that make no clock-driven choice."""
+    from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.clock import make_clock
     from lowcomm.comm.emulated import NetworkComm
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.optim import AdamWConfig
     from lowcomm.strategies import StrategyContext, build_strategy
 
-    clock = make_clock("virtual", seconds_per_microbatch=0.05, device=device)
-    comm = NetworkComm(raw, NetworkProfile.from_preset("ethernet"), clock, device=device)
-    model = _tiny_model(device)
+    if variant.clock == "real":
+        clock = make_clock("real", device=device)
+        profile = NetworkProfile.from_preset("none")
+    else:
+        clock = make_clock("virtual", seconds_per_microbatch=0.05, device=device)
+        profile = NetworkProfile.from_preset("ethernet")
+    wire = wire_dtype(variant.comm_dtype)
+    comm = NetworkComm(raw, profile, clock, device=device, wire_dtype=wire)
+    model = _tiny_model(device, variant.family)
     context = StrategyContext(optim=AdamWConfig(lr=1e-3), total_steps=2 * _STEPS, max_grad_norm=1.0)
-    return build_strategy(method, model, comm, context, _options()), model, comm, clock
+    options = _options(variant.quantization)
+    return build_strategy(method, model, comm, context, options), model, comm, clock
 
 
 def _train(strategy: Any, model: torch.nn.Module, clock: Any, steps: range, rank: int) -> float:
@@ -456,8 +516,14 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])
 
 
-def _check_method(method: str, strategy_group: Any, bookkeeping: Any, device: torch.device) -> str:
-    strategy, model, _, clock = _build(method, strategy_group, device)
+def _check_method(
+    method: str,
+    strategy_group: Any,
+    bookkeeping: Any,
+    device: torch.device,
+    variant: Variant = Variant(),
+) -> str:
+    strategy, model, _, clock = _build(method, strategy_group, device, variant)
     loss = _train(strategy, model, clock, range(_STEPS), strategy_group.rank)
     stream_note = ""
     if method == "acco" and device.type == "cuda":
@@ -467,8 +533,18 @@ def _check_method(method: str, strategy_group: Any, bookkeeping: Any, device: to
         )
         stream_note = ", chain on the side stream"
     strategy.finish()
+    # The reference: the same run on the CPU over the Gloo group, on the virtual clock (the
+    # methods checked on the real clock make no clock-driven choice).
     reference, reference_model, _, reference_clock = _build(
-        method, bookkeeping, torch.device("cpu")
+        method,
+        bookkeeping,
+        torch.device("cpu"),
+        Variant(
+            clock="virtual",
+            comm_dtype=variant.comm_dtype,
+            quantization=variant.quantization,
+            family=variant.family,
+        ),
     )
     reference_loss = _train(
         reference, reference_model, reference_clock, range(_STEPS), bookkeeping.rank
@@ -494,6 +570,64 @@ def _check_method(method: str, strategy_group: Any, bookkeeping: Any, device: to
     )
 
 
+def _variants() -> list[tuple[str, str, Variant]]:
+    """Method checks beyond the defaults: the real clock (methods whose overlap it times),
+    bf16 on the wire, an fp8 two-step exchange, and a Hugging Face model when transformers
+    is installed."""
+    variants = [
+        ("method co2 (real clock)", "co2", Variant(clock="real")),
+        ("method streaming_diloco (real clock)", "streaming_diloco", Variant(clock="real")),
+        ("method ddp (bf16 on the wire)", "ddp", Variant(comm_dtype="bf16")),
+        ("method diloco (fp8 exchange)", "diloco", Variant(quantization="fp8")),
+    ]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return variants
+    return [*variants, ("method ddp (Hugging Face GPT-2)", "ddp", Variant(family="hf-gpt2"))]
+
+
+def _check_hierarchical(bookkeeping: Any, device: torch.device, timeout_s: float) -> str:
+    """DiLoCo with an fp8 exchange on workers of two ranks each: the replicas of a worker
+    must end with the same parameters (their gradients are averaged every step; the
+    exchange's shards cross the outer link and are reassembled inside the worker)."""
+    import torch.distributed as dist
+
+    from lowcomm.comm.clock import make_clock
+    from lowcomm.comm.hierarchical import HierarchicalComm
+    from lowcomm.launch.groups import level_comms
+    from lowcomm.optim import AdamWConfig
+    from lowcomm.strategies import StrategyContext, build_strategy
+
+    world = dist.get_world_size()
+    if world % 2:
+        return f"skipped: {world} ranks do not split into workers of two"
+    inner, outer = level_comms(2, timeout_s)  # (every rank creates the groups)
+    model = _tiny_model(device)
+    context = StrategyContext(optim=AdamWConfig(lr=1e-3), total_steps=2 * _STEPS, max_grad_norm=1.0)
+    comm = HierarchicalComm(inner, outer)
+    strategy = build_strategy("diloco", model, comm, context, _options("fp8"))
+    clock = make_clock("virtual", seconds_per_microbatch=0.05)
+    loss = _train(strategy, model, clock, range(2 * _STEPS), dist.get_rank())
+    strategy.finish()
+    mine = _flat(model)
+    everyone = torch.zeros(world * mine.numel(), dtype=mine.dtype)
+    bookkeeping.all_gather(everyone, mine, role=_other_role()).wait()
+    rows = everyone.view(world, -1)
+    for rank in range(0, world, 2):
+        assert torch.equal(rows[rank], rows[rank + 1]), (
+            f"ranks {rank} and {rank + 1} (one worker) hold different parameters"
+        )
+    assert math.isfinite(loss), f"loss {loss} is not finite"
+    return f"{world // 2} workers of 2 ranks, diloco with fp8: replicas agree, loss {loss:.4f}"
+
+
+def _other_role() -> Any:
+    from lowcomm.comm.base import Role
+
+    return Role.OTHER
+
+
 def _check_resume(strategy_group: Any, device: torch.device) -> str:
     method, stop = "diloco", 3  # mid-period: outer state and anchors must survive
     strategy, model, _, clock = _build(method, strategy_group, device)
@@ -501,18 +635,18 @@ def _check_resume(strategy_group: Any, device: torch.device) -> str:
     straight = _flat(model)
     strategy, model, comm, clock = _build(method, strategy_group, device)
     _train(strategy, model, clock, range(stop), strategy_group.rank)
-    buffer = io.BytesIO()
-    torch.save(
-        {
-            "strategy": strategy.state_dict(),
-            "model": model.state_dict(),
-            "clock": clock.state_dict(),
-            "comm": comm.state_dict(),
-        },
-        buffer,
-    )
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True, map_location=device)
+    with tempfile.TemporaryDirectory(prefix="lowcomm-selftest-") as directory:
+        path = Path(directory) / f"rank{strategy_group.rank}.pt"  # a checkpoint on disk
+        torch.save(
+            {
+                "strategy": strategy.state_dict(),
+                "model": model.state_dict(),
+                "clock": clock.state_dict(),
+                "comm": comm.state_dict(),
+            },
+            path,
+        )
+        saved = torch.load(path, weights_only=True, map_location=device)
     strategy, model, comm, clock = _build(method, strategy_group, device)
     model.load_state_dict(saved["model"])
     strategy.load_state_dict(saved["strategy"])
@@ -524,7 +658,10 @@ def _check_resume(strategy_group: Any, device: torch.device) -> str:
     # Exact on the CPU; on a GPU some backward kernels (embedding) add in a varying order.
     limit = 0.0 if device.type == "cpu" else 1e-4
     assert distance <= limit, f"the resumed run differs from the straight one by {distance:.2e}"
-    return f"{method}: stopped at step {stop} of {2 * _STEPS}, resumed run equals the straight run"
+    return (
+        f"{method}: stopped at step {stop} of {2 * _STEPS}, saved to and read from disk, "
+        f"resumed run equals the straight run"
+    )
 
 
 # --- the parent -----------------------------------------------------------------------------
@@ -535,6 +672,10 @@ def run_selftest(config: SelftestConfig) -> int:
     from lowcomm.launch import WorkerFailed, spawn_workers
 
     begin = time.perf_counter()
+    from lowcomm.launch import under_torchrun
+
+    if under_torchrun():
+        return _run_as_torchrun_world(config, begin)
     workers = config.workers
     if workers is None:
         workers = max(1, torch.cuda.device_count()) if config.device == "cuda" else 2
@@ -553,6 +694,34 @@ def run_selftest(config: SelftestConfig) -> int:
     print(format_report(reports, time.perf_counter() - begin))
     failed = any(not check.passed for report in reports for check in report.checks)
     return 1 if failed else 0
+
+
+def _run_as_torchrun_world(config: SelftestConfig, begin: float) -> int:
+    """Under ``torchrun``: this process is one rank of torchrun's world (every node's), joins
+    it, runs the battery, and rank 0 prints the report of every rank (gathered on a Gloo
+    group); every rank returns the same exit code."""
+    import torch.distributed as dist
+
+    from lowcomm.launch.spawn import init_from_env
+
+    init_from_env(device=config.device, timeout_s=config.timeout_s)
+    try:
+        if dist.get_rank() == 0:
+            print(
+                f"lowcomm selftest: the torchrun world, {dist.get_world_size()} ranks on "
+                f"{config.device}",
+                flush=True,
+            )
+        report = selftest_worker(config)
+        gloo = dist.new_group(backend="gloo")
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report, group=gloo)
+        if dist.get_rank() == 0:
+            print(format_report(reports, time.perf_counter() - begin), flush=True)
+        failed = any(not check.passed for each in reports for check in each.checks)
+        return 1 if failed else 0
+    finally:
+        dist.destroy_process_group()
 
 
 def format_report(reports: list[RankReport], seconds: float) -> str:
@@ -585,4 +754,26 @@ def format_report(reports: list[RankReport], seconds: float) -> str:
         lines.append(f"      fix: {failure.fix}")
     total = len(first.checks)
     lines.append(f"{passed}/{total} checks passed in {seconds:.0f} s")
+    lines.append(_pasteable(reports, passed, total))
     return "\n".join(lines)
+
+
+def _pasteable(reports: list[RankReport], passed: int, total: int) -> str:
+    """One block a user can paste into a bug report: versions, world, devices, failures."""
+    env = reports[0].environment
+    devices = sorted({report.environment.get("device_name", "?") for report in reports})
+    failed = sorted(
+        {check.name for report in reports for check in report.checks if not check.passed}
+    )
+    versions = [f"torch {env.get('torch', '?')}"]
+    if "nccl" in env:
+        versions.append(f"NCCL {env['nccl']}, CUDA {env.get('cuda', '?')}")
+    return "\n".join(
+        [
+            "--- paste into a bug report ---",
+            f"lowcomm selftest: {passed}/{total} passed; {', '.join(versions)}; backend "
+            f"{env.get('backend', '?')}, {len(reports)} ranks; devices: {', '.join(devices)}",
+            f"failed: {', '.join(failed) if failed else 'none'}",
+            "---",
+        ]
+    )

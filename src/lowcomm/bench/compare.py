@@ -25,11 +25,13 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from lowcomm.atomic import atomic_write_text
+from lowcomm.bench.figures import plot_all
 from lowcomm.bench.runs import (
     CHECKPOINTS_HELP,
     STUDY_CALIBRATION,
     CheckpointPolicy,
     StudyCalibration,
+    bytes_curve,
     run_or_resume,
     study_calibration,
 )
@@ -164,24 +166,28 @@ def _fmt_bytes(count: float) -> str:
     return f"{count:.1f} TB"
 
 
-def run_compare(bench: CompareBench) -> dict[str, Any]:
-    """Run (or resume) the sweep, then write report.md, results.json and the plots."""
-    variants = bench.variants()
-    methods = [variant.label for variant in variants]
-    out = Path(bench.out)
-    out.mkdir(parents=True, exist_ok=True)
+def _study_calibration(bench: CompareBench) -> StudyCalibration | None:
+    """The study's one calibration (``--train.calibration`` or OUT/calibration.json),
+    measured before the first run if the file is missing."""
     from lowcomm.data import prepare_corpus
 
     corpus = prepare_corpus(bench.train.data)
     given = bench.train.calibration
-    study = study_calibration(
+    return study_calibration(
         bench.train,
-        Path(given) if given else out / STUDY_CALIBRATION,
+        Path(given) if given else Path(bench.out) / STUDY_CALIBRATION,
         vocab_size=corpus.vocab_size,
         option="--train.calibration" if given else "--out",
         tag="compare",
     )
-    runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
+
+
+def _run_all(
+    bench: CompareBench, variants: list[Variant], study: StudyCalibration | None
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """Run (or resume) every (variant, seed); the finished runs' summaries by label, each
+    with its validation curve and bytes curve, and the failures."""
+    runs: dict[str, list[dict[str, Any]]] = {variant.label: [] for variant in variants}
     failures: dict[str, str] = {}
     for variant in variants:
         method = variant.label
@@ -189,17 +195,26 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
             config = bench.run_config(variant, seed)
             config = config if study is None else study.apply(config)
             run_dir = Path(str(config.out))
-            summary_path = run_dir / "summary.json"
             error = run_or_resume(
                 config, f"{method} seed {seed}", tag="compare", checkpoints=bench.checkpoints
             )
             if error is not None:
                 failures[f"{method}-s{seed}"] = error
                 continue
-            summary = json.loads(summary_path.read_text())
+            summary = json.loads((run_dir / "summary.json").read_text())
             summary["curve"] = _val_curve(run_dir, summary)
+            summary["bytes_curve"] = bytes_curve(run_dir, summary["curve"], summary)
             runs[method].append(summary)
+    return runs, failures
 
+
+def run_compare(bench: CompareBench) -> dict[str, Any]:
+    """Run (or resume) the sweep, then write report.md, results.json and the plots."""
+    variants = bench.variants()
+    out = Path(bench.out)
+    out.mkdir(parents=True, exist_ok=True)
+    study = _study_calibration(bench)
+    runs, failures = _run_all(bench, variants, study)
     finished = {method: summaries for method, summaries in runs.items() if summaries}
     finals = {m: _mean_sd([s["final_val_loss"] for s in ss]) for m, ss in finished.items()}
     target = bench.target_loss
@@ -253,7 +268,7 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         "train_config": bench.run_config(variants[0].method, 0).to_dict() if variants else {},
     }
     atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
-    _plot(out, finished, bench.train.clock)
+    plot_all(out, finished, bench.train.clock)
     report = _report(bench, rows, target, failures, study)
     atomic_write_text(out / "report.md", report)
     print(report)
@@ -312,9 +327,22 @@ def _report(
         "below the target validation loss, on the run's clock, averaged over seeds (reported only "
         "if every seed reached it).",
         "",
-        "![validation loss vs step](val_loss_vs_step.png)",
+        "Which method wins on this link: final validation loss against modeled time and "
+        "against bytes sent per worker, one point per method (mean, error bars one seed "
+        "standard deviation, faint dots the seeds); ringed and joined, the Pareto front (no "
+        "other method is both faster, or sends less, and ends lower).",
+        "",
+        "![final loss vs modeled time](final_loss_vs_time.png)",
+        "",
+        "![final loss vs bytes](final_loss_vs_bytes.png)",
+        "",
+        "Validation curves, one panel per family, ddp dashed in every panel as the reference:",
         "",
         "![validation loss vs time](val_loss_vs_time.png)",
+        "",
+        "![validation loss vs bytes](val_loss_vs_bytes.png)",
+        "",
+        "![validation loss vs step](val_loss_vs_step.png)",
         "",
         "![utilisation](utilization.png)",
         "",
@@ -334,44 +362,3 @@ def _report(
             + [""]
         )
     return "\n".join(lines)
-
-
-def _plot(out: Path, finished: dict[str, list[dict[str, Any]]], clock: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for name, x_index, label in (
-        ("val_loss_vs_step.png", 0, "step"),
-        ("val_loss_vs_time.png", 1, f"time on the {clock} clock (s)"),
-    ):
-        figure, axis = plt.subplots(figsize=(8, 5))
-        # 20 distinct colours and alternating line styles: every method stays tellable apart.
-        colour_map = plt.get_cmap("tab20")
-        colours = [colour_map(i) for i in range(20)]
-        for index, (method, summaries) in enumerate(sorted(finished.items())):
-            curves = [s["curve"] for s in summaries]
-            length = min(len(c) for c in curves)
-            xs = [statistics.fmean(c[i][x_index] for c in curves) for i in range(length)]
-            ys = [statistics.fmean(c[i][2] for c in curves) for i in range(length)]
-            style = "-" if index % 2 == 0 else "--"
-            axis.plot(
-                xs, ys, style, marker="o", markersize=3, label=method, color=colours[index % 20]
-            )
-        axis.set_xlabel(label)
-        axis.set_ylabel("validation loss")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7, ncol=2)
-        figure.tight_layout()
-        figure.savefig(out / name, dpi=100)
-        plt.close(figure)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    names = sorted(finished)
-    axis.bar(names, [statistics.fmean(s["utilization"] for s in finished[m]) for m in names])
-    axis.set_ylim(0, 1)
-    axis.set_ylabel("utilisation")
-    axis.tick_params(axis="x", rotation=45)
-    figure.tight_layout()
-    figure.savefig(out / "utilization.png", dpi=100)
-    plt.close(figure)

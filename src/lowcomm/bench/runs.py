@@ -108,6 +108,28 @@ def val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, 
     return curve
 
 
+def bytes_curve(
+    run_dir: Path, curve: list[tuple[int, float, float]], summary: dict[str, Any]
+) -> list[float]:
+    """The bytes sent per worker up to each point of ``curve`` (:func:`val_curve`): the sum
+    of metrics.jsonl's per-step bytes through the point's step; the last point's is the
+    summary's total (the final drain included)."""
+    sent: dict[int, float] = {}
+    total = 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        total += float(record.get("bytes_sent_per_worker", 0.0))
+        sent[record["step"] + 1] = total
+    steps = sorted(sent)
+    points = []
+    for step, _, _ in curve:
+        reached = [s for s in steps if s <= step]
+        points.append(sent[reached[-1]] if reached else 0.0)
+    if points:
+        points[-1] = float(summary["bytes_sent_per_worker"])
+    return points
+
+
 def mean_sd(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (NaN when there are fewer than two values)."""
     if not values:
@@ -142,7 +164,7 @@ class StudyCalibration:
     def describe(self, reuse: str) -> str:
         """The report's sentence: what every run charged and how to charge it again."""
         c = self.calibration
-        origin = "measured before the study's first run" if self.measured else "read from"
+        origin = "measured before the study's first run, saved in" if self.measured else "read from"
         return (
             f"Compute: every run on the calibrated model charges one calibration, "
             f"{c.seconds_per_microbatch * 1e3:.1f} ms per micro-batch of {c.micro_batch_size} x "

@@ -120,18 +120,25 @@ def parse_variant(entry: str, known: Collection[str]) -> Variant:
 
 
 def parse_methods(arguments: Sequence[str], known: Collection[str]) -> list[Variant]:
-    """The variants ``--methods`` names (every known method for ``all``), labels unique, each
+    """The variants ``--methods`` names (``all``: every known method, to which variants may
+    be added), labels unique, each
     variant's options checked against a default configuration.
 
     Raises ValueError naming the entry, the rule and the fix."""
     entries = split_entries(arguments)
-    if entries == ["all"]:
-        return [Variant(method) for method in sorted(known)]
     if not entries:
         raise ValueError(
             f"--methods: no method given; choose from {', '.join(sorted(known))} or pass all"
         )
-    variants = [parse_variant(entry, known) for entry in entries]
+    variants = [
+        variant
+        for entry in entries
+        for variant in (
+            [Variant(method) for method in sorted(known)]
+            if entry == "all"
+            else [parse_variant(entry, known)]
+        )
+    ]
     labels = [variant.label for variant in variants]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:

@@ -180,6 +180,15 @@ class Comm(Protocol):
         """Concatenate every rank's ``input`` (in rank order) into ``output``."""
         ...
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        """Send chunk ``j`` of ``input`` (``world_size`` equal chunks) to rank ``j``; chunk
+        ``i`` of ``output`` receives rank ``i``'s chunk for this rank.
+
+        The first step of a reduce-scatter whose reduction cannot run on the wire (quantized
+        payloads: each shard's owner decodes and sums what it received): it moves and is
+        counted and priced as a reduce-scatter of ``input``."""
+        ...
+
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         """Copy ``tensor`` from rank ``src`` to every rank, in place."""
         ...

@@ -6,11 +6,11 @@ communication layer calls :meth:`Clock.mark` at every collective launch and befo
 wait, so strategies never have to bracket their compute by hand.
 
 * :class:`RealClock` measures wall time. A straggler's speed factor is emulated by sleeping
-  ``(factor - 1) x`` its measured compute, charged to compute. On a GPU it synchronises the
-  device wherever it reads the time: kernels are queued, so without that the compute queued
-  before a collective would be charged to whichever region blocks next (a wait, as exposed
-  communication, or an excluded evaluation), and a wait that only orders streams would show
-  no exposed time at all.
+  ``(factor - 1) x`` its measured compute, charged to compute. On a GPU, compute and exposed
+  communication are the device times between timing events recorded at the region
+  boundaries on the worker's stream (:mod:`lowcomm.comm.device_timing`), never a
+  device-wide synchronisation, which would drain NCCL's streams and undo every overlap; its
+  readings (``now``, the launch times of the network model) are the host's wall time.
 * :class:`VirtualClock` keeps a modeled time per worker (:class:`~lowcomm.comm.calibration.CalibratedClock`,
   the training default, charges calibrated costs instead). Compute advances it by the CPU time
   of the calling thread times the worker's speed factor (so four workers sharing two cores
@@ -34,10 +34,11 @@ from array import array
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from lowcomm.comm.device_timing import DeviceTimeline
 from lowcomm.comm.overlap import HelperMeter
 
 ClockKind = Literal["real", "virtual"]
@@ -123,6 +124,21 @@ class Clock(ABC):
         """A region charged to neither compute nor communication (evaluation, metrics)."""
         yield
 
+    def marker(self) -> object:
+        """A point of this clock's compute and exposed totals, read by :meth:`totals_at`
+        (later: on a GPU the totals are known once the device has reached the point)."""
+        return (self.compute_s, self.exposed_comm_s)
+
+    def totals_at(self, marker: object) -> tuple[float, float]:
+        """(compute_s, exposed_comm_s) at ``marker`` (from :meth:`marker`)."""
+        assert isinstance(marker, tuple)
+        return float(marker[0]), float(marker[1])
+
+    def settle_timing(self) -> None:
+        """Make ``compute_s`` and ``exposed_comm_s`` exact now (a GPU clock waits for its
+        timing events; others are exact already)."""
+        return None
+
     def microbatch_done(self) -> None:
         """Called after each forward/backward micro-batch; only a declared cost uses it."""
         return None
@@ -206,16 +222,29 @@ class RealClock(Clock):
 
     Args:
         speed_factor: emulated slowdown of this worker's compute.
-        device: the worker's device; on a GPU every reading first waits for the work queued
-            on it (``torch.cuda.synchronize``), so queued kernels land in the region that
-            issued them.
+        device: the worker's device; on a GPU, compute and exposed communication are the
+            device times between timing events at the region boundaries
+            (:mod:`lowcomm.comm.device_timing`): known once the device has run them (read a
+            step's through :meth:`marker`), never by synchronising the device.
+        cuda: ``torch.cuda`` (a stand-in in tests).
     """
 
     kind: ClockKind = "real"
 
-    def __init__(self, *, speed_factor: float = 1.0, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        speed_factor: float = 1.0,
+        device: torch.device | None = None,
+        cuda: Any = None,
+    ) -> None:
+        self._timeline: DeviceTimeline | None = None
+        self._compute_base = 0.0
+        self._exposed_base = 0.0
         super().__init__(speed_factor=speed_factor)
         self._device = device if device is not None and device.type == "cuda" else None
+        if self._device is not None:
+            self._timeline = DeviceTimeline(self._device, cuda)
         self._start = time.perf_counter()
         self._excluded_s = 0.0
         self._last_mark = self._start
@@ -235,10 +264,53 @@ class RealClock(Clock):
         # The latest excluded regions, (begin, end) perf_counter values, for at().
         self._exclusions: deque[tuple[float, float]] = deque(maxlen=EXCLUSIONS_KEPT)
 
+    # On a GPU, compute and exposed time are the timeline's device times (plus what a
+    # checkpoint restored); on a CPU, plain host seconds.
+    @property
+    def compute_s(self) -> float:
+        extra = 0.0 if self._timeline is None else self._timeline.totals["compute"]
+        return self._compute_base + extra
+
+    @compute_s.setter
+    def compute_s(self, value: float) -> None:
+        extra = 0.0 if self._timeline is None else self._timeline.totals["compute"]
+        self._compute_base = value - extra
+
+    @property
+    def exposed_comm_s(self) -> float:
+        extra = 0.0 if self._timeline is None else self._timeline.totals["exposed"]
+        return self._exposed_base + extra
+
+    @exposed_comm_s.setter
+    def exposed_comm_s(self, value: float) -> None:
+        extra = 0.0 if self._timeline is None else self._timeline.totals["exposed"]
+        self._exposed_base = value - extra
+
+    def _boundary(self, ended: str) -> None:
+        if self._timeline is not None:
+            self._timeline.boundary(ended)
+
+    def marker(self) -> object:
+        if self._timeline is None:
+            return super().marker()
+        self.mark()
+        index = self._timeline.boundary("compute")
+        self._timeline.want(index)
+        return ("event", index, self._compute_base, self._exposed_base)
+
+    def totals_at(self, marker: object) -> tuple[float, float]:
+        if self._timeline is None or not (isinstance(marker, tuple) and marker[0] == "event"):
+            return super().totals_at(marker)
+        _, index, compute_base, exposed_base = marker
+        totals = self._timeline.totals_at(index)
+        return compute_base + totals["compute"], exposed_base + totals["exposed"]
+
+    def settle_timing(self) -> None:
+        if self._timeline is not None:
+            self._timeline.settle()
+
     def _time(self) -> float:
-        """``perf_counter`` after the device's queued work is done."""
-        if self._device is not None:
-            torch.cuda.synchronize(self._device)
+        """The host's ``perf_counter`` (on a GPU the device's times come from the timeline)."""
         return time.perf_counter()
 
     def _wall(self) -> float:
@@ -255,7 +327,10 @@ class RealClock(Clock):
                 self.slowdown_s += extra
             now = time.perf_counter()  # the sleep queued nothing on the device
             elapsed = now - self._last_mark
-        self.compute_s += elapsed
+        if self._timeline is None:
+            self.compute_s += elapsed
+        else:  # the device time of the region's kernels (the sleep's gap included)
+            self._timeline.boundary("compute")
         self._last_mark = now
         if self._owner_cpu is not None:
             cpu = self._owner_cpu.read()
@@ -268,6 +343,7 @@ class RealClock(Clock):
             self._last_cpu = self._owner_cpu.read()
 
     def state_dict(self) -> dict[str, float | str]:
+        self.settle_timing()  # (a checkpoint, outside the steps: exact totals)
         state = super().state_dict()
         if self._owner_cpu is not None and self._cpu_known:
             state["compute_cpu_s"] = self.compute_cpu_s
@@ -349,9 +425,13 @@ class RealClock(Clock):
         try:
             yield
         finally:
-            # On a GPU the wait may only order streams: the transfer ends here.
+            # On a GPU the wait may only order streams: the timeline's event after it
+            # completes when the transfer does, and the region's device time is the exposure.
             end = self._time()
-            self.exposed_comm_s += end - begin
+            if self._timeline is None:
+                self.exposed_comm_s += end - begin
+            else:
+                self._timeline.boundary("exposed")
             self._last_mark = end
             self._skip_cpu()
 
@@ -362,7 +442,8 @@ class RealClock(Clock):
         try:
             yield
         finally:
-            end = self._time()  # the excluded region's kernels stay excluded
+            end = self._time()
+            self._boundary("excluded")  # (on a GPU its kernels' device time stays excluded)
             self._excluded_s += end - begin
             self._exclusions.append((begin, end))
             self._last_mark = end

@@ -315,6 +315,17 @@ class NetworkComm:
             output.device,
         )
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        """Priced and counted as the reduce-scatter of ``input`` it is the first step of
+        (each rank sends the other ranks' chunks: (n-1)/n of the payload, as a ring does)."""
+        return self._launch(
+            CollectiveKind.REDUCE_SCATTER,
+            role,
+            payload_bytes(input),
+            lambda: self.raw.all_to_all(output, input, role=role),
+            input.device,
+        )
+
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         return self._launch(
             CollectiveKind.BROADCAST,

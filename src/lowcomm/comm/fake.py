@@ -105,6 +105,15 @@ class RecordingComm:
         output.view(self._world_size, -1).copy_(input.reshape(1, -1))
         return CompletedHandle()
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        """Every rank holds this rank's input, so each sends this rank the chunk ``rank``:
+        recorded as the reduce-scatter it implements."""
+        check_scatter_shapes(output, input, 1, "all_to_all")
+        self._record(CollectiveKind.REDUCE_SCATTER, role, input)
+        chunks = input.reshape(self._world_size, -1)
+        output.view(self._world_size, -1).copy_(chunks[self._rank].reshape(1, -1))
+        return CompletedHandle()
+
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         self._record(CollectiveKind.BROADCAST, role, tensor)
         return CompletedHandle()

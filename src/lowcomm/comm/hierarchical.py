@@ -4,8 +4,8 @@ workers over the slow outer link.
 Global rank ``g`` is rank ``r = g % R`` of worker ``m = g // R``. The *inner* group holds the R
 ranks of one worker; the *outer* group holds the M ranks with the same local index ``r``, one
 per worker. All R ranks of a worker are replicas: they hold the same parameters and optimizer
-state and run the same strategy code (their gradients are averaged over the inner group after
-every micro-batch, see :func:`averaging_closure`).
+state and run the same strategy code (their gradients are averaged over the inner group once
+per step, on the strategy's flat gradient buffer: ``strategies.gradient_step.accumulate``).
 
 :class:`HierarchicalComm` is the ``Comm`` a strategy sees: ``rank = m``, ``world_size = M``.
 Because a collective's input is the same on every rank of a worker, each rank only moves its
@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from torch import nn
 
 from lowcomm.comm.base import (
     Charge,
@@ -44,8 +43,6 @@ from lowcomm.comm.base import (
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.runtime import ClockReader, Runtime
-
-T = TypeVar("T")
 
 
 def slice_length(numel: int, ranks: int) -> int:
@@ -311,6 +308,32 @@ class HierarchicalComm:
 
         return self._two_stage(handle, gather, _gather_charge(full, role), finish)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        """Each rank moves slice ``r`` of every chunk over the outer link (the chunks are the
+        same on every rank of a worker), then the inner all-gather reassembles the chunks
+        this worker received."""
+        m_count = self.world_size
+        check_scatter_shapes(output, input, 1, "all_to_all")
+        n = input.numel() // m_count
+        ranks, r = self.ranks_per_worker, self.local_rank
+        c = slice_length(n, ranks)
+        begin, end = min(r * c, n), min((r + 1) * c, n)
+        send = torch.zeros(m_count, c, dtype=input.dtype, device=input.device)
+        send[:, : end - begin] = input.reshape(m_count, n)[:, begin:end]
+        received = torch.empty(m_count * c, dtype=input.dtype, device=input.device)
+        handle = self.outer_comm.all_to_all(received, send.view(-1), role=role)
+        full = torch.empty(ranks * m_count * c, dtype=input.dtype, device=input.device)
+
+        def gather(level: Comm) -> Handle:
+            return level.all_gather(full, received, role=role)
+
+        def finish() -> None:
+            # full[r', i, :] is slice r' of what worker i sent this worker.
+            by_worker = full.view(ranks, m_count, c).permute(1, 0, 2).reshape(m_count, ranks * c)
+            output.view(m_count, n).copy_(by_worker[:, :n])
+
+        return self._two_stage(handle, gather, _gather_charge(full, role), finish)
+
     def barrier(self) -> Handle:
         def gather(level: Comm) -> Handle:
             return level.barrier()
@@ -426,30 +449,3 @@ def uncharged(comm: Comm) -> Comm:
     if isinstance(comm, HierarchicalComm):
         return comm.uncharged()
     return comm
-
-
-def averaging_closure(closure: Callable[[], T], model: nn.Module, inner: Comm) -> Callable[[], T]:
-    """Wrap a training closure so that, after its backward, the gradients are averaged over
-    the worker's inner group (exact inner synchronous data parallelism).
-
-    The gradients held before the call (accumulated earlier in the step) are the same on every
-    replica, so the mean of ``previous + fresh_r`` over the R ranks is ``previous +`` the mean
-    of the fresh gradients: one all-reduce of all gradients per micro-batch, no stash needed.
-    """
-    if inner.world_size == 1:
-        return closure
-
-    def wrapped() -> T:
-        result = closure()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            inner.all_reduce(flat, op="mean", role=Role.GRADIENT).wait()
-            offset = 0
-            with torch.no_grad():
-                for g in grads:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
-        return result
-
-    return wrapped

@@ -67,8 +67,10 @@ class ClockReader:
         self._clock.fold(meter)
 
     def compute_seconds(self) -> float:
-        """Compute time this worker has accumulated so far, on this clock."""
+        """Compute time this worker has accumulated so far, on this clock (on a GPU's real
+        clock: waits for the worker's stream to reach this point, not for the device)."""
         self._clock.mark()
+        self._clock.settle_timing()
         return float(self._clock.compute_s)
 
 

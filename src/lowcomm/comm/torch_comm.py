@@ -254,6 +254,11 @@ class TorchComm:
         work = _all_gather(output, input, group=self._group, async_op=True)
         return self._handle(work, f"all_gather ({role.value})", output, keep=(output, input))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        check_scatter_shapes(output, input, 1, "all_to_all")
+        work = dist.all_to_all_single(output, input, group=self._group, async_op=True)
+        return self._handle(work, f"all_to_all ({role.value})", input, keep=(output, input))
+
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         global_src = dist.get_global_rank(self._group, src) if self._group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self._group, async_op=True)

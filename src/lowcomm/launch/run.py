@@ -121,8 +121,9 @@ def preflight(config: TrainConfig) -> str | None:
 def _check_data_path(config: TrainConfig) -> None:
     if config.data.data is not None and not Path(config.data.data).expanduser().exists():
         raise ConfigError(
-            f"--data: path {config.data.data!r} does not exist; pass a text file, a "
-            f"folder of .txt/.jsonl files, or omit it to use the bundled corpus"
+            f"--data: path {config.data.data!r} does not exist; pass a text, JSONL or parquet "
+            f"file, a folder of them, a save_to_disk dataset, a .npy/.bin token file, or omit "
+            f"it to use the bundled corpus"
         )
 
 
@@ -217,7 +218,13 @@ def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
     """The line saying what the prepared corpus holds."""
     files = len(corpus.source_names)
     tokens = corpus.num_train_tokens + corpus.num_val_tokens
-    tokenizer = "tokenizer and tokens from the cache" if corpus.from_cache else "tokenized now"
+    from lowcomm.data.tokenfile import is_token_file
+
+    if is_token_file(str(corpus.token_file)):
+        checked = "checked before" if corpus.from_cache else "checked now"
+        tokenizer = f"mapped from {corpus.token_file}, {checked},"
+    else:
+        tokenizer = "tokenizer and tokens from the cache" if corpus.from_cache else "tokenized now"
     return (
         f"corpus: {files:,} file{'s' if files != 1 else ''}, {corpus.num_documents:,} "
         f"documents, {tokens:,} tokens ({corpus.num_train_tokens:,} train, "

@@ -14,6 +14,7 @@ matmul in bfloat16 (autocast), since that is where low precision hurts.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as functional
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -23,14 +24,15 @@ CHUNK_ELEMENTS = 1 << 24
 computed in one piece, exactly as an unchunked cross-entropy."""
 
 
-def fits_one_chunk(rows: int, vocab_size: int, chunk_elements: int = CHUNK_ELEMENTS) -> bool:
-    """Whether ``rows x vocab_size`` logits fit in one chunk (then no chunking is needed)."""
-    return rows * vocab_size <= chunk_elements
+def fits_one_chunk(rows: int, vocab_size: int, chunk_elements: int | None = None) -> bool:
+    """Whether ``rows x vocab_size`` logits fit in one chunk of ``chunk_elements`` (default
+    :data:`CHUNK_ELEMENTS`); then no chunking is needed."""
+    return rows * vocab_size <= (CHUNK_ELEMENTS if chunk_elements is None else chunk_elements)
 
 
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor) -> Tensor:
-    logits = functional.linear(hidden, weight, bias).float()  # (n, V)
-    return functional.cross_entropy(logits, targets, reduction="sum")
+    logits = functional.linear(hidden, weight, bias)  # (n, V)
+    return functional.cross_entropy(at_least_float32(logits), targets, reduction="sum")
 
 
 def chunked_cross_entropy(
@@ -39,7 +41,7 @@ def chunked_cross_entropy(
     targets: Tensor,
     bias: Tensor | None = None,
     *,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, chunk by chunk.
 
@@ -48,7 +50,7 @@ def chunked_cross_entropy(
         weight: Output matrix, shape ``(V, H)``.
         targets: Target ids, shape ``(N,)`` (or ``(B, T)``).
         bias: Output bias ``(V,)``, or None.
-        chunk_elements: Most logits computed at once.
+        chunk_elements: Most logits computed at once (default :data:`CHUNK_ELEMENTS`).
 
     Returns:
         The mean over all ``N`` rows, a float32 scalar.
@@ -56,7 +58,8 @@ def chunked_cross_entropy(
     hidden = hidden.reshape(-1, hidden.size(-1))
     targets = targets.reshape(-1)
     rows, vocab_size = hidden.size(0), weight.size(0)
-    step = max(1, chunk_elements // vocab_size)
+    budget = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    step = max(1, budget // vocab_size)
     total: Tensor | None = None
     for start in range(0, rows, step):
         part = checkpoint(
@@ -72,11 +75,15 @@ def chunked_cross_entropy(
     return total / rows
 
 
+def at_least_float32(logits: Tensor) -> Tensor:
+    """Logits in float32, or wider if they are (float64 stays float64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean cross-entropy of logits already computed, in float32: the one-piece path."""
-    return functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)
-    )
+    flat = logits.reshape(-1, logits.size(-1))
+    return functional.cross_entropy(at_least_float32(flat), targets.reshape(-1))
 
 
 __all__ = ["CHUNK_ELEMENTS", "chunked_cross_entropy", "fits_one_chunk", "next_token_loss"]

@@ -93,6 +93,15 @@ class AdamWConfig:
                 f"--optim.muon-lr-scale: unknown {self.muon_lr_scale!r}; choose "
                 f"match_rms_adamw or original"
             )
+        if self.name != "muon":
+            defaults = AdamWConfig(name="muon")
+            for key in ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_lr_scale"):
+                if getattr(self, key) != getattr(defaults, key):
+                    flag = "--optim." + key.replace("_", "-")
+                    raise ValueError(
+                        f"{flag}: {getattr(self, key)!r} is set but --optim.name is "
+                        f"{self.name}; add --optim.name muon, or drop {flag}"
+                    )
 
 
 def _adamw_update(
@@ -115,6 +124,34 @@ def _adamw_update(
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     denom = (exp_avg_sq / bias2).sqrt_().add_(config.eps)
     master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+def fused_available(master: torch.Tensor) -> bool:
+    """Whether steps on ``master`` use torch's fused AdamW kernel: on a GPU, where it exists
+    (one kernel for the whole update, no full-size temporary). On the CPU the update stays
+    :func:`_adamw_update`'s, bit for bit the one the regression pins were recorded with."""
+    return master.is_cuda and hasattr(torch, "_fused_adamw_")
+
+
+def _fused_adamw_update(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    config: AdamWConfig,
+    lr: float,
+) -> None:
+    """:func:`_adamw_update` with one counter (s_m = s_v, held in the one-element float32
+    ``step`` on the master's device) through torch's fused AdamW kernel: the same update,
+    equal to rounding (it divides sqrt(v) by sqrt(1 - beta2^s) where the unfused path takes
+    sqrt(v / (1 - beta2^s)))."""
+    beta1, beta2 = config.betas
+    torch._fused_adamw_(
+        [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=config.weight_decay, eps=config.eps,
+        amsgrad=False, maximize=False,
+    )  # fmt: skip
 
 
 class FlatAdamW:
@@ -148,6 +185,26 @@ class FlatAdamW:
         self.first_moment_steps = 0
         self.second_moment_steps = 0
 
+    def _update(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        moments: tuple[torch.Tensor, torch.Tensor],
+        steps: tuple[int, int],
+        lr: float,
+    ) -> None:
+        """One update (the step's and the lookahead's, so that the two agree): torch's fused
+        kernel on a GPU when both moments count the same steps, else :func:`_adamw_update`."""
+        if fused_available(master) and steps[0] == steps[1]:
+            counter = getattr(self, "_fused_step", None)
+            if counter is None:
+                counter = torch.zeros((), dtype=torch.float32, device=master.device)
+                self._fused_step = counter
+            counter.fill_(float(steps[0]))  # (a fill kernel: no host-to-device copy)
+            _fused_adamw_update(master, grad, *moments, counter, self.config, lr)
+            return
+        _adamw_update(master, grad, *moments, steps, self.config, lr)
+
     @property
     def step_count(self) -> int:
         """Steps taken since the state started (the first moment's counter)."""
@@ -157,18 +214,18 @@ class FlatAdamW:
         """Apply one AdamW step with gradient ``grad`` (same shape as the master)."""
         self.first_moment_steps += 1
         self.second_moment_steps += 1
-        _adamw_update(
-            self.master, grad, self.exp_avg, self.exp_avg_sq,
-            (self.first_moment_steps, self.second_moment_steps), self.config, lr,
+        self._update(
+            self.master, grad, (self.exp_avg, self.exp_avg_sq),
+            (self.first_moment_steps, self.second_moment_steps), lr,
         )  # fmt: skip
 
     def lookahead(self, grad: torch.Tensor, *, lr: float, out: torch.Tensor) -> torch.Tensor:
         """AdamW lookahead (docs/ALGORITHMS.md §0.3): the theta' one step with ``grad`` would
         give from the current (theta, m, v, s), written to ``out``; nothing is written back."""
         out.copy_(self.master)
-        _adamw_update(
-            out, grad, self.exp_avg.clone(), self.exp_avg_sq.clone(),
-            (self.first_moment_steps + 1, self.second_moment_steps + 1), self.config, lr,
+        self._update(
+            out, grad, (self.exp_avg.clone(), self.exp_avg_sq.clone()),
+            (self.first_moment_steps + 1, self.second_moment_steps + 1), lr,
         )  # fmt: skip
         return out
 
@@ -241,9 +298,9 @@ class ReplicaShardedAdamW(FlatAdamW):
         self.first_moment_steps += 1
         self.second_moment_steps += 1
         mine = slice(self.begin, self.end)
-        _adamw_update(
-            self.master[mine], grad[mine], self.exp_avg, self.exp_avg_sq,
-            (self.first_moment_steps, self.second_moment_steps), self.config, lr,
+        self._update(
+            self.master[mine], grad[mine], (self.exp_avg, self.exp_avg_sq),
+            (self.first_moment_steps, self.second_moment_steps), lr,
         )  # fmt: skip
         piece = torch.zeros(self.slice_numel, dtype=torch.float32, device=self.master.device)
         piece[: self.end - self.begin].copy_(self.master[mine])

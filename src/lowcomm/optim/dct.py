@@ -114,10 +114,11 @@ class BlockDCT:
         (a, b), (s1, s2) = self.matrix_shape, self.sides
         c1 = dct_matrix(s1, x.device, x.dtype)
         c2 = dct_matrix(s2, x.device, x.dtype)
-        tiles = x.reshape(a // s1, s1, b // s2, s2)
-        # Per tile (y, x): C1 @ tile @ C2^T, laid out as (y, x, i, j).
-        coefficients = torch.einsum("yhxw,ih,jw->yxij", tiles, c1, c2)
-        return coefficients.reshape(-1, s1 * s2)
+        # Per tile C1 @ tile @ C2^T, as two large matmuls: along the columns (every row of
+        # every tile), then along the rows of each band of s1 rows; then one row per tile.
+        y = (x.reshape(a, b // s2, s2) @ c2.T).reshape(a // s1, s1, b)
+        y = (c1 @ y).reshape(a // s1, s1, b // s2, s2)
+        return y.transpose(1, 2).reshape(-1, s1 * s2)
 
     def inverse(self, rows: torch.Tensor) -> torch.Tensor:
         """The tensor (``shape``) whose :meth:`forward` is ``rows``."""
@@ -126,6 +127,6 @@ class BlockDCT:
         (a, b), (s1, s2) = self.matrix_shape, self.sides
         c1 = dct_matrix(s1, rows.device, rows.dtype)
         c2 = dct_matrix(s2, rows.device, rows.dtype)
-        coefficients = rows.reshape(a // s1, b // s2, s1, s2)
-        tiles = torch.einsum("yxij,ih,jw->yhxw", coefficients, c1, c2)
-        return tiles.reshape(self.shape)
+        y = rows.reshape(a // s1, b // s2, s1, s2).transpose(1, 2).reshape(a // s1, s1, b)
+        y = (c1.T @ y).reshape(a, b // s2, s2)
+        return (y @ c2).reshape(self.shape)

@@ -290,7 +290,7 @@ def muon_refusal(method: str, why: str) -> ValueError:
     """The one-line error of a method that cannot run Muon as its inner optimizer."""
     return ValueError(
         f"--optim.name: muon with --method {method}: {why}; use --optim.name adamw with this "
-        f"method, or a method whose inner optimizer is AdamW (ddp, the local and DiLoCo families)"
+        f"method, or a method whose inner optimizer is AdamW (`lowcomm methods` lists them)"
     )
 
 

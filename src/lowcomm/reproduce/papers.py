@@ -466,10 +466,15 @@ def cocodc_runs(s: Scale) -> list[RunSpec]:
     c = s.common()
     h, k = s.diloco_sync, s.fragments
     tau2 = min(COCO_TAU, h // (2 * k) - 1)
-    overlapped = DiLoCoOptions(sync_every=h, fragments=k, overlap_steps=COCO_TAU)
+    overlapped = DiLoCoOptions(
+        sync_every=h, fragments=k, overlap_steps=COCO_TAU, outer_defaults="paper"
+    )
     cocodc = replace(c, method="cocodc", diloco=overlapped)
     return [
-        RunSpec(DILOCO, replace(c, method="diloco", diloco=DiLoCoOptions(sync_every=h))),
+        RunSpec(
+            DILOCO,
+            replace(c, method="diloco", diloco=DiLoCoOptions(sync_every=h, outer_defaults="paper")),
+        ),
         RunSpec(STREAM, replace(c, method="streaming_diloco", diloco=overlapped)),
         RunSpec(COCO, cocodc),
         RunSpec(
@@ -481,7 +486,9 @@ def cocodc_runs(s: Scale) -> list[RunSpec]:
             replace(
                 c,
                 method="streaming_diloco",
-                diloco=DiLoCoOptions(sync_every=h // 2, fragments=k, overlap_steps=tau2),
+                diloco=DiLoCoOptions(
+                    sync_every=h // 2, fragments=k, overlap_steps=tau2, outer_defaults="paper"
+                ),
             ),
         ),
     ]
@@ -589,7 +596,11 @@ def eager_runs(s: Scale) -> list[RunSpec]:
     low, h, high = _eager_hs(s)
 
     def at(period: int, method: str, **options: Any) -> TrainConfig:
-        return replace(c, method=method, diloco=DiLoCoOptions(sync_every=period, **options))
+        return replace(
+            c,
+            method=method,
+            diloco=DiLoCoOptions(sync_every=period, outer_defaults="paper", **options),
+        )
 
     runs = [
         RunSpec(f"diloco H={h}", at(h, "diloco")),

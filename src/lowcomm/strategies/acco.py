@@ -62,10 +62,12 @@ from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import (
     Closure,
+    Loss,
     MicroBatchResult,
     StepStats,
     Strategy,
     StrategyContext,
+    add_loss,
 )
 from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
@@ -120,19 +122,19 @@ class _Mode(enum.Enum):
 class _Tally:
     """Micro-batches one worker ran during one step (or one phase)."""
 
-    loss_sum: float = 0.0
+    loss_sum: Loss = 0.0
     microbatches: int = 0
     samples: int = 0
     tokens: int = 0
 
     def add(self, result: MicroBatchResult) -> None:
-        self.loss_sum += result.loss
+        self.loss_sum = add_loss(self.loss_sum, result.loss)
         self.microbatches += 1
         self.samples += result.samples
         self.tokens += result.tokens
 
     def merge(self, other: _Tally) -> None:
-        self.loss_sum += other.loss_sum
+        self.loss_sum = add_loss(self.loss_sum, other.loss_sum)
         self.microbatches += other.microbatches
         self.samples += other.samples
         self.tokens += other.tokens

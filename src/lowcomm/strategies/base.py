@@ -33,12 +33,25 @@ from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.schedule import ScheduleConfig, learning_rate
 from lowcomm.strategies.declaration import CostModel
 
+#: A micro-batch's or a step's loss: a host float or a 0-dim (device) tensor.
+Loss = float | torch.Tensor
+
+
+def add_loss(total: Loss, loss: Loss) -> Loss:
+    """``total + loss`` in float64 without a host read (a tensor stays on its device): the
+    same number, bit for bit, as summing the losses as Python floats in the same order."""
+    if isinstance(loss, torch.Tensor):
+        loss = loss.detach().to(torch.float64)
+    return total + loss
+
 
 @dataclass(frozen=True)
 class MicroBatchResult:
-    """What a closure reports about the micro-batch it ran."""
+    """What a closure reports about the micro-batch it ran (``loss``: a float, or a 0-dim
+    tensor left on the device so that the step reads nothing back to the host; the training
+    loop reads it every ``--log-every`` steps)."""
 
-    loss: float
+    loss: Loss
     samples: int
     tokens: int
 
@@ -50,7 +63,9 @@ Closure = Callable[[], MicroBatchResult]
 class StepStats:
     """What one strategy step did on this worker."""
 
-    loss: float
+    loss: Loss
+    """Mean loss of the step's micro-batches: a float, or a float64 device tensor when the
+    closure reported tensors (see :func:`add_loss`)."""
     microbatches: int
     samples: int
     tokens: int
@@ -227,14 +242,14 @@ def clip_(grads: torch.Tensor, squared_norm: torch.Tensor, max_norm: float | Non
     grads.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
 
 
-def run_microbatches(closure: Closure, count: int) -> tuple[float, int, int]:
+def run_microbatches(closure: Closure, count: int) -> tuple[Loss, int, int]:
     """Run ``count`` micro-batches; return (mean loss, samples, tokens)."""
-    total_loss = 0.0
+    total_loss: Loss = 0.0
     samples = 0
     tokens = 0
     for _ in range(count):
         result = closure()
-        total_loss += result.loss
+        total_loss = add_loss(total_loss, result.loss)
         samples += result.samples
         tokens += result.tokens
     return total_loss / count, samples, tokens

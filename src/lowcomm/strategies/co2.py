@@ -42,7 +42,7 @@ from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
 from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.sgd import FlatSGD
-from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.base import Closure, Loss, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import (
@@ -227,10 +227,10 @@ class _LocalUpdate(Strategy):
         if self._separate_master:
             self.inner.master.copy_(self.flat.params)
 
-    def _inner_step(self, closure: Closure) -> tuple[float, int, int, float]:
+    def _inner_step(self, closure: Closure) -> tuple[Loss, int, int, float]:
         """One local optimizer step on this worker's own gradient (no communication)."""
         count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count)
+        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
             # Local methods clip the worker's own gradient (there is no averaged one).

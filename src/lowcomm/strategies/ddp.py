@@ -59,7 +59,7 @@ class DDP(Strategy):
 
     def step(self, closure: Closure) -> StepStats:
         count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count)
+        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
         grads = self.flat.grads
         # Average the micro-batches before the all-reduce, which then moves one mean gradient.
         if count > 1:

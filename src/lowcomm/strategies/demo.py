@@ -29,7 +29,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.dct import BlockDCT
-from lowcomm.optim.sparse import chunked_topk, index_bits, pack_bits, unpack_bits
+from lowcomm.optim.sparse import index_bits, pack_bits, unpack_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
@@ -113,23 +113,26 @@ class DeMoCodec:
         (fp32, flat-buffer order, padding ignored), and the dense tensor it stands for (the
         kept coefficients taken back to parameter space; zero in the padding)."""
         pieces: list[torch.Tensor] = []
-        sent = torch.zeros_like(flat)
+        sent = torch.empty_like(flat)
         offset = 0
         for transform, kept, x in zip(self.transforms, self.kept, self._tensors(flat), strict=True):
             rows = transform.forward(x)
-            positions, values = chunked_topk(rows.reshape(-1), transform.block, kept)
+            # torch.topk, not sparse.chunked_topk's stable sort (5x slower): only the
+            # receivers must agree, and they read the positions from the payload.
+            positions = torch.topk(rows.abs(), kept, dim=1, sorted=False).indices
+            values = torch.gather(rows, 1, positions)
             pieces.append(pack_bits(positions.reshape(-1), index_bits(transform.block)))
             pieces.append(values.contiguous().reshape(-1).view(torch.uint8))
-            kept_rows = torch.zeros_like(rows).scatter_(1, positions, values)
+            kept_rows = rows.zero_().scatter_(1, positions, values)
             sent[offset : offset + x.numel()] = transform.inverse(kept_rows).reshape(-1)
             offset += x.numel()
+        sent[offset:].zero_()
         return torch.cat(pieces), sent
 
     def mean(self, payloads: torch.Tensor, out: torch.Tensor) -> None:
         """Decode the ``(workers, payload_bytes)`` gathered payloads into ``out`` (fp32, flat):
         per coefficient the mean over the workers that sent it (0 if none did), summed in
         worker order so every worker gets the same bits; then the inverse DCT."""
-        out.zero_()
         cut, offset = 0, 0
         for transform, kept, (index_bytes, value_bytes) in zip(
             self.transforms, self.kept, self.parts, strict=True
@@ -145,11 +148,12 @@ class DeMoCodec:
                 raw = row[cut + index_bytes : cut + index_bytes + value_bytes].clone()
                 sums.scatter_add_(1, positions, raw.view(torch.float32).view(n, kept))
                 counts.scatter_add_(1, positions, ones)
-            mean = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+            sums.div_(counts.clamp_(min=1))  # a coefficient nobody sent stays 0
             size = n * transform.block
-            out[offset : offset + size] = transform.inverse(mean).reshape(-1)
+            out[offset : offset + size] = transform.inverse(sums).reshape(-1)
             cut += index_bytes + value_bytes
             offset += size
+        out[offset:].zero_()
 
 
 class DeMo(Strategy):
@@ -167,6 +171,9 @@ class DeMo(Strategy):
 
     name: ClassVar[str] = "demo"
     options_field: ClassVar[str | None] = "demo"
+    muon_refusal: ClassVar[str | None] = (
+        "DeMo's optimizer is its own (decoupled momentum, sign update), not an AdamW"
+    )
     cost: ClassVar[CostModel] = CostModel(
         description="top-k DCT momentum components all-gathered every step, sign step",
         traffic=lambda o, t: [Transfer(1.0, 1.0, bytes_per_parameter=o.bytes_per_parameter())],

@@ -342,7 +342,9 @@ class Desloc(Strategy):
             and self.comm.rank == self.options.rejoin_rank
         ):
             self.rejoin()
-        loss, samples, tokens = accumulate(self.flat, closure, self.context.microbatches_per_step)
+        loss, samples, tokens = accumulate(
+            self.flat, closure, self.context.microbatches_per_step, self.runtime.replica_group
+        )
         lr = self.lr_at(self.step_index)
         extras: dict[str, float] = {}
         with torch.no_grad():

@@ -7,10 +7,16 @@ fragment with an outer Nesterov optimizer (``lowcomm.optim.outer``), and the exc
 gradients ``Delta = anchor - local`` (§0.3 sign convention), optionally quantized.
 
 Quantized exchange: a sum all-reduce of quantized values is not exact (every partial sum would
-be re-rounded), so a quantized outer gradient is all-gathered as its ``uint8`` payload (bytes
-counted at the quantized size) and every worker dequantizes all payloads and takes the mean in
-fp32; the outer step runs in fp32. Every worker therefore sees bit-identical averages. Without
-quantization the exchange is a float32 mean all-reduce.
+be re-rounded), so a quantized outer gradient travels in two steps (``two_step.py``): a
+reduce-scatter of quantized shards (each worker encodes its M shards and sends shard j to
+worker j, which decodes the M it received and takes their fp32 mean), then an all-gather of
+each owner's requantized mean shard, which every worker decodes. Each worker sends
+``2 (M-1)/M`` of its encoded outer gradient, as a ring all-reduce does at the quantized size
+(an all-gather of whole payloads sent ``M-1`` times it: at M = 16, fp8 moved more than a
+float32 all-reduce); the mean carries one more rounding than the all-gather's exact fp32 mean
+of decoded payloads (the requantization of the mean, within the quantizer's error bound). The
+outer step runs in fp32 and every worker sees bit-identical averages. Without quantization the
+exchange is a float32 mean all-reduce.
 
 Each ``step()`` is one inner step. Options live in :class:`DiLoCoOptions` (``--diloco.*``).
 """
@@ -32,7 +38,7 @@ from lowcomm.comm.runtime import ClockReader, Runtime
 from lowcomm.optim.flat import FlatOptimizer
 from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.outer import OuterNesterov
-from lowcomm.optim.quantize import QuantizationFormat, decode, encode, encoded_bytes
+from lowcomm.optim.quantize import QuantizationFormat
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
@@ -42,6 +48,7 @@ from lowcomm.strategies.gradient_step import (
     make_inner_optimizer,
     step_and_publish,
 )
+from lowcomm.strategies.two_step import TwoStepQuantized, shard_payload_bytes
 from lowcomm.train.sharding import flat_buffers, flat_numel, norm_summer
 
 
@@ -56,11 +63,18 @@ class DiLoCoOptions:
     """Inner optimizer: adamw (the papers') or sgd (theta <- theta (1 - lr wd) - lr g with
     --optim.weight-decay, as --local.inner-optimizer sgd; for reduction tests)."""
 
-    outer_lr: float = 0.7
-    """eta_out: outer learning rate."""
+    outer_lr: float | None = None
+    """eta_out: outer learning rate (None: from H by --diloco.outer-defaults)."""
 
-    outer_momentum: float = 0.9
-    """mu: outer momentum (0 = plain outer SGD)."""
+    outer_momentum: float | None = None
+    """mu: outer momentum, 0 = plain outer SGD (None: from H by --diloco.outer-defaults)."""
+
+    outer_defaults: Literal["scaled", "paper"] = "scaled"
+    """What an unset --diloco.outer-lr / --diloco.outer-momentum takes. scaled (lowcomm's):
+    from H, t = min(1, log H / log 256), mu = 0.9 t^2, eta_out = 1 - 0.3 t: plain averaging
+    (1, 0) at H = 1, (0.85, 0.225) at the default H = 16, the papers' (0.7, 0.9) from H = 256.
+    paper: DiLoCo's eta_out 0.7, mu 0.9 at every H (tuned for H in the hundreds from a warm
+    start; from scratch at H = 16 it overshoots and the loss rises again)."""
 
     outer_nesterov: bool = True
     """Nesterov form of the outer momentum (False = heavy ball)."""
@@ -107,14 +121,7 @@ class DiLoCoOptions:
             raise ValueError(
                 f"--diloco.inner-optimizer: {self.inner_optimizer!r} is unknown; choose adamw or sgd"
             )
-        if not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
-            raise ValueError(
-                f"--diloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7"
-            )
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(
-                f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9"
-            )
+        self._check_outer()
         if self.fragments is not None and self.fragments < 1:
             raise ValueError(
                 f"--diloco.fragments: {self.fragments} must be >= 1; pass e.g. 4, or None for "
@@ -158,6 +165,51 @@ class DiLoCoOptions:
                 f"--diloco.transmission-gamma: {self.transmission_gamma} must be a positive "
                 f"number; try 0.4"
             )
+
+    def _check_outer(self) -> None:
+        """The outer step's options: a given rate finite and >= 0, a given momentum in [0, 1)."""
+        if self.outer_lr is not None and not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
+            raise ValueError(
+                f"--diloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7, "
+                f"or None for the default of --diloco.outer-defaults"
+            )
+        if self.outer_momentum is not None and not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(
+                f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9, "
+                f"or None for the default of --diloco.outer-defaults"
+            )
+        if self.outer_defaults not in ("scaled", "paper"):
+            raise ValueError(
+                f"--diloco.outer-defaults: {self.outer_defaults!r} is unknown; choose scaled "
+                f"or paper"
+            )
+
+    def outer(self) -> tuple[float, float]:
+        """(eta_out, mu) of the outer step: the options given, the unset ones by
+        ``outer_defaults`` (:func:`scaled_outer` of H, or the papers' 0.7 and 0.9)."""
+        lr, momentum = (
+            scaled_outer(self.sync_every) if self.outer_defaults == "scaled" else PAPER_OUTER
+        )
+        return (
+            lr if self.outer_lr is None else self.outer_lr,
+            momentum if self.outer_momentum is None else self.outer_momentum,
+        )
+
+
+#: DiLoCo's outer learning rate and Nesterov momentum (Douillard et al. 2023, H = 500).
+PAPER_OUTER = (0.7, 0.9)
+#: From this H on, the scaled defaults are the papers' values.
+PAPER_H = 256
+
+
+def scaled_outer(sync_every: int) -> tuple[float, float]:
+    """lowcomm's default (eta_out, mu) for H = ``sync_every``: t = min(1, log H / log 256),
+    mu = 0.9 t^2, eta_out = 1 - 0.3 t. From plain averaging (1, 0) at H = 1, where the
+    pseudo-gradients of consecutive rounds point the same way and momentum would add them up
+    (the steady-state step of heavy momentum is eta_out / (1 - mu) rounds of progress: 7 with
+    the papers' values), to the papers' (0.7, 0.9) at H >= 256, where they were tuned."""
+    t = min(1.0, math.log(max(sync_every, 1)) / math.log(PAPER_H))
+    return 1.0 - (1.0 - PAPER_OUTER[0]) * t, PAPER_OUTER[1] * t * t
 
 
 # --- fragments -------------------------------------------------------------------------------
@@ -278,10 +330,14 @@ def build_fragments(model: nn.Module, fragments: int) -> list[Fragment]:
 class OuterExchange:
     """One in-flight exchange of an outer gradient, with a few float32 side values.
 
-    Unquantized: ``[Delta | extras]`` in one float32 mean all-reduce. Quantized: the ``uint8``
-    payload of ``Delta`` followed by the raw bytes of ``extras`` is all-gathered; every worker
-    decodes each payload and takes the fp32 mean. Either way :meth:`wait` returns the same
-    (mean Delta, mean extras, own Delta as it entered the mean) on every worker.
+    Unquantized: ``[Delta | extras]`` in one float32 mean all-reduce. Quantized: the two-step
+    exchange of :class:`~lowcomm.strategies.two_step.TwoStepQuantized` (the extras ride along
+    its first step as raw float32 bytes). Either way :meth:`wait` returns the same (mean Delta,
+    mean extras, own Delta as it entered the mean) on every worker.
+
+    The quantized exchange's second step needs the first's data: it is issued when the
+    exchange is collected (its :meth:`wait`, or a checkpoint's :meth:`state_dict`), the same
+    point on every worker, so the collectives' order agrees across workers.
     """
 
     def __init__(
@@ -302,6 +358,8 @@ class OuterExchange:
         self.row_size = row_size
         self.launch_time = _clock_now(clock)
         self._result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._two_step: TwoStepQuantized | None = None
+        self._first: Handle | None = None  # the quantized exchange's first step, once collected
         # Everything handed to the collective lives on Delta's device (NCCL moves GPU tensors
         # only); the extras may come from the host.
         extras32 = extras.detach().float().reshape(-1).to(delta.device)
@@ -312,15 +370,9 @@ class OuterExchange:
                 self._buffer, op="mean", role=Role.PSEUDO_GRADIENT
             )
         else:
-            payload = encode(delta, quantization, row_size)
-            # What the others will decode of this worker's Delta (the eager rule removes it).
-            self._own = decode(payload, self.numel, quantization, row_size)
-            send = torch.cat([payload, extras32.contiguous().view(torch.uint8)])
-            self._send = send
-            self._buffer = torch.empty(
-                comm.world_size * send.numel(), dtype=torch.uint8, device=send.device
-            )
-            self.handle = comm.all_gather(self._buffer, send, role=Role.PSEUDO_GRADIENT)
+            self._two_step = TwoStepQuantized(comm, delta, extras32, quantization, row_size)
+            self._own = self._two_step.own  # what the others decode of this worker's Delta
+            self.handle = self._two_step.first
         self.sync_seconds: float | None = None
         self.finish_time: float | None = None
         self._settled: Settled | None = None
@@ -328,36 +380,37 @@ class OuterExchange:
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes of this worker's payload (the tensor handed to the collective, per worker)."""
+        """Bytes of this worker's payload per step of the exchange (the tensor handed to the
+        all-reduce, or to each step of the quantized exchange)."""
         if self.quantization == "none":
             return 4 * (self.numel + self.extras_numel)
-        return encoded_bytes(self.numel, self.quantization, self.row_size) + 4 * self.extras_numel
+        return self.comm.world_size * (
+            shard_payload_bytes(self.numel, self.comm.world_size, self.quantization, self.row_size)
+            + 4 * self.extras_numel
+        )
 
     def done(self) -> bool:
+        """Whether :meth:`wait` would not block (a quantized exchange not yet collected has
+        its second step still to run)."""
+        if self._two_step is not None and self._result is None:
+            return False
         return self.handle.done()
 
     def _collect(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Finish the data movement (no time charged) and decode the result once."""
         if self._result is not None:
             return self._result
+        if self._two_step is not None:
+            self._first = self.handle
+            self._two_step.first.settle()
+            self.handle = self._two_step.launch_second()
         self._settled = self.handle.settle()
         self.finish_time = self._settled.completion
-        if self.quantization == "none":
+        if self._two_step is not None:
+            mean, extras = self._two_step.result()
+        else:
             mean = self._buffer[: self.numel]
             extras = self._buffer[self.numel :].float()
-        else:
-            rows = self._buffer.view(self.comm.world_size, -1)
-            cut = rows.shape[1] - 4 * self.extras_numel
-            mean = torch.zeros(self.numel, dtype=torch.float32, device=rows.device)
-            extras = torch.zeros(self.extras_numel, dtype=torch.float32, device=rows.device)
-            for worker in range(self.comm.world_size):
-                mean += decode(
-                    rows[worker, :cut].clone(), self.numel, self.quantization, self.row_size
-                )
-                if self.extras_numel:
-                    extras += rows[worker, cut:].clone().view(torch.float32)
-            mean /= self.comm.world_size
-            extras /= self.comm.world_size
         self._result = (mean, extras, self._own)
         return self._result
 
@@ -366,6 +419,8 @@ class OuterExchange:
         result = self._collect()
         if self._waited:
             return result
+        if self._first is not None:
+            self._first.wait()  # the quantized exchange's first step, charged in order
         self.handle.wait()  # charges the clock up to the modeled completion
         self._waited = True
         # The sync time on the run's clock: the modeled completion of the collective when
@@ -424,6 +479,8 @@ class OuterExchange:
             else Settled(exchange.finish_time)
         )
         exchange._settled = settled
+        exchange._two_step = None
+        exchange._first = None
         exchange.handle = runtime.restore(settled)
         return exchange
 
@@ -491,8 +548,8 @@ class OuterLoopStrategy(Strategy):
         self.outer = [
             OuterNesterov(
                 anchor,
-                lr=self.options.outer_lr,
-                momentum=self.options.outer_momentum,
+                lr=self.options.outer()[0],
+                momentum=self.options.outer()[1],
                 nesterov=self.options.outer_nesterov,
             )
             for anchor in self.globals_
@@ -504,7 +561,7 @@ class OuterLoopStrategy(Strategy):
     def inner_step(self, closure: Closure) -> StepStats:
         """One inner step on this worker's own parameters; advances ``step_index``."""
         count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count)
+        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
             # Clipping is local: the inner gradient is never communicated.

@@ -23,20 +23,32 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lowcomm.comm.base import Comm
+from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.adamw import AdamWConfig, make_adamw
 from lowcomm.optim.flat import FlatOptimizer
 from lowcomm.optim.muon import FlatMuon, MuonLayout, check_muon_replicas
-from lowcomm.strategies.base import Closure, clip_, run_microbatches
+from lowcomm.strategies.base import Closure, Loss, clip_, run_microbatches
 from lowcomm.strategies.flat import FlatBuffers
 
 
-def accumulate(flat: FlatBuffers, closure: Closure, count: int) -> tuple[float, int, int]:
-    """Zero G, run ``count`` micro-batches into it; return (mean loss, samples, tokens)."""
+def accumulate(
+    flat: FlatBuffers, closure: Closure, count: int, replicas: Comm | None = None
+) -> tuple[Loss, int, int]:
+    """Zero G, run ``count`` micro-batches into it; return (mean loss, samples, tokens).
+
+    ``replicas``: the worker's replica group when a worker is several ranks (hierarchical
+    workers, ``runtime.replica_group``): G is then averaged over it once, on the flat buffer,
+    after the step's micro-batches (a mean of sums is the sum of the means: inner
+    synchronous data parallelism, exact up to rounding), so every replica steps on the same
+    gradient."""
     flat.check_params()
     flat.zero_grads()
     result = run_microbatches(closure, count)
     flat.sync_grads()
+    if replicas is not None and replicas.world_size > 1:
+        # (The gradients themselves, not the padding: the bytes of the per-micro-batch
+        # averaging this replaces, once per step.)
+        replicas.all_reduce(flat.grads[: flat.numel], op="mean", role=Role.GRADIENT).wait()
     return result
 
 

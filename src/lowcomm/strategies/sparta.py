@@ -8,7 +8,7 @@ openreview.net/forum?id=stFPf3gzq1); reference code: exogym (github.com/exo-expl
 ``exogym/strategy/sparta.py`` and ``sparta_diloco.py``). At every step t, on every worker::
 
     theta      <- AdamW(theta, g)                         (local, persistent moments)
-    S_t        = {i : u_i < p},  u ~ U[0, 1)^n from a generator seeded by (seed, t)
+    S_t        = each i independently with probability p, drawn from (seed, t)
     theta[S_t] <- mean_workers(theta[S_t])                (an all-reduce of |S_t| values)
 
 Every worker draws the same S_t from the run's seed and the step (no mask is sent), so the
@@ -28,16 +28,20 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.optim.adamw import make_adamw
 from lowcomm.optim.flat import tensor_bytes
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
+from lowcomm.strategies.gradient_step import (
+    accumulate,
+    average_and_clip,
+    make_inner_optimizer,
+    step_and_publish,
+)
 
-#: Uniforms drawn per block when selecting indices (bounds the transient memory to 16 MiB).
-_DRAW_BLOCK = 1 << 22
+#: Most Geometric gaps drawn at once when selecting indices (bounds the draw's memory).
+_GAPS_PER_DRAW = 1 << 20
 #: Mixed into every selection seed, so the draw is not the stream of another use of --seed.
 _DOMAIN = 0x5BA27A
 
@@ -86,31 +90,49 @@ class SpartaOptions:
             )
 
 
-def selection_seed(seed: int, step: int) -> int:
-    """The seed of step ``step``'s index draw: a hash of (run seed, step), the same on every
-    worker and on a resumed run (numpy's SeedSequence, stable across versions)."""
-    state = np.random.SeedSequence([seed, step, _DOMAIN]).generate_state(1, dtype=np.uint64)
-    return int(state[0])
+def selection_rng(seed: int, step: int) -> np.random.Generator:
+    """The random stream of step ``step``'s draw: a function of (run seed, step) only, the same
+    on every worker and on a resumed run (numpy's SeedSequence and PCG64, stable across
+    versions); never the process-global RNG."""
+    return np.random.default_rng(np.random.SeedSequence([seed, step, _DOMAIN]))
 
 
 def selected_indices(
     numel: int, fraction: float, seed: int, step: int, device: torch.device
 ) -> torch.Tensor:
-    """The sorted flat indices S averaged at step ``step``: each of ``numel`` entries with
-    probability ``fraction`` (u_i < p, u_i uniform in [0, 1)), drawn in blocks of 2^22 from
-    a ``torch.Generator`` on ``device`` seeded by :func:`selection_seed`."""
+    """The sorted flat indices S averaged at step ``step``: every entry independently with
+    probability ``fraction`` (exogym's Bernoulli mask), drawn as a Bernoulli process: the gaps
+    between successive selected entries are Geometric(p) (trials up to a success), so the
+    first is at G_1 - 1 and the next at the running sums. O(p n) work on the host, no read
+    back from a GPU; the indices reach one by a pinned, non-blocking copy."""
     if fraction <= 0.0:
         return torch.zeros(0, dtype=torch.long, device=device)
     if fraction >= 1.0:
         return torch.arange(numel, device=device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(selection_seed(seed, step))
+    rng = selection_rng(seed, step)
     parts = []
-    for start in range(0, numel, _DRAW_BLOCK):
-        size = min(_DRAW_BLOCK, numel - start)
-        uniform = torch.rand(size, generator=generator, device=device)
-        parts.append(torch.nonzero(uniform < fraction).reshape(-1) + start)
-    return torch.cat(parts)
+    last = -1  # the last position drawn so far
+    while True:
+        # Enough gaps to pass the end almost surely (mean + 6 sd), at most 2^20 at a time
+        # (8 MiB); draw more until past the end.
+        expected = (numel - 1 - last) * fraction
+        count = min(int(expected + 6.0 * math.sqrt(expected) + 16), _GAPS_PER_DRAW)
+        positions = last + np.cumsum(rng.geometric(fraction, size=count))
+        inside = positions[positions < numel]
+        parts.append(inside)
+        if inside.size < count:
+            break
+        last = int(positions[-1])
+    indices = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+    if device.type == "cuda":
+        return indices.pin_memory().to(device, non_blocking=True)
+    return indices.to(device)
+
+
+def _sparse_traffic(options: SpartaOptions) -> list[Transfer]:
+    """The sparse average's traffic: an all-reduce of p of the model every step (none at
+    p = 0, where no step draws an index and none issues a collective)."""
+    return [Transfer(options.fraction, 1.0)] if options.fraction > 0 else []
 
 
 class SparseAverage:
@@ -141,7 +163,8 @@ class Sparta(Strategy):
     Paper: Beton et al. 2025, "Improving the Efficiency of Distributed Training using Sparse
     Parameter Averaging" (docs/ALGORITHMS.md "SPARTA"); exogym's SPARTAStrategy. Symbols: p ->
     options.fraction, S_t -> ``selected_indices(..., step=t)``, inner optimizer -> --optim.*.
-    Inner AdamW state local and persistent, never averaged.
+    Inner AdamW state local and persistent, never averaged (Muon on the hidden matrices with
+    --optim.name muon).
     Deploys: the mean of the workers' models (an uncharged all-reduce, for evaluation only).
     Reduces to: averaging the parameters after every local step (local_adamw with
     --local.sync-every 1) when p = 1 (tests/test_sparta.py checks it).
@@ -149,9 +172,10 @@ class Sparta(Strategy):
 
     name: ClassVar[str] = "sparta"
     options_field: ClassVar[str | None] = "sparta"
+    muon_refusal: ClassVar[str | None] = None  # its local optimizer is AdamW
     cost: ClassVar[CostModel] = CostModel(
         description="average a random fraction p of the parameters every step",
-        traffic=lambda o, t: [Transfer(o.fraction, 1.0)],
+        traffic=lambda o, t: _sparse_traffic(o),
         schedule=lambda o: f"every step, p = {o.fraction:g} of the parameters",
         shards_over_replicas=True,
     )
@@ -172,7 +196,10 @@ class Sparta(Strategy):
             if self.flat.dtype == torch.float32
             else self.flat.params.float().clone()
         )
-        self.inner = make_adamw(self.master, context.optim, self.runtime.replica_group)
+        # AdamW, or with --optim.name muon Muon on the hidden matrices and AdamW on the rest.
+        self.inner = make_inner_optimizer(
+            model, self.flat, self.master, context.optim, self.runtime.replica_group, self.name
+        )
         self.average = SparseAverage(comm, self.flat.numel, self.options.fraction, context.seed)
 
     def step(self, closure: Closure) -> StepStats:
@@ -251,7 +278,7 @@ class SpartaDiLoCo(DiLoCo):
     options_field: ClassVar[str | None] = "sparta"
     cost: ClassVar[CostModel] = CostModel(
         description="random fraction p every step + outer Nesterov every H steps",
-        traffic=lambda o, t: [Transfer(o.fraction, 1.0), Transfer(1.0, 1 / o.sync_every)],
+        traffic=lambda o, t: [*_sparse_traffic(o), Transfer(1.0, 1 / o.sync_every)],
         schedule=lambda o: (
             f"every step, p = {o.fraction:g} of the parameters; H = {o.sync_every} inner steps "
             f"per outer round"

@@ -67,7 +67,9 @@ class ZeRO1(Strategy):
         )
 
     def step(self, closure: Closure) -> StepStats:
-        loss, samples, tokens = accumulate(self.flat, closure, self.context.microbatches_per_step)
+        loss, samples, tokens = accumulate(
+            self.flat, closure, self.context.microbatches_per_step, self.runtime.replica_group
+        )
         self.comm.reduce_scatter(
             self.shard_grad, self.flat.grads, op="sum", role=Role.GRADIENT
         ).wait()

@@ -19,7 +19,7 @@ from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.cast import wire_dtype
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
-from lowcomm.comm.hierarchical import HierarchicalComm, averaging_closure
+from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
@@ -35,16 +35,11 @@ from lowcomm.train.compute import (
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics, peak_memory_bytes
 from lowcomm.train.reshard import read_resharded
+from lowcomm.train.step_log import StepLog, parameters_finite
 
 
 class NonFiniteLoss(FloatingPointError):
     """Training produced a NaN or infinite loss or parameter."""
-
-
-def _all_finite(model: torch.nn.Module) -> bool:
-    """Whether every parameter is finite (a NaN/inf gradient shows up here after the update)."""
-    flags = [torch.isfinite(p).all() for p in model.parameters()]
-    return bool(torch.stack(flags).all()) if flags else True
 
 
 @dataclass
@@ -200,25 +195,26 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        torch.backends.cuda.matmul.allow_tf32 = config.tf32  # (--tf32)
+        torch.backends.cudnn.allow_tf32 = config.tf32
     corpus = prepare_corpus(config.data)
     model = _shared_initial_model(config, corpus.vocab_size, raw, device)
     clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
-        comm, replica_comm = sharding.shard_worker(config, model, clock, device), None
+        comm = sharding.shard_worker(config, model, clock, device)
     else:
-        comm, replica_comm = _strategy_comms(config, raw, clock, device)
+        comm, _ = _strategy_comms(config, raw, clock, device)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     context = replace(config.strategy_context(), runtime=comm.runtime())
     strategy = build_strategy(config.method, model, comm, context, config)
     shard, validation, validation_batches = _data(config, corpus, rank, device)
     closure = _closure(model, shard, clock, device, bf16=config.precision == "bf16-mixed")
-    # Synchronous data parallel inside a worker (R > 1): gradients averaged over its ranks
-    # after each micro-batch, charged to the replica link.
-    step_closure = (
-        closure if replica_comm is None else averaging_closure(closure, model, replica_comm)
-    )
+    # Synchronous data parallel inside a worker (R > 1): the strategy averages its flat
+    # gradient over the worker's ranks once per step (gradient_step.accumulate), charged to
+    # the replica link (runtime.replica_group).
+    step_closure = closure
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
@@ -313,9 +309,8 @@ def _closure(
                 _, loss = model(inputs, targets)
             assert loss is not None
             loss.backward()
-        return MicroBatchResult(
-            loss=float(loss.detach()), samples=inputs.shape[0], tokens=inputs.numel()
-        )
+        # The loss stays on the device: it is read every --log-every steps (train/step_log.py).
+        return MicroBatchResult(loss=loss.detach(), samples=inputs.shape[0], tokens=inputs.numel())
 
     return closure
 
@@ -399,8 +394,9 @@ def train_steps(
 ) -> bool:
     """Train from the start step to the end; False if the run stopped early (--stop-after)."""
     config = worker.config
+    log = StepLog(config.log_every)
     for step in range(progress.start_step, config.steps):
-        if not train_step(worker, step, progress, writer, final):
+        if not train_step(worker, step, progress, writer, final, log):
             return False
         if progress.end_step is not None:
             return True
@@ -408,53 +404,83 @@ def train_steps(
 
 
 def train_step(
-    worker: Worker, step: int, progress: Progress, writer: RunWriter | None, final: FinalState
+    worker: Worker,
+    step: int,
+    progress: Progress,
+    writer: RunWriter | None,
+    final: FinalState,
+    log: StepLog,
 ) -> bool:
-    """One optimizer step, then (outside the clock) its metrics, evaluation and checkpoint;
-    False if the run stops after it (--stop-after)."""
+    """One optimizer step, then (outside the clock) its evaluation and checkpoint; its
+    metrics are held in ``log`` and read, checked and written every --log-every steps and
+    before a checkpoint or the end. False if the run stops after it (--stop-after)."""
     config, clock, comm = worker.config, worker.clock, worker.comm
-    before_compute, before_exposed = clock.compute_s, clock.exposed_comm_s
+    # (Markers: on a GPU the step's compute and exposed times are known once the device has
+    # run it; they are read with the loss, every --log-every steps.)
+    begin = clock.marker()
     before_bytes = comm.bytes_sent
     stats = worker.strategy.step(worker.step_closure)
     now = clock.now()
+    end = clock.marker()
     progress.tokens += stats.tokens
     if budget_spent(config, worker.strategy, progress.tokens * worker.world_size):
         progress.end_step = step + 1
     with clock.excluded():
         mine = StepMetrics(
-            loss=stats.loss,
-            compute_s=clock.compute_s - before_compute,
-            exposed_comm_s=clock.exposed_comm_s - before_exposed,
+            loss=math.nan,  # (held on the device until the read)
+            compute_s=math.nan,  # (from the markers, at the read)
+            exposed_comm_s=math.nan,
             bytes_sent=comm.bytes_sent - before_bytes,
             clock_s=now,
             microbatches=stats.microbatches,
             tokens=stats.tokens,
             committed_steps=stats.committed_steps,
-            params_finite=float(_all_finite(worker.model)),
+            params_finite=math.nan,
         )
-        everyone = mine.all_gather(worker.bookkeeping)
-        _check_finite(step, everyone)
         is_last = step == config.steps - 1 or progress.end_step is not None
         evaluate = (step + 1) % config.eval_every == 0 and not is_last
         if evaluate:
             with worker.strategy.deployed() as deployed_model:
                 progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
-        if writer is not None:
-            record = StepRecord.from_workers(
-                step, stats.lr, everyone, progress.val_loss if evaluate else None, clock.kind,
-                stats.extras,
-            )  # fmt: skip
-            if is_last:
-                # Written once the final validation gives it its val_loss, so metrics.jsonl
-                # and loss.png end on summary.json's final_val_loss.
-                final.last_record = record
-            else:
-                writer.write_step(record)
+        log.hold(
+            step, stats, mine, parameters_finite(worker.model),
+            progress.val_loss if evaluate else None, (begin, end),
+        )  # fmt: skip
         stopped = config.stop_after is not None and step + 1 == config.stop_after
         every = config.checkpoint_every
-        if (every is not None and (step + 1) % every == 0 and not is_last) or stopped:
+        save = (every is not None and (step + 1) % every == 0 and not is_last) or stopped
+        if save or is_last or log.due(step):
+            # (Before a checkpoint: a non-finite state must stop the run, not be saved.)
+            _write_held(worker, log, writer, final, clock.kind, is_last)
+        if save:
             _save_checkpoint(worker, step + 1, progress)
     return not stopped
+
+
+def _write_held(
+    worker: Worker,
+    log: StepLog,
+    writer: RunWriter | None,
+    final: FinalState,
+    clock_kind: str,
+    is_last: bool,
+) -> None:
+    """Read and gather the held steps' metrics and write them, in order, up to a step with a
+    non-finite loss or parameter, which stops the run."""
+    steps = log.read(worker.bookkeeping, worker.clock)
+    for index, (held, everyone) in enumerate(steps):
+        _check_finite(held.step, everyone)
+        if writer is None:
+            continue
+        record = StepRecord.from_workers(
+            held.step, held.lr, everyone, held.val_loss, clock_kind, held.extras
+        )
+        if is_last and index == len(steps) - 1:
+            # Written once the final validation gives it its val_loss, so metrics.jsonl
+            # and loss.png end on summary.json's final_val_loss.
+            final.last_record = record
+        else:
+            writer.write_step(record)
 
 
 def _check_finite(step: int, everyone: list[StepMetrics]) -> None:
@@ -524,6 +550,7 @@ def _worker_summary(
     deployed: torch.Tensor | None = None,
 ) -> WorkerSummary:  # fmt: skip
     clock, comm = worker.clock, worker.comm
+    clock.settle_timing()
     return WorkerSummary(
         rank=worker.rank, compute_s=clock.compute_s, exposed_comm_s=clock.exposed_comm_s,
         clock_s=clock_s, bytes_sent=comm.bytes_sent, bytes_by_role=comm.counters(),

@@ -1,0 +1,98 @@
+"""The real clock's compute and exposed communication on a GPU, timed by CUDA events.
+
+Kernels are queued: the host runs ahead of the device, so the host's clock cannot say which
+region a kernel ran in. Reading the time after ``torch.cuda.synchronize`` would, but a
+device-wide synchronisation also drains the streams NCCL works on, so a collective launched
+to overlap compute finishes before compute resumes (the method's overlap is lost, and the
+transfer is booked as compute). Instead, every boundary between the worker's regions
+(compute, blocked on communication, excluded) records a timing event on the current stream
+(the one the worker's kernels and its waits for collectives are ordered on), and a region's
+time is the device time between its two events: a region that waits for a collective on the
+device (``work.wait()`` orders the stream after it) shows that wait as exposed time, and a
+collective that overlaps compute shows none.
+
+Nothing waits for the events while the worker steps: completed ones are folded in when the
+clock is marked (``Event.query`` does not block), and a reading that must be exact (the
+step metrics, read every ``--log-every`` steps; a checkpoint; the summary) waits for the
+events up to that point, on the compute stream only.
+
+``cuda`` is ``torch.cuda`` in use; tests pass a stand-in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+#: The regions a boundary ends.
+REGIONS = ("compute", "exposed", "excluded")
+
+
+class DeviceTimeline:
+    """Region boundaries of one worker as timing events on its current stream.
+
+    Args:
+        device: the worker's GPU.
+        cuda: ``torch.cuda`` (a stand-in in tests).
+    """
+
+    def __init__(self, device: torch.device, cuda: Any = None) -> None:
+        self._cuda = torch.cuda if cuda is None else cuda
+        self._device = device
+        self.totals = dict.fromkeys(REGIONS, 0.0)
+        self._pending: deque[tuple[int, Any, str]] = deque()
+        self._recorded = 0  # boundaries recorded (the next one's index)
+        self._previous = self._record()
+        self._wanted: dict[int, dict[str, float] | None] = {}
+
+    def _record(self) -> Any:
+        event = self._cuda.Event(enable_timing=True)
+        event.record(self._cuda.current_stream(self._device))
+        return event
+
+    def boundary(self, ended: str) -> int:
+        """Record the end of a region of kind ``ended`` (and the start of the next); return
+        the boundary's index (for :meth:`totals_at`). Folds in the completed ones."""
+        assert ended in REGIONS, ended
+        index = self._recorded
+        self._pending.append((index, self._record(), ended))
+        self._recorded += 1
+        self.resolve(until=None)
+        return index
+
+    def want(self, index: int) -> None:
+        """Keep the totals at boundary ``index`` for :meth:`totals_at`."""
+        self._wanted[index] = None
+
+    def resolve(self, until: int | None) -> None:
+        """Fold in the completed boundaries; with ``until``, wait for the boundaries up to
+        that index first (a wait on the worker's stream, not on the device)."""
+        waited = -1  # the boundaries up to this index are known complete
+        if until is not None:
+            last = [entry for entry in self._pending if entry[0] <= until]
+            if last:  # one wait: the stream runs its events in order
+                last[-1][1].synchronize()
+                waited = last[-1][0]
+        while self._pending:
+            index, event, ended = self._pending[0]
+            if index > waited and not event.query():
+                return
+            self.totals[ended] += self._previous.elapsed_time(event) / 1000.0
+            self._previous = event
+            self._pending.popleft()
+            if index in self._wanted:
+                self._wanted[index] = dict(self.totals)
+
+    def totals_at(self, index: int) -> dict[str, float]:
+        """The region totals at boundary ``index`` (asked for with :meth:`want`); waits for
+        the boundaries up to it."""
+        self.resolve(until=index)
+        totals = self._wanted.pop(index)
+        assert totals is not None, f"boundary {index} not resolved"
+        return totals
+
+    def settle(self) -> None:
+        """Fold in every recorded boundary (waits for them)."""
+        self.resolve(until=self._recorded)
