@@ -8,6 +8,10 @@ rank's file would not find it."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +91,77 @@ def test_a_rank_verifies_only_its_own_files(tmp_path: Path) -> None:
     path.write_bytes(b"damaged")
     with pytest.raises(checkpoint.CheckpointError, match=r"rank1\.pt fails its checksum"):
         checkpoint.find_latest(run_dir, WORLD, FINGERPRINT, ranks=(1,))
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _two_nodes(root: Path, *flags: str) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``lowcomm train FLAGS`` as the two ranks of an env:// job, each in its own mount
+    namespace where ``root/run`` is its own directory ``root/node<rank>`` (no shared disk)."""
+    port = str(_free_port())
+    processes = []
+    for rank in range(WORLD):
+        env = {
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+        }  # fmt: skip
+        mount = f"mount --bind {root / f'node{rank}'} {root / 'run'}"
+        command = f'{mount} && exec "$0" -m lowcomm train "$@"'
+        processes.append(
+            subprocess.Popen(
+                ["unshare", "-m", "sh", "-c", command, sys.executable, *flags],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    done = []
+    for process in processes:
+        out, err = process.communicate(timeout=240)
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare -m (root or user namespaces)")
+def test_two_nodes_without_a_shared_disk_train_stop_and_resume_exactly(tmp_path: Path) -> None:
+    from _cli import TINY, lowcomm
+
+    for name in ("node0", "node1", "run"):
+        (tmp_path / name).mkdir()
+    flags = (*TINY[2:], "--method", "diloco", "--diloco.sync-every", "2", "--steps", "4")
+    run = str(tmp_path / "run")
+    first = _two_nodes(
+        tmp_path, *flags, "--out", run, "--checkpoint-every", "2", "--stop-after", "2"
+    )
+    assert all(p.returncode == 0 for p in first), [p.stderr[-2000:] for p in first]
+    resumed = _two_nodes(tmp_path, *flags, "--out", run, "--resume", run)
+    assert all(p.returncode == 0 for p in resumed), [p.stderr[-2000:] for p in resumed]
+    for rank in range(WORLD):
+        node = tmp_path / f"node{rank}"
+        for step in (2, 4):  # each node holds only its own rank's files, and the manifests
+            held = checkpoint.step_directory(node, step).iterdir()
+            assert sorted(p.name for p in held) == ["manifest.json", f"rank{rank}.pt"]
+    assert not any((tmp_path / "run").iterdir())  # nothing landed outside the namespaces
+    # rank 0's node has the whole export; the result is the uninterrupted run's
+    assert (tmp_path / "node0" / "model" / "model.safetensors").exists()
+    reference = tmp_path / "reference"
+    done = lowcomm("train", "--workers", "2", *flags, "--out", str(reference))
+    assert done.returncode == 0, done.stderr
+    want = json.loads((reference / "summary.json").read_text())["final_val_loss"]
+    got = json.loads((tmp_path / "node0" / "summary.json").read_text())["final_val_loss"]
+    assert got == want

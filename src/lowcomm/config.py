@@ -59,6 +59,11 @@ class TrainConfig:
     workers over --network, each rank sending 1/R of the worker's payload. Runs workers x R
     processes; --micro-batch-size is per rank."""
 
+    worker_sharding: Literal["replicate", "fsdp"] = "replicate"
+    """How a worker of --ranks-per-worker R > 1 holds its model: replicate (every rank the whole
+    replica) or fsdp (FSDP2 over its R ranks, each holding 1/R; the method exchanges each rank's
+    shards with the same rank of the other workers). fsdp: ddp and diloco, float32, for now."""
+
     steps: int = 80
     """Optimizer steps to take. With --resume OUT of a finished run, steps above its steps
     extend it (from the final checkpoint every completed run writes; fewer are refused): the
@@ -366,6 +371,11 @@ class TrainConfig:
                 f"--ranks-per-worker: {self.ranks_per_worker} with --method {self.method}: "
                 f"{refusal}; use --ranks-per-worker 1 with this method"
             )
+        from lowcomm.train.sharding import config_refusal
+
+        sharding = config_refusal(self)
+        if sharding is not None:
+            raise ConfigError(sharding)
         self._validate_muon()
 
     def _validate_muon(self) -> None:

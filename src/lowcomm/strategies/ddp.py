@@ -20,13 +20,13 @@ from torch import nn
 from lowcomm.comm.base import Comm, Role
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, every_step
-from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import (
     accumulate,
     average_and_clip,
     make_inner_optimizer,
     step_and_publish,
 )
+from lowcomm.train.sharding import flat_buffers, norm_summer
 
 
 class DDP(Strategy):
@@ -50,7 +50,7 @@ class DDP(Strategy):
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)
-        self.flat = FlatBuffers(model)
+        self.flat = flat_buffers(model)  # the local shards on a sharded worker
         # In fp32 the parameters are their own master copy (updated in place, no copy).
         master = self.flat.params if self.flat.dtype == torch.float32 else self.flat.params.float()
         self.optimizer = make_inner_optimizer(
@@ -67,7 +67,12 @@ class DDP(Strategy):
         self.comm.all_reduce(grads, op="mean", role=Role.GRADIENT).wait()
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
-            grad = average_and_clip(grads, count=1, max_grad_norm=self.context.max_grad_norm)
+            grad = average_and_clip(
+                grads,
+                count=1,
+                max_grad_norm=self.context.max_grad_norm,
+                sum_squared_norm=norm_summer(self.flat),
+            )
             step_and_publish(self.optimizer, grad, lr=lr, flat=self.flat)
         self.step_index += 1
         return StepStats(

@@ -42,7 +42,6 @@ from lowcomm.optim.quantize import QuantizationFormat
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
-from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import (
     accumulate,
     average_and_clip,
@@ -50,6 +49,7 @@ from lowcomm.strategies.gradient_step import (
     step_and_publish,
 )
 from lowcomm.strategies.two_step import TwoStepQuantized, shard_payload_bytes
+from lowcomm.train.sharding import flat_buffers, flat_numel, norm_summer
 
 
 @dataclass(kw_only=True)
@@ -304,7 +304,7 @@ def build_fragments(model: nn.Module, fragments: int) -> list[Fragment]:
     :class:`FlatBuffers` lays them out (``model.parameters()``, tied tensors once)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     names = [name for name, _ in named]
-    sizes = [p.numel() for _, p in named]
+    sizes = [flat_numel(p) for _, p in named]  # a sharded worker: its local shards
     owners = fragment_assignment(names, sizes, fragments)
     groups: list[tuple[list[str], list[tuple[int, int]]]] = [([], []) for _ in range(fragments)]
     offset = 0
@@ -524,7 +524,7 @@ class OuterLoopStrategy(Strategy):
     ) -> None:
         super().__init__(model, comm, context)
         self.options = options or DiLoCoOptions()
-        self.flat = FlatBuffers(model)
+        self.flat = flat_buffers(model)  # the local shards on a sharded worker
         self.master = (
             self.flat.params
             if self.flat.dtype == torch.float32
@@ -569,7 +569,10 @@ class OuterLoopStrategy(Strategy):
         with torch.no_grad():
             # Clipping is local: the inner gradient is never communicated.
             grads = average_and_clip(
-                self.flat.grads, count=count, max_grad_norm=self.context.max_grad_norm
+                self.flat.grads,
+                count=count,
+                max_grad_norm=self.context.max_grad_norm,
+                sum_squared_norm=norm_summer(self.flat),
             )
             step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
         self.step_index += 1

@@ -59,7 +59,11 @@ def _sha256(path: Path) -> str:
 
 #: Fingerprint keys added after format 2 was released, with the value a checkpoint that
 #: predates them was necessarily written with.
-_ADDED_LATER: dict[str, Any] = {"precision": "fp32", "comm_dtype": "fp32"}
+_ADDED_LATER: dict[str, Any] = {
+    "precision": "fp32",
+    "comm_dtype": "fp32",
+    "worker_sharding": "replicate",
+}
 
 
 #: How a fingerprint names a given tokenizer: by its content, so a run resumes with the same
@@ -104,6 +108,7 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
     chosen = {
         "method": config.method,
         "ranks_per_worker": config.ranks_per_worker,
+        "worker_sharding": config.worker_sharding,
         "seed": config.seed,
         "steps": config.steps,
         "microbatches_per_step": config.microbatches_per_step,
@@ -431,6 +436,13 @@ def _damage(
             return f"is damaged: {path} fails its checksum (truncated or corrupted)"
     layout = (world_size, fingerprint["ranks_per_worker"])
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
+        if saved.get("worker_sharding", "replicate") != "replicate":
+            raise CheckpointError(
+                f"--workers: {directory} holds sharded workers (--worker-sharding "
+                f"{saved['worker_sharding']}) of {saved.get('ranks_per_worker')} ranks and "
+                f"{manifest.get('world_size')} processes; sharded state is not re-sharded to "
+                f"another layout yet: resume with the old --workers and --ranks-per-worker"
+            )
         _check_reshardable(directory, manifest, world_size, fingerprint)
     return None
 

@@ -3,6 +3,7 @@ token budget that ends an equal-token run."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -46,11 +47,14 @@ def worker_clock(
     path = calibration_file(config)
     if path is not None and path.exists():
         return CalibratedClock(Calibration.load(path), speed_factor=speed_factor)
-    # Measured after the resume (finish_calibration), unless the checkpoint brings one.
+    # Measured after the resume (finish_calibration), unless the checkpoint brings one. (A
+    # sharded worker's model is sharded by then: the pass is timed on a whole copy taken now,
+    # as each rank computes on whole gathered blocks. TODO: build it only when measuring.)
+    timed = copy.deepcopy(model) if config.worker_sharding == "fsdp" else model
     return CalibratedClock(
         speed_factor=speed_factor,
         measure=lambda: calibrate(
-            model,
+            timed,
             vocab_size=vocab_size,
             micro_batch_size=config.data.micro_batch_size,
             block_size=config.model.block_size,

@@ -25,7 +25,7 @@ from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation
 from lowcomm.models import build_model
 from lowcomm.models.export import save_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
-from lowcomm.train import checkpoint
+from lowcomm.train import checkpoint, sharding
 from lowcomm.train.compute import (
     budget_spent,
     committed_tokens,
@@ -34,7 +34,7 @@ from lowcomm.train.compute import (
 )
 from lowcomm.train.context import network_profile, replica_network_profile, strategy_context
 from lowcomm.train.metrics import RunWriter, StepRecord
-from lowcomm.train.records import ProcessTotals, StepMetrics
+from lowcomm.train.records import ProcessTotals, StepMetrics, peak_memory_bytes
 from lowcomm.train.reshard import read_resharded
 from lowcomm.train.rundir import run_directory
 from lowcomm.train.step_log import StepLog, parameters_finite
@@ -202,7 +202,11 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     corpus = prepare_corpus(config.data)
     model = _shared_initial_model(config, corpus.vocab_size, raw, device)
     clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
-    comm, _ = _strategy_comms(config, raw, clock, device)
+    comm: NetworkComm | HierarchicalComm
+    if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
+        comm = sharding.shard_worker(config, model, clock, device)
+    else:
+        comm, _ = _strategy_comms(config, raw, clock, device)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     context = replace(strategy_context(config), runtime=comm.runtime())
@@ -329,7 +333,7 @@ def resume(worker: Worker) -> Progress:
         )
         # Written with another number of workers: re-sharded here (train/reshard.py).
         saved = read_resharded(directory, config, worker.rank, worker.device)
-        worker.model.load_state_dict(saved["model"])
+        sharding.load_model_state(worker.model, saved["model"])
         worker.strategy.load_state_dict(saved["strategy"])
         worker.shard.load_state_dict(saved["data"])
         worker.clock.load_state_dict(saved["clock"])
@@ -525,11 +529,15 @@ def final_evaluation(
         progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
         if keep_parameters:
             final.deployed = _flat_parameters(deployed_model)
-        if worker.rank == 0:
+        # (sharded: gathered whole by worker 0's ranks)
+        exported = sharding.exportable(
+            deployed_model, worker.rank // worker.config.ranks_per_worker
+        )
+        if worker.rank == 0 and exported is not None:
             # The deployed parameters (rank 0's: worker 0's outer copy for eager and the
             # delayed DiLoCo) become OUT/model/.
             save_model(
-                deployed_model,
+                exported,
                 run_directory(worker.config) / "model",
                 worker.tokenizer_path,
                 worker.end_of_text,
@@ -596,7 +604,7 @@ def _process_totals(worker: Worker, summary: WorkerSummary) -> ProcessTotals:
         state_bytes=float(summary.state_bytes), tokens=float(summary.tokens),
         replica_bytes_sent=replica["bytes_sent"], replica_exposed_comm_s=replica["exposed_comm_s"],
         outer_bytes_sent=outer["bytes_sent"], outer_exposed_comm_s=outer["exposed_comm_s"],
-        peak_memory=float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0,
+        peak_memory=float(peak_memory_bytes(device)),
     )  # fmt: skip
 
 
@@ -646,7 +654,7 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     state = {
         # The strategy first: it settles in-flight collectives, which the comm must not hold.
         "strategy": worker.strategy.state_dict(),
-        "model": worker.model.state_dict(),
+        "model": sharding.model_state(worker.model),  # a sharded worker: its own shards
         "data": worker.shard.state_dict(),
         "clock": worker.clock.state_dict(),
         "comm": worker.comm.state_dict(),

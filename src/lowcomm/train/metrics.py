@@ -295,7 +295,11 @@ class RunWriter:
                 "outer": _level(per_process, "outer_bytes_sent", "outer_exposed_comm_s"),
             },
             "modeled_time_s": max(p.clock_s for p in per_process),
-            "state_bytes_per_worker": int(max(p.state_bytes for p in per_process)),
+            "state_bytes_per_worker": _state_per_worker(per_process, self.config),
+            # The tensors one rank holds (1/R of a sharded worker's), and its measured peak
+            # (CUDA: the allocator's peak; CPU: peak RSS), the largest over the ranks.
+            "state_bytes_per_rank": int(max(p.state_bytes for p in per_process)),
+            "peak_memory_bytes_per_rank": int(max(p.peak_memory for p in per_process)),
         }
 
     def _plot(self) -> None:
@@ -341,7 +345,18 @@ _SUMMARY_ORDER = (
     "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
     "bytes_sent_per_worker", "bytes_sent_per_rank", "levels", "bytes_by_role", "clock",
     "compute_model", "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",
+    "state_bytes_per_rank", "peak_memory_bytes_per_rank",
 )  # fmt: skip
+
+
+def _state_per_worker(per_process: list[ProcessTotals], config: TrainConfig) -> int:
+    """The state bytes of the largest worker: one rank's (its ranks hold replicas), or with
+    --worker-sharding fsdp the sum over its ranks (each holds a shard)."""
+    held = [int(p.state_bytes) for p in per_process]
+    if config.worker_sharding != "fsdp":
+        return max(held)
+    ranks = config.ranks_per_worker
+    return max(sum(held[m : m + ranks]) for m in range(0, len(held), ranks))
 
 
 def _level(per_process: list[ProcessTotals], sent: str, exposed: str) -> dict[str, float]:

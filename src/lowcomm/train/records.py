@@ -84,3 +84,15 @@ class ProcessTotals(_Gathered):
     outer_exposed_comm_s: float
     peak_memory: float
     """``torch.cuda.max_memory_allocated`` on a GPU, else 0."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: on a GPU the caching allocator's peak
+    (``torch.cuda.max_memory_allocated``), on the CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, else KiB

@@ -1,0 +1,331 @@
+"""Sharded workers (``--worker-sharding fsdp``): a worker's model ``fully_shard``-ed (FSDP2) over
+its R ranks, the method running between workers on each rank's local shards (the HSDP shape).
+
+The world is a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh`, ``workers x ranks``:
+global rank ``g`` is rank ``g % R`` of worker ``g // R`` (the layout of
+``lowcomm.launch.groups``). Inside a worker the step is FSDP's: parameters are all-gathered
+before each block's forward and backward, and gradients reduce-scattered (averaged over the R
+ranks) after it. Between workers, rank ``r`` of every worker holds the same slice of every
+parameter, so the method's outer communicator is the group of rank ``r`` of every worker and
+its collectives move only local shards.
+
+A strategy sees its parameters through :class:`ShardedFlatBuffers`: one flat buffer holding
+the (padded) local shards of every parameter, in ``model.parameters()`` order, which FSDP's own
+sharded storage is made to *alias*, so an optimizer step on the buffer is what the next
+all-gather sends and nothing is copied back. Gradients are FSDP's (a fresh local shard per
+step), copied into the flat gradient buffer once per step. Clipping sums the squared norm over
+the worker's ranks, so the clipped gradient is the replicated run's.
+
+Not yet: FSDP's own collectives are not charged to the inner link's ``Comm`` (the inner link
+is real only); checkpoints and the model export of a sharded worker; mixed precision.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lowcomm.comm.base import Comm, Role
+from lowcomm.strategies.flat import FlatBuffers
+
+if TYPE_CHECKING:
+    from lowcomm.comm.clock import Clock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.config import TrainConfig
+
+#: The values of --worker-sharding.
+SHARDINGS = ("replicate", "fsdp")
+
+#: The methods that run sharded; every other one is refused with its reason until it does.
+SHARDED_METHODS = ("ddp", "diloco")
+
+#: The attribute in which :func:`shard_model` records, on each FSDP-sharded parameter, the
+#: elements it takes in a :class:`ShardedFlatBuffers` layout (its padded local shard).
+_FLAT_NUMEL = "_lowcomm_flat_numel"
+
+
+def flat_numel(parameter: torch.Tensor) -> int:
+    """Elements ``parameter`` takes in its strategy's flat buffer: its padded local shard when
+    FSDP-sharded, else all of it."""
+    numel: int = getattr(parameter, _FLAT_NUMEL, parameter.numel())
+    return numel
+
+
+def sharding_refusal(method: str, sharding: str, ranks_per_worker: int) -> str | None:
+    """Why ``--method method --worker-sharding sharding`` cannot run, in one line, or None."""
+    if sharding not in SHARDINGS:
+        return (
+            f"--worker-sharding: {sharding!r} is not one of {', '.join(SHARDINGS)}; pass "
+            f"replicate (every rank holds the whole replica) or fsdp"
+        )
+    if sharding == "replicate":
+        return None
+    if method not in SHARDED_METHODS:
+        return (
+            f"--worker-sharding fsdp: --method {method} does not run on sharded workers yet "
+            f"(only {', '.join(SHARDED_METHODS)}: its buffers and exchanges are written for "
+            f"a whole replica); use --worker-sharding replicate"
+        )
+    if ranks_per_worker < 2:
+        return (
+            f"--worker-sharding fsdp: --ranks-per-worker {ranks_per_worker} leaves nothing to "
+            f"shard; pass --ranks-per-worker 2 or more"
+        )
+    return None
+
+
+def config_refusal(config: TrainConfig) -> str | None:
+    """Why ``config``'s --worker-sharding cannot run, in one line, or None."""
+    refusal = sharding_refusal(config.method, config.worker_sharding, config.ranks_per_worker)
+    if refusal is not None or config.worker_sharding == "replicate":
+        return refusal
+    if config.precision != "fp32":
+        return (
+            f"--worker-sharding fsdp: --precision {config.precision} is not supported on "
+            f"sharded workers yet (FSDP2's mixed-precision policy is still to be wired); "
+            f"pass --precision fp32"
+        )
+    if config.model.config is not None or config.model.value("family") != "gpt":
+        return (
+            "--worker-sharding fsdp: only the built-in GPT (--model.family gpt) is sharded "
+            "for now (a transformers model's blocks and export are still to be wired); pass "
+            "--worker-sharding replicate"
+        )
+    if config.init_from is not None:
+        return (
+            f"--worker-sharding fsdp: --init-from {config.init_from} is not read shard by "
+            f"shard yet; start from scratch, or pass --worker-sharding replicate"
+        )
+    return None
+
+
+def worker_mesh(workers: int, ranks_per_worker: int, device: str = "cpu") -> Any:
+    """The ``workers x ranks`` DeviceMesh of the whole world (a collective: every rank calls
+    it). ``mesh["ranks"]`` is this rank's worker, ``mesh["workers"]`` rank r of every worker."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(
+        device, (workers, ranks_per_worker), mesh_dim_names=("workers", "ranks")
+    )
+
+
+def shard_model(model: nn.Module, ranks: Any) -> nn.Module:
+    """``fully_shard`` every transformer block (``blocks.<j>``) of ``model``, then the rest
+    as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        for block in blocks:
+            fully_shard(block, mesh=ranks)
+    fully_shard(model, mesh=ranks)
+    for fsdp_param in _fsdp_params(model):
+        setattr(fsdp_param.sharded_param, _FLAT_NUMEL, fsdp_param._sharded_param_data.numel())
+    return model
+
+
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    """The FSDP2 parameter records of every unit of ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: list[Any] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                found.extend(group.fsdp_params)
+    return found
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+class ShardedFlatBuffers(FlatBuffers):
+    """The local shards of an FSDP-sharded ``model`` as one flat buffer that FSDP's sharded
+    storage aliases (see the module docstring); ``inner`` is the worker's ranks, over which
+    :meth:`sum_squared_norm` sums a norm."""
+
+    def __init__(self, model: nn.Module, inner: Comm) -> None:
+        records = {id(fp.sharded_param): fp for fp in _fsdp_params(model)}
+        params = [p for p in model.parameters() if p.requires_grad]
+        missing = [i for i, p in enumerate(params) if id(p) not in records]
+        if missing or not params:
+            raise ValueError("a sharded worker's model must be fully_shard-ed (shard_model)")
+        if {p.dtype for p in params} != {torch.float32}:
+            raise ValueError("--worker-sharding fsdp trains in float32 only for now")
+        self.inner = inner
+        self.parameters = params
+        self.dtype = torch.float32
+        self.device = params[0].device
+        sizes = [flat_numel(p) for p in params]
+        self.numel = self.padded_numel = sum(sizes)
+        self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.grads = torch.zeros_like(self.params)
+        self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        with torch.no_grad():
+            for p, offset, size in zip(params, self._offsets, sizes, strict=True):
+                self._alias(records[id(p)], self.params[offset : offset + size])
+
+    @staticmethod
+    def _alias(fsdp_param: Any, view: torch.Tensor) -> None:
+        """Make ``fsdp_param``'s padded local storage (and its DTensor's local tensor) a view
+        of ``view``, keeping its values."""
+        padded = fsdp_param._sharded_param_data
+        view.copy_(padded)
+        local = fsdp_param.sharded_param._local_tensor
+        fsdp_param._sharded_param_data = view
+        shape = fsdp_param.padded_sharded_param_size
+        fsdp_param.sharded_param._local_tensor = view.view(shape).narrow(0, 0, local.size(0))
+
+    def zero_grads(self) -> None:
+        self.grads.zero_()
+        for p in self.parameters:
+            p.grad = None  # FSDP accumulates the micro-batches into a fresh local shard
+
+    def sync_grads(self) -> None:
+        """Copy FSDP's reduce-scattered local gradient shards into the flat buffer."""
+        for p, offset in zip(self.parameters, self._offsets, strict=True):
+            grad = p.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            self.grads[offset : offset + local.numel()].copy_(local.reshape(-1))
+
+    def check_params(self) -> None:
+        """Nothing to rebind: FSDP's storage is the flat buffer."""
+
+    def sum_squared_norm(self, squared: torch.Tensor) -> None:
+        """Sum a one-element squared norm of this rank's shards over the worker's ranks."""
+        self.inner.all_reduce(squared, op="sum", role=Role.OTHER).wait()
+
+
+def flat_buffers(model: nn.Module) -> FlatBuffers:
+    """The flat buffers a strategy trains: plain ones, or for a model sharded with
+    :func:`shard_model` (its inner communicator attached by :func:`attach_inner`) the aliased
+    local shards."""
+    inner = _INNER.get(model)
+    if inner is None:
+        return FlatBuffers(model)
+    return ShardedFlatBuffers(model, inner)
+
+
+_INNER: weakref.WeakKeyDictionary[nn.Module, Comm] = weakref.WeakKeyDictionary()
+
+
+def attach_inner(model: nn.Module, inner: Comm) -> None:
+    """Record ``inner`` (the worker's ranks) as the communicator of sharded ``model``."""
+    _INNER[model] = inner
+
+
+def norm_summer(flat: FlatBuffers) -> Callable[[torch.Tensor], None] | None:
+    """What sums a clipping norm over the shards of ``flat`` (None: it holds the whole)."""
+    return flat.sum_squared_norm if isinstance(flat, ShardedFlatBuffers) else None
+
+
+def full_flat(model: nn.Module) -> torch.Tensor:
+    """Every parameter of ``model`` gathered whole and concatenated (a collective over the
+    worker's ranks when sharded)."""
+    parts = []
+    for p in model.parameters():
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+        parts.append(whole.detach().reshape(-1))
+    return torch.cat(parts)
+
+
+# --- the training loop's worker --------------------------------------------------------------
+
+
+def shard_worker(
+    config: TrainConfig, model: nn.Module, clock: Clock, device: torch.device
+) -> NetworkComm:
+    """Shard ``model`` over this rank's worker (every rank calls it: the mesh's groups are
+    made collectively) and return the strategy's communicator: rank r of every worker, over
+    --network. The worker's own communicator (over --inner-network) sums clipping norms."""
+    from lowcomm.comm.cast import wire_dtype
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.train.context import network_profile, replica_network_profile
+
+    mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type)
+    wire, timeout = wire_dtype(config.comm_dtype), config.collective_timeout_s
+    inner = NetworkComm(
+        TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
+        replica_network_profile(config), clock, device=device, wire_dtype=wire,
+    )  # fmt: skip
+    outer = NetworkComm(
+        TorchComm(mesh.get_group("workers"), timeout_s=timeout),
+        network_profile(config), clock, device=device, wire_dtype=wire,
+    )  # fmt: skip
+    shard_model(model, mesh["ranks"])
+    attach_inner(model, inner)
+    return outer
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state with every sharded tensor as this rank's local shard (what its own
+    checkpoint file holds)."""
+    return {
+        name: value.to_local() if hasattr(value, "to_local") else value
+        for name, value in model.state_dict().items()
+    }
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Undo :func:`model_state`: copy each saved (local) tensor into ``model``'s in place, so
+    a sharded model's storage stays its flat buffer's."""
+    if not is_sharded(model):
+        model.load_state_dict(state)
+        return
+    current = model.state_dict()
+    if set(current) != set(state):
+        raise ValueError(f"the checkpoint's model keys differ: {sorted(set(current) ^ set(state))}")
+    with torch.no_grad():
+        for name, value in current.items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            local.copy_(state[name])
+
+
+def exportable(model: nn.Module, worker_index: int) -> nn.Module | None:
+    """The whole model to export: ``model`` itself, or for a sharded model the full state
+    gathered (a collective over the worker's ranks, made by worker 0's ranks only) into a
+    fresh unsharded copy (None on the other workers)."""
+    if not is_sharded(model):
+        return model
+    if worker_index != 0:
+        return None
+    full = {
+        name: value.full_tensor() if hasattr(value, "full_tensor") else value
+        for name, value in model.state_dict().items()
+    }
+    plain_class = type(model).__bases__[1]  # fully_shard made it (FSDPModule, the class)
+    plain: nn.Module = plain_class(model.config)
+    plain.load_state_dict(full)
+    return plain
+
+
+__all__ = [
+    "SHARDED_METHODS",
+    "SHARDINGS",
+    "ShardedFlatBuffers",
+    "attach_inner",
+    "config_refusal",
+    "exportable",
+    "flat_buffers",
+    "flat_numel",
+    "full_flat",
+    "is_sharded",
+    "load_model_state",
+    "model_state",
+    "norm_summer",
+    "shard_model",
+    "shard_worker",
+    "sharding_refusal",
+    "worker_mesh",
+]

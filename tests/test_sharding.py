@@ -1,0 +1,189 @@
+"""Sharded workers (--worker-sharding fsdp): a worker's model fully_shard-ed over its ranks on a
+workers x ranks DeviceMesh, the method exchanging each rank's local shards with rank r of the
+other workers, equals the replicated --ranks-per-worker form on 2 workers x 2 ranks (Gloo)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import closure_for, global_batch, tiny_gpt
+from lowcomm.config import TrainConfig
+from lowcomm.train.sharding import SHARDED_METHODS, sharding_refusal
+
+M, R = 2, 2  # workers, ranks per worker
+B = 2  # sequences per rank per micro-batch
+STEPS, MICROBATCHES = 4, 2
+
+
+def _options(method: str) -> TrainConfig:
+    config = TrainConfig(method=method)
+    config.diloco.sync_every = 2
+    return config
+
+
+def _batches(worker: int, replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``replica`` of worker ``worker`` takes its B rows of the worker's R B rows."""
+    batches = []
+    for index in range(STEPS * MICROBATCHES):
+        x, y = global_batch(index, M, per_rank=R * B)
+        begin = worker * R * B + replica * B
+        batches.append((x[begin : begin + B], y[begin : begin + B]))
+    return batches
+
+
+def _train(sharded: bool) -> dict[str, Any]:
+    from lowcomm.comm.hierarchical import HierarchicalComm
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.launch.groups import level_comms
+    from lowcomm.strategies import StrategyContext, build_strategy
+    from lowcomm.train.sharding import attach_inner, full_flat, shard_model, worker_mesh
+
+    context = StrategyContext(total_steps=STEPS, microbatches_per_step=MICROBATCHES)
+    if sharded:
+        mesh = worker_mesh(M, R)
+        inner = TorchComm(mesh.get_group("ranks"))
+        comm: Any = TorchComm(mesh.get_group("workers"))
+        worker, replica = comm.rank, inner.rank
+    else:
+        inner, outer = level_comms(R)
+        comm = HierarchicalComm(inner, outer)
+        worker, replica = comm.rank, comm.local_rank
+    results: dict[str, Any] = {}
+    for method in SHARDED_METHODS:
+        model = tiny_gpt()
+        whole = sum(p.numel() for p in model.parameters())
+        if sharded:
+            shard_model(model, mesh["ranks"])
+            attach_inner(model, inner)
+        strategy = build_strategy(method, model, comm, context, _options(method))
+        # (replicated: the strategy averages the gradient over the worker's ranks itself)
+        closure = closure_for(strategy, _batches(worker, replica))
+        for _ in range(STEPS):
+            strategy.step(closure)
+        strategy.finish()
+        with strategy.deployed() as deployed:
+            results[method] = full_flat(deployed)
+        results[f"{method}_local"] = strategy.flat.params.numel()
+        results[f"{method}_whole"] = whole
+    return results
+
+
+@pytest.mark.slow
+def test_sharded_workers_equal_replicated_workers() -> None:
+    from lowcomm.launch import spawn_workers
+
+    sharded = spawn_workers(_train, M * R, (True,))
+    replicated = spawn_workers(_train, M * R, (False,))
+    start = torch.cat([p.detach().reshape(-1) for p in tiny_gpt().parameters()])
+    for rank in range(M * R):
+        for method in SHARDED_METHODS:
+            got, want = sharded[rank][method], replicated[rank][method]
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (method, rank)
+            assert not torch.allclose(got, start, atol=1e-4), method  # training moved them
+            # each rank holds about 1/R of the replica (up to padding)
+            whole = sharded[rank][f"{method}_whole"]
+            assert sharded[rank][f"{method}_local"] <= whole // R + 64, method
+            assert replicated[rank][f"{method}_local"] >= whole, method
+
+
+def test_other_methods_and_values_are_refused_in_one_line() -> None:
+    assert sharding_refusal("ddp", "replicate", 1) is None
+    assert sharding_refusal("diloco", "fsdp", 2) is None
+    refusal = sharding_refusal("acco", "fsdp", 2)
+    assert refusal is not None and "--worker-sharding fsdp" in refusal and "acco" in refusal
+    typo = sharding_refusal("ddp", "fsdb", 2)
+    assert typo is not None and "'fsdb'" in typo and "replicate" in typo
+    alone = sharding_refusal("ddp", "fsdp", 1)
+    assert alone is not None and "--ranks-per-worker" in alone
+
+
+# --- end to end through the command line ---------------------------------------------------------
+
+FLAGS = (
+    "train",
+    "--workers", "2", "--ranks-per-worker", "2", "--steps", "4", "--eval-every", "4",
+    "--eval-batches", "2", "--model.n-layer", "2", "--model.n-embd", "32", "--model.n-head", "2",
+    "--model.block-size", "16", "--micro-batch-size", "2", "--progress", "False",
+    "--seconds-per-microbatch", "0.01",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_sharded_run_stops_resumes_and_exports_what_a_replicated_run_does(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file
+
+    from _cli import lowcomm
+
+    replicated, sharded = tmp_path / "replicated", tmp_path / "sharded"
+    done = lowcomm(
+        *FLAGS, "--method", "diloco", "--diloco.sync-every", "2", "--out", str(replicated)
+    )
+    assert done.returncode == 0, done.stderr
+    common = (*FLAGS, "--method", "diloco", "--diloco.sync-every", "2", "--worker-sharding", "fsdp")
+    stopped = lowcomm(
+        *common, "--checkpoint-every", "2", "--stop-after", "2", "--out", str(sharded)
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    resumed = lowcomm(*common, "--resume", str(sharded), "--out", str(sharded))
+    assert resumed.returncode == 0, resumed.stderr
+    theirs_summary = json.loads((replicated / "summary.json").read_text())
+    mine_summary = json.loads((sharded / "summary.json").read_text())
+    assert mine_summary["final_val_loss"] == pytest.approx(
+        theirs_summary["final_val_loss"], rel=1e-5
+    )
+    # per rank, P the parameters' bytes: replicated, parameters, gradients, anchor and outer
+    # momentum whole (4P) and the AdamW moments split over the 2 ranks (P): 5P; sharded,
+    # everything halved: (2 + 2 + 2)P / 2 = 3P (up to padding)
+    rank_ratio = mine_summary["state_bytes_per_rank"] / theirs_summary["state_bytes_per_rank"]
+    assert rank_ratio == pytest.approx(3 / 5, rel=0.02)
+    worker = mine_summary["state_bytes_per_worker"] / mine_summary["state_bytes_per_rank"]
+    assert worker == pytest.approx(2, rel=0.02)  # a sharded worker's is the sum of its ranks
+    assert mine_summary["peak_memory_bytes_per_rank"] > mine_summary["state_bytes_per_rank"]
+    # the export is whole (gathered from the shards) and the replicated run's model
+    mine, theirs = (load_file(d / "model" / "model.safetensors") for d in (sharded, replicated))
+    assert sorted(mine) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.allclose(mine[name], tensor, rtol=1e-4, atol=1e-6), name
+    # each rank's checkpoint file holds its own shards: about half a replica's model
+    held = []
+    for run in (sharded, replicated):
+        final = sorted((run / "checkpoints").glob("step-*"))[-1]
+        rank0 = torch.load(final / "rank0.pt", weights_only=True)
+        held.append(sum(t.numel() for t in rank0["model"].values()))
+    assert held[0] < 0.6 * held[1]
+
+
+def test_the_command_line_refuses_what_does_not_shard_yet() -> None:
+    from _cli import lowcomm
+
+    refused = lowcomm(
+        *FLAGS, "--method", "zero1", "--worker-sharding", "fsdp", "--out", "/nonexistent/x"
+    )
+    assert refused.returncode == 2 and "--worker-sharding fsdp" in refused.stderr
+    assert "zero1" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_sharded_checkpoints_are_not_resharded_to_another_layout(tmp_path: Path) -> None:
+    from lowcomm.train import checkpoint
+
+    config = TrainConfig(method="ddp", workers=2, ranks_per_worker=2, worker_sharding="fsdp")
+    written = checkpoint.fingerprint(config)
+    for rank in range(4):
+        checkpoint.write_rank_state(tmp_path, 2, rank, {"step": 2})
+    checkpoint.commit_checkpoint(tmp_path, 2, 4, written)
+    assert checkpoint.find_latest(tmp_path, 4, written)[0] == 2
+    fewer = checkpoint.fingerprint(TrainConfig(method="ddp", workers=1, ranks_per_worker=2,
+                                               worker_sharding="fsdp"))  # fmt: skip
+    with pytest.raises(checkpoint.CheckpointError, match="not re-sharded"):
+        checkpoint.find_latest(tmp_path, 2, fewer)
+    # nor resumed replicated: another --worker-sharding is another run
+    replicated = checkpoint.fingerprint(TrainConfig(method="ddp", workers=2, ranks_per_worker=2))
+    with pytest.raises(checkpoint.CheckpointError, match="worker_sharding='fsdp'"):
+        checkpoint.find_latest(tmp_path, 4, replicated)
