@@ -11,8 +11,9 @@ Typical use::
 from __future__ import annotations
 
 from lowcomm.data.config import DataConfig, DataError
-from lowcomm.data.corpus import END_OF_TEXT, PreparedCorpus, prepare_corpus, resolve_end_of_text
+from lowcomm.data.corpus import END_OF_TEXT, PreparedCorpus, resolve_end_of_text
 from lowcomm.data.documents import BUNDLED_CORPUS_DIR, iter_documents, read_documents
+from lowcomm.data.prepare import prepare_corpus
 from lowcomm.data.sampling import WorkerShard, validation_batches
 
 __all__ = [

@@ -389,14 +389,14 @@ def split_streams(
     return train, validation
 
 
-def prepare_corpus(
+def prepare_text_corpus(
     config: DataConfig,
     *,
     report: Callable[[str], None] | None = None,
     waiting: Waiting | None = None,
 ) -> PreparedCorpus:
-    """Read, tokenize and split the configured text, reusing the cache when possible; or map
-    a file of token ids (``.npy``, ``.bin``).
+    """Read, tokenize and split the configured text, reusing the cache when possible (a file
+    of token ids goes to :func:`lowcomm.data.prepare.prepare_corpus` instead).
 
     Safe to call concurrently from several processes sharing a cache directory: the first
     tokenizes while the others wait on a file lock, then all map the same files.
@@ -414,10 +414,6 @@ def prepare_corpus(
     Raises:
         DataError: If the input is missing, malformed or empty.
     """
-    from lowcomm.data.tokenfile import is_token_file, prepare_token_file
-
-    if is_token_file(config.data):
-        return prepare_token_file(config, report=report, waiting=waiting)
     files = list_source_files(config.data)
     given = _given_tokenizer(config)
     end_of_text, parsed = _end_of_text(config, given)
@@ -537,17 +533,3 @@ def _given_tokenizer(config: DataConfig) -> bytes | None:
             f"--tokenizer: cannot read {config.tokenizer} ({error.strerror or error}); pass "
             f"an existing tokenizer.json"
         ) from None
-
-
-def time_prepare(config: DataConfig) -> tuple[PreparedCorpus, float]:
-    """Prepare the corpus and measure how long it took (for logs and benchmarks).
-
-    Args:
-        config: The data configuration.
-
-    Returns:
-        The prepared corpus and the elapsed wall-clock seconds.
-    """
-    start = time.perf_counter()
-    corpus = prepare_corpus(config)
-    return corpus, time.perf_counter() - start

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from lowcomm.models import GPT_FAMILY, HF_ONLY, ModelConfig, read_model_config
 from lowcomm.models.base import CausalLM
 from lowcomm.models.export import WEIGHTS_FILE
 from lowcomm.models.gpt import GPT, GPTConfig
@@ -37,6 +36,7 @@ from lowcomm.models.hf import (
     load_pretrained,
     option_fields,
 )
+from lowcomm.models.options import GPT_FAMILY, HF_ONLY, ModelConfig, read_model_config
 
 #: Weight files a local HF model directory may hold (``from_pretrained`` reads any of them).
 HF_WEIGHT_FILES = (

@@ -384,6 +384,23 @@ def agree_latest(
     )
 
 
+def _files_damage(
+    directory: Path, hashes: dict[str, str], ranks: Collection[int] | None
+) -> str | None:
+    """Why one of the listed files of ``ranks`` (None: every file) is missing or fails its
+    checksum, or None: a rank reads only its own files (no shared filesystem needed)."""
+    mine = None if ranks is None else {f"rank{rank}.pt" for rank in ranks}
+    for name, expected in hashes.items():
+        if mine is not None and name not in mine:
+            continue
+        path = directory / name
+        if not path.exists():
+            return f"is incomplete: {path} is missing"
+        if _sha256(path) != expected:
+            return f"is damaged: {path} fails its checksum (truncated or corrupted)"
+    return None
+
+
 def _damage(
     directory: Path,
     world_size: int,
@@ -425,15 +442,9 @@ def _damage(
                 f"run has {name}={now!r}; an exact resume needs the same setting (drop the "
                 f"override, or start a new run with a different --out)"
             )
-    mine = None if ranks is None else {f"rank{rank}.pt" for rank in ranks}
-    for name, expected in hashes.items():
-        if mine is not None and name not in mine:
-            continue
-        path = directory / name
-        if not path.exists():
-            return f"is incomplete: {path} is missing"
-        if _sha256(path) != expected:
-            return f"is damaged: {path} fails its checksum (truncated or corrupted)"
+    damage = _files_damage(directory, hashes, ranks)
+    if damage is not None:
+        return damage
     layout = (world_size, fingerprint["ranks_per_worker"])
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
         if saved.get("worker_sharding", "replicate") != "replicate":

@@ -204,7 +204,8 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
-        comm = sharding.shard_worker(config, model, clock, device)
+        links = (network_profile(config), replica_network_profile(config))
+        comm = sharding.shard_worker(config, model, clock, device, links)
     else:
         comm, _ = _strategy_comms(config, raw, clock, device)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only

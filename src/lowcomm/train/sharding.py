@@ -35,6 +35,7 @@ from lowcomm.strategies.flat import FlatBuffers
 if TYPE_CHECKING:
     from lowcomm.comm.clock import Clock
     from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
     from lowcomm.config import TrainConfig
 
 #: The values of --worker-sharding.
@@ -243,25 +244,29 @@ def full_flat(model: nn.Module) -> torch.Tensor:
 
 
 def shard_worker(
-    config: TrainConfig, model: nn.Module, clock: Clock, device: torch.device
+    config: TrainConfig,
+    model: nn.Module,
+    clock: Clock,
+    device: torch.device,
+    links: tuple[NetworkProfile, NetworkProfile],
 ) -> NetworkComm:
     """Shard ``model`` over this rank's worker (every rank calls it: the mesh's groups are
     made collectively) and return the strategy's communicator: rank r of every worker, over
-    --network. The worker's own communicator (over --inner-network) sums clipping norms."""
+    --network. The worker's own communicator (over --inner-network) sums clipping norms.
+    ``links``: the (outer, inner) network profiles, built by the caller from the config."""
     from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.emulated import NetworkComm
     from lowcomm.comm.torch_comm import TorchComm
-    from lowcomm.train.context import network_profile, replica_network_profile
 
     mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type)
     wire, timeout = wire_dtype(config.comm_dtype), config.collective_timeout_s
     inner = NetworkComm(
         TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
-        replica_network_profile(config), clock, device=device, wire_dtype=wire,
+        links[1], clock, device=device, wire_dtype=wire,
     )  # fmt: skip
     outer = NetworkComm(
         TorchComm(mesh.get_group("workers"), timeout_s=timeout),
-        network_profile(config), clock, device=device, wire_dtype=wire,
+        links[0], clock, device=device, wire_dtype=wire,
     )  # fmt: skip
     shard_model(model, mesh["ranks"])
     attach_inner(model, inner)
