@@ -31,8 +31,9 @@ Reading = float | torch.Tensor
 
 def parameters_finite(model: torch.nn.Module) -> torch.Tensor | bool:
     """Whether every parameter is finite, as a device boolean (no host read; a NaN or inf
-    gradient shows up here after the update)."""
-    flags = [torch.isfinite(p).all() for p in model.parameters()]
+    gradient shows up here after the update). A sharded parameter: this rank's shard."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    flags = [torch.isfinite(p).all() for p in local]
     return torch.stack(flags).all() if flags else True
 
 
