@@ -733,17 +733,22 @@ class DiLoCo(OuterLoopStrategy):
     def unsynchronized_tail(self, steps: int) -> str | None:
         """The deployed model is the outer one (docs/ALGORITHMS.md §4.1 has no final round):
         the inner steps after the last multiple of H are not in it."""
-        h = self.options.sync_every
-        tail = steps % h
-        if tail == 0:
-            return None
-        last = steps - tail
-        model = f"the outer one of step {last}" if last else "the initial one (no round ends)"
-        return (
-            f"--steps {steps} is not a multiple of --diloco.sync-every {h}: the final model is "
-            f"{model}, without the last {tail} inner steps of every worker (--steps {last + h} "
-            f"ends on a round)"
-        )
+        return outer_round_tail(steps, self.options.sync_every, "--diloco.sync-every")
+
+
+def outer_round_tail(steps: int, h: int, flag: str) -> str | None:
+    """The note on a run of ``steps`` whose deployed (outer) model leaves out the inner steps
+    after the last multiple of H (``flag`` names H's option), or None when it ends on a round."""
+    tail = steps % h
+    if tail == 0:
+        return None
+    last = steps - tail
+    model = f"the outer one of step {last}" if last else "the initial one (no round ends)"
+    return (
+        f"--steps {steps} is not a multiple of {flag} {h}: the final model is {model}, "
+        f"without the last {tail} inner steps of every worker (--steps {last + h} ends on a "
+        f"round)"
+    )
 
 
 METHODS: tuple[type[Strategy], ...] = (DiLoCo,)

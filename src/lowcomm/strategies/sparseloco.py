@@ -32,7 +32,7 @@ from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.sparse import SparseCodec, index_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
-from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
+from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy, outer_round_tail
 
 
 @dataclass(kw_only=True)
@@ -216,17 +216,7 @@ class SparseLoCo(OuterLoopStrategy):
     def unsynchronized_tail(self, steps: int) -> str | None:
         """The deployed model is the outer one: the inner steps after the last multiple of H
         are not in it (as diloco)."""
-        h = self.sparse_options.sync_every
-        tail = steps % h
-        if tail == 0:
-            return None
-        last = steps - tail
-        model = f"the outer one of step {last}" if last else "the initial one (no round ends)"
-        return (
-            f"--steps {steps} is not a multiple of --sparseloco.sync-every {h}: the final "
-            f"model is {model}, without the last {tail} inner steps of every worker (--steps "
-            f"{last + h} ends on a round)"
-        )
+        return outer_round_tail(steps, self.sparse_options.sync_every, "--sparseloco.sync-every")
 
 
 METHODS: tuple[type[Strategy], ...] = (SparseLoCo,)

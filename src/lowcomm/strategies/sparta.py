@@ -31,7 +31,7 @@ from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.flat import tensor_bytes
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
-from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
+from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions, outer_round_tail
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import (
     accumulate,
@@ -324,17 +324,7 @@ class SpartaDiLoCo(DiLoCo):
     def unsynchronized_tail(self, steps: int) -> str | None:
         """The deployed model is the outer one: the inner steps after the last multiple of H
         are not in it (as diloco)."""
-        h = self.sparta_options.sync_every
-        tail = steps % h
-        if tail == 0:
-            return None
-        last = steps - tail
-        model = f"the outer one of step {last}" if last else "the initial one (no round ends)"
-        return (
-            f"--steps {steps} is not a multiple of --sparta.sync-every {h}: the final model is "
-            f"{model}, without the last {tail} inner steps of every worker (--steps {last + h} "
-            f"ends on a round)"
-        )
+        return outer_round_tail(steps, self.sparta_options.sync_every, "--sparta.sync-every")
 
 
 METHODS: tuple[type[Strategy], ...] = (Sparta, SpartaDiLoCo)
