@@ -351,53 +351,59 @@ def _report(bench: ClockBench, cells: dict[str, Any], agreement: dict[str, Any])
             )
     lines += _headline(bench, cells, methods)
     if agreement:
-        others = list(next(iter(agreement.values()))["ratios_by_model"])[1:]
-        headline = next(iter(agreement.values()))["compute_model"]
-        lines += [
-            "",
-            "## Real and virtual clock",
-            "",
-            f"{bench.agreement_workers} workers, {bench.network}, {bench.agreement_steps} steps"
+        lines += _agreement_section(bench, agreement)
+    return "\n".join(lines) + "\n"
+
+
+def _agreement_section(bench: ClockBench, agreement: dict[str, Any]) -> list[str]:
+    """The report's real-against-virtual clock section: a note and one row per method."""
+    others = list(next(iter(agreement.values()))["ratios_by_model"])[1:]
+    headline = next(iter(agreement.values()))["compute_model"]
+    lines = [
+        "",
+        "## Real and virtual clock",
+        "",
+        f"{bench.agreement_workers} workers, {bench.network}, {bench.agreement_steps} steps"
+        + (
+            f", {bench.agreement_repeats} rounds (the median round's row)"
+            if bench.agreement_repeats > 1
+            else ""
+        )
+        + "; the virtual "
+        f"clock on the {headline} model. Time per step (the real clock's is measured wall "
+        "time on the emulated link); the ratio's parts: compute and exposed communication, "
+        "virtual over real"
+        + (f"; and the ratio on the {', '.join(others)} model." if others else ".")
+        + " Real compute on a core: the share of the real run's compute its thread ran "
+        "(the rest it waited for a core, taken by the run's other threads and processes: "
+        "the transport, a communication chain, the other workers); virtual/real on a "
+        "core: the ratio with that wait taken out of the real time.",
+        "",
+        "| method | real s/step | virtual s/step | virtual/real | compute | exposed comm | "
+        + "".join(f"{m} virtual/real | " for m in others)
+        + "real compute on a core | virtual/real on a core | utilisation real | "
+        "utilisation virtual |"
+        + (" virtual/real, every round |" if bench.agreement_repeats > 1 else ""),
+        "|---|---|---|---|---|---|"
+        + "---|" * len(others)
+        + "---|---|---|---|"
+        + ("---|" if bench.agreement_repeats > 1 else ""),
+    ]
+    for method, row in agreement.items():
+        lines.append(
+            f"| {method} | {row['real_s_per_step']:.3f} | {row['virtual_s_per_step']:.3f} | "
+            f"{row['ratio']:.3f} | {_ratio(row['compute_ratio'])} | {_exposed(row)} | "
+            + "".join(f"{row['ratios_by_model'][m]:.3f} | " for m in others)
+            + f"{_share(row.get('real_on_core'))} | {_ratio(row.get('ratio_on_core'))} | "
+            + f"{row['real_utilization']:.1%} | {row['virtual_utilization']:.1%} |"
             + (
-                f", {bench.agreement_repeats} rounds (the median round's row)"
+                " " + ", ".join(f"{r:.3f}" for r in row["ratio_rounds"]) + " |"
                 if bench.agreement_repeats > 1
                 else ""
             )
-            + "; the virtual "
-            f"clock on the {headline} model. Time per step (the real clock's is measured wall "
-            "time on the emulated link); the ratio's parts: compute and exposed communication, "
-            "virtual over real"
-            + (f"; and the ratio on the {', '.join(others)} model." if others else ".")
-            + " Real compute on a core: the share of the real run's compute its thread ran "
-            "(the rest it waited for a core, taken by the run's other threads and processes: "
-            "the transport, a communication chain, the other workers); virtual/real on a "
-            "core: the ratio with that wait taken out of the real time.",
-            "",
-            "| method | real s/step | virtual s/step | virtual/real | compute | exposed comm | "
-            + "".join(f"{m} virtual/real | " for m in others)
-            + "real compute on a core | virtual/real on a core | utilisation real | "
-            "utilisation virtual |"
-            + (" virtual/real, every round |" if bench.agreement_repeats > 1 else ""),
-            "|---|---|---|---|---|---|"
-            + "---|" * len(others)
-            + "---|---|---|---|"
-            + ("---|" if bench.agreement_repeats > 1 else ""),
-        ]
-        for method, row in agreement.items():
-            lines.append(
-                f"| {method} | {row['real_s_per_step']:.3f} | {row['virtual_s_per_step']:.3f} | "
-                f"{row['ratio']:.3f} | {_ratio(row['compute_ratio'])} | {_exposed(row)} | "
-                + "".join(f"{row['ratios_by_model'][m]:.3f} | " for m in others)
-                + f"{_share(row.get('real_on_core'))} | {_ratio(row.get('ratio_on_core'))} | "
-                + f"{row['real_utilization']:.1%} | {row['virtual_utilization']:.1%} |"
-                + (
-                    " " + ", ".join(f"{r:.3f}" for r in row["ratio_rounds"]) + " |"
-                    if bench.agreement_repeats > 1
-                    else ""
-                )
-            )
-        lines += _passes_table(agreement, headline)
-    return "\n".join(lines) + "\n"
+        )
+    lines += _passes_table(agreement, headline)
+    return lines
 
 
 def load_ratio(cells: dict[str, Any], method: str, model: str) -> float:

@@ -222,36 +222,10 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         # The median method's final loss: informative even when one method barely learns.
         target = statistics.median(mean for mean, _ in finals.values())
     by_label = {variant.label: variant for variant in variants}
-    rows: dict[str, dict[str, Any]] = {}
-    for method, summaries in finished.items():
-        mean, sd = finals[method]
-        times = (
-            [_time_to_target(s["curve"], target) for s in summaries] if target is not None else []
-        )
-        reached = [t for t in times if t is not None]
-        rows[method] = {
-            "method": by_label[method].method,
-            "options": dict(by_label[method].options),
-            "seeds": len(summaries),
-            "final_val_loss_mean": mean,
-            "final_val_loss_sd": None if math.isnan(sd) else sd,  # JSON has no NaN
-            "tokens": statistics.fmean(s.get("committed_tokens") or s["tokens"] for s in summaries),
-            "tokens_consumed": statistics.fmean(s["tokens"] for s in summaries),
-            "steps": statistics.fmean(s["steps"] for s in summaries),
-            "time_to_target_s": statistics.fmean(reached)
-            if len(reached) == len(times) and reached
-            else None,
-            "modeled_time_s": statistics.fmean(s["modeled_time_s"] for s in summaries),
-            "utilization": statistics.fmean(s["utilization"] for s in summaries),
-            "bytes_per_worker_per_step": statistics.fmean(
-                s["bytes_sent_per_worker"] / s["steps"] for s in summaries
-            ),
-            "state_bytes_per_worker": max(s["state_bytes_per_worker"] for s in summaries),
-            "runs": [
-                str(Path(bench.run_config(by_label[method], seed).out or ""))
-                for seed in range(len(summaries))
-            ],
-        }
+    rows = {
+        method: _method_row(bench, by_label[method], summaries, finals[method], target)
+        for method, summaries in finished.items()
+    }
     results = {
         "network": bench.train.network,
         "clock": bench.train.clock,
@@ -275,6 +249,41 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
     return results
 
 
+def _method_row(
+    bench: CompareBench,
+    variant: Variant,
+    summaries: list[dict[str, Any]],
+    final: tuple[float, float],
+    target: float | None,
+) -> dict[str, Any]:
+    """One method's row of results.json: its seeds' summaries averaged."""
+    mean, sd = final
+    times = [_time_to_target(s["curve"], target) for s in summaries] if target is not None else []
+    reached = [t for t in times if t is not None]
+    return {
+        "method": variant.method,
+        "options": dict(variant.options),
+        "seeds": len(summaries),
+        "final_val_loss_mean": mean,
+        "final_val_loss_sd": None if math.isnan(sd) else sd,  # JSON has no NaN
+        "tokens": statistics.fmean(s.get("committed_tokens") or s["tokens"] for s in summaries),
+        "tokens_consumed": statistics.fmean(s["tokens"] for s in summaries),
+        "steps": statistics.fmean(s["steps"] for s in summaries),
+        "time_to_target_s": statistics.fmean(reached)
+        if len(reached) == len(times) and reached
+        else None,
+        "modeled_time_s": statistics.fmean(s["modeled_time_s"] for s in summaries),
+        "utilization": statistics.fmean(s["utilization"] for s in summaries),
+        "bytes_per_worker_per_step": statistics.fmean(
+            s["bytes_sent_per_worker"] / s["steps"] for s in summaries
+        ),
+        "state_bytes_per_worker": max(s["state_bytes_per_worker"] for s in summaries),
+        "runs": [
+            str(Path(bench.run_config(variant, seed).out or "")) for seed in range(len(summaries))
+        ],
+    }
+
+
 def _report(
     bench: CompareBench,
     rows: dict[str, dict[str, Any]],
@@ -282,6 +291,29 @@ def _report(
     failures: dict[str, str],
     study: StudyCalibration | None = None,
 ) -> str:
+    lines = _report_header(bench, target, study)
+    for method, row in sorted(rows.items(), key=lambda item: item[1]["final_val_loss_mean"]):
+        to_target = row["time_to_target_s"]
+        lines.append(
+            f"| {method} | {_fmt_loss(row['final_val_loss_mean'], row['final_val_loss_sd'])} | "
+            f"{row['tokens']:,.0f} | {row['steps']:g} | {'not reached' if to_target is None else f'{to_target:.1f} s'} | "
+            f"{row['modeled_time_s']:.1f} s | {row['utilization']:.1%} | "
+            f"{_fmt_bytes(row['bytes_per_worker_per_step'])} | {_fmt_bytes(row['state_bytes_per_worker'])} |"
+        )
+    lines += _report_notes(bench) + _report_variants(bench, rows)
+    if failures:
+        lines += (
+            ["## Failed runs", ""]
+            + [f"- `{name}`: {error}" for name, error in failures.items()]
+            + [""]
+        )
+    return "\n".join(lines)
+
+
+def _report_header(
+    bench: CompareBench, target: float | None, study: StudyCalibration | None
+) -> list[str]:
+    """The report's title, the sweep's setting and the results table's heading."""
     train = bench.train
     clock = train.clock
     ranks = f" of {train.ranks_per_worker} ranks each" if train.ranks_per_worker > 1 else ""
@@ -291,7 +323,7 @@ def _report(
         if bench.budget == "tokens"
         else f"{train.steps} steps per run"
     )
-    lines = [
+    return [
         f"# Method comparison on `{train.network}`",
         "",
         f"{train.workers} workers{ranks}, {budget}, {bench.seeds} seed(s), {clock} clock. "
@@ -303,15 +335,11 @@ def _report(
         else "| method | final val loss | tokens | steps | time to target | time | utilisation | bytes/worker/step | state bytes/worker |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method, row in sorted(rows.items(), key=lambda item: item[1]["final_val_loss_mean"]):
-        to_target = row["time_to_target_s"]
-        lines.append(
-            f"| {method} | {_fmt_loss(row['final_val_loss_mean'], row['final_val_loss_sd'])} | "
-            f"{row['tokens']:,.0f} | {row['steps']:g} | {'not reached' if to_target is None else f'{to_target:.1f} s'} | "
-            f"{row['modeled_time_s']:.1f} s | {row['utilization']:.1%} | "
-            f"{_fmt_bytes(row['bytes_per_worker_per_step'])} | {_fmt_bytes(row['state_bytes_per_worker'])} |"
-        )
-    lines += [
+
+
+def _report_notes(bench: CompareBench) -> list[str]:
+    """What the table's columns mean, then the figures."""
+    return [
         "",
         "Loss: mean ± sample standard deviation over seeds (mean only for one seed). Tokens: "
         "committed (whose gradients reached an update), summed over workers. "
@@ -347,18 +375,19 @@ def _report(
         "![utilisation](utilization.png)",
         "",
     ]
+
+
+def _report_variants(bench: CompareBench, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The reported variants that set options, each with its settings (none: no lines)."""
     variants = [v for v in bench.variants() if v.options and v.label in rows]
-    if variants:
-        lines += ["Variants (the study's options, with these set):", ""] + [
+    if not variants:
+        return []
+    return (
+        ["Variants (the study's options, with these set):", ""]
+        + [
             f"- `{v.label}`: {v.method} with "
             + ", ".join(f"`{key}={value}`" for key, value in v.options)
             for v in variants
         ]
-        lines.append("")
-    if failures:
-        lines += (
-            ["## Failed runs", ""]
-            + [f"- `{name}`: {error}" for name, error in failures.items()]
-            + [""]
-        )
-    return "\n".join(lines)
+        + [""]
+    )

@@ -229,24 +229,15 @@ def hf_config(
     transformers = _import_transformers()
     defaults = transformers.AutoConfig.for_model(model_type)
     fields = option_fields(defaults)
-    family = f"--model.family hf-{model_type}"
-    for option, given in (("n_kv_head", n_kv_head), ("mlp_width", mlp_width)):
-        if given is not None and fields[option] is None:
-            raise ValueError(
-                f"--model.{option.replace('_', '-')}: {family} has no such field in its config; "
-                f"drop the option, or describe the model with --model.config FILE"
-            )
-    if _rope_of(defaults) is None:
-        if rope_theta is not None:
-            raise ValueError(
-                f"--model.rope-theta: {family} has no rotary embedding; drop the option"
-            )
-    elif (n_embd // n_head) % 2 != 0:
-        raise ValueError(
-            f"--model.n-embd: {family}'s rotary embedding needs an even head width, but "
-            f"{n_embd} / --model.n-head={n_head} = {n_embd // n_head}; pick n_embd as a "
-            f"multiple of {2 * n_head}"
-        )
+    _check_config_options(
+        model_type,
+        defaults,
+        n_head=n_head,
+        n_embd=n_embd,
+        n_kv_head=n_kv_head,
+        mlp_width=mlp_width,
+        rope_theta=rope_theta,
+    )
     kwargs: dict[str, Any] = {
         "vocab_size": vocab_size, "hidden_size": n_embd, "num_hidden_layers": n_layer,
         "num_attention_heads": n_head, "tie_word_embeddings": tie_embeddings,
@@ -267,6 +258,38 @@ def hf_config(
         if hasattr(defaults, name) and isinstance(getattr(defaults, name), float):
             kwargs[name] = dropout
     return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def _check_config_options(
+    model_type: str,
+    defaults: Any,
+    *,
+    n_head: int,
+    n_embd: int,
+    n_kv_head: int | None,
+    mlp_width: int | None,
+    rope_theta: float | None,
+) -> None:
+    """Refuse an option ``model_type``'s config has no field for, or an odd rotary head width."""
+    fields = option_fields(defaults)
+    family = f"--model.family hf-{model_type}"
+    for option, given in (("n_kv_head", n_kv_head), ("mlp_width", mlp_width)):
+        if given is not None and fields[option] is None:
+            raise ValueError(
+                f"--model.{option.replace('_', '-')}: {family} has no such field in its config; "
+                f"drop the option, or describe the model with --model.config FILE"
+            )
+    if _rope_of(defaults) is None:
+        if rope_theta is not None:
+            raise ValueError(
+                f"--model.rope-theta: {family} has no rotary embedding; drop the option"
+            )
+    elif (n_embd // n_head) % 2 != 0:
+        raise ValueError(
+            f"--model.n-embd: {family}'s rotary embedding needs an even head width, but "
+            f"{n_embd} / --model.n-head={n_head} = {n_embd // n_head}; pick n_embd as a "
+            f"multiple of {2 * n_head}"
+        )
 
 
 def _rope_of(config: Any) -> float | None:
