@@ -26,7 +26,7 @@ from lowcomm.strategies.gradient_step import (
     make_inner_optimizer,
     step_and_publish,
 )
-from lowcomm.train.sharding import flat_buffers, norm_summer
+from lowcomm.strategies.sharded_flat import flat_buffers, norm_summer
 
 
 class DDP(Strategy):

@@ -48,8 +48,8 @@ from lowcomm.strategies.gradient_step import (
     make_inner_optimizer,
     step_and_publish,
 )
+from lowcomm.strategies.sharded_flat import flat_buffers, flat_numel, norm_summer
 from lowcomm.strategies.two_step import TwoStepQuantized, shard_payload_bytes
-from lowcomm.train.sharding import flat_buffers, flat_numel, norm_summer
 
 
 @dataclass(kw_only=True)

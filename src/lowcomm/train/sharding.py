@@ -22,8 +22,6 @@ is real only); checkpoints and the model export of a sharded worker; mixed preci
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +29,13 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.sharded_flat import (
+    FLAT_NUMEL_ATTRIBUTE,
+    flat_buffers,
+    flat_numel,
+    norm_summer,
+    register_flat_buffers,
+)
 
 if TYPE_CHECKING:
     from lowcomm.comm.clock import Clock
@@ -43,17 +48,6 @@ SHARDINGS = ("replicate", "fsdp")
 
 #: The methods that run sharded; every other one is refused with its reason until it does.
 SHARDED_METHODS = ("ddp", "diloco")
-
-#: The attribute in which :func:`shard_model` records, on each FSDP-sharded parameter, the
-#: elements it takes in a :class:`ShardedFlatBuffers` layout (its padded local shard).
-_FLAT_NUMEL = "_lowcomm_flat_numel"
-
-
-def flat_numel(parameter: torch.Tensor) -> int:
-    """Elements ``parameter`` takes in its strategy's flat buffer: its padded local shard when
-    FSDP-sharded, else all of it."""
-    numel: int = getattr(parameter, _FLAT_NUMEL, parameter.numel())
-    return numel
 
 
 def sharding_refusal(method: str, sharding: str, ranks_per_worker: int) -> str | None:
@@ -124,12 +118,14 @@ def shard_model(model: nn.Module, ranks: Any) -> nn.Module:
         for block in blocks:
             fully_shard(block, mesh=ranks)
     fully_shard(model, mesh=ranks)
-    for fsdp_param in _fsdp_params(model):
-        setattr(fsdp_param.sharded_param, _FLAT_NUMEL, fsdp_param._sharded_param_data.numel())
+    for fsdp_param in fsdp_params(model):
+        setattr(
+            fsdp_param.sharded_param, FLAT_NUMEL_ATTRIBUTE, fsdp_param._sharded_param_data.numel()
+        )
     return model
 
 
-def _fsdp_params(model: nn.Module) -> list[Any]:
+def fsdp_params(model: nn.Module) -> list[Any]:
     """The FSDP2 parameter records of every unit of ``model``."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -154,7 +150,7 @@ class ShardedFlatBuffers(FlatBuffers):
     :meth:`sum_squared_norm` sums a norm."""
 
     def __init__(self, model: nn.Module, inner: Comm) -> None:
-        records = {id(fp.sharded_param): fp for fp in _fsdp_params(model)}
+        records = {id(fp.sharded_param): fp for fp in fsdp_params(model)}
         params = [p for p in model.parameters() if p.requires_grad]
         missing = [i for i, p in enumerate(params) if id(p) not in records]
         if missing or not params:
@@ -207,27 +203,10 @@ class ShardedFlatBuffers(FlatBuffers):
         self.inner.all_reduce(squared, op="sum", role=Role.OTHER).wait()
 
 
-def flat_buffers(model: nn.Module) -> FlatBuffers:
-    """The flat buffers a strategy trains: plain ones, or for a model sharded with
-    :func:`shard_model` (its inner communicator attached by :func:`attach_inner`) the aliased
-    local shards."""
-    inner = _INNER.get(model)
-    if inner is None:
-        return FlatBuffers(model)
-    return ShardedFlatBuffers(model, inner)
-
-
-_INNER: weakref.WeakKeyDictionary[nn.Module, Comm] = weakref.WeakKeyDictionary()
-
-
 def attach_inner(model: nn.Module, inner: Comm) -> None:
-    """Record ``inner`` (the worker's ranks) as the communicator of sharded ``model``."""
-    _INNER[model] = inner
-
-
-def norm_summer(flat: FlatBuffers) -> Callable[[torch.Tensor], None] | None:
-    """What sums a clipping norm over the shards of ``flat`` (None: it holds the whole)."""
-    return flat.sum_squared_norm if isinstance(flat, ShardedFlatBuffers) else None
+    """Record ``inner`` (the worker's ranks) as the communicator of sharded ``model``: the
+    strategy's :func:`flat_buffers` are then its aliased local shards."""
+    register_flat_buffers(model, lambda sharded: ShardedFlatBuffers(sharded, inner))
 
 
 def full_flat(model: nn.Module) -> torch.Tensor:
