@@ -15,7 +15,7 @@ TORCH_INDEX_URL ?=
 # built once). The tests are mostly multi-process runs that wait on each other, so 2 processes
 # finish the suite in about two thirds of the time even on 2 cores. 0: no xdist, one process.
 PYTEST_JOBS ?= 2
-PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadfile)
+PYTEST := $(BIN)/python -m pytest -q --durations=25 $(if $(filter-out 0,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadfile)
 
 .PHONY: demo test test-fast test-regression regen-regression lint typecheck pytest install install-dev bench clean
 
