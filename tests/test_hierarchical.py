@@ -240,10 +240,6 @@ def _options_source(method: str) -> TrainConfig:
     config.local.sync_every = 2
     config.desloc.param_period = 1
     config.sparta.fraction, config.sparta.sync_every = 0.05, 2
-    # DeMo's sign step would turn the inner average's rounding (a mean of the replicas' sums
-    # against the flat worker's one sum) into whole-lr flips of near-zero coefficients; without
-    # it the update is continuous and the union batch's, which is what this test compares.
-    config.demo.sign = False
     if method == "desloc":
         config.desloc.first_moment_period = 2
         config.desloc.second_moment_period = 4

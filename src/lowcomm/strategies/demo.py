@@ -215,7 +215,7 @@ class DeMo(Strategy):
 
     def step(self, closure: Closure) -> StepStats:
         count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count)
+        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
         lr = self.lr_at(self.step_index)
         with torch.no_grad():
             grad = average_and_clip(
