@@ -12,9 +12,10 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 # pytest processes (pytest-xdist; whole test files per process, so a file's module fixtures are
-# built once). The tests are mostly multi-process runs that wait on each other, so 2 processes
-# finish the suite in about two thirds of the time even on 2 cores. 0: no xdist, one process.
-PYTEST_JOBS ?= 2
+# built once). The tests are mostly multi-process runs that wait on each other: with 2 processes
+# on 2 cores the suite kept about one core busy on average (2026-11-26: 15 min of CPU in 13.7
+# min), so 3 processes. 0: no xdist, one process.
+PYTEST_JOBS ?= 3
 PYTEST := $(BIN)/python -m pytest -q --durations=25 $(if $(filter-out 0,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadfile)
 
 .PHONY: demo test test-fast test-regression regen-regression lint typecheck pytest install install-dev bench clean
