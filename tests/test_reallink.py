@@ -49,6 +49,7 @@ def reason_unavailable() -> str | None:
     return namespaces_available()
 
 
+@pytest.mark.benchmark  # a timing claim on a real shaped link: make test-benchmarks
 def test_ddp_matches_the_model_and_overlap_beats_it(
     tmp_path: Path, reason_unavailable: str | None
 ) -> None:
