@@ -6,7 +6,8 @@ collective would cost on a declared link and a clock that says whether a time is
 modeled.
 
 Use a strategy in your own loop with :func:`connect` and :func:`make_strategy`; run whole
-experiments with the ``lowcomm`` command.
+experiments with the ``lowcomm`` command, or on your own model, data and loss with
+:func:`fit`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _PUBLIC = {
     "DeMoOptions": "lowcomm.strategies.demo",
     "DeslocOptions": "lowcomm.strategies.desloc",
     "DiLoCoOptions": "lowcomm.strategies.diloco",
+    "FitResult": "lowcomm.fitting",
     "LocalOptions": "lowcomm.strategies.co2",
     "MicroBatchResult": "lowcomm.strategies",
     "ScheduleConfig": "lowcomm.optim.schedule",
@@ -33,13 +35,17 @@ _PUBLIC = {
     "StepStats": "lowcomm.strategies",
     "Strategy": "lowcomm.strategies",
     "StrategyContext": "lowcomm.strategies",
+    "TrainConfig": "lowcomm.config",
     "connect": "lowcomm.api",
+    "fit": "lowcomm.fitting",
     "load_model": "lowcomm.models.export",
     "make_strategy": "lowcomm.api",
 }
 
 if TYPE_CHECKING:
     from lowcomm.api import connect, make_strategy
+    from lowcomm.config import TrainConfig
+    from lowcomm.fitting import FitResult, fit
     from lowcomm.models.export import load_model
     from lowcomm.optim.adamw import AdamWConfig
     from lowcomm.optim.schedule import ScheduleConfig
@@ -85,6 +91,7 @@ __all__ = [
     "DeMoOptions",
     "DeslocOptions",
     "DiLoCoOptions",
+    "FitResult",
     "LocalOptions",
     "MicroBatchResult",
     "ScheduleConfig",
@@ -93,8 +100,10 @@ __all__ = [
     "StepStats",
     "Strategy",
     "StrategyContext",
+    "TrainConfig",
     "__version__",
     "connect",
+    "fit",
     "load_model",
     "make_strategy",
 ]

@@ -280,22 +280,35 @@ def _cuda_event_timing(work: Callable[[], None], device: torch.device, cuda: Any
 
 
 def _forward_backward(
-    model: torch.nn.Module, vocab_size: int, micro_batch_size: int, block_size: int, bf16: bool
+    model: torch.nn.Module,
+    vocab_size: int,
+    micro_batch_size: int,
+    block_size: int,
+    bf16: bool,
+    loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
 ) -> Callable[[], None]:
-    """One forward-backward pass of a copy of ``model`` on a fixed random micro-batch (under
-    bfloat16 autocast with ``bf16``, as the training loop runs it)."""
+    """One forward-backward pass of a copy of ``model`` on a fixed micro-batch (under
+    bfloat16 autocast with ``bf16``, as the training loop runs it): ``loss(copy)``, or
+    without it a language model's loss on random tokens."""
     replica = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    shape = (micro_batch_size, block_size)
-    device = next(replica.parameters()).device
-    inputs = torch.randint(0, vocab_size, shape, generator=generator).to(device)
-    targets = torch.randint(0, vocab_size, shape, generator=generator).to(device)
+    if loss is None:
+        generator = torch.Generator().manual_seed(0)
+        shape = (micro_batch_size, block_size)
+        device = next(replica.parameters()).device
+        inputs = torch.randint(0, vocab_size, shape, generator=generator).to(device)
+        targets = torch.randint(0, vocab_size, shape, generator=generator).to(device)
+
+        def loss(model: torch.nn.Module) -> torch.Tensor:
+            return model(inputs, targets)[1]  # type: ignore[no-any-return]
+
+    timed_loss = loss
+    device_type = next(replica.parameters()).device.type
 
     def run() -> None:
         replica.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            _, loss = replica(inputs, targets)
-        loss.backward()
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+            value = timed_loss(replica)
+        value.backward()  # type: ignore[no-untyped-call]
 
     return run
 
@@ -338,13 +351,18 @@ def calibrate(
     block_size: int,
     bookkeeping: Comm,
     bf16: bool = False,
+    loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
 ) -> Calibration:
     """Measure this run's compute costs on every worker in turn and agree on them (every
     process of the run calls this at the same point). Leaves ``model`` and the global random
-    state as they were."""
+    state as they were. The timed pass is ``loss(copy of model)``'s forward and backward (the
+    run's loss on a fixed micro-batch), or without ``loss`` a language model's on random
+    tokens of ``vocab_size``."""
     rng = torch.get_rng_state()
     num_params = sum(p.numel() for p in model.parameters())
-    forward_backward = _forward_backward(model, vocab_size, micro_batch_size, block_size, bf16)
+    forward_backward = _forward_backward(
+        model, vocab_size, micro_batch_size, block_size, bf16, loss
+    )
     counter = ElementCounter()
     device = next(model.parameters()).device  # (on a GPU the passes are timed by events)
     update = _update(num_params, counter, device)

@@ -56,6 +56,47 @@ def _gather(
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T), (B, T)
 
 
+def _check_shard_arguments(
+    rank: int,
+    world_size: int,
+    seq_len: int,
+    micro_batch_size: int,
+    seed: int,
+    split: str,
+    replica: int,
+    replicas: int,
+) -> None:
+    """Raise ValueError for a :class:`WorkerShard` argument out of range."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank {rank} / world_size {world_size}: need world_size >= 1 and "
+            f"0 <= rank < world_size"
+        )
+    if seq_len < 1:
+        raise ValueError(f"seq_len: {seq_len} is not positive; pass a length such as 128")
+    if micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size: {micro_batch_size} is not positive; pass such as 8")
+    if replicas < 1 or not 0 <= replica < replicas:
+        raise ValueError(
+            f"replica {replica} / replicas {replicas}: need replicas >= 1 and "
+            f"0 <= replica < replicas"
+        )
+    if seed < 0:
+        # numpy's SeedSequence only accepts non-negative entropy.
+        raise ValueError(f"seed: {seed} is negative; pass a seed >= 0")
+    if split not in SPLITS:
+        raise ValueError(f"--split: unknown split {split!r}; choose one of {SPLITS}")
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    """``count`` samples numbered ``0 .. count - 1`` (a map-style dataset's), for a
+    :class:`WorkerShard` that deals out sample indices (:meth:`WorkerShard.next_indices`)
+    instead of token windows: the same IID and non-IID orders, positions and resume."""
+
+    count: int
+
+
 class WorkerShard:
     """One worker's deterministic stream of training micro-batches.
 
@@ -87,7 +128,7 @@ class WorkerShard:
 
     def __init__(
         self,
-        corpus: PreparedCorpus,
+        corpus: PreparedCorpus | SampleIndex,
         rank: int,
         world_size: int,
         seq_len: int,
@@ -97,27 +138,9 @@ class WorkerShard:
         replica: int = 0,
         replicas: int = 1,
     ) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(
-                f"rank {rank} / world_size {world_size}: need world_size >= 1 and "
-                f"0 <= rank < world_size"
-            )
-        if seq_len < 1:
-            raise ValueError(f"seq_len: {seq_len} is not positive; pass a length such as 128")
-        if micro_batch_size < 1:
-            raise ValueError(
-                f"--micro-batch-size: {micro_batch_size} is not positive; pass such as 8"
-            )
-        if replicas < 1 or not 0 <= replica < replicas:
-            raise ValueError(
-                f"replica {replica} / replicas {replicas}: need replicas >= 1 and "
-                f"0 <= replica < replicas"
-            )
-        if seed < 0:
-            # numpy's SeedSequence only accepts non-negative entropy.
-            raise ValueError(f"seed: {seed} is negative; pass a seed >= 0")
-        if split not in SPLITS:
-            raise ValueError(f"--split: unknown split {split!r}; choose one of {SPLITS}")
+        _check_shard_arguments(
+            rank, world_size, seq_len, micro_batch_size, seed, split, replica, replicas
+        )
         self.rank = rank
         self.world_size = world_size
         self.seq_len = seq_len
@@ -127,10 +150,21 @@ class WorkerShard:
         self.replica = replica
         self.replicas = replicas
         self._window = seq_len + 1
-        self._windows = _Windows(corpus.train_tokens, self._window)
-        self.num_windows = self._windows.count
+        self._windows: _Windows | None = None
+        if isinstance(corpus, SampleIndex):
+            self.num_windows = corpus.count
+        else:
+            self._windows = _Windows(corpus.train_tokens, self._window)
+            self.num_windows = self._windows.count
         self.windows_per_worker = self.num_windows // world_size
         self.batches_per_epoch = self.windows_per_worker // (micro_batch_size * replicas)
+        if self.batches_per_epoch == 0 and isinstance(corpus, SampleIndex):
+            raise DataError(
+                f"the training data has {self.num_windows} samples, but {world_size} worker(s) "
+                f"x micro_batch_size {micro_batch_size} x {replicas} rank(s) need at least "
+                f"{world_size * micro_batch_size * replicas}; reduce the batch size or the "
+                f"number of workers, or pass more data"
+            )
         if self.batches_per_epoch == 0:
             raise DataError(
                 f"the training split has {self.num_windows} windows of seq_len+1="
@@ -210,7 +244,7 @@ class WorkerShard:
         Returns:
             The source index (into ``corpus.source_names``) of each window.
         """
-        return self._windows.locate(np.asarray(indices, dtype=np.int64))[0]
+        return self._token_windows().locate(np.asarray(indices, dtype=np.int64))[0]
 
     def window_token_ranges(self, indices: IndexArray) -> list[tuple[int, int, int]]:
         """Token ranges covered by windows, as ``(source, start, stop)`` within that source.
@@ -221,7 +255,7 @@ class WorkerShard:
         Returns:
             One half-open range per window, in the source's training token stream.
         """
-        sources, starts = self._windows.locate(np.asarray(indices, dtype=np.int64))
+        sources, starts = self._token_windows().locate(np.asarray(indices, dtype=np.int64))
         return [
             (source, start, start + self._window)
             for source, start in zip(sources.tolist(), starts.tolist(), strict=True)
@@ -234,6 +268,15 @@ class WorkerShard:
             ``(x, y)``, both int64 of shape ``(micro_batch_size, seq_len)``, with
             ``y[:, t] == x[:, t + 1]`` for ``t < seq_len - 1``.
         """
+        return self._token_windows().gather(self.next_indices())
+
+    def _token_windows(self) -> _Windows:
+        if self._windows is None:
+            raise TypeError("WorkerShard: a shard over a SampleIndex yields next_indices()")
+        return self._windows
+
+    def next_indices(self) -> IndexArray:
+        """The window (or sample) indices of the next micro-batch; advances the position."""
         epoch, batch_in_epoch, carried = self._locate(self.position)
         key = -1 - epoch if carried else epoch
         if self._epoch_cached != key:
@@ -244,7 +287,7 @@ class WorkerShard:
         begin = (batch_in_epoch * self.replicas + self.replica) * self.micro_batch_size
         chosen = self._epoch_order[begin : begin + self.micro_batch_size]
         self.position += 1
-        return self._windows.gather(chosen)
+        return chosen
 
     def state_dict(self) -> dict[str, Any]:
         """Return what is needed to resume exactly.

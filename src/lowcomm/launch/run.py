@@ -28,6 +28,7 @@ from lowcomm.launch.spawn import spawn_workers, under_torchrun
 
 if TYPE_CHECKING:
     from lowcomm.data import PreparedCorpus
+    from lowcomm.train.task import Task
 
 #: Where a start-up phase is said (``None``: nowhere, e.g. inside a sweep).
 Report = Callable[[str], None] | None
@@ -38,13 +39,18 @@ def say(message: str) -> None:
     print(f"lowcomm: {message}", flush=True)
 
 
-def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any] | None:
+def run_training(
+    config: TrainConfig, *, report: Report = say, task: Task | None = None
+) -> dict[str, Any] | None:
     """Check, prepare and run one training job; return its ``summary.json``.
 
     Args:
         config: the job; its paths are made absolute in place, and under ``torchrun`` its
             worker count is taken from the world.
         report: where the start-up phases are said (also the oversubscription warning).
+        task: the model, data and loss (:mod:`lowcomm.train.task`); None: ``lowcomm train``'s
+            (the model of ``--model.*`` on the corpus of ``--data``). It is pickled to every
+            worker process.
 
     Returns:
         The run's summary (what rank 0 wrote to ``summary.json``), or None when the run stopped
@@ -56,15 +62,21 @@ def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any]
         WorkerFailed: a worker failed (its traceback is in the run's ``error.log``).
         Interrupted: the launcher was sent SIGINT or SIGTERM; every worker was stopped.
     """
+    from lowcomm.train.task import CorpusTask
+
+    task = CorpusTask() if task is None else task
     make_paths_absolute(config)
     torchrun = under_torchrun()
     if torchrun:
         adopt_torchrun_world(config)
     config.validate()
-    note = preflight(config)
+    task.check(config)
+    note = preflight(config, task)
     if torchrun:
-        return _join_torchrun(config, note, report)
-    prepare_checked_corpus(config, report)
+        return _join_torchrun(config, note, report, task)
+    if task.reads_corpus:
+        prepare_checked_corpus(config, report)
+    task.prepare(config, report)
     if report is not None:
         warn_if_oversubscribed(config.world_size, config)
     start_run_dir(config, note)
@@ -76,7 +88,7 @@ def run_training(config: TrainConfig, *, report: Report = say) -> dict[str, Any]
     spawn_workers(
         spawned_train,
         config.world_size,
-        (config,),
+        (config, task),
         device=config.device,
         timeout_s=config.collective_timeout_s,
         log_path=run_directory(config) / ERROR_LOG,
@@ -114,7 +126,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     return summary
 
 
-def preflight(config: TrainConfig) -> str | None:
+def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
     """The checks that need files or a model, run once before any worker starts (after
     ``config.validate()``, which checks the options alone).
 
@@ -135,7 +147,7 @@ def preflight(config: TrainConfig) -> str | None:
 
         if not tensorboard_available():
             raise ConfigError(MISSING)
-    method_note = check_method_options(config)
+    method_note = check_method_options(config, task)
     _check_data_path(config)
     notes = [note for note in (check_run_dir(config), method_note) if note is not None]
     return "\n".join(notes) if notes else None
@@ -200,26 +212,22 @@ def _check_resume(config: TrainConfig) -> None:
         raise ConfigError(str(error)) from None
 
 
-def check_method_options(config: TrainConfig) -> str | None:
+def check_method_options(config: TrainConfig, task: Task | None = None) -> str | None:
     """Construct the method once on a recording communicator of the run's worker count, so
     options that depend on the model or the worker count fail here, before any worker starts,
     with the method's own message. Returns the method's note on a run of ``--steps`` whose
     final model leaves out the last steps (:meth:`Strategy.unsynchronized_tail`; not for a
-    --token-budget run, which may end sooner)."""
-    import torch
-
+    --token-budget run, which may end sooner). ``task``: the run's model (default:
+    ``--model.*``'s)."""
     from lowcomm.comm.fake import RecordingComm
-    from lowcomm.models import build_model
     from lowcomm.strategies import build_strategy
     from lowcomm.train.context import strategy_context
+    from lowcomm.train.task import CorpusTask
 
     try:
-        # On the meta device: the method needs the shapes, not a copy of the weights. A model
-        # described by a config.json has its own vocabulary size (checked against the
-        # tokenizer's in pre-flight), so any size up to it does here.
-        vocab_size = config.data.vocab_size if config.model.config is None else 1
-        with torch.device("meta"):
-            model = build_model(config.model, vocab_size)
+        # On the meta device where the model can be built there: the method needs the
+        # shapes, not a copy of the weights.
+        model = (CorpusTask() if task is None else task).shapes_model(config)
         strategy = build_strategy(
             config.method, model, RecordingComm(world_size=config.workers),
             strategy_context(config), config,
@@ -375,7 +383,9 @@ def adopt_torchrun_world(config: TrainConfig) -> None:
             )
 
 
-def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dict[str, Any] | None:
+def _join_torchrun(
+    config: TrainConfig, note: str | None, report: Report, task: Task
+) -> dict[str, Any] | None:
     """Run this process as one rank of a ``torchrun`` job."""
     import torch
     import torch.distributed as dist
@@ -405,9 +415,10 @@ def _join_torchrun(config: TrainConfig, note: str | None, report: Report) -> dic
         def waiting(line: str) -> None:
             print(f"lowcomm: rank {rank}: {line}", file=sys.stderr, flush=True)
 
-        prepare_checked_corpus(config, report if first else None, waiting=waiting)
+        if task.reads_corpus:
+            prepare_checked_corpus(config, report if first else None, waiting=waiting)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        train_worker(config, TorchComm(timeout_s=config.collective_timeout_s))
+        train_worker(config, TorchComm(timeout_s=config.collective_timeout_s), task=task)
     finally:
         dist.destroy_process_group()
     return read_summary(run_directory(config)) if first else None

@@ -4,6 +4,7 @@ token budget that ends an equal-token run."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,13 +29,14 @@ def uses_calibration(config: TrainConfig) -> bool:
 def worker_clock(
     config: TrainConfig,
     model: torch.nn.Module,
-    vocab_size: int,
+    timed_loss: Callable[[torch.nn.Module], torch.Tensor],
     bookkeeping: Comm,
     device: torch.device,
 ) -> Clock:
     """This process's clock: real, virtual on a declared cost or CPU time, or virtual on the
     calibrated model (read from --calibration, or from the checkpoint a resume reads, or
-    measured by :func:`finish_calibration`, every process in turn)."""
+    measured by :func:`finish_calibration`, every process in turn, timing
+    ``timed_loss(model)``'s forward and backward: the run's loss on a fixed micro-batch)."""
     worker_index = bookkeeping.rank // config.ranks_per_worker
     speed_factor = network_profile(config).speed_factor(worker_index)
     if not uses_calibration(config):
@@ -55,11 +57,12 @@ def worker_clock(
         speed_factor=speed_factor,
         measure=lambda: calibrate(
             timed,
-            vocab_size=vocab_size,
+            vocab_size=0,
             micro_batch_size=config.data.micro_batch_size,
             block_size=config.model.block_size,
             bookkeeping=bookkeeping,
             bf16=config.precision == "bf16-mixed",
+            loss=timed_loss,
         ),
     )
 

@@ -21,9 +21,6 @@ from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
-from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation_batches
-from lowcomm.models import build_model
-from lowcomm.models.export import save_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
 from lowcomm.train.compute import (
@@ -38,6 +35,7 @@ from lowcomm.train.records import ProcessTotals, StepMetrics, peak_memory_bytes
 from lowcomm.train.reshard import read_resharded
 from lowcomm.train.rundir import run_directory
 from lowcomm.train.step_log import StepLog, parameters_finite
+from lowcomm.train.task import Batch, CorpusTask, Shard, Task, to_device
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -63,9 +61,7 @@ class WorkerSummary:
     (only with ``train_worker(keep_parameters=True)`` on a run that finished)."""
 
 
-def _evaluate(
-    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], bookkeeping: Comm
-) -> float:
+def _evaluate(model: torch.nn.Module, batches: list[Batch], bookkeeping: Comm, task: Task) -> float:
     """Mean validation loss over all workers' batches (each worker evaluates its own).
 
     The losses are summed on the model's device (no host read per batch) and the two sums
@@ -76,10 +72,8 @@ def _evaluate(
     model.eval()
     loss_sum: torch.Tensor | None = None
     with torch.no_grad():
-        for inputs, targets in batches:
-            _, loss = model(inputs, targets)
-            assert loss is not None
-            term = loss.detach().double()
+        for batch in batches:
+            term = task.loss(model, batch).detach().double()
             loss_sum = term if loss_sum is None else loss_sum + term
     model.train(was_training)
     total = torch.zeros(2, dtype=torch.float64)
@@ -107,16 +101,14 @@ class Worker:
     bookkeeping: Comm
     """Metrics, evaluation sums and checkpoint barriers (uncharged, CPU tensors)."""
     strategy: Strategy
-    shard: WorkerShard
-    validation: list[tuple[torch.Tensor, torch.Tensor]]
-    """This process's slice of the validation batches."""
+    task: Task
+    """The run's model, data and loss (the built-in GPT on the corpus by default)."""
+    shard: Shard
+    validation: list[Batch]
+    """This process's slice of the validation batches (on its device)."""
     validation_batches: int
     """Validation batches of the whole run."""
     step_closure: Callable[[], MicroBatchResult]
-    tokenizer_path: Path | None = None
-    """The run's tokenizer (saved with the final model)."""
-    end_of_text: str | None = None
-    """The token after every document (the saved HF tokenizer's eos_token)."""
 
 
 @dataclass
@@ -142,6 +134,7 @@ def train_worker(
     *,
     keep_parameters: bool = False,
     bookkeeping: Comm | None = None,
+    task: Task | None = None,
 ) -> WorkerSummary:
     """Train on this process. ``raw`` is the un-emulated communicator of the process group;
     strategy traffic goes through a :class:`NetworkComm` around it (or, with
@@ -151,9 +144,11 @@ def train_worker(
     every rank, see :func:`bookkeeping_comm`), never on the strategy's group: on NCCL one
     communicator is one queue, and a small gather behind an in-flight all-reduce would wait
     for all of it. With ``keep_parameters`` the summary carries the final parameters (for
-    tests)."""
+    tests). ``task`` gives the model, the data and the loss (default: :class:`CorpusTask`,
+    ``lowcomm train``'s)."""
     set_up_start = time.perf_counter()
-    worker = set_up(config, raw, bookkeeping_comm(raw) if bookkeeping is None else bookkeeping)
+    ledger = bookkeeping_comm(raw) if bookkeeping is None else bookkeeping
+    worker = set_up(config, raw, ledger, CorpusTask() if task is None else task)
     progress = resume(worker)
     finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
     if worker.rank == 0:
@@ -188,8 +183,9 @@ def train_worker(
 # --- set-up ------------------------------------------------------------------------------
 
 
-def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
-    """Build this process's model, clock, communicators, strategy, data shard and closure."""
+def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm, task: Task) -> Worker:
+    """Build this process's model, clock, communicators, strategy, data shard and closure
+    (the model, data and loss from ``task``)."""
     rank, world_size = raw.rank, raw.world_size
     device = torch.device(
         config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
@@ -199,9 +195,10 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
         torch.cuda.reset_peak_memory_stats(device)
         torch.backends.cuda.matmul.allow_tf32 = config.tf32  # (--tf32)
         torch.backends.cudnn.allow_tf32 = config.tf32
-    corpus = prepare_corpus(config.data)
-    model = _shared_initial_model(config, corpus.vocab_size, raw, device)
-    clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
+    model = _shared_initial_model(config, task, raw, device)
+    clock = worker_clock(
+        config, model, _calibration_pass(task, config, device), bookkeeping, device
+    )
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
         links = (network_profile(config), replica_network_profile(config))
@@ -212,30 +209,25 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     context = replace(strategy_context(config), runtime=comm.runtime())
     strategy = build_strategy(config.method, model, comm, context, config)
-    shard, validation, validation_batches = _data(config, corpus, rank, device)
-    closure = _closure(model, shard, clock, device, bf16=config.precision == "bf16-mixed")
+    data = task.data(config, rank)
+    validation = [to_device(batch, device) for batch in data.validation]
+    closure = _closure(model, task, data.shard, clock, device, config.precision == "bf16-mixed")
     # Synchronous data parallel inside a worker (R > 1): the strategy averages its flat
     # gradient over the worker's ranks once per step (gradient_step.accumulate), charged to
     # the replica link (runtime.replica_group).
     step_closure = closure
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
-        comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
-        validation_batches=validation_batches, step_closure=step_closure,
-        tokenizer_path=corpus.tokenizer_path, end_of_text=corpus.end_of_text,
+        comm=comm, bookkeeping=bookkeeping, strategy=strategy, task=task, shard=data.shard,
+        validation=validation, validation_batches=data.validation_batches,
+        step_closure=step_closure,
     )  # fmt: skip
 
 
 def _shared_initial_model(
-    config: TrainConfig, vocab_size: int, raw: Comm, device: torch.device
+    config: TrainConfig, task: Task, raw: Comm, device: torch.device
 ) -> torch.nn.Module:
-    if config.init_from is None:
-        model = build_model(config.model, vocab_size).to(device)
-    else:  # --init-from: the saved weights, loaded straight into the model (pre-flight
-        # checked that they fit); the architecture is the directory's config.json.
-        from lowcomm.models.init_from import preflight_init_from
-
-        model = preflight_init_from(config.init_from, config.model).load().to(device)
+    model = task.model(config).to(device)
     # Same seed gives the same initial model everywhere; broadcast anyway (uncharged) so that
     # workers on different machines or library builds provably start from one point.
     with torch.no_grad():
@@ -262,60 +254,40 @@ def _strategy_comms(
     return HierarchicalComm(replica_comm, outer_comm, clock), replica_comm
 
 
-def _data(
-    config: TrainConfig, corpus: PreparedCorpus, rank: int, device: torch.device
-) -> tuple[WorkerShard, list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """This process's training shard, its slice of the validation batches, and how many
-    validation batches the run has."""
-    ranks = config.ranks_per_worker
-    worker, replica = divmod(rank, ranks)
-    workers = config.workers
-    batch = config.data.micro_batch_size
-    shard = WorkerShard(
-        corpus, rank=worker, world_size=workers, seq_len=config.model.block_size,
-        micro_batch_size=batch, seed=config.seed, split=config.data.split,
-        replica=replica, replicas=ranks,
-    )  # fmt: skip
-    # A worker evaluates the batches a flat worker would (R x the micro-batch size), each of
-    # its ranks a slice of every batch.
-    all_val = validation_batches(
-        corpus, seq_len=config.model.block_size, batch_size=batch * ranks,
-        num_batches=config.eval_batches,
-    )  # fmt: skip
-    rows = slice(replica * batch, (replica + 1) * batch)
-    mine = [
-        (x[rows].to(device), y[rows].to(device))
-        for x, y in all_val[worker::workers]
-        if x[rows].shape[0] > 0
-    ]
-    return shard, mine, len(all_val)
-
-
 def _closure(
-    model: torch.nn.Module, shard: WorkerShard, clock: Clock, device: torch.device, bf16: bool
-) -> Callable[[], MicroBatchResult]:
+    model: torch.nn.Module, task: Task, shard: Shard, clock: Clock, device: torch.device,
+    bf16: bool,
+) -> Callable[[], MicroBatchResult]:  # fmt: skip
     """Forward and backward on the next micro-batch at the model's current parameters (with
     ``bf16``, under bfloat16 autocast: the backward runs in the forward's dtypes, the
-    gradients land in the float32 parameters' float32 ``.grad``)."""
-
-    def to_device(batch: torch.Tensor) -> torch.Tensor:
-        if device.type != "cuda":
-            return batch.to(device)
-        # From pinned memory the copy is asynchronous: the host goes on queuing kernels.
-        return batch.pin_memory().to(device, non_blocking=True)
+    gradients land in the float32 parameters' float32 ``.grad``). The batch goes to the
+    device from pinned memory on a GPU (:func:`to_device`)."""
 
     def closure() -> MicroBatchResult:
         with clock.microbatch():
-            inputs, targets = shard.next_batch()
-            inputs, targets = to_device(inputs), to_device(targets)
+            batch = to_device(shard.next_batch(), device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                _, loss = model(inputs, targets)
-            assert loss is not None
-            loss.backward()
+                loss = task.loss(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+        samples, units = task.count(batch)
         # The loss stays on the device: it is read every --log-every steps (train/step_log.py).
-        return MicroBatchResult(loss=loss.detach(), samples=inputs.shape[0], tokens=inputs.numel())
+        return MicroBatchResult(loss=loss.detach(), samples=samples, tokens=units)
 
     return closure
+
+
+def _calibration_pass(
+    task: Task, config: TrainConfig, device: torch.device
+) -> Callable[[torch.nn.Module], torch.Tensor]:
+    """The calibrated compute model's timed pass: the task's loss on a fixed micro-batch."""
+    batch: list[Batch] = []
+
+    def loss(model: torch.nn.Module) -> torch.Tensor:
+        if not batch:  # (built when the calibration runs: most runs read one)
+            batch.append(to_device(task.calibration_batch(config), device))
+        return task.loss(model, batch[0])
+
+    return loss
 
 
 # --- resume ------------------------------------------------------------------------------
@@ -444,7 +416,9 @@ def train_step(
         evaluate = (step + 1) % config.eval_every == 0 and not is_last
         if evaluate:
             with worker.strategy.deployed() as deployed_model:
-                progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
+                progress.val_loss = _evaluate(
+                    deployed_model, worker.validation, worker.bookkeeping, worker.task
+                )
         log.hold(
             step, stats, mine, parameters_finite(worker.model),
             progress.val_loss if evaluate else None, (begin, end),
@@ -527,7 +501,9 @@ def final_evaluation(
     worker.strategy.finish()
     final.clock_s = worker.clock.now()
     with worker.clock.excluded(), worker.strategy.deployed() as deployed_model:
-        progress.val_loss = _evaluate(deployed_model, worker.validation, worker.bookkeeping)
+        progress.val_loss = _evaluate(
+            deployed_model, worker.validation, worker.bookkeeping, worker.task
+        )
         if keep_parameters:
             final.deployed = _flat_parameters(deployed_model)
         # (sharded: gathered whole by worker 0's ranks)
@@ -537,13 +513,7 @@ def final_evaluation(
         if worker.rank == 0 and exported is not None:
             # The deployed parameters (rank 0's: worker 0's outer copy for eager and the
             # delayed DiLoCo) become OUT/model/.
-            save_model(
-                exported,
-                run_directory(worker.config) / "model",
-                worker.tokenizer_path,
-                worker.end_of_text,
-                tokenizer_source=worker.config.data.tokenizer,
-            )
+            worker.task.export(exported, run_directory(worker.config) / "model", worker.config)
     if final.last_record is not None:
         final.last_record.val_loss = progress.val_loss
 
@@ -584,6 +554,7 @@ def finish(
                 config, worker.strategy, progress.tokens * worker.world_size
             ),
             network=network_profile(config),
+            task=worker.task.describe(),
             replica_network=replica_network_profile(config)
             if config.ranks_per_worker > 1
             else None,
@@ -677,7 +648,7 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     bookkeeping.barrier().wait()
 
 
-def spawned_train(config: TrainConfig) -> WorkerSummary:
+def spawned_train(config: TrainConfig, task: Task | None = None) -> WorkerSummary:
     """Entry point of a worker started by the local spawner (the group is initialised)."""
     from lowcomm.comm.torch_comm import TorchComm
 
@@ -685,7 +656,7 @@ def spawned_train(config: TrainConfig) -> WorkerSummary:
     if raw.rank == 0:
         # The group is up: Gloo has connected every pair of processes.
         print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
-    return train_worker(config, raw)
+    return train_worker(config, raw, task=task)
 
 
 def bookkeeping_comm(raw: Comm) -> Comm:

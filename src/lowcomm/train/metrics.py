@@ -228,10 +228,13 @@ class RunWriter:
         replica_network: NetworkProfile | None = None,
         compute_model: dict[str, object] | None = None,
         committed_tokens: int | None = None,
+        task: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Write summary.json and loss.png, print the summary table; return the summary.
 
-        ``per_process`` holds one entry per process: with --ranks-per-worker R, R per worker."""
+        ``per_process`` holds one entry per process: with --ranks-per-worker R, R per worker.
+        ``task``: what was trained (:meth:`lowcomm.train.task.Task.describe`); a task counted
+        in samples has ``samples`` and ``committed_samples`` where others have tokens."""
         summary = self._totals(per_process, num_params, final_val_loss)
         summary.update(
             wall_clock_s=wall_clock_s,
@@ -250,6 +253,11 @@ class RunWriter:
         changes = membership_changes(self.records)
         if changes:
             summary["membership_changes"] = changes
+        if task is not None and task.get("unit", "tokens") != "tokens":
+            summary.update(task=task, unit=task["unit"])
+            summary["samples"] = summary.pop("tokens")
+            summary["committed_samples"] = summary.pop("committed_tokens")
+            del summary["token_budget"]
         summary = {key: summary[key] for key in _SUMMARY_ORDER if key in summary}
         if self.config.device == "cuda":
             # torch.cuda.max_memory_allocated, the honest figure on a GPU (it includes
@@ -341,7 +349,8 @@ class RunWriter:
 #: The order of summary.json's keys (unchanged since before the named records).
 _SUMMARY_ORDER = (
     "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "membership_changes",
-    "num_params", "tokens", "committed_tokens", "token_budget", "final_train_loss",
+    "num_params", "tokens", "committed_tokens", "token_budget", "unit", "samples",
+    "committed_samples", "task", "final_train_loss",
     "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
     "bytes_sent_per_worker", "bytes_sent_per_rank", "levels", "bytes_by_role", "clock",
     "compute_model", "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",
@@ -464,7 +473,7 @@ def format_summary(summary: dict[str, Any], directory: Path) -> str:
         ),
         ("steps", str(summary["steps"])),
         ("parameters", f"{summary['num_params'] / 1e6:.2f} M"),
-        ("tokens", f"{summary['tokens']:,}"),
+        *[(unit, f"{summary[unit]:,}") for unit in ("tokens", "samples") if unit in summary],
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
         ("final val loss", f"{summary['final_val_loss']:.4f}"),
         (
