@@ -189,3 +189,26 @@ def test_a_dataset_is_dealt_iid_or_by_a_key_and_resumes_at_its_position() -> Non
     mine = {int(i) for i in iid._shard(config, 0, 0).shard.next_indices()}
     theirs = {int(i) for i in iid._shard(config, 1, 0).shard.next_indices()}
     assert not mine & theirs  # disjoint shards
+
+
+def test_the_example_notebook_executes(tmp_path: Path) -> None:
+    nbclient = pytest.importorskip("nbclient")
+    nbformat = pytest.importorskip("nbformat")
+    for name in ("fit_notebook.ipynb", "tiny_cnn.py"):
+        (tmp_path / name).write_text((EXAMPLES / name).read_text())
+    notebook = nbformat.read(tmp_path / "fit_notebook.ipynb", as_version=4)
+    client = nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )  # fmt: skip
+    client.execute()
+    printed = [
+        output.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", [])
+    ]
+    assert any("64 samples, final validation loss" in text for text in printed)
+    assert any("CellModel is defined in __main__" in text for text in printed)
+    assert (tmp_path / "runs" / "notebook" / "summary.json").is_file()
+    assert not (tmp_path / "runs" / "cell").exists()
