@@ -15,16 +15,18 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import lowcomm
 from _cli import TINY
 from _cli import lowcomm as lowcomm_cli
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.data import DataConfig
+from lowcomm.data.config import DataError
 from lowcomm.fitting import unimportable
 from lowcomm.models import ModelConfig
 from lowcomm.optim.adamw import AdamWConfig
-from lowcomm.train.user_task import DatasetTask
+from lowcomm.train.user_task import BatchStreamShard, DatasetTask
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -212,3 +214,32 @@ def test_the_example_notebook_executes(tmp_path: Path) -> None:
     assert any("CellModel is defined in __main__" in text for text in printed)
     assert (tmp_path / "runs" / "notebook" / "summary.json").is_file()
     assert not (tmp_path / "runs" / "cell").exists()
+
+
+def test_a_stream_of_batches_is_dealt_in_turn_and_resumes_by_replay() -> None:
+    batches = [torch.full((2,), float(index)) for index in range(7)]  # 3 per worker per pass
+    first, second = BatchStreamShard(batches, 0, 2), BatchStreamShard(batches, 1, 2)
+    assert [int(first.next_batch()[0]) for _ in range(5)] == [0, 2, 4, 0, 2]
+    assert [int(second.next_batch()[0]) for _ in range(4)] == [1, 3, 5, 1]
+    again = BatchStreamShard(batches, 1, 2)
+    again.load_state_dict(second.state_dict())
+    assert int(again.next_batch()[0]) == int(second.next_batch()[0]) == 3
+    with pytest.raises(ValueError, match="cannot be re-dealt to 3"):
+        BatchStreamShard(batches, 0, 3).load_state_dict(second.state_dict())
+    with pytest.raises(DataError, match="fewer than 8"):
+        BatchStreamShard(batches, 0, 8).next_batch()
+
+
+def test_a_user_model_trains_on_a_dataloader(tmp_path: Path) -> None:
+    loader = DataLoader(Bars(128), batch_size=8)  # (not shuffled: every worker sees one stream)
+    result = lowcomm.fit(
+        TinyCNN, loader, DataLoader(Bars(32, seed=1), batch_size=8), loss_fn=cross_entropy,
+        method="ddp", workers=2, steps=4, out=tmp_path / "run", config=_cnn_config(),
+    )  # fmt: skip
+    assert result.summary is not None and result.summary["samples"] == 4 * 2 * 8
+    assert result.summary["task"]["data"] == "batches from a DataLoader"
+    with pytest.raises(ConfigError, match="is an iterator"):
+        lowcomm.fit(
+            TinyCNN, iter(loader), loss_fn=cross_entropy, workers=2, steps=1,
+            out=tmp_path / "x", config=_cnn_config(),
+        )  # fmt: skip

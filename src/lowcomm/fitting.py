@@ -31,7 +31,13 @@ from torch import nn
 
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.train.task import CorpusTask, LossFn, Task, qualified_name
-from lowcomm.train.user_task import CollateFn, DatasetTask, MapData, ModuleCopy
+from lowcomm.train.user_task import (
+    BatchStreamTask,
+    CollateFn,
+    DatasetTask,
+    MapData,
+    ModuleCopy,
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ def fit(
             None: the built-in model of ``config.model`` (``lowcomm train``'s ``--model.*``).
         train_data: a map-style dataset (``len`` and ``[i]``: a torch ``Dataset``, a Hugging
             Face ``datasets.Dataset``, a list), dealt to the workers per ``config.data.split``
-            (iid by default); or a path (``lowcomm train --data``: text, JSONL, parquet, a
+            (iid by default); an iterable of batches (a DataLoader), dealt in turn; a path (``lowcomm train --data``: text, JSONL, parquet, a
             token file; batches of token windows ``(inputs, targets)``); None: the bundled
             corpus.
         val_data: a map-style validation dataset (None: no validation loss); a corpus
@@ -132,12 +138,29 @@ def make_task(
             "fit: model=None trains the built-in language model, which reads the corpus; pass "
             "model= (a factory or a module) for a dataset train_data"
         )
+    if _is_stream(train_data):
+        if collate_fn is not None or split_key is not None:
+            raise ConfigError(
+                "fit: collate_fn= and split_key= need a map-style train_data (len() and [i]); "
+                "a stream of batches is dealt to the workers in turn, as it comes"
+            )
+        return BatchStreamTask(factory, train_data, val_data, loss_fn)
     if not (hasattr(train_data, "__len__") and hasattr(train_data, "__getitem__")):
         raise ConfigError(
-            f"fit: train_data is a {type(train_data).__name__}, not a map-style dataset (len() "
-            f"and [i]); wrap it in a torch Dataset or pass a list of samples"
+            f"fit: train_data is a {type(train_data).__name__}, neither a map-style dataset "
+            f"(len() and [i]) nor an iterable of batches; wrap it in a torch Dataset"
         )
     return DatasetTask(factory, train_data, val_data, loss_fn, collate_fn, split_key)
+
+
+def _is_stream(data: Any) -> bool:
+    """Whether ``data`` is an iterable of batches (a DataLoader, an IterableDataset, any
+    iterable without ``[i]``) rather than a map-style dataset of samples."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if isinstance(data, DataLoader | IterableDataset):
+        return True
+    return hasattr(data, "__iter__") and not hasattr(data, "__getitem__")
 
 
 def fit_config(

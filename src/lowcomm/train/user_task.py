@@ -16,7 +16,8 @@ There are no tokens here: the run counts samples (summary.json says ``"unit": "s
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Hashable, Sequence
+import itertools
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,5 +218,93 @@ class DatasetTask:
         return {
             "model": qualified_name(self.model_factory),
             "data": f"{type(self.train_data).__name__} of {len(self.train_data)} samples",
+            "unit": self.unit,
+        }
+
+
+class BatchStreamShard:
+    """One worker's micro-batches from a re-iterable stream of batches (a DataLoader, an
+    IterableDataset of batches, a list): worker ``w`` of ``W`` takes the batches numbered
+    ``w, w + W, ...`` of each pass, the passes one after another (the last ``len % W`` of a
+    pass are dropped, as a dataset's remainder is). Resume replays the stream up to the saved
+    position, so it is exact when every pass yields the same batches."""
+
+    def __init__(self, batches: Iterable[Batch], rank: int, workers: int) -> None:
+        self.batches, self.rank, self.workers = batches, rank, workers
+        self.position = 0
+        self._stream: Iterator[Batch] | None = None
+        self._taken = 0  # (this worker's batches taken from the current pass)
+
+    def next_batch(self) -> Batch:
+        for _ in range(2):
+            if self._stream is None:
+                self._stream, self._taken = iter(self.batches), 0
+            group = list(itertools.islice(self._stream, self.workers))
+            if len(group) == self.workers:
+                self.position += 1
+                self._taken += 1
+                return group[self.rank]
+            if self._taken == 0:
+                break  # (a pass without a batch for every worker)
+            self._stream = None  # the pass ended: start the next
+        raise DataError(
+            f"train_data: a pass over the batches gave fewer than {self.workers} (one per "
+            f"worker); pass more batches, fewer workers, or a re-iterable (a list or a "
+            f"DataLoader, not a generator)"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "rank": self.rank, "world_size": self.workers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["world_size"]) != self.workers:
+            raise ValueError(
+                f"data state: a stream of batches dealt to {state['world_size']} workers "
+                f"cannot be re-dealt to {self.workers}; resume with the same workers, or pass a "
+                f"map-style dataset (elastic resume re-deals those)"
+            )
+        self._stream, self.position = None, 0
+        for _ in range(int(state["position"])):
+            self.next_batch()
+
+
+@dataclass
+class BatchStreamTask(DatasetTask):
+    """A model factory trained on an iterable of batches (validation: the first
+    ``--eval-batches`` batches of ``val_data``, also an iterable of batches)."""
+
+    def __post_init__(self) -> None:
+        if iter(self.train_data) is self.train_data:
+            raise ConfigError(
+                "fit: train_data is an iterator (one pass only); pass a re-iterable: a "
+                "DataLoader, an IterableDataset, or an iterable whose iter() starts afresh"
+            )
+
+    def prepare(self, config: TrainConfig, report: Callable[[str], None] | None) -> None:
+        if report is not None:
+            report(f"data: a stream of batches ({type(self.train_data).__name__}), dealt in turn")
+
+    def check(self, config: TrainConfig) -> None:
+        super().check(config)
+        if config.ranks_per_worker > 1:
+            raise ConfigError(
+                f"fit: ranks_per_worker {config.ranks_per_worker} with a stream of batches "
+                f"(whose rows lowcomm cannot split); pass a map-style dataset, or 1"
+            )
+
+    def data(self, config: TrainConfig, rank: int) -> TaskData:
+        shard = BatchStreamShard(self.train_data, rank, config.workers)
+        if self.val_data is None:
+            return TaskData(shard, [], 0)
+        everyone = list(itertools.islice(iter(self.val_data), config.eval_batches))
+        return TaskData(shard, everyone[rank :: config.workers], len(everyone))
+
+    def calibration_batch(self, config: TrainConfig) -> Batch:
+        return next(iter(self.train_data))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": qualified_name(self.model_factory),
+            "data": f"batches from a {type(self.train_data).__name__}",
             "unit": self.unit,
         }
