@@ -126,8 +126,9 @@ def test_a_stopped_and_resumed_fit_run_equals_the_straight_one(
 
 
 def test_rerunning_into_a_run_directory_is_refused(cnn_runs: dict[str, Path]) -> None:
-    with pytest.raises(ConfigError, match="already holds a run"):
+    with pytest.raises(ConfigError, match="already holds a run") as refused:
         _fit_cnn(cnn_runs["ddp"], "ddp")
+    assert "pass overwrite=True" in str(refused.value) and "out=NEW_DIR" in str(refused.value)
 
 
 def test_an_object_defined_in_a_notebook_is_named_before_any_worker_starts(
@@ -243,3 +244,14 @@ def test_a_user_model_trains_on_a_dataloader(tmp_path: Path) -> None:
             TinyCNN, iter(loader), loss_fn=cross_entropy, workers=2, steps=1,
             out=tmp_path / "x", config=_cnn_config(),
         )  # fmt: skip
+
+
+def test_a_hugging_face_dataset_is_a_map_style_dataset() -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = {"x": [[float(i), 1.0] for i in range(16)], "label": [i % 2 for i in range(16)]}
+    data = datasets.Dataset.from_dict(rows).with_format("torch")
+    task = DatasetTask(TinyCNN, data, split_key=lambda row: row["label"])
+    config = TrainConfig(workers=2, data=DataConfig(micro_batch_size=4, split="non-iid"))
+    batch = task.data(config, 1).shard.next_batch()
+    assert batch["x"].shape == (4, 2) and set(batch["label"].tolist()) == {1}
+    assert task.count(batch) == (4, 4)

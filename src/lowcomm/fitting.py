@@ -20,6 +20,7 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -236,8 +237,19 @@ def launch(config: TrainConfig, task: Task) -> FitResult:
     problem = unimportable(task)
     if problem is not None:
         raise ConfigError(problem)
-    summary = run_training(config, task=task)
+    try:
+        summary = run_training(config, task=task)
+    except ConfigError as error:  # (the run directory's refusals name fit's arguments)
+        raise ConfigError(_fit_words(str(error))) from None
     return FitResult(summary=summary, run_dir=run_directory(config).resolve())
+
+
+def _fit_words(message: str) -> str:
+    """A launch refusal in fit's words where it names the run directory's flags."""
+    message = re.sub(r"--resume \S+ to continue it", "resume=True to continue it", message)
+    return message.replace("pass --overwrite", "pass overwrite=True").replace(
+        "--out NEW_DIR", "out=NEW_DIR"
+    )
 
 
 def unimportable(task: Task) -> str | None:
