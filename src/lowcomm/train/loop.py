@@ -35,7 +35,7 @@ from lowcomm.train.records import ProcessTotals, StepMetrics, peak_memory_bytes
 from lowcomm.train.reshard import read_resharded
 from lowcomm.train.rundir import run_directory
 from lowcomm.train.step_log import StepLog, parameters_finite
-from lowcomm.train.task import Batch, CorpusTask, Shard, Task, to_device
+from lowcomm.train.task import Batch, CorpusTask, Shard, Task, model_loss, to_device
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -61,7 +61,9 @@ class WorkerSummary:
     (only with ``train_worker(keep_parameters=True)`` on a run that finished)."""
 
 
-def _evaluate(model: torch.nn.Module, batches: list[Batch], bookkeeping: Comm, task: Task) -> float:
+def _evaluate(
+    model: torch.nn.Module, batches: list[Batch], bookkeeping: Comm, task: Task | None = None
+) -> float:
     """Mean validation loss over all workers' batches (each worker evaluates its own).
 
     The losses are summed on the model's device (no host read per batch) and the two sums
@@ -73,7 +75,8 @@ def _evaluate(model: torch.nn.Module, batches: list[Batch], bookkeeping: Comm, t
     loss_sum: torch.Tensor | None = None
     with torch.no_grad():
         for batch in batches:
-            term = task.loss(model, batch).detach().double()
+            loss = model_loss(model, batch) if task is None else task.loss(model, batch)
+            term = loss.detach().double()
             loss_sum = term if loss_sum is None else loss_sum + term
     model.train(was_training)
     total = torch.zeros(2, dtype=torch.float64)
@@ -148,7 +151,7 @@ def train_worker(
     ``lowcomm train``'s)."""
     set_up_start = time.perf_counter()
     ledger = bookkeeping_comm(raw) if bookkeeping is None else bookkeeping
-    worker = set_up(config, raw, ledger, CorpusTask() if task is None else task)
+    worker = set_up(config, raw, ledger, task)
     progress = resume(worker)
     finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
     if worker.rank == 0:
@@ -183,9 +186,10 @@ def train_worker(
 # --- set-up ------------------------------------------------------------------------------
 
 
-def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm, task: Task) -> Worker:
+def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm, task: Task | None = None) -> Worker:
     """Build this process's model, clock, communicators, strategy, data shard and closure
-    (the model, data and loss from ``task``)."""
+    (the model, data and loss from ``task``; default: :class:`CorpusTask`)."""
+    task = CorpusTask() if task is None else task
     rank, world_size = raw.rank, raw.world_size
     device = torch.device(
         config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
