@@ -2,8 +2,10 @@
 threads of ``lowcomm train --workers M --workers-per-process M`` for a few methods.
 
 Each run is a fresh ``python -m lowcomm train`` of a 2-layer GPT 64 wide (block 32, micro-batch
-2, 3 steps, declared 0.05 s per micro-batch on the virtual clock, bundled corpus, tokenizer
-cached beforehand). This script polls the child's ``/proc/PID/status`` every 20 ms: the peak
+2, 3 steps, declared 0.05 s per micro-batch on the virtual clock, the datacenter link, bundled
+corpus, tokenizer cached beforehand). (On wan, 256 workers' ring latency alone is 5 s of modeled
+time per all-reduce, which ACCO fills with about 100 micro-batches per worker and step: a run
+that measures the method, not the placement.) This script polls the child's ``/proc/PID/status`` every 20 ms: the peak
 resident set (``VmHWM``, one interpreter and every worker), the most threads it had, and the
 seconds from starting the command to the first line of ``metrics.jsonl`` (written after the
 first step; --log-every 1).
@@ -21,6 +23,8 @@ import time
 from pathlib import Path
 
 METHODS = ("ddp", "diloco", "acco", "co2", "desloc")
+#: Each method's options for a 3-step run that communicates (the defaults sync less often).
+OPTIONS = {"diloco": ("--diloco.sync-every", "2"), "co2": ("--local.sync-every", "2")}
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -44,8 +48,9 @@ def measure(method: str, workers: int, out: Path) -> dict[str, float]:
         "--workers-per-process", str(workers), "--model.n-layer", "2", "--model.n-embd", "64",
         "--model.n-head", "2", "--model.block-size", "32", "--micro-batch-size", "2",
         "--steps", "3", "--log-every", "1", "--eval-every", "100", "--eval-batches", "2",
-        "--seconds-per-microbatch", "0.05", "--progress", "False", "--out", str(out),
-        "--diloco.sync-every", "2", "--local.sync-every", "2",
+        "--seconds-per-microbatch", "0.05", "--network", "datacenter", "--progress", "False",
+        "--out", str(out),
+        *OPTIONS.get(method, ()),
     ]  # fmt: skip
     begin = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

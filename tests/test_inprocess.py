@@ -15,6 +15,7 @@ import pytest
 
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.launch.run import run_training
+from lowcomm.strategies import STRATEGIES
 from test_resume import tiny_config
 
 STEPS = 6
@@ -96,3 +97,14 @@ def test_checkpoints_cross_placements_and_worker_counts(tmp_path: Path) -> None:
         resumed.resume, resumed.out = str(out), None
         run_training(resumed, report=None)
         _same_steps(_steps(out), _steps(straight))
+
+
+@pytest.mark.benchmark  # a scale claim (minutes on 2 cores): make test-benchmarks runs it
+@pytest.mark.parametrize("method", sorted(STRATEGIES))
+def test_every_method_trains_64_workers_in_one_process(method: str, tmp_path: Path) -> None:
+    config = tiny_config(method, tmp_path / method, steps=4, eval_every=100)
+    config.workers = config.workers_per_process = 64
+    config.speed_factors = ()
+    summary = run_training(config, report=None)
+    assert summary is not None and math.isfinite(summary["final_val_loss"])
+    assert len(_steps(tmp_path / method)) == 4

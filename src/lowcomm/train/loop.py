@@ -117,6 +117,8 @@ class Worker:
     generator: torch.Generator
     """This worker's random stream (the process-global generator in a process of its own;
     a generator of its own beside other workers in one process)."""
+    one_process: bool = False
+    """Every worker of the run is in this process (``--workers-per-process``)."""
     tokenizer_path: Path | None = None
     """The run's tokenizer (saved with the final model)."""
     end_of_text: str | None = None
@@ -239,7 +241,7 @@ def set_up(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
         validation_batches=validation_batches, step_closure=step_closure, generator=generator,
-        tokenizer_path=corpus.tokenizer_path, end_of_text=corpus.end_of_text,
+        one_process=shared is not None, tokenizer_path=corpus.tokenizer_path, end_of_text=corpus.end_of_text,
     )  # fmt: skip
 
 
@@ -684,14 +686,15 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     }
     path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
     digests = checkpoint.gather_digests(bookkeeping, checkpoint.file_digest(path))
-    checkpoint.commit_checkpoint(
-        run_dir,
-        step,
-        bookkeeping.world_size,
-        checkpoint.fingerprint(config),
-        keep=config.keep_checkpoints,
-        digests=digests,
-    )
+    if bookkeeping.rank == 0 or not worker.one_process:  # (one process: one disk, one commit)
+        checkpoint.commit_checkpoint(
+            run_dir,
+            step,
+            bookkeeping.world_size,
+            checkpoint.fingerprint(config),
+            keep=config.keep_checkpoints,
+            digests=digests,
+        )
     bookkeeping.barrier().wait()
 
 
