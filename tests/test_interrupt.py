@@ -141,6 +141,8 @@ def test_sigint_to_the_launcher_alone_stops_every_worker(tmp_path: Path, threads
     assert last.startswith("lowcomm: interrupted by SIGINT"), stderr[-3000:]
     assert f"--resume {out}" in last
     done = _check_consistent(out)
+    if threads:
+        return  # (resuming an in-process run is test_inprocess.py's)
 
     # The interrupted run continues from its newest checkpoint, step for step.
     resumed = subprocess.run(
