@@ -40,6 +40,7 @@ from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
 from lowcomm.strategies.sparta import SpartaOptions
+from lowcomm.train.loop import WorkerSummary
 from lowcomm.train.rundir import run_directory
 
 pytestmark = pytest.mark.regression
@@ -112,8 +113,16 @@ def _record(config: TrainConfig) -> dict[str, Any]:
     from lowcomm.train.loop import train_worker
 
     summary = train_worker(config, TorchComm(), keep_parameters=True)
+    result: dict[str, Any] = {"rank": _rank_numbers(summary)}
+    if summary.rank == 0:
+        result.update(_run_numbers(config))
+    return result
+
+
+def _rank_numbers(summary: WorkerSummary) -> dict[str, Any]:
+    """One worker's stored final numbers."""
     assert summary.deployed_parameters is not None
-    rank: dict[str, Any] = {
+    return {
         "clock_s": summary.clock_s,
         "compute_s": summary.compute_s,
         "exposed_comm_s": summary.exposed_comm_s,
@@ -123,11 +132,14 @@ def _record(config: TrainConfig) -> dict[str, Any]:
         "tokens": summary.tokens,
         "deployed": fingerprint(summary.deployed_parameters),
     }
-    result: dict[str, Any] = {"rank": rank}
-    if summary.rank == 0:
-        run_dir = run_directory(config)
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        result["steps"] = [
+
+
+def _run_numbers(config: TrainConfig) -> dict[str, Any]:
+    """The run's stored steps and final validation loss (what rank 0 wrote)."""
+    run_dir = run_directory(config)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {
+        "steps": [
             {
                 "step": r["step"],
                 "lr": r["lr"],
@@ -141,11 +153,17 @@ def _record(config: TrainConfig) -> dict[str, Any]:
                 "committed_steps": r["committed_steps"],
             }
             for r in map(json.loads, lines)
-        ]
-        result["final_val_loss"] = json.loads((run_dir / "summary.json").read_text())[
-            "final_val_loss"
-        ]
-    return result
+        ],
+        "final_val_loss": json.loads((run_dir / "summary.json").read_text())["final_val_loss"],
+    }
+
+
+def _run_config(key: str, method: str, out: Path, ranks: int) -> TrainConfig:
+    """The configuration of the stored run ``key``."""
+    config = regression_config(method, out, ranks)
+    if key.endswith("_muon"):
+        config.optim = AdamWConfig(lr=3e-3, name="muon")
+    return config
 
 
 def _run_all(base: str, runs: list[tuple[str, str, int]]) -> dict[str, dict[str, Any] | str]:
@@ -154,10 +172,7 @@ def _run_all(base: str, runs: list[tuple[str, str, int]]) -> dict[str, dict[str,
     results: dict[str, dict[str, Any] | str] = {}
     for key, method, ranks in runs:
         try:
-            config = regression_config(method, Path(base) / key, ranks)
-            if key.endswith("_muon"):
-                config.optim = AdamWConfig(lr=3e-3, name="muon")
-            results[key] = _record(config)
+            results[key] = _record(_run_config(key, method, Path(base) / key, ranks))
         except Exception as error:
             results[key] = f"{type(error).__name__}: {error}"
     return results
@@ -286,6 +301,55 @@ def test_run_matches_stored_numbers(key: str, fresh_runs: dict[str, dict[str, An
         f"intended, run `make regen-regression` and commit saying why the numbers moved.\n"
         + "\n".join(problems[:15])
     )
+
+
+@pytest.mark.skipif(REGEN, reason="the stored numbers are made by worker processes")
+@pytest.mark.parametrize("key", [key for key, _, _ in FLAT])
+def test_in_process_run_matches_stored_numbers(key: str, tmp_path: Path) -> None:
+    """The same run with both workers in this process (--workers-per-process 2: threads on an
+    in-process comm) gives the numbers the worker processes stored."""
+    from lowcomm.launch.inprocess import train_in_process
+
+    method = next(method for k, method, _ in FLAT if k == key)
+    config = _run_config(key, method, tmp_path / key, 1)
+    config.workers_per_process = config.workers
+    summaries = train_in_process(config, keep_parameters=True)
+    got = {**_run_numbers(config), "ranks": [_rank_numbers(s) for s in summaries]}
+    problems = _compare(key, got, json.loads(_stored_path(key).read_text()))
+    assert not problems, (
+        f"{key} in one process differs from the processes' {key}.json ({len(problems)} "
+        f"differences; first ones below)\n" + "\n".join(problems[:15])
+    )
+
+
+#: Methods checked at 4 workers too (one process against four), unpinned.
+FOUR = ("ddp", "diloco", "acco", "desloc", "co2", "zero1")
+
+
+@pytest.mark.slow
+def test_four_workers_in_one_process_equal_four_processes(tmp_path: Path) -> None:
+    from lowcomm.launch.inprocess import train_in_process
+
+    runs = [(method, method, 1) for method in FOUR]
+    processes = _merge(spawn_workers(_run_four, 4, (str(tmp_path / "processes"), runs)))
+    for method in FOUR:
+        want = processes[method]
+        assert isinstance(want, dict), f"{method} failed in processes: {want}"
+        config = _run_config(method, method, tmp_path / "threads" / method, 1)
+        config.workers = config.workers_per_process = 4
+        summaries = train_in_process(config, keep_parameters=True)
+        got = {**_run_numbers(config), "ranks": [_rank_numbers(s) for s in summaries]}
+        problems = _compare(method, got, want)
+        assert not problems, f"{method} at 4 workers:\n" + "\n".join(problems[:15])
+
+
+def _run_four(base: str, runs: list[tuple[str, str, int]]) -> dict[str, dict[str, Any] | str]:
+    results: dict[str, dict[str, Any] | str] = {}
+    for key, method, ranks in runs:
+        config = _run_config(key, method, Path(base) / key, ranks)
+        config.workers = 4
+        results[key] = _record(config)
+    return results
 
 
 def test_every_stored_file_belongs_to_a_run() -> None:

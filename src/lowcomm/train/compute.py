@@ -4,6 +4,7 @@ token budget that ends an equal-token run."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,10 +32,12 @@ def worker_clock(
     vocab_size: int,
     bookkeeping: Comm,
     device: torch.device,
+    measure: Callable[[], Calibration] | None = None,
 ) -> Clock:
     """This process's clock: real, virtual on a declared cost or CPU time, or virtual on the
     calibrated model (read from --calibration, or from the checkpoint a resume reads, or
-    measured by :func:`finish_calibration`, every process in turn)."""
+    measured by :func:`finish_calibration`: every process in turn, or ``measure`` when the
+    workers of one process share one measurement)."""
     worker_index = bookkeeping.rank // config.ranks_per_worker
     speed_factor = network_profile(config).speed_factor(worker_index)
     if not uses_calibration(config):
@@ -50,6 +53,8 @@ def worker_clock(
     # Measured after the resume (finish_calibration), unless the checkpoint brings one. (A
     # sharded worker's model is sharded by then: the pass is timed on a whole copy taken now,
     # as each rank computes on whole gathered blocks. TODO: build it only when measuring.)
+    if measure is not None:
+        return CalibratedClock(speed_factor=speed_factor, measure=measure)
     timed = copy.deepcopy(model) if config.worker_sharding == "fsdp" else model
     return CalibratedClock(
         speed_factor=speed_factor,

@@ -7,6 +7,7 @@ parameters the method would deploy, on a fixed set of held-out batches split acr
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -22,7 +23,6 @@ from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation_batches
-from lowcomm.models import build_model
 from lowcomm.models.export import save_model
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
@@ -37,6 +37,7 @@ from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics, peak_memory_bytes
 from lowcomm.train.reshard import read_resharded
 from lowcomm.train.rundir import run_directory
+from lowcomm.train.shared import Batches, SharedSetup, initial_model
 from lowcomm.train.step_log import StepLog, parameters_finite
 
 
@@ -113,6 +114,11 @@ class Worker:
     validation_batches: int
     """Validation batches of the whole run."""
     step_closure: Callable[[], MicroBatchResult]
+    generator: torch.Generator
+    """This worker's random stream (the process-global generator in a process of its own;
+    a generator of its own beside other workers in one process)."""
+    one_process: bool = False
+    """Every worker of the run is in this process (``--workers-per-process``)."""
     tokenizer_path: Path | None = None
     """The run's tokenizer (saved with the final model)."""
     end_of_text: str | None = None
@@ -142,6 +148,7 @@ def train_worker(
     *,
     keep_parameters: bool = False,
     bookkeeping: Comm | None = None,
+    shared: SharedSetup | None = None,
 ) -> WorkerSummary:
     """Train on this process. ``raw`` is the un-emulated communicator of the process group;
     strategy traffic goes through a :class:`NetworkComm` around it (or, with
@@ -151,9 +158,11 @@ def train_worker(
     every rank, see :func:`bookkeeping_comm`), never on the strategy's group: on NCCL one
     communicator is one queue, and a small gather behind an in-flight all-reduce would wait
     for all of it. With ``keep_parameters`` the summary carries the final parameters (for
-    tests)."""
+    tests). ``shared``: what the workers of this process share (``--workers-per-process``
+    K > 1, :mod:`lowcomm.train.shared`); None: this process is this worker's own."""
     set_up_start = time.perf_counter()
-    worker = set_up(config, raw, bookkeeping_comm(raw) if bookkeeping is None else bookkeeping)
+    books = bookkeeping_comm(raw) if bookkeeping is None else bookkeeping
+    worker = set_up(config, raw, books, shared)
     progress = resume(worker)
     finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
     if worker.rank == 0:
@@ -188,20 +197,30 @@ def train_worker(
 # --- set-up ------------------------------------------------------------------------------
 
 
-def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
-    """Build this process's model, clock, communicators, strategy, data shard and closure."""
+def set_up(
+    config: TrainConfig, raw: Comm, bookkeeping: Comm, shared: SharedSetup | None = None
+) -> Worker:
+    """Build this worker's model, clock, communicators, strategy, data shard and closure
+    (``shared``: from what the workers of this process share, see :mod:`lowcomm.train.shared`)."""
     rank, world_size = raw.rank, raw.world_size
     device = torch.device(
         config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
     )
-    torch.manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.backends.cuda.matmul.allow_tf32 = config.tf32  # (--tf32)
         torch.backends.cudnn.allow_tf32 = config.tf32
-    corpus = prepare_corpus(config.data)
-    model = _shared_initial_model(config, corpus.vocab_size, raw, device)
-    clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
+    if shared is None:
+        torch.manual_seed(config.seed)
+        corpus = prepare_corpus(config.data)
+        model = _shared_initial_model(config, corpus.vocab_size, raw, device)
+        generator = torch.default_generator
+    else:  # one of several workers in this process: a copy of the one initial model
+        corpus, model = shared.corpus, copy.deepcopy(shared.model)
+        generator = torch.Generator()
+        generator.set_state(shared.rng_state)
+    measure = None if shared is None else shared.calibrate
+    clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device, measure)
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
         links = (network_profile(config), replica_network_profile(config))
@@ -212,30 +231,24 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     context = replace(strategy_context(config), runtime=comm.runtime())
     strategy = build_strategy(config.method, model, comm, context, config)
-    shard, validation, validation_batches = _data(config, corpus, rank, device)
-    closure = _closure(model, shard, clock, device, bf16=config.precision == "bf16-mixed")
+    all_val = None if shared is None else shared.validation
+    shard, validation, validation_batches = _data(config, corpus, rank, device, all_val)
     # Synchronous data parallel inside a worker (R > 1): the strategy averages its flat
     # gradient over the worker's ranks once per step (gradient_step.accumulate), charged to
     # the replica link (runtime.replica_group).
-    step_closure = closure
+    step_closure = _closure(model, shard, clock, device, bf16=config.precision == "bf16-mixed")
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
-        validation_batches=validation_batches, step_closure=step_closure,
-        tokenizer_path=corpus.tokenizer_path, end_of_text=corpus.end_of_text,
+        validation_batches=validation_batches, step_closure=step_closure, generator=generator,
+        one_process=shared is not None, tokenizer_path=corpus.tokenizer_path, end_of_text=corpus.end_of_text,
     )  # fmt: skip
 
 
 def _shared_initial_model(
     config: TrainConfig, vocab_size: int, raw: Comm, device: torch.device
 ) -> torch.nn.Module:
-    if config.init_from is None:
-        model = build_model(config.model, vocab_size).to(device)
-    else:  # --init-from: the saved weights, loaded straight into the model (pre-flight
-        # checked that they fit); the architecture is the directory's config.json.
-        from lowcomm.models.init_from import preflight_init_from
-
-        model = preflight_init_from(config.init_from, config.model).load().to(device)
+    model = initial_model(config, vocab_size, device)
     # Same seed gives the same initial model everywhere; broadcast anyway (uncharged) so that
     # workers on different machines or library builds provably start from one point.
     with torch.no_grad():
@@ -263,10 +276,14 @@ def _strategy_comms(
 
 
 def _data(
-    config: TrainConfig, corpus: PreparedCorpus, rank: int, device: torch.device
-) -> tuple[WorkerShard, list[tuple[torch.Tensor, torch.Tensor]], int]:
+    config: TrainConfig,
+    corpus: PreparedCorpus,
+    rank: int,
+    device: torch.device,
+    all_val: Batches | None = None,
+) -> tuple[WorkerShard, Batches, int]:
     """This process's training shard, its slice of the validation batches, and how many
-    validation batches the run has."""
+    validation batches the run has (``all_val``: the run's, when shared)."""
     ranks = config.ranks_per_worker
     worker, replica = divmod(rank, ranks)
     workers = config.workers
@@ -278,10 +295,11 @@ def _data(
     )  # fmt: skip
     # A worker evaluates the batches a flat worker would (R x the micro-batch size), each of
     # its ranks a slice of every batch.
-    all_val = validation_batches(
-        corpus, seq_len=config.model.block_size, batch_size=batch * ranks,
-        num_batches=config.eval_batches,
-    )  # fmt: skip
+    if all_val is None:
+        all_val = validation_batches(
+            corpus, seq_len=config.model.block_size, batch_size=batch * ranks,
+            num_batches=config.eval_batches,
+        )  # fmt: skip
     rows = slice(replica * batch, (replica + 1) * batch)
     mine = [
         (x[rows].to(device), y[rows].to(device))
@@ -340,7 +358,7 @@ def resume(worker: Worker) -> Progress:
         worker.clock.load_state_dict(saved["clock"])
         if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
             worker.comm.load_state_dict(saved["comm"])
-        _restore_rng(saved["rng"], worker.device)
+        _restore_rng(saved["rng"], worker.generator, worker.device)
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
             resumed_from=resume_from, membership=saved.get("membership"),
@@ -630,20 +648,22 @@ def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
     return Path(config.resume)
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """The random generators a resumed run must continue: the CPU's and, on a GPU, the
-    device's (dropout masks are drawn there)."""
-    state = {"torch": torch.get_rng_state()}
+def _rng_state(generator: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    """The random generators a resumed run must continue: the worker's CPU generator and, on
+    a GPU, the device's (dropout masks are drawn there)."""
+    state = {"torch": generator.get_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _restore_rng(saved: dict[str, torch.Tensor], device: torch.device) -> None:
+def _restore_rng(
+    saved: dict[str, torch.Tensor], generator: torch.Generator, device: torch.device
+) -> None:
     """Undo :func:`_rng_state` (the tensors may have been loaded onto the GPU). A checkpoint
     written on the CPU and resumed on a GPU has no CUDA state to restore; such a resume is
     not bit-exact anyway (other kernels)."""
-    torch.set_rng_state(saved["torch"].cpu())
+    generator.set_state(saved["torch"].cpu())
     if device.type == "cuda" and "cuda" in saved:
         torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
 
@@ -659,21 +679,22 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
         "data": worker.shard.state_dict(),
         "clock": worker.clock.state_dict(),
         "comm": worker.comm.state_dict(),
-        "rng": _rng_state(worker.device),
+        "rng": _rng_state(worker.generator, worker.device),
         "tokens": progress.tokens,
         "val_loss": progress.val_loss,
         "step": step,
     }
     path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
     digests = checkpoint.gather_digests(bookkeeping, checkpoint.file_digest(path))
-    checkpoint.commit_checkpoint(
-        run_dir,
-        step,
-        bookkeeping.world_size,
-        checkpoint.fingerprint(config),
-        keep=config.keep_checkpoints,
-        digests=digests,
-    )
+    if bookkeeping.rank == 0 or not worker.one_process:  # (one process: one disk, one commit)
+        checkpoint.commit_checkpoint(
+            run_dir,
+            step,
+            bookkeeping.world_size,
+            checkpoint.fingerprint(config),
+            keep=config.keep_checkpoints,
+            digests=digests,
+        )
     bookkeeping.barrier().wait()
 
 

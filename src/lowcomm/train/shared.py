@@ -1,0 +1,83 @@
+"""What the workers of one process share (``--workers-per-process K``): built once, read by all.
+
+A worker process of its own prepares the corpus, seeds the process-global generator, builds the
+initial model, cuts the validation batches and (on the calibrated clock) measures its compute
+itself. K workers in one process do each of these once: the corpus, the tokenizer, the
+validation batches and the calibration are shared read-only; the initial model is built once
+and copied per worker; each worker's random stream is its own ``torch.Generator``, started at
+the state the process-global generator has after building the model in a process of its own,
+so both placements draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lowcomm.comm.calibration import Calibration
+from lowcomm.config import TrainConfig
+from lowcomm.data import PreparedCorpus, prepare_corpus, validation_batches
+from lowcomm.models import build_model
+from lowcomm.train.compute import calibrate_in_process
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class SharedSetup:
+    """The read-only part of the workers of one process."""
+
+    corpus: PreparedCorpus
+    model: torch.nn.Module
+    """The initial model, on the run's device (each worker trains a copy)."""
+    rng_state: torch.Tensor
+    """The state every worker's generator starts from."""
+    validation: Batches
+    """The run's validation batches (each worker evaluates its slice)."""
+    calibrate: Callable[[], Calibration] = field(repr=False)
+    """Measures the calibration once, on first call (later calls return the same)."""
+
+
+class _Once:
+    """Calls ``measure`` on first use from any thread; every caller gets its result."""
+
+    def __init__(self, measure: Callable[[], Calibration]) -> None:
+        self._measure = measure
+        self._lock = threading.Lock()
+        self._result: Calibration | None = None
+
+    def __call__(self) -> Calibration:
+        with self._lock:
+            if self._result is None:
+                self._result = self._measure()
+            return self._result
+
+
+def initial_model(config: TrainConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
+    """The run's initial model (built from the seed, or loaded from --init-from)."""
+    if config.init_from is None:
+        return build_model(config.model, vocab_size).to(device)
+    # --init-from: the saved weights, loaded straight into the model (pre-flight checked
+    # that they fit); the architecture is the directory's config.json.
+    from lowcomm.models.init_from import preflight_init_from
+
+    return preflight_init_from(config.init_from, config.model).load().to(device)
+
+
+def shared_setup(config: TrainConfig) -> SharedSetup:
+    """Build what the in-process workers of ``config`` share (uses the process-global
+    generator once, before any worker starts, as a worker process's set-up does)."""
+    corpus = prepare_corpus(config.data)
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    model = initial_model(config, corpus.vocab_size, device)
+    rng_state = torch.get_rng_state()
+    batch = config.data.micro_batch_size * config.ranks_per_worker
+    validation = validation_batches(
+        corpus, seq_len=config.model.block_size, batch_size=batch, num_batches=config.eval_batches
+    )
+    calibrate = _Once(lambda: calibrate_in_process(config, corpus.vocab_size))
+    return SharedSetup(corpus, model, rng_state, validation, calibrate)
