@@ -48,6 +48,12 @@ pytestmark = pytest.mark.regression
 STORE = Path(__file__).resolve().parent / "regression"
 REGEN = os.environ.get("LOWCOMM_REGEN") == "1"
 LOSS_RTOL = 1e-6
+#: Pins whose arithmetic runs in bfloat16 on the CPU (Muon's Newton-Schulz, as the reference
+#: computes it): a CPU with avx512_bf16 rounds those matmuls differently from one without, so
+#: the same commit moved diloco_muon's losses by 1.3e-6 and its deployed parameters by 1.2e-5
+#: of their absolute sum between two machines of this project (2026-11-26). Still pinned, at a
+#: tolerance that separates that from a change of the method.
+BF16_RTOL = {"diloco_muon": 1e-4}
 TIME_ATOL = 1e-9
 HIERARCHICAL = ("streaming_diloco",)  # fragment exchanges over a two-level comm
 MUON = ("diloco",)  # pinned again with --optim.name muon as "<method>_muon" (MuLoCo)
@@ -237,6 +243,7 @@ def _stored_path(key: str) -> Path:
 def _compare(key: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     """Every difference between a fresh run and the stored one, as readable lines."""
     problems: list[str] = []
+    rtol = BF16_RTOL.get(key, LOSS_RTOL)
 
     def loss(where: str, a: float | None, b: float | None) -> None:
         if a is None or b is None or (isinstance(a, float) and math.isnan(a)):
@@ -244,8 +251,8 @@ def _compare(key: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
                 a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
             ):
                 problems.append(f"{where}: {a} != stored {b}")
-        elif not math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=0.0):
-            problems.append(f"{where}: {a!r} != stored {b!r} (rel 1e-6)")
+        elif not math.isclose(a, b, rel_tol=rtol, abs_tol=0.0):
+            problems.append(f"{where}: {a!r} != stored {b!r} (rel {rtol:g})")
 
     def time(where: str, a: float, b: float) -> None:
         if abs(a - b) > TIME_ATOL:
@@ -276,7 +283,7 @@ def _compare(key: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
         exact(f"{at} deployed numel", g["deployed"]["numel"], w["deployed"]["numel"])
         for name in ("sum", "abs_sum", "projection"):
             a, b = g["deployed"][name], w["deployed"][name]
-            if abs(a - b) > LOSS_RTOL * scale:
+            if abs(a - b) > rtol * scale:
                 problems.append(f"{at} deployed parameters {name}: {a!r} != stored {b!r}")
     return problems
 
