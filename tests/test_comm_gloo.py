@@ -9,14 +9,27 @@ import time
 import pytest
 import torch
 
-from lowcomm.comm import CollectiveKind, NetworkComm, NetworkProfile, RealClock, Role, VirtualClock
+from lowcomm.comm import (
+    CollectiveKind,
+    Comm,
+    NetworkComm,
+    NetworkProfile,
+    RealClock,
+    Role,
+    VirtualClock,
+)
 from lowcomm.launch import WorkerFailed, spawn_workers
 
 
 def _collectives() -> dict[str, torch.Tensor]:
     from lowcomm.comm.torch_comm import TorchComm
 
-    comm = TorchComm()
+    return collectives_on(TorchComm())
+
+
+def collectives_on(comm: Comm) -> dict[str, torch.Tensor]:
+    """Every collective once on ``comm`` (one rank's view); what each left in its tensor.
+    (Also run on the in-process comm by test_comm_inprocess.py.)"""
     rank, world = comm.rank, comm.world_size
     out: dict[str, torch.Tensor] = {}
     x = torch.full((4,), float(rank + 1))
@@ -49,7 +62,11 @@ def _collectives() -> dict[str, torch.Tensor]:
 
 
 def test_torch_comm_collectives_on_three_ranks() -> None:
-    results = spawn_workers(_collectives, 3)
+    check_three_ranks(spawn_workers(_collectives, 3))
+
+
+def check_three_ranks(results: list[dict[str, torch.Tensor]]) -> None:
+    """What :func:`collectives_on` must give on three ranks."""
     for rank, out in enumerate(results):
         assert torch.allclose(out["mean"], torch.full((4,), 2.0))
         assert torch.allclose(out["sum"], torch.full((4,), 6.0))

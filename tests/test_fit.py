@@ -212,7 +212,8 @@ def test_the_example_notebook_executes(tmp_path: Path) -> None:
         for output in cell.get("outputs", [])
     ]
     assert any("64 samples, final validation loss" in text for text in printed)
-    assert any("CellModel is defined in __main__" in text for text in printed)
+    assert any("CellCNN is defined in __main__" in text for text in printed)
+    assert any("run directory" in text for text in printed)  # the workers ran in the kernel
     assert (tmp_path / "runs" / "notebook" / "summary.json").is_file()
     assert not (tmp_path / "runs" / "cell").exists()
 

@@ -82,14 +82,16 @@ def _line_count(metrics: Path) -> int:
 
 
 def _interrupt(
-    out: Path, log: Path, signum: int, after_steps: int
+    out: Path, log: Path, signum: int, after_steps: int, *, threads: bool = False
 ) -> tuple[int, str, dict[int, str]]:
-    """Start a long run, signal the launcher once ``after_steps`` are written; return its exit
-    code, stderr and the processes it had started."""
+    """Start a long run (``threads``: its workers in the launcher's process), signal the
+    launcher once ``after_steps`` are written; return its exit code, stderr and the processes
+    it had started."""
+    placement = ["--workers-per-process", "2"] if threads else []
     with open(log, "w") as stderr:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "lowcomm", "train", *TINY, "--steps", str(STEPS),
-             "--checkpoint-every", "4", "--out", str(out)],
+             "--checkpoint-every", "4", "--out", str(out), *placement],
             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
         )  # fmt: skip
     workers: dict[int, str] = {}
@@ -100,7 +102,7 @@ def _interrupt(
             assert time.monotonic() < deadline, "the run never reached the signal step"
             time.sleep(0.05)
         workers = _descendants(launcher.pid)
-        assert len(workers) >= 2, workers  # the two workers (and multiprocessing's tracker)
+        assert threads or len(workers) >= 2, workers  # two workers (and multiprocessing's tracker)
         os.kill(launcher.pid, signum)  # the launcher alone
         code = launcher.wait(timeout=STOP_BOUND_S)
         deadline = time.monotonic() + STOP_BOUND_S
@@ -126,9 +128,12 @@ def _check_consistent(out: Path) -> int:
     return len(steps)
 
 
-def test_sigint_to_the_launcher_alone_stops_every_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [False, True], ids=["processes", "in-process"])
+def test_sigint_to_the_launcher_alone_stops_every_worker(tmp_path: Path, threads: bool) -> None:
     out = tmp_path / "run"
-    code, stderr, _ = _interrupt(out, tmp_path / "stderr", signal.SIGINT, after_steps=10)
+    code, stderr, _ = _interrupt(
+        out, tmp_path / "stderr", signal.SIGINT, after_steps=10, threads=threads
+    )
     assert code == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     # One line says what happened (only a C++ library's own warning could come before it).
@@ -136,6 +141,8 @@ def test_sigint_to_the_launcher_alone_stops_every_worker(tmp_path: Path) -> None
     assert last.startswith("lowcomm: interrupted by SIGINT"), stderr[-3000:]
     assert f"--resume {out}" in last
     done = _check_consistent(out)
+    if threads:
+        return  # (resuming an in-process run is test_inprocess.py's)
 
     # The interrupted run continues from its newest checkpoint, step for step.
     resumed = subprocess.run(

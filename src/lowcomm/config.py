@@ -59,6 +59,11 @@ class TrainConfig:
     workers over --network, each rank sending 1/R of the worker's payload. Runs workers x R
     processes; --micro-batch-size is per rank."""
 
+    workers_per_process: int = 1
+    """Workers simulated in one process: 1 (each worker its own process) or --workers (all of
+    them in this process, as threads on shared memory, no torch.distributed; the same numbers,
+    a fraction of the memory and start-up). Values in between are not supported yet."""
+
     worker_sharding: Literal["replicate", "fsdp"] = "replicate"
     """How a worker of --ranks-per-worker R > 1 holds its model: replicate (every rank the whole
     replica) or fsdp (FSDP2 over its R ranks, each holding 1/R; the method exchanges each rank's
@@ -234,6 +239,7 @@ class TrainConfig:
             raise ConfigError(str(error)) from None
         self._validate_counts()
         self._validate_hierarchy()
+        self._validate_placement()
         try:
             check_link(self.network, self.bandwidth_gbps, self.latency_ms, OUTER_LINK)
             check_speed_factors(self.speed_factors, self.workers)
@@ -377,6 +383,34 @@ class TrainConfig:
         if sharding is not None:
             raise ConfigError(sharding)
         self._validate_muon()
+
+    def _validate_placement(self) -> None:
+        """--workers-per-process: a divisor of --workers; K > 1 only where it composes yet."""
+        k, flag = self.workers_per_process, "--workers-per-process"
+        if k < 1 or self.workers % k:
+            raise ConfigError(
+                f"{flag}: {k} does not divide --workers {self.workers}; pass 1 (a process per "
+                f"worker) or a divisor of --workers such as {self.workers}"
+            )
+        if k == 1:
+            return
+        refusal = None
+        if k != self.workers:
+            refusal = "workers spread over several processes of several workers each"
+        elif self.ranks_per_worker > 1:
+            refusal = f"hierarchical workers (--ranks-per-worker {self.ranks_per_worker})"
+        elif self.device != "cpu":
+            refusal = f"--device {self.device}"
+        elif self.model.dropout:
+            refusal = (
+                f"--model.dropout {self.model.dropout} (dropout masks come from the "
+                f"process-global generator, which the workers of one process would share)"
+            )
+        if refusal is not None:
+            raise ConfigError(
+                f"{flag}: {k} with {refusal} is not supported yet; use --workers-per-process 1 "
+                f"(a process per worker) or a run that fits one process"
+            )
 
     def _validate_muon(self) -> None:
         """--optim.name muon: refused by a method that cannot take it, and with several

@@ -9,8 +9,10 @@ the same checks, the same worker processes, the same loop. With no model and no 
 
 Worker processes import what they run: the model factory, the datasets, the loss and the
 collate function must be importable (defined at the top level of a module, or of the script
-being run). Objects defined in a notebook or a REPL are not; ``fit`` names them before any
-worker starts.
+being run). Objects defined in a notebook or a REPL are not; so there (no ``__main__`` file)
+``fit`` runs every worker on a thread of this process (``workers_per_process = workers``, where
+in-process workers can run: CPU, flat workers, 2 or more), and in process mode it names what
+the workers cannot import before any worker starts.
 """
 
 from __future__ import annotations
@@ -207,11 +209,24 @@ def fit_config(
 
         name = qualified_name(getattr(task, "model_factory", task)).rsplit(".", 1)[-1]
         run.out = str(Path("runs") / f"{name}-{run_directory(run).name}")
+    if _interactive() and run.workers_per_process == 1 and _in_process_fits(run):
+        run.workers_per_process = run.workers  # (threads: nothing to import or pickle)
     if resume:
         from lowcomm.train.rundir import run_directory
 
         run.resume, run.out = str(run_directory(run)), None
     return run
+
+
+def _interactive() -> bool:
+    """Whether ``__main__`` is a notebook or a REPL (no file a worker process could run)."""
+    return getattr(sys.modules.get("__main__"), "__file__", None) is None
+
+
+def _in_process_fits(run: TrainConfig) -> bool:
+    """Whether the run's workers can all be threads of this process (issue 30's limits)."""
+    flat = run.ranks_per_worker == 1 and not run.model.dropout
+    return run.workers > 1 and run.device == "cpu" and flat
 
 
 def _set_options(run: TrainConfig, options: object) -> None:
@@ -228,14 +243,13 @@ def _set_options(run: TrainConfig, options: object) -> None:
 
 
 def launch(config: TrainConfig, task: Task) -> FitResult:
-    """Run ``config`` on ``task`` in worker processes (``lowcomm train``'s launch path).
-
-    (In-process workers, once they exist, are a second branch here: no pickling needed.)"""
+    """Run ``config`` on ``task`` (``lowcomm train``'s launch path): in worker processes, or
+    with ``workers_per_process`` > 1 on threads of this process."""
     from lowcomm.launch.run import run_training
     from lowcomm.train.rundir import run_directory
 
-    problem = unimportable(task)
-    if problem is not None:
+    problem = None if config.workers_per_process > 1 else unimportable(task)
+    if problem is not None:  # (worker processes unpickle the task; threads share it)
         raise ConfigError(problem)
     try:
         summary = run_training(config, task=task)
@@ -286,7 +300,7 @@ def unimportable(task: Task) -> str | None:
 
 def _in_main(name: str) -> str:
     return (
-        f"fit: {name} is defined in __main__ (a notebook or REPL), which the worker processes "
+        f"fit: {name} is defined in __main__ (a notebook or REPL), which worker processes "
         f"cannot import; move it into a module (a .py file beside the notebook) and import it "
-        f"from there"
+        f"from there, or run the workers in this process (workers_per_process = workers)"
     )

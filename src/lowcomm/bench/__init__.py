@@ -9,6 +9,7 @@ from lowcomm.bench.compare import CompareBench, run_compare
 from lowcomm.bench.elastic import ElasticBench, run_elastic
 from lowcomm.bench.overhead import OverheadBench, run_overhead
 from lowcomm.bench.reallink import RealLinkBench, run_reallink
+from lowcomm.bench.scale import ScaleBench, run_scale
 from lowcomm.bench.startup import StartupBench, run_startup
 
 #: ``lowcomm bench NAME``: the benchmark configurations, by name.
@@ -19,6 +20,7 @@ BENCHMARKS: dict[str, Any] = {
     "startup": StartupBench,
     "clock": ClockBench,
     "elastic": ElasticBench,
+    "scale": ScaleBench,
 }
 
 
@@ -42,6 +44,9 @@ def run_bench(command: object) -> None:
     if isinstance(command, ElasticBench):
         run_elastic(command)
         return
+    if isinstance(command, ScaleBench):
+        run_scale(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
@@ -52,6 +57,7 @@ __all__ = [
     "ElasticBench",
     "OverheadBench",
     "RealLinkBench",
+    "ScaleBench",
     "StartupBench",
     "run_bench",
 ]

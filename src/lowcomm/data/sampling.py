@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 import torch
+from numpy.random import default_rng
 from torch import Tensor
 
 from lowcomm.data.config import SPLITS, DataError
@@ -205,9 +206,7 @@ class WorkerShard:
         """This worker's windows of the carried-over pass: the pass's permutation without the
         positions the old workers consumed, dealt round-robin over the new workers."""
         assert self.carry is not None
-        permutation = np.random.default_rng([self.seed, self.carry.epoch]).permutation(
-            self.num_windows
-        )
+        permutation = default_rng([self.seed, self.carry.epoch]).permutation(self.num_windows)
         left = np.setdiff1d(np.arange(self.num_windows, dtype=np.int64), self.carry.consumed)
         return permutation[left[self.rank :: self.world_size]].astype(np.int64)
 
@@ -216,12 +215,12 @@ class WorkerShard:
         used = self.windows_per_worker * self.world_size
         if self.split == "iid":
             # Every worker computes the same global permutation, so shards are disjoint.
-            generator = np.random.default_rng([self.seed, epoch])
+            generator = default_rng([self.seed, epoch])
             permutation = generator.permutation(self.num_windows)[:used]
             return permutation[self.rank :: self.world_size].astype(np.int64)
         begin = self.rank * self.windows_per_worker
         block = np.arange(begin, begin + self.windows_per_worker, dtype=np.int64)
-        generator = np.random.default_rng([self.seed, epoch, self.rank])
+        generator = default_rng([self.seed, epoch, self.rank])
         return generator.permutation(block).astype(np.int64)
 
     def window_indices(self, epoch: int = 0) -> IndexArray:

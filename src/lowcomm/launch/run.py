@@ -10,7 +10,9 @@ processes:
    run directory);
 3. the corpus is prepared (cached) and checked against the worker count and batch size;
 4. ``workers x ranks-per-worker`` processes are spawned (or, under ``torchrun``, this process
-   joins as one of them) and each runs :func:`lowcomm.train.loop.train_worker`.
+   joins as one of them) and each runs :func:`lowcomm.train.loop.train_worker`; with
+   ``--workers-per-process`` = ``--workers``, every worker runs it on a thread of this process
+   (:mod:`lowcomm.launch.inprocess`).
 """
 
 from __future__ import annotations
@@ -77,13 +79,21 @@ def run_training(
     if task.reads_corpus:
         prepare_checked_corpus(config, report)
     task.prepare(config, report)
-    if report is not None:
+    if report is not None and config.workers_per_process == 1:
         warn_if_oversubscribed(config.world_size, config)
     start_run_dir(config, note)
+    from lowcomm.train.rundir import ERROR_LOG, run_directory
+
+    if config.workers_per_process > 1:
+        if report is not None:
+            report(f"starting {config.workers} workers in this process (one thread each)")
+        from lowcomm.launch.inprocess import train_in_process
+
+        train_in_process(config, log_path=run_directory(config) / ERROR_LOG, task=task)
+        return read_summary(run_directory(config))
     if report is not None:
         report(f"starting {config.world_size} worker processes")
     from lowcomm.train.loop import spawned_train
-    from lowcomm.train.rundir import ERROR_LOG, run_directory
 
     spawn_workers(
         spawned_train,
@@ -371,6 +381,11 @@ def adopt_torchrun_world(config: TrainConfig) -> None:
             f"--ranks-per-worker: {config.ranks_per_worker} does not divide the torchrun world "
             f"of {world_size} processes; launch workers x ranks-per-worker processes (e.g. "
             f"--nproc-per-node {config.ranks_per_worker} on each of the workers' nodes)"
+        )
+    if config.workers_per_process != 1:
+        raise ConfigError(
+            f"--workers-per-process: {config.workers_per_process} under torchrun is not "
+            f"supported yet (torchrun starts a process per worker); omit it"
         )
     workers = world_size // config.ranks_per_worker
     if config.workers != workers:

@@ -32,11 +32,13 @@ def worker_clock(
     timed_loss: Callable[[torch.nn.Module], torch.Tensor],
     bookkeeping: Comm,
     device: torch.device,
+    measure: Callable[[], Calibration] | None = None,
 ) -> Clock:
     """This process's clock: real, virtual on a declared cost or CPU time, or virtual on the
     calibrated model (read from --calibration, or from the checkpoint a resume reads, or
-    measured by :func:`finish_calibration`, every process in turn, timing
-    ``timed_loss(model)``'s forward and backward: the run's loss on a fixed micro-batch)."""
+    measured by :func:`finish_calibration`: every process in turn, timing
+    ``timed_loss(model)``'s forward and backward (the run's loss on a fixed micro-batch), or
+    ``measure`` when the workers of one process share one measurement)."""
     worker_index = bookkeeping.rank // config.ranks_per_worker
     speed_factor = network_profile(config).speed_factor(worker_index)
     if not uses_calibration(config):
@@ -52,6 +54,8 @@ def worker_clock(
     # Measured after the resume (finish_calibration), unless the checkpoint brings one. (A
     # sharded worker's model is sharded by then: the pass is timed on a whole copy taken now,
     # as each rank computes on whole gathered blocks. TODO: build it only when measuring.)
+    if measure is not None:
+        return CalibratedClock(speed_factor=speed_factor, measure=measure)
     timed = copy.deepcopy(model) if config.worker_sharding == "fsdp" else model
     return CalibratedClock(
         speed_factor=speed_factor,
@@ -67,17 +71,27 @@ def worker_clock(
     )
 
 
-def calibrate_in_process(config: TrainConfig, vocab_size: int) -> Calibration:
+def calibrate_in_process(
+    config: TrainConfig,
+    vocab_size: int,
+    *,
+    model: torch.nn.Module | None = None,
+    timed_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+) -> Calibration:
     """Measure the calibration a run of ``config`` would measure, in this process, before any
     run (a study's one calibration): the run's model on its device, one intra-op thread as a
-    worker runs, the same timed passes as :func:`calibrate` on a group of one."""
+    worker runs, the same timed passes as :func:`calibrate` on a group of one. ``model`` and
+    ``timed_loss``: the run's own (a task's, see :func:`worker_clock`); default: the model of
+    ``--model.*`` on random tokens of ``vocab_size``."""
     from lowcomm.comm.local import LocalComm
     from lowcomm.models import build_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if config.init_from is None:
+        if model is not None:
+            pass
+        elif config.init_from is None:
             model = build_model(config.model, vocab_size)
         else:
             from lowcomm.models.init_from import preflight_init_from
@@ -90,6 +104,7 @@ def calibrate_in_process(config: TrainConfig, vocab_size: int) -> Calibration:
             block_size=config.model.block_size,
             bookkeeping=LocalComm(),
             bf16=config.precision == "bf16-mixed",
+            loss=timed_loss,
         )
     finally:
         torch.set_num_threads(threads)

@@ -7,6 +7,7 @@ parameters the method would deploy, on a fixed set of held-out batches split acr
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -34,8 +35,17 @@ from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import ProcessTotals, StepMetrics, peak_memory_bytes
 from lowcomm.train.reshard import read_resharded
 from lowcomm.train.rundir import run_directory
+from lowcomm.train.shared import SharedSetup
 from lowcomm.train.step_log import StepLog, parameters_finite
-from lowcomm.train.task import Batch, CorpusTask, Shard, Task, model_loss, to_device
+from lowcomm.train.task import (
+    Batch,
+    CorpusTask,
+    Shard,
+    Task,
+    calibration_pass,
+    model_loss,
+    to_device,
+)
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -112,6 +122,11 @@ class Worker:
     validation_batches: int
     """Validation batches of the whole run."""
     step_closure: Callable[[], MicroBatchResult]
+    generator: torch.Generator
+    """This worker's random stream (the process-global generator in a process of its own;
+    a generator of its own beside other workers in one process)."""
+    one_process: bool = False
+    """Every worker of the run is in this process (``--workers-per-process``)."""
 
 
 @dataclass
@@ -137,6 +152,7 @@ def train_worker(
     *,
     keep_parameters: bool = False,
     bookkeeping: Comm | None = None,
+    shared: SharedSetup | None = None,
     task: Task | None = None,
 ) -> WorkerSummary:
     """Train on this process. ``raw`` is the un-emulated communicator of the process group;
@@ -147,11 +163,13 @@ def train_worker(
     every rank, see :func:`bookkeeping_comm`), never on the strategy's group: on NCCL one
     communicator is one queue, and a small gather behind an in-flight all-reduce would wait
     for all of it. With ``keep_parameters`` the summary carries the final parameters (for
-    tests). ``task`` gives the model, the data and the loss (default: :class:`CorpusTask`,
-    ``lowcomm train``'s)."""
+    tests). ``shared``: what the workers of this process share (``--workers-per-process``
+    K > 1, :mod:`lowcomm.train.shared`); None: this process is this worker's own. ``task``
+    gives the model, the data and the loss (default: :class:`CorpusTask`, ``lowcomm
+    train``'s)."""
     set_up_start = time.perf_counter()
-    ledger = bookkeeping_comm(raw) if bookkeeping is None else bookkeeping
-    worker = set_up(config, raw, ledger, task)
+    books = bookkeeping_comm(raw) if bookkeeping is None else bookkeeping
+    worker = set_up(config, raw, books, shared, task)
     progress = resume(worker)
     finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
     if worker.rank == 0:
@@ -186,23 +204,36 @@ def train_worker(
 # --- set-up ------------------------------------------------------------------------------
 
 
-def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm, task: Task | None = None) -> Worker:
-    """Build this process's model, clock, communicators, strategy, data shard and closure
-    (the model, data and loss from ``task``; default: :class:`CorpusTask`)."""
+def set_up(
+    config: TrainConfig,
+    raw: Comm,
+    bookkeeping: Comm,
+    shared: SharedSetup | None = None,
+    task: Task | None = None,
+) -> Worker:
+    """Build this worker's model, clock, communicators, strategy, data shard and closure
+    (``shared``: from what the workers of this process share, see :mod:`lowcomm.train.shared`;
+    the model, data and loss from ``task``, default :class:`CorpusTask`)."""
     task = CorpusTask() if task is None else task
     rank, world_size = raw.rank, raw.world_size
     device = torch.device(
         config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
     )
-    torch.manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.backends.cuda.matmul.allow_tf32 = config.tf32  # (--tf32)
         torch.backends.cudnn.allow_tf32 = config.tf32
-    model = _shared_initial_model(config, task, raw, device)
-    clock = worker_clock(
-        config, model, _calibration_pass(task, config, device), bookkeeping, device
-    )
+    if shared is None:
+        torch.manual_seed(config.seed)
+        model = _shared_initial_model(config, task, raw, device)
+        generator = torch.default_generator
+    else:  # one of several workers in this process: a copy of the one initial model
+        model = copy.deepcopy(shared.model)
+        generator = torch.Generator()
+        generator.set_state(shared.rng_state)
+    measure = None if shared is None else shared.calibrate
+    timed = calibration_pass(task, config, device)
+    clock = worker_clock(config, model, timed, bookkeeping, device, measure)
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
         links = (network_profile(config), replica_network_profile(config))
@@ -213,18 +244,18 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm, task: Task | None 
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     context = replace(strategy_context(config), runtime=comm.runtime())
     strategy = build_strategy(config.method, model, comm, context, config)
-    data = task.data(config, rank)
+    data = task.data(config, rank, None if shared is None else shared.validation)
     validation = [to_device(batch, device) for batch in data.validation]
-    closure = _closure(model, task, data.shard, clock, device, config.precision == "bf16-mixed")
     # Synchronous data parallel inside a worker (R > 1): the strategy averages its flat
     # gradient over the worker's ranks once per step (gradient_step.accumulate), charged to
     # the replica link (runtime.replica_group).
-    step_closure = closure
+    bf16 = config.precision == "bf16-mixed"
+    step_closure = _closure(model, task, data.shard, clock, device, bf16)
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, task=task, shard=data.shard,
         validation=validation, validation_batches=data.validation_batches,
-        step_closure=step_closure,
+        step_closure=step_closure, generator=generator, one_process=shared is not None,
     )  # fmt: skip
 
 
@@ -280,20 +311,6 @@ def _closure(
     return closure
 
 
-def _calibration_pass(
-    task: Task, config: TrainConfig, device: torch.device
-) -> Callable[[torch.nn.Module], torch.Tensor]:
-    """The calibrated compute model's timed pass: the task's loss on a fixed micro-batch."""
-    batch: list[Batch] = []
-
-    def loss(model: torch.nn.Module) -> torch.Tensor:
-        if not batch:  # (built when the calibration runs: most runs read one)
-            batch.append(to_device(task.calibration_batch(config), device))
-        return task.loss(model, batch[0])
-
-    return loss
-
-
 # --- resume ------------------------------------------------------------------------------
 
 
@@ -316,7 +333,7 @@ def resume(worker: Worker) -> Progress:
         worker.clock.load_state_dict(saved["clock"])
         if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
             worker.comm.load_state_dict(saved["comm"])
-        _restore_rng(saved["rng"], worker.device)
+        _restore_rng(saved["rng"], worker.generator, worker.device)
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
             resumed_from=resume_from, membership=saved.get("membership"),
@@ -605,20 +622,22 @@ def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
     return Path(config.resume)
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """The random generators a resumed run must continue: the CPU's and, on a GPU, the
-    device's (dropout masks are drawn there)."""
-    state = {"torch": torch.get_rng_state()}
+def _rng_state(generator: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    """The random generators a resumed run must continue: the worker's CPU generator and, on
+    a GPU, the device's (dropout masks are drawn there)."""
+    state = {"torch": generator.get_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _restore_rng(saved: dict[str, torch.Tensor], device: torch.device) -> None:
+def _restore_rng(
+    saved: dict[str, torch.Tensor], generator: torch.Generator, device: torch.device
+) -> None:
     """Undo :func:`_rng_state` (the tensors may have been loaded onto the GPU). A checkpoint
     written on the CPU and resumed on a GPU has no CUDA state to restore; such a resume is
     not bit-exact anyway (other kernels)."""
-    torch.set_rng_state(saved["torch"].cpu())
+    generator.set_state(saved["torch"].cpu())
     if device.type == "cuda" and "cuda" in saved:
         torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
 
@@ -634,21 +653,22 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
         "data": worker.shard.state_dict(),
         "clock": worker.clock.state_dict(),
         "comm": worker.comm.state_dict(),
-        "rng": _rng_state(worker.device),
+        "rng": _rng_state(worker.generator, worker.device),
         "tokens": progress.tokens,
         "val_loss": progress.val_loss,
         "step": step,
     }
     path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
     digests = checkpoint.gather_digests(bookkeeping, checkpoint.file_digest(path))
-    checkpoint.commit_checkpoint(
-        run_dir,
-        step,
-        bookkeeping.world_size,
-        checkpoint.fingerprint(config),
-        keep=config.keep_checkpoints,
-        digests=digests,
-    )
+    if bookkeeping.rank == 0 or not worker.one_process:  # (one process: one disk, one commit)
+        checkpoint.commit_checkpoint(
+            run_dir,
+            step,
+            bookkeeping.world_size,
+            checkpoint.fingerprint(config),
+            keep=config.keep_checkpoints,
+            digests=digests,
+        )
     bookkeeping.barrier().wait()
 
 

@@ -22,6 +22,7 @@ is real only); checkpoints and the model export of a sharded worker; mixed preci
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -139,9 +140,11 @@ def fsdp_params(model: nn.Module) -> list[Any]:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+    # A model can only be sharded once FSDP is imported: a run that never imported it (in-process
+    # workers, which use no torch.distributed) does not pay its import to learn so, and its
+    # threads do not queue on the import lock.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 class ShardedFlatBuffers(FlatBuffers):

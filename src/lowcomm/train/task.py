@@ -90,7 +90,10 @@ class Task(Protocol):
         """The model for checks that need its shapes only (on the meta device if it can be)."""
         ...
 
-    def data(self, config: TrainConfig, rank: int) -> TaskData: ...
+    def data(self, config: TrainConfig, rank: int, everyone: list[Batch] | None = None) -> TaskData:
+        """This process's data; ``everyone``: the run's validation batches when the workers of
+        one process share them (:func:`lowcomm.train.shared.shared_setup`)."""
+        ...
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor: ...
 
@@ -199,8 +202,8 @@ class CorpusTask:
             vocab_size = config.data.vocab_size if config.model.config is None else 1
             return build_model(config.model, vocab_size)
 
-    def data(self, config: TrainConfig, rank: int) -> TaskData:
-        from lowcomm.data import WorkerShard, validation_batches
+    def data(self, config: TrainConfig, rank: int, everyone: list[Batch] | None = None) -> TaskData:
+        from lowcomm.data import WorkerShard
 
         corpus = self.corpus(config)
         ranks = config.ranks_per_worker
@@ -214,13 +217,20 @@ class CorpusTask:
         )  # fmt: skip
         # A worker evaluates the batches a flat worker would (R x the micro-batch size), each
         # of its ranks a slice of every batch.
-        everyone = validation_batches(
-            corpus, seq_len=config.model.block_size, batch_size=batch * ranks,
-            num_batches=config.eval_batches,
-        )  # fmt: skip
+        everyone = self.validation(config) if everyone is None else everyone
         rows = slice(replica * batch, (replica + 1) * batch)
         mine = [(x[rows], y[rows]) for x, y in everyone[worker::workers] if x[rows].shape[0] > 0]
         return TaskData(shard, mine, len(everyone))
+
+    def validation(self, config: TrainConfig) -> list[Batch]:
+        """The run's validation batches (of a worker's micro-batch: all its ranks)."""
+        from lowcomm.data import validation_batches
+
+        return validation_batches(  # type: ignore[return-value]
+            self.corpus(config), seq_len=config.model.block_size,
+            batch_size=config.data.micro_batch_size * config.ranks_per_worker,
+            num_batches=config.eval_batches,
+        )  # fmt: skip
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return (self.loss_fn or model_loss)(model, batch)
@@ -279,3 +289,17 @@ def save_state(model: nn.Module, directory: Path) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def calibration_pass(
+    task: Task, config: TrainConfig, device: torch.device
+) -> Callable[[nn.Module], torch.Tensor]:
+    """The calibrated compute model's timed pass: the task's loss on a fixed micro-batch."""
+    batch: list[Batch] = []
+
+    def loss(model: nn.Module) -> torch.Tensor:
+        if not batch:  # (built when the calibration runs: most runs read one)
+            batch.append(to_device(task.calibration_batch(config), device))
+        return task.loss(model, batch[0])
+
+    return loss

@@ -173,18 +173,18 @@ class DatasetTask:
         )  # fmt: skip
         return DatasetShard(self.train_data, order, self._collate(), shard)
 
-    def data(self, config: TrainConfig, rank: int) -> TaskData:
+    def data(self, config: TrainConfig, rank: int, everyone: list[Batch] | None = None) -> TaskData:
         worker, replica = divmod(rank, config.ranks_per_worker)
         shard = self._shard(config, worker, replica)
-        everyone = self._validation_indices(config)
+        batches = self._validation_indices(config)
         batch = config.data.micro_batch_size
         mine = []
-        for indices in everyone[worker :: config.workers]:
+        for indices in batches[worker :: config.workers]:
             assert self.val_data is not None  # (no indices without it)
             rows = indices[replica * batch : (replica + 1) * batch]
             if len(rows) > 0:
                 mine.append(self._collate()([self.val_data[int(i)] for i in rows]))
-        return TaskData(shard, mine, len(everyone))
+        return TaskData(shard, mine, len(batches))
 
     def _validation_indices(self, config: TrainConfig) -> list[IndexArray]:
         """The validation batches' sample indices: ``--eval-batches`` batches of a worker's
@@ -292,12 +292,12 @@ class BatchStreamTask(DatasetTask):
                 f"(whose rows lowcomm cannot split); pass a map-style dataset, or 1"
             )
 
-    def data(self, config: TrainConfig, rank: int) -> TaskData:
+    def data(self, config: TrainConfig, rank: int, everyone: list[Batch] | None = None) -> TaskData:
         shard = BatchStreamShard(self.train_data, rank, config.workers)
         if self.val_data is None:
             return TaskData(shard, [], 0)
-        everyone = list(itertools.islice(iter(self.val_data), config.eval_batches))
-        return TaskData(shard, everyone[rank :: config.workers], len(everyone))
+        batches = list(itertools.islice(iter(self.val_data), config.eval_batches))
+        return TaskData(shard, batches[rank :: config.workers], len(batches))
 
     def calibration_batch(self, config: TrainConfig) -> Batch:
         return next(iter(self.train_data))

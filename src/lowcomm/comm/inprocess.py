@@ -1,0 +1,352 @@
+"""``Comm`` between workers that live in one process (``--workers-per-process K``).
+
+An :class:`InProcessGroup` is the shared state of the K members of one group; each member talks
+through its own :class:`InProcessComm`, which looks to everything above it (the network
+emulation, the hierarchical communicator, the runtime, the bookkeeping) exactly like a
+``TorchComm`` of K ranks: same shapes, same reductions, asynchronous handles whose tensors are
+valid after ``wait()``.
+
+A collective is a rendezvous on shared memory: the n-th collective every member issues meets in
+slot n. Posting never blocks; the last member to post computes every member's result, in member
+order (so the result does not depend on which thread came last), writes it into each member's
+tensors and completes the slot. A sum over two members is ``a + b`` as Gloo's, and a sum
+reduce-scatter stacks and sums the chunks as ``TorchComm``'s exchange on Gloo does, so a run
+with its workers in one process gives the numbers of the run with one process per worker.
+
+A member that fails aborts the group (:meth:`InProcessGroup.abort`): every waiting and every
+later collective of every member raises :class:`GroupAborted` at once, naming the cause.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lowcomm.comm.base import (
+    CollectiveTimeout,
+    Handle,
+    ReduceOp,
+    Role,
+    Segments,
+    Settled,
+    check_scatter_shapes,
+    check_segments,
+)
+
+
+class GroupAborted(RuntimeError):
+    """A member of an in-process group failed (or the run was stopped): every collective of
+    the group raises this, with the cause."""
+
+
+@dataclass
+class _Post:
+    """One member's part of a collective: what it hands in and where its result goes."""
+
+    signature: tuple[object, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+
+@dataclass
+class _Slot:
+    """The rendezvous of one collective (the same sequence number on every member)."""
+
+    kind: str
+    compute: Callable[[list[_Post]], None]
+    posts: list[_Post | None]
+    remaining: int
+    event: threading.Event = field(default_factory=threading.Event)
+    complete: bool = False
+    error: BaseException | None = None
+    completed_at: float | None = None
+
+
+class InProcessGroup:
+    """The shared state of the ``size`` members of one in-process group.
+
+    Args:
+        size: the members (the world size every member's comm reports).
+        timeout_s: how long a wait may block before :class:`CollectiveTimeout` (None: no
+            limit). Members never hang on a failed peer (it aborts the group); the limit
+            catches a member that stopped issuing collectives.
+        name: what errors call the group.
+    """
+
+    def __init__(self, size: int, *, timeout_s: float | None = None, name: str = "group") -> None:
+        if size < 1:
+            raise ValueError(f"InProcessGroup: size {size} must be 1 or more")
+        self.size = size
+        self.name = name
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._slots: dict[int, _Slot] = {}
+        self._issued = [0] * size
+        self._abort_reason: str | None = None
+        self._members = [InProcessComm(self, rank) for rank in range(size)]
+
+    def comm(self, rank: int) -> InProcessComm:
+        """Member ``rank``'s communicator."""
+        return self._members[rank]
+
+    @property
+    def aborted(self) -> str | None:
+        """Why the group was aborted (None: it was not)."""
+        return self._abort_reason
+
+    def abort(self, reason: str) -> None:
+        """End the group: every pending and later collective raises :class:`GroupAborted`
+        with ``reason`` (the first reason given wins)."""
+        with self._lock:
+            if self._abort_reason is not None:
+                return
+            self._abort_reason = reason
+            pending = list(self._slots.values())
+            self._slots.clear()
+        for slot in pending:
+            slot.event.set()
+
+    def _aborted_error(self) -> GroupAborted:
+        return GroupAborted(f"{self.name} group aborted: {self._abort_reason}")
+
+    def post(
+        self,
+        rank: int,
+        kind: str,
+        post: _Post,
+        compute: Callable[[list[_Post]], None],
+    ) -> _Slot:
+        """Hand in member ``rank``'s part of its next collective; complete it if last."""
+        with self._lock:
+            if self._abort_reason is not None:
+                raise self._aborted_error()
+            sequence = self._issued[rank]
+            self._issued[rank] += 1
+            slot = self._slots.get(sequence)
+            if slot is None:
+                slot = _Slot(kind, compute, [None] * self.size, self.size)
+                self._slots[sequence] = slot
+            slot.posts[rank] = post
+            slot.remaining -= 1
+            last = slot.remaining == 0
+            if last:
+                del self._slots[sequence]
+        if last:
+            self._complete(slot, sequence)
+        return slot
+
+    def _complete(self, slot: _Slot, sequence: int) -> None:
+        posts = [post for post in slot.posts if post is not None]
+        try:
+            first = posts[0].signature
+            for rank, post in enumerate(posts):
+                if post.signature != first:
+                    raise RuntimeError(
+                        f"{self.name} group: collective #{sequence} is {first} on member 0 but "
+                        f"{post.signature} on member {rank}; every member must issue the same "
+                        f"collectives, of the same sizes, in the same order"
+                    )
+            slot.compute(posts)
+            slot.complete = True
+            slot.completed_at = time.perf_counter()
+        except BaseException as error:
+            slot.error = error
+            self.abort(f"{type(error).__name__}: {error}")
+        finally:
+            slot.event.set()
+
+    def wait(self, slot: _Slot, rank: int, what: str) -> None:
+        """Block until ``slot`` completed; raise if it failed or the group was aborted."""
+        if not slot.event.wait(self.timeout_s):
+            raise CollectiveTimeout(
+                f"rank {rank}: {what} did not complete within {self.timeout_s:.1f} s "
+                f"(--collective-timeout-s {self.timeout_s}); a worker of this process stopped "
+                f"issuing collectives or is far slower"
+            )
+        if slot.complete:
+            return
+        if slot.error is not None:
+            raise GroupAborted(f"{self.name} group: {what} failed: {slot.error}") from slot.error
+        raise self._aborted_error()
+
+
+class _SlotHandle:
+    """A member's handle on one in-process collective."""
+
+    def __init__(self, group: InProcessGroup, slot: _Slot, rank: int, what: str) -> None:
+        self._group = group
+        self._slot = slot
+        self._rank = rank
+        self._what = what
+
+    def wait(self) -> None:
+        self._group.wait(self._slot, self._rank, self._what)
+
+    def done(self) -> bool:
+        return self._slot.event.is_set()
+
+    def settle(self) -> Settled:
+        self.wait()
+        return Settled()
+
+    def completed_at(self) -> float | None:
+        """When the data arrived (``time.perf_counter``), as a Gloo handle's stamp."""
+        return self._slot.completed_at
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1)
+
+
+def _reduce(stacked: torch.Tensor, op: ReduceOp, members: int) -> torch.Tensor:
+    """The reduction over dimension 0 of the members' stacked chunks (as TorchComm's
+    reduce-scatter by exchange: a stacked sum; a mean divides it)."""
+    if op == "max":
+        return stacked.amax(dim=0)
+    summed = stacked.sum(dim=0)
+    if op == "mean":
+        summed.div_(members)
+    return summed
+
+
+def _all_reduce(op: ReduceOp) -> Callable[[list[_Post]], None]:
+    def compute(posts: list[_Post]) -> None:
+        tensors = [post.tensors[0] for post in posts]
+        result = tensors[0].clone()
+        for tensor in tensors[1:]:
+            if op == "max":
+                torch.maximum(result, tensor, out=result)
+            else:
+                result.add_(tensor)
+        if op == "mean":
+            result.div_(len(tensors))
+        for tensor in tensors:
+            tensor.copy_(result)
+
+    return compute
+
+
+def _reduce_scatter(op: ReduceOp) -> Callable[[list[_Post]], None]:
+    def compute(posts: list[_Post]) -> None:
+        members = len(posts)
+        inputs = [_flat(post.tensors[1]).view(members, -1) for post in posts]
+        # Every result first: an output may alias a member's input.
+        results = [
+            _reduce(torch.stack([chunks[rank] for chunks in inputs]), op, members)
+            for rank in range(members)
+        ]
+        for post, result in zip(posts, results, strict=True):
+            post.tensors[0].copy_(result.view_as(post.tensors[0]))
+
+    return compute
+
+
+def _all_gather(posts: list[_Post]) -> None:
+    gathered = torch.cat([_flat(post.tensors[1]) for post in posts])
+    for post in posts:
+        post.tensors[0].copy_(gathered.view_as(post.tensors[0]))
+
+
+def _all_to_all(posts: list[_Post]) -> None:
+    members = len(posts)
+    inputs = [_flat(post.tensors[1]).view(members, -1) for post in posts]
+    results = [torch.cat([chunks[rank] for chunks in inputs]) for rank in range(members)]
+    for post, result in zip(posts, results, strict=True):
+        post.tensors[0].copy_(result.view_as(post.tensors[0]))
+
+
+def _broadcast(src: int) -> Callable[[list[_Post]], None]:
+    def compute(posts: list[_Post]) -> None:
+        value = posts[src].tensors[0].clone()
+        for rank, post in enumerate(posts):
+            if rank != src:
+                post.tensors[0].copy_(value)
+
+    return compute
+
+
+def _barrier(posts: list[_Post]) -> None:
+    return None
+
+
+def _describe(tensor: torch.Tensor) -> tuple[object, ...]:
+    return (tensor.numel(), tensor.dtype, tensor.device.type)
+
+
+class InProcessComm:
+    """One member's view of an :class:`InProcessGroup` (built by the group)."""
+
+    def __init__(self, group: InProcessGroup, rank: int) -> None:
+        self._group = group
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._group.size
+
+    @property
+    def group(self) -> InProcessGroup:
+        return self._group
+
+    def _issue(
+        self,
+        what: str,
+        signature: tuple[object, ...],
+        tensors: tuple[torch.Tensor, ...],
+        compute: Callable[[list[_Post]], None],
+    ) -> Handle:
+        slot = self._group.post(self._rank, what, _Post(signature, tensors), compute)
+        return _SlotHandle(self._group, slot, self._rank, what)
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        check_segments(tensor, segments)
+        what = f"all_reduce ({role.value}) of {tensor.numel() * tensor.element_size()} bytes"
+        signature = ("all_reduce", op, *_describe(tensor))
+        return self._issue(what, signature, (tensor,), _all_reduce(op))
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        check_scatter_shapes(output, input, self.world_size, "reduce_scatter")
+        what = f"reduce_scatter ({role.value})"
+        signature = ("reduce_scatter", op, *_describe(input))
+        return self._issue(what, signature, (output, input), _reduce_scatter(op))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        check_scatter_shapes(output, input, self.world_size, "all_gather")
+        signature = ("all_gather", *_describe(input))
+        return self._issue(f"all_gather ({role.value})", signature, (output, input), _all_gather)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        check_scatter_shapes(output, input, 1, "all_to_all")
+        if input.numel() % self.world_size:
+            raise ValueError(
+                f"all_to_all: {input.numel()} elements do not split into {self.world_size} "
+                f"equal chunks; pad the input to a multiple of world_size"
+            )
+        signature = ("all_to_all", *_describe(input))
+        return self._issue(f"all_to_all ({role.value})", signature, (output, input), _all_to_all)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src {src} is not a rank of a group of {self.world_size}")
+        signature = ("broadcast", src, *_describe(tensor))
+        what = f"broadcast ({role.value}) from {src}"
+        return self._issue(what, signature, (tensor,), _broadcast(src))
+
+    def barrier(self) -> Handle:
+        return self._issue("barrier", ("barrier",), (), _barrier)

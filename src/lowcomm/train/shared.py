@@ -1,0 +1,89 @@
+"""What the workers of one process share (``--workers-per-process K``): built once, read by all.
+
+A worker process of its own prepares the corpus, seeds the process-global generator, builds the
+initial model, cuts the validation batches and (on the calibrated clock) measures its compute
+itself. K workers in one process do each of these once: the corpus, the tokenizer, the
+validation batches and the calibration are shared read-only; the initial model is built once
+and copied per worker; each worker's random stream is its own ``torch.Generator``, started at
+the state the process-global generator has after building the model in a process of its own,
+so both placements draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lowcomm.comm.calibration import Calibration
+from lowcomm.config import TrainConfig
+from lowcomm.data import PreparedCorpus
+from lowcomm.models import build_model
+from lowcomm.train.compute import calibrate_in_process
+from lowcomm.train.task import Batch, CorpusTask, Task, calibration_pass
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class SharedSetup:
+    """The read-only part of the workers of one process."""
+
+    corpus: PreparedCorpus | None
+    """The prepared corpus (None: the task reads none)."""
+    model: torch.nn.Module
+    """The initial model, on the run's device (each worker trains a copy)."""
+    rng_state: torch.Tensor
+    """The state every worker's generator starts from."""
+    validation: list[Batch] | None
+    """The run's validation batches (each worker evaluates its slice; None: each worker
+    takes its own from the task)."""
+    calibrate: Callable[[], Calibration] = field(repr=False)
+    """Measures the calibration once, on first call (later calls return the same)."""
+
+
+class _Once:
+    """Calls ``measure`` on first use from any thread; every caller gets its result."""
+
+    def __init__(self, measure: Callable[[], Calibration]) -> None:
+        self._measure = measure
+        self._lock = threading.Lock()
+        self._result: Calibration | None = None
+
+    def __call__(self) -> Calibration:
+        with self._lock:
+            if self._result is None:
+                self._result = self._measure()
+            return self._result
+
+
+def initial_model(config: TrainConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
+    """The run's initial model (built from the seed, or loaded from --init-from)."""
+    if config.init_from is None:
+        return build_model(config.model, vocab_size).to(device)
+    # --init-from: the saved weights, loaded straight into the model (pre-flight checked
+    # that they fit); the architecture is the directory's config.json.
+    from lowcomm.models.init_from import preflight_init_from
+
+    return preflight_init_from(config.init_from, config.model).load().to(device)
+
+
+def shared_setup(config: TrainConfig, task: Task | None = None) -> SharedSetup:
+    """Build what the in-process workers of ``config`` share (uses the process-global
+    generator once, before any worker starts, as a worker process's set-up does); ``task``:
+    the run's model, data and loss (default: :class:`CorpusTask`)."""
+    task = CorpusTask() if task is None else task
+    corpus = task.corpus(config) if isinstance(task, CorpusTask) else None
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    model = task.model(config).to(device)
+    rng_state = torch.get_rng_state()
+    validation = task.validation(config) if isinstance(task, CorpusTask) else None
+    timed = calibration_pass(task, config, device)
+    vocab_size = 0 if corpus is None else corpus.vocab_size
+    calibrate = _Once(
+        lambda: calibrate_in_process(config, vocab_size, model=model, timed_loss=timed)
+    )
+    return SharedSetup(corpus, model, rng_state, validation, calibrate)

@@ -1,0 +1,138 @@
+"""The in-process comm (``--workers-per-process``): the semantics TorchComm has on Gloo
+(test_comm_gloo.py's cases), asynchronous handles, determinism, and a failing member that
+aborts its group instead of leaving its peers hanging."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+import torch
+
+from lowcomm.comm import CollectiveKind, NetworkComm, NetworkProfile, Role, VirtualClock
+from lowcomm.comm.base import CollectiveTimeout
+from lowcomm.comm.inprocess import GroupAborted, InProcessComm, InProcessGroup
+from lowcomm.launch import WorkerFailed
+from lowcomm.launch.inprocess import run_threads
+from test_comm_gloo import check_three_ranks, collectives_on
+
+T = TypeVar("T")
+
+
+def on_members(group: InProcessGroup, fn: Callable[[InProcessComm], T]) -> list[T]:
+    """``fn`` on every member of ``group``, each on its own thread (as the workers run)."""
+    return run_threads(lambda rank: fn(group.comm(rank)), group.size, (group,))
+
+
+def test_collectives_on_three_members_match_torch_comms() -> None:
+    check_three_ranks(on_members(InProcessGroup(3), collectives_on))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_all_to_all_hands_chunk_j_to_member_j(world: int) -> None:
+    def exchange(comm: InProcessComm) -> torch.Tensor:
+        sent = torch.arange(2.0 * world) + 100 * comm.rank  # chunk j: elements 2j, 2j+1
+        received = torch.empty(2 * world)
+        comm.all_to_all(received, sent, role=Role.GRADIENT).wait()
+        return received
+
+    for rank, received in enumerate(on_members(InProcessGroup(world), exchange)):
+        want = torch.cat(
+            [torch.tensor([2.0 * rank, 2.0 * rank + 1]) + 100 * i for i in range(world)]
+        )
+        assert torch.equal(received, want)
+
+
+def test_a_sum_of_two_members_is_bitwise_a_plus_b_and_a_scatter_sum_is_stacked() -> None:
+    """The two reductions whose order matters for bit equality with Gloo: two members' sum
+    is a + b (whatever thread comes last), and a reduce-scatter sums stacked chunks, as
+    TorchComm's exchange does."""
+    inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+
+    def reduce(comm: InProcessComm) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = inputs[comm.rank].clone()
+        comm.all_reduce(summed, op="sum", role=Role.GRADIENT).wait()
+        shard = torch.empty(500)
+        comm.reduce_scatter(shard, inputs[comm.rank].clone(), op="mean", role=Role.GRADIENT).wait()
+        return summed, shard
+
+    for rank, (summed, shard) in enumerate(on_members(InProcessGroup(2), reduce)):
+        assert torch.equal(summed, inputs[0] + inputs[1])
+        chunks = [inputs[r][rank * 500 : (rank + 1) * 500] for r in range(2)]
+        assert torch.equal(shard, torch.stack(chunks).sum(dim=0).div_(2))
+
+
+def test_posting_never_blocks_and_the_handle_completes_with_the_last_member() -> None:
+    group = InProcessGroup(2)
+    first, second = group.comm(0), group.comm(1)
+    a, b = torch.ones(3), torch.full((3,), 3.0)
+    handle = first.all_reduce(a, op="mean", role=Role.GRADIENT)
+    barrier = first.barrier()  # a second collective before anyone else posted
+    assert not handle.done() and not barrier.done()
+    other = second.all_reduce(b, op="mean", role=Role.GRADIENT)
+    assert handle.done() and other.done() and not barrier.done()
+    handle.wait()
+    assert torch.equal(a, torch.full((3,), 2.0)) and torch.equal(b, a)
+    second.barrier().wait()
+    barrier.wait()
+
+
+def test_members_issuing_different_collectives_fail_with_both_named() -> None:
+    group = InProcessGroup(2)
+    group.comm(0).all_reduce(torch.ones(4), role=Role.GRADIENT)
+    handle = group.comm(1).all_reduce(torch.ones(5), role=Role.GRADIENT)
+    with pytest.raises(GroupAborted, match="member 1; every member must issue the same"):
+        handle.wait()
+    with pytest.raises(GroupAborted):
+        group.comm(0).barrier()  # the group is over
+
+
+def test_a_failing_member_aborts_its_peers_waits_and_the_run_names_it() -> None:
+    group = InProcessGroup(3)
+    waited: list[str] = []
+
+    def member(comm: InProcessComm) -> None:
+        if comm.rank == 1:
+            raise RuntimeError("injected failure on purpose")
+        try:
+            comm.barrier().wait()  # would wait forever without the abort
+        except GroupAborted as error:
+            waited.append(str(error))
+            raise
+
+    with pytest.raises(WorkerFailed, match="worker 1 failed: RuntimeError: injected failure"):
+        on_members(group, member)
+    assert len(waited) == 2 and all("worker 1 failed" in line for line in waited)
+
+
+def test_a_member_that_stops_issuing_times_out() -> None:
+    group = InProcessGroup(2, timeout_s=0.05)
+    handle = group.comm(0).barrier()
+    with pytest.raises(CollectiveTimeout, match="rank 0: barrier did not complete"):
+        handle.wait()
+
+
+def test_the_emulation_prices_in_process_collectives_as_gloos() -> None:
+    """test_comm_gloo's staggered launch on the in-process comm: the collective starts when
+    the last member launches, and every member agrees on its completion."""
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=20.0)
+    lock = threading.Lock()
+    counted: list[float] = []
+
+    def staggered(raw: InProcessComm) -> tuple[float, float]:
+        clock = VirtualClock(seconds_per_microbatch=1.0, speed_factor=float(raw.rank + 1))
+        comm = NetworkComm(raw, profile, clock)
+        clock.microbatch_done()
+        launch = clock.now()
+        comm.all_reduce(torch.ones(250_000), role=Role.GRADIENT).wait()
+        with lock:
+            counted.append(comm.bytes_sent)
+        return launch, clock.now()
+
+    results = on_members(InProcessGroup(3), staggered)
+    cost = profile.collective_time(CollectiveKind.ALL_REDUCE, 1e6, 3)
+    assert [launch for launch, _ in results] == pytest.approx([1.0, 2.0, 3.0])
+    assert all(end == pytest.approx(3.0 + cost) for _, end in results)
+    assert counted == pytest.approx([2 * 2 / 3 * 1e6] * 3)  # a ring all-reduce's, per rank
