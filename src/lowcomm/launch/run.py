@@ -50,9 +50,8 @@ def run_training(
         config: the job; its paths are made absolute in place, and under ``torchrun`` its
             worker count is taken from the world.
         report: where the start-up phases are said (also the oversubscription warning).
-        task: the model, data and loss (:mod:`lowcomm.train.task`); None: ``lowcomm train``'s
-            (the model of ``--model.*`` on the corpus of ``--data``). It is pickled to every
-            worker process.
+        task: the model, data and loss (:mod:`lowcomm.train.task`, pickled to every worker
+            process); None: ``lowcomm train``'s (``--model.*`` on the ``--data`` corpus).
 
     Returns:
         The run's summary (what rank 0 wrote to ``summary.json``), or None when the run stopped
@@ -76,11 +75,7 @@ def run_training(
     note = preflight(config, task)
     if torchrun:
         return _join_torchrun(config, note, report, task)
-    if task.reads_corpus:
-        prepare_checked_corpus(config, report)
-    task.prepare(config, report)
-    if report is not None and config.workers_per_process == 1:
-        warn_if_oversubscribed(config.world_size, config)
+    _prepare(config, task, report)
     start_run_dir(config, note)
     from lowcomm.train.rundir import ERROR_LOG, run_directory
 
@@ -104,6 +99,15 @@ def run_training(
         log_path=run_directory(config) / ERROR_LOG,
     )
     return read_summary(run_directory(config))
+
+
+def _prepare(config: TrainConfig, task: Task, report: Report) -> None:
+    """Prepare and check the run's data (the corpus, cached, where the task reads it)."""
+    if task.reads_corpus:
+        prepare_checked_corpus(config, report)
+    task.prepare(config, report)
+    if report is not None and config.workers_per_process == 1:
+        warn_if_oversubscribed(config.world_size, config)
 
 
 def make_paths_absolute(config: TrainConfig) -> None:
