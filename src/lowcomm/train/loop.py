@@ -593,7 +593,7 @@ def finish(
 
 def _process_totals(worker: Worker, summary: WorkerSummary) -> ProcessTotals:
     comm, device = worker.comm, worker.device
-    if isinstance(comm, HierarchicalComm):
+    if isinstance(comm, HierarchicalComm | sharding.ShardedWorkerComm):  # two links
         levels = comm.level_counters()
         replica, outer = levels["inner"], levels["outer"]
     else:  # flat workers: everything on the outer link
