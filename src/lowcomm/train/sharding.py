@@ -20,7 +20,7 @@ FSDP's own all-gathers and reduce-scatters are charged to the inner link's
 :class:`~lowcomm.comm.emulated.NetworkComm` (:func:`charge_fsdp_collectives`), which the
 strategy's communicator reports as the inner level (:class:`ShardedWorkerComm`).
 
-Not yet: mixed precision, --init-from, meta-device init, elastic resume.
+Not yet: --init-from, meta-device init, elastic resume.
 """
 
 from __future__ import annotations
@@ -89,12 +89,6 @@ def config_refusal(config: TrainConfig) -> str | None:
     refusal = sharding_refusal(config.method, config.worker_sharding, config.ranks_per_worker)
     if refusal is not None or config.worker_sharding == "replicate":
         return refusal
-    if config.precision != "fp32":
-        return (
-            f"--worker-sharding fsdp: --precision {config.precision} is not supported on "
-            f"sharded workers yet (FSDP2's mixed-precision policy is still to be wired); "
-            f"pass --precision fp32"
-        )
     if config.model.config is not None or config.model.value("family") != "gpt":
         return (
             "--worker-sharding fsdp: only the built-in GPT (--model.family gpt) is sharded "
@@ -119,16 +113,26 @@ def worker_mesh(workers: int, ranks_per_worker: int, device: str = "cpu") -> Any
     )
 
 
-def shard_model(model: nn.Module, ranks: Any) -> nn.Module:
+def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Module:
     """``fully_shard`` every transformer block (``blocks.<j>``) of ``model``, then the rest
-    as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``."""
-    from torch.distributed.fsdp import fully_shard
+    as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``.
 
+    ``bf16`` (``--precision bf16-mixed``): FSDP2's mixed-precision policy, bfloat16 compute
+    parameters (all-gathered in bfloat16: half the bytes) with float32 gradient reduction and
+    float32 sharded parameters (the master the strategy steps); the training loop's autocast
+    stays on, as on a replicated worker, for the activations."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
         for block in blocks:
-            fully_shard(block, mesh=ranks)
-    fully_shard(model, mesh=ranks)
+            fully_shard(block, mesh=ranks, mp_policy=policy)
+    fully_shard(model, mesh=ranks, mp_policy=policy)
     for fsdp_param in fsdp_params(model):
         setattr(
             fsdp_param.sharded_param, FLAT_NUMEL_ATTRIBUTE, fsdp_param._sharded_param_data.numel()
@@ -369,7 +373,7 @@ def shard_worker(
         TorchComm(mesh.get_group("workers"), timeout_s=timeout),
         links[0], clock, inner=inner, device=device, wire_dtype=wire,
     )  # fmt: skip
-    shard_model(model, mesh["ranks"])
+    shard_model(model, mesh["ranks"], bf16=config.precision == "bf16-mixed")
     attach_inner(model, inner)
     charge_fsdp_collectives(model, inner)
     return outer
