@@ -20,7 +20,8 @@ FSDP's own all-gathers and reduce-scatters are charged to the inner link's
 :class:`~lowcomm.comm.emulated.NetworkComm` (:func:`charge_fsdp_collectives`), which the
 strategy's communicator reports as the inner level (:class:`ShardedWorkerComm`).
 
-Not yet: --init-from, meta-device init, elastic resume.
+Not yet: --init-from, meta-device init; an elastic resume keeps --ranks-per-worker
+(``lowcomm.train.reshard``).
 """
 
 from __future__ import annotations
