@@ -53,6 +53,7 @@ def _train(sharded: bool) -> dict[str, Any]:
     from lowcomm.comm.hierarchical import HierarchicalComm
     from lowcomm.comm.torch_comm import TorchComm
     from lowcomm.launch.groups import level_comms
+    from lowcomm.models.recompute import checkpoint_blocks
     from lowcomm.strategies import StrategyContext, build_strategy
     from lowcomm.train.sharding import attach_inner, full_flat, shard_model, worker_mesh
 
@@ -95,6 +96,18 @@ def _train(sharded: bool) -> dict[str, Any]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             strategy.step(closure)
     results["ddp_bf16"] = full_flat(model)
+    # --activation-checkpointing: every block recomputed in the backward (inside FSDP's
+    # all-gather hooks when sharded), the same numbers
+    model = tiny_gpt()
+    checkpoint_blocks(model)
+    if sharded:
+        shard_model(model, mesh["ranks"])
+        attach_inner(model, inner)
+    strategy = build_strategy("ddp", model, comm, context, _options("ddp"))
+    closure = closure_for(strategy, _batches(worker, replica))
+    for _ in range(STEPS):
+        strategy.step(closure)
+    results["ddp_recomputed"] = full_flat(model)
     return results
 
 
@@ -137,6 +150,10 @@ def test_sharded_workers_equal_replicated_workers() -> None:
         got, want = sharded[rank]["ddp_bf16"], replicated[rank]["ddp_bf16"]
         assert torch.allclose(got, want, rtol=0, atol=1e-3), float((got - want).abs().max())
         assert not torch.allclose(got, replicated[rank]["ddp"], atol=1e-6)  # bf16 differs
+        # recomputed activations: the replicated run's bits, and the sharded run's numbers
+        assert torch.equal(replicated[rank]["ddp_recomputed"], replicated[rank]["ddp"])
+        recomputed = sharded[rank]["ddp_recomputed"]
+        assert torch.allclose(recomputed, replicated[rank]["ddp"], rtol=1e-4, atol=1e-5)
 
 
 def test_other_methods_and_values_are_refused_in_one_line() -> None:
@@ -323,3 +340,32 @@ def test_the_plan_prices_fsdp_traffic_and_memory_per_rank() -> None:
                               worker_sharding="fsdp"))  # fmt: skip
     with pytest.raises(ValueError, match="--ranks-per-worker 1 leaves nothing"):
         PlanConfig(method="ddp", worker_sharding="fsdp")
+
+
+def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients() -> None:
+    from _dist import global_batch
+    from lowcomm.config import ConfigError
+    from lowcomm.models.recompute import checkpoint_blocks
+
+    plain, recomputed = tiny_gpt(), tiny_gpt()
+    calls: list[int] = []
+    for block in recomputed.blocks:
+        forward = block.forward
+        block.forward = lambda x, forward=forward: (calls.append(1), forward(x))[1]
+    assert checkpoint_blocks(recomputed) == len(recomputed.blocks)
+    x, y = global_batch(0, 1)
+    for model in (plain, recomputed):
+        _, loss = model(x, y)
+        assert loss is not None
+        loss.backward()
+    assert len(calls) == 2 * len(recomputed.blocks)  # once more in the backward
+    assert [name for name, _ in plain.named_parameters()] == [
+        name for name, _ in recomputed.named_parameters()
+    ]  # no wrapper level in the names (checkpoints, exports)
+    for mine, theirs in zip(recomputed.parameters(), plain.parameters(), strict=True):
+        assert mine.grad is not None and theirs.grad is not None
+        assert torch.equal(mine.grad, theirs.grad)
+    config = TrainConfig(activation_checkpointing=True)
+    config.model.family = "hf-llama"
+    with pytest.raises(ConfigError, match="--activation-checkpointing"):
+        config.validate()

@@ -24,6 +24,7 @@ from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models import build_model
 from lowcomm.models.export import save_model
+from lowcomm.models.recompute import checkpoint_blocks
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
 from lowcomm.train.compute import (
@@ -201,6 +202,8 @@ def set_up(config: TrainConfig, raw: Comm, bookkeeping: Comm) -> Worker:
         torch.backends.cudnn.allow_tf32 = config.tf32
     corpus = prepare_corpus(config.data)
     model = _shared_initial_model(config, corpus.vocab_size, raw, device)
+    if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
+        checkpoint_blocks(model)
     clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device)
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
