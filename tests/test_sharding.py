@@ -335,6 +335,9 @@ def test_the_plan_prices_fsdp_traffic_and_memory_per_rank() -> None:
     # each sending 3/4 of the model per rank
     assert sharded.inner_bytes_per_rank_per_step == pytest.approx(3 * 0.75 * 4e9)
     assert sharded.outer_bytes_per_rank_per_step == replicated.outer_bytes_per_rank_per_step
+    # bf16-mixed: the all-gathers move bfloat16 parameters, the reduce-scatter fp32 gradients
+    mixed = make_plan(PlanConfig(**common, worker_sharding="fsdp", precision="bf16-mixed"))
+    assert mixed.inner_bytes_per_rank_per_step == pytest.approx(0.75 * (2 * 2e9 + 4e9))
     with pytest.raises(ValueError, match="--worker-sharding fsdp: --method demo"):
         check_plan(PlanConfig(method="demo", workers=2, ranks_per_worker=2,
                               worker_sharding="fsdp"))  # fmt: skip

@@ -478,7 +478,7 @@ def _inner_link(
         names=INNER_LINK,
     )
     if config.worker_sharding == "fsdp":
-        return _fsdp_inner_link(inner, ranks, pricing.params)
+        return _fsdp_inner_link(inner, ranks, pricing.params, bf16=config.precision == "bf16-mixed")
     gathers = payloads_per_step + (1.0 if replica_sharded else 0.0)
     seconds = inner.collective_time(
         CollectiveKind.ALL_REDUCE, model_bytes, ranks
@@ -487,16 +487,19 @@ def _inner_link(
     return seconds, sent
 
 
-def _fsdp_inner_link(inner: NetworkProfile, ranks: int, params: float) -> tuple[float, float]:
-    """FSDP's inner traffic per step (one micro-batch): the fp32 parameters all-gathered for
-    the forward and again for the backward, the fp32 gradients reduce-scattered (the root
-    unit's second all-gather, which FSDP skips, is counted: an upper bound by the share of
-    the embeddings). Each rank keeps its shards, so no outer payload is reassembled."""
-    full = 4.0 * params
+def _fsdp_inner_link(
+    inner: NetworkProfile, ranks: int, params: float, *, bf16: bool
+) -> tuple[float, float]:
+    """FSDP's inner traffic per step (one micro-batch): the parameters all-gathered for the
+    forward and again for the backward (bfloat16 with ``bf16``: FSDP2's mixed-precision
+    policy, else float32), the float32 gradients reduce-scattered (the root unit's second
+    all-gather, which FSDP skips, is counted: an upper bound by the share of the
+    embeddings). Each rank keeps its shards, so no outer payload is reassembled."""
+    gathered, reduced = (2.0 if bf16 else 4.0) * params, 4.0 * params
     seconds = 2.0 * inner.collective_time(
-        CollectiveKind.ALL_GATHER, full, ranks
-    ) + inner.collective_time(CollectiveKind.REDUCE_SCATTER, full, ranks)
-    return seconds, 3.0 * (ranks - 1) / ranks * full
+        CollectiveKind.ALL_GATHER, gathered, ranks
+    ) + inner.collective_time(CollectiveKind.REDUCE_SCATTER, reduced, ranks)
+    return seconds, (ranks - 1) / ranks * (2.0 * gathered + reduced)
 
 
 def _memory_per_worker(
