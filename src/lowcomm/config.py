@@ -163,6 +163,11 @@ class TrainConfig:
     CUDA), with float32 master parameters, gradients and optimizer states (so state bytes do
     not change); validation runs in float32."""
 
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward instead of keeping them
+    (a non-reentrant torch.utils.checkpoint per block of the built-in GPT): less activation
+    memory for one more forward per block; the same numbers."""
+
     tf32: bool = True
     """On cuda, float32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa
     inputs, float32 accumulation): `--tf32 False` keeps them in full float32. No effect on
@@ -251,6 +256,13 @@ class TrainConfig:
         if dtype_problem is not None:
             raise ConfigError(dtype_problem)
         self._validate_checkpointing()
+        if self.activation_checkpointing and (
+            self.model.config is not None or self.model.value("family") != "gpt"
+        ):
+            raise ConfigError(
+                "--activation-checkpointing: only the built-in GPT's blocks are recomputed for "
+                "now; drop the option or pass --model.family gpt"
+            )
 
     def _validate_counts(self) -> None:
         """The counts, sizes and limits that stand alone (workers, steps, batches, seed, ...)."""

@@ -447,12 +447,13 @@ def _damage(
         return damage
     layout = (world_size, fingerprint["ranks_per_worker"])
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
-        if saved.get("worker_sharding", "replicate") != "replicate":
+        sharded = saved.get("worker_sharding", "replicate") != "replicate"
+        if sharded and saved.get("ranks_per_worker") != fingerprint["ranks_per_worker"]:
             raise CheckpointError(
-                f"--workers: {directory} holds sharded workers (--worker-sharding "
-                f"{saved['worker_sharding']}) of {saved.get('ranks_per_worker')} ranks and "
-                f"{manifest.get('world_size')} processes; sharded state is not re-sharded to "
-                f"another layout yet: resume with the old --workers and --ranks-per-worker"
+                f"--ranks-per-worker: {directory} holds sharded workers (--worker-sharding "
+                f"{saved['worker_sharding']}) of {saved.get('ranks_per_worker')} ranks, whose "
+                f"FSDP slices are not re-cut for {fingerprint['ranks_per_worker']}: resume "
+                f"with --ranks-per-worker {saved.get('ranks_per_worker')} (--workers may change)"
             )
         _check_reshardable(directory, manifest, world_size, fingerprint)
     return None

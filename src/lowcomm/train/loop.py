@@ -24,6 +24,7 @@ from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus, WorkerShard, prepare_corpus, validation_batches
 from lowcomm.models.export import save_model
+from lowcomm.models.recompute import checkpoint_blocks
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
 from lowcomm.train.compute import (
@@ -219,6 +220,8 @@ def set_up(
         corpus, model = shared.corpus, copy.deepcopy(shared.model)
         generator = torch.Generator()
         generator.set_state(shared.rng_state)
+    if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
+        checkpoint_blocks(model)
     measure = None if shared is None else shared.calibrate
     clock = worker_clock(config, model, corpus.vocab_size, bookkeeping, device, measure)
     comm: NetworkComm | HierarchicalComm
@@ -611,7 +614,7 @@ def finish(
 
 def _process_totals(worker: Worker, summary: WorkerSummary) -> ProcessTotals:
     comm, device = worker.comm, worker.device
-    if isinstance(comm, HierarchicalComm):
+    if isinstance(comm, HierarchicalComm | sharding.ShardedWorkerComm):  # two links
         levels = comm.level_counters()
         replica, outer = levels["inner"], levels["outer"]
     else:  # flat workers: everything on the outer link
