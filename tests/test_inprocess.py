@@ -110,3 +110,12 @@ def test_every_method_trains_64_workers_in_one_process(method: str, tmp_path: Pa
     summary = run_training(config, report=None)
     assert summary is not None and math.isfinite(summary["final_val_loss"])
     assert len(_steps(tmp_path / method)) == 4
+
+
+def test_a_run_in_one_process_starts_no_worker_server() -> None:
+    from lowcomm.cli import _in_this_process
+
+    assert _in_this_process(["--workers", "8", "--workers-per-process", "8"])
+    assert _in_this_process(["--workers-per-process=4", "--steps", "3"])
+    assert not _in_this_process(["--workers-per-process", "1"])
+    assert not _in_this_process(["--workers", "8"])
