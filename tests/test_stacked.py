@@ -31,6 +31,16 @@ def _steps(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        for name in ("train_loss", "val_loss"):
+            a, b = g[name], w[name]
+            assert (a is None and b is None) or math.isclose(a, b, rel_tol=1e-6), (name, g, w)
+        assert abs(g["clock_s"] - w["clock_s"]) <= 1e-9, (g, w)
+        assert g["bytes_sent_per_worker"] == w["bytes_sent_per_worker"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ddp", "diloco", "acco"])
 def test_two_processes_of_two_workers_equal_four_worker_processes(
@@ -40,13 +50,8 @@ def test_two_processes_of_two_workers_equal_four_worker_processes(
     flat = run_training(_config(method, tmp_path / "flat", 1), report=None)
     assert stacked is not None and flat is not None
     got, want = _steps(tmp_path / "stacked"), _steps(tmp_path / "flat")
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(STEPS))
-    for g, w in zip(got, want, strict=True):
-        for name in ("train_loss", "val_loss"):
-            a, b = g[name], w[name]
-            assert (a is None and b is None) or math.isclose(a, b, rel_tol=1e-6), (name, g, w)
-        assert abs(g["clock_s"] - w["clock_s"]) <= 1e-9, (g, w)
-        assert g["bytes_sent_per_worker"] == w["bytes_sent_per_worker"]
+    assert [r["step"] for r in got] == list(range(STEPS))
+    _same_steps(got, want)
     assert math.isclose(stacked["final_val_loss"], flat["final_val_loss"], rel_tol=1e-6)
     for key in ("bytes_sent_per_worker", "bytes_sent_per_rank", "bytes_by_role", "tokens"):
         assert stacked[key] == flat[key], key
@@ -87,3 +92,36 @@ def test_a_failing_worker_ends_the_run_with_its_error(tmp_path: Path) -> None:
     assert time.perf_counter() - begin < 50  # no hang on the failed peer
     log = (tmp_path / "run" / "error.log").read_text()
     assert "traceback of worker 3" in log and "injected failure" in log
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_processes_of_two_resumes_in_one_process(tmp_path: Path) -> None:
+    """Checkpoints are per worker in every placement: a run stopped in 2 processes x 2
+    continues with its 4 workers in one process exactly as the straight run."""
+    straight = tmp_path / "straight"
+    run_training(_config("diloco", straight, 4), report=None)
+    stopped = _config("diloco", tmp_path / "stopped", 2)
+    stopped.checkpoint_every = stopped.stop_after = 2
+    run_training(stopped, report=None)
+    resumed = _config("diloco", tmp_path / "stopped", 4)
+    resumed.resume, resumed.out = str(tmp_path / "stopped"), None
+    run_training(resumed, report=None)
+    _same_steps(_steps(tmp_path / "stopped"), _steps(straight))
+
+
+def test_torchrun_processes_of_several_workers_count_every_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchrun each process runs --workers-per-process workers: the run has K x the
+    processes, and a process's pre-flight checks its own workers' checkpoint files."""
+    from lowcomm.launch.run import adopt_torchrun_world
+    from lowcomm.train.checkpoint import preflight_ranks
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "1")
+    config = TrainConfig(workers_per_process=2)
+    adopt_torchrun_world(config)
+    config.validate()
+    assert config.workers == 6
+    assert preflight_ranks(2) == (2, 3)
