@@ -49,7 +49,6 @@ def _same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
     [
         (4, 3, "does not divide --workers 4"),
         (4, 0, "does not divide --workers 4"),
-        (4, 2, "several workers each is not supported yet"),
     ],
 )
 def test_a_placement_that_does_not_fit_is_refused_in_one_line(

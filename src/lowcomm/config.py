@@ -60,9 +60,11 @@ class TrainConfig:
     processes; --micro-batch-size is per rank."""
 
     workers_per_process: int = 1
-    """Workers simulated in one process: 1 (each worker its own process) or --workers (all of
+    """Workers simulated in one process: 1 (each worker its own process), --workers (all of
     them in this process, as threads on shared memory, no torch.distributed; the same numbers,
-    a fraction of the memory and start-up). Values in between are not supported yet."""
+    a fraction of the memory and start-up), or a divisor K in between (--workers / K
+    processes of K threads each, the in-process comm stacked on torch.distributed; also
+    under torchrun, where --workers is then K x the processes)."""
 
     worker_sharding: Literal["replicate", "fsdp"] = "replicate"
     """How a worker of --ranks-per-worker R > 1 holds its model: replicate (every rank the whole
@@ -407,9 +409,7 @@ class TrainConfig:
         if k == 1:
             return
         refusal = None
-        if k != self.workers:
-            refusal = "workers spread over several processes of several workers each"
-        elif self.ranks_per_worker > 1:
+        if self.ranks_per_worker > 1:
             refusal = f"hierarchical workers (--ranks-per-worker {self.ranks_per_worker})"
         elif self.device != "cpu":
             refusal = f"--device {self.device}"

@@ -227,12 +227,16 @@ def commit_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
 
 
-def preflight_ranks() -> tuple[int, ...] | None:
+def preflight_ranks(per_process: int = 1) -> tuple[int, ...] | None:
     """The ranks whose checkpoint files this process's pre-flight may verify: under
-    ``torchrun`` its own (another node's files need not be on this disk), else all (None)."""
+    ``torchrun`` its own workers' (``per_process`` of them from ``RANK x per_process``;
+    another node's files need not be on this disk), else all (None)."""
     from lowcomm.prestart import under_torchrun
 
-    return (int(os.environ["RANK"]),) if under_torchrun() and "RANK" in os.environ else None
+    if not under_torchrun() or "RANK" not in os.environ:
+        return None
+    first = int(os.environ["RANK"]) * per_process
+    return tuple(range(first, first + per_process))
 
 
 @dataclasses.dataclass(frozen=True)

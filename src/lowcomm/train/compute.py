@@ -69,10 +69,13 @@ def worker_clock(
     )
 
 
-def calibrate_in_process(config: TrainConfig, vocab_size: int) -> Calibration:
+def calibrate_in_process(
+    config: TrainConfig, vocab_size: int, *, bookkeeping: Comm | None = None
+) -> Calibration:
     """Measure the calibration a run of ``config`` would measure, in this process, before any
     run (a study's one calibration): the run's model on its device, one intra-op thread as a
-    worker runs, the same timed passes as :func:`calibrate` on a group of one."""
+    worker runs, the same timed passes as :func:`calibrate` on a group of one, or, with
+    ``bookkeeping``, on that group's processes in turn (agreeing on one calibration)."""
     from lowcomm.comm.local import LocalComm
     from lowcomm.models import build_model
 
@@ -90,7 +93,7 @@ def calibrate_in_process(config: TrainConfig, vocab_size: int) -> Calibration:
             vocab_size=vocab_size,
             micro_batch_size=config.data.micro_batch_size,
             block_size=config.model.block_size,
-            bookkeeping=LocalComm(),
+            bookkeeping=LocalComm() if bookkeeping is None else bookkeeping,
             bf16=config.precision == "bf16-mixed",
         )
     finally:

@@ -246,7 +246,7 @@ def set_up(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, shard=shard, validation=validation,
         validation_batches=validation_batches, step_closure=step_closure, generator=generator,
-        one_process=shared is not None, tokenizer_path=corpus.tokenizer_path, end_of_text=corpus.end_of_text,
+        one_process=shared is not None and shared.whole_run, tokenizer_path=corpus.tokenizer_path, end_of_text=corpus.end_of_text,
     )  # fmt: skip
 
 

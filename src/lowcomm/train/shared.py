@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowcomm.comm.base import Comm
 from lowcomm.comm.calibration import Calibration
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus, prepare_corpus, validation_batches
@@ -39,6 +40,9 @@ class SharedSetup:
     """The run's validation batches (each worker evaluates its slice)."""
     calibrate: Callable[[], Calibration] = field(repr=False)
     """Measures the calibration once, on first call (later calls return the same)."""
+    whole_run: bool = True
+    """Every worker of the run is in this process (False: one of several processes of
+    several workers, ``lowcomm.launch.stacked``)."""
 
 
 class _Once:
@@ -67,9 +71,12 @@ def initial_model(config: TrainConfig, vocab_size: int, device: torch.device) ->
     return preflight_init_from(config.init_from, config.model).load().to(device)
 
 
-def shared_setup(config: TrainConfig) -> SharedSetup:
+def shared_setup(config: TrainConfig, calibration_group: Comm | None = None) -> SharedSetup:
     """Build what the in-process workers of ``config`` share (uses the process-global
-    generator once, before any worker starts, as a worker process's set-up does)."""
+    generator once, before any worker starts, as a worker process's set-up does).
+    ``calibration_group``: the processes of a run spread over several (one rank each, a group
+    of their own), which measure the calibration in turn and agree on it; None: the whole run
+    is this process."""
     corpus = prepare_corpus(config.data)
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
@@ -79,5 +86,8 @@ def shared_setup(config: TrainConfig) -> SharedSetup:
     validation = validation_batches(
         corpus, seq_len=config.model.block_size, batch_size=batch, num_batches=config.eval_batches
     )
-    calibrate = _Once(lambda: calibrate_in_process(config, corpus.vocab_size))
-    return SharedSetup(corpus, model, rng_state, validation, calibrate)
+    calibrate = _Once(
+        lambda: calibrate_in_process(config, corpus.vocab_size, bookkeeping=calibration_group)
+    )
+    whole_run = calibration_group is None
+    return SharedSetup(corpus, model, rng_state, validation, calibrate, whole_run=whole_run)
