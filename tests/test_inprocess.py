@@ -49,7 +49,6 @@ def _same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
     [
         (4, 3, "does not divide --workers 4"),
         (4, 0, "does not divide --workers 4"),
-        (4, 2, "several workers each is not supported yet"),
     ],
 )
 def test_a_placement_that_does_not_fit_is_refused_in_one_line(
@@ -102,9 +101,20 @@ def test_checkpoints_cross_placements_and_worker_counts(tmp_path: Path) -> None:
 @pytest.mark.benchmark  # a scale claim (minutes on 2 cores): make test-benchmarks runs it
 @pytest.mark.parametrize("method", sorted(STRATEGIES))
 def test_every_method_trains_64_workers_in_one_process(method: str, tmp_path: Path) -> None:
-    config = tiny_config(method, tmp_path / method, steps=4, eval_every=100)
+    # (On the datacenter link: on wan, 64 workers' ring latency is over a second of modeled
+    # time per collective, which ACCO, DPU and WP fill with about 100 micro-batches a step.)
+    config = tiny_config(method, tmp_path / method, steps=4, eval_every=100, network="datacenter")
     config.workers = config.workers_per_process = 64
     config.speed_factors = ()
     summary = run_training(config, report=None)
     assert summary is not None and math.isfinite(summary["final_val_loss"])
     assert len(_steps(tmp_path / method)) == 4
+
+
+def test_a_run_in_one_process_starts_no_worker_server() -> None:
+    from lowcomm.cli import _in_this_process
+
+    assert _in_this_process(["--workers", "8", "--workers-per-process", "8"])
+    assert _in_this_process(["--workers-per-process=4", "--steps", "3"])
+    assert not _in_this_process(["--workers-per-process", "1"])
+    assert not _in_this_process(["--workers", "8"])

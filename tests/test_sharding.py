@@ -5,6 +5,7 @@ other workers, equals the replicated --ranks-per-worker form on 2 workers x 2 ra
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 
 from _dist import closure_for, global_batch, tiny_gpt
 from lowcomm.config import TrainConfig
-from lowcomm.train.sharding import SHARDED_METHODS, sharding_refusal
+from lowcomm.train.sharding import sharded_methods, sharding_refusal
 
 M, R = 2, 2  # workers, ranks per worker
 B = 2  # sequences per rank per micro-batch
@@ -21,8 +22,20 @@ STEPS, MICROBATCHES = 4, 2
 
 
 def _options(method: str) -> TrainConfig:
+    """Every family's round within the test's 4 steps (and two fragments for the streaming
+    methods, on the tiny model's one block: the block and embeddings, the final norm)."""
     config = TrainConfig(method=method)
     config.diloco.sync_every = 2
+    if method in ("streaming_diloco", "cocodc"):
+        config.diloco.fragments, config.diloco.sync_every = 2, 4  # (tau = 1 < H / K)
+    config.local.sync_every = 2
+    config.desloc.param_period = 2
+    if method == "desloc":
+        config.desloc.first_moment_period = 2
+        config.desloc.second_moment_period = 4
+    config.desloc.track_state_change = True  # its norms are summed over a worker's shards
+    config.sparta.sync_every = 2
+    config.sparta.fraction = 0.25
     return config
 
 
@@ -40,6 +53,7 @@ def _train(sharded: bool) -> dict[str, Any]:
     from lowcomm.comm.hierarchical import HierarchicalComm
     from lowcomm.comm.torch_comm import TorchComm
     from lowcomm.launch.groups import level_comms
+    from lowcomm.models.recompute import checkpoint_blocks
     from lowcomm.strategies import StrategyContext, build_strategy
     from lowcomm.train.sharding import attach_inner, full_flat, shard_model, worker_mesh
 
@@ -54,7 +68,7 @@ def _train(sharded: bool) -> dict[str, Any]:
         comm = HierarchicalComm(inner, outer)
         worker, replica = comm.rank, comm.local_rank
     results: dict[str, Any] = {}
-    for method in SHARDED_METHODS:
+    for method in sharded_methods():
         model = tiny_gpt()
         whole = sum(p.numel() for p in model.parameters())
         if sharded:
@@ -63,39 +77,93 @@ def _train(sharded: bool) -> dict[str, Any]:
         strategy = build_strategy(method, model, comm, context, _options(method))
         # (replicated: the strategy averages the gradient over the worker's ranks itself)
         closure = closure_for(strategy, _batches(worker, replica))
-        for _ in range(STEPS):
-            strategy.step(closure)
+        extras = [strategy.step(closure).extras for _ in range(STEPS)]
         strategy.finish()
+        results[f"{method}_extras"] = extras
         with strategy.deployed() as deployed:
             results[method] = full_flat(deployed)
         results[f"{method}_local"] = strategy.flat.params.numel()
         results[f"{method}_whole"] = whole
+    # --precision bf16-mixed: FSDP2's policy (bfloat16 parameters for compute, float32
+    # reduction and master) against a replicated worker's autocast, both under autocast
+    model = tiny_gpt()
+    if sharded:
+        shard_model(model, mesh["ranks"], bf16=True)
+        attach_inner(model, inner)
+    strategy = build_strategy("ddp", model, comm, context, _options("ddp"))
+    closure = closure_for(strategy, _batches(worker, replica))
+    for _ in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            strategy.step(closure)
+    results["ddp_bf16"] = full_flat(model)
+    # --activation-checkpointing: every block recomputed in the backward (inside FSDP's
+    # all-gather hooks when sharded), the same numbers
+    model = tiny_gpt()
+    checkpoint_blocks(model)
+    if sharded:
+        shard_model(model, mesh["ranks"])
+        attach_inner(model, inner)
+    strategy = build_strategy("ddp", model, comm, context, _options("ddp"))
+    closure = closure_for(strategy, _batches(worker, replica))
+    for _ in range(STEPS):
+        strategy.step(closure)
+    results["ddp_recomputed"] = full_flat(model)
     return results
 
 
 @pytest.mark.slow
 def test_sharded_workers_equal_replicated_workers() -> None:
+    """Every method that runs sharded, one set of 4 processes each way for all of them."""
     from lowcomm.launch import spawn_workers
 
+    methods = sharded_methods()
+    assert {"ddp", "zero1", "local_sgd", "co2", "streaming_diloco", "cocodc", "eager", "desloc",
+            "favg_reset", "sparta", "sparta_diloco"} <= set(methods)  # fmt: skip
     sharded = spawn_workers(_train, M * R, (True,))
     replicated = spawn_workers(_train, M * R, (False,))
     start = torch.cat([p.detach().reshape(-1) for p in tiny_gpt().parameters()])
+    differ = []
     for rank in range(M * R):
-        for method in SHARDED_METHODS:
+        for method in methods:
             got, want = sharded[rank][method], replicated[rank][method]
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (method, rank)
-            assert not torch.allclose(got, start, atol=1e-4), method  # training moved them
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                differ.append((method, rank, float((got - want).abs().max())))
+            assert float((got - start).abs().max()) > 1e-5, method  # training moved them
             # each rank holds about 1/R of the replica (up to padding)
             whole = sharded[rank][f"{method}_whole"]
             assert sharded[rank][f"{method}_local"] <= whole // R + 64, method
             assert replicated[rank][f"{method}_local"] >= whole, method
+            # the metrics a method reads from whole-model norms and means are the replicated
+            # run's (summed over a worker's shards)
+            for mine, theirs in zip(sharded[rank][f"{method}_extras"],
+                                    replicated[rank][f"{method}_extras"], strict=True):  # fmt: skip
+                assert mine.keys() == theirs.keys(), method
+                for key, value in theirs.items():
+                    assert mine[key] == pytest.approx(value, rel=1e-3, abs=1e-6, nan_ok=True), (
+                        method, key,
+                    )  # fmt: skip
+    assert not differ, differ
+    for rank in range(M * R):
+        # within bfloat16 rounding of the replicated run (measured: 2e-4 apart, as far as
+        # either is from float32: FSDP's policy rounds every parameter to bfloat16 for the
+        # compute, autocast only a matmul's operands); 4 AdamW steps at lr 1e-3 move them at most 4e-3
+        got, want = sharded[rank]["ddp_bf16"], replicated[rank]["ddp_bf16"]
+        assert torch.allclose(got, want, rtol=0, atol=1e-3), float((got - want).abs().max())
+        assert not torch.allclose(got, replicated[rank]["ddp"], atol=1e-6)  # bf16 differs
+        # recomputed activations: the replicated run's bits, and the sharded run's numbers
+        assert torch.equal(replicated[rank]["ddp_recomputed"], replicated[rank]["ddp"])
+        recomputed = sharded[rank]["ddp_recomputed"]
+        assert torch.allclose(recomputed, replicated[rank]["ddp"], rtol=1e-4, atol=1e-5)
 
 
 def test_other_methods_and_values_are_refused_in_one_line() -> None:
     assert sharding_refusal("ddp", "replicate", 1) is None
     assert sharding_refusal("diloco", "fsdp", 2) is None
-    refusal = sharding_refusal("acco", "fsdp", 2)
-    assert refusal is not None and "--worker-sharding fsdp" in refusal and "acco" in refusal
+    for method in ("acco", "dpu", "wp", "demo", "sparseloco"):
+        refusal = sharding_refusal(method, "fsdp", 2)
+        assert refusal is not None and "--worker-sharding fsdp" in refusal and method in refusal
+        assert "replicate" in refusal and "\n" not in refusal
+    assert "DCT" in str(sharding_refusal("demo", "fsdp", 2))
     typo = sharding_refusal("ddp", "fsdb", 2)
     assert typo is not None and "'fsdb'" in typo and "replicate" in typo
     alone = sharding_refusal("ddp", "fsdp", 1)
@@ -146,6 +214,17 @@ def test_a_sharded_run_stops_resumes_and_exports_what_a_replicated_run_does(
     worker = mine_summary["state_bytes_per_worker"] / mine_summary["state_bytes_per_rank"]
     assert worker == pytest.approx(2, rel=0.02)  # a sharded worker's is the sum of its ranks
     assert mine_summary["peak_memory_bytes_per_rank"] > mine_summary["state_bytes_per_rank"]
+    # FSDP's collectives are charged to the inner link: per step (one micro-batch) every
+    # parameter is all-gathered for the forward, a block's again for its backward, and every
+    # gradient reduce-scattered; at R = 2 each sends half of the fp32 bytes: between 1 and 1.5
+    # model's bytes per step (the embeddings, in the root unit, are gathered once)
+    mine_inner = mine_summary["levels"]["inner"]
+    model_bytes = 4 * mine_summary["num_params"]
+    per_step = mine_inner["bytes_sent_per_rank"] / mine_summary["steps"] / model_bytes
+    assert 1.0 < per_step < 1.5, per_step
+    assert mine_inner["exposed_comm_s"] > 0  # the clock waited for them
+    # the outer link carries the same pseudo-gradients (replicated: each rank its 1/R slice)
+    assert mine_summary["levels"]["outer"] == pytest.approx(theirs_summary["levels"]["outer"])
     # the export is whole (gathered from the shards) and the replicated run's model
     mine, theirs = (load_file(d / "model" / "model.safetensors") for d in (sharded, replicated))
     assert sorted(mine) == sorted(theirs)
@@ -160,17 +239,36 @@ def test_a_sharded_run_stops_resumes_and_exports_what_a_replicated_run_does(
     assert held[0] < 0.6 * held[1]
 
 
+@pytest.mark.slow
+def test_a_sharded_bf16_mixed_run_all_gathers_bfloat16_parameters(tmp_path: Path) -> None:
+    from _cli import lowcomm
+
+    done = lowcomm(
+        *FLAGS, "--method", "ddp", "--worker-sharding", "fsdp", "--precision", "bf16-mixed",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert math.isfinite(summary["final_val_loss"])
+    # per step the all-gathers move bfloat16 parameters (half of float32's bytes), the
+    # reduce-scatter float32 gradients: between 0.5 and 1 model's float32 bytes per rank (the
+    # float32 run's: between 1 and 1.5, see above)
+    model_bytes = 4 * summary["num_params"]
+    inner = summary["levels"]["inner"]["bytes_sent_per_rank"]
+    assert 0.5 < inner / summary["steps"] / model_bytes < 1.0
+
+
 def test_the_command_line_refuses_what_does_not_shard_yet() -> None:
     from _cli import lowcomm
 
     refused = lowcomm(
-        *FLAGS, "--method", "zero1", "--worker-sharding", "fsdp", "--out", "/nonexistent/x"
+        *FLAGS, "--method", "demo", "--worker-sharding", "fsdp", "--out", "/nonexistent/x"
     )
     assert refused.returncode == 2 and "--worker-sharding fsdp" in refused.stderr
-    assert "zero1" in refused.stderr and "Traceback" not in refused.stderr
+    assert "demo" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_sharded_checkpoints_are_not_resharded_to_another_layout(tmp_path: Path) -> None:
+def test_sharded_checkpoints_resume_on_other_workers_but_not_other_ranks(tmp_path: Path) -> None:
     from lowcomm.train import checkpoint
 
     config = TrainConfig(method="ddp", workers=2, ranks_per_worker=2, worker_sharding="fsdp")
@@ -181,9 +279,96 @@ def test_sharded_checkpoints_are_not_resharded_to_another_layout(tmp_path: Path)
     assert checkpoint.find_latest(tmp_path, 4, written)[0] == 2
     fewer = checkpoint.fingerprint(TrainConfig(method="ddp", workers=1, ranks_per_worker=2,
                                                worker_sharding="fsdp"))  # fmt: skip
-    with pytest.raises(checkpoint.CheckpointError, match="not re-sharded"):
-        checkpoint.find_latest(tmp_path, 2, fewer)
+    assert checkpoint.find_latest(tmp_path, 2, fewer)[0] == 2  # re-sharded over the workers
+    other_ranks = checkpoint.fingerprint(TrainConfig(method="ddp", workers=1, ranks_per_worker=4,
+                                                     worker_sharding="fsdp"))  # fmt: skip
+    with pytest.raises(checkpoint.CheckpointError, match="--ranks-per-worker 2"):
+        checkpoint.find_latest(tmp_path, 4, other_ranks)
     # nor resumed replicated: another --worker-sharding is another run
     replicated = checkpoint.fingerprint(TrainConfig(method="ddp", workers=2, ranks_per_worker=2))
     with pytest.raises(checkpoint.CheckpointError, match="worker_sharding='fsdp'"):
         checkpoint.find_latest(tmp_path, 4, replicated)
+
+
+@pytest.mark.slow
+def test_sharded_workers_resume_on_fewer_workers_as_replicated_workers_do(
+    tmp_path: Path,
+) -> None:
+    """zero1 (its optimizer shards joined and cut again for the new worker count, from each
+    rank's FSDP slice): 2 workers x 2 ranks stopped after 3 of 4 steps, resumed on 1 x 2."""
+    from safetensors.torch import load_file
+
+    from _cli import lowcomm
+
+    for sharding in ("replicate", "fsdp"):
+        out = tmp_path / sharding
+        stopped = lowcomm(
+            *FLAGS, "--method", "zero1", "--worker-sharding", sharding, "--stop-after", "3",
+            "--out", str(out),
+        )  # fmt: skip
+        assert stopped.returncode == 0, stopped.stderr
+        resumed = lowcomm("train", "--resume", str(out), "--workers", "1", "--out", str(out))
+        assert resumed.returncode == 0, resumed.stderr
+    mine, theirs = (json.loads((tmp_path / s / "summary.json").read_text()) for s in
+                    ("fsdp", "replicate"))  # fmt: skip
+    assert mine["workers"] == 1 and mine["membership_changes"] == theirs["membership_changes"]
+    assert mine["final_val_loss"] == pytest.approx(theirs["final_val_loss"], rel=1e-5)
+    exported = [load_file(tmp_path / s / "model" / "model.safetensors") for s in
+                ("fsdp", "replicate")]  # fmt: skip
+    for name, tensor in exported[1].items():
+        assert torch.allclose(exported[0][name], tensor, rtol=1e-4, atol=1e-6), name
+
+
+def test_the_plan_prices_fsdp_traffic_and_memory_per_rank() -> None:
+    from lowcomm.plan import PlanConfig, check_plan, make_plan
+
+    common: dict[str, Any] = {"method": "diloco", "params": "1b", "workers": 4,
+                              "ranks_per_worker": 4}  # fmt: skip
+    replicated = make_plan(PlanConfig(**common))
+    sharded = make_plan(PlanConfig(**common, worker_sharding="fsdp"))
+    # every state sharded: per rank a quarter of the replica's (2 + 2 + 2 x 2 + 12) bytes per
+    # parameter, where replicated ranks split only the AdamW moments
+    assert sharded.memory_per_worker_bytes == pytest.approx(20e9)
+    assert sharded.memory_per_rank_bytes == pytest.approx(5e9)
+    assert replicated.memory_per_rank_bytes == replicated.memory_per_worker_bytes > 10e9
+    # per step, two all-gathers of the fp32 parameters and a reduce-scatter of the gradients,
+    # each sending 3/4 of the model per rank
+    assert sharded.inner_bytes_per_rank_per_step == pytest.approx(3 * 0.75 * 4e9)
+    assert sharded.outer_bytes_per_rank_per_step == replicated.outer_bytes_per_rank_per_step
+    # bf16-mixed: the all-gathers move bfloat16 parameters, the reduce-scatter fp32 gradients
+    mixed = make_plan(PlanConfig(**common, worker_sharding="fsdp", precision="bf16-mixed"))
+    assert mixed.inner_bytes_per_rank_per_step == pytest.approx(0.75 * (2 * 2e9 + 4e9))
+    with pytest.raises(ValueError, match="--worker-sharding fsdp: --method demo"):
+        check_plan(PlanConfig(method="demo", workers=2, ranks_per_worker=2,
+                              worker_sharding="fsdp"))  # fmt: skip
+    with pytest.raises(ValueError, match="--ranks-per-worker 1 leaves nothing"):
+        PlanConfig(method="ddp", worker_sharding="fsdp")
+
+
+def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients() -> None:
+    from _dist import global_batch
+    from lowcomm.config import ConfigError
+    from lowcomm.models.recompute import checkpoint_blocks
+
+    plain, recomputed = tiny_gpt(), tiny_gpt()
+    calls: list[int] = []
+    for block in recomputed.blocks:
+        forward = block.forward
+        block.forward = lambda x, forward=forward: (calls.append(1), forward(x))[1]
+    assert checkpoint_blocks(recomputed) == len(recomputed.blocks)
+    x, y = global_batch(0, 1)
+    for model in (plain, recomputed):
+        _, loss = model(x, y)
+        assert loss is not None
+        loss.backward()
+    assert len(calls) == 2 * len(recomputed.blocks)  # once more in the backward
+    assert [name for name, _ in plain.named_parameters()] == [
+        name for name, _ in recomputed.named_parameters()
+    ]  # no wrapper level in the names (checkpoints, exports)
+    for mine, theirs in zip(recomputed.parameters(), plain.parameters(), strict=True):
+        assert mine.grad is not None and theirs.grad is not None
+        assert torch.equal(mine.grad, theirs.grad)
+    config = TrainConfig(activation_checkpointing=True)
+    config.model.family = "hf-llama"
+    with pytest.raises(ConfigError, match="--activation-checkpointing"):
+        config.validate()

@@ -449,8 +449,19 @@ def _main(argv: list[str] | None) -> None:
 _TYRO = (tyro.conf.FlagConversionOff,)
 
 
+def _in_this_process(rest: list[str]) -> bool:
+    """Whether the command line puts the workers in this process (--workers-per-process > 1),
+    which then starts no worker server."""
+    for index, arg in enumerate(rest):
+        if arg.startswith("--workers-per-process="):
+            return arg.split("=", 1)[1] != "1"
+        if arg == "--workers-per-process" and index + 1 < len(rest):
+            return rest[index + 1] != "1"
+    return False
+
+
 def _train_command(rest: list[str]) -> None:
-    if not {"-h", "--help"} & set(rest):
+    if not {"-h", "--help"} & set(rest) and not _in_this_process(rest):
         from lowcomm.prestart import start_forkserver
 
         start_forkserver()

@@ -60,9 +60,11 @@ class TrainConfig:
     processes; --micro-batch-size is per rank."""
 
     workers_per_process: int = 1
-    """Workers simulated in one process: 1 (each worker its own process) or --workers (all of
+    """Workers simulated in one process: 1 (each worker its own process), --workers (all of
     them in this process, as threads on shared memory, no torch.distributed; the same numbers,
-    a fraction of the memory and start-up). Values in between are not supported yet."""
+    a fraction of the memory and start-up), or a divisor K in between (--workers / K
+    processes of K threads each, the in-process comm stacked on torch.distributed; also
+    under torchrun, where --workers is then K x the processes)."""
 
     worker_sharding: Literal["replicate", "fsdp"] = "replicate"
     """How a worker of --ranks-per-worker R > 1 holds its model: replicate (every rank the whole
@@ -163,6 +165,11 @@ class TrainConfig:
     CUDA), with float32 master parameters, gradients and optimizer states (so state bytes do
     not change); validation runs in float32."""
 
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward instead of keeping them
+    (a non-reentrant torch.utils.checkpoint per block of the built-in GPT): less activation
+    memory for one more forward per block; the same numbers."""
+
     tf32: bool = True
     """On cuda, float32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa
     inputs, float32 accumulation): `--tf32 False` keeps them in full float32. No effect on
@@ -251,6 +258,13 @@ class TrainConfig:
         if dtype_problem is not None:
             raise ConfigError(dtype_problem)
         self._validate_checkpointing()
+        if self.activation_checkpointing and (
+            self.model.config is not None or self.model.value("family") != "gpt"
+        ):
+            raise ConfigError(
+                "--activation-checkpointing: only the built-in GPT's blocks are recomputed for "
+                "now; drop the option or pass --model.family gpt"
+            )
 
     def _validate_counts(self) -> None:
         """The counts, sizes and limits that stand alone (workers, steps, batches, seed, ...)."""
@@ -395,9 +409,7 @@ class TrainConfig:
         if k == 1:
             return
         refusal = None
-        if k != self.workers:
-            refusal = "workers spread over several processes of several workers each"
-        elif self.ranks_per_worker > 1:
+        if self.ranks_per_worker > 1:
             refusal = f"hierarchical workers (--ranks-per-worker {self.ranks_per_worker})"
         elif self.device != "cpu":
             refusal = f"--device {self.device}"

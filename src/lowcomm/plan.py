@@ -81,6 +81,13 @@ class PlanConfig:
     gradients are averaged over the inner link every step, and each rank sends 1/R of every
     outer payload over --network (R transfers in parallel)."""
 
+    worker_sharding: Literal["replicate", "fsdp"] = "replicate"
+    """As `lowcomm train --worker-sharding`: fsdp shards each worker's parameters, gradients,
+    optimizer and method state over its R ranks (memory per rank 1/R of the worker's), and
+    each micro-batch all-gathers the fp32 parameters twice (forward, backward) and
+    reduce-scatters the gradients over the inner link, in place of the gradient all-reduce
+    and the reassembly of outer payloads."""
+
     inner_network: str = "datacenter"
     """With --ranks-per-worker > 1: the link between the ranks of a worker (same presets)."""
 
@@ -156,6 +163,15 @@ class PlanConfig:
         if self.ranks_per_worker < 1:
             raise ValueError(
                 f"--ranks-per-worker: {self.ranks_per_worker} must be >= 1 (1: flat workers)"
+            )
+        if self.worker_sharding not in ("replicate", "fsdp"):
+            raise ValueError(
+                f"--worker-sharding: {self.worker_sharding!r} is not one of replicate, fsdp"
+            )
+        if self.worker_sharding == "fsdp" and self.ranks_per_worker < 2:
+            raise ValueError(
+                f"--worker-sharding fsdp: --ranks-per-worker {self.ranks_per_worker} leaves "
+                f"nothing to shard; pass --ranks-per-worker 2 or more"
             )
         check_link(self.network, self.bandwidth_gbps, self.latency_ms, OUTER_LINK)
         check_link(self.inner_network, self.inner_bandwidth_gbps, self.inner_latency_ms, INNER_LINK)
@@ -249,6 +265,8 @@ class Plan:
     comm_bytes_per_worker: float
     memory_per_worker_bytes: float
     ranks_per_worker: int = 1
+    memory_per_rank_bytes: float = 0.0
+    worker_sharding: str = "replicate"
     inner_comm_s: float = 0.0
     outer_bytes_per_rank_per_step: float = 0.0
     inner_bytes_per_rank_per_step: float = 0.0
@@ -288,6 +306,11 @@ def check_plan(config: PlanConfig) -> None:
         raise ValueError(
             f"--ranks-per-worker: {ranks} with --method {config.method}: "
             f"{cls.hierarchical_refusal}; use --ranks-per-worker 1 with this method"
+        )
+    if config.worker_sharding == "fsdp" and cls.sharding_refusal is not None:
+        raise ValueError(
+            f"--worker-sharding fsdp: --method {config.method} does not run on sharded "
+            f"workers: {cls.sharding_refusal}; use --worker-sharding replicate"
         )
     dtype_problem = comm_dtype_problem(config.method, config.comm_dtype)
     if dtype_problem is not None:
@@ -454,12 +477,29 @@ def _inner_link(
         latency_ms=config.inner_latency_ms,
         names=INNER_LINK,
     )
+    if config.worker_sharding == "fsdp":
+        return _fsdp_inner_link(inner, ranks, pricing.params, bf16=config.precision == "bf16-mixed")
     gathers = payloads_per_step + (1.0 if replica_sharded else 0.0)
     seconds = inner.collective_time(
         CollectiveKind.ALL_REDUCE, model_bytes, ranks
     ) + gathers * inner.collective_time(CollectiveKind.ALL_GATHER, model_bytes, ranks)
     sent = 2.0 * (ranks - 1) / ranks * model_bytes + gathers * (ranks - 1) / ranks * model_bytes
     return seconds, sent
+
+
+def _fsdp_inner_link(
+    inner: NetworkProfile, ranks: int, params: float, *, bf16: bool
+) -> tuple[float, float]:
+    """FSDP's inner traffic per step (one micro-batch): the parameters all-gathered for the
+    forward and again for the backward (bfloat16 with ``bf16``: FSDP2's mixed-precision
+    policy, else float32), the float32 gradients reduce-scattered (the root unit's second
+    all-gather, which FSDP skips, is counted: an upper bound by the share of the
+    embeddings). Each rank keeps its shards, so no outer payload is reassembled."""
+    gathered, reduced = (2.0 if bf16 else 4.0) * params, 4.0 * params
+    seconds = 2.0 * inner.collective_time(
+        CollectiveKind.ALL_GATHER, gathered, ranks
+    ) + inner.collective_time(CollectiveKind.REDUCE_SCATTER, reduced, ranks)
+    return seconds, (ranks - 1) / ranks * (2.0 * gathered + reduced)
 
 
 def _memory_per_worker(
@@ -503,7 +543,9 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
         # half a step's batch). When communication is the slower side, each committed step
         # absorbs more tokens, so there are fewer of them; the compute never idles.
         steps /= max(1.0, pricing.exchange_seconds(1.0) / (step_compute / 2))
-    replica_sharded = ranks > 1 and model.shards_over_replicas
+    fsdp = config.worker_sharding == "fsdp"
+    # (fsdp: every state is sharded, not only the replicas' AdamW moments)
+    replica_sharded = ranks > 1 and model.shards_over_replicas and not fsdp
     payloads_per_step = sum(pricing.inner_payloads(t) * t.per_step for t in transfers)
     inner_per_step, inner_bytes_per_step = _inner_link(
         config, pricing, payloads_per_step, replica_sharded
@@ -513,6 +555,7 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     wall = compute + exposed
     outer_bytes_per_step = sum(t.per_step * pricing.sent(t) for t in transfers)
     bytes_per_step = ranks * (outer_bytes_per_step + inner_bytes_per_step)
+    memory = _memory_per_worker(config, model, pricing.params, replica_sharded)
     return Plan(
         method=config.method, params=pricing.params, workers=config.workers, steps=steps,
         bandwidth_gbps=pricing.profile.bandwidth_gbps, latency_ms=pricing.profile.latency_ms,
@@ -520,8 +563,8 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
         comm_hidden_s=total_comm - exposed, utilization=compute / wall if wall > 0 else 1.0,
         wall_clock_s=wall, comm_bytes_per_worker_per_step=bytes_per_step,
         comm_bytes_per_worker=bytes_per_step * steps,
-        memory_per_worker_bytes=_memory_per_worker(config, model, pricing.params, replica_sharded),
-        ranks_per_worker=ranks, inner_comm_s=steps * inner_per_step,
+        memory_per_worker_bytes=memory, memory_per_rank_bytes=memory / ranks if fsdp else memory,
+        worker_sharding=config.worker_sharding, ranks_per_worker=ranks, inner_comm_s=steps * inner_per_step,
         outer_bytes_per_rank_per_step=outer_bytes_per_step,
         inner_bytes_per_rank_per_step=inner_bytes_per_step,
         schedule=model.schedule(options), syncs_per_step=sum(t.per_step for t in transfers),
@@ -594,6 +637,21 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
     return result
 
 
+def _rank_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The per-rank rows of a plan with several ranks per worker."""
+    memory = (
+        f"{_gb(plan.memory_per_rank_bytes)} (1/{plan.ranks_per_worker} of the worker's: "
+        f"--worker-sharding fsdp)"
+        if plan.worker_sharding == "fsdp"
+        else "= memory per worker (states replicated inside a worker)"
+    )
+    return [
+        ("outer sent per rank per step", _gb(plan.outer_bytes_per_rank_per_step)),
+        ("inner sent per rank per step", _gb(plan.inner_bytes_per_rank_per_step)),
+        ("memory per rank", memory),
+    ]
+
+
 def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tuple[str, str]]:
     """The plan's rows (name, value) as ``lowcomm plan`` prints them."""
     rows = [
@@ -627,11 +685,7 @@ def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tu
         rows[4:4] = [
             ("inner link", f"{config.inner_network}, {_human(plan.inner_comm_s)} (blocking)")
         ]
-        rows += [
-            ("outer sent per rank per step", _gb(plan.outer_bytes_per_rank_per_step)),
-            ("inner sent per rank per step", _gb(plan.inner_bytes_per_rank_per_step)),
-            ("memory per rank", "= memory per worker (states replicated inside a worker)"),
-        ]
+        rows += _rank_rows(plan)
     if config.lose_workers:
         after = result["after_losing"]
         assert isinstance(after, dict)

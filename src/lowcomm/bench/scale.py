@@ -24,15 +24,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from lowcomm.bench.runs import STUDY_CALIBRATION, study_calibration
+from lowcomm.bench.startup import time_command
 
 #: Placements the bench knows.
 MODES = ("process", "inprocess")
@@ -156,33 +155,18 @@ def watch(
 ) -> tuple[float, float, int, TreeSampler, str]:
     """Run ``command``; return (seconds to the first line of ``run_dir/metrics.jsonl``, seconds
     to exit, exit code, the tree's sampler, the last line it printed)."""
-    metrics = run_dir / "metrics.jsonl"
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    last: list[str] = [""]
+    samplers: list[TreeSampler] = []
 
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            if line.strip():
-                last[0] = line.rstrip("\n")
+    def sample(pid: int) -> TreeSampler:
+        samplers.append(TreeSampler(pid))
+        return samplers[-1]
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    first_step = math.nan
-    with TreeSampler(process.pid) as sampler:
-        while process.poll() is None and time.perf_counter() - start < timeout_s:
-            if math.isnan(first_step) and metrics.exists() and metrics.stat().st_size > 0:
-                first_step = time.perf_counter() - start
-            time.sleep(0.02)
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-    exit_s = time.perf_counter() - start
-    reader.join(timeout=5)
-    if math.isnan(first_step) and metrics.exists() and metrics.stat().st_size > 0:
-        first_step = exit_s  # the whole run fit between two polls
-    return first_step, exit_s, process.returncode, sampler, last[0]
+    first, exit_s, code, lines = time_command(
+        command, run_dir / "metrics.jsonl", env=dict(os.environ), timeout_s=timeout_s,
+        watch=sample,
+    )  # fmt: skip
+    last = next((line for _, line in reversed(lines) if line.strip()), "")
+    return first, exit_s, code, samplers[0], last
 
 
 def train_command(

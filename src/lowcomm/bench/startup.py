@@ -19,6 +19,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,10 +104,16 @@ def phase_costs(lines: list[tuple[float, str]], first_step_s: float) -> dict[str
 
 
 def time_command(
-    command: list[str], metrics: Path, *, env: dict[str, str], timeout_s: float = 600.0
+    command: list[str],
+    metrics: Path,
+    *,
+    env: dict[str, str],
+    timeout_s: float = 600.0,
+    watch: Callable[[int], AbstractContextManager[object]] | None = None,
 ) -> tuple[float, float, int, list[tuple[float, str]]]:
     """Run ``command``; return (seconds to the first line of ``metrics``, seconds to exit,
-    exit code, stamped output lines)."""
+    exit code, stamped output lines). ``watch(pid)``: a context held while the command runs
+    (``lowcomm bench scale`` samples the process tree's memory in it)."""
     lines: list[tuple[float, str]] = []
     start = time.perf_counter()
     process = subprocess.Popen(
@@ -121,13 +129,14 @@ def time_command(
     reader.start()
     first_step = float("nan")
     deadline = start + timeout_s
-    while process.poll() is None and time.perf_counter() < deadline:
-        if first_step != first_step and metrics.exists() and metrics.stat().st_size > 0:
-            first_step = time.perf_counter() - start
-        time.sleep(0.02)
-    if process.poll() is None:
-        process.kill()
-    process.wait()
+    with nullcontext() if watch is None else watch(process.pid):
+        while process.poll() is None and time.perf_counter() < deadline:
+            if first_step != first_step and metrics.exists() and metrics.stat().st_size > 0:
+                first_step = time.perf_counter() - start
+            time.sleep(0.02)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
     exit_s = time.perf_counter() - start
     reader.join(timeout=5)
     if first_step != first_step and metrics.exists() and metrics.stat().st_size > 0:

@@ -156,6 +156,9 @@ class InProcessGroup:
             slot.error = error
             self.abort(f"{type(error).__name__}: {error}")
         finally:
+            # The results are in the members' tensors: a handle kept by one member must not
+            # keep every member's buffers alive.
+            slot.posts = []
             slot.event.set()
 
     def wait(self, slot: _Slot, rank: int, what: str) -> None:

@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 
@@ -99,17 +99,27 @@ class _Failures:
         return own or list(self.records)
 
 
+class Abortable(Protocol):
+    """A group of in-process members that a failing member ends (an ``InProcessGroup``, a
+    ``StackedGroup``)."""
+
+    def abort(self, reason: str) -> None: ...
+
+
 def run_threads(
     fn: Callable[[int], T],
     count: int,
-    groups: Sequence[InProcessGroup],
+    groups: Sequence[Abortable],
     *,
     log_path: Path | None = None,
+    first_rank: int = 0,
 ) -> list[T]:
     """Run ``fn(rank)`` for ``count`` ranks, each on its own thread; return the results in rank
     order. A rank that raises aborts ``groups`` (its peers' collectives raise), and the first
     failure is raised as :class:`WorkerFailed`; a signal to this process's main thread aborts
-    them and raises :class:`Interrupted` once the workers stopped (or after a grace period)."""
+    them and raises :class:`Interrupted` once the workers stopped (or after a grace period).
+    ``first_rank``: the worker number of rank 0 in errors (this process's first worker when
+    the run's workers are spread over several processes)."""
     results: list[T | None] = [None] * count
     failures = _Failures()
 
@@ -117,13 +127,15 @@ def run_threads(
         try:
             results[rank] = fn(rank)
         except BaseException as error:
-            failures.add(rank, error)
+            failures.add(first_rank + rank, error)
             line = f"{type(error).__name__}: {error}".splitlines()[0]
             for group in groups:
-                group.abort(f"worker {rank} failed: {line}")
+                group.abort(f"worker {first_rank + rank} failed: {line}")
 
     threads = [
-        threading.Thread(target=entry, args=(rank,), name=f"lowcomm-worker-{rank}", daemon=True)
+        threading.Thread(
+            target=entry, args=(rank,), name=f"lowcomm-worker-{first_rank + rank}", daemon=True
+        )
         for rank in range(count)
     ]
     with _LauncherSignals() as signals:
@@ -144,7 +156,7 @@ def run_threads(
     return cast(list[T], results)
 
 
-def _stop(threads: list[threading.Thread], groups: Sequence[InProcessGroup], signum: int) -> None:
+def _stop(threads: list[threading.Thread], groups: Sequence[Abortable], signum: int) -> None:
     """Abort the groups (each worker raises at its next collective) and give the workers
     :data:`STOP_GRACE_S` to unwind (closing their run files); daemon threads left running
     end with the process."""

@@ -12,7 +12,8 @@ processes:
 4. ``workers x ranks-per-worker`` processes are spawned (or, under ``torchrun``, this process
    joins as one of them) and each runs :func:`lowcomm.train.loop.train_worker`; with
    ``--workers-per-process`` = ``--workers``, every worker runs it on a thread of this process
-   (:mod:`lowcomm.launch.inprocess`).
+   (:mod:`lowcomm.launch.inprocess`); with a divisor K in between, ``workers / K`` processes
+   run K worker threads each (:mod:`lowcomm.launch.stacked`).
 """
 
 from __future__ import annotations
@@ -76,23 +77,43 @@ def run_training(
     if torchrun:
         return _join_torchrun(config, note, report, task)
     _prepare(config, task, report)
+    processes = config.world_size // config.workers_per_process
+    if report is not None and processes > 1 and config.workers_per_process > 1:
+        warn_if_oversubscribed(processes, config)
     start_run_dir(config, note)
+    return _launch(config, processes, report, task)
+
+
+def _launch(
+    config: TrainConfig, processes: int, report: Report, task: Task
+) -> dict[str, Any] | None:
+    """Run the checked and prepared job: its workers in this process, or ``processes``
+    processes (of ``--workers-per-process`` workers each); return its summary."""
     from lowcomm.train.rundir import ERROR_LOG, run_directory
 
-    if config.workers_per_process > 1:
+    if processes == 1 and config.workers_per_process > 1:
         if report is not None:
             report(f"starting {config.workers} workers in this process (one thread each)")
         from lowcomm.launch.inprocess import train_in_process
 
         train_in_process(config, log_path=run_directory(config) / ERROR_LOG, task=task)
         return read_summary(run_directory(config))
-    if report is not None:
-        report(f"starting {config.world_size} worker processes")
-    from lowcomm.train.loop import spawned_train
+    entry: Callable[[TrainConfig, Task], Any]
+    if config.workers_per_process > 1:
+        if report is not None:
+            report(
+                f"starting {processes} processes of {config.workers_per_process} workers "
+                f"each (one thread per worker)"
+            )
+        from lowcomm.launch.stacked import spawned_stacked as entry
+    else:
+        if report is not None:
+            report(f"starting {config.world_size} worker processes")
+        from lowcomm.train.loop import spawned_train as entry
 
     spawn_workers(
-        spawned_train,
-        config.world_size,
+        entry,
+        processes,
         (config, task),
         device=config.device,
         timeout_s=config.collective_timeout_s,
@@ -221,7 +242,12 @@ def _check_resume(config: TrainConfig) -> None:
             f"--stop-after, or --resume auto"
         )
     try:
-        find_latest(Path(config.resume), config.world_size, fingerprint(config), preflight_ranks())
+        find_latest(
+            Path(config.resume),
+            config.world_size,
+            fingerprint(config),
+            preflight_ranks(config.workers_per_process),
+        )
     except CheckpointError as error:
         raise ConfigError(str(error)) from None
 
@@ -386,12 +412,9 @@ def adopt_torchrun_world(config: TrainConfig) -> None:
             f"of {world_size} processes; launch workers x ranks-per-worker processes (e.g. "
             f"--nproc-per-node {config.ranks_per_worker} on each of the workers' nodes)"
         )
-    if config.workers_per_process != 1:
-        raise ConfigError(
-            f"--workers-per-process: {config.workers_per_process} under torchrun is not "
-            f"supported yet (torchrun starts a process per worker); omit it"
-        )
-    workers = world_size // config.ranks_per_worker
+    # --workers-per-process K: each of torchrun's processes runs K workers (validate() names
+    # a K that does not fit).
+    workers = world_size * max(config.workers_per_process, 1) // config.ranks_per_worker
     if config.workers != workers:
         # torchrun decides the world; keep the recorded config truthful.
         config.workers = workers
@@ -437,7 +460,12 @@ def _join_torchrun(
         if task.reads_corpus:
             prepare_checked_corpus(config, report if first else None, waiting=waiting)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        train_worker(config, TorchComm(timeout_s=config.collective_timeout_s), task=task)
+        if config.workers_per_process > 1:  # this process's K workers, as threads
+            from lowcomm.launch.stacked import train_stacked
+
+            train_stacked(config, task)
+        else:
+            train_worker(config, TorchComm(timeout_s=config.collective_timeout_s), task=task)
     finally:
         dist.destroy_process_group()
     return read_summary(run_directory(config)) if first else None

@@ -158,11 +158,13 @@ def _worker_entry(
         code = stop.signum if isinstance(stop, _WorkerStop) else signal.SIGINT
         sys.stderr.flush()
         os._exit(128 + int(code))
-    except BaseException:
+    except BaseException as error:
         # Leave the time and full traceback where the parent can find the first failure, then
         # fail this process. (A peer of a failed worker fails too, slightly later, with a
         # "connection closed" error: the earliest failure is the cause.)
-        record = {"time": time.time(), "traceback": traceback.format_exc()}
+        record: dict[str, object] = {"time": time.time(), "traceback": traceback.format_exc()}
+        if isinstance(error, WorkerFailed):  # one of this process's worker threads
+            record.update(worker=error.rank, message=error.message)
         (Path(result_dir) / f"rank{local_rank}.err").write_text(json.dumps(record))
         # Exit now: tearing the group down would wait on the collective that failed (a hung
         # peer could hold this worker for as long as it hangs).
@@ -365,10 +367,13 @@ def _first_failure(
     the earliest recorded exception is.
     """
     records: list[tuple[float, int, str]] = []
+    named: dict[int, tuple[int, str]] = {}  # process: (worker, message) it named itself
     for path in Path(scratch).glob("rank*.err"):
         try:
             record = json.loads(path.read_text())
             records.append((float(record["time"]), int(path.stem[4:]), str(record["traceback"])))
+            if "worker" in record:
+                named[int(path.stem[4:])] = (int(record["worker"]), str(record["message"]))
         except (OSError, ValueError, KeyError):
             continue
     recorded = {rank for _, rank, _ in records}
@@ -381,6 +386,9 @@ def _first_failure(
             reported_rank, reported.strip().splitlines()[-1] if reported.strip() else reported
         )
     _, rank, text = min(records)
+    if rank in named:
+        # A process of several workers: it named the failing worker and wrote the traceback.
+        return WorkerFailed(*named[rank])
     lines = [line for line in text.strip().splitlines() if line.strip()]
     message = lines[-1] if lines else reported
     if log_path is None:

@@ -308,6 +308,11 @@ class _ShardedOverlap(Strategy):
         "ACCO, DPU and WP step a flat optimizer shard per worker, cut across the weight "
         "matrices Muon orthogonalises whole"
     )
+    sharding_refusal: ClassVar[str | None] = (
+        "ACCO, DPU and WP take as many micro-batches as each rank's clock allows and run "
+        "their chain on a communication thread, while FSDP needs every rank of a worker in "
+        "the same forward and backward passes"
+    )
     hierarchical_refusal: ClassVar[str | None] = (
         "ACCO, DPU and WP run their reduce-scatter/step/all-gather chain on a communication "
         "thread beside the main thread's backward passes, and (unless "

@@ -155,6 +155,14 @@ class Strategy(ABC):
     #: same collective results, takes the same decisions (no per-rank clock-driven control
     #: flow, no collectives from a second thread).
     hierarchical_refusal: ClassVar[str | None] = None
+    #: Why the method cannot run on sharded workers (``--worker-sharding fsdp``: each rank
+    #: holds 1/R of every parameter, FSDP2 over the worker's ranks), or None when it can: it
+    #: takes its buffers from ``sharded_flat.flat_buffers``, sums every norm it reads over the
+    #: worker's ranks and computes nothing per whole tensor (``tests/test_sharding.py`` checks
+    #: each such method equals its replicated ``--ranks-per-worker`` form).
+    sharding_refusal: ClassVar[str | None] = (
+        "its buffers and exchanges are written for a whole replica"
+    )
     #: Why the method cannot take ``--optim.name muon`` (Muon on the hidden matrices in place
     #: of its AdamW), or None when it can: a method that builds its (inner) optimizer with
     #: ``gradient_step.make_inner_optimizer`` sets None (and refuses an SGD inner itself).

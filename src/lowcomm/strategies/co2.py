@@ -44,13 +44,13 @@ from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, Loss, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
-from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import (
     accumulate,
     average_and_clip,
     make_inner_optimizer,
     step_and_publish,
 )
+from lowcomm.strategies.sharded_flat import flat_buffers, norm_summer, whole_mean
 
 InnerOptimizerKind = Literal["adamw", "sgd"]
 
@@ -178,6 +178,7 @@ class _LocalUpdate(Strategy):
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 2}
     #: Inner optimizer fixed by the method (None: ``options.inner_optimizer``).
     fixed_inner: ClassVar[InnerOptimizerKind | None] = None
+    sharding_refusal: ClassVar[str | None] = None
     muon_refusal: ClassVar[str | None] = None
 
     def __init__(
@@ -190,7 +191,7 @@ class _LocalUpdate(Strategy):
         super().__init__(model, comm, context)
         self.options = options if options is not None else LocalOptions()
         self.tau = self.options.sync_every
-        self.flat = FlatBuffers(model)
+        self.flat = flat_buffers(model)  # the local shards on a sharded worker
         # In fp32 the parameters are their own master copy; otherwise a separate fp32 master
         # (cloned: it must never alias the working parameters).
         if self.flat.dtype == torch.float32:
@@ -236,7 +237,10 @@ class _LocalUpdate(Strategy):
         with torch.no_grad():
             # Local methods clip the worker's own gradient (there is no averaged one).
             grads = average_and_clip(
-                self.flat.grads, count=count, max_grad_norm=self.context.max_grad_norm
+                self.flat.grads,
+                count=count,
+                max_grad_norm=self.context.max_grad_norm,
+                sum_squared_norm=norm_summer(self.flat),
             )
             step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
         self.step_index += 1
@@ -654,7 +658,7 @@ class CO2(_AnchoredOuter):
             penalty = self._clipped_momentum().abs().mul_(self.options.outer_lr)
             penalty.div_(denominator).add_(1.0)  # Lambda_t >= 1, element-wise
             outer_gradient.div_(penalty)
-            extras["mean_penalty"] = float(penalty.mean())
+            extras["mean_penalty"] = whole_mean(self.flat, penalty)
         self.momentum.mul_(self.options.outer_momentum).add_(outer_gradient)
         self.handle = None
         return extras
@@ -664,7 +668,7 @@ class CO2(_AnchoredOuter):
         extras = {"outer_step": 1.0}
         if self.clip_active:
             phi = self.options.clip_threshold
-            extras["clipped_fraction"] = float((self.momentum.abs() > phi).float().mean())
+            extras["clipped_fraction"] = whole_mean(self.flat, (self.momentum.abs() > phi).float())
         self.anchor.sub_(self._clipped_momentum(), alpha=self.options.outer_lr)
         return extras
 

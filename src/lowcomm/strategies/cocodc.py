@@ -18,6 +18,7 @@ from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, fragment_traffic
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
+from lowcomm.strategies.sharded_flat import ranks_mean, whole_norm
 from lowcomm.strategies.streaming import InFlight, check_overlap, load_in_flight, save_in_flight
 
 
@@ -182,7 +183,11 @@ class CoCoDC(OuterLoopStrategy):
                 self.options.sync_every,
             )
             if p is not None:
-                extras = torch.tensor([self.step_seconds, self.last_sync_seconds])
+                # (A sharded worker's ranks agree on their timings first, as a replicated
+                # worker's do in its hierarchical mean: the fragment schedule follows them.)
+                extras = ranks_mean(
+                    self.flat, torch.tensor([self.step_seconds, self.last_sync_seconds])
+                )
                 snapshot = self.local_fragment(p)
                 sync = InFlight(p, t, t + tau, self.launch_exchange(p, extras), snapshot)
                 self.in_flight.append(sync)
@@ -220,13 +225,15 @@ class CoCoDC(OuterLoopStrategy):
         if self.options.overlap_steps > 0:
             # ||compensation|| / ||tau g^m|| (prediction D3 of docs/ALGORITHMS.md §7.3).
             plain = self.globals_[p] + (now - sync.snapshot)
-            progress = float((now - sync.snapshot).norm())
+            progress = whole_norm(self.flat, now - sync.snapshot)
             self.compensation_ratio = (
-                float((merged - plain).norm()) / progress if progress > 0 else 0.0
+                whole_norm(self.flat, merged - plain) / progress if progress > 0 else 0.0
             )
         self.set_local_fragment(p, merged)
         # Eq. 11-12: the rate metric from the averaged outer gradient, then the last-sync step.
-        self.rates[p] = float(mean.norm()) / max(1, sync.launched_at - self.last_sync_steps[p])
+        self.rates[p] = whole_norm(self.flat, mean) / max(
+            1, sync.launched_at - self.last_sync_steps[p]
+        )
         self.last_sync_steps[p] = t
         if extras.numel() == 2 and float(extras[0]) > 0 and float(extras[1]) > 0:
             self.agreed_step_seconds = float(extras[0])

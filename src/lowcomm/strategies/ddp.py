@@ -47,6 +47,7 @@ class DDP(Strategy):
         shards_over_replicas=True,
     )
     muon_refusal: ClassVar[str | None] = None
+    sharding_refusal: ClassVar[str | None] = None
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)

@@ -7,6 +7,9 @@ Each strategy class carries, next to its ``name``:
   and ``--help`` all take the group from here
   (:func:`lowcomm.strategies.option_groups.with_method_options`);
 * ``hierarchical_refusal``: why it cannot run with several ranks per worker, or None;
+* ``sharding_refusal``: why it cannot run on sharded workers (``--worker-sharding fsdp``), or
+  None (by default a method is refused: it must take its buffers from
+  ``sharded_flat.flat_buffers`` and sum its norms over the worker's shards first);
 * ``cost``: a :class:`CostModel`, the closed-form traffic, hiding and memory ``lowcomm plan``
   evaluates, written against the same options object ``train`` hands the strategy;
 * ``quantized_exchange``: a :class:`QuantizedExchange` naming the options that quantize its

@@ -174,6 +174,9 @@ class DeMo(Strategy):
     muon_refusal: ClassVar[str | None] = (
         "DeMo's optimizer is its own (decoupled momentum, sign update), not an AdamW"
     )
+    sharding_refusal: ClassVar[str | None] = (
+        "DeMo's DCT blocks tile each whole parameter tensor, and a rank holds only some rows of it"
+    )
     cost: ClassVar[CostModel] = CostModel(
         description="top-k DCT momentum components all-gathered every step, sign step",
         traffic=lambda o, t: [Transfer(1.0, 1.0, bytes_per_parameter=o.bytes_per_parameter())],

@@ -94,8 +94,8 @@ from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, state_traffic
-from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
+from lowcomm.strategies.sharded_flat import flat_buffers, norm_summer, whole_norm
 
 #: Order of states inside a fused all-reduce (and the role the fused call is issued under).
 SYNC_ORDER: tuple[Role, ...] = (Role.PARAMETER, Role.FIRST_MOMENT, Role.SECOND_MOMENT)
@@ -280,6 +280,7 @@ class Desloc(Strategy):
         ),
     )
     options_field: ClassVar[str | None] = "desloc"
+    sharding_refusal: ClassVar[str | None] = None
     quick_options: ClassVar[Mapping[str, object]] = {
         "param_period": 2, "first_moment_period": 2, "second_moment_period": 4,
     }  # fmt: skip
@@ -301,7 +302,7 @@ class Desloc(Strategy):
                 f"--desloc.rejoin-rank: {self.options.rejoin_rank} is not a worker of a group of "
                 f"{comm.world_size}; pass a rank in 0..{comm.world_size - 1}"
             )
-        self.flat = FlatBuffers(model)
+        self.flat = flat_buffers(model)  # the local shards on a sharded worker
         # fp32 parameters are their own master copy; other dtypes keep an fp32 clone (on CPU
         # .float() of fp32 would alias, so clone explicitly).
         if self.flat.dtype == torch.float32:
@@ -337,6 +338,7 @@ class Desloc(Strategy):
             count=self.context.microbatches_per_step,
             max_grad_norm=self.context.max_grad_norm,
             coordinate_clip=self.options.clip_rho,
+            sum_squared_norm=norm_summer(self.flat),
         )
 
     def step(self, closure: Closure) -> StepStats:
@@ -361,11 +363,12 @@ class Desloc(Strategy):
             step_and_publish(self.inner, grad, lr=lr, flat=self.flat)
             for role, previous in before.items():
                 current = self.inner.states()[role]
-                norm = float(previous.norm())
+                norm = whole_norm(self.flat, previous)
                 name = (
                     "first_moment_change" if role is Role.FIRST_MOMENT else "second_moment_change"
                 )
-                extras[name] = float((current - previous).norm()) / norm if norm > 0 else math.nan
+                change = whole_norm(self.flat, current - previous)
+                extras[name] = change / norm if norm > 0 else math.nan
         self.step_index += 1
         due = self.due_roles(self.step_index)
         self.synchronize(due)

@@ -513,6 +513,7 @@ class OuterLoopStrategy(Strategy):
     quick_options: ClassVar[Mapping[str, object]] = {
         "sync_every": 2, "quantization": "int4", "quantization_row_size": 64,
     }  # fmt: skip
+    sharding_refusal: ClassVar[str | None] = None
     muon_refusal: ClassVar[str | None] = None
 
     def __init__(

@@ -29,6 +29,7 @@ from lowcomm.optim.flat import FlatOptimizer
 from lowcomm.optim.muon import FlatMuon, MuonLayout, check_muon_replicas
 from lowcomm.strategies.base import Closure, Loss, clip_, run_microbatches
 from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.strategies.sharded_flat import is_sharded
 
 
 def accumulate(
@@ -109,6 +110,12 @@ def make_inner_optimizer(
     if config.name != "muon":
         return make_adamw(master, config, replicas)
     check_muon_replicas(config, replicas, method)
+    if is_sharded(flat):
+        raise ValueError(
+            f"--optim.name: muon with --worker-sharding fsdp (--method {method}): Muon's "
+            f"Newton-Schulz iteration needs each whole matrix, and a rank holds only some of "
+            f"its rows; use --worker-sharding replicate or --optim.name adamw"
+        )
     return FlatMuon(
         master, config, MuonLayout.build(model, flat.parameters, flat.offsets, master.numel())
     )

@@ -130,6 +130,10 @@ class SparseLoCo(OuterLoopStrategy):
     # Its own compressed all-gather is priced from Transfer.bytes_per_parameter.
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 2, "chunk": 64, "topk": 4}
+    sharding_refusal: ClassVar[str | None] = (
+        "its top-k chunks are cut from the whole model's flat layout, which a rank's shards "
+        "do not hold in order"
+    )
     cost: ClassVar[CostModel] = CostModel(
         description="top-k + 2-bit error-feedback all-gather every H steps",
         traffic=lambda o, t: [

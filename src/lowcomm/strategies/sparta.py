@@ -39,6 +39,13 @@ from lowcomm.strategies.gradient_step import (
     make_inner_optimizer,
     step_and_publish,
 )
+from lowcomm.strategies.sharded_flat import (
+    WholeRange,
+    flat_buffers,
+    is_sharded,
+    norm_summer,
+    whole_ranges,
+)
 
 #: Most Geometric gaps drawn at once when selecting indices (bounds the draw's memory).
 _GAPS_PER_DRAW = 1 << 20
@@ -139,21 +146,54 @@ class SparseAverage:
     """SPARTA's exchange: the mean over the workers of the values of a flat fp32 tensor at the
     indices drawn for a step (one blocking all-reduce of those values; none when none)."""
 
-    def __init__(self, comm: Comm, numel: int, fraction: float, seed: int) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        numel: int,
+        fraction: float,
+        seed: int,
+        shards: list[WholeRange] | None = None,
+    ) -> None:
         self.comm = comm
         self.numel = numel
         self.fraction = fraction
         self.seed = seed
+        #: On a sharded worker, where this rank's elements sit among the whole model's
+        #: ``numel`` (S is drawn over the whole model, each rank averages its own part of it).
+        self.shards = shards
+
+    def _local(self, indices: torch.Tensor) -> torch.Tensor:
+        """The positions in this rank's shards of the whole-model ``indices`` it holds."""
+        assert self.shards is not None
+        edges = torch.tensor([[start, stop] for start, stop, _ in self.shards]).to(indices)
+        bounds = torch.searchsorted(indices, edges).tolist()  # (one host read)
+        parts = [
+            indices[first:last] - start + local
+            for (first, last), (start, _, local) in zip(bounds, self.shards, strict=True)
+        ]
+        return torch.cat(parts)
 
     def __call__(self, values: torch.Tensor, step: int) -> int:
-        """Average ``values[S_step]`` over the workers in place; the number of entries."""
+        """Average ``values[S_step]`` over the workers in place; the number of entries (of the
+        whole model's, on a sharded worker)."""
         indices = selected_indices(self.numel, self.fraction, self.seed, step, values.device)
-        if indices.numel() == 0:
-            return 0
-        selected = values[indices]  # a gathered copy, handed to the collective
-        self.comm.all_reduce(selected, op="mean", role=Role.PARAMETER).wait()
-        values[indices] = selected
-        return int(indices.numel())
+        drawn = int(indices.numel())
+        if self.shards is not None:
+            indices = self._local(indices)
+        if indices.numel() > 0:
+            selected = values[indices]  # a gathered copy, handed to the collective
+            self.comm.all_reduce(selected, op="mean", role=Role.PARAMETER).wait()
+            values[indices] = selected
+        return drawn
+
+
+def sparse_average(comm: Comm, flat: FlatBuffers, fraction: float, seed: int) -> SparseAverage:
+    """SPARTA's exchange of ``flat``'s parameters: over the flat buffer, or on a sharded worker
+    over the whole model's layout, each rank averaging the drawn entries it holds."""
+    if not is_sharded(flat):
+        return SparseAverage(comm, flat.numel, fraction, seed)
+    whole = sum(p.numel() for p in flat.parameters)  # a sharded parameter's global numel
+    return SparseAverage(comm, whole, fraction, seed, whole_ranges(flat))
 
 
 class Sparta(Strategy):
@@ -174,6 +214,7 @@ class Sparta(Strategy):
     options_field: ClassVar[str | None] = "sparta"
     quick_options: ClassVar[Mapping[str, object]] = {"fraction": 0.1}
     muon_refusal: ClassVar[str | None] = None  # its local optimizer is AdamW
+    sharding_refusal: ClassVar[str | None] = None
     cost: ClassVar[CostModel] = CostModel(
         description="average a random fraction p of the parameters every step",
         traffic=lambda o, t: _sparse_traffic(o),
@@ -190,7 +231,7 @@ class Sparta(Strategy):
     ) -> None:
         super().__init__(model, comm, context)
         self.options = options or SpartaOptions()
-        self.flat = FlatBuffers(model)
+        self.flat = flat_buffers(model)  # the local shards on a sharded worker
         # In fp32 the parameters are their own master copy; otherwise an fp32 clone.
         self.master = (
             self.flat.params
@@ -201,7 +242,7 @@ class Sparta(Strategy):
         self.inner = make_inner_optimizer(
             model, self.flat, self.master, context.optim, self.runtime.replica_group, self.name
         )
-        self.average = SparseAverage(comm, self.flat.numel, self.options.fraction, context.seed)
+        self.average = sparse_average(comm, self.flat, self.options.fraction, context.seed)
 
     def step(self, closure: Closure) -> StepStats:
         count = self.context.microbatches_per_step
@@ -210,7 +251,10 @@ class Sparta(Strategy):
         with torch.no_grad():
             # Clipping is local: the gradient is never communicated.
             grads = average_and_clip(
-                self.flat.grads, count=count, max_grad_norm=self.context.max_grad_norm
+                self.flat.grads,
+                count=count,
+                max_grad_norm=self.context.max_grad_norm,
+                sum_squared_norm=norm_summer(self.flat),
             )
             step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
             self.step_index += 1
@@ -307,9 +351,7 @@ class SpartaDiLoCo(DiLoCo):
             fragments=1,
         )
         super().__init__(model, comm, context, diloco)
-        self.average = SparseAverage(
-            comm, self.flat.numel, self.sparta_options.fraction, context.seed
-        )
+        self.average = sparse_average(comm, self.flat, self.sparta_options.fraction, context.seed)
 
     def inner_step(self, closure: Closure) -> StepStats:
         """DiLoCo's inner step, then SPARTA's average of the local parameters (before the outer

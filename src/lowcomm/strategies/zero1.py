@@ -26,8 +26,8 @@ from lowcomm.optim.adamw import FlatAdamW
 from lowcomm.optim.flat import tensor_bytes
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, every_step
-from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import accumulate, average_and_clip
+from lowcomm.strategies.sharded_flat import flat_buffers, norm_summer
 
 
 class ZeRO1(Strategy):
@@ -46,6 +46,7 @@ class ZeRO1(Strategy):
         traffic=every_step(),  # RS + AG of the model: one all-reduce's bytes and time
         shards_over_workers=True,
     )
+    sharding_refusal: ClassVar[str | None] = None  # it shards the rank's FSDP shard again
     muon_refusal: ClassVar[str | None] = (
         "ZeRO-1 shards the optimizer over the workers in flat slices cut across the weight "
         "matrices Muon orthogonalises whole"
@@ -54,7 +55,8 @@ class ZeRO1(Strategy):
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)
         world_size = comm.world_size
-        self.flat = FlatBuffers(model, pad_to=world_size)
+        # On a sharded worker: the rank's FSDP shards, sharded again over the workers.
+        self.flat = flat_buffers(model, pad_to=world_size)
         self.shard_numel = self.flat.padded_numel // world_size
         begin = comm.rank * self.shard_numel
         self.shard = slice(begin, begin + self.shard_numel)
@@ -81,9 +83,7 @@ class ZeRO1(Strategy):
                 self.shard_grad,
                 count=contributions,
                 max_grad_norm=self.context.max_grad_norm,
-                sum_squared_norm=lambda squared: self.comm.all_reduce(
-                    squared, op="sum", role=Role.OTHER
-                ).wait(),
+                sum_squared_norm=self._sum_squared_norm,
             )
             self.optimizer.step(grad, lr=lr)
             update = self.optimizer.master.to(self.flat.dtype)
@@ -96,6 +96,14 @@ class ZeRO1(Strategy):
             tokens=tokens,
             lr=lr,
         )
+
+    def _sum_squared_norm(self, squared: torch.Tensor) -> None:
+        """Sum a shard's squared norm over the workers (and, on a sharded worker, over the
+        worker's ranks, whose FSDP shards the workers' shards are cut from)."""
+        self.comm.all_reduce(squared, op="sum", role=Role.OTHER).wait()
+        over_ranks = norm_summer(self.flat)
+        if over_ranks is not None:
+            over_ranks(squared)
 
     def state_bytes(self) -> int:
         shard = tensor_bytes(self.shard_grad, self.optimizer.master)

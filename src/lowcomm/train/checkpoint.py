@@ -227,12 +227,16 @@ def commit_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
 
 
-def preflight_ranks() -> tuple[int, ...] | None:
+def preflight_ranks(per_process: int = 1) -> tuple[int, ...] | None:
     """The ranks whose checkpoint files this process's pre-flight may verify: under
-    ``torchrun`` its own (another node's files need not be on this disk), else all (None)."""
+    ``torchrun`` its own workers' (``per_process`` of them from ``RANK x per_process``;
+    another node's files need not be on this disk), else all (None)."""
     from lowcomm.prestart import under_torchrun
 
-    return (int(os.environ["RANK"]),) if under_torchrun() and "RANK" in os.environ else None
+    if not under_torchrun() or "RANK" not in os.environ:
+        return None
+    first = int(os.environ["RANK"]) * per_process
+    return tuple(range(first, first + per_process))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,12 +451,13 @@ def _damage(
         return damage
     layout = (world_size, fingerprint["ranks_per_worker"])
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
-        if saved.get("worker_sharding", "replicate") != "replicate":
+        sharded = saved.get("worker_sharding", "replicate") != "replicate"
+        if sharded and saved.get("ranks_per_worker") != fingerprint["ranks_per_worker"]:
             raise CheckpointError(
-                f"--workers: {directory} holds sharded workers (--worker-sharding "
-                f"{saved['worker_sharding']}) of {saved.get('ranks_per_worker')} ranks and "
-                f"{manifest.get('world_size')} processes; sharded state is not re-sharded to "
-                f"another layout yet: resume with the old --workers and --ranks-per-worker"
+                f"--ranks-per-worker: {directory} holds sharded workers (--worker-sharding "
+                f"{saved['worker_sharding']}) of {saved.get('ranks_per_worker')} ranks, whose "
+                f"FSDP slices are not re-cut for {fingerprint['ranks_per_worker']}: resume "
+                f"with --ranks-per-worker {saved.get('ranks_per_worker')} (--workers may change)"
             )
         _check_reshardable(directory, manifest, world_size, fingerprint)
     return None

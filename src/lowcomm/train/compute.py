@@ -77,12 +77,14 @@ def calibrate_in_process(
     *,
     model: torch.nn.Module | None = None,
     timed_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+    bookkeeping: Comm | None = None,
 ) -> Calibration:
     """Measure the calibration a run of ``config`` would measure, in this process, before any
     run (a study's one calibration): the run's model on its device, one intra-op thread as a
-    worker runs, the same timed passes as :func:`calibrate` on a group of one. ``model`` and
-    ``timed_loss``: the run's own (a task's, see :func:`worker_clock`); default: the model of
-    ``--model.*`` on random tokens of ``vocab_size``."""
+    worker runs, the same timed passes as :func:`calibrate` on a group of one, or, with
+    ``bookkeeping``, on that group's processes in turn (agreeing on one calibration).
+    ``model`` and ``timed_loss``: the run's own (a task's, see :func:`worker_clock`); default:
+    the model of ``--model.*`` on random tokens of ``vocab_size``."""
     from lowcomm.comm.local import LocalComm
     from lowcomm.models import build_model
 
@@ -102,7 +104,7 @@ def calibrate_in_process(
             vocab_size=vocab_size,
             micro_batch_size=config.data.micro_batch_size,
             block_size=config.model.block_size,
-            bookkeeping=LocalComm(),
+            bookkeeping=LocalComm() if bookkeeping is None else bookkeeping,
             bf16=config.precision == "bf16-mixed",
             loss=timed_loss,
         )

@@ -7,8 +7,10 @@ parameters the method would deploy, on a fixed set of held-out batches split acr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,6 +24,7 @@ from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
+from lowcomm.models.recompute import checkpoint_blocks
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
 from lowcomm.train.compute import (
@@ -231,6 +234,8 @@ def set_up(
         model = copy.deepcopy(shared.model)
         generator = torch.Generator()
         generator.set_state(shared.rng_state)
+    if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
+        checkpoint_blocks(model)
     measure = None if shared is None else shared.calibrate
     timed = calibration_pass(task, config, device)
     clock = worker_clock(config, model, timed, bookkeeping, device, measure)
@@ -255,7 +260,8 @@ def set_up(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, task=task, shard=data.shard,
         validation=validation, validation_batches=data.validation_batches,
-        step_closure=step_closure, generator=generator, one_process=shared is not None,
+        step_closure=step_closure, generator=generator,
+        one_process=shared is not None and shared.whole_run,
     )  # fmt: skip
 
 
@@ -585,7 +591,7 @@ def finish(
 
 def _process_totals(worker: Worker, summary: WorkerSummary) -> ProcessTotals:
     comm, device = worker.comm, worker.device
-    if isinstance(comm, HierarchicalComm):
+    if isinstance(comm, HierarchicalComm | sharding.ShardedWorkerComm):  # two links
         levels = comm.level_counters()
         replica, outer = levels["inner"], levels["outer"]
     else:  # flat workers: everything on the outer link
@@ -610,6 +616,9 @@ def _flat_parameters(model: torch.nn.Module) -> torch.Tensor:
 
 
 _NOT_SAVED = "; the run stopped here and no checkpoint holds this state"
+
+#: Held by the worker that writes its checkpoint file (the workers of one process take turns).
+_WRITE_TURN = threading.Lock()
 
 
 def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
@@ -646,19 +655,13 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     """Every rank writes and checksums its own file; the checksums are gathered and every
     rank commits the same manifest into its own view of the run directory."""
     config, bookkeeping, run_dir = worker.config, worker.bookkeeping, run_directory(worker.config)
-    state = {
-        # The strategy first: it settles in-flight collectives, which the comm must not hold.
-        "strategy": worker.strategy.state_dict(),
-        "model": sharding.model_state(worker.model),  # a sharded worker: its own shards
-        "data": worker.shard.state_dict(),
-        "clock": worker.clock.state_dict(),
-        "comm": worker.comm.state_dict(),
-        "rng": _rng_state(worker.generator, worker.device),
-        "tokens": progress.tokens,
-        "val_loss": progress.val_loss,
-        "step": step,
-    }
-    path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
+    # The state's copies are freed once written, before waiting for the other workers; in one
+    # process the workers write in turn, so one worker's copies are alive at a time. (Building
+    # the state only waits for collectives every worker has issued: no turn waits on another.)
+    with _WRITE_TURN if worker.one_process else contextlib.nullcontext():
+        state = _state(worker, step, progress)
+        path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
+        del state
     digests = checkpoint.gather_digests(bookkeeping, checkpoint.file_digest(path))
     if bookkeeping.rank == 0 or not worker.one_process:  # (one process: one disk, one commit)
         checkpoint.commit_checkpoint(
@@ -670,6 +673,22 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
             digests=digests,
         )
     bookkeeping.barrier().wait()
+
+
+def _state(worker: Worker, step: int, progress: Progress) -> dict[str, object]:
+    """What a checkpoint holds of this worker."""
+    return {
+        # The strategy first: it settles in-flight collectives, which the comm must not hold.
+        "strategy": worker.strategy.state_dict(),
+        "model": sharding.model_state(worker.model),  # a sharded worker: its own shards
+        "data": worker.shard.state_dict(),
+        "clock": worker.clock.state_dict(),
+        "comm": worker.comm.state_dict(),
+        "rng": _rng_state(worker.generator, worker.device),
+        "tokens": progress.tokens,
+        "val_loss": progress.val_loss,
+        "step": step,
+    }
 
 
 def spawned_train(config: TrainConfig, task: Task | None = None) -> WorkerSummary:

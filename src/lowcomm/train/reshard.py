@@ -21,6 +21,9 @@ resumed run writes its own checkpoints as usual. The rules, per kind of state:
   is summed onto the new worker 0 (zeros elsewhere), so the next reduction is unchanged;
 * the **data** order continues: the rest of the current pass is dealt to the new workers
   (:func:`lowcomm.data.sampling.consumed_in_pass`), so no sample of it is skipped or repeated;
+* **sharded workers** (``--worker-sharding fsdp``) keep their ranks per worker: rank r of
+  every worker holds the same FSDP slice, so the old ranks r are combined by these rules as
+  one-rank workers would be, into the new ranks r;
 * the **clock** of every new rank starts at the latest old clock (a restart waits for everyone);
   a surviving rank keeps its counters (bytes, tokens), a new one starts them at zero (with
   another ``--ranks-per-worker`` the byte counters start afresh: their levels differ).
@@ -101,7 +104,11 @@ def read_resharded(
     if old == new:
         return read_rank_state(directory, rank, device)
     states = [read_rank_state(directory, r, "cpu") for r in range(old.world_size)]
-    mine = reshard(states, old, new, rules_for(config.method, parameter_count(states[0])))[rank]
+    # (Sharded workers: rank 0 holds a whole FSDP chunk of every parameter, the length of
+    # every rank's flat buffer.)
+    rules = rules_for(config.method, parameter_count(states[0]))
+    sharded = config.worker_sharding == "fsdp"
+    mine = reshard(states, old, new, rules, sharded_workers=sharded)[rank]
     moved: dict[str, Any] = _to_device(mine, device)
     return moved
 
@@ -127,23 +134,31 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 def reshard(
-    states: list[dict[str, Any]], old: Layout, new: Layout, rules: Rules
+    states: list[dict[str, Any]],
+    old: Layout,
+    new: Layout,
+    rules: Rules,
+    *,
+    sharded_workers: bool = False,
 ) -> list[dict[str, Any]]:
     """The per-rank states of ``new`` from the per-rank ``states`` of ``old`` (see the module
     docstring for the rules). A pure function: ``states`` is not modified.
 
+    ``sharded_workers`` (``--worker-sharding fsdp``): rank r of every worker holds the same
+    FSDP slice of every parameter and of the method's state, so the old ranks r are combined
+    as the flat workers of a one-rank layout would be, into the new ranks r; the ranks per
+    worker must stay (FSDP's slices are cut for R).
+
     Raises:
         CheckpointError: the states cannot be combined (naming the key), or are not ``old``'s.
     """
-    if len(states) != old.world_size:
-        raise CheckpointError(
-            f"--resume: {len(states)} rank states for {old} ({old.world_size} processes)"
-        )
-    workers = [_join_replicas(states, old, w) for w in range(old.workers)]
-    strategy = _combine([w["strategy"] for w in workers], "strategy", rules, sharded=True)
-    if rules.shards_over_workers:  # flat buffers padded to a multiple of the worker count
-        strategy = _repad(strategy, rules.numel, old.workers, new.workers)
-    model = _combine([w["model"] for w in workers], "model", rules, sharded=False)
+    _check_layouts(states, old, new, sharded_workers=sharded_workers)
+    ranks = old.ranks_per_worker
+    slots = (
+        [_merged(states[r::ranks], Layout(old.workers), new.workers, rules) for r in range(ranks)]
+        if sharded_workers
+        else [_merged(states, old, new.workers, rules)]
+    )
     try:
         carry = consumed_in_pass([s["data"] for s in states]).state()
     except DataError as error:
@@ -155,8 +170,13 @@ def reshard(
         state = {
             key: value for key, value in states[0].items() if key in ("format", "val_loss", "step")
         }
+        if sharded_workers:  # this rank's slot, split as a one-rank worker's
+            model, strategy = slots[replica]
+            state["strategy"] = _split(strategy, Layout(new.workers), worker, 0, rules)
+        else:
+            model, strategy = slots[0]
+            state["strategy"] = _split(strategy, new, worker, replica, rules)
         state["model"] = model
-        state["strategy"] = _split(strategy, new, worker, replica, rules)
         state["data"] = {
             **{k: v for k, v in states[0]["data"].items() if not k.startswith("carry")},
             **carry, "position": 0, "rank": worker, "world_size": new.workers,
@@ -170,6 +190,36 @@ def reshard(
         }  # fmt: skip
         out.append(state)
     return out
+
+
+def _check_layouts(
+    states: list[dict[str, Any]], old: Layout, new: Layout, *, sharded_workers: bool
+) -> None:
+    """Refuse states that are not ``old``'s, and sharded workers resumed with another R."""
+    if len(states) != old.world_size:
+        raise CheckpointError(
+            f"--resume: {len(states)} rank states for {old} ({old.world_size} processes)"
+        )
+    ranks = old.ranks_per_worker
+    if sharded_workers and new.ranks_per_worker != ranks:
+        raise CheckpointError(
+            f"--ranks-per-worker: {new.ranks_per_worker} cannot resume sharded workers of "
+            f"{ranks} ranks (FSDP's slices are cut for {ranks}); resume with "
+            f"--ranks-per-worker {ranks} (--workers may change)"
+        )
+
+
+def _merged(
+    states: list[dict[str, Any]], old: Layout, new_workers: int, rules: Rules
+) -> tuple[Any, Any]:
+    """(model, strategy) state of the old workers combined by the module's rules (the
+    strategy's padded for ``new_workers`` when sharded over the workers)."""
+    workers = [_join_replicas(states, old, w) for w in range(old.workers)]
+    strategy = _combine([w["strategy"] for w in workers], "strategy", rules, sharded=True)
+    if rules.shards_over_workers:  # flat buffers padded to a multiple of the worker count
+        strategy = _repad(strategy, rules.numel, old.workers, new_workers)
+    model = _combine([w["model"] for w in workers], "model", rules, sharded=False)
+    return model, strategy
 
 
 def _counters(

@@ -144,7 +144,9 @@ def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str
     mine = fingerprint(config)
     if has_checkpoint(run_dir):
         try:
-            found = find_resumable(run_dir, config.world_size, mine, preflight_ranks())
+            found = find_resumable(
+                run_dir, config.world_size, mine, preflight_ranks(config.workers_per_process)
+            )
         except CheckpointError as error:
             message = str(error)
             if config.resume == "auto":

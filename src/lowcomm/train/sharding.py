@@ -16,19 +16,25 @@ all-gather sends and nothing is copied back. Gradients are FSDP's (a fresh local
 step), copied into the flat gradient buffer once per step. Clipping sums the squared norm over
 the worker's ranks, so the clipped gradient is the replicated run's.
 
-Not yet: FSDP's own collectives are not charged to the inner link's ``Comm`` (the inner link
-is real only); checkpoints and the model export of a sharded worker; mixed precision.
+FSDP's own all-gathers and reduce-scatters are charged to the inner link's
+:class:`~lowcomm.comm.emulated.NetworkComm` (:func:`charge_fsdp_collectives`), which the
+strategy's communicator reports as the inner level (:class:`ShardedWorkerComm`).
+
+Not yet: --init-from, meta-device init; an elastic resume keeps --ranks-per-worker
+(``lowcomm.train.reshard``).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from lowcomm.comm.base import Comm, Role
+from lowcomm.comm.base import CollectiveKind, Comm, Role
+from lowcomm.comm.emulated import NetworkComm
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.sharded_flat import (
     FLAT_NUMEL_ATTRIBUTE,
@@ -40,15 +46,19 @@ from lowcomm.strategies.sharded_flat import (
 
 if TYPE_CHECKING:
     from lowcomm.comm.clock import Clock
-    from lowcomm.comm.emulated import NetworkComm
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.config import TrainConfig
 
 #: The values of --worker-sharding.
 SHARDINGS = ("replicate", "fsdp")
 
-#: The methods that run sharded; every other one is refused with its reason until it does.
-SHARDED_METHODS = ("ddp", "diloco")
+
+def sharded_methods() -> tuple[str, ...]:
+    """The methods that run on sharded workers (their ``sharding_refusal`` is None); every
+    other one is refused with its reason."""
+    from lowcomm.strategies import STRATEGIES
+
+    return tuple(sorted(n for n, cls in STRATEGIES.items() if cls.sharding_refusal is None))
 
 
 def sharding_refusal(method: str, sharding: str, ranks_per_worker: int) -> str | None:
@@ -60,11 +70,13 @@ def sharding_refusal(method: str, sharding: str, ranks_per_worker: int) -> str |
         )
     if sharding == "replicate":
         return None
-    if method not in SHARDED_METHODS:
+    from lowcomm.strategies import strategy_class
+
+    reason = strategy_class(method).sharding_refusal
+    if reason is not None:
         return (
-            f"--worker-sharding fsdp: --method {method} does not run on sharded workers yet "
-            f"(only {', '.join(SHARDED_METHODS)}: its buffers and exchanges are written for "
-            f"a whole replica); use --worker-sharding replicate"
+            f"--worker-sharding fsdp: --method {method} does not run on sharded workers: "
+            f"{reason}; use --worker-sharding replicate"
         )
     if ranks_per_worker < 2:
         return (
@@ -79,12 +91,6 @@ def config_refusal(config: TrainConfig) -> str | None:
     refusal = sharding_refusal(config.method, config.worker_sharding, config.ranks_per_worker)
     if refusal is not None or config.worker_sharding == "replicate":
         return refusal
-    if config.precision != "fp32":
-        return (
-            f"--worker-sharding fsdp: --precision {config.precision} is not supported on "
-            f"sharded workers yet (FSDP2's mixed-precision policy is still to be wired); "
-            f"pass --precision fp32"
-        )
     if config.model.config is not None or config.model.value("family") != "gpt":
         return (
             "--worker-sharding fsdp: only the built-in GPT (--model.family gpt) is sharded "
@@ -109,16 +115,26 @@ def worker_mesh(workers: int, ranks_per_worker: int, device: str = "cpu") -> Any
     )
 
 
-def shard_model(model: nn.Module, ranks: Any) -> nn.Module:
+def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Module:
     """``fully_shard`` every transformer block (``blocks.<j>``) of ``model``, then the rest
-    as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``."""
-    from torch.distributed.fsdp import fully_shard
+    as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``.
 
+    ``bf16`` (``--precision bf16-mixed``): FSDP2's mixed-precision policy, bfloat16 compute
+    parameters (all-gathered in bfloat16: half the bytes) with float32 gradient reduction and
+    float32 sharded parameters (the master the strategy steps); the training loop's autocast
+    stays on, as on a replicated worker, for the activations."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
         for block in blocks:
-            fully_shard(block, mesh=ranks)
-    fully_shard(model, mesh=ranks)
+            fully_shard(block, mesh=ranks, mp_policy=policy)
+    fully_shard(model, mesh=ranks, mp_policy=policy)
     for fsdp_param in fsdp_params(model):
         setattr(
             fsdp_param.sharded_param, FLAT_NUMEL_ATTRIBUTE, fsdp_param._sharded_param_data.numel()
@@ -152,7 +168,7 @@ class ShardedFlatBuffers(FlatBuffers):
     storage aliases (see the module docstring); ``inner`` is the worker's ranks, over which
     :meth:`sum_squared_norm` sums a norm."""
 
-    def __init__(self, model: nn.Module, inner: Comm) -> None:
+    def __init__(self, model: nn.Module, inner: Comm, pad_to: int = 1) -> None:
         records = {id(fp.sharded_param): fp for fp in fsdp_params(model)}
         params = [p for p in model.parameters() if p.requires_grad]
         missing = [i for i, p in enumerate(params) if id(p) not in records]
@@ -165,10 +181,12 @@ class ShardedFlatBuffers(FlatBuffers):
         self.dtype = torch.float32
         self.device = params[0].device
         sizes = [flat_numel(p) for p in params]
-        self.numel = self.padded_numel = sum(sizes)
-        self.params = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.numel = sum(sizes)
+        self.padded_numel = -(-self.numel // pad_to) * pad_to
+        self.params = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         self.grads = torch.zeros_like(self.params)
         self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.whole_ranges = _whole_ranges([records[id(p)] for p in params], self._offsets)
         with torch.no_grad():
             for p, offset, size in zip(params, self._offsets, sizes, strict=True):
                 self._alias(records[id(p)], self.params[offset : offset + size])
@@ -205,11 +223,31 @@ class ShardedFlatBuffers(FlatBuffers):
         """Sum a one-element squared norm of this rank's shards over the worker's ranks."""
         self.inner.all_reduce(squared, op="sum", role=Role.OTHER).wait()
 
+    def average_over_ranks(self, tensor: torch.Tensor) -> None:
+        """Average a small tensor (timings a schedule follows) over the worker's ranks."""
+        self.inner.all_reduce(tensor, op="mean", role=Role.OTHER).wait()
+
+
+def _whole_ranges(records: list[Any], offsets: list[int]) -> list[tuple[int, int, int]]:
+    """(whole start, whole stop, local start) of each parameter's local shard: FSDP cuts dim 0
+    into chunks of ``ceil(rows / R)`` rows (``torch.chunk``), chunk r on rank r, so a shard is
+    one run of elements of the whole parameter."""
+    ranges, whole = [], 0
+    for record, offset in zip(records, offsets, strict=True):
+        shape = record.sharded_param.shape  # the DTensor's global shape
+        row = math.prod(shape[1:])
+        local = record.sharded_param._local_tensor
+        rank = record.mesh_info.shard_mesh_rank
+        start = whole + rank * record.padded_sharded_param_size[0] * row
+        ranges.append((start, start + local.numel(), offset))
+        whole += math.prod(shape)
+    return ranges
+
 
 def attach_inner(model: nn.Module, inner: Comm) -> None:
     """Record ``inner`` (the worker's ranks) as the communicator of sharded ``model``: the
     strategy's :func:`flat_buffers` are then its aliased local shards."""
-    register_flat_buffers(model, lambda sharded: ShardedFlatBuffers(sharded, inner))
+    register_flat_buffers(model, lambda sharded, pad_to: ShardedFlatBuffers(sharded, inner, pad_to))
 
 
 def full_flat(model: nn.Module) -> torch.Tensor:
@@ -222,6 +260,96 @@ def full_flat(model: nn.Module) -> torch.Tensor:
     return torch.cat(parts)
 
 
+# --- FSDP's collectives on the inner link ----------------------------------------------------
+
+
+def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
+    """Have every FSDP unit of ``model`` charge its all-gathers (the unsharded parameters, as
+    :class:`~lowcomm.comm.emulated.NetworkComm` prices an all-gather's output) and its
+    reduce-scatters (the unsharded gradients) to ``inner``, the worker's link: counted by
+    role and kind and placed on the link's schedule, the clock waiting for each (FSDP's
+    prefetch is not modeled as overlap). The data moves as FSDP moves it (its own
+    collectives, wrapped), never twice. Off while ``model`` evaluates (``model.eval()``), as
+    an evaluation is off the clock."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    def charge(kind: CollectiveKind, role: Role, full: torch.Tensor) -> None:
+        if model.training:
+            payload = full.numel() * full.element_size()
+            inner.charge(kind, role=role, payload_bytes=payload).wait()
+
+    class ChargedAllGather(DefaultAllGather):  # type: ignore[misc]
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+            async_op: bool = False,
+        ) -> Any:  # fmt: skip
+            work = super().__call__(output_tensor, input_tensor, group, async_op)
+            charge(CollectiveKind.ALL_GATHER, Role.PARAMETER, output_tensor)
+            return work
+
+    class ChargedReduceScatter(DefaultReduceScatter):  # type: ignore[misc]
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+            async_op: bool = False,
+        ) -> Any:  # fmt: skip
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            charge(CollectiveKind.REDUCE_SCATTER, Role.GRADIENT, input_tensor)
+            return work
+
+    gather, scatter = ChargedAllGather(), ChargedReduceScatter()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+
+
+class ShardedWorkerComm(NetworkComm):
+    """A sharded worker's strategy communicator: rank r of every worker over --network (this
+    :class:`NetworkComm`), with ``inner``, the worker's ranks over --inner-network, which
+    carries FSDP's collectives and the norm sums: reported as the inner level, as a
+    hierarchical worker's replica link is, and checkpointed with it."""
+
+    def __init__(
+        self, raw: Comm, profile: NetworkProfile, clock: Clock, *, inner: NetworkComm,
+        device: torch.device, wire_dtype: torch.dtype,
+    ) -> None:  # fmt: skip
+        super().__init__(raw, profile, clock, device=device, wire_dtype=wire_dtype)
+        self.inner = inner
+
+    def level_counters(self) -> dict[str, dict[str, float]]:
+        """Per level (inner, outer): bytes this rank sent, exposed and modeled seconds."""
+        return {
+            name: {
+                "bytes_sent": sum(level.bytes_by_role.values()),
+                "exposed_comm_s": level.exposed_comm_s,
+                "modeled_comm_s": level.modeled_comm_s,
+            }
+            for name, level in (("inner", self.inner), ("outer", self))
+        }
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes this rank sent on both links."""
+        return sum(level["bytes_sent"] for level in self.level_counters().values())
+
+    def counters(self) -> dict[str, float]:
+        """Bytes this rank sent on both links, by role."""
+        inner = self.inner.counters()
+        return {role: value + inner[role] for role, value in super().counters().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "inner" in state:  # (a checkpoint from before the inner link was counted: afresh)
+            self.inner.load_state_dict(state["inner"])
+
+
 # --- the training loop's worker --------------------------------------------------------------
 
 
@@ -231,13 +359,12 @@ def shard_worker(
     clock: Clock,
     device: torch.device,
     links: tuple[NetworkProfile, NetworkProfile],
-) -> NetworkComm:
+) -> ShardedWorkerComm:
     """Shard ``model`` over this rank's worker (every rank calls it: the mesh's groups are
     made collectively) and return the strategy's communicator: rank r of every worker, over
     --network. The worker's own communicator (over --inner-network) sums clipping norms.
     ``links``: the (outer, inner) network profiles, built by the caller from the config."""
     from lowcomm.comm.cast import wire_dtype
-    from lowcomm.comm.emulated import NetworkComm
     from lowcomm.comm.torch_comm import TorchComm
 
     mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type)
@@ -246,12 +373,13 @@ def shard_worker(
         TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
         links[1], clock, device=device, wire_dtype=wire,
     )  # fmt: skip
-    outer = NetworkComm(
+    outer = ShardedWorkerComm(
         TorchComm(mesh.get_group("workers"), timeout_s=timeout),
-        links[0], clock, device=device, wire_dtype=wire,
+        links[0], clock, inner=inner, device=device, wire_dtype=wire,
     )  # fmt: skip
-    shard_model(model, mesh["ranks"])
+    shard_model(model, mesh["ranks"], bf16=config.precision == "bf16-mixed")
     attach_inner(model, inner)
+    charge_fsdp_collectives(model, inner)
     return outer
 
 
@@ -298,10 +426,11 @@ def exportable(model: nn.Module, worker_index: int) -> nn.Module | None:
 
 
 __all__ = [
-    "SHARDED_METHODS",
     "SHARDINGS",
     "ShardedFlatBuffers",
+    "ShardedWorkerComm",
     "attach_inner",
+    "charge_fsdp_collectives",
     "config_refusal",
     "exportable",
     "flat_buffers",
@@ -313,6 +442,7 @@ __all__ = [
     "norm_summer",
     "shard_model",
     "shard_worker",
+    "sharded_methods",
     "sharding_refusal",
     "worker_mesh",
 ]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowcomm.comm.base import Comm
 from lowcomm.comm.calibration import Calibration
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus
@@ -42,6 +43,9 @@ class SharedSetup:
     takes its own from the task)."""
     calibrate: Callable[[], Calibration] = field(repr=False)
     """Measures the calibration once, on first call (later calls return the same)."""
+    whole_run: bool = True
+    """Every worker of the run is in this process (False: one of several processes of
+    several workers, ``lowcomm.launch.stacked``)."""
 
 
 class _Once:
@@ -70,10 +74,14 @@ def initial_model(config: TrainConfig, vocab_size: int, device: torch.device) ->
     return preflight_init_from(config.init_from, config.model).load().to(device)
 
 
-def shared_setup(config: TrainConfig, task: Task | None = None) -> SharedSetup:
+def shared_setup(
+    config: TrainConfig, task: Task | None = None, calibration_group: Comm | None = None
+) -> SharedSetup:
     """Build what the in-process workers of ``config`` share (uses the process-global
     generator once, before any worker starts, as a worker process's set-up does); ``task``:
-    the run's model, data and loss (default: :class:`CorpusTask`)."""
+    the run's model, data and loss (default: :class:`CorpusTask`). ``calibration_group``: the
+    processes of a run spread over several (one rank each, a group of their own), which
+    measure the calibration in turn and agree on it; None: the whole run is this process."""
     task = CorpusTask() if task is None else task
     corpus = task.corpus(config) if isinstance(task, CorpusTask) else None
     device = torch.device(config.device)
@@ -84,6 +92,9 @@ def shared_setup(config: TrainConfig, task: Task | None = None) -> SharedSetup:
     timed = calibration_pass(task, config, device)
     vocab_size = 0 if corpus is None else corpus.vocab_size
     calibrate = _Once(
-        lambda: calibrate_in_process(config, vocab_size, model=model, timed_loss=timed)
+        lambda: calibrate_in_process(
+            config, vocab_size, model=model, timed_loss=timed, bookkeeping=calibration_group
+        )
     )
-    return SharedSetup(corpus, model, rng_state, validation, calibrate)
+    whole_run = calibration_group is None
+    return SharedSetup(corpus, model, rng_state, validation, calibrate, whole_run=whole_run)

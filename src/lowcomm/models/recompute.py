@@ -1,0 +1,36 @@
+"""Activation checkpointing (``--activation-checkpointing``): each transformer block's
+activations are recomputed in the backward instead of being kept from the forward.
+
+The block's ``forward`` is replaced, on the instance, by a non-reentrant
+:func:`torch.utils.checkpoint.checkpoint` of the original one, so parameter names, state dict
+keys and exports do not change (a wrapper module would add a level to every name), and the
+module's own hooks (FSDP2's all-gather before the forward, on a sharded worker) still run
+around it. The recomputation restores the RNG state, so dropout draws the same mask: the
+numbers are those of a run without it; it costs one more forward per block and keeps only
+each block's input.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Recompute every block of ``model``'s ``blocks`` list (the built-in GPT's) in the
+    backward; returns how many blocks it wrapped.
+
+    Raises:
+        ValueError: ``model`` has no ``blocks`` list.
+    """
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(
+            f"--activation-checkpointing: {type(model).__name__} has no list of transformer "
+            f"blocks (model.blocks) to recompute; drop the option or use --model.family gpt"
+        )
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return len(blocks)
