@@ -476,12 +476,16 @@ def test_the_cuda_random_state_is_saved_and_restored(monkeypatch: pytest.MonkeyP
         torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device))
     )
     gpu = torch.device("cuda", 0)
-    state = loop._rng_state(gpu)
+    worker_generator = torch.Generator().manual_seed(3)
+    state = loop._rng_state(worker_generator, gpu)
     assert torch.equal(state["cuda"], generator["state"])
-    loop._restore_rng(state, gpu)
+    expected = torch.rand(4, generator=worker_generator)
+    loop._restore_rng(state, worker_generator, gpu)
+    assert torch.equal(torch.rand(4, generator=worker_generator), expected)  # the CPU one too
     assert len(restored) == 1 and torch.equal(restored[0][0], generator["state"])
-    assert "cuda" not in loop._rng_state(torch.device("cpu"))
-    loop._restore_rng(loop._rng_state(torch.device("cpu")), gpu)  # a CPU checkpoint on a GPU
+    cpu_state = loop._rng_state(worker_generator, torch.device("cpu"))
+    assert "cuda" not in cpu_state
+    loop._restore_rng(cpu_state, worker_generator, gpu)  # a CPU checkpoint on a GPU
     assert len(restored) == 1
 
 
