@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,10 +49,24 @@ def run_train(config: TrainConfig) -> None:
         _fail(str(error), code=1)
     except Interrupted as interrupt:
         print(_interrupted_message(config, interrupt), file=sys.stderr)
+        _exit_past_busy_workers(128 + interrupt.signum)
         raise SystemExit(128 + interrupt.signum) from None
     except KeyboardInterrupt:  # before the workers start (they have their own handling)
         print("lowcomm: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _exit_past_busy_workers(code: int) -> None:
+    """End the process now, without finalizing the interpreter, when in-process worker threads
+    are still running after a stop gave up on them: finalization would stop them inside torch
+    and abort the process instead of exiting with ``code``. Everything they wrote is flushed
+    and checkpoints are committed atomically, so nothing kept is lost."""
+    from lowcomm.launch.inprocess import workers_alive
+
+    if workers_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -156,17 +157,42 @@ def run_threads(
     return cast(list[T], results)
 
 
+#: After :data:`STOP_GRACE_S`, how much longer a stop waits for worker threads still busy
+#: (a thread cannot be killed; one left running when the interpreter exits may take the process
+#: down mid-computation).
+STOP_PATIENCE_S = 60.0
+
+
 def _stop(threads: list[threading.Thread], groups: Sequence[Abortable], signum: int) -> None:
     """Abort the groups (each worker raises at its next collective) and give the workers
-    :data:`STOP_GRACE_S` to unwind (closing their run files); daemon threads left running
-    end with the process."""
+    :data:`STOP_GRACE_S` to unwind (closing their run files), then, saying so, up to
+    :data:`STOP_PATIENCE_S` more; daemon threads still running after that are left to
+    :func:`workers_alive` (the command line then exits without finalizing the interpreter)."""
     import signal
 
     for group in groups:
         group.abort(f"interrupted by {signal.Signals(signum).name}")
-    deadline = time.monotonic() + STOP_GRACE_S
-    for thread in threads:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    for patience, say in ((STOP_GRACE_S, False), (STOP_PATIENCE_S, True)):
+        busy = [thread for thread in threads if thread.is_alive()]
+        if busy and say:
+            print(
+                f"lowcomm: waiting up to {patience:.0f} s for {len(busy)} worker(s) to reach "
+                f"their next collective",
+                file=sys.stderr,
+                flush=True,
+            )
+        deadline = time.monotonic() + patience
+        for thread in busy:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def workers_alive() -> int:
+    """How many in-process worker threads are still running (after an interrupt whose stop
+    gave up on them)."""
+    return sum(
+        1 for thread in threading.enumerate()
+        if thread.name.startswith("lowcomm-worker-") and thread.is_alive()
+    )  # fmt: skip
 
 
 def _failure(failures: _Failures, log_path: Path | None) -> Exception:
