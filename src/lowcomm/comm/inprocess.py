@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -176,17 +177,23 @@ class InProcessGroup:
         raise self._aborted_error()
 
 
-class _SlotHandle:
-    """A member's handle on one in-process collective."""
+class SlotState(Protocol):
+    """What a handle reads of a rendezvous slot (an in-process or a stacked one)."""
 
-    def __init__(self, group: InProcessGroup, slot: _Slot, rank: int, what: str) -> None:
-        self._group = group
+    event: threading.Event
+    completed_at: float | None
+
+
+class SlotHandle:
+    """A member's handle on one rendezvous collective: ``wait`` is the group's wait for this
+    member on this slot (it raises the group's errors)."""
+
+    def __init__(self, slot: SlotState, wait: Callable[[], None]) -> None:
         self._slot = slot
-        self._rank = rank
-        self._what = what
+        self._wait = wait
 
     def wait(self) -> None:
-        self._group.wait(self._slot, self._rank, self._what)
+        self._wait()
 
     def done(self) -> bool:
         return self._slot.event.is_set()
@@ -306,7 +313,7 @@ class InProcessComm:
         compute: Callable[[list[_Post]], None],
     ) -> Handle:
         slot = self._group.post(self._rank, what, _Post(signature, tensors), compute)
-        return _SlotHandle(self._group, slot, self._rank, what)
+        return SlotHandle(slot, lambda: self._group.wait(slot, self._rank, what))
 
     def all_reduce(
         self,

@@ -51,11 +51,10 @@ from lowcomm.comm.base import (
     ReduceOp,
     Role,
     Segments,
-    Settled,
     check_scatter_shapes,
     check_segments,
 )
-from lowcomm.comm.inprocess import GroupAborted
+from lowcomm.comm.inprocess import GroupAborted, SlotHandle
 
 #: What a slot does once every member of this process posted: combine the members' tensors,
 #: run the inter-process collective on the group's ``inter`` comm, write every member's result.
@@ -222,29 +221,6 @@ class StackedGroup:
         raise self._aborted_error()
 
 
-class _StackedHandle:
-    """A member's handle on one stacked collective."""
-
-    def __init__(self, group: StackedGroup, slot: _Slot, rank: int) -> None:
-        self._group = group
-        self._slot = slot
-        self._rank = rank
-
-    def wait(self) -> None:
-        self._group.wait(self._slot, self._rank)
-
-    def done(self) -> bool:
-        return self._slot.event.is_set()
-
-    def settle(self) -> Settled:
-        self.wait()
-        return Settled()
-
-    def completed_at(self) -> float | None:
-        """When the data arrived (``time.perf_counter``), as a Gloo handle's stamp."""
-        return self._slot.completed_at
-
-
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1)
 
@@ -383,7 +359,8 @@ class StackedComm:
         plan: Plan,
     ) -> Handle:
         slot = self._group.post(self._member, what, _Post(signature, tensors), plan)
-        return _StackedHandle(self._group, slot, self.rank)
+        rank = self.rank
+        return SlotHandle(slot, lambda: self._group.wait(slot, rank))
 
     def all_reduce(
         self,
