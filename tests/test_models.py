@@ -164,3 +164,56 @@ def test_build_hf_model_rejects_unknown_type() -> None:
     pytest.importorskip("transformers", reason="the HF adapter needs the optional transformers")
     with pytest.raises(ValueError, match=r"hf-lama is not a causal-LM model type.*hf-llama"):
         build_hf_model("lama", vocab_size=64, block_size=16)
+
+
+# --- dropout from the worker's generator (issue 30) -------------------------------------------
+
+
+def _dropout_loss(model: GPT, generator: torch.Generator | None) -> torch.Tensor:
+    from lowcomm.models.gpt import drawing_from, dropout_modules
+
+    tokens = torch.arange(2 * TINY.block_size).reshape(2, -1) % TINY.vocab_size
+    with drawing_from(dropout_modules(model), generator):
+        _, loss = model(tokens, tokens)
+    assert loss is not None
+    return loss
+
+
+def test_dropout_draws_its_masks_from_the_bound_generator_alone() -> None:
+    """Two workers of one process each bind their own generator: the same state gives the
+    same masks whatever the process-global generator does, and the global one is untouched."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**TINY.__dict__, "dropout": 0.1}))
+    first = _dropout_loss(model, torch.Generator().manual_seed(5))
+    torch.rand(7)  # moves the global generator, not the bound one
+    again = _dropout_loss(model, torch.Generator().manual_seed(5))
+    assert torch.equal(first, again)
+    torch.manual_seed(123)
+    global_state = torch.get_rng_state()
+    other = _dropout_loss(model, torch.Generator().manual_seed(6))
+    assert torch.equal(torch.get_rng_state(), global_state)
+    assert not torch.equal(first, other)  # other masks
+    model.eval()
+    assert not torch.equal(first, _dropout_loss(model, None))  # dropout dropped something
+
+
+def test_activation_checkpointing_replays_the_bound_generators_masks() -> None:
+    """The recomputed block draws the forward's masks from the worker's generator: the
+    gradients and the generator's final state equal a run without recomputation."""
+    from lowcomm.models.recompute import checkpoint_blocks
+
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**{**TINY.__dict__, "dropout": 0.1}))
+    recomputed = GPT(GPTConfig(**{**TINY.__dict__, "dropout": 0.1}))
+    recomputed.load_state_dict(plain.state_dict())
+    checkpoint_blocks(recomputed)
+    results = []
+    for model in (plain, recomputed):
+        generator = torch.Generator().manual_seed(9)
+        _dropout_loss(model, generator).backward()  # type: ignore[no-untyped-call]
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((grads, generator.get_state()))
+    (plain_grads, plain_state), (recomputed_grads, recomputed_state) = results
+    assert torch.equal(plain_state, recomputed_state)
+    for a, b in zip(plain_grads, recomputed_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -18,6 +18,7 @@ files with a message that says why the numbers moved::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -57,6 +58,9 @@ BF16_RTOL = {"diloco_muon": 1e-4}
 TIME_ATOL = 1e-9
 HIERARCHICAL = ("streaming_diloco",)  # fragment exchanges over a two-level comm
 MUON = ("diloco",)  # pinned again with --optim.name muon as "<method>_muon" (MuLoCo)
+#: Pinned again with --model.dropout 0.1 as "<method>_dropout": each worker's masks come from
+#: its own generator, in a process of its own as in a thread beside the others.
+DROPOUT = ("ddp",)
 # The bf16-mixed / --comm-dtype bf16 runs are pinned by test_regression_precision.py.
 
 #: What every stored run is; kept in each file so a reviewer sees what the numbers are of.
@@ -169,6 +173,8 @@ def _run_config(key: str, method: str, out: Path, ranks: int) -> TrainConfig:
     config = regression_config(method, out, ranks)
     if key.endswith("_muon"):
         config.optim = AdamWConfig(lr=3e-3, name="muon")
+    if key.endswith("_dropout"):
+        config.model = dataclasses.replace(config.model, dropout=0.1)
     return config
 
 
@@ -206,6 +212,7 @@ def _merge(per_rank: list[dict[str, dict[str, Any] | str]]) -> dict[str, dict[st
 
 FLAT = [(method, method, 1) for method in sorted(STRATEGIES)]
 FLAT += [(f"{method}_muon", method, 1) for method in MUON]
+FLAT += [(f"{method}_dropout", method, 1) for method in DROPOUT]
 HIER = [(f"hierarchical-{method}", method, 2) for method in HIERARCHICAL]
 
 
@@ -357,6 +364,16 @@ def _run_four(base: str, runs: list[tuple[str, str, int]]) -> dict[str, dict[str
         config.workers = 4
         results[key] = _record(config)
     return results
+
+
+def test_dropout_drops() -> None:
+    """The pinned dropout run is not the plain one: its masks changed every step's loss."""
+    for method in DROPOUT:
+        plain = json.loads(_stored_path(method).read_text())["steps"]
+        dropped = json.loads(_stored_path(f"{method}_dropout").read_text())["steps"]
+        assert len(plain) == len(dropped)
+        for a, b in zip(plain, dropped, strict=True):
+            assert not math.isclose(a["train_loss"], b["train_loss"], rel_tol=1e-4), (a, b)
 
 
 def test_every_stored_file_belongs_to_a_run() -> None:

@@ -24,6 +24,7 @@ from lowcomm.comm.network import (
 )
 from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
+from lowcomm.models.options import GPT_FAMILY
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.schedule import ScheduleConfig
 from lowcomm.strategies.option_groups import with_method_options
@@ -413,9 +414,10 @@ class TrainConfig:
             refusal = f"hierarchical workers (--ranks-per-worker {self.ranks_per_worker})"
         elif self.device != "cpu":
             refusal = f"--device {self.device}"
-        elif self.model.dropout:
+        elif self.model.dropout and self.model.value("family") != GPT_FAMILY:
             refusal = (
-                f"--model.dropout {self.model.dropout} (dropout masks come from the "
+                f"--model.dropout {self.model.dropout} on --model.family "
+                f"{self.model.value('family')} (transformers' dropout draws from the "
                 f"process-global generator, which the workers of one process would share)"
             )
         if refusal is not None:

@@ -1,11 +1,18 @@
 """A small single-device GPT (decoder-only transformer) in the style of nanoGPT.
 
 No distributed code lives here: strategies wrap or shard the model from the outside.
+
+Dropout draws its masks from a generator the training loop binds for each micro-batch (the
+worker's own random stream, :func:`drawing_from`), never from the process-global generator
+that several workers of one process would share; unbound (a model used on its own), it draws
+from the global one as ``nn.Dropout`` does.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +85,54 @@ def check_shape(*, dropout: float, **sizes: int) -> None:
         )
 
 
+class Dropout(nn.Module):
+    """``nn.Dropout`` whose mask comes from ``generator`` when one is bound (else from the
+    process-global generator). The mask is drawn as ATen's CPU dropout draws it (a Bernoulli
+    tensor of the input's shape, scaled by ``1 / (1 - p)``), on the input's device, so
+    ``generator`` must be a generator of that device.
+
+    Args:
+        p: the probability of zeroing an element.
+    """
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.generator: torch.Generator | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=self.generator)
+        return x * keep.div_(1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+@contextmanager
+def drawing_from(dropouts: list[Dropout], generator: torch.Generator | None) -> Iterator[None]:
+    """Bind ``generator`` to ``dropouts`` (a model's :class:`Dropout` modules, see
+    :func:`dropout_modules`) for the duration, then unbind it: only what runs inside (the
+    training loop's micro-batch) draws from it."""
+    for dropout in dropouts:
+        dropout.generator = generator
+    try:
+        yield
+    finally:
+        for dropout in dropouts:
+            dropout.generator = None
+
+
+def dropout_modules(model: nn.Module) -> list[Dropout]:
+    """``model``'s :class:`Dropout` modules that can drop (p > 0)."""
+    return [module for module in model.modules() if isinstance(module, Dropout) and module.p > 0]
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through PyTorch's fused SDPA kernel."""
+    """Multi-head causal self-attention through PyTorch's fused SDPA kernel; with dropout in
+    training, an explicit attention whose dropout draws from the bound generator (SDPA's
+    internal dropout takes no generator)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -89,7 +142,8 @@ class CausalSelfAttention(nn.Module):
         # One projection for query, key and value: a single larger matmul is faster.
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.residual_dropout = nn.Dropout(config.dropout)
+        self.attention_dropout = Dropout(config.dropout)
+        self.residual_dropout = Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         batch, time, channels = x.shape  # (B, T, C)
@@ -98,16 +152,26 @@ class CausalSelfAttention(nn.Module):
         query = query.view(batch, time, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
         key = key.view(batch, time, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
         value = value.view(batch, time, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
-        attended = functional.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-        )  # (B, nh, T, hs)
+        if self.training and self.dropout > 0:
+            attended = self._attend_with_dropout(query, key, value)  # (B, nh, T, hs)
+        else:
+            attended = functional.scaled_dot_product_attention(
+                query, key, value, is_causal=True
+            )  # (B, nh, T, hs)
         attended = attended.transpose(1, 2).contiguous().view(batch, time, channels)  # (B, T, C)
         output: Tensor = self.residual_dropout(self.proj(attended))  # (B, T, C)
         return output
+
+    def _attend_with_dropout(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """SDPA's math, with the attention weights dropped by :attr:`attention_dropout`."""
+        time = query.size(-2)
+        scores = query @ key.transpose(-2, -1) / math.sqrt(query.size(-1))  # (B, nh, T, T)
+        future = torch.ones(time, time, dtype=torch.bool, device=query.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        # The softmax in float32 even under autocast, as SDPA's math path computes it.
+        weights = functional.softmax(scores.float(), dim=-1).to(value.dtype)  # (B, nh, T, T)
+        dropped: Tensor = self.attention_dropout(weights)
+        return dropped @ value  # (B, nh, T, hs)
 
 
 class MLP(nn.Module):
@@ -118,7 +182,7 @@ class MLP(nn.Module):
         self.expand = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.activation = nn.GELU()
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.activation(self.expand(x))  # (B, T, 4C)
@@ -154,7 +218,7 @@ class GPT(CausalLM):
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
         self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
-        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.embedding_dropout = Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

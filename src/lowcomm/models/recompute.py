@@ -6,16 +6,23 @@ The block's ``forward`` is replaced, on the instance, by a non-reentrant
 keys and exports do not change (a wrapper module would add a level to every name), and the
 module's own hooks (FSDP2's all-gather before the forward, on a sharded worker) still run
 around it. The recomputation restores the RNG state, so dropout draws the same mask: the
-numbers are those of a run without it; it costs one more forward per block and keeps only
+process-global generators by ``checkpoint`` itself, and the worker's own generator bound to
+the block's dropout (:func:`lowcomm.models.gpt.drawing_from`) by :func:`_replaying_generators`.
+The numbers are those of a run without it; it costs one more forward per block and keeps only
 each block's input.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lowcomm.models.gpt import Dropout
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
@@ -32,5 +39,56 @@ def checkpoint_blocks(model: nn.Module) -> int:
             f"blocks (model.blocks) to recompute; drop the option or use --model.family gpt"
         )
     for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = functools.partial(
+            checkpoint,
+            block.forward,
+            use_reentrant=False,
+            context_fn=_replaying_generators(block),
+        )
     return len(blocks)
+
+
+Contexts = tuple[AbstractContextManager[None], AbstractContextManager[None]]
+
+
+def _replaying_generators(block: nn.Module) -> Callable[[], Contexts]:
+    """``checkpoint``'s ``context_fn`` for ``block``: called as the forward starts, it notes
+    the generator bound to each of the block's dropout modules and its state; the
+    recomputation in the backward runs with those generators bound again (the backward may
+    run after the binding ended), from those states (the same masks), and then puts the
+    bindings and the states back as it found them (the forward had drawn past them)."""
+
+    def contexts() -> Contexts:
+        bound = [
+            (module, module.generator)
+            for module in block.modules()
+            if isinstance(module, Dropout) and module.generator is not None
+        ]  # (the forward's bindings)
+        if not bound:
+            return nullcontext(), nullcontext()
+        generators = list({id(generator): generator for _, generator in bound}.values())
+        at_forward = [generator.get_state() for generator in generators]
+        return nullcontext(), _replay(bound, generators, at_forward)
+
+    return contexts
+
+
+@contextmanager
+def _replay(
+    bound: list[tuple[Dropout, torch.Generator]],
+    generators: list[torch.Generator],
+    states: list[torch.Tensor],
+) -> Iterator[None]:
+    bindings = [(module, module.generator) for module, _ in bound]
+    now = [generator.get_state() for generator in generators]
+    for module, generator in bound:
+        module.generator = generator
+    for generator, state in zip(generators, states, strict=True):
+        generator.set_state(state)
+    try:
+        yield
+    finally:
+        for module, binding in bindings:
+            module.generator = binding
+        for generator, state in zip(generators, now, strict=True):
+            generator.set_state(state)

@@ -24,6 +24,7 @@ from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
+from lowcomm.models.gpt import drawing_from, dropout_modules
 from lowcomm.models.recompute import checkpoint_blocks
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
@@ -126,8 +127,13 @@ class Worker:
     """Validation batches of the whole run."""
     step_closure: Callable[[], MicroBatchResult]
     generator: torch.Generator
-    """This worker's random stream (the process-global generator in a process of its own;
-    a generator of its own beside other workers in one process)."""
+    """This worker's random stream on the CPU: a generator of its own in every placement,
+    started at the state the process-global generator has after building the model (so a
+    worker process and a worker thread draw the same numbers)."""
+    device_generator: torch.Generator
+    """This worker's random stream on its device, which the built-in GPT's dropout draws
+    from (``generator`` itself on the CPU; on a GPU a CUDA generator started at the seed, as
+    ``torch.manual_seed`` starts the device's own)."""
     one_process: bool = False
     """Every worker of the run is in this process (``--workers-per-process``)."""
 
@@ -229,11 +235,11 @@ def set_up(
     if shared is None:
         torch.manual_seed(config.seed)
         model = _shared_initial_model(config, task, raw, device)
-        generator = torch.default_generator
+        rng_state = torch.get_rng_state()
     else:  # one of several workers in this process: a copy of the one initial model
         model = copy.deepcopy(shared.model)
-        generator = torch.Generator()
-        generator.set_state(shared.rng_state)
+        rng_state = shared.rng_state
+    generator, device_generator = _worker_generators(rng_state, config.seed, device)
     if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
         checkpoint_blocks(model)
     measure = None if shared is None else shared.calibrate
@@ -255,14 +261,27 @@ def set_up(
     # gradient over the worker's ranks once per step (gradient_step.accumulate), charged to
     # the replica link (runtime.replica_group).
     bf16 = config.precision == "bf16-mixed"
-    step_closure = _closure(model, task, data.shard, clock, device, bf16)
+    step_closure = _closure(model, task, data.shard, clock, device, bf16, device_generator)
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, task=task, shard=data.shard,
         validation=validation, validation_batches=data.validation_batches,
-        step_closure=step_closure, generator=generator,
+        step_closure=step_closure, generator=generator, device_generator=device_generator,
         one_process=shared is not None and shared.whole_run,
     )  # fmt: skip
+
+
+def _worker_generators(
+    rng_state: torch.Tensor, seed: int, device: torch.device
+) -> tuple[torch.Generator, torch.Generator]:
+    """The worker's own (CPU, device) generators: the CPU one at ``rng_state`` (the global
+    generator's after building the model), the device's at ``seed`` (a GPU's own generator
+    after ``torch.manual_seed``; nothing draws from it before training)."""
+    generator = torch.Generator()
+    generator.set_state(rng_state)
+    if device.type == "cpu":
+        return generator, generator
+    return generator, torch.Generator(device=device).manual_seed(seed)
 
 
 def _shared_initial_model(
@@ -297,15 +316,18 @@ def _strategy_comms(
 
 def _closure(
     model: torch.nn.Module, task: Task, shard: Shard, clock: Clock, device: torch.device,
-    bf16: bool,
+    bf16: bool, generator: torch.Generator,
 ) -> Callable[[], MicroBatchResult]:  # fmt: skip
     """Forward and backward on the next micro-batch at the model's current parameters (with
     ``bf16``, under bfloat16 autocast: the backward runs in the forward's dtypes, the
     gradients land in the float32 parameters' float32 ``.grad``). The batch goes to the
-    device from pinned memory on a GPU (:func:`to_device`)."""
+    device from pinned memory on a GPU (:func:`to_device`). The built-in GPT's dropout draws
+    from ``generator`` (the worker's device generator) during the micro-batch only: nothing
+    else (a calibration pass) moves the worker's stream."""
+    dropouts = dropout_modules(model)
 
     def closure() -> MicroBatchResult:
-        with clock.microbatch():
+        with clock.microbatch(), drawing_from(dropouts, generator):
             batch = to_device(shard.next_batch(), device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = task.loss(model, batch)
@@ -339,7 +361,7 @@ def resume(worker: Worker) -> Progress:
         worker.clock.load_state_dict(saved["clock"])
         if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
             worker.comm.load_state_dict(saved["comm"])
-        _restore_rng(saved["rng"], worker.generator, worker.device)
+        _restore_rng(saved["rng"], worker.generator, worker.device_generator)
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
             resumed_from=resume_from, membership=saved.get("membership"),
@@ -631,24 +653,26 @@ def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
     return Path(config.resume)
 
 
-def _rng_state(generator: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+def _rng_state(
+    generator: torch.Generator, device_generator: torch.Generator
+) -> dict[str, torch.Tensor]:
     """The random generators a resumed run must continue: the worker's CPU generator and, on
-    a GPU, the device's (dropout masks are drawn there)."""
+    a GPU, its device generator (dropout masks are drawn there)."""
     state = {"torch": generator.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
+    if device_generator is not generator:
+        state["cuda"] = device_generator.get_state()
     return state
 
 
 def _restore_rng(
-    saved: dict[str, torch.Tensor], generator: torch.Generator, device: torch.device
+    saved: dict[str, torch.Tensor], generator: torch.Generator, device_generator: torch.Generator
 ) -> None:
     """Undo :func:`_rng_state` (the tensors may have been loaded onto the GPU). A checkpoint
     written on the CPU and resumed on a GPU has no CUDA state to restore; such a resume is
     not bit-exact anyway (other kernels)."""
     generator.set_state(saved["torch"].cpu())
-    if device.type == "cuda" and "cuda" in saved:
-        torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
+    if device_generator is not generator and "cuda" in saved:
+        device_generator.set_state(saved["cuda"].cpu())
 
 
 def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
@@ -684,7 +708,7 @@ def _state(worker: Worker, step: int, progress: Progress) -> dict[str, object]:
         "data": worker.shard.state_dict(),
         "clock": worker.clock.state_dict(),
         "comm": worker.comm.state_dict(),
-        "rng": _rng_state(worker.generator, worker.device),
+        "rng": _rng_state(worker.generator, worker.device_generator),
         "tokens": progress.tokens,
         "val_loss": progress.val_loss,
         "step": step,
