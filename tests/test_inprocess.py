@@ -61,15 +61,6 @@ def test_a_placement_that_does_not_fit_is_refused_in_one_line(
     assert "\n" not in str(caught.value)
 
 
-def test_hierarchical_workers_and_dropout_are_refused_in_one_process() -> None:
-    with pytest.raises(ConfigError, match="hierarchical workers"):
-        TrainConfig(workers=2, workers_per_process=2, ranks_per_worker=2).validate()
-    config = TrainConfig(workers=2, workers_per_process=2)
-    config.model.dropout = 0.1
-    with pytest.raises(ConfigError, match="dropout"):
-        config.validate()
-
-
 @pytest.mark.slow
 def test_checkpoints_cross_placements_and_worker_counts(tmp_path: Path) -> None:
     """A run stopped in worker processes continues in one process (and the other way round)

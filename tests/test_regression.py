@@ -6,9 +6,13 @@ micro-batch on the virtual clock, so the run is deterministic. Its per-step loss
 rate, modeled time and bytes, and at the end each worker's clock, bytes by role and a
 fingerprint of the deployed parameters (what validation runs on) are compared with
 ``tests/regression/<method>.json``: losses to 1e-6 relative, bytes exactly, times to 1e-9 s.
-One hierarchical run (2 workers x 2 ranks) is pinned the same way.
+Three hierarchical runs (2 workers x 2 ranks: ddp, diloco, streaming_diloco) are pinned the
+same way.
 
-All methods run in one pair of worker processes (one spawn, to keep the tier fast).
+All methods run in one pair of worker processes (one spawn, to keep the tier fast; the
+hierarchical runs in one spawn of four). Every pinned run is also run with its workers as
+threads of the test's process (``--workers-per-process``, hierarchical ranks as threads too)
+against the same pins.
 
 A method whose numbers move fails here. If the change is intended, regenerate and commit the
 files with a message that says why the numbers moved::
@@ -56,7 +60,9 @@ LOSS_RTOL = 1e-6
 #: tolerance that separates that from a change of the method.
 BF16_RTOL = {"diloco_muon": 1e-4}
 TIME_ATOL = 1e-9
-HIERARCHICAL = ("streaming_diloco",)  # fragment exchanges over a two-level comm
+#: Pinned with 2 ranks per worker: plain gradient averaging, an outer exchange, and fragment
+#: exchanges over a two-level comm.
+HIERARCHICAL = ("ddp", "diloco", "streaming_diloco")
 MUON = ("diloco",)  # pinned again with --optim.name muon as "<method>_muon" (MuLoCo)
 #: Pinned again with --model.dropout 0.1 as "<method>_dropout": each worker's masks come from
 #: its own generator, in a process of its own as in a thread beside the others.
@@ -318,14 +324,15 @@ def test_run_matches_stored_numbers(key: str, fresh_runs: dict[str, dict[str, An
 
 
 @pytest.mark.skipif(REGEN, reason="the stored numbers are made by worker processes")
-@pytest.mark.parametrize("key", [key for key, _, _ in FLAT])
+@pytest.mark.parametrize("key", [key for key, _, _ in FLAT + HIER])
 def test_in_process_run_matches_stored_numbers(key: str, tmp_path: Path) -> None:
     """The same run with both workers in this process (--workers-per-process 2: threads on an
-    in-process comm) gives the numbers the worker processes stored."""
+    in-process comm; a hierarchical worker's ranks are threads too, on in-process replica and
+    outer groups) gives the numbers the worker processes stored."""
     from lowcomm.launch.inprocess import train_in_process
 
-    method = next(method for k, method, _ in FLAT if k == key)
-    config = _run_config(key, method, tmp_path / key, 1)
+    method, ranks = next((method, r) for k, method, r in FLAT + HIER if k == key)
+    config = _run_config(key, method, tmp_path / key, ranks)
     config.workers_per_process = config.workers
     summaries = train_in_process(config, keep_parameters=True)
     got = {**_run_numbers(config), "ranks": [_rank_numbers(s) for s in summaries]}

@@ -407,24 +407,38 @@ class TrainConfig:
                 f"{flag}: {k} does not divide --workers {self.workers}; pass 1 (a process per "
                 f"worker) or a divisor of --workers such as {self.workers}"
             )
-        if k == 1:
-            return
-        refusal = None
-        if self.ranks_per_worker > 1:
-            refusal = f"hierarchical workers (--ranks-per-worker {self.ranks_per_worker})"
-        elif self.device != "cpu":
-            refusal = f"--device {self.device}"
-        elif self.model.dropout and self.model.value("family") != GPT_FAMILY:
-            refusal = (
-                f"--model.dropout {self.model.dropout} on --model.family "
-                f"{self.model.value('family')} (transformers' dropout draws from the "
-                f"process-global generator, which the workers of one process would share)"
-            )
+        refusal = self.placement_refusal()
         if refusal is not None:
-            raise ConfigError(
-                f"{flag}: {k} with {refusal} is not supported yet; use --workers-per-process 1 "
-                f"(a process per worker) or a run that fits one process"
+            raise ConfigError(f"{flag}: {k} with {refusal}")
+
+    def placement_refusal(self) -> str | None:
+        """Why this run's workers cannot share processes at ``--workers-per-process`` (the
+        option it refuses, the reason and the fix, in one line), or None when they can."""
+        k = self.workers_per_process
+        if k == 1:
+            return None
+        if self.worker_sharding == "fsdp":
+            return (
+                "--worker-sharding fsdp is not supported: FSDP's collectives need "
+                "torch.distributed process groups, which workers sharing a process do not "
+                "have; use --workers-per-process 1 with fsdp, or --worker-sharding replicate"
             )
+        if self.device == "cuda" and k < self.workers:
+            return (
+                f"--device cuda is not supported yet with {self.workers // k} processes of "
+                f"{k} workers (the stacked comm's couriers move host tensors); use "
+                f"--workers-per-process {self.workers} (every worker on this process's GPU) "
+                f"or 1 (a GPU per worker)"
+            )
+        family = self.model.value("family")
+        if self.model.dropout and family != GPT_FAMILY:
+            return (
+                f"--model.dropout {self.model.dropout} on --model.family {family} is not "
+                f"supported: transformers' dropout draws from the process-global generator, "
+                f"which the workers of one process would share; use --model.dropout 0, the "
+                f"built-in gpt, or --workers-per-process 1"
+            )
+        return None
 
     def _validate_muon(self) -> None:
         """--optim.name muon: refused by a method that cannot take it, and with several
@@ -446,8 +460,21 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes of the run: workers x ranks per worker."""
+        """Ranks of the run: workers x ranks per worker (each a process, or a thread of one
+        with --workers-per-process K > 1)."""
         return self.workers * self.ranks_per_worker
+
+    @property
+    def ranks_per_process(self) -> int:
+        """Ranks each process of the run holds: 1, or with --workers-per-process K > 1 its K
+        workers' K x R ranks (threads)."""
+        k = self.workers_per_process
+        return k * self.ranks_per_worker if k > 1 else 1
+
+    @property
+    def processes(self) -> int:
+        """Processes of the run (world size / ranks per process)."""
+        return self.world_size // self.ranks_per_process
 
     def tokens_per_microbatch(self) -> int:
         """Tokens in one worker's micro-batch (all its ranks)."""

@@ -11,8 +11,8 @@ Worker processes import what they run: the model factory, the datasets, the loss
 collate function must be importable (defined at the top level of a module, or of the script
 being run). Objects defined in a notebook or a REPL are not; so there (no ``__main__`` file)
 ``fit`` runs every worker on a thread of this process (``workers_per_process = workers``, where
-in-process workers can run: CPU, flat workers, 2 or more), and in process mode it names what
-the workers cannot import before any worker starts.
+in-process workers can run: 2 or more, see ``TrainConfig.placement_refusal``), and in process
+mode it names what the workers cannot import before any worker starts.
 """
 
 from __future__ import annotations
@@ -225,8 +225,8 @@ def _interactive() -> bool:
 
 def _in_process_fits(run: TrainConfig) -> bool:
     """Whether the run's workers can all be threads of this process (issue 30's limits)."""
-    flat = run.ranks_per_worker == 1 and not run.model.dropout
-    return run.workers > 1 and run.device == "cpu" and flat
+    together = dataclasses.replace(run, workers_per_process=run.workers)
+    return run.workers > 1 and together.placement_refusal() is None
 
 
 def _set_options(run: TrainConfig, options: object) -> None:

@@ -15,6 +15,14 @@ with its workers in one process gives the numbers of the run with one process pe
 
 A member that fails aborts the group (:meth:`InProcessGroup.abort`): every waiting and every
 later collective of every member raises :class:`GroupAborted` at once, naming the cause.
+
+On a GPU the members' tensors stay on the device and the result is computed there, on the
+current stream of the thread that completes the slot. Members may queue their kernels on
+other streams (a communication thread's side stream), so the streams are ordered by CUDA
+events, never by a host synchronisation: each post records an event on the poster's stream
+(its tensors are ready when it fires), the completing thread's stream waits for every post's
+event before computing and records a completion event after, and a member's ``wait()`` makes
+its current stream wait for that (:func:`_ready_event`).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -50,6 +58,8 @@ class _Post:
 
     signature: tuple[object, ...]
     tensors: tuple[torch.Tensor, ...]
+    ready: Any = None
+    """On a GPU, a CUDA event on the poster's stream after its tensors were written."""
 
 
 @dataclass
@@ -64,6 +74,8 @@ class _Slot:
     complete: bool = False
     error: BaseException | None = None
     completed_at: float | None = None
+    device_done: Any = None
+    """On a GPU, a CUDA event on the completing thread's stream after the results."""
 
 
 class InProcessGroup:
@@ -150,7 +162,11 @@ class InProcessGroup:
                         f"{post.signature} on member {rank}; every member must issue the same "
                         f"collectives, of the same sizes, in the same order"
                     )
+            for post in posts:  # (a GPU: compute after every member's tensors are written)
+                if post.ready is not None:
+                    torch.cuda.current_stream(post.ready.device).wait_event(post.ready)
             slot.compute(posts)
+            slot.device_done = _ready_event(posts[0].tensors)
             slot.complete = True
             slot.completed_at = time.perf_counter()
         except BaseException as error:
@@ -194,6 +210,9 @@ class SlotHandle:
 
     def wait(self) -> None:
         self._wait()
+        done = getattr(self._slot, "device_done", None)
+        if done is not None:  # (a GPU: this thread's later kernels run after the results)
+            torch.cuda.current_stream(done.device).wait_event(done)
 
     def done(self) -> bool:
         return self._slot.event.is_set()
@@ -205,6 +224,17 @@ class SlotHandle:
     def completed_at(self) -> float | None:
         """When the data arrived (``time.perf_counter``), as a Gloo handle's stamp."""
         return self._slot.completed_at
+
+
+def _ready_event(tensors: tuple[torch.Tensor, ...]) -> Any:
+    """A CUDA event recorded on this thread's current stream of the tensors' GPU (None for
+    CPU tensors): it fires once every kernel queued there so far has run."""
+    device = next((tensor.device for tensor in tensors if tensor.is_cuda), None)
+    if device is None:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -312,7 +342,8 @@ class InProcessComm:
         tensors: tuple[torch.Tensor, ...],
         compute: Callable[[list[_Post]], None],
     ) -> Handle:
-        slot = self._group.post(self._rank, what, _Post(signature, tensors), compute)
+        post = _Post(signature, tensors, _ready_event(tensors))
+        slot = self._group.post(self._rank, what, post, compute)
         return SlotHandle(slot, lambda: self._group.wait(slot, self._rank, what))
 
     def all_reduce(

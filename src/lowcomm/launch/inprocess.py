@@ -8,6 +8,17 @@ model built once (:mod:`lowcomm.train.shared`). Threads, because torch's grad mo
 are per thread; the run uses one intra-op thread (``torch.set_num_threads(1)``), as each worker
 process does.
 
+A hierarchical worker (``--ranks-per-worker R``) is R threads, one per rank, as it is R
+processes: thread ``g`` is global rank ``g`` (rank ``g % R`` of worker ``g // R``), its replica
+group an in-process group of its worker's R threads and its outer group one of the threads of
+the same local rank in every worker (:class:`RankThreads`, the layout of
+:func:`lowcomm.launch.groups.worker_layout`).
+
+On a GPU (``--device cuda``) every thread drives the process's one GPU (one CUDA context):
+the workers' tensors, the in-process collectives' buffers and their results stay on it. A
+number of workers whose estimated memory exceeds the GPU's free memory is refused before any
+starts (:mod:`lowcomm.launch.device_memory`).
+
 As with processes: a worker that raises aborts both groups (every other worker's collectives
 raise at once) and the run ends with :class:`~lowcomm.launch.spawn.WorkerFailed` naming the
 first failing worker's error in one line, its traceback in the run's ``error.log``; SIGINT or
@@ -29,9 +40,11 @@ from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
 import torch
+from torch import nn
 
+from lowcomm.comm.base import Comm
 from lowcomm.comm.inprocess import GroupAborted, InProcessGroup
-from lowcomm.config import TrainConfig
+from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.launch.spawn import (
     STOP_GRACE_S,
     Interrupted,
@@ -40,8 +53,8 @@ from lowcomm.launch.spawn import (
     _LauncherSignals,
 )
 from lowcomm.train.loop import WorkerSummary, train_worker
-from lowcomm.train.shared import shared_setup
-from lowcomm.train.task import Task
+from lowcomm.train.shared import SharedSetup, shared_setup
+from lowcomm.train.task import CorpusTask, Task, calibration_pass
 
 T = TypeVar("T")
 
@@ -67,20 +80,161 @@ def train_in_process(
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        device = process_device(config)
         shared = shared_setup(config, task)
-        timeout = config.collective_timeout_s
-        strategy = InProcessGroup(config.workers, timeout_s=timeout, name="strategy")
-        books = InProcessGroup(config.workers, timeout_s=timeout, name="bookkeeping")
+        check_shared(config, shared, task, device)
+        ranks = RankThreads.in_process(
+            config.workers, config.ranks_per_worker, config.collective_timeout_s
+        )
 
         def work(rank: int) -> WorkerSummary:
+            if device.type == "cuda":  # (the current device is per thread)
+                torch.cuda.set_device(device)
             return train_worker(
-                config, strategy.comm(rank), keep_parameters=keep_parameters,
-                bookkeeping=books.comm(rank), shared=shared, task=task,
+                config, ranks.raw(rank), keep_parameters=keep_parameters,
+                bookkeeping=ranks.books(rank), shared=shared, task=task,
+                levels=ranks.levels(rank),
             )  # fmt: skip
 
-        return run_threads(work, config.workers, (strategy, books), log_path=log_path)
+        return run_threads(work, ranks.count, ranks.groups, log_path=log_path)
     finally:
         torch.set_num_threads(threads_before)
+
+
+class Group(Protocol):
+    """A group of in-process members (an ``InProcessGroup``, a ``StackedGroup``)."""
+
+    def comm(self, member: int) -> Comm: ...
+
+    def abort(self, reason: str) -> None: ...
+
+
+class RankThreads:
+    """The communicators of the threads of one process: ``K`` workers of ``R`` ranks each,
+    thread ``j`` rank ``j % R`` of the process's worker ``j // R`` (global rank
+    ``first_rank + j``), as :func:`lowcomm.launch.groups.worker_layout` lays ranks out.
+
+    Args:
+        threads: K R, the threads of this process.
+        world: the strategy's raw group of every rank (K R members here).
+        books: the bookkeeping group, likewise.
+        replicas: with R > 1, each local worker's replica group (R members, all here).
+        outers: with R > 1, each local rank's outer group (K members here, one per worker).
+        first_rank: the global rank of thread 0.
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        world: Group,
+        books: Group,
+        replicas: Sequence[Group] = (),
+        outers: Sequence[Group] = (),
+        first_rank: int = 0,
+    ) -> None:
+        self.count = threads
+        self._world, self._books = world, books
+        self._replicas, self._outers = list(replicas), list(outers)
+        self.ranks = max(1, len(outers))
+        self.first_rank = first_rank
+
+    @classmethod
+    def in_process(cls, workers: int, ranks: int, timeout_s: float | None) -> RankThreads:
+        """Every rank of the run in this process, on in-process groups."""
+
+        def group(size: int, name: str) -> InProcessGroup:
+            return InProcessGroup(size, timeout_s=timeout_s, name=name)
+
+        threads = workers * ranks
+        world, books = group(threads, "strategy"), group(threads, "bookkeeping")
+        if ranks == 1:
+            return cls(threads, world, books)
+        replicas = [group(ranks, f"worker {m} replica") for m in range(workers)]
+        outers = [group(workers, f"outer {r}") for r in range(ranks)]
+        return cls(threads, world, books, replicas, outers)
+
+    @property
+    def groups(self) -> list[Group]:
+        """Every group (a failing thread aborts them all)."""
+        return [self._world, self._books, *self._replicas, *self._outers]
+
+    def raw(self, thread: int) -> Comm:
+        return self._world.comm(thread)
+
+    def books(self, thread: int) -> Comm:
+        return self._books.comm(thread)
+
+    def levels(self, thread: int) -> tuple[Comm, Comm] | None:
+        """Thread ``thread``'s (replica, outer) communicators; None for flat workers."""
+        if not self._replicas:
+            return None
+        worker, rank = divmod(thread, self.ranks)
+        return self._replicas[worker].comm(rank), self._outers[rank].comm(worker)
+
+
+def process_device(config: TrainConfig) -> torch.device:
+    """The device every worker of this process drives: the CPU, or the process's GPU
+    (``cuda:0``, or the one GPU the launcher made visible), made current here.
+
+    Raises:
+        ValueError: ``--device cuda`` and no GPU is visible (naming the fix).
+    """
+    from lowcomm.launch.devices import bind_device
+
+    return bind_device(config.device, 0)
+
+
+def check_shared(
+    config: TrainConfig, shared: SharedSetup, task: Task | None, device: torch.device
+) -> None:
+    """Refusals that need the built model, before any worker starts: a dropout the worker's
+    own generator cannot drive (a transformers model's, of a config file or --init-from), and,
+    on a GPU, workers that do not fit its memory (printing the estimate when they do).
+
+    Raises:
+        ConfigError: in one line, naming the reason and the fix.
+    """
+    task = CorpusTask() if task is None else task
+    if isinstance(task, CorpusTask):
+        foreign = global_dropout(shared.model)
+        if foreign is not None:
+            raise ConfigError(
+                f"--workers-per-process: {config.workers_per_process} with a model whose "
+                f"dropout draws from the process-global generator ({foreign}), which the "
+                f"workers of one process would share; use a model without dropout, the "
+                f"built-in gpt, or --workers-per-process 1"
+            )
+    if device.type != "cuda":
+        return
+    from lowcomm.launch.device_memory import GIB, check_device_memory, free_device_bytes
+
+    estimate = check_device_memory(
+        config, shared.model, calibration_pass(task, config, device), device
+    )
+    threads = config.workers_per_process * config.ranks_per_worker
+    print(
+        f"lowcomm: {threads} workers on {device}: about {threads * estimate.total / GIB:.2f} "
+        f"GiB of device memory ({estimate.total / GIB:.2f} GiB each), "
+        f"{free_device_bytes(device) / GIB:.2f} GiB free",
+        flush=True,
+    )
+
+
+def global_dropout(model: nn.Module) -> str | None:
+    """What in ``model`` drops with the process-global generator (a torch dropout module with
+    p > 0, a transformers config's dropout probability), or None."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return f"{name or type(module).__name__}: {type(module).__name__}(p={module.p})"
+    hf_config = getattr(model, "hf_config", None)
+    if hf_config is not None:
+        from lowcomm.models.hf import DROPOUT_FIELDS
+
+        for field in DROPOUT_FIELDS:
+            value = getattr(hf_config, field, None)
+            if isinstance(value, int | float) and value > 0:
+                return f"the transformers config's {field} = {value}"
+    return None
 
 
 class _Failures:

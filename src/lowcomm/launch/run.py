@@ -77,7 +77,7 @@ def run_training(
     if torchrun:
         return _join_torchrun(config, note, report, task)
     _prepare(config, task, report)
-    processes = config.world_size // config.workers_per_process
+    processes = config.processes
     if report is not None and processes > 1 and config.workers_per_process > 1:
         warn_if_oversubscribed(processes, config)
     start_run_dir(config, note)
@@ -246,7 +246,7 @@ def _check_resume(config: TrainConfig) -> None:
             Path(config.resume),
             config.world_size,
             fingerprint(config),
-            preflight_ranks(config.workers_per_process),
+            preflight_ranks(config.ranks_per_process),
         )
     except CheckpointError as error:
         raise ConfigError(str(error)) from None
@@ -406,15 +406,16 @@ def adopt_torchrun_world(config: TrainConfig) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     if config.ranks_per_worker < 1:
         return  # validate() names it
-    if world_size % config.ranks_per_worker:
+    if config.workers_per_process <= 1 and world_size % config.ranks_per_worker:
         raise ConfigError(
             f"--ranks-per-worker: {config.ranks_per_worker} does not divide the torchrun world "
             f"of {world_size} processes; launch workers x ranks-per-worker processes (e.g. "
             f"--nproc-per-node {config.ranks_per_worker} on each of the workers' nodes)"
         )
-    # --workers-per-process K: each of torchrun's processes runs K workers (validate() names
-    # a K that does not fit).
-    workers = world_size * max(config.workers_per_process, 1) // config.ranks_per_worker
+    # --workers-per-process K > 1: each of torchrun's processes runs K workers, their ranks
+    # as threads (validate() names a K that does not fit); else each process is one rank.
+    k = config.workers_per_process
+    workers = world_size * k if k > 1 else world_size // config.ranks_per_worker
     if config.workers != workers:
         # torchrun decides the world; keep the recorded config truthful.
         config.workers = workers

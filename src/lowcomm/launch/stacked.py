@@ -9,6 +9,13 @@ stacked on a ``TorchComm`` of the P processes). What the workers of a process sh
 once per process (:mod:`lowcomm.train.shared`); the calibration is measured by the processes
 in turn and agreed on, on a Gloo group of its own.
 
+A hierarchical worker (``--ranks-per-worker R``) is R threads of its process: process ``p``
+runs global ranks ``p K R .. (p + 1) K R - 1`` (rank ``g % R`` of worker ``g // R``, as
+:func:`lowcomm.launch.groups.worker_layout` lays them out); a worker's replica group is an
+in-process group of its R threads, and the outer group of local rank ``r`` is stacked, like the
+strategy's group, on a process group of its own (one per ``r``: each courier issues on its
+own).
+
 A worker that raises aborts its process's groups, the process exits non-zero with that
 worker's one-line error (:class:`~lowcomm.launch.spawn.WorkerFailed` naming the worker), and
 the launcher (the local spawner, or torchrun's agent) stops the other processes, whose
@@ -20,10 +27,11 @@ from __future__ import annotations
 import torch
 
 from lowcomm.comm.base import Role
+from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.stacked import StackedGroup
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
-from lowcomm.launch.inprocess import run_threads
+from lowcomm.launch.inprocess import RankThreads, check_shared, run_threads
 from lowcomm.launch.spawn import Interrupted, _WorkerStop
 from lowcomm.train.loop import WorkerSummary, train_worker
 from lowcomm.train.rundir import ERROR_LOG, run_directory
@@ -43,34 +51,66 @@ def train_stacked(
             ``error.log``); the error names that worker.
         _WorkerStop: this process got SIGINT or SIGTERM; its workers have stopped.
     """
-    per_process, timeout = config.workers_per_process, config.collective_timeout_s
+    timeout = config.collective_timeout_s
     torch.set_num_threads(1)
+    # (The spawner or torchrun bound this process's device; --device cuda is one process.)
+    device = (
+        torch.device("cpu")
+        if config.device == "cpu"
+        else torch.device("cuda", torch.cuda.current_device())
+    )
     inter = TorchComm(timeout_s=timeout)
     # Every process creates the groups in the same order (new_group is collective).
     inter_books, inter_calibration = inter.cpu_side_group(), inter.cpu_side_group()
+    ranks = _stacked_threads(config, inter, inter_books)
     shared = shared_setup(config, task, calibration_group=inter_calibration)
+    check_shared(config, shared, task, device)
     with torch.no_grad():  # one initial model everywhere, as a worker process broadcasts it
         for parameter in shared.model.parameters():
             inter.broadcast(parameter.data, src=0, role=Role.PARAMETER).wait()
-    strategy = StackedGroup(per_process, inter, timeout_s=timeout, name="strategy")
-    books = StackedGroup(per_process, inter_books, timeout_s=timeout, name="bookkeeping")
 
-    def work(member: int) -> WorkerSummary:
+    def work(thread: int) -> WorkerSummary:
         return train_worker(
-            config, strategy.comm(member), keep_parameters=keep_parameters,
-            bookkeeping=books.comm(member), shared=shared, task=task,
+            config, ranks.raw(thread), keep_parameters=keep_parameters,
+            bookkeeping=ranks.books(thread), shared=shared, task=task,
+            levels=ranks.levels(thread),
         )  # fmt: skip
 
     try:
         return run_threads(
-            work, per_process, (strategy, books),
-            log_path=run_directory(config) / ERROR_LOG, first_rank=strategy.first_rank,
+            work, ranks.count, ranks.groups,
+            log_path=run_directory(config) / ERROR_LOG, first_rank=ranks.first_rank,
         )  # fmt: skip
     except Interrupted as stop:  # stopped, not failed: leave as a stopped worker process does
         raise _WorkerStop(stop.signum) from None
     finally:
-        strategy.close()
-        books.close()
+        for group in ranks.groups:
+            if isinstance(group, StackedGroup):
+                group.close()
+
+
+def _stacked_threads(config: TrainConfig, inter: TorchComm, inter_books: TorchComm) -> RankThreads:
+    """This process's K x R threads on stacked groups (strategy, bookkeeping and, with R > 1,
+    one outer group per local rank, each on its own process group of the P processes) and
+    in-process replica groups (a worker's R ranks are all here)."""
+    per_process, ranks = config.workers_per_process, config.ranks_per_worker
+    timeout, threads = config.collective_timeout_s, per_process * ranks
+    world = StackedGroup(threads, inter, timeout_s=timeout, name="strategy")
+    books = StackedGroup(threads, inter_books, timeout_s=timeout, name="bookkeeping")
+    if ranks == 1:
+        return RankThreads(threads, world, books, first_rank=world.first_rank)
+    # (Gloo process groups: --device cuda runs its workers in one process, see
+    # TrainConfig.placement_refusal.)
+    outers = [
+        StackedGroup(per_process, inter.cpu_side_group(), timeout_s=timeout, name=f"outer {r}")
+        for r in range(ranks)
+    ]
+    first_worker = inter.rank * per_process
+    replicas = [
+        InProcessGroup(ranks, timeout_s=timeout, name=f"worker {first_worker + k} replica")
+        for k in range(per_process)
+    ]
+    return RankThreads(threads, world, books, replicas, outers, first_rank=world.first_rank)
 
 
 def spawned_stacked(config: TrainConfig, task: Task | None = None) -> list[WorkerSummary]:

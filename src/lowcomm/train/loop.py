@@ -163,6 +163,7 @@ def train_worker(
     bookkeeping: Comm | None = None,
     shared: SharedSetup | None = None,
     task: Task | None = None,
+    levels: tuple[Comm, Comm] | None = None,
 ) -> WorkerSummary:
     """Train on this process. ``raw`` is the un-emulated communicator of the process group;
     strategy traffic goes through a :class:`NetworkComm` around it (or, with
@@ -175,10 +176,12 @@ def train_worker(
     tests). ``shared``: what the workers of this process share (``--workers-per-process``
     K > 1, :mod:`lowcomm.train.shared`); None: this process is this worker's own. ``task``
     gives the model, the data and the loss (default: :class:`CorpusTask`, ``lowcomm
-    train``'s)."""
+    train``'s). ``levels``: with ``--ranks-per-worker R > 1``, this rank's (replica, outer)
+    raw communicators when the caller made them (ranks as threads); None: made here over
+    ``torch.distributed`` (:func:`lowcomm.launch.groups.level_comms`)."""
     set_up_start = time.perf_counter()
     books = bookkeeping_comm(raw) if bookkeeping is None else bookkeeping
-    worker = set_up(config, raw, books, shared, task)
+    worker = set_up(config, raw, books, shared, task, levels)
     progress = resume(worker)
     finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
     if worker.rank == 0:
@@ -219,10 +222,12 @@ def set_up(
     bookkeeping: Comm,
     shared: SharedSetup | None = None,
     task: Task | None = None,
+    levels: tuple[Comm, Comm] | None = None,
 ) -> Worker:
     """Build this worker's model, clock, communicators, strategy, data shard and closure
     (``shared``: from what the workers of this process share, see :mod:`lowcomm.train.shared`;
-    the model, data and loss from ``task``, default :class:`CorpusTask`)."""
+    the model, data and loss from ``task``, default :class:`CorpusTask`; ``levels``: see
+    :func:`train_worker`)."""
     task = CorpusTask() if task is None else task
     rank, world_size = raw.rank, raw.world_size
     device = torch.device(
@@ -250,7 +255,7 @@ def set_up(
         links = (network_profile(config), replica_network_profile(config))
         comm = sharding.shard_worker(config, model, clock, device, links)
     else:
-        comm, _ = _strategy_comms(config, raw, clock, device)
+        comm, _ = _strategy_comms(config, raw, clock, device, levels)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     context = replace(strategy_context(config), runtime=comm.runtime())
@@ -297,17 +302,24 @@ def _shared_initial_model(
 
 
 def _strategy_comms(
-    config: TrainConfig, raw: Comm, clock: Clock, device: torch.device
+    config: TrainConfig,
+    raw: Comm,
+    clock: Clock,
+    device: torch.device,
+    levels: tuple[Comm, Comm] | None = None,
 ) -> tuple[NetworkComm | HierarchicalComm, Comm | None]:
     """The strategy's communicator and, with ranks per worker > 1, the replica-level one
-    (between the ranks of one worker) the averaging closure uses."""
+    (between the ranks of one worker) the averaging closure uses. ``levels``: the raw
+    (replica, outer) communicators, when the caller made them."""
     profile = network_profile(config)
     wire = wire_dtype(config.comm_dtype)
     if config.ranks_per_worker == 1:
         return NetworkComm(raw, profile, clock, device=device, wire_dtype=wire), None
-    from lowcomm.launch.groups import level_comms
+    if levels is None:
+        from lowcomm.launch.groups import level_comms
 
-    replica_raw, outer_raw = level_comms(config.ranks_per_worker, config.collective_timeout_s)
+        levels = level_comms(config.ranks_per_worker, config.collective_timeout_s)
+    replica_raw, outer_raw = levels
     replica_profile = replica_network_profile(config)
     replica_comm = NetworkComm(replica_raw, replica_profile, clock, device=device, wire_dtype=wire)
     outer_comm = NetworkComm(outer_raw, profile, clock, device=device, wire_dtype=wire)

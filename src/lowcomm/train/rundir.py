@@ -145,7 +145,7 @@ def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str
     if has_checkpoint(run_dir):
         try:
             found = find_resumable(
-                run_dir, config.world_size, mine, preflight_ranks(config.workers_per_process)
+                run_dir, config.world_size, mine, preflight_ranks(config.ranks_per_process)
             )
         except CheckpointError as error:
             message = str(error)
