@@ -63,9 +63,11 @@ class TrainConfig:
     workers_per_process: int = 1
     """Workers simulated in one process: 1 (each worker its own process), --workers (all of
     them in this process, as threads on shared memory, no torch.distributed; the same numbers,
-    a fraction of the memory and start-up), or a divisor K in between (--workers / K
-    processes of K threads each, the in-process comm stacked on torch.distributed; also
-    under torchrun, where --workers is then K x the processes)."""
+    a fraction of the memory and start-up; with --device cuda all on this process's GPU, a
+    number that does not fit its memory refused up front), or a divisor K in between
+    (--workers / K processes of K threads each, the in-process comm stacked on
+    torch.distributed; also under torchrun, where --workers is then K x the processes; CPU
+    only). With --ranks-per-worker R each worker is R threads."""
 
     worker_sharding: Literal["replicate", "fsdp"] = "replicate"
     """How a worker of --ranks-per-worker R > 1 holds its model: replicate (every rank the whole

@@ -22,7 +22,7 @@ other streams (a communication thread's side stream), so the streams are ordered
 events, never by a host synchronisation: each post records an event on the poster's stream
 (its tensors are ready when it fires), the completing thread's stream waits for every post's
 event before computing and records a completion event after, and a member's ``wait()`` makes
-its current stream wait for that (:func:`_ready_event`).
+its current stream wait for that (:class:`DeviceMark`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class _Post:
 
     signature: tuple[object, ...]
     tensors: tuple[torch.Tensor, ...]
-    ready: Any = None
+    ready: DeviceMark | None = None
     """On a GPU, a CUDA event on the poster's stream after its tensors were written."""
 
 
@@ -74,7 +74,7 @@ class _Slot:
     complete: bool = False
     error: BaseException | None = None
     completed_at: float | None = None
-    device_done: Any = None
+    device_done: DeviceMark | None = None
     """On a GPU, a CUDA event on the completing thread's stream after the results."""
 
 
@@ -164,9 +164,9 @@ class InProcessGroup:
                     )
             for post in posts:  # (a GPU: compute after every member's tensors are written)
                 if post.ready is not None:
-                    torch.cuda.current_stream(post.ready.device).wait_event(post.ready)
+                    post.ready.wait_here()
             slot.compute(posts)
-            slot.device_done = _ready_event(posts[0].tensors)
+            slot.device_done = DeviceMark.now(posts[0].tensors)
             slot.complete = True
             slot.completed_at = time.perf_counter()
         except BaseException as error:
@@ -212,7 +212,7 @@ class SlotHandle:
         self._wait()
         done = getattr(self._slot, "device_done", None)
         if done is not None:  # (a GPU: this thread's later kernels run after the results)
-            torch.cuda.current_stream(done.device).wait_event(done)
+            done.wait_here()
 
     def done(self) -> bool:
         return self._slot.event.is_set()
@@ -226,15 +226,28 @@ class SlotHandle:
         return self._slot.completed_at
 
 
-def _ready_event(tensors: tuple[torch.Tensor, ...]) -> Any:
-    """A CUDA event recorded on this thread's current stream of the tensors' GPU (None for
-    CPU tensors): it fires once every kernel queued there so far has run."""
-    device = next((tensor.device for tensor in tensors if tensor.is_cuda), None)
-    if device is None:
-        return None
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(torch.cuda.current_stream(device))
-    return event
+@dataclass
+class DeviceMark:
+    """A CUDA event recorded on a thread's current stream of ``device``: it fires once every
+    kernel queued there before it has run."""
+
+    event: Any
+    device: torch.device
+
+    @classmethod
+    def now(cls, tensors: tuple[torch.Tensor, ...]) -> DeviceMark | None:
+        """A mark on this thread's current stream of the tensors' GPU (None: CPU tensors)."""
+        device = next((tensor.device for tensor in tensors if tensor.is_cuda), None)
+        if device is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        return cls(event, device)
+
+    def wait_here(self) -> None:
+        """Make this thread's current stream of the device wait for the mark (the host does
+        not wait)."""
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -342,7 +355,7 @@ class InProcessComm:
         tensors: tuple[torch.Tensor, ...],
         compute: Callable[[list[_Post]], None],
     ) -> Handle:
-        post = _Post(signature, tensors, _ready_event(tensors))
+        post = _Post(signature, tensors, DeviceMark.now(tensors))
         slot = self._group.post(self._rank, what, post, compute)
         return SlotHandle(slot, lambda: self._group.wait(slot, self._rank, what))
 
