@@ -4,7 +4,7 @@ Run on a machine with one GPU, from the repository root (no network access neede
 bundled corpus's tokenizer is trained on first use, cached in ``$LOWCOMM_CACHE_DIR`` or
 ``~/.cache/lowcomm``)::
 
-    PYTHONPATH=src python3 benchmarks/gpu_inprocess_check.py [--out DIR]
+    python3 benchmarks/gpu_inprocess_check.py [--out DIR]     # (imports lowcomm from ./src)
 
 Checks, each reported PASS or FAIL, then a summary (exit status 0 only if all pass):
 
@@ -70,7 +70,16 @@ def _stand_in_tyro() -> None:
         print("note: tyro is not installed; a stand-in serves its annotations", flush=True)
 
 
+def _find_lowcomm() -> None:
+    """Import lowcomm from this checkout's src/ (the code beside the script), whatever is
+    installed."""
+    source = Path(__file__).resolve().parents[1] / "src"
+    if (source / "lowcomm").is_dir():
+        sys.path.insert(0, str(source))
+
+
 _stand_in_tyro()
+_find_lowcomm()
 
 import torch  # noqa: E402
 

@@ -66,14 +66,17 @@ def train_in_process(
     log_path: Path | None = None,
     task: Task | None = None,
 ) -> list[WorkerSummary]:
-    """Train ``config``'s workers as threads of this process; return their summaries in rank
-    order (the run directory is written as by worker processes). ``task``: the model, data
-    and loss (:mod:`lowcomm.train.task`; default ``lowcomm train``'s), shared by the threads.
+    """Train ``config``'s workers as threads of this process (a thread per rank of a
+    hierarchical worker); return their summaries in global rank order (the run directory is
+    written as by worker processes). ``task``: the model, data and loss
+    (:mod:`lowcomm.train.task`; default ``lowcomm train``'s), shared by the threads.
 
     The caller has checked and prepared the run as :func:`lowcomm.launch.run.run_training`
     does (``config.validate()``, pre-flight, the corpus).
 
     Raises:
+        ConfigError: the built model's dropout cannot be each worker's own, or (on a GPU)
+            the workers do not fit its memory (:func:`check_shared`).
         WorkerFailed: a worker raised (its traceback goes to ``log_path``, else stderr).
         Interrupted: this process got SIGINT or SIGTERM; every worker has stopped.
     """
