@@ -519,21 +519,35 @@ def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str)
         assert "peak_device_memory_bytes_per_worker" not in summary
 
 
+class _FakeTime:
+    """A host clock that moves only when slept on (``time.perf_counter`` and ``time.sleep``
+    for :mod:`lowcomm.comm.cuda_arrival`): the fake GPU below reads it too, so a conversion
+    between the two clocks is exact whatever else the machine is doing."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
 class _FakeCuda:
     """A stand-in for ``torch.cuda``'s streams and timing events: the GPU's clock is the
-    host's ``perf_counter`` plus an offset; a stream made to wait for a work is ready when
-    the work's data arrives; an event records when its stream is ready."""
+    host's (a :class:`_FakeTime`) plus an offset; a stream made to wait for a work is ready
+    when the work's data arrives; an event records when its stream is ready."""
 
     OFFSET = 5000.0  # GPU time - host time
 
-    def __init__(self) -> None:
+    def __init__(self, clock: _FakeTime) -> None:
+        self.clock = clock
         self.current: Any = "default"
         self.streams: list[Any] = []
 
     def gpu_now(self) -> float:
-        import time
-
-        return time.perf_counter() + self.OFFSET
+        return self.clock.perf_counter() + self.OFFSET
 
     def Stream(self, device: torch.device) -> Any:
         stream = _FakeStream(device)
@@ -568,10 +582,8 @@ class _FakeEvent:
         self.at = max(stream.ready_at, self.cuda.gpu_now())
 
     def synchronize(self) -> None:
-        import time
-
         assert self.at is not None
-        time.sleep(max(0.0, self.at - self.cuda.gpu_now()))
+        self.cuda.clock.sleep(self.at - self.cuda.gpu_now())
 
     def elapsed_time(self, end: _FakeEvent) -> float:
         assert self.at is not None and end.at is not None
@@ -609,35 +621,38 @@ class _FakeNcclFuture:
             stream.ready_at = max(stream.ready_at, self.work.arrives)
 
 
-def test_an_nccl_collectives_arrival_is_timed_on_a_side_stream_without_blocking() -> None:
+def test_an_nccl_collectives_arrival_is_timed_on_a_side_stream_without_blocking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """NCCL's completion future fires at the launch; the arrival comes from a timing event
     on a side stream that waits for the work: the launch does not block the host or touch
     the compute stream, and the arrival converts back to the host's clock."""
-    import time
-
+    import lowcomm.comm.cuda_arrival as cuda_arrival
     from lowcomm.comm.cuda_arrival import EventArrival
     from lowcomm.comm.torch_comm import _WorkHandle
 
-    cuda = _FakeCuda()
+    clock = _FakeTime()
+    monkeypatch.setattr(cuda_arrival, "time", clock)
+    cuda = _FakeCuda(clock)
     device = torch.device("cuda", 0)
     work = _FakeNcclWork(cuda, delay=0.15)
-    begin = time.perf_counter()
+    begin = clock.perf_counter()
     arrival = EventArrival(work, device, cuda=cuda)
-    assert time.perf_counter() - begin < 0.1  # the launch did not wait for the data
+    assert clock.perf_counter() == begin  # the launch did not wait for the data
     assert work.waited_on == [cuda.streams[0]]  # the side stream waits, not "default"
     assert work.work_waits == 0  # not work.wait(): the collective's tensors stay held
     assert cuda.current == "default"
     handle = _WorkHandle(None, arrival=arrival)
     arrived = handle.completed_at()  # asked early: waits for the data
-    assert arrived == pytest.approx(work.arrives - cuda.OFFSET, abs=0.01)
-    assert time.perf_counter() >= arrived
+    assert arrived == pytest.approx(work.arrives - cuda.OFFSET, abs=1e-9)
+    assert clock.perf_counter() == pytest.approx(begin + 0.15, abs=1e-9)  # it waited for it
     assert handle.completed_at() == arrived  # read once
     # A second collective of the same device uses the same side stream; one arrived long
     # before it is asked for still reads as its arrival, not as the time it was asked.
     early = _FakeNcclWork(cuda, delay=0.0)
     second = EventArrival(early, device, cuda=cuda)
-    time.sleep(0.1)
-    assert second.completed_at() == pytest.approx(early.arrives - cuda.OFFSET, abs=0.01)
+    clock.sleep(0.1)
+    assert second.completed_at() == pytest.approx(early.arrives - cuda.OFFSET, abs=1e-9)
     assert len(cuda.streams) == 2  # one side and one reference stream per device
 
 
