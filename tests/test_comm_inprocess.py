@@ -136,3 +136,20 @@ def test_the_emulation_prices_in_process_collectives_as_gloos() -> None:
     assert [launch for launch, _ in results] == pytest.approx([1.0, 2.0, 3.0])
     assert all(end == pytest.approx(3.0 + cost) for _, end in results)
     assert counted == pytest.approx([2 * 2 / 3 * 1e6] * 3)  # a ring all-reduce's, per rank
+
+
+def test_the_member_that_completes_a_collective_is_charged_none_of_its_arithmetic() -> None:
+    """The last member to post reduces every member's tensors; on the calibrated clock that
+    is the collective's work, not the worker's (a worker process waiting for Gloo writes
+    nothing either), so its element counter sees none of it, and sees its own work still."""
+    from lowcomm.comm.calibration import ElementCounter
+
+    group = InProcessGroup(2)
+    group.comm(0).reduce_scatter(torch.empty(500), torch.ones(1000), role=Role.GRADIENT)
+    output, input, own = torch.empty(500), torch.ones(1000), torch.ones(7)
+    counter = ElementCounter()
+    with counter:
+        group.comm(1).reduce_scatter(output, input, role=Role.GRADIENT).wait()
+        own.mul_(2)
+    assert counter.elements == 7  # its own mul_ only
+    assert torch.equal(output, torch.full((500,), 2.0))

@@ -11,7 +11,10 @@ slot n. Posting never blocks; the last member to post computes every member's re
 order (so the result does not depend on which thread came last), writes it into each member's
 tensors and completes the slot. A sum over two members is ``a + b`` as Gloo's, and a sum
 reduce-scatter stacks and sums the chunks as ``TorchComm``'s exchange on Gloo does, so a run
-with its workers in one process gives the numbers of the run with one process per worker.
+with its workers in one process gives the numbers of the run with one process per worker. That
+arithmetic is the collective's, not the completing member's compute: it runs outside the
+thread's dispatch modes (:func:`~lowcomm.comm.base.collective_arithmetic`), so the calibrated
+clock charges it to no worker, as a worker process charges nothing for Gloo's.
 
 A member that fails aborts the group (:meth:`InProcessGroup.abort`): every waiting and every
 later collective of every member raises :class:`GroupAborted` at once, naming the cause.
@@ -36,6 +39,7 @@ from lowcomm.comm.base import (
     Settled,
     check_scatter_shapes,
     check_segments,
+    collective_arithmetic,
 )
 
 
@@ -150,7 +154,8 @@ class InProcessGroup:
                         f"{post.signature} on member {rank}; every member must issue the same "
                         f"collectives, of the same sizes, in the same order"
                     )
-            slot.compute(posts)
+            with collective_arithmetic():  # (the collective's work, charged to no worker)
+                slot.compute(posts)
             slot.complete = True
             slot.completed_at = time.perf_counter()
         except BaseException as error:
