@@ -576,14 +576,47 @@ def test_state_bytes_against_table_1() -> None:
 # --- multi-process -------------------------------------------------------------------------
 
 
+def _calibrated_acco(raw: Comm, model: nn.Module) -> dict[str, Any]:
+    """ACCO on the calibrated clock over ``raw`` (worker r is 1 + r times slower; the link
+    takes about three fast micro-batches per phase): what the clock and the model end at."""
+    calibration = Calibration(
+        seconds_per_microbatch=0.01, seconds_per_element=1e-9, micro_batch_size=1,
+        block_size=8, num_params=1,
+    )  # fmt: skip
+    clock = CalibratedClock(calibration, speed_factor=1.0 + raw.rank)
+    numel = sum(p.numel() for p in model.parameters())
+    profile = NetworkProfile(name="t", bandwidth_gbps=4 * numel / 0.03 * 8 / 1e9)
+    strategy = ACCO(model, NetworkComm(raw, profile, clock),
+                    StrategyContext(optim=ADAMW, total_steps=3))  # fmt: skip
+    calls = [0]
+
+    def closure() -> MicroBatchResult:
+        inputs, targets = global_batch(calls[0], raw.world_size)
+        rows = slice(4 * raw.rank, 4 * raw.rank + 4)
+        calls[0] += 1
+        with clock.microbatch():
+            _, loss = strategy.model(inputs[rows], targets[rows])
+            assert loss is not None
+            loss.backward()
+        return MicroBatchResult(float(loss.detach()), 4, inputs[rows].numel())
+
+    with clock.training():
+        counts = [strategy.step(closure).microbatches for _ in range(3)]
+        strategy.finish()
+        now = clock.now()
+    return {"now": now, "compute": clock.compute_s, "counts": counts,
+            "params": strategy.flat.params.clone()}  # fmt: skip
+
+
 def _gloo_equations() -> dict[str, Any]:
     """On each rank: ACCO (SGD, rank r forced to r+1 micro-batches per phase), ACCO (AdamW,
-    one per phase), DPU (SGD, r+1 per phase), all through the threaded chain on Gloo."""
+    one per phase), DPU (SGD, r+1 per phase), all through the threaded chain on Gloo; and
+    ACCO on the calibrated clock (:func:`_calibrated_acco`)."""
     from lowcomm.comm.torch_comm import TorchComm
 
     comm = TorchComm()
     rank = comm.rank
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"calibrated": _calibrated_acco(comm, tiny_gpt())}
     runs = [
         ("acco_sgd", ACCO, "sgd", rank + 1, SGD),
         ("acco_adamw", ACCO, "adamw", 1, ADAMW),
@@ -602,7 +635,7 @@ def _gloo_equations() -> dict[str, Any]:
     return out
 
 
-def test_threaded_chain_on_two_gloo_ranks_follows_the_equations() -> None:
+def test_threaded_chain_on_two_gloo_ranks_follows_the_equations_as_in_one_process() -> None:
     from lowcomm.launch import spawn_workers
 
     results = spawn_workers(_gloo_equations, 2)
@@ -618,6 +651,21 @@ def test_threaded_chain_on_two_gloo_ranks_follows_the_equations() -> None:
             assert torch.equal(results[0][key][t], results[1][key][t]), (key, t)
             # ... equal to the equations, normalised by the summed counts of both workers
             assert torch.allclose(results[0][key][t], thetas[t], atol=1e-6), (key, t)
+    # The two workers as threads of this process: their chains run on the group's one
+    # scheduler, each measured by its own worker's meter, and the collectives' arithmetic is
+    # charged to no one (as Gloo's): the same clocks, micro-batch counts and parameters.
+    from lowcomm.comm.inprocess import InProcessGroup
+    from lowcomm.launch.inprocess import run_threads
+
+    group, models = InProcessGroup(2), [tiny_gpt(), tiny_gpt()]  # (the global RNG: not in threads)
+    threads = run_threads(
+        lambda rank: _calibrated_acco(group.comm(rank), models[rank]), 2, (group,)
+    )
+    for processes, inprocess in zip((r["calibrated"] for r in results), threads, strict=True):
+        assert inprocess["counts"] == processes["counts"] and len(set(processes["counts"])) > 1
+        assert abs(inprocess["now"] - processes["now"]) <= 1e-9
+        assert abs(inprocess["compute"] - processes["compute"]) <= 1e-9
+        assert torch.equal(inprocess["params"], processes["params"])
 
 
 def _heterogeneous(
@@ -713,7 +761,7 @@ def test_chain_runs_on_a_side_stream_on_gpu() -> None:
         _, loss = strategy.model(inputs.to(device), targets.to(device))
         assert loss is not None
         loss.backward()
-        overlapped.append(strategy.thread is not None and strategy.thread.busy)
+        overlapped.append(strategy.runner is not None and strategy.runner.busy)
         return MicroBatchResult(float(loss.detach()), inputs.shape[0], inputs.numel())
 
     for _ in range(3):

@@ -41,6 +41,7 @@ from lowcomm.comm.base import (
     check_segments,
     collective_arithmetic,
 )
+from lowcomm.comm.overlap import ChainScheduler
 
 
 class GroupAborted(RuntimeError):
@@ -56,6 +57,31 @@ class _Post:
     tensors: tuple[torch.Tensor, ...]
 
 
+class SignalingEvent(threading.Event):
+    """A ``threading.Event`` that also calls listeners once set: how a slot wakes the
+    :class:`~lowcomm.comm.overlap.ChainScheduler` waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._listeners_lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        super().set()
+        with self._listeners_lock:
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener()
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` once the event is set (now, if it is)."""
+        with self._listeners_lock:
+            if not self.is_set():
+                self._listeners.append(listener)
+                return
+        listener()
+
+
 @dataclass
 class _Slot:
     """The rendezvous of one collective (the same sequence number on every member)."""
@@ -64,7 +90,7 @@ class _Slot:
     compute: Callable[[list[_Post]], None]
     posts: list[_Post | None]
     remaining: int
-    event: threading.Event = field(default_factory=threading.Event)
+    event: SignalingEvent = field(default_factory=SignalingEvent)
     complete: bool = False
     error: BaseException | None = None
     completed_at: float | None = None
@@ -92,6 +118,8 @@ class InProcessGroup:
         self._issued = [0] * size
         self._abort_reason: str | None = None
         self._members = [InProcessComm(self, rank) for rank in range(size)]
+        #: Runs the members' communication chains (ACCO's), one thread for all of them.
+        self.chains = ChainScheduler(f"lowcomm-chains-{name}", timeout_s=timeout_s)
 
     def comm(self, rank: int) -> InProcessComm:
         """Member ``rank``'s communicator."""
@@ -185,7 +213,7 @@ class InProcessGroup:
 class SlotState(Protocol):
     """What a handle reads of a rendezvous slot (an in-process or a stacked one)."""
 
-    event: threading.Event
+    event: SignalingEvent
     completed_at: float | None
 
 
@@ -202,6 +230,10 @@ class SlotHandle:
 
     def done(self) -> bool:
         return self._slot.event.is_set()
+
+    def notify_when_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the slot completed or failed (now, if it has)."""
+        self._slot.event.listen(callback)
 
     def settle(self) -> Settled:
         self.wait()
@@ -309,6 +341,10 @@ class InProcessComm:
     @property
     def group(self) -> InProcessGroup:
         return self._group
+
+    def chain_scheduler(self) -> ChainScheduler:
+        """The group's scheduler of communication chains (one thread for every member)."""
+        return self._group.chains
 
     def _issue(
         self,
