@@ -368,11 +368,11 @@ class ChainScheduler:
         now = time.monotonic()
         timeout: float | None = None
         for running in active:
-            handle = running.handle
-            if isinstance(handle, Notifying):
+            notify = getattr(running.handle, "notify_when_done", None)  # (Notifying)
+            if notify is not None:
                 if not running.listening:
                     running.listening = True
-                    handle.notify_when_done(self._kick)
+                    notify(self._kick)
             else:
                 timeout = self.POLL_S
             if self.timeout_s is not None:
