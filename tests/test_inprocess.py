@@ -149,3 +149,31 @@ def test_a_run_in_one_process_starts_no_worker_server() -> None:
     assert _in_this_process(["--workers-per-process=4", "--steps", "3"])
     assert not _in_this_process(["--workers-per-process", "1"])
     assert not _in_this_process(["--workers", "8"])
+
+
+def test_a_workers_copy_of_the_initial_model_is_deepcopys() -> None:
+    """SharedSetup.copy_model hands deepcopy the empty containers already copied: the copy is
+    still the model's deep copy (own parameters equal in value, tied weights still tied, own
+    hook dicts, a hook registered on the original stays on it and a non-empty container is
+    copied), and copies share nothing with each other."""
+    import copy
+
+    import torch
+
+    from _dist import tiny_gpt
+    from lowcomm.train.shared import SharedSetup
+
+    model = tiny_gpt()
+    model.lm_head.register_forward_hook(lambda *args: None)
+    shared = SharedSetup(None, model, torch.get_rng_state(), None, lambda: None)  # type: ignore[arg-type]
+    first, second, reference = shared.copy_model(), shared.copy_model(), copy.deepcopy(model)
+    for copied in (first, second):
+        assert copied.lm_head.weight is copied.token_embedding.weight  # (tied in the GPT)
+        for (name, mine), theirs in zip(copied.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr(), name
+        for mine, theirs in zip(copied.modules(), model.modules(), strict=True):
+            assert mine is not theirs and mine._forward_hooks is not theirs._forward_hooks
+        assert len(copied.lm_head._forward_hooks) == 1  # the non-empty dict, copied
+    first.token_embedding.register_forward_hook(lambda *args: None)
+    assert not second.token_embedding._forward_hooks and not model.token_embedding._forward_hooks
+    assert first.state_dict().keys() == reference.state_dict().keys()

@@ -8,7 +8,6 @@ parameters the method would deploy, on a fixed set of held-out batches split acr
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import threading
 import time
@@ -231,7 +230,7 @@ def set_up(
         model = _shared_initial_model(config, task, raw, device)
         generator = torch.default_generator
     else:  # one of several workers in this process: a copy of the one initial model
-        model = copy.deepcopy(shared.model)
+        model = shared.copy_model()
         generator = torch.Generator()
         generator.set_state(shared.rng_state)
     if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
