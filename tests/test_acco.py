@@ -9,6 +9,7 @@ known exactly.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from lowcomm.comm import (
     Role,
     VirtualClock,
 )
-from lowcomm.comm.base import Comm
+from lowcomm.comm.base import Comm, Handle, Settled
 from lowcomm.comm.calibration import CalibratedClock, Calibration, ElementCounter
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
 from lowcomm.optim.schedule import learning_rate
@@ -746,11 +747,48 @@ def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str) -> None:
     assert summary["final_val_loss"] < 10
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_chain_runs_on_a_side_stream_on_gpu() -> None:
-    device = torch.device("cuda")
+class _GatedComm(RecordingComm):
+    """A recording comm whose all-gather (the chain's last collective) completes only once the
+    main thread has seen the chain in flight: the chain cannot finish before the backward pass
+    it overlaps with, however fast the device (on an H200 it did, and the test failed)."""
+
+    def __init__(self, *, world_size: int) -> None:
+        super().__init__(world_size=world_size)
+        self.seen_in_flight = threading.Event()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        done = super().all_gather(output, input, role=role)
+        gate = self.seen_in_flight
+
+        class _Gated:
+            def wait(self) -> None:
+                assert gate.wait(timeout=60), "the main thread never saw the chain in flight"
+                gate.clear()
+                done.wait()
+
+            def done(self) -> bool:
+                return gate.is_set()
+
+            def settle(self) -> Settled:
+                self.wait()
+                return Settled()
+
+        return _Gated()
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"
+        )),
+    ],
+)  # fmt: skip
+def test_the_main_thread_computes_while_the_chain_runs_on_a_side_stream(device: str) -> None:
     model = tiny_gpt().to(device)
-    strategy = ACCO(model, RecordingComm(world_size=2), StrategyContext(optim=ADAMW, total_steps=3),
+    comm = _GatedComm(world_size=2)
+    strategy = ACCO(model, comm, StrategyContext(optim=ADAMW, total_steps=3),
                     AccoOptions(microbatches_per_phase=2))  # fmt: skip
     calls = [0]
     overlapped = []
@@ -761,15 +799,23 @@ def test_chain_runs_on_a_side_stream_on_gpu() -> None:
         _, loss = strategy.model(inputs.to(device), targets.to(device))
         assert loss is not None
         loss.backward()
-        overlapped.append(strategy.runner is not None and strategy.runner.busy)
+        in_flight = strategy.runner is not None and strategy.runner.busy
+        overlapped.append(in_flight)
+        if in_flight:
+            comm.seen_in_flight.set()
         return MicroBatchResult(float(loss.detach()), inputs.shape[0], inputs.numel())
 
     for _ in range(3):
         strategy.step(closure)
-    assert strategy.last_chain_stream is not None
-    assert strategy.last_chain_stream != torch.cuda.default_stream(device)
-    # the main thread ran backward passes while a chain was in flight
-    assert any(overlapped)
+    strategy.finish()
+    # The main thread ran a backward pass while each chain was in flight (6 chains, 12 phase
+    # micro-batches after the first, priming one).
+    assert sum(overlapped) >= 6
+    if device == "cuda":
+        assert strategy.last_chain_stream is not None
+        assert strategy.last_chain_stream != torch.cuda.default_stream(torch.device(device))
+    else:
+        assert strategy.last_chain_stream is None
 
 
 def test_a_long_phase_is_announced_once(
