@@ -271,3 +271,31 @@ def test_a_worker_process_keeps_a_communication_thread_of_its_own() -> None:
     runner = chain_runner(RecordingComm(world_size=2))
     assert isinstance(runner, CommThread)
     runner.close()
+
+
+def test_a_failing_scheduler_ends_its_chains_and_the_next_chain_starts_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the scheduler's own loop fails every chain it holds (none waits forever), and
+    the next chain runs on a new thread."""
+    group = InProcessGroup(2, name="broken")
+    sleep = ChainScheduler._sleep
+    failed: list[bool] = []
+
+    def broken(self: ChainScheduler, active: list[object]) -> None:
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a scheduler bug, on purpose")
+        sleep(self, active)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ChainScheduler, "_sleep", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (the thread's traceback)
+    waiting = chain_runner(group.comm(0)).submit_chain(Chain(_chain(group.comm(0), [], 1)))
+    with pytest.raises(RuntimeError, match="a scheduler bug, on purpose"):
+        waiting.wait()  # (member 1 never posts: the scheduler went to sleep, and failed)
+
+    def nothing_to_issue() -> Steps[int]:
+        return 5
+        yield  # (a generator)
+
+    assert chain_runner(group.comm(1)).submit_chain(Chain(nothing_to_issue())).result() == 5

@@ -344,7 +344,10 @@ class ChainScheduler:
                 if not progressed:
                     self._sleep(active)
         except BaseException as error:  # a bug here: no chain may wait forever
-            for running in active + self._incoming:
+            with self._changed:
+                stranded, self._incoming = active + self._incoming, []
+                self._thread = None  # (the next submit starts a new thread)
+            for running in stranded:
                 running.fail(error)
             raise
 
