@@ -9,6 +9,7 @@ known exactly.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from lowcomm.comm import (
     Role,
     VirtualClock,
 )
-from lowcomm.comm.base import Comm
+from lowcomm.comm.base import Comm, Handle, Settled
 from lowcomm.comm.calibration import CalibratedClock, Calibration, ElementCounter
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
 from lowcomm.optim.schedule import learning_rate
@@ -576,14 +577,47 @@ def test_state_bytes_against_table_1() -> None:
 # --- multi-process -------------------------------------------------------------------------
 
 
+def _calibrated_acco(raw: Comm, model: nn.Module) -> dict[str, Any]:
+    """ACCO on the calibrated clock over ``raw`` (worker r is 1 + r times slower; the link
+    takes about three fast micro-batches per phase): what the clock and the model end at."""
+    calibration = Calibration(
+        seconds_per_microbatch=0.01, seconds_per_element=1e-9, micro_batch_size=1,
+        block_size=8, num_params=1,
+    )  # fmt: skip
+    clock = CalibratedClock(calibration, speed_factor=1.0 + raw.rank)
+    numel = sum(p.numel() for p in model.parameters())
+    profile = NetworkProfile(name="t", bandwidth_gbps=4 * numel / 0.03 * 8 / 1e9)
+    strategy = ACCO(model, NetworkComm(raw, profile, clock),
+                    StrategyContext(optim=ADAMW, total_steps=3))  # fmt: skip
+    calls = [0]
+
+    def closure() -> MicroBatchResult:
+        inputs, targets = global_batch(calls[0], raw.world_size)
+        rows = slice(4 * raw.rank, 4 * raw.rank + 4)
+        calls[0] += 1
+        with clock.microbatch():
+            _, loss = strategy.model(inputs[rows], targets[rows])
+            assert loss is not None
+            loss.backward()
+        return MicroBatchResult(float(loss.detach()), 4, inputs[rows].numel())
+
+    with clock.training():
+        counts = [strategy.step(closure).microbatches for _ in range(3)]
+        strategy.finish()
+        now = clock.now()
+    return {"now": now, "compute": clock.compute_s, "counts": counts,
+            "params": strategy.flat.params.clone()}  # fmt: skip
+
+
 def _gloo_equations() -> dict[str, Any]:
     """On each rank: ACCO (SGD, rank r forced to r+1 micro-batches per phase), ACCO (AdamW,
-    one per phase), DPU (SGD, r+1 per phase), all through the threaded chain on Gloo."""
+    one per phase), DPU (SGD, r+1 per phase), all through the threaded chain on Gloo; and
+    ACCO on the calibrated clock (:func:`_calibrated_acco`)."""
     from lowcomm.comm.torch_comm import TorchComm
 
     comm = TorchComm()
     rank = comm.rank
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"calibrated": _calibrated_acco(comm, tiny_gpt())}
     runs = [
         ("acco_sgd", ACCO, "sgd", rank + 1, SGD),
         ("acco_adamw", ACCO, "adamw", 1, ADAMW),
@@ -602,7 +636,7 @@ def _gloo_equations() -> dict[str, Any]:
     return out
 
 
-def test_threaded_chain_on_two_gloo_ranks_follows_the_equations() -> None:
+def test_threaded_chain_on_two_gloo_ranks_follows_the_equations_as_in_one_process() -> None:
     from lowcomm.launch import spawn_workers
 
     results = spawn_workers(_gloo_equations, 2)
@@ -618,6 +652,21 @@ def test_threaded_chain_on_two_gloo_ranks_follows_the_equations() -> None:
             assert torch.equal(results[0][key][t], results[1][key][t]), (key, t)
             # ... equal to the equations, normalised by the summed counts of both workers
             assert torch.allclose(results[0][key][t], thetas[t], atol=1e-6), (key, t)
+    # The two workers as threads of this process: their chains run on the group's one
+    # scheduler, each measured by its own worker's meter, and the collectives' arithmetic is
+    # charged to no one (as Gloo's): the same clocks, micro-batch counts and parameters.
+    from lowcomm.comm.inprocess import InProcessGroup
+    from lowcomm.launch.inprocess import run_threads
+
+    group, models = InProcessGroup(2), [tiny_gpt(), tiny_gpt()]  # (the global RNG: not in threads)
+    threads = run_threads(
+        lambda rank: _calibrated_acco(group.comm(rank), models[rank]), 2, (group,)
+    )
+    for processes, inprocess in zip((r["calibrated"] for r in results), threads, strict=True):
+        assert inprocess["counts"] == processes["counts"] and len(set(processes["counts"])) > 1
+        assert abs(inprocess["now"] - processes["now"]) <= 1e-9
+        assert abs(inprocess["compute"] - processes["compute"]) <= 1e-9
+        assert torch.equal(inprocess["params"], processes["params"])
 
 
 def _heterogeneous(
@@ -698,11 +747,48 @@ def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str) -> None:
     assert summary["final_val_loss"] < 10
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_chain_runs_on_a_side_stream_on_gpu() -> None:
-    device = torch.device("cuda")
+class _GatedComm(RecordingComm):
+    """A recording comm whose all-gather (the chain's last collective) completes only once the
+    main thread has seen the chain in flight: the chain cannot finish before the backward pass
+    it overlaps with, however fast the device (on an H200 it did, and the test failed)."""
+
+    def __init__(self, *, world_size: int) -> None:
+        super().__init__(world_size=world_size)
+        self.seen_in_flight = threading.Event()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        done = super().all_gather(output, input, role=role)
+        gate = self.seen_in_flight
+
+        class _Gated:
+            def wait(self) -> None:
+                assert gate.wait(timeout=60), "the main thread never saw the chain in flight"
+                gate.clear()
+                done.wait()
+
+            def done(self) -> bool:
+                return gate.is_set()
+
+            def settle(self) -> Settled:
+                self.wait()
+                return Settled()
+
+        return _Gated()
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"
+        )),
+    ],
+)  # fmt: skip
+def test_the_main_thread_computes_while_the_chain_runs_on_a_side_stream(device: str) -> None:
     model = tiny_gpt().to(device)
-    strategy = ACCO(model, RecordingComm(world_size=2), StrategyContext(optim=ADAMW, total_steps=3),
+    comm = _GatedComm(world_size=2)
+    strategy = ACCO(model, comm, StrategyContext(optim=ADAMW, total_steps=3),
                     AccoOptions(microbatches_per_phase=2))  # fmt: skip
     calls = [0]
     overlapped = []
@@ -713,15 +799,23 @@ def test_chain_runs_on_a_side_stream_on_gpu() -> None:
         _, loss = strategy.model(inputs.to(device), targets.to(device))
         assert loss is not None
         loss.backward()
-        overlapped.append(strategy.thread is not None and strategy.thread.busy)
+        in_flight = strategy.runner is not None and strategy.runner.busy
+        overlapped.append(in_flight)
+        if in_flight:
+            comm.seen_in_flight.set()
         return MicroBatchResult(float(loss.detach()), inputs.shape[0], inputs.numel())
 
     for _ in range(3):
         strategy.step(closure)
-    assert strategy.last_chain_stream is not None
-    assert strategy.last_chain_stream != torch.cuda.default_stream(device)
-    # the main thread ran backward passes while a chain was in flight
-    assert any(overlapped)
+    strategy.finish()
+    # The main thread ran a backward pass while each chain was in flight (6 chains, 12 phase
+    # micro-batches after the first, priming one).
+    assert sum(overlapped) >= 6
+    if device == "cuda":
+        assert strategy.last_chain_stream is not None
+        assert strategy.last_chain_stream != torch.cuda.default_stream(torch.device(device))
+    else:
+        assert strategy.last_chain_stream is None
 
 
 def test_a_long_phase_is_announced_once(

@@ -27,7 +27,7 @@ from lowcomm.bench.scale import (
 
 def _run(mode: str, workers: int, loss: float = 7.5, modeled: float = 1.25) -> ScaleRun:
     return ScaleRun(
-        mode=mode, workers=workers, first_step_s=1.0, exit_s=2.0, returncode=0,
+        mode=mode, workers=workers, first_step_s=1.0, exit_s=2.0, setup_s=0.5, returncode=0,
         peak_rss_bytes=2**30, peak_threads=5, tokens_per_s=1000.0, final_val_loss=loss,
         modeled_time_s=modeled,
     )  # fmt: skip
@@ -51,6 +51,8 @@ def test_the_commands_differ_only_in_placement(tmp_path: Path) -> None:
     process = train_command(bench, "process", 16, tmp_path, tmp_path / "c.json")
     inprocess = train_command(bench, "inprocess", 16, tmp_path, tmp_path / "c.json")
     assert inprocess[: len(process)] == process
+    # Every step logged: metrics.jsonl's first line, the bench's "first step", is step 1's.
+    assert process[process.index("--log-every") + 1] == "1"
     assert inprocess[len(process) :] == ["--workers-per-process", "16"]
     limit = train_command(bench, "limit", 16, tmp_path, tmp_path / "c.json")
     assert limit[limit.index("--workers") + 1] == "1"

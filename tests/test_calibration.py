@@ -173,10 +173,15 @@ def test_calibrated_clock_charges_fixed_costs_only() -> None:
         assert clock.now() == pytest.approx(2.0 * 0.5)
         _ = torch.ones(100).mul_(2.0)  # ones (100) + mul_ (100) outside: 200 elements
         assert clock.now() == pytest.approx(2.0 * (0.5 + 200e-6))
-        with clock.excluded():
-            _ = torch.ones(10_000) + 1
-        with clock.blocked():
-            _ = torch.ones(10_000) + 1
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        for region in (clock.excluded, clock.blocked):
+            with region():  # counted nothing, and (innermost) no hook on its operations
+                assert _get_current_dispatch_mode() is None
+                _ = torch.ones(10_000) + 1
+                with clock.blocked():  # (nested: still nothing)
+                    _ = torch.ones(10_000) + 1
+            assert _get_current_dispatch_mode() is clock.counter
         clock.wait_until(clock.now() + 1.0)
     assert clock.compute_s == pytest.approx(2.0 * (0.5 + 200e-6))
     assert clock.exposed_comm_s == pytest.approx(1.0)

@@ -1,6 +1,7 @@
 """The in-process comm (``--workers-per-process``): the semantics TorchComm has on Gloo
-(test_comm_gloo.py's cases), asynchronous handles, determinism, and a failing member that
-aborts its group instead of leaving its peers hanging."""
+(test_comm_gloo.py's cases), asynchronous handles, determinism, a failing member that
+aborts its group instead of leaving its peers hanging, and the one scheduler that runs every
+member's communication chains."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from lowcomm.comm import CollectiveKind, NetworkComm, NetworkProfile, Role, VirtualClock
 from lowcomm.comm.base import CollectiveTimeout
 from lowcomm.comm.inprocess import GroupAborted, InProcessComm, InProcessGroup
+from lowcomm.comm.overlap import Chain, ChainLane, ChainScheduler, CommThread, Steps, chain_runner
 from lowcomm.launch import WorkerFailed
 from lowcomm.launch.inprocess import run_threads
 from test_comm_gloo import check_three_ranks, collectives_on
@@ -136,3 +138,164 @@ def test_the_emulation_prices_in_process_collectives_as_gloos() -> None:
     assert [launch for launch, _ in results] == pytest.approx([1.0, 2.0, 3.0])
     assert all(end == pytest.approx(3.0 + cost) for _, end in results)
     assert counted == pytest.approx([2 * 2 / 3 * 1e6] * 3)  # a ring all-reduce's, per rank
+
+
+def test_the_member_that_completes_a_collective_is_charged_none_of_its_arithmetic() -> None:
+    """The last member to post reduces every member's tensors; on the calibrated clock that
+    is the collective's work, not the worker's (a worker process waiting for Gloo writes
+    nothing either), so its element counter sees none of it, and sees its own work still."""
+    from lowcomm.comm.calibration import ElementCounter
+
+    group = InProcessGroup(2)
+    group.comm(0).reduce_scatter(torch.empty(500), torch.ones(1000), role=Role.GRADIENT)
+    output, input, own = torch.empty(500), torch.ones(1000), torch.ones(7)
+    counter = ElementCounter()
+    with counter:
+        group.comm(1).reduce_scatter(output, input, role=Role.GRADIENT).wait()
+        own.mul_(2)
+    assert counter.elements == 7  # its own mul_ only
+    assert torch.equal(output, torch.full((500,), 2.0))
+
+
+# --- communication chains: one scheduler for every member (lowcomm.comm.overlap) -------------
+
+
+def _chain(comm: InProcessComm, seen: list[str], rounds: int) -> Steps[torch.Tensor]:
+    """A chain of ``rounds`` all-reduces with compute between them (as ACCO's: sum, step,
+    gather), recording the thread that runs each part."""
+    value = torch.full((4,), float(comm.rank + 1))
+    for _ in range(rounds):
+        seen.append(threading.current_thread().name)
+        handle = comm.all_reduce(value, op="sum", role=Role.GRADIENT)
+        yield handle
+        handle.wait()
+        value.mul_(0.5)
+    gathered = torch.empty(4 * comm.world_size)
+    handle = comm.all_gather(gathered, value, role=Role.PARAMETER)
+    yield handle
+    handle.wait()
+    return gathered
+
+
+def test_the_chains_of_every_member_run_on_one_thread_of_the_group() -> None:
+    """Each member submits its chain from its own thread, at its own time; one scheduler
+    thread carries all of them (a collective completes once every member's chain posted it,
+    so the scheduler resumes whichever chain can go on), and each gets its own result."""
+    import time
+
+    members, rounds = 4, 3
+    group = InProcessGroup(members)
+    seen: list[str] = []
+
+    def member(comm: InProcessComm) -> torch.Tensor:
+        runner = chain_runner(comm)
+        assert isinstance(runner, ChainLane)
+        time.sleep(0.02 * comm.rank)  # (the others' chains wait for this one's posts)
+        future = runner.submit_chain(Chain(_chain(comm, seen, rounds)))
+        with pytest.raises(RuntimeError, match="previous one is still running"):
+            runner.submit_chain(Chain(_chain(comm, seen, rounds)))
+        result = future.result()
+        runner.close()
+        return result
+
+    results = on_members(group, member)
+    total = 0.5 * sum(range(1, members + 1))  # the first round's sum, halved
+    for _ in range(rounds - 1):
+        total = 0.5 * members * total
+    for result in results:
+        assert torch.equal(result, torch.full((4 * members,), total))
+    assert set(seen) == {"lowcomm-chains-group"} and len(seen) == members * rounds
+
+
+def test_each_chain_is_measured_by_its_own_meter() -> None:
+    """The scheduler interleaves the chains; each resumption runs in its own chain's meter,
+    so every worker is charged exactly its own chain's elements (and none of the
+    collectives' arithmetic)."""
+    from lowcomm.comm.calibration import ElementMeter
+
+    group = InProcessGroup(3)
+
+    def member(comm: InProcessComm) -> float:
+        meter = ElementMeter(seconds_per_element=1.0)
+
+        def steps() -> Steps[None]:
+            for size in (10, 100):
+                own = torch.zeros(size * (comm.rank + 1))
+                own.add_(1)  # written: size x (rank + 1), twice (zeros, add_)
+                handle = comm.all_reduce(own[:size], op="sum", role=Role.GRADIENT)
+                yield handle
+                handle.wait()
+
+        chain_runner(comm).submit_chain(Chain(steps(), meter)).wait()
+        return meter.seconds()
+
+    for rank, charged in enumerate(on_members(group, member)):
+        assert charged == 2 * (10 + 100) * (rank + 1)
+
+
+def test_a_failing_member_ends_the_chains_its_peers_wait_on() -> None:
+    group = InProcessGroup(3)
+
+    def member(comm: InProcessComm) -> None:
+        if comm.rank == 2:
+            raise RuntimeError("injected failure on purpose")
+        runner = chain_runner(comm)
+        runner.submit_chain(Chain(_chain(comm, [], rounds=2))).wait()  # never completes
+
+    with pytest.raises(WorkerFailed, match="worker 2 failed: RuntimeError: injected failure"):
+        on_members(group, member)
+
+
+def test_the_scheduler_thread_ends_once_idle_and_starts_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    monkeypatch.setattr(ChainScheduler, "IDLE_S", 0.05)
+    group = InProcessGroup(1, name="idle")
+
+    def alive() -> bool:
+        return any(t.name == "lowcomm-chains-idle" for t in threading.enumerate())
+
+    for _ in range(2):
+        chain_runner(group.comm(0)).submit_chain(Chain(_chain(group.comm(0), [], 1))).wait()
+        deadline = time.monotonic() + 5
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not alive()
+
+
+def test_a_worker_process_keeps_a_communication_thread_of_its_own() -> None:
+    from lowcomm.comm import RecordingComm
+
+    runner = chain_runner(RecordingComm(world_size=2))
+    assert isinstance(runner, CommThread)
+    runner.close()
+
+
+def test_a_failing_scheduler_ends_its_chains_and_the_next_chain_starts_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the scheduler's own loop fails every chain it holds (none waits forever), and
+    the next chain runs on a new thread."""
+    group = InProcessGroup(2, name="broken")
+    sleep = ChainScheduler._sleep
+    failed: list[bool] = []
+
+    def broken(self: ChainScheduler, active: list[object]) -> None:
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a scheduler bug, on purpose")
+        sleep(self, active)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ChainScheduler, "_sleep", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (the thread's traceback)
+    waiting = chain_runner(group.comm(0)).submit_chain(Chain(_chain(group.comm(0), [], 1)))
+    with pytest.raises(RuntimeError, match="a scheduler bug, on purpose"):
+        waiting.wait()  # (member 1 never posts: the scheduler went to sleep, and failed)
+
+    def nothing_to_issue() -> Steps[int]:
+        return 5
+        yield  # (a generator)
+
+    assert chain_runner(group.comm(1)).submit_chain(Chain(nothing_to_issue())).result() == 5

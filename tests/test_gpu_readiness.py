@@ -436,6 +436,7 @@ def test_the_communication_thread_binds_the_strategys_gpu(monkeypatch: pytest.Mo
 
 
 def test_acco_gives_its_thread_the_parameters_device() -> None:
+    from lowcomm.comm.overlap import CommThread
     from lowcomm.strategies.acco import ACCO
 
     with stand_in_gpu():
@@ -453,7 +454,7 @@ def test_acco_gives_its_thread_the_parameters_device() -> None:
             return MicroBatchResult(loss=1.0, samples=2, tokens=batch.numel())
 
         strategy.step(closure)
-        assert strategy.thread is not None and strategy.thread.device == GPU
+        assert isinstance(strategy.runner, CommThread) and strategy.runner.device == GPU
         strategy.finish()
 
 

@@ -14,8 +14,16 @@ from typing import Any
 import pytest
 
 from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.data import DataConfig
 from lowcomm.launch.run import run_training
+from lowcomm.models import ModelConfig
 from lowcomm.strategies import STRATEGIES
+from lowcomm.strategies.acco import AccoOptions
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.desloc import DeslocOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
+from lowcomm.strategies.sparseloco import SparseLoCoOptions
+from lowcomm.strategies.sparta import SpartaOptions
 from test_resume import tiny_config
 
 STEPS = 6
@@ -89,17 +97,40 @@ def test_checkpoints_cross_placements_and_worker_counts(tmp_path: Path) -> None:
         _same_steps(_steps(out), _steps(straight))
 
 
-@pytest.mark.benchmark  # a scale claim (minutes on 2 cores): make test-benchmarks runs it
+def _sixty_four_workers(method: str, out: Path) -> TrainConfig:
+    """``method`` on 64 workers in one process, cheap enough for the slow tier (about 2 s a
+    method here): a 1-block GPT 16 wide on 8 tokens, one sequence per micro-batch, 2 steps on
+    the datacenter link (on wan, 64 workers' ring latency is over a second of modeled time per
+    collective, which ACCO, DPU and WP fill with about 100 micro-batches a step), every
+    method's period 1 or 2 so that each communicates within them. DeMo takes 1 step: each
+    worker decodes every worker's message, 64 x 64 decodes a step (about 6 s here)."""
+    steps = 1 if method == "demo" else 2
+    config = tiny_config(
+        method, out, steps=steps, eval_every=100, eval_batches=1, network="datacenter"
+    )
+    config.workers = config.workers_per_process = 64
+    config.model = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    config.data = DataConfig(micro_batch_size=1)
+    config.local = LocalOptions(sync_every=1)
+    config.diloco = DiLoCoOptions(sync_every=2, overlap_steps=0)
+    config.desloc = DeslocOptions(
+        param_period=1, **({"first_moment_period": 2, "second_moment_period": 2}
+                           if method == "desloc" else {})
+    )  # fmt: skip
+    config.sparseloco = SparseLoCoOptions(sync_every=1)
+    config.sparta = SpartaOptions(sync_every=1)
+    config.acco = AccoOptions(dpu_warmup_steps=1)
+    return config
+
+
+@pytest.mark.slow  # 23 methods, 60-90 s in all on this 2-core machine
 @pytest.mark.parametrize("method", sorted(STRATEGIES))
 def test_every_method_trains_64_workers_in_one_process(method: str, tmp_path: Path) -> None:
-    # (On the datacenter link: on wan, 64 workers' ring latency is over a second of modeled
-    # time per collective, which ACCO, DPU and WP fill with about 100 micro-batches a step.)
-    config = tiny_config(method, tmp_path / method, steps=4, eval_every=100, network="datacenter")
-    config.workers = config.workers_per_process = 64
-    config.speed_factors = ()
+    config = _sixty_four_workers(method, tmp_path / method)
     summary = run_training(config, report=None)
     assert summary is not None and math.isfinite(summary["final_val_loss"])
-    assert len(_steps(tmp_path / method)) == 4
+    assert len(_steps(tmp_path / method)) == config.steps
+    assert summary["bytes_sent_per_worker"] > 0  # (every method communicated)
 
 
 def test_a_run_in_one_process_starts_no_worker_server() -> None:
@@ -109,3 +140,31 @@ def test_a_run_in_one_process_starts_no_worker_server() -> None:
     assert _in_this_process(["--workers-per-process=4", "--steps", "3"])
     assert not _in_this_process(["--workers-per-process", "1"])
     assert not _in_this_process(["--workers", "8"])
+
+
+def test_a_workers_copy_of_the_initial_model_is_deepcopys() -> None:
+    """SharedSetup.copy_model hands deepcopy the empty containers already copied: the copy is
+    still the model's deep copy (own parameters equal in value, tied weights still tied, own
+    hook dicts, a hook registered on the original stays on it and a non-empty container is
+    copied), and copies share nothing with each other."""
+    import copy
+
+    import torch
+
+    from _dist import tiny_gpt
+    from lowcomm.train.shared import SharedSetup
+
+    model = tiny_gpt()
+    model.lm_head.register_forward_hook(lambda *args: None)
+    shared = SharedSetup(None, model, torch.get_rng_state(), None, lambda: None)  # type: ignore[arg-type]
+    first, second, reference = shared.copy_model(), shared.copy_model(), copy.deepcopy(model)
+    for copied in (first, second):
+        assert copied.lm_head.weight is copied.token_embedding.weight  # (tied in the GPT)
+        for (name, mine), theirs in zip(copied.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr(), name
+        for mine, theirs in zip(copied.modules(), model.modules(), strict=True):
+            assert mine is not theirs and mine._forward_hooks is not theirs._forward_hooks
+        assert len(copied.lm_head._forward_hooks) == 1  # the non-empty dict, copied
+    first.token_embedding.register_forward_hook(lambda *args: None)
+    assert not second.token_embedding._forward_hooks and not model.token_embedding._forward_hooks
+    assert first.state_dict().keys() == reference.state_dict().keys()

@@ -18,7 +18,8 @@ time equals the straight run's.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -230,6 +231,25 @@ def arrival_stamp(handle: object) -> float | None:
     the handle's wait: an NCCL collective's arrival is waited for."""
     completed_at = getattr(handle, "completed_at", None)
     return None if completed_at is None else completed_at()
+
+
+@contextmanager
+def collective_arithmetic() -> Iterator[None]:
+    """The arithmetic a collective does to deliver its result (the reduction of the members'
+    tensors in one process, the local sum after an exchange) runs in here: outside the calling
+    thread's dispatch modes, so the calibrated clock's element counter
+    (:class:`lowcomm.comm.calibration.ElementCounter`) does not charge it to the worker that
+    happens to run it. It is the collective's, priced by the network model: a worker process
+    waiting for Gloo does none of it on its own thread, and in one process the member that
+    completes a collective reduces every member's tensors."""
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    modes = [_pop_mode() for _ in range(torch._C._len_torch_dispatch_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _push_mode(mode)
 
 
 def payload_bytes(tensor: torch.Tensor) -> int:

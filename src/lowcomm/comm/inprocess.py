@@ -11,7 +11,10 @@ slot n. Posting never blocks; the last member to post computes every member's re
 order (so the result does not depend on which thread came last), writes it into each member's
 tensors and completes the slot. A sum over two members is ``a + b`` as Gloo's, and a sum
 reduce-scatter stacks and sums the chunks as ``TorchComm``'s exchange on Gloo does, so a run
-with its workers in one process gives the numbers of the run with one process per worker.
+with its workers in one process gives the numbers of the run with one process per worker. That
+arithmetic is the collective's, not the completing member's compute: it runs outside the
+thread's dispatch modes (:func:`~lowcomm.comm.base.collective_arithmetic`), so the calibrated
+clock charges it to no worker, as a worker process charges nothing for Gloo's.
 
 A member that fails aborts the group (:meth:`InProcessGroup.abort`): every waiting and every
 later collective of every member raises :class:`GroupAborted` at once, naming the cause.
@@ -44,7 +47,9 @@ from lowcomm.comm.base import (
     Settled,
     check_scatter_shapes,
     check_segments,
+    collective_arithmetic,
 )
+from lowcomm.comm.overlap import ChainScheduler
 
 
 class GroupAborted(RuntimeError):
@@ -62,6 +67,31 @@ class _Post:
     """On a GPU, a CUDA event on the poster's stream after its tensors were written."""
 
 
+class SignalingEvent(threading.Event):
+    """A ``threading.Event`` that also calls listeners once set: how a slot wakes the
+    :class:`~lowcomm.comm.overlap.ChainScheduler` waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._listeners_lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        super().set()
+        with self._listeners_lock:
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener()
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` once the event is set (now, if it is)."""
+        with self._listeners_lock:
+            if not self.is_set():
+                self._listeners.append(listener)
+                return
+        listener()
+
+
 @dataclass
 class _Slot:
     """The rendezvous of one collective (the same sequence number on every member)."""
@@ -70,7 +100,7 @@ class _Slot:
     compute: Callable[[list[_Post]], None]
     posts: list[_Post | None]
     remaining: int
-    event: threading.Event = field(default_factory=threading.Event)
+    event: SignalingEvent = field(default_factory=SignalingEvent)
     complete: bool = False
     error: BaseException | None = None
     completed_at: float | None = None
@@ -100,6 +130,8 @@ class InProcessGroup:
         self._issued = [0] * size
         self._abort_reason: str | None = None
         self._members = [InProcessComm(self, rank) for rank in range(size)]
+        #: Runs the members' communication chains (ACCO's), one thread for all of them.
+        self.chains = ChainScheduler(f"lowcomm-chains-{name}", timeout_s=timeout_s)
 
     def comm(self, rank: int) -> InProcessComm:
         """Member ``rank``'s communicator."""
@@ -165,7 +197,8 @@ class InProcessGroup:
             for post in posts:  # (a GPU: compute after every member's tensors are written)
                 if post.ready is not None:
                     post.ready.wait_here()
-            slot.compute(posts)
+            with collective_arithmetic():  # (the collective's work, charged to no worker)
+                slot.compute(posts)
             slot.device_done = DeviceMark.now(posts[0].tensors)
             slot.complete = True
             slot.completed_at = time.perf_counter()
@@ -196,7 +229,7 @@ class InProcessGroup:
 class SlotState(Protocol):
     """What a handle reads of a rendezvous slot (an in-process or a stacked one)."""
 
-    event: threading.Event
+    event: SignalingEvent
     completed_at: float | None
 
 
@@ -216,6 +249,10 @@ class SlotHandle:
 
     def done(self) -> bool:
         return self._slot.event.is_set()
+
+    def notify_when_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the slot completed or failed (now, if it has)."""
+        self._slot.event.listen(callback)
 
     def settle(self) -> Settled:
         self.wait()
@@ -347,6 +384,10 @@ class InProcessComm:
     @property
     def group(self) -> InProcessGroup:
         return self._group
+
+    def chain_scheduler(self) -> ChainScheduler:
+        """The group's scheduler of communication chains (one thread for every member)."""
+        return self._group.chains
 
     def _issue(
         self,

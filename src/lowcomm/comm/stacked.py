@@ -54,7 +54,8 @@ from lowcomm.comm.base import (
     check_scatter_shapes,
     check_segments,
 )
-from lowcomm.comm.inprocess import GroupAborted, SlotHandle
+from lowcomm.comm.inprocess import GroupAborted, SignalingEvent, SlotHandle
+from lowcomm.comm.overlap import ChainScheduler
 
 #: What a slot does once every member of this process posted: combine the members' tensors,
 #: run the inter-process collective on the group's ``inter`` comm, write every member's result.
@@ -78,7 +79,7 @@ class _Slot:
     plan: Plan
     posts: list[_Post | None]
     remaining: int
-    event: threading.Event = field(default_factory=threading.Event)
+    event: SignalingEvent = field(default_factory=SignalingEvent)
     complete: bool = False
     error: BaseException | None = None
     completed_at: float | None = None
@@ -114,6 +115,8 @@ class StackedGroup:
         self._abort_reason: str | None = None
         self._queue: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
         self._members = [StackedComm(self, k) for k in range(local_size)]
+        #: Runs the members' communication chains (ACCO's), one thread for all of them.
+        self.chains = ChainScheduler(f"lowcomm-chains-{name}", timeout_s=timeout_s)
         self._courier = threading.Thread(
             target=self._deliver, name=f"lowcomm-{name}-courier", daemon=True
         )
@@ -350,6 +353,11 @@ class StackedComm:
     @property
     def group(self) -> StackedGroup:
         return self._group
+
+    def chain_scheduler(self) -> ChainScheduler:
+        """The group's scheduler of communication chains (one thread for this process's
+        members)."""
+        return self._group.chains
 
     def _issue(
         self,

@@ -22,6 +22,7 @@ from lowcomm.comm.base import (
     Settled,
     check_scatter_shapes,
     check_segments,
+    collective_arithmetic,
 )
 from lowcomm.comm.cuda_arrival import EventArrival, blocking_wait
 
@@ -116,7 +117,8 @@ class _WorkHandle:
                     f"hung or is far slower (raise the timeout for a slow link)"
                 ) from None
         if self._finish is not None:
-            self._finish()
+            with collective_arithmetic():  # (the collective's, not the worker's compute)
+                self._finish()
         self._finished = True
         self._keep = ()  # the caller's wait ordered its stream after the collective
 
@@ -237,8 +239,9 @@ class TorchComm:
         differently), with the same transient buffer of the input's size that Gloo's own
         reduce-scatter allocates."""
         world_size = self._world_size
-        received = torch.empty_like(input).reshape(-1)
-        send = input.contiguous().reshape(-1)
+        with collective_arithmetic():
+            received = torch.empty_like(input).reshape(-1)
+            send = input.contiguous().reshape(-1)
         work = dist.all_to_all_single(received, send, group=self._group, async_op=True)
 
         def reduce() -> None:

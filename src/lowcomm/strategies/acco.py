@@ -12,7 +12,9 @@ buffer B, and run the chain
     C <- AR_sum(c_B);  g_hat <- RS_sum(B)[S_i] / C;  sharded optimizer step;  B <- AG(shard)
 
 on a communication thread (:class:`lowcomm.comm.overlap.CommThread`, plus a side CUDA stream
-on GPU) while the main thread keeps running the closure, accumulating micro-batch gradients
+on GPU; the workers of one process share their group's one
+:class:`~lowcomm.comm.overlap.ChainScheduler` instead) while the main thread keeps running the
+closure, accumulating micro-batch gradients
 into G (the flat gradient buffer) and counting them in n, until the chain is done (at least
 one micro-batch; "done" by the run's clock when the communicator is emulated). Then
 the *join*: theta <- B, B <- G, c_B <- n. Every reduction is normalised by C, the summed
@@ -24,7 +26,7 @@ B, c_B -> ``self.buffer``, ``self.buffer_count``; Theta_i, m_i, v_i, s -> ``self
 W -> ``options.dpu_warmup_steps``; the forced per-phase count -> ``options.microbatches_per_phase``.
 
 Thread safety (docs/ARCHITECTURE.md hazards): while a chain is in flight, every collective of
-the strategy is issued by the communication thread, on the runtime's *uncharged* channel
+the strategy is issued by the chain (on its runner's thread), on the runtime's *uncharged* channel
 (``self.uncharged``); the main thread issues none and only does the accounting through the
 runtime's ``offload`` (``offload`` / ``record``: bytes by role, modeled cost, completion time)
 and reads its own clock. Every
@@ -55,7 +57,14 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, payload_bytes
-from lowcomm.comm.overlap import CommThread, FutureHandle, HelperMeter, LaunchAgreement
+from lowcomm.comm.overlap import (
+    Chain,
+    ChainRunner,
+    FutureHandle,
+    HelperMeter,
+    Steps,
+    chain_runner,
+)
 from lowcomm.comm.runtime import ClockReader, Offload
 from lowcomm.optim.adamw import FlatAdamW
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
@@ -68,6 +77,7 @@ from lowcomm.strategies.base import (
     Strategy,
     StrategyContext,
     add_loss,
+    clip_,
 )
 from lowcomm.strategies.declaration import CostModel, every_step
 from lowcomm.strategies.flat import FlatBuffers
@@ -152,8 +162,8 @@ LONG_PHASE_SECONDS = 30.0
 
 @dataclass(frozen=True)
 class _Link:
-    """One collective of the chain, declared once: the communication thread issues it from
-    this declaration (:meth:`issue`) and the main thread accounts for it from the same one
+    """One collective of the chain, declared once: the chain issues it from this declaration
+    (:meth:`issue`) and the main thread accounts for it from the same one
     (``NetworkComm.record``), so the two cannot drift apart.
 
     Attributes:
@@ -161,38 +171,43 @@ class _Link:
         role: what the payload is.
         payload_bytes: the full (unsharded) payload, as the issuing methods count it;
             :meth:`issue` refuses a tensor of another size.
-        stage: what the thread does around the collective (prepares its tensors, calls
-            :meth:`issue`, consumes the result).
+        stage: the chain's steps around the collective (prepare its tensors, :meth:`issue`
+            it, consume the result).
     """
 
     kind: CollectiveKind
     role: Role
     payload_bytes: int
-    stage: Callable[[Comm, _Link], None]
+    stage: Callable[[Comm, _Link], Steps[None]]
 
-    def issue(self, comm: Comm, output: torch.Tensor, input: torch.Tensor | None = None) -> None:
-        """Issue this collective on ``comm`` and wait for it (on the communication thread)."""
+    def issue(
+        self, comm: Comm, output: torch.Tensor, input: torch.Tensor | None = None
+    ) -> Steps[None]:
+        """Issue this collective on ``comm``, yield its handle, then wait for it (the
+        chain's runner resumes it once the collective is done: the wait returns at once)."""
         full = input if self.kind is CollectiveKind.REDUCE_SCATTER else output
         assert full is not None and payload_bytes(full) == self.payload_bytes, (
             f"ACCO chain: {self.kind.value} declared with {self.payload_bytes} bytes, issued with "
             f"{None if full is None else payload_bytes(full)}"
         )
         if self.kind is CollectiveKind.ALL_REDUCE:
-            comm.all_reduce(output, op="sum", role=self.role).wait()
+            handle = comm.all_reduce(output, op="sum", role=self.role)
         elif self.kind is CollectiveKind.REDUCE_SCATTER:
             assert input is not None
-            comm.reduce_scatter(output, input, op="sum", role=self.role).wait()
+            handle = comm.reduce_scatter(output, input, op="sum", role=self.role)
         else:
             assert self.kind is CollectiveKind.ALL_GATHER and input is not None
-            comm.all_gather(output, input, role=self.role).wait()
+            handle = comm.all_gather(output, input, role=self.role)
+        yield handle
+        handle.wait()
 
 
 class _ChainRun:
     """One chain, ``C <- AR_sum(c_B); g_hat <- RS_sum(source)[S_i] / C; [AR_sum(|g_hat|^2),
-    clip]; optimizer; target <- AG(shard)``, built on the main thread and run on the
-    communication thread.
+    clip]; optimizer; target <- AG(shard)``, built on the main thread and run by the
+    worker's chain runner (its communication thread, or its group's scheduler).
 
-    :attr:`links` declares its collectives in issue order; :meth:`run` issues exactly these,
+    :attr:`links` declares its collectives in issue order; :meth:`steps` issues exactly these,
     and :meth:`_ShardedOverlap._launch` accounts for exactly these.
     """
 
@@ -223,49 +238,47 @@ class _ChainRun:
             _Link(CollectiveKind.ALL_GATHER, Role.PARAMETER, payload_bytes(target), self._step_and_gather),
         ]  # fmt: skip
 
-    def run(self, comm: Comm) -> int:
+    def steps(self, comm: Comm) -> Steps[int]:
         """Issue every link on ``comm`` in order; returns C."""
         for link in self.links:
-            link.stage(comm, link)
+            yield from link.stage(comm, link)
         return self.total
 
-    def _sum_counts(self, comm: Comm, link: _Link) -> None:
+    def _sum_counts(self, comm: Comm, link: _Link) -> Steps[None]:
         """C <- AR_sum(c_B)."""
         count = torch.full(
             (1,), float(self.local_count), dtype=torch.float64, device=self.source.device
         )
-        link.issue(comm, count)
+        yield from link.issue(comm, count)
         self.total = round(float(count.item()))
 
-    def _reduce_gradient(self, comm: Comm, link: _Link) -> None:
+    def _reduce_gradient(self, comm: Comm, link: _Link) -> Steps[None]:
         """g_hat <- RS_sum(source)[S_i] / C."""
         shard_grad = self.strategy.shard_grad
-        link.issue(comm, shard_grad, self.source)
+        yield from link.issue(comm, shard_grad, self.source)
         self.grad = average_and_clip(shard_grad, count=self.total, max_grad_norm=None)
 
-    def _clip(self, comm: Comm, link: _Link) -> None:
-        """Clip g_hat to the global norm: one scalar all-reduce of the shards' squared norms."""
+    def _clip(self, comm: Comm, link: _Link) -> Steps[None]:
+        """Clip g_hat to the global norm: one scalar all-reduce of the shards' squared norms
+        (``average_and_clip`` of a float32 gradient with count 1, its collective yielded)."""
         assert self.grad is not None
-        average_and_clip(
-            self.grad,
-            count=1,
-            max_grad_norm=self.strategy.context.max_grad_norm,
-            sum_squared_norm=lambda squared: link.issue(comm, squared),
-        )
+        squared = self.grad.square().sum().reshape(1).double()
+        yield from link.issue(comm, squared)
+        clip_(self.grad, squared, self.strategy.context.max_grad_norm)
 
-    def _step_and_gather(self, comm: Comm, link: _Link) -> None:
+    def _step_and_gather(self, comm: Comm, link: _Link) -> Steps[None]:
         """The sharded optimizer (commit, lookahead or both), then target <- AG(shard)."""
         assert self.grad is not None
         out = self.strategy._optimize(
             self.grad, self.mode, self.lr, self.committed_before + self.total
         )
-        link.issue(comm, self.target, out.to(self.strategy.flat.dtype))
+        yield from link.issue(comm, self.target, out.to(self.strategy.flat.dtype))
 
 
 @dataclass
 class _Chain:
-    """One chain in flight: the thread's future, the modeled handles of its collectives, and
-    the meter of the compute the thread does (the sharded optimizer step, the averaging)."""
+    """One chain in flight: the runner's future, the modeled handles of its collectives, and
+    the meter of the compute the chain does (the sharded optimizer step, the averaging)."""
 
     future: FutureHandle[int]
     handles: list[Handle]
@@ -392,7 +405,9 @@ class _ShardedOverlap(Strategy):
         # Micro-batches this worker has computed (for a token budget's per-worker share).
         self.computed = 0
         self._said_long_phase = False
-        self.thread: CommThread | None = None
+        # The worker's runner of chains: a communication thread of its own, or (workers in one
+        # process) a lane of its group's one scheduler; made at the first chain.
+        self.runner: ChainRunner | None = None
         self.stream: Any = (
             torch.cuda.Stream(device=self.flat.device)  # type: ignore[no-untyped-call]
             if self.flat.device.type == "cuda"
@@ -420,30 +435,32 @@ class _ShardedOverlap(Strategy):
         unit = self.phases_per_commit * workers * self.context.microbatches_per_step
         return base_step + max(0, count - base_gradients) // unit
 
-    # --- the chain (communication thread) ------------------------------------------------
+    # --- the chain (run by the chain runner) ---------------------------------------------
 
-    def _run_chain(
-        self, chain: _ChainRun, agreement: LaunchAgreement | None, meter: HelperMeter
-    ) -> int:
-        """Run ``chain`` (its declared links, in order); returns C.
+    def _chain_steps(self, chain: _ChainRun) -> Steps[int]:
+        """``chain``'s declared links, in order, on the uncharged channel; returns C.
 
-        Runs on the communication thread; touches only the inner communicator, the optimizer
-        shard, the buffers handed to it and ``meter``, which measures its compute for the
-        main thread to fold into the clock (never the clock, never ``flat.params`` during an
-        overlapped phase)."""
-        if agreement is not None:
-            agreement.run(self.uncharged)
-        stream_context = (
-            torch.cuda.stream(self.stream) if self.stream is not None else _null_context()
+        Runs on the runner's thread; touches only the inner communicator, the optimizer
+        shard and the buffers handed to it (never the clock, never ``flat.params`` during an
+        overlapped phase); the runner measures its compute with the meter the main thread
+        folds into the clock."""
+        self.last_chain_stream = (
+            torch.cuda.current_stream(self.flat.device) if self.stream is not None else None
         )
-        with stream_context, meter.measuring():
-            self.last_chain_stream = (
-                torch.cuda.current_stream(self.flat.device) if self.stream is not None else None
-            )
-            total = chain.run(self.uncharged)
-            if self.stream is not None:
-                self.stream.synchronize()
+        total = yield from chain.steps(self.uncharged)
+        if self.stream is not None:
+            self.stream.synchronize()
         return total
+
+    @contextmanager
+    def _on_side_stream(self) -> Iterator[None]:
+        """Where the chain's kernels go: the worker's side stream on a GPU (entered at every
+        resumption: a shared scheduler runs other workers' chains in between)."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.device(self.flat.device), torch.cuda.stream(self.stream):
+            yield
 
     def _optimize(
         self, grad: torch.Tensor, mode: _Mode, lr: float, committed_after: int
@@ -467,9 +484,9 @@ class _ShardedOverlap(Strategy):
     def _launch(
         self, source: torch.Tensor, target: torch.Tensor, local_count: int, mode: _Mode, lr: float
     ) -> _Chain:
-        """Start a chain on the communication thread and account for its collectives."""
-        if self.thread is None:
-            self.thread = CommThread(device=self.flat.device)
+        """Start a chain on the chain runner and account for its collectives."""
+        if self.runner is None:
+            self.runner = chain_runner(self.uncharged, device=self.flat.device)
         if self.stream is not None:
             # B was written on the main stream: the side stream must see it.
             self.stream.wait_stream(torch.cuda.current_stream(self.flat.device))
@@ -479,7 +496,14 @@ class _ShardedOverlap(Strategy):
         )
         clock = self.runtime.clock
         meter = clock.helper_meter() if clock is not None else HelperMeter()
-        future = self.thread.submit(lambda: self._run_chain(chain, agreement, meter))
+        future = self.runner.submit_chain(
+            Chain(
+                self._chain_steps(chain),
+                meter,
+                prelude=None if agreement is None else agreement.agree(self.uncharged),
+                scope=self._on_side_stream,
+            )
+        )
         if self.network is None or agreement is None:
             return _Chain(future, [future], meter, clock)
         # Accounting from the chain's own declaration, in the order the thread issues it.
@@ -610,10 +634,11 @@ class _ShardedOverlap(Strategy):
     # --- Strategy API --------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Nothing is in flight after ``step()``; stop the communication thread."""
-        if self.thread is not None:
-            self.thread.close()
-            self.thread = None
+        """Nothing is in flight after ``step()``; stop the chain runner (a communication
+        thread of the worker's own)."""
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
 
     def state_bytes(self) -> int:
         """Measured: params + G (flat buffers) + B + optimizer shard + the reduced-gradient
@@ -674,11 +699,6 @@ class _ShardedOverlap(Strategy):
             # samples advance it at the new count's rate (not re-read at the new rate from 0).
             reached = self._step_reached(self.committed_gradients, workers)
             self.schedule_base = (reached, self.committed_gradients)
-
-
-@contextmanager
-def _null_context() -> Iterator[None]:
-    yield
 
 
 class ACCO(_ShardedOverlap):
@@ -850,7 +870,7 @@ class WP(_ShardedOverlap):
         """The model at the committed theta: the master shards all-gathered (on the inner
         communicator, uncharged: it is evaluation, not training traffic; no chain is in
         flight between steps), swapped in, and the prediction restored afterwards."""
-        if self.thread is not None and self.thread.busy:
+        if self.runner is not None and self.runner.busy:
             raise RuntimeError("wp.deployed() while a chain is in flight; call it between steps")
         committed = torch.empty_like(self.flat.params)
         master = self.optimizer.master.to(self.flat.dtype)

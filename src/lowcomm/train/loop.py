@@ -8,7 +8,6 @@ parameters the method would deploy, on a fixed set of held-out batches split acr
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import threading
 import time
@@ -242,7 +241,7 @@ def set_up(
         model = _shared_initial_model(config, task, raw, device)
         rng_state = torch.get_rng_state()
     else:  # one of several workers in this process: a copy of the one initial model
-        model = copy.deepcopy(shared.model)
+        model = shared.copy_model()
         rng_state = shared.rng_state
     generator, device_generator = _worker_generators(rng_state, config.seed, device)
     if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
