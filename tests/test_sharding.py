@@ -49,7 +49,19 @@ def _batches(worker: int, replica: int) -> list[tuple[torch.Tensor, torch.Tensor
     return batches
 
 
-def _train(sharded: bool) -> dict[str, Any]:
+def tiny_llama() -> Any:
+    """A transformers Llama of the tiny GPT's vocabulary and context, with grouped-query
+    attention (4 query heads, 2 key-value heads) and untied embeddings."""
+    from lowcomm.models.hf import build_hf_model
+
+    torch.manual_seed(0)
+    return build_hf_model(
+        "llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, n_kv_head=2,
+        tie_embeddings=False,
+    )  # fmt: skip
+
+
+def _train(sharded: bool, export_to: Path | None = None) -> dict[str, Any]:
     from lowcomm.comm.hierarchical import HierarchicalComm
     from lowcomm.comm.torch_comm import TorchComm
     from lowcomm.launch.groups import level_comms
@@ -108,19 +120,41 @@ def _train(sharded: bool) -> dict[str, Any]:
     for _ in range(STEPS):
         strategy.step(closure)
     results["ddp_recomputed"] = full_flat(model)
+    # a transformers Llama: its decoder layers are the units; exported whole (gathered to
+    # worker 0's rank 0) as the HF directory a replicated run writes
+    from lowcomm.models.export import save_model
+    from lowcomm.train.sharding import exportable
+
+    model = tiny_llama()
+    if sharded:
+        shard_model(model, mesh["ranks"])
+        attach_inner(model, inner)
+    strategy = build_strategy("diloco", model, comm, context, _options("diloco"))
+    closure = closure_for(strategy, _batches(worker, replica))
+    for _ in range(STEPS):
+        strategy.step(closure)
+    results["llama"] = full_flat(model)
+    results["llama_local"] = strategy.flat.params.numel()
+    rank = worker * R + replica
+    exported = exportable(model, rank, R)
+    assert (exported is not None) == (rank == 0 or not sharded)
+    if rank == 0 and export_to is not None:
+        assert exported is not None
+        save_model(exported, export_to, tokenizer_path=None)
     return results
 
 
 @pytest.mark.slow
-def test_sharded_workers_equal_replicated_workers() -> None:
-    """Every method that runs sharded, one set of 4 processes each way for all of them."""
+def test_sharded_workers_equal_replicated_workers(tmp_path: Path) -> None:
+    """Every method that runs sharded, one set of 4 processes each way for all of them (and a
+    transformers Llama, with its export)."""
     from lowcomm.launch import spawn_workers
 
     methods = sharded_methods()
     assert {"ddp", "zero1", "local_sgd", "co2", "streaming_diloco", "cocodc", "eager", "desloc",
             "favg_reset", "sparta", "sparta_diloco"} <= set(methods)  # fmt: skip
-    sharded = spawn_workers(_train, M * R, (True,))
-    replicated = spawn_workers(_train, M * R, (False,))
+    sharded = spawn_workers(_train, M * R, (True, tmp_path / "sharded"))
+    replicated = spawn_workers(_train, M * R, (False, tmp_path / "replicated"))
     start = torch.cat([p.detach().reshape(-1) for p in tiny_gpt().parameters()])
     differ = []
     for rank in range(M * R):
@@ -154,6 +188,24 @@ def test_sharded_workers_equal_replicated_workers() -> None:
         assert torch.equal(replicated[rank]["ddp_recomputed"], replicated[rank]["ddp"])
         recomputed = sharded[rank]["ddp_recomputed"]
         assert torch.allclose(recomputed, replicated[rank]["ddp"], rtol=1e-4, atol=1e-5)
+        got, want = sharded[rank]["llama"], replicated[rank]["llama"]
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), float((got - want).abs().max())
+        assert sharded[rank]["llama_local"] <= want.numel() // R + 64
+    _check_same_export(tmp_path / "sharded", tmp_path / "replicated")
+
+
+def _check_same_export(mine: Path, theirs: Path) -> None:
+    """Two model directories hold the same files, config and (to float32 tolerance) weights."""
+    from safetensors.torch import load_file
+
+    assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    assert json.loads((mine / "config.json").read_text()) == json.loads(
+        (theirs / "config.json").read_text()
+    )
+    got, want = (load_file(d / "model.safetensors") for d in (mine, theirs))
+    assert sorted(got) == sorted(want) and len(want) > 10
+    for name, tensor in want.items():
+        assert torch.allclose(got[name], tensor, rtol=1e-4, atol=1e-5), name
 
 
 def test_other_methods_and_values_are_refused_in_one_line() -> None:
@@ -347,7 +399,6 @@ def test_the_plan_prices_fsdp_traffic_and_memory_per_rank() -> None:
 
 def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients() -> None:
     from _dist import global_batch
-    from lowcomm.config import ConfigError
     from lowcomm.models.recompute import checkpoint_blocks
 
     plain, recomputed = tiny_gpt(), tiny_gpt()
@@ -368,7 +419,18 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients(
     for mine, theirs in zip(recomputed.parameters(), plain.parameters(), strict=True):
         assert mine.grad is not None and theirs.grad is not None
         assert torch.equal(mine.grad, theirs.grad)
+    # a transformers Llama's decoder layers are its blocks (called with keyword arguments)
+    plain, recomputed = tiny_llama(), tiny_llama()
+    assert checkpoint_blocks(recomputed) == 2
+    for model in (plain, recomputed):
+        _, loss = model(x[:, :16], y[:, :16])
+        assert loss is not None
+        loss.backward()
+    for mine, theirs in zip(recomputed.parameters(), plain.parameters(), strict=True):
+        assert mine.grad is not None and theirs.grad is not None
+        assert torch.equal(mine.grad, theirs.grad)
+    with pytest.raises(ValueError, match="--activation-checkpointing: Linear has no list"):
+        checkpoint_blocks(torch.nn.Linear(2, 2))
     config = TrainConfig(activation_checkpointing=True)
     config.model.family = "hf-llama"
-    with pytest.raises(ConfigError, match="--activation-checkpointing"):
-        config.validate()
+    config.validate()

@@ -167,8 +167,9 @@ class TrainConfig:
 
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them
-    (a non-reentrant torch.utils.checkpoint per block of the built-in GPT): less activation
-    memory for one more forward per block; the same numbers."""
+    (a non-reentrant torch.utils.checkpoint per block: the built-in GPT's, a transformers
+    model's decoder layers): less activation memory for one more forward per block; the same
+    numbers."""
 
     tf32: bool = True
     """On cuda, float32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa
@@ -258,13 +259,6 @@ class TrainConfig:
         if dtype_problem is not None:
             raise ConfigError(dtype_problem)
         self._validate_checkpointing()
-        if self.activation_checkpointing and (
-            self.model.config is not None or self.model.value("family") != "gpt"
-        ):
-            raise ConfigError(
-                "--activation-checkpointing: only the built-in GPT's blocks are recomputed for "
-                "now; drop the option or pass --model.family gpt"
-            )
 
     def _validate_counts(self) -> None:
         """The counts, sizes and limits that stand alone (workers, steps, batches, seed, ...)."""

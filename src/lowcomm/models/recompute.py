@@ -1,5 +1,7 @@
 """Activation checkpointing (``--activation-checkpointing``): each transformer block's
-activations are recomputed in the backward instead of being kept from the forward.
+activations are recomputed in the backward instead of being kept from the forward (the
+built-in GPT's blocks, a ``transformers`` model's decoder layers:
+:func:`~lowcomm.models.blocks.transformer_blocks`).
 
 The block's ``forward`` is replaced, on the instance, by a non-reentrant
 :func:`torch.utils.checkpoint.checkpoint` of the original one, so parameter names, state dict
@@ -17,19 +19,21 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lowcomm.models.blocks import transformer_blocks
+
 
 def checkpoint_blocks(model: nn.Module) -> int:
-    """Recompute every block of ``model``'s ``blocks`` list (the built-in GPT's) in the
-    backward; returns how many blocks it wrapped.
+    """Recompute every transformer block of ``model`` in the backward; returns how many
+    blocks it wrapped.
 
     Raises:
-        ValueError: ``model`` has no ``blocks`` list.
+        ValueError: ``model`` has no list of blocks.
     """
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+    blocks = transformer_blocks(model)
+    if blocks is None:
         raise ValueError(
             f"--activation-checkpointing: {type(model).__name__} has no list of transformer "
-            f"blocks (model.blocks) to recompute; drop the option or use --model.family gpt"
+            f"blocks (a ModuleList of one module class) to recompute; drop the option"
         )
     for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

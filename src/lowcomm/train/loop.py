@@ -534,9 +534,7 @@ def final_evaluation(
         if keep_parameters:
             final.deployed = _flat_parameters(deployed_model)
         # (sharded: gathered whole by worker 0's ranks)
-        exported = sharding.exportable(
-            deployed_model, worker.rank // worker.config.ranks_per_worker
-        )
+        exported = sharding.exportable(deployed_model, worker.rank, worker.config.ranks_per_worker)
         if worker.rank == 0 and exported is not None:
             # The deployed parameters (rank 0's: worker 0's outer copy for eager and the
             # delayed DiLoCo) become OUT/model/.

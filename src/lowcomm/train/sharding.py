@@ -35,6 +35,7 @@ from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Role
 from lowcomm.comm.emulated import NetworkComm
+from lowcomm.models.blocks import retie, tied_names, transformer_blocks
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.sharded_flat import (
     FLAT_NUMEL_ATTRIBUTE,
@@ -91,12 +92,6 @@ def config_refusal(config: TrainConfig) -> str | None:
     refusal = sharding_refusal(config.method, config.worker_sharding, config.ranks_per_worker)
     if refusal is not None or config.worker_sharding == "replicate":
         return refusal
-    if config.model.config is not None or config.model.value("family") != "gpt":
-        return (
-            "--worker-sharding fsdp: only the built-in GPT (--model.family gpt) is sharded "
-            "for now (a transformers model's blocks and export are still to be wired); pass "
-            "--worker-sharding replicate"
-        )
     if config.init_from is not None:
         return (
             f"--worker-sharding fsdp: --init-from {config.init_from} is not read shard by "
@@ -116,8 +111,9 @@ def worker_mesh(workers: int, ranks_per_worker: int, device: str = "cpu") -> Any
 
 
 def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Module:
-    """``fully_shard`` every transformer block (``blocks.<j>``) of ``model``, then the rest
-    as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``.
+    """``fully_shard`` every transformer block of ``model`` (the built-in GPT's ``blocks``, a
+    ``transformers`` model's decoder layers: :func:`~lowcomm.models.blocks.transformer_blocks`),
+    then the rest (embeddings, final norm, output layer) as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``.
 
     ``bf16`` (``--precision bf16-mixed``): FSDP2's mixed-precision policy, bfloat16 compute
     parameters (all-gathered in bfloat16: half the bytes) with float32 gradient reduction and
@@ -130,10 +126,9 @@ def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Modul
         if bf16
         else MixedPrecisionPolicy()
     )
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        for block in blocks:
-            fully_shard(block, mesh=ranks, mp_policy=policy)
+    blocks = transformer_blocks(model)
+    for block in [] if blocks is None else blocks:
+        fully_shard(block, mesh=ranks, mp_policy=policy)
     fully_shard(model, mesh=ranks, mp_policy=policy)
     for fsdp_param in fsdp_params(model):
         setattr(
@@ -407,22 +402,52 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             local.copy_(state[name])
 
 
-def exportable(model: nn.Module, worker_index: int) -> nn.Module | None:
-    """The whole model to export: ``model`` itself, or for a sharded model the full state
-    gathered (a collective over the worker's ranks, made by worker 0's ranks only) into a
-    fresh unsharded copy (None on the other workers)."""
+def exportable(model: nn.Module, rank: int, ranks_per_worker: int) -> nn.Module | None:
+    """The whole model to export from global rank ``rank``: ``model`` itself, or for a sharded
+    model the full state gathered tensor by tensor (a collective over the worker's ranks, made
+    by worker 0's ranks only) into a fresh unsharded model on worker 0's rank 0 (None on every
+    other rank, which keeps no gathered tensor)."""
     if not is_sharded(model):
         return model
-    if worker_index != 0:
+    if rank >= ranks_per_worker:
         return None
-    full = {
-        name: value.full_tensor() if hasattr(value, "full_tensor") else value
-        for name, value in model.state_dict().items()
-    }
-    plain_class = type(model).__bases__[1]  # fully_shard made it (FSDPModule, the class)
-    plain: nn.Module = plain_class(model.config)
-    plain.load_state_dict(full)
+    full: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if rank == 0:
+            full[name] = whole.detach().cpu()
+    if rank != 0:
+        return None
+    plain = unsharded_like(model)
+    groups = tied_names(plain)
+    plain.load_state_dict(full, assign=True)
+    retie(plain, groups)
+    for name, buffer in model.named_buffers():  # (FSDP does not shard buffers)
+        owner, _, attribute = name.rpartition(".")
+        setattr(plain.get_submodule(owner), attribute, buffer.detach().clone())
     return plain
+
+
+def unsharded_like(model: nn.Module) -> nn.Module:
+    """A model of ``model``'s architecture on the ``meta`` device, without FSDP (for the
+    built-in GPT and ``transformers`` models: the export's).
+
+    Raises:
+        TypeError: naming a model of another class, which cannot be rebuilt from its config.
+    """
+    from lowcomm.models.gpt import GPT
+    from lowcomm.models.hf import HFCausalLM
+
+    with torch.device("meta"):
+        if isinstance(model, HFCausalLM):
+            return HFCausalLM(model.hf_config)
+        if isinstance(model, GPT):
+            return GPT(model.config)
+    raise TypeError(
+        f"--worker-sharding fsdp: cannot export a sharded {type(model).__name__} (only the "
+        f"built-in GPT and transformers models are rebuilt whole); use --worker-sharding "
+        f"replicate"
+    )
 
 
 __all__ = [
@@ -444,5 +469,6 @@ __all__ = [
     "shard_worker",
     "sharded_methods",
     "sharding_refusal",
+    "unsharded_like",
     "worker_mesh",
 ]
