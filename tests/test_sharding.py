@@ -70,16 +70,17 @@ def _train(sharded: bool, export_to: Path | None = None) -> dict[str, Any]:
     from lowcomm.train.sharding import attach_inner, full_flat, shard_model, worker_mesh
 
     context = StrategyContext(total_steps=STEPS, microbatches_per_step=MICROBATCHES)
+    results: dict[str, Any] = {}
     if sharded:
         mesh = worker_mesh(M, R)
         inner = TorchComm(mesh.get_group("ranks"))
         comm: Any = TorchComm(mesh.get_group("workers"))
         worker, replica = comm.rank, inner.rank
+        results.update(_meta_starts(mesh))
     else:
         inner, outer = level_comms(R)
         comm = HierarchicalComm(inner, outer)
         worker, replica = comm.rank, comm.local_rank
-    results: dict[str, Any] = {}
     for method in sharded_methods():
         model = tiny_gpt()
         whole = sum(p.numel() for p in model.parameters())
@@ -144,6 +145,23 @@ def _train(sharded: bool, export_to: Path | None = None) -> dict[str, Any]:
     return results
 
 
+def _meta_starts(mesh: Any) -> dict[str, Any]:
+    """The tiny GPT and Llama built on meta, sharded, then each rank's shards made from the
+    deferred initialisation (most tensors replayed: shadows only up to 64 elements): whole
+    again (gathered), and the generator's state after the build."""
+    from lowcomm.models.deferred import build_deferred
+    from lowcomm.train.sharding import full_flat, materialise, shard_model
+
+    results: dict[str, Any] = {}
+    for name, build in (("gpt", tiny_gpt), ("llama", tiny_llama)):
+        model, deferred = build_deferred(build, shadow_elements=64)
+        results[f"{name}_rng"] = torch.get_rng_state()
+        shard_model(model, mesh["ranks"])
+        materialise(model, deferred, torch.device("cpu"))
+        results[f"{name}_start"] = full_flat(model)
+    return results
+
+
 @pytest.mark.slow
 def test_sharded_workers_equal_replicated_workers(tmp_path: Path) -> None:
     """Every method that runs sharded, one set of 4 processes each way for all of them (and a
@@ -192,6 +210,14 @@ def test_sharded_workers_equal_replicated_workers(tmp_path: Path) -> None:
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), float((got - want).abs().max())
         assert sharded[rank]["llama_local"] <= want.numel() // R + 64
     _check_same_export(tmp_path / "sharded", tmp_path / "replicated")
+    # the meta-device start: every rank made only its own shards, and the whole is the CPU
+    # build's bit for bit, the generator left where the CPU build leaves it
+    for name, build in (("gpt", tiny_gpt), ("llama", tiny_llama)):
+        want = torch.cat([p.detach().reshape(-1) for p in build().parameters()])
+        rng = torch.get_rng_state()
+        for rank in range(M * R):
+            assert torch.equal(sharded[rank][f"{name}_start"], want), name
+            assert torch.equal(sharded[rank][f"{name}_rng"], rng), name
 
 
 def _check_same_export(mine: Path, theirs: Path) -> None:

@@ -24,6 +24,7 @@ from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
+from lowcomm.models.deferred import Deferred
 from lowcomm.models.recompute import checkpoint_blocks
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
@@ -226,14 +227,7 @@ def set_up(
         torch.cuda.reset_peak_memory_stats(device)
         torch.backends.cuda.matmul.allow_tf32 = config.tf32  # (--tf32)
         torch.backends.cudnn.allow_tf32 = config.tf32
-    if shared is None:
-        torch.manual_seed(config.seed)
-        model = _shared_initial_model(config, task, raw, device)
-        generator = torch.default_generator
-    else:  # one of several workers in this process: a copy of the one initial model
-        model = copy.deepcopy(shared.model)
-        generator = torch.Generator()
-        generator.set_state(shared.rng_state)
+    model, generator, deferred = _initial_model(config, task, raw, device, shared)
     if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
         checkpoint_blocks(model)
     measure = None if shared is None else shared.calibrate
@@ -242,7 +236,7 @@ def set_up(
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
         links = (network_profile(config), replica_network_profile(config))
-        comm = sharding.shard_worker(config, model, clock, device, links)
+        comm = sharding.shard_worker(config, model, clock, device, links, deferred)
     else:
         comm, _ = _strategy_comms(config, raw, clock, device)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
@@ -263,6 +257,22 @@ def set_up(
         step_closure=step_closure, generator=generator,
         one_process=shared is not None and shared.whole_run,
     )  # fmt: skip
+
+
+def _initial_model(
+    config: TrainConfig, task: Task, raw: Comm, device: torch.device, shared: SharedSetup | None
+) -> tuple[torch.nn.Module, torch.Generator, Deferred | None]:
+    """This worker's initial model and random generator, and for a sharded worker the
+    model's deferred values (the model then on ``meta``: sharding.initial_model)."""
+    if shared is not None:  # one of several workers in this process: a copy of the one model
+        generator = torch.Generator()
+        generator.set_state(shared.rng_state)
+        return copy.deepcopy(shared.model), generator, None
+    torch.manual_seed(config.seed)
+    if config.worker_sharding == "fsdp":  # (made shard by shard, after fully_shard)
+        model, deferred = sharding.initial_model(config, lambda: task.model(config), raw.rank)
+        return model, torch.default_generator, deferred
+    return _shared_initial_model(config, task, raw, device), torch.default_generator, None
 
 
 def _shared_initial_model(

@@ -20,14 +20,18 @@ FSDP's own all-gathers and reduce-scatters are charged to the inner link's
 :class:`~lowcomm.comm.emulated.NetworkComm` (:func:`charge_fsdp_collectives`), which the
 strategy's communicator reports as the inner level (:class:`ShardedWorkerComm`).
 
-Not yet: --init-from, meta-device init; an elastic resume keeps --ranks-per-worker
-(``lowcomm.train.reshard``).
+The model starts on ``meta`` (:func:`initial_model`, :mod:`lowcomm.models.deferred`) and
+each rank makes only its own shards (:func:`materialise`), bit for bit the CPU build's values.
+
+Not yet: --init-from; an elastic resume keeps --ranks-per-worker (``lowcomm.train.reshard``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
     from lowcomm.comm.clock import Clock
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.config import TrainConfig
+    from lowcomm.models.deferred import Deferred
 
 #: The values of --worker-sharding.
 SHARDINGS = ("replicate", "fsdp")
@@ -130,11 +135,17 @@ def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Modul
     for block in [] if blocks is None else blocks:
         fully_shard(block, mesh=ranks, mp_policy=policy)
     fully_shard(model, mesh=ranks, mp_policy=policy)
+    _mark_flat_numel(model)
+    return model
+
+
+def _mark_flat_numel(model: nn.Module) -> None:
+    """Record on each sharded parameter the elements of its padded local storage (what
+    :func:`flat_numel` reads)."""
     for fsdp_param in fsdp_params(model):
         setattr(
             fsdp_param.sharded_param, FLAT_NUMEL_ATTRIBUTE, fsdp_param._sharded_param_data.numel()
         )
-    return model
 
 
 def fsdp_params(model: nn.Module) -> list[Any]:
@@ -282,6 +293,10 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
             self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
             async_op: bool = False,
         ) -> Any:  # fmt: skip
+            if getattr(model, _LOCAL, False):  # (calibrating: local_collectives)
+                shard = input_tensor.reshape(1, -1).clone()  # (FSDP's input is in its output)
+                output_tensor.view(-1, shard.numel()).copy_(shard)
+                return None
             work = super().__call__(output_tensor, input_tensor, group, async_op)
             charge(CollectiveKind.ALL_GATHER, Role.PARAMETER, output_tensor)
             return work
@@ -291,6 +306,9 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
             self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
             async_op: bool = False,
         ) -> Any:  # fmt: skip
+            if getattr(model, _LOCAL, False):
+                output_tensor.view(-1).copy_(input_tensor.view(-1)[: output_tensor.numel()].clone())
+                return None
             work = super().__call__(output_tensor, input_tensor, group, op, async_op)
             charge(CollectiveKind.REDUCE_SCATTER, Role.GRADIENT, input_tensor)
             return work
@@ -300,6 +318,26 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(scatter)
+
+
+#: Set on a model while its FSDP collectives are local stand-ins (:func:`local_collectives`).
+_LOCAL = "_lowcomm_local_collectives"
+
+
+@contextlib.contextmanager
+def local_collectives(model: nn.Module) -> Iterator[None]:
+    """For the duration, ``model``'s FSDP collectives move nothing and are not charged: an
+    all-gather fills its output with this rank's shard repeated, a reduce-scatter keeps this
+    rank's chunk of its input. The calibration times a sharded rank's own pass this way
+    (the compute on whole gathered blocks and FSDP's copies into and out of the collective
+    buffers, no wait on another rank), one process at a time as for a replicated worker,
+    with no whole copy of the model; the values it computes are thrown away. (A model that
+    is not sharded is left as it is.)"""
+    setattr(model, _LOCAL, True)
+    try:
+        yield
+    finally:
+        delattr(model, _LOCAL)
 
 
 class ShardedWorkerComm(NetworkComm):
@@ -354,11 +392,15 @@ def shard_worker(
     clock: Clock,
     device: torch.device,
     links: tuple[NetworkProfile, NetworkProfile],
+    deferred: Deferred | None = None,
 ) -> ShardedWorkerComm:
     """Shard ``model`` over this rank's worker (every rank calls it: the mesh's groups are
     made collectively) and return the strategy's communicator: rank r of every worker, over
     --network. The worker's own communicator (over --inner-network) sums clipping norms.
-    ``links``: the (outer, inner) network profiles, built by the caller from the config."""
+    ``links``: the (outer, inner) network profiles, built by the caller from the config.
+    ``deferred``: ``model`` is on ``meta`` (:func:`initial_model`), and each rank makes only
+    its own shards of it; either way every rank r then takes worker 0's rank r's shards
+    (uncharged), so the workers provably start from one point."""
     from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.torch_comm import TorchComm
 
@@ -368,14 +410,70 @@ def shard_worker(
         TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
         links[1], clock, device=device, wire_dtype=wire,
     )  # fmt: skip
-    outer = ShardedWorkerComm(
-        TorchComm(mesh.get_group("workers"), timeout_s=timeout),
-        links[0], clock, inner=inner, device=device, wire_dtype=wire,
-    )  # fmt: skip
+    across = TorchComm(mesh.get_group("workers"), timeout_s=timeout)
+    outer = ShardedWorkerComm(across, links[0], clock, inner=inner, device=device, wire_dtype=wire)
     shard_model(model, mesh["ranks"], bf16=config.precision == "bf16-mixed")
+    if deferred is not None:
+        materialise(model, deferred, device)
+    for record in fsdp_params(model):
+        across.broadcast(record._sharded_param_data, src=0, role=Role.PARAMETER).wait()
     attach_inner(model, inner)
     charge_fsdp_collectives(model, inner)
     return outer
+
+
+# --- the start: a model on meta, each rank making its own shards --------------------------
+
+
+def initial_model(
+    config: TrainConfig, build: Callable[[], nn.Module], rank: int
+) -> tuple[nn.Module, Deferred | None]:
+    """A sharded worker's initial model: ``build()`` run on the ``meta`` device, with what
+    makes each tensor's values as a CPU build would (:func:`~lowcomm.models.deferred.
+    build_deferred`; the default generator left where a CPU build leaves it), so no rank
+    ever holds the whole model. A model whose initialisation cannot be deferred is built
+    whole on the CPU instead (None: rank 0 says why)."""
+    from lowcomm.models.deferred import build_deferred
+
+    state = torch.default_generator.get_state()
+    try:
+        return build_deferred(build)
+    except Exception as error:  # (a real problem of the model raises again below)
+        torch.default_generator.set_state(state)
+        if rank == 0:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            print(
+                f"lowcomm: note: --worker-sharding fsdp: the model is built whole on every "
+                f"rank before it is sharded (its initialisation cannot be made shard by "
+                f"shard: {reason})",
+                flush=True,
+            )
+        return build(), None
+
+
+def materialise(model: nn.Module, deferred: Deferred, device: torch.device) -> None:
+    """Give a ``fully_shard``-ed model built on ``meta`` real storage on ``device``, each
+    rank only its own (padded) shards, and fill them with the rows a CPU build gives (one
+    whole tensor made at a time, then freed); buffers whole (FSDP does not shard them)."""
+    records = {id(record.sharded_param): record for record in fsdp_params(model)}
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # (keeps tied parameters one)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            record = records[id(parameter)]
+            record._sharded_param_data.zero_()  # (the padding)
+            local = parameter._local_tensor  # type: ignore[attr-defined]
+            if local.numel() == 0:
+                continue
+            start = record.mesh_info.shard_mesh_rank * record.padded_sharded_param_size[0]
+            local.copy_(deferred.rows(name, start, start + local.size(0)))
+        for name, buffer in model.named_buffers():
+            buffer.copy_(deferred.rows(name))
+    _mark_flat_numel(model)
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -461,8 +559,11 @@ __all__ = [
     "flat_buffers",
     "flat_numel",
     "full_flat",
+    "initial_model",
     "is_sharded",
     "load_model_state",
+    "local_collectives",
+    "materialise",
     "model_state",
     "norm_summer",
     "shard_model",
