@@ -61,7 +61,7 @@ def tiny_llama() -> Any:
     )  # fmt: skip
 
 
-def _train(sharded: bool, export_to: Path | None = None) -> dict[str, Any]:
+def _train(sharded: bool, export_to: Path, source: Path) -> dict[str, Any]:
     from lowcomm.comm.hierarchical import HierarchicalComm
     from lowcomm.comm.torch_comm import TorchComm
     from lowcomm.launch.groups import level_comms
@@ -76,7 +76,7 @@ def _train(sharded: bool, export_to: Path | None = None) -> dict[str, Any]:
         inner = TorchComm(mesh.get_group("ranks"))
         comm: Any = TorchComm(mesh.get_group("workers"))
         worker, replica = comm.rank, inner.rank
-        results.update(_meta_starts(mesh))
+        results.update(_meta_starts(mesh, source))
     else:
         inner, outer = level_comms(R)
         comm = HierarchicalComm(inner, outer)
@@ -139,17 +139,20 @@ def _train(sharded: bool, export_to: Path | None = None) -> dict[str, Any]:
     rank = worker * R + replica
     exported = exportable(model, rank, R)
     assert (exported is not None) == (rank == 0 or not sharded)
-    if rank == 0 and export_to is not None:
+    if rank == 0:
         assert exported is not None
         save_model(exported, export_to, tokenizer_path=None)
     return results
 
 
-def _meta_starts(mesh: Any) -> dict[str, Any]:
+def _meta_starts(mesh: Any, source: Path) -> dict[str, Any]:
     """The tiny GPT and Llama built on meta, sharded, then each rank's shards made from the
     deferred initialisation (most tensors replayed: shadows only up to 64 elements): whole
-    again (gathered), and the generator's state after the build."""
+    again (gathered), and the generator's state after the build; and the Llama saved in
+    ``source`` (--init-from), each rank reading its own rows of the file."""
     from lowcomm.models.deferred import build_deferred
+    from lowcomm.models.init_from import preflight_init_from, sliced_start
+    from lowcomm.models.options import ModelConfig
     from lowcomm.train.sharding import full_flat, materialise, shard_model
 
     results: dict[str, Any] = {}
@@ -159,6 +162,14 @@ def _meta_starts(mesh: Any) -> dict[str, Any]:
         shard_model(model, mesh["ranks"])
         materialise(model, deferred, torch.device("cpu"))
         results[f"{name}_start"] = full_flat(model)
+    rng = torch.get_rng_state()
+    model, rows = sliced_start(preflight_init_from(source, ModelConfig(block_size=16)))
+    shard_model(model, mesh["ranks"])
+    materialise(model, rows, torch.device("cpu"))
+    results["read"] = rows.elements_read
+    results["held"] = sum(p.to_local().numel() for p in model.parameters())
+    results["loaded"] = full_flat(model)
+    results["drew"] = not torch.equal(torch.get_rng_state(), rng)
     return results
 
 
@@ -171,8 +182,10 @@ def test_sharded_workers_equal_replicated_workers(tmp_path: Path) -> None:
     methods = sharded_methods()
     assert {"ddp", "zero1", "local_sgd", "co2", "streaming_diloco", "cocodc", "eager", "desloc",
             "favg_reset", "sparta", "sparta_diloco"} <= set(methods)  # fmt: skip
-    sharded = spawn_workers(_train, M * R, (True, tmp_path / "sharded"))
-    replicated = spawn_workers(_train, M * R, (False, tmp_path / "replicated"))
+    source = tmp_path / "source"
+    tiny_llama().model.save_pretrained(source)
+    sharded = spawn_workers(_train, M * R, (True, tmp_path / "sharded", source))
+    replicated = spawn_workers(_train, M * R, (False, tmp_path / "replicated", source))
     start = torch.cat([p.detach().reshape(-1) for p in tiny_gpt().parameters()])
     differ = []
     for rank in range(M * R):
@@ -218,6 +231,23 @@ def test_sharded_workers_equal_replicated_workers(tmp_path: Path) -> None:
         for rank in range(M * R):
             assert torch.equal(sharded[rank][f"{name}_start"], want), name
             assert torch.equal(sharded[rank][f"{name}_rng"], rng), name
+    # --init-from: each rank read only its own rows of the file (no padding is read), and the
+    # whole is what a replicated worker loads
+    from lowcomm.models.hf import load_pretrained
+
+    loaded = load_pretrained(source, transformers_config(source))
+    want = torch.cat([p.detach().reshape(-1) for p in loaded.parameters()])
+    for rank in range(M * R):
+        assert torch.equal(sharded[rank]["loaded"], want)
+        assert 0 < sharded[rank]["read"] <= sharded[rank]["held"] < 0.6 * want.numel()
+        assert not sharded[rank]["drew"]  # loading draws no random numbers
+    assert sum(sharded[rank]["read"] for rank in range(R)) == want.numel()
+
+
+def transformers_config(directory: Path) -> Any:
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(directory)
 
 
 def _check_same_export(mine: Path, theirs: Path) -> None:

@@ -127,9 +127,13 @@ class DeferredInit(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     ``shadow_elements``: the size up to which a storage is computed for real."""
 
-    def __init__(self, shadow_elements: int = SHADOW_ELEMENTS) -> None:
+    def __init__(self, shadow_elements: int = SHADOW_ELEMENTS, *, draw: bool = True) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.shadow_elements = shadow_elements
+        self.draw = draw
+        """Draw a large tensor's random numbers on a scratch tensor as they are recorded (so
+        the stream goes on as on the CPU); False where its values come from elsewhere (a
+        checkpoint) and the stream is restored after the build."""
         self.storages: dict[int, _Storage] = {}
         self._adopted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """Real tensors from outside the build (by id): the tensor and its meta twin."""
@@ -269,7 +273,7 @@ class DeferredInit(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """A recipe step; a random one records its generator's state, then draws on a
         throw-away tensor of the target's layout so the generator moves as on the CPU."""
         state = None
-        if _is_random(func):
+        if _is_random(func) and self.draw:
             generator = kwargs.get("generator") or torch.default_generator
             state = generator.get_state()
             if factory:
@@ -325,6 +329,15 @@ class Deferred:
             if entry.shadow is None and entry.steps is None:
                 raise NotDeferrable(f"{name} is {entry.why}")
 
+    def shadowed(self, name: str) -> bool:
+        """Whether tensor ``name`` was computed for real as the model was built (a small
+        one), or made from data outside it."""
+        tensor = self.tensors[name]
+        if not tensor.is_meta:
+            return True
+        entry = self.storages.get(_key(tensor))
+        return entry is not None and entry.shadow is not None
+
     def rows(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows ``start:stop`` (of dim 0) of tensor ``name`` as a CPU build makes it: at most
         one whole tensor is made for it, and freed."""
@@ -361,21 +374,29 @@ def _replay(step: _Step, base: torch.Tensor) -> None:
         step.func(target, *step.args, **step.kwargs)
 
 
-def build_deferred(build: Any, shadow_elements: int = SHADOW_ELEMENTS) -> tuple[Any, Deferred]:
+def build_deferred(
+    build: Any, shadow_elements: int = SHADOW_ELEMENTS, *, draw: bool = True
+) -> tuple[Any, Deferred]:
     """Run ``build()`` (a function returning a model) under :class:`DeferredInit`: the model
-    on ``meta`` and what makes its values.
+    on ``meta`` and what makes its values. ``draw=False``: the large tensors' values will
+    come from elsewhere (their random draws are neither made nor replayable, and the
+    default generator is left as it was before the build).
 
     Raises:
         NotDeferrable: a tensor of the model cannot be made tensor by tensor (or the build
-            read the value of one), in one line.
+            read the value of one), in one line (only with ``draw``).
     """
-    mode = DeferredInit(shadow_elements)
+    mode = DeferredInit(shadow_elements, draw=draw)
+    state = torch.default_generator.get_state()
     with mode:
         model = build()
+    if not draw:
+        torch.default_generator.set_state(state)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
     deferred = Deferred(tensors, mode.storages, torch.default_generator.get_state())
-    deferred.check()
+    if draw:
+        deferred.check()
     return model, deferred
 
 

@@ -24,7 +24,6 @@ from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
-from lowcomm.models.deferred import Deferred
 from lowcomm.models.recompute import checkpoint_blocks
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
@@ -261,7 +260,7 @@ def set_up(
 
 def _initial_model(
     config: TrainConfig, task: Task, raw: Comm, device: torch.device, shared: SharedSetup | None
-) -> tuple[torch.nn.Module, torch.Generator, Deferred | None]:
+) -> tuple[torch.nn.Module, torch.Generator, sharding.Rows | None]:
     """This worker's initial model and random generator, and for a sharded worker the
     model's deferred values (the model then on ``meta``: sharding.initial_model)."""
     if shared is not None:  # one of several workers in this process: a copy of the one model

@@ -23,7 +23,10 @@ strategy's communicator reports as the inner level (:class:`ShardedWorkerComm`).
 The model starts on ``meta`` (:func:`initial_model`, :mod:`lowcomm.models.deferred`) and
 each rank makes only its own shards (:func:`materialise`), bit for bit the CPU build's values.
 
-Not yet: --init-from; an elastic resume keeps --ranks-per-worker (``lowcomm.train.reshard``).
+With --init-from each rank reads only its own rows of the weights
+(:func:`~lowcomm.models.init_from.sliced_start`).
+
+Not yet: an elastic resume keeps --ranks-per-worker (``lowcomm.train.reshard``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -53,7 +56,6 @@ if TYPE_CHECKING:
     from lowcomm.comm.clock import Clock
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.config import TrainConfig
-    from lowcomm.models.deferred import Deferred
 
 #: The values of --worker-sharding.
 SHARDINGS = ("replicate", "fsdp")
@@ -97,11 +99,6 @@ def config_refusal(config: TrainConfig) -> str | None:
     refusal = sharding_refusal(config.method, config.worker_sharding, config.ranks_per_worker)
     if refusal is not None or config.worker_sharding == "replicate":
         return refusal
-    if config.init_from is not None:
-        return (
-            f"--worker-sharding fsdp: --init-from {config.init_from} is not read shard by "
-            f"shard yet; start from scratch, or pass --worker-sharding replicate"
-        )
     return None
 
 
@@ -392,7 +389,7 @@ def shard_worker(
     clock: Clock,
     device: torch.device,
     links: tuple[NetworkProfile, NetworkProfile],
-    deferred: Deferred | None = None,
+    deferred: Rows | None = None,
 ) -> ShardedWorkerComm:
     """Shard ``model`` over this rank's worker (every rank calls it: the mesh's groups are
     made collectively) and return the strategy's communicator: rank r of every worker, over
@@ -425,16 +422,28 @@ def shard_worker(
 # --- the start: a model on meta, each rank making its own shards --------------------------
 
 
+class Rows(Protocol):
+    """Where a model built on ``meta`` gets the values of its tensors, rows at a time."""
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
+
+
 def initial_model(
     config: TrainConfig, build: Callable[[], nn.Module], rank: int
-) -> tuple[nn.Module, Deferred | None]:
+) -> tuple[nn.Module, Rows | None]:
     """A sharded worker's initial model: ``build()`` run on the ``meta`` device, with what
     makes each tensor's values as a CPU build would (:func:`~lowcomm.models.deferred.
     build_deferred`; the default generator left where a CPU build leaves it), so no rank
-    ever holds the whole model. A model whose initialisation cannot be deferred is built
-    whole on the CPU instead (None: rank 0 says why)."""
+    ever holds the whole model; with --init-from, the model of its config.json on ``meta``,
+    each rank reading only its own rows of the weights
+    (:func:`~lowcomm.models.init_from.sliced_start`). A model whose initialisation cannot be
+    deferred is built whole on the CPU instead (None: rank 0 says why)."""
     from lowcomm.models.deferred import build_deferred
 
+    if config.init_from is not None:
+        from lowcomm.models.init_from import preflight_init_from, sliced_start
+
+        return sliced_start(preflight_init_from(config.init_from, config.model))
     state = torch.default_generator.get_state()
     try:
         return build_deferred(build)
@@ -451,7 +460,7 @@ def initial_model(
         return build(), None
 
 
-def materialise(model: nn.Module, deferred: Deferred, device: torch.device) -> None:
+def materialise(model: nn.Module, deferred: Rows, device: torch.device) -> None:
     """Give a ``fully_shard``-ed model built on ``meta`` real storage on ``device``, each
     rank only its own (padded) shards, and fill them with the rows a CPU build gives (one
     whole tensor made at a time, then freed); buffers whole (FSDP does not shard them)."""
@@ -550,6 +559,7 @@ def unsharded_like(model: nn.Module) -> nn.Module:
 
 __all__ = [
     "SHARDINGS",
+    "Rows",
     "ShardedFlatBuffers",
     "ShardedWorkerComm",
     "attach_inner",
