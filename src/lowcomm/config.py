@@ -171,6 +171,12 @@ class TrainConfig:
     model's decoder layers): less activation memory for one more forward per block; the same
     numbers."""
 
+    compile: bool = False
+    """Compile the forward of each transformer block with torch.compile (inductor; on the CPU
+    it needs a C++ compiler on PATH), sharded or not: the same numbers to float32 rounding,
+    after a compilation on the first micro-batch (and the first evaluation). Not with
+    --workers-per-process > 1 (torch.compile is not thread-safe)."""
+
     tf32: bool = True
     """On cuda, float32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa
     inputs, float32 accumulation): `--tf32 False` keeps them in full float32. No effect on
@@ -259,6 +265,7 @@ class TrainConfig:
         if dtype_problem is not None:
             raise ConfigError(dtype_problem)
         self._validate_checkpointing()
+        self._validate_compile()
 
     def _validate_counts(self) -> None:
         """The counts, sizes and limits that stand alone (workers, steps, batches, seed, ...)."""
@@ -338,6 +345,25 @@ class TrainConfig:
             raise ConfigError(
                 f"--calibration: {self.calibration} needs --compute-model calibrated (this run "
                 f"uses {self.compute_model}); drop --calibration or choose calibrated"
+            )
+
+    def _validate_compile(self) -> None:
+        """--compile: one worker per process, and a C++ compiler for inductor's CPU kernels."""
+        if not self.compile:
+            return
+        if self.workers_per_process > 1:
+            raise ConfigError(
+                f"--compile: --workers-per-process {self.workers_per_process} runs workers as "
+                f"threads of one process, and torch.compile is not thread-safe; pass "
+                f"--workers-per-process 1 or drop --compile"
+            )
+        import shutil
+
+        compilers = ("g++", "c++", "clang++")
+        if self.device == "cpu" and not any(shutil.which(name) for name in compilers):
+            raise ConfigError(
+                "--compile: inductor builds CPU kernels with a C++ compiler and none is on "
+                "PATH (g++, c++ or clang++); install one, or drop --compile"
             )
 
     def _validate_checkpointing(self) -> None:

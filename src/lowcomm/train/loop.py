@@ -24,7 +24,7 @@ from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
-from lowcomm.models.recompute import checkpoint_blocks
+from lowcomm.models.recompute import checkpoint_blocks, compile_blocks
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
 from lowcomm.train.compute import (
@@ -229,6 +229,8 @@ def set_up(
     model, generator, deferred = _initial_model(config, task, raw, device, shared)
     if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
         checkpoint_blocks(model)
+    if config.compile:  # (compiled on the first pass: the calibration's warm-up, if any)
+        compile_blocks(model)
     measure = None if shared is None else shared.calibrate
     timed = calibration_pass(task, config, device)
     clock = worker_clock(config, model, timed, bookkeeping, device, measure)
