@@ -322,6 +322,13 @@ def test_a_sharded_run_stops_resumes_and_exports_what_a_replicated_run_does(
     worker = mine_summary["state_bytes_per_worker"] / mine_summary["state_bytes_per_rank"]
     assert worker == pytest.approx(2, rel=0.02)  # a sharded worker's is the sum of its ranks
     assert mine_summary["peak_memory_bytes_per_rank"] > mine_summary["state_bytes_per_rank"]
+    # lowcomm plan --memory-model lowcomm prices those states (what its peak doubles)
+    from lowcomm.plan import PlanConfig, lowcomm_state_bytes, method_options
+
+    for summary, sharding in ((mine_summary, "fsdp"), (theirs_summary, "replicate")):
+        plan = PlanConfig(method="diloco", workers=2, ranks_per_worker=2, worker_sharding=sharding)
+        planned = lowcomm_state_bytes(plan, method_options(plan)[0].cost) * summary["num_params"]
+        assert summary["state_bytes_per_rank"] == pytest.approx(planned, rel=0.02), sharding
     # FSDP's collectives are charged to the inner link: per step (one micro-batch) every
     # parameter is all-gathered for the forward, a block's again for its backward, and every
     # gradient reduce-scattered; at R = 2 each sends half of the fp32 bytes: between 1 and 1.5
@@ -451,6 +458,15 @@ def test_the_plan_prices_fsdp_traffic_and_memory_per_rank() -> None:
                               worker_sharding="fsdp"))  # fmt: skip
     with pytest.raises(ValueError, match="--ranks-per-worker 1 leaves nothing"):
         PlanConfig(method="ddp", worker_sharding="fsdp")
+    # --memory-model lowcomm: a rank's float32 states (diloco: parameters, gradients, moments,
+    # anchor and outer momentum: 24 bytes per parameter over 4 ranks) twice (the final
+    # checkpoint copies them), FSDP's gathered block (float32 parameters and gradients of one
+    # of 16 blocks) and the process
+    lowcomm = make_plan(PlanConfig(**common, worker_sharding="fsdp", memory_model="lowcomm",
+                                   n_layer=16, process_bytes=0.3e9))  # fmt: skip
+    assert lowcomm.memory_per_rank_bytes == pytest.approx(0.3e9 + 2 * 6e9 + 8e9 / 16)
+    replicated = make_plan(PlanConfig(**common, memory_model="lowcomm", process_bytes=0))
+    assert replicated.memory_per_rank_bytes == pytest.approx(2 * (4 + 4 + 8 / 4 + 8) * 1e9)
 
 
 def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients() -> None:

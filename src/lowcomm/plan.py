@@ -156,9 +156,9 @@ class PlanConfig:
     """How memory is priced. acco: ACCO's convention (bf16 parameters and gradients, K bytes of
     optimizer state, 2 bytes per extra model copy; see above). lowcomm: what the largest rank of
     a lowcomm run holds at its peak (lowcomm_rank_memory): float32 parameters, gradients,
-    AdamW moments and the method's model-sized buffers, the step's temporaries, FSDP's
-    gathered block (--n-layer), the activations of a micro-batch (--n-layer, --n-embd,
-    --micro-batch-tokens) and the process itself (--process-bytes)."""
+    AdamW moments and the method's model-sized buffers, twice (the final checkpoint copies
+    them), FSDP's gathered block (--n-layer), the activations of a micro-batch (--n-layer,
+    --n-embd, --micro-batch-tokens) and the process itself (--process-bytes)."""
 
     n_layer: int = 0
     """Transformer blocks of the model (--memory-model lowcomm: FSDP's gathered unit is one
@@ -171,9 +171,9 @@ class PlanConfig:
     """Tokens of one rank's micro-batch (--memory-model lowcomm: activations; 0: left out)."""
 
     process_bytes: float = 0.35e9
-    """--memory-model lowcomm: the resident memory of a worker process before its model
-    (interpreter, torch, lowcomm, its communicators and data); 0.35 GB measured on Linux with
-    CPU torch."""
+    """--memory-model lowcomm: the resident memory of a worker process besides its model's
+    states (interpreter, torch, transformers, lowcomm, its communicators and data); 0.32-0.40
+    GB measured on Linux with CPU torch."""
 
     lose_workers: int = 0
     """Also price the run after losing this many of the M workers (an elastic resume on
@@ -541,33 +541,38 @@ def _memory_per_worker(
     return (2 + 2 + 2 * model.extra_copies) * params + optimizer_bytes * params
 
 
-def lowcomm_rank_memory(config: PlanConfig, model: CostModel, params: float) -> float:
-    """--memory-model lowcomm: bytes the largest rank of a lowcomm run holds at its peak.
-
-    States, in float32 as lowcomm keeps them: parameters (4 bytes each; they are AdamW's
+def lowcomm_state_bytes(config: PlanConfig, model: CostModel) -> float:
+    """--memory-model lowcomm: bytes per parameter of the states one rank holds, in float32
+    as lowcomm keeps them (a run's ``state_bytes_per_rank``): parameters (4; they are AdamW's
     master), gradients (4), AdamW's two moments (8; divided by M for a method whose optimizer
     is sharded over the workers, by R for one whose moments are split over a replicated
     worker's ranks) and the method's model-sized buffers (4 each: anchors, outer momenta,
-    in-flight copies). With --worker-sharding fsdp every state is divided by R. On top: the
-    step's temporaries (AdamW's denominator, one float per element it updates; on a sharded
-    worker FSDP's fresh gradient shard, copied into the flat gradient, and the gathered block,
-    its parameters in the compute dtype and its float32 gradients), the activations of one
-    micro-batch (about 34 floats per token, block and unit of width, kept for the backward)
-    and the process itself."""
+    in-flight copies); with --worker-sharding fsdp all of it divided by R."""
     ranks = config.ranks_per_worker
     fsdp = config.worker_sharding == "fsdp"
     moments = 8.0 / (config.workers if model.shards_over_workers else 1)
     if ranks > 1 and model.shards_over_replicas and not fsdp:
         moments /= ranks
-    per_parameter = 4.0 + 4.0 + moments + 4.0 * model.extra_copies + moments / 2  # (denom)
-    if fsdp:
-        per_parameter = per_parameter / ranks + 4.0 / ranks  # (FSDP's fresh gradient shard)
-    memory = config.process_bytes + per_parameter * params
-    if fsdp and config.n_layer > 0:
-        compute_bytes = 2.0 if config.precision == "bf16-mixed" else 4.0
+    per_parameter = 4.0 + 4.0 + moments + 4.0 * model.extra_copies
+    return per_parameter / ranks if fsdp else per_parameter
+
+
+def lowcomm_rank_memory(config: PlanConfig, model: CostModel, params: float) -> float:
+    """--memory-model lowcomm: bytes the largest rank of a lowcomm run holds at its peak (its
+    peak resident memory on a CPU), which is its final checkpoint: the states
+    (:func:`lowcomm_state_bytes`) and a copy of them, which the rank's state dict takes
+    while it is written (every completed run writes one, to be extended with --resume),
+    above the step's own temporaries (AdamW's denominator, FSDP's fresh gradient shard);
+    plus FSDP's gathered block (its parameters in the compute dtype and float32 gradients,
+    --n-layer), the activations of one micro-batch (about 34 values per token, block and
+    unit of width, --micro-batch-tokens, --n-embd) and the process itself (--process-bytes).
+    Measured by ``lowcomm bench fsdp`` (docs/results/fsdp.md)."""
+    states = lowcomm_state_bytes(config, model) * params
+    memory = config.process_bytes + 2.0 * states
+    compute_bytes = 2.0 if config.precision == "bf16-mixed" else 4.0
+    if config.worker_sharding == "fsdp" and config.n_layer > 0:
         memory += (compute_bytes + 4.0) * params / config.n_layer
-    activation_bytes = 2.0 if config.precision == "bf16-mixed" else 4.0
-    memory += 34.0 * activation_bytes * config.micro_batch_tokens * config.n_embd * config.n_layer
+    memory += 34.0 * compute_bytes * config.micro_batch_tokens * config.n_embd * config.n_layer
     return memory
 
 
