@@ -69,7 +69,9 @@ class TrainConfig:
     worker_sharding: Literal["replicate", "fsdp"] = "replicate"
     """How a worker of --ranks-per-worker R > 1 holds its model: replicate (every rank the whole
     replica) or fsdp (FSDP2 over its R ranks, each holding 1/R; the method exchanges each rank's
-    shards with the same rank of the other workers). fsdp: ddp and diloco, float32, for now."""
+    shards with the same rank of the other workers). The methods that cannot shard are refused
+    with their reason; the model starts on the meta device, each rank making (or with
+    --init-from reading) only its own shards."""
 
     steps: int = 80
     """Optimizer steps to take. With --resume OUT of a finished run, steps above its steps

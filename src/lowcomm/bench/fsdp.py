@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,6 +101,10 @@ class FsdpBench:
 
     out: str = "runs/bench-fsdp"
     """Output directory: runs/ (one per attempt), report.md and results.json."""
+
+    keep_runs: bool = False
+    """Keep each attempt's checkpoints/ and model/ (by default removed once measured: at the
+    ladder's top each is tens of GB)."""
 
 
 @dataclass
@@ -263,6 +268,9 @@ def run_attempt(bench: FsdpBench, attempt: Attempt, out: Path) -> Attempt:
                 cap.stopped = cap.stopped or "timeout"
     attempt.seconds = time.perf_counter() - begin
     attempt.tree_peak_bytes = cap.peak_bytes
+    if not bench.keep_runs:
+        for bulky in ("checkpoints", "model"):
+            shutil.rmtree(run_dir / bulky, ignore_errors=True)
     summary_path = run_dir / "summary.json"
     if cap.stopped is not None:
         attempt.status = cap.stopped
