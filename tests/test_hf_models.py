@@ -307,3 +307,52 @@ def test_softcapped_logits_keep_the_one_piece_loss(monkeypatch: pytest.MonkeyPat
     reference = model.model(input_ids=idx).logits
     expected = functional.cross_entropy(reference.flatten(0, 1), targets.flatten())
     assert abs(loss.item() - expected.item()) <= 1e-6
+
+
+@pytest.mark.benchmark  # (two runs of 4 processes: ~30 s; tests/test_sharding.py checks the
+# sharded start from a saved model, and what each rank reads, in its one spawn)
+def test_a_sharded_run_from_a_model_equals_the_replicated_run(
+    saved_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """--init-from under --worker-sharding fsdp: each rank reads its own rows of the
+    safetensors file (tests/test_sharding.py counts them); the run is the replicated one."""
+    for sharding in ("fsdp", "replicate"):
+        done = lowcomm(
+            "train", *RUN, *DILOCO, "--ranks-per-worker", "2", "--worker-sharding", sharding,
+            "--init-from", str(saved_models["llama"]), "--out", str(tmp_path / sharding),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    mine, theirs = (json.loads((tmp_path / s / "summary.json").read_text()) for s in
+                    ("fsdp", "replicate"))  # fmt: skip
+    assert mine["final_val_loss"] == pytest.approx(theirs["final_val_loss"], rel=1e-5)
+    exported = [tmp_path / s / "model" for s in ("fsdp", "replicate")]
+    assert sorted(p.name for p in exported[0].iterdir()) == sorted(
+        p.name for p in exported[1].iterdir()
+    )
+    configs = [json.loads((d / "config.json").read_text()) for d in exported]
+    assert configs[0] == configs[1]
+    from safetensors.torch import load_file
+
+    weights = [load_file(d / "model.safetensors") for d in exported]
+    for name, tensor in weights[1].items():
+        assert torch.allclose(weights[0][name], tensor, rtol=1e-4, atol=1e-5), name
+
+
+def test_a_sharded_run_refuses_weights_it_cannot_slice(
+    saved_models: dict[str, Path], tmp_path: Path
+) -> None:
+    pickled = tmp_path / "pickled"
+    shutil.copytree(saved_models["llama"], pickled)
+    (pickled / "model.safetensors").unlink()
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved_models["llama"])
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    from lowcomm.config import ConfigError, TrainConfig
+    from lowcomm.launch.init_check import check_init_from
+
+    config = TrainConfig(ranks_per_worker=2, worker_sharding="fsdp", init_from=str(pickled))
+    config.model.block_size = 16
+    with pytest.raises(ConfigError) as refused:
+        check_init_from(config)
+    line = str(refused.value)
+    assert f"--init-from: {pickled} has no safetensors weights" in line and "\n" not in line
+    assert "--worker-sharding replicate" in line

@@ -49,7 +49,19 @@ def _batches(worker: int, replica: int) -> list[tuple[torch.Tensor, torch.Tensor
     return batches
 
 
-def _train(sharded: bool) -> dict[str, Any]:
+def tiny_llama() -> Any:
+    """A transformers Llama of the tiny GPT's vocabulary and context, with grouped-query
+    attention (4 query heads, 2 key-value heads) and untied embeddings."""
+    from lowcomm.models.hf import build_hf_model
+
+    torch.manual_seed(0)
+    return build_hf_model(
+        "llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, n_kv_head=2,
+        tie_embeddings=False,
+    )  # fmt: skip
+
+
+def _train(sharded: bool, export_to: Path, source: Path) -> dict[str, Any]:
     from lowcomm.comm.hierarchical import HierarchicalComm
     from lowcomm.comm.torch_comm import TorchComm
     from lowcomm.launch.groups import level_comms
@@ -58,16 +70,17 @@ def _train(sharded: bool) -> dict[str, Any]:
     from lowcomm.train.sharding import attach_inner, full_flat, shard_model, worker_mesh
 
     context = StrategyContext(total_steps=STEPS, microbatches_per_step=MICROBATCHES)
+    results: dict[str, Any] = {}
     if sharded:
         mesh = worker_mesh(M, R)
         inner = TorchComm(mesh.get_group("ranks"))
         comm: Any = TorchComm(mesh.get_group("workers"))
         worker, replica = comm.rank, inner.rank
+        results.update(_meta_starts(mesh, source))
     else:
         inner, outer = level_comms(R)
         comm = HierarchicalComm(inner, outer)
         worker, replica = comm.rank, comm.local_rank
-    results: dict[str, Any] = {}
     for method in sharded_methods():
         model = tiny_gpt()
         whole = sum(p.numel() for p in model.parameters())
@@ -108,19 +121,71 @@ def _train(sharded: bool) -> dict[str, Any]:
     for _ in range(STEPS):
         strategy.step(closure)
     results["ddp_recomputed"] = full_flat(model)
+    # a transformers Llama: its decoder layers are the units; exported whole (gathered to
+    # worker 0's rank 0) as the HF directory a replicated run writes
+    from lowcomm.models.export import save_model
+    from lowcomm.train.sharding import exportable
+
+    model = tiny_llama()
+    if sharded:
+        shard_model(model, mesh["ranks"])
+        attach_inner(model, inner)
+    strategy = build_strategy("diloco", model, comm, context, _options("diloco"))
+    closure = closure_for(strategy, _batches(worker, replica))
+    for _ in range(STEPS):
+        strategy.step(closure)
+    results["llama"] = full_flat(model)
+    results["llama_local"] = strategy.flat.params.numel()
+    rank = worker * R + replica
+    exported = exportable(model, rank, R)
+    assert (exported is not None) == (rank == 0 or not sharded)
+    if rank == 0:
+        assert exported is not None
+        save_model(exported, export_to, tokenizer_path=None)
+    return results
+
+
+def _meta_starts(mesh: Any, source: Path) -> dict[str, Any]:
+    """The tiny GPT and Llama built on meta, sharded, then each rank's shards made from the
+    deferred initialisation (most tensors replayed: shadows only up to 64 elements): whole
+    again (gathered), and the generator's state after the build; and the Llama saved in
+    ``source`` (--init-from), each rank reading its own rows of the file."""
+    from lowcomm.models.deferred import build_deferred
+    from lowcomm.models.init_from import preflight_init_from, sliced_start
+    from lowcomm.models.options import ModelConfig
+    from lowcomm.train.sharding import full_flat, materialise, shard_model
+
+    results: dict[str, Any] = {}
+    for name, build in (("gpt", tiny_gpt), ("llama", tiny_llama)):
+        model, deferred = build_deferred(build, shadow_elements=64)
+        results[f"{name}_rng"] = torch.get_rng_state()
+        shard_model(model, mesh["ranks"])
+        materialise(model, deferred, torch.device("cpu"))
+        results[f"{name}_start"] = full_flat(model)
+    rng = torch.get_rng_state()
+    model, rows = sliced_start(preflight_init_from(source, ModelConfig(block_size=16)))
+    shard_model(model, mesh["ranks"])
+    materialise(model, rows, torch.device("cpu"))
+    results["read"] = rows.elements_read
+    results["held"] = sum(p.to_local().numel() for p in model.parameters())
+    results["loaded"] = full_flat(model)
+    results["drew"] = not torch.equal(torch.get_rng_state(), rng)
     return results
 
 
 @pytest.mark.slow
-def test_sharded_workers_equal_replicated_workers() -> None:
-    """Every method that runs sharded, one set of 4 processes each way for all of them."""
+def test_sharded_workers_equal_replicated_workers(tmp_path: Path) -> None:
+    """Every method that runs sharded, one set of 4 processes each way for all of them (and a
+    transformers Llama, with its export)."""
     from lowcomm.launch import spawn_workers
 
     methods = sharded_methods()
     assert {"ddp", "zero1", "local_sgd", "co2", "streaming_diloco", "cocodc", "eager", "desloc",
             "favg_reset", "sparta", "sparta_diloco"} <= set(methods)  # fmt: skip
-    sharded = spawn_workers(_train, M * R, (True,))
-    replicated = spawn_workers(_train, M * R, (False,))
+    source = tmp_path / "source"
+    tiny_llama().model.save_pretrained(source)
+    sharded = spawn_workers(_train, M * R, (True, tmp_path / "sharded", source))
+    replicated = spawn_workers(_train, M * R, (False, tmp_path / "replicated", source))
     start = torch.cat([p.detach().reshape(-1) for p in tiny_gpt().parameters()])
     differ = []
     for rank in range(M * R):
@@ -154,6 +219,49 @@ def test_sharded_workers_equal_replicated_workers() -> None:
         assert torch.equal(replicated[rank]["ddp_recomputed"], replicated[rank]["ddp"])
         recomputed = sharded[rank]["ddp_recomputed"]
         assert torch.allclose(recomputed, replicated[rank]["ddp"], rtol=1e-4, atol=1e-5)
+        got, want = sharded[rank]["llama"], replicated[rank]["llama"]
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), float((got - want).abs().max())
+        assert sharded[rank]["llama_local"] <= want.numel() // R + 64
+    _check_same_export(tmp_path / "sharded", tmp_path / "replicated")
+    # the meta-device start: every rank made only its own shards, and the whole is the CPU
+    # build's bit for bit, the generator left where the CPU build leaves it
+    for name, build in (("gpt", tiny_gpt), ("llama", tiny_llama)):
+        want = torch.cat([p.detach().reshape(-1) for p in build().parameters()])
+        rng = torch.get_rng_state()
+        for rank in range(M * R):
+            assert torch.equal(sharded[rank][f"{name}_start"], want), name
+            assert torch.equal(sharded[rank][f"{name}_rng"], rng), name
+    # --init-from: each rank read only its own rows of the file (no padding is read), and the
+    # whole is what a replicated worker loads
+    from lowcomm.models.hf import load_pretrained
+
+    loaded = load_pretrained(source, transformers_config(source))
+    want = torch.cat([p.detach().reshape(-1) for p in loaded.parameters()])
+    for rank in range(M * R):
+        assert torch.equal(sharded[rank]["loaded"], want)
+        assert 0 < sharded[rank]["read"] <= sharded[rank]["held"] < 0.6 * want.numel()
+        assert not sharded[rank]["drew"]  # loading draws no random numbers
+    assert sum(sharded[rank]["read"] for rank in range(R)) == want.numel()
+
+
+def transformers_config(directory: Path) -> Any:
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(directory)
+
+
+def _check_same_export(mine: Path, theirs: Path) -> None:
+    """Two model directories hold the same files, config and (to float32 tolerance) weights."""
+    from safetensors.torch import load_file
+
+    assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    assert json.loads((mine / "config.json").read_text()) == json.loads(
+        (theirs / "config.json").read_text()
+    )
+    got, want = (load_file(d / "model.safetensors") for d in (mine, theirs))
+    assert sorted(got) == sorted(want) and len(want) > 10
+    for name, tensor in want.items():
+        assert torch.allclose(got[name], tensor, rtol=1e-4, atol=1e-5), name
 
 
 def test_other_methods_and_values_are_refused_in_one_line() -> None:
@@ -214,6 +322,13 @@ def test_a_sharded_run_stops_resumes_and_exports_what_a_replicated_run_does(
     worker = mine_summary["state_bytes_per_worker"] / mine_summary["state_bytes_per_rank"]
     assert worker == pytest.approx(2, rel=0.02)  # a sharded worker's is the sum of its ranks
     assert mine_summary["peak_memory_bytes_per_rank"] > mine_summary["state_bytes_per_rank"]
+    # lowcomm plan --memory-model lowcomm prices those states (what its peak doubles)
+    from lowcomm.plan import PlanConfig, lowcomm_state_bytes, method_options
+
+    for summary, sharding in ((mine_summary, "fsdp"), (theirs_summary, "replicate")):
+        plan = PlanConfig(method="diloco", workers=2, ranks_per_worker=2, worker_sharding=sharding)
+        planned = lowcomm_state_bytes(plan, method_options(plan)[0].cost) * summary["num_params"]
+        assert summary["state_bytes_per_rank"] == pytest.approx(planned, rel=0.02), sharding
     # FSDP's collectives are charged to the inner link: per step (one micro-batch) every
     # parameter is all-gathered for the forward, a block's again for its backward, and every
     # gradient reduce-scattered; at R = 2 each sends half of the fp32 bytes: between 1 and 1.5
@@ -343,11 +458,19 @@ def test_the_plan_prices_fsdp_traffic_and_memory_per_rank() -> None:
                               worker_sharding="fsdp"))  # fmt: skip
     with pytest.raises(ValueError, match="--ranks-per-worker 1 leaves nothing"):
         PlanConfig(method="ddp", worker_sharding="fsdp")
+    # --memory-model lowcomm: a rank's float32 states (diloco: parameters, gradients, moments,
+    # anchor and outer momentum: 24 bytes per parameter over 4 ranks) twice (the final
+    # checkpoint copies them), FSDP's gathered block (float32 parameters and gradients of one
+    # of 16 blocks) and the process
+    lowcomm = make_plan(PlanConfig(**common, worker_sharding="fsdp", memory_model="lowcomm",
+                                   n_layer=16, process_bytes=0.3e9))  # fmt: skip
+    assert lowcomm.memory_per_rank_bytes == pytest.approx(0.3e9 + 2 * 6e9 + 8e9 / 16)
+    replicated = make_plan(PlanConfig(**common, memory_model="lowcomm", process_bytes=0))
+    assert replicated.memory_per_rank_bytes == pytest.approx(2 * (4 + 4 + 8 / 4 + 8) * 1e9)
 
 
 def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients() -> None:
     from _dist import global_batch
-    from lowcomm.config import ConfigError
     from lowcomm.models.recompute import checkpoint_blocks
 
     plain, recomputed = tiny_gpt(), tiny_gpt()
@@ -368,7 +491,18 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients(
     for mine, theirs in zip(recomputed.parameters(), plain.parameters(), strict=True):
         assert mine.grad is not None and theirs.grad is not None
         assert torch.equal(mine.grad, theirs.grad)
+    # a transformers Llama's decoder layers are its blocks (called with keyword arguments)
+    plain, recomputed = tiny_llama(), tiny_llama()
+    assert checkpoint_blocks(recomputed) == 2
+    for model in (plain, recomputed):
+        _, loss = model(x[:, :16], y[:, :16])
+        assert loss is not None
+        loss.backward()
+    for mine, theirs in zip(recomputed.parameters(), plain.parameters(), strict=True):
+        assert mine.grad is not None and theirs.grad is not None
+        assert torch.equal(mine.grad, theirs.grad)
+    with pytest.raises(ValueError, match="--activation-checkpointing: Linear has no list"):
+        checkpoint_blocks(torch.nn.Linear(2, 2))
     config = TrainConfig(activation_checkpointing=True)
     config.model.family = "hf-llama"
-    with pytest.raises(ConfigError, match="--activation-checkpointing"):
-        config.validate()
+    config.validate()

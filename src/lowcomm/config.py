@@ -72,7 +72,9 @@ class TrainConfig:
     worker_sharding: Literal["replicate", "fsdp"] = "replicate"
     """How a worker of --ranks-per-worker R > 1 holds its model: replicate (every rank the whole
     replica) or fsdp (FSDP2 over its R ranks, each holding 1/R; the method exchanges each rank's
-    shards with the same rank of the other workers). fsdp: ddp and diloco, float32, for now."""
+    shards with the same rank of the other workers). The methods that cannot shard are refused
+    with their reason; the model starts on the meta device, each rank making (or with
+    --init-from reading) only its own shards."""
 
     steps: int = 80
     """Optimizer steps to take. With --resume OUT of a finished run, steps above its steps
@@ -170,8 +172,15 @@ class TrainConfig:
 
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them
-    (a non-reentrant torch.utils.checkpoint per block of the built-in GPT): less activation
-    memory for one more forward per block; the same numbers."""
+    (a non-reentrant torch.utils.checkpoint per block: the built-in GPT's, a transformers
+    model's decoder layers): less activation memory for one more forward per block; the same
+    numbers."""
+
+    compile: bool = False
+    """Compile the forward of each transformer block with torch.compile (inductor; on the CPU
+    it needs a C++ compiler on PATH), sharded or not: the same numbers to float32 rounding,
+    after a compilation on the first micro-batch (and the first evaluation). Not with
+    --workers-per-process > 1 (torch.compile is not thread-safe)."""
 
     tf32: bool = True
     """On cuda, float32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa
@@ -261,13 +270,7 @@ class TrainConfig:
         if dtype_problem is not None:
             raise ConfigError(dtype_problem)
         self._validate_checkpointing()
-        if self.activation_checkpointing and (
-            self.model.config is not None or self.model.value("family") != "gpt"
-        ):
-            raise ConfigError(
-                "--activation-checkpointing: only the built-in GPT's blocks are recomputed for "
-                "now; drop the option or pass --model.family gpt"
-            )
+        self._validate_compile()
 
     def _validate_counts(self) -> None:
         """The counts, sizes and limits that stand alone (workers, steps, batches, seed, ...)."""
@@ -347,6 +350,25 @@ class TrainConfig:
             raise ConfigError(
                 f"--calibration: {self.calibration} needs --compute-model calibrated (this run "
                 f"uses {self.compute_model}); drop --calibration or choose calibrated"
+            )
+
+    def _validate_compile(self) -> None:
+        """--compile: one worker per process, and a C++ compiler for inductor's CPU kernels."""
+        if not self.compile:
+            return
+        if self.workers_per_process > 1:
+            raise ConfigError(
+                f"--compile: --workers-per-process {self.workers_per_process} runs workers as "
+                f"threads of one process, and torch.compile is not thread-safe; pass "
+                f"--workers-per-process 1 or drop --compile"
+            )
+        import shutil
+
+        compilers = ("g++", "c++", "clang++")
+        if self.device == "cpu" and not any(shutil.which(name) for name in compilers):
+            raise ConfigError(
+                "--compile: inductor builds CPU kernels with a C++ compiler and none is on "
+                "PATH (g++, c++ or clang++); install one, or drop --compile"
             )
 
     def _validate_checkpointing(self) -> None:

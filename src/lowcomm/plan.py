@@ -152,6 +152,29 @@ class PlanConfig:
     None: the built-in GPT's for --params tiny, else 1 - (V + T) d / N for a GPT of width d
     (the named size's, or the nearest named size's), V = 50257, T = 2048."""
 
+    memory_model: Literal["acco", "lowcomm"] = "acco"
+    """How memory is priced. acco: ACCO's convention (bf16 parameters and gradients, K bytes of
+    optimizer state, 2 bytes per extra model copy; see above). lowcomm: what the largest rank of
+    a lowcomm run holds at its peak (lowcomm_rank_memory): float32 parameters, gradients,
+    AdamW moments and the method's model-sized buffers, twice (the final checkpoint copies
+    them), FSDP's gathered block (--n-layer), the activations of a micro-batch (--n-layer,
+    --n-embd, --micro-batch-tokens) and the process itself (--process-bytes)."""
+
+    n_layer: int = 0
+    """Transformer blocks of the model (--memory-model lowcomm: FSDP's gathered unit is one
+    block, and the activations; 0: both left out)."""
+
+    n_embd: int = 0
+    """Width of the model (--memory-model lowcomm: activations; 0: left out)."""
+
+    micro_batch_tokens: int = 0
+    """Tokens of one rank's micro-batch (--memory-model lowcomm: activations; 0: left out)."""
+
+    process_bytes: float = 0.35e9
+    """--memory-model lowcomm: the resident memory of a worker process besides its model's
+    states (interpreter, torch, transformers, lowcomm, its communicators and data); 0.32-0.40
+    GB measured on Linux with CPU torch."""
+
     lose_workers: int = 0
     """Also price the run after losing this many of the M workers (an elastic resume on
     M - K, the global batch kept: each remaining worker computes M/(M-K) times more per step):
@@ -518,6 +541,41 @@ def _memory_per_worker(
     return (2 + 2 + 2 * model.extra_copies) * params + optimizer_bytes * params
 
 
+def lowcomm_state_bytes(config: PlanConfig, model: CostModel) -> float:
+    """--memory-model lowcomm: bytes per parameter of the states one rank holds, in float32
+    as lowcomm keeps them (a run's ``state_bytes_per_rank``): parameters (4; they are AdamW's
+    master), gradients (4), AdamW's two moments (8; divided by M for a method whose optimizer
+    is sharded over the workers, by R for one whose moments are split over a replicated
+    worker's ranks) and the method's model-sized buffers (4 each: anchors, outer momenta,
+    in-flight copies); with --worker-sharding fsdp all of it divided by R."""
+    ranks = config.ranks_per_worker
+    fsdp = config.worker_sharding == "fsdp"
+    moments = 8.0 / (config.workers if model.shards_over_workers else 1)
+    if ranks > 1 and model.shards_over_replicas and not fsdp:
+        moments /= ranks
+    per_parameter = 4.0 + 4.0 + moments + 4.0 * model.extra_copies
+    return per_parameter / ranks if fsdp else per_parameter
+
+
+def lowcomm_rank_memory(config: PlanConfig, model: CostModel, params: float) -> float:
+    """--memory-model lowcomm: bytes the largest rank of a lowcomm run holds at its peak (its
+    peak resident memory on a CPU), which is its final checkpoint: the states
+    (:func:`lowcomm_state_bytes`) and a copy of them, which the rank's state dict takes
+    while it is written (every completed run writes one, to be extended with --resume),
+    above the step's own temporaries (AdamW's denominator, FSDP's fresh gradient shard);
+    plus FSDP's gathered block (its parameters in the compute dtype and float32 gradients,
+    --n-layer), the activations of one micro-batch (about 34 values per token, block and
+    unit of width, --micro-batch-tokens, --n-embd) and the process itself (--process-bytes).
+    Measured by ``lowcomm bench fsdp`` (docs/results/fsdp.md)."""
+    states = lowcomm_state_bytes(config, model) * params
+    memory = config.process_bytes + 2.0 * states
+    compute_bytes = 2.0 if config.precision == "bf16-mixed" else 4.0
+    if config.worker_sharding == "fsdp" and config.n_layer > 0:
+        memory += (compute_bytes + 4.0) * params / config.n_layer
+    memory += 34.0 * compute_bytes * config.micro_batch_tokens * config.n_embd * config.n_layer
+    return memory
+
+
 def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     cls, options = method_options(config)
     model, ranks = cls.cost, config.ranks_per_worker
@@ -556,6 +614,10 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     outer_bytes_per_step = sum(t.per_step * pricing.sent(t) for t in transfers)
     bytes_per_step = ranks * (outer_bytes_per_step + inner_bytes_per_step)
     memory = _memory_per_worker(config, model, pricing.params, replica_sharded)
+    rank_memory = memory / ranks if fsdp else memory
+    if config.memory_model == "lowcomm":
+        rank_memory = lowcomm_rank_memory(config, model, pricing.params)
+        memory = rank_memory * ranks if fsdp else rank_memory
     return Plan(
         method=config.method, params=pricing.params, workers=config.workers, steps=steps,
         bandwidth_gbps=pricing.profile.bandwidth_gbps, latency_ms=pricing.profile.latency_ms,
@@ -563,7 +625,7 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
         comm_hidden_s=total_comm - exposed, utilization=compute / wall if wall > 0 else 1.0,
         wall_clock_s=wall, comm_bytes_per_worker_per_step=bytes_per_step,
         comm_bytes_per_worker=bytes_per_step * steps,
-        memory_per_worker_bytes=memory, memory_per_rank_bytes=memory / ranks if fsdp else memory,
+        memory_per_worker_bytes=memory, memory_per_rank_bytes=rank_memory,
         worker_sharding=config.worker_sharding, ranks_per_worker=ranks, inner_comm_s=steps * inner_per_step,
         outer_bytes_per_rank_per_step=outer_bytes_per_step,
         inner_bytes_per_rank_per_step=inner_bytes_per_step,

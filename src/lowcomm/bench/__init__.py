@@ -7,6 +7,7 @@ from typing import Any
 from lowcomm.bench.clock import ClockBench, run_clock
 from lowcomm.bench.compare import CompareBench, run_compare
 from lowcomm.bench.elastic import ElasticBench, run_elastic
+from lowcomm.bench.fsdp import FsdpBench, run_fsdp
 from lowcomm.bench.overhead import OverheadBench, run_overhead
 from lowcomm.bench.reallink import RealLinkBench, run_reallink
 from lowcomm.bench.scale import ScaleBench, run_scale
@@ -21,6 +22,7 @@ BENCHMARKS: dict[str, Any] = {
     "clock": ClockBench,
     "elastic": ElasticBench,
     "scale": ScaleBench,
+    "fsdp": FsdpBench,
 }
 
 
@@ -47,6 +49,9 @@ def run_bench(command: object) -> None:
     if isinstance(command, ScaleBench):
         run_scale(command)
         return
+    if isinstance(command, FsdpBench):
+        run_fsdp(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
@@ -55,6 +60,7 @@ __all__ = [
     "ClockBench",
     "CompareBench",
     "ElasticBench",
+    "FsdpBench",
     "OverheadBench",
     "RealLinkBench",
     "ScaleBench",

@@ -286,11 +286,12 @@ def _forward_backward(
     block_size: int,
     bf16: bool,
     loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+    in_place: bool = False,
 ) -> Callable[[], None]:
-    """One forward-backward pass of a copy of ``model`` on a fixed micro-batch (under
-    bfloat16 autocast with ``bf16``, as the training loop runs it): ``loss(copy)``, or
-    without it a language model's loss on random tokens."""
-    replica = copy.deepcopy(model)
+    """One forward-backward pass of a copy of ``model`` (``in_place``: of ``model`` itself)
+    on a fixed micro-batch (under bfloat16 autocast with ``bf16``, as the training loop runs
+    it): ``loss(copy)``, or without it a language model's loss on random tokens."""
+    replica = model if in_place else copy.deepcopy(model)
     if loss is None:
         generator = torch.Generator().manual_seed(0)
         shape = (micro_batch_size, block_size)
@@ -311,6 +312,38 @@ def _forward_backward(
         value.backward()  # type: ignore[no-untyped-call]
 
     return run
+
+
+def _timed_turns(
+    forward_backward: Callable[[], None],
+    update: Callable[[], None],
+    counter: ElementCounter,
+    bookkeeping: Comm,
+    device: torch.device | None = None,
+) -> tuple[int, torch.Tensor]:
+    """Time the passes and updates, one process at a time, the others waiting: (repeats,
+    this process's pass seconds then per-element update seconds)."""
+    warmup_s = 0.0
+    for _ in range(WARMUP):  # all workers at once: only sizes the turns
+        warmup_s = _thread_cpu_timing(forward_backward, device)
+        update()
+    rank, world = bookkeeping.rank, bookkeeping.world_size
+    repeats = _repeats(warmup_s, bookkeeping)
+    mine = torch.zeros(2 * repeats, dtype=torch.float64)
+    for turn in range(world):
+        bookkeeping.barrier().wait()
+        if turn == rank:
+            with pinned_to_current_cpu(), raised_priority():
+                # The first pass after the wait finds caches the other workers' turns filled
+                # (measured 15-20% slower than the next ones): untimed.
+                forward_backward()
+                update()
+                for index in range(repeats):
+                    mine[index] = _thread_cpu_timing(forward_backward, device)
+                    counter.elements = 0
+                    update_s = _thread_cpu_timing(update, device)
+                    mine[repeats + index] = update_s / max(counter.elements, 1)
+    return repeats, mine
 
 
 def _update(
@@ -352,40 +385,33 @@ def calibrate(
     bookkeeping: Comm,
     bf16: bool = False,
     loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+    local_elements: int | None = None,
 ) -> Calibration:
     """Measure this run's compute costs on every worker in turn and agree on them (every
     process of the run calls this at the same point). Leaves ``model`` and the global random
     state as they were. The timed pass is ``loss(copy of model)``'s forward and backward (the
     run's loss on a fixed micro-batch), or without ``loss`` a language model's on random
-    tokens of ``vocab_size``."""
+    tokens of ``vocab_size``.
+
+    ``local_elements``: ``model`` is sharded and this process holds that many of its
+    elements; its own pass is timed (no whole copy is made; the caller makes its collectives
+    local, so a process still times alone: :func:`lowcomm.train.sharding.local_collectives`)
+    and the AdamW update runs over that many elements."""
     rng = torch.get_rng_state()
     num_params = sum(p.numel() for p in model.parameters())
+    in_place = local_elements is not None
     forward_backward = _forward_backward(
-        model, vocab_size, micro_batch_size, block_size, bf16, loss
+        model, vocab_size, micro_batch_size, block_size, bf16, loss, in_place
     )
     counter = ElementCounter()
     device = next(model.parameters()).device  # (on a GPU the passes are timed by events)
-    update = _update(num_params, counter, device)
-    warmup_s = 0.0
-    for _ in range(WARMUP):  # all workers at once: only sizes the turns
-        warmup_s = _thread_cpu_timing(forward_backward, device)
-        update()
-    rank, world = bookkeeping.rank, bookkeeping.world_size
-    repeats = _repeats(warmup_s, bookkeeping)
-    mine = torch.zeros(2 * repeats, dtype=torch.float64)
-    for turn in range(world):
-        bookkeeping.barrier().wait()
-        if turn == rank:
-            with pinned_to_current_cpu(), raised_priority():
-                # The first pass after the wait finds caches the other workers' turns filled
-                # (measured 15-20% slower than the next ones): untimed.
-                forward_backward()
-                update()
-                for index in range(repeats):
-                    mine[index] = _thread_cpu_timing(forward_backward, device)
-                    counter.elements = 0
-                    update_s = _thread_cpu_timing(update, device)
-                    mine[repeats + index] = update_s / max(counter.elements, 1)
+    update = _update(num_params if local_elements is None else local_elements, counter, device)
+    try:
+        repeats, mine = _timed_turns(forward_backward, update, counter, bookkeeping, device)
+    finally:
+        if in_place:
+            model.zero_grad(set_to_none=True)
+    world = bookkeeping.world_size
     everyone = torch.zeros(world * 2 * repeats, dtype=torch.float64)
     bookkeeping.all_gather(everyone, mine, role=Role.OTHER).wait()
     rows = everyone.view(world, 2, repeats)

@@ -23,6 +23,7 @@ def check_init_from(config: TrainConfig) -> None:
         InitFromError,
         architecture_from_file,
         preflight_init_from,
+        sharded_refusal,
         tokenizer_vocab_size,
     )
 
@@ -42,6 +43,8 @@ def check_init_from(config: TrainConfig) -> None:
                     )
                 tokenizer = config.data.tokenizer = str(initial.tokenizer)
             architecture = initial.architecture
+            if config.worker_sharding == "fsdp" and (refusal := sharded_refusal(initial)):
+                raise ConfigError(refusal)
             config.model.config = str(architecture.source)
             config.model.family = architecture.family
         elif config.model.config is not None:

@@ -17,9 +17,10 @@ the weights is held while loading.
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,104 @@ def preflight_init_from(path: str | Path, config: ModelConfig) -> InitialModel:
         _check_same_config(Path(config.config), architecture)
     _check_weights(directory, architecture)
     return InitialModel(directory, architecture)
+
+
+# --- a sharded start: each rank reads its own rows --------------------------------------------
+
+
+def sharded_refusal(initial: InitialModel) -> str | None:
+    """Why ``--worker-sharding fsdp`` cannot read ``initial``'s weights slice by slice (one
+    line), or None."""
+    directory = initial.directory
+    if stored_shapes(directory) is None:
+        return (
+            f"--init-from: {directory} has no safetensors weights (pytorch_model.bin), which "
+            f"--worker-sharding fsdp reads slice by slice; save the model with "
+            f"save_pretrained(DIR, safe_serialization=True), or pass --worker-sharding replicate"
+        )
+    hf_config = initial.architecture.hf_config
+    if hf_config is not None and _converted_on_load(hf_config.model_type):
+        return (
+            f"--init-from: transformers renames or fuses the tensors of a {hf_config.model_type} "
+            f"model while loading it, so --worker-sharding fsdp cannot read its slices from "
+            f"{directory}; pass --worker-sharding replicate"
+        )
+    return None
+
+
+@dataclass
+class CheckpointRows:
+    """Rows of a model's tensors read from a model directory's safetensors files, only those
+    rows (``safe_open(...).get_slice``), cast to float32; a tensor the files do not hold (a
+    non-persistent buffer such as rotary frequencies) is the deferred build's
+    (``computed``). ``elements_read`` counts what was read from the files."""
+
+    directory: Path
+    keys: dict[str, tuple[str, str]]
+    """Model tensor name -> (file, tensor name in the file)."""
+    computed: Any
+    """The :class:`~lowcomm.models.deferred.Deferred` of the model built on meta."""
+    elements_read: int = 0
+    _files: dict[str, Any] = field(default_factory=dict)
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if name not in self.keys:
+            return self.computed.rows(name, start, stop)  # type: ignore[no-any-return]
+        file, key = self.keys[name]
+        if file not in self._files:
+            from safetensors import safe_open
+
+            self._files[file] = safe_open(str(self.directory / file), framework="pt")
+        tensor_slice = self._files[file].get_slice(key)
+        rows = tensor_slice[start:stop] if tensor_slice.get_shape() else tensor_slice[:]
+        self.elements_read += rows.numel()
+        return rows.to(torch.float32)  # type: ignore[no-any-return]
+
+
+def sliced_start(initial: InitialModel) -> tuple[CausalLM, CheckpointRows]:
+    """The model of ``initial`` built on ``meta`` (float32, its buffers computed alongside,
+    the random stream left as it was: a worker that loads the weights draws nothing), and
+    where each of its tensors' rows are read.
+
+    Raises:
+        InitFromError: a tensor of the model is neither in the files nor computable.
+    """
+    from lowcomm.models.blocks import tied_names
+    from lowcomm.models.deferred import build_deferred
+
+    architecture = initial.architecture
+    if architecture.hf_config is None:
+        model, deferred = build_deferred(architecture.build, draw=False)
+        prefixes: tuple[str, ...] = ("",)
+    else:
+        config = copy.deepcopy(architecture.hf_config)
+        config.dtype = torch.float32  # (as load_pretrained loads it)
+        model, deferred = build_deferred(lambda: HFCausalLM(config), draw=False)
+        prefixes = ("model.", f"model.{_base_prefix(architecture)}.")
+    stored = _stored_files(initial.directory)
+    tied = {name: group for group in tied_names(model) for name in group}
+    keys: dict[str, tuple[str, str]] = {}
+    for name in deferred.tensors:
+        candidates = [
+            other.removeprefix(prefix) for other in tied.get(name, [name]) for prefix in prefixes
+        ]
+        found = next((key for key in [name, *candidates] if key in stored), None)
+        if found is not None:
+            keys[name] = (stored[found], found)
+        elif not deferred.shadowed(name):
+            raise InitFromError(
+                f"--init-from: {initial.directory} has no tensor {name} that its config.json's "
+                f"model needs; pass a complete model directory (config.json and every weight file)"
+            )
+    return model, CheckpointRows(initial.directory, keys, deferred)
+
+
+def _stored_files(directory: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file of ``directory`` that holds it."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    return {name: WEIGHTS_FILE for name in _header_shapes(directory / WEIGHTS_FILE)}
 
 
 def _check_same_config(given: Path, architecture: Architecture) -> None:

@@ -3,7 +3,6 @@ token budget that ends an equal-token run."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from lowcomm.comm.calibration import CalibratedClock, Calibration, calibrate
 from lowcomm.comm.clock import Clock, make_clock
 from lowcomm.config import TrainConfig
 from lowcomm.strategies import Strategy
+from lowcomm.train import sharding
 from lowcomm.train.context import network_profile
 
 
@@ -51,24 +51,28 @@ def worker_clock(
     path = calibration_file(config)
     if path is not None and path.exists():
         return CalibratedClock(Calibration.load(path), speed_factor=speed_factor)
-    # Measured after the resume (finish_calibration), unless the checkpoint brings one. (A
-    # sharded worker's model is sharded by then: the pass is timed on a whole copy taken now,
-    # as each rank computes on whole gathered blocks. TODO: build it only when measuring.)
+    # Measured after the resume (finish_calibration), unless the checkpoint brings one. A
+    # sharded worker's model is sharded by then, and its own pass is timed (no whole copy).
     if measure is not None:
         return CalibratedClock(speed_factor=speed_factor, measure=measure)
-    timed = copy.deepcopy(model) if config.worker_sharding == "fsdp" else model
-    return CalibratedClock(
-        speed_factor=speed_factor,
-        measure=lambda: calibrate(
-            timed,
-            vocab_size=0,
-            micro_batch_size=config.data.micro_batch_size,
-            block_size=config.model.block_size,
-            bookkeeping=bookkeeping,
-            bf16=config.precision == "bf16-mixed",
-            loss=timed_loss,
-        ),
-    )
+
+    def measured() -> Calibration:
+        local = None
+        if config.worker_sharding == "fsdp":
+            local = sum(sharding.flat_numel(p) for p in model.parameters())
+        with sharding.local_collectives(model):
+            return calibrate(
+                model,
+                vocab_size=0,
+                micro_batch_size=config.data.micro_batch_size,
+                block_size=config.model.block_size,
+                bookkeeping=bookkeeping,
+                bf16=config.precision == "bf16-mixed",
+                loss=timed_loss,
+                local_elements=local,
+            )
+
+    return CalibratedClock(speed_factor=speed_factor, measure=measured)
 
 
 def calibrate_in_process(

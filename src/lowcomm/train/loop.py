@@ -24,7 +24,7 @@ from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.config import TrainConfig
 from lowcomm.models.gpt import drawing_from, dropout_modules
-from lowcomm.models.recompute import checkpoint_blocks
+from lowcomm.models.recompute import checkpoint_blocks, compile_blocks
 from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
 from lowcomm.train import checkpoint, sharding
 from lowcomm.train.compute import (
@@ -236,23 +236,19 @@ def set_up(
         torch.cuda.reset_peak_memory_stats(device)
         torch.backends.cuda.matmul.allow_tf32 = config.tf32  # (--tf32)
         torch.backends.cudnn.allow_tf32 = config.tf32
-    if shared is None:
-        torch.manual_seed(config.seed)
-        model = _shared_initial_model(config, task, raw, device)
-        rng_state = torch.get_rng_state()
-    else:  # one of several workers in this process: a copy of the one initial model
-        model = shared.copy_model()
-        rng_state = shared.rng_state
+    model, rng_state, deferred = _initial_model(config, task, raw, device, shared)
     generator, device_generator = _worker_generators(rng_state, config.seed, device)
     if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
         checkpoint_blocks(model)
+    if config.compile:  # (compiled on the first pass: the calibration's warm-up, if any)
+        compile_blocks(model)
     measure = None if shared is None else shared.calibrate
     timed = calibration_pass(task, config, device)
     clock = worker_clock(config, model, timed, bookkeeping, device, measure)
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
         links = (network_profile(config), replica_network_profile(config))
-        comm = sharding.shard_worker(config, model, clock, device, links)
+        comm = sharding.shard_worker(config, model, clock, device, links, deferred)
     else:
         comm, _ = _strategy_comms(config, raw, clock, device, levels)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
@@ -286,6 +282,21 @@ def _worker_generators(
     if device.type == "cpu":
         return generator, generator
     return generator, torch.Generator(device=device).manual_seed(seed)
+
+
+def _initial_model(
+    config: TrainConfig, task: Task, raw: Comm, device: torch.device, shared: SharedSetup | None
+) -> tuple[torch.nn.Module, torch.Tensor, sharding.Rows | None]:
+    """This worker's initial model, the state of the global generator after building it (the
+    worker's generator starts there), and for a sharded worker the model's deferred values
+    (the model then on ``meta``: sharding.initial_model)."""
+    if shared is not None:  # one of several workers in this process: a copy of the one model
+        return shared.copy_model(), shared.rng_state, None
+    torch.manual_seed(config.seed)
+    if config.worker_sharding == "fsdp":  # (made shard by shard, after fully_shard)
+        model, deferred = sharding.initial_model(config, lambda: task.model(config), raw.rank)
+        return model, torch.get_rng_state(), deferred
+    return _shared_initial_model(config, task, raw, device), torch.get_rng_state(), None
 
 
 def _shared_initial_model(
@@ -567,9 +578,7 @@ def final_evaluation(
         if keep_parameters:
             final.deployed = _flat_parameters(deployed_model)
         # (sharded: gathered whole by worker 0's ranks)
-        exported = sharding.exportable(
-            deployed_model, worker.rank // worker.config.ranks_per_worker
-        )
+        exported = sharding.exportable(deployed_model, worker.rank, worker.config.ranks_per_worker)
         if worker.rank == 0 and exported is not None:
             # The deployed parameters (rank 0's: worker 0's outer copy for eager and the
             # delayed DiLoCo) become OUT/model/.

@@ -20,21 +20,29 @@ FSDP's own all-gathers and reduce-scatters are charged to the inner link's
 :class:`~lowcomm.comm.emulated.NetworkComm` (:func:`charge_fsdp_collectives`), which the
 strategy's communicator reports as the inner level (:class:`ShardedWorkerComm`).
 
-Not yet: --init-from, meta-device init; an elastic resume keeps --ranks-per-worker
-(``lowcomm.train.reshard``).
+The model starts on ``meta`` (:func:`initial_model`, :mod:`lowcomm.models.deferred`) and
+each rank makes only its own shards (:func:`materialise`), bit for bit the CPU build's values.
+
+With --init-from each rank reads only its own rows of the weights
+(:func:`~lowcomm.models.init_from.sliced_start`).
+
+Not yet: an elastic resume keeps --ranks-per-worker (``lowcomm.train.reshard``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Role
 from lowcomm.comm.emulated import NetworkComm
+from lowcomm.models.blocks import retie, tied_names, transformer_blocks
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.sharded_flat import (
     FLAT_NUMEL_ATTRIBUTE,
@@ -91,17 +99,6 @@ def config_refusal(config: TrainConfig) -> str | None:
     refusal = sharding_refusal(config.method, config.worker_sharding, config.ranks_per_worker)
     if refusal is not None or config.worker_sharding == "replicate":
         return refusal
-    if config.model.config is not None or config.model.value("family") != "gpt":
-        return (
-            "--worker-sharding fsdp: only the built-in GPT (--model.family gpt) is sharded "
-            "for now (a transformers model's blocks and export are still to be wired); pass "
-            "--worker-sharding replicate"
-        )
-    if config.init_from is not None:
-        return (
-            f"--worker-sharding fsdp: --init-from {config.init_from} is not read shard by "
-            f"shard yet; start from scratch, or pass --worker-sharding replicate"
-        )
     return None
 
 
@@ -116,8 +113,9 @@ def worker_mesh(workers: int, ranks_per_worker: int, device: str = "cpu") -> Any
 
 
 def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Module:
-    """``fully_shard`` every transformer block (``blocks.<j>``) of ``model``, then the rest
-    as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``.
+    """``fully_shard`` every transformer block of ``model`` (the built-in GPT's ``blocks``, a
+    ``transformers`` model's decoder layers: :func:`~lowcomm.models.blocks.transformer_blocks`),
+    then the rest (embeddings, final norm, output layer) as the root unit, over the 1-D mesh ``ranks`` (one worker's ranks); returns ``model``.
 
     ``bf16`` (``--precision bf16-mixed``): FSDP2's mixed-precision policy, bfloat16 compute
     parameters (all-gathered in bfloat16: half the bytes) with float32 gradient reduction and
@@ -130,16 +128,21 @@ def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Modul
         if bf16
         else MixedPrecisionPolicy()
     )
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        for block in blocks:
-            fully_shard(block, mesh=ranks, mp_policy=policy)
+    blocks = transformer_blocks(model)
+    for block in [] if blocks is None else blocks:
+        fully_shard(block, mesh=ranks, mp_policy=policy)
     fully_shard(model, mesh=ranks, mp_policy=policy)
+    _mark_flat_numel(model)
+    return model
+
+
+def _mark_flat_numel(model: nn.Module) -> None:
+    """Record on each sharded parameter the elements of its padded local storage (what
+    :func:`flat_numel` reads)."""
     for fsdp_param in fsdp_params(model):
         setattr(
             fsdp_param.sharded_param, FLAT_NUMEL_ATTRIBUTE, fsdp_param._sharded_param_data.numel()
         )
-    return model
 
 
 def fsdp_params(model: nn.Module) -> list[Any]:
@@ -287,6 +290,10 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
             self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
             async_op: bool = False,
         ) -> Any:  # fmt: skip
+            if getattr(model, _LOCAL, False):  # (calibrating: local_collectives)
+                shard = input_tensor.reshape(1, -1).clone()  # (FSDP's input is in its output)
+                output_tensor.view(-1, shard.numel()).copy_(shard)
+                return None
             work = super().__call__(output_tensor, input_tensor, group, async_op)
             charge(CollectiveKind.ALL_GATHER, Role.PARAMETER, output_tensor)
             return work
@@ -296,6 +303,9 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
             self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
             async_op: bool = False,
         ) -> Any:  # fmt: skip
+            if getattr(model, _LOCAL, False):
+                output_tensor.view(-1).copy_(input_tensor.view(-1)[: output_tensor.numel()].clone())
+                return None
             work = super().__call__(output_tensor, input_tensor, group, op, async_op)
             charge(CollectiveKind.REDUCE_SCATTER, Role.GRADIENT, input_tensor)
             return work
@@ -305,6 +315,26 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(scatter)
+
+
+#: Set on a model while its FSDP collectives are local stand-ins (:func:`local_collectives`).
+_LOCAL = "_lowcomm_local_collectives"
+
+
+@contextlib.contextmanager
+def local_collectives(model: nn.Module) -> Iterator[None]:
+    """For the duration, ``model``'s FSDP collectives move nothing and are not charged: an
+    all-gather fills its output with this rank's shard repeated, a reduce-scatter keeps this
+    rank's chunk of its input. The calibration times a sharded rank's own pass this way
+    (the compute on whole gathered blocks and FSDP's copies into and out of the collective
+    buffers, no wait on another rank), one process at a time as for a replicated worker,
+    with no whole copy of the model; the values it computes are thrown away. (A model that
+    is not sharded is left as it is.)"""
+    setattr(model, _LOCAL, True)
+    try:
+        yield
+    finally:
+        delattr(model, _LOCAL)
 
 
 class ShardedWorkerComm(NetworkComm):
@@ -359,11 +389,15 @@ def shard_worker(
     clock: Clock,
     device: torch.device,
     links: tuple[NetworkProfile, NetworkProfile],
+    deferred: Rows | None = None,
 ) -> ShardedWorkerComm:
     """Shard ``model`` over this rank's worker (every rank calls it: the mesh's groups are
     made collectively) and return the strategy's communicator: rank r of every worker, over
     --network. The worker's own communicator (over --inner-network) sums clipping norms.
-    ``links``: the (outer, inner) network profiles, built by the caller from the config."""
+    ``links``: the (outer, inner) network profiles, built by the caller from the config.
+    ``deferred``: ``model`` is on ``meta`` (:func:`initial_model`), and each rank makes only
+    its own shards of it; either way every rank r then takes worker 0's rank r's shards
+    (uncharged), so the workers provably start from one point."""
     from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.torch_comm import TorchComm
 
@@ -373,14 +407,105 @@ def shard_worker(
         TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
         links[1], clock, device=device, wire_dtype=wire,
     )  # fmt: skip
-    outer = ShardedWorkerComm(
-        TorchComm(mesh.get_group("workers"), timeout_s=timeout),
-        links[0], clock, inner=inner, device=device, wire_dtype=wire,
-    )  # fmt: skip
+    across = TorchComm(mesh.get_group("workers"), timeout_s=timeout)
+    outer = ShardedWorkerComm(across, links[0], clock, inner=inner, device=device, wire_dtype=wire)
     shard_model(model, mesh["ranks"], bf16=config.precision == "bf16-mixed")
+    if deferred is not None:
+        materialise(model, deferred, device)
+    for record in fsdp_params(model):
+        across.broadcast(record._sharded_param_data, src=0, role=Role.PARAMETER).wait()
     attach_inner(model, inner)
     charge_fsdp_collectives(model, inner)
     return outer
+
+
+# --- the start: a model on meta, each rank making its own shards --------------------------
+
+
+class Rows(Protocol):
+    """Where a model built on ``meta`` gets the values of its tensors, rows at a time."""
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
+
+
+def initial_model(
+    config: TrainConfig, build: Callable[[], nn.Module], rank: int
+) -> tuple[nn.Module, Rows | None]:
+    """A sharded worker's initial model: ``build()`` run on the ``meta`` device, with what
+    makes each tensor's values as a CPU build would (:func:`~lowcomm.models.deferred.
+    build_deferred`; the default generator left where a CPU build leaves it), so no rank
+    ever holds the whole model; with --init-from, the model of its config.json on ``meta``,
+    each rank reading only its own rows of the weights
+    (:func:`~lowcomm.models.init_from.sliced_start`). A model whose initialisation cannot be
+    deferred is built whole on the CPU instead (None: rank 0 says why)."""
+    from lowcomm.models.deferred import build_deferred
+
+    if config.device == "cpu":
+        return_freed_memory()
+    if config.init_from is not None:
+        from lowcomm.models.init_from import preflight_init_from, sliced_start
+
+        return sliced_start(preflight_init_from(config.init_from, config.model))
+    state = torch.default_generator.get_state()
+    try:
+        return build_deferred(build)
+    except Exception as error:  # (a real problem of the model raises again below)
+        torch.default_generator.set_state(state)
+        if rank == 0:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            print(
+                f"lowcomm: note: --worker-sharding fsdp: the model is built whole on every "
+                f"rank before it is sharded (its initialisation cannot be made shard by "
+                f"shard: {reason})",
+                flush=True,
+            )
+        return build(), None
+
+
+#: glibc's mallopt parameter of the mmap threshold, and the value a sharded CPU worker sets.
+_M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD` for this process (False where the
+    C library has no ``mallopt``): blocks of a megabyte or more are then mapped for themselves
+    and returned to the system when freed. By default glibc raises the threshold to the size
+    of each such block freed (up to 32 MB), after which they come from its heap, which keeps
+    freed memory: FSDP gathers and frees every block's parameters and gradients in every pass,
+    and the heap grew by several times the rank's state (on a 12M-parameter Llama, 2 x 2
+    ranks: peak RSS 784 MB per rank, 566 MB with the threshold fixed)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
+def materialise(model: nn.Module, deferred: Rows, device: torch.device) -> None:
+    """Give a ``fully_shard``-ed model built on ``meta`` real storage on ``device``, each
+    rank only its own (padded) shards, and fill them with the rows a CPU build gives (one
+    whole tensor made at a time, then freed); buffers whole (FSDP does not shard them)."""
+    records = {id(record.sharded_param): record for record in fsdp_params(model)}
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # (keeps tied parameters one)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            record = records[id(parameter)]
+            record._sharded_param_data.zero_()  # (the padding)
+            local = parameter._local_tensor  # type: ignore[attr-defined]
+            if local.numel() == 0:
+                continue
+            start = record.mesh_info.shard_mesh_rank * record.padded_sharded_param_size[0]
+            local.copy_(deferred.rows(name, start, start + local.size(0)))
+        for name, buffer in model.named_buffers():
+            buffer.copy_(deferred.rows(name))
+    _mark_flat_numel(model)
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -407,26 +532,57 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             local.copy_(state[name])
 
 
-def exportable(model: nn.Module, worker_index: int) -> nn.Module | None:
-    """The whole model to export: ``model`` itself, or for a sharded model the full state
-    gathered (a collective over the worker's ranks, made by worker 0's ranks only) into a
-    fresh unsharded copy (None on the other workers)."""
+def exportable(model: nn.Module, rank: int, ranks_per_worker: int) -> nn.Module | None:
+    """The whole model to export from global rank ``rank``: ``model`` itself, or for a sharded
+    model the full state gathered tensor by tensor (a collective over the worker's ranks, made
+    by worker 0's ranks only) into a fresh unsharded model on worker 0's rank 0 (None on every
+    other rank, which keeps no gathered tensor)."""
     if not is_sharded(model):
         return model
-    if worker_index != 0:
+    if rank >= ranks_per_worker:
         return None
-    full = {
-        name: value.full_tensor() if hasattr(value, "full_tensor") else value
-        for name, value in model.state_dict().items()
-    }
-    plain_class = type(model).__bases__[1]  # fully_shard made it (FSDPModule, the class)
-    plain: nn.Module = plain_class(model.config)
-    plain.load_state_dict(full)
+    full: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if rank == 0:
+            full[name] = whole.detach().cpu()
+    if rank != 0:
+        return None
+    plain = unsharded_like(model)
+    groups = tied_names(plain)
+    plain.load_state_dict(full, assign=True)
+    retie(plain, groups)
+    for name, buffer in model.named_buffers():  # (FSDP does not shard buffers)
+        owner, _, attribute = name.rpartition(".")
+        setattr(plain.get_submodule(owner), attribute, buffer.detach().clone())
     return plain
+
+
+def unsharded_like(model: nn.Module) -> nn.Module:
+    """A model of ``model``'s architecture on the ``meta`` device, without FSDP (for the
+    built-in GPT and ``transformers`` models: the export's).
+
+    Raises:
+        TypeError: naming a model of another class, which cannot be rebuilt from its config.
+    """
+    from lowcomm.models.gpt import GPT
+    from lowcomm.models.hf import HFCausalLM
+
+    with torch.device("meta"):
+        if isinstance(model, HFCausalLM):
+            return HFCausalLM(model.hf_config)
+        if isinstance(model, GPT):
+            return GPT(model.config)
+    raise TypeError(
+        f"--worker-sharding fsdp: cannot export a sharded {type(model).__name__} (only the "
+        f"built-in GPT and transformers models are rebuilt whole); use --worker-sharding "
+        f"replicate"
+    )
 
 
 __all__ = [
     "SHARDINGS",
+    "Rows",
     "ShardedFlatBuffers",
     "ShardedWorkerComm",
     "attach_inner",
@@ -436,13 +592,18 @@ __all__ = [
     "flat_buffers",
     "flat_numel",
     "full_flat",
+    "initial_model",
     "is_sharded",
     "load_model_state",
+    "local_collectives",
+    "materialise",
     "model_state",
     "norm_summer",
+    "return_freed_memory",
     "shard_model",
     "shard_worker",
     "sharded_methods",
     "sharding_refusal",
+    "unsharded_like",
     "worker_mesh",
 ]
