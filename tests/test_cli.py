@@ -119,8 +119,8 @@ def test_a_benchmark_option_before_the_benchmark_says_which_benchmarks_have_it(
 
     monkeypatch.setattr(cli, "_command_line", ["bench", "--repeats", "2"])
     text = cli.unrecognized_options("lowcomm bench", ["--repeats", "2"])
-    assert "--repeats (an option of lowcomm bench overhead, startup, clock: name the benchmark " \
-        "first)" in text  # fmt: skip
+    assert "--repeats (an option of lowcomm bench overhead, startup, clock, scale: name the " \
+        "benchmark first)" in text  # fmt: skip
 
 
 def test_the_flags_suggested_for_a_typo_are_the_ones_tyro_parses(
