@@ -294,8 +294,7 @@ class RealClock(Clock):
         if self._timeline is None:
             return super().marker()
         self.mark()
-        index = self._timeline.boundary("compute")
-        self._timeline.want(index)
+        index = self._timeline.boundary("compute", keep=True)
         return ("event", index, self._compute_base, self._exposed_base)
 
     def totals_at(self, marker: object) -> tuple[float, float]:

@@ -52,19 +52,19 @@ class DeviceTimeline:
         event.record(self._cuda.current_stream(self._device))
         return event
 
-    def boundary(self, ended: str) -> int:
+    def boundary(self, ended: str, keep: bool = False) -> int:
         """Record the end of a region of kind ``ended`` (and the start of the next); return
-        the boundary's index (for :meth:`totals_at`). Folds in the completed ones."""
+        the boundary's index. With ``keep``, the totals at this boundary are kept for
+        :meth:`totals_at` (asked for before the completed boundaries are folded in: on an idle
+        device this one may already be complete). Folds in the completed ones."""
         assert ended in REGIONS, ended
         index = self._recorded
+        if keep:
+            self._wanted[index] = None
         self._pending.append((index, self._record(), ended))
         self._recorded += 1
         self.resolve(until=None)
         return index
-
-    def want(self, index: int) -> None:
-        """Keep the totals at boundary ``index`` for :meth:`totals_at`."""
-        self._wanted[index] = None
 
     def resolve(self, until: int | None) -> None:
         """Fold in the completed boundaries; with ``until``, wait for the boundaries up to
@@ -86,8 +86,8 @@ class DeviceTimeline:
                 self._wanted[index] = dict(self.totals)
 
     def totals_at(self, index: int) -> dict[str, float]:
-        """The region totals at boundary ``index`` (asked for with :meth:`want`); waits for
-        the boundaries up to it."""
+        """The region totals at boundary ``index`` (from :meth:`boundary` with ``keep``);
+        waits for the boundaries up to it."""
         self.resolve(until=index)
         totals = self._wanted.pop(index)
         assert totals is not None, f"boundary {index} not resolved"
