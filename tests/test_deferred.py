@@ -107,3 +107,31 @@ def test_a_rank_never_holds_the_whole_model() -> None:
     print(total, kept, grown)
     assert total > 100e6 and kept < total / 3
     assert grown < kept + 40e6, (grown, kept, total)
+
+
+def test_pre_flight_builds_the_model_and_method_for_shapes_without_the_compiler_stack() -> None:
+    """Pre-flight's model and method (ShapesOnly): every tensor on meta with the CPU build's
+    shapes, and no import of torch._dynamo (its first use costs every command ~3 s; the
+    built-in GPT: transformers' Llama imports it on its own)."""
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        from lowcomm.config import TrainConfig
+        from lowcomm.launch.run import check_method_options
+        from lowcomm.models import ModelConfig, build_model
+        from lowcomm.train.task import CorpusTask
+
+        config = TrainConfig(method="diloco", workers=2)
+        config.model = ModelConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
+        shapes = CorpusTask().shapes_model(config)
+        check_method_options(config)
+        assert "torch._dynamo" not in sys.modules, "pre-flight imported the compiler stack"
+        whole = build_model(config.model, config.data.vocab_size)
+        real = {name: t.shape for name, t in whole.state_dict().items()}
+        meta = {name: t.shape for name, t in shapes.state_dict().items()}
+        assert real == meta, (real, meta)
+        assert all(t.is_meta for t in shapes.state_dict().values())
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

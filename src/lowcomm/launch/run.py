@@ -260,6 +260,7 @@ def check_method_options(config: TrainConfig, task: Task | None = None) -> str |
     --token-budget run, which may end sooner). ``task``: the run's model (default:
     ``--model.*``'s)."""
     from lowcomm.comm.fake import RecordingComm
+    from lowcomm.models.deferred import ShapesOnly
     from lowcomm.strategies import build_strategy
     from lowcomm.train.context import strategy_context
     from lowcomm.train.task import CorpusTask
@@ -268,10 +269,11 @@ def check_method_options(config: TrainConfig, task: Task | None = None) -> str |
         # On the meta device where the model can be built there: the method needs the
         # shapes, not a copy of the weights.
         model = (CorpusTask() if task is None else task).shapes_model(config)
-        strategy = build_strategy(
-            config.method, model, RecordingComm(world_size=config.workers),
-            strategy_context(config), config,
-        )  # fmt: skip
+        with ShapesOnly():
+            strategy = build_strategy(
+                config.method, model, RecordingComm(world_size=config.workers),
+                strategy_context(config), config,
+            )  # fmt: skip
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if config.token_budget is not None:

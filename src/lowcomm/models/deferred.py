@@ -25,6 +25,7 @@ large tensor, or written by a large one) has no recipe, and the build says which
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,3 +402,72 @@ def build_deferred(
 
 
 __all__ = ["SHADOW_ELEMENTS", "Deferred", "DeferredInit", "NotDeferrable", "build_deferred"]
+
+
+#: The random in-place initialisations: on ``meta`` they have no kernel of their own, and
+#: their Python decomposition imports torch's compiler stack.
+_RANDOM_FILLS = frozenset(
+    ("normal_", "uniform_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_",
+     "bernoulli_")
+)  # fmt: skip
+
+
+#: Factories of a tensor like another, filled: for shapes, an empty one does.
+_FILLED_LIKE = frozenset(("zeros_like", "ones_like", "full_like", "rand_like", "randn_like"))
+_LIKE_KWARGS = ("dtype", "layout", "device", "pin_memory", "memory_format")
+
+
+class ShapesOnly(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Build a model (and a method over it) on ``meta`` for its shapes alone (pre-flight's
+    checks): every tensor made is on ``meta``, a random initialisation returns its target
+    untouched, and a filled copy of a tensor's shape or a concatenation is left empty.
+
+    (``with torch.device("meta")`` would do the first, but its first use imports torch's
+    compiler stack, about 3 s of every command's start; so does the decomposition of a random
+    fill on meta.)"""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep torch.compile out of it, which
+        # imports the compiler stack on first use; nothing built for shapes is compiled.
+        return False
+
+    def __torch_dispatch__(  # type: ignore[override]
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = META
+        args = tree_map(_meta_twin, args)
+        kwargs = tree_map(_meta_twin, kwargs)
+        target = args[0] if args else None
+        name = func.overloadpacket.__name__
+        if isinstance(target, torch.Tensor) and name in _RANDOM_FILLS:
+            return target
+        if isinstance(target, torch.Tensor) and name in _FILLED_LIKE:  # (a Python meta kernel)
+            return torch.ops.aten.empty_like.default(
+                target, **{k: v for k, v in kwargs.items() if k in _LIKE_KWARGS}
+            )
+        if name == "cat":  # (a Python meta kernel)
+            return _cat_shape(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _cat_shape(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """An empty meta tensor of ``torch.cat(tensors, dim)``'s shape and type."""
+    shaped = [t for t in tensors if t.dim() > 0]  # (cat skips 1-D empties of legacy code)
+    dim = dim % shaped[0].dim()
+    size = list(shaped[0].shape)
+    size[dim] = sum(t.shape[dim] for t in shaped)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in shaped))
+    return torch.empty(size, dtype=dtype, device=META)
+
+
+def _meta_twin(value: Any) -> Any:
+    """A real tensor met while building for shapes (a constant made on the CPU): on meta."""
+    if isinstance(value, torch.Tensor) and not value.is_meta:
+        return value.to(META)
+    return value

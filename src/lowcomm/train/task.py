@@ -193,8 +193,9 @@ class CorpusTask:
 
     def shapes_model(self, config: TrainConfig) -> nn.Module:
         from lowcomm.models import build_model
+        from lowcomm.models.deferred import ShapesOnly
 
-        with torch.device("meta"):
+        with ShapesOnly():
             if self.model_factory is not None:
                 return self.model_factory()
             # A model described by a config.json has its own vocabulary size (checked

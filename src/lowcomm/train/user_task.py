@@ -158,8 +158,10 @@ class DatasetTask:
         return self.model_factory()
 
     def shapes_model(self, config: TrainConfig) -> nn.Module:
+        from lowcomm.models.deferred import ShapesOnly
+
         try:
-            with torch.device("meta"):
+            with ShapesOnly():
                 return self.model_factory()
         except Exception:  # a factory that reads files or numbers: build it for real
             return self.model_factory()
