@@ -413,8 +413,9 @@ _RANDOM_FILLS = frozenset(
 
 
 #: Factories of a tensor like another, filled: for shapes, an empty one does.
-_FILLED_LIKE = frozenset(("zeros_like", "ones_like", "full_like", "rand_like", "randn_like"))
-_LIKE_KWARGS = ("dtype", "layout", "device", "pin_memory", "memory_format")
+_FILLED_LIKE = frozenset(
+    ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like")
+)  # fmt: skip
 
 
 class ShapesOnly(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -448,9 +449,8 @@ class ShapesOnly(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if isinstance(target, torch.Tensor) and name in _RANDOM_FILLS:
             return target
         if isinstance(target, torch.Tensor) and name in _FILLED_LIKE:  # (a Python meta kernel)
-            return torch.ops.aten.empty_like.default(
-                target, **{k: v for k, v in kwargs.items() if k in _LIKE_KWARGS}
-            )
+            dtype = kwargs.get("dtype") or target.dtype
+            return torch.empty(target.shape, dtype=dtype, device=META)
         if name == "cat":  # (a Python meta kernel)
             return _cat_shape(*args, **kwargs)
         return func(*args, **kwargs)
