@@ -15,8 +15,6 @@ import os
 WORKER_MODULES = [
     "torch",
     "torch.distributed",
-    # (imported by the first operation under a dispatch mode: the calibrated clock counts with one)
-    "torch._dynamo",
     "lowcomm.launch.spawn",
     "lowcomm.train.loop",
 ]

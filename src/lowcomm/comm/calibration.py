@@ -48,12 +48,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lowcomm.atomic import atomic_write_text
 from lowcomm.comm.base import Comm, Role
 from lowcomm.comm.clock import VirtualClock
 from lowcomm.comm.overlap import HelperMeter
+from lowcomm.dispatch import PlainDispatchMode
 
 #: Timed repeats in all (split over the workers, at least one each) after the warm-up. Spread
 #: over several seconds, so that a transient slowdown of the host (seen on a shared VM: every
@@ -143,14 +144,14 @@ def check_calibration_file(
     return None
 
 
-class ElementCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class ElementCounter(PlainDispatchMode):
     """Counts the tensor elements the ATen operations of this thread write while counting.
 
     Thread-local (a dispatch mode); views and non-ATen operations (communication) count
     nothing; an operation with no tensor result counts its first tensor argument."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.elements = 0
         self.counting = True
 

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from lowcomm.dispatch import PlainDispatchMode
 
 #: Storages of at most this many elements are computed for real as the model is built.
 SHADOW_ELEMENTS = 1 << 16
@@ -123,13 +124,13 @@ class _Workspace:
         return self._buffer[:nbytes].view(dtype).as_strided(size, stride, offset)
 
 
-class DeferredInit(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class DeferredInit(PlainDispatchMode):
     """Build a model on ``meta`` while keeping what the CPU would hold (module docstring).
 
     ``shadow_elements``: the size up to which a storage is computed for real."""
 
     def __init__(self, shadow_elements: int = SHADOW_ELEMENTS, *, draw: bool = True) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.shadow_elements = shadow_elements
         self.draw = draw
         """Draw a large tensor's random numbers on a scratch tensor as they are recorded (so
@@ -418,23 +419,14 @@ _FILLED_LIKE = frozenset(
 )  # fmt: skip
 
 
-class ShapesOnly(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class ShapesOnly(PlainDispatchMode):
     """Build a model (and a method over it) on ``meta`` for its shapes alone (pre-flight's
     checks): every tensor made is on ``meta``, a random initialisation returns its target
     untouched, and a filled copy of a tensor's shape or a concatenation is left empty.
 
     (``with torch.device("meta")`` would do the first, but its first use imports torch's
-    compiler stack, about 3 s of every command's start; so does the decomposition of a random
-    fill on meta.)"""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ to keep torch.compile out of it, which
-        # imports the compiler stack on first use; nothing built for shapes is compiled.
-        return False
+    compiler stack, about 3 s of every command's start; so do the Python meta kernels of a
+    random fill, a filled copy and a concatenation.)"""
 
     def __torch_dispatch__(  # type: ignore[override]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
