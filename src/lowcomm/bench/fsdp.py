@@ -32,13 +32,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from lowcomm.bench.fsdp_speed import RANKS, WORKERS, SpeedSetting, speed_ratio, speed_worker
+from lowcomm.bench.scale import PeriodicWatch
 
 #: n_layer x n_embd of each attempt, in growing order.
 LADDER = (
@@ -209,7 +209,7 @@ def _usage(pid: int) -> tuple[int, int]:
     return rss, swap
 
 
-class MemoryCap:
+class MemoryCap(PeriodicWatch):
     """Watches a process tree until stopped: keeps the peak of its summed resident memory, and
     kills every process of the tree once that passes ``budget`` bytes or the tree swaps (more
     than 64 MB), saying which in :attr:`stopped`."""
@@ -217,33 +217,23 @@ class MemoryCap:
     SWAP_SLACK = 64 << 20
 
     def __init__(self, root: int, budget: float, period_s: float = 0.1) -> None:
-        self.root, self.budget, self.period_s = root, budget, period_s
+        super().__init__(period_s)
+        self.root, self.budget = root, budget
         self.peak_bytes = 0
         self.stopped: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> MemoryCap:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            pids = tree_pids(self.root)
-            usage = [_usage(pid) for pid in pids]
-            rss, swap = sum(u[0] for u in usage), sum(u[1] for u in usage)
-            self.peak_bytes = max(self.peak_bytes, rss)
-            if rss > self.budget or swap > self.SWAP_SLACK:
-                self.stopped = "over budget" if rss > self.budget else "swapping"
-                for pid in reversed(pids):  # (children first: nothing restarts them)
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)
-                return
-            self._stop.wait(self.period_s)
+    def sample(self) -> bool:
+        pids = tree_pids(self.root)
+        usage = [_usage(pid) for pid in pids]
+        rss, swap = sum(u[0] for u in usage), sum(u[1] for u in usage)
+        self.peak_bytes = max(self.peak_bytes, rss)
+        if rss > self.budget or swap > self.SWAP_SLACK:
+            self.stopped = "over budget" if rss > self.budget else "swapping"
+            for pid in reversed(pids):  # (children first: nothing restarts them)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            return False
+        return True
 
 
 def run_attempt(bench: FsdpBench, attempt: Attempt, out: Path) -> Attempt:

@@ -30,7 +30,7 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lowcomm.bench.runs import STUDY_CALIBRATION, study_calibration
 from lowcomm.bench.startup import time_command
@@ -107,19 +107,19 @@ class ScaleRun:
     error: str = ""
 
 
-class TreeSampler:
-    """Samples a process tree's summed resident memory and thread count until stopped; keeps
-    the peaks. Linux ``/proc`` only (elsewhere the peaks stay 0)."""
+_Watch = TypeVar("_Watch", bound="PeriodicWatch")
 
-    def __init__(self, root: int, period_s: float = 0.05) -> None:
-        self._root = root
+
+class PeriodicWatch:
+    """A daemon thread that calls :meth:`sample` every ``period_s`` from entering the context
+    until leaving it, or until :meth:`sample` returns False."""
+
+    def __init__(self, period_s: float) -> None:
         self._period_s = period_s
         self._stop = threading.Event()
-        self.peak_rss_bytes = 0
-        self.peak_threads = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> TreeSampler:
+    def __enter__(self: _Watch) -> _Watch:
         self._thread.start()
         return self
 
@@ -128,11 +128,29 @@ class TreeSampler:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            rss, threads = tree_usage(self._root)
-            self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
-            self.peak_threads = max(self.peak_threads, threads)
+        while not self._stop.is_set() and self.sample():
             self._stop.wait(self._period_s)
+
+    def sample(self) -> bool:
+        """One look; False ends the watch."""
+        raise NotImplementedError
+
+
+class TreeSampler(PeriodicWatch):
+    """Samples a process tree's summed resident memory and thread count until stopped; keeps
+    the peaks. Linux ``/proc`` only (elsewhere the peaks stay 0)."""
+
+    def __init__(self, root: int, period_s: float = 0.05) -> None:
+        super().__init__(period_s)
+        self._root = root
+        self.peak_rss_bytes = 0
+        self.peak_threads = 0
+
+    def sample(self) -> bool:
+        rss, threads = tree_usage(self._root)
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+        self.peak_threads = max(self.peak_threads, threads)
+        return True
 
 
 def tree_usage(root: int) -> tuple[int, int]:
