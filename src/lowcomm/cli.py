@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,13 +58,18 @@ def run_train(config: TrainConfig) -> None:
 
 
 def _exit_past_busy_workers(code: int) -> None:
-    """End the process now, without finalizing the interpreter, when in-process worker threads
-    are still running after a stop gave up on them: finalization would stop them inside torch
-    and abort the process instead of exiting with ``code``. Everything they wrote is flushed
-    and checkpoints are committed atomically, so nothing kept is lost."""
+    """End the process now, without finalizing the interpreter, when threads other than this
+    one are still alive after a stop: in-process workers it gave up on, or a helper of theirs
+    (ACCO's chain scheduler) still unwinding. Finalization would stop them inside torch and
+    abort the process ("terminate called without an active exception", status -6; seen once in
+    CI) instead of exiting with ``code``. Everything they wrote is flushed and checkpoints are
+    committed atomically, so nothing kept is lost."""
     from lowcomm.launch.inprocess import workers_alive
 
-    if workers_alive():
+    if workers_alive() or any(
+        thread.is_alive() and thread is not threading.main_thread()
+        for thread in threading.enumerate()
+    ):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
