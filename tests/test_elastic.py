@@ -394,9 +394,10 @@ def _wait_listening(port: int, host: subprocess.Popen[str], timeout_s: float = 6
         time.sleep(0.05)
 
 
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Path) -> None:
-    """3 single-process torchrun agents (c10d rendezvous on loopback, --nnodes 2:3); one is
+    """(Benchmark tier: it rests on torchelastic's rendezvous timeouts, and on a loaded 2-core
+    CI machine it overran them twice, 74-185 s a run; make test-benchmarks runs it.) 3 single-process torchrun agents (c10d rendezvous on loopback, --nnodes 2:3); one is
     SIGKILLed with its worker mid-run and never comes back: the other two restart, re-shard
     the latest checkpoint for 2 workers and finish."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
