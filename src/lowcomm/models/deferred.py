@@ -450,7 +450,7 @@ class ShapesOnly(PlainDispatchMode):
 
 def _cat_shape(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """An empty meta tensor of ``torch.cat(tensors, dim)``'s shape and type."""
-    shaped = [t for t in tensors if t.dim() > 0]  # (cat skips 1-D empties of legacy code)
+    shaped = [t for t in tensors if t.shape != (0,)]  # (cat skips these legacy empties)
     dim = dim % shaped[0].dim()
     size = list(shaped[0].shape)
     size[dim] = sum(t.shape[dim] for t in shaped)
