@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lowcomm.comm.turns import TurnStall
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch.run import run_training
@@ -127,7 +129,9 @@ def _sixty_four_workers(method: str, out: Path) -> TrainConfig:
 @pytest.mark.parametrize("method", sorted(STRATEGIES))
 def test_every_method_trains_64_workers_in_one_process(method: str, tmp_path: Path) -> None:
     config = _sixty_four_workers(method, tmp_path / method)
-    summary = run_training(config, report=None)
+    with warnings.catch_warnings():  # (every wait gives its turn away: none stalls)
+        warnings.simplefilter("error", TurnStall)
+        summary = run_training(config, report=None)
     assert summary is not None and math.isfinite(summary["final_val_loss"])
     assert len(_steps(tmp_path / method)) == config.steps
     assert summary["bytes_sent_per_worker"] > 0  # (every method communicated)

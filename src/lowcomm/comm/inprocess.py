@@ -50,6 +50,7 @@ from lowcomm.comm.base import (
     collective_arithmetic,
 )
 from lowcomm.comm.overlap import ChainScheduler
+from lowcomm.comm.turns import wait_for
 
 
 class GroupAborted(RuntimeError):
@@ -213,7 +214,7 @@ class InProcessGroup:
 
     def wait(self, slot: _Slot, rank: int, what: str) -> None:
         """Block until ``slot`` completed; raise if it failed or the group was aborted."""
-        if not slot.event.wait(self.timeout_s):
+        if not wait_for(slot.event, self.timeout_s):
             raise CollectiveTimeout(
                 f"rank {rank}: {what} did not complete within {self.timeout_s:.1f} s "
                 f"(--collective-timeout-s {self.timeout_s}); a worker of this process stopped "

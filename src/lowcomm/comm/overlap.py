@@ -53,6 +53,7 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 import torch
 
 from lowcomm.comm.base import Comm, Handle, Role, Settled
+from lowcomm.comm.turns import blocking, wait_for
 
 T = TypeVar("T")
 
@@ -73,6 +74,9 @@ class FutureHandle(Generic[T]):
         self._future = future
 
     def wait(self) -> None:
+        if not self._future.done():
+            with blocking():
+                self._future.exception()  # (waits; result() below raises what it raised)
         self._future.result()
 
     def done(self) -> bool:
@@ -84,6 +88,7 @@ class FutureHandle(Generic[T]):
 
     def result(self) -> T:
         """Wait, then return what the work returned."""
+        self.wait()
         return self._future.result()
 
 
@@ -411,8 +416,9 @@ class ChainLane:
         return self._in_flight is not None and not self._in_flight.done()
 
     def close(self) -> None:
-        if self._in_flight is not None:
-            self._in_flight.exception()  # (waits; its error went to whoever waited on it)
+        if self._in_flight is not None and not self._in_flight.done():
+            with blocking():
+                self._in_flight.exception()  # (waits; its error went to whoever waited on it)
         self._closed = True
 
 
@@ -481,7 +487,7 @@ class LaunchAgreement:
         self._ready.set()
 
     def wait(self) -> None:
-        self._ready.wait()
+        wait_for(self._ready, None)
         if self._error is not None:
             raise RuntimeError(
                 "the communication thread failed before agreeing on a launch time"

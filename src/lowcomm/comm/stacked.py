@@ -56,6 +56,7 @@ from lowcomm.comm.base import (
 )
 from lowcomm.comm.inprocess import GroupAborted, SignalingEvent, SlotHandle
 from lowcomm.comm.overlap import ChainScheduler
+from lowcomm.comm.turns import wait_for
 
 #: What a slot does once every member of this process posted: combine the members' tensors,
 #: run the inter-process collective on the group's ``inter`` comm, write every member's result.
@@ -211,7 +212,7 @@ class StackedGroup:
 
     def wait(self, slot: _Slot, rank: int) -> None:
         """Block until ``slot`` completed; raise if it failed or the group was aborted."""
-        if not slot.event.wait(self.timeout_s):
+        if not wait_for(slot.event, self.timeout_s):
             raise CollectiveTimeout(
                 f"rank {rank}: {slot.what} did not complete within {self.timeout_s:.1f} s "
                 f"(--collective-timeout-s {self.timeout_s}); a worker stopped issuing "

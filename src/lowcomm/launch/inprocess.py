@@ -36,6 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
@@ -44,6 +45,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm
 from lowcomm.comm.inprocess import GroupAborted, InProcessGroup
+from lowcomm.comm.turns import Turns, cpu_count
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.launch.spawn import (
     STOP_GRACE_S,
@@ -99,9 +101,21 @@ def train_in_process(
                 levels=ranks.levels(rank),
             )  # fmt: skip
 
-        return run_threads(work, ranks.count, ranks.groups, log_path=log_path)
+        return run_threads(
+            work, ranks.count, ranks.groups, log_path=log_path,
+            turns=worker_turns(config, ranks.count),
+        )  # fmt: skip
     finally:
         torch.set_num_threads(threads_before)
+
+
+def worker_turns(config: TrainConfig, threads: int) -> Turns | None:
+    """How many of ``threads`` worker threads run at once: one per CPU when there are more
+    threads than CPUs, on the virtual clock (:mod:`lowcomm.comm.turns`); None: all of them."""
+    slots = cpu_count()
+    if config.clock != "virtual" or threads <= slots:
+        return None
+    return Turns(slots)
 
 
 class Group(Protocol):
@@ -271,19 +285,22 @@ def run_threads(
     *,
     log_path: Path | None = None,
     first_rank: int = 0,
+    turns: Turns | None = None,
 ) -> list[T]:
     """Run ``fn(rank)`` for ``count`` ranks, each on its own thread; return the results in rank
     order. A rank that raises aborts ``groups`` (its peers' collectives raise), and the first
     failure is raised as :class:`WorkerFailed`; a signal to this process's main thread aborts
     them and raises :class:`Interrupted` once the workers stopped (or after a grace period).
     ``first_rank``: the worker number of rank 0 in errors (this process's first worker when
-    the run's workers are spread over several processes)."""
+    the run's workers are spread over several processes). ``turns``: how many of the threads
+    run at once (None: all)."""
     results: list[T | None] = [None] * count
     failures = _Failures()
 
     def entry(rank: int) -> None:
         try:
-            results[rank] = fn(rank)
+            with nullcontext() if turns is None else turns.worker():
+                results[rank] = fn(rank)
         except BaseException as error:
             failures.add(first_rank + rank, error)
             line = f"{type(error).__name__}: {error}".splitlines()[0]

@@ -31,7 +31,7 @@ from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.stacked import StackedGroup
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
-from lowcomm.launch.inprocess import RankThreads, check_shared, run_threads
+from lowcomm.launch.inprocess import RankThreads, check_shared, run_threads, worker_turns
 from lowcomm.launch.spawn import Interrupted, _WorkerStop
 from lowcomm.train.loop import WorkerSummary, train_worker
 from lowcomm.train.rundir import ERROR_LOG, run_directory
@@ -80,6 +80,7 @@ def train_stacked(
         return run_threads(
             work, ranks.count, ranks.groups,
             log_path=run_directory(config) / ERROR_LOG, first_rank=ranks.first_rank,
+            turns=worker_turns(config, ranks.count),
         )  # fmt: skip
     except Interrupted as stop:  # stopped, not failed: leave as a stopped worker process does
         raise _WorkerStop(stop.signum) from None

@@ -33,8 +33,36 @@ def parameters_finite(model: torch.nn.Module) -> torch.Tensor | bool:
     """Whether every parameter is finite, as a device boolean (no host read; a NaN or inf
     gradient shows up here after the update). A sharded parameter: this rank's shard."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    whole = one_stretch(local)
+    if whole is not None:  # (the flat buffers' layout: one check, not one per tensor)
+        return torch.isfinite(whole).all()
     flags = [torch.isfinite(p).all() for p in local]
     return torch.stack(flags).all() if flags else True
+
+
+def one_stretch(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` as one 1-D view, when they are contiguous and tile one unbroken stretch of
+    one storage (a strategy's flat buffers, whose views the parameters are); None otherwise."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    spans = []
+    for tensor in tensors:
+        if (
+            tensor.dtype != first.dtype
+            or not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        spans.append((tensor.storage_offset(), tensor.numel()))
+    spans.sort()
+    start, end = spans[0][0], spans[0][0]
+    for offset, numel in spans:
+        if offset != end:
+            return None
+        end += numel
+    return first.detach().as_strided((end - start,), (1,), start)
 
 
 @dataclass

@@ -1,0 +1,121 @@
+"""Turns (lowcomm.comm.turns): at most ``slots`` worker threads run at once, a worker blocked in a
+collective gives its turn to its peers, a wait nobody marked cannot hang the run, and the
+numbers of a run do not depend on turns. Also the one-check finiteness test of flat buffers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from lowcomm.comm import Role
+from lowcomm.comm.inprocess import InProcessGroup
+from lowcomm.comm.turns import Turns, TurnStall, blocking
+from lowcomm.launch.inprocess import run_threads
+from lowcomm.strategies.flat import FlatBuffers
+from lowcomm.train.step_log import one_stretch, parameters_finite
+
+
+class _Meter:
+    """How many threads are inside :meth:`busy` at once, at most."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.now = 0
+        self.most = 0
+
+    def busy(self, seconds: float) -> None:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(seconds)  # (a sleep lets any other thread run: only turns stop them)
+        with self._lock:
+            self.now -= 1
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_at_most_slots_workers_run_at_once(slots: int) -> None:
+    turns, meter = Turns(slots), _Meter()
+    run_threads(lambda rank: meter.busy(0.02), 8, (), turns=turns)
+    assert meter.most == slots
+    assert turns.opened == 0
+
+
+def test_a_worker_waiting_in_a_collective_lets_its_peers_run() -> None:
+    # One turn for 6 workers that all-reduce twice: each must give the turn away while it
+    # waits, or the first to post would hold it and nobody else could post.
+    group, turns, meter = InProcessGroup(6, timeout_s=30), Turns(1), _Meter()
+
+    def work(rank: int) -> float:
+        tensor = torch.tensor([float(rank)])
+        for _ in range(2):
+            meter.busy(0.005)
+            group.comm(rank).all_reduce(tensor, op="sum", role=Role.OTHER).wait()
+        return float(tensor)
+
+    results = run_threads(work, 6, (group,), turns=turns)
+    assert results == [6 * 15.0] * 6  # sum 0..5, then six times that
+    assert meter.most == 1
+    assert turns.opened == 0
+
+
+def test_a_wait_that_keeps_its_turn_opens_a_slot_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Worker 0 waits for worker 1 on an event without marking the wait: with one turn, worker
+    # 1 could never run. After the stall time one more slot opens and the run ends.
+    monkeypatch.setattr(Turns, "STALL_S", 0.2)
+    turns, ready = Turns(1), threading.Event()
+
+    def work(rank: int) -> int:
+        if rank == 0:
+            assert ready.wait(20)  # not marked blocking(): keeps the turn
+        else:
+            ready.set()
+        return rank
+
+    started = time.monotonic()
+    with pytest.warns(TurnStall, match="gave its turn away"):
+        assert run_threads(work, 2, (), turns=turns) == [0, 1]
+    assert time.monotonic() - started < 10
+    assert turns.opened >= 1
+
+
+def test_blocking_is_nothing_outside_a_worker() -> None:
+    with blocking():  # (the main thread holds no turn: nothing to give or take)
+        pass
+    turns = Turns(1)
+    with turns.worker():
+        with blocking(), blocking():  # (nested: gives the turn once, takes it back once)
+            assert turns._free.acquire(timeout=1)  # the turn is free while blocked
+            turns._free.release()
+        assert not turns._free.acquire(blocking=False)  # held again after the wait
+    assert turns._free.acquire(blocking=False)
+
+
+def test_one_stretch_joins_views_that_tile_a_storage() -> None:
+    base = torch.arange(10.0)
+    joined = one_stretch([base[3:7].view(2, 2), base[0:3], base[7:10]])
+    assert joined is not None and torch.equal(joined, base)
+    assert one_stretch([base[0:3], base[4:10]]) is None  # a gap
+    assert one_stretch([base[0:4], base[2:6]]) is None  # an overlap
+    assert one_stretch([base[0:3], torch.zeros(2)]) is None  # another storage
+    assert one_stretch([base.view(2, 5).t()]) is None  # not contiguous
+    assert one_stretch([]) is None
+
+
+def test_parameters_finite_on_flat_buffers_sees_one_bad_element() -> None:
+    first, second = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    model = torch.nn.Sequential(first, second)
+    FlatBuffers(model)  # the parameters become views of one buffer
+    assert one_stretch(list(model.parameters())) is not None
+    assert bool(parameters_finite(model))
+    with torch.no_grad():
+        second.bias[1] = float("nan")
+    assert not bool(parameters_finite(model))
+    with torch.no_grad():
+        second.bias[1] = 0.0
+        first.weight[2, 3] = float("inf")
+    assert not bool(parameters_finite(model))
