@@ -1,7 +1,7 @@
 """Exact resume for every method: 2k steps straight equal k steps, a stop, a resume and k more.
 
-Every registered method runs in one pair of Gloo worker processes (one spawn for all of them,
-to keep the suite fast); each method's result is then checked by its own test. The clock is
+Every registered method runs on two workers as threads of the test's process (one fixture for
+all of them); each method's result is then checked by its own test. The clock is
 virtual with a declared cost per micro-batch, so clock-driven choices (ACCO's micro-batch
 counts, CoCoDC's transmission schedule) are deterministic and must survive the resume too.
 """
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
 
 from _cli import TINY, lowcomm
-from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig
-from lowcomm.launch import spawn_workers
+from lowcomm.launch.inprocess import train_in_process
 from lowcomm.models import ModelConfig
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.acco import AccoOptions
@@ -28,6 +28,7 @@ from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
 from lowcomm.strategies.sparta import SpartaOptions
+from lowcomm.train.loop import WorkerSummary
 
 STEPS = 8
 STOP = 5  # mid-period for every method below, with collectives in flight
@@ -64,54 +65,74 @@ def tiny_config(method: str, out: Path, **overrides: object) -> TrainConfig:
     return config
 
 
-def _run_every_method(base: str) -> dict[str, dict[str, float] | str]:
-    results: dict[str, dict[str, float] | str] = {}
-    for method in sorted(STRATEGIES):
+def train_threads(config: TrainConfig, *, keep_parameters: bool = False) -> list[WorkerSummary]:
+    """Train ``config``'s workers as threads of this process (``--workers-per-process`` all
+    of them, whose numbers equal worker processes', as the regression tier checks); every
+    rank's summary, in rank order. These tests check the methods' state, not the process
+    machinery (test_inprocess.py and test_stacked.py resume across placements)."""
+    config.workers_per_process = config.workers
+    config.validate()
+    return train_in_process(config, keep_parameters=keep_parameters)
+
+
+Results = list[dict[str, dict[str, float] | str]]
+"""Per rank: per method, the differences found, or the error that stopped the method."""
+
+
+def every_method(
+    methods: Iterable[str], ranks: int, run: Callable[[str], list[dict[str, float]]]
+) -> Results:
+    """``run(method)`` for each method, its per-rank results rearranged per rank; a method
+    that raised is its error on every rank (reported by the method's own test)."""
+    results: Results = [{} for _ in range(ranks)]
+    for method in methods:
         try:
-            results[method] = _straight_and_resumed(Path(base) / method, method)
-        except Exception as error:  # reported by the method's own test
-            results[method] = f"{type(error).__name__}: {error}"
+            per_rank: list[dict[str, float]] | str = run(method)
+        except Exception as error:
+            per_rank = f"{type(error).__name__}: {error}"
+        for rank in range(ranks):
+            results[rank][method] = per_rank if isinstance(per_rank, str) else per_rank[rank]
     return results
 
 
-def _straight_and_resumed(root: Path, method: str) -> dict[str, float]:
-    from lowcomm.train.loop import train_worker
+def _differences(
+    straight: list[WorkerSummary], resumed: list[WorkerSummary]
+) -> list[dict[str, float]]:
+    out = []
+    for a, b in zip(straight, resumed, strict=True):
+        assert a.parameters is not None and b.parameters is not None
+        out.append({
+            "max_abs_diff": float((a.parameters - b.parameters).abs().max()),
+            "clock_diff": abs(a.clock_s - b.clock_s),
+            "exposed_diff": abs(a.exposed_comm_s - b.exposed_comm_s),
+            "bytes_diff": abs(a.bytes_sent - b.bytes_sent),
+        })  # fmt: skip
+    return out
 
-    straight = train_worker(
-        tiny_config(method, root / "straight"), TorchComm(), keep_parameters=True
+
+def _straight_and_resumed(root: Path, method: str) -> list[dict[str, float]]:
+    straight = train_threads(tiny_config(method, root / "straight"), keep_parameters=True)
+    train_threads(tiny_config(method, root / "resumed", stop_after=STOP, checkpoint_every=2))
+    resumed = train_threads(
+        tiny_config(method, root / "resumed", resume=str(root / "resumed")), keep_parameters=True
     )
-    train_worker(
-        tiny_config(method, root / "resumed", stop_after=STOP, checkpoint_every=2), TorchComm()
-    )
-    resumed = train_worker(
-        tiny_config(method, root / "resumed", resume=str(root / "resumed")),
-        TorchComm(),
-        keep_parameters=True,
-    )
-    assert straight.parameters is not None and resumed.parameters is not None
-    return {
-        "max_abs_diff": float((straight.parameters - resumed.parameters).abs().max()),
-        "clock_diff": abs(straight.clock_s - resumed.clock_s),
-        "bytes_diff": abs(straight.bytes_sent - resumed.bytes_sent),
-    }
+    return _differences(straight, resumed)
 
 
 @pytest.fixture(scope="module")
-def resume_results(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[dict[str, dict[str, float] | str]]:
+def resume_results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     from lowcomm.data import prepare_corpus
 
     base = tmp_path_factory.mktemp("resume")
     prepare_corpus(DataConfig(micro_batch_size=2))  # the tokenizer once, before the workers
-    return spawn_workers(_run_every_method, 2, (str(base),), timeout_s=120)
+    return every_method(
+        sorted(STRATEGIES), 2, lambda method: _straight_and_resumed(base / method, method)
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(STRATEGIES))
-def test_resume_is_exact(
-    method: str, resume_results: list[dict[str, dict[str, float] | str]]
-) -> None:
+def test_resume_is_exact(method: str, resume_results: Results) -> None:
     for rank, results in enumerate(resume_results):
         got = results[method]
         assert isinstance(got, dict), f"{method} rank {rank} failed: {got}"
@@ -191,57 +212,35 @@ def test_checkpoint_loading_never_unpickles_objects(tmp_path: Path) -> None:
 HIERARCHICAL_METHODS = ("streaming_diloco", "co2", "eager", "cocodc")
 
 
-def _hierarchical_straight_and_resumed(base: str) -> dict[str, dict[str, float] | str]:
-    results: dict[str, dict[str, float] | str] = {}
-    for method in HIERARCHICAL_METHODS:
-        try:
-            results[method] = _hierarchical_method(Path(base) / method, method)
-        except Exception as error:  # reported by the method's own test
-            results[method] = f"{type(error).__name__}: {error}"
-    return results
-
-
-def _hierarchical_method(root: Path, method: str) -> dict[str, float]:
+def _hierarchical_method(root: Path, method: str) -> list[dict[str, float]]:
     from dataclasses import replace
 
-    from lowcomm.train.loop import train_worker
-
     hierarchical = {"ranks_per_worker": 2}
-    straight = train_worker(
-        tiny_config(method, root / "straight", **hierarchical), TorchComm(), keep_parameters=True
+    straight = train_threads(
+        tiny_config(method, root / "straight", **hierarchical), keep_parameters=True
     )
     stop = tiny_config(method, root / "resumed", stop_after=STOP, **hierarchical)
-    train_worker(stop, TorchComm())
-    resumed = train_worker(
-        replace(stop, stop_after=None, resume=str(root / "resumed")),
-        TorchComm(),
-        keep_parameters=True,
+    train_threads(stop)
+    resumed = train_threads(
+        replace(stop, stop_after=None, resume=str(root / "resumed")), keep_parameters=True
     )
-    assert straight.parameters is not None and resumed.parameters is not None
-    return {
-        "max_abs_diff": float((straight.parameters - resumed.parameters).abs().max()),
-        "clock_diff": abs(straight.clock_s - resumed.clock_s),
-        "exposed_diff": abs(straight.exposed_comm_s - resumed.exposed_comm_s),
-        "bytes_diff": abs(straight.bytes_sent - resumed.bytes_sent),
-    }
+    return _differences(straight, resumed)
 
 
 @pytest.fixture(scope="module")
-def hierarchical_results(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[dict[str, dict[str, float] | str]]:
+def hierarchical_results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     from lowcomm.data import prepare_corpus
 
     base = tmp_path_factory.mktemp("hierarchical-resume")
     prepare_corpus(DataConfig(micro_batch_size=2))
-    return spawn_workers(_hierarchical_straight_and_resumed, 4, (str(base),), timeout_s=240)
+    return every_method(
+        HIERARCHICAL_METHODS, 4, lambda method: _hierarchical_method(base / method, method)
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", HIERARCHICAL_METHODS)
-def test_hierarchical_resume_is_exact(
-    method: str, hierarchical_results: list[dict[str, dict[str, float] | str]]
-) -> None:
+def test_hierarchical_resume_is_exact(method: str, hierarchical_results: Results) -> None:
     """2 workers x 2 ranks, stopped with exchanges in flight and resumed, equal the straight
     run in parameters, bytes and modeled time: every in-flight handle, the two-level one
     included, is settled without charging the clock and charged again when waited for."""

@@ -11,7 +11,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from lowcomm.comm.cast import wire_dtype
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
+from lowcomm.comm.turns import blocking
 from lowcomm.config import TrainConfig
 from lowcomm.models.gpt import drawing_from, dropout_modules
 from lowcomm.models.recompute import checkpoint_blocks, compile_blocks
@@ -700,9 +701,8 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     rank commits the same manifest into its own view of the run directory."""
     config, bookkeeping, run_dir = worker.config, worker.bookkeeping, run_directory(worker.config)
     # The state's copies are freed once written, before waiting for the other workers; in one
-    # process the workers write in turn, so one worker's copies are alive at a time. (Building
-    # the state only waits for collectives every worker has issued: no turn waits on another.)
-    with _WRITE_TURN if worker.one_process else contextlib.nullcontext():
+    # process the workers write in turn, so one worker's copies are alive at a time.
+    with _write_turn(worker):
         state = _state(worker, step, progress)
         path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
         del state
@@ -717,6 +717,25 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
             digests=digests,
         )
     bookkeeping.barrier().wait()
+
+
+@contextlib.contextmanager
+def _write_turn(worker: Worker) -> Iterator[None]:
+    """Hold the process's write turn (:data:`_WRITE_TURN`) for the block, for a worker of
+    several in one process with one rank each: building its state then only waits for
+    collectives every worker has issued, so no turn waits on another. A worker of several
+    ranks settles its two-level exchanges with a new collective on its replica group, which
+    its other ranks could not issue while waiting for the turn: its ranks write at once."""
+    if not worker.one_process or worker.config.ranks_per_worker > 1:
+        yield
+        return
+    if not _WRITE_TURN.acquire(blocking=False):
+        with blocking():  # (the worker that writes may need this thread's CPU turn)
+            _WRITE_TURN.acquire()
+    try:
+        yield
+    finally:
+        _WRITE_TURN.release()
 
 
 def _state(worker: Worker, step: int, progress: Progress) -> dict[str, object]:
