@@ -1,7 +1,7 @@
 """Elastic resume: a checkpoint of M workers continues on M2 (lowcomm.train.reshard).
 
-Every registered method is checkpointed on 3 workers and on 2 (one spawn each, all methods in
-it), then each is resumed on the other count and run to completion. The pure re-sharding
+Every registered method is checkpointed on 3 workers and on 2 (threads of the test's process),
+then each is resumed on the other count and run to completion. The pure re-sharding
 function is checked on the real checkpoints (replicated state kept exactly, ZeRO-1/ACCO
 shards gathered back equal) and on hand-made states; the data order on real shards.
 """
@@ -24,14 +24,12 @@ import pytest
 import torch
 
 from _cli import TINY, lowcomm
-from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.data import DataConfig, WorkerShard, prepare_corpus
 from lowcomm.data.sampling import Carry, consumed_in_pass
-from lowcomm.launch import spawn_workers
 from lowcomm.strategies import STRATEGIES
 from lowcomm.train.checkpoint import read_rank_state
 from lowcomm.train.reshard import Layout, Rules, parameter_count, reshard, rules_for
-from test_resume import tiny_config
+from test_resume import tiny_config, train_threads
 
 STEPS = 8
 STOP = 5
@@ -44,87 +42,84 @@ def _config(method: str, out: Path, workers: int, **overrides: object) -> Any:
     return config
 
 
-def _checkpoint_every_method(base: str, workers: int) -> dict[str, str]:
-    from lowcomm.train.loop import train_worker
-
+def _checkpoint_every_method(base: Path, workers: int) -> dict[str, str]:
     done: dict[str, str] = {}
     for method in METHODS:
-        out = Path(base) / f"m{workers}" / method
+        out = base / f"m{workers}" / method
         try:
-            train_worker(
-                _config(method, out, workers, stop_after=STOP, checkpoint_every=2), TorchComm()
-            )
+            train_threads(_config(method, out, workers, stop_after=STOP, checkpoint_every=2))
             done[method] = "ok"
         except Exception as error:  # reported by the method's own test
             done[method] = f"{type(error).__name__}: {error}"
     return done
 
 
-def _resume_every_method(base: str, old: int, new: int) -> dict[str, str]:
-    """Resume each method's checkpoint of ``old`` workers on ``new`` (this spawn's count)."""
-    from lowcomm.train.loop import train_worker
-
+def _resume_every_method(base: Path, old: int, new: int) -> dict[str, str]:
+    """Resume each method's checkpoint of ``old`` workers on ``new``."""
     done: dict[str, str] = {}
     for method in METHODS:
-        source, out = Path(base) / f"m{old}" / method, Path(base) / f"r{old}{new}" / method
+        source, out = base / f"m{old}" / method, base / f"r{old}{new}" / method
         try:
-            summary = train_worker(_config(method, out, new, resume=str(source)), TorchComm())
-            done[method] = "ok" if summary.tokens > 0 else "no tokens"
+            summaries = train_threads(_config(method, out, new, resume=str(source)))
+            done[method] = "ok" if all(s.tokens > 0 for s in summaries) else "no tokens"
         except Exception as error:
             done[method] = f"{type(error).__name__}: {error}"
     return done
 
 
-def _two_worker_phase(base: str) -> dict[str, Any]:
-    return {
-        "checkpoint": _checkpoint_every_method(base, 2),
-        "resume": _resume_every_method(base, 3, 2),
-        "ddp_reference": _ddp_reference(base),
-    }
-
-
-def _ddp_reference(base: str) -> float:
+def _ddp_reference(base: Path) -> float:
     """DDP on 2 workers set up afresh, given the 3-worker checkpoint's parameters and optimizer
     state (rank 0's file, as they are, no re-sharding) and the rest of the pass: its final
-    parameters minus those of the elastic resume (max abs)."""
-    from lowcomm.train.loop import Progress, set_up, train_steps, train_worker
+    parameters minus those of the elastic resume (max abs, over the workers)."""
+    from lowcomm.comm.inprocess import InProcessGroup
+    from lowcomm.launch.inprocess import run_threads
+    from lowcomm.train.loop import FinalState, Progress, set_up, train_steps
     from lowcomm.train.metrics import RunWriter
+    from lowcomm.train.shared import shared_setup
 
-    source = Path(base) / "m3" / "ddp" / "checkpoints" / f"step-{STOP:06d}"
-    raw = TorchComm()
-    resumed = train_worker(
-        _config("ddp", Path(base) / "ddp-again", 2, resume=str(source.parent.parent)),
-        raw,
+    source = base / "m3" / "ddp" / "checkpoints" / f"step-{STOP:06d}"
+    resumed = train_threads(
+        _config("ddp", base / "ddp-again", 2, resume=str(source.parent.parent)),
         keep_parameters=True,
     )
-    config = _config("ddp", Path(base) / "ddp-reference", 2)
-    worker = set_up(config, raw, raw.cpu_side_group())
+    config = _config("ddp", base / "ddp-reference", 2)
+    config.workers_per_process = 2
     saved = read_rank_state(source, 0)
-    worker.model.load_state_dict(saved["model"])
-    worker.strategy.load_state_dict(saved["strategy"])
-    old = [read_rank_state(source, rank)["data"] for rank in range(3)]
-    worker.shard.carry = consumed_in_pass(old)
-    writer = RunWriter(config) if raw.rank == 0 else None
-    train_steps(worker, Progress(start_step=STOP), writer, _final())
-    assert resumed.parameters is not None
-    mine = torch.cat([p.detach().reshape(-1) for p in worker.model.parameters()])
-    return float((mine - resumed.parameters).abs().max())
+    carry = consumed_in_pass([read_rank_state(source, rank)["data"] for rank in range(3)])
+    world, books, shared = InProcessGroup(2), InProcessGroup(2), shared_setup(config)
 
+    def reference(rank: int) -> torch.Tensor:
+        worker = set_up(config, world.comm(rank), books.comm(rank), shared)
+        worker.model.load_state_dict(saved["model"])
+        worker.strategy.load_state_dict(saved["strategy"])
+        worker.shard.carry = carry
+        writer = RunWriter(config) if rank == 0 else None
+        train_steps(worker, Progress(start_step=STOP), writer, FinalState())
+        return torch.cat([p.detach().reshape(-1) for p in worker.model.parameters()])
 
-def _final() -> Any:
-    from lowcomm.train.loop import FinalState
-
-    return FinalState()
+    mine = run_threads(reference, 2, (world, books))
+    differences = []
+    for own, summary in zip(mine, resumed, strict=True):
+        assert summary.parameters is not None
+        differences.append(float((own - summary.parameters).abs().max()))
+    return max(differences)
 
 
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every method checkpointed on 3 workers and on 2, and resumed on the other count, its
+    workers threads of this process (the methods' state is checked here, not the process
+    machinery: test_inprocess.py resumes a checkpoint of worker processes on another count)."""
     base = tmp_path_factory.mktemp("elastic")
     prepare_corpus(DataConfig(micro_batch_size=2))
-    three = spawn_workers(_checkpoint_every_method, 3, (str(base), 3), timeout_s=300)
-    two = spawn_workers(_two_worker_phase, 2, (str(base),), timeout_s=300)
-    back = spawn_workers(_resume_every_method, 3, (str(base), 2, 3), timeout_s=300)
-    return {"base": base, "three": three[0], "two": two[0], "back": back[0]}
+    three = _checkpoint_every_method(base, 3)
+    two = {
+        "checkpoint": _checkpoint_every_method(base, 2),
+        "resume": _resume_every_method(base, 3, 2),
+        "ddp_reference": _ddp_reference(base),
+    }
+    back = _resume_every_method(base, 2, 3)
+    return {"base": base, "three": three, "two": two, "back": back}
 
 
 @pytest.mark.slow
