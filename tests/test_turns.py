@@ -1,6 +1,7 @@
 """Turns (lowcomm.comm.turns): at most ``slots`` worker threads run at once, a worker blocked in a
 collective gives its turn to its peers, a wait nobody marked cannot hang the run, and the
-numbers of a run do not depend on turns. Also the one-check finiteness test of flat buffers."""
+numbers of a run do not depend on turns. Also what else costs per worker with many in one process:
+the one-check finiteness test of flat buffers, and every worker's metrics kept as rows."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.turns import Turns, TurnStall, blocking
 from lowcomm.launch.inprocess import run_threads
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.train.step_log import one_stretch, parameters_finite
+from lowcomm.train.loop import NonFiniteLoss, _check_finite
+from lowcomm.train.records import StepMetrics
+from lowcomm.train.step_log import WorkerRows, one_stretch, parameters_finite
 
 
 class _Meter:
@@ -119,3 +122,21 @@ def test_parameters_finite_on_flat_buffers_sees_one_bad_element() -> None:
         second.bias[1] = 0.0
         first.weight[2, 3] = float("inf")
     assert not bool(parameters_finite(model))
+
+
+def _row(loss: float, finite: float) -> StepMetrics:
+    return StepMetrics(loss, 1.0, 0.5, 10.0, 2.0, 1.0, 64.0, 1.0, finite)
+
+
+def test_worker_rows_give_records_and_name_the_first_bad_worker() -> None:
+    rows = [_row(2.0, 1.0), _row(3.0, 1.0), _row(float("nan"), 1.0), _row(4.0, 0.0)]
+    table = torch.stack([row.to_tensor() for row in rows])
+    everyone = WorkerRows(table)
+    assert len(everyone) == 4 and everyone[1] == rows[1] and everyone.records()[3] == rows[3]
+    assert torch.equal(everyone.column("loss")[:2], torch.tensor([2.0, 3.0], dtype=torch.float64))
+    with pytest.raises(NonFiniteLoss, match=r"step 7: worker 2 reported a non-finite loss \(nan\)"):
+        _check_finite(7, everyone)
+    losses_finite = table[[0, 1, 1, 3]]  # (worker 3's parameters are the only bad value)
+    with pytest.raises(NonFiniteLoss, match="step 7: worker 3 has non-finite parameters"):
+        _check_finite(7, WorkerRows(losses_finite))
+    _check_finite(7, WorkerRows(table[:2]))  # (all finite: no error)

@@ -40,7 +40,7 @@ from lowcomm.train.records import ProcessTotals, StepMetrics, peak_memory_bytes
 from lowcomm.train.reshard import read_resharded
 from lowcomm.train.rundir import run_directory
 from lowcomm.train.shared import SharedSetup
-from lowcomm.train.step_log import StepLog, parameters_finite
+from lowcomm.train.step_log import StepLog, WorkerRows, parameters_finite
 from lowcomm.train.task import (
     Batch,
     CorpusTask,
@@ -522,7 +522,7 @@ def _write_held(
         if writer is None:
             continue
         record = StepRecord.from_workers(
-            held.step, held.lr, everyone, held.val_loss, clock_kind, held.extras
+            held.step, held.lr, everyone.records(), held.val_loss, clock_kind, held.extras
         )
         if is_last and index == len(steps) - 1:
             # Written once the final validation gives it its val_loss, so metrics.jsonl
@@ -532,20 +532,23 @@ def _write_held(
             writer.write_step(record)
 
 
-def _check_finite(step: int, everyone: list[StepMetrics]) -> None:
+def _check_finite(step: int, everyone: WorkerRows) -> None:
     """Stop the run on a non-finite loss or parameter on any worker."""
-    for rank, metrics in enumerate(everyone):
-        if not math.isfinite(metrics.loss):
-            raise NonFiniteLoss(
-                f"step {step}: worker {rank} reported a non-finite loss ({metrics.loss}); lower "
-                f"--optim.lr or check the data{_NOT_SAVED}"
-            )
-    for rank, metrics in enumerate(everyone):
-        if metrics.params_finite != 1.0:
-            raise NonFiniteLoss(
-                f"step {step}: worker {rank} has non-finite parameters after the update (a "
-                f"NaN/inf gradient); lower --optim.lr or --max-grad-norm{_NOT_SAVED}"
-            )
+    losses = everyone.column("loss")
+    bad = (~torch.isfinite(losses)).nonzero()
+    if len(bad):
+        rank = int(bad[0])
+        raise NonFiniteLoss(
+            f"step {step}: worker {rank} reported a non-finite loss ({float(losses[rank])}); "
+            f"lower --optim.lr or check the data{_NOT_SAVED}"
+        )
+    bad = (everyone.column("params_finite") != 1.0).nonzero()
+    if len(bad):
+        rank = int(bad[0])
+        raise NonFiniteLoss(
+            f"step {step}: worker {rank} has non-finite parameters after the update (a "
+            f"NaN/inf gradient); lower --optim.lr or --max-grad-norm{_NOT_SAVED}"
+        )
 
 
 # --- finish ------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -63,6 +65,42 @@ def one_stretch(tensors: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         end += numel
     return first.detach().as_strided((end - start,), (1,), start)
+
+
+class WorkerRows(Sequence[StepMetrics]):
+    """Every process's metrics of one step, in rank order: rows of the gathered tensor, each
+    made a :class:`StepMetrics` when asked for. Every process checks every row's finiteness
+    (:meth:`column`, on the tensor) but only rank 0 needs the records: with M workers in one
+    process, parsing all of them everywhere was M x M records a step."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self._rows = rows  # (processes, fields), float64
+        self._records: list[StepMetrics] | None = None
+
+    def __len__(self) -> int:
+        return int(self._rows.shape[0])
+
+    @overload
+    def __getitem__(self, index: int) -> StepMetrics: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[StepMetrics]: ...
+
+    def __getitem__(self, index: int | slice) -> StepMetrics | list[StepMetrics]:
+        return self.records()[index]
+
+    def records(self) -> list[StepMetrics]:
+        """Every row as a record (made once)."""
+        if self._records is None:
+            self._records = StepMetrics.from_rows(self._rows.contiguous())
+        return self._records
+
+    def column(self, name: str) -> torch.Tensor:
+        """One field of every row."""
+        return self._rows[:, _FIELDS.index(name)]
+
+
+_FIELDS = [field.name for field in dataclasses.fields(StepMetrics)]
 
 
 @dataclass
@@ -136,7 +174,7 @@ class StepLog:
 
     def read(
         self, bookkeeping: Comm, clock: Clock | None = None
-    ) -> list[tuple[HeldStep, list[StepMetrics]]]:
+    ) -> list[tuple[HeldStep, WorkerRows]]:
         """Every held step with every process's metrics for it (rank order): one host read
         of this process's device values (and, on a GPU clock, one wait for its timing events),
         one all-gather. All processes must call it at the same steps (it is collective).
@@ -164,9 +202,5 @@ class StepLog:
         local = torch.cat(rows)
         gathered = torch.zeros(bookkeeping.world_size * local.numel(), dtype=torch.float64)
         bookkeeping.all_gather(gathered, local, role=Role.OTHER).wait()
-        records = StepMetrics.from_rows(gathered)
-        count = len(held)
-        return [
-            (step, [records[rank * count + index] for rank in range(bookkeeping.world_size)])
-            for index, step in enumerate(held)
-        ]
+        table = gathered.view(bookkeeping.world_size, len(held), -1)
+        return [(step, WorkerRows(table[:, index])) for index, step in enumerate(held)]
