@@ -3,7 +3,7 @@
 K in-process workers are K threads under one interpreter lock. Every torch operation lets go of
 that lock and takes it back, so with K runnable threads each operation may wait behind up to K
 others, and the operating system switches between hundreds of threads for nothing: at K = 256
-on two cores a third of the process's time went to the kernel. :class:`Turns` lets only
+on two cores a quarter of the process's CPU time went to the kernel. :class:`Turns` lets only
 ``slots`` worker threads (one per core) run; the others sleep until one of them blocks in a
 collective (:func:`blocking`, called by every wait of the in-process comms) or ends. A worker
 waiting for its peers gives its turn away, so the peers it waits for can run; nothing a worker
