@@ -15,6 +15,8 @@ SMALL_TRAIN = [
     "--train.model.n-layer", "1", "--train.model.n-embd", "64", "--train.model.n-head", "2",
     "--train.model.block-size", "32", "--micro-batch-size", "4",
     "--train.eval-batches", "2", "--train.eval-every", "2",
+    # (each run's workers in its own process: the study, not the process machinery, is tested)
+    "--train.workers-per-process", "2",
 ]  # fmt: skip
 
 

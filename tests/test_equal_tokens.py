@@ -17,6 +17,7 @@ TRAIN = (
     "--train.model.n-layer", "1", "--train.model.n-embd", "32", "--train.model.n-head", "2",
     "--train.model.block-size", "16", "--micro-batch-size", "2", "--train.eval-every", "5",
     "--train.eval-batches", "2",
+    "--train.workers-per-process", "2",  # (each run's 2 workers in its own process)
 )  # fmt: skip
 
 
