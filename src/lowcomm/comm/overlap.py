@@ -53,7 +53,7 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 import torch
 
 from lowcomm.comm.base import Comm, Handle, Role, Settled
-from lowcomm.comm.turns import blocking, wait_for
+from lowcomm.comm.turns import settle, wait_for
 
 T = TypeVar("T")
 
@@ -74,9 +74,7 @@ class FutureHandle(Generic[T]):
         self._future = future
 
     def wait(self) -> None:
-        if not self._future.done():
-            with blocking():
-                self._future.exception()  # (waits; result() below raises what it raised)
+        settle(self._future)
         self._future.result()
 
     def done(self) -> bool:
@@ -416,9 +414,8 @@ class ChainLane:
         return self._in_flight is not None and not self._in_flight.done()
 
     def close(self) -> None:
-        if self._in_flight is not None and not self._in_flight.done():
-            with blocking():
-                self._in_flight.exception()  # (waits; its error went to whoever waited on it)
+        if self._in_flight is not None:
+            settle(self._in_flight)  # (its error went to whoever waited on it)
         self._closed = True
 
 

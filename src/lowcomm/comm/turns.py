@@ -27,7 +27,9 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent import futures
 from contextlib import contextmanager
+from typing import Any
 
 _current = threading.local()
 
@@ -121,3 +123,22 @@ def wait_for(event: threading.Event, timeout_s: float | None) -> bool:
         return True
     with blocking():
         return event.wait(timeout_s)
+
+
+@contextmanager
+def holding(lock: threading.Lock) -> Iterator[None]:
+    """``with lock:``, giving the turn away while waiting for another thread to release it."""
+    if not lock.acquire(blocking=False):
+        with blocking():
+            lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def settle(future: futures.Future[Any]) -> None:
+    """Wait until ``future`` is done (raising nothing), giving the turn away meanwhile."""
+    if not future.done():
+        with blocking():
+            futures.wait([future])

@@ -22,7 +22,7 @@ from lowcomm.comm.cast import wire_dtype
 from lowcomm.comm.clock import Clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
-from lowcomm.comm.turns import blocking
+from lowcomm.comm.turns import holding
 from lowcomm.config import TrainConfig
 from lowcomm.models.gpt import drawing_from, dropout_modules
 from lowcomm.models.recompute import checkpoint_blocks, compile_blocks
@@ -732,13 +732,8 @@ def _write_turn(worker: Worker) -> Iterator[None]:
     if not worker.one_process or worker.config.ranks_per_worker > 1:
         yield
         return
-    if not _WRITE_TURN.acquire(blocking=False):
-        with blocking():  # (the worker that writes may need this thread's CPU turn)
-            _WRITE_TURN.acquire()
-    try:
+    with holding(_WRITE_TURN):  # (the worker that writes may need this thread's CPU turn)
         yield
-    finally:
-        _WRITE_TURN.release()
 
 
 def _state(worker: Worker, step: int, progress: Progress) -> dict[str, object]:

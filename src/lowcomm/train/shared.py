@@ -21,7 +21,7 @@ import torch
 
 from lowcomm.comm.base import Comm
 from lowcomm.comm.calibration import Calibration
-from lowcomm.comm.turns import blocking
+from lowcomm.comm.turns import holding
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus
 from lowcomm.models import build_model
@@ -81,15 +81,10 @@ class _Once:
         self._result: Calibration | None = None
 
     def __call__(self) -> Calibration:
-        if not self._lock.acquire(blocking=False):
-            with blocking():  # (another worker measures: its peers may need this turn)
-                self._lock.acquire()
-        try:
+        with holding(self._lock):  # (another worker measures: its peers may need this turn)
             if self._result is None:
                 self._result = self._measure()
             return self._result
-        finally:
-            self._lock.release()
 
 
 def initial_model(config: TrainConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
