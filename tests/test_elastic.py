@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from _cli import TINY, lowcomm
 from lowcomm.data import DataConfig, WorkerShard, prepare_corpus
 from lowcomm.data.sampling import Carry, consumed_in_pass
 from lowcomm.strategies import STRATEGIES
-from lowcomm.train.checkpoint import read_rank_state
+from lowcomm.train.checkpoint import CheckpointError, read_rank_state
 from lowcomm.train.reshard import Layout, Rules, parameter_count, reshard, rules_for
 from test_resume import tiny_config, train_threads
 
@@ -490,6 +491,98 @@ def test_reshard_moments_split_over_a_workers_ranks() -> None:
     assert all(torch.equal(i["master"], master) for i in inner)
     assert [(s["data"]["rank"], s["data"]["replica"]) for s in out] == [(0, 0), (0, 1), (0, 2)]
     assert all(s["comm"] is None for s in out)  # another --ranks-per-worker: counters afresh
+
+
+def _fsdp_slices(whole: torch.Tensor, rows: int, ranks: int) -> list[torch.Tensor]:
+    """Each rank's slice of a (rows x -1) tensor as FSDP cuts it: torch.chunk on dim 0,
+    padded to the first chunk's rows."""
+    chunks = list(whole.reshape(rows, -1).chunk(ranks))
+    chunks += [whole.reshape(rows, -1)[:0]] * (ranks - len(chunks))
+    size = chunks[0].shape[0]
+    return [torch.cat([c, c.new_zeros(size - c.shape[0], c.shape[1])]).reshape(-1) for c in chunks]
+
+
+def test_reshard_cuts_sharded_workers_fsdp_slices_for_other_ranks() -> None:
+    """--worker-sharding fsdp, 2 workers x 2 ranks resumed on 1 x 3: each worker's slices are
+    joined whole, the workers averaged (local state) and cut again as FSDP cuts for 3 ranks;
+    the model's sharded tensors likewise, its buffers (whole on every rank) kept."""
+    shapes = [(5, 2), (3,), (1, 4)]  # chunk rows at R = 2: 3, 2, 1; at R = 3: 2, 1, 1
+    numel = sum(math.prod(s) for s in shapes)
+    wholes = [torch.arange(numel, dtype=torch.float32) + 100 * w for w in range(2)]
+
+    def flat(whole: torch.Tensor, ranks: int) -> list[torch.Tensor]:
+        parts, begin = [], 0
+        for shape in shapes:
+            size = math.prod(shape)
+            parts.append(_fsdp_slices(whole[begin : begin + size], shape[0], ranks))
+            begin += size
+        return [torch.cat([p[r] for p in parts]) for r in range(ranks)]
+
+    states = []
+    for rank in range(4):
+        worker, replica = divmod(rank, 2)
+        mine = flat(wholes[worker], 2)[replica]
+        model = {"a": wholes[worker][:10].reshape(5, 2).chunk(2)[replica], "buffer": torch.ones(3)}
+        states.append({
+            "format": 2, "step": 4, "val_loss": 1.0, "tokens": 8, "model": model,
+            "fsdp_layout": {"sharded": {"a": [5, 2]}, "flat": [list(s) for s in shapes]},
+            "strategy": {
+                "step_index": 4, "anchor": mine.clone(), "count": torch.tensor(3.0),
+                "buffer": torch.cat([mine, 2 * mine]),  # two flat buffers end to end (CO2)
+                # fragments: runs of whole parameters (the first two, the last)
+                "globals": [mine[:8].clone(), mine[8:].clone()],
+                "outer": [{"momentum_buffer": -mine[:8]}, {"momentum_buffer": -mine[8:]}],
+                # an exchange in flight of the second fragment
+                "in_flight": [{"fragment": 1, "exchange": {"own": 3 * mine[8:]}}],
+            },  # fmt: skip
+            "data": {"position": 1, "seed": 0, "rank": worker, "world_size": 2, "seq_len": 4,
+                     "micro_batch_size": 2, "num_windows": 100, "replica": replica,
+                     "replicas": 2},
+            "clock": {"kind": "virtual", "now": 1.0, "compute_s": 1.0, "exposed_comm_s": 0.0},
+            "comm": {"inner": {}, "outer": {}}, "rng": {"torch": torch.zeros(3, dtype=torch.uint8)},
+        })  # fmt: skip
+    assert states[0]["strategy"]["anchor"].numel() == 3 * 2 + 2 + 1 * 4  # a rank's flat length
+    out = reshard(states, Layout(2, 2), Layout(1, 3), Rules(numel=12), sharded_workers=True)
+    mean = (wholes[0] + wholes[1]) / 2
+    want = flat(mean, 3)
+    assert [s["strategy"]["anchor"].numel() for s in out] == [2 * 2 + 1 + 4] * 3
+    for rank, state in enumerate(out):
+        assert torch.equal(state["strategy"]["anchor"], want[rank]), rank
+        assert torch.equal(state["strategy"]["buffer"], torch.cat([want[rank], 2 * want[rank]]))
+        assert torch.equal(torch.cat(state["strategy"]["globals"]), want[rank])
+        assert [g.numel() for g in state["strategy"]["globals"]] == [2 * 2 + 1, 4]
+        momentum = [o["momentum_buffer"] for o in state["strategy"]["outer"]]
+        assert torch.equal(torch.cat(momentum), -want[rank])
+        (flight,) = state["strategy"]["in_flight"]
+        assert torch.equal(flight["exchange"]["own"], 3 * want[rank][5:])
+        assert float(state["strategy"]["count"]) == 3.0
+        assert torch.equal(state["model"]["buffer"], torch.ones(3))
+        assert (state["data"]["rank"], state["data"]["replica"]) == (0, rank)
+    rows = torch.cat([s["model"]["a"] for s in out])
+    assert [s["model"]["a"].shape[0] for s in out] == [2, 2, 1]  # torch.chunk of 5 rows by 3
+    assert torch.equal(rows, mean[:10].reshape(5, 2))
+    # on fewer workers with the same ranks: rank r is the workers' rank r slices combined
+    same = reshard(states, Layout(2, 2), Layout(1, 2), Rules(numel=12), sharded_workers=True)
+    for rank, state in enumerate(same):
+        assert torch.equal(state["strategy"]["anchor"], flat(mean, 2)[rank]), rank
+        assert torch.equal(state["model"]["a"], mean[:10].reshape(5, 2).chunk(2)[rank])
+    # and back to 2 ranks: the slices written at first (the workers' mean)
+    for state in out:
+        state["fsdp_layout"] = states[0]["fsdp_layout"]
+    back = reshard(out, Layout(1, 3), Layout(1, 2), Rules(numel=9), sharded_workers=True)
+    assert len(back) == 2
+    for state, want_back in zip(back, flat(mean, 2), strict=True):
+        assert torch.equal(state["strategy"]["anchor"], want_back)
+    # a tensor that differs between a worker's ranks and is no slice of the parameters
+    odd = [{**state, "strategy": {**state["strategy"], "odd": torch.full((2,), float(rank))}}
+           for rank, state in enumerate(states)]  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"shape \(2,\).*--ranks-per-worker 2"):
+        reshard(odd, Layout(2, 2), Layout(1, 3), Rules(numel=12), sharded_workers=True)
+    # a checkpoint without the layout (an older lowcomm's) is refused in one line
+    for state in states:
+        del state["fsdp_layout"]
+    with pytest.raises(CheckpointError, match="--ranks-per-worker it was written with"):
+        reshard(states, Layout(2, 2), Layout(1, 3), Rules(numel=12), sharded_workers=True)
 
 
 def test_bench_elastic_sets_each_methods_period_from_its_declared_options() -> None:

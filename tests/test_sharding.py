@@ -383,7 +383,7 @@ def test_the_command_line_refuses_what_does_not_shard_yet() -> None:
     assert "demo" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_sharded_checkpoints_resume_on_other_workers_but_not_other_ranks(tmp_path: Path) -> None:
+def test_sharded_checkpoints_resume_on_other_workers_and_ranks(tmp_path: Path) -> None:
     from lowcomm.train import checkpoint
 
     config = TrainConfig(method="ddp", workers=2, ranks_per_worker=2, worker_sharding="fsdp")
@@ -397,8 +397,7 @@ def test_sharded_checkpoints_resume_on_other_workers_but_not_other_ranks(tmp_pat
     assert checkpoint.find_latest(tmp_path, 2, fewer)[0] == 2  # re-sharded over the workers
     other_ranks = checkpoint.fingerprint(TrainConfig(method="ddp", workers=1, ranks_per_worker=4,
                                                      worker_sharding="fsdp"))  # fmt: skip
-    with pytest.raises(checkpoint.CheckpointError, match="--ranks-per-worker 2"):
-        checkpoint.find_latest(tmp_path, 4, other_ranks)
+    assert checkpoint.find_latest(tmp_path, 4, other_ranks)[0] == 2  # slices re-cut
     # nor resumed replicated: another --worker-sharding is another run
     replicated = checkpoint.fingerprint(TrainConfig(method="ddp", workers=2, ranks_per_worker=2))
     with pytest.raises(checkpoint.CheckpointError, match="worker_sharding='fsdp'"):
@@ -406,30 +405,40 @@ def test_sharded_checkpoints_resume_on_other_workers_but_not_other_ranks(tmp_pat
 
 
 @pytest.mark.slow
-def test_sharded_workers_resume_on_fewer_workers_as_replicated_workers_do(
+def test_sharded_workers_resume_on_other_workers_and_ranks_as_replicated_workers_do(
     tmp_path: Path,
 ) -> None:
-    """zero1 (its optimizer shards joined and cut again for the new worker count, from each
-    rank's FSDP slice): 2 workers x 2 ranks stopped after 3 of 4 steps, resumed on 1 x 2."""
-    from safetensors.torch import load_file
-
+    """zero1, 2 workers x 2 ranks stopped after 3 of 4 steps, resumed on 1 worker x 4 ranks:
+    the FSDP slices of each rank r joined over the workers (zero1's optimizer shards joined
+    for the new worker count), then joined whole and cut again for 4 ranks; the same run as a
+    replicated checkpoint resumed so (test_elastic.py has the rules' unit tests)."""
     from _cli import lowcomm
 
+    runs = {}
     for sharding in ("replicate", "fsdp"):
-        out = tmp_path / sharding
+        out = runs[sharding] = tmp_path / sharding
         stopped = lowcomm(
             *FLAGS, "--method", "zero1", "--worker-sharding", sharding, "--stop-after", "3",
             "--out", str(out),
         )  # fmt: skip
         assert stopped.returncode == 0, stopped.stderr
-        resumed = lowcomm("train", "--resume", str(out), "--workers", "1", "--out", str(out))
+        resumed = lowcomm(
+            "train", "--resume", str(out), "--workers", "1", "--ranks-per-worker", "4",
+            "--out", str(out),
+        )  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr
-    mine, theirs = (json.loads((tmp_path / s / "summary.json").read_text()) for s in
-                    ("fsdp", "replicate"))  # fmt: skip
+    _check_same_resume(runs["fsdp"], runs["replicate"])
+    four = json.loads((runs["fsdp"] / "summary.json").read_text())
+    assert four["ranks_per_worker"] == 4
+
+
+def _check_same_resume(sharded: Path, replicated: Path) -> None:
+    from safetensors.torch import load_file
+
+    mine, theirs = (json.loads((d / "summary.json").read_text()) for d in (sharded, replicated))
     assert mine["workers"] == 1 and mine["membership_changes"] == theirs["membership_changes"]
     assert mine["final_val_loss"] == pytest.approx(theirs["final_val_loss"], rel=1e-5)
-    exported = [load_file(tmp_path / s / "model" / "model.safetensors") for s in
-                ("fsdp", "replicate")]  # fmt: skip
+    exported = [load_file(d / "model" / "model.safetensors") for d in (sharded, replicated)]
     for name, tensor in exported[1].items():
         assert torch.allclose(exported[0][name], tensor, rtol=1e-4, atol=1e-6), name
 

@@ -451,14 +451,6 @@ def _damage(
         return damage
     layout = (world_size, fingerprint["ranks_per_worker"])
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
-        sharded = saved.get("worker_sharding", "replicate") != "replicate"
-        if sharded and saved.get("ranks_per_worker") != fingerprint["ranks_per_worker"]:
-            raise CheckpointError(
-                f"--ranks-per-worker: {directory} holds sharded workers (--worker-sharding "
-                f"{saved['worker_sharding']}) of {saved.get('ranks_per_worker')} ranks, whose "
-                f"FSDP slices are not re-cut for {fingerprint['ranks_per_worker']}: resume "
-                f"with --ranks-per-worker {saved.get('ranks_per_worker')} (--workers may change)"
-            )
         _check_reshardable(directory, manifest, world_size, fingerprint)
     return None
 

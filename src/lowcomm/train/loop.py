@@ -742,6 +742,7 @@ def _state(worker: Worker, step: int, progress: Progress) -> dict[str, object]:
         # The strategy first: it settles in-flight collectives, which the comm must not hold.
         "strategy": worker.strategy.state_dict(),
         "model": sharding.model_state(worker.model),  # a sharded worker: its own shards
+        "fsdp_layout": sharding.fsdp_layout(worker.model),  # (None: a whole replica)
         "data": worker.shard.state_dict(),
         "clock": worker.clock.state_dict(),
         "comm": worker.comm.state_dict(),

@@ -21,9 +21,13 @@ resumed run writes its own checkpoints as usual. The rules, per kind of state:
   is summed onto the new worker 0 (zeros elsewhere), so the next reduction is unchanged;
 * the **data** order continues: the rest of the current pass is dealt to the new workers
   (:func:`lowcomm.data.sampling.consumed_in_pass`), so no sample of it is skipped or repeated;
-* **sharded workers** (``--worker-sharding fsdp``) keep their ranks per worker: rank r of
-  every worker holds the same FSDP slice, so the old ranks r are combined by these rules as
-  one-rank workers would be, into the new ranks r;
+* **sharded workers** (``--worker-sharding fsdp``): rank r of every worker holds the same FSDP
+  slice, so the old ranks r are combined by these rules as one-rank workers would be; with
+  the same ranks per worker that is new rank r's state. With another R the R combined slices
+  are first joined into the whole model's flat layout (each parameter's rows in order, from
+  the shapes the checkpoint records: :func:`lowcomm.train.sharding.fsdp_layout`) and cut
+  again into R2 slices, FSDP's way (``ceil(rows / R2)`` rows of every parameter a rank):
+  every flat tensor of the method's state and every sharded tensor of the model;
 * the **clock** of every new rank starts at the latest old clock (a restart waits for everyone);
   a surviving rank keeps its counters (bytes, tokens), a new one starts them at zero (with
   another ``--ranks-per-worker`` the byte counters start afresh: their levels differ).
@@ -32,6 +36,7 @@ resumed run writes its own checkpoints as usual. The rules, per kind of state:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,19 +151,21 @@ def reshard(
 
     ``sharded_workers`` (``--worker-sharding fsdp``): rank r of every worker holds the same
     FSDP slice of every parameter and of the method's state, so the old ranks r are combined
-    as the flat workers of a one-rank layout would be, into the new ranks r; the ranks per
-    worker must stay (FSDP's slices are cut for R).
+    as the flat workers of a one-rank layout would be, into the new ranks r, or (another R)
+    joined whole and cut again for the new ranks.
 
     Raises:
         CheckpointError: the states cannot be combined (naming the key), or are not ``old``'s.
     """
-    _check_layouts(states, old, new, sharded_workers=sharded_workers)
+    _check_layouts(states, old, new)
     ranks = old.ranks_per_worker
     slots = (
         [_merged(states[r::ranks], Layout(old.workers), new.workers, rules) for r in range(ranks)]
         if sharded_workers
         else [_merged(states, old, new.workers, rules)]
     )
+    if sharded_workers and new.ranks_per_worker != ranks:
+        slots, rules = _recut(slots, states[0], new, rules)
     try:
         carry = consumed_in_pass([s["data"] for s in states]).state()
     except DataError as error:
@@ -192,21 +199,230 @@ def reshard(
     return out
 
 
-def _check_layouts(
-    states: list[dict[str, Any]], old: Layout, new: Layout, *, sharded_workers: bool
-) -> None:
-    """Refuse states that are not ``old``'s, and sharded workers resumed with another R."""
+def _check_layouts(states: list[dict[str, Any]], old: Layout, new: Layout) -> None:
+    """Refuse states that are not ``old``'s."""
     if len(states) != old.world_size:
         raise CheckpointError(
             f"--resume: {len(states)} rank states for {old} ({old.world_size} processes)"
         )
-    ranks = old.ranks_per_worker
-    if sharded_workers and new.ranks_per_worker != ranks:
+
+
+# --- sharded workers: FSDP slices re-cut for another --ranks-per-worker ----------------------
+
+
+@dataclass(frozen=True)
+class FsdpCut:
+    """How FSDP cuts a worker's parameters over ``ranks`` ranks (``shapes``: each trained
+    parameter's global shape, in flat-buffer order): dim 0 in chunks of ``ceil(rows / R)``
+    rows, chunk r on rank r, each rank's flat buffer the padded chunks end to end."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    ranks: int
+
+    def chunk_rows(self, shape: tuple[int, ...]) -> int:
+        return -(-shape[0] // self.ranks) if shape else 1
+
+    @property
+    def offsets(self) -> list[int]:
+        """Where each parameter starts in a rank's flat buffer, and (last) its length."""
+        out = [0]
+        for shape in self.shapes:
+            out.append(out[-1] + self.chunk_rows(shape) * math.prod(shape[1:]))
+        return out
+
+    @property
+    def local_numel(self) -> int:
+        """A rank's flat length (every rank's, padding included)."""
+        return self.offsets[-1]
+
+    @property
+    def whole_numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """(local start, whole start, elements) of each parameter's slice on ``rank``."""
+        out, whole = [], 0
+        for shape, local in zip(self.shapes, self.offsets, strict=False):
+            rows, row = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+            chunk = self.chunk_rows(shape)
+            first = min(rank * chunk, rows)
+            out.append((local, whole + first * row, min(chunk, rows - first) * row))
+            whole += rows * row
+        return out
+
+    def join(self, slices: list[torch.Tensor]) -> torch.Tensor:
+        """The whole flat tensor from every rank's flat slice (their padding dropped)."""
+        whole = torch.zeros(self.whole_numel, dtype=slices[0].dtype)
+        for rank, part in enumerate(slices):
+            for local, start, numel in self.pieces(rank):
+                whole[start : start + numel] = part[local : local + numel]
+        return whole
+
+    def cut(self, whole: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s flat slice of the whole flat tensor (zeros in its padding)."""
+        part = torch.zeros(self.local_numel, dtype=whole.dtype)
+        for local, start, numel in self.pieces(rank):
+            part[local : local + numel] = whole[start : start + numel]
+        return part
+
+
+#: A run of whole parameters in a rank's flat buffer: (first parameter, one past the last).
+Segment = tuple[int, int]
+
+
+class _Recutter:
+    """Re-cuts one worker's method state from ``old`` ranks' slices to ``new``'s: a flat
+    tensor (padded at most for the new worker count), ``k`` flat tensors end to end (CO2's
+    buffer), a list whose tensors are consecutive runs of whole parameters (Streaming
+    DiLoCo's fragments, and their outer optimizers' buffers) and the tensors of an exchange
+    of one of those fragments; every other tensor must be the same on the worker's ranks,
+    and is kept."""
+
+    def __init__(self, old: FsdpCut, new: FsdpCut, new_workers: int) -> None:
+        self.old, self.new, self.new_workers = old, new, new_workers
+        self.old_offsets, self.new_offsets = old.offsets, new.offsets
+        self.fragments: list[Segment] | None = None
+
+    def state(self, trees: list[Any]) -> list[Any]:
+        """Every new rank's method state from the old ranks'; an exchange in flight for
+        fragment ``i`` (a dict with ``"fragment": i``) holds that fragment's run."""
+        self.fragments = self._find_fragments(trees[0])
+        return self.tree(trees)
+
+    def _find_fragments(self, tree: Any) -> list[Segment] | None:
+        if isinstance(tree, dict):
+            tree = list(tree.values())
+        if isinstance(tree, list | tuple):
+            found = self._fragments(tree)
+            for item in tree:
+                found = found or self._find_fragments(item)
+            return found
+        return None
+
+    def tree(self, trees: list[Any], segment: Segment | None = None) -> list[Any]:
+        """Every new rank's tree from the old ranks' ``trees`` (same structure)."""
+        first = trees[0]
+        ranks = self.new.ranks
+        if isinstance(first, dict):
+            fragment = first.get("fragment")
+            if isinstance(fragment, int) and self.fragments and 0 <= fragment < len(self.fragments):
+                segment = self.fragments[fragment]
+            per_key = {k: self.tree([t[k] for t in trees], segment) for k in first}
+            return [{k: per_key[k][r] for k in first} for r in range(ranks)]
+        if isinstance(first, list | tuple):
+            segments = self._fragments(first) if segment is None else None
+            items = [
+                self.tree([t[i] for t in trees], None if segments is None else segments[i])
+                for i in range(len(first))
+            ]
+            return [[item[r] for item in items] for r in range(ranks)]
+        if isinstance(first, torch.Tensor) and first.dim() == 1 and first.numel() > 0:
+            cut = self._cut(trees, segment)
+            if cut is not None:
+                return cut
+        differs = isinstance(first, torch.Tensor) and first.dim() > 0
+        if differs and any(not _equal(first, t) for t in trees[1:]):
+            raise CheckpointError(
+                f"--ranks-per-worker: a tensor of shape {tuple(first.shape)} in the method's "
+                f"state differs between a worker's ranks and is not a slice of its "
+                f"parameters; resume with --ranks-per-worker {self.old.ranks}"
+            )
+        return [first] * ranks
+
+    def _cut(self, parts: list[torch.Tensor], segment: Segment | None) -> list[Any] | None:
+        numel, local = parts[0].numel(), self.old.local_numel
+        if segment is not None:
+            begin, end = self.old_offsets[segment[0]], self.old_offsets[segment[1]]
+            if numel != end - begin:
+                return None
+            flats = []
+            for part in parts:
+                flat = torch.zeros(local, dtype=part.dtype)
+                flat[begin:end] = part
+                flats.append(flat)
+            whole = self.old.join(flats)
+            begin, end = self.new_offsets[segment[0]], self.new_offsets[segment[1]]
+            return [self.new.cut(whole, r)[begin:end] for r in range(self.new.ranks)]
+        if local <= numel < local + self.new_workers:  # a flat buffer
+            whole = self.old.join([p[:local] for p in parts])
+            return [self.new.cut(whole, r) for r in range(self.new.ranks)]
+        if numel % local == 0:  # flat buffers end to end
+            wholes = [self.old.join([p[k * local : (k + 1) * local] for p in parts])
+                      for k in range(numel // local)]  # fmt: skip
+            return [torch.cat([self.new.cut(w, r) for w in wholes]) for r in range(self.new.ranks)]
+        return None
+
+    def _fragments(self, items: list[Any] | tuple[Any, ...]) -> list[Segment] | None:
+        """Each item's run of parameters when the items' lengths (a tensor's, or the one
+        length of a dict's tensors) tile the flat buffer at parameter boundaries, else None."""
+        lengths = [_one_length(item) for item in items]
+        if len(items) < 2 or None in lengths or sum(lengths) != self.old.local_numel:  # type: ignore[arg-type]
+            return None
+        index = {offset: i for i, offset in enumerate(self.old_offsets)}
+        segments, begin = [], 0
+        for length in lengths:
+            assert length is not None
+            if begin not in index or begin + length not in index:
+                return None
+            segments.append((index[begin], index[begin + length]))
+            begin += length
+        return segments
+
+
+def _one_length(item: Any) -> int | None:
+    """A 1-D tensor's length, or the one length of every 1-D tensor of a dict (None else)."""
+    if isinstance(item, torch.Tensor):
+        return item.numel() if item.dim() == 1 else None
+    if isinstance(item, dict):
+        lengths = {v.numel() for v in item.values() if isinstance(v, torch.Tensor) and v.dim() == 1}
+        return lengths.pop() if len(lengths) == 1 else None
+    return None
+
+
+def _recut(
+    slots: list[tuple[Any, Any]], first: dict[str, Any], new: Layout, rules: Rules
+) -> tuple[list[tuple[Any, Any]], Rules]:
+    """The (model, strategy) slots of R ranks cut again for ``new.ranks_per_worker`` (see the
+    module docstring), and the rules with the new slices' flat length."""
+    layout = first.get("fsdp_layout")
+    if not isinstance(layout, dict):
         raise CheckpointError(
-            f"--ranks-per-worker: {new.ranks_per_worker} cannot resume sharded workers of "
-            f"{ranks} ranks (FSDP's slices are cut for {ranks}); resume with "
-            f"--ranks-per-worker {ranks} (--workers may change)"
+            "--ranks-per-worker: this checkpoint of sharded workers does not record its FSDP "
+            "layout (written by an older lowcomm), so its slices cannot be re-cut; resume with "
+            "the --ranks-per-worker it was written with (--workers may change)"
         )
+    shapes = tuple(tuple(int(d) for d in shape) for shape in layout["flat"])
+    old = FsdpCut(shapes, len(slots))
+    cut = FsdpCut(shapes, new.ranks_per_worker)
+    if old.local_numel != rules.numel:
+        raise CheckpointError(
+            f"--resume: the checkpoint's FSDP layout ({old.local_numel} elements a rank) does "
+            f"not match its flat state ({rules.numel}); the checkpoint is inconsistent"
+        )
+    sharded = {name: tuple(int(d) for d in shape) for name, shape in layout["sharded"].items()}
+
+    def recut_model(models: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(cut.ranks)]
+        for name, value in models[0].items():
+            shape = sharded.get(name)
+            if shape is None:  # (a buffer: whole on every rank)
+                for state in out:
+                    state[name] = value
+                continue
+            whole = torch.cat([m[name] for m in models])
+            rows = FsdpCut((shape,), cut.ranks).chunk_rows(shape)
+            for rank, state in enumerate(out):
+                state[name] = whole[rank * rows : (rank + 1) * rows].clone()
+        return out
+
+    strategies = _Recutter(old, cut, new.workers).state([strategy for _, strategy in slots])
+    if rules.shards_over_workers:  # flat buffers padded to a multiple of the worker count
+        strategies = [_repad(s, cut.local_numel, 1, new.workers) for s in strategies]
+    models = recut_model([model for model, _ in slots])
+    return list(zip(models, strategies, strict=True)), Rules(
+        numel=cut.local_numel, shards_over_workers=rules.shards_over_workers,
+        shards_over_replicas=rules.shards_over_replicas, pooled=rules.pooled,
+    )  # fmt: skip
 
 
 def _merged(

@@ -26,7 +26,9 @@ each rank makes only its own shards (:func:`materialise`), bit for bit the CPU b
 With --init-from each rank reads only its own rows of the weights
 (:func:`~lowcomm.models.init_from.sliced_start`).
 
-Not yet: an elastic resume keeps --ranks-per-worker (``lowcomm.train.reshard``).
+A checkpoint records each rank's slices and the shapes they are cut from
+(:func:`fsdp_layout`), so an elastic resume re-cuts them for another --ranks-per-worker
+(``lowcomm.train.reshard``).
 """
 
 from __future__ import annotations
@@ -517,6 +519,24 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def fsdp_layout(model: nn.Module) -> dict[str, Any] | None:
+    """What re-cuts a sharded ``model``'s checkpoint for another number of ranks per worker
+    (``lowcomm.train.reshard``), or None for a whole model: the global shape of every sharded
+    tensor of its state dict by name (``sharded``), and of every trained parameter in its flat
+    buffer's order (``flat``, :class:`ShardedFlatBuffers`). FSDP cuts dim 0 of each into
+    ``ceil(rows / R)``-row chunks, so the shapes and R give every rank's slice."""
+    if not is_sharded(model):
+        return None
+    return {
+        "sharded": {
+            name: list(value.shape)
+            for name, value in model.state_dict().items()
+            if hasattr(value, "to_local")
+        },
+        "flat": [list(p.shape) for p in model.parameters() if p.requires_grad],
+    }
+
+
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Undo :func:`model_state`: copy each saved (local) tensor into ``model``'s in place, so
     a sharded model's storage stays its flat buffer's."""
@@ -591,6 +611,7 @@ __all__ = [
     "exportable",
     "flat_buffers",
     "flat_numel",
+    "fsdp_layout",
     "full_flat",
     "initial_model",
     "is_sharded",
