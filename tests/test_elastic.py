@@ -534,7 +534,7 @@ def test_reshard_cuts_sharded_workers_fsdp_slices_for_other_ranks() -> None:
                 "outer": [{"momentum_buffer": -mine[:8]}, {"momentum_buffer": -mine[8:]}],
                 # an exchange in flight of the second fragment
                 "in_flight": [{"fragment": 1, "exchange": {"own": 3 * mine[8:]}}],
-            },  # fmt: skip
+            },
             "data": {"position": 1, "seed": 0, "rank": worker, "world_size": 2, "seq_len": 4,
                      "micro_batch_size": 2, "num_windows": 100, "replica": replica,
                      "replicas": 2},

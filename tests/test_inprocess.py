@@ -172,3 +172,35 @@ def test_a_workers_copy_of_the_initial_model_is_deepcopys() -> None:
     first.token_embedding.register_forward_hook(lambda *args: None)
     assert not second.token_embedding._forward_hooks and not model.token_embedding._forward_hooks
     assert first.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_a_workers_copy_lays_its_parameters_out_for_its_flat_buffers() -> None:
+    """SharedSetup's copy: the trainable parameters copied once, end to end, into a buffer
+    the worker's first flat buffers adopt (no second copy); tied weights stay one; the shared
+    model is never written; a padding the buffer has no room for, or a second flat buffer,
+    copies as before."""
+    import torch
+
+    from _dist import tiny_gpt
+    from lowcomm.strategies.flat import FlatBuffers, laid_out_copy
+
+    shared = tiny_gpt()
+    before = {name: t.clone() for name, t in shared.state_dict().items()}
+    copy = laid_out_copy(shared, {}, room=8)
+    flat = FlatBuffers(copy, pad_to=4)
+    params = [p for p in copy.parameters() if p.requires_grad]
+    assert params[0].data_ptr() == flat.params.data_ptr()  # adopted: the copy's own buffer
+    assert flat.params.numel() == flat.padded_numel and not flat.params[flat.numel :].any()
+    whole = torch.cat([p.detach().reshape(-1) for p in shared.parameters()])
+    assert torch.equal(flat.params[: flat.numel], whole)
+    assert copy.lm_head.weight is copy.token_embedding.weight  # (tied)
+    with torch.no_grad():
+        flat.params.add_(1.0)  # a worker's update reaches its model, not the shared one
+    assert torch.equal(copy.lm_head.weight, shared.lm_head.weight + 1.0)
+    assert all(torch.equal(t, before[name]) for name, t in shared.state_dict().items())
+    again = FlatBuffers(copy)  # (a second flat buffer: its own, copied)
+    assert again.params.data_ptr() != flat.params.data_ptr()
+    assert torch.equal(again.params, flat.params[: flat.numel])
+    wider = FlatBuffers(laid_out_copy(shared, {}, room=1), pad_to=1024)  # no room: copied
+    assert torch.equal(wider.params[: wider.numel], whole)
+    assert wider.params.numel() % 1024 == 0 and not wider.params[wider.numel :].any()

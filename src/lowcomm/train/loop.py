@@ -292,7 +292,8 @@ def _initial_model(
     worker's generator starts there), and for a sharded worker the model's deferred values
     (the model then on ``meta``: sharding.initial_model)."""
     if shared is not None:  # one of several workers in this process: a copy of the one model
-        return shared.copy_model(), shared.rng_state, None
+        room = config.workers * config.ranks_per_worker  # (any strategy's padding fits)
+        return shared.copy_model(room), shared.rng_state, None
     torch.manual_seed(config.seed)
     if config.worker_sharding == "fsdp":  # (made shard by shard, after fully_shard)
         model, deferred = sharding.initial_model(config, lambda: task.model(config), raw.rank)

@@ -11,7 +11,6 @@ so both placements draw the same numbers.
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from lowcomm.comm.turns import holding
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus
 from lowcomm.models import build_model
+from lowcomm.strategies.flat import laid_out_copy
 from lowcomm.train.compute import calibrate_in_process
 from lowcomm.train.task import Batch, CorpusTask, Task, calibration_pass
 
@@ -50,7 +50,7 @@ class SharedSetup:
     """Every worker of the run is in this process (False: one of several processes of
     several workers, ``lowcomm.launch.stacked``)."""
 
-    def copy_model(self) -> torch.nn.Module:
+    def copy_model(self, room: int = 1) -> torch.nn.Module:
         """A worker's own copy of the initial model: ``copy.deepcopy``, less its slowest part.
 
         A module holds about a dozen containers, empty but for a hook or a non-persistent
@@ -59,13 +59,15 @@ class SharedSetup:
         cache, and that was two thirds of the copy: about 60% of the set-up of 256 workers
         (sampled with py-spy). Empty ones of exactly those types are handed to deepcopy
         already copied (an empty container of the same type); everything else, aliasing
-        included, is deepcopy's."""
+        included, is deepcopy's. The trainable parameters are copied end to end into one buffer
+        (``room``: its length a multiple of it, the world size) that the worker's flat buffers
+        then adopt (:func:`~lowcomm.strategies.flat.laid_out_copy`)."""
         memo: dict[int, object] = {}
         for module in self.model.modules():
             for value in vars(module).values():
                 if type(value) in _EMPTY_COPIES and not value:
                     memo[id(value)] = type(value)()
-        return copy.deepcopy(self.model, memo)
+        return laid_out_copy(self.model, memo, room=room)
 
 
 #: Container types whose empty instances :meth:`SharedSetup.copy_model` copies itself.
