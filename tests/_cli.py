@@ -13,14 +13,15 @@ import traceback
 from pathlib import Path
 
 
-def small_flags(*, n_layer: int = 1) -> list[str]:
+def small_flags(*, n_layer: int = 1, plot: bool = False) -> list[str]:
     """`lowcomm train` flags for a run that finishes in seconds: 2 workers, a 1-layer (or
     ``n_layer``) GPT 64 wide, 32-token blocks, micro-batches of 4, a 2-batch validation every
-    2 steps, no progress bar."""
+    2 steps, no progress bar, no loss.png unless ``plot`` (matplotlib's import and drawing
+    are about 1.5 s of CPU per run)."""
     return [
         "--workers", "2", "--model.n-layer", str(n_layer), "--model.n-embd", "64",
         "--model.n-head", "2", "--model.block-size", "32", "--micro-batch-size", "4",
-        "--eval-batches", "2", "--eval-every", "2", "--progress", "False",
+        "--eval-batches", "2", "--eval-every", "2", "--progress", "False", "--plot", str(plot),
     ]  # fmt: skip
 
 
@@ -32,7 +33,8 @@ SMALL = small_flags()
 TINY = (
     "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
     "--model.block-size", "16", "--micro-batch-size", "2", "--eval-every", "100",
-    "--eval-batches", "2", "--progress", "False", "--seconds-per-microbatch", "0.01",
+    "--eval-batches", "2", "--progress", "False", "--plot", "False",
+    "--seconds-per-microbatch", "0.01",
 )  # fmt: skip
 
 

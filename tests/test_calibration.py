@@ -253,7 +253,7 @@ def test_workers_agree_on_one_calibration() -> None:
 FLAGS = (
     "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
     "--model.block-size", "16", "--micro-batch-size", "2", "--eval-every", "100",
-    "--eval-batches", "2", "--progress", "False", "--network", "wan", "--seed", "3",
+    "--eval-batches", "2", "--progress", "False", "--plot", "False", "--network", "wan", "--seed", "3",
 )  # fmt: skip
 
 
@@ -313,7 +313,7 @@ def _straight_and_resumed_calibrated(base: str, method: str) -> dict[str, float]
     root = Path(base)
     config = TrainConfig(
         method=method, workers=2, steps=6, network="wan", eval_every=3, eval_batches=2,
-        progress=False, model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        progress=False, plot=False, model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2), calibration=str(root / "calibration.json"),
     )  # fmt: skip
     straight = train_worker(replace(config, out=str(root / "straight")), TorchComm())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _cli import SMALL, lowcomm
+from _cli import SMALL, lowcomm, small_flags
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,8 @@ SUMMARY_KEYS = {
 @pytest.mark.parametrize("method", ["ddp", "zero1"])
 def test_train_writes_the_run_directory(tmp_path: Path, method: str) -> None:
     out = tmp_path / "run"
-    result = lowcomm("train", "--method", method, "--steps", "5", "--out", str(out), *SMALL)
+    flags = small_flags(plot=True)
+    result = lowcomm("train", "--method", method, "--steps", "5", "--out", str(out), *flags)
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) >= SUMMARY_KEYS

@@ -15,7 +15,7 @@ from lowcomm.config import ConfigError, TrainConfig
 def _config(out: Path, compiled: bool) -> TrainConfig:
     config = TrainConfig(
         workers=1, steps=3, eval_every=3, eval_batches=1, seconds_per_microbatch=0.01,
-        progress=False, compile=compiled, out=str(out),
+        progress=False, plot=False, compile=compiled, out=str(out),
     )  # fmt: skip
     config.model.n_layer, config.model.n_embd, config.model.n_head = 2, 32, 2
     config.model.block_size, config.data.micro_batch_size = 16, 2

@@ -159,7 +159,7 @@ def command_lines(draw: Any) -> list[str]:
     methods = sorted(STRATEGIES)
     method = draw(st.sampled_from(methods if valid else [*methods, "no_such_method"]))
     workers = draw(st.integers(1, 4) if valid else st.sampled_from([-1, 0, 1, 3, 8, 5000]))
-    argv = ["--method", method, "--workers", str(workers), "--progress", "False"]
+    argv = ["--method", method, "--workers", str(workers), "--progress", "False", "--plot", "False"]
     argv += ["--network", draw(st.sampled_from(sorted(PRESETS) + ([] if valid else ["lan"])))]
     n_head = draw(st.sampled_from([1, 2, 4] if valid else [0, 1, 2, 3, 4]))
     width = n_head * draw(st.integers(2, 8)) if valid else draw(st.sampled_from([0, 8, 12, 30]))
@@ -379,7 +379,7 @@ def test_default_fragments_fit_a_transformers_model() -> None:
     # empty on a tiny hf-gpt2 (no `blocks.<j>.` names), and the error named an option the user
     # never passed. The default now shrinks to a count with no empty fragment.
     argv = ["--method", "streaming_diloco", "--model.family", "hf-gpt2", "--model.n-layer", "1",
-            "--model.n-embd", "2", "--model.n-head", "1", "--workers", "1", "--progress", "False",
+            "--model.n-embd", "2", "--model.n-head", "1", "--workers", "1", "--progress", "False", "--plot", "False",
             "--model.block-size", "8", "--micro-batch-size", "2", "--steps", "2"]  # fmt: skip
     config, _, stderr = parse(argv)
     assert config is not None, stderr

@@ -410,7 +410,7 @@ def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Pa
         "--monitor-interval", "0.5", "-m", "lowcomm", "train", "--method", "ddp", "--steps",
         str(steps), "--checkpoint-every", "10", "--model.n-layer", "1", "--model.n-embd", "32",
         "--model.n-head", "2", "--model.block-size", "16", "--micro-batch-size", "2",
-        "--eval-every", "100", "--eval-batches", "2", "--progress", "False", "--clock", "real",
+        "--eval-every", "100", "--eval-batches", "2", "--progress", "False", "--plot", "False", "--clock", "real",
         "--network", "slow-wan", "--collective-timeout-s", "10", "--resume", "auto", "--out",
         str(out),
     ]  # fmt: skip

@@ -56,7 +56,7 @@ def test_fit_with_the_builtin_gpt_equals_lowcomm_train(tmp_path: Path) -> None:
     config = TrainConfig(
         model=ModelConfig(n_layer=1, n_embd=32, n_head=2, block_size=16),
         data=DataConfig(micro_batch_size=2),
-        eval_every=100, eval_batches=2, progress=False, seconds_per_microbatch=0.01,
+        eval_every=100, eval_batches=2, progress=False, plot=False, seconds_per_microbatch=0.01,
     )  # fmt: skip
     result = lowcomm.fit(
         method="diloco", options=lowcomm.DiLoCoOptions(sync_every=2), workers=2, steps=4,
@@ -73,7 +73,7 @@ def test_fit_with_the_builtin_gpt_equals_lowcomm_train(tmp_path: Path) -> None:
 def _cnn_config(**overrides: Any) -> TrainConfig:
     return TrainConfig(
         optim=AdamWConfig(lr=1e-2), data=DataConfig(micro_batch_size=8), eval_every=100,
-        eval_batches=2, progress=False, seconds_per_microbatch=0.01, log_every=1,
+        eval_batches=2, progress=False, plot=False, seconds_per_microbatch=0.01, log_every=1,
         **overrides,
     )  # fmt: skip
 

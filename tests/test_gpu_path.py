@@ -64,7 +64,7 @@ class _CountingLocal(LocalComm):
 
 def _run(tmp_path: Path, log_every: int) -> tuple[int, list[dict[str, object]]]:
     config = TrainConfig(
-        method="diloco", workers=1, steps=7, eval_every=100, eval_batches=1, progress=False,
+        method="diloco", workers=1, steps=7, eval_every=100, eval_batches=1, progress=False, plot=False,
         log_every=log_every, out=str(tmp_path / f"every{log_every}"),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),

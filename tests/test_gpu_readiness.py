@@ -293,6 +293,7 @@ def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_grou
         eval_batches=1,  # one worker has no validation batch (item 1's situation)
         checkpoint_every=2,
         progress=False,
+        plot=False,
         out=str(tmp_path / "run"),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
@@ -495,7 +496,9 @@ def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str)
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.train.metrics import RunWriter
 
-    config = TrainConfig(device=device, clock="real", progress=False, out=str(tmp_path / "run"))  # type: ignore[arg-type]
+    config = TrainConfig(
+        device=device, clock="real", progress=False, plot=False, out=str(tmp_path / "run")
+    )  # type: ignore[arg-type]
     writer = RunWriter(config)
     writer.close_steps()
     from lowcomm.train.records import ProcessTotals

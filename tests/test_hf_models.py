@@ -27,7 +27,7 @@ from lowcomm.models.loss import chunked_cross_entropy  # noqa: E402
 #: `lowcomm train` flags of the runs here: 2 workers, 16-token blocks, micro-batches of 2.
 RUN = (
     "--workers", "2", "--model.block-size", "16", "--micro-batch-size", "2",
-    "--eval-every", "100", "--eval-batches", "2", "--progress", "False",
+    "--eval-every", "100", "--eval-batches", "2", "--progress", "False", "--plot", "False",
     "--seconds-per-microbatch", "0.01",
 )  # fmt: skip
 DILOCO = ("--method", "diloco", "--steps", "4", "--diloco.sync-every", "2")

@@ -315,7 +315,7 @@ def test_hierarchical_methods_equal_flat_workers_with_the_union_batch() -> None:
 def _config(out: Path, ranks: int, micro_batch: int) -> TrainConfig:
     config = TrainConfig(
         method="ddp", workers=M, ranks_per_worker=ranks, steps=3, eval_every=3, eval_batches=2,
-        progress=False, out=str(out), network="wan", inner_network="datacenter",
+        progress=False, plot=False, out=str(out), network="wan", inner_network="datacenter",
     )  # fmt: skip
     config.model.n_layer, config.model.n_embd, config.model.n_head = 1, 32, 2
     config.model.block_size = 16

@@ -18,7 +18,7 @@ from lowcomm.data import DataError, read_documents
 TINY = [
     "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
     "--model.block-size", "16", "--micro-batch-size", "2", "--eval-batches", "1",
-    "--progress", "False", "--vocab-size", "300",
+    "--progress", "False", "--plot", "False", "--vocab-size", "300",
 ]  # fmt: skip
 
 TEXT = (

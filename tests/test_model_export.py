@@ -96,7 +96,7 @@ def _diloco_run(out: str, family: str) -> dict[str, torch.Tensor]:
 
     config = TrainConfig(
         method="diloco", workers=2, steps=6, network="wan", clock="virtual",
-        seconds_per_microbatch=0.01, eval_every=100, eval_batches=2, progress=False, out=out,
+        seconds_per_microbatch=0.01, eval_every=100, eval_batches=2, progress=False, plot=False, out=out,
         model=ModelConfig(family=family, n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=4),
     )  # fmt: skip

@@ -358,7 +358,7 @@ def _config(out: Path, **overrides: object) -> TrainConfig:
     from lowcomm.models import ModelConfig
 
     config = TrainConfig(
-        method="diloco", workers=2, steps=6, eval_every=6, eval_batches=1, progress=False,
+        method="diloco", workers=2, steps=6, eval_every=6, eval_batches=1, progress=False, plot=False,
         out=str(out), optim=AdamWConfig(name="muon"), diloco=DiLoCoOptions(sync_every=2),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),

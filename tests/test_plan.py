@@ -224,7 +224,7 @@ def test_plan_agrees_with_a_measured_virtual_run(
     args = [
         "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
         "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
-        "--progress", "False", "--steps", "6", "--network", "wan",
+        "--progress", "False", "--plot", "False", "--steps", "6", "--network", "wan",
         "--seconds-per-microbatch", "0.05", "--max-grad-norm", "None",
     ]  # fmt: skip
     result = lowcomm("train", "--method", method, *options, *args, "--out", str(out))

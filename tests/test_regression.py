@@ -95,6 +95,7 @@ def regression_config(method: str, out: Path, ranks_per_worker: int = 1) -> Trai
         eval_every=3,
         eval_batches=2,
         progress=False,
+        plot=False,
         out=str(out),
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),

@@ -84,7 +84,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tmp_path: 
         "train", "--method", "ddp", "--steps", str(steps), "--checkpoint-every", "5",
         "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
         "--model.block-size", "16", "--micro-batch-size", "2", "--eval-every", "100",
-        "--eval-batches", "2", "--progress", "False", "--clock", "real", "--network", "wan",
+        "--eval-batches", "2", "--progress", "False", "--plot", "False", "--clock", "real", "--network", "wan",
     ]  # fmt: skip
     out = tmp_path / "elastic"
     job = subprocess.Popen(

@@ -82,6 +82,7 @@ def test_a_new_run_into_a_run_directory_is_refused_and_overwrite_replaces_it(
     # (the new run's own final checkpoint, step 2, is all that is left)
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000002"]
     assert (run / "notes.txt").read_text() == "mine\n"
+    assert (run / "summary.json").exists() and not (run / "loss.png").exists()  # --plot False
 
 
 def test_default_run_names_differ_by_setting() -> None:
@@ -94,7 +95,9 @@ def test_default_run_names_differ_by_setting() -> None:
     assert run_directory(TrainConfig(steps=100)) != run_directory(base)
     # The same settings give the same name; settings that only steer the run change nothing.
     assert run_directory(TrainConfig(optim=AdamWConfig(lr=5e-4))) in names
-    assert run_directory(TrainConfig(progress=False, checkpoint_every=5)) == run_directory(base)
+    assert run_directory(
+        TrainConfig(progress=False, plot=False, checkpoint_every=5)
+    ) == run_directory(base)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from lowcomm.train.records import StepMetrics
 SMALL = [
     "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
     "--model.block-size", "16", "--micro-batch-size", "2", "--eval-batches", "1",
-    "--progress", "False",
+    "--progress", "False", "--plot", "False",
 ]  # fmt: skip
 
 

@@ -284,7 +284,7 @@ FLAGS = (
     "train",
     "--workers", "2", "--ranks-per-worker", "2", "--steps", "4", "--eval-every", "4",
     "--eval-batches", "2", "--model.n-layer", "2", "--model.n-embd", "32", "--model.n-head", "2",
-    "--model.block-size", "16", "--micro-batch-size", "2", "--progress", "False",
+    "--model.block-size", "16", "--micro-batch-size", "2", "--progress", "False", "--plot", "False",
     "--seconds-per-microbatch", "0.01",
 )  # fmt: skip
 

@@ -17,7 +17,7 @@ from lowcomm.launch.run import warn_if_oversubscribed
 SMALL = [
     "--workers", "2", "--model.n-layer", "1", "--model.n-embd", "32", "--model.n-head", "2",
     "--model.block-size", "16", "--micro-batch-size", "2", "--eval-batches", "1",
-    "--progress", "False", "--steps", "2",
+    "--progress", "False", "--plot", "False", "--steps", "2",
 ]  # fmt: skip
 
 

@@ -200,6 +200,11 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
 
+    plot: bool = True
+    """Draw OUT/loss.png (the loss against the step and against the clock) at the end of the
+    run. False skips it and matplotlib's import: about 1.5 s of CPU per run, most of a short
+    run's end (the test suite's runs pass --plot False)."""
+
     tensorboard: bool = False
     """Also write the metrics as TensorBoard event files under OUT/tensorboard/ (losses,
     learning rate, utilisation and bytes against the step; loss against the modeled time):

@@ -269,7 +269,8 @@ class RunWriter:
             self.directory / "summary.json",
             json.dumps(summary, indent=2, default=_json_default) + "\n",
         )
-        self._plot()
+        if self.config.plot:
+            self._plot()
         print(format_summary(summary, self.directory))
         return summary
 
