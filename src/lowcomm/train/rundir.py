@@ -55,7 +55,7 @@ def run_directory(config: TrainConfig) -> Path:
 
 def non_default_settings(config: TrainConfig) -> dict[str, Any]:
     """The settings, other than those in the default run name and those that only steer
-    the run (output, resume, progress, checkpointing, timeout), that differ from their
+    the run (output, resume, progress, plot, checkpointing, timeout), that differ from their
     defaults, as flat ``dotted.name: value`` pairs."""
     mine, defaults = _flatten(config.to_dict()), _flatten(TrainConfig().to_dict())
     return {
@@ -71,7 +71,7 @@ _MISSING = object()
 #: steer a run without changing what it computes.
 _RUN_NAME_EXCLUDED = frozenset(
     {
-        "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress",
+        "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress", "plot",
         "tensorboard", "log_every",
         "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
     }
