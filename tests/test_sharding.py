@@ -97,6 +97,8 @@ def _train(sharded: bool, export_to: Path, source: Path) -> dict[str, Any]:
             results[method] = full_flat(deployed)
         results[f"{method}_local"] = strategy.flat.params.numel()
         results[f"{method}_whole"] = whole
+        if sharded:  # where FSDP put this rank's slices, and where a re-cut puts them
+            results[f"{method}_ranges"] = _slices_two_ways(model, strategy.flat, replica)
     # --precision bf16-mixed: FSDP2's policy (bfloat16 parameters for compute, float32
     # reduction and master) against a replicated worker's autocast, both under autocast
     model = tiny_gpt()
@@ -136,6 +138,16 @@ def _train(sharded: bool, export_to: Path, source: Path) -> dict[str, Any]:
         strategy.step(closure)
     results["llama"] = full_flat(model)
     results["llama_local"] = strategy.flat.params.numel()
+    if sharded:
+        results["llama_ranges"] = _slices_two_ways(model, strategy.flat, replica)
+        # rows that do not split evenly over the ranks (padded slices, and an empty one)
+        from lowcomm.train.sharding import ShardedFlatBuffers
+
+        odd = torch.nn.Sequential(
+            torch.nn.Linear(5, 3), torch.nn.Linear(3, 7, bias=False), torch.nn.Embedding(1, 4)
+        )
+        shard_model(odd, mesh["ranks"])
+        results["odd_ranges"] = _slices_two_ways(odd, ShardedFlatBuffers(odd, inner), replica)
     rank = worker * R + replica
     exported = exportable(model, rank, R)
     assert (exported is not None) == (rank == 0 or not sharded)
@@ -143,6 +155,25 @@ def _train(sharded: bool, export_to: Path, source: Path) -> dict[str, Any]:
         assert exported is not None
         save_model(exported, export_to, tokenizer_path=None)
     return results
+
+
+def _slices_two_ways(model: Any, flat: Any, rank: int) -> tuple[list[Any], list[Any]]:
+    """Each parameter's slice on ``rank`` as (whole start, whole stop, local start), empty
+    slices as None: read from FSDP's own records at run time
+    (``ShardedFlatBuffers.whole_ranges``), and rebuilt from the shapes a checkpoint records
+    (``reshard.FsdpCut``, what a resume on another --ranks-per-worker cuts by)."""
+    from lowcomm.train.reshard import FsdpCut
+    from lowcomm.train.sharding import fsdp_layout
+
+    layout = fsdp_layout(model)
+    assert layout is not None
+    cut = FsdpCut(tuple(tuple(shape) for shape in layout["flat"]), R)
+    assert cut.local_numel <= flat.params.numel()  # (the buffer may pad further)
+    at_run = [(start, stop, local) if stop > start else None
+              for start, stop, local in flat.whole_ranges]  # fmt: skip
+    rebuilt = [(start, start + numel, local) if numel else None
+               for local, start, numel in cut.pieces(rank)]  # fmt: skip
+    return at_run, rebuilt
 
 
 def _meta_starts(mesh: Any, source: Path) -> dict[str, Any]:
@@ -197,6 +228,8 @@ def test_sharded_workers_equal_replicated_workers(tmp_path: Path) -> None:
             # each rank holds about 1/R of the replica (up to padding)
             whole = sharded[rank][f"{method}_whole"]
             assert sharded[rank][f"{method}_local"] <= whole // R + 64, method
+            at_run, rebuilt = sharded[rank][f"{method}_ranges"]
+            assert at_run == rebuilt, (method, rank)
             assert replicated[rank][f"{method}_local"] >= whole, method
             # the metrics a method reads from whole-model norms and means are the replicated
             # run's (summed over a worker's shards)
@@ -222,6 +255,11 @@ def test_sharded_workers_equal_replicated_workers(tmp_path: Path) -> None:
         got, want = sharded[rank]["llama"], replicated[rank]["llama"]
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), float((got - want).abs().max())
         assert sharded[rank]["llama_local"] <= want.numel() // R + 64
+        at_run, rebuilt = sharded[rank]["llama_ranges"]
+        assert at_run == rebuilt and any(piece is not None for piece in at_run), rank
+        at_run, rebuilt = sharded[rank]["odd_ranges"]
+        assert at_run == rebuilt, (rank, at_run, rebuilt)
+        assert (at_run[-1] is None) == (rank % R == 1)  # (one row: rank 1 holds none of it)
     _check_same_export(tmp_path / "sharded", tmp_path / "replicated")
     # the meta-device start: every rank made only its own shards, and the whole is the CPU
     # build's bit for bit, the generator left where the CPU build leaves it

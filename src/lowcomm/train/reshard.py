@@ -157,7 +157,10 @@ def reshard(
     Raises:
         CheckpointError: the states cannot be combined (naming the key), or are not ``old``'s.
     """
-    _check_layouts(states, old, new)
+    if len(states) != old.world_size:
+        raise CheckpointError(
+            f"--resume: {len(states)} rank states for {old} ({old.world_size} processes)"
+        )
     ranks = old.ranks_per_worker
     slots = (
         [_merged(states[r::ranks], Layout(old.workers), new.workers, rules) for r in range(ranks)]
@@ -197,14 +200,6 @@ def reshard(
         }  # fmt: skip
         out.append(state)
     return out
-
-
-def _check_layouts(states: list[dict[str, Any]], old: Layout, new: Layout) -> None:
-    """Refuse states that are not ``old``'s."""
-    if len(states) != old.world_size:
-        raise CheckpointError(
-            f"--resume: {len(states)} rank states for {old} ({old.world_size} processes)"
-        )
 
 
 # --- sharded workers: FSDP slices re-cut for another --ranks-per-worker ----------------------
