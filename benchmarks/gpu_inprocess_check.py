@@ -241,7 +241,7 @@ class Checks:
 def _checked_refusal(message: str) -> str:
     assert "\n" not in message, f"not one line: {message!r}"
     assert message.startswith("--workers-per-process: 64 workers on "), message
-    for part in ("need about", "GiB each: parameters", "GiB are free", "fit"):
+    for part in ("need about", " each: parameters", " are free", "fit"):
         assert part in message, f"{part!r} missing from: {message}"
     print(f"refusal: {message}", flush=True)
     return message[: message.index("(")].strip() + " ... " + message[message.index("but") :]

@@ -21,10 +21,15 @@ from torch import nn
 
 from lowcomm.comm.base import Role
 from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.launch import device_memory
 from lowcomm.launch.device_memory import (
-    GIB,
+    HOST_SLACK,
+    amount,
+    available_host_bytes,
     check_device_memory,
+    check_host_memory,
     estimate_worker_memory,
+    measure_saved_bytes,
 )
 from lowcomm.launch.groups import worker_layout
 from lowcomm.launch.inprocess import RankThreads, check_shared
@@ -133,13 +138,17 @@ def _shared(model: nn.Module) -> SharedSetup:
     )  # fmt: skip
 
 
-def test_a_built_model_whose_dropout_uses_the_global_generator_is_refused() -> None:
+def test_a_built_model_whose_dropout_uses_the_global_generator_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A model of a config file or --init-from is only known once built: its torch dropout
     modules (a transformers model's) would share the process's generator."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
     with pytest.raises(ConfigError, match=r"\(1: Dropout\(p=0.1\)\)") as caught:
         check_shared(_config(), _shared(model), None, torch.device("cpu"))
     assert "\n" not in str(caught.value)
+    # (the host's memory unknown: no estimate, which would run the corpus's batch through it)
+    monkeypatch.setattr(device_memory, "available_host_bytes", lambda: None)
     check_shared(_config(), _shared(nn.Sequential(nn.Dropout(0.0))), None, torch.device("cpu"))
 
 
@@ -189,9 +198,10 @@ def test_workers_that_do_not_fit_the_gpu_are_refused_with_the_estimate() -> None
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith("--workers-per-process: 8 workers on cpu need about ")
-    assert f"{8 * each / GIB:.2f} GiB ({each / GIB:.2f} GiB each: parameters" in message
-    assert f"but {3.5 * each / GIB:.2f} GiB are free" in message
+    assert f"{amount(8 * each)} ({amount(each)} each: parameters" in message
+    assert f"but {amount(3.5 * each)} are free" in message
     assert "at most 3 workers fit: pass --workers 3 --workers-per-process 3" in message
+    assert "or --micro-batch-size" in message  # (an option that exists)
     with pytest.raises(ConfigError, match="not one worker fits"):
         check(0.5 * each)
     hierarchical = _config(device="cuda", ranks_per_worker=2)  # 4 workers x 2 rank threads
@@ -202,8 +212,121 @@ def test_workers_that_do_not_fit_the_gpu_are_refused_with_the_estimate() -> None
                 hierarchical, parameters, activations
             ).total, measure=measure,
         )  # fmt: skip
-    assert "GiB per rank, 2 ranks per worker: parameters" in str(caught.value)
+    assert " per rank, 2 ranks per worker: parameters" in str(caught.value)
     assert measured[0] is False
+
+
+# --- host memory (CPU workers) ----------------------------------------------------------------
+
+
+def test_amounts_read_in_mib_under_a_gib() -> None:
+    assert amount(3 * 2**20) == "3.0 MiB"
+    assert amount(1.5 * 2**30) == "1.50 GiB"
+
+
+def test_a_forward_saves_its_activations_not_the_parameters_and_leaves_no_trace() -> None:
+    """Linear(8, 16), ReLU, Linear(16, 4) on 5 rows: the first layer saves its input (5 x 8
+    floats), the ReLU its output (5 x 16), which the second layer saves again (one storage,
+    counted once); the weights are the model's. The generator and the gradients are left as
+    they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    rows = torch.randn(5, 8)
+    state = torch.get_rng_state()
+    saved = measure_saved_bytes(model, lambda m: m(rows).sum(), torch.device("cpu"), False)
+    assert saved == 4 * (5 * 8 + 5 * 16)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    dropped = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+    state = torch.get_rng_state()
+    measure_saved_bytes(dropped, lambda m: m(rows).sum(), torch.device("cpu"), False)
+    assert torch.equal(torch.get_rng_state(), state)  # (its masks drew, and were given back)
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_free_host_memory_is_the_kernels_or_less_under_a_cgroup_limit(tmp_path: Path) -> None:
+    meminfo = {"proc/meminfo": "MemTotal: 32000000 kB\nMemAvailable:   20000000 kB\n"}
+    assert available_host_bytes(_tree(tmp_path / "plain", meminfo)) == 20000000 * 1024
+    v2 = {
+        **meminfo, "proc/self/cgroup": "0::/job\n",
+        "sys/fs/cgroup/job/memory.max": "8000000000\n",
+        "sys/fs/cgroup/job/memory.current": "3000000000\n",
+        "sys/fs/cgroup/job/memory.stat": "anon 1\ninactive_file 500000000\nactive_file 9\n",
+    }  # fmt: skip
+    assert available_host_bytes(_tree(tmp_path / "v2", v2)) == 8e9 - 3e9 + 5e8
+    unlimited = {**v2, "sys/fs/cgroup/job/memory.max": "max\n"}
+    assert available_host_bytes(_tree(tmp_path / "max", unlimited)) == 20000000 * 1024
+    v1 = {
+        **meminfo, "proc/self/cgroup": "4:memory:/\n2:cpu,cpuacct:/\n",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": "4000000000\n",
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": "1000000000\n",
+        "sys/fs/cgroup/memory/memory.stat": "total_inactive_file 0\n",
+    }  # fmt: skip
+    assert available_host_bytes(_tree(tmp_path / "v1", v1)) == 3e9
+    v1_unlimited = {**v1, "sys/fs/cgroup/memory/memory.limit_in_bytes": str(2**63 - 4096)}
+    assert available_host_bytes(_tree(tmp_path / "v1max", v1_unlimited)) == 20000000 * 1024
+    assert available_host_bytes(tmp_path / "nothing") is None  # (not Linux)
+
+
+def test_cpu_workers_that_do_not_fit_the_host_are_refused_with_the_estimate() -> None:
+    """K workers on the CPU, alone or in P processes of one machine: the estimate is the
+    device's plus a worker's slack, each process checks for all of them, and the check is
+    skipped where the free memory is unknown."""
+    config = _config(method="ddp", workers=8, workers_per_process=4)  # 2 processes x 4
+    model = _gpt(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    activations = 2**20
+    each = (4 + 4 + 12) * parameters + activations + HOST_SLACK
+
+    def check(free: float | None, processes: int = 2) -> Any:
+        return check_host_memory(
+            config, model, lambda m: torch.zeros(()), processes=processes,
+            free_bytes=lambda: free, measure=lambda *args: activations,
+        )  # fmt: skip
+
+    estimate, free = check(8 * each)
+    assert (estimate.total, free) == (each, 8 * each)
+    assert check(4 * each, processes=1) is not None  # one process of 4 fits in 4
+    with pytest.raises(ConfigError) as caught:
+        check(6.5 * each)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"--workers-per-process: 8 workers on cpu in 2 processes of this machine need about "
+        f"{amount(8 * each)} ({amount(each)} each: parameters"
+    )
+    assert f"the rest of a worker {amount(HOST_SLACK)}) but {amount(6.5 * each)} are free" in (
+        message
+    )
+    assert "at most 3 workers per process fit: pass --workers-per-process 3" in message
+    assert check(None) is None  # unknown: nothing measured, nothing refused
+
+
+def test_a_run_whose_cpu_workers_do_not_fit_stops_before_they_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The estimate is printed when the workers fit; when the machine reports less free memory
+    than they need, the run is refused in one line before any worker starts."""
+    from lowcomm.launch.inprocess import train_in_process
+
+    config = tiny_config("ddp", tmp_path / "fits", steps=1)
+    config.workers_per_process = config.workers
+    train_in_process(config)
+    printed = capsys.readouterr().out
+    assert f"lowcomm: {config.workers} workers on cpu: about " in printed
+    assert " free" in printed.split("workers on cpu:")[1].splitlines()[0]
+    monkeypatch.setattr(device_memory, "available_host_bytes", lambda: 2.0**20)
+    refused = tiny_config("ddp", tmp_path / "refused", steps=1)
+    refused.workers_per_process = refused.workers
+    with pytest.raises(ConfigError, match=r"but 1\.0 MiB are free; not one worker fits"):
+        train_in_process(refused)
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
 
 # --- P processes of K hierarchical workers ----------------------------------------------------

@@ -202,11 +202,20 @@ def process_device(config: TrainConfig) -> torch.device:
 
 
 def check_shared(
-    config: TrainConfig, shared: SharedSetup, task: Task | None, device: torch.device
+    config: TrainConfig,
+    shared: SharedSetup,
+    task: Task | None,
+    device: torch.device,
+    *,
+    processes: int = 1,
+    report: bool = True,
 ) -> None:
     """Refusals that need the built model, before any worker starts: a dropout the worker's
-    own generator cannot drive (a transformers model's, of a config file or --init-from), and,
-    on a GPU, workers that do not fit its memory (printing the estimate when they do).
+    own generator cannot drive (a transformers model's, of a config file or --init-from), and
+    workers that do not fit the memory they share (printing the estimate when they do): the
+    GPU's, or on the CPU the host's, which ``processes`` processes of this machine share
+    (:mod:`lowcomm.launch.device_memory`). ``report``: print the estimate (one process of a
+    machine does).
 
     Raises:
         ConfigError: in one line, naming the reason and the fix.
@@ -221,18 +230,27 @@ def check_shared(
                 f"workers of one process would share; use a model without dropout, the "
                 f"built-in gpt, or --workers-per-process 1"
             )
-    if device.type != "cuda":
-        return
-    from lowcomm.launch.device_memory import GIB, check_device_memory, free_device_bytes
+    from lowcomm.launch import device_memory as memory
 
-    estimate = check_device_memory(
-        config, shared.model, calibration_pass(task, config, device), device
-    )
     threads = config.workers_per_process * config.ranks_per_worker
+    loss = calibration_pass(task, config, device)
+    if device.type == "cuda":  # (each process of a machine has a GPU of its own)
+        estimate = memory.check_device_memory(config, shared.model, loss, device)
+        free, what, processes = memory.free_device_bytes(device), "device memory", 1
+    else:
+        found = memory.check_host_memory(config, shared.model, loss, processes=processes)
+        if found is None:  # (the free memory cannot be read here)
+            return
+        estimate, free = found
+        what = "memory"
+    if not report:
+        return
+    where = "" if processes == 1 else f" ({processes} processes of {threads})"
+    unit = "workers" if config.ranks_per_worker == 1 else "rank threads"
     print(
-        f"lowcomm: {threads} workers on {device}: about {threads * estimate.total / GIB:.2f} "
-        f"GiB of device memory ({estimate.total / GIB:.2f} GiB each), "
-        f"{free_device_bytes(device) / GIB:.2f} GiB free",
+        f"lowcomm: {processes * threads} {unit} on {device}{where}: about "
+        f"{memory.amount(processes * threads * estimate.total)} of {what} "
+        f"({memory.amount(estimate.total)} each), {memory.amount(free)} free",
         flush=True,
     )
 

@@ -24,6 +24,8 @@ collectives fail on the closed connection meanwhile.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lowcomm.comm.base import Role
@@ -31,6 +33,7 @@ from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.stacked import StackedGroup
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
+from lowcomm.launch.device_memory import processes_on_this_machine
 from lowcomm.launch.inprocess import RankThreads, check_shared, run_threads, worker_turns
 from lowcomm.launch.spawn import Interrupted, _WorkerStop
 from lowcomm.train.loop import WorkerSummary, train_worker
@@ -64,7 +67,10 @@ def train_stacked(
     inter_books, inter_calibration = inter.cpu_side_group(), inter.cpu_side_group()
     ranks = _stacked_threads(config, inter, inter_books)
     shared = shared_setup(config, task, calibration_group=inter_calibration)
-    check_shared(config, shared, task, device)
+    check_shared(
+        config, shared, task, device, processes=processes_on_this_machine(inter.world_size),
+        report=os.environ.get("LOCAL_RANK", "0") == "0",  # (one process of each machine)
+    )  # fmt: skip
     with torch.no_grad():  # one initial model everywhere, as a worker process broadcasts it
         for parameter in shared.model.parameters():
             inter.broadcast(parameter.data, src=0, role=Role.PARAMETER).wait()
