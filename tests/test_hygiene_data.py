@@ -4,7 +4,6 @@ lack the field say what they have, paths stored absolute, other families' option
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _cli import lowcomm
 from lowcomm.data import DataError, read_documents
 
 TINY = [
@@ -30,10 +30,9 @@ TEXT = (
 def _lowcomm(
     *args: str, cwd: Path | None = None, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowcomm", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd, env={**os.environ},
-    )  # fmt: skip
+    """``lowcomm ARGS``, its workers threads of one process (in this one where it can be:
+    :func:`_cli.lowcomm`)."""
+    return lowcomm(*args, cwd=cwd, timeout=timeout)
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
