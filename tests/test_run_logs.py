@@ -5,14 +5,12 @@ both panels."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _cli import lowcomm
 from lowcomm.config import TrainConfig
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import StepMetrics
@@ -27,11 +25,7 @@ SMALL = [
 @pytest.mark.slow
 def test_final_validation_loss_is_the_last_point_of_metrics(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "lowcomm", "train", "--steps", "5", "--eval-every", "2",
-         "--out", str(out), *SMALL],
-        capture_output=True, text=True, timeout=240, env={**os.environ},
-    )  # fmt: skip
+    result = lowcomm("train", "--steps", "5", "--eval-every", "2", "--out", str(out), *SMALL)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
