@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -82,18 +83,37 @@ def test_report_marks_equal_and_unequal_pairs_and_the_skipped_process_runs() -> 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
 def test_the_sampler_sums_a_process_tree() -> None:
     """A child holding 200 MB raises the tree's resident bytes by about that much over the
-    parent alone, and its threads are counted."""
-    own_rss, own_threads = tree_usage(os.getpid())
-    assert own_rss > 0 and own_threads >= threading.active_count()
+    parent alone, and its threads are counted. A forked child shares its parent's pages: the
+    summed resident sets count them twice, the summed proportional sets once."""
+    own = tree_usage(os.getpid())
+    assert own.rss > 0 and own.threads >= threading.active_count()
+    assert 0 < own.pss <= own.rss
     code = "b = bytearray(200 * 2**20); import time; time.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         with TreeSampler(os.getpid(), period_s=0.02) as sampler:
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and sampler.peak_rss_bytes < own_rss + 190 * 2**20:
+            while time.monotonic() < deadline and sampler.peak_rss_bytes < own.rss + 190 * 2**20:
                 time.sleep(0.05)
-        assert sampler.peak_rss_bytes >= own_rss + 190 * 2**20
-        assert sampler.peak_threads >= own_threads + 1
+        assert sampler.peak_rss_bytes >= own.rss + 190 * 2**20
+        assert sampler.peak_pss_bytes >= own.pss + 190 * 2**20  # (its own pages: not shared)
+        assert sampler.peak_threads >= own.threads + 1
     finally:
         child.kill()
         child.wait()
+    held = bytearray(100 * 2**20)
+    held[:: 2**12] = b"\x01" * (100 * 2**8)  # every page touched: resident, then shared
+    before = tree_usage(os.getpid())
+    pid = os.fork()
+    if pid == 0:  # the child only sleeps, writing nothing
+        time.sleep(30)
+        os._exit(0)
+    try:
+        time.sleep(0.3)
+        shared = tree_usage(os.getpid())
+        assert shared.rss >= before.rss + 90 * 2**20  # the parent's pages counted again
+        assert shared.pss <= before.pss + 30 * 2**20  # and not again
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        del held

@@ -30,7 +30,7 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from lowcomm.bench.runs import STUDY_CALIBRATION, study_calibration
 from lowcomm.bench.startup import time_command
@@ -100,11 +100,15 @@ class ScaleRun:
     """Seconds to the end of every worker's set-up (rank 0's ``lowcomm: training:`` line)."""
     returncode: int
     peak_rss_bytes: int
+    """The peak of the tree's summed resident sets (a page shared by n processes n times)."""
     peak_threads: int
     tokens_per_s: float
     final_val_loss: float
     modeled_time_s: float
     error: str = ""
+    peak_pss_bytes: int = 0
+    """The peak of the tree's summed proportional set sizes (a page shared by n processes
+    1/n in each: what the processes take of the machine's memory together); 0: not read."""
 
 
 _Watch = TypeVar("_Watch", bound="PeriodicWatch")
@@ -137,26 +141,37 @@ class PeriodicWatch:
 
 
 class TreeSampler(PeriodicWatch):
-    """Samples a process tree's summed resident memory and thread count until stopped; keeps
-    the peaks. Linux ``/proc`` only (elsewhere the peaks stay 0)."""
+    """Samples a process tree's summed resident memory (and proportional set size) and thread
+    count until stopped; keeps the peaks. Linux ``/proc`` only (elsewhere the peaks stay 0)."""
 
     def __init__(self, root: int, period_s: float = 0.05) -> None:
         super().__init__(period_s)
         self._root = root
         self.peak_rss_bytes = 0
+        self.peak_pss_bytes = 0
         self.peak_threads = 0
 
     def sample(self) -> bool:
-        rss, threads = tree_usage(self._root)
-        self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
-        self.peak_threads = max(self.peak_threads, threads)
+        usage = tree_usage(self._root)
+        self.peak_rss_bytes = max(self.peak_rss_bytes, usage.rss)
+        self.peak_pss_bytes = max(self.peak_pss_bytes, usage.pss)
+        self.peak_threads = max(self.peak_threads, usage.threads)
         return True
 
 
-def tree_usage(root: int) -> tuple[int, int]:
-    """(summed resident bytes, summed threads) of ``root`` and its descendants now; processes
-    that end while being read are skipped."""
-    rss = threads = 0
+class TreeUsage(NamedTuple):
+    rss: int
+    """Summed resident bytes (a page shared by n processes counted n times)."""
+    threads: int
+    pss: int
+    """Summed proportional set sizes in bytes (a shared page counted once in all; each
+    process's resident bytes where its ``smaps_rollup`` cannot be read)."""
+
+
+def tree_usage(root: int) -> TreeUsage:
+    """The resident memory and threads of ``root`` and its descendants now; processes that end
+    while being read are skipped."""
+    rss = threads = pss = 0
     pending, seen = [root], set()
     while pending:
         pid = pending.pop()
@@ -165,7 +180,9 @@ def tree_usage(root: int) -> tuple[int, int]:
         seen.add(pid)
         try:
             with open(f"/proc/{pid}/statm") as statm:
-                rss += int(statm.read().split()[1]) * _PAGE
+                resident = int(statm.read().split()[1]) * _PAGE
+            rss += resident
+            pss += _pss(pid, resident)
             tasks = os.listdir(f"/proc/{pid}/task")
             threads += len(tasks)
             for task in tasks:
@@ -173,7 +190,19 @@ def tree_usage(root: int) -> tuple[int, int]:
                     pending.extend(int(child) for child in children.read().split())
         except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
             continue
-    return rss, threads
+    return TreeUsage(rss, threads, pss)
+
+
+def _pss(pid: int, resident: int) -> int:
+    """``pid``'s proportional set size in bytes (``resident`` where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return resident
 
 
 def watch(
@@ -241,7 +270,8 @@ def _run_once(
     return ScaleRun(
         mode=mode, workers=workers, first_step_s=first, exit_s=exit_s, setup_s=setup,
         returncode=code,
-        peak_rss_bytes=sampler.peak_rss_bytes, peak_threads=sampler.peak_threads,
+        peak_rss_bytes=sampler.peak_rss_bytes, peak_pss_bytes=sampler.peak_pss_bytes,
+        peak_threads=sampler.peak_threads,
         tokens_per_s=float(summary.get("tokens", math.nan)) / wall if wall > 0 else math.nan,
         final_val_loss=float(summary.get("final_val_loss", math.nan)),
         modeled_time_s=float(summary.get("modeled_time_s", math.nan)),
@@ -317,7 +347,8 @@ def describe_run(run: ScaleRun) -> str:
     if run.returncode != 0:
         return f"failed (exit {run.returncode}): {run.error}"
     return (
-        f"set-up {run.setup_s:.1f} s, first step {run.first_step_s:.1f} s, peak RSS {run.peak_rss_bytes / 2**30:.2f} GiB, "
+        f"set-up {run.setup_s:.1f} s, first step {run.first_step_s:.1f} s, peak RSS "
+        f"{run.peak_rss_bytes / 2**30:.2f} GiB (PSS {run.peak_pss_bytes / 2**30:.2f} GiB), "
         f"{run.peak_threads} threads, {run.tokens_per_s:,.0f} tokens/s, val loss "
         f"{run.final_val_loss:.4f}, modeled {run.modeled_time_s:.3f} s"
     )
@@ -342,15 +373,18 @@ def scale_report(bench: ScaleBench, runs: list[ScaleRun], calibration: str | Non
         f"{os.cpu_count()} CPU cores. Set-up: from the command to the end of every worker's "
         f"set-up; first step: to the first step's line in metrics.jsonl"
         f"{f' (best of {bench.repeats} runs)' if bench.repeats > 1 else ''}. Peak RSS: the whole "
-        f"process tree, summed. Tokens/s: wall clock, training only (from summary.json).",
+        f"process tree's resident sets, summed (a page the processes share counted in each); "
+        f"peak PSS: their proportional set sizes, summed (a shared page counted once in all: "
+        f"what the tree takes of the machine's memory). Tokens/s: wall clock, training only "
+        f"(from summary.json).",
         "",
     ]
     if calibration is not None:
         lines += [calibration, ""]
     lines += [
-        "| M | placement | set-up | first step | peak RSS | threads | tokens/s (wall) "
+        "| M | placement | set-up | first step | peak RSS | peak PSS | threads | tokens/s (wall) "
         "| final val loss | modeled time | equal to process mode |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_key = {(run.mode, run.workers): run for run in runs}
     for run in runs:
@@ -370,12 +404,13 @@ def _row(run: ScaleRun, same: str) -> str:
     placement = {"process": "process per worker", "inprocess": "one process",
                  "limit": f"limit: 1 model, {run.workers}x batch"}[run.mode]  # fmt: skip
     if run.returncode != 0:
-        return f"| {run.workers} | {placement} | failed: {run.error} | | | | | | | |"
+        return f"| {run.workers} | {placement} | failed: {run.error} | | | | | | | | |"
     return (
         f"| {run.workers} | {placement} | {run.setup_s:.1f} s | {run.first_step_s:.1f} s | "
-        f"{run.peak_rss_bytes / 2**30:.2f} GiB | {run.peak_threads} | {run.tokens_per_s:,.0f} | "
+        f"{run.peak_rss_bytes / 2**30:.2f} GiB | {run.peak_pss_bytes / 2**30:.2f} GiB | "
+        f"{run.peak_threads} | {run.tokens_per_s:,.0f} | "
         f"{run.final_val_loss:.4f} | {run.modeled_time_s:.3f} s | {same} |"
     )
 
 
-__all__ = ["ScaleBench", "ScaleRun", "run_scale", "tree_usage"]
+__all__ = ["ScaleBench", "ScaleRun", "TreeUsage", "run_scale", "tree_usage"]
