@@ -18,12 +18,14 @@ time); the configured clock is still built.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import io
 import math
 import os
 import re
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from typing import Any
@@ -39,6 +41,7 @@ from lowcomm.comm.clock import VirtualClock, make_clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.fake import RecordingComm
 from lowcomm.comm.hierarchical import HierarchicalComm
+from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.network import PRESETS
 from lowcomm.config import TrainConfig
 from lowcomm.data import WorkerShard, prepare_corpus, validation_batches
@@ -244,7 +247,10 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
 
 
 def first_step(config: TrainConfig) -> None:
-    """What a worker does up to and through its first step (rank 0, in this process)."""
+    """What a worker does up to and through its first step (worker 0, in this process; the
+    other workers are recordings). A hierarchical worker's R ranks are R threads on a real
+    in-process replica group: a recording cannot stand in for the other ranks, whose slices
+    of a two-level all-gather differ from this one's."""
     datetime.timedelta(seconds=config.collective_timeout_s)  # the process group's timeout
     profile = network_profile(config)
     make_clock(
@@ -255,16 +261,39 @@ def first_step(config: TrainConfig) -> None:
     torch.manual_seed(config.seed)
     corpus = prepare_corpus(config.data)
     model = build_model(config.model, corpus.vocab_size)
+    ranks = config.ranks_per_worker
+    if ranks == 1:
+        _rank_first_step(config, corpus, model, None, 0)
+        return
+    group = InProcessGroup(ranks, timeout_s=120, name="replica")
+    errors: list[BaseException] = []
+
+    def rank(replica: int) -> None:
+        try:
+            _rank_first_step(config, corpus, copy.deepcopy(model), group.comm(replica), replica)
+        except BaseException as error:
+            errors.append(error)
+            group.abort(f"rank {replica}: {error}")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _rank_first_step(
+    config: TrainConfig, corpus: Any, model: Any, replica_comm: Any, replica: int
+) -> None:
+    profile = network_profile(config)
     clock = VirtualClock(speed_factor=profile.speed_factor(0), seconds_per_microbatch=0.05)
     comm: NetworkComm | HierarchicalComm = NetworkComm(
         RecordingComm(world_size=config.workers), profile, clock
     )
-    if config.ranks_per_worker > 1:
-        inner = NetworkComm(
-            RecordingComm(world_size=config.ranks_per_worker),
-            replica_network_profile(config),
-            clock,
-        )
+    if replica_comm is not None:
+        inner = NetworkComm(replica_comm, replica_network_profile(config), clock)
         comm = HierarchicalComm(inner, comm, clock)
     strategy = build_strategy(config.method, model, comm, strategy_context(config), config)
     shard = WorkerShard(
@@ -275,7 +304,7 @@ def first_step(config: TrainConfig) -> None:
         micro_batch_size=config.data.micro_batch_size,
         seed=config.seed,
         split=config.data.split,
-        replica=0,
+        replica=replica,
         replicas=config.ranks_per_worker,
     )
     val = validation_batches(

@@ -157,10 +157,7 @@ def reshard(
     Raises:
         CheckpointError: the states cannot be combined (naming the key), or are not ``old``'s.
     """
-    if len(states) != old.world_size:
-        raise CheckpointError(
-            f"--resume: {len(states)} rank states for {old} ({old.world_size} processes)"
-        )
+    _check_count(states, old)
     ranks = old.ranks_per_worker
     slots = (
         [_merged(states[r::ranks], Layout(old.workers), new.workers, rules) for r in range(ranks)]
@@ -200,6 +197,14 @@ def reshard(
         }  # fmt: skip
         out.append(state)
     return out
+
+
+def _check_count(states: list[dict[str, Any]], old: Layout) -> None:
+    """Refuse a number of rank states that is not ``old``'s."""
+    if len(states) != old.world_size:
+        raise CheckpointError(
+            f"--resume: {len(states)} rank states for {old} ({old.world_size} processes)"
+        )
 
 
 # --- sharded workers: FSDP slices re-cut for another --ranks-per-worker ----------------------
