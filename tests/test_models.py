@@ -103,6 +103,8 @@ def test_rejects_sequences_longer_than_block_size() -> None:
     [
         ({"n_embd": 100, "n_head": 3}, r"--model.n-embd: 100 is not divisible by --model.n-head=3"),
         ({"n_layer": 0}, r"--model.n-layer: 0 is not a positive integer"),
+        ({"n_head": 0}, r"--model.n-head: 0 is not a positive integer"),
+        ({"n_head": 0, "n_embd": 8}, r"--model.n-head: 0 is not a positive integer"),
         ({"block_size": -1}, r"--model.block-size"),
         ({"dropout": 1.0}, r"--model.dropout: 1.0 is outside \[0, 1\)"),
     ],

@@ -90,12 +90,12 @@ class ModelConfig:
             if getattr(self, name) is not None
         }
         # Divisibility only between values given: with --init-from the others are the model's.
+        # (A given 0 is checked as given: `0 or 1` would pass it.)
+        n_head = 1 if self.n_head is None else self.n_head
         check_shape(
             dropout=self.dropout or 0.0,
-            n_head=self.n_head or 1,
-            n_embd=self.n_embd
-            if self.n_head is not None and self.n_embd is not None
-            else (self.n_head or 1),
+            n_head=n_head,
+            n_embd=self.n_embd if self.n_head is not None and self.n_embd is not None else n_head,
             block_size=self.block_size,
             **sizes,
         )
