@@ -108,11 +108,10 @@ def test_the_sampler_sums_a_process_tree() -> None:
     held[:: 2**12] = b"\x01" * (100 * 2**8)  # every page touched: resident, then shared
     before = tree_usage(os.getpid())
     pid = os.fork()
-    if pid == 0:  # the child only sleeps, writing nothing
-        time.sleep(30)
+    if pid == 0:  # the child only waits to be killed, writing nothing
+        signal.pause()
         os._exit(0)
-    try:
-        time.sleep(0.3)
+    try:  # (fork copied the page-table entries: the child's resident set holds them already)
         shared = tree_usage(os.getpid())
         assert shared.rss >= before.rss + 90 * 2**20  # the parent's pages counted again
         assert shared.pss <= before.pss + 30 * 2**20  # and not again

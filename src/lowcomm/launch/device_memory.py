@@ -212,11 +212,25 @@ def check_device_memory(
     Raises:
         ConfigError: the workers do not fit (see :func:`check_workers_fit`).
     """
-    activations = measure(model, loss, device, config.precision == "bf16-mixed")
-    parameters = sum(parameter.numel() for parameter in model.parameters())
-    per_worker = estimate_worker_memory(config, parameters, activations)
+    per_worker = measured_estimate(config, model, loss, device, measure)
     check_workers_fit(config, per_worker, free_bytes(device), str(device))
     return per_worker
+
+
+def measured_estimate(
+    config: TrainConfig,
+    model: nn.Module,
+    loss: Callable[[nn.Module], torch.Tensor],
+    device: torch.device,
+    measure: Measure,
+    *,
+    slack: float = 0.0,
+) -> WorkerMemory:
+    """One worker's estimate for ``model``, its activations measured by ``measure`` on
+    ``device`` (see :func:`estimate_worker_memory`)."""
+    activations = measure(model, loss, device, config.precision == "bf16-mixed")
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    return estimate_worker_memory(config, parameters, activations, slack=slack)
 
 
 def largest_fit(per_worker: WorkerMemory, ranks: int, free_bytes: float) -> int:
@@ -333,8 +347,8 @@ def check_host_memory(
     if free is None:
         return None
     measure = measure_saved_bytes if measure is None else measure
-    activations = measure(model, loss, torch.device("cpu"), config.precision == "bf16-mixed")
-    parameters = sum(parameter.numel() for parameter in model.parameters())
-    per_worker = estimate_worker_memory(config, parameters, activations, slack=HOST_SLACK)
+    per_worker = measured_estimate(
+        config, model, loss, torch.device("cpu"), measure, slack=HOST_SLACK
+    )
     check_workers_fit(config, per_worker, free, "cpu", processes=processes)
     return per_worker, free
