@@ -118,6 +118,40 @@ def test_the_mean_of_a_coefficient_is_over_the_workers_that_sent_it() -> None:
     assert torch.allclose(dct(mean), torch.tensor([0.0, 5.0, 0.0, -6.0]), atol=1e-6)
 
 
+@pytest.mark.parametrize("group_bytes", [1, 10**9])
+def test_mean_of_many_payloads_is_the_ordered_sum_per_coefficient(
+    group_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """17 workers, a matrix, a vector and a 3-d tensor: the decoded mean equals, to the bit,
+    each coefficient's senders summed in worker order and divided by their count, whether
+    the payloads are decoded one worker at a time or all at once."""
+    import lowcomm.optim.sparse as sparse
+
+    monkeypatch.setattr(sparse, "DECODE_BYTES", group_bytes)
+    shapes = [(12, 8), (6,), (2, 3, 4)]
+    codec = DeMoCodec(shapes, chunk=4, k=3)
+    generator = torch.Generator().manual_seed(5)
+    size = sum(math.prod(shape) for shape in shapes)
+    flats = [torch.randn(size, generator=generator) for _ in range(17)]
+    rows = torch.stack([codec.encode(flat)[0] for flat in flats])
+    mean = torch.empty(size + 3)  # with padding, which must come back zero
+    codec.mean(rows, mean)
+    expected, offset = [], 0
+    for shape, transform in zip(shapes, codec.transforms, strict=True):
+        sums = torch.zeros(transform.blocks, transform.block)
+        counts = torch.zeros(transform.blocks, transform.block)
+        for flat in flats:
+            coefficients = transform.forward(flat[offset : offset + math.prod(shape)].view(shape))
+            top = torch.topk(coefficients.abs(), min(3, transform.block), dim=1).indices
+            for block in range(transform.blocks):
+                for position in top[block].tolist():
+                    sums[block, position] += coefficients[block, position]
+                    counts[block, position] += 1
+        expected.append(transform.inverse(sums / counts.clamp(min=1)).reshape(-1))
+        offset += math.prod(shape)
+    assert torch.equal(mean, torch.cat([*expected, torch.zeros(3)]))
+
+
 # --- the update rule ---------------------------------------------------------------------------
 
 

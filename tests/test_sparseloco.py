@@ -15,6 +15,7 @@ from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import CollectiveKind, LocalComm, RecordingComm, Role
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.optim.sparse import (
+    MAX_WIDTH,
     SparseCodec,
     chunked_topk,
     index_bits,
@@ -50,6 +51,24 @@ def test_pack_bits_matches_a_hand_packed_stream() -> None:
     values = torch.randint(0, 1 << 12, (1001,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(unpack_bits(pack_bits(values, 12), 1001, 12), values)
     assert index_bits(4096) == 12 and index_bits(64) == 6 and index_bits(100) == 7
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 12, 17, 31, 32, 48, 56])
+def test_unpack_bits_reads_back_every_width_one_stream_per_row(width: int) -> None:
+    """unpack_bits reads back what pack_bits packed at every width up to MAX_WIDTH, for one
+    stream and for a (rows, bytes) batch, with values that use every bit (the extremes 0
+    and 2^width - 1 included); a wider width is refused by both."""
+    generator = torch.Generator().manual_seed(width)
+    rows = [torch.randint(0, 1 << width, (37,), generator=generator) for _ in range(3)]
+    rows[0][:2] = torch.tensor([0, (1 << width) - 1])
+    packed = torch.stack([pack_bits(row, width) for row in rows])
+    assert torch.equal(unpack_bits(packed, 37, width), torch.stack(rows))
+    assert torch.equal(unpack_bits(packed[1], 37, width), rows[1])
+    assert unpack_bits(packed, 0, width).shape == (3, 0)
+    with pytest.raises(ValueError, match=f"bit width {MAX_WIDTH + 1} is outside"):
+        pack_bits(rows[0], MAX_WIDTH + 1)
+    with pytest.raises(ValueError, match=f"bit width {MAX_WIDTH + 1} is outside"):
+        unpack_bits(packed, 37, MAX_WIDTH + 1)
 
 
 def test_chunked_topk_keeps_the_largest_magnitudes_of_each_chunk() -> None:
@@ -104,6 +123,25 @@ def test_codec_round_trip_and_its_bytes_by_hand() -> None:
     full = SparseCodec(numel=10_000, chunk=4096, k=4096, bits=None)
     assert torch.equal(full.decode(full.encode(x)), x)
     assert full.payload_bytes == 3 * 4096 * 12 // 8 + 4 * 3 * 4096
+
+
+@pytest.mark.parametrize("bits", [2, None])
+@pytest.mark.parametrize("group_bytes", [1, 10**9])
+def test_decode_sum_adds_each_payload_in_worker_order(
+    bits: int | None, group_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sum of 13 workers' payloads is, to the bit, their decode() added one after
+    another in worker order, whether they are decoded one at a time or all at once."""
+    import lowcomm.optim.sparse as sparse
+
+    monkeypatch.setattr(sparse, "DECODE_BYTES", group_bytes)
+    codec = SparseCodec(numel=1000, chunk=64, k=5, bits=bits)
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.stack([codec.encode(torch.randn(1000, generator=generator)) for _ in range(13)])
+    expected = torch.zeros(1000)
+    for row in rows:
+        expected += codec.decode(row)
+    assert torch.equal(codec.decode_sum(rows), expected)
 
 
 # --- the update rule ---------------------------------------------------------------------------

@@ -37,15 +37,26 @@ def index_bits(chunk: int) -> int:
     return max(0, math.ceil(math.log2(chunk)))
 
 
+#: The widest value :func:`pack_bits` packs and :func:`unpack_bits` reads (a value, and the up
+#: to 7 bits before it in its first byte, fit an int64 word).
+MAX_WIDTH = 56
+
+
+def _check_width(width: int) -> None:
+    if not 0 <= width <= MAX_WIDTH:
+        raise ValueError(f"bit width {width} is outside [0, {MAX_WIDTH}]")
+
+
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """The non-negative integers ``values`` (each < 2**width), ``width`` bits each, least
     significant bit first, as ``ceil(len * width / 8)`` bytes (``uint8``)."""
+    _check_width(width)
     n = values.numel()
     size = (n * width + 7) // 8
     if size == 0:
         return torch.zeros(0, dtype=torch.uint8, device=values.device)
-    shifts = torch.arange(width, device=values.device, dtype=torch.int32)
-    bits = (values.reshape(-1, 1).to(torch.int32) >> shifts) & 1
+    shifts = torch.arange(width, device=values.device, dtype=torch.int64)
+    bits = (values.reshape(-1, 1).to(torch.int64) >> shifts) & 1
     stream = torch.zeros(size * 8, dtype=torch.int32, device=values.device)
     stream[: n * width] = bits.reshape(-1)
     weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32, device=values.device)
@@ -53,14 +64,25 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """The ``count`` integers :func:`pack_bits` packed at ``width`` bits (``int64``)."""
+    """The ``count`` integers :func:`pack_bits` packed at ``width`` bits (``int64``); a
+    ``(rows, bytes)`` ``packed`` gives ``(rows, count)``, one packed stream per row.
+
+    The stream is one little-endian integer, value ``i`` its bits ``i w`` to ``i w + w - 1``:
+    each value is read from the few bytes it touches (``ceil((w + 7) / 8)``), shifted and
+    masked, not through a tensor of every bit (about 6x faster at 12 bits, where DeMo at 256
+    workers decodes 256 payloads per worker and step)."""
+    _check_width(width)
+    lead = packed.shape[:-1]
     if count == 0 or width == 0:
-        return torch.zeros(count, dtype=torch.int64, device=packed.device)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
-    stream = ((packed.to(torch.int32).reshape(-1, 1) >> shifts) & 1).reshape(-1)
-    bits = stream[: count * width].view(count, width).to(torch.int64)
-    weights = torch.tensor([1 << i for i in range(width)], dtype=torch.int64, device=packed.device)
-    return (bits * weights).sum(dim=1)
+        return torch.zeros(*lead, count, dtype=torch.int64, device=packed.device)
+    span = (width + 7 + 7) // 8  # bytes a value can touch (it starts at any of 8 bits)
+    offsets = torch.arange(count, dtype=torch.int64, device=packed.device) * width
+    first, shift = offsets // 8, offsets % 8
+    padded = torch.nn.functional.pad(packed, (0, span))  # (the last value's bytes may run over)
+    word = torch.zeros(*lead, count, dtype=torch.int64, device=packed.device)
+    for byte in range(span):
+        word |= padded[..., first + byte].to(torch.int64) << (8 * byte)
+    return (word >> shift) & ((1 << width) - 1)
 
 
 def chunked_topk(x: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,17 +176,54 @@ class SparseCodec:
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """The dense fp32 tensor (``numel`` entries) a payload of :meth:`encode` stands for:
         the decoded kept entries at their positions, zero elsewhere."""
+        positions, values = self._entries(payload.view(1, -1))
+        dense = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=payload.device)
+        dense.scatter_(0, positions[0], values[0])
+        return dense[: self.numel]
+
+    def decode_sum(self, payloads: torch.Tensor) -> torch.Tensor:
+        """The sum of what the rows of ``(workers, payload_bytes)`` ``payloads`` stand for,
+        added in row order: the bits of adding their :meth:`decode` one after another. A
+        group of rows is decoded at once (at most :data:`DECODE_BYTES` of scratch), and each
+        row is added with one ``scatter_add_`` (a row holds a position at most once)."""
+        total = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=payloads.device)
+        for rows in torch.split(payloads, decode_group(self.payload_bytes)):
+            positions, values = self._entries(rows)
+            for row in range(rows.shape[0]):
+                total.scatter_add_(0, positions[row], values[row])
+        return total[: self.numel]
+
+    def _entries(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept entries of each of the ``(workers, payload_bytes)`` ``rows``: positions
+        in the chunk-padded flat tensor and their decoded values, each ``(workers, kept)``."""
         n, kept = self.chunks, self.kept
         cut = self.index_bytes
-        positions = unpack_bits(payload[:cut], kept, index_bits(self.chunk)).view(n, self.k)
-        rest = payload[cut:]
+        local = unpack_bits(rows[:, :cut], kept, index_bits(self.chunk)).view(-1, n, self.k)
+        starts = torch.arange(n, dtype=torch.int64, device=rows.device).view(1, n, 1)
+        positions = (local + starts * self.chunk).view(-1, kept)
+        rest = rows[:, cut:]
         if self.bits is None:
-            values = rest[: 4 * kept].clone().view(torch.float32).view(n, self.k)
+            values = fresh(rest[:, : 4 * kept]).view(torch.float32)
         else:
             code_bytes = (kept * self.bits + 7) // 8
-            codes = unpack_bits(rest[:code_bytes], kept, self.bits).view(n, self.k)
-            levels = rest[code_bytes:].clone().view(torch.float32).view(n, 1 << self.bits)
-            values = torch.gather(levels, 1, codes)
-        dense = torch.zeros(n, self.chunk, dtype=torch.float32, device=payload.device)
-        dense.scatter_(1, positions, values)
-        return dense.reshape(-1)[: self.numel]
+            codes = unpack_bits(rest[:, :code_bytes], kept, self.bits).view(-1, n, self.k)
+            levels = fresh(rest[:, code_bytes:]).view(torch.float32).view(-1, n, 1 << self.bits)
+            values = torch.gather(levels, 2, codes).view(-1, kept)
+        return positions, values
+
+
+#: Bytes of the bit-level scratch that decoding a group of payloads may take at once (about 32
+#: bytes per payload byte): the bound on the memory of :meth:`SparseCodec.decode_sum` and
+#: DeMo's decode, whatever the number of workers.
+DECODE_BYTES = 64 * 2**20
+
+
+def decode_group(payload_bytes: int) -> int:
+    """Payloads of ``payload_bytes`` decoded at once within :data:`DECODE_BYTES`."""
+    return max(1, DECODE_BYTES // max(1, 32 * payload_bytes))
+
+
+def fresh(raw: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the ``uint8`` ``raw`` in storage of its own (so its start is aligned
+    and it can be viewed as fp32)."""
+    return raw.clone(memory_format=torch.contiguous_format)

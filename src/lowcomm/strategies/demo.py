@@ -29,7 +29,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.dct import BlockDCT
-from lowcomm.optim.sparse import index_bits, pack_bits, unpack_bits
+from lowcomm.optim.sparse import decode_group, fresh, index_bits, pack_bits, unpack_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
@@ -132,28 +132,48 @@ class DeMoCodec:
     def mean(self, payloads: torch.Tensor, out: torch.Tensor) -> None:
         """Decode the ``(workers, payload_bytes)`` gathered payloads into ``out`` (fp32, flat):
         per coefficient the mean over the workers that sent it (0 if none did), summed in
-        worker order so every worker gets the same bits; then the inverse DCT."""
+        worker order so every worker gets the same bits; then the inverse DCT.
+
+        The payloads are decoded a group of workers at a time, every tensor of a group at
+        once (:meth:`_decode`), and each worker's coefficients are added with one
+        ``scatter_add_``: a worker sends a coefficient at most once, so within an add no two
+        values meet, and across adds they meet in worker order. At 256 workers in one
+        process, decoding payload by payload and tensor by tensor took minutes per step."""
+        total = sum(t.blocks * t.block for t in self.transforms)
+        sums = torch.zeros(total, dtype=torch.float32, device=out.device)
+        counts = torch.zeros(total, dtype=torch.int64, device=out.device)
+        for rows in torch.split(payloads, decode_group(self.payload_bytes)):
+            positions, values = self._decode(rows)
+            for worker in range(rows.shape[0]):
+                sums.scatter_add_(0, positions[worker], values[worker])
+            counts += torch.bincount(positions.reshape(-1), minlength=total)
+        sums.div_(counts.clamp_(min=1))  # a coefficient nobody sent stays 0
         cut, offset = 0, 0
+        for transform in self.transforms:
+            size = transform.blocks * transform.block
+            coefficients = sums[cut : cut + size].view(transform.blocks, transform.block)
+            out[offset : offset + size] = transform.inverse(coefficients).reshape(-1)
+            cut += size
+            offset += size
+        out[offset:].zero_()
+
+    def _decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(workers, payload_bytes)`` ``rows`` as (positions, values), each
+        ``(workers, sent)``: a position indexes every tensor's DCT blocks laid end to end."""
+        positions, values = [], []
+        cut, base = 0, 0
         for transform, kept, (index_bytes, value_bytes) in zip(
             self.transforms, self.kept, self.parts, strict=True
         ):
-            n = transform.blocks
-            sums = torch.zeros(n, transform.block, dtype=torch.float32, device=out.device)
-            counts = torch.zeros_like(sums)
-            ones = torch.ones(n, kept, dtype=torch.float32, device=out.device)
-            for row in payloads:
-                packed = row[cut : cut + index_bytes]
-                positions = unpack_bits(packed, n * kept, index_bits(transform.block))
-                positions = positions.view(n, kept)
-                raw = row[cut + index_bytes : cut + index_bytes + value_bytes].clone()
-                sums.scatter_add_(1, positions, raw.view(torch.float32).view(n, kept))
-                counts.scatter_add_(1, positions, ones)
-            sums.div_(counts.clamp_(min=1))  # a coefficient nobody sent stays 0
-            size = n * transform.block
-            out[offset : offset + size] = transform.inverse(sums).reshape(-1)
+            n, width = transform.blocks, index_bits(transform.block)
+            local = unpack_bits(rows[:, cut : cut + index_bytes], n * kept, width)
+            starts = torch.arange(n, device=rows.device).repeat_interleave(kept)
+            positions.append(local + (starts * transform.block + base))
+            raw = rows[:, cut + index_bytes : cut + index_bytes + value_bytes]
+            values.append(fresh(raw).view(torch.float32))
             cut += index_bytes + value_bytes
-            offset += size
-        out[offset:].zero_()
+            base += n * transform.block
+        return torch.cat(positions, dim=1), torch.cat(values, dim=1)
 
 
 class DeMo(Strategy):

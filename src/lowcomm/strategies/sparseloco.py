@@ -184,10 +184,7 @@ class SparseLoCo(OuterLoopStrategy):
         world = self.comm.world_size
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         self.comm.all_gather(gathered, payload, role=Role.PSEUDO_GRADIENT).wait()
-        rows = gathered.view(world, -1)
-        mean = torch.zeros_like(own)
-        for worker in range(world):
-            mean += self.codec.decode(rows[worker])
+        mean = self.codec.decode_sum(gathered.view(world, -1))
         mean /= world
         self.last_payload_bytes = payload.numel()
         return mean, own
