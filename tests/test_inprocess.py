@@ -104,12 +104,8 @@ def _sixty_four_workers(method: str, out: Path) -> TrainConfig:
     method here): a 1-block GPT 16 wide on 8 tokens, one sequence per micro-batch, 2 steps on
     the datacenter link (on wan, 64 workers' ring latency is over a second of modeled time per
     collective, which ACCO, DPU and WP fill with about 100 micro-batches a step), every
-    method's period 1 or 2 so that each communicates within them. DeMo takes 1 step: each
-    worker decodes every worker's message, 64 x 64 decodes a step (about 6 s here)."""
-    steps = 1 if method == "demo" else 2
-    config = tiny_config(
-        method, out, steps=steps, eval_every=100, eval_batches=1, network="datacenter"
-    )
+    method's period 1 or 2 so that each communicates within them."""
+    config = tiny_config(method, out, steps=2, eval_every=100, eval_batches=1, network="datacenter")
     config.workers = config.workers_per_process = 64
     config.model = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
     config.data = DataConfig(micro_batch_size=1)
