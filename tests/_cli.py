@@ -38,6 +38,14 @@ TINY = (
 )  # fmt: skip
 
 
+def torchrun(tmp_path: Path) -> list[str]:
+    """The ``torchrun`` beside this interpreter, its logs under ``tmp_path`` (by default each
+    launch leaves a ``torchelastic_*`` folder in the system's temporary directory)."""
+    command = Path(sys.executable).with_name("torchrun")
+    assert command.exists(), f"torchrun ships with torch: no {command}"
+    return [str(command), "--log-dir", str(tmp_path / "torchrun-logs")]
+
+
 #: Options whose runs need a process per worker (refused with --workers-per-process > 1).
 _PROCESS_ONLY = ("--worker-sharding", "--compile", "--device", "--workers-per-process")
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from _cli import SMALL, lowcomm, small_flags
+from _cli import SMALL, lowcomm, small_flags, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -149,13 +148,11 @@ def test_the_flags_suggested_for_a_typo_are_the_ones_tyro_parses(
 
 
 def test_torchrun_matches_the_local_spawner(tmp_path: Path) -> None:
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun is not None, "torchrun ships with torch"
     common = ["train", "--steps", "3", "--seed", "3", *SMALL]
     local = lowcomm(*common, "--out", str(tmp_path / "local"))
     assert local.returncode == 0, local.stderr
     launched = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", *common,
+        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", *common,
          "--out", str(tmp_path / "torchrun")],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip

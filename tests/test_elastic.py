@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from _cli import TINY, lowcomm
+from _cli import TINY, lowcomm, torchrun
 from lowcomm.data import DataConfig, WorkerShard, prepare_corpus
 from lowcomm.data.sampling import Carry, consumed_in_pass
 from lowcomm.strategies import STRATEGIES
@@ -396,14 +395,12 @@ def test_torchrun_goes_on_with_fewer_workers_when_one_never_returns(tmp_path: Pa
     CI machine it overran them twice, 74-185 s a run; make test-benchmarks runs it.) 3 single-process torchrun agents (c10d rendezvous on loopback, --nnodes 2:3); one is
     SIGKILLed with its worker mid-run and never comes back: the other two restart, re-shard
     the latest checkpoint for 2 workers and finish."""
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun is not None, "torchrun ships with torch"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     steps, out = 80, tmp_path / "elastic"
     command = [
-        torchrun, "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
+        *torchrun(tmp_path), "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
         "--local-addr", "127.0.0.1", "--rdzv-conf",
         "join_timeout=120,last_call_timeout=15,close_timeout=5,read_timeout=180",

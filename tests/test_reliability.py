@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _cli import torchrun
 from lowcomm.launch import WorkerFailed, spawn_workers
 
 pytestmark = pytest.mark.slow
@@ -77,8 +77,6 @@ def _steps(metrics: Path) -> list[int]:
 
 
 def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tmp_path: Path) -> None:
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun is not None, "torchrun ships with torch"
     steps, kill_after = 40, 12
     common = [
         "train", "--method", "ddp", "--steps", str(steps), "--checkpoint-every", "5",
@@ -88,7 +86,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tmp_path: 
     ]  # fmt: skip
     out = tmp_path / "elastic"
     job = subprocess.Popen(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
          "-m", "lowcomm", *common, "--resume", "auto", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from _cli import lowcomm
+from _cli import lowcomm, torchrun
 from lowcomm.selftest import Check, RankReport, SelftestConfig, format_report, run_selftest
 
 
@@ -28,17 +30,14 @@ def test_selftest_passes_on_two_gloo_processes() -> None:
 
 
 @pytest.mark.slow
-def test_selftest_under_torchrun_runs_as_the_torchrun_world() -> None:
+def test_selftest_under_torchrun_runs_as_the_torchrun_world(tmp_path: Path) -> None:
     """Item 9 of issue 31: under torchrun the battery runs on torchrun's ranks (not processes
     of its own), with the real-clock, bf16, fp8, Hugging Face, hierarchical and on-disk
     checkpoint checks, and rank 0 prints one report ending with the block to paste."""
     import subprocess
-    import sys
-    from pathlib import Path
 
-    torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", "selftest"],
+        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", "selftest"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _cli import TINY, lowcomm
+from _cli import TINY, lowcomm, torchrun
 from lowcomm.data import BUNDLED_CORPUS_DIR, DataConfig, DataError, WorkerShard, prepare_corpus
 from lowcomm.data import corpus as corpus_module
 
@@ -349,16 +349,12 @@ def test_a_rank_waiting_for_the_corpus_lock_says_so(
 
 @pytest.mark.slow
 def test_torchrun_ranks_prepare_a_fresh_corpus_without_a_collective_wait(tmp_path: Path) -> None:
-    import shutil
     import subprocess
-    import sys
 
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun is not None
     jsonl = tmp_path / "records.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in _records()))
     launched = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", "train",
+        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", "train",
          "--steps", "2", "--data", str(jsonl), "--vocab-size", str(VOCAB),
          "--cache-dir", str(tmp_path / "fresh"), "--out", str(tmp_path / "run"), *TINY],
         capture_output=True, text=True, timeout=240,
