@@ -18,7 +18,7 @@ from lowcomm.launch.inprocess import run_threads
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.train.loop import NonFiniteLoss, _check_finite
 from lowcomm.train.records import StepMetrics
-from lowcomm.train.step_log import WorkerRows, one_stretch, parameters_finite
+from lowcomm.train.step_log import WorkerRows, all_finite, one_stretch, parameters_finite
 
 
 class _Meter:
@@ -121,6 +121,30 @@ def test_parameters_finite_on_flat_buffers_sees_one_bad_element() -> None:
     with torch.no_grad():
         second.bias[1] = 0.0
         first.weight[2, 3] = float("inf")
+    assert not bool(parameters_finite(model))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_is_isfinite_all_without_overflow(dtype: torch.dtype) -> None:
+    """all_finite agrees with isfinite(x).all() for one NaN, +inf or -inf anywhere, and says
+    finite where every entry is the largest finite value (a plain sum would overflow)."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert bool(all_finite(x)) and bool(all_finite(torch.zeros(0, dtype=dtype)))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 500, 1000):
+            y = x.clone()
+            y[where] = bad
+            assert not bool(all_finite(y)) and not bool(torch.isfinite(y).all())
+    assert bool(all_finite(torch.full((1001,), torch.finfo(dtype).max, dtype=dtype)))
+    assert bool(all_finite(-x.abs().to(dtype)))  # (negative zeros and values)
+
+
+def test_parameters_finite_tensor_by_tensor_off_a_flat_buffer() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    assert one_stretch(list(model.parameters())) is None  # (each parameter its own storage)
+    assert bool(parameters_finite(model))
+    with torch.no_grad():
+        model[1].weight[0, 2] = float("-inf")
     assert not bool(parameters_finite(model))
 
 

@@ -37,9 +37,18 @@ def parameters_finite(model: torch.nn.Module) -> torch.Tensor | bool:
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     whole = one_stretch(local)
     if whole is not None:  # (the flat buffers' layout: one check, not one per tensor)
-        return torch.isfinite(whole).all()
-    flags = [torch.isfinite(p).all() for p in local]
+        return all_finite(whole)
+    flags = [all_finite(p) for p in local]
     return torch.stack(flags).all() if flags else True
+
+
+def all_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """Whether every entry of the floating-point ``tensor`` is finite, as a device boolean:
+    ``sum(x * 0) == 0``, since ``0 x`` is 0 for a finite ``x`` and NaN for an infinite or NaN
+    one (a sum of zeros cannot overflow). On CPU it takes a tenth of ``isfinite(x).all()``'s
+    time (0.19 against 1.1-2.0 ms for 232k floats): that check was a tenth of a step of 256
+    workers in one process."""
+    return tensor.detach().mul(0).sum().eq(0)
 
 
 def one_stretch(tensors: list[torch.Tensor]) -> torch.Tensor | None:
