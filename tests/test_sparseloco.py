@@ -53,7 +53,7 @@ def test_pack_bits_matches_a_hand_packed_stream() -> None:
     assert index_bits(4096) == 12 and index_bits(64) == 6 and index_bits(100) == 7
 
 
-@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 12, 17, 31, 32, 48, 56])
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 12, 17, 24, 25, 26, 31, 32, 48, 56])
 def test_unpack_bits_reads_back_every_width_one_stream_per_row(width: int) -> None:
     """unpack_bits reads back what pack_bits packed at every width up to MAX_WIDTH, for one
     stream and for a (rows, bytes) batch, with values that use every bit (the extremes 0
@@ -61,6 +61,7 @@ def test_unpack_bits_reads_back_every_width_one_stream_per_row(width: int) -> No
     generator = torch.Generator().manual_seed(width)
     rows = [torch.randint(0, 1 << width, (37,), generator=generator) for _ in range(3)]
     rows[0][:2] = torch.tensor([0, (1 << width) - 1])
+    rows[2][:] = (1 << width) - 1  # (every shift 0-7 with every bit set: a word's top bit too)
     packed = torch.stack([pack_bits(row, width) for row in rows])
     assert torch.equal(unpack_bits(packed, 37, width), torch.stack(rows))
     assert torch.equal(unpack_bits(packed[1], 37, width), rows[1])

@@ -76,13 +76,15 @@ def unpack_bits(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
     if count == 0 or width == 0:
         return torch.zeros(*lead, count, dtype=torch.int64, device=packed.device)
     span = (width + 7 + 7) // 8  # bytes a value can touch (it starts at any of 8 bits)
+    # 4 bytes hold a value of up to 25 bits and its shift (0-7): int32 words, half the scratch.
+    kind = torch.int32 if span <= 4 else torch.int64
     offsets = torch.arange(count, dtype=torch.int64, device=packed.device) * width
-    first, shift = offsets // 8, offsets % 8
+    first, shift = offsets // 8, (offsets % 8).to(kind)
     padded = torch.nn.functional.pad(packed, (0, span))  # (the last value's bytes may run over)
-    word = torch.zeros(*lead, count, dtype=torch.int64, device=packed.device)
-    for byte in range(span):
-        word |= padded[..., first + byte].to(torch.int64) << (8 * byte)
-    return (word >> shift) & ((1 << width) - 1)
+    word = padded[..., first].to(kind)
+    for byte in range(1, span):
+        word.bitwise_or_(padded[..., first + byte].to(kind).bitwise_left_shift_(8 * byte))
+    return word.bitwise_right_shift_(shift).bitwise_and_((1 << width) - 1).to(torch.int64)
 
 
 def chunked_topk(x: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +217,7 @@ class SparseCodec:
 #: Bytes of the bit-level scratch that decoding a group of payloads may take at once (about 32
 #: bytes per payload byte): the bound on the memory of :meth:`SparseCodec.decode_sum` and
 #: DeMo's decode, whatever the number of workers.
-DECODE_BYTES = 64 * 2**20
+DECODE_BYTES = 16 * 2**20
 
 
 def decode_group(payload_bytes: int) -> int:
