@@ -146,7 +146,8 @@ class DeMoCodec:
             positions, values = self._decode(rows)
             for worker in range(rows.shape[0]):
                 sums.scatter_add_(0, positions[worker], values[worker])
-            counts += torch.bincount(positions.reshape(-1), minlength=total)
+            flat = positions.reshape(-1)  # (not bincount: on a GPU it reads its length back)
+            counts.scatter_add_(0, flat, torch.ones_like(flat))
         sums.div_(counts.clamp_(min=1))  # a coefficient nobody sent stays 0
         cut, offset = 0, 0
         for transform in self.transforms:
