@@ -50,25 +50,31 @@ def run_train(config: TrainConfig) -> None:
         _fail(str(error), code=1)
     except Interrupted as interrupt:
         print(_interrupted_message(config, interrupt), file=sys.stderr)
-        _exit_past_busy_workers(128 + interrupt.signum)
+        _exit_past_busy_workers(128 + interrupt.signum, threads=config.workers_per_process > 1)
         raise SystemExit(128 + interrupt.signum) from None
     except KeyboardInterrupt:  # before the workers start (they have their own handling)
         print("lowcomm: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
 
 
-def _exit_past_busy_workers(code: int) -> None:
-    """End the process now, without finalizing the interpreter, when threads other than this
-    one are still alive after a stop: in-process workers it gave up on, or a helper of theirs
-    (ACCO's chain scheduler) still unwinding. Finalization would stop them inside torch and
-    abort the process ("terminate called without an active exception", status -6; seen once in
-    CI) instead of exiting with ``code``. Everything they wrote is flushed and checkpoints are
-    committed atomically, so nothing kept is lost."""
+def _exit_past_busy_workers(code: int, *, threads: bool = False) -> None:
+    """End the process now, without finalizing the interpreter, when this process ran worker
+    threads (``threads``: in-process workers) or threads other than this one are still alive
+    after a stop (workers it gave up on, a helper of theirs still unwinding). Finalizing after
+    a stop of worker threads aborted the process ("terminate called without an active
+    exception", status -6) instead of exiting with ``code``: twice in CI's interrupt test, once
+    with every Python thread already ended (2026-11-28), so the alive threads alone do not
+    tell. Everything the workers wrote is flushed and checkpoints are committed atomically, so
+    nothing kept is lost."""
     from lowcomm.launch.inprocess import workers_alive
 
-    if workers_alive() or any(
-        thread.is_alive() and thread is not threading.main_thread()
-        for thread in threading.enumerate()
+    if (
+        threads
+        or workers_alive()
+        or any(
+            thread.is_alive() and thread is not threading.main_thread()
+            for thread in threading.enumerate()
+        )
     ):
         sys.stdout.flush()
         sys.stderr.flush()
