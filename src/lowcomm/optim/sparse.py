@@ -87,6 +87,16 @@ def unpack_bits(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
     return word.bitwise_right_shift_(shift).bitwise_and_((1 << width) - 1).to(torch.int64)
 
 
+def block_positions(packed: torch.Tensor, blocks: int, kept: int, block: int) -> torch.Tensor:
+    """The positions of ``kept`` entries in each of ``blocks`` blocks of ``block`` entries,
+    packed (block by block, :func:`index_bits` of ``block`` bits each) in every row of the
+    ``(rows, bytes)`` ``packed``, as indices into the blocks laid end to end:
+    ``(rows, blocks * kept)``, ``int64``."""
+    local = unpack_bits(packed, blocks * kept, index_bits(block))
+    starts = torch.arange(blocks, dtype=torch.int64, device=packed.device)
+    return local + starts.repeat_interleave(kept) * block
+
+
 def chunked_topk(x: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per chunk of ``chunk`` entries of the flat ``x`` (the last zero-padded), the positions
     (``int64``, shape ``(n, k)``, in the chunk) and values of its ``k`` largest-magnitude
@@ -200,9 +210,7 @@ class SparseCodec:
         in the chunk-padded flat tensor and their decoded values, each ``(workers, kept)``."""
         n, kept = self.chunks, self.kept
         cut = self.index_bytes
-        local = unpack_bits(rows[:, :cut], kept, index_bits(self.chunk)).view(-1, n, self.k)
-        starts = torch.arange(n, dtype=torch.int64, device=rows.device).view(1, n, 1)
-        positions = (local + starts * self.chunk).view(-1, kept)
+        positions = block_positions(rows[:, :cut], n, self.k, self.chunk)
         rest = rows[:, cut:]
         if self.bits is None:
             values = fresh(rest[:, : 4 * kept]).view(torch.float32)

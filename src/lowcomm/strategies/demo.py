@@ -29,7 +29,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.dct import BlockDCT
-from lowcomm.optim.sparse import decode_group, fresh, index_bits, pack_bits, unpack_bits
+from lowcomm.optim.sparse import block_positions, decode_group, fresh, index_bits, pack_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
 from lowcomm.strategies.flat import FlatBuffers
@@ -166,10 +166,9 @@ class DeMoCodec:
         for transform, kept, (index_bytes, value_bytes) in zip(
             self.transforms, self.kept, self.parts, strict=True
         ):
-            n, width = transform.blocks, index_bits(transform.block)
-            local = unpack_bits(rows[:, cut : cut + index_bytes], n * kept, width)
-            starts = torch.arange(n, device=rows.device).repeat_interleave(kept)
-            positions.append(local + (starts * transform.block + base))
+            n = transform.blocks
+            packed = rows[:, cut : cut + index_bytes]
+            positions.append(block_positions(packed, n, kept, transform.block) + base)
             raw = rows[:, cut + index_bytes : cut + index_bytes + value_bytes]
             values.append(fresh(raw).view(torch.float32))
             cut += index_bytes + value_bytes
