@@ -116,7 +116,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         for method in args.methods:
             try:
-                row = measure(method, args.workers, Path(work) / method)
+                row = measure(
+                    method, args.workers, Path(work) / f"{len(list(Path(work).iterdir()))}-{method}"
+                )
             except RuntimeError as error:
                 print(f"| {method} | {args.workers} | failed: {error} |||||", flush=True)
                 continue

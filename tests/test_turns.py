@@ -91,11 +91,37 @@ def test_blocking_is_nothing_outside_a_worker() -> None:
         pass
     turns = Turns(1)
     with turns.worker():
+        assert turns.free == 0
         with blocking(), blocking():  # (nested: gives the turn once, takes it back once)
-            assert turns._free.acquire(timeout=1)  # the turn is free while blocked
-            turns._free.release()
-        assert not turns._free.acquire(blocking=False)  # held again after the wait
-    assert turns._free.acquire(blocking=False)
+            assert turns.free == 1  # the turn is free while blocked
+        assert turns.free == 0  # held again after the wait
+    assert turns.free == 1
+
+
+def test_a_freed_turn_goes_to_the_waiting_worker_of_the_lowest_rank() -> None:
+    # One turn, held by worker 9 while workers 5, 3, 7, 1 queue for it (in that order): they
+    # run 1, 3, 5, 7, whatever order they asked in, and rank 0 of a run writes its records
+    # first after a collective. Each waiter is queued before the next one asks.
+    turns, order = Turns(1), []
+
+    def work(rank: int) -> None:
+        with turns.worker(rank):
+            order.append(rank)
+
+    with turns.worker(9):
+        threads = []
+        for rank in (5, 3, 7, 1):
+            thread = threading.Thread(target=work, args=(rank,))
+            thread.start()
+            threads.append(thread)
+            deadline = time.monotonic() + 10
+            while len(turns._waiting) < len(threads) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        assert len(turns._waiting) == 4
+    for thread in threads:
+        thread.join(10)
+    assert order == [1, 3, 5, 7]
+    assert turns.free == 1 and turns.opened == 0
 
 
 def test_one_stretch_joins_views_that_tile_a_storage() -> None:

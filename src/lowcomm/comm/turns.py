@@ -22,6 +22,8 @@ add to.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import threading
 import time
@@ -47,7 +49,9 @@ class TurnStall(RuntimeWarning):
 
 
 class Turns:
-    """At most ``slots`` worker threads run at once (see the module's docstring)."""
+    """At most ``slots`` worker threads run at once (see the module's docstring). A freed turn
+    goes to the waiting worker of the lowest rank: after a collective releases every worker,
+    they run in rank order, rank 0 (which writes the run's records) first."""
 
     #: Seconds without any turn changing hands, while threads wait for one, after which one
     #: more slot opens (the holders are taken to be blocked where no turn is given back).
@@ -59,19 +63,31 @@ class Turns:
         self.slots = slots
         self.opened = 0
         """Slots opened after a stall (0 in a run whose every wait is marked)."""
-        self._free = threading.Semaphore(slots)
+        self.free = slots
+        """Turns nobody holds or waits for (a freed turn goes straight to a waiting worker)."""
+        self._waiting: list[tuple[int, int, threading.Lock]] = []  # (rank, arrival, gate)
+        self._arrivals = itertools.count()
         self._lock = threading.Lock()
         self._last_change = time.monotonic()
 
-    def _take(self) -> None:
-        while not self._free.acquire(timeout=self.STALL_S / 4):
+    def _take(self, rank: int) -> None:
+        with self._lock:
+            if self.free > 0:
+                self.free -= 1
+                self._last_change = time.monotonic()
+                return
+            gate = threading.Lock()
+            gate.acquire()  # (released by whoever hands this thread its turn)
+            heapq.heappush(self._waiting, (rank, next(self._arrivals), gate))
+        while not gate.acquire(timeout=self.STALL_S / 4):
             with self._lock:
                 if time.monotonic() - self._last_change < self.STALL_S:
                     continue
                 self.opened += 1
                 self.slots += 1
-                self._last_change = time.monotonic()
-            if self.opened == 1:
+                self._hand_on()
+                first = self.opened == 1
+            if first:
                 warnings.warn(
                     f"lowcomm: no worker thread gave its turn away for {self.STALL_S:g} s; "
                     f"running {self.slots} at once from now on (a wait not marked blocking(), "
@@ -79,20 +95,26 @@ class Turns:
                     TurnStall,
                     stacklevel=2,
                 )
-            self._free.release()
-        with self._lock:
-            self._last_change = time.monotonic()
+
+    def _hand_on(self) -> None:
+        """A turn is free: to the waiting worker of the lowest rank, else to :attr:`free`
+        (under ``_lock``)."""
+        self._last_change = time.monotonic()
+        if self._waiting:
+            _, _, gate = heapq.heappop(self._waiting)
+            gate.release()
+        else:
+            self.free += 1
 
     def _give(self) -> None:
         with self._lock:
-            self._last_change = time.monotonic()
-        self._free.release()
+            self._hand_on()
 
     @contextmanager
-    def worker(self) -> Iterator[None]:
-        """This thread is a worker for the block: it runs only on its turn."""
-        self._take()
-        _current.turns = self
+    def worker(self, rank: int = 0) -> Iterator[None]:
+        """This thread is worker ``rank`` for the block: it runs only on its turn."""
+        self._take(rank)
+        _current.turns, _current.rank = self, rank
         try:
             yield
         finally:
@@ -113,7 +135,7 @@ def blocking() -> Iterator[None]:
     try:
         yield
     finally:
-        turns._take()
+        turns._take(_current.rank)
         _current.turns = turns
 
 

@@ -317,7 +317,7 @@ def run_threads(
 
     def entry(rank: int) -> None:
         try:
-            with nullcontext() if turns is None else turns.worker():
+            with nullcontext() if turns is None else turns.worker(rank):
                 results[rank] = fn(rank)
         except BaseException as error:
             failures.add(first_rank + rank, error)
