@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -83,24 +83,24 @@ class BlockDCT:
     shape: tuple[int, ...]
     chunk: int
 
-    @property
+    @cached_property
     def matrix_shape(self) -> tuple[int, ...]:
         """The tensor as the reference code sees it: (n,) or (rows, columns)."""
         if len(self.shape) <= 1:
             return (math.prod(self.shape),)
         return (self.shape[0], math.prod(self.shape[1:]))
 
-    @property
+    @cached_property
     def sides(self) -> tuple[int, ...]:
         """The block side along each dimension of :attr:`matrix_shape`."""
         return tuple(block_side(d, self.chunk) for d in self.matrix_shape)
 
-    @property
+    @cached_property
     def block(self) -> int:
         """Entries (coefficients) per block."""
         return math.prod(self.sides)
 
-    @property
+    @cached_property
     def blocks(self) -> int:
         """Number of blocks."""
         return math.prod(self.matrix_shape) // self.block
