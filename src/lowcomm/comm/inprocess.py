@@ -49,6 +49,7 @@ from lowcomm.comm.base import (
     check_segments,
     collective_arithmetic,
 )
+from lowcomm.comm.gathered import mark_gathered
 from lowcomm.comm.overlap import ChainScheduler
 from lowcomm.comm.turns import wait_for
 
@@ -339,6 +340,7 @@ def _all_gather(posts: list[_Post]) -> None:
     gathered = torch.cat([_flat(post.tensors[1]) for post in posts])
     for post in posts:
         post.tensors[0].copy_(gathered.view_as(post.tensors[0]))
+    mark_gathered([post.tensors[0] for post in posts])  # (one decode may serve them all)
 
 
 def _all_to_all(posts: list[_Post]) -> None:

@@ -52,6 +52,11 @@ class ClockReader:
         """``"real"`` or ``"virtual"``."""
         return self._clock.kind
 
+    @property
+    def compute_model(self) -> str:
+        """How compute is charged: wall (real clock), cpu-time, declared or calibrated."""
+        return self._clock.compute_model
+
     def now(self) -> float:
         """Seconds since the clock started (folds the compute done since the last reading)."""
         return self._clock.now()

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
+from lowcomm.comm.gathered import once_per_gather
 from lowcomm.optim.dct import BlockDCT
 from lowcomm.optim.sparse import block_positions, decode_group, fresh, index_bits, pack_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
@@ -233,7 +234,15 @@ class DeMo(Strategy):
         world = self.comm.world_size
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         self.comm.all_gather(gathered, payload, role=Role.PSEUDO_GRADIENT).wait()
-        self.codec.mean(gathered.view(world, -1), self.update)
+
+        def mean() -> torch.Tensor:
+            self.codec.mean(gathered.view(world, -1), self.update)
+            return self.update
+
+        # (Workers of one process that gathered the same bytes decode them once.)
+        once_per_gather(
+            gathered, "demo-mean", mean, compute_model=self.compute_model(), out=self.update
+        )
         self.last_payload_bytes = payload.numel()
 
     def step(self, closure: Closure) -> StepStats:
