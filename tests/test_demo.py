@@ -378,3 +378,26 @@ def test_options_are_exported_from_lowcomm() -> None:
 
     assert "DeMoOptions" in lowcomm.__all__
     assert lowcomm.DeMoOptions is DeMoOptions
+
+
+def test_a_step_is_charged_the_same_whether_or_not_the_dct_matrices_were_built() -> None:
+    # The DCT matrices are process-wide constants: in one process of many workers only the
+    # first to encode builds them, a worker process builds its own. The calibrated clock's
+    # count must not depend on which (it did: step 0 of DeMo was charged differently in one
+    # process than in four).
+    from lowcomm.comm.calibration import ElementCounter
+    from lowcomm.optim import dct
+
+    codec = DeMoCodec([(8, 8), (12,), (6, 10)], chunk=4, k=3)
+    flat = torch.randn(64 + 12 + 60, generator=torch.Generator().manual_seed(0))
+    counts = []
+    for _ in range(2):
+        dct._DEVICE_CACHE.clear()
+        dct._dct_matrix_cpu.cache_clear()
+        with ElementCounter() as cold:
+            codec.encode(flat)
+        with ElementCounter() as warm:
+            codec.encode(flat)
+        counts.append((cold.elements, warm.elements))
+    assert counts[0][0] == counts[0][1] > 0
+    assert counts[0] == counts[1]

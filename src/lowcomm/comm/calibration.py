@@ -193,6 +193,21 @@ class ElementCounter(PlainDispatchMode):
             self.__enter__()  # type: ignore[no-untyped-call]
 
 
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Work that is no worker's step though a step may run it: building a constant that a
+    process-wide cache then keeps (a DCT matrix). This thread's element counter, if one is
+    counting, counts none of it: in one process of several workers only the first to need the
+    constant builds it, and a worker process builds it for itself, so charging it would make
+    the two placements' modeled times differ."""
+    mode = _get_current_dispatch_mode()
+    if not isinstance(mode, ElementCounter):
+        yield
+        return
+    with mode.paused():
+        yield
+
+
 def _numel(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel()

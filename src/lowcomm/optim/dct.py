@@ -22,10 +22,12 @@ from functools import cached_property, lru_cache
 
 import torch
 
+from lowcomm.comm.calibration import uncounted
+
 
 @lru_cache(maxsize=64)
 def _dct_matrix_cpu(size: int) -> torch.Tensor:
-    n = torch.arange(size, dtype=torch.float64)
+    n = torch.arange(size, dtype=torch.float64, device="cpu")  # (whatever device is default)
     k = n.reshape(-1, 1)
     matrix = torch.cos(math.pi * (2 * n + 1) * k / (2 * size)) * math.sqrt(2.0 / size)
     matrix[0] /= math.sqrt(2.0)
@@ -43,7 +45,8 @@ def dct_matrix(
     key = (size, torch.device("cpu") if device is None else torch.device(device), dtype)
     cached = _DEVICE_CACHE.get(key)
     if cached is None:
-        cached = _dct_matrix_cpu(size).to(device=key[1], dtype=dtype)
+        with uncounted():  # (a constant, built by whichever worker of a process needs it first)
+            cached = _dct_matrix_cpu(size).to(device=key[1], dtype=dtype)
         _DEVICE_CACHE[key] = cached
     return cached
 
