@@ -72,6 +72,28 @@ def test_a_placement_that_does_not_fit_is_refused_in_one_line(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["demo", "sparseloco", "acco"])
+def test_calibrated_runs_charge_alike_in_one_process_and_in_processes(
+    method: str, tmp_path: Path
+) -> None:
+    """The regression tier compares the placements on a declared compute cost. On the
+    calibrated clock (the default) each worker is charged the elements its operations write,
+    so work one process does once for its workers (a decode of an all-gather they share, a
+    constant a cache keeps, a communication chain on one scheduler) must be charged to each
+    as a worker process charges it. One calibration file: both placements price alike."""
+    calibration = tmp_path / "calibration.json"
+    steps = {}
+    for threads in (False, True):
+        out = tmp_path / ("threads" if threads else "processes")
+        config = _config(out, threads=threads, calibration=str(calibration))
+        config.method, config.seconds_per_microbatch, config.steps = method, None, 4
+        run_training(config, report=None)
+        steps[threads] = _steps(out)
+    assert calibration.exists()
+    _same_steps(steps[True], steps[False])
+
+
+@pytest.mark.slow
 def test_checkpoints_cross_placements_and_worker_counts(tmp_path: Path) -> None:
     """A run stopped in worker processes continues in one process (and the other way round)
     exactly as the straight run; a checkpoint of either placement resumes on 4 workers in one
