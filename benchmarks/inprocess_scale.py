@@ -28,9 +28,6 @@ from pathlib import Path
 
 from lowcomm.strategies import STRATEGIES
 
-#: Fragmented methods: their quick options (H = 2) suit a one-block model only.
-STREAMING = ("cocodc", "streaming_diloco")
-
 
 def quick_flags(method: str) -> list[str]:
     """``method``'s periods from its declared ``quick_options`` (under which a few steps run
@@ -38,8 +35,6 @@ def quick_flags(method: str) -> list[str]:
     their defaults, as a user's run has them."""
     from lowcomm.strategies import strategy_class
 
-    if method in STREAMING:  # (H = 2 leaves no room for a 2-block model's 2 fragments)
-        return ["--diloco.sync-every", "4", "--diloco.fragments", "2"]
     cls = strategy_class(method)
     return [
         flag

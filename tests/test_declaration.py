@@ -510,3 +510,26 @@ def test_declared_comm_dtypes_are_what_the_method_sends(method: str) -> None:
     dtypes = {call.dtype for call in recording.calls if call.role in cast_roles}
     # (A quantized exchange's encoded payload travels as bytes, uint8.)
     assert (torch.float32 in dtypes) == ("bf16" not in cls.comm_dtypes), (method, dtypes)
+
+
+@pytest.mark.parametrize("method", _registered())
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_quick_options_build_every_method_for_models_of_one_and_two_blocks(
+    method: str, blocks: int
+) -> None:
+    """A method's quick options (a short run's: the selftest's, the scale benchmark's) are
+    accepted for the small models those runs train; the fragmented methods' H = 2 refused a
+    2-block model's 2 fragments."""
+    from lowcomm.comm import LocalComm
+    from lowcomm.models.gpt import GPT, GPTConfig
+    from lowcomm.selftest import quick_options
+    from lowcomm.strategies import StrategyContext, strategy_class
+
+    model = GPT(GPTConfig(n_layer=blocks, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    cls, options = strategy_class(method), quick_options(method)
+    context = StrategyContext(total_steps=4)
+    comm = LocalComm()
+    strategy = (
+        cls(model, comm, context) if options is None else cls(model, comm, context, options=options)
+    )  # type: ignore[call-arg]
+    strategy.finish()

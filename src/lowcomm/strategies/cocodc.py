@@ -8,7 +8,7 @@ eqs. 1-12, Alg. 1-2, with docs/ALGORITHMS.md's sign fix of Eq. 8 and the Taylor-
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -19,7 +19,13 @@ from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContex
 from lowcomm.strategies.declaration import CostModel, fragment_traffic
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
 from lowcomm.strategies.sharded_flat import ranks_mean, whole_norm
-from lowcomm.strategies.streaming import InFlight, check_overlap, load_in_flight, save_in_flight
+from lowcomm.strategies.streaming import (
+    QUICK_OPTIONS,
+    InFlight,
+    check_overlap,
+    load_in_flight,
+    save_in_flight,
+)
 
 
 def compensated_merge(
@@ -108,6 +114,7 @@ class CoCoDC(OuterLoopStrategy):
 
     name: ClassVar[str] = "cocodc"
     default_fragments: ClassVar[int] = 4
+    quick_options: ClassVar[Mapping[str, object]] = QUICK_OPTIONS
     cost: ClassVar[CostModel] = CostModel(
         description="streaming + delay compensation",
         # Adaptive transmission: N = max(K, floor(gamma H T_c / T_s)) syncs per H, one every

@@ -6,7 +6,7 @@ Paper: Douillard et al. 2025, "Streaming DiLoCo with overlapping communication".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,6 +22,11 @@ from lowcomm.strategies.diloco import (
     OuterLoopStrategy,
     default_fragment_count,
 )
+
+#: The fragmented methods' options for a short run (``quick_options``): DiLoCo's with H = 4. With
+#: the default K = min(4, blocks) fragments, a model of 1 or 2 blocks then leaves each fragment
+#: H/K > tau = 1 steps (H = 2 refused a 2-block model's 2 fragments), and 4 steps run a cycle.
+QUICK_OPTIONS: Mapping[str, object] = {**OuterLoopStrategy.quick_options, "sync_every": 4}
 
 
 def completion_offsets(sync_every: int, fragments: int) -> list[int]:
@@ -107,6 +112,7 @@ class StreamingDiLoCo(OuterLoopStrategy):
 
     name: ClassVar[str] = "streaming_diloco"
     default_fragments: ClassVar[int] = 4
+    quick_options: ClassVar[Mapping[str, object]] = QUICK_OPTIONS
     cost: ClassVar[CostModel] = CostModel(
         description="fragments overlap tau steps",
         # K fragments of Psi/K, each synced once per H, each overlapping tau inner steps.
