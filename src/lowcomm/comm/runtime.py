@@ -16,6 +16,8 @@ never ask which concrete communicator they were given. It holds:
 * ``offload``: that accounting (:class:`Offload`), for a chain a communication thread issues
   on ``uncharged`` (ACCO, DPU, WP); None when the communicator is not emulated.
 * :meth:`Runtime.restore`: the handle of a collective checkpointed by ``Handle.settle()``.
+* :meth:`Runtime.once_per_gather`: a decode of an all-gather, done once for the workers of one
+  process that received it.
 
 This module imports nothing of the emulation; a strategy may import it.
 """
@@ -134,6 +136,24 @@ class Runtime:
         if not state["pending"]:
             return None
         return self.restore(Settled.from_state(state))
+
+    def once_per_gather(
+        self,
+        gathered: torch.Tensor,
+        key: str,
+        compute: Callable[[], torch.Tensor],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``compute()``, a deterministic function of the all-gathered ``gathered``: the
+        workers of one process that received the same gather compute it once, each gets the
+        bits in a tensor of its own and is charged what computing it costs
+        (:func:`lowcomm.comm.gathered.once_per_gather`, which says when it is shared).
+        ``out``: the tensor ``compute`` writes into and returns (None: it returns a new one)."""
+        from lowcomm.comm.gathered import once_per_gather
+
+        model = None if self.clock is None else self.clock.compute_model
+        return once_per_gather(gathered, key, compute, compute_model=model, out=out)
 
 
 def pending_state(handle: Handle | None) -> dict[str, Any]:

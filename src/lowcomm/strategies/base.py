@@ -213,12 +213,6 @@ class Strategy(ABC):
             self.context.schedule, self.context.optim.lr, step, self.context.total_steps
         )
 
-    def compute_model(self) -> str | None:
-        """How this worker's clock charges compute (``wall``, ``cpu-time``, ``declared``,
-        ``calibrated``; None: no clock)."""
-        clock = self.runtime.clock
-        return None if clock is None else clock.compute_model
-
     def broadcast_parameters(self, src: int = 0) -> None:
         """Make every worker start from rank ``src``'s parameters."""
         with torch.no_grad():

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.comm.gathered import once_per_gather
 from lowcomm.optim.dct import BlockDCT
 from lowcomm.optim.sparse import block_positions, decode_group, fresh, index_bits, pack_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
@@ -240,9 +239,7 @@ class DeMo(Strategy):
             return self.update
 
         # (Workers of one process that gathered the same bytes decode them once.)
-        once_per_gather(
-            gathered, "demo-mean", mean, compute_model=self.compute_model(), out=self.update
-        )
+        self.runtime.once_per_gather(gathered, "demo-mean", mean, out=self.update)
         self.last_payload_bytes = payload.numel()
 
     def step(self, closure: Closure) -> StepStats:

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.comm.gathered import once_per_gather
 from lowcomm.optim.sparse import SparseCodec, index_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
@@ -185,11 +184,10 @@ class SparseLoCo(OuterLoopStrategy):
         world = self.comm.world_size
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         self.comm.all_gather(gathered, payload, role=Role.PSEUDO_GRADIENT).wait()
-        mean = once_per_gather(  # (workers of one process that gathered the same bytes
-            gathered,  # decode them once)
+        mean = self.runtime.once_per_gather(  # (workers of one process that gathered the
+            gathered,  # same bytes decode them once)
             "sparseloco-sum",
             lambda: self.codec.decode_sum(gathered.view(world, -1)),
-            compute_model=self.compute_model(),
         )
         mean /= world
         self.last_payload_bytes = payload.numel()
