@@ -149,6 +149,40 @@ def test_a_worker_handed_the_result_is_charged_what_computing_it_counts() -> Non
     assert [int(c) for c in counts] == [alone.elements] * MEMBERS
 
 
+def _stacked_decodes() -> list[tuple[int, torch.Tensor]]:
+    """One of 2 processes of 2 worker threads (a stacked group): each worker all-gathers its
+    payload and asks for the shared decode; (the process's decodes, the worker's result)."""
+    from lowcomm.comm.stacked import StackedGroup
+    from lowcomm.comm.torch_comm import TorchComm
+
+    group, calls = StackedGroup(2, TorchComm(), name="test"), _Calls()
+
+    def work(member: int) -> torch.Tensor:
+        comm = group.comm(member)
+        out = torch.empty(MEMBERS * 6)
+        payload = torch.arange(6, dtype=torch.float32) + 10 * comm.rank
+        comm.all_gather(out, payload, role=Role.OTHER).wait()
+        return shared.once_per_gather(out, "k", lambda: calls.decode(out), compute_model="declared")
+
+    try:
+        results = run_threads(work, 2, (group,), first_rank=group.first_rank)
+    finally:
+        group.close()
+    return [(calls.count, result) for result in results]
+
+
+def test_the_stacked_all_gather_is_decoded_once_per_process() -> None:
+    # M = P x K: the K workers of each process gathered every worker's payload (through
+    # torch.distributed between the processes); each process decodes once.
+    from lowcomm.launch import spawn_workers
+
+    got = [row for process in spawn_workers(_stacked_decodes, 2) for row in process]
+    want = torch.cat([torch.arange(6.0) + 10 * r for r in range(MEMBERS)])
+    assert [count for count, _ in got] == [1] * MEMBERS
+    for _, result in got:
+        assert torch.equal(result, want.view(MEMBERS, -1).cumsum(0).sin())
+
+
 def _decode_counter(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list[int]:
     """Count the calls of ``owner.name`` (a decode) in a list's length."""
     calls: list[int] = []

@@ -42,7 +42,7 @@ def _same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ddp", "diloco", "acco"])
+@pytest.mark.parametrize("method", ["ddp", "diloco", "acco", "demo"])
 def test_two_processes_of_two_workers_equal_four_worker_processes(
     method: str, tmp_path: Path
 ) -> None:

@@ -7,8 +7,8 @@ decodes a step (at M = K = 256, most of DeMo's step). :func:`once_per_gather` le
 worker that asks compute the result and hands the others a copy of it, when that saves work and
 changes nothing a run reports:
 
-* **Same input.** The in-process all-gather marks the outputs it fills as one gather
-  (:func:`mark_gathered`). A worker gets the shared result only for an output so marked and
+* **Same input.** The in-process all-gather, and the stacked one of K workers in each of P
+  processes, mark the outputs they fill as one gather (:func:`mark_gathered`). A worker gets the shared result only for an output so marked and
   not written since (the tensor's version counter); any other tensor (a gather by
   ``torch.distributed``, a worker's own copy, a modified buffer) is computed as before.
 * **Same result.** ``compute`` must be a deterministic function of the gathered bytes (it is

@@ -54,6 +54,7 @@ from lowcomm.comm.base import (
     check_scatter_shapes,
     check_segments,
 )
+from lowcomm.comm.gathered import mark_gathered
 from lowcomm.comm.inprocess import GroupAborted, SignalingEvent, SlotHandle
 from lowcomm.comm.overlap import ChainScheduler
 from lowcomm.comm.turns import wait_for
@@ -288,6 +289,7 @@ def _all_gather(role: Role) -> Plan:
             inter.all_gather(gathered, ours, role=role).wait()
         for post in posts:
             post.tensors[0].copy_(gathered.view_as(post.tensors[0]))
+        mark_gathered([post.tensors[0] for post in posts])  # (one decode may serve them all)
 
     return plan
 
