@@ -42,7 +42,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,13 @@ class ElementCounter(PlainDispatchMode):
             self.__enter__()  # type: ignore[no-untyped-call]
 
 
+def current_counter() -> ElementCounter | None:
+    """This thread's element counter (the calibrated clock's), when it is the innermost
+    dispatch mode; else None."""
+    mode = _get_current_dispatch_mode()
+    return mode if isinstance(mode, ElementCounter) else None
+
+
 @contextmanager
 def uncounted() -> Iterator[None]:
     """Work that is no worker's step though a step may run it: building a constant that a
@@ -200,11 +207,8 @@ def uncounted() -> Iterator[None]:
     counting, counts none of it: in one process of several workers only the first to need the
     constant builds it, and a worker process builds it for itself, so charging it would make
     the two placements' modeled times differ."""
-    mode = _get_current_dispatch_mode()
-    if not isinstance(mode, ElementCounter):
-        yield
-        return
-    with mode.paused():
+    counter = current_counter()
+    with nullcontext() if counter is None else counter.paused():
         yield
 
 

@@ -29,10 +29,9 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lowcomm.comm.calibration import ElementCounter
+from lowcomm.comm.calibration import current_counter
 from lowcomm.comm.turns import holding
 
 #: Clock compute models that charge by a count or a declaration, not by time taken.
@@ -70,12 +69,6 @@ def _gather_of(tensor: torch.Tensor) -> _Gather | None:
     return mark[0]
 
 
-def _element_counter() -> ElementCounter | None:
-    """This thread's element counter (the calibrated clock's), when one is counting."""
-    mode = _get_current_dispatch_mode()
-    return mode if isinstance(mode, ElementCounter) else None
-
-
 def once_per_gather(
     gathered: torch.Tensor,
     key: str,
@@ -98,7 +91,7 @@ def once_per_gather(
         or (compute_model is not None and compute_model not in COUNTED_MODELS)
     ):
         return compute()
-    counter = _element_counter()
+    counter = current_counter()
     uncounted = nullcontext() if counter is None else counter.paused()
     with holding(gather.lock):  # (the first computes; its peers give their turns away)
         found = gather.results.get(key)
