@@ -76,6 +76,7 @@ def run_training(
     note = preflight(config, task)
     if torchrun:
         return _join_torchrun(config, note, report, task)
+    check_process_memory(config, task)
     _prepare(config, task, report)
     processes = config.processes
     if report is not None and processes > 1 and config.workers_per_process > 1:
@@ -129,6 +130,23 @@ def _prepare(config: TrainConfig, task: Task, report: Report) -> None:
     task.prepare(config, report)
     if report is not None and config.workers_per_process == 1:
         warn_if_oversubscribed(config.world_size, config)
+
+
+def check_process_memory(config: TrainConfig, task: Task) -> None:
+    """Refuse CPU worker processes (``--workers-per-process 1``) that cannot fit this
+    machine's free host memory, before any starts (workers sharing processes are checked by
+    their processes, with their activations measured). The model's shapes only: on the meta
+    device where it can be built.
+
+    Raises:
+        ConfigError: naming the estimate, the free memory and the fix.
+    """
+    if config.device != "cpu" or config.workers_per_process != 1:
+        return
+    from lowcomm.launch.device_memory import check_worker_processes
+
+    model = task.shapes_model(config)
+    check_worker_processes(config, sum(parameter.numel() for parameter in model.parameters()))
 
 
 def make_paths_absolute(config: TrainConfig) -> None:
