@@ -51,7 +51,16 @@ def test_more_processes_than_cores_is_warned(
     warn_if_oversubscribed(16, TrainConfig(compute_model="cpu-time"))
     assert "each worker's own CPU time" in capsys.readouterr().err
     warn_if_oversubscribed(16, TrainConfig(clock="real"))
-    assert "the real clock's modeled time grows" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "the real clock's modeled time grows" in said
+    assert "--workers-per-process" not in said  # (a torchrun or P x K run: no such fix)
+    # Workers the local spawner would start as processes: the threads of one are named.
+    warn_if_oversubscribed(16, TrainConfig(), workers=16)
+    assert (
+        capsys.readouterr()
+        .err.rstrip()
+        .endswith("; --workers-per-process 16 runs them as threads of one process")
+    )
 
 
 @pytest.mark.slow

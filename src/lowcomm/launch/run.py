@@ -129,7 +129,8 @@ def _prepare(config: TrainConfig, task: Task, report: Report) -> None:
         prepare_checked_corpus(config, report)
     task.prepare(config, report)
     if report is not None and config.workers_per_process == 1:
-        warn_if_oversubscribed(config.world_size, config)
+        workers = config.workers if config.worker_sharding == "replicate" else None
+        warn_if_oversubscribed(config.world_size, config, workers=workers)
 
 
 def check_process_memory(config: TrainConfig, task: Task) -> None:
@@ -375,15 +376,24 @@ def describe_corpus(corpus: PreparedCorpus, seconds: float) -> str:
     )
 
 
-def warn_if_oversubscribed(processes: int, config: TrainConfig | None = None) -> None:
+def warn_if_oversubscribed(
+    processes: int, config: TrainConfig | None = None, *, workers: int | None = None
+) -> None:
     """Say when this machine runs more worker processes than it has CPU cores, and what that
-    does to the run's clock (``config``'s; without one, the default clock's)."""
+    does to the run's clock (``config``'s; without one, the default clock's). ``workers``: the
+    run's worker count where each worker is a process the local spawner starts; the warning
+    then names ``--workers-per-process``, which runs them as threads of one process."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if cores is not None and processes > cores:
+        threads = (
+            ""
+            if workers is None
+            else f"; --workers-per-process {workers} runs them as threads of one process"
+        )
         print(
             f"lowcomm: warning: {processes} worker processes on {cores} CPU cores: they take "
             f"turns, so start-up and wall-clock times grow with the count "
-            f"({_clock_under_load(config or TrainConfig())})",
+            f"({_clock_under_load(config or TrainConfig())}){threads}",
             file=sys.stderr,
             flush=True,
         )
