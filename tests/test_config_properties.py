@@ -236,6 +236,10 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
         _cwd(empty),
         mock.patch("lowcomm.launch.run.spawn_workers", spawner),
         mock.patch("lowcomm.launch.run.under_torchrun", lambda: False),
+        # No worker server either: nothing is spawned, and one started in this directory,
+        # removed while it imports torch, dies in oneMKL's loader ("Intel oneMKL FATAL
+        # ERROR: Cannot load libtorch_cpu.so" on the suite's output).
+        mock.patch("lowcomm.prestart.start_forkserver", lambda: None),
         redirect_stderr(stderr),
         redirect_stdout(io.StringIO()),
     ):
