@@ -206,6 +206,26 @@ def test_a_non_finite_loss_stops_the_run_naming_step_and_worker(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("args", "line"),
     [
+        (["--workers", "two"], "--workers: 'two' is not a whole number"),
+        (["--steps", "1.5"], "--steps: '1.5' is not a whole number"),
+        (["--optim.lr", "fast"], "--optim.lr: 'fast' is not a number"),
+        (["--speed-factors", "1", "x"], "--speed-factors: cannot read the values '1', 'x'"),
+    ],
+)
+def test_a_value_that_is_not_a_number_is_said_in_words(
+    args: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lowcomm.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", *args])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"lowcomm: error: {line}"]
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
         # The typo is the cause of the missing value: it is named, not the symptom.
         (
             ["generate", "runs/x", "--promt", "hi"],

@@ -58,7 +58,9 @@ def _same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
     ("workers", "per_process", "rule"),
     [
         (4, 3, "does not divide --workers 4"),
-        (4, 0, "does not divide --workers 4"),
+        (4, 0, "0 must be 1 or more"),
+        (4, -2, "-2 must be 1 or more"),
+        (4, 64, "64 is more than --workers 4; pass --workers 64 too"),
     ],
 )
 def test_a_placement_that_does_not_fit_is_refused_in_one_line(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -297,7 +298,7 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
     def named(argument: object, message: str) -> str:
         first = message.strip().splitlines()[0] if message.strip() else "invalid value"
         # Our own validation already starts with the option's flag.
-        return first if first.startswith("--") else f"{flag(argument)}: {first}"
+        return first if first.startswith("--") else f"{flag(argument)}: {plain(first)}"
 
     def hook(event: object) -> None:
         if isinstance(event, UnrecognizedArgs):
@@ -322,6 +323,27 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
             raise _OptionError(named(event.argument, str(event.reason).replace("_", " ")))
 
     return on_parse_error(hook)
+
+
+#: Python's words for a value that is not a number, and ours.
+_CONVERSIONS = (
+    (re.compile(r"^invalid literal for int\(\) with base 10: (.+)$"), "{} is not a whole number"),
+    (re.compile(r"^could not convert string to float: (.+)$"), "{} is not a number"),
+    (
+        re.compile(r"^Could not find valid parse for arguments: \[(.+)\]$"),
+        "cannot read the values {}",
+    ),
+)
+
+
+def plain(message: str) -> str:
+    """A conversion error of Python's (``invalid literal for int() with base 10: 'two'``) in
+    words (``'two' is not a whole number``); any other message as it is."""
+    for pattern, words in _CONVERSIONS:
+        found = pattern.match(message)
+        if found:
+            return words.format(found.group(1))
+    return message
 
 
 def unrecognized_options(prog: str, tokens: list[str]) -> str:

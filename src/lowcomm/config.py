@@ -431,7 +431,17 @@ class TrainConfig:
     def _validate_placement(self) -> None:
         """--workers-per-process: a divisor of --workers; K > 1 only where it composes yet."""
         k, flag = self.workers_per_process, "--workers-per-process"
-        if k < 1 or self.workers % k:
+        if k < 1:
+            raise ConfigError(
+                f"{flag}: {k} must be 1 or more; pass 1 (a process per worker) or the workers "
+                f"of one process, e.g. {self.workers} (all of them)"
+            )
+        if k > self.workers:
+            raise ConfigError(
+                f"{flag}: {k} is more than --workers {self.workers}; pass --workers {k} too "
+                f"(every worker in one process), or a divisor of {self.workers}"
+            )
+        if self.workers % k:
             raise ConfigError(
                 f"{flag}: {k} does not divide --workers {self.workers}; pass 1 (a process per "
                 f"worker) or a divisor of --workers such as {self.workers}"
