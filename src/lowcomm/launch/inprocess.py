@@ -47,6 +47,7 @@ from lowcomm.comm.base import Comm
 from lowcomm.comm.inprocess import GroupAborted, InProcessGroup
 from lowcomm.comm.turns import Turns, cpu_count
 from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.launch import heap
 from lowcomm.launch.spawn import (
     STOP_GRACE_S,
     Interrupted,
@@ -84,6 +85,7 @@ def train_in_process(
     """
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
+    heap.return_large_blocks()  # (the workers' freed activations go back to the system)
     try:
         device = process_device(config)
         shared = shared_setup(config, task)

@@ -33,6 +33,7 @@ from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.stacked import StackedGroup
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
+from lowcomm.launch import heap
 from lowcomm.launch.device_memory import processes_on_this_machine
 from lowcomm.launch.inprocess import RankThreads, check_shared, run_threads, worker_turns
 from lowcomm.launch.spawn import Interrupted, _WorkerStop
@@ -56,6 +57,7 @@ def train_stacked(
     """
     timeout = config.collective_timeout_s
     torch.set_num_threads(1)
+    heap.return_large_blocks()  # (the workers' freed activations go back to the system)
     # (The spawner or torchrun bound this process's device; --device cuda is one process.)
     device = (
         torch.device("cpu")
