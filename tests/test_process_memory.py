@@ -78,7 +78,12 @@ def test_the_method_and_the_ranks_of_a_worker_shape_the_floor() -> None:
     sharded = _check(_config(workers=4, ranks_per_worker=2, worker_sharding="fsdp"), 1e15)
     assert sharded.parameters == replicated.parameters / 2
     assert sharded.gradients == replicated.gradients / 2
-    assert sharded.total - PROCESS_SLACK < (replicated.total - PROCESS_SLACK) / 2 + 1
+    assert sharded.total - PROCESS_SLACK == (4 + 4 + 12) * PARAMETERS / 2
+    # (ZeRO-1 under FSDP: its state over the workers, then over a worker's ranks.)
+    zero1_sharded = _check(
+        _config(method="zero1", workers=4, ranks_per_worker=2, worker_sharding="fsdp"), 1e15
+    )
+    assert zero1_sharded.optimizer == 12 * PARAMETERS / 4 / 2
 
 
 def test_what_is_not_checked_here() -> None:

@@ -105,17 +105,20 @@ class WorkerMemory:
 
 
 def estimate_worker_memory(
-    config: TrainConfig, parameters: int, activation_bytes: float, *, slack: float = 0.0
+    config: TrainConfig, parameters: float, activation_bytes: float, *, slack: float = 0.0
 ) -> WorkerMemory:
-    """One worker's device memory for ``config``'s method on a model of ``parameters``
-    elements, with ``activation_bytes`` measured for its micro-batch and ``slack`` beside its
-    tensors (see the module)."""
+    """One worker's (one rank's) device memory for ``config``'s method on a model of
+    ``parameters`` elements, with ``activation_bytes`` measured for its micro-batch and
+    ``slack`` beside its tensors (see the module)."""
     from lowcomm.strategies import strategy_class
 
     cost = strategy_class(config.method).cost
     optimizer_bytes = OPTIMIZER_BYTES / (config.workers if cost.shards_over_workers else 1)
     ranks = config.ranks_per_worker
-    if ranks > 1 and cost.shards_over_replicas:
+    if ranks > 1 and config.worker_sharding == "fsdp":
+        # Each of the worker's R ranks holds 1/R of the model, and of all priced by it.
+        parameters = parameters / ranks
+    elif ranks > 1 and cost.shards_over_replicas:
         # The two moments (2/3 of the state) are split over the worker's R ranks.
         optimizer_bytes = OPTIMIZER_BYTES * (1 / 3 + 2 / 3 / ranks)
     # (--optim.name muon keeps one momentum where AdamW keeps two, on its share of the
@@ -381,7 +384,7 @@ def check_worker_processes(
     check themselves, or a free memory that cannot be read).
 
     The estimate is a floor: the model's ``parameters`` priced as :func:`estimate_worker_memory`
-    prices them (1/R of them per rank under ``--worker-sharding fsdp``) and
+    prices them (1/R of everything per rank under ``--worker-sharding fsdp``) and
     :data:`PROCESS_SLACK` per process, without a micro-batch's activations (measuring them
     would take a forward and backward here, before the workers exist). So a refused run could
     not have fitted, and a run near the limit is let through, as before.
@@ -394,14 +397,7 @@ def check_worker_processes(
     free = (available_host_bytes if free_bytes is None else free_bytes)()
     if free is None:
         return None
-    ranks = config.ranks_per_worker
     each = estimate_worker_memory(config, parameters, 0.0, slack=PROCESS_SLACK)
-    if config.worker_sharding == "fsdp" and ranks > 1:  # (each rank holds 1/R of the model)
-        each = WorkerMemory(
-            parameters=each.parameters / ranks, gradients=each.gradients / ranks,
-            optimizer=each.optimizer / ranks, method_state=each.method_state / ranks,
-            activations=0.0, slack=PROCESS_SLACK,
-        )  # fmt: skip
     processes = config.world_size
     need = processes * each.total
     if need > free:
@@ -412,7 +408,7 @@ def check_worker_processes(
 def _processes_refusal(config: TrainConfig, each: WorkerMemory, need: float, free: float) -> str:
     """The one line of :func:`check_worker_processes`'s refusal."""
     ranks = config.ranks_per_worker
-    fits = math.floor(free / (ranks * each.total))
+    fits = largest_fit(each, ranks, free)
     one_process = config.workers * ranks * (each.total - each.slack + HOST_SLACK)
     if not fits:
         fix = "not one worker fits: a smaller model"
