@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lowcomm.comm.calibration import current_counter
+from lowcomm.comm.calibration import current_counter, uncounted
 from lowcomm.comm.turns import holding
 
 #: Clock compute models that charge by a count or a declaration, not by time taken.
@@ -92,18 +91,17 @@ def once_per_gather(
     ):
         return compute()
     counter = current_counter()
-    uncounted = nullcontext() if counter is None else counter.paused()
     with holding(gather.lock):  # (the first computes; its peers give their turns away)
         found = gather.results.get(key)
         if found is None:
             before = 0 if counter is None else counter.elements
             own = compute()
             spent = 0 if counter is None else counter.elements - before
-            with uncounted:
+            with uncounted():
                 gather.results[key] = (own.clone(), spent)
         else:
             shared, spent = found
-            with uncounted:  # (the copy is not the worker's compute: what it stands for is)
+            with uncounted():  # (the copy is not the worker's compute: what it stands for is)
                 own = shared.clone() if out is None else out.copy_(shared)
             if counter is not None:
                 counter.elements += spent
