@@ -29,9 +29,12 @@ def test_a_study_measures_once_and_every_run_charges_that_file(tmp_path: Path) -
     # A run off the calibrated model is left as it is.
     declared = first.apply(dataclasses.replace(TINY, seconds_per_microbatch=0.1))
     assert declared.calibration is None
-    assert "Charge it again in another study: `--train.calibration" in first.describe(
-        "--train.calibration"
-    )
+    # The report names the file relative to its own directory, never by an absolute path.
+    beside = first.describe("--train.calibration", tmp_path)
+    assert "saved in `calibration.json`, relative to this report" in beside
+    assert "Charge it again in another study: `--train.calibration DIR/calibration.json`" in beside
+    below = first.describe("--train.calibration", tmp_path / "paper")
+    assert "`../calibration.json`" in below and str(tmp_path) not in below + beside
 
 
 def test_a_calibration_of_another_model_is_refused(tmp_path: Path) -> None:

@@ -329,7 +329,11 @@ def _report_header(
         f"{train.workers} workers{ranks}, {budget}, {bench.seeds} seed(s), {clock} clock. "
         f"Same model, data order and budget for every method.",
         "",
-        *([study.describe("--train.calibration"), ""] if study is not None else []),
+        *(
+            [study.describe("--train.calibration", Path(bench.out)), ""]
+            if study is not None
+            else []
+        ),
         f"| method | final val loss | tokens | steps | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"
         if target is not None
         else "| method | final val loss | tokens | steps | time to target | time | utilisation | bytes/worker/step | state bytes/worker |",

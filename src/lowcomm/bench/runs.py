@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -163,16 +164,20 @@ class StudyCalibration:
             return config
         return dataclasses.replace(config, calibration=str(self.path))
 
-    def describe(self, reuse: str) -> str:
-        """The report's sentence: what every run charged and how to charge it again."""
+    def describe(self, reuse: str, report_dir: Path) -> str:
+        """The report's sentence: what every run charged and how to charge it again. The file
+        is named relative to ``report_dir``, the report's own directory, so that a report
+        copied elsewhere with its study names no path of the machine that wrote it."""
         c = self.calibration
         origin = "measured before the study's first run, saved in" if self.measured else "read from"
+        shown = Path(os.path.relpath(self.path, Path(report_dir).resolve())).as_posix()
         return (
             f"Compute: every run on the calibrated model charges one calibration, "
             f"{c.seconds_per_microbatch * 1e3:.1f} ms per micro-batch of {c.micro_batch_size} x "
             f"{c.block_size} tokens and {c.seconds_per_element * 1e9:.3f} ns per element "
-            f"outside micro-batches ({origin} `{self.path}`), so every method is charged the "
-            f"same compute. Charge it again in another study: `{reuse} {self.path}`."
+            f"outside micro-batches ({origin} `{shown}`, relative to this report), so every "
+            f"method is charged the same compute. Charge it again in another study: "
+            f"`{reuse} DIR/{shown}`, DIR being this report's directory."
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -331,7 +331,9 @@ def run_scale(bench: ScaleBench) -> list[ScaleRun]:
         print(f"[scale] {mode} M={workers}: running", file=sys.stderr, flush=True)
         runs.append(run_one(bench, mode, workers, out, None if study is None else study.path))
         print(f"[scale]   {describe_run(runs[-1])}", file=sys.stderr, flush=True)
-    report = scale_report(bench, runs, None if study is None else study.describe("--calibration"))
+    report = scale_report(
+        bench, runs, None if study is None else study.describe("--calibration", out)
+    )
     (out / "report.md").write_text(report)
     (out / "results.json").write_text(
         json.dumps({"bench": asdict(bench), "runs": [asdict(run) for run in runs]}, indent=2) + "\n"

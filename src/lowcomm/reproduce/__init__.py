@@ -226,7 +226,7 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
         "calibration": None if results.calibration is None else results.calibration.to_dict(),
         "calibration_note": None
         if results.calibration is None
-        else results.calibration.describe("--calibration"),
+        else results.calibration.describe("--calibration", out),
         "failures": failures,
     }
     from lowcomm.atomic import atomic_write_text
