@@ -12,7 +12,7 @@ requires), and reads of a stand-in tensor's value on the host (``float(t)``, ``t
 ``bool(t)``, ``t.cpu()``) are counted instead of failing, which bounds the host
 synchronisations of a step.
 
-What this cannot check (kernels, streams, NCCL itself, timings) is listed in the README as
+What this cannot check (kernels, streams, NCCL itself, timings) is listed in docs/clusters.md as
 checked only by ``lowcomm selftest --device cuda``.
 """
 

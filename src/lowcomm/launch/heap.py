@@ -14,8 +14,8 @@ was 8.45-8.65 GiB, of which the workers' tensors are about 3.5 GiB.
 least that large is mapped on its own and returned when freed, so what the process holds
 follows what its tensors hold (4.36 GiB in the run above). The price is the kernel's work
 for each such block (mapping fresh zeroed pages): with 32 workers of the default model, 1.25x
-the wall time (system time 19.1 s against 5.8 s, three runs each side by side; the README's
-"Many workers, freed memory"). Blocks under 1 MiB are served as before. Only the in-process launchers call it (one worker per process
+the wall time (system time 19.1 s against 5.8 s, three runs each side by side;
+docs/results/inprocess.md, "The fixed mmap threshold"). Blocks under 1 MiB are served as before. Only the in-process launchers call it (one worker per process
 keeps one worker's tensors in its heap), and a ``MALLOC_MMAP_THRESHOLD_`` the user set wins.
 """
 
