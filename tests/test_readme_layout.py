@@ -82,6 +82,12 @@ def test_every_relative_link_of_the_readme_leads_to_a_file(repo_root: Path) -> N
     assert link_problems(repo_root / "README.md", repo_root) == []
 
 
+def test_every_relative_link_of_the_topic_pages_leads_to_a_file(repo_root: Path) -> None:
+    pages = [*sorted((repo_root / "docs").glob("*.md")), repo_root / "docs/results/README.md"]
+    assert len(pages) > 10  # the topic pages are there to check
+    assert [problem for page in pages for problem in link_problems(page, repo_root)] == []
+
+
 def test_the_check_finds_a_missing_package_and_a_path_that_is_gone(tmp_path: Path) -> None:
     for package in ("comm", "strategies", "comm/inner"):
         (tmp_path / "src" / "lowcomm" / package).mkdir(parents=True)
