@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import sys
 import types
 import typing
@@ -253,8 +254,8 @@ def _toml_value(value: Any) -> str:
 
     if value is None:
         return f'"{NONE}"'
-    if isinstance(value, tuple):
-        value = list(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     return tomli_w.dumps({"x": value}).strip()[len("x = ") :]
 
 
@@ -271,7 +272,19 @@ def to_toml(config: TrainConfig) -> str:
     own = STRATEGIES[config.method].options_field if config.method in STRATEGIES else None
     others = set(option_groups(STRATEGIES)) - {own}
     values = {key: value for key, value in config.to_dict().items() if key not in others}
-    return HEADER + tomli_w.dumps(_writable(values, defaults))
+    text = tomli_w.dumps(_writable(values, defaults))
+    # tomli-w puts an array's items on lines of their own; the options' arrays are a few
+    # numbers, read best on one line.
+    return HEADER + _ARRAY.sub(lambda found: _one_line(found.group(0)), text)
+
+
+#: An array tomli-w wrote over several lines, one scalar item a line.
+_ARRAY = re.compile(r"\[\n(?:    [^\n\[\]]*,\n)+\]")
+
+
+def _one_line(array: str) -> str:
+    items = [line.strip().rstrip(",") for line in array.splitlines()[1:-1]]
+    return "[" + ", ".join(items) + "]"
 
 
 def _writable(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

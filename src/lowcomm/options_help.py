@@ -136,6 +136,8 @@ class Option:
     metavar: str
     default: str
     doc: str
+    #: Its key in a config file (``diloco.sync_every``); empty for the command line's own.
+    key: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +168,9 @@ def groups() -> list[Group]:
 
     def flat(title: str, names: list[str]) -> Group:
         options = tuple(
-            _option(f"--{name.replace('_', '-')}", hints[name], fields[name], docs.get(name, ""))
+            _option(
+                f"--{name.replace('_', '-')}", hints[name], fields[name], docs.get(name, ""), name
+            )
             for name in names
         )
         return Group(title, "", options)
@@ -188,11 +192,12 @@ def groups() -> list[Group]:
     members = group_members(STRATEGIES)
     for group in method_groups:
         if group in fields:
-            title = f"Method options --{group}.* (of {', '.join(members[group])})"
-            brief = dataclasses.replace(
-                _nested_group(group, title, hints[group], note=False), brief=True
-            )
-            result.append(brief)
+            title = f"Method options --{group}.*"
+            # The group's own help, as with_method_options declares it ("Options of ...").
+            declared = [getattr(extra, "help", None) for extra in _extras(hints[group])]
+            note = next((text for text in declared if text), ", ".join(members[group]))
+            nested = _nested_group(group, title, hints[group], note=False)
+            result.append(dataclasses.replace(nested, note=note, brief=True))
     return result
 
 
@@ -213,6 +218,7 @@ def _nested_group(name: str, title: str, hint: Any, *, note: bool = True) -> Gro
             hints[field.name],
             field,
             docs.get(field.name, ""),
+            f"{name}.{field.name}",
         )
         for field in dataclasses.fields(kind)
         if field.init
@@ -240,7 +246,7 @@ def _dataclass(hint: Any) -> type | None:
     return bare if isinstance(bare, type) and dataclasses.is_dataclass(bare) else None
 
 
-def _option(flag: str, hint: Any, field: dataclasses.Field[Any], doc: str) -> Option:
+def _option(flag: str, hint: Any, field: dataclasses.Field[Any], doc: str, key: str) -> Option:
     if field.default_factory is not dataclasses.MISSING:
         default: Any = field.default_factory()
     else:
@@ -249,7 +255,7 @@ def _option(flag: str, hint: Any, field: dataclasses.Field[Any], doc: str) -> Op
         shown = " ".join(str(value) for value in default) or "()"
     else:
         shown = str(default)
-    return Option(flag, metavar(hint), shown, _joined(doc))
+    return Option(flag, metavar(hint), shown, _joined(doc), key)
 
 
 def metavar(hint: Any) -> str:
@@ -414,7 +420,9 @@ def options_markdown() -> str:
             out += [group.note, ""]
         for option in group.options:
             head = f"`{option.flag} {option.metavar}`" if option.metavar else f"`{option.flag}`"
-            default = f" (default: `{option.default}`)" if option.default else ""
+            facts = [f"default `{option.default}`"] if option.default else []
+            facts += [f"file key `{option.key}`"] if option.key else []
+            default = f" ({'; '.join(facts)})" if facts else ""
             doc = option.doc.replace("\n\n", "\n\n  ")
             out.append(f"- {head}{default}: {doc}")
     return "\n".join(out) + "\n"
