@@ -156,6 +156,7 @@ def test_an_unknown_key_is_one_line_naming_the_closest_known_one(
         ("[optim]\nbetas = [0.9]\n", "optim.betas", "a list of 2 numbers"),
         ("overwrite = 1\n", "overwrite", "true or false"),
         ("model = 3\n", "model", "is not a table"),
+        ('data = "corpus.txt"\n', "data", "data.data = ..."),
     ],
 )
 def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(
@@ -177,6 +178,18 @@ def test_a_file_that_is_not_toml_or_is_missing_is_one_line(tmp_path: Path) -> No
         result = lowcomm("train", "--config", str(path), *INLINE, "--print-config")
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr
+
+
+def test_a_run_directory_is_read_as_a_new_run_not_resumed_nor_cleared(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = {"method": "desloc", "steps": 9, "overwrite": True, "resume": str(run)}
+    (run / "config.json").write_text(json.dumps(saved))
+    result = lowcomm("train", "--config", str(run), *INLINE, "--print-config")
+    assert result.returncode == 0, result.stderr
+    values = tomllib.loads(result.stdout)
+    assert values["method"] == "desloc" and values["steps"] == 9
+    assert values["overwrite"] is False and "resume" not in values
 
 
 def test_options_of_another_method_in_the_file_are_refused(tmp_path: Path) -> None:

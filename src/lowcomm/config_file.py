@@ -86,8 +86,8 @@ def read_raw(given: str) -> dict[str, Any]:
 
 def read_config(given: str) -> TrainConfig:
     """The :class:`TrainConfig` a config file describes (every option it leaves out at its
-    default). A run's config.json is read as the options of a new run: its ``resume`` (how
-    that run was started, not what it trained) is dropped.
+    default). A run's config.json is read as the options of a new run: its ``resume`` and
+    ``overwrite`` (how that run was started, not what it trained) are dropped.
 
     Raises:
         ConfigFileError: an unknown key (named with the closest known one), a value of the
@@ -97,7 +97,10 @@ def read_config(given: str) -> TrainConfig:
 
     values = read_raw(given)
     if config_path(given).suffix == ".json":
+        # How that run was started, not what it trained: a rerun neither resumes it nor
+        # clears its directory unless its own command line says so.
         values.pop("resume", None)
+        values.pop("overwrite", None)
     checked = _checked(TrainConfig, values, given, prefix="")
     try:
         return TrainConfig.from_dict(checked)
@@ -150,9 +153,11 @@ def _checked(kind: type[Any], values: dict[str, Any], given: str, prefix: str) -
         wanted = hints[name]
         if isinstance(wanted, type) and dataclasses.is_dataclass(wanted):
             if not isinstance(value, dict):
+                inner = {field.name for field in dataclasses.fields(wanted)}
+                option = name if name in inner else "<option>"  # [data]'s data, the --data
                 raise ConfigFileError(
-                    f"--config {given}: {key} = {value!r} is not a table; {key}'s options go in "
-                    f"a [{key}] table (or as {key}.<option> = ...)"
+                    f"--config {given}: {key} = {_toml_value(value)} is not a table; {key}'s "
+                    f"options go in a [{key}] table (or as {key}.{option} = ...)"
                 )
             checked[name] = _checked(wanted, value, given, prefix=f"{key}.")
             continue
