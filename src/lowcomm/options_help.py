@@ -196,8 +196,8 @@ def groups() -> list[Group]:
             # The group's own help, as with_method_options declares it ("Options of ...").
             declared = [getattr(extra, "help", None) for extra in _extras(hints[group])]
             note = next((text for text in declared if text), ", ".join(members[group]))
-            nested = _nested_group(group, title, hints[group], note=False)
-            result.append(dataclasses.replace(nested, note=note, brief=True))
+            method_group = _nested_group(group, title, hints[group], note=False)
+            result.append(dataclasses.replace(method_group, note=note, brief=True))
     return result
 
 
