@@ -223,7 +223,7 @@ def test_help_is_grouped_short_and_names_every_option() -> None:
     assert "docs/options.md" in result.stdout
 
 
-def test_each_help_line_is_a_whole_sentence_start_not_a_source_line_break() -> None:
+def test_no_help_line_keeps_a_docstring_source_line_break() -> None:
     from lowcomm.options_help import groups, short_help
 
     # The docstrings' hard line breaks are the source's, not the text's: none survives.

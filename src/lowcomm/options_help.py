@@ -252,7 +252,7 @@ def _option(flag: str, hint: Any, field: dataclasses.Field[Any], doc: str, key: 
     else:
         default = field.default
     if isinstance(default, tuple):
-        shown = " ".join(str(value) for value in default) or "()"
+        shown = " ".join(str(value) for value in default)  # empty: none given
     else:
         shown = str(default)
     return Option(flag, metavar(hint), shown, _joined(doc), key)
