@@ -355,7 +355,7 @@ def unrecognized_options(prog: str, tokens: list[str]) -> str:
         chosen = [word for word in _command_line[1:2] if word in _bench_names()]
         prog = " ".join([prog, *chosen])
     flags = {cls: option_flags(cls) for cls in _option_classes(prog)}
-    known = [flag for listed in flags.values() for flag in listed]
+    known = [flag for listed in flags.values() for flag in listed] + _own_flags(prog)
     options = [token for token in tokens if token.startswith("-")]
     if not options:
         return f"{prog}: unexpected argument {tokens[0]!r} (options take the form --name value)"
@@ -378,6 +378,7 @@ def _unknown_options(prog: str) -> list[str]:
     known = {flag for cls in _option_classes(prog) for flag in option_flags(cls)}
     if not known:
         return []
+    known.update(_own_flags(prog))
     given = [token.split("=", 1)[0] for token in _command_line if token.startswith("--")]
     return [name for name in given if name not in known and name != "--help"]
 
@@ -406,6 +407,11 @@ def option_flags(cls: type, prefix: str = "") -> list[str]:
         else:
             flags.append(f"--{name}")
     return flags
+
+
+def _own_flags(prog: str) -> list[str]:
+    """The options of ``prog`` that the command line reads itself, not its dataclass."""
+    return list(TRAIN_FILE_OPTIONS) if prog == "lowcomm train" else []
 
 
 def _bench_names() -> list[str]:
@@ -498,26 +504,86 @@ def _main(argv: list[str] | None) -> None:
 _TYRO = (tyro.conf.FlagConversionOff,)
 
 
-def _in_this_process(rest: list[str]) -> bool:
-    """Whether the command line puts the workers in this process (--workers-per-process > 1),
-    which then starts no worker server."""
+def _in_this_process(rest: list[str], config_file: str | None = None) -> bool:
+    """Whether the command line (or the --config file it names) puts the workers in this
+    process (--workers-per-process > 1), which then starts no worker server."""
     for index, arg in enumerate(rest):
         if arg.startswith("--workers-per-process="):
             return arg.split("=", 1)[1] != "1"
         if arg == "--workers-per-process" and index + 1 < len(rest):
             return rest[index + 1] != "1"
+    if config_file is not None:
+        from lowcomm.config_file import peek
+
+        return peek(config_file, "workers_per_process") not in (None, 1)
     return False
 
 
+#: Options of `lowcomm train` that are not TrainConfig's fields: the command line's own.
+TRAIN_FILE_OPTIONS = ("--config", "--print-config")
+
+
+def _config_file_options(rest: list[str]) -> tuple[list[str], str | None, bool]:
+    """``rest`` without ``--config FILE`` and ``--print-config``, the file named (None
+    without one) and whether the config is to be printed instead of run."""
+    left: list[str] = []
+    config_file: str | None = None
+    print_config = False
+    index = 0
+    while index < len(rest):
+        arg = rest[index]
+        if arg == "--print-config":
+            print_config = True
+        elif arg == "--config":
+            if index + 1 == len(rest) or rest[index + 1].startswith("--"):
+                _fail("--config: needs a file: --config run.toml (or a run directory)")
+            if config_file is not None:
+                _fail(f"--config: given twice ({config_file}, {rest[index + 1]}); give one file")
+            config_file = rest[index + 1]
+            index += 1
+        elif arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        else:
+            left.append(arg)
+        index += 1
+    return left, config_file, print_config
+
+
+def _file_defaults(config_file: str, rest: list[str]) -> TrainConfig:
+    """The TrainConfig a --config file holds, as the defaults the command line overrides."""
+    from lowcomm.config_file import ConfigFileError, read_config
+
+    if any(arg == "--resume" or arg.startswith("--resume=") for arg in rest) and (
+        _resume_defaults(rest) is not None
+    ):
+        _fail(
+            f"--config {config_file}: with --resume DIR the run's own config.json supplies the "
+            f"options; drop --config (or pass --resume auto)"
+        )
+    try:
+        return read_config(config_file)
+    except ConfigFileError as error:
+        _fail(str(error))
+
+
 def _train_command(rest: list[str]) -> None:
-    if not {"-h", "--help"} & set(rest) and not _in_this_process(rest):
+    rest, config_file, print_config = _config_file_options(rest)
+    if {"-h", "--help"} & set(rest):
+        from lowcomm.options_help import train_help
+
+        print(train_help(), end="")
+        raise SystemExit(0)
+    if not print_config and not _in_this_process(rest, config_file):
         from lowcomm.prestart import start_forkserver
 
         start_forkserver()
     from lowcomm.config import TrainConfig
 
     rest = _bare_switches(rest, ("--overwrite", "--tensorboard"))
-    defaults = _resume_defaults(rest)
+    if config_file is not None:
+        defaults: TrainConfig | None = _file_defaults(config_file, rest)
+    else:
+        defaults = _resume_defaults(rest)
     if defaults is None:
         train = tyro.cli(TrainConfig, args=rest, prog="lowcomm train", config=_TYRO)
     else:
@@ -525,7 +591,30 @@ def _train_command(rest: list[str]) -> None:
             TrainConfig, args=rest, prog="lowcomm train", config=_TYRO, default=defaults
         )
     _refuse_other_families(rest, train)
+    if config_file is not None:
+        _refuse_file_groups(train, config_file)
+    if print_config:
+        _print_config(train)
+        return
     run_train(train)
+
+
+def _refuse_file_groups(train: TrainConfig, config_file: str) -> None:
+    from lowcomm.config_file import ConfigFileError, other_groups_set
+
+    try:
+        other_groups_set(train, config_file)
+    except ConfigFileError as error:
+        _fail(str(error))
+
+
+def _print_config(train: TrainConfig) -> None:
+    """Write the TOML of the options given to stdout, checked as a run would check them
+    first (:meth:`TrainConfig.validate`), so a file that would be refused is not written."""
+    from lowcomm.config_file import to_toml
+
+    train.validate()  # a ConfigError is a ValueError: _main makes it one line
+    print(to_toml(train), end="")
 
 
 def _plan_command(rest: list[str]) -> None:

@@ -1,8 +1,12 @@
 """The typed configuration of a training run.
 
-Each field's docstring doubles as its ``--help`` text. Every component validates its own
-fields in ``__post_init__``; :meth:`TrainConfig.validate` adds the checks that need several
-fields at once. Environment variables never override a field.
+Each field's docstring is its description in docs/options.md, and its first sentence the
+line ``lowcomm train --help`` gives it (:mod:`lowcomm.options_help`, which groups the flat
+fields by component). Every component validates its own fields in ``__post_init__``;
+:meth:`TrainConfig.validate` adds the checks that need several fields at once. Environment
+variables never override a field. A config file (``lowcomm train --config``,
+:mod:`lowcomm.config_file`) has the shape of :meth:`TrainConfig.to_dict`, as a run's
+config.json does.
 """
 
 from __future__ import annotations
