@@ -1,19 +1,23 @@
 """The calibrated compute model of the virtual clock: compute costs that do not move with
 the machine's load.
 
-Before training, every worker times a forward-backward pass of its own model on its own
-micro-batch shape, and an AdamW update over a flat tensor of its parameter count. The workers
-take turns (barriers on the bookkeeping group), so the processes of one run never compete for
-cores while they are timed, and a worker's turn keeps its thread on one CPU (a loaded
-machine's scheduler would otherwise move it between cores, each move refilling its caches);
-all the timings of all the workers are then gathered and every worker takes the same
-statistic of them, so they agree on one number without a further exchange. Timings are the
-calling thread's CPU time (workers run one intra-op thread), and the statistic is the
-**minimum**: interference (another process, a cache flush, a page fault) only ever adds time,
-so the least-interfered timing is the most repeatable estimate of the work's own cost. Many
-timed passes (TIMED_REPEATS in all, more when a pass is cheap) give the minimum many chances
-to catch an undisturbed one, and where the process may raise its priority a worker's turn
-runs at a higher one (TURN_NICENESS), so a competing process on its CPU seldom preempts it.
+The cost belongs to the model, the micro-batch's shape, the precision and the device, never
+to the placement: before training, one standard pass measures it and every worker of every
+placement charges it (:func:`calibrate`). Rank 0 of the run's bookkeeping group builds the
+whole model (one rank of one worker computes a micro-batch of ``--micro-batch-size`` on all
+its layers, sharded or not: FSDP's collectives are charged on the inner link, never here),
+and times, on its thread alone while every other worker waits in a collective, a
+forward-backward pass of a fixed micro-batch and an AdamW update over a flat tensor of the
+model's parameter count, in a fixed heap setting (:func:`standard_heap`: workers that share a
+process map their large blocks, and the kernel's work for it would be charged as compute),
+pinned to one CPU (a loaded machine's scheduler would otherwise move it between cores, each
+move refilling its caches); then it broadcasts the result. Timings are the calling thread's
+CPU time (the pass runs one intra-op thread), and the statistic is the **minimum**:
+interference (another process, a cache flush, a page fault) only ever adds time, so the
+least-interfered timing is the most repeatable estimate of the work's own cost. Many timed
+passes (TIMED_REPEATS, more when a pass is cheap) give the minimum many chances to catch an
+undisturbed one, and where the process may raise its priority the pass runs at a higher one
+(TURN_NICENESS), so a competing process on its CPU seldom preempts it.
 
 Two figures come out:
 
@@ -37,6 +41,7 @@ before.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import math
 import os
@@ -56,21 +61,26 @@ from lowcomm.comm.clock import VirtualClock
 from lowcomm.comm.overlap import HelperMeter
 from lowcomm.dispatch import PlainDispatchMode
 
-#: Timed repeats in all (split over the workers, at least one each) after the warm-up. Spread
+#: Timed repeats of the standard pass after its warm-up (more when a pass is cheap). Spread
 #: over several seconds, so that a transient slowdown of the host (seen on a shared VM: every
 #: one of 4 timings 20% slow) does not set the minimum.
 TIMED_REPEATS = 24
-#: Warm-up passes per worker (all workers at once; the last one's timing sizes the turns).
-#: Every turn also starts with one untimed pass.
+#: Untimed warm-up passes (the last one's timing sizes the repeats).
 WARMUP = 1
-#: A worker's turn lasts about this long when its passes are cheap (up to MAX_REPEATS each).
+#: The timed repeats last about this long when a pass is cheap (up to MAX_REPEATS).
 TURN_S = 0.4
 MAX_REPEATS = 80
-#: Niceness of a worker's thread during its turn, where the process may raise its priority
-#: (root or CAP_SYS_NICE; elsewhere the turn keeps its priority): a competing process on
-#: the same CPU then preempts a timed pass far less often, and each preemption refills the
-#: pass's caches.
+#: Niceness of the measuring thread, where the process may raise its priority (root or
+#: CAP_SYS_NICE; elsewhere it keeps its priority): a competing process on the same CPU then
+#: preempts a timed pass far less often, and each preemption refills the pass's caches.
 TURN_NICENESS = -10
+#: glibc's mallopt parameters (malloc.h), and the heap setting the standard pass runs in:
+#: glibc's ceiling for its dynamic mmap threshold on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX),
+#: the trim threshold it then sets (twice that), and its default trim threshold.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+STANDARD_MMAP_THRESHOLD = 32 << 20
+STANDARD_TRIM_THRESHOLD = 2 * STANDARD_MMAP_THRESHOLD
+DEFAULT_TRIM_THRESHOLD = 128 << 10
 
 
 def robust_cost(samples: Sequence[float]) -> float:
@@ -306,12 +316,10 @@ def _forward_backward(
     block_size: int,
     bf16: bool,
     loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
-    in_place: bool = False,
 ) -> Callable[[], None]:
-    """One forward-backward pass of a copy of ``model`` (``in_place``: of ``model`` itself)
-    on a fixed micro-batch (under bfloat16 autocast with ``bf16``, as the training loop runs
+    """One forward-backward pass of a copy of ``model`` on a fixed micro-batch (under bfloat16 autocast with ``bf16``, as the training loop runs
     it): ``loss(copy)``, or without it a language model's loss on random tokens."""
-    replica = model if in_place else copy.deepcopy(model)
+    replica = copy.deepcopy(model)
     if loss is None:
         generator = torch.Generator().manual_seed(0)
         shape = (micro_batch_size, block_size)
@@ -334,38 +342,6 @@ def _forward_backward(
     return run
 
 
-def _timed_turns(
-    forward_backward: Callable[[], None],
-    update: Callable[[], None],
-    counter: ElementCounter,
-    bookkeeping: Comm,
-    device: torch.device | None = None,
-) -> tuple[int, torch.Tensor]:
-    """Time the passes and updates, one process at a time, the others waiting: (repeats,
-    this process's pass seconds then per-element update seconds)."""
-    warmup_s = 0.0
-    for _ in range(WARMUP):  # all workers at once: only sizes the turns
-        warmup_s = _thread_cpu_timing(forward_backward, device)
-        update()
-    rank, world = bookkeeping.rank, bookkeeping.world_size
-    repeats = _repeats(warmup_s, bookkeeping)
-    mine = torch.zeros(2 * repeats, dtype=torch.float64)
-    for turn in range(world):
-        bookkeeping.barrier().wait()
-        if turn == rank:
-            with pinned_to_current_cpu(), raised_priority():
-                # The first pass after the wait finds caches the other workers' turns filled
-                # (measured 15-20% slower than the next ones): untimed.
-                forward_backward()
-                update()
-                for index in range(repeats):
-                    mine[index] = _thread_cpu_timing(forward_backward, device)
-                    counter.elements = 0
-                    update_s = _thread_cpu_timing(update, device)
-                    mine[repeats + index] = update_s / max(counter.elements, 1)
-    return repeats, mine
-
-
 def _update(
     num_params: int, counter: ElementCounter, device: torch.device | None = None
 ) -> Callable[[], None]:
@@ -386,57 +362,119 @@ def _update(
     return run
 
 
-def _repeats(pass_s: float, bookkeeping: Comm) -> int:
-    """Timed repeats per worker, the same on all: enough for TIMED_REPEATS in all, more
-    when a pass is cheap (a turn of about TURN_S), at most MAX_REPEATS."""
-    slowest = torch.tensor([pass_s], dtype=torch.float64)
-    bookkeeping.all_reduce(slowest, op="max", role=Role.OTHER).wait()
-    enough = math.ceil(TIMED_REPEATS / bookkeeping.world_size)
-    cheap = math.ceil(TURN_S / max(float(slowest), 1e-6))
-    return max(1, min(MAX_REPEATS, max(enough, cheap)))
+def standard_repeats(pass_s: float) -> int:
+    """Timed repeats of the standard pass, from its warm-up's seconds: TIMED_REPEATS, more
+    when a pass is cheap (about TURN_S in all), at most MAX_REPEATS."""
+    cheap = math.ceil(TURN_S / max(pass_s, 1e-6))
+    return max(TIMED_REPEATS, min(MAX_REPEATS, cheap))
 
 
-def calibrate(
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt`` (None under another C library: its parameter numbers are glibc's)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt  # type: ignore[no-any-return]
+
+
+def _malloc_trim() -> None:
+    """Return the heaps' free memory to the system (glibc's ``malloc_trim(0)``)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+
+
+@contextmanager
+def standard_heap(fixed_threshold: int | None = None) -> Iterator[None]:
+    """For the duration, glibc serves blocks under STANDARD_MMAP_THRESHOLD from its heaps
+    (trimmed past STANDARD_TRIM_THRESHOLD), as it does in a process of one worker once each
+    size has been freed: its dynamic threshold rises to the largest freed mapped block, up to
+    that same ceiling, and the trim threshold to twice it. A process that fixed a lower
+    threshold (``fixed_threshold``: in-process workers and sharded CPU workers map every
+    block of a megabyte or more, to give freed activations back) would otherwise charge the
+    kernel's mapping of fresh pages for every activation of every timed pass as compute:
+    1.6x the per-micro-batch cost of the same model in a process of its own. On exit the
+    process's ``fixed_threshold`` is set again and the heaps' free memory is returned (None:
+    nothing was fixed, and nothing is set: glibc's dynamic threshold is left as it was)."""
+    mallopt = _mallopt() if fixed_threshold is not None else None
+    if mallopt is None:
+        yield
+        return
+    mallopt(_M_MMAP_THRESHOLD, STANDARD_MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, STANDARD_TRIM_THRESHOLD)
+    try:
+        yield
+    finally:
+        mallopt(_M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        assert fixed_threshold is not None
+        mallopt(_M_MMAP_THRESHOLD, fixed_threshold)
+        _malloc_trim()  # (the pass's freed blocks, kept by the heaps meanwhile, go back)
+
+
+@contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """torch's intra-op threads set to one for the duration (the timing is the calling
+    thread's CPU time, which would miss the work of other threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_standard(
     model: torch.nn.Module,
     *,
     vocab_size: int,
     micro_batch_size: int,
     block_size: int,
-    bookkeeping: Comm,
     bf16: bool = False,
     loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
-    local_elements: int | None = None,
+    fixed_threshold: int | None = None,
 ) -> Calibration:
-    """Measure this run's compute costs on every worker in turn and agree on them (every
-    process of the run calls this at the same point). Leaves ``model`` and the global random
-    state as they were. The timed pass is ``loss(copy of model)``'s forward and backward (the
-    run's loss on a fixed micro-batch), or without ``loss`` a language model's on random
-    tokens of ``vocab_size``.
-
-    ``local_elements``: ``model`` is sharded and this process holds that many of its
-    elements; its own pass is timed (no whole copy is made; the caller makes its collectives
-    local, so a process still times alone: :func:`lowcomm.train.sharding.local_collectives`)
-    and the AdamW update runs over that many elements."""
+    """The standard pass, on this thread alone: a copy of ``model`` (whole, as one rank of
+    one worker computes it) timed on one micro-batch, then the AdamW update over its
+    parameter count; one warm-up, then :func:`standard_repeats` timed repeats, under
+    :func:`standard_heap`, pinned to one CPU at a raised priority where permitted. Its
+    inputs are the model, the micro-batch's shape, the precision and the device: nothing of
+    the placement, so every placement of a run measures the same work in the same setting.
+    Leaves ``model`` and the global random state as they were."""
     rng = torch.get_rng_state()
     num_params = sum(p.numel() for p in model.parameters())
-    in_place = local_elements is not None
     forward_backward = _forward_backward(
-        model, vocab_size, micro_batch_size, block_size, bf16, loss, in_place
+        model, vocab_size, micro_batch_size, block_size, bf16, loss
     )
     counter = ElementCounter()
     device = next(model.parameters()).device  # (on a GPU the passes are timed by events)
-    update = _update(num_params if local_elements is None else local_elements, counter, device)
-    try:
-        repeats, mine = _timed_turns(forward_backward, update, counter, bookkeeping, device)
-    finally:
-        if in_place:
-            model.zero_grad(set_to_none=True)
-    world = bookkeeping.world_size
-    everyone = torch.zeros(world * 2 * repeats, dtype=torch.float64)
-    bookkeeping.all_gather(everyone, mine, role=Role.OTHER).wait()
-    rows = everyone.view(world, 2, repeats)
-    microbatch = tuple(float(s) for s in rows[:, 0].flatten())
-    element = tuple(float(s) for s in rows[:, 1].flatten())
+    update = _update(num_params, counter, device)
+    with (
+        one_intra_op_thread(),
+        standard_heap(fixed_threshold),
+        pinned_to_current_cpu(),
+        raised_priority(),
+    ):
+        warmup_s = 0.0
+        for _ in range(WARMUP):
+            warmup_s = _thread_cpu_timing(forward_backward, device)
+            update()
+        repeats = standard_repeats(warmup_s)
+        microbatch: list[float] = []
+        element: list[float] = []
+        for _ in range(repeats):
+            microbatch.append(_thread_cpu_timing(forward_backward, device))
+            counter.elements = 0
+            update_s = _thread_cpu_timing(update, device)
+            element.append(update_s / max(counter.elements, 1))
     torch.set_rng_state(rng)
     return Calibration(
         seconds_per_microbatch=robust_cost(microbatch),
@@ -445,8 +483,58 @@ def calibrate(
         block_size=block_size,
         num_params=num_params,
         bf16=bf16,
-        microbatch_samples=microbatch,
-        element_samples=element,
+        microbatch_samples=tuple(microbatch),
+        element_samples=tuple(element),
+    )
+
+
+def calibrate(
+    build: Callable[[], torch.nn.Module],
+    *,
+    vocab_size: int,
+    micro_batch_size: int,
+    block_size: int,
+    bookkeeping: Comm,
+    bf16: bool = False,
+    loss: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+    fixed_threshold: int | None = None,
+) -> Calibration:
+    """One calibration for every worker of the run (every process and worker thread of the
+    run calls this at the same point): rank 0 of ``bookkeeping`` builds the model
+    (``build()``, the whole model) and measures :func:`measure_standard` while every other
+    rank waits in a collective, then broadcasts it. So the workers neither compete for the
+    cores nor run beside the timed pass, in any placement, and they agree bit for bit. The
+    global random state is left as it was."""
+    buffer = torch.zeros(4 + 2 * MAX_REPEATS, dtype=torch.float64)
+    bookkeeping.barrier().wait()  # (every worker has finished its set-up: none runs beside it)
+    if bookkeeping.rank == 0:
+        with torch.random.fork_rng(devices=[]):  # (building the model draws from it)
+            model = build()
+        measured = measure_standard(
+            model, vocab_size=vocab_size, micro_batch_size=micro_batch_size,
+            block_size=block_size, bf16=bf16, loss=loss, fixed_threshold=fixed_threshold,
+        )  # fmt: skip
+        count = len(measured.microbatch_samples)
+        buffer[:4] = torch.tensor(
+            [measured.seconds_per_microbatch, measured.seconds_per_element,
+             measured.num_params, count], dtype=torch.float64,
+        )  # fmt: skip
+        buffer[4 : 4 + count] = torch.tensor(measured.microbatch_samples, dtype=torch.float64)
+        buffer[4 + MAX_REPEATS : 4 + MAX_REPEATS + count] = torch.tensor(
+            measured.element_samples, dtype=torch.float64
+        )
+    bookkeeping.broadcast(buffer, src=0, role=Role.OTHER).wait()
+    values = buffer.tolist()
+    count = int(values[3])
+    return Calibration(
+        seconds_per_microbatch=values[0],
+        seconds_per_element=values[1],
+        micro_batch_size=micro_batch_size,
+        block_size=block_size,
+        num_params=int(values[2]),
+        bf16=bf16,
+        microbatch_samples=tuple(values[4 : 4 + count]),
+        element_samples=tuple(values[4 + MAX_REPEATS : 4 + MAX_REPEATS + count]),
     )
 
 
@@ -529,7 +617,7 @@ class CalibratedClock(VirtualClock):
             "model": "calibrated",
             "seconds_per_microbatch": c.seconds_per_microbatch,
             "seconds_per_element": c.seconds_per_element,
-            "statistic": "minimum of the thread CPU time of all workers' timed repeats",
+            "statistic": "minimum of the thread CPU time of the standard pass's timed repeats",
             "microbatch_samples": list(c.microbatch_samples),
             "element_samples": list(c.element_samples),
         }

@@ -3,7 +3,10 @@ token budget that ends an equal-token run."""
 
 from __future__ import annotations
 
+import copy
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,9 +15,12 @@ from lowcomm.comm.base import Comm
 from lowcomm.comm.calibration import CalibratedClock, Calibration, calibrate
 from lowcomm.comm.clock import Clock, make_clock
 from lowcomm.config import TrainConfig
+from lowcomm.models import ModelConfig
+from lowcomm.models.recompute import checkpoint_blocks, compile_blocks
 from lowcomm.strategies import Strategy
 from lowcomm.train import sharding
 from lowcomm.train.context import network_profile
+from lowcomm.train.task import Task, calibration_pass
 
 
 def uses_calibration(config: TrainConfig) -> bool:
@@ -26,19 +32,71 @@ def uses_calibration(config: TrainConfig) -> bool:
     )
 
 
-def worker_clock(
-    config: TrainConfig,
-    model: torch.nn.Module,
-    timed_loss: Callable[[torch.nn.Module], torch.Tensor],
-    bookkeeping: Comm,
-    device: torch.device,
-    measure: Callable[[], Calibration] | None = None,
-) -> Clock:
-    """This process's clock: real, virtual on a declared cost or CPU time, or virtual on the
+@dataclass(frozen=True)
+class StandardSetting:
+    """Everything the standard calibration pass depends on: the model (its options, or the
+    weights it starts from), the micro-batch's shape, the precision, the device and what
+    changes the pass's own work (recomputation, compilation). Nothing of the placement (how
+    many workers share a process, ranks per worker, sharding): every placement of a run
+    measures the same pass."""
+
+    model: ModelConfig
+    init_from: str | None
+    micro_batch_size: int
+    block_size: int
+    bf16: bool
+    device: str
+    activation_checkpointing: bool
+    compile: bool
+
+
+def standard_setting(config: TrainConfig) -> StandardSetting:
+    """The setting of ``config``'s standard calibration pass."""
+    return StandardSetting(
+        model=config.model, init_from=config.init_from,
+        micro_batch_size=config.data.micro_batch_size, block_size=config.model.block_size,
+        bf16=config.precision == "bf16-mixed", device=config.device,
+        activation_checkpointing=config.activation_checkpointing, compile=config.compile,
+    )  # fmt: skip
+
+
+def standard_model(
+    setting: StandardSetting, build: Callable[[], torch.nn.Module], device: torch.device
+) -> torch.nn.Module:
+    """The model the standard pass times: ``build()`` (the task's model, whole) on
+    ``device``, its blocks recomputed and compiled as the setting says; the global random
+    state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        model = build().to(device)
+    if setting.activation_checkpointing:
+        checkpoint_blocks(model)
+    if setting.compile:
+        compile_blocks(model)
+    return model
+
+
+def fixed_mmap_threshold(config: TrainConfig) -> int | None:
+    """The mmap threshold this process of ``config``'s run fixed (the user's
+    ``MALLOC_MMAP_THRESHOLD_``; workers that share a process, and sharded CPU workers, fix
+    one of a megabyte: :mod:`lowcomm.launch.heap`, :func:`lowcomm.train.sharding.
+    return_freed_memory`), which the standard pass sets aside; None: glibc's own."""
+    from lowcomm.launch.heap import MMAP_THRESHOLD
+
+    chosen = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if chosen is not None and chosen.strip().isdigit():
+        return int(chosen)
+    if config.workers_per_process > 1:
+        return MMAP_THRESHOLD
+    if config.worker_sharding == "fsdp" and config.device == "cpu":
+        return sharding.MMAP_THRESHOLD
+    return None
+
+
+def worker_clock(config: TrainConfig, task: Task, bookkeeping: Comm, device: torch.device) -> Clock:
+    """This worker's clock: real, virtual on a declared cost or CPU time, or virtual on the
     calibrated model (read from --calibration, or from the checkpoint a resume reads, or
-    measured by :func:`finish_calibration`: every process in turn, timing
-    ``timed_loss(model)``'s forward and backward (the run's loss on a fixed micro-batch), or
-    ``measure`` when the workers of one process share one measurement)."""
+    measured by :func:`finish_calibration`: the standard pass of ``task``'s whole model on
+    its fixed micro-batch, once for the run, see :func:`lowcomm.comm.calibration.calibrate`)."""
     worker_index = bookkeeping.rank // config.ranks_per_worker
     speed_factor = network_profile(config).speed_factor(worker_index)
     if not uses_calibration(config):
@@ -51,26 +109,20 @@ def worker_clock(
     path = calibration_file(config)
     if path is not None and path.exists():
         return CalibratedClock(Calibration.load(path), speed_factor=speed_factor)
-    # Measured after the resume (finish_calibration), unless the checkpoint brings one. A
-    # sharded worker's model is sharded by then, and its own pass is timed (no whole copy).
-    if measure is not None:
-        return CalibratedClock(speed_factor=speed_factor, measure=measure)
+    setting = standard_setting(config)
+    timed_loss = calibration_pass(task, config, device)
 
-    def measured() -> Calibration:
-        local = None
-        if config.worker_sharding == "fsdp":
-            local = sum(sharding.flat_numel(p) for p in model.parameters())
-        with sharding.local_collectives(model):
-            return calibrate(
-                model,
-                vocab_size=0,
-                micro_batch_size=config.data.micro_batch_size,
-                block_size=config.model.block_size,
-                bookkeeping=bookkeeping,
-                bf16=config.precision == "bf16-mixed",
-                loss=timed_loss,
-                local_elements=local,
-            )
+    def measured() -> Calibration:  # (after the resume, unless the checkpoint brings one)
+        return calibrate(
+            lambda: standard_model(setting, lambda: task.model(config), device),
+            vocab_size=0,
+            micro_batch_size=setting.micro_batch_size,
+            block_size=setting.block_size,
+            bookkeeping=bookkeeping,
+            bf16=setting.bf16,
+            loss=timed_loss,
+            fixed_threshold=fixed_mmap_threshold(config),
+        )
 
     return CalibratedClock(speed_factor=speed_factor, measure=measured)
 
@@ -84,36 +136,34 @@ def calibrate_in_process(
     bookkeeping: Comm | None = None,
 ) -> Calibration:
     """Measure the calibration a run of ``config`` would measure, in this process, before any
-    run (a study's one calibration): the run's model on its device, one intra-op thread as a
-    worker runs, the same timed passes as :func:`calibrate` on a group of one, or, with
-    ``bookkeeping``, on that group's processes in turn (agreeing on one calibration).
-    ``model`` and ``timed_loss``: the run's own (a task's, see :func:`worker_clock`); default:
-    the model of ``--model.*`` on random tokens of ``vocab_size``."""
+    run (a study's one calibration): the same standard pass as :func:`worker_clock`'s, of
+    ``model`` and ``timed_loss`` (a task's), default the model of ``--model.*`` on random
+    tokens of ``vocab_size``; with ``bookkeeping``, measured by its rank 0 and shared."""
     from lowcomm.comm.local import LocalComm
     from lowcomm.models import build_model
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        if model is not None:
-            pass
-        elif config.init_from is None:
-            model = build_model(config.model, vocab_size)
-        else:
-            from lowcomm.models.init_from import preflight_init_from
+    setting = standard_setting(config)
+    device = torch.device(config.device)
 
-            model = preflight_init_from(config.init_from, config.model).load()
-        return calibrate(
-            model.to(torch.device(config.device)),
-            vocab_size=vocab_size,
-            micro_batch_size=config.data.micro_batch_size,
-            block_size=config.model.block_size,
-            bookkeeping=LocalComm() if bookkeeping is None else bookkeeping,
-            bf16=config.precision == "bf16-mixed",
-            loss=timed_loss,
-        )
-    finally:
-        torch.set_num_threads(threads)
+    def build() -> torch.nn.Module:
+        if model is not None:  # (a copy: the pass recomputes or compiles its own blocks)
+            return copy.deepcopy(model)
+        if config.init_from is None:
+            return build_model(config.model, vocab_size)
+        from lowcomm.models.init_from import preflight_init_from
+
+        return preflight_init_from(config.init_from, config.model).load()
+
+    return calibrate(
+        lambda: standard_model(setting, build, device),
+        vocab_size=vocab_size,
+        micro_batch_size=setting.micro_batch_size,
+        block_size=setting.block_size,
+        bookkeeping=LocalComm() if bookkeeping is None else bookkeeping,
+        bf16=setting.bf16,
+        loss=timed_loss,
+        fixed_threshold=fixed_mmap_threshold(config),
+    )
 
 
 def calibration_file(config: TrainConfig) -> Path | None:

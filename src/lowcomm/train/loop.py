@@ -46,7 +46,6 @@ from lowcomm.train.task import (
     CorpusTask,
     Shard,
     Task,
-    calibration_pass,
     model_loss,
     to_device,
 )
@@ -239,13 +238,11 @@ def set_up(
         torch.backends.cudnn.allow_tf32 = config.tf32
     model, rng_state, deferred = _initial_model(config, task, raw, device, shared)
     generator, device_generator = _worker_generators(rng_state, config.seed, device)
-    if config.activation_checkpointing:  # (before the timing: it measures the recomputation)
+    if config.activation_checkpointing:
         checkpoint_blocks(model)
-    if config.compile:  # (compiled on the first pass: the calibration's warm-up, if any)
+    if config.compile:  # (compiled on the first pass)
         compile_blocks(model)
-    measure = None if shared is None else shared.calibrate
-    timed = calibration_pass(task, config, device)
-    clock = worker_clock(config, model, timed, bookkeeping, device, measure)
+    clock = worker_clock(config, task, bookkeeping, device)
     comm: NetworkComm | HierarchicalComm
     if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
         links = (network_profile(config), replica_network_profile(config))
