@@ -224,7 +224,8 @@ def _interactive() -> bool:
 
 
 def _in_process_fits(run: TrainConfig) -> bool:
-    """Whether the run's workers can all be threads of this process (issue 30's limits)."""
+    """Whether the run's workers can all be threads of this process (the in-process
+    placement's limits)."""
     together = dataclasses.replace(run, workers_per_process=run.workers)
     return run.workers > 1 and together.placement_refusal() is None
 

@@ -1,5 +1,5 @@
 """``lowcomm bench fsdp``: how large a model trains with 2 workers x 2 ranks, replicated against
-sharded (``--worker-sharding``), and at what cost (issue 29's benchmark).
+sharded (``--worker-sharding``), and at what cost.
 
 1. **Search.** For each method (ddp, diloco), worker sharding (replicate, fsdp) and precision
    (fp32, bf16-mixed), Llama-shaped models (``--model.family hf-llama``, heads of 64 dimensions,

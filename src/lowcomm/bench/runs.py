@@ -104,8 +104,8 @@ def val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, 
         if record.get("val_loss") is not None:
             curve.append((record["step"] + 1, record["clock_s"], record["val_loss"]))
     if curve and curve[-1][0] == summary["steps"]:
-        # metrics.jsonl's last step carries the final validation (runs since issue 13); the
-        # summary's point has the same loss at the time after the final drain.
+        # metrics.jsonl's last step carries the final validation (older runs' files do not);
+        # the summary's point has the same loss at the time after the final drain.
         curve.pop()
     curve.append((summary["steps"], summary["modeled_time_s"], summary["final_val_loss"]))
     return curve

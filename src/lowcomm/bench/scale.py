@@ -39,7 +39,7 @@ from lowcomm.bench.startup import time_command
 #: Placements the bench knows.
 MODES = ("process", "inprocess")
 
-#: The model of the bench (the issue's small model): 2 blocks of width 64.
+#: The model of the bench, small so that 256 workers fit one process: 2 blocks of width 64.
 SCALE_MODEL = [
     "--model.n-layer", "2", "--model.n-embd", "64", "--model.n-head", "2",
     "--model.block-size", "32", "--eval-batches", "2",
@@ -146,8 +146,8 @@ class TreeSampler(PeriodicWatch):
     and its summed proportional set size every ``pss_period_s``, until stopped; keeps the
     peaks. Linux ``/proc`` only (elsewhere the peaks stay 0). The proportional set size is
     read seldom: the kernel walks a process's page tables for it, under the lock its page
-    faults take (63 ms for 256 workers of 1.8 GiB in one process, 2026-11-28), where the
-    resident size is a counter."""
+    faults take (tens of milliseconds for a process of 256 workers), where the resident size
+    is a counter."""
 
     def __init__(self, root: int, period_s: float = 0.05, pss_period_s: float = 2.0) -> None:
         super().__init__(period_s)
@@ -369,7 +369,7 @@ def describe_run(run: ScaleRun) -> str:
 
 def equal_runs(a: ScaleRun, b: ScaleRun) -> bool:
     """Whether two placements of one M gave the same numbers: loss to relative 1e-6, modeled
-    time to 1e-9 s (the issue's figures)."""
+    time to 1e-9 s (room for float rounding only)."""
     return (
         math.isclose(a.final_val_loss, b.final_val_loss, rel_tol=1e-6)
         and abs(a.modeled_time_s - b.modeled_time_s) <= 1e-9

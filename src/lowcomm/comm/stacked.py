@@ -1,4 +1,4 @@
-"""``Comm`` of M = P x K workers: K worker threads in each of P processes (issue 30).
+"""``Comm`` of M = P x K workers: K worker threads in each of P processes.
 
 A :class:`StackedGroup` is the shared state of the K members of one group that live in this
 process; each member talks through its own :class:`StackedComm`, which presents the worker's

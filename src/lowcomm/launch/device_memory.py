@@ -1,4 +1,4 @@
-"""Whether K workers fit in one process's memory (``--workers-per-process K``, issue 30): on
+"""Whether K workers fit in one process's memory (``--workers-per-process K``): on
 ``--device cuda`` the GPU's, on the CPU the host's.
 
 The K workers of a process share its device: each holds its own model, gradients, optimizer and
@@ -50,18 +50,18 @@ GIB = 1024**3
 MIB = 1024**2
 
 #: Host memory a CPU worker keeps beside the tensors the estimate counts (its thread, its
-#: strategy's and data shard's Python objects, the allocator's slack). Measured 2026-11-28 with
-#: a 2-layer GPT 64 wide (0.23 M parameters), as the peak resident memory of 256 workers in one
-#: process less that of 4, per worker, less the estimate's tensors: ddp 0.2, desloc 0.3, co2
-#: 1.9, acco 2.3 and diloco 3.1 MiB. Rounded up, so that the estimate errs high.
+#: strategy's and data shard's Python objects, the allocator's slack). For a 2-layer GPT 64
+#: wide, the peak resident memory of 256 workers in one process less that of 4, per worker,
+#: less the estimate's tensors, is 0.2 (ddp) to 3.1 MiB (diloco) (docs/results/inprocess.md).
+#: Rounded up, so that the estimate errs high.
 HOST_SLACK = 4 * MIB
 
 #: Host memory a worker *process* keeps beside its tensors (``--workers-per-process 1``): what
 #: a process forked from the launcher's fork server, which imported torch before forking,
-#: writes of its own. Measured 2026-11-28 as the unique set size (private pages) of the 4
-#: worker processes of a ddp run of a 2-layer GPT 64 wide: 30-31 MiB for ranks 1-3, 119 MiB
-#: for rank 0 (it also evaluates and writes the run's files). The lower of them, so that the
-#: check below refuses only runs that cannot fit.
+#: writes of its own: the unique set size (private pages) of a worker process of a ddp run of
+#: a 2-layer GPT 64 wide is about 30 MiB, more for rank 0 (it also evaluates and writes the
+#: run's files; docs/results/inprocess.md). The lower of them, so that the check below refuses
+#: only runs that cannot fit.
 PROCESS_SLACK = 30 * MIB
 
 

@@ -6,17 +6,17 @@ first such block is freed it raises that threshold to the block's size (up to 32
 that later blocks of that size come from its heaps instead. K workers in one process then
 interleave, in glibc's few heaps, their long-lived tensors (an optimizer's moments are made at
 its first step) with every micro-batch's activations; a heap returns only its free top to the
-system, so the holes the activations leave stay the process's. Measured on 2026-11-28 with 64
-workers of the default model (3.7 M parameters) in one process: ddp's peak resident memory
-was 8.45-8.65 GiB, of which the workers' tensors are about 3.5 GiB.
+system, so the holes the activations leave stay the process's: with 64 workers of the default
+model (3.7 M parameters) in one process, ddp's peak resident memory is more than twice the
+workers' tensors (about 3.5 GiB).
 
 :func:`return_large_blocks` fixes glibc's threshold at :data:`MMAP_THRESHOLD`: every block at
 least that large is mapped on its own and returned when freed, so what the process holds
-follows what its tensors hold (4.36 GiB in the run above). The price is the kernel's work
-for each such block (mapping fresh zeroed pages): with 32 workers of the default model, 1.25x
-the wall time (system time 19.1 s against 5.8 s, three runs each side by side;
-docs/results/inprocess.md, "The fixed mmap threshold"). Blocks under 1 MiB are served as before. Only the in-process launchers call it (one worker per process
-keeps one worker's tensors in its heap), and a ``MALLOC_MMAP_THRESHOLD_`` the user set wins.
+follows what its tensors hold. The price is the kernel's work for each such block (mapping
+fresh zeroed pages): with 32 workers of the default model, about 1.25x the wall time
+(docs/results/inprocess.md, "The fixed mmap threshold"). Blocks under 1 MiB are served by
+glibc's heaps as usual. Only the in-process launchers call it (one worker per process keeps
+one worker's tensors in its heap), and a ``MALLOC_MMAP_THRESHOLD_`` the user set wins.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A run of M = P x K workers: P processes (the local spawner or torchrun), each running K
-workers as threads (``1 < --workers-per-process K < --workers``; issue 30).
+workers as threads (``1 < --workers-per-process K < --workers``).
 
 Each process is one rank of a ``torch.distributed`` world of P; its workers ``w = p K + k``
 run :func:`lowcomm.train.loop.train_worker` on threads, as in

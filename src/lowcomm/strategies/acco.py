@@ -335,8 +335,8 @@ class _ShardedOverlap(Strategy):
     )
 
     options_field: ClassVar[str | None] = "acco"
-    # DPU and WP too (issue 31 item 8): the thread issues the chain on the uncharged channel,
-    # which moves the float32 buffers as they are.
+    # DPU and WP too: the thread issues the chain on the uncharged channel, which moves the
+    # float32 buffers as they are.
     comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     comm_dtype_refusal: ClassVar[str | None] = (
         "its gradient collectives are issued on a communication thread that does not cast "

@@ -241,7 +241,8 @@ class CorpusTask:
         return inputs.shape[0], inputs.numel()
 
     def calibration_batch(self, config: TrainConfig) -> Batch:
-        # A fixed random micro-batch of tokens (the same as before tasks existed).
+        # A fixed random micro-batch of tokens (seed 0), so every language-model run's
+        # calibration measures the same batch.
         generator = torch.Generator().manual_seed(0)
         shape = (config.data.micro_batch_size, config.model.block_size)
         vocab_size = self.corpus(config).vocab_size
