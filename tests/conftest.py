@@ -19,10 +19,10 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
-#: The slowest test files, slowest first (seconds of one 4-process `make test` on a 2-core
-#: machine, 2026-11-28: 226, 209, 170, 164, 139, 136, 134, 125, 103, 82, 79, 75). pytest-xdist
-#: hands whole files to its processes in collection order; starting the longest ones first
-#: keeps one of them from running alone at the end (about a minute of a 12-minute suite).
+#: The slowest test files, slowest first (each takes one to four minutes of a 4-process
+#: `make test` on a 2-core machine). pytest-xdist hands whole files to its processes in
+#: collection order; starting the longest ones first keeps one of them from running alone at
+#: the end (about a minute of a 12-minute suite).
 SLOWEST_FIRST = (
     "test_sharding.py", "test_model_export.py", "test_resume.py", "test_cli.py",
     "test_inprocess.py", "test_regression.py", "test_elastic.py", "test_hygiene_data.py",

@@ -381,8 +381,9 @@ def _calibrate_in_turn() -> float:
 
 @pytest.mark.benchmark
 def test_the_calibration_moves_little_under_load() -> None:
-    """(Benchmark tier: a timing bound under load, 1.125 > 1.1 once in CI on a busy VM.) Quiet and beside busy processes (as many as the cores, twice over), three calibrations
-    each, alternating: the loaded costs' mean stays near the quiet ones'. The 3% goal on
+    """(Benchmark tier: a timing bound under load, which a busy VM can overrun.) Quiet and
+    beside busy processes (as many as the cores, twice over), three calibrations each,
+    alternating: the loaded costs' mean stays near the quiet ones'. The 3% goal on
     modeled time is measured by `lowcomm bench clock --models calibrated`, not here; this
     bound only catches a calibration that follows the load (the CPU-time model moves 5-15%)."""
     from lowcomm.bench.clock import busy_processes

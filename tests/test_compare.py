@@ -92,7 +92,7 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
 
 
 def test_compare_with_ranks_per_worker_reports_the_right_worker_count(tmp_path: Path) -> None:
-    # 2 workers of 2 ranks each: 4 processes, and every report says 2 workers (issue 15).
+    # 2 workers of 2 ranks each: 4 processes, and every report says 2 workers.
     out = tmp_path / "cmp"
     result = subprocess.run(
         [sys.executable, "-m", "lowcomm", "bench", "compare", "--methods", "ddp",

@@ -182,7 +182,7 @@ def command_lines(draw: Any) -> list[str]:
         ]
     family = FAMILY_OF.get(method)
     if valid:
-        # Another family's options are refused (issue 13): a valid line holds only its own.
+        # Another family's options are refused: a valid line holds only its own.
         families = [family] if family is not None else []
     else:
         families = [family] if family is not None and draw(st.integers(0, 3)) else list(FAMILY)
@@ -408,9 +408,9 @@ def test_values_that_once_escaped_validation_are_one_line_errors(
 
 
 def test_default_fragments_fit_a_transformers_model() -> None:
-    # Found by the property above: the default 4 fragments of streaming_diloco left a fragment
-    # empty on a tiny hf-gpt2 (no `blocks.<j>.` names), and the error named an option the user
-    # never passed. The default now shrinks to a count with no empty fragment.
+    # A tiny hf-gpt2 (no `blocks.<j>.` names) has fewer parts than streaming_diloco's default 4
+    # fragments: the default shrinks to a count with no empty fragment rather than refusing an
+    # option the user never passed.
     argv = ["--method", "streaming_diloco", "--model.family", "hf-gpt2", "--model.n-layer", "1",
             "--model.n-embd", "2", "--model.n-head", "1", "--workers", "1", "--progress", "False", "--plot", "False",
             "--model.block-size", "8", "--micro-batch-size", "2", "--steps", "2"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Issue 34 item 3: configuration is pure. ``TrainConfig.validate()`` reads no file; what needs
+"""Configuration is pure. ``TrainConfig.validate()`` reads no file; what needs
 the disk is the launch's pre-flight, with the same one-line errors."""
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ def test_declared_replica_sharding_matches_the_state_held(method: str) -> None:
         assert held[1] == pytest.approx(held[0], rel=0.01), method
 
 
-# --- issue 34 item 5: what the planner, selftest, exports and precision checks read ------------
+# --- what the planner, selftest, exports and precision checks read -----------------------------
 
 DECLARED_TOY = '''
 from __future__ import annotations
@@ -389,7 +389,7 @@ print(json.dumps(result))
 
 
 def test_a_toy_method_gets_planner_selftest_export_and_precision_checks(tmp_path: Path) -> None:
-    """Issue 34 item 5: a method declared in one new file, with its quantization, variable
+    """A method declared in one new file, with its quantization, variable
     micro-batch count and comm dtypes under names of its own, is priced by the planner,
     refused --comm-dtype bf16 by train and plan with its reason, run by selftest with its short
     options, exported from lowcomm and given a token budget by equal-token studies, with no

@@ -1,4 +1,4 @@
-"""Any Hugging Face causal LM in and out (issue 28): tiny random models of five families,
+"""Any Hugging Face causal LM in and out: tiny random models of five families,
 built with transformers and saved with save_pretrained here, go --init-from -> 4 steps of
 diloco on 2 workers -> OUT/model/ -> transformers alone; refusals; the chunked loss."""
 

@@ -1,4 +1,4 @@
-"""Data is what it claims to be (issue 13, item 6): binary files refused, JSONL records that
+"""Data is what it claims to be: binary files refused, JSONL records that
 lack the field say what they have, paths stored absolute, other families' options refused."""
 
 from __future__ import annotations

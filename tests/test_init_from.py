@@ -1,4 +1,4 @@
-"""--init-from and --tokenizer: a run starts from a saved model (issue 16, item 2)."""
+"""--init-from and --tokenizer: a run starts from a saved model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Several workers in one process (``--workers-per-process``, issue 30): refusals, and
+"""Several workers in one process (``--workers-per-process``): refusals, and
 checkpoints that cross placements (written by worker processes, resumed by threads, and the
 other way round, on the same and on another worker count). The numbers of every method in
 both placements are compared in the regression tier (test_regression.py)."""

@@ -1,5 +1,5 @@
-"""What in-process workers used to refuse (issue 30): hierarchical workers as rank threads, in
-one process and in P processes of K workers; the refusals that remain; and K workers' device
+"""Hierarchical workers (several ranks each) as rank threads, in one process and in P
+processes of K workers; what cannot share a process, refused in one line; and K workers' device
 memory on one GPU, estimated and refused before any starts (the device queries are stand-ins
 here, there is no GPU: benchmarks/gpu_inprocess_check.py runs it on one).
 

@@ -1,5 +1,5 @@
 """SIGINT or SIGTERM sent to the launcher alone (as an IDE, a notebook or a process manager
-sends it) stops every worker and leaves the run directory consistent (issue 13, item 3).
+sends it) stops every worker and leaves the run directory consistent.
 
 The launcher runs in its own session, and only its pid is signalled: nothing else reaches the
 workers. Real processes throughout; the workers are found by scanning /proc.

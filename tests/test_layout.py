@@ -1,6 +1,5 @@
 """The code's shape, checked from its source with ``ast``: no import cycles among lowcomm's
-modules, and no function in ``src/`` longer than a screen (issue 15 item 5 for ``train/``,
-issue 34 item 6 for the rest)."""
+modules, and no function in ``src/`` longer than a screen."""
 
 from __future__ import annotations
 

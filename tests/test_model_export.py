@@ -1,4 +1,4 @@
-"""OUT/model/: a finished run's deployed model, saved and loaded back (issue 16, item 1)."""
+"""OUT/model/: a finished run's deployed model, saved and loaded back."""
 
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ def test_build_hf_model_rejects_unknown_type() -> None:
         build_hf_model("lama", vocab_size=64, block_size=16)
 
 
-# --- dropout from the worker's generator (issue 30) -------------------------------------------
+# --- dropout from the worker's generator ------------------------------------------------------
 
 
 def _dropout_loss(model: GPT, generator: torch.Generator | None) -> torch.Tensor:

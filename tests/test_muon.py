@@ -283,7 +283,7 @@ def test_a_checkpoint_of_one_optimizer_does_not_resume_under_the_other() -> None
 
     adamw, muon = TrainConfig(method="diloco"), TrainConfig(method="diloco", optim=MUON)
     assert fingerprint(adamw)["optim"] != fingerprint(muon)["optim"]
-    # AdamW runs keep the fingerprint they had before Muon existed.
+    # An AdamW run's fingerprint names no optimizer, so checkpoints written without one resume.
     assert set(fingerprint(adamw)["optim"]) == {"lr", "betas", "eps", "weight_decay"}
     strategy = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT)
     with pytest.raises(ValueError, match=r"resume with --optim\.name adamw"):

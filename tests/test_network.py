@@ -103,7 +103,7 @@ def test_speed_factor_lookup() -> None:
 def test_one_validation_of_a_link_at_every_place_that_takes_one(
     setting: str, value: object, rule: str
 ) -> None:
-    """Issue 34 item 4: the outer and the inner link of train, plan's two links and a profile
+    """The outer and the inner link of train, plan's two links and a profile
     built from a preset are checked by one function: the same rule in the same words, only
     the setting's name differs."""
     from lowcomm.config import ConfigError, TrainConfig

@@ -1,4 +1,4 @@
-"""The own-loop path is right for every method (issue 13, item 8): the example draws a fresh
+"""The own-loop path is right for every method: the example draws a fresh
 batch on every closure call, make_strategy takes only the method family's options class and
 exposes schedule, epsilon and clipping, and the public names are importable from lowcomm."""
 

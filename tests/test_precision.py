@@ -1,4 +1,5 @@
-"""--precision bf16-mixed and --comm-dtype bf16 (issue 16, item 3)."""
+"""--precision bf16-mixed and --comm-dtype bf16: what each casts, what refuses them, and
+checkpoints across the settings."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def test_a_cast_collective_writes_the_bf16_result_into_the_fp32_tensor() -> None
 
 @pytest.mark.parametrize("method", ["acco", "dpu", "wp"])
 def test_comm_dtype_bf16_with_the_acco_family_is_refused(method: str) -> None:
-    """Issue 31 item 8: DPU and WP run ACCO's communication thread, which does not cast."""
+    """DPU and WP run ACCO's communication thread, which does not cast."""
     with pytest.raises(ConfigError, match=f"--comm-dtype: bf16 with --method {method}: its"):
         TrainConfig(method=method, comm_dtype="bf16").validate()
 

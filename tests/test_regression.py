@@ -56,11 +56,11 @@ LOSS_RTOL = 1e-6
 #: Pins whose arithmetic runs in bfloat16 on the CPU (Muon's Newton-Schulz, as the reference
 #: computes it): a CPU with avx512_bf16 rounds those matmuls differently from one without, so
 #: the same commit moved diloco_muon's losses by 1.3e-6 and its deployed parameters by 1.2e-5
-#: of their absolute sum between two machines of this project (2026-11-26). Still pinned, at a
+#: of their absolute sum between two machines of this project. Still pinned, at a
 #: tolerance that separates that from a change of the method. The same holds for the
 #: --precision bf16-mixed pins (test_regression_precision.py), whose autocast matmuls run in
 #: bfloat16: diloco-bf16 moved by 1e-5 in loss and 3.4e-5 in its deployed parameters' sum
-#: between a machine with avx512_bf16 and one without (2026-11-28).
+#: between a machine with avx512_bf16 and one without.
 BF16_RTOL = {"diloco_muon": 1e-4, "ddp-bf16": 1e-4, "diloco-bf16": 1e-4}
 TIME_ATOL = 1e-9
 #: Pinned with 2 ranks per worker: plain gradient averaging, an outer exchange, and fragment

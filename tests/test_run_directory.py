@@ -1,5 +1,5 @@
 """Runs a user can trust: nothing overwritten, one-line up-front errors, a readable failure,
-and a resume that survives a damaged newest checkpoint (issue 13, items 1, 2 and 5).
+and a resume that survives a damaged newest checkpoint.
 
 Everything goes through the real command line; the runs are tiny.
 """

@@ -1,4 +1,4 @@
-"""Logs and plots are complete (issue 13, item 4): the final validation loss is the last
+"""Logs and plots are complete: the final validation loss is the last
 validation point of metrics.jsonl and of loss.png, and loss.png colours a series alike in
 both panels."""
 

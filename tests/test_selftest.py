@@ -31,7 +31,7 @@ def test_selftest_passes_on_two_gloo_processes() -> None:
 
 @pytest.mark.slow
 def test_selftest_under_torchrun_runs_as_the_torchrun_world(tmp_path: Path) -> None:
-    """Item 9 of issue 31: under torchrun the battery runs on torchrun's ranks (not processes
+    """Under torchrun the battery runs on torchrun's ranks (not processes
     of its own), with the real-clock, bf16, fp8, Hugging Face, hierarchical and on-disk
     checkpoint checks, and rank 0 prints one report ending with the block to paste."""
     import subprocess

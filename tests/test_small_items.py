@@ -1,5 +1,5 @@
-"""The small items of issue 13 (item 10): --version, "did you mean" for --method, whole
-method descriptions, and the Makefile's torch index."""
+"""Command-line conveniences: --version, "did you mean" for --method, whole method
+descriptions, and the Makefile's torch index."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""M = P x K (issue 30): 4 workers in 2 processes of 2 threads each give the numbers of the
+"""M = P x K workers (K threads in each of P processes): 4 workers in 2 processes of 2 threads each give the numbers of the
 same run in 4 worker processes, and a worker that fails ends every process with its error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Start-up is visible (issue 13, item 7): the phases are printed as they happen, too many
+"""Start-up is visible: the phases are printed as they happen, too many
 processes for the cores are warned about, and `lowcomm bench startup` reports the phases."""
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""--tensorboard: event files under OUT/tensorboard/, read back with tensorboard's own reader
-(issue 16, item 5)."""
+"""--tensorboard: event files under OUT/tensorboard/, read back with tensorboard's own reader."""
 
 from __future__ import annotations
 
