@@ -23,8 +23,8 @@ from lowcomm.models.loss import chunked_cross_entropy, fits_one_chunk, next_toke
 _MISSING_TRANSFORMERS = "the hf model families need transformers: pip install 'lowcomm[hf]'"
 
 HF_MODEL_TYPES = ("gpt2", "llama")
-"""Model types of the first HF families (any causal-LM type of transformers is accepted now:
-:func:`causal_lm_types`)."""
+"""Model types of the built-in HF families (``--model.family hf-gpt2``, ``hf-llama``); any
+causal-LM type of transformers is accepted through :func:`causal_lm_types`."""
 
 #: Config attributes holding a dropout probability (``--model.dropout`` sets those a type has).
 DROPOUT_FIELDS = (
