@@ -2,9 +2,9 @@
 
 The test builds the namespaces itself (unique names with this process's id), sends traffic
 only inside them and removes them. Skipped, with the reason, where namespaces cannot be made
-(not root, no iproute2, no tbf). The 2x band on DDP's exposed communication against the ring
-model is the issue's explicit requirement; the shaping (100 Mbit/s, a 2.6 MB gradient, a
-few milliseconds of compute) makes communication dominate DDP's step so the band is robust.
+(not root, no iproute2, no tbf). DDP's exposed communication must lie within 2x of the ring
+model's; the shaping (100 Mbit/s, a 2.6 MB gradient, a few milliseconds of compute) makes
+communication dominate DDP's step so the band is robust.
 """
 
 from __future__ import annotations
