@@ -59,6 +59,20 @@ def test_dct_and_its_inverse_follow_the_formula(size: int) -> None:
     assert dct_matrix(size) is dct_matrix(size)  # cached
 
 
+@pytest.mark.parametrize("size", [3, 5, 29])
+def test_odd_sides_store_the_exact_zeros_of_the_dct(size: int) -> None:
+    """cos(pi (2n + 1) k / (2N)) is 0 where (2n + 1) k = N mod 2N; the matrix holds a true 0
+    there (not float64 cos(pi / 2) = 6e-17), so a sign step on such a coefficient is 0."""
+    c = dct_matrix(size)
+    for k in range(size):
+        for n in range(size):
+            zero = (2 * n + 1) * k % (2 * size) == size
+            assert (c[k, n].item() == 0.0) == zero, (size, k, n, c[k, n].item())
+    # A lone odd-k coefficient of a 3-block: the middle entry is exactly 0, so no step there.
+    if size == 3:
+        assert torch.sign(idct(torch.tensor([0.0, 1.0, 0.0]))).tolist() == [1.0, 0.0, -1.0]
+
+
 def test_block_sides_are_the_largest_divisors_up_to_the_chunk() -> None:
     assert [block_side(d, 64) for d in (32, 64, 96, 128, 97, 50257, 1)] == [
         32, 64, 48, 64, 1, 29, 1
