@@ -31,6 +31,7 @@ from lowcomm.launch.devices import (
     check_gpu_count,
     init_options,
 )
+from lowcomm.launch.rendezvous import agree_generation
 from lowcomm.prestart import WORKER_MODULES, under_torchrun, use_forkserver
 
 __all__ = ["WorkerFailed", "backend_for", "init_from_env", "spawn_workers", "under_torchrun"]
@@ -95,13 +96,12 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
     )
     options = init_options(bound, timeout_s)
     timeout = options["timeout"]
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restarts is None or "MASTER_ADDR" not in os.environ:
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
         dist.init_process_group(**options)
         check_distinct_gpus(bound)
         return
-    # An elastic restart reuses the agent's store: without a per-attempt prefix the new
-    # workers would read the dead attempt's Gloo addresses and fail to connect.
+    # An elastic restart reuses the agent's store: each group meets under a prefix of its own
+    # (agree_generation: the restart count can differ between the members of one group).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -111,8 +111,9 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
         is_master=rank == 0 and not agent_store,
         timeout=timeout,
     )
+    generation = agree_generation(store, rank, world_size, timeout.total_seconds())
     dist.init_process_group(
-        store=dist.PrefixStore(f"lowcomm/attempt{restarts}", store),  # type: ignore[attr-defined]
+        store=dist.PrefixStore(f"lowcomm/generation{generation}", store),  # type: ignore[attr-defined]
         rank=rank,
         world_size=world_size,
         **options,
