@@ -123,6 +123,27 @@ def _launch(
     return read_summary(run_directory(config))
 
 
+def kept_state(config: TrainConfig) -> str:
+    """What a stopped run's directory holds: its steps, its newest checkpoint and the command
+    that continues from it (or that it kept none)."""
+    from lowcomm.train.checkpoint import committed
+    from lowcomm.train.rundir import run_directory
+
+    run_dir = run_directory(config)
+    try:
+        steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except (OSError, UnicodeDecodeError):
+        steps = 0
+    kept = committed(run_dir)
+    if kept:
+        checkpoint = (
+            f"its newest checkpoint is {kept[-1]}; continue with: lowcomm train --resume {run_dir}"
+        )
+    else:
+        checkpoint = "no checkpoint was kept (--checkpoint-every N writes them)"
+    return f"{run_dir}/metrics.jsonl holds {steps} steps, {checkpoint}"
+
+
 def _prepare(config: TrainConfig, task: Task, report: Report) -> None:
     """Prepare and check the run's data (the corpus, cached, where the task reads it)."""
     if task.reads_corpus:

@@ -381,7 +381,15 @@ def _first_failure(
     for rank, code in enumerate(exit_codes):
         if code is not None and code < 0 and code != -signal.SIGTERM and rank not in recorded:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-            return WorkerFailed(rank, f"killed by {name} (exit code {code})")
+            message = f"killed by {name} (exit code {code})"
+            cause = (
+                "a signal leaves no traceback (SIGKILL is also what the kernel's out-of-memory "
+                "killer sends: see dmesg)"
+            )
+            tracebacks = [(f"traceback of worker {r}", text) for _, r, text in sorted(records)]
+            if _write_log(log_path, [(f"worker {rank} {message}", cause), *tracebacks]):
+                return WorkerFailed(rank, f"{message} (details in {log_path})")
+            return WorkerFailed(rank, message)
     if not records:
         return WorkerFailed(
             reported_rank, reported.strip().splitlines()[-1] if reported.strip() else reported
@@ -392,16 +400,24 @@ def _first_failure(
         return WorkerFailed(*named[rank])
     lines = [line for line in text.strip().splitlines() if line.strip()]
     message = lines[-1] if lines else reported
-    if log_path is None:
+    tracebacks = [(f"traceback of worker {other}", txt) for _, other, txt in sorted(records)]
+    if not _write_log(log_path, tracebacks):
         print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
         return WorkerFailed(rank, message)
+    return WorkerFailed(rank, f"{message} (traceback in {log_path})")
+
+
+def _write_log(log_path: Path | None, entries: list[tuple[str, str]]) -> bool:
+    """Append each (heading, text) to ``log_path``; False if there is none or it cannot be
+    written."""
+    if log_path is None:
+        return False
     try:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log:
             stamp = datetime.datetime.now().isoformat(timespec="seconds")
-            for _, other, other_text in sorted(records):
-                log.write(f"--- {stamp}: traceback of worker {other} ---\n{other_text.rstrip()}\n")
+            for heading, text in entries:
+                log.write(f"--- {stamp}: {heading} ---\n{text.rstrip()}\n")
     except OSError:
-        print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
-        return WorkerFailed(rank, message)
-    return WorkerFailed(rank, f"{message} (traceback in {log_path})")
+        return False
+    return True
