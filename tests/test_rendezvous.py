@@ -5,6 +5,7 @@ whatever earlier groups left in the store. Loopback only, bounded timeouts."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lowcomm.launch.rendezvous import GENERATION_KEY, RendezvousTimeout, agree_generation
+from lowcomm.launch.rendezvous import (
+    GENERATION_KEY,
+    RendezvousTimeout,
+    agree_generation,
+    choose_gloo_interface,
+    set_gloo_interface,
+)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -88,9 +95,10 @@ def test_groups_meet_though_their_restart_counts_differ_again_and_again(tmp_path
             "LOCAL_WORLD_SIZE": "1",
             "LOCAL_RANK": "0",
             "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
         }
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env.pop(name, None)  # Gloo's interface: the route to MASTER_ADDR, loopback
         workers = [
             subprocess.Popen(
                 [sys.executable, "-c", _WORKER],
@@ -113,3 +121,26 @@ def test_groups_meet_though_their_restart_counts_differ_again_and_again(tmp_path
             outputs.append((worker.returncode, out, err[-2000:]))
         for code, out, err in outputs:
             assert code == 0 and "sum 3" in out, (counts, code, out, err)
+            assert "Gloo interface: lo (the route to MASTER_ADDR 127.0.0.1)" in err, err
+
+
+def test_gloo_takes_nccls_interfaces_or_the_route_to_the_master() -> None:
+    present = [name for _, name in socket.if_nameindex()]
+    assert "lo" in present
+    assert choose_gloo_interface({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "x"}) == (
+        "lo",
+        "GLOO_SOCKET_IFNAME, as set",
+    )
+    # NCCL reads names as prefixes ("=": exact); Gloo wants the interfaces themselves.
+    assert choose_gloo_interface({"NCCL_SOCKET_IFNAME": "l"}) == ("lo", "NCCL_SOCKET_IFNAME")
+    assert choose_gloo_interface({"NCCL_SOCKET_IFNAME": "=lo"}) == ("lo", "NCCL_SOCKET_IFNAME")
+    route = ("lo", "the route to MASTER_ADDR 127.0.0.1")
+    for nccl in ("^docker,lo", "=l", "no-such-interface"):
+        environ = {"NCCL_SOCKET_IFNAME": nccl, "MASTER_ADDR": "127.0.0.1"}
+        assert choose_gloo_interface(environ) == route, nccl
+    assert choose_gloo_interface({"MASTER_ADDR": "localhost"})[0] == "lo"  # type: ignore[index]
+    assert choose_gloo_interface({}) is None
+    environ: dict[str, str] = {"MASTER_ADDR": "127.0.0.1"}
+    assert set_gloo_interface(environ) == f"Gloo interface: {route[0]} ({route[1]})"
+    assert environ["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "set GLOO_SOCKET_IFNAME" in set_gloo_interface({})

@@ -12,12 +12,18 @@ out, or read a dead group's addresses.
 a generation number no earlier rank 0 drew (an atomic counter), and hands it to each other rank
 in answer to a nonce that rank drew for this start, so no rank can take a dead group's answer
 for its own.
+
+Gloo (the bookkeeping group, and the whole group on the CPU) binds the interface
+:func:`set_gloo_interface` chooses, as the local spawner pins loopback for its workers.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 #: The store keys of the agreement (under the agent's store, beside the groups' prefixes).
@@ -95,4 +101,98 @@ def agree_generation(store: Any, rank: int, world_size: int, timeout_s: float) -
             )
 
 
-__all__ = ["GENERATION_KEY", "RendezvousTimeout", "agree_generation"]
+def _interface_of(address: str) -> str | None:
+    """The name of the network interface holding the IPv4 ``address`` (Linux; None
+    elsewhere, or when no interface holds it)."""
+    try:
+        import fcntl
+        import struct
+    except ImportError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
+            except OSError:
+                continue  # an interface without an IPv4 address
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+def route_interface(host: str, port: int = 9) -> str | None:
+    """The interface this machine's route to ``host`` leaves through (None if the host does
+    not resolve or the interface cannot be named). Nothing is sent: connecting a UDP socket
+    only picks the route."""
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, port))
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    return _interface_of(local)
+
+
+def _nccl_interfaces(value: str) -> str | None:
+    """The interfaces of this machine an ``NCCL_SOCKET_IFNAME`` selects, comma-separated, as
+    Gloo takes them: NCCL reads each name as a prefix (``=name``: exactly), Gloo only exact
+    names. None for an exclusion (``^...``) or when nothing here matches."""
+    value = value.strip()
+    if not value or value.startswith("^"):
+        return None
+    exact = value.startswith("=")
+    wanted = [name.strip() for name in value.lstrip("=").split(",") if name.strip()]
+    present = [name for _, name in socket.if_nameindex()]
+    chosen = [
+        name
+        for name in present
+        if any(name == w or (not exact and name.startswith(w)) for w in wanted)
+    ]
+    return ",".join(chosen) or None
+
+
+def choose_gloo_interface(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """The interface Gloo should bind on this node, and why: ``GLOO_SOCKET_IFNAME`` as set;
+    else ``NCCL_SOCKET_IFNAME`` where it names interfaces (not an exclusion, ``^...``); else
+    the one the route to ``MASTER_ADDR`` leaves through. None when none can be told (Gloo
+    then binds the address the host name resolves to, which can be 127.0.1.1)."""
+    if environ.get("GLOO_SOCKET_IFNAME"):
+        return environ["GLOO_SOCKET_IFNAME"], "GLOO_SOCKET_IFNAME, as set"
+    nccl = _nccl_interfaces(environ.get("NCCL_SOCKET_IFNAME", ""))
+    if nccl:
+        return nccl, "NCCL_SOCKET_IFNAME"
+    master = environ.get("MASTER_ADDR")
+    if master:
+        name = route_interface(master, int(environ.get("MASTER_PORT", "9") or 9))
+        if name is not None:
+            return name, f"the route to MASTER_ADDR {master}"
+    return None
+
+
+def set_gloo_interface(environ: MutableMapping[str, str] | None = None) -> str:
+    """Set ``GLOO_SOCKET_IFNAME`` (:func:`choose_gloo_interface`) before any Gloo group is
+    made, and return the line that says which interface was chosen and why."""
+    env = os.environ if environ is None else environ
+    chosen = choose_gloo_interface(env)
+    if chosen is None:
+        return (
+            "Gloo interface: none could be told (no GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME or "
+            "route to MASTER_ADDR); Gloo binds the host name's address, so set "
+            "GLOO_SOCKET_IFNAME if the nodes cannot connect"
+        )
+    name, reason = chosen
+    env["GLOO_SOCKET_IFNAME"] = name
+    return f"Gloo interface: {name} ({reason})"
+
+
+__all__ = [
+    "GENERATION_KEY",
+    "RendezvousTimeout",
+    "agree_generation",
+    "choose_gloo_interface",
+    "route_interface",
+    "set_gloo_interface",
+]

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -31,7 +32,7 @@ from lowcomm.launch.devices import (
     check_gpu_count,
     init_options,
 )
-from lowcomm.launch.rendezvous import agree_generation
+from lowcomm.launch.rendezvous import agree_generation, set_gloo_interface
 from lowcomm.prestart import WORKER_MODULES, under_torchrun, use_forkserver
 
 __all__ = ["WorkerFailed", "backend_for", "init_from_env", "spawn_workers", "under_torchrun"]
@@ -96,6 +97,9 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
     )
     options = init_options(bound, timeout_s)
     timeout = options["timeout"]
+    interface = set_gloo_interface()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"lowcomm: {socket.gethostname()}: {interface}", file=sys.stderr, flush=True)
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
         dist.init_process_group(**options)
         check_distinct_gpus(bound)
