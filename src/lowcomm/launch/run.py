@@ -485,7 +485,7 @@ def _join_torchrun(
     import torch.distributed as dist
 
     from lowcomm.comm.torch_comm import TorchComm
-    from lowcomm.launch.spawn import init_from_env
+    from lowcomm.launch.spawn import init_from_env, leave_failed_rank
     from lowcomm.train.loop import train_worker
     from lowcomm.train.rundir import run_directory
 
@@ -518,6 +518,7 @@ def _join_torchrun(
             train_stacked(config, task)
         else:
             train_worker(config, TorchComm(timeout_s=config.collective_timeout_s), task=task)
-    finally:
-        dist.destroy_process_group()
+    except BaseException as error:
+        leave_failed_rank(error)
+    dist.destroy_process_group()
     return read_summary(run_directory(config)) if first else None

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,14 @@ from lowcomm.launch.devices import (
 from lowcomm.launch.rendezvous import agree_generation, set_gloo_interface
 from lowcomm.prestart import WORKER_MODULES, under_torchrun, use_forkserver
 
-__all__ = ["WorkerFailed", "backend_for", "init_from_env", "spawn_workers", "under_torchrun"]
+__all__ = [
+    "WorkerFailed",
+    "backend_for",
+    "init_from_env",
+    "leave_failed_rank",
+    "spawn_workers",
+    "under_torchrun",
+]
 
 T = TypeVar("T")
 
@@ -123,6 +130,26 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
         **options,
     )
     check_distinct_gpus(bound)
+
+
+def leave_failed_rank(error: BaseException) -> NoReturn:
+    """End this torchrun rank at once after ``error``, as the local spawner ends a failed
+    worker: without ``destroy_process_group()``, which would wait on the collective that failed
+    (with NCCL, until its watchdog fires) while the agent waits on this process. A refusal
+    (``ValueError``: ConfigError, DataError) is said in one line, exit status 2; an interrupt
+    exits 130; anything else prints its traceback for torchrun's log, exit status 1."""
+    if isinstance(error, ValueError | WorkerFailed):  # (a thread of this process failed)
+        print(f"lowcomm: error: {error}", file=sys.stderr)
+        code = 1 if isinstance(error, WorkerFailed) else 2
+    elif isinstance(error, KeyboardInterrupt):
+        print("lowcomm: interrupted", file=sys.stderr)
+        code = 130
+    else:
+        traceback.print_exception(error, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _worker_entry(
