@@ -29,6 +29,7 @@ from lowcomm.launch.devices import (
     backend_for,
     bind_device,
     check_distinct_gpus,
+    check_distinct_gpus_in_store,
     check_gpu_count,
     init_options,
 )
@@ -123,13 +124,9 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
         timeout=timeout,
     )
     generation = agree_generation(store, rank, world_size, timeout.total_seconds())
-    dist.init_process_group(
-        store=dist.PrefixStore(f"lowcomm/generation{generation}", store),  # type: ignore[attr-defined]
-        rank=rank,
-        world_size=world_size,
-        **options,
-    )
-    check_distinct_gpus(bound)
+    group_store = dist.PrefixStore(f"lowcomm/generation{generation}", store)  # type: ignore[attr-defined]
+    check_distinct_gpus_in_store(group_store, rank, world_size, bound, timeout_s)
+    dist.init_process_group(store=group_store, rank=rank, world_size=world_size, **options)
 
 
 def leave_failed_rank(error: BaseException) -> NoReturn:
@@ -179,6 +176,7 @@ def _worker_entry(
     try:
         bound = bind_device(device, local_rank, local_world_size=world_size)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
+        check_distinct_gpus_in_store(store, local_rank, world_size, bound, timeout_s)
         dist.init_process_group(
             store=store, rank=local_rank, world_size=world_size, **init_options(bound, timeout_s)
         )
