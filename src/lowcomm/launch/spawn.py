@@ -108,12 +108,15 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
     interface = set_gloo_interface()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"lowcomm: {socket.gethostname()}: {interface}", file=sys.stderr, flush=True)
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(**options)
+    if not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} <= set(os.environ):
+        dist.init_process_group(**options)  # (init_method's own variables)
         check_distinct_gpus(bound)
         return
-    # An elastic restart reuses the agent's store: each group meets under a prefix of its own
-    # (agree_generation: the restart count can differ between the members of one group).
+    # The store is made here, not by init_process_group, so that the GPUs are checked through
+    # it before NCCL starts. Under torchrun it is the agent's, kept across elastic restarts:
+    # each group meets under a prefix of its own (agree_generation: the restart count can
+    # differ between the members of one group). Without torchrun, rank 0 serves it, as the
+    # env:// rendezvous does.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(  # type: ignore[attr-defined]
