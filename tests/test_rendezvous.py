@@ -78,6 +78,7 @@ os._exit(0)  # like a killed group: no teardown, its keys stay in the agent's st
 """
 
 
+@pytest.mark.slow
 def test_groups_meet_though_their_restart_counts_differ_again_and_again(tmp_path: Path) -> None:
     """Four groups in turn on one agent store (as torchrun's agents share theirs), each pair of
     workers given diverging restart counts, as two agents give them when one restarted for its

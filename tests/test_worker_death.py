@@ -16,7 +16,10 @@ import pytest
 
 from _cli import TINY
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="scans /proc")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="scans /proc"),
+]
 
 
 def _parent(pid: int) -> int | None:
