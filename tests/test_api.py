@@ -27,3 +27,18 @@ def test_make_strategy_passes_family_options() -> None:
         )
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         lowcomm.make_strategy("nope", torch.nn.Linear(3, 1), lowcomm.connect())
+
+
+def test_connect_takes_the_groups_gpu_or_local_rank_not_cuda_0_on_every_rank() -> None:
+    """On a group the caller made without set_device, every rank's current device is 0:
+    connect() takes the group's bound device, else LOCAL_RANK's GPU (0 where the launcher gave
+    the process a GPU of its own), else the device the caller set."""
+    from lowcomm.api import connect_gpu
+
+    env = {"LOCAL_RANK": "3"}
+    assert connect_gpu(None, 0, env) == 3
+    assert connect_gpu(torch.device("cuda", 5), 0, env) == 5
+    assert connect_gpu(None, 2, env) == 2  # the caller's set_device
+    assert connect_gpu(None, 0, {"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "6"}) == 0
+    assert connect_gpu(None, 0, {"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == 3
+    assert connect_gpu(None, 0, {}) == 0  # one process, no launcher

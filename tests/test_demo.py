@@ -59,6 +59,20 @@ def test_dct_and_its_inverse_follow_the_formula(size: int) -> None:
     assert dct_matrix(size) is dct_matrix(size)  # cached
 
 
+@pytest.mark.parametrize("size", [3, 5, 29])
+def test_odd_sides_store_the_exact_zeros_of_the_dct(size: int) -> None:
+    """cos(pi (2n + 1) k / (2N)) is 0 where (2n + 1) k = N mod 2N; the matrix holds a true 0
+    there (not float64 cos(pi / 2) = 6e-17), so a sign step on such a coefficient is 0."""
+    c = dct_matrix(size)
+    for k in range(size):
+        for n in range(size):
+            zero = (2 * n + 1) * k % (2 * size) == size
+            assert (c[k, n].item() == 0.0) == zero, (size, k, n, c[k, n].item())
+    # A lone odd-k coefficient of a 3-block: the middle entry is exactly 0, so no step there.
+    if size == 3:
+        assert torch.sign(idct(torch.tensor([0.0, 1.0, 0.0]))).tolist() == [1.0, 0.0, -1.0]
+
+
 def test_block_sides_are_the_largest_divisors_up_to_the_chunk() -> None:
     assert [block_side(d, 64) for d in (32, 64, 96, 128, 97, 50257, 1)] == [
         32, 64, 48, 64, 1, 29, 1
@@ -186,7 +200,8 @@ def _sparse_part(m: torch.Tensor, model: torch.nn.Module, chunk: int, k: int) ->
 def test_steps_follow_the_equations() -> None:
     # Identical replicas (RecordingComm): the mean of the workers' q is q.
     comm = RecordingComm(world_size=3)
-    strategy = DeMo(tiny_gpt(), comm, CONTEXT, DeMoOptions(momentum_decay=0.9, **SMALL))
+    options = DeMoOptions(momentum_decay=0.9, weight_decay=0.1, **SMALL)
+    strategy = DeMo(tiny_gpt(), comm, CONTEXT, options)
     reference = tiny_gpt()
     theta = flat_params(reference)
     m = torch.zeros_like(theta)
@@ -211,7 +226,8 @@ def test_steps_follow_the_equations() -> None:
 def test_every_coefficient_kept_without_sign_is_sgd_on_the_mean_gradient() -> None:
     # k = block: q = m, so m is emptied every step and beta has no effect:
     # theta <- theta (1 - lr lambda) - lr g.
-    demo = DeMo(tiny_gpt(), LocalComm(), CONTEXT, DeMoOptions(momentum_decay=0.9, **FULL))
+    options = DeMoOptions(momentum_decay=0.9, weight_decay=0.1, **FULL)
+    demo = DeMo(tiny_gpt(), LocalComm(), CONTEXT, options)
     reference = tiny_gpt()
     theta = flat_params(reference)
     for step in range(4):
@@ -226,6 +242,40 @@ def test_every_coefficient_kept_without_sign_is_sgd_on_the_mean_gradient() -> No
     default = DeMo(tiny_gpt(), LocalComm(), CONTEXT, DeMoOptions(**SMALL))
     _run(default, 4)
     assert not torch.allclose(flat_params(default.model), theta, atol=1e-4)
+
+
+def test_default_weight_decay_is_the_references_zero_whatever_adamw_takes() -> None:
+    """DeMo's lambda is its own (0, as in the reference code), not --optim.weight-decay: with
+    every coefficient kept and no sign, the default run is theta - lr g, undecayed, although
+    CONTEXT's AdamW takes 0.1."""
+    assert DeMoOptions().weight_decay == 0.0 and CONTEXT.optim.weight_decay == 0.1
+    demo = DeMo(tiny_gpt(), LocalComm(), CONTEXT, DeMoOptions(**FULL))
+    reference = tiny_gpt()
+    theta = flat_params(reference)
+    for step in range(2):
+        _run(demo, 1, start=step)
+        theta = theta - 3e-3 * _gradient(reference, step)
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(theta, reference.parameters())
+    assert torch.allclose(flat_params(demo.model), theta, atol=1e-6)
+
+
+def test_help_names_demos_own_weight_decay(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tyro
+
+    from lowcomm.config import TrainConfig
+
+    monkeypatch.setenv("COLUMNS", "80")  # (one column: the entry's lines follow its flag)
+    with pytest.raises(SystemExit):
+        tyro.cli(TrainConfig, args=["--help"], config=(tyro.conf.FlagConversionOff,))
+    text = capsys.readouterr().out
+    lines = [line.strip("│ ") for line in text.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("--demo.weight-decay"))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith(("--", "─", "╰")))
+    words = " ".join(" ".join(lines[start:end]).split())
+    assert "0 as in the reference code" in words and "(default: 0.0)" in words, words
 
 
 def test_bytes_counted_are_the_packed_payload_by_hand() -> None:
@@ -336,7 +386,7 @@ def _gloo_worker(steps: int) -> dict[str, torch.Tensor]:
         loss.backward()
         g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
         comm.all_reduce(g, op="mean", role=Role.GRADIENT).wait()
-        theta = flat_params(model) * (1 - 3e-3 * 0.1) - 3e-3 * g
+        theta = flat_params(model) - 3e-3 * g  # (DeMo's default weight decay: 0)
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(theta, model.parameters())
     results["sgd"] = flat_params(model)

@@ -17,7 +17,8 @@ the model there (``model.to(comm.device)``) before ``make_strategy``.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -94,13 +95,17 @@ def _join_group(device: Literal["cpu", "cuda"], timeout_s: float) -> tuple[Comm,
 
     import torch.distributed as dist
 
-    bound = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
+    bound: torch.device | None = None
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         from lowcomm.launch.spawn import init_from_env
 
         init_from_env(device=device, timeout_s=timeout_s)
         if device == "cuda":  # init_from_env bound this process's GPU
             bound = torch.device("cuda", torch.cuda.current_device())
+    if device == "cuda" and bound is None:
+        group = _group_device(dist) if dist.is_available() and dist.is_initialized() else None
+        bound = torch.device("cuda", connect_gpu(group, torch.cuda.current_device(), os.environ))
+        torch.cuda.set_device(bound)
     if not (dist.is_available() and dist.is_initialized()):
         return LocalComm(), bound or torch.device("cpu")
     from lowcomm.comm.torch_comm import TorchComm
@@ -111,6 +116,32 @@ def _join_group(device: Literal["cpu", "cuda"], timeout_s: float) -> tuple[Comm,
             "device='cuda' (and move the model to comm.device)"
         )
     return TorchComm(timeout_s=timeout_s), bound or torch.device("cpu")
+
+
+def _group_device(dist: Any) -> torch.device | None:
+    """The GPU the default process group was bound to (``init_process_group(device_id=...)``),
+    if any."""
+    group = dist.distributed_c10d._get_default_group()
+    bound = getattr(group, "bound_device_id", None)
+    return bound if isinstance(bound, torch.device) else None
+
+
+def connect_gpu(group: torch.device | None, current: int, environ: Mapping[str, str]) -> int:
+    """The GPU index :func:`connect` uses on a process group it did not make: the group's
+    bound device; else the current device when the caller set one (not 0); else
+    ``LOCAL_RANK``'s (0 where the launcher gave this process a GPU of its own through a
+    one-device ``CUDA_VISIBLE_DEVICES``); else the current device. Every rank of a node taking
+    ``cuda:0`` because nobody called ``set_device`` would put them all on one GPU."""
+    from lowcomm.launch.devices import given_own_gpu
+
+    if group is not None and group.index is not None:
+        return group.index
+    if current != 0 or "LOCAL_RANK" not in environ:
+        return current
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and given_own_gpu(1, visible):
+        return 0
+    return int(environ["LOCAL_RANK"])
 
 
 def make_strategy(

@@ -48,7 +48,9 @@ def run_train(config: TrainConfig) -> None:
     except ValueError as error:  # ConfigError and DataError: a refusal naming the fix
         _fail(str(error))
     except WorkerFailed as error:
-        _fail(str(error), code=1)
+        from lowcomm.launch.run import kept_state
+
+        _fail(f"{error}; {kept_state(config)}", code=1)
     except Interrupted as interrupt:
         print(_interrupted_message(config, interrupt), file=sys.stderr)
         _exit_past_busy_workers(128 + interrupt.signum, threads=config.workers_per_process > 1)

@@ -734,7 +734,7 @@ def _run_as_torchrun_world(config: SelftestConfig, begin: float) -> int:
     group); every rank returns the same exit code."""
     import torch.distributed as dist
 
-    from lowcomm.launch.spawn import init_from_env
+    from lowcomm.launch.spawn import init_from_env, leave_failed_rank
 
     init_from_env(device=config.device, timeout_s=config.timeout_s)
     try:
@@ -751,9 +751,10 @@ def _run_as_torchrun_world(config: SelftestConfig, begin: float) -> int:
         if dist.get_rank() == 0:
             print(format_report(reports, time.perf_counter() - begin), flush=True)
         failed = any(not check.passed for each in reports for check in each.checks)
-        return 1 if failed else 0
-    finally:
-        dist.destroy_process_group()
+    except BaseException as error:
+        leave_failed_rank(error)
+    dist.destroy_process_group()
+    return 1 if failed else 0
 
 
 def format_report(reports: list[RankReport], seconds: float) -> str:

@@ -5,12 +5,15 @@ each process a GPU of its own (``CUDA_VISIBLE_DEVICES`` naming a single device, 
 ``--gpus-per-task=1`` does), in which case every process drives its only visible device,
 ``cuda:0``. Two processes on one GPU would share its memory and NCCL refuses (or hangs on) two
 ranks of one communicator on one device, so more processes than GPUs on a node is an error
-here, with the fix, rather than a cryptic NCCL failure later; after the rendezvous,
-:func:`check_distinct_gpus` verifies that no two ranks of a node drive the same physical GPU.
+here, with the fix, rather than a cryptic NCCL failure later; at the rendezvous, before any
+NCCL communicator, :func:`check_distinct_gpus_in_store` verifies through the store that no two
+ranks drive the same physical GPU (:func:`check_distinct_gpus`: the same on a group already
+made).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from collections.abc import Sequence
@@ -111,6 +114,57 @@ def check_distinct_gpus(device: torch.device) -> None:
         )
 
 
+def placement(device: torch.device) -> tuple[str, str] | None:
+    """This process's (host, GPU UUID) on ``device``; None off the GPU."""
+    if device.type != "cuda":
+        return None
+    return socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)
+
+
+def exchange_placements(
+    store: Any, rank: int, world_size: int, mine: tuple[str, str], timeout_s: float
+) -> list[tuple[str, str]]:
+    """Every rank's (host, GPU UUID), through the rendezvous store (before any NCCL
+    communicator exists): each rank writes its own key and reads the others'."""
+    store.set(f"lowcomm/placement/{rank}", "\n".join(mine))
+    keys = [f"lowcomm/placement/{other}" for other in range(world_size)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    out: list[tuple[str, str]] = []
+    for key in keys:
+        host, _, uuid = bytes(store.get(key)).decode().partition("\n")
+        out.append((host, uuid))
+    return out
+
+
+def check_distinct_gpus_in_store(
+    store: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float,
+    *,
+    mine: tuple[str, str] | None = None,
+) -> None:
+    """Before the process group is made, refuse a job in which two ranks drive the same
+    physical GPU: NCCL would otherwise fail first, with its own "Duplicate GPU detected" (or
+    hang), naming neither the ranks nor the fix. ``mine``: this rank's (host, GPU UUID),
+    by default :func:`placement`'s.
+
+    Raises:
+        ValueError: on every rank alike, naming the shared GPU, its ranks and the fix.
+    """
+    mine = placement(device) if mine is None else mine
+    if mine is None:
+        return
+    shared = shared_gpus(exchange_placements(store, rank, world_size, mine, timeout_s))
+    if shared:
+        raise ValueError(
+            "--device cuda: two or more ranks drive the same GPU ("
+            + "; ".join(shared)
+            + "); give every process its own GPU (at most one process per GPU per node)"
+        )
+
+
 def init_options(device: torch.device, collective_timeout_s: float) -> dict[str, Any]:
     """Keyword arguments for ``init_process_group`` on ``device``: the backend, a timeout
     longer than the collective wait's (so the wait reports a :class:`CollectiveTimeout`
@@ -129,8 +183,11 @@ __all__ = [
     "backend_for",
     "bind_device",
     "check_distinct_gpus",
+    "check_distinct_gpus_in_store",
     "check_gpu_count",
+    "exchange_placements",
     "given_own_gpu",
     "init_options",
+    "placement",
     "shared_gpus",
 ]

@@ -123,6 +123,27 @@ def _launch(
     return read_summary(run_directory(config))
 
 
+def kept_state(config: TrainConfig) -> str:
+    """What a stopped run's directory holds: its steps, its newest checkpoint and the command
+    that continues from it (or that it kept none)."""
+    from lowcomm.train.checkpoint import committed
+    from lowcomm.train.rundir import run_directory
+
+    run_dir = run_directory(config)
+    try:
+        steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except (OSError, UnicodeDecodeError):
+        steps = 0
+    kept = committed(run_dir)
+    if kept:
+        checkpoint = (
+            f"its newest checkpoint is {kept[-1]}; continue with: lowcomm train --resume {run_dir}"
+        )
+    else:
+        checkpoint = "no checkpoint was kept (--checkpoint-every N writes them)"
+    return f"{run_dir}/metrics.jsonl holds {steps} steps, {checkpoint}"
+
+
 def _prepare(config: TrainConfig, task: Task, report: Report) -> None:
     """Prepare and check the run's data (the corpus, cached, where the task reads it)."""
     if task.reads_corpus:
@@ -464,7 +485,7 @@ def _join_torchrun(
     import torch.distributed as dist
 
     from lowcomm.comm.torch_comm import TorchComm
-    from lowcomm.launch.spawn import init_from_env
+    from lowcomm.launch.spawn import init_from_env, leave_failed_rank
     from lowcomm.train.loop import train_worker
     from lowcomm.train.rundir import run_directory
 
@@ -497,6 +518,7 @@ def _join_torchrun(
             train_stacked(config, task)
         else:
             train_worker(config, TorchComm(timeout_s=config.collective_timeout_s), task=task)
-    finally:
-        dist.destroy_process_group()
+    except BaseException as error:
+        leave_failed_rank(error)
+    dist.destroy_process_group()
     return read_summary(run_directory(config)) if first else None

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -14,7 +15,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,12 +29,21 @@ from lowcomm.launch.devices import (
     backend_for,
     bind_device,
     check_distinct_gpus,
+    check_distinct_gpus_in_store,
     check_gpu_count,
     init_options,
 )
+from lowcomm.launch.rendezvous import agree_generation, set_gloo_interface
 from lowcomm.prestart import WORKER_MODULES, under_torchrun, use_forkserver
 
-__all__ = ["WorkerFailed", "backend_for", "init_from_env", "spawn_workers", "under_torchrun"]
+__all__ = [
+    "WorkerFailed",
+    "backend_for",
+    "init_from_env",
+    "leave_failed_rank",
+    "spawn_workers",
+    "under_torchrun",
+]
 
 T = TypeVar("T")
 
@@ -95,13 +105,18 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
     )
     options = init_options(bound, timeout_s)
     timeout = options["timeout"]
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restarts is None or "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(**options)
+    interface = set_gloo_interface()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"lowcomm: {socket.gethostname()}: {interface}", file=sys.stderr, flush=True)
+    if not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} <= set(os.environ):
+        dist.init_process_group(**options)  # (init_method's own variables)
         check_distinct_gpus(bound)
         return
-    # An elastic restart reuses the agent's store: without a per-attempt prefix the new
-    # workers would read the dead attempt's Gloo addresses and fail to connect.
+    # The store is made here, not by init_process_group, so that the GPUs are checked through
+    # it before NCCL starts. Under torchrun it is the agent's, kept across elastic restarts:
+    # each group meets under a prefix of its own (agree_generation: the restart count can
+    # differ between the members of one group). Without torchrun, rank 0 serves it, as the
+    # env:// rendezvous does.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -111,13 +126,30 @@ def init_from_env(*, device: str, timeout_s: float) -> None:
         is_master=rank == 0 and not agent_store,
         timeout=timeout,
     )
-    dist.init_process_group(
-        store=dist.PrefixStore(f"lowcomm/attempt{restarts}", store),  # type: ignore[attr-defined]
-        rank=rank,
-        world_size=world_size,
-        **options,
-    )
-    check_distinct_gpus(bound)
+    generation = agree_generation(store, rank, world_size, timeout.total_seconds())
+    group_store = dist.PrefixStore(f"lowcomm/generation{generation}", store)  # type: ignore[attr-defined]
+    check_distinct_gpus_in_store(group_store, rank, world_size, bound, timeout_s)
+    dist.init_process_group(store=group_store, rank=rank, world_size=world_size, **options)
+
+
+def leave_failed_rank(error: BaseException) -> NoReturn:
+    """End this torchrun rank at once after ``error``, as the local spawner ends a failed
+    worker: without ``destroy_process_group()``, which would wait on the collective that failed
+    (with NCCL, until its watchdog fires) while the agent waits on this process. A refusal
+    (``ValueError``: ConfigError, DataError) is said in one line, exit status 2; an interrupt
+    exits 130; anything else prints its traceback for torchrun's log, exit status 1."""
+    if isinstance(error, ValueError | WorkerFailed):  # (a thread of this process failed)
+        print(f"lowcomm: error: {error}", file=sys.stderr)
+        code = 1 if isinstance(error, WorkerFailed) else 2
+    elif isinstance(error, KeyboardInterrupt):
+        print("lowcomm: interrupted", file=sys.stderr)
+        code = 130
+    else:
+        traceback.print_exception(error, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _worker_entry(
@@ -147,6 +179,7 @@ def _worker_entry(
     try:
         bound = bind_device(device, local_rank, local_world_size=world_size)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
+        check_distinct_gpus_in_store(store, local_rank, world_size, bound, timeout_s)
         dist.init_process_group(
             store=store, rank=local_rank, world_size=world_size, **init_options(bound, timeout_s)
         )
@@ -380,7 +413,15 @@ def _first_failure(
     for rank, code in enumerate(exit_codes):
         if code is not None and code < 0 and code != -signal.SIGTERM and rank not in recorded:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-            return WorkerFailed(rank, f"killed by {name} (exit code {code})")
+            message = f"killed by {name} (exit code {code})"
+            cause = (
+                "a signal leaves no traceback (SIGKILL is also what the kernel's out-of-memory "
+                "killer sends: see dmesg)"
+            )
+            tracebacks = [(f"traceback of worker {r}", text) for _, r, text in sorted(records)]
+            if _write_log(log_path, [(f"worker {rank} {message}", cause), *tracebacks]):
+                return WorkerFailed(rank, f"{message} (details in {log_path})")
+            return WorkerFailed(rank, message)
     if not records:
         return WorkerFailed(
             reported_rank, reported.strip().splitlines()[-1] if reported.strip() else reported
@@ -391,16 +432,24 @@ def _first_failure(
         return WorkerFailed(*named[rank])
     lines = [line for line in text.strip().splitlines() if line.strip()]
     message = lines[-1] if lines else reported
-    if log_path is None:
+    tracebacks = [(f"traceback of worker {other}", txt) for _, other, txt in sorted(records)]
+    if not _write_log(log_path, tracebacks):
         print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
         return WorkerFailed(rank, message)
+    return WorkerFailed(rank, f"{message} (traceback in {log_path})")
+
+
+def _write_log(log_path: Path | None, entries: list[tuple[str, str]]) -> bool:
+    """Append each (heading, text) to ``log_path``; False if there is none or it cannot be
+    written."""
+    if log_path is None:
+        return False
     try:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log:
             stamp = datetime.datetime.now().isoformat(timespec="seconds")
-            for _, other, other_text in sorted(records):
-                log.write(f"--- {stamp}: traceback of worker {other} ---\n{other_text.rstrip()}\n")
+            for heading, text in entries:
+                log.write(f"--- {stamp}: {heading} ---\n{text.rstrip()}\n")
     except OSError:
-        print(f"--- traceback of worker {rank} ---\n{text.rstrip()}", file=sys.stderr)
-        return WorkerFailed(rank, message)
-    return WorkerFailed(rank, f"{message} (traceback in {log_path})")
+        return False
+    return True

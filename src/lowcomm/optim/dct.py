@@ -31,6 +31,10 @@ def _dct_matrix_cpu(size: int) -> torch.Tensor:
     k = n.reshape(-1, 1)
     matrix = torch.cos(math.pi * (2 * n + 1) * k / (2 * size)) * math.sqrt(2.0 / size)
     matrix[0] /= math.sqrt(2.0)
+    # cos(pi m / (2N)) with m = (2n + 1) k is exactly 0 where m = N mod 2N (an odd N only),
+    # but float64 cos(pi / 2) is 6e-17, and DeMo's sign step would make that a full +-lr step.
+    odd = (2 * n.long() + 1) * k.long()
+    matrix[odd % (2 * size) == size] = 0.0
     return matrix
 
 

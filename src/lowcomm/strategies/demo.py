@@ -56,10 +56,20 @@ class DeMoOptions:
     """Step along sign(Q) (the paper's signum variant, the reference's only form); false
     steps along Q itself (theta <- theta - lr (Q + lambda theta))."""
 
+    weight_decay: float = 0.0
+    """lambda: DeMo's own decoupled weight decay, theta <- theta (1 - lr lambda) before the
+    step. 0 as in the reference code (weight_decay = 0.0) and the paper's configurations;
+    DeMo does not read --optim.weight-decay (0.1, the AdamW's)."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.momentum_decay < 1.0:
             raise ValueError(
                 f"--demo.momentum-decay: {self.momentum_decay} must lie in [0, 1); try 0.999"
+            )
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(
+                f"--demo.weight-decay: {self.weight_decay} must be a finite number >= 0; try 0 "
+                f"(the reference's)"
             )
         if self.chunk < 1:
             raise ValueError(f"--demo.chunk: {self.chunk} must be >= 1; try 64")
@@ -183,7 +193,8 @@ class DeMo(Strategy):
     Paper: Peng, Quesnelle, Kingma 2024, "DeMo: Decoupled Momentum Optimization" (arXiv
     2411.19870; docs/ALGORITHMS.md "DeMo"). Symbols: beta -> options.momentum_decay, s ->
     options.chunk, k -> options.topk, sign -> options.sign, eta -> --optim.lr (with its
-    schedule), lambda -> --optim.weight-decay, m -> momentum.
+    schedule), lambda -> options.weight_decay (--demo.weight-decay, 0 as in the reference;
+    not --optim.weight-decay), m -> momentum.
     Reduces to: data-parallel SGD without momentum on the mean gradient, for any beta, when
     every coefficient is kept and sign is off (the momentum is then sent whole and emptied
     every step; tests/test_demo.py checks it).
@@ -254,7 +265,7 @@ class DeMo(Strategy):
             self.exchange()
             if self.options.sign:
                 self.update.sign_()
-            weight_decay = self.context.optim.weight_decay
+            weight_decay = self.options.weight_decay
             if weight_decay:
                 self.master.mul_(1.0 - lr * weight_decay)
             self.master.add_(self.update, alpha=-lr)

@@ -537,11 +537,13 @@ def extension_of(directory: Path, steps: int) -> int | None:
 
 
 def read_rank_state(
-    directory: Path, rank: int, device: torch.device | str = "cpu"
+    directory: Path, rank: int, device: torch.device | str = "cpu", *, mmap: bool = False
 ) -> dict[str, Any]:
-    """Load one worker's state (tensors and plain containers only) onto ``device``."""
+    """Load one worker's state (tensors and plain containers only) onto ``device``; with
+    ``mmap``, its tensors mapped from the file (copy-on-write) rather than read into memory."""
     try:
-        state = torch.load(directory / f"rank{rank}.pt", weights_only=True, map_location=device)
+        path = directory / f"rank{rank}.pt"
+        state = torch.load(path, weights_only=True, map_location=device, mmap=mmap)
     except Exception as error:  # torch raises several types for a bad file
         raise CheckpointError(
             f"--resume: cannot load {directory / f'rank{rank}.pt'}: {error}"

@@ -368,7 +368,7 @@ def resume(worker: Worker) -> Progress:
     has read its file before anyone may write a new one."""
     config = worker.config
     progress = Progress()
-    resume_from = _resume_directory(config, run_directory(config))
+    resume_from = _resume_directory(config, run_directory(config), worker.bookkeeping)
     if resume_from is not None:
         # Each rank verifies its own files; all agree on the newest intact for everyone.
         start_step, directory = checkpoint.agree_latest(
@@ -665,14 +665,36 @@ _NOT_SAVED = "; the run stopped here and no checkpoint holds this state"
 _WRITE_TURN = threading.Lock()
 
 
-def _resume_directory(config: TrainConfig, run_dir: Path) -> Path | None:
+def _resume_directory(config: TrainConfig, run_dir: Path, bookkeeping: Comm) -> Path | None:
     """Where to resume from: --resume DIR, or with --resume auto the run directory when it
-    holds a checkpoint (an elastic restart), else nowhere (a fresh start)."""
+    holds a checkpoint (an elastic restart), else nowhere (a fresh start).
+
+    With --resume auto every rank looks at its own disk, and the ranks agree on what they
+    saw (a collective over ``bookkeeping``) before any branches: a rank that resumed while
+    another started afresh would wait in collectives the other never makes.
+
+    Raises:
+        CheckpointError: on every rank alike, when some ranks see a checkpoint and others
+            do not.
+    """
     if config.resume is None:
         return None
-    if config.resume == "auto":
-        return run_dir if checkpoint.has_checkpoint(run_dir) else None
-    return Path(config.resume)
+    if config.resume != "auto":
+        return Path(config.resume)
+    mine = int(checkpoint.has_checkpoint(run_dir))
+    seen = torch.tensor([mine, -mine], dtype=torch.int64)
+    bookkeeping.all_reduce(seen, op="max", role=Role.OTHER).wait()
+    anyone, everyone = int(seen[0]) == 1, -int(seen[1]) == 1
+    if everyone:
+        return run_dir
+    if not anyone:
+        return None
+    where = "sees one" if mine else "sees none"
+    raise checkpoint.CheckpointError(
+        f"--resume auto: ranks disagree on whether {run_dir / 'checkpoints'} holds a "
+        f"checkpoint (rank {bookkeeping.rank} {where}); give every rank the run directory "
+        f"(a shared filesystem, or a copy of the checkpoints on each node), or --resume DIR"
+    )
 
 
 def _rng_state(

@@ -104,11 +104,18 @@ def read_resharded(
     directory: Path, config: TrainConfig, rank: int, device: torch.device
 ) -> dict[str, Any]:
     """This rank's state from the checkpoint in ``directory``, re-sharded when it was written
-    with another layout (every old file is read; nothing is written)."""
+    with another layout (nothing is written).
+
+    Re-sharding needs every old rank's state, and every resumed rank re-shards. The old files
+    are mapped, not read: the node's page cache holds one copy of each, shared by all its
+    ranks (and worker threads), where reading them put a private copy of the whole run in
+    every rank's memory (8 per 8-GPU node) and read each file once per rank. Only what this
+    rank keeps is copied (:func:`reshard` leaves its inputs untouched, so no page is
+    written)."""
     old, new = saved_layout(directory), Layout(config.workers, config.ranks_per_worker)
     if old == new:
         return read_rank_state(directory, rank, device)
-    states = [read_rank_state(directory, r, "cpu") for r in range(old.world_size)]
+    states = [read_rank_state(directory, r, "cpu", mmap=True) for r in range(old.world_size)]
     # (Sharded workers: rank 0 holds a whole FSDP chunk of every parameter, the length of
     # every rank's flat buffer.)
     rules = rules_for(config.method, parameter_count(states[0]))
