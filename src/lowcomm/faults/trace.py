@@ -395,9 +395,9 @@ def _word(kind: str) -> str:
 def _validate_membership(events: tuple[Event, ...], workers: int, source: str) -> None:
     alive = set(range(workers))
     crashed: set[int] = set()
-    for event in events:
-        if event.kind not in MEMBERSHIP_KINDS:
-            continue
+    changes = [event for event in events if event.kind in MEMBERSHIP_KINDS]
+    emptied_by: Event | None = None
+    for index, event in enumerate(changes):
         worker = event.worker
         assert worker is not None
         where = _where(source, event)
@@ -413,11 +413,7 @@ def _validate_membership(events: tuple[Event, ...], workers: int, source: str) -
             else:
                 crashed.discard(worker)
             if not alive:
-                when = f"step {event.at_step}" if event.at_step is not None else f"t={event.at}"
-                raise TraceError(
-                    f"{where}: no worker is alive from {when} on; a run needs one at every "
-                    "moment, so join or rejoin a worker before this line, or drop it"
-                )
+                emptied_by = event
         else:
             if worker in alive:
                 raise TraceError(
@@ -431,6 +427,20 @@ def _validate_membership(events: tuple[Event, ...], workers: int, source: str) -
                 )
             alive.add(worker)
             crashed.discard(worker)
+        # Events at one moment happen together: a crash and its replacement's join at the
+        # same step leave the run a worker, whichever line comes first.
+        moment_ends = index + 1 == len(changes) or changes[index + 1].at != event.at
+        if moment_ends and not alive:
+            assert emptied_by is not None
+            when = (
+                f"step {emptied_by.at_step}"
+                if emptied_by.at_step is not None
+                else (f"t={_number(emptied_by.at)}")
+            )
+            raise TraceError(
+                f"{_where(source, emptied_by)}: no worker is alive from {when} on; a run needs "
+                "one at every moment, so join or rejoin a worker by then, or drop this line"
+            )
 
 
 # ---- parsing -------------------------------------------------------------------------------
