@@ -37,7 +37,10 @@ def test_the_same_options_give_the_same_trace_bit_for_bit() -> None:
 def test_a_generated_trace_written_out_reads_back_identically() -> None:
     trace = generate_trace(OPTIONS, workers=32)
     assert any(event.kind == "crash" for event in trace.events)  # something to round-trip
-    assert parse_trace(trace.to_text(), workers=32) == trace
+    again = parse_trace(trace.to_text(), workers=32)
+    assert again == trace
+    # a generated event's line is its line in that text, so messages point into it
+    assert [event.line for event in again.events] == [event.line for event in trace.events]
 
 
 def test_worker_k_events_do_not_change_when_the_run_grows() -> None:
@@ -121,5 +124,10 @@ def test_bad_worker_counts_and_a_trace_that_kills_everyone_are_refused() -> None
     with pytest.raises(ValueError, match=r"^workers=0: a run has at least one worker"):
         generate_trace(OPTIONS, workers=0)
     deadly = FaultOptions(duration_s=1000.0, mtbf_s=10.0, seed=1)  # never replaced
-    with pytest.raises(TraceError, match=r"^<generated seed=1 .*>: 't=.* crash': no worker is"):
+    # Each of the 2 workers crashes once and is never replaced: the second crash, line 3 of
+    # the trace's text (after its header and the first crash), leaves nobody.
+    with pytest.raises(
+        TraceError,
+        match=r"^<generated seed=1 .*>:3: 't=\S+ worker=\d crash': no worker is alive from t=",
+    ):
         generate_trace(deadly, workers=2)

@@ -24,7 +24,7 @@ All times are modeled seconds on the run's clock; the trace places every event w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -133,4 +133,8 @@ def generate_trace(options: FaultOptions, *, workers: int) -> FaultTrace:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r}: a run has at least one worker; pass M >= 1")
     events = [event for worker in range(workers) for event in _worker_events(options, worker)]
-    return FaultTrace(workers=workers, events=tuple(events), source=options.describe())
+    # Every event is placed by time, so this is the trace's own (stable) order; numbering the
+    # events as the lines of to_text (after its header) lets a message point into that text.
+    events.sort(key=lambda event: event.at)
+    numbered = tuple(replace(event, line=index) for index, event in enumerate(events, start=2))
+    return FaultTrace(workers=workers, events=numbered, source=options.describe())
