@@ -169,6 +169,15 @@ def test_a_query_without_the_clock_the_events_use_says_which_to_pass() -> None:
             "longer compute takes and must be >= 1; write factor=2 for half speed",
         ),
         (
+            "step=4 worker=1 slow",
+            "faults.txt:2: 'step=4 worker=1 slow': a slow event needs factor=F; add e.g. factor=3",
+        ),
+        (
+            "step=4 link worker=1 down for=2",
+            "faults.txt:2: 'step=4 link worker=1 down for=2': a link event names no worker; "
+            "drop worker=",
+        ),
+        (
             "t=1 link down",
             "faults.txt:2: 't=1 link down': a link down for the rest of the run leaves no round "
             "able to finish; give for=D",

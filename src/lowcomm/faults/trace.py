@@ -110,6 +110,8 @@ class Event:
             None means to the end of the run.
         line: the line of the source it came from (0 when built in code); kept for messages,
             not compared.
+        text: that line as written (whitespace collapsed, comment dropped; empty when built
+            in code); kept for messages, not compared.
     """
 
     kind: EventKind
@@ -119,6 +121,7 @@ class Event:
     factor: float | None = None
     duration: float | None = None
     line: int = field(default=0, compare=False)
+    text: str = field(default="", compare=False, repr=False)
 
     @property
     def clock(self) -> Literal["step", "time"]:
@@ -134,30 +137,33 @@ class Event:
         return self.at_time
 
     def to_text(self) -> str:
-        """The event as one trace line (columns aligned like the hand-written example)."""
-        when = f"step={self.at_step}" if self.at_step is not None else f"t={_number(self.at)}"
-        who = "link" if self.worker is None else f"worker={self.worker}"
-        if self.kind == "link_degraded":
-            what = f"factor={_number(self.factor)}"
-        elif self.kind == "link_down":
-            what = "down"
-        elif self.kind == "slow":
-            what = f"slow factor={_number(self.factor)}"
+        """The event as one trace line (columns aligned like the hand-written example).
+
+        A field the event lacks is left out rather than refused, so that a message about an
+        invalid event can still quote it."""
+        if self.at_step is not None:
+            when = f"step={self.at_step}"
         else:
-            what = self.kind
+            when = "" if self.at_time is None else f"t={_number(self.at_time)}"
+        who = "link" if self.worker is None else f"worker={self.worker}"
+        words = {"link_degraded": [], "link_down": ["down"]}.get(self.kind, [self.kind])
+        if self.factor is not None:
+            words.append(f"factor={_number(self.factor)}")
         if self.duration is not None:
-            what += f" for={_number(self.duration)}"
-        return f"{when:<11} {who:<9} {what}"
+            words.append(f"for={_number(self.duration)}")
+        return f"{when:<11} {who:<9} {' '.join(words)}"
 
 
-def _number(value: float | None) -> str:
-    assert value is not None
+def _number(value: float) -> str:
     # repr round-trips a float exactly; whole numbers print without ".0" to read like a person's.
     return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else repr(value)
 
 
 def _sort_key(event: Event) -> tuple[int, float]:
-    return (0 if event.at_step is not None else 1, event.at)
+    if event.at_step is not None:
+        return (0, float(event.at_step))
+    # An event without a moment sorts last; validation then refuses it by name.
+    return (1, math.inf if event.at_time is None else event.at_time)
 
 
 @dataclass(frozen=True)
@@ -313,7 +319,7 @@ def _active(event: Event, step: int | None, time: float | None, query: str) -> b
 
 def _where(source: str, event: Event) -> str:
     line = f":{event.line}" if event.line else ""
-    return f"{source}{line}: {' '.join(event.to_text().split())!r}"
+    return f"{source}{line}: {event.text or ' '.join(event.to_text().split())!r}"
 
 
 def _validate(events: tuple[Event, ...], workers: int, source: str) -> None:
@@ -344,7 +350,9 @@ def _validate_event(event: Event, workers: int, source: str) -> None:
     if event.at_step is not None and event.at_step < 0:
         raise TraceError(f"{where}: step={event.at_step} is negative; steps count from 0")
     if event.at_time is not None and not (math.isfinite(event.at_time) and event.at_time >= 0):
-        raise TraceError(f"{where}: t={event.at_time} must be a finite time >= 0 in seconds")
+        raise TraceError(
+            f"{where}: t={_number(event.at_time)} must be a finite time >= 0 in seconds"
+        )
     if event.kind in ("link_degraded", "link_down"):
         if event.worker is not None:
             raise TraceError(f"{where}: a link event names no worker; drop worker=")
@@ -357,18 +365,19 @@ def _validate_event(event: Event, workers: int, source: str) -> None:
         )
     needs_factor = event.kind in ("slow", "link_degraded")
     if needs_factor and event.factor is None:
-        raise TraceError(f"{where}: a {_word(event.kind)} event needs factor=F")
+        example = "factor=3" if event.kind == "slow" else "factor=0.1"
+        raise TraceError(f"{where}: a {_word(event.kind)} event needs factor=F; add e.g. {example}")
     if not needs_factor and event.factor is not None:
         raise TraceError(f"{where}: a {_word(event.kind)} event takes no factor=; drop it")
     if event.factor is not None:
         if event.kind == "slow" and not (math.isfinite(event.factor) and event.factor >= 1):
             raise TraceError(
-                f"{where}: factor={event.factor} is how many times longer compute takes and "
+                f"{where}: factor={_number(event.factor)} is how many times longer compute takes and "
                 "must be >= 1; write factor=2 for half speed"
             )
         if event.kind == "link_degraded" and not 0 < event.factor <= 1:
             raise TraceError(
-                f"{where}: factor={event.factor} multiplies the link's bandwidth and must be "
+                f"{where}: factor={_number(event.factor)} multiplies the link's bandwidth and must be "
                 "in (0, 1]; write 'link down for=D' for no bandwidth"
             )
     if event.kind in MEMBERSHIP_KINDS and event.duration is not None:
@@ -380,10 +389,13 @@ def _validate_event(event: Event, workers: int, source: str) -> None:
         )
     if event.duration is not None:
         if not (math.isfinite(event.duration) and event.duration > 0):
-            raise TraceError(f"{where}: for={event.duration} must be a finite duration > 0")
+            raise TraceError(
+                f"{where}: for={_number(event.duration)} must be a finite duration > 0; give "
+                "for=D with D > 0, or drop for= to last to the end of the run"
+            )
         if event.at_step is not None and not float(event.duration).is_integer():
             raise TraceError(
-                f"{where}: for={event.duration} counts steps after step= and must be a whole "
+                f"{where}: for={_number(event.duration)} counts steps after step= and must be a whole "
                 "number; place the event with t= to give it in seconds"
             )
 
@@ -525,6 +537,7 @@ def _parse_line(text: str, line: int, source: str) -> Event:
         factor=factor,
         duration=duration,
         line=line,
+        text=" ".join(text.split()),
     )
 
 
