@@ -35,7 +35,7 @@ Note that ``a = 1 - n R / (M T)``: the empty slots cost n R worker-seconds.
 Each formula below is ``fault-free rate`` times ``worker-time kept``; lost worker-seconds are
 divided by M T.
 
-*Synchronous per step* (ddp, zero1; :func:`goodput_synchronous`). Every step waits for the
+*Synchronous per step* (ddp; :func:`goodput_synchronous`). Every step waits for the
 slowest worker, so a step takes tau = c S + m against tau0 = c + m without faults. A crash
 stalls every survivor for detection and the step it drops: D + tau each, and each of the
 other M - 1 slots is alive with probability a. A join stalls every member for h::
