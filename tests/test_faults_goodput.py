@@ -16,16 +16,22 @@ from lowcomm.faults import (
     expected_goodput,
     fault_free_tokens,
     generate_trace,
-    goodput,
     parse_trace,
     worker_seconds_lost,
 )
 from lowcomm.faults.goodput import (
     detection_wait,
+    goodput,
     goodput_decoupled,
     goodput_local,
     goodput_synchronous,
 )
+
+
+def test_the_package_attribute_goodput_is_the_module() -> None:
+    import lowcomm.faults.goodput as module
+
+    assert module.goodput is goodput
 
 
 def test_goodput_is_committed_over_fault_free_tokens() -> None:

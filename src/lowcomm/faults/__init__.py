@@ -3,6 +3,9 @@ goodput (docs/ARCHITECTURE.md, "Workers that come and go").
 
 Everything here is pure: a trace is parsed or generated once, then queried by the run's
 position (step and/or modeled time); the goodput helpers are closed-form.
+
+The package does not re-export the function ``goodput``: the name stays the module's, so
+``lowcomm.faults.goodput`` is the module and ``lowcomm.faults.goodput.goodput`` the function.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from lowcomm.faults.goodput import (
     expected_exposure,
     expected_goodput,
     fault_free_tokens,
-    goodput,
     worker_seconds_lost,
 )
 from lowcomm.faults.trace import (
@@ -45,7 +47,6 @@ __all__ = [
     "expected_goodput",
     "fault_free_tokens",
     "generate_trace",
-    "goodput",
     "load_trace",
     "parse_trace",
     "worker_seconds_lost",
