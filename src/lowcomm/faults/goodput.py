@@ -1,0 +1,403 @@
+"""Goodput: what a run with faults keeps of what its workers could have done.
+
+**Accounting** (what a run reports). Goodput is the tokens a run committed divided by the
+tokens its M workers would have computed in the same modeled time with no fault::
+
+    fault_free_tokens = M * tokens_per_worker_step * T / fault_free_step_s
+    goodput           = committed_tokens / fault_free_tokens
+    worker_seconds_lost = M * T * (1 - goodput)
+
+A worker-second lost is one worker's fault-free second that committed nothing: the slot was
+empty, the work was dropped, or the worker waited. :func:`absent_worker_seconds` gives the
+first part from a trace alone.
+
+**The analytic model** (what ``lowcomm plan`` prices). Symbols, all in modeled seconds:
+
+* M workers, a run of T; each live worker fails at rate lambda = 1 / mtbf_s; a replacement
+  joins R = replace_after_s after a crash; the survivors learn of a crash D = detection_s
+  after it; a join costs h = heal_s (the new quorum and the healing transfer);
+* a fraction f of the slots is slow, by a factor s;
+* a step computes for c seconds on one worker and exposes m seconds of communication per
+  round of H steps (H = 1 for a method that talks every step).
+
+Expected exposure (:func:`expected_exposure`)::
+
+    a = 1 / (1 + lambda R)           fraction of slot-time a worker is alive
+                                     (up for 1/lambda, down for R, on average);
+        (1 - exp(-lambda T)) / (lambda T) when R is infinite (no replacement)
+    n = M a lambda T                 crashes in the run
+    j = M a lambda max(0, T - R)     joins in the run (a crash in the last R is not replaced)
+    p = 1 - (1 - f)^M                probability that some slot is slow
+    S = 1 + (s - 1) p                expected pace of the slowest worker (compute multiplier)
+
+Note that ``a = 1 - n R / (M T)``: the empty slots cost n R worker-seconds.
+
+Each formula below is ``fault-free rate`` times ``worker-time kept``; lost worker-seconds are
+divided by M T.
+
+*Synchronous per step* (ddp; :func:`goodput_synchronous`). Every step waits for the
+slowest worker, so a step takes tau = c S + m against tau0 = c + m without faults. A crash
+stalls every survivor for detection and the step it drops: D + tau each, and each of the
+other M - 1 slots is alive with probability a. A join stalls every member for h::
+
+    G_sync = (tau0 / tau) * (a - (n (M - 1) a (D + tau) + j M a h) / (M T))
+
+*Local and DiLoCo* (H inner steps, then a sync; :func:`goodput_local`). A round takes
+rho = H c S + m against rho0 = H c + m: stragglers make the others wait at each sync. A
+crash at a uniform moment u of a round loses the dead worker's partial round (rho / 2 on
+average); the survivors reach the sync rho - u later and wait for detection only if it has
+not happened yet: w = E[max(0, D - (rho - u))] = D^2 / (2 rho) when D <= rho, D - rho / 2
+otherwise. The sync's quorum forms after detection, so the survivors' round is kept (a crash
+during the collective itself, which would drop the round for all, is neglected: m << rho)::
+
+    G_local = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + j M a h) / (M T))
+
+*Never waiting, with a quorum and a grace window* (decoupled_diloco;
+:func:`goodput_decoupled`). Learners never wait for each other or for the synchronizer. A
+crash loses only the dead learner's partial round (rho0 / 2); a join costs only the joiner
+(h). A straggler computes at 1/s of the pace; its tokens commit when its fragment is merged:
+within the grace window g (when (s - 1) H c <= g) it is waited for by the synchronizer; past
+it the fragment is left out of that merge and, with ``late_fragments_commit``, merged into
+the next one by its token count, otherwise dropped (r = 0)::
+
+    r = 1 / s   (within the window, or late fragments commit);  0 otherwise
+    G_dec = a (1 - f + f r) - (n rho0 / 2 + j h) / (M T)
+    G_dec = 0 when M a < q (the minimum quorum cannot form)
+
+Every G is clamped to [0, 1]. The model neglects the faults' interactions (a crash during a
+stall, a straggler among the dead) and is checked against simulated runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lowcomm.faults.generate import FaultOptions
+from lowcomm.faults.trace import FaultTrace
+
+__all__ = [
+    "Exposure",
+    "StepCosts",
+    "absent_worker_seconds",
+    "detection_wait",
+    "expected_exposure",
+    "expected_goodput",
+    "fault_free_tokens",
+    "goodput",
+    "goodput_decoupled",
+    "goodput_local",
+    "goodput_synchronous",
+    "worker_seconds_lost",
+]
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r}: must be a finite number > 0; pass the measured value")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}={value!r}: must be a finite number >= 0; pass the measured value")
+
+
+def _workers(workers: int) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r}: a run has at least one worker; pass M >= 1")
+
+
+# ---- accounting ----------------------------------------------------------------------------
+
+
+def fault_free_tokens(
+    *, workers: int, tokens_per_worker_step: float, fault_free_step_s: float, modeled_s: float
+) -> float:
+    """The tokens ``workers`` workers compute in ``modeled_s`` seconds with no fault.
+
+    Args:
+        workers: M.
+        tokens_per_worker_step: the tokens one worker consumes per step.
+        fault_free_step_s: the modeled seconds a step takes in the same run without faults.
+        modeled_s: the run's modeled time.
+    """
+    _workers(workers)
+    _positive("tokens_per_worker_step", tokens_per_worker_step)
+    _positive("fault_free_step_s", fault_free_step_s)
+    _non_negative("modeled_s", modeled_s)
+    return workers * tokens_per_worker_step * modeled_s / fault_free_step_s
+
+
+def goodput(*, committed_tokens: float, fault_free_tokens: float) -> float:
+    """Committed tokens over the fault-free tokens of the same modeled time.
+
+    Raises:
+        ValueError: on negative tokens or a fault-free count that is not > 0.
+    """
+    _non_negative("committed_tokens", committed_tokens)
+    _positive("fault_free_tokens", fault_free_tokens)
+    return committed_tokens / fault_free_tokens
+
+
+def worker_seconds_lost(*, workers: int, modeled_s: float, goodput: float) -> float:
+    """``M T (1 - goodput)``: the worker-seconds that committed nothing."""
+    _workers(workers)
+    _non_negative("modeled_s", modeled_s)
+    _non_negative("goodput", goodput)
+    return workers * modeled_s * (1.0 - goodput)
+
+
+def absent_worker_seconds(
+    trace: FaultTrace,
+    *,
+    duration_s: float,
+    step_time: Callable[[int], float] | None = None,
+) -> float:
+    """The worker-seconds in ``[0, duration_s]`` during which a slot had no live worker.
+
+    Args:
+        trace: the run's trace.
+        duration_s: the run's modeled length.
+        step_time: the modeled time at which the run reached a step; needed when the
+            trace's membership events are placed by step.
+
+    Raises:
+        ValueError: when membership events use ``step=`` and ``step_time`` is None.
+    """
+    _non_negative("duration_s", duration_s)
+    gone_since: dict[int, float] = {}
+    absent = 0.0
+    for event in trace.membership_events():
+        if event.at_step is not None:
+            if step_time is None:
+                raise ValueError(
+                    "step_time=None: this trace places crash/leave/join by step; pass the "
+                    "function from a step to its modeled time"
+                )
+            at = step_time(event.at_step)
+        else:
+            at = event.at
+        at = min(at, duration_s)
+        assert event.worker is not None
+        if event.kind in ("crash", "leave"):
+            gone_since[event.worker] = at
+        else:
+            absent += at - gone_since.pop(event.worker)
+    absent += sum(duration_s - since for since in gone_since.values())
+    return absent
+
+
+# ---- the analytic model --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCosts:
+    """What a method's step costs without faults, for the analytic model.
+
+    Attributes:
+        compute_s: c, one worker's compute seconds per step.
+        sync_s: m, the communication seconds a round exposes (not hidden by compute).
+        sync_every: H, the steps per round (1 for a method that talks every step).
+        heal_s: h, what a join costs: the new quorum and the healing transfer.
+    """
+
+    compute_s: float
+    sync_s: float = 0.0
+    sync_every: int = 1
+    heal_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("compute_s", self.compute_s)
+        _non_negative("sync_s", self.sync_s)
+        _non_negative("heal_s", self.heal_s)
+        if (
+            isinstance(self.sync_every, bool)
+            or not isinstance(self.sync_every, int)
+            or self.sync_every < 1
+        ):
+            raise ValueError(
+                f"sync_every={self.sync_every!r}: a round has at least one step; pass H >= 1"
+            )
+
+    @property
+    def round_s(self) -> float:
+        """rho0 = H c + m, a fault-free round."""
+        return self.sync_every * self.compute_s + self.sync_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exposure:
+    """The expected faults of a run, as the formulas use them (see the module docstring).
+
+    Attributes:
+        workers: M.
+        duration_s: T.
+        alive_fraction: a, the fraction of slot-time a worker is alive.
+        crashes: n, crashes in the run.
+        joins: j, joins in the run.
+        detection_s: D.
+        slow_fraction: f.
+        slow_factor: s.
+    """
+
+    workers: int
+    duration_s: float
+    alive_fraction: float = 1.0
+    crashes: float = 0.0
+    joins: float = 0.0
+    detection_s: float = 0.0
+    slow_fraction: float = 0.0
+    slow_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _workers(self.workers)
+        _positive("duration_s", self.duration_s)
+        if not 0 <= self.alive_fraction <= 1:
+            raise ValueError(
+                f"alive_fraction={self.alive_fraction!r}: a fraction of slot-time is in [0, 1]"
+            )
+        _non_negative("crashes", self.crashes)
+        _non_negative("joins", self.joins)
+        _non_negative("detection_s", self.detection_s)
+        if not 0 <= self.slow_fraction <= 1:
+            raise ValueError(f"slow_fraction={self.slow_fraction!r}: must be in [0, 1]")
+        if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):
+            raise ValueError(f"slow_factor={self.slow_factor!r}: a slowdown is >= 1")
+
+    @property
+    def slowest_pace(self) -> float:
+        """S = 1 + (s - 1) (1 - (1 - f)^M): the expected compute multiplier of the slowest."""
+        some_slow = 1.0 - (1.0 - self.slow_fraction) ** self.workers
+        return 1.0 + (self.slow_factor - 1.0) * some_slow
+
+    @property
+    def live_workers(self) -> float:
+        """M a, the expected live workers."""
+        return self.workers * self.alive_fraction
+
+
+def expected_exposure(options: FaultOptions, *, workers: int) -> Exposure:
+    """The expected faults of a generated trace's run (see the module docstring)."""
+    _workers(workers)
+    rate = options.failure_rate
+    duration = options.duration_s
+    if rate == 0.0:
+        alive = 1.0
+    elif math.isinf(options.replace_after_s):
+        alive = (1.0 - math.exp(-rate * duration)) / (rate * duration)
+    else:
+        alive = 1.0 / (1.0 + rate * options.replace_after_s)
+    crashes = workers * alive * rate * duration
+    joins = workers * alive * rate * max(0.0, duration - options.replace_after_s)
+    return Exposure(
+        workers=workers,
+        duration_s=duration,
+        alive_fraction=alive,
+        crashes=crashes,
+        joins=joins,
+        detection_s=options.detection_s,
+        slow_fraction=options.slow_fraction,
+        slow_factor=options.slow_factor,
+    )
+
+
+def _clamp(value: float) -> float:
+    return min(1.0, max(0.0, value))
+
+
+def goodput_synchronous(exposure: Exposure, costs: StepCosts) -> float:
+    """G_sync: a method that waits for every worker at every step (ddp)."""
+    e = exposure
+    fault_free_step = costs.compute_s + costs.sync_s
+    step = costs.compute_s * e.slowest_pace + costs.sync_s
+    survivors = (e.workers - 1) * e.alive_fraction
+    lost = e.crashes * survivors * (e.detection_s + step) + e.joins * e.live_workers * costs.heal_s
+    return _clamp(fault_free_step / step * (e.alive_fraction - lost / (e.workers * e.duration_s)))
+
+
+def detection_wait(detection_s: float, round_s: float) -> float:
+    """w = E[max(0, D - (rho - u))] for u uniform in [0, rho): how long the survivors of a
+    crash at a uniform moment of a round wait at its sync for the detection."""
+    if detection_s <= round_s:
+        return detection_s * detection_s / (2.0 * round_s)
+    return detection_s - round_s / 2.0
+
+
+def goodput_local(exposure: Exposure, costs: StepCosts) -> float:
+    """G_local: H steps alone, then a sync that waits for every live worker (local SGD,
+    DiLoCo, streaming DiLoCo)."""
+    e = exposure
+    round_s = costs.sync_every * costs.compute_s * e.slowest_pace + costs.sync_s
+    wait = detection_wait(e.detection_s, round_s)
+    survivors = (e.workers - 1) * e.alive_fraction
+    lost = e.crashes * (round_s / 2.0 + survivors * wait) + e.joins * e.live_workers * costs.heal_s
+    return _clamp(costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s)))
+
+
+def goodput_decoupled(
+    exposure: Exposure,
+    costs: StepCosts,
+    *,
+    min_quorum: int,
+    grace_s: float,
+    late_fragments_commit: bool = True,
+) -> float:
+    """G_dec: learners that never wait, merged by a quorum with a grace window
+    (decoupled_diloco).
+
+    Args:
+        exposure: the run's expected faults.
+        costs: the method's fault-free costs.
+        min_quorum: q, the fewest learners a merge needs.
+        grace_s: g, how long the synchronizer waits past the quorum for more fragments.
+        late_fragments_commit: whether a fragment that misses the window is merged later
+            (its tokens commit) rather than dropped.
+    """
+    e = exposure
+    if isinstance(min_quorum, bool) or not isinstance(min_quorum, int) or min_quorum < 1:
+        raise ValueError(f"min_quorum={min_quorum!r}: a merge needs at least one learner")
+    _non_negative("grace_s", grace_s)
+    if e.live_workers < min_quorum:
+        return 0.0
+    lag = (e.slow_factor - 1.0) * costs.sync_every * costs.compute_s
+    straggler_share = 1.0 / e.slow_factor if (lag <= grace_s or late_fragments_commit) else 0.0
+    pace = 1.0 - e.slow_fraction + e.slow_fraction * straggler_share
+    lost = e.crashes * costs.round_s / 2.0 + e.joins * costs.heal_s
+    return _clamp(e.alive_fraction * pace - lost / (e.workers * e.duration_s))
+
+
+def expected_goodput(
+    family: str,
+    options: FaultOptions,
+    *,
+    workers: int,
+    costs: StepCosts,
+    min_quorum: int = 1,
+    grace_s: float = 0.0,
+) -> float:
+    """The planner's expected goodput of a method family under a generated trace's options.
+
+    Args:
+        family: ``synchronous`` (ddp), ``local`` (local SGD, the DiLoCo family) or
+            ``decoupled`` (decoupled_diloco).
+        options: the generated trace's options.
+        workers: M.
+        costs: the method's fault-free step costs.
+        min_quorum: q, for ``decoupled``.
+        grace_s: g, for ``decoupled``.
+
+    Raises:
+        ValueError: on an unknown family.
+    """
+    exposure = expected_exposure(options, workers=workers)
+    if family == "synchronous":
+        return goodput_synchronous(exposure, costs)
+    if family == "local":
+        return goodput_local(exposure, costs)
+    if family == "decoupled":
+        return goodput_decoupled(exposure, costs, min_quorum=min_quorum, grace_s=grace_s)
+    raise ValueError(
+        f"family={family!r}: the model knows synchronous, local and decoupled; pick the one "
+        "whose waiting the method shares"
+    )

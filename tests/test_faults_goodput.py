@@ -1,0 +1,186 @@
+"""Goodput accounting and the analytic goodput model, on cases computed by hand from the
+formulas in lowcomm.faults.goodput's docstring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lowcomm.faults import (
+    Exposure,
+    FaultOptions,
+    StepCosts,
+    absent_worker_seconds,
+    expected_exposure,
+    expected_goodput,
+    fault_free_tokens,
+    generate_trace,
+    parse_trace,
+    worker_seconds_lost,
+)
+from lowcomm.faults.goodput import (
+    detection_wait,
+    goodput,
+    goodput_decoupled,
+    goodput_local,
+    goodput_synchronous,
+)
+
+
+def test_the_package_attribute_goodput_is_the_module() -> None:
+    import lowcomm.faults.goodput as module
+
+    assert module.goodput is goodput
+
+
+def test_goodput_is_committed_over_fault_free_tokens() -> None:
+    # 4 workers, 1000 tokens a step, 0.5 s a step, 10 s: 4 * 1000 * 20 tokens without faults.
+    reference = fault_free_tokens(
+        workers=4, tokens_per_worker_step=1000, fault_free_step_s=0.5, modeled_s=10.0
+    )
+    assert reference == 80_000
+    assert goodput(committed_tokens=60_000, fault_free_tokens=reference) == 0.75
+    assert worker_seconds_lost(workers=4, modeled_s=10.0, goodput=0.75) == 10.0
+
+
+def test_bad_accounting_inputs_end_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^fault_free_tokens=0: must be a finite number > 0"):
+        goodput(committed_tokens=1, fault_free_tokens=0)
+    with pytest.raises(ValueError, match=r"^workers=0: a run has at least one worker"):
+        fault_free_tokens(workers=0, tokens_per_worker_step=1, fault_free_step_s=1, modeled_s=1)
+
+
+def test_absent_worker_seconds_from_a_trace() -> None:
+    trace = parse_trace("t=2 worker=0 crash\nt=5 worker=0 join\nt=8 worker=1 leave\n", workers=3)
+    assert absent_worker_seconds(trace, duration_s=10.0) == 3.0 + 2.0
+    assert absent_worker_seconds(trace, duration_s=6.0) == 3.0  # the leave is after the end
+    by_step = parse_trace("step=4 worker=0 crash\nstep=10 worker=0 join\n", workers=2)
+    assert absent_worker_seconds(by_step, duration_s=10.0, step_time=lambda s: 0.5 * s) == 3.0
+    with pytest.raises(ValueError, match="pass the function from a step to its modeled time"):
+        absent_worker_seconds(by_step, duration_s=10.0)
+
+
+def test_no_faults_keep_all_the_goodput_in_every_family() -> None:
+    options = FaultOptions(duration_s=100.0)
+    costs = StepCosts(compute_s=1.0, sync_s=0.5, sync_every=10, heal_s=3.0)
+    for family in ("synchronous", "local", "decoupled"):
+        assert expected_goodput(family, options, workers=8, costs=costs) == 1.0
+
+
+# One crash of one of 4 workers, replaced after R = 20 s, in a run of T = 100 s, detected
+# after D = 5 s: the slot is empty 20 of the 400 worker-seconds, so a = 0.95; each of the
+# other 3 slots is alive with probability a, so (M - 1) a = 2.85 survivors wait.
+ONE_CRASH = Exposure(
+    workers=4, duration_s=100.0, alive_fraction=0.95, crashes=1.0, joins=1.0, detection_s=5.0
+)
+
+
+def test_one_crash_synchronous_by_hand() -> None:
+    # tau = 0.8 + 0.2 = 1 s; the survivors lose D + tau = 6 s each.
+    costs = StepCosts(compute_s=0.8, sync_s=0.2)
+    expected = 0.95 - 2.85 * 6.0 / 400.0  # 0.90725
+    assert goodput_synchronous(ONE_CRASH, costs) == pytest.approx(expected, rel=1e-12)
+    # Counted exactly: 20 empty worker-seconds and 3 survivors stalled 6 s: 1 - 38/400.
+    assert goodput_synchronous(ONE_CRASH, costs) == pytest.approx(0.905, abs=0.003)
+    # A join that costs 2 s stalls the 3.8 live workers once more.
+    healing = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
+    assert goodput_synchronous(ONE_CRASH, healing) == pytest.approx(expected - 3.8 * 2 / 400)
+
+
+def test_one_crash_local_by_hand() -> None:
+    # rho = 10 * 0.8 + 2 = 10 s; D <= rho, so w = D^2 / (2 rho) = 1.25 s; the dead worker
+    # loses half a round, 5 s.
+    costs = StepCosts(compute_s=0.8, sync_s=2.0, sync_every=10)
+    assert detection_wait(5.0, 10.0) == 1.25
+    assert detection_wait(15.0, 10.0) == 10.0  # D > rho: D - rho / 2
+    expected = 0.95 - (5.0 + 2.85 * 1.25) / 400.0  # 0.92859375
+    assert goodput_local(ONE_CRASH, costs) == pytest.approx(expected, rel=1e-12)
+
+
+def test_one_crash_decoupled_by_hand() -> None:
+    # Nobody waits: only the dead learner's half round is lost besides its empty slot.
+    costs = StepCosts(compute_s=0.8, sync_s=2.0, sync_every=10)
+    expected = 0.95 - 5.0 / 400.0
+    assert goodput_decoupled(ONE_CRASH, costs, min_quorum=2, grace_s=0.0) == pytest.approx(
+        expected, rel=1e-12
+    )
+    # A quorum the live workers cannot form commits nothing.
+    assert goodput_decoupled(ONE_CRASH, costs, min_quorum=4, grace_s=0.0) == 0.0
+
+
+def test_stragglers_by_hand() -> None:
+    # 10 workers, each slow with probability 0.1 by 3x: some slot is slow with probability
+    # p = 1 - 0.9^10, and the slowest paces at S = 1 + 2 p.
+    stragglers = Exposure(workers=10, duration_s=100.0, slow_fraction=0.1, slow_factor=3.0)
+    pace = 1.0 + 2.0 * (1.0 - 0.9**10)
+    assert stragglers.slowest_pace == pytest.approx(pace, rel=1e-12)
+    costs = StepCosts(compute_s=1.0, sync_s=1.0, sync_every=4)
+    assert goodput_synchronous(stragglers, StepCosts(compute_s=1.0)) == pytest.approx(1 / pace)
+    assert goodput_local(stragglers, costs) == pytest.approx(5.0 / (4.0 * pace + 1.0))
+    # Decoupled: a straggler's tokens come at a third of the pace and nobody waits for it.
+    assert goodput_decoupled(stragglers, costs, min_quorum=1, grace_s=0.0) == pytest.approx(
+        0.9 + 0.1 / 3
+    )
+    # If late fragments were dropped, a straggler 8 s behind a 5 s window commits nothing,
+    # and one inside a 10 s window still commits its third.
+    dropped = goodput_decoupled(
+        stragglers, costs, min_quorum=1, grace_s=5.0, late_fragments_commit=False
+    )
+    assert dropped == pytest.approx(0.9)
+    waited = goodput_decoupled(
+        stragglers, costs, min_quorum=1, grace_s=10.0, late_fragments_commit=False
+    )
+    assert waited == pytest.approx(0.9 + 0.1 / 3)
+
+
+def test_expected_exposure_of_generated_options_by_hand() -> None:
+    options = FaultOptions(duration_s=1000.0, mtbf_s=100.0, replace_after_s=25.0)
+    exposure = expected_exposure(options, workers=4)
+    assert exposure.alive_fraction == pytest.approx(0.8)  # 1 / (1 + 0.01 * 25)
+    assert exposure.crashes == pytest.approx(32.0)  # 4 * 0.8 * 0.01 * 1000
+    assert exposure.joins == pytest.approx(31.2)  # 4 * 0.8 * 0.01 * 975
+    never_replaced = expected_exposure(FaultOptions(duration_s=1000.0, mtbf_s=100.0), workers=4)
+    assert never_replaced.alive_fraction == pytest.approx((1 - math.exp(-10.0)) / 10.0)
+    assert never_replaced.joins == 0.0
+
+
+def test_the_models_alive_fraction_matches_generated_traces() -> None:
+    options = FaultOptions(duration_s=1000.0, mtbf_s=100.0, replace_after_s=25.0, seed=11)
+    workers = 2000
+    trace = generate_trace(options, workers=workers)
+    empty = absent_worker_seconds(trace, duration_s=options.duration_s)
+    measured = 1.0 - empty / (workers * options.duration_s)
+    assert measured == pytest.approx(
+        expected_exposure(options, workers=workers).alive_fraction, abs=0.02
+    )
+    crashes = sum(event.kind == "crash" for event in trace.events)
+    assert crashes == pytest.approx(expected_exposure(options, workers=workers).crashes, rel=0.05)
+
+
+def test_a_crash_costs_the_synchronous_method_most_and_the_decoupled_one_least() -> None:
+    options = FaultOptions(duration_s=3600.0, mtbf_s=36_000.0, replace_after_s=300.0)
+    costs = StepCosts(compute_s=1.0, sync_s=1.0, sync_every=30, heal_s=5.0)
+    by_family = {
+        family: expected_goodput(family, options, workers=64, costs=costs, min_quorum=16)
+        for family in ("synchronous", "local", "decoupled")
+    }
+    assert by_family["synchronous"] < by_family["local"] < by_family["decoupled"] < 1.0
+    # Stragglers: only the method that never waits keeps more than the slow slots' loss.
+    slow = FaultOptions(duration_s=3600.0, slow_fraction=0.1, slow_factor=3.0)
+    kept = {
+        family: expected_goodput(family, slow, workers=64, costs=costs, min_quorum=16)
+        for family in ("synchronous", "local", "decoupled")
+    }
+    assert max(kept["synchronous"], kept["local"]) < 0.6 < kept["decoupled"]
+
+
+def test_bad_model_inputs_end_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^sync_every=0: a round has at least one step"):
+        StepCosts(compute_s=1.0, sync_every=0)
+    with pytest.raises(ValueError, match=r"^compute_s=0.0: must be a finite number > 0"):
+        StepCosts(compute_s=0.0)
+    with pytest.raises(ValueError, match=r"^family='async': the model knows synchronous"):
+        expected_goodput(
+            "async", FaultOptions(duration_s=1.0), workers=2, costs=StepCosts(compute_s=1.0)
+        )
