@@ -146,7 +146,7 @@ def test_streaming_schedule_merge_and_drain() -> None:
     )
     strategy = StreamingDiLoCo(two_layer_gpt(), LocalComm(), context, options)
     launches: list[tuple[int, int]] = []
-    original_launch = strategy.launch_exchange
+    original_launch = strategy.launch_sync
     checked: list[int] = []
 
     def record_launch(p: int, extras: torch.Tensor | None = None) -> Any:
@@ -169,7 +169,7 @@ def test_streaming_schedule_merge_and_drain() -> None:
         assert torch.allclose(strategy.local_fragment(p), 0.3 * local + 0.7 * new_global, atol=1e-6)
         checked.append(p)
 
-    strategy.launch_exchange = record_launch  # type: ignore[method-assign]
+    strategy.launch_sync = record_launch  # type: ignore[method-assign]
     strategy.complete = check_complete  # type: ignore[method-assign]
     batch = global_batch(0, 1)
     closure = closure_for(strategy, [batch] * 16)

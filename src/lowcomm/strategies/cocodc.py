@@ -93,7 +93,7 @@ def syncs_per_period(
     return max(fragments, math.floor(gamma * sync_every * step_s / sync_s))
 
 
-class CoCoDC(OuterLoopStrategy):
+class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
     """CoCoDC: delay-compensated merge and adaptive transmission on top of Streaming DiLoCo.
 
     Paper: CoCoDC (docs/ALGORITHMS.md §4.5). Symbols: H -> options.sync_every, K -> options.fragments
@@ -196,7 +196,7 @@ class CoCoDC(OuterLoopStrategy):
                     self.flat, torch.tensor([self.step_seconds, self.last_sync_seconds])
                 )
                 snapshot = self.local_fragment(p)
-                sync = InFlight(p, t, t + tau, self.launch_exchange(p, extras), snapshot)
+                sync = InFlight(p, t, t + tau, self.launch_sync(p, extras), snapshot)
                 self.in_flight.append(sync)
                 stats.extras["synced_fragment"] = float(p)
                 if tau == 0:
