@@ -141,7 +141,10 @@ class LocalUpdate(Strategy, Generic[OptionsT]):
     Holds the flat parameters and gradients (``self.flat``; the local shards on a sharded
     worker), the fp32 ``master`` the inner optimizer updates (the parameters themselves in
     fp32), the ``inner`` optimizer (local and persistent, never averaged), and the counters
-    ``local_steps`` (inner steps since the last round ended) and ``rounds`` (rounds ended).
+    ``local_steps`` (inner steps since the last ``end_round()``) and ``rounds`` (rounds
+    ended). The local family's rounds depend on its history (a trailing partial round) and it
+    checkpoints both counters; the DiLoCo family's rounds are multiples of H in
+    ``step_index`` and it reads neither.
     """
 
     sharding_refusal: ClassVar[str | None] = None
