@@ -435,7 +435,7 @@ class OuterExchange:
         exchange._result = (state["mean"], state["extras"], state["own"])
         exchange._waited = bool(state["waited"])
         exchange.sync_seconds = state["sync_seconds"]
-        # A checkpoint of an older version holds only the one-level completion.
+        # A checkpoint without a ``settled`` entry holds only the one-level completion.
         settled = (
             Settled.from_state(state["settled"])
             if "settled" in state
