@@ -145,3 +145,21 @@ def test_sgd_momentum_reaches_the_one_inner_sgd_of_every_family() -> None:
             tiny_gpt(), LocalComm(), CONTEXT, options
         )
         assert isinstance(strategy.inner, FlatSGD) and strategy.inner.momentum == 0.9
+
+
+def test_a_checkpoint_written_before_an_option_existed_resumes_at_its_default() -> None:
+    from lowcomm.config import TrainConfig
+    from lowcomm.train.checkpoint import _options_added_later, fingerprint
+
+    for method, group, added, other in (
+        ("diloco", "diloco", "sgd_momentum", 0.5),
+        ("co2", "local", "outer_nesterov", True),
+        ("sparseloco", "sparseloco", "outer_momentum", 0.5),
+    ):
+        now = fingerprint(TrainConfig(method=method))
+        before = {**now, "options": {k: v for k, v in now["options"].items() if k != added}}
+        assert _options_added_later(before, method) == now
+        # Set away from its default, the new option still has to match what was saved.
+        kind = type(getattr(TrainConfig(), group))
+        changed = TrainConfig(method=method, **{group: kind(**{added: other})})
+        assert _options_added_later(before, method) != fingerprint(changed)
