@@ -131,7 +131,7 @@ def _recorded_cocodc_run(
     launches: list[tuple[int, int, list[int]]] = []
     completions: list[tuple[int, int, int, float]] = []
     original_launch, original_complete, original_outer = (
-        strategy.launch_exchange,
+        strategy.launch_sync,
         strategy.complete,
         strategy.outer_step,
     )
@@ -149,7 +149,7 @@ def _recorded_cocodc_run(
         original_complete(sync, t)
         completions.append((sync.fragment, sync.launched_at, t, norms[-1]))
 
-    strategy.launch_exchange = launch  # type: ignore[method-assign]
+    strategy.launch_sync = launch  # type: ignore[method-assign]
     strategy.outer_step = outer_step  # type: ignore[method-assign]
     strategy.complete = complete  # type: ignore[method-assign]
     batches = [global_batch(s, 1) for s in range(steps)]
@@ -218,7 +218,7 @@ def test_completed_sync_merges_against_the_snapshot_taken_at_launch() -> None:
     strategy = CoCoDC(_model(), LocalComm(), context, options)
     snapshots: dict[int, torch.Tensor] = {}
     checked: list[int] = []
-    original_launch, original_complete = strategy.launch_exchange, strategy.complete
+    original_launch, original_complete = strategy.launch_sync, strategy.complete
 
     def launch(p: int, extras: torch.Tensor | None = None) -> Any:
         snapshots[strategy.step_index] = strategy.local_fragment(p).clone()  # theta_{t_p}
@@ -240,7 +240,7 @@ def test_completed_sync_merges_against_the_snapshot_taken_at_launch() -> None:
         assert torch.allclose(strategy.local_fragment(p), new_global + progress, atol=1e-5)
         checked.append(p)
 
-    strategy.launch_exchange = launch  # type: ignore[method-assign]
+    strategy.launch_sync = launch  # type: ignore[method-assign]
     strategy.complete = complete  # type: ignore[method-assign]
     closure = closure_for(strategy, [global_batch(s, 1) for s in range(30)])
     for _ in range(30):

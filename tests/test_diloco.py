@@ -16,7 +16,6 @@ from lowcomm.models.gpt import GPT, GPTConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.strategies import MicroBatchResult, StrategyContext, strategy_class
-from lowcomm.strategies.co2 import LocalOptions, OverlapLocalSGD
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions, fragment_assignment
 from lowcomm.strategies.streaming import StreamingDiLoCo
 
@@ -31,30 +30,6 @@ CONTEXT = StrategyContext(
 def two_layer_gpt(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=16, vocab_size=64))
-
-
-def test_inner_sgd_applies_the_same_weight_decay_as_the_local_family() -> None:
-    # --diloco.inner-optimizer sgd and --local.inner-optimizer sgd (no momentum) are the same
-    # optimizer: theta <- theta (1 - lr lambda) - lr g, lambda = --optim.weight-decay
-    # (docs/ALGORITHMS.md §0.3). Three inner steps, no round ends (H = tau = 8).
-    batches = [global_batch(s, 1) for s in range(3)]
-    diloco = DiLoCo(
-        tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=8, inner_optimizer="sgd")
-    )
-    local = OverlapLocalSGD(
-        tiny_gpt(), LocalComm(), CONTEXT, LocalOptions(sync_every=8, inner_optimizer="sgd")
-    )
-    undecayed = DiLoCo(
-        tiny_gpt(), LocalComm(), StrategyContext(optim=AdamWConfig(lr=3e-3, weight_decay=0.0), schedule=CONTEXT.schedule,
-                                                 total_steps=40, max_grad_norm=None),
-        DiLoCoOptions(sync_every=8, inner_optimizer="sgd"),
-    )  # fmt: skip
-    for strategy in (diloco, local, undecayed):
-        closure = closure_for(strategy, batches)
-        for _ in batches:
-            strategy.step(closure)
-    assert torch.equal(flat_params(diloco.model), flat_params(local.model))
-    assert not torch.allclose(flat_params(diloco.model), flat_params(undecayed.model), atol=1e-7)
 
 
 def test_outer_nesterov_matches_torch_sgd_nesterov() -> None:
@@ -146,7 +121,7 @@ def test_streaming_schedule_merge_and_drain() -> None:
     )
     strategy = StreamingDiLoCo(two_layer_gpt(), LocalComm(), context, options)
     launches: list[tuple[int, int]] = []
-    original_launch = strategy.launch_exchange
+    original_launch = strategy.launch_sync
     checked: list[int] = []
 
     def record_launch(p: int, extras: torch.Tensor | None = None) -> Any:
@@ -169,7 +144,7 @@ def test_streaming_schedule_merge_and_drain() -> None:
         assert torch.allclose(strategy.local_fragment(p), 0.3 * local + 0.7 * new_global, atol=1e-6)
         checked.append(p)
 
-    strategy.launch_exchange = record_launch  # type: ignore[method-assign]
+    strategy.launch_sync = record_launch  # type: ignore[method-assign]
     strategy.complete = check_complete  # type: ignore[method-assign]
     batch = global_batch(0, 1)
     closure = closure_for(strategy, [batch] * 16)

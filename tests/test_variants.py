@@ -57,7 +57,7 @@ def test_values_are_read_as_the_options_type() -> None:
         (("diloco", "ddp", "diloco"), "diloco given twice"),
         (("diloco+x:diloco.outer-lr=abc",), "'abc' must be a number"),
         (("diloco+x:diloco.outerlr=1",), "names no training option"),
-        (("diloco+x:diloco.sync-every=0",), "--diloco.sync-every: 0 must be >= 1"),
+        (("diloco+x:diloco.sync-every=0",), "--diloco.sync-every: 0 must be an integer >= 1"),
         (("diloco+x:steps=3",), "set by the study"),
         (("diloco+x:diloco.quantization=int5",), "must be one of none, bf16, fp8, int4"),
         (("diloco+a/b:optim.lr=1",), "the tag after '+'"),

@@ -3,14 +3,16 @@
 To add a method: write a :class:`Strategy` subclass with a ``name`` in a module of this
 package and list it in that module's ``METHODS`` tuple; every module here is scanned, so
 ``lowcomm train --method NAME`` and ``lowcomm plan --method NAME`` pick it up with no other
-change. The class is the method's one declaration (docs/ADDING_A_METHOD.md): its options
-(a ``kw_only`` dataclass, the type of the constructor's ``options``, in the group named by
-``options_field``: a field of that name is added to :class:`lowcomm.config.TrainConfig` and
-:class:`lowcomm.plan.PlanConfig`), its planner ``cost`` model, its ``hierarchical_refusal``,
-the collective dtypes it supports, the options that quantize its exchange, its options for a
-short run (``lowcomm selftest``) and whether it takes a variable number of micro-batches
-(:mod:`lowcomm.strategies.declaration`). The registry checks each declaration here, so a
-wrong one fails at import, naming the method and the fix.
+change to the code (``README.md`` here lists what else a new method needs: an exported
+options class, a regression pin, tests). The class is the method's one declaration
+(docs/ADDING_A_METHOD.md): its options (a ``kw_only`` dataclass, the type of the
+constructor's ``options``, in the group named by ``options_field``: a field of that name is
+added to :class:`lowcomm.config.TrainConfig` and :class:`lowcomm.plan.PlanConfig`), its
+planner ``cost`` model, its ``hierarchical_refusal``, the collective dtypes it supports, the
+options that quantize its exchange, its options for a short run (``lowcomm selftest``) and
+whether it takes a variable number of micro-batches (:mod:`lowcomm.strategies.declaration`).
+The registry checks each declaration here, so a wrong one fails at import, naming the method
+and the fix.
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ the workers' parameters are combined:
   stale, divided element-wise by the staleness gap penalty Lambda, and the applied outer step
   is clipped coordinate-wise at phi.
 
-One ``step()`` call is one inner step; ``extras["synced"] = 1.0`` marks the step that ended a
-round (and ``extras["outer_step"] = 1.0`` one that moved the anchor).
+Every method stands on :class:`~lowcomm.strategies.local_update.LocalUpdate` and writes its
+own ``step()`` in the order of its paper. One ``step()`` call is one inner step;
+``extras["synced"] = 1.0`` marks the step that ended a round (and ``extras["outer_step"] =
+1.0`` one that moved the anchor).
 
 Communication is only through ``self.comm``; role ``parameter`` for parameter averages,
 ``pseudo_gradient`` for CO2's outer gradient.
@@ -27,7 +29,6 @@ Communication is only through ``self.comm``; role ``parameter`` for parameter av
 from __future__ import annotations
 
 import math
-from abc import abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,46 +39,39 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.comm.runtime import pending_state
-from lowcomm.optim.adamw import AdamWConfig, make_adamw
-from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
-from lowcomm.optim.muon import muon_refusal
-from lowcomm.optim.sgd import FlatSGD
-from lowcomm.strategies.base import Closure, Loss, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, Transfer
-from lowcomm.strategies.gradient_step import (
-    accumulate,
-    average_and_clip,
-    make_inner_optimizer,
-    step_and_publish,
-)
-from lowcomm.strategies.sharded_flat import flat_buffers, norm_summer, whole_mean
-
-InnerOptimizerKind = Literal["adamw", "sgd"]
+from lowcomm.strategies.local_update import InnerOptimizerKind, LocalUpdate, RoundOptions
+from lowcomm.strategies.sharded_flat import whole_mean
 
 
 @dataclass(kw_only=True)
-class LocalOptions:
+class LocalOptions(RoundOptions):
     """Options of local_sgd, local_adamw, overlap_local_sgd, slowmo and co2."""
+
+    group: ClassVar[str] = "local"
+    # An outer step of 0 would leave slowmo's and co2's anchor at the initial model forever.
+    zero_outer_lr: ClassVar[bool] = False
 
     sync_every: int = 6
     """tau: inner (local) steps per round; the parameters are combined after each round."""
 
-    inner_optimizer: InnerOptimizerKind = "adamw"
+    inner_optimizer: Literal["adamw", "sgd"] = "adamw"
     """Inner optimizer of overlap_local_sgd, slowmo and co2: adamw (--optim.*) or sgd
     (--optim.lr, --optim.weight-decay, --local.sgd-momentum). local_sgd always uses sgd and
     local_adamw always adamw."""
-
-    sgd_momentum: float = 0.0
-    """Momentum of the inner SGD (PyTorch semantics, no dampening); kept local and persistent."""
-
-    pull: float = 0.5
-    """overlap_local_sgd: alpha, the pull toward the stale anchor at each boundary, in (0, 1]."""
 
     outer_lr: float = 1.0
     """slowmo and co2: alpha, the outer learning rate."""
 
     outer_momentum: float = 0.5
     """slowmo and co2: beta, the outer (slow) momentum factor, in [0, 1)."""
+
+    outer_nesterov: bool = False
+    """slowmo and co2 take only False: their papers' slow momentum is heavy ball."""
+
+    pull: float = 0.5
+    """overlap_local_sgd: alpha, the pull toward the stale anchor at each boundary, in (0, 1]."""
 
     gap_penalty: bool = True
     """co2: divide the outer gradient element-wise by the staleness gap penalty Lambda."""
@@ -97,35 +91,11 @@ class LocalOptions:
     d (half the bytes, anchors may drift apart slowly)."""
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.sync_every, bool)
-            or not isinstance(self.sync_every, int)
-            or self.sync_every < 1
-        ):
-            raise ValueError(
-                f"--local.sync-every: {self.sync_every} must be an integer >= 1; pass the number "
-                f"of local steps per round, e.g. 6"
-            )
-        if self.inner_optimizer not in ("adamw", "sgd"):
-            raise ValueError(
-                f"--local.inner-optimizer: unknown {self.inner_optimizer!r}; choose adamw or sgd"
-            )
-        if not 0.0 <= self.sgd_momentum < 1.0:
-            raise ValueError(
-                f"--local.sgd-momentum: {self.sgd_momentum} must lie in [0, 1); try 0.9 or 0"
-            )
+        super().__post_init__()
         if not 0.0 < self.pull <= 1.0:
             raise ValueError(
                 f"--local.pull: {self.pull} must lie in (0, 1]; it is the fraction of the way to "
                 f"the anchor, try 0.5"
-            )
-        if not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
-            raise ValueError(
-                f"--local.outer-lr: {self.outer_lr} must be a finite positive number; try 1.0"
-            )
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(
-                f"--local.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.5"
             )
         if not (self.penalty_epsilon > 0 and math.isfinite(self.penalty_epsilon)):
             raise ValueError(
@@ -139,34 +109,12 @@ class LocalOptions:
             )
 
 
-def make_local_optimizer(
-    kind: InnerOptimizerKind,
-    master: torch.Tensor,
-    config: AdamWConfig,
-    momentum: float,
-    replicas: Comm | None = None,
-) -> FlatOptimizer:
-    """The per-worker inner optimizer on the flat fp32 master (state local and persistent).
-
-    ``adamw``: :class:`~lowcomm.optim.adamw.FlatAdamW` (docs/ALGORITHMS.md §0.3), its moments
-    split over ``replicas`` when a worker has several ranks. ``sgd``:
-    :class:`~lowcomm.optim.sgd.FlatSGD` with PyTorch's momentum mu (no dampening, no Nesterov)
-    and the same decoupled weight decay as AdamW, so switching the inner optimizer changes only
-    the direction rule::
-
-        theta <- theta (1 - eta lambda);  b <- mu b + g  (b = g at first);  theta <- theta - eta b
-    """
-    if kind == "adamw":
-        return make_adamw(master, config, replicas)
-    return FlatSGD(master, weight_decay=config.weight_decay, momentum=momentum)
-
-
 def _bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class _LocalUpdate(Strategy):
-    """Shared machinery: flat buffers, the inner step, round bookkeeping.
+class _LocalFamily(LocalUpdate[LocalOptions]):
+    """The declarations and checkpoint of the five local methods.
 
     Elastic resume (``--resume DIR --workers M2``): replicated state (anchor, outer momentum,
     settled exchange results) is kept exactly; per-worker state (local parameters, inner
@@ -176,10 +124,6 @@ class _LocalUpdate(Strategy):
 
     options_field: ClassVar[str | None] = "local"
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 2}
-    #: Inner optimizer fixed by the method (None: ``options.inner_optimizer``).
-    fixed_inner: ClassVar[InnerOptimizerKind | None] = None
-    sharding_refusal: ClassVar[str | None] = None
-    muon_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -188,147 +132,42 @@ class _LocalUpdate(Strategy):
         context: StrategyContext,
         options: LocalOptions | None = None,
     ) -> None:
-        super().__init__(model, comm, context)
-        self.options = options if options is not None else LocalOptions()
+        super().__init__(model, comm, context, options or LocalOptions())
         self.tau = self.options.sync_every
-        self.flat = flat_buffers(model)  # the local shards on a sharded worker
-        # In fp32 the parameters are their own master copy; otherwise a separate fp32 master
-        # (cloned: it must never alias the working parameters).
-        if self.flat.dtype == torch.float32:
-            master = self.flat.params
-        else:
-            master = self.flat.params.float().clone()
-        self.inner_kind: InnerOptimizerKind = self.fixed_inner or self.options.inner_optimizer
-        if context.optim.name == "muon" and self.inner_kind == "sgd":
-            raise muon_refusal(
-                self.name, "--local.inner-optimizer sgd has no AdamW for Muon to replace"
-            )
-        self.inner = (
-            make_inner_optimizer(
-                model, self.flat, master, context.optim, self.runtime.replica_group, self.name
-            )
-            if self.inner_kind == "adamw"
-            else make_local_optimizer(
-                self.inner_kind, master, context.optim, self.options.sgd_momentum
-            )
-        )
-        #: Inner steps taken in the current round (0 right after a round ended).
-        self.local_steps = 0
-        #: Rounds completed.
-        self.rounds = 0
-        self._last_lr = 0.0
 
-    # --- helpers -------------------------------------------------------------------------
+    def round_due(self, stats: StepStats) -> bool:
+        """Whether this inner step ends a round (marked ``synced`` in the step's extras)."""
+        due = self.local_steps == self.tau
+        stats.extras["synced"] = 1.0 if due else 0.0
+        return due
 
-    @property
-    def _separate_master(self) -> bool:
-        return self.inner.master is not self.flat.params
-
-    def _params_written(self) -> None:
-        """The working parameters were overwritten (average, anchor): refresh the master."""
-        if self._separate_master:
-            self.inner.master.copy_(self.flat.params)
-
-    def _inner_step(self, closure: Closure) -> tuple[Loss, int, int, float]:
-        """One local optimizer step on this worker's own gradient (no communication)."""
-        count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
-        lr = self.lr_at(self.step_index)
-        with torch.no_grad():
-            # Local methods clip the worker's own gradient (there is no averaged one).
-            grads = average_and_clip(
-                self.flat.grads,
-                count=count,
-                max_grad_norm=self.context.max_grad_norm,
-                sum_squared_norm=norm_summer(self.flat),
-            )
-            step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
-        self.step_index += 1
-        self.local_steps += 1
-        self._last_lr = lr
-        return loss, samples, tokens, lr
-
-    def _after_first_inner_step(self) -> None:
-        """Hook: called right after the first inner step of a round."""
-        return None
-
-    @abstractmethod
-    def _end_round(self) -> dict[str, float]:
-        """Combine the workers at the end of a round; returns extras."""
-
-    def step(self, closure: Closure) -> StepStats:
-        loss, samples, tokens, lr = self._inner_step(closure)
-        if self.local_steps == 1:
-            with torch.no_grad():
-                self._after_first_inner_step()
-        extras: dict[str, float] = {"synced": 0.0}
-        if self.local_steps == self.tau:
-            with torch.no_grad():
-                extras.update(self._end_round())
-            extras["synced"] = 1.0
-            self.local_steps = 0
-            self.rounds += 1
-        return StepStats(
-            loss=loss,
-            microbatches=self.context.microbatches_per_step,
-            samples=samples,
-            tokens=tokens,
-            lr=lr,
-            extras=extras,
-        )
-
-    @contextmanager
-    def _swapped_in(self, values: torch.Tensor) -> Iterator[nn.Module]:
-        """Temporarily load ``values`` into the working parameters (for validation)."""
-        saved = self.flat.params.clone()
-        with torch.no_grad():
-            self.flat.params.copy_(values)
-        try:
-            yield self.model
-        finally:
-            with torch.no_grad():
-                self.flat.params.copy_(saved)
-
-    @contextmanager
-    def _worker_average(self) -> Iterator[nn.Module]:
-        """The mean of the workers' current local models (an uncharged all-reduce of a copy;
-        every rank calls it together)."""
-        average = self.flat.params.clone()
-        # On the uncharged channel: averaging a model for validation neither occupies the
-        # modeled link nor counts as training traffic (evaluation is off the clock).
-        self.runtime.uncharged.all_reduce(average, op="mean", role=Role.PARAMETER).wait()
-        with self._swapped_in(average) as model:
-            yield model
-
-    def _base_state_bytes(self) -> int:
-        master = tensor_bytes(self.inner.master) if self._separate_master else 0
-        return self.flat.bytes + master + self.inner.state_bytes()
+    def average(self) -> None:
+        """A blocking mean all-reduce of the local parameters (launched and finished at once)."""
+        self.comm.all_reduce(self.flat.params, op="mean", role=Role.PARAMETER).wait()
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
             "inner_kind": self.inner_kind,
-            "inner": self.inner.state_dict(),
             "params": self.flat.params.clone(),
             "local_steps": self.local_steps,
             "rounds": self.rounds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
         if state["inner_kind"] != self.inner_kind:
             raise ValueError(
                 f"checkpoint holds a {state['inner_kind']} inner optimizer but this run uses "
                 f"{self.inner_kind}; resume with the same --local.inner-optimizer"
             )
-        self.inner.load_state_dict(state["inner"])
+        super().load_state_dict(state)
         with torch.no_grad():
             self.flat.params.copy_(state["params"])
         self.local_steps = int(state["local_steps"])
         self.rounds = int(state["rounds"])
 
 
-class LocalSGD(_LocalUpdate):
+class LocalSGD(_LocalFamily):
     """Local SGD: tau local SGD steps, then a blocking parameter average.
 
     Paper: Stich, *Local SGD converges fast and communicates little* (2019); CO2's baseline,
@@ -349,29 +188,33 @@ class LocalSGD(_LocalUpdate):
     fixed_inner: ClassVar[InnerOptimizerKind | None] = "sgd"
     muon_refusal: ClassVar[str | None] = "its inner optimizer is SGD"
 
-    def _end_round(self) -> dict[str, float]:
-        self.comm.all_reduce(self.flat.params, op="mean", role=Role.PARAMETER).wait()
-        self._params_written()
-        return {}
+    def step(self, closure: Closure) -> StepStats:
+        stats = self.inner_step(closure)
+        if self.round_due(stats):
+            with torch.no_grad():
+                self.average()
+                self.params_written()
+            self.end_round()
+        return stats
 
     def finish(self) -> None:
         # "Average once more at the very end" (§3.1 edge cases): a trailing partial round.
         if self.local_steps > 0:
             with torch.no_grad():
-                self._end_round()
-            self.local_steps = 0
-            self.rounds += 1
+                self.average()
+                self.params_written()
+            self.end_round()
 
     @contextmanager
     def deployed(self) -> Iterator[nn.Module]:
         if self.local_steps == 0:
             yield self.model
         else:
-            with self._worker_average() as model:
+            with self.worker_average() as model:
                 yield model
 
     def state_bytes(self) -> int:
-        return self._base_state_bytes()
+        return self.base_state_bytes()
 
 
 class LocalAdamW(LocalSGD):
@@ -392,7 +235,7 @@ class LocalAdamW(LocalSGD):
     muon_refusal: ClassVar[str | None] = None
 
 
-class OverlapLocalSGD(_LocalUpdate):
+class OverlapLocalSGD(_LocalFamily):
     """Overlap-Local-SGD: pull toward a stale anchor, non-blocking parameter all-reduce.
 
     Paper: Wang, Liang & Joshi, *Overlap Local-SGD* (2020), as restated in docs/ALGORITHMS.md §3.2
@@ -426,28 +269,38 @@ class OverlapLocalSGD(_LocalUpdate):
         self.buffer = torch.zeros_like(self.flat.params)
         self.handle: Handle | None = None
 
-    def _end_round(self) -> dict[str, float]:
-        pulled = 0.0
-        if self.handle is not None:
-            self.handle.wait()  # the buffer now holds z, the average of the last boundary
-            self.flat.params.lerp_(self.buffer, self.options.pull)
-            self._params_written()
-            pulled = 1.0
+    def step(self, closure: Closure) -> StepStats:
+        stats = self.inner_step(closure)
+        if self.round_due(stats):
+            with torch.no_grad():
+                pulled = self.handle is not None  # no anchor z at the first boundary
+                if pulled:
+                    self.finish_sync()  # the buffer now holds z, the last boundary's average
+                    self.flat.params.lerp_(self.buffer, self.options.pull)  # x -= alpha (x - z)
+                    self.params_written()
+                stats.extras["pulled"] = float(pulled)
+                self.launch_sync()  # overlaps the next tau inner steps
+            self.end_round()
+        return stats
+
+    def launch_sync(self) -> None:
         self.buffer.copy_(self.flat.params)
         self.handle = self.comm.all_reduce(self.buffer, op="mean", role=Role.PARAMETER)
-        return {"pulled": pulled}
 
-    def finish(self) -> None:
+    def finish_sync(self) -> None:
         if self.handle is not None:
             self.handle.wait()
 
+    def finish(self) -> None:
+        self.finish_sync()
+
     @contextmanager
     def deployed(self) -> Iterator[nn.Module]:
-        with self._worker_average() as model:
+        with self.worker_average() as model:
             yield model
 
     def state_bytes(self) -> int:
-        return self._base_state_bytes() + _bytes(self.buffer)
+        return self.base_state_bytes() + _bytes(self.buffer)
 
     def state_dict(self) -> dict[str, Any]:
         # Settled first: the buffer holds the in-flight result only once the data has moved.
@@ -460,7 +313,7 @@ class OverlapLocalSGD(_LocalUpdate):
         self.handle = self.runtime.restore_pending(state)
 
 
-class _AnchoredOuter(_LocalUpdate):
+class _AnchoredOuter(_LocalFamily):
     """Methods with a shared anchor x_{t,0} that every round restarts from."""
 
     def __init__(
@@ -471,13 +324,18 @@ class _AnchoredOuter(_LocalUpdate):
         options: LocalOptions | None = None,
     ) -> None:
         super().__init__(model, comm, context, options)
+        if self.options.outer_nesterov:
+            raise ValueError(
+                f"--local.outer-nesterov: True with --method {self.name}, whose slow momentum "
+                f"is its paper's heavy ball; pass --local.outer-nesterov False"
+            )
         # clone(): the anchor must not alias the parameters the inner steps overwrite.
         self.anchor = self.flat.params.clone()
         self.momentum = torch.zeros_like(self.flat.params)
 
-    def _restart_from_anchor(self) -> None:
+    def restart_from_anchor(self) -> None:
         self.flat.params.copy_(self.anchor)
-        self._params_written()
+        self.params_written()
 
     @contextmanager
     def deployed(self) -> Iterator[nn.Module]:
@@ -485,7 +343,7 @@ class _AnchoredOuter(_LocalUpdate):
         if self.local_steps == 0:
             yield self.model  # right after a round the parameters are the anchor
         else:
-            with self._swapped_in(self.anchor) as model:
+            with self.swapped_in(self.anchor) as model:
                 yield model
 
     def state_dict(self) -> dict[str, Any]:
@@ -526,10 +384,21 @@ class SlowMo(_AnchoredOuter):
         shards_over_replicas=True,
     )
 
-    def _end_round(self) -> dict[str, float]:
+    def step(self, closure: Closure) -> StepStats:
+        stats = self.inner_step(closure)
+        if self.round_due(stats):
+            with torch.no_grad():
+                self.average()  # x_avg, blocking
+                self.outer_step()
+            stats.extras["outer_step"] = 1.0
+            self.end_round()
+        return stats
+
+    def outer_step(self) -> None:
+        """u <- beta u + (x_anchor - x_avg) / gamma; x_anchor <- x_anchor - alpha gamma u;
+        every worker restarts from the anchor."""
         params = self.flat.params
-        self.comm.all_reduce(params, op="mean", role=Role.PARAMETER).wait()
-        gamma = self._last_lr
+        gamma = self.last_lr
         beta, alpha = self.options.outer_momentum, self.options.outer_lr
         # params becomes the outer displacement x_anchor - x_avg (it is overwritten below).
         params.sub_(self.anchor).neg_()
@@ -537,18 +406,17 @@ class SlowMo(_AnchoredOuter):
         if gamma > 0:
             self.momentum.add_(params, alpha=1.0 / gamma)
             self.anchor.sub_(self.momentum, alpha=alpha * gamma)
-        self._restart_from_anchor()
-        return {"outer_step": 1.0}
+        self.restart_from_anchor()
 
     def finish(self) -> None:
         if self.local_steps > 0:  # a trailing partial round still gets its outer step
             with torch.no_grad():
-                self._end_round()
-            self.local_steps = 0
-            self.rounds += 1
+                self.average()
+                self.outer_step()
+            self.end_round()
 
     def state_bytes(self) -> int:
-        return self._base_state_bytes() + _bytes(self.anchor, self.momentum)
+        return self.base_state_bytes() + _bytes(self.anchor, self.momentum)
 
 
 class CO2(_AnchoredOuter):
@@ -627,9 +495,43 @@ class CO2(_AnchoredOuter):
     def _shared(self) -> bool:
         return self.previous_displacement is None and self.displacement is not None
 
-    def _after_first_inner_step(self) -> None:
-        if self.displacement is not None:
-            torch.sub(self.flat.params, self.anchor, out=self.displacement)
+    def step(self, closure: Closure) -> StepStats:
+        stats = self.inner_step(closure)
+        with torch.no_grad():
+            if self.local_steps == 1 and self.displacement is not None:
+                torch.sub(self.flat.params, self.anchor, out=self.displacement)  # d_t
+            if self.round_due(stats):
+                stats.extras.update(self.close_round())
+                self.end_round()
+        return stats
+
+    def close_round(self) -> dict[str, float]:
+        """The end of round t, in Alg. 1's order; returns the step's extras."""
+        extras: dict[str, float] = {}
+        previous = self.handle is not None  # t = 0 has no earlier round: keep the anchor
+        if previous:
+            extras.update(self.finish_sync())  # round t-1's Delta: Lambda_t and m_t
+        self.launch_sync()  # round t's Delta (and d_t): it overlaps the next round
+        if previous:
+            extras.update(self.outer_step())  # x_{t+1,0} = x_{t,0} - alpha clip(m_t, phi)
+        self.restart_from_anchor()
+        return extras
+
+    def launch_sync(self) -> None:
+        """Delta_t = x_{t,0} - x_{t,tau} (with d_t when shared) into the buffer, then its
+        asynchronous mean all-reduce."""
+        numel = self.flat.params.numel()
+        torch.sub(self.anchor, self.flat.params, out=self.buffer[:numel])
+        if self._shared:
+            assert self.displacement is not None
+            self.buffer[numel:].copy_(self.displacement)
+        elif self.previous_displacement is not None and self.displacement is not None:
+            self.previous_displacement, self.displacement = (
+                self.displacement,
+                self.previous_displacement,
+            )
+        self.handle = self.comm.all_reduce(self.buffer, op="mean", role=Role.PSEUDO_GRADIENT)
+        self.inflight_steps = self.local_steps
 
     def _clipped_momentum(self) -> torch.Tensor:
         if not self.clip_active:
@@ -637,7 +539,7 @@ class CO2(_AnchoredOuter):
         phi = self.options.clip_threshold
         return self.momentum.clamp(-phi, phi)
 
-    def _consume_previous(self) -> dict[str, float]:
+    def finish_sync(self) -> dict[str, float]:
         """Wait for round t-1's all-reduce and update the outer momentum (lines 8-12)."""
         assert self.handle is not None
         self.handle.wait()
@@ -663,7 +565,7 @@ class CO2(_AnchoredOuter):
         self.handle = None
         return extras
 
-    def _apply_outer_step(self) -> dict[str, float]:
+    def outer_step(self) -> dict[str, float]:
         """x_{t+1,0} = x_{t,0} - alpha clip(m_t, phi) (line 13)."""
         extras = {"outer_step": 1.0}
         if self.clip_active:
@@ -672,44 +574,18 @@ class CO2(_AnchoredOuter):
         self.anchor.sub_(self._clipped_momentum(), alpha=self.options.outer_lr)
         return extras
 
-    def _end_round(self) -> dict[str, float]:
-        extras: dict[str, float] = {}
-        consumed = self.handle is not None
-        if consumed:
-            extras.update(self._consume_previous())
-        # Round t's outer gradient (and d_t) into the buffer, then launch it: it completes
-        # while the next round computes.
-        numel = self.flat.params.numel()
-        torch.sub(self.anchor, self.flat.params, out=self.buffer[:numel])
-        if self._shared:
-            assert self.displacement is not None
-            self.buffer[numel:].copy_(self.displacement)
-        elif self.previous_displacement is not None and self.displacement is not None:
-            self.previous_displacement, self.displacement = (
-                self.displacement,
-                self.previous_displacement,
-            )
-        self.handle = self.comm.all_reduce(self.buffer, op="mean", role=Role.PSEUDO_GRADIENT)
-        self.inflight_steps = self.local_steps
-        if consumed:
-            extras.update(self._apply_outer_step())
-        # t = 0 keeps the anchor (x_{1,0} = x_{0,0}); every round restarts from the anchor.
-        self._restart_from_anchor()
-        return extras
-
     def finish(self) -> None:
         with torch.no_grad():
             if self.local_steps > 0:
-                self._end_round()
-                self.local_steps = 0
-                self.rounds += 1
+                self.close_round()
+                self.end_round()
             if self.handle is not None:
-                self._consume_previous()
-                self._apply_outer_step()
-                self._restart_from_anchor()
+                self.finish_sync()
+                self.outer_step()
+                self.restart_from_anchor()
 
     def state_bytes(self) -> int:
-        return self._base_state_bytes() + _bytes(
+        return self.base_state_bytes() + _bytes(
             self.anchor,
             self.momentum,
             self.buffer,

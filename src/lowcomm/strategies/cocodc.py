@@ -93,7 +93,7 @@ def syncs_per_period(
     return max(fragments, math.floor(gamma * sync_every * step_s / sync_s))
 
 
-class CoCoDC(OuterLoopStrategy):
+class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
     """CoCoDC: delay-compensated merge and adaptive transmission on top of Streaming DiLoCo.
 
     Paper: CoCoDC (docs/ALGORITHMS.md §4.5). Symbols: H -> options.sync_every, K -> options.fragments
@@ -167,6 +167,24 @@ class CoCoDC(OuterLoopStrategy):
         self.compensation_ratio = 0.0
 
     def step(self, closure: Closure) -> StepStats:
+        stats = self.timed_inner_step(closure)
+        t = self.step_index
+        for sync in [s for s in self.in_flight if s.complete_at <= t]:
+            self.in_flight.remove(sync)
+            self.complete(sync, t)  # finish_sync, outer step, compensated merge
+        p = self.fragment_due(t)
+        if p is not None:
+            sync = self.launch(p, t)
+            stats.extras["synced_fragment"] = float(p)
+            if self.options.overlap_steps == 0:
+                self.in_flight.remove(sync)
+                self.complete(sync, t)
+        stats.extras["syncs_per_h"] = float(self.syncs_per_h)
+        stats.extras["compensation_ratio"] = self.compensation_ratio
+        return stats
+
+    def timed_inner_step(self, closure: Closure) -> StepStats:
+        """The inner step, its compute seconds folded into T_c's moving average."""
         before = self._compute_seconds()
         stats = self.inner_step(closure)
         after = self._compute_seconds()
@@ -175,36 +193,29 @@ class CoCoDC(OuterLoopStrategy):
             self.step_seconds = (
                 measured if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * measured
             )
-        t = self.step_index
-        for sync in [s for s in self.in_flight if s.complete_at <= t]:
-            self.in_flight.remove(sync)
-            self.complete(sync, t)
+        return stats
+
+    def fragment_due(self, t: int) -> int | None:
+        """The fragment to launch at step t (Alg. 2): one every h steps, none that would not
+        complete before the end, none while a sync is in flight unless h >= tau."""
         tau = self.options.overlap_steps
         can_launch = not self.in_flight or self.interval >= tau
-        if t % self.interval == 0 and t + tau <= self.context.total_steps and can_launch:
-            p = select_fragment(
-                t,
-                self.last_sync_steps,
-                self.rates,
-                [s.fragment for s in self.in_flight],
-                self.options.sync_every,
-            )
-            if p is not None:
-                # (A sharded worker's ranks agree on their timings first, as a replicated
-                # worker's do in its hierarchical mean: the fragment schedule follows them.)
-                extras = ranks_mean(
-                    self.flat, torch.tensor([self.step_seconds, self.last_sync_seconds])
-                )
-                snapshot = self.local_fragment(p)
-                sync = InFlight(p, t, t + tau, self.launch_exchange(p, extras), snapshot)
-                self.in_flight.append(sync)
-                stats.extras["synced_fragment"] = float(p)
-                if tau == 0:
-                    self.in_flight.remove(sync)
-                    self.complete(sync, t)
-        stats.extras["syncs_per_h"] = float(self.syncs_per_h)
-        stats.extras["compensation_ratio"] = self.compensation_ratio
-        return stats
+        if t % self.interval != 0 or t + tau > self.context.total_steps or not can_launch:
+            return None
+        in_flight = [s.fragment for s in self.in_flight]
+        return select_fragment(
+            t, self.last_sync_steps, self.rates, in_flight, self.options.sync_every
+        )
+
+    def launch(self, p: int, t: int) -> InFlight:
+        """launch_sync of fragment p with this worker's (T_c, T_s) and the launch snapshot."""
+        # (A sharded worker's ranks agree on their timings first, as a replicated
+        # worker's do in its hierarchical mean: the fragment schedule follows them.)
+        extras = ranks_mean(self.flat, torch.tensor([self.step_seconds, self.last_sync_seconds]))
+        snapshot = self.local_fragment(p)
+        sync = InFlight(p, t, t + self.options.overlap_steps, self.launch_sync(p, extras), snapshot)
+        self.in_flight.append(sync)
+        return sync
 
     def _compute_seconds(self) -> float | None:
         if self.clock is None:

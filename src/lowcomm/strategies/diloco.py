@@ -35,33 +35,23 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Handle, Role, Settled
 from lowcomm.comm.runtime import ClockReader, Runtime
-from lowcomm.optim.flat import FlatOptimizer
-from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat
-from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
-from lowcomm.strategies.gradient_step import (
-    accumulate,
-    average_and_clip,
-    make_inner_optimizer,
-    step_and_publish,
-)
-from lowcomm.strategies.sharded_flat import flat_buffers, flat_numel, norm_summer
+from lowcomm.strategies.local_update import LocalUpdate, OptionsT, RoundOptions
+from lowcomm.strategies.sharded_flat import flat_numel
 from lowcomm.strategies.two_step import TwoStepQuantized, shard_payload_bytes
 
 
 @dataclass(kw_only=True)
-class DiLoCoOptions:
+class DiLoCoOptions(RoundOptions):
     """Options of the DiLoCo family: diloco, streaming_diloco, diloco_delayed, eager, cocodc."""
+
+    group: ClassVar[str] = "diloco"
 
     sync_every: int = 16
     """H: inner steps per outer round (every fragment is synchronized once per H steps)."""
-
-    inner_optimizer: Literal["adamw", "sgd"] = "adamw"
-    """Inner optimizer: adamw (the papers') or sgd (theta <- theta (1 - lr wd) - lr g with
-    --optim.weight-decay, as --local.inner-optimizer sgd; for reduction tests)."""
 
     outer_lr: float | None = None
     """eta_out: outer learning rate (None: from H by --diloco.outer-defaults)."""
@@ -69,15 +59,15 @@ class DiLoCoOptions:
     outer_momentum: float | None = None
     """mu: outer momentum, 0 = plain outer SGD (None: from H by --diloco.outer-defaults)."""
 
+    outer_nesterov: bool = True
+    """Nesterov form of the outer momentum (False = heavy ball)."""
+
     outer_defaults: Literal["scaled", "paper"] = "scaled"
     """What an unset --diloco.outer-lr / --diloco.outer-momentum takes. scaled (lowcomm's):
     from H, t = min(1, log H / log 256), mu = 0.9 t^2, eta_out = 1 - 0.3 t: plain averaging
     (1, 0) at H = 1, (0.85, 0.225) at the default H = 16, the papers' (0.7, 0.9) from H = 256.
     paper: DiLoCo's eta_out 0.7, mu 0.9 at every H (tuned for H in the hundreds from a warm
     start; from scratch at H = 16 it overshoots and the loss rises again)."""
-
-    outer_nesterov: bool = True
-    """Nesterov form of the outer momentum (False = heavy ball)."""
 
     fragments: int | None = None
     """K: number of strided fragments (None = the method's default: 4 for streaming_diloco and
@@ -112,8 +102,8 @@ class DiLoCoOptions:
     """gamma (cocodc): syncs per H are N = max(K, floor(gamma H T_c / T_s))."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for flag, value, choices in (
-            ("--diloco.inner-optimizer", self.inner_optimizer, ("adamw", "sgd")),
             ("--diloco.outer-defaults", self.outer_defaults, ("scaled", "paper")),
             ("--diloco.quantization", self.quantization, ("none", "bf16", "fp8", "int4")),
             ("--diloco.compensation-sign", self.compensation_sign, ("fixed", "literal")),
@@ -123,12 +113,6 @@ class DiLoCoOptions:
                     f"{flag}: {value!r} is unknown; choose {', '.join(choices[:-1])} or "
                     f"{choices[-1]}"
                 )
-        if self.sync_every < 1:
-            raise ValueError(
-                f"--diloco.sync-every: {self.sync_every} must be >= 1; pass the number of "
-                f"inner steps per outer round, e.g. 16"
-            )
-        self._check_outer()
         if self.fragments is not None and self.fragments < 1:
             raise ValueError(
                 f"--diloco.fragments: {self.fragments} must be >= 1; pass e.g. 4, or None for "
@@ -161,24 +145,6 @@ class DiLoCoOptions:
             raise ValueError(
                 f"--diloco.transmission-gamma: {self.transmission_gamma} must be a positive "
                 f"number; try 0.4"
-            )
-
-    def _check_outer(self) -> None:
-        """The outer step's options: a given rate finite and >= 0, a given momentum in [0, 1)."""
-        if self.outer_lr is not None and not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
-            raise ValueError(
-                f"--diloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7, "
-                f"or None for the default of --diloco.outer-defaults"
-            )
-        if self.outer_momentum is not None and not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(
-                f"--diloco.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9, "
-                f"or None for the default of --diloco.outer-defaults"
-            )
-        if self.outer_defaults not in ("scaled", "paper"):
-            raise ValueError(
-                f"--diloco.outer-defaults: {self.outer_defaults!r} is unknown; choose scaled "
-                f"or paper"
             )
 
     def outer(self) -> tuple[float, float]:
@@ -469,7 +435,7 @@ class OuterExchange:
         exchange._result = (state["mean"], state["extras"], state["own"])
         exchange._waited = bool(state["waited"])
         exchange.sync_seconds = state["sync_seconds"]
-        # A checkpoint of an older version holds only the one-level completion.
+        # A checkpoint without a ``settled`` entry holds only the one-level completion.
         settled = (
             Settled.from_state(state["settled"])
             if "settled" in state
@@ -490,13 +456,13 @@ def _clock_now(clock: ClockReader | None) -> float | None:
 # --- the shared base ------------------------------------------------------------------------
 
 
-class OuterLoopStrategy(Strategy):
+class OuterLoopStrategy(LocalUpdate[OptionsT]):
     """Inner steps on local parameters plus per-fragment outer state (shared by the family).
 
-    Holds: the flat parameters/gradients (``self.flat``), the fp32 working copy the inner
-    optimizer updates (``self.master``, the parameters themselves in fp32), the inner optimizer
-    (AdamW, local and persistent), and per fragment p the global parameters ``globals_[p]``
-    (theta^g_p, an explicit clone) with its outer optimizer ``outer[p]``.
+    Holds, beyond :class:`~lowcomm.strategies.local_update.LocalUpdate`'s flat buffers, master
+    and inner optimizer: per fragment p the global parameters ``globals_[p]`` (theta^g_p, an
+    explicit clone) with its outer optimizer ``outer[p]``. Rounds are multiples of H in the
+    global step count, so a resumed run finds them from ``step_index`` alone.
 
     Elastic resume (``--resume DIR --workers M2``): the global parameters, outer momentum and
     settled exchange results are replicated and kept exactly; each worker's local parameters and
@@ -513,78 +479,47 @@ class OuterLoopStrategy(Strategy):
     quick_options: ClassVar[Mapping[str, object]] = {
         "sync_every": 2, "quantization": "int4", "quantization_row_size": 64,
     }  # fmt: skip
-    sharding_refusal: ClassVar[str | None] = None
-    muon_refusal: ClassVar[str | None] = None
 
     def __init__(
-        self,
-        model: nn.Module,
-        comm: Comm,
-        context: StrategyContext,
-        options: DiLoCoOptions | None = None,
+        self, model: nn.Module, comm: Comm, context: StrategyContext, options: OptionsT
     ) -> None:
-        super().__init__(model, comm, context)
-        self.options = options or DiLoCoOptions()
-        self.flat = flat_buffers(model)  # the local shards on a sharded worker
-        self.master = (
-            self.flat.params
-            if self.flat.dtype == torch.float32
-            else self.flat.params.float().clone()
-        )
-        # sgd: theta <- theta (1 - lr lambda) - lr g (no momentum), lambda = --optim.weight-decay
-        # as in the local family; the reduction tests pass weight decay 0.
-        if context.optim.name == "muon" and self.options.inner_optimizer == "sgd":
-            raise muon_refusal(
-                self.name, "--diloco.inner-optimizer sgd has no AdamW for Muon to replace"
-            )
-        self.inner: FlatOptimizer = (
-            make_inner_optimizer(
-                model, self.flat, self.master, context.optim, self.runtime.replica_group, self.name
-            )
-            if self.options.inner_optimizer == "adamw"
-            else FlatSGD(self.master, weight_decay=context.optim.weight_decay)
-        )
-        self.num_fragments = self.options.fragments or default_fragment_count(
+        super().__init__(model, comm, context, options)
+        # Fragments and a quantized wire format are the DiLoCo options' own; the other
+        # families synchronize the whole model in fp32.
+        diloco = options if isinstance(options, DiLoCoOptions) else None
+        self.quantization: QuantizationFormat = diloco.quantization if diloco else "none"
+        self.row_size = diloco.quantization_row_size if diloco else 256
+        self.num_fragments = (diloco and diloco.fragments) or default_fragment_count(
             model, self.default_fragments
         )
         self.fragments = build_fragments(model, self.num_fragments)
         self.globals_ = [fragment.gather(self.master) for fragment in self.fragments]
+        lr, momentum = options.outer()
         self.outer = [
-            OuterNesterov(
-                anchor,
-                lr=self.options.outer()[0],
-                momentum=self.options.outer()[1],
-                nesterov=self.options.outer_nesterov,
-            )
+            OuterNesterov(anchor, lr=lr, momentum=momentum, nesterov=options.outer_nesterov)
             for anchor in self.globals_
         ]
         self.outer_steps = 0
 
-    # inner step ----------------------------------------------------------------------------
+    # phases --------------------------------------------------------------------------------
 
-    def inner_step(self, closure: Closure) -> StepStats:
-        """One inner step on this worker's own parameters; advances ``step_index``."""
-        count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
-        lr = self.lr_at(self.step_index)
-        with torch.no_grad():
-            # Clipping is local: the inner gradient is never communicated.
-            grads = average_and_clip(
-                self.flat.grads,
-                count=count,
-                max_grad_norm=self.context.max_grad_norm,
-                sum_squared_norm=norm_summer(self.flat),
-            )
-            step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
-        self.step_index += 1
-        return StepStats(loss=loss, microbatches=count, samples=samples, tokens=tokens, lr=lr)
+    def launch_sync(self, p: int, extras: torch.Tensor | None = None) -> OuterExchange:
+        """Launch the exchange of Delta_p = theta^g_p - theta_p (the §0.3 sign); its
+        ``wait()`` finishes the sync."""
+        delta = self.globals_[p] - self.local_fragment(p)
+        return OuterExchange(
+            self.comm,
+            delta,
+            extras if extras is not None else torch.zeros(0),
+            self.quantization,
+            self.row_size,
+            clock=self.runtime.clock,
+        )
 
-    def write_back(self) -> None:
-        """Copy the fp32 working parameters into the model (no-op when they are the model's)."""
-        if self.master is not self.flat.params:
-            self.flat.params.copy_(self.master)
-
-    # outer helpers -------------------------------------------------------------------------
+    def outer_step(self, p: int, delta: torch.Tensor) -> None:
+        """Step fragment p's global parameters with the outer gradient ``delta``."""
+        self.outer[p].step(delta)
+        self.outer_steps += 1
 
     def local_fragment(self, p: int) -> torch.Tensor:
         return self.fragments[p].gather(self.master)
@@ -593,22 +528,6 @@ class OuterLoopStrategy(Strategy):
         with torch.no_grad():
             self.fragments[p].scatter(self.master, values)
             self.write_back()
-
-    def launch_exchange(self, p: int, extras: torch.Tensor | None = None) -> OuterExchange:
-        """Launch the exchange of Delta_p = theta^g_p - theta_p (the §0.3 sign)."""
-        delta = self.globals_[p] - self.local_fragment(p)
-        return OuterExchange(
-            self.comm,
-            delta,
-            extras if extras is not None else torch.zeros(0),
-            self.options.quantization,
-            self.options.quantization_row_size,
-            clock=self.runtime.clock,
-        )
-
-    def outer_step(self, p: int, delta: torch.Tensor) -> None:
-        self.outer[p].step(delta)
-        self.outer_steps += 1
 
     # Strategy API ---------------------------------------------------------------------------
 
@@ -628,12 +547,10 @@ class OuterLoopStrategy(Strategy):
                 self.flat.params.copy_(local)
 
     def state_bytes(self) -> int:
-        inner = self.inner.state_bytes()
-        master = 0 if self.master is self.flat.params else self.master.numel() * 4
         outer = sum(
             g.numel() * 4 + o.state_bytes() for g, o in zip(self.globals_, self.outer, strict=True)
         )
-        return self.flat.bytes + inner + master + outer + self.extra_state_bytes()
+        return self.base_state_bytes() + outer + self.extra_state_bytes()
 
     def extra_state_bytes(self) -> int:
         """Bytes of method-specific persistent buffers (overridden by subclasses)."""
@@ -652,11 +569,7 @@ class OuterLoopStrategy(Strategy):
 
     def restore_exchange(self, state: dict[str, Any]) -> OuterExchange:
         return OuterExchange.restored(
-            self.comm,
-            state,
-            self.options.quantization,
-            self.options.quantization_row_size,
-            runtime=self.runtime,
+            self.comm, state, self.quantization, self.row_size, runtime=self.runtime
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -664,7 +577,6 @@ class OuterLoopStrategy(Strategy):
             **super().state_dict(),
             "in_flight": self.in_flight_state(),
             "master": self.master.clone(),
-            "inner": self.inner.state_dict(),
             "globals": [g.clone() for g in self.globals_],
             "outer": [o.state_dict() for o in self.outer],
             "outer_steps": self.outer_steps,
@@ -673,7 +585,6 @@ class OuterLoopStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         with torch.no_grad():
-            self.inner.load_state_dict(state["inner"])
             self.master.copy_(state["master"])
             for anchor, saved in zip(self.globals_, state["globals"], strict=True):
                 anchor.copy_(saved)
@@ -684,7 +595,7 @@ class OuterLoopStrategy(Strategy):
         self.outer_steps = int(state["outer_steps"])
 
 
-class DiLoCo(OuterLoopStrategy):
+class DiLoCo(OuterLoopStrategy[DiLoCoOptions]):
     """DiLoCo: H local AdamW steps, then a blocking all-reduce of Delta and outer Nesterov.
     With --optim.name muon (Muon inner steps on the hidden matrices) it is MuLoCo (Therien et
     al. 2025, arXiv 2505.23725).
@@ -724,10 +635,10 @@ class DiLoCo(OuterLoopStrategy):
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)
         if self.step_index % self.options.sync_every == 0:
-            exchange = self.launch_exchange(0)
-            mean, _, _ = exchange.wait()  # blocking: nothing overlaps DiLoCo's all-reduce
+            sync = self.launch_sync(0)
+            mean, _, _ = sync.wait()  # finish_sync: nothing overlaps DiLoCo's all-reduce
             self.outer_step(0, mean)
-            self.set_local_fragment(0, self.globals_[0])
+            self.set_local_fragment(0, self.globals_[0])  # every worker restarts from theta^g
             stats.extras["outer_step"] = 1.0
         return stats
 

@@ -40,7 +40,7 @@ def eager_outer_gradient(
     return stale_mean + (fresh_own - stale_own) / world_size
 
 
-class DelayedOuterBase(OuterLoopStrategy):
+class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
     """Per-worker outer parameters phi_m (``globals_``) stepped with an outer gradient whose
     all-reduce overlaps the next N inner phases. Per fragment when K > 1: fragment p syncs at
     steps (p+1)H/K (mod H), each fragment's gradient delayed by N of its own periods H, and the
@@ -83,7 +83,7 @@ class DelayedOuterBase(OuterLoopStrategy):
     def sync_fragment(self, p: int) -> None:
         """End of fragment p's inner phase: launch its exchange, apply the one N rounds old."""
         fresh_own = self.globals_[p] - self.local_fragment(p)
-        self.pending[p].append(self.launch_exchange(p))
+        self.pending[p].append(self.launch_sync(p))
         if len(self.pending[p]) > self.options.outer_delay:
             stale_mean, _, stale_own = self.pending[p].popleft().wait()
         elif self.eager:

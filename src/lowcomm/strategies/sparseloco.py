@@ -32,16 +32,30 @@ from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.sparse import SparseCodec, index_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
-from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy, outer_round_tail
+from lowcomm.strategies.diloco import OuterLoopStrategy, outer_round_tail
+from lowcomm.strategies.local_update import RoundOptions
 
 
 @dataclass(kw_only=True)
-class SparseLoCoOptions:
+class SparseLoCoOptions(RoundOptions):
     """Options of SparseLoCo (--sparseloco.*); defaults as in the paper and Templar's code."""
+
+    group: ClassVar[str] = "sparseloco"
 
     sync_every: int = 15
     """H: inner AdamW steps per outer round (the paper's main setting, H = 15, arXiv
     2508.15706 §4; Templar's production hparams.json runs 30)."""
+
+    outer_lr: float = 1.0
+    """alpha: outer learning rate, theta <- theta - alpha mean(D) (Templar's
+    outer_learning_rate = 1.0)."""
+
+    outer_momentum: float = 0.0
+    """Outer momentum on mean(D): 0, the paper's outer SGD (the error feedback takes the
+    momentum's place)."""
+
+    outer_nesterov: bool = True
+    """Nesterov form of an outer momentum (as DiLoCo's; no effect at momentum 0)."""
 
     chunk: int = 4096
     """Entries per top-k chunk (the paper's 64 x 64 = 4096-entry chunks; Templar's
@@ -55,10 +69,6 @@ class SparseLoCoOptions:
     """beta: decay of the error-feedback accumulator e <- beta e + Delta (Templar's
     momentum_decay = 0.95; 0 keeps only the current pseudo-gradient's residual)."""
 
-    outer_lr: float = 1.0
-    """alpha: outer learning rate, theta <- theta - alpha mean(D) (Templar's
-    outer_learning_rate = 1.0)."""
-
     quantization_bits: int | None = 2
     """b: bits per transmitted value (the paper's 2-bit quantization; Templar's
     quantization_bins = 4); None sends fp32 values, no quantization."""
@@ -68,11 +78,7 @@ class SparseLoCoOptions:
     quantization_range = 6): codes are round((v - mean) / (range sigma / 2^b) + 2^(b-1))."""
 
     def __post_init__(self) -> None:
-        if self.sync_every < 1:
-            raise ValueError(
-                f"--sparseloco.sync-every: {self.sync_every} must be >= 1; pass the number "
-                f"of inner steps per outer round, e.g. 15"
-            )
+        super().__post_init__()
         if self.chunk < 1:
             raise ValueError(f"--sparseloco.chunk: {self.chunk} must be >= 1; try 4096")
         if not 1 <= self.topk <= self.chunk:
@@ -83,10 +89,6 @@ class SparseLoCoOptions:
         if not 0.0 <= self.error_decay <= 1.0:
             raise ValueError(
                 f"--sparseloco.error-decay: {self.error_decay} must lie in [0, 1]; try 0.95"
-            )
-        if not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
-            raise ValueError(
-                f"--sparseloco.outer-lr: {self.outer_lr} must be a finite number >= 0; try 1.0"
             )
         if self.quantization_bits is not None and not 1 <= self.quantization_bits <= 8:
             raise ValueError(
@@ -111,7 +113,7 @@ class SparseLoCoOptions:
         return bits / 8 / self.chunk
 
 
-class SparseLoCo(OuterLoopStrategy):
+class SparseLoCo(OuterLoopStrategy[SparseLoCoOptions]):
     """SparseLoCo: H inner AdamW steps, then an all-gather of chunked top-k, 2-bit quantized
     error-feedback pseudo-gradients and an outer SGD step on their mean.
 
@@ -153,26 +155,19 @@ class SparseLoCo(OuterLoopStrategy):
         context: StrategyContext,
         options: SparseLoCoOptions | None = None,
     ) -> None:
-        self.sparse_options = options or SparseLoCoOptions()
-        # The DiLoCo family's machinery with one fragment and outer SGD (no momentum) at
-        # alpha: its outer step is then theta^g <- theta^g - alpha mean(D).
-        inner = DiLoCoOptions(
-            sync_every=self.sparse_options.sync_every,
-            outer_lr=self.sparse_options.outer_lr,
-            outer_momentum=0.0,
-            fragments=1,
-        )
-        super().__init__(model, comm, context, inner)
-        # Outer SGD without momentum never reads its momentum buffer: keep it empty rather
-        # than a model-sized tensor of zeros (state_bytes and checkpoints then skip it).
-        self.outer[0].momentum_buffer = torch.zeros(0, device=self.master.device)
+        # One fragment (its default count): theta^g <- theta^g - alpha mean(D).
+        super().__init__(model, comm, context, options or SparseLoCoOptions())
+        if self.options.outer_momentum == 0:
+            # Outer SGD without momentum never reads its momentum buffer: keep it empty rather
+            # than a model-sized tensor of zeros (state_bytes and checkpoints then skip it).
+            self.outer[0].momentum_buffer = torch.zeros(0, device=self.master.device)
         self.error = torch.zeros_like(self.globals_[0])
         self.codec = SparseCodec(
             numel=self.error.numel(),
-            chunk=self.sparse_options.chunk,
-            k=self.sparse_options.topk,
-            bits=self.sparse_options.quantization_bits,
-            sigmas=self.sparse_options.quantization_range,
+            chunk=self.options.chunk,
+            k=self.options.topk,
+            bits=self.options.quantization_bits,
+            sigmas=self.options.quantization_range,
         )
         self.last_payload_bytes = 0
 
@@ -195,12 +190,12 @@ class SparseLoCo(OuterLoopStrategy):
 
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)
-        if self.step_index % self.sparse_options.sync_every == 0:
+        if self.step_index % self.options.sync_every == 0:
             with torch.no_grad():
                 delta = self.globals_[0] - self.local_fragment(0)
-                self.error.mul_(self.sparse_options.error_decay).add_(delta)
-                mean, own = self.exchange()
-                self.error.sub_(own)
+                self.error.mul_(self.options.error_decay).add_(delta)  # e <- beta e + Delta
+                mean, own = self.exchange()  # launch and finish: a blocking all-gather of D
+                self.error.sub_(own)  # e <- e - D
                 self.outer_step(0, mean)
                 self.set_local_fragment(0, self.globals_[0])
             stats.extras["outer_step"] = 1.0
@@ -221,7 +216,7 @@ class SparseLoCo(OuterLoopStrategy):
     def unsynchronized_tail(self, steps: int) -> str | None:
         """The deployed model is the outer one: the inner steps after the last multiple of H
         are not in it (as diloco)."""
-        return outer_round_tail(steps, self.sparse_options.sync_every, "--sparseloco.sync-every")
+        return outer_round_tail(steps, self.options.sync_every, self.options.flag("sync_every"))
 
 
 METHODS: tuple[type[Strategy], ...] = (SparseLoCo,)

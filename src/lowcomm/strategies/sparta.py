@@ -28,24 +28,12 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
-from lowcomm.optim.flat import tensor_bytes
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
-from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions, outer_round_tail
+from lowcomm.strategies.diloco import OuterLoopStrategy, outer_round_tail
 from lowcomm.strategies.flat import FlatBuffers
-from lowcomm.strategies.gradient_step import (
-    accumulate,
-    average_and_clip,
-    make_inner_optimizer,
-    step_and_publish,
-)
-from lowcomm.strategies.sharded_flat import (
-    WholeRange,
-    flat_buffers,
-    is_sharded,
-    norm_summer,
-    whole_ranges,
-)
+from lowcomm.strategies.local_update import LocalUpdate, RoundOptions
+from lowcomm.strategies.sharded_flat import WholeRange, is_sharded, whole_ranges
 
 #: Most Geometric gaps drawn at once when selecting indices (bounds the draw's memory).
 _GAPS_PER_DRAW = 1 << 20
@@ -54,8 +42,11 @@ _DOMAIN = 0x5BA27A
 
 
 @dataclass(kw_only=True)
-class SpartaOptions:
-    """Options of SPARTA and SPARTA-DiLoCo (--sparta.*); defaults as exogym's."""
+class SpartaOptions(RoundOptions):
+    """Options of SPARTA and SPARTA-DiLoCo (--sparta.*); defaults as exogym's. The period and
+    the outer step are sparta_diloco's only."""
+
+    group: ClassVar[str] = "sparta"
 
     fraction: float = 0.005
     """p: probability that a parameter is averaged at a step (exogym's p_sparta = 0.005, in
@@ -77,23 +68,11 @@ class SpartaOptions:
     """Nesterov form of the outer momentum (sparta_diloco only; exogym's nesterov=True)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(
                 f"--sparta.fraction: {self.fraction} must lie in [0, 1] (the probability that "
                 f"a parameter is averaged at a step); try 0.005"
-            )
-        if self.sync_every < 1:
-            raise ValueError(
-                f"--sparta.sync-every: {self.sync_every} must be >= 1; pass the number of "
-                f"inner steps per DiLoCo round, e.g. 100"
-            )
-        if not (self.outer_lr >= 0 and math.isfinite(self.outer_lr)):
-            raise ValueError(
-                f"--sparta.outer-lr: {self.outer_lr} must be a finite number >= 0; try 0.7"
-            )
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(
-                f"--sparta.outer-momentum: {self.outer_momentum} must lie in [0, 1); try 0.9"
             )
 
 
@@ -196,7 +175,7 @@ def sparse_average(comm: Comm, flat: FlatBuffers, fraction: float, seed: int) ->
     return SparseAverage(comm, whole, fraction, seed, whole_ranges(flat))
 
 
-class Sparta(Strategy):
+class Sparta(LocalUpdate[SpartaOptions]):
     """SPARTA: a local AdamW step, then the mean over the workers of a random fraction p of the
     parameters (the same indices on every worker, drawn from the run's seed and the step).
 
@@ -229,85 +208,38 @@ class Sparta(Strategy):
         context: StrategyContext,
         options: SpartaOptions | None = None,
     ) -> None:
-        super().__init__(model, comm, context)
-        self.options = options or SpartaOptions()
-        self.flat = flat_buffers(model)  # the local shards on a sharded worker
-        # In fp32 the parameters are their own master copy; otherwise an fp32 clone.
-        self.master = (
-            self.flat.params
-            if self.flat.dtype == torch.float32
-            else self.flat.params.float().clone()
-        )
-        # AdamW, or with --optim.name muon Muon on the hidden matrices and AdamW on the rest.
-        self.inner = make_inner_optimizer(
-            model, self.flat, self.master, context.optim, self.runtime.replica_group, self.name
-        )
+        super().__init__(model, comm, context, options or SpartaOptions())
         self.average = sparse_average(comm, self.flat, self.options.fraction, context.seed)
 
     def step(self, closure: Closure) -> StepStats:
-        count = self.context.microbatches_per_step
-        loss, samples, tokens = accumulate(self.flat, closure, count, self.runtime.replica_group)
-        lr = self.lr_at(self.step_index)
+        stats = self.inner_step(closure)
         with torch.no_grad():
-            # Clipping is local: the gradient is never communicated.
-            grads = average_and_clip(
-                self.flat.grads,
-                count=count,
-                max_grad_norm=self.context.max_grad_norm,
-                sum_squared_norm=norm_summer(self.flat),
-            )
-            step_and_publish(self.inner, grads, lr=lr, flat=self.flat)
-            self.step_index += 1
-            averaged = self.average(self.master, self.step_index)
-            if self.master is not self.flat.params:
-                self.flat.params.copy_(self.master)
-        return StepStats(
-            loss=loss,
-            microbatches=count,
-            samples=samples,
-            tokens=tokens,
-            lr=lr,
-            extras={"averaged": float(averaged)},
-        )
+            stats.extras["averaged"] = float(self.average(self.master, self.step_index))
+            self.write_back()
+        return stats
 
     @contextmanager
     def deployed(self) -> Iterator[nn.Module]:
-        """The mean of the workers' current models (an uncharged all-reduce of a copy: evaluation
-        neither occupies the modeled link nor counts as training traffic); every worker's own
-        parameters are restored afterwards."""
-        local = self.flat.params.clone()
-        average = local.clone()
-        self.runtime.uncharged.all_reduce(average, op="mean", role=Role.PARAMETER).wait()
-        with torch.no_grad():
-            self.flat.params.copy_(average)
-        try:
-            yield self.model
-        finally:
-            with torch.no_grad():
-                self.flat.params.copy_(local)
+        """The mean of the workers' current models (an uncharged all-reduce, for evaluation
+        only); every worker's own parameters are restored afterwards."""
+        with self.worker_average() as model:
+            yield model
 
     def state_bytes(self) -> int:
-        master = 0 if self.master is self.flat.params else tensor_bytes(self.master)
-        return self.flat.bytes + master + self.inner.state_bytes()
+        return self.base_state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         # No generator state: step t's indices are a function of (seed, t).
-        return {
-            **super().state_dict(),
-            "master": self.master.clone(),
-            "inner": self.inner.state_dict(),
-        }
+        return {**super().state_dict(), "master": self.master.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         with torch.no_grad():
-            self.inner.load_state_dict(state["inner"])
             self.master.copy_(state["master"])
-            if self.master is not self.flat.params:
-                self.flat.params.copy_(self.master)
+            self.write_back()
 
 
-class SpartaDiLoCo(DiLoCo):
+class SpartaDiLoCo(OuterLoopStrategy[SpartaOptions]):
     """SPARTA-DiLoCo: SPARTA's sparse average after every inner AdamW step, plus DiLoCo's outer
     Nesterov step on the averaged pseudo-gradient every H steps.
 
@@ -342,31 +274,28 @@ class SpartaDiLoCo(DiLoCo):
         context: StrategyContext,
         options: SpartaOptions | None = None,
     ) -> None:
-        self.sparta_options = options or SpartaOptions()
-        diloco = DiLoCoOptions(
-            sync_every=self.sparta_options.sync_every,
-            outer_lr=self.sparta_options.outer_lr,
-            outer_momentum=self.sparta_options.outer_momentum,
-            outer_nesterov=self.sparta_options.outer_nesterov,
-            fragments=1,
-        )
-        super().__init__(model, comm, context, diloco)
-        self.average = sparse_average(comm, self.flat, self.sparta_options.fraction, context.seed)
+        super().__init__(model, comm, context, options or SpartaOptions())
+        self.average = sparse_average(comm, self.flat, self.options.fraction, context.seed)
 
-    def inner_step(self, closure: Closure) -> StepStats:
-        """DiLoCo's inner step, then SPARTA's average of the local parameters (before the outer
-        step of a round's last step, as exogym orders its communication modules)."""
-        stats = super().inner_step(closure)
+    def step(self, closure: Closure) -> StepStats:
+        stats = self.inner_step(closure)
+        # The sparse average comes before the outer step of a round's last step, as exogym
+        # orders its communication modules.
         with torch.no_grad():
-            averaged = self.average(self.master, self.step_index)
+            stats.extras["averaged"] = float(self.average(self.master, self.step_index))
             self.write_back()
-        stats.extras["averaged"] = float(averaged)
+        if self.step_index % self.options.sync_every == 0:
+            sync = self.launch_sync(0)
+            mean, _, _ = sync.wait()  # finish_sync: blocking, as diloco's
+            self.outer_step(0, mean)
+            self.set_local_fragment(0, self.globals_[0])
+            stats.extras["outer_step"] = 1.0
         return stats
 
     def unsynchronized_tail(self, steps: int) -> str | None:
         """The deployed model is the outer one: the inner steps after the last multiple of H
         are not in it (as diloco)."""
-        return outer_round_tail(steps, self.sparta_options.sync_every, "--sparta.sync-every")
+        return outer_round_tail(steps, self.options.sync_every, self.options.flag("sync_every"))
 
 
 METHODS: tuple[type[Strategy], ...] = (Sparta, SpartaDiLoCo)

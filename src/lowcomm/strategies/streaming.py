@@ -95,7 +95,7 @@ def load_in_flight(
     )
 
 
-class StreamingDiLoCo(OuterLoopStrategy):
+class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
     """Streaming DiLoCo: K strided fragments, staggered syncs overlapping tau inner steps.
 
     Paper: Douillard et al. 2025 (docs/ALGORITHMS.md §4.2). Symbols: H -> options.sync_every,
@@ -162,7 +162,7 @@ class StreamingDiLoCo(OuterLoopStrategy):
                 continue
             if t + tau > self.context.total_steps:
                 continue  # would not complete before the end (§4.2 edge case)
-            self.in_flight.append(InFlight(p, t, t + tau, self.launch_exchange(p)))
+            self.in_flight.append(InFlight(p, t, t + tau, self.launch_sync(p)))
             launched += 1
         if tau == 0:
             self.complete_due(t)

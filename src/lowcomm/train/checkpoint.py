@@ -433,7 +433,9 @@ def _damage(
             f"{manifest.get('format')!r}; this version reads format {FORMAT_VERSION}); continue "
             f"it with the lowcomm that wrote it, or start a new run (--overwrite or another --out)"
         )
-    saved = _by_content({**_ADDED_LATER, **manifest.get("fingerprint", {})})
+    saved = _options_added_later(
+        _by_content({**_ADDED_LATER, **manifest.get("fingerprint", {})}), fingerprint["method"]
+    )
     for key, value in fingerprint.items():
         if key == "steps" and _extends(int(manifest["step"]), saved, value, directory):
             continue
@@ -453,6 +455,24 @@ def _damage(
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
         _check_reshardable(directory, manifest, world_size, fingerprint)
     return None
+
+
+def _options_added_later(saved: dict[str, Any], method: str) -> dict[str, Any]:
+    """A checkpoint written before an option of ``method`` existed does not name it: it ran
+    with what the option's default keeps, so the saved options take that default."""
+    from lowcomm.strategies import options_class, strategy_class
+
+    options = saved.get("options")
+    kind = options_class(strategy_class(method))
+    if kind is None or not isinstance(options, dict):
+        return saved
+    defaults = {
+        field.name: field.default
+        for field in dataclasses.fields(kind)
+        if field.default is not dataclasses.MISSING
+    }
+    normalised: dict[str, Any] = json.loads(json.dumps(defaults, default=str))
+    return {**saved, "options": {**normalised, **options}}
 
 
 def _first_difference(key: str, saved: Any, value: Any) -> tuple[str, Any, Any]:
