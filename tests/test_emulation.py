@@ -297,3 +297,20 @@ def test_fused_segments_charge_each_role_its_share() -> None:
     assert fused_call.segments == ((Role.PARAMETER, 100), (Role.FIRST_MOMENT, 200))
     with pytest.raises(ValueError, match="segments cover 250 elements"):
         comm.all_reduce(fused, role=Role.PARAMETER, segments=[(Role.PARAMETER, 250)])
+
+
+def test_a_group_that_declares_its_device_refuses_a_tensor_on_another() -> None:
+    meta = torch.device("meta")
+    recording = RecordingComm(world_size=WORLD, device=meta)
+    comm = NetworkComm(recording, PROFILE, _declared(), device=meta)
+    with pytest.raises(ValueError, match=r"all_reduce: the tensor is on cpu but the group's"):
+        comm.all_reduce(torch.zeros(4), role=Role.GRADIENT)
+    with pytest.raises(ValueError, match=r"all_gather: the tensor is on cpu"):
+        comm.all_gather(torch.zeros(4 * WORLD, device=meta), torch.zeros(4), role=Role.PARAMETER)
+    with pytest.raises(ValueError, match=r"broadcast: the tensor is on cpu"):
+        recording.broadcast(torch.zeros(4), src=0, role=Role.PARAMETER)
+    assert recording.calls == []  # refused before anything moved or was counted
+    assert comm.bytes_sent == 0
+    # On the group's device it runs.
+    comm.all_reduce(torch.zeros(4, device=meta), op="sum", role=Role.GRADIENT)
+    assert recording.calls[-1].kind is CollectiveKind.ALL_REDUCE and recording.calls[-1].numel == 4

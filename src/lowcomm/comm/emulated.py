@@ -39,6 +39,7 @@ from lowcomm.comm.base import (
     Segments,
     Settled,
     arrival_stamp,
+    check_device,
     check_segments,
     payload_bytes,
 )
@@ -148,7 +149,8 @@ class NetworkComm:
         raw: the communicator that moves the data.
         profile: the declared link and per-worker speed factors.
         clock: this worker's clock (real or virtual).
-        device: the device of the group's tensors (cuda for NCCL), used for barriers.
+        device: the device of the group's tensors (cuda for NCCL): a collective refuses a
+            tensor on another device (None: undeclared, unchecked; barriers then use cpu).
         wire_dtype: the dtype float32 gradients and pseudo-gradients travel in
             (``--comm-dtype``, :mod:`lowcomm.comm.cast`); other roles travel as they are.
     """
@@ -164,7 +166,8 @@ class NetworkComm:
     ) -> None:
         self.raw = raw
         self.wire_dtype = wire_dtype
-        # Where the launch-time exchange of a barrier lives (the group's device).
+        # Where the launch-time exchange lives (the group's device).
+        self._declared_device = device
         self._barrier_device = device or torch.device("cpu")
         self.profile = profile
         self.clock = clock
@@ -243,6 +246,7 @@ class NetworkComm:
         shares: list[tuple[Role, int]] | None = None,
     ) -> Handle:
         world_size = self.raw.world_size
+        check_device(device, self._declared_device, kind.value)
         cost = self._account(kind, role, full_bytes, src, shares)
         launch_time = self.clock.now()
         launch_times: torch.Tensor | None = None
@@ -294,6 +298,7 @@ class NetworkComm:
             wire_out = torch.empty_like(output, dtype=self.wire_dtype)
             handle = self.reduce_scatter(wire_out, input.to(self.wire_dtype), op=op, role=role)
             return CastBackHandle(handle, wire_out, output)
+        check_device(output.device, self._declared_device, "reduce_scatter")
         return self._launch(
             CollectiveKind.REDUCE_SCATTER,
             role,
@@ -307,6 +312,7 @@ class NetworkComm:
             wire_out = torch.empty_like(output, dtype=self.wire_dtype)
             handle = self.all_gather(wire_out, input.to(self.wire_dtype), role=role)
             return CastBackHandle(handle, wire_out, output)
+        check_device(input.device, self._declared_device, "all_gather")
         return self._launch(
             CollectiveKind.ALL_GATHER,
             role,
@@ -318,6 +324,7 @@ class NetworkComm:
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         """Priced and counted as the reduce-scatter of ``input`` it is the first step of
         (each rank sends the other ranks' chunks: (n-1)/n of the payload, as a ring does)."""
+        check_device(output.device, self._declared_device, "all_to_all")
         return self._launch(
             CollectiveKind.REDUCE_SCATTER,
             role,
