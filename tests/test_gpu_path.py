@@ -481,3 +481,27 @@ def test_a_step_on_the_gpu_real_clock_makes_no_device_sync_and_no_host_read(
     assert cuda.event_waits <= _ASKED_FOR.get(method, 0)
     # (co2's and cocodc's per-sync diagnostics, listed in test_gpu_readiness)
     assert reads.count <= 4 * _ALLOWED_HOST_READS.get(method, 0)
+
+
+def test_the_timeline_records_on_the_compute_stream_it_was_made_on() -> None:
+    """A boundary crossed while another stream is current (FSDP's all-gather stream, a
+    method's side stream) is still recorded on the compute stream captured when the clock was
+    made: events on two streams give no region's time."""
+    from lowcomm.comm.clock import RealClock
+
+    class _SideStreamCuda(_EventCuda):
+        current = "compute"
+
+        def current_stream(self, device: torch.device) -> str:
+            return self.current
+
+    cuda = _SideStreamCuda()
+    clock = RealClock(device=torch.device("cuda", 0), cuda=cuda)
+    cuda.current = "side"  # inside a side stream's block from now on
+    cuda.device_time += 2.0
+    with clock.blocked():
+        cuda.device_time += 0.5
+    clock.now()
+    clock.settle_timing()
+    assert len(cuda.recorded) >= 3  # (each event asserts it is recorded on "compute")
+    assert clock.compute_s == pytest.approx(2.0) and clock.exposed_comm_s == pytest.approx(0.5)

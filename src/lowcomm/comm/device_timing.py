@@ -31,7 +31,8 @@ REGIONS = ("compute", "exposed", "excluded")
 
 
 class DeviceTimeline:
-    """Region boundaries of one worker as timing events on its current stream.
+    """Region boundaries of one worker as timing events on its compute stream (the current
+    stream when the timeline is made).
 
     Args:
         device: the worker's GPU.
@@ -41,6 +42,11 @@ class DeviceTimeline:
     def __init__(self, device: torch.device, cuda: Any = None) -> None:
         self._cuda = torch.cuda if cuda is None else cuda
         self._device = device
+        # The compute stream, captured now: a boundary crossed inside another stream's block
+        # (FSDP's all-gather and reduce-scatter streams, a side stream of a method) would
+        # otherwise record on that stream, and an elapsed time between events on two streams
+        # is no region's time (it can even come out negative).
+        self._stream = self._cuda.current_stream(device)
         self.totals = dict.fromkeys(REGIONS, 0.0)
         self._pending: deque[tuple[int, Any, str]] = deque()
         self._recorded = 0  # boundaries recorded (the next one's index)
@@ -49,7 +55,7 @@ class DeviceTimeline:
 
     def _record(self) -> Any:
         event = self._cuda.Event(enable_timing=True)
-        event.record(self._cuda.current_stream(self._device))
+        event.record(self._stream)
         return event
 
     def boundary(self, ended: str, keep: bool = False) -> int:
