@@ -637,3 +637,25 @@ def test_fsdp_collectives_are_charged_once_per_microbatch_from_the_main_thread()
         assert result["scatters"] >= result["steps"] * MICROBATCHES
         assert result["now"] == pytest.approx(result["modeled"], rel=1e-12)
         assert result["exposed"] == pytest.approx(result["modeled"], rel=1e-12)
+
+
+def _mesh_timeouts(timeout_s: float) -> list[float]:
+    from lowcomm.train.sharding import worker_mesh
+
+    mesh = worker_mesh(1, R, timeout_s=timeout_s)
+    return [
+        mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for name in ("workers", "ranks")
+    ]
+
+
+def test_a_sharded_workers_mesh_groups_take_the_runs_collective_timeout() -> None:
+    """The DeviceMesh's groups (FSDP's collectives, the method's) time out as the run's other
+    groups do (--collective-timeout-s, with the process group's margin), not after torch's
+    default."""
+    from lowcomm.comm.torch_comm import process_group_timeout
+    from lowcomm.launch import spawn_workers
+
+    expected = process_group_timeout(7.0).total_seconds()
+    for timeouts in spawn_workers(_mesh_timeouts, R, (7.0,)):
+        assert timeouts == [expected, expected]

@@ -105,14 +105,42 @@ def config_refusal(config: TrainConfig) -> str | None:
     return None
 
 
-def worker_mesh(workers: int, ranks_per_worker: int, device: str = "cpu") -> Any:
+def worker_mesh(
+    workers: int, ranks_per_worker: int, device: str = "cpu", *, timeout_s: float | None = None
+) -> Any:
     """The ``workers x ranks`` DeviceMesh of the whole world (a collective: every rank calls
-    it). ``mesh["ranks"]`` is this rank's worker, ``mesh["workers"]`` rank r of every worker."""
+    it). ``mesh["ranks"]`` is this rank's worker, ``mesh["workers"]`` rank r of every worker.
+
+    ``timeout_s`` (--collective-timeout-s): the groups' own timeout is the one the run's
+    other groups get (:func:`~lowcomm.comm.torch_comm.process_group_timeout`); a mesh's groups
+    otherwise take torch's default, whatever the run asked for (None: that default)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    override: dict[int | str, Any] | None = None
+    if timeout_s is not None:
+        options = _group_options(device, timeout_s)
+        override = {"workers": options, "ranks": options}
     return init_device_mesh(
-        device, (workers, ranks_per_worker), mesh_dim_names=("workers", "ranks")
+        device,
+        (workers, ranks_per_worker),
+        mesh_dim_names=("workers", "ranks"),
+        backend_override=override,
     )
+
+
+def _group_options(device: str, timeout_s: float) -> Any:
+    """The backend options of a mesh group whose collectives time out after the run's."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend
+
+    from lowcomm.comm.torch_comm import process_group_timeout
+
+    timeout = process_group_timeout(timeout_s)
+    if device == "cuda":  # (NCCL takes its own options class only)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    return Backend.Options("gloo", timeout)
 
 
 def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Module:
@@ -472,8 +500,8 @@ def shard_worker(
     from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.torch_comm import TorchComm
 
-    mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type)
     wire, timeout = wire_dtype(config.comm_dtype), config.collective_timeout_s
+    mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type, timeout_s=timeout)
     inner = NetworkComm(
         TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
         links[1], clock, device=device, wire_dtype=wire,
