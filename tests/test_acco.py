@@ -934,3 +934,53 @@ def test_a_worker_stops_at_its_own_share() -> None:
     assert not fast._share_spent() and slow._share_spent()
     fast.computed = 6
     assert fast._share_spent()
+
+
+class _ThreadStreams:
+    """A stand-in for ``torch.cuda``'s events: each thread's current stream is its own;
+    ``waits`` notes (stream the event was recorded on, stream made to wait for it)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names
+        self.waits: list[tuple[str, str]] = []
+
+    def current_stream(self, device: torch.device) -> str:
+        return self.names[threading.get_ident()]
+
+    def Event(self) -> Any:
+        streams = self
+
+        class _Event:
+            stream = ""
+
+            def record(self, stream: str) -> None:
+                self.stream = stream
+
+            def wait(self, stream: str) -> None:
+                streams.waits.append((self.stream, stream))
+
+        return _Event()
+
+
+def test_the_launch_agreement_is_handed_between_threads_streams_by_events() -> None:
+    """The launch-time tensor is filled on the main thread's stream, all-reduced on the
+    communication thread's and read back on the main thread's: each hand-over is ordered by
+    an event, not by both threads happening to use one stream. ``meta`` stands in for the GPU."""
+    from lowcomm.comm.fake import RecordingComm
+    from lowcomm.comm.overlap import LaunchAgreement
+
+    names = {threading.get_ident(): "main"}
+    cuda = _ThreadStreams(names)
+    meta = torch.device("meta")
+    agreement = LaunchAgreement(1.5, exchange=True, device=meta, cuda=cuda)
+    assert cuda.waits == []
+
+    def communicate() -> None:
+        names[threading.get_ident()] = "comm"
+        agreement.run(RecordingComm(world_size=2, device=meta))
+
+    thread = threading.Thread(target=communicate)
+    thread.start()
+    thread.join()
+    agreement.wait()
+    assert cuda.waits == [("main", "comm"), ("comm", "main")]
