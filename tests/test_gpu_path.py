@@ -505,3 +505,24 @@ def test_the_timeline_records_on_the_compute_stream_it_was_made_on() -> None:
     clock.settle_timing()
     assert len(cuda.recorded) >= 3  # (each event asserts it is recorded on "compute")
     assert clock.compute_s == pytest.approx(2.0) and clock.exposed_comm_s == pytest.approx(0.5)
+
+
+def test_a_methods_compute_readings_on_a_gpu_wait_for_nothing() -> None:
+    """CoCoDC reads its compute time before and after every inner step: on a GPU's real clock
+    the readings take the device time of the regions already finished and never wait for an
+    event, so the host keeps running ahead of the device; once the device catches up the
+    readings hold every second of compute."""
+    from lowcomm.comm.clock import RealClock
+    from lowcomm.comm.runtime import ClockReader
+
+    cuda = _EventCuda()
+    reader = ClockReader(RealClock(device=torch.device("cuda", 0), cuda=cuda))
+    readings = []
+    for _ in range(3):
+        readings.append(reader.compute_seconds())
+        cuda.device_time += 2.0  # an inner step's kernels, queued
+        readings.append(reader.compute_seconds())
+    assert cuda.event_waits == 0
+    assert readings == sorted(readings)  # (nothing finished yet on this stand-in: all 0)
+    cuda.recorded[-1].synchronize()  # the device catches up (a metrics read, say)
+    assert reader.compute_seconds() == pytest.approx(6.0)
