@@ -20,6 +20,7 @@ from lowcomm.comm import (
     Role,
     VirtualClock,
 )
+from lowcomm.comm.base import Charge
 
 PROFILE = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=10.0)
 WORLD = 4
@@ -314,3 +315,26 @@ def test_a_group_that_declares_its_device_refuses_a_tensor_on_another() -> None:
     # On the group's device it runs.
     comm.all_reduce(torch.zeros(4, device=meta), op="sum", role=Role.GRADIENT)
     assert recording.calls[-1].kind is CollectiveKind.ALL_REDUCE and recording.calls[-1].numel == 4
+
+
+def test_a_bookkeeping_group_agrees_on_launch_times_as_host_floats() -> None:
+    """On the virtual clock every launch agrees on its start with the other ranks. With a
+    bookkeeping group (Gloo) it is a host float there: the payload's group sees only the
+    payload, and reading the agreed start reads no device value (``meta`` stands in for the
+    GPU, whose values cannot be read at all)."""
+    from _host import HostTraffic
+
+    meta = torch.device("meta")
+    raw = RecordingComm(world_size=WORLD, device=meta)
+    books = RecordingComm(world_size=WORLD, device=torch.device("cpu"))
+    clock = _declared()
+    comm = NetworkComm(raw, PROFILE, clock, device=meta, bookkeeping=books)
+    with HostTraffic() as traffic:
+        comm.all_reduce(torch.zeros(250_000, device=meta), role=Role.GRADIENT).wait()
+        comm.charge_many([Charge(CollectiveKind.ALL_GATHER, Role.PARAMETER, 4000)] * 2)[-1].wait()
+    assert traffic.reads == [] and traffic.copies == []
+    assert [call.kind for call in raw.calls] == [CollectiveKind.ALL_REDUCE]
+    assert [(call.kind, call.role) for call in books.calls] == [
+        (CollectiveKind.ALL_REDUCE, Role.OTHER)
+    ] * 2  # one per launch, one per batch of charges
+    assert clock.now() == pytest.approx(comm.modeled_comm_s, rel=1e-12)

@@ -659,3 +659,45 @@ def test_a_sharded_workers_mesh_groups_take_the_runs_collective_timeout() -> Non
     expected = process_group_timeout(7.0).total_seconds()
     for timeouts in spawn_workers(_mesh_timeouts, R, (7.0,)):
         assert timeouts == [expected, expected]
+
+
+def _host_group_members() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lowcomm.comm.base import Role
+    from lowcomm.comm.clock import VirtualClock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.train.sharding import host_groups, worker_mesh
+
+    mesh = worker_mesh(M, R)
+    ranks, workers = host_groups(mesh, 30.0)
+    rank = dist.get_rank()
+    clock = VirtualClock(seconds_per_microbatch=0.1)
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=1.0)
+    inner = NetworkComm(TorchComm(mesh.get_group("ranks")), profile, clock, bookkeeping=ranks)
+    tensor = torch.full((4,), float(rank))
+    inner.all_reduce(tensor, op="sum", role=Role.GRADIENT).wait()
+    return {
+        "rank": rank,
+        "ranks": dist.get_process_group_ranks(ranks._group),
+        "workers": dist.get_process_group_ranks(workers._group),
+        "sum": tensor.tolist(),
+        "now": clock.now(),
+        "modeled": inner.modeled_comm_s,
+    }
+
+
+def test_a_sharded_workers_host_groups_are_its_mesh_groups_on_gloo() -> None:
+    """On a GPU the virtual clock agrees on launch times on Gloo groups of the mesh's own
+    groups: this rank's worker's ranks and rank r of every worker."""
+    from lowcomm.launch import spawn_workers
+
+    for result in spawn_workers(_host_group_members, M * R):
+        rank = result["rank"]
+        worker, replica = divmod(rank, R)
+        assert result["ranks"] == [worker * R + r for r in range(R)]
+        assert result["workers"] == [w * R + replica for w in range(M)]
+        assert result["sum"] == [float(sum(result["ranks"]))] * 4
+        assert result["now"] == pytest.approx(result["modeled"], rel=1e-12)

@@ -24,12 +24,13 @@ issuing anything itself; the launch-time exchange then runs on the communication
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from lowcomm.comm.base import (
+    Charge,
     CollectiveKind,
     Comm,
     CompletedHandle,
@@ -153,6 +154,9 @@ class NetworkComm:
             tensor on another device (None: undeclared, unchecked; barriers then use cpu).
         wire_dtype: the dtype float32 gradients and pseudo-gradients travel in
             (``--comm-dtype``, :mod:`lowcomm.comm.cast`); other roles travel as they are.
+        bookkeeping: a host (Gloo) group of the same ranks, used from this communicator's
+            issuing thread only, on which the virtual clock agrees on launch times as host
+            floats (None: on ``raw``, on the payload's device).
     """
 
     def __init__(
@@ -163,8 +167,10 @@ class NetworkComm:
         *,
         device: torch.device | None = None,
         wire_dtype: torch.dtype = torch.float32,
+        bookkeeping: Comm | None = None,
     ) -> None:
         self.raw = raw
+        self._bookkeeping = bookkeeping
         self.wire_dtype = wire_dtype
         # Where the launch-time exchange lives (the group's device).
         self._declared_device = device
@@ -235,6 +241,23 @@ class NetworkComm:
         self.modeled_comm_s += cost
         return cost
 
+    def _agree_launch(
+        self, launch_time: float, device: torch.device
+    ) -> tuple[torch.Tensor, Handle]:
+        """Start agreeing on a launch's start: the latest launch among the participants
+        (virtual clock), from the issuing thread, in the same order on every rank.
+
+        With a bookkeeping group, a host float on it (Gloo: reading the agreed value waits
+        for no device). Else on this group, right before the payload, on the payload's device
+        (NCCL only moves GPU tensors), made by a fill kernel that takes the value as an
+        argument (a tensor of a list is a blocking host-to-device copy); reading it back is
+        then a host read of a device value."""
+        if self._bookkeeping is not None:
+            times = torch.full((1,), launch_time, dtype=torch.float64)
+            return times, self._bookkeeping.all_reduce(times, op="max", role=Role.OTHER)
+        times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
+        return times, self.raw.all_reduce(times, op="max", role=Role.OTHER)
+
     def _launch(
         self,
         kind: CollectiveKind,
@@ -252,13 +275,7 @@ class NetworkComm:
         launch_times: torch.Tensor | None = None
         launch_times_handle: Handle | None = None
         if self.clock.kind == "virtual" and world_size > 1:
-            # Agree on the start: the latest launch among the participants. Issued right
-            # before the payload, on the same group, so the order is the same on every rank.
-            # On the payload's device: NCCL only moves GPU tensors. torch.full, not
-            # torch.tensor([...]): a fill kernel takes the value as an argument, where a
-            # tensor built from a list is a blocking host-to-device copy on every launch.
-            launch_times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
-            launch_times_handle = self.raw.all_reduce(launch_times, op="max", role=Role.OTHER)
+            launch_times, launch_times_handle = self._agree_launch(launch_time, device)
         inner = issue()
         handle = _EmulatedHandle(self, inner, cost, launch_time, launch_times, launch_times_handle)
         self._unresolved.append(handle)
@@ -399,21 +416,33 @@ class NetworkComm:
         self._unresolved.append(handle)
         return handle
 
+    def charge_many(self, charges: Sequence[Charge]) -> list[Handle]:
+        """Charge collectives whose data has already moved, in order, behind one agreed
+        launch (now): each counted and queued on the link as if launched now, one after the
+        other. Call on the issuing thread; every rank at the same point with the same list."""
+        if not charges:
+            return []
+        launch_time = self.clock.now()
+        times: torch.Tensor | None = None
+        agreement: Handle | None = None
+        if self.clock.kind == "virtual" and self.raw.world_size > 1:
+            with self.clock.blocked():  # (the exchange, as a launch's wait() runs it)
+                times, agreement = self._agree_launch(launch_time, self._barrier_device)
+                agreement.wait()
+        handles: list[Handle] = []
+        for charge in charges:
+            cost = self._account(charge.kind, charge.role, charge.payload_bytes)
+            handle = _EmulatedHandle(self, CompletedHandle(), cost, launch_time, times, agreement)
+            self._unresolved.append(handle)
+            handles.append(handle)
+        return handles
+
     def charge(self, kind: CollectiveKind, *, role: Role | None, payload_bytes: int) -> Handle:
         """Charge a collective whose data has already moved (settled for a checkpoint): count
         its bytes, agree on its start (on the virtual clock, with the same uncharged exchange
         as a launch) and queue it on the link as if it were launched now. The returned
         handle's ``wait()`` moves the clock to its modeled completion."""
-        agreement = self.offload()
-        with self.clock.blocked():  # the launch-time exchange, as a launch's wait() runs it
-            agreement.run(self.raw)
-        return self.record(
-            kind,
-            role=role,
-            payload_bytes=payload_bytes,
-            completion=CompletedHandle(),
-            agreement=agreement,
-        )
+        return self.charge_many([Charge(kind, role, payload_bytes)])[0]
 
     def restore(self, settled: Settled) -> Handle:
         """The handle of a collective settled on this communicator before a checkpoint: its

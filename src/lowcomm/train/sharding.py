@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from lowcomm.comm.base import CollectiveKind, Comm, CompletedHandle, Role
+from lowcomm.comm.base import Charge, CollectiveKind, Comm, Role
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.models.blocks import retie, tied_names, transformer_blocks
 from lowcomm.strategies.flat import FlatBuffers
@@ -126,6 +126,23 @@ def worker_mesh(
         mesh_dim_names=("workers", "ranks"),
         backend_override=override,
     )
+
+
+def host_groups(mesh: Any, timeout_s: float) -> tuple[Comm, Comm]:
+    """Gloo groups of the mesh's ``ranks`` and ``workers`` groups (this rank's of each; a
+    collective: every rank calls it): on a GPU, where the virtual clock agrees on launch
+    times as host floats (:class:`~lowcomm.comm.emulated.NetworkComm`'s bookkeeping)."""
+    import torch.distributed as dist
+
+    from lowcomm.comm.torch_comm import TorchComm, process_group_timeout
+
+    layout = mesh.mesh  # global ranks, workers x ranks
+    timeout = process_group_timeout(timeout_s)
+    mine = [
+        dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")[0]  # type: ignore[no-untyped-call]
+        for groups in (layout.tolist(), layout.t().tolist())
+    ]
+    return TorchComm(mine[0], timeout_s=timeout_s), TorchComm(mine[1], timeout_s=timeout_s)
 
 
 def _group_options(device: str, timeout_s: float) -> Any:
@@ -332,19 +349,7 @@ class FsdpCharges:
             noted, self._noted = self._noted, []
         if not noted:
             return
-        agreement = self.inner.offload()
-        with self.inner.clock.blocked():  # the launch-time exchange, as a launch's wait() runs it
-            agreement.run(self.inner.raw)
-        handles = [
-            self.inner.record(
-                kind,
-                role=role,
-                payload_bytes=payload,
-                completion=CompletedHandle(),
-                agreement=agreement,
-            )
-            for kind, role, payload in noted
-        ]
+        handles = self.inner.charge_many([Charge(*entry) for entry in noted])
         for handle in handles:
             handle.wait()
 
@@ -444,9 +449,11 @@ class ShardedWorkerComm(NetworkComm):
 
     def __init__(
         self, raw: Comm, profile: NetworkProfile, clock: Clock, *, inner: NetworkComm,
-        device: torch.device, wire_dtype: torch.dtype,
+        device: torch.device, wire_dtype: torch.dtype, bookkeeping: Comm | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(raw, profile, clock, device=device, wire_dtype=wire_dtype)
+        super().__init__(
+            raw, profile, clock, device=device, wire_dtype=wire_dtype, bookkeeping=bookkeeping
+        )
         self.inner = inner
 
     def level_counters(self) -> dict[str, dict[str, float]]:
@@ -502,12 +509,16 @@ def shard_worker(
 
     wire, timeout = wire_dtype(config.comm_dtype), config.collective_timeout_s
     mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type, timeout_s=timeout)
+    books = host_groups(mesh, timeout) if device.type == "cuda" else (None, None)
     inner = NetworkComm(
         TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
-        links[1], clock, device=device, wire_dtype=wire,
+        links[1], clock, device=device, wire_dtype=wire, bookkeeping=books[0],
     )  # fmt: skip
     across = TorchComm(mesh.get_group("workers"), timeout_s=timeout)
-    outer = ShardedWorkerComm(across, links[0], clock, inner=inner, device=device, wire_dtype=wire)
+    outer = ShardedWorkerComm(
+        across, links[0], clock, inner=inner, device=device, wire_dtype=wire,
+        bookkeeping=books[1],
+    )  # fmt: skip
     shard_model(model, mesh["ranks"], bf16=config.precision == "bf16-mixed")
     if deferred is not None:
         materialise(model, deferred, device)
@@ -712,6 +723,7 @@ __all__ = [
     "fsdp_charges",
     "fsdp_layout",
     "full_flat",
+    "host_groups",
     "initial_model",
     "is_sharded",
     "load_model_state",
