@@ -526,3 +526,52 @@ def test_a_methods_compute_readings_on_a_gpu_wait_for_nothing() -> None:
     assert readings == sorted(readings)  # (nothing finished yet on this stand-in: all 0)
     cuda.recorded[-1].synchronize()  # the device catches up (a metrics read, say)
     assert reader.compute_seconds() == pytest.approx(6.0)
+
+
+class _SleepingCuda(_EventCuda):
+    """The event stand-in with a spin kernel: ``_sleep(cycles)`` runs for cycles / RATE
+    seconds of device time."""
+
+    RATE = 1.5e9
+
+    def __init__(self, idle: bool = True) -> None:
+        super().__init__(idle=idle)
+        self.slept: list[int] = []
+
+    def stream(self, stream: str) -> object:
+        from contextlib import nullcontext
+
+        assert stream == "compute"
+        return nullcontext()
+
+    def _sleep(self, cycles: int) -> None:
+        self.slept.append(cycles)
+        self.device_time += cycles / self.RATE
+
+
+def test_a_stragglers_slowdown_on_a_gpu_is_device_time_in_proportion_to_device_compute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A straggler (speed factor 2) on a GPU: the extra compute is queued on the device, in
+    proportion to the device time of the compute (the host's time is only its launches),
+    and never slept on the host, where it would be absorbed by the work the device has
+    queued. The device's cycles per second are measured once; the probe is excluded."""
+    import time as time_module
+
+    from lowcomm.comm.clock import RealClock
+    from lowcomm.comm.device_timing import PROBE_CYCLES
+
+    def no_host_sleep(seconds: float) -> None:
+        raise AssertionError("a host sleep is absorbed while the device has work queued")
+
+    monkeypatch.setattr(time_module, "sleep", no_host_sleep)
+    cuda = _SleepingCuda()
+    clock = RealClock(speed_factor=2.0, device=torch.device("cuda", 0), cuda=cuda)
+    for seconds in (2.0, 1.0):
+        cuda.device_time += seconds  # the region's kernels
+        clock.mark()
+    clock.settle_timing()
+    assert cuda.slept[0] == PROBE_CYCLES  # (the measurement, once)
+    assert [c / cuda.RATE for c in cuda.slept[1:]] == pytest.approx([2.0, 1.0])
+    assert clock.compute_s == pytest.approx(6.0)  # 3 s of kernels, slowed down 2x
+    assert clock.slowdown_s == pytest.approx(3.0)

@@ -26,8 +26,11 @@ from typing import Any
 
 import torch
 
-#: The regions a boundary ends.
-REGIONS = ("compute", "exposed", "excluded")
+#: The regions a boundary ends ("slowdown": a straggler's emulated extra compute).
+REGIONS = ("compute", "exposed", "excluded", "slowdown")
+
+#: Cycles of the spin kernel that measures the device's cycles per second, once per run.
+PROBE_CYCLES = 10_000_000
 
 
 class DeviceTimeline:
@@ -52,6 +55,7 @@ class DeviceTimeline:
         self._recorded = 0  # boundaries recorded (the next one's index)
         self._previous = self._record()
         self._wanted: dict[int, dict[str, float] | None] = {}
+        self._cycles_per_s: float | None = None
 
     def _record(self) -> Any:
         event = self._cuda.Event(enable_timing=True)
@@ -102,3 +106,24 @@ class DeviceTimeline:
     def settle(self) -> None:
         """Fold in every recorded boundary (waits for them)."""
         self.resolve(until=self._recorded)
+
+    def delay(self, seconds: float) -> None:
+        """Queue ``seconds`` of device time on the compute stream (a spin kernel,
+        ``torch.cuda._sleep``): a delay that the device serves after the work queued before it,
+        where a sleep of the host is absorbed by the work the device still has queued. The
+        device's cycles per second are measured the first time (one wait for the device, once
+        per run; the probe's time is excluded)."""
+        if self._cycles_per_s is None:
+            begin = self._cuda.Event(enable_timing=True)
+            end = self._cuda.Event(enable_timing=True)
+            with self._cuda.stream(self._stream):
+                begin.record(self._stream)
+                self._cuda._sleep(PROBE_CYCLES)
+                end.record(self._stream)
+            end.synchronize()
+            self._cycles_per_s = PROBE_CYCLES / max(begin.elapsed_time(end) / 1000.0, 1e-9)
+            self.boundary("excluded")
+        cycles = int(seconds * self._cycles_per_s)
+        if cycles > 0:
+            with self._cuda.stream(self._stream):
+                self._cuda._sleep(cycles)
