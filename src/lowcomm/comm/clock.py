@@ -348,6 +348,19 @@ class RealClock(Clock):
             self.compute_cpu_s += cpu - self._last_cpu
             self._last_cpu = cpu
 
+    def link_delay(self, link: object, seconds: float) -> Any:
+        """On a GPU: queue a modeled transfer of ``seconds`` on ``link`` on the device's
+        timeline (:meth:`DeviceTimeline.link_delay`) and return the event of its end, for
+        :meth:`wait_on_device`; None on a CPU (the host's :meth:`wait_until` serves it)."""
+        if self._timeline is None:
+            return None
+        return self._timeline.link_delay(link, seconds)
+
+    def wait_on_device(self, event: Any) -> None:
+        """Order the worker's stream after a transfer of :meth:`link_delay` (no host wait)."""
+        assert self._timeline is not None
+        self._timeline.wait_on(event)
+
     def _slow_down_device(self) -> None:
         """Queue (speed_factor - 1) x the device compute finished since the last slowdown as
         a region of its own on the device (compute, but not the worker's kernels)."""

@@ -71,6 +71,8 @@ class _EmulatedHandle:
         self._launch_times_handle = launch_times_handle
         self.finish_time: float | None = None
         self._waited = False
+        # On a GPU's real clock, the end of the transfer queued on the device's timeline.
+        self.device_done: Any = None
 
     def _resolve_start(self) -> float:
         """The start time agreed by all participants (blocks for peers' launch times)."""
@@ -87,7 +89,10 @@ class _EmulatedHandle:
         with clock.blocked():
             self._inner.wait()
             finish = self._owner._resolve(self)
-            clock.wait_until(finish)
+            if self.device_done is not None and isinstance(clock, RealClock):
+                clock.wait_on_device(self.device_done)
+            else:
+                clock.wait_until(finish)
         self._owner.exposed_comm_s += clock.exposed_comm_s - exposed_before
         self._waited = True
 
@@ -278,6 +283,8 @@ class NetworkComm:
             launch_times, launch_times_handle = self._agree_launch(launch_time, device)
         inner = issue()
         handle = _EmulatedHandle(self, inner, cost, launch_time, launch_times, launch_times_handle)
+        if isinstance(self.clock, RealClock):
+            handle.device_done = self.clock.link_delay(self, cost)
         self._unresolved.append(handle)
         return handle
 
