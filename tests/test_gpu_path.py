@@ -434,7 +434,19 @@ _ASKED_FOR: dict[str, int] = {}
 
 
 @pytest.mark.parametrize(
-    "method", ["ddp", "zero1", "co2", "diloco", "streaming_diloco", "eager", "cocodc", "desloc"]
+    "method",
+    [
+        "ddp",
+        "zero1",
+        "co2",
+        "diloco",
+        "streaming_diloco",
+        "eager",
+        "cocodc",
+        "desloc",
+        "demo",
+        "sparseloco",
+    ],
 )
 def test_a_step_on_the_gpu_real_clock_makes_no_device_sync_and_no_host_read(
     method: str, monkeypatch: pytest.MonkeyPatch
