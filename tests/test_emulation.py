@@ -338,3 +338,12 @@ def test_a_bookkeeping_group_agrees_on_launch_times_as_host_floats() -> None:
         (CollectiveKind.ALL_REDUCE, Role.OTHER)
     ] * 2  # one per launch, one per batch of charges
     assert clock.now() == pytest.approx(comm.modeled_comm_s, rel=1e-12)
+
+
+def test_a_group_on_a_gpu_takes_a_tensor_on_any_gpu_and_refuses_one_on_the_host() -> None:
+    from lowcomm.comm.base import check_device
+
+    check_device(torch.device("cuda", 1), torch.device("cuda", 0), "all_reduce")
+    check_device(torch.device("cuda", 0), torch.device("cuda"), "all_reduce")
+    with pytest.raises(ValueError, match=r"broadcast: the tensor is on cpu but the group's"):
+        check_device(torch.device("cpu"), torch.device("cuda", 0), "broadcast")

@@ -253,11 +253,10 @@ def collective_arithmetic() -> Iterator[None]:
 
 
 def same_device(tensor_device: torch.device, group_device: torch.device) -> bool:
-    """Whether a tensor on ``tensor_device`` lives on ``group_device`` (a device named without
-    an index, ``cuda``, stands for any of its type)."""
-    if tensor_device.type != group_device.type:
-        return False
-    return group_device.index is None or tensor_device.index in (None, group_device.index)
+    """Whether a tensor on ``tensor_device`` can go through a group on ``group_device``: the
+    same type of device. (Not the same index: a process may hold tensors on another GPU of
+    its node than the one it bound, which the backend handles.)"""
+    return tensor_device.type == group_device.type
 
 
 def check_device(tensor_device: torch.device, group_device: torch.device | None, op: str) -> None:
