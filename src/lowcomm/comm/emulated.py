@@ -440,6 +440,8 @@ class NetworkComm:
         for charge in charges:
             cost = self._account(charge.kind, charge.role, charge.payload_bytes)
             handle = _EmulatedHandle(self, CompletedHandle(), cost, launch_time, times, agreement)
+            if isinstance(self.clock, RealClock):
+                handle.device_done = self.clock.link_delay(self, cost)
             self._unresolved.append(handle)
             handles.append(handle)
         return handles
