@@ -747,6 +747,20 @@ def test_cli_trains_and_writes_the_summary(tmp_path: Path, method: str) -> None:
     assert summary["final_val_loss"] < 10
 
 
+#: Cycles of a spin kernel that the GPU variant of the overlap test times (~0.1-0.2 s).
+_SPIN_CYCLES = 300_000_000
+
+
+def _spin_on_current_stream() -> tuple[Any, Any]:
+    """A spin kernel on the current CUDA stream between two timing events."""
+    begin = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    begin.record()
+    torch.cuda._sleep(_SPIN_CYCLES)
+    end.record()
+    return begin, end
+
+
 class _GatedComm(RecordingComm):
     """A recording comm whose all-gather (the chain's last collective) completes only once the
     main thread has seen the chain in flight: the chain cannot finish before the backward pass
@@ -755,9 +769,12 @@ class _GatedComm(RecordingComm):
     def __init__(self, *, world_size: int) -> None:
         super().__init__(world_size=world_size)
         self.seen_in_flight = threading.Event()
+        self.spans: list[tuple[Any, Any]] = []  # on a GPU: the chain's device work, timed
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         done = super().all_gather(output, input, role=role)
+        if output.is_cuda:  # device work of the chain's, on the stream it issues on
+            self.spans.append(_spin_on_current_stream())
         gate = self.seen_in_flight
 
         class _Gated:
@@ -792,6 +809,7 @@ def test_the_main_thread_computes_while_the_chain_runs_on_a_side_stream(device: 
                     AccoOptions(microbatches_per_phase=2))  # fmt: skip
     calls = [0]
     overlapped = []
+    computed: list[tuple[Any, Any]] = []
 
     def closure() -> MicroBatchResult:
         inputs, targets = global_batch(calls[0], 1)
@@ -802,6 +820,8 @@ def test_the_main_thread_computes_while_the_chain_runs_on_a_side_stream(device: 
         in_flight = strategy.runner is not None and strategy.runner.busy
         overlapped.append(in_flight)
         if in_flight:
+            if device == "cuda":  # device work of the main thread's, on its stream
+                computed.append(_spin_on_current_stream())
             comm.seen_in_flight.set()
         return MicroBatchResult(float(loss.detach()), inputs.shape[0], inputs.numel())
 
@@ -814,6 +834,15 @@ def test_the_main_thread_computes_while_the_chain_runs_on_a_side_stream(device: 
     if device == "cuda":
         assert strategy.last_chain_stream is not None
         assert strategy.last_chain_stream != torch.cuda.default_stream(torch.device(device))
+        # The overlap is the device's: some of the chain's device work ran while the main
+        # stream's did (their timing events' intervals intersect), not only the host's calls.
+        torch.cuda.synchronize()
+        assert computed and comm.spans
+        assert any(
+            main_begin.elapsed_time(chain_end) > 0 and chain_begin.elapsed_time(main_end) > 0
+            for main_begin, main_end in computed
+            for chain_begin, chain_end in comm.spans
+        )
     else:
         assert strategy.last_chain_stream is None
 
@@ -934,3 +963,53 @@ def test_a_worker_stops_at_its_own_share() -> None:
     assert not fast._share_spent() and slow._share_spent()
     fast.computed = 6
     assert fast._share_spent()
+
+
+class _ThreadStreams:
+    """A stand-in for ``torch.cuda``'s events: each thread's current stream is its own;
+    ``waits`` notes (stream the event was recorded on, stream made to wait for it)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names
+        self.waits: list[tuple[str, str]] = []
+
+    def current_stream(self, device: torch.device) -> str:
+        return self.names[threading.get_ident()]
+
+    def Event(self) -> Any:
+        streams = self
+
+        class _Event:
+            stream = ""
+
+            def record(self, stream: str) -> None:
+                self.stream = stream
+
+            def wait(self, stream: str) -> None:
+                streams.waits.append((self.stream, stream))
+
+        return _Event()
+
+
+def test_the_launch_agreement_is_handed_between_threads_streams_by_events() -> None:
+    """The launch-time tensor is filled on the main thread's stream, all-reduced on the
+    communication thread's and read back on the main thread's: each hand-over is ordered by
+    an event, not by both threads happening to use one stream. ``meta`` stands in for the GPU."""
+    from lowcomm.comm.fake import RecordingComm
+    from lowcomm.comm.overlap import LaunchAgreement
+
+    names = {threading.get_ident(): "main"}
+    cuda = _ThreadStreams(names)
+    meta = torch.device("meta")
+    agreement = LaunchAgreement(1.5, exchange=True, device=meta, cuda=cuda)
+    assert cuda.waits == []
+
+    def communicate() -> None:
+        names[threading.get_ident()] = "comm"
+        agreement.run(RecordingComm(world_size=2, device=meta))
+
+    thread = threading.Thread(target=communicate)
+    thread.start()
+    thread.join()
+    agreement.wait()
+    assert cuda.waits == [("main", "comm"), ("comm", "main")]

@@ -305,3 +305,40 @@ def test_cocodc_choices_identical_on_workers_with_measured_times() -> None:
     assert tc_a == pytest.approx(0.075, rel=1e-4)
     assert ts_a > 0.02  # at least the wan latency of a 2-worker all-reduce (2 x 10 ms)
     assert n_a == syncs_per_period(4, 1.0, 40, tc_a, ts_a) and n_a > 4
+
+
+def test_the_timings_a_sharded_workers_ranks_average_are_made_on_the_groups_device() -> None:
+    """A sharded worker's ranks average [T_c, T_s] over the worker's group before a launch:
+    the tensor must be made on the group's device (NCCL refuses a host tensor). The group is
+    a recording one declaring ``meta`` as its device, and the flat buffer says it lives there
+    (a stand-in for a GPU on a machine without one)."""
+    from lowcomm.comm.base import Role
+    from lowcomm.comm.fake import RecordingComm
+
+    meta = torch.device("meta")
+    ranks = RecordingComm(world_size=2, device=meta)
+    context = StrategyContext(
+        optim=AdamWConfig(lr=3e-3),
+        schedule=ScheduleConfig(kind="constant", warmup_steps=0),
+        total_steps=12,
+        max_grad_norm=None,
+    )
+    strategy = CoCoDC(
+        _model(), LocalComm(), context, DiLoCoOptions(sync_every=12, fragments=4, overlap_steps=2)
+    )
+    averaged: list[torch.Tensor] = []
+
+    def average_over_ranks(tensor: torch.Tensor) -> None:
+        ranks.all_reduce(tensor, op="mean", role=Role.OTHER).wait()
+        averaged.append(tensor)
+
+    strategy.flat.device = meta
+    strategy.flat.average_over_ranks = average_over_ranks  # type: ignore[attr-defined]
+    launched: list[torch.Tensor | None] = []
+    strategy.launch_exchange = lambda p, extras=None: launched.append(extras)  # type: ignore[assignment, method-assign, misc, return-value]
+    closure = closure_for(strategy, [global_batch(s, 1) for s in range(3)])
+    for _ in range(3):  # the first launch is at step 3 (h = H / K)
+        strategy.step(closure)
+    assert len(averaged) == 1 and averaged[0].device == meta and averaged[0].shape == (2,)
+    assert launched[0] is averaged[0]  # the averaged timings ride along the exchange
+    assert ranks.calls[0].numel == 2

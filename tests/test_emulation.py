@@ -20,6 +20,7 @@ from lowcomm.comm import (
     Role,
     VirtualClock,
 )
+from lowcomm.comm.base import Charge
 
 PROFILE = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=10.0)
 WORLD = 4
@@ -297,3 +298,52 @@ def test_fused_segments_charge_each_role_its_share() -> None:
     assert fused_call.segments == ((Role.PARAMETER, 100), (Role.FIRST_MOMENT, 200))
     with pytest.raises(ValueError, match="segments cover 250 elements"):
         comm.all_reduce(fused, role=Role.PARAMETER, segments=[(Role.PARAMETER, 250)])
+
+
+def test_a_group_that_declares_its_device_refuses_a_tensor_on_another() -> None:
+    meta = torch.device("meta")
+    recording = RecordingComm(world_size=WORLD, device=meta)
+    comm = NetworkComm(recording, PROFILE, _declared(), device=meta)
+    with pytest.raises(ValueError, match=r"all_reduce: the tensor is on cpu but the group's"):
+        comm.all_reduce(torch.zeros(4), role=Role.GRADIENT)
+    with pytest.raises(ValueError, match=r"all_gather: the tensor is on cpu"):
+        comm.all_gather(torch.zeros(4 * WORLD, device=meta), torch.zeros(4), role=Role.PARAMETER)
+    with pytest.raises(ValueError, match=r"broadcast: the tensor is on cpu"):
+        recording.broadcast(torch.zeros(4), src=0, role=Role.PARAMETER)
+    assert recording.calls == []  # refused before anything moved or was counted
+    assert comm.bytes_sent == 0
+    # On the group's device it runs.
+    comm.all_reduce(torch.zeros(4, device=meta), op="sum", role=Role.GRADIENT)
+    assert recording.calls[-1].kind is CollectiveKind.ALL_REDUCE and recording.calls[-1].numel == 4
+
+
+def test_a_bookkeeping_group_agrees_on_launch_times_as_host_floats() -> None:
+    """On the virtual clock every launch agrees on its start with the other ranks. With a
+    bookkeeping group (Gloo) it is a host float there: the payload's group sees only the
+    payload, and reading the agreed start reads no device value (``meta`` stands in for the
+    GPU, whose values cannot be read at all)."""
+    from _host import HostTraffic
+
+    meta = torch.device("meta")
+    raw = RecordingComm(world_size=WORLD, device=meta)
+    books = RecordingComm(world_size=WORLD, device=torch.device("cpu"))
+    clock = _declared()
+    comm = NetworkComm(raw, PROFILE, clock, device=meta, bookkeeping=books)
+    with HostTraffic() as traffic:
+        comm.all_reduce(torch.zeros(250_000, device=meta), role=Role.GRADIENT).wait()
+        comm.charge_many([Charge(CollectiveKind.ALL_GATHER, Role.PARAMETER, 4000)] * 2)[-1].wait()
+    assert traffic.reads == [] and traffic.copies == []
+    assert [call.kind for call in raw.calls] == [CollectiveKind.ALL_REDUCE]
+    assert [(call.kind, call.role) for call in books.calls] == [
+        (CollectiveKind.ALL_REDUCE, Role.OTHER)
+    ] * 2  # one per launch, one per batch of charges
+    assert clock.now() == pytest.approx(comm.modeled_comm_s, rel=1e-12)
+
+
+def test_a_group_on_a_gpu_takes_a_tensor_on_any_gpu_and_refuses_one_on_the_host() -> None:
+    from lowcomm.comm.base import check_device
+
+    check_device(torch.device("cuda", 1), torch.device("cuda", 0), "all_reduce")
+    check_device(torch.device("cuda", 0), torch.device("cuda"), "all_reduce")
+    with pytest.raises(ValueError, match=r"broadcast: the tensor is on cpu but the group's"):
+        check_device(torch.device("cpu"), torch.device("cuda", 0), "broadcast")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -427,13 +428,25 @@ def test_flat_adamw_uses_the_fused_kernel_on_a_gpu_for_step_and_lookahead_alike(
 
 # --- items 1 and 4: a step of every method on a GPU's real clock: no device-wide sync ----
 
-# Waits a method asks for itself: CoCoDC reads its inner step's compute time to schedule its
-# syncs (a wait for the worker's stream to reach the point, not for the device).
-_ASKED_FOR = {"cocodc": 8}
+# Waits a method asks for itself (CoCoDC's readings of its inner step's compute time, which
+# schedule its syncs, take what the device has finished: none).
+_ASKED_FOR: dict[str, int] = {}
 
 
 @pytest.mark.parametrize(
-    "method", ["ddp", "zero1", "co2", "diloco", "streaming_diloco", "eager", "cocodc", "desloc"]
+    "method",
+    [
+        "ddp",
+        "zero1",
+        "co2",
+        "diloco",
+        "streaming_diloco",
+        "eager",
+        "cocodc",
+        "desloc",
+        "demo",
+        "sparseloco",
+    ],
 )
 def test_a_step_on_the_gpu_real_clock_makes_no_device_sync_and_no_host_read(
     method: str, monkeypatch: pytest.MonkeyPatch
@@ -481,3 +494,196 @@ def test_a_step_on_the_gpu_real_clock_makes_no_device_sync_and_no_host_read(
     assert cuda.event_waits <= _ASKED_FOR.get(method, 0)
     # (co2's and cocodc's per-sync diagnostics, listed in test_gpu_readiness)
     assert reads.count <= 4 * _ALLOWED_HOST_READS.get(method, 0)
+
+
+def test_the_timeline_records_on_the_compute_stream_it_was_made_on() -> None:
+    """A boundary crossed while another stream is current (FSDP's all-gather stream, a
+    method's side stream) is still recorded on the compute stream captured when the clock was
+    made: events on two streams give no region's time."""
+    from lowcomm.comm.clock import RealClock
+
+    class _SideStreamCuda(_EventCuda):
+        current = "compute"
+
+        def current_stream(self, device: torch.device) -> str:
+            return self.current
+
+    cuda = _SideStreamCuda()
+    clock = RealClock(device=torch.device("cuda", 0), cuda=cuda)
+    cuda.current = "side"  # inside a side stream's block from now on
+    cuda.device_time += 2.0
+    with clock.blocked():
+        cuda.device_time += 0.5
+    clock.now()
+    clock.settle_timing()
+    assert len(cuda.recorded) >= 3  # (each event asserts it is recorded on "compute")
+    assert clock.compute_s == pytest.approx(2.0) and clock.exposed_comm_s == pytest.approx(0.5)
+
+
+def test_a_methods_compute_readings_on_a_gpu_wait_for_nothing() -> None:
+    """CoCoDC reads its compute time before and after every inner step: on a GPU's real clock
+    the readings take the device time of the regions already finished and never wait for an
+    event, so the host keeps running ahead of the device; once the device catches up the
+    readings hold every second of compute."""
+    from lowcomm.comm.clock import RealClock
+    from lowcomm.comm.runtime import ClockReader
+
+    cuda = _EventCuda()
+    reader = ClockReader(RealClock(device=torch.device("cuda", 0), cuda=cuda))
+    readings = []
+    for _ in range(3):
+        readings.append(reader.compute_seconds())
+        cuda.device_time += 2.0  # an inner step's kernels, queued
+        readings.append(reader.compute_seconds())
+    assert cuda.event_waits == 0
+    assert readings == sorted(readings)  # (nothing finished yet on this stand-in: all 0)
+    cuda.recorded[-1].synchronize()  # the device catches up (a metrics read, say)
+    assert reader.compute_seconds() == pytest.approx(6.0)
+
+
+class _SleepingCuda(_EventCuda):
+    """The event stand-in with a spin kernel: ``_sleep(cycles)`` runs for cycles / RATE
+    seconds of device time."""
+
+    RATE = 1.5e9
+
+    def __init__(self, idle: bool = True) -> None:
+        super().__init__(idle=idle)
+        self.slept: list[int] = []
+
+    def stream(self, stream: str) -> object:
+        from contextlib import nullcontext
+
+        assert stream == "compute"
+        return nullcontext()
+
+    def _sleep(self, cycles: int) -> None:
+        self.slept.append(cycles)
+        self.device_time += cycles / self.RATE
+
+
+def test_a_stragglers_slowdown_on_a_gpu_is_device_time_in_proportion_to_device_compute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A straggler (speed factor 2) on a GPU: the extra compute is queued on the device, in
+    proportion to the device time of the compute (the host's time is only its launches),
+    and never slept on the host, where it would be absorbed by the work the device has
+    queued. The device's cycles per second are measured once; the probe is excluded."""
+    import time as time_module
+
+    from lowcomm.comm.clock import RealClock
+    from lowcomm.comm.device_timing import PROBE_CYCLES
+
+    def no_host_sleep(seconds: float) -> None:
+        raise AssertionError("a host sleep is absorbed while the device has work queued")
+
+    monkeypatch.setattr(time_module, "sleep", no_host_sleep)
+    cuda = _SleepingCuda()
+    clock = RealClock(speed_factor=2.0, device=torch.device("cuda", 0), cuda=cuda)
+    for seconds in (2.0, 1.0):
+        cuda.device_time += seconds  # the region's kernels
+        clock.mark()
+    clock.settle_timing()
+    assert cuda.slept[0] == PROBE_CYCLES  # (the measurement, once)
+    assert [c / cuda.RATE for c in cuda.slept[1:]] == pytest.approx([2.0, 1.0])
+    assert clock.compute_s == pytest.approx(6.0)  # 3 s of kernels, slowed down 2x
+    assert clock.slowdown_s == pytest.approx(3.0)
+
+
+class _Stream(str):
+    """A stand-in stream: its name, and what it was made to wait for."""
+
+    def __new__(cls, name: str, log: list[tuple[str, ...]]) -> _Stream:
+        stream = super().__new__(cls, name)
+        stream.log = log  # type: ignore[attr-defined]
+        return stream
+
+    def wait_event(self, event: Any) -> None:
+        self.log.append(("wait", str(self), event.stream))  # type: ignore[attr-defined]
+
+
+class _LinkCuda(_SleepingCuda):
+    """The sleeping stand-in with streams of links: ``log`` notes each stream's waits, sleeps
+    and plain events in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, ...]] = []
+        self.compute = _Stream("compute", self.log)
+        self.current = self.compute
+        self.links = 0
+
+    def current_stream(self, device: torch.device) -> _Stream:
+        return self.compute
+
+    def Stream(self, device: torch.device) -> _Stream:
+        self.links += 1
+        return _Stream(f"link{self.links}", self.log)
+
+    def stream(self, stream: str) -> object:
+        from contextlib import contextmanager
+
+        @contextmanager
+        def on() -> Any:
+            before, self.current = self.current, stream  # type: ignore[assignment]
+            yield
+            self.current = before
+
+        return on()
+
+    def _sleep(self, cycles: int) -> None:
+        if self.current != "compute":
+            self.log.append(("sleep", str(self.current), f"{cycles / self.RATE:.3f}"))
+        super()._sleep(cycles)
+
+    def Event(self, enable_timing: bool = False) -> Any:
+        if enable_timing:
+            return super().Event(enable_timing=True)
+        log = self.log
+
+        class _Plain:
+            stream = ""
+
+            def record(self, stream: str) -> None:
+                self.stream = str(stream)
+                log.append(("record", self.stream))
+
+        return _Plain()
+
+
+def test_a_links_modeled_transfer_on_a_gpu_runs_on_the_devices_timeline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU the real clock's modeled transfer is queued on the device: the link's own
+    stream waits for the launch point of the compute stream, spins for the modeled time
+    (behind the link's earlier transfers), and the wait orders the compute stream after it.
+    The host never sleeps (a host sleep is absorbed while the device has work queued)."""
+    import time as time_module
+
+    from lowcomm.comm.base import CollectiveKind
+    from lowcomm.comm.clock import RealClock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
+
+    def no_host_sleep(seconds: float) -> None:
+        raise AssertionError("a host sleep is absorbed while the device has work queued")
+
+    cuda = _LinkCuda()
+    clock = RealClock(device=torch.device("cuda", 0), cuda=cuda)
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=10.0)
+    comm = NetworkComm(RecordingComm(world_size=2), profile, clock)
+    monkeypatch.setattr(time_module, "sleep", no_host_sleep)
+    first = comm.all_reduce(torch.zeros(250_000), role=Role.GRADIENT)
+    # (a collective whose data already moved, as FSDP's are charged, takes the same path)
+    second = comm.charge(CollectiveKind.ALL_REDUCE, role=Role.GRADIENT, payload_bytes=1_000_000)
+    first.wait()
+    second.wait()
+    cost = profile.collective_time(CollectiveKind.ALL_REDUCE, 1_000_000, 2)
+    transfer = [
+        ("record", "compute"),
+        ("wait", "link1", "compute"),
+        ("sleep", "link1", f"{cost:.3f}"),
+        ("record", "link1"),
+    ]
+    assert cuda.log == transfer * 2 + [("wait", "compute", "link1")] * 2
+    assert cuda.links == 1  # one stream per link: its transfers queue behind each other

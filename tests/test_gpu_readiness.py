@@ -744,6 +744,7 @@ def test_torch_comm_hands_every_collectives_tensors_to_its_handle(
         _scatter_by_exchange=False,
         _event_arrival=False,
         _wait_timeout_s=None,
+        _device=None,  # (host tensors stand in for the GPU's)
     )  # fmt: skip (an NCCL group's settings, without NCCL)
     full, shard = torch.zeros(8), torch.zeros(4)
     handles = [

@@ -553,3 +553,153 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients(
     config = TrainConfig(activation_checkpointing=True)
     config.model.family = "hf-llama"
     config.validate()
+
+
+class _CountingComm:
+    """Forwards to a communicator, noting the thread of every collective issued on it."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.threads: list[int] = []
+
+    @property
+    def rank(self) -> int:
+        return int(self.raw.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.raw.world_size)
+
+    def all_reduce(self, tensor: torch.Tensor, **kwargs: Any) -> Any:
+        import threading
+
+        self.threads.append(threading.get_ident())
+        return self.raw.all_reduce(tensor, **kwargs)
+
+    def barrier(self) -> Any:
+        return self.raw.barrier()
+
+
+def _fsdp_charges_per_microbatch() -> dict[str, Any]:
+    import threading
+
+    from lowcomm.comm.base import CollectiveKind
+    from lowcomm.comm.clock import VirtualClock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.train.sharding import (
+        ShardedFlatBuffers,
+        charge_fsdp_collectives,
+        shard_model,
+        worker_mesh,
+    )
+
+    mesh = worker_mesh(1, R)
+    counting = _CountingComm(TorchComm(mesh.get_group("ranks")))
+    clock = VirtualClock(seconds_per_microbatch=0.1)
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=1.0)
+    inner = NetworkComm(counting, profile, clock)  # type: ignore[arg-type]
+    model = shard_model(tiny_gpt(), mesh["ranks"])
+    charge_fsdp_collectives(model, inner)
+    flat = ShardedFlatBuffers(model, inner)
+    steps = 2
+    for step in range(steps):
+        flat.zero_grads()
+        for micro in range(MICROBATCHES):
+            x, y = global_batch(step * MICROBATCHES + micro, R, per_rank=B)
+            with clock.microbatch():  # (0.1 s of declared compute each)
+                _, loss = model(x[:B], y[:B])
+                assert loss is not None
+                loss.backward()
+        flat.sync_grads()
+    return {
+        "exchanges": len(counting.threads),
+        "main_thread": all(t == threading.get_ident() for t in counting.threads),
+        "steps": steps,
+        "gathers": inner.calls_by_kind[CollectiveKind.ALL_GATHER],
+        "scatters": inner.calls_by_kind[CollectiveKind.REDUCE_SCATTER],
+        "modeled": inner.modeled_comm_s,
+        "exposed": inner.exposed_comm_s,
+        "now": clock.now(),
+    }
+
+
+def test_fsdp_collectives_are_charged_once_per_microbatch_from_the_main_thread() -> None:
+    """FSDP's all-gathers and reduce-scatters are noted where FSDP issues them and charged
+    from the main thread once per micro-batch: one launch-time exchange each, none inside
+    FSDP's hooks; every one still charged in full and waited for, as if charged on the spot."""
+    from lowcomm.launch import spawn_workers
+
+    for result in spawn_workers(_fsdp_charges_per_microbatch, R):
+        assert result["exchanges"] == result["steps"] * MICROBATCHES
+        assert result["main_thread"]
+        assert result["gathers"] > result["steps"] * MICROBATCHES  # several units per pass
+        assert result["scatters"] >= result["steps"] * MICROBATCHES
+        compute = 0.1 * result["steps"] * MICROBATCHES
+        assert result["now"] == pytest.approx(compute + result["modeled"], rel=1e-12)
+        assert result["exposed"] == pytest.approx(result["modeled"], rel=1e-12)
+
+
+def _mesh_timeouts(timeout_s: float) -> list[float]:
+    from lowcomm.train.sharding import worker_mesh
+
+    mesh = worker_mesh(1, R, timeout_s=timeout_s)
+    return [
+        mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for name in ("workers", "ranks")
+    ]
+
+
+def test_a_sharded_workers_mesh_groups_take_the_runs_collective_timeout() -> None:
+    """The DeviceMesh's groups (FSDP's collectives, the method's) time out as the run's other
+    groups do (--collective-timeout-s, with the process group's margin), not after torch's
+    default."""
+    from lowcomm.comm.torch_comm import process_group_timeout
+    from lowcomm.launch import spawn_workers
+
+    expected = process_group_timeout(7.0).total_seconds()
+    for timeouts in spawn_workers(_mesh_timeouts, R, (7.0,)):
+        assert timeouts == [expected, expected]
+
+
+def _host_group_members() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lowcomm.comm.base import Role
+    from lowcomm.comm.clock import VirtualClock
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.network import NetworkProfile
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.train.sharding import host_groups, worker_mesh
+
+    mesh = worker_mesh(M, R)
+    ranks, workers = host_groups(mesh, 30.0)
+    rank = dist.get_rank()
+    clock = VirtualClock(seconds_per_microbatch=0.1)
+    profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=1.0)
+    inner = NetworkComm(TorchComm(mesh.get_group("ranks")), profile, clock, bookkeeping=ranks)
+    tensor = torch.full((4,), float(rank))
+    inner.all_reduce(tensor, op="sum", role=Role.GRADIENT).wait()
+    return {
+        "rank": rank,
+        "ranks": dist.get_process_group_ranks(ranks._group),
+        "workers": dist.get_process_group_ranks(workers._group),
+        "sum": tensor.tolist(),
+        "now": clock.now(),
+        "modeled": inner.modeled_comm_s,
+    }
+
+
+def test_a_sharded_workers_host_groups_are_its_mesh_groups_on_gloo() -> None:
+    """On a GPU the virtual clock agrees on launch times on Gloo groups of the mesh's own
+    groups: this rank's worker's ranks and rank r of every worker."""
+    from lowcomm.launch import spawn_workers
+
+    for result in spawn_workers(_host_group_members, M * R):
+        rank = result["rank"]
+        worker, replica = divmod(rank, R)
+        assert result["ranks"] == [worker * R + r for r in range(R)]
+        assert result["workers"] == [w * R + replica for w in range(M)]
+        assert result["sum"] == [float(sum(result["ranks"]))] * 4
+        assert result["now"] == pytest.approx(result["modeled"], rel=1e-12)

@@ -376,3 +376,19 @@ def test_plan_predicts_the_bytes_a_cli_run_sends(cli_summary: dict[str, Any]) ->
     # levels) and 2 bytes of rounding apart.
     assert abs(planned - sent) <= 2 * (26 + 2)
     assert planned == pytest.approx(sent, rel=0.01)
+
+
+def test_pack_bits_copies_nothing_from_the_host() -> None:
+    """pack_bits runs per tensor per step (DeMo) and twice per sync (SparseLoCo): on a GPU a
+    tensor built from host values is a blocking copy from pageable memory each time. Values
+    on ``meta`` stand in for the GPU's; the packed bytes are those of a host computation."""
+    from _host import HostTraffic
+    from lowcomm.optim.sparse import pack_bits, unpack_bits
+
+    with HostTraffic() as traffic:
+        pack_bits(torch.zeros(10, dtype=torch.int64, device="meta"), 5)
+    assert traffic.copies == [] and traffic.reads == []
+    values = torch.tensor([0, 31, 7, 16, 1, 30])
+    packed = pack_bits(values, 5)
+    assert packed.dtype == torch.uint8 and packed.numel() == 4
+    assert unpack_bits(packed, 6, 5).tolist() == values.tolist()

@@ -252,6 +252,36 @@ def collective_arithmetic() -> Iterator[None]:
             _push_mode(mode)
 
 
+def same_device(tensor_device: torch.device, group_device: torch.device) -> bool:
+    """Whether a tensor on ``tensor_device`` can go through a group on ``group_device``: the
+    same type of device. (Not the same index: a process may hold tensors on another GPU of
+    its node than the one it bound, which the backend handles.)"""
+    return tensor_device.type == group_device.type
+
+
+def check_device(tensor_device: torch.device, group_device: torch.device | None, op: str) -> None:
+    """Refuse a tensor that is not on the group's device (None: the group declared none).
+
+    NCCL moves GPU tensors only, and a host tensor reaching it fails deep inside the backend
+    on a GPU cluster; a group that declares its device turns that into this error wherever the
+    tensor is made, on any machine."""
+    if group_device is not None and not same_device(tensor_device, group_device):
+        raise ValueError(
+            f"{op}: the tensor is on {tensor_device} but the group's device is {group_device}; "
+            f"make every tensor a collective touches on the group's device (comm.device)"
+        )
+
+
+def values_on(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """A float32 tensor of ``values`` made on ``device`` by fill kernels, which take each
+    value as an argument: ``torch.tensor(values, device=...)`` is a blocking copy from
+    pageable host memory on a GPU."""
+    out = torch.empty(len(values), dtype=torch.float32, device=device)
+    for index, value in enumerate(values):
+        out[index].fill_(value)
+    return out
+
+
 def payload_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor occupies on the wire, at its own dtype."""
     return tensor.numel() * tensor.element_size()

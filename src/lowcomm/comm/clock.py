@@ -254,6 +254,7 @@ class RealClock(Clock):
         self._last_cpu = self._owner_cpu.read() if self._owner_cpu is not None else 0.0
         self.compute_cpu_s = 0.0
         self.slowdown_s = 0.0  # the straggler's sleeps: compute, but not a wait for a core
+        self._slowed_compute_s = 0.0  # the timeline's compute a slowdown was queued for
         self._cpu_known = True
         # On a CPU: every micro-batch's wall and thread CPU seconds in this process, for the
         # summary's statistics of the passes the real clock paid (not checkpointed: after a
@@ -268,13 +269,17 @@ class RealClock(Clock):
     # checkpoint restored); on a CPU, plain host seconds.
     @property
     def compute_s(self) -> float:
-        extra = 0.0 if self._timeline is None else self._timeline.totals["compute"]
-        return self._compute_base + extra
+        return self._compute_base + self._device_compute()
 
     @compute_s.setter
     def compute_s(self, value: float) -> None:
-        extra = 0.0 if self._timeline is None else self._timeline.totals["compute"]
-        self._compute_base = value - extra
+        self._compute_base = value - self._device_compute()
+
+    def _device_compute(self) -> float:
+        """The timeline's compute, a straggler's emulated slowdown included (0 on a CPU)."""
+        if self._timeline is None:
+            return 0.0
+        return self._timeline.totals["compute"] + self._timeline.totals["slowdown"]
 
     @property
     def exposed_comm_s(self) -> float:
@@ -302,7 +307,8 @@ class RealClock(Clock):
             return super().totals_at(marker)
         _, index, compute_base, exposed_base = marker
         totals = self._timeline.totals_at(index)
-        return compute_base + totals["compute"], exposed_base + totals["exposed"]
+        compute = totals["compute"] + totals["slowdown"]
+        return compute_base + compute, exposed_base + totals["exposed"]
 
     def settle_timing(self) -> None:
         if self._timeline is not None:
@@ -318,6 +324,15 @@ class RealClock(Clock):
     def mark(self) -> None:
         now = self._time()
         elapsed = now - self._last_mark
+        if self._timeline is not None:
+            # The device time of the region's kernels; a straggler's slowdown is queued on
+            # the device, in proportion to the device's compute (the host's time is its
+            # launches: a host sleep is absorbed while the device has work queued).
+            self._timeline.boundary("compute")
+            if self.speed_factor > 1.0:
+                self._slow_down_device()
+            self._last_mark = now
+            return
         if self.speed_factor != 1.0 and elapsed > 0:
             # Emulate a slower device: the extra time sits on compute, never on the wire.
             extra = (self.speed_factor - 1.0) * elapsed
@@ -326,15 +341,38 @@ class RealClock(Clock):
                 self.slowdown_s += extra
             now = time.perf_counter()  # the sleep queued nothing on the device
             elapsed = now - self._last_mark
-        if self._timeline is None:
-            self.compute_s += elapsed
-        else:  # the device time of the region's kernels (the sleep's gap included)
-            self._timeline.boundary("compute")
+        self.compute_s += elapsed
         self._last_mark = now
         if self._owner_cpu is not None:
             cpu = self._owner_cpu.read()
             self.compute_cpu_s += cpu - self._last_cpu
             self._last_cpu = cpu
+
+    def link_delay(self, link: object, seconds: float) -> Any:
+        """On a GPU: queue a modeled transfer of ``seconds`` on ``link`` on the device's
+        timeline (:meth:`DeviceTimeline.link_delay`) and return the event of its end, for
+        :meth:`wait_on_device`; None on a CPU (the host's :meth:`wait_until` serves it)."""
+        if self._timeline is None:
+            return None
+        return self._timeline.link_delay(link, seconds)
+
+    def wait_on_device(self, event: Any) -> None:
+        """Order the worker's stream after a transfer of :meth:`link_delay` (no host wait)."""
+        assert self._timeline is not None
+        self._timeline.wait_on(event)
+
+    def _slow_down_device(self) -> None:
+        """Queue (speed_factor - 1) x the device compute finished since the last slowdown as
+        a region of its own on the device (compute, but not the worker's kernels)."""
+        assert self._timeline is not None
+        done = self._timeline.totals["compute"]
+        owed = (self.speed_factor - 1.0) * (done - self._slowed_compute_s)
+        if owed <= 0:
+            return
+        self._slowed_compute_s = done
+        self._timeline.delay(owed)
+        self._timeline.boundary("slowdown")
+        self.slowdown_s += owed
 
     def _skip_cpu(self) -> None:
         """The owner thread's CPU time since the last mark is not compute."""

@@ -26,12 +26,16 @@ from typing import Any
 
 import torch
 
-#: The regions a boundary ends.
-REGIONS = ("compute", "exposed", "excluded")
+#: The regions a boundary ends ("slowdown": a straggler's emulated extra compute).
+REGIONS = ("compute", "exposed", "excluded", "slowdown")
+
+#: Cycles of the spin kernel that measures the device's cycles per second, once per run.
+PROBE_CYCLES = 10_000_000
 
 
 class DeviceTimeline:
-    """Region boundaries of one worker as timing events on its current stream.
+    """Region boundaries of one worker as timing events on its compute stream (the current
+    stream when the timeline is made).
 
     Args:
         device: the worker's GPU.
@@ -41,15 +45,22 @@ class DeviceTimeline:
     def __init__(self, device: torch.device, cuda: Any = None) -> None:
         self._cuda = torch.cuda if cuda is None else cuda
         self._device = device
+        # The compute stream, captured now: a boundary crossed inside another stream's block
+        # (FSDP's all-gather and reduce-scatter streams, a side stream of a method) would
+        # otherwise record on that stream, and an elapsed time between events on two streams
+        # is no region's time (it can even come out negative).
+        self._stream = self._cuda.current_stream(device)
         self.totals = dict.fromkeys(REGIONS, 0.0)
         self._pending: deque[tuple[int, Any, str]] = deque()
         self._recorded = 0  # boundaries recorded (the next one's index)
         self._previous = self._record()
         self._wanted: dict[int, dict[str, float] | None] = {}
+        self._cycles_per_s: float | None = None
+        self._links: dict[int, Any] = {}  # a link's stream, by the link's id
 
     def _record(self) -> Any:
         event = self._cuda.Event(enable_timing=True)
-        event.record(self._cuda.current_stream(self._device))
+        event.record(self._stream)
         return event
 
     def boundary(self, ended: str, keep: bool = False) -> int:
@@ -96,3 +107,54 @@ class DeviceTimeline:
     def settle(self) -> None:
         """Fold in every recorded boundary (waits for them)."""
         self.resolve(until=self._recorded)
+
+    def delay(self, seconds: float, stream: Any = None) -> None:
+        """Queue ``seconds`` of device time on ``stream`` (None: the compute stream) as a
+        spin kernel (``torch.cuda._sleep``): a delay that the device serves after the work
+        queued before it, where a sleep of the host is absorbed by the work the device still
+        has queued. The device's cycles per second are measured the first time (one wait for
+        the device, once per run; the probe's time is excluded)."""
+        if seconds <= 0:
+            return
+        cycles = int(seconds * self._cycles_per_second())
+        if cycles > 0:
+            target = self._stream if stream is None else stream
+            with self._cuda.stream(target):
+                self._cuda._sleep(cycles)
+
+    def _cycles_per_second(self) -> float:
+        if self._cycles_per_s is None:
+            self.boundary("compute")  # (the region so far; the probe's is excluded)
+            begin = self._cuda.Event(enable_timing=True)
+            end = self._cuda.Event(enable_timing=True)
+            with self._cuda.stream(self._stream):
+                begin.record(self._stream)
+                self._cuda._sleep(PROBE_CYCLES)
+                end.record(self._stream)
+            end.synchronize()
+            self._cycles_per_s = PROBE_CYCLES / max(begin.elapsed_time(end) / 1000.0, 1e-9)
+            self.boundary("excluded")
+        return self._cycles_per_s
+
+    def link_delay(self, link: object, seconds: float) -> Any:
+        """Queue a transfer of ``seconds`` on ``link``'s own stream, from this point of the
+        compute stream and behind the link's earlier transfers (a link carries one at a
+        time); return the event of its end, for :meth:`wait_on`. The transfer then runs on
+        the device's timeline, from when the device reached its launch, not the host.
+        None for no time (nothing to queue)."""
+        if seconds <= 0:
+            return None
+        launched = self._cuda.Event()
+        launched.record(self._stream)
+        stream = self._links.get(id(link))
+        if stream is None:
+            stream = self._links[id(link)] = self._cuda.Stream(device=self._device)
+        stream.wait_event(launched)
+        self.delay(seconds, stream)
+        done = self._cuda.Event()
+        done.record(stream)
+        return done
+
+    def wait_on(self, event: Any) -> None:
+        """Order the compute stream after ``event`` (the host does not wait)."""
+        self._stream.wait_event(event)

@@ -24,12 +24,13 @@ issuing anything itself; the launch-time exchange then runs on the communication
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from lowcomm.comm.base import (
+    Charge,
     CollectiveKind,
     Comm,
     CompletedHandle,
@@ -39,6 +40,7 @@ from lowcomm.comm.base import (
     Segments,
     Settled,
     arrival_stamp,
+    check_device,
     check_segments,
     payload_bytes,
 )
@@ -69,6 +71,8 @@ class _EmulatedHandle:
         self._launch_times_handle = launch_times_handle
         self.finish_time: float | None = None
         self._waited = False
+        # On a GPU's real clock, the end of the transfer queued on the device's timeline.
+        self.device_done: Any = None
 
     def _resolve_start(self) -> float:
         """The start time agreed by all participants (blocks for peers' launch times)."""
@@ -85,7 +89,10 @@ class _EmulatedHandle:
         with clock.blocked():
             self._inner.wait()
             finish = self._owner._resolve(self)
-            clock.wait_until(finish)
+            if self.device_done is not None and isinstance(clock, RealClock):
+                clock.wait_on_device(self.device_done)
+            else:
+                clock.wait_until(finish)
         self._owner.exposed_comm_s += clock.exposed_comm_s - exposed_before
         self._waited = True
 
@@ -148,9 +155,13 @@ class NetworkComm:
         raw: the communicator that moves the data.
         profile: the declared link and per-worker speed factors.
         clock: this worker's clock (real or virtual).
-        device: the device of the group's tensors (cuda for NCCL), used for barriers.
+        device: the device of the group's tensors (cuda for NCCL): a collective refuses a
+            tensor on another device (None: undeclared, unchecked; barriers then use cpu).
         wire_dtype: the dtype float32 gradients and pseudo-gradients travel in
             (``--comm-dtype``, :mod:`lowcomm.comm.cast`); other roles travel as they are.
+        bookkeeping: a host (Gloo) group of the same ranks, used from this communicator's
+            issuing thread only, on which the virtual clock agrees on launch times as host
+            floats (None: on ``raw``, on the payload's device).
     """
 
     def __init__(
@@ -161,10 +172,13 @@ class NetworkComm:
         *,
         device: torch.device | None = None,
         wire_dtype: torch.dtype = torch.float32,
+        bookkeeping: Comm | None = None,
     ) -> None:
         self.raw = raw
+        self._bookkeeping = bookkeeping
         self.wire_dtype = wire_dtype
-        # Where the launch-time exchange of a barrier lives (the group's device).
+        # Where the launch-time exchange lives (the group's device).
+        self._declared_device = device
         self._barrier_device = device or torch.device("cpu")
         self.profile = profile
         self.clock = clock
@@ -232,6 +246,23 @@ class NetworkComm:
         self.modeled_comm_s += cost
         return cost
 
+    def _agree_launch(
+        self, launch_time: float, device: torch.device
+    ) -> tuple[torch.Tensor, Handle]:
+        """Start agreeing on a launch's start: the latest launch among the participants
+        (virtual clock), from the issuing thread, in the same order on every rank.
+
+        With a bookkeeping group, a host float on it (Gloo: reading the agreed value waits
+        for no device). Else on this group, right before the payload, on the payload's device
+        (NCCL only moves GPU tensors), made by a fill kernel that takes the value as an
+        argument (a tensor of a list is a blocking host-to-device copy); reading it back is
+        then a host read of a device value."""
+        if self._bookkeeping is not None:
+            times = torch.full((1,), launch_time, dtype=torch.float64)
+            return times, self._bookkeeping.all_reduce(times, op="max", role=Role.OTHER)
+        times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
+        return times, self.raw.all_reduce(times, op="max", role=Role.OTHER)
+
     def _launch(
         self,
         kind: CollectiveKind,
@@ -243,20 +274,17 @@ class NetworkComm:
         shares: list[tuple[Role, int]] | None = None,
     ) -> Handle:
         world_size = self.raw.world_size
+        check_device(device, self._declared_device, kind.value)
         cost = self._account(kind, role, full_bytes, src, shares)
         launch_time = self.clock.now()
         launch_times: torch.Tensor | None = None
         launch_times_handle: Handle | None = None
         if self.clock.kind == "virtual" and world_size > 1:
-            # Agree on the start: the latest launch among the participants. Issued right
-            # before the payload, on the same group, so the order is the same on every rank.
-            # On the payload's device: NCCL only moves GPU tensors. torch.full, not
-            # torch.tensor([...]): a fill kernel takes the value as an argument, where a
-            # tensor built from a list is a blocking host-to-device copy on every launch.
-            launch_times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
-            launch_times_handle = self.raw.all_reduce(launch_times, op="max", role=Role.OTHER)
+            launch_times, launch_times_handle = self._agree_launch(launch_time, device)
         inner = issue()
         handle = _EmulatedHandle(self, inner, cost, launch_time, launch_times, launch_times_handle)
+        if isinstance(self.clock, RealClock):
+            handle.device_done = self.clock.link_delay(self, cost)
         self._unresolved.append(handle)
         return handle
 
@@ -294,6 +322,7 @@ class NetworkComm:
             wire_out = torch.empty_like(output, dtype=self.wire_dtype)
             handle = self.reduce_scatter(wire_out, input.to(self.wire_dtype), op=op, role=role)
             return CastBackHandle(handle, wire_out, output)
+        check_device(output.device, self._declared_device, "reduce_scatter")
         return self._launch(
             CollectiveKind.REDUCE_SCATTER,
             role,
@@ -307,6 +336,7 @@ class NetworkComm:
             wire_out = torch.empty_like(output, dtype=self.wire_dtype)
             handle = self.all_gather(wire_out, input.to(self.wire_dtype), role=role)
             return CastBackHandle(handle, wire_out, output)
+        check_device(input.device, self._declared_device, "all_gather")
         return self._launch(
             CollectiveKind.ALL_GATHER,
             role,
@@ -318,6 +348,7 @@ class NetworkComm:
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         """Priced and counted as the reduce-scatter of ``input`` it is the first step of
         (each rank sends the other ranks' chunks: (n-1)/n of the payload, as a ring does)."""
+        check_device(output.device, self._declared_device, "all_to_all")
         return self._launch(
             CollectiveKind.REDUCE_SCATTER,
             role,
@@ -392,21 +423,35 @@ class NetworkComm:
         self._unresolved.append(handle)
         return handle
 
+    def charge_many(self, charges: Sequence[Charge]) -> list[Handle]:
+        """Charge collectives whose data has already moved, in order, behind one agreed
+        launch (now): each counted and queued on the link as if launched now, one after the
+        other. Call on the issuing thread; every rank at the same point with the same list."""
+        if not charges:
+            return []
+        launch_time = self.clock.now()
+        times: torch.Tensor | None = None
+        agreement: Handle | None = None
+        if self.clock.kind == "virtual" and self.raw.world_size > 1:
+            with self.clock.blocked():  # (the exchange, as a launch's wait() runs it)
+                times, agreement = self._agree_launch(launch_time, self._barrier_device)
+                agreement.wait()
+        handles: list[Handle] = []
+        for charge in charges:
+            cost = self._account(charge.kind, charge.role, charge.payload_bytes)
+            handle = _EmulatedHandle(self, CompletedHandle(), cost, launch_time, times, agreement)
+            if isinstance(self.clock, RealClock):
+                handle.device_done = self.clock.link_delay(self, cost)
+            self._unresolved.append(handle)
+            handles.append(handle)
+        return handles
+
     def charge(self, kind: CollectiveKind, *, role: Role | None, payload_bytes: int) -> Handle:
         """Charge a collective whose data has already moved (settled for a checkpoint): count
         its bytes, agree on its start (on the virtual clock, with the same uncharged exchange
         as a launch) and queue it on the link as if it were launched now. The returned
         handle's ``wait()`` moves the clock to its modeled completion."""
-        agreement = self.offload()
-        with self.clock.blocked():  # the launch-time exchange, as a launch's wait() runs it
-            agreement.run(self.raw)
-        return self.record(
-            kind,
-            role=role,
-            payload_bytes=payload_bytes,
-            completion=CompletedHandle(),
-            agreement=agreement,
-        )
+        return self.charge_many([Charge(kind, role, payload_bytes)])[0]
 
     def restore(self, settled: Settled) -> Handle:
         """The handle of a collective settled on this communicator before a checkpoint: its

@@ -23,6 +23,7 @@ from lowcomm.comm.base import (
     ReduceOp,
     Role,
     Segments,
+    check_device,
     check_scatter_shapes,
     check_segments,
     payload_bytes,
@@ -43,11 +44,17 @@ class CommCall:
 
 
 class RecordingComm:
-    """Records every collective and computes the identical-replica result."""
+    """Records every collective and computes the identical-replica result.
 
-    def __init__(self, *, rank: int = 0, world_size: int = 1) -> None:
+    ``device``: the group's declared device; a collective refuses a tensor on another one, as
+    an NCCL group does a host tensor (None: any device)."""
+
+    def __init__(
+        self, *, rank: int = 0, world_size: int = 1, device: torch.device | None = None
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside a group of {world_size}")
+        self.device = device
         self._rank = rank
         self._world_size = world_size
         self.calls: list[CommCall] = []
@@ -68,6 +75,7 @@ class RecordingComm:
         op: str | None = None,
         segments: Segments | None = None,
     ) -> None:
+        check_device(full.device, self.device, kind.value)
         fused = tuple(segments) if segments is not None else None
         self.calls.append(
             CommCall(kind, role, full.numel(), full.dtype, payload_bytes(full), op, fused)
@@ -119,7 +127,7 @@ class RecordingComm:
         return CompletedHandle()
 
     def barrier(self) -> Handle:
-        self._record(CollectiveKind.BARRIER, None, torch.empty(0))
+        self._record(CollectiveKind.BARRIER, None, torch.empty(0, device=self.device))
         return CompletedHandle()
 
     def count(self, kind: CollectiveKind, role: Role | None = None) -> int:

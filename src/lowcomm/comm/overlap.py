@@ -48,7 +48,7 @@ from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -450,15 +450,40 @@ class LaunchAgreement:
         launch_time: this worker's clock reading when it launched the chain.
         exchange: whether the launch times must be exchanged (virtual clock, group > 1).
         device: where the exchanged tensor lives (the group's device; NCCL needs cuda).
+        cuda: ``torch.cuda`` (a stand-in in tests); its events order the tensor between the
+            two threads' streams when ``device`` is a GPU.
     """
 
-    def __init__(self, launch_time: float, *, exchange: bool, device: torch.device) -> None:
+    def __init__(
+        self, launch_time: float, *, exchange: bool, device: torch.device, cuda: Any = None
+    ) -> None:
         self.launch_time = launch_time
         self.exchange = exchange
         # A fill kernel, not a blocking host-to-device copy of a list (see NetworkComm).
         self.times = torch.full((1,), launch_time, dtype=torch.float64, device=device)
+        # The tensor is filled on the main thread's stream, all-reduced on the communication
+        # thread's and read on the main thread's: events order each hand-over (the threads'
+        # current streams need not be one stream).
+        self._cuda: Any = (
+            cuda if cuda is not None else (torch.cuda if device.type == "cuda" else None)
+        )
+        self._filled = self._stream_event()
+        self._agreed: Any = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+
+    def _stream_event(self) -> Any:
+        """An event on this thread's current stream of the tensor's device (None off a GPU)."""
+        if self._cuda is None:
+            return None
+        event = self._cuda.Event()
+        event.record(self._cuda.current_stream(self.times.device))
+        return event
+
+    def _wait_on(self, event: Any) -> None:
+        """Order this thread's current stream after ``event`` (no host wait)."""
+        if event is not None:
+            event.wait(self._cuda.current_stream(self.times.device))
 
     def run(self, inner: Comm) -> None:
         """On the communication thread: agree on the start (uncharged, like NetworkComm's own
@@ -470,9 +495,11 @@ class LaunchAgreement:
         """:meth:`run` as a chain's steps (a :class:`Chain`'s ``prelude``)."""
         try:
             if self.exchange:
+                self._wait_on(self._filled)
                 handle = inner.all_reduce(self.times, op="max", role=Role.OTHER)
                 yield handle
                 handle.wait()
+                self._agreed = self._stream_event()
         except BaseException as error:  # (GeneratorExit too: the chain was abandoned)
             self.abort(error)
             raise
@@ -489,6 +516,7 @@ class LaunchAgreement:
             raise RuntimeError(
                 "the communication thread failed before agreeing on a launch time"
             ) from self._error
+        self._wait_on(self._agreed)
 
     def done(self) -> bool:
         return self._ready.is_set()

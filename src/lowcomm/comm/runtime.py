@@ -74,10 +74,12 @@ class ClockReader:
         self._clock.fold(meter)
 
     def compute_seconds(self) -> float:
-        """Compute time this worker has accumulated so far, on this clock (on a GPU's real
-        clock: waits for the worker's stream to reach this point, not for the device)."""
+        """Compute time this worker has accumulated so far, on this clock. Nothing waits: on
+        a GPU's real clock it is the device time of the regions the device has finished, so
+        a reading lags the host by the work still queued (a difference of two readings is the
+        compute finished between them: over steps, the per-step compute); a host wait here,
+        read each step, would stop the host from running ahead of the device."""
         self._clock.mark()
-        self._clock.settle_timing()
         return float(self._clock.compute_s)
 
 

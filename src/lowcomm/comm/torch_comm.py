@@ -20,6 +20,7 @@ from lowcomm.comm.base import (
     Role,
     Segments,
     Settled,
+    check_device,
     check_scatter_shapes,
     check_segments,
     collective_arithmetic,
@@ -141,9 +142,14 @@ class TorchComm:
     Args:
         group: the process group (``None`` = the default group). Bind a communicator to a
             group rather than to the world so a strategy can be handed an inner and an outer one.
+        device: the device of the group's tensors; a collective refuses a tensor on another
+            (None: ``cuda`` on NCCL, which moves GPU tensors only; unchecked on Gloo).
     """
 
-    def __init__(self, group: Any = None, *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, group: Any = None, *, timeout_s: float | None = None,
+        device: torch.device | None = None,
+    ) -> None:  # fmt: skip
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchComm needs an initialised process group: call "
@@ -157,6 +163,7 @@ class TorchComm:
         # the data is in; NCCL's fires when the collective is queued, so there a CUDA event
         # on a side stream times it (unless NCCL waits block the host).
         backend = dist.get_backend(group)
+        self._device = device or (torch.device("cuda") if backend == "nccl" else None)
         self._stamp = backend == "gloo"
         self._scatter_by_exchange = backend == "gloo"
         self._event_arrival = backend == "nccl" and not blocking_wait()
@@ -182,6 +189,10 @@ class TorchComm:
             work, finish, what=f"{what}{size}", rank=self._rank, timeout_s=self._wait_timeout_s,
             stamp=self._stamp, arrival=arrival, keep=keep,
         )  # fmt: skip
+
+    def _check(self, what: str, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            check_device(tensor.device, self._device, what)
 
     @property
     def rank(self) -> int:
@@ -210,16 +221,16 @@ class TorchComm:
         segments: Segments | None = None,
     ) -> Handle:
         check_segments(tensor, segments)
+        self._check(what := f"all_reduce ({role.value})", tensor)
         work = dist.all_reduce(tensor, op=_torch_op(op), group=self._group, async_op=True)
-        return self._handle(
-            work, f"all_reduce ({role.value})", tensor, self._mean_after(tensor, op), (tensor,)
-        )
+        return self._handle(work, what, tensor, self._mean_after(tensor, op), (tensor,))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
     ) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "reduce_scatter")
         what = f"reduce_scatter ({role.value})"
+        self._check(what, output, input)
         if self._scatter_by_exchange and op != "max" and self._world_size > 1:
             return self._reduce_scatter_by_exchange(output, input, op, what)
         work = _reduce_scatter(output, input, op=_torch_op(op), group=self._group, async_op=True)
@@ -254,15 +265,18 @@ class TorchComm:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         check_scatter_shapes(output, input, self._world_size, "all_gather")
+        self._check(f"all_gather ({role.value})", output, input)
         work = _all_gather(output, input, group=self._group, async_op=True)
         return self._handle(work, f"all_gather ({role.value})", output, keep=(output, input))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         check_scatter_shapes(output, input, 1, "all_to_all")
+        self._check(f"all_to_all ({role.value})", output, input)
         work = dist.all_to_all_single(output, input, group=self._group, async_op=True)
         return self._handle(work, f"all_to_all ({role.value})", input, keep=(output, input))
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        self._check(f"broadcast ({role.value})", tensor)
         global_src = dist.get_global_rank(self._group, src) if self._group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self._group, async_op=True)
         return self._handle(work, f"broadcast ({role.value}) from {src}", tensor, keep=(tensor,))

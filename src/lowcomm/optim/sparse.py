@@ -59,7 +59,10 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     bits = (values.reshape(-1, 1).to(torch.int64) >> shifts) & 1
     stream = torch.zeros(size * 8, dtype=torch.int32, device=values.device)
     stream[: n * width] = bits.reshape(-1)
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32, device=values.device)
+    # Made on the device (a tensor of host values would be a blocking pageable copy per call).
+    weights = torch.ones(8, dtype=torch.int32, device=values.device) << torch.arange(
+        8, dtype=torch.int32, device=values.device
+    )
     return (stream.view(size, 8) * weights).sum(dim=1).to(torch.uint8)
 
 

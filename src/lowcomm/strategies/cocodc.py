@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lowcomm.comm.base import Comm
+from lowcomm.comm.base import Comm, values_on
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, fragment_traffic
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
@@ -211,7 +211,8 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
         """launch_sync of fragment p with this worker's (T_c, T_s) and the launch snapshot."""
         # (A sharded worker's ranks agree on their timings first, as a replicated
         # worker's do in its hierarchical mean: the fragment schedule follows them.)
-        extras = ranks_mean(self.flat, torch.tensor([self.step_seconds, self.last_sync_seconds]))
+        timings = [self.step_seconds, self.last_sync_seconds]
+        extras = ranks_mean(self.flat, values_on(timings, self.flat.device))
         snapshot = self.local_fragment(p)
         sync = InFlight(p, t, t + self.options.overlap_steps, self.launch_sync(p, extras), snapshot)
         self.in_flight.append(sync)

@@ -36,13 +36,14 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from lowcomm.comm.base import CollectiveKind, Comm, Role
+from lowcomm.comm.base import Charge, CollectiveKind, Comm, Role
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.models.blocks import retie, tied_names, transformer_blocks
 from lowcomm.strategies.flat import FlatBuffers
@@ -104,14 +105,59 @@ def config_refusal(config: TrainConfig) -> str | None:
     return None
 
 
-def worker_mesh(workers: int, ranks_per_worker: int, device: str = "cpu") -> Any:
+def worker_mesh(
+    workers: int, ranks_per_worker: int, device: str = "cpu", *, timeout_s: float | None = None
+) -> Any:
     """The ``workers x ranks`` DeviceMesh of the whole world (a collective: every rank calls
-    it). ``mesh["ranks"]`` is this rank's worker, ``mesh["workers"]`` rank r of every worker."""
+    it). ``mesh["ranks"]`` is this rank's worker, ``mesh["workers"]`` rank r of every worker.
+
+    ``timeout_s`` (--collective-timeout-s): the groups' own timeout is the one the run's
+    other groups get (:func:`~lowcomm.comm.torch_comm.process_group_timeout`); a mesh's groups
+    otherwise take torch's default, whatever the run asked for (None: that default)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    override: dict[int | str, Any] | None = None
+    if timeout_s is not None:
+        options = _group_options(device, timeout_s)
+        override = {"workers": options, "ranks": options}
     return init_device_mesh(
-        device, (workers, ranks_per_worker), mesh_dim_names=("workers", "ranks")
+        device,
+        (workers, ranks_per_worker),
+        mesh_dim_names=("workers", "ranks"),
+        backend_override=override,
     )
+
+
+def host_groups(mesh: Any, timeout_s: float) -> tuple[Comm, Comm]:
+    """Gloo groups of the mesh's ``ranks`` and ``workers`` groups (this rank's of each; a
+    collective: every rank calls it): on a GPU, where the virtual clock agrees on launch
+    times as host floats (:class:`~lowcomm.comm.emulated.NetworkComm`'s bookkeeping)."""
+    import torch.distributed as dist
+
+    from lowcomm.comm.torch_comm import TorchComm, process_group_timeout
+
+    layout = mesh.mesh  # global ranks, workers x ranks
+    timeout = process_group_timeout(timeout_s)
+    mine = [
+        dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")[0]  # type: ignore[no-untyped-call]
+        for groups in (layout.tolist(), layout.t().tolist())
+    ]
+    return TorchComm(mine[0], timeout_s=timeout_s), TorchComm(mine[1], timeout_s=timeout_s)
+
+
+def _group_options(device: str, timeout_s: float) -> Any:
+    """The backend options of a mesh group whose collectives time out after the run's."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend
+
+    from lowcomm.comm.torch_comm import process_group_timeout
+
+    timeout = process_group_timeout(timeout_s)
+    if device == "cuda":  # (NCCL takes its own options class only)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    return Backend.Options("gloo", timeout)
 
 
 def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Module:
@@ -182,6 +228,7 @@ class ShardedFlatBuffers(FlatBuffers):
         if {p.dtype for p in params} != {torch.float32}:
             raise ValueError("--worker-sharding fsdp trains in float32 only for now")
         self.inner = inner
+        self._model = model
         self.parameters = params
         self.dtype = torch.float32
         self.device = params[0].device
@@ -213,7 +260,11 @@ class ShardedFlatBuffers(FlatBuffers):
             p.grad = None  # FSDP accumulates the micro-batches into a fresh local shard
 
     def sync_grads(self) -> None:
-        """Copy FSDP's reduce-scattered local gradient shards into the flat buffer."""
+        """Copy FSDP's reduce-scattered local gradient shards into the flat buffer (charging
+        the last micro-batch's FSDP collectives first)."""
+        charges = fsdp_charges(self._model)
+        if charges is not None:
+            charges.flush()
         for p, offset in zip(self.parameters, self._offsets, strict=True):
             grad = p.grad
             if grad is None:
@@ -268,24 +319,74 @@ def full_flat(model: nn.Module) -> torch.Tensor:
 # --- FSDP's collectives on the inner link ----------------------------------------------------
 
 
-def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
+class FsdpCharges:
+    """FSDP's collectives of one worker's model, noted as FSDP issues them and charged to the
+    worker's link from the main thread once per micro-batch (:meth:`flush`).
+
+    FSDP issues its collectives inside its all-gather and reduce-scatter stream blocks, and
+    in the backward on the autograd thread. Charging each there would put a launch-time
+    exchange and a host read of it (virtual clock), or a sleep (real clock), inside FSDP's
+    prefetch and its overlap of reduce-scatters with the backward, and the real clock's
+    timeline would record its events on FSDP's side stream. Noting costs nothing; the flush
+    charges what was noted in issue order behind one launch agreement, each waited for in
+    turn, so the link's schedule and the clock's totals are those of charging each on the
+    spot (FSDP's prefetch is not modeled as overlap)."""
+
+    def __init__(self, inner: NetworkComm) -> None:
+        self.inner = inner
+        self._noted: list[tuple[CollectiveKind, Role, int]] = []
+        self._lock = threading.Lock()  # (noted on the autograd thread, flushed on the main)
+
+    def note(self, kind: CollectiveKind, role: Role, payload_bytes: int) -> None:
+        """Note one collective FSDP issued (any thread)."""
+        with self._lock:
+            self._noted.append((kind, role, payload_bytes))
+
+    def flush(self) -> None:
+        """Charge what was noted since the last flush (the main thread; every rank of the
+        worker at the same point, as FSDP issues the same collectives on every rank)."""
+        with self._lock:
+            noted, self._noted = self._noted, []
+        if not noted:
+            return
+        handles = self.inner.charge_many([Charge(*entry) for entry in noted])
+        for handle in handles:
+            handle.wait()
+
+
+#: Set on a charged model: its :class:`FsdpCharges`.
+_CHARGES = "_lowcomm_fsdp_charges"
+
+
+def fsdp_charges(model: nn.Module) -> FsdpCharges | None:
+    """The :class:`FsdpCharges` of a model :func:`charge_fsdp_collectives` charges (else None)."""
+    charges = getattr(model, _CHARGES, None)
+    return charges if isinstance(charges, FsdpCharges) else None
+
+
+def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> FsdpCharges:
     """Have every FSDP unit of ``model`` charge its all-gathers (the unsharded parameters, as
     :class:`~lowcomm.comm.emulated.NetworkComm` prices an all-gather's output) and its
     reduce-scatters (the unsharded gradients) to ``inner``, the worker's link: counted by
     role and kind and placed on the link's schedule, the clock waiting for each (FSDP's
-    prefetch is not modeled as overlap). The data moves as FSDP moves it (its own
-    collectives, wrapped), never twice. Off while ``model`` evaluates (``model.eval()``), as
-    an evaluation is off the clock."""
+    prefetch is not modeled as overlap). They are charged from the main thread once per
+    micro-batch (:class:`FsdpCharges`): before each forward of ``model`` and when its
+    gradients are taken (:meth:`ShardedFlatBuffers.sync_grads`). The data moves as FSDP moves
+    it (its own collectives, wrapped), never twice. Off while ``model`` evaluates
+    (``model.eval()``), as an evaluation is off the clock."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
         DefaultAllGather,
         DefaultReduceScatter,
     )
 
+    charges = FsdpCharges(inner)
+    setattr(model, _CHARGES, charges)
+    model.register_forward_pre_hook(lambda _module, _args: charges.flush(), prepend=True)
+
     def charge(kind: CollectiveKind, role: Role, full: torch.Tensor) -> None:
         if model.training:
-            payload = full.numel() * full.element_size()
-            inner.charge(kind, role=role, payload_bytes=payload).wait()
+            charges.note(kind, role, full.numel() * full.element_size())
 
     class ChargedAllGather(DefaultAllGather):  # type: ignore[misc]
         def __call__(
@@ -317,6 +418,7 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> None:
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(scatter)
+    return charges
 
 
 #: Set on a model while its FSDP collectives are local stand-ins (:func:`local_collectives`).
@@ -347,9 +449,11 @@ class ShardedWorkerComm(NetworkComm):
 
     def __init__(
         self, raw: Comm, profile: NetworkProfile, clock: Clock, *, inner: NetworkComm,
-        device: torch.device, wire_dtype: torch.dtype,
+        device: torch.device, wire_dtype: torch.dtype, bookkeeping: Comm | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(raw, profile, clock, device=device, wire_dtype=wire_dtype)
+        super().__init__(
+            raw, profile, clock, device=device, wire_dtype=wire_dtype, bookkeeping=bookkeeping
+        )
         self.inner = inner
 
     def level_counters(self) -> dict[str, dict[str, float]]:
@@ -403,14 +507,18 @@ def shard_worker(
     from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.torch_comm import TorchComm
 
-    mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type)
     wire, timeout = wire_dtype(config.comm_dtype), config.collective_timeout_s
+    mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type, timeout_s=timeout)
+    books = host_groups(mesh, timeout) if device.type == "cuda" else (None, None)
     inner = NetworkComm(
         TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
-        links[1], clock, device=device, wire_dtype=wire,
+        links[1], clock, device=device, wire_dtype=wire, bookkeeping=books[0],
     )  # fmt: skip
     across = TorchComm(mesh.get_group("workers"), timeout_s=timeout)
-    outer = ShardedWorkerComm(across, links[0], clock, inner=inner, device=device, wire_dtype=wire)
+    outer = ShardedWorkerComm(
+        across, links[0], clock, inner=inner, device=device, wire_dtype=wire,
+        bookkeeping=books[1],
+    )  # fmt: skip
     shard_model(model, mesh["ranks"], bf16=config.precision == "bf16-mixed")
     if deferred is not None:
         materialise(model, deferred, device)
@@ -602,6 +710,7 @@ def unsharded_like(model: nn.Module) -> nn.Module:
 
 __all__ = [
     "SHARDINGS",
+    "FsdpCharges",
     "Rows",
     "ShardedFlatBuffers",
     "ShardedWorkerComm",
@@ -611,8 +720,10 @@ __all__ = [
     "exportable",
     "flat_buffers",
     "flat_numel",
+    "fsdp_charges",
     "fsdp_layout",
     "full_flat",
+    "host_groups",
     "initial_model",
     "is_sharded",
     "load_model_state",
