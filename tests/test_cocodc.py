@@ -335,7 +335,7 @@ def test_the_timings_a_sharded_workers_ranks_average_are_made_on_the_groups_devi
     strategy.flat.device = meta
     strategy.flat.average_over_ranks = average_over_ranks  # type: ignore[attr-defined]
     launched: list[torch.Tensor | None] = []
-    strategy.launch_exchange = lambda p, extras=None: launched.append(extras)  # type: ignore[assignment, method-assign, misc, return-value]
+    strategy.launch_sync = lambda p, extras=None: launched.append(extras)  # type: ignore[assignment, method-assign, misc, return-value]
     closure = closure_for(strategy, [global_batch(s, 1) for s in range(3)])
     for _ in range(3):  # the first launch is at step 3 (h = H / K)
         strategy.step(closure)
