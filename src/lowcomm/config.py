@@ -210,6 +210,18 @@ class TrainConfig:
     learning rate, utilisation and bytes against the step; loss against the modeled time):
     `--tensorboard` (or `--tensorboard True`); needs pip install 'lowcomm[tensorboard]'."""
 
+    log: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    """Where the step records go (rank 0), e.g. `--log jsonl tensorboard wandb`. OUT/metrics.jsonl
+    is always written. tensorboard: as --tensorboard. wandb: Weights & Biases gets each step's
+    metrics.jsonl fields, the summary and loss.png (pip install 'lowcomm[wandb]'; `wandb login`,
+    or WANDB_MODE=offline to keep the run local)."""
+
+    wandb_project: str = "lowcomm"
+    """With --log wandb: the W&B project."""
+
+    wandb_name: str | None = None
+    """With --log wandb: the W&B run's name (default: the run directory's name)."""
+
     checkpoint_every: int | None = None
     """Write a checkpoint to OUT/checkpoints every this many steps (None: never)."""
 
