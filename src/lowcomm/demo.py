@@ -1,0 +1,130 @@
+"""``lowcomm demo``: DDP against DiLoCo on a slow link, on the same tokens, with a verdict.
+
+A preset of ``lowcomm bench compare`` (:mod:`lowcomm.bench.compare`): the two methods train
+the default model on the bundled corpus over the ``wan`` preset (1 Gbit/s, 10 ms), from the
+same start and data order, on the same token budget, their workers threads of one process
+(``--workers-per-process``), timed on the virtual clock charged from one compute calibration.
+The output ends with three lines::
+
+    ddp     modeled time T s, sent B per worker, final val loss L  (run directory)
+    diloco  modeled time T s, sent B per worker, final val loss L  (run directory)
+    diloco vs ddp: modeled time Rx, bytes Rx, loss +D
+
+each number read from the run's summary.json. OUT also holds bench compare's report.md,
+results.json and figures, and the verdict again as verdict.txt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowcomm.atomic import atomic_write_text
+from lowcomm.config import TrainConfig
+
+#: The reference and the low-communication method, in the verdict's order.
+METHODS = ("ddp", "diloco")
+
+#: The declared link both methods train over.
+NETWORK = "wan"
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    """Train DDP and DiLoCo over the wan link on the same tokens; print a three-line verdict
+    (modeled time, bytes sent, final loss, and the ratios)."""
+
+    out: str = "runs/demo"
+    """Output directory: runs/ddp-s0 and runs/diloco-s0 (ordinary run directories), the
+    comparison's report.md and figures, verdict.txt. Finished runs there are reused."""
+
+    steps: int = 48
+    """DDP's optimizer steps; their tokens are both methods' budget."""
+
+    workers: int = 4
+    """Workers per run, all threads of one process."""
+
+    sync_every: int = 8
+    """DiLoCo's inner steps between two outer synchronisations (--diloco.sync-every)."""
+
+    def __post_init__(self) -> None:
+        for name, least in (("steps", 1), ("workers", 2), ("sync_every", 1)):
+            value = getattr(self, name)
+            if value < least:
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: {value} is below {least}; pass {least} or more"
+                )
+
+
+def demo_train_config(demo: DemoConfig, base: TrainConfig | None = None) -> TrainConfig:
+    """The training options both runs share: ``base`` (default: the defaults) on the wan link,
+    the virtual clock, ``demo``'s steps, workers (in one process) and DiLoCo period."""
+    base = TrainConfig() if base is None else base
+    return dataclasses.replace(
+        base,
+        network=NETWORK,
+        clock="virtual",
+        steps=demo.steps,
+        workers=demo.workers,
+        workers_per_process=demo.workers,
+        diloco=dataclasses.replace(base.diloco, sync_every=demo.sync_every),
+    )
+
+
+def run_demo(demo: DemoConfig, base: TrainConfig | None = None) -> list[str]:
+    """Run (or reuse) both runs through ``bench compare``; print and return the verdict."""
+    from lowcomm.bench.compare import CompareBench, run_compare
+
+    bench = CompareBench(
+        methods=METHODS, out=demo.out, budget="tokens", train=demo_train_config(demo, base)
+    )
+    results = run_compare(bench)
+    if results["failures"]:
+        names = ", ".join(sorted(results["failures"]))
+        raise RuntimeError(f"demo: the run(s) {names} failed; see {demo.out}/report.md")
+    runs = {method: Path(results["methods"][method]["runs"][0]) for method in METHODS}
+    summaries = {
+        method: json.loads((run / "summary.json").read_text()) for method, run in runs.items()
+    }
+    lines = verdict(summaries, runs)
+    heading = (
+        f"verdict: {' vs '.join(METHODS)} on {NETWORK}, {demo.workers} workers, "
+        f"{bench.token_budget():,} tokens each (report: {Path(demo.out) / 'report.md'})"
+    )
+    atomic_write_text(Path(demo.out) / "verdict.txt", "\n".join([heading, *lines]) + "\n")
+    print(f"\n{heading}")
+    print("\n".join(lines))
+    return lines
+
+
+def verdict(summaries: dict[str, dict[str, Any]], runs: dict[str, Path]) -> list[str]:
+    """The three lines: each method's modeled time, bytes sent per worker and final
+    validation loss, with its run directory; then DiLoCo's ratios to DDP."""
+    reference, method = METHODS
+    width = max(len(name) for name in METHODS)
+    lines = [
+        f"{name.ljust(width)}  modeled time {s['modeled_time_s']:.2f} s, "
+        f"sent {_human_bytes(s['bytes_sent_per_worker'])} per worker "
+        f"({int(s['bytes_sent_per_worker']):,} B), final val loss {s['final_val_loss']:.4f}  "
+        f"({runs[name]})"
+        for name, s in summaries.items()
+    ]
+    ours, theirs = summaries[method], summaries[reference]
+    lines.append(
+        f"{method} vs {reference}: modeled time "
+        f"{ours['modeled_time_s'] / theirs['modeled_time_s']:.3g}x, bytes "
+        f"{ours['bytes_sent_per_worker'] / theirs['bytes_sent_per_worker']:.3g}x, loss "
+        f"{ours['final_val_loss'] - theirs['final_val_loss']:+.4f}"
+    )
+    return lines
+
+
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(count) < 1000:
+            return f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
