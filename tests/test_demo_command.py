@@ -4,6 +4,7 @@ verdict whose numbers are the runs' own (summary.json)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -35,11 +36,14 @@ _RATIO_LINE = re.compile(
 
 
 def test_the_verdict_is_the_runs_own_numbers(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     out = tmp_path / "demo"
     demo = DemoConfig(out=str(out), steps=4, workers=2, sync_every=2)
     lines = run_demo(demo, TINY)
+    # (the demo's heap setting is its own: the environment is left as it was)
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ
     printed = capsys.readouterr().out.rstrip("\n").splitlines()
     assert printed[-3:] == lines and len(lines) == 3
     assert printed[-4].startswith("verdict: ddp vs diloco on wan, 2 workers, 256 tokens each")

@@ -211,10 +211,9 @@ class TrainConfig:
     `--tensorboard` (or `--tensorboard True`); needs pip install 'lowcomm[tensorboard]'."""
 
     log: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
-    """Where the step records go (rank 0), e.g. `--log jsonl tensorboard wandb`. OUT/metrics.jsonl
-    is always written. tensorboard: as --tensorboard. wandb: Weights & Biases gets each step's
-    metrics.jsonl fields, the summary and loss.png (pip install 'lowcomm[wandb]'; `wandb login`,
-    or WANDB_MODE=offline to keep the run local)."""
+    """Where the step records go besides OUT/metrics.jsonl (always written), e.g. `--log jsonl
+    tensorboard wandb`. wandb: each step's records, the summary and loss.png in Weights & Biases
+    (pip install 'lowcomm[wandb]', then `wandb login` or WANDB_MODE=offline)."""
 
     wandb_project: str = "lowcomm"
     """With --log wandb: the W&B project."""
