@@ -6,11 +6,12 @@ same start and data order, on the same token budget, their workers threads of on
 (``--workers-per-process``), timed on the virtual clock charged from one compute calibration.
 The output ends with three lines::
 
-    ddp     modeled time T s, sent B per worker, final val loss L  (run directory)
-    diloco  modeled time T s, sent B per worker, final val loss L  (run directory)
-    diloco vs ddp: modeled time Rx, bytes Rx, loss +D
+    ddp     modeled time 23.44 s, sent 1.1 GB per worker (1,067,065,344 B), final val loss 5.8288  (OUT/runs/ddp-s0)
+    diloco  modeled time 13.50 s, sent 133.4 MB per worker (133,383,168 B), final val loss 6.0246  (OUT/runs/diloco-s0)
+    diloco vs ddp: modeled time 0.576x, bytes 0.125x, loss +0.1958
 
-each number read from the run's summary.json. OUT also holds bench compare's report.md,
+each number read from the run's summary.json (the modeled times follow this machine's compute
+calibration; bytes and losses do not). OUT also holds bench compare's report.md,
 results.json and figures, and the verdict again as verdict.txt.
 """
 
