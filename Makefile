@@ -1,4 +1,5 @@
-# lowcomm: `make demo` trains on the bundled corpus, `make test` runs lint, types and tests.
+# lowcomm: `make demo` compares DDP with DiLoCo over a WAN link (lowcomm demo), `make test` runs
+# lint, types and tests.
 # Both create .venv if missing and install what they need into it.
 
 PYTHON ?= python3
@@ -40,7 +41,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed
-	$(BIN)/lowcomm train
+	$(BIN)/lowcomm demo
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests examples benchmarks

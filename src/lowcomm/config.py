@@ -214,6 +214,17 @@ class TrainConfig:
     learning rate, utilisation and bytes against the step; loss against the modeled time):
     `--tensorboard` (or `--tensorboard True`); needs pip install 'lowcomm[tensorboard]'."""
 
+    log: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    """Where the step records go besides OUT/metrics.jsonl (always written), e.g. `--log jsonl
+    tensorboard wandb`. wandb: each step's records, the summary and loss.png in Weights & Biases
+    (pip install 'lowcomm[wandb]', then `wandb login` or WANDB_MODE=offline)."""
+
+    wandb_project: str = "lowcomm"
+    """With --log wandb: the W&B project."""
+
+    wandb_name: str | None = None
+    """With --log wandb: the W&B run's name (default: the run directory's name)."""
+
     checkpoint_every: int | None = None
     """Write a checkpoint to OUT/checkpoints every this many steps (None: never)."""
 

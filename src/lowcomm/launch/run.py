@@ -217,11 +217,9 @@ def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
     check_init_from(config)  # first: it settles the tokenizer the resume check compares
     _check_resume(config)
     _check_calibration_file(config)
-    if config.tensorboard:
-        from lowcomm.train.tensorboard import MISSING, tensorboard_available
+    from lowcomm.train.metrics import check_loggers
 
-        if not tensorboard_available():
-            raise ConfigError(MISSING)
+    check_loggers(config)
     method_note = check_method_options(config, task)
     _check_data_path(config)
     notes = [note for note in (check_run_dir(config), method_note) if note is not None]

@@ -150,6 +150,30 @@ def keep_model_config(model_config: str | None, directory: Path) -> None:
     atomic_write_bytes(copy, source.read_bytes())
 
 
+def loggers(config: TrainConfig) -> set[str]:
+    """Where the run's step records go: --log's entries, and tensorboard with
+    --tensorboard (its older spelling). metrics.jsonl is written whatever --log says: a
+    resume and the benchmarks read it."""
+    return {"jsonl", *config.log} | ({"tensorboard"} if config.tensorboard else set())
+
+
+def check_loggers(config: TrainConfig) -> None:
+    """The pre-flight of --log and --tensorboard: the packages they write through are
+    installed and, for W&B online, a login exists. Raises ConfigError in one line."""
+    from lowcomm.config import ConfigError
+
+    chosen = loggers(config)
+    if "tensorboard" in chosen:
+        from lowcomm.train.tensorboard import MISSING, tensorboard_available
+
+        if not tensorboard_available():
+            raise ConfigError(MISSING)
+    if "wandb" in chosen:
+        from lowcomm.train.wandb_log import check_wandb
+
+        check_wandb()
+
+
 class RunWriter:
     """Writes the run directory as training goes (rank 0)."""
 
@@ -175,11 +199,16 @@ class RunWriter:
         # Kept open for the whole run (one line per step), closed by close_steps().
         self._metrics: TextIO | None = open(metrics_path, "a" if resume_step is not None else "w")  # noqa: SIM115
         self._tensorboard: Any = None
-        if config.tensorboard:
+        if "tensorboard" in loggers(config):
             from lowcomm.train.tensorboard import TensorBoardLog
 
             before = sum(r.bytes_sent_per_worker for r in self.records)
             self._tensorboard = TensorBoardLog(self.directory, before)
+        self._wandb: Any = None
+        if "wandb" in loggers(config):
+            from lowcomm.train.wandb_log import WandbLog
+
+            self._wandb = WandbLog(config, self.directory, resumed=resume_step is not None)
         self._progress: Any = None
         if config.progress:
             from tqdm import tqdm
@@ -197,6 +226,8 @@ class RunWriter:
             self._metrics.flush()
         if self._tensorboard is not None:
             self._tensorboard.write_step(record)
+        if self._wandb is not None:
+            self._wandb.write_step(record)
         if self._progress is not None:
             postfix = {"loss": f"{record.train_loss:.3f}", "util": f"{record.utilization:.2f}"}
             if record.val_loss is not None:
@@ -271,6 +302,13 @@ class RunWriter:
         )
         if self.config.plot:
             self._plot()
+        if self._wandb is not None:
+            # (after the plot: the W&B run gets loss.png; its run stays open across
+            # close_steps so that the summary joins the steps' run)
+            self._wandb.finish(
+                json.loads(json.dumps(summary, default=_json_default)), self.directory
+            )
+            self._wandb = None
         print(format_summary(summary, self.directory))
         return summary
 

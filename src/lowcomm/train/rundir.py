@@ -29,7 +29,7 @@ MODEL_CONFIG_COPY = "checkpoints/model_config.json"
 #: What a run writes into its directory (the checkpoints directory included).
 RUN_FILES = (
     "config.json", "metrics.jsonl", "summary.json", "loss.png", "error.log", "checkpoints",
-    "model", "tensorboard",
+    "model", "tensorboard", "wandb",
 )  # fmt: skip
 
 #: Where a failed run's worker tracebacks go (the one-line error names it).
@@ -72,7 +72,7 @@ _MISSING = object()
 _RUN_NAME_EXCLUDED = frozenset(
     {
         "method", "network", "workers", "seed", "out", "overwrite", "resume", "progress", "plot",
-        "tensorboard", "log_every",
+        "tensorboard", "log", "wandb_project", "wandb_name", "log_every",
         "stop_after", "checkpoint_every", "keep_checkpoints", "collective_timeout_s",
     }
 )  # fmt: skip
