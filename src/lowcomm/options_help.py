@@ -58,7 +58,10 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "log_every",
             "progress",
             "plot",
+            "log",
             "tensorboard",
+            "wandb_project",
+            "wandb_name",
         ),
     ),
     (
@@ -115,6 +118,7 @@ SHORT = {
     "comm_dtype": "The dtype gradients and pseudo-gradients travel in (bf16 halves the bytes).",
     "plot": "Draw OUT/loss.png at the end of the run.",
     "tensorboard": "Also write TensorBoard event files under OUT/tensorboard/.",
+    "log": "Where the step records also go: tensorboard, wandb (metrics.jsonl always).",
     "resume": "Resume from this run directory's latest checkpoint, or auto.",
     "init_from": "Start from this model (a run's OUT, a lowcomm or local HF model directory).",
 }
