@@ -7,6 +7,8 @@ import dataclasses
 import itertools
 import json
 import math
+import types
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +219,47 @@ def test_bad_fault_options_end_in_one_line(flag: str, value: str, rule: str) -> 
     result = lowcomm("plan", flag, value)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith(f"lowcomm: error: {flag}: ")
+
+
+def _check_script() -> types.ModuleType:
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "faults_plan_check.py"
+    spec = importlib.util.spec_from_file_location("faults_plan_check", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_check_script_plans_a_run_as_it_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/faults_plan_check.py gives the planner a run's own settings: the plan of a
+    fault-free run on the declared clock has the run's modeled time and bytes. A summary
+    without goodput is refused in one line; with one (written here, as the training side
+    will), the script prints measured / planned."""
+    script = _check_script()
+    run = tmp_path / "run"
+    result = lowcomm(
+        "train", "--method", "diloco", "--diloco.sync-every", "3", "--workers", "4",
+        "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
+        "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
+        "--progress", "False", "--plot", "False", "--steps", "6", "--network", "wan",
+        "--seconds-per-microbatch", "0.05", "--out", str(run),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    planned = script.plan_for_run(run)
+    assert planned.workers == 4 and planned.diloco.sync_every == 3
+    assert planned.fault_horizon_s == summary["modeled_time_s"]
+    plan = make_plan(planned)
+    assert plan.wall_clock_s == pytest.approx(summary["modeled_time_s"], rel=1e-6)
+    assert plan.comm_bytes_per_worker == pytest.approx(summary["bytes_sent_per_worker"], rel=0.01)
+    assert script.main([str(run)]) == 2
+    assert "summary.json: no goodput" in capsys.readouterr().err
+    (run / "summary.json").write_text(json.dumps({**summary, "goodput": 0.8}))
+    assert script.main([str(run), "--json"]) == 1  # planned 1.0 without faults: 20% off
+    row = json.loads(capsys.readouterr().out)
+    assert (row["measured"], row["predicted"], row["ratio"]) == (0.8, 1.0, 0.8)
+    assert script.main([str(run), "--tolerance", "0.25"]) == 0
