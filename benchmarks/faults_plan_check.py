@@ -1,4 +1,4 @@
-"""The planner's goodput against simulated runs with faults (issue 45's check: within 10% at
+"""The planner's goodput against simulated runs with faults (the goal: within 10% at
 M = 16-256).
 
 For each run directory (a `lowcomm train` run with a generated fault trace, its
