@@ -22,11 +22,22 @@ import dataclasses
 import json
 import math
 import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from lowcomm.comm.base import CollectiveKind
 from lowcomm.comm.network import INNER_LINK, OUTER_LINK, NetworkProfile, check_link
+from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions
+from lowcomm.faults.goodput import (
+    Exposure,
+    StepCosts,
+    expected_exposure,
+    goodput_decoupled,
+    goodput_local,
+    goodput_synchronous,
+    worker_seconds_lost,
+)
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.quantize import QuantizationFormat
 from lowcomm.strategies.declaration import CostModel, Timing, Transfer
@@ -180,6 +191,28 @@ class PlanConfig:
     M - K, the global batch kept: each remaining worker computes M/(M-K) times more per step):
     time per step before and after."""
 
+    fault_mtbf_s: float = math.inf
+    """Faults (generated trace, priced analytically): each worker's mean time between
+    failures in seconds (inf: no crash). Any --fault-* option adds the method's expected
+    goodput to the plan (docs/plan.md, "Faults and goodput")."""
+
+    fault_replace_after_s: float = math.inf
+    """Faults: seconds from a crash until a replacement joins the slot (inf: never)."""
+
+    fault_slow_fraction: float = 0.0
+    """Faults: the fraction of worker slots that are stragglers, in [0, 1]."""
+
+    fault_slow_factor: float = 1.0
+    """Faults: how many times longer a straggler's compute takes (>= 1)."""
+
+    fault_detection_s: float = TORCHFT_HEARTBEAT_TIMEOUT_S
+    """Faults: seconds from a crash until the survivors learn of it (torchft's heartbeat
+    timeout)."""
+
+    fault_horizon_s: float | None = None
+    """Faults: the run's modeled length T the faults are priced over (None: the planned run's
+    fault-free wall clock)."""
+
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers: {self.workers} must be >= 1")
@@ -223,12 +256,51 @@ class PlanConfig:
                 f"--muon-share: {self.muon_share} must lie in [0, 1]; it is the share of the "
                 f"parameters in hidden matrices, e.g. 0.9"
             )
+        _check_fault_options(self)
+
+    def prices_faults(self) -> bool:
+        """Whether any --fault-* option differs from its default (then the plan prices
+        goodput)."""
+        return any(getattr(self, name) != field.default for name, field in _FAULT_FIELDS.items())
 
     def element_bytes(self) -> float:
         """Bytes per communicated element: --bytes-per-element, else --comm-dtype's size."""
         if self.bytes_per_element is not None:
             return self.bytes_per_element
         return 4.0 if self.comm_dtype == "fp32" else 2.0
+
+
+def _check_fault_options(config: PlanConfig) -> None:
+    """Refuse a --fault-* value the model cannot price, in one line: the option, the value,
+    the rule and the fix."""
+    checks: list[tuple[str, float | None, bool, str]] = [
+        ("mtbf_s", config.fault_mtbf_s, config.fault_mtbf_s > 0,
+         "a mean time between failures is > 0 seconds (inf: no crash); pass e.g. 86400"),
+        ("replace_after_s", config.fault_replace_after_s, config.fault_replace_after_s >= 0,
+         "a replacement joins >= 0 seconds after the crash (inf: never); pass e.g. 600"),
+        ("slow_fraction", config.fault_slow_fraction, 0 <= config.fault_slow_fraction <= 1,
+         "a fraction of the workers lies in [0, 1]; pass e.g. 0.1"),
+        ("slow_factor", config.fault_slow_factor,
+         math.isfinite(config.fault_slow_factor) and config.fault_slow_factor >= 1,
+         "a slowdown is a finite factor >= 1 (1: not slow); pass e.g. 3 for three times slower"),
+        ("detection_s", config.fault_detection_s,
+         math.isfinite(config.fault_detection_s) and config.fault_detection_s >= 0,
+         f"detection takes a finite time >= 0 seconds; pass e.g. {TORCHFT_HEARTBEAT_TIMEOUT_S:g} "
+         "(torchft's heartbeat timeout)"),
+        ("horizon_s", config.fault_horizon_s,
+         config.fault_horizon_s is None
+         or (math.isfinite(config.fault_horizon_s) and config.fault_horizon_s > 0),
+         "a run lasts a finite time > 0 seconds; pass e.g. 3600, or leave it out for the planned "
+         "run's wall clock"),
+    ]  # fmt: skip
+    for name, value, ok, rule in checks:
+        if not ok:
+            flag = "--fault-" + name.replace("_", "-")
+            raise ValueError(f"{flag}: {value} is refused: {rule}")
+
+
+#: The --fault-* fields of :class:`PlanConfig` (their defaults mean: no fault).
+_FAULT_FIELDS = {f.name: f for f in dataclasses.fields(PlanConfig) if f.name.startswith("fault_")}
 
 
 def muon_share(config: PlanConfig) -> float:
@@ -634,6 +706,203 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     )  # fmt: skip
 
 
+#: The analytic models of lowcomm.faults.goodput a method is priced with.
+FaultFamily = Literal["synchronous", "local", "decoupled"]
+
+
+@dataclass(frozen=True)
+class _FaultModel:
+    """How a method meets faults, for the planner.
+
+    Attributes:
+        family: the goodput model whose waiting it shares; None: not priced.
+        period: H, the steps of a round (its sync period), from its options.
+        heal_bytes: bytes per parameter a joining worker receives from a live member: what
+            every worker holds alike (float32: parameters, outer optimizer state, replicated
+            optimizer state); its per-worker state starts by the method's rule and is not sent.
+        reason: why it is not priced (family None).
+    """
+
+    family: FaultFamily | None
+    period: Callable[[Any], int] = lambda options: 1
+    heal_bytes: Callable[[PlanConfig], float] = lambda config: 4.0
+    reason: str = ""
+
+
+def _sync_every(options: Any) -> int:
+    return int(options.sync_every)
+
+
+def _param_period(options: Any) -> int:
+    return int(options.param_period)
+
+
+def _adamw_bytes(config: PlanConfig) -> float:
+    # The float32 master copy and both moments (K bytes), which every worker holds alike.
+    return config.optimizer_bytes
+
+
+_OUTER = 8.0  # parameters (the anchor after a sync) and the outer momentum
+_SHARDED_PIPELINE = (
+    "its optimizer state is sharded over the workers and updated through an overlapped "
+    "pipeline, so a crash loses a shard the next update needs; the goodput model covers "
+    "methods that survive a crash"
+)
+_FAULT_MODELS: dict[str, _FaultModel] = {
+    "ddp": _FaultModel("synchronous", heal_bytes=_adamw_bytes),
+    # The parameters and the joiner's 1/M shard of the moments, re-sharded.
+    "zero1": _FaultModel(
+        "synchronous",
+        heal_bytes=lambda config: 4.0 + (config.optimizer_bytes - 4.0) / config.workers,
+    ),
+    # Momentum and error feedback are per worker.
+    "demo": _FaultModel("synchronous"),
+    "acco": _FaultModel(None, reason=_SHARDED_PIPELINE),
+    "dpu": _FaultModel(None, reason=_SHARDED_PIPELINE),
+    "wp": _FaultModel(None, reason=_SHARDED_PIPELINE),
+    "diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    "streaming_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    "cocodc": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    "diloco_delayed": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    "eager": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    "sparta_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    # The anchor; the error-feedback buffer is per worker.
+    "sparseloco": _FaultModel("local", _sync_every),
+    "local_sgd": _FaultModel("local", _sync_every),
+    "local_adamw": _FaultModel("local", _sync_every),
+    "overlap_local_sgd": _FaultModel("local", _sync_every),
+    "slowmo": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    "co2": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    # Averages a fraction of the parameters every step: a round is one step.
+    "sparta": _FaultModel("local"),
+    # DES-LOC and Local Adam average the moments too, so a joiner receives them.
+    "desloc": _FaultModel("local", _param_period, _adamw_bytes),
+    "local_adam": _FaultModel("local", _param_period, _adamw_bytes),
+    "favg_opt": _FaultModel("local", _param_period),
+    "favg_reset": _FaultModel("local", _param_period),
+    "decoupled_diloco": _FaultModel("decoupled", _sync_every, lambda config: _OUTER),
+}
+
+
+@dataclass
+class FaultGoodput:
+    """The method's expected goodput under the --fault-* options (lowcomm.faults.goodput's
+    model, fed by the plan's own costs). Times in seconds, sizes in bytes.
+
+    Attributes:
+        family: the model used (synchronous, local, decoupled), or None when not priced.
+        goodput: committed tokens over the fault-free tokens of the same time (None: not
+            priced).
+        reason: why the method is not priced.
+        horizon_s: T, the modeled time the faults are priced over.
+        fault_free_tokens_per_s: what the M workers commit per second without a fault.
+        committed_tokens_per_s: goodput times that.
+        worker_seconds: M T.
+        worker_seconds_lost: M T (1 - goodput).
+        wall_clock_s: the plan's tokens at this goodput (None when goodput is 0).
+        compute_s: c, one worker's compute per step.
+        sync_s: m, the communication a round exposes.
+        sync_every: H, the steps of a round.
+        heal_bytes: what a joining worker receives (per rank).
+        heal_s: h, that transfer over the link.
+        alive_fraction: a; crashes: n; joins: j; slowest_pace: S (the model's symbols).
+    """
+
+    family: str | None
+    goodput: float | None
+    reason: str
+    horizon_s: float
+    fault_free_tokens_per_s: float
+    committed_tokens_per_s: float | None
+    worker_seconds: float
+    worker_seconds_lost: float | None
+    wall_clock_s: float | None
+    compute_s: float
+    sync_s: float
+    sync_every: int
+    heal_bytes: float
+    heal_s: float
+    alive_fraction: float
+    crashes: float
+    joins: float
+    slowest_pace: float
+
+
+def fault_model(method: str) -> _FaultModel:
+    """How ``method`` meets faults; a method without an entry is not priced (every method
+    of the library has one)."""
+    unknown = _FaultModel(
+        None,
+        reason=f"the planner has no fault model for {method}; name its family in "
+        "lowcomm.plan._FAULT_MODELS",
+    )
+    return _FAULT_MODELS.get(method, unknown)
+
+
+def price_faults(config: PlanConfig, plan: Plan) -> FaultGoodput:
+    """The expected goodput of ``plan``'s method under ``config``'s --fault-* options.
+
+    The step costs are the plan's: c its compute per step, m its exposed communication per
+    step times H, h the method's global state over the link (one hop, each rank its 1/R);
+    T is --fault-horizon-s or the plan's fault-free wall clock.
+    """
+    _, options = method_options(config)
+    model = fault_model(config.method)
+    horizon = plan.wall_clock_s if config.fault_horizon_s is None else config.fault_horizon_s
+    faults = FaultOptions(
+        duration_s=horizon,
+        mtbf_s=config.fault_mtbf_s,
+        replace_after_s=config.fault_replace_after_s,
+        slow_fraction=config.fault_slow_fraction,
+        slow_factor=config.fault_slow_factor,
+        detection_s=config.fault_detection_s,
+    )
+    exposure = expected_exposure(faults, workers=config.workers)
+    period = model.period(options)
+    compute = _step_compute(config, plan.params)
+    exposed_per_step = plan.comm_exposed_s / plan.steps if plan.steps > 0 else 0.0
+    heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
+    link = NetworkProfile(
+        name="custom", bandwidth_gbps=plan.bandwidth_gbps, latency_ms=plan.latency_ms
+    )
+    costs = StepCosts(
+        compute_s=compute,
+        sync_s=exposed_per_step * period,
+        sync_every=period,
+        heal_s=link.collective_time(CollectiveKind.BROADCAST, heal_bytes, 2),
+    )
+    value = _family_goodput(model, exposure, costs, options)
+    fault_free_rate = config.tokens / plan.wall_clock_s
+    return FaultGoodput(
+        family=model.family, goodput=value, reason=model.reason, horizon_s=horizon,
+        fault_free_tokens_per_s=fault_free_rate,
+        committed_tokens_per_s=None if value is None else value * fault_free_rate,
+        worker_seconds=config.workers * horizon,
+        worker_seconds_lost=None if value is None else worker_seconds_lost(
+            workers=config.workers, modeled_s=horizon, goodput=value
+        ),
+        wall_clock_s=None if not value else plan.wall_clock_s / value,
+        compute_s=compute, sync_s=costs.sync_s, sync_every=period, heal_bytes=heal_bytes,
+        heal_s=costs.heal_s, alive_fraction=exposure.alive_fraction, crashes=exposure.crashes,
+        joins=exposure.joins, slowest_pace=exposure.slowest_pace,
+    )  # fmt: skip
+
+
+def _family_goodput(
+    model: _FaultModel, exposure: Exposure, costs: StepCosts, options: object | None
+) -> float | None:
+    if model.family == "synchronous":
+        return goodput_synchronous(exposure, costs)
+    if model.family == "local":
+        return goodput_local(exposure, costs)
+    if model.family == "decoupled":
+        # Late fragments are merged by their token count, so the grace window does not
+        # change what commits (lowcomm.faults.goodput.goodput_decoupled).
+        quorum = int(getattr(options, "min_quorum", 1))
+        return goodput_decoupled(exposure, costs, min_quorum=quorum, grace_s=0.0)
+    return None
+
+
 def solve_bandwidth(config: PlanConfig, target: float) -> float | None:
     """Smallest bandwidth (Gbit/s) reaching utilisation ``target``; None if latency forbids."""
     check_plan(config)
@@ -689,6 +958,8 @@ def run_plan(config: PlanConfig) -> dict[str, object]:
         result["solve_target_utilization"] = config.solve_bandwidth
     if config.lose_workers:
         result["after_losing"] = _after_losing(config, plan)
+    if config.prices_faults():
+        result["goodput"] = asdict(price_faults(config, plan))
     if config.json:
         print(json.dumps(result, indent=2))
         return result
@@ -738,6 +1009,11 @@ def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tu
         ("sent per worker, total", _gb(plan.comm_bytes_per_worker)),
         ("memory per worker", _gb(plan.memory_per_worker_bytes)),
     ]
+    if "goodput" in result:
+        priced = result["goodput"]
+        assert isinstance(priced, dict)
+        at = [name for name, _ in rows].index("utilisation") + 1
+        rows[at:at] = _goodput_rows(plan, priced)
     if config.optim.name == "muon":
         rows.insert(
             3,
@@ -770,3 +1046,30 @@ def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tu
             )
         )
     return rows
+
+
+def _goodput_rows(plan: Plan, priced: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows of the fault pricing (:func:`price_faults`), after utilisation."""
+    if priced["goodput"] is None:
+        return [("goodput", f"not priced for {plan.method}: {priced['reason']}")]
+    wall = priced["wall_clock_s"]
+    return [
+        (
+            "goodput",
+            f"{priced['goodput']:.1%} under faults ({priced['family']} model), "
+            f"{priced['committed_tokens_per_s']:,.0f} of {priced['fault_free_tokens_per_s']:,.0f}"
+            f" tokens/s committed; wall clock {'never' if wall is None else _human(wall)}",
+        ),
+        (
+            "worker-seconds lost",
+            f"{priced['worker_seconds_lost']:.4g} of {priced['worker_seconds']:.4g} "
+            f"(M x T, T = {_human(priced['horizon_s'])})",
+        ),
+        (
+            "faults priced",
+            f"{priced['crashes']:.4g} crashes, {priced['joins']:.4g} joins, alive "
+            f"{priced['alive_fraction']:.2%}, slowest worker x{priced['slowest_pace']:.3g}; "
+            f"c = {priced['compute_s']:.4g} s, m = {priced['sync_s']:.4g} s per H = "
+            f"{priced['sync_every']}, heal {_gb(priced['heal_bytes'])} in {priced['heal_s']:.4g} s",
+        ),
+    ]

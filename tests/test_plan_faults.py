@@ -1,0 +1,265 @@
+"""The planner's fault pricing (`lowcomm plan --fault-*`): cases computed by hand from the
+formulas of lowcomm.faults.goodput, fed by the plan's own costs."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import types
+from pathlib import Path
+
+import pytest
+
+from _cli import lowcomm
+from lowcomm.plan import _FAULT_MODELS, PlanConfig, fault_model, make_plan, price_faults, run_plan
+from lowcomm.strategies import STRATEGIES
+from lowcomm.strategies.diloco import DiLoCoOptions
+
+# As tests/test_plan.py: 8 Gbit/s = 1e9 bytes/s, 1 ms latency, 1 s of compute per step, 4
+# workers, a 1e9-parameter model sent in 2-byte elements.
+BASE = {
+    "params": "1e9",
+    "workers": 4,
+    "tokens": 10 * 4096.0,
+    "tokens_per_step": 4096.0,
+    "seconds_per_step": 1.0,
+    "network": "wan",
+    "bandwidth_gbps": 8.0,
+    "latency_ms": 1.0,
+    "bytes_per_element": 2.0,
+}
+ALL_REDUCE = 2 * 3 / 4 * 2e9 / 1e9 + 2 * 3 * 1e-3  # one bf16 model on 4 workers: 3.006 s
+
+
+def config(**overrides: object) -> PlanConfig:
+    return PlanConfig(**{**BASE, **overrides})  # type: ignore[arg-type]
+
+
+def priced(**overrides: object):  # type: ignore[no-untyped-def]
+    planned = config(**overrides)
+    return price_faults(planned, make_plan(planned))
+
+
+def test_ddp_under_crashes_by_hand() -> None:
+    """One crash rate: lambda = 1/500 per worker, replaced after R = 100 s, detected after
+    D = 5 s, over T = 1000 s; a join heals ddp's parameters and AdamW state (K = 12 bytes per
+    parameter) over one hop of the link."""
+    result = priced(
+        method="ddp",
+        fault_mtbf_s=500.0,
+        fault_replace_after_s=100.0,
+        fault_detection_s=5.0,
+        fault_horizon_s=1000.0,
+    )
+    m, rate, r, d, t = 4, 1 / 500, 100.0, 5.0, 1000.0
+    a = 1 / (1 + rate * r)  # 5/6
+    crashes = m * a * rate * t
+    joins = m * a * rate * (t - r)
+    heal = 12e9 / 1e9 + 1e-3  # 12 GB at 1e9 bytes/s, plus one hop's latency
+    step = 1.0 + ALL_REDUCE  # c + m, no straggler
+    expected = a - (crashes * (m - 1) * a * (d + step) + joins * m * a * heal) / (m * t)
+    assert result.family == "synchronous"
+    assert (result.compute_s, result.sync_s, result.sync_every) == pytest.approx(
+        (1.0, ALL_REDUCE, 1)
+    )
+    assert result.heal_bytes == 12e9 and result.heal_s == pytest.approx(heal)
+    assert (result.crashes, result.joins) == pytest.approx((crashes, joins))
+    assert result.goodput == pytest.approx(expected)
+    assert 0.5 < expected < 0.9  # the case prices something
+    fault_free_rate = 10 * 4096 / (10 * step)  # the plan's tokens over its wall clock
+    assert result.fault_free_tokens_per_s == pytest.approx(fault_free_rate)
+    assert result.committed_tokens_per_s == pytest.approx(expected * fault_free_rate)
+    assert result.worker_seconds_lost == pytest.approx(m * t * (1 - expected))
+    assert result.wall_clock_s == pytest.approx(10 * step / expected)
+
+
+def test_diloco_with_a_slow_fraction_by_hand() -> None:
+    """One slow fraction: each of the 4 slots is 2x slow with probability 1/4, so the
+    slowest worker's expected pace is S = 1 + (2 - 1) (1 - (3/4)^4); a round of H = 10 steps
+    waits for it: G = (H c + m) / (H c S + m), m the round's blocking all-reduce."""
+    result = priced(
+        method="diloco",
+        diloco=DiLoCoOptions(sync_every=10),
+        fault_slow_fraction=0.25,
+        fault_slow_factor=2.0,
+    )
+    pace = 1 + (2 - 1) * (1 - 0.75**4)
+    assert result.family == "local" and result.sync_every == 10
+    assert result.slowest_pace == pytest.approx(pace)
+    assert result.sync_s == pytest.approx(ALL_REDUCE)
+    assert result.goodput == pytest.approx((10 + ALL_REDUCE) / (10 * pace + ALL_REDUCE))
+    # No crash: nothing is lost to membership, and T is the planned run's wall clock.
+    assert result.crashes == result.joins == 0
+    assert result.horizon_s == pytest.approx(10 + ALL_REDUCE)
+
+
+def test_diloco_under_crashes_by_hand() -> None:
+    """A crash at a uniform moment of a round of rho = H c + m loses the dead worker's half
+    round, and the survivors wait w = D - rho / 2 for the detection when D > rho; a join heals
+    the anchor and the outer momentum (8 bytes per parameter)."""
+    result = priced(
+        method="diloco",
+        diloco=DiLoCoOptions(sync_every=2),
+        fault_mtbf_s=2000.0,
+        fault_replace_after_s=50.0,
+        fault_detection_s=6.0,
+        fault_horizon_s=500.0,
+    )
+    m, rate, r, d, t = 4, 1 / 2000, 50.0, 6.0, 500.0
+    a = 1 / (1 + rate * r)
+    crashes, joins = m * a * rate * t, m * a * rate * (t - r)
+    rho = 2 * 1.0 + ALL_REDUCE  # 5.006 s < D
+    wait = d - rho / 2
+    heal = 8e9 / 1e9 + 1e-3
+    expected = a - (crashes * (rho / 2 + (m - 1) * a * wait) + joins * m * a * heal) / (m * t)
+    assert result.heal_s == pytest.approx(heal)
+    assert result.goodput == pytest.approx(expected)
+
+
+def test_without_faults_goodput_is_one_and_the_plan_is_unchanged(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plain = config(method="diloco")
+    assert not plain.prices_faults()
+    quiet = config(method="diloco", fault_detection_s=30.0, fault_replace_after_s=60.0)
+    assert quiet.prices_faults()
+    assert make_plan(quiet) == make_plan(plain)  # the fault options leave the plan alone
+    assert price_faults(quiet, make_plan(quiet)).goodput == 1.0
+    # Without a fault option the output has no goodput, in JSON and in the table.
+    assert "goodput" not in run_plan(dataclasses.replace(plain, json=True))
+    assert "goodput" not in json.loads(capsys.readouterr().out)
+    run_plan(plain)
+    assert "goodput" not in capsys.readouterr().out
+    with_faults = dataclasses.replace(plain, fault_mtbf_s=3600.0, json=True)
+    result = run_plan(with_faults)
+    assert json.loads(capsys.readouterr().out)["goodput"] == result["goodput"]
+    assert {k: v for k, v in result.items() if k != "goodput"} == run_plan(
+        dataclasses.replace(plain, json=True)
+    )
+    capsys.readouterr()
+
+
+def test_the_table_prints_goodput_after_utilisation() -> None:
+    result = lowcomm(
+        "plan", "--method", "ddp", "--workers", "16", "--fault-mtbf-s", "86400",
+        "--fault-replace-after-s", "600", "--fault-slow-fraction", "0.1",
+        "--fault-slow-factor", "3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines()]
+    assert rows[rows.index("utilisation") + 1] == "goodput"
+    assert "(synchronous model)" in result.stdout
+
+
+def test_ddp_loses_goodput_with_m_and_diloco_keeps_more_where_crashes_dominate() -> None:
+    """Under crashes and stragglers, ddp's goodput falls as M grows: every crash stalls all
+    M - 1 survivors for the detection and the dropped step. DiLoCo's survivors keep their
+    round, so from M = 256 on it keeps more. (Stragglers alone do not order them so: both wait
+    for the slowest at every sync, and ddp's larger exposed communication dilutes the
+    straggler's compute.)"""
+    goodputs: dict[str, list[float]] = {"ddp": [], "diloco": []}
+    sizes = [16, 64, 256, 1024]
+    for method, series in goodputs.items():
+        for workers in sizes:
+            value = priced(
+                method=method, workers=workers, params="125m", network="ethernet",
+                bandwidth_gbps=None, latency_ms=None, bytes_per_element=None,
+                tokens=1e10, fault_mtbf_s=3600.0, fault_replace_after_s=300.0,
+                fault_slow_fraction=0.01, fault_slow_factor=2.0,
+            ).goodput  # fmt: skip
+            assert value is not None
+            series.append(value)
+    ddp, diloco = goodputs["ddp"], goodputs["diloco"]
+    assert all(later < earlier for earlier, later in itertools.pairwise(ddp)), ddp
+    assert all(d > s for d, s in zip(diloco[2:], ddp[2:], strict=True)), (diloco, ddp)
+
+
+def test_a_million_workers() -> None:
+    for method in ("ddp", "diloco"):
+        result = priced(
+            method=method, workers=1_000_000, fault_mtbf_s=86400.0 * 365,
+            fault_replace_after_s=600.0, fault_slow_fraction=0.01, fault_slow_factor=1.5,
+        )  # fmt: skip
+        assert result.goodput is not None and 0.0 <= result.goodput <= 1.0
+        assert math.isfinite(result.worker_seconds_lost or 0.0)
+        assert result.slowest_pace == pytest.approx(1.5)  # some slot is slow, surely
+
+
+def test_every_method_has_a_fault_model_and_unpriced_ones_say_why() -> None:
+    for name in STRATEGIES:
+        assert name in _FAULT_MODELS, f"{name}: name its family in lowcomm.plan._FAULT_MODELS"
+        model = fault_model(name)
+        assert (model.family is None) == bool(model.reason), name
+    assert fault_model("a_new_method").family is None
+    result = priced(method="acco", fault_mtbf_s=3600.0)
+    assert result.goodput is None and result.committed_tokens_per_s is None
+    assert "sharded over the workers" in result.reason
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "rule"),
+    [
+        ("--fault-mtbf-s", "0", "a mean time between failures is > 0 seconds"),
+        ("--fault-replace-after-s", "-1", "a replacement joins >= 0 seconds after the crash"),
+        ("--fault-slow-fraction", "1.5", r"a fraction of the workers lies in \[0, 1\]"),
+        ("--fault-slow-factor", "0.5", "a slowdown is a finite factor >= 1"),
+        ("--fault-detection-s", "inf", "detection takes a finite time >= 0 seconds"),
+        ("--fault-horizon-s", "0", "a run lasts a finite time > 0 seconds"),
+    ],
+)
+def test_bad_fault_options_end_in_one_line(flag: str, value: str, rule: str) -> None:
+    name = flag.removeprefix("--").replace("-", "_")
+    with pytest.raises(
+        ValueError, match=rf"^{flag}: {float(value)} is refused: {rule}.*; pass"
+    ) as raised:
+        PlanConfig(**{name: float(value)})  # type: ignore[arg-type]
+    assert "\n" not in str(raised.value)
+    result = lowcomm("plan", flag, value)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith(f"lowcomm: error: {flag}: ")
+
+
+def _check_script() -> types.ModuleType:
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "faults_plan_check.py"
+    spec = importlib.util.spec_from_file_location("faults_plan_check", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_check_script_plans_a_run_as_it_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/faults_plan_check.py gives the planner a run's own settings: the plan of a
+    fault-free run on the declared clock has the run's modeled time and bytes. A summary
+    without goodput is refused in one line; with one (written here, as the training side
+    will), the script prints measured / planned."""
+    script = _check_script()
+    run = tmp_path / "run"
+    result = lowcomm(
+        "train", "--method", "diloco", "--diloco.sync-every", "3", "--workers", "4",
+        "--model.n-layer", "1", "--model.n-embd", "64", "--model.n-head", "2",
+        "--model.block-size", "32", "--micro-batch-size", "4", "--eval-batches", "2",
+        "--progress", "False", "--plot", "False", "--steps", "6", "--network", "wan",
+        "--seconds-per-microbatch", "0.05", "--out", str(run),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    planned = script.plan_for_run(run)
+    assert planned.workers == 4 and planned.diloco.sync_every == 3
+    assert planned.fault_horizon_s == summary["modeled_time_s"]
+    plan = make_plan(planned)
+    assert plan.wall_clock_s == pytest.approx(summary["modeled_time_s"], rel=1e-6)
+    assert plan.comm_bytes_per_worker == pytest.approx(summary["bytes_sent_per_worker"], rel=0.01)
+    assert script.main([str(run)]) == 2
+    assert "summary.json: no goodput" in capsys.readouterr().err
+    (run / "summary.json").write_text(json.dumps({**summary, "goodput": 0.8}))
+    assert script.main([str(run), "--json"]) == 1  # planned 1.0 without faults: 20% off
+    row = json.loads(capsys.readouterr().out)
+    assert (row["measured"], row["predicted"], row["ratio"]) == (0.8, 1.0, 0.8)
+    assert script.main([str(run), "--tolerance", "0.25"]) == 0
