@@ -282,8 +282,7 @@ def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_grou
     waits behind its in-flight all-reduce. Two Gloo workers train co2 (an all-reduce in
     flight across steps) with per-step metrics, evaluation and checkpoints; the strategy's
     group must see only the method's own traffic and the initial parameter broadcast. (The
-    real clock: on the virtual clock each collective's launch-time agreement rides the
-    strategy's group on purpose, ordered with its payload.)"""
+    real clock; the virtual clock's launch-time agreements are checked below.)"""
     config = TrainConfig(
         method="co2",
         workers=2,
@@ -305,6 +304,63 @@ def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_grou
         assert others == [], f"bookkeeping on the strategy's group: {others}"
         strategy_traffic = [call for call in rank_calls if call[1] != Role.PARAMETER.value]
         assert strategy_traffic, "the strategy made no collective"
+
+
+class _HostGroupRecordingComm(TorchComm):
+    """A host group of the world, recording each all-reduce's (op, dtype, elements)."""
+
+    def __init__(self, group: Any, *, timeout_s: float) -> None:
+        super().__init__(group, timeout_s=timeout_s)
+        self.reductions: list[tuple[str, torch.dtype, int]] = []
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        self.reductions.append((op, tensor.dtype, tensor.numel()))
+        return super().all_reduce(tensor, op=op, role=role, segments=segments)
+
+
+def _record_strategy_and_host_groups(
+    config: TrainConfig,
+) -> tuple[list[tuple[str, str]], list[tuple[str, torch.dtype, int]]]:
+    import torch.distributed as dist
+
+    raw = _GroupRecordingComm(timeout_s=60.0)
+    books = _HostGroupRecordingComm(dist.new_group(backend="gloo"), timeout_s=60.0)
+    loop.train_worker(config, raw, bookkeeping=books)
+    return raw.calls, books.reductions
+
+
+def test_the_virtual_clock_agrees_launch_times_on_the_host_group(tmp_path: Path) -> None:
+    """On the virtual clock every collective of a group of two or more agrees on its launch
+    time (the latest of the ranks'). A flat worker does it on the world's host (Gloo) group as
+    a float64 max of one element: on NCCL the strategy's group would carry a device
+    all-reduce and a host read of it per collective. Two Gloo workers train ddp on the virtual
+    clock: the strategy's group carries only the method's payloads (one a step) and the
+    initial broadcast, and the host group one agreement per payload."""
+    config = TrainConfig(
+        method="ddp",
+        workers=2,
+        steps=4,
+        progress=False,
+        plot=False,
+        out=str(tmp_path / "run"),
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2),
+    )
+    assert config.clock == "virtual"
+    results = spawn_workers(_record_strategy_and_host_groups, 2, (config,), timeout_s=120.0)
+    for strategy_calls, host_reductions in results:
+        assert [call for call in strategy_calls if call[1] == Role.OTHER.value] == []
+        payloads = [call for call in strategy_calls if call[1] != Role.PARAMETER.value]
+        agreements = [r for r in host_reductions if r == ("max", torch.float64, 1)]
+        assert len(payloads) == config.steps
+        assert len(agreements) == len(payloads), host_reductions
 
 
 # --- item 11: no host synchronisation in a step outside the closure ---------------------
