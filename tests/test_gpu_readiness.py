@@ -1,4 +1,4 @@
-"""The CUDA/NCCL path, checked on a machine without a GPU (issue 19).
+"""The CUDA/NCCL path, checked on a machine without a GPU.
 
 A stand-in accelerator: parameters live on PyTorch's ``meta`` device, which carries shapes and
 dtypes but no data, and which PyTorch keeps apart from the CPU exactly as it keeps a GPU apart:
@@ -126,7 +126,7 @@ class DeviceCheckingComm(RecordingComm):
         return super().broadcast(tensor, src=src, role=role)
 
 
-# --- item 1: evaluation on a worker without validation batches ---------------------------
+# --- evaluation on a worker without validation batches ----------------------------------
 
 
 def _tiny_gpt_on_gpu() -> GPT:
@@ -135,12 +135,10 @@ def _tiny_gpt_on_gpu() -> GPT:
 
 
 def test_evaluation_sum_is_on_one_device_whether_or_not_the_worker_has_batches() -> None:
-    """Item 1: with more workers than validation batches a worker has none, and every worker
-    must still hand the evaluation group a tensor it carries. That group is the Gloo
-    bookkeeping group, so the sum is a CPU tensor on every worker. (Before the fix it was a
-    CPU tensor on a worker without batches and a GPU tensor elsewhere, all on the NCCL group,
-    which rejects CPU tensors: the final evaluation of any run with more than 8 workers
-    crashed.)"""
+    """With more workers than validation batches a worker has none, and every worker must
+    still hand the evaluation group a tensor it carries. That group is the Gloo bookkeeping
+    group, so the sum is a CPU tensor on every worker, with or without batches (an NCCL group
+    refuses a CPU tensor, and a mix of devices across workers would not match)."""
     bookkeeping = DeviceCheckingComm(torch.device("cpu"))
     with stand_in_gpu():
         model = _tiny_gpt_on_gpu()
@@ -150,7 +148,7 @@ def test_evaluation_sum_is_on_one_device_whether_or_not_the_worker_has_batches()
     assert bookkeeping.devices == [torch.device("cpu")] * 2
 
 
-# --- item 2: quantized outer gradients stay on the parameters' device -------------------
+# --- quantized outer gradients stay on the parameters' device --------------------------
 
 
 @pytest.mark.parametrize("fmt", ["none", "bf16", "fp8", "int4"])
@@ -166,7 +164,7 @@ def test_quantization_round_trip_stays_on_the_device(fmt: str) -> None:
 @pytest.mark.parametrize("method", ["diloco", "streaming_diloco", "eager", "cocodc"])
 @pytest.mark.parametrize("fmt", ["none", "int4"])
 def test_diloco_family_exchange_is_on_the_parameters_device(method: str, fmt: str) -> None:
-    """Item 2: every tensor of a (quantized) outer-gradient exchange is on the GPU."""
+    """Every tensor of a (quantized) outer-gradient exchange is on the GPU."""
     comm = _run_on_stand_in(method, quantization=fmt)
     # (Quantized: the two-step exchange's first step counts as a reduce-scatter.)
     kind = CollectiveKind.ALL_REDUCE if fmt == "none" else CollectiveKind.REDUCE_SCATTER
@@ -229,7 +227,7 @@ def test_every_strategy_hands_its_collectives_tensors_on_the_parameters_device(m
     assert set(comm.devices) == {GPU}
 
 
-# --- item 3: bookkeeping never travels on the strategy's group --------------------------
+# --- bookkeeping never travels on the strategy's group ---------------------------------
 
 
 class _GroupRecordingComm(TorchComm):
@@ -278,7 +276,7 @@ def _record_strategy_group(config: TrainConfig) -> list[tuple[str, str]]:
 def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_group(
     tmp_path: Path,
 ) -> None:
-    """Item 3: on NCCL one group is one stream, so a metrics gather on the strategy's group
+    """On NCCL one group is one stream, so a metrics gather on the strategy's group
     waits behind its in-flight all-reduce. Two Gloo workers train co2 (an all-reduce in
     flight across steps) with per-step metrics, evaluation and checkpoints; the strategy's
     group must see only the method's own traffic and the initial parameter broadcast. (The
@@ -289,7 +287,7 @@ def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_grou
         steps=4,
         clock="real",
         eval_every=2,
-        eval_batches=1,  # one worker has no validation batch (item 1's situation)
+        eval_batches=1,  # one worker has no validation batch
         checkpoint_every=2,
         progress=False,
         plot=False,
@@ -363,7 +361,7 @@ def test_the_virtual_clock_agrees_launch_times_on_the_host_group(tmp_path: Path)
         assert len(agreements) == len(payloads), host_reductions
 
 
-# --- item 11: no host synchronisation in a step outside the closure ---------------------
+# --- no host synchronisation in a step outside the closure ----------------------------
 
 # Host reads a step may make, by method: the ACCO family reads the global micro-batch count
 # (and acco the clipping norm) on its communication thread, where it blocks no queued
@@ -373,7 +371,7 @@ _ALLOWED_HOST_READS = {"acco": 2, "dpu": 1, "wp": 1, "co2": 2, "cocodc": 7}
 
 @pytest.mark.parametrize("method", sorted(STRATEGIES))
 def test_a_step_reads_nothing_back_to_the_host(method: str) -> None:
-    """Item 11: every read of a device value on the host waits for all queued kernels.
+    """Every read of a device value on the host waits for all queued kernels.
     Clipping computes its factor on the device, so a step reads nothing back (beyond the
     listed exceptions)."""
     context = StrategyContext(total_steps=4, max_grad_norm=1.0)
@@ -397,7 +395,7 @@ def test_a_step_reads_nothing_back_to_the_host(method: str) -> None:
     assert max(per_step) <= _ALLOWED_HOST_READS.get(method, 0), per_step
 
 
-# --- items 5, 6, 7, 10: device binding, GPU count, timeouts, the ACCO thread's device ---
+# --- device binding, GPU count, timeouts, the ACCO thread's device --------------------
 
 
 def test_more_processes_than_gpus_is_refused_with_the_fix() -> None:
@@ -472,7 +470,7 @@ def test_nccl_and_gloo_timeouts_become_collective_timeout(message: str) -> None:
 
 
 def test_the_communication_thread_binds_the_strategys_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Item 10: the current CUDA device is per thread; ACCO's communication thread must make
+    """The current CUDA device is per thread; ACCO's communication thread must make
     the parameters' GPU current before its kernels and NCCL calls."""
     import threading
 
@@ -522,11 +520,11 @@ def test_connect_without_a_launcher_is_one_worker_on_the_cpu() -> None:
     assert comm.world_size == 1 and comm.device == torch.device("cpu")
 
 
-# --- item 8: the CUDA random state is checkpointed --------------------------------------
+# --- the CUDA random state is checkpointed ---------------------------------------------
 
 
 def test_the_cuda_random_state_is_saved_and_restored() -> None:
-    """Item 8: dropout on a GPU draws from the worker's device generator; an exact resume
+    """Dropout on a GPU draws from the worker's device generator; an exact resume
     needs it (a second CPU generator stands in for the CUDA one: same get/set_state)."""
     worker_generator = torch.Generator().manual_seed(3)
     device_generator = torch.Generator().manual_seed(7)
@@ -544,7 +542,7 @@ def test_the_cuda_random_state_is_saved_and_restored() -> None:
     assert torch.equal(device_generator.get_state(), before)
 
 
-# --- item 9: peak device memory in summary.json -----------------------------------------
+# --- peak device memory in summary.json ------------------------------------------------
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -729,7 +727,7 @@ def test_nccl_blocking_wait_turns_the_arrival_events_off(monkeypatch: pytest.Mon
     assert blocking_wait()
 
 
-# --- issue 31 item 2: a handle keeps its tensors; no work.wait() at the launch ----------
+# --- a handle keeps its tensors; no work.wait() at the launch --------------------------
 
 
 class _RecordedWork:
@@ -750,7 +748,7 @@ class _RecordedWork:
 
 
 def test_a_handle_keeps_its_tensors_referenced_until_wait() -> None:
-    """Item 2: on NCCL without recorded streams the process group drops its references to a
+    """On NCCL without recorded streams the process group drops its references to a
     collective's tensors at work.wait(); a send buffer only the collective uses (a cast copy,
     a hierarchical send buffer) must stay referenced by the handle until the method waits,
     and be released then."""
@@ -774,7 +772,7 @@ def test_a_handle_keeps_its_tensors_referenced_until_wait() -> None:
 def test_torch_comm_hands_every_collectives_tensors_to_its_handle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Item 2: each collective's handle holds the tensors the collective reads and writes
+    """Each collective's handle holds the tensors the collective reads and writes
     (the input of a reduce-scatter or all-gather included), and an NCCL group waits without
     a deadline (a deadline makes the host poll the work)."""
     import torch.distributed as dist
