@@ -361,6 +361,85 @@ def test_the_virtual_clock_agrees_launch_times_on_the_host_group(tmp_path: Path)
         assert len(agreements) == len(payloads), host_reductions
 
 
+class _LevelRecordingComm(TorchComm):
+    """A level group (a worker's ranks, or one local index's ranks across workers),
+    recording each collective's (kind, role, op, dtype, elements)."""
+
+    def __init__(self, made: TorchComm) -> None:
+        super().__init__(made._group, timeout_s=60.0)
+        self.calls: list[tuple[str, str, str, torch.dtype, int]] = []
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        self.calls.append(("all_reduce", role.value, op, tensor.dtype, tensor.numel()))
+        return super().all_reduce(tensor, op=op, role=role, segments=segments)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        self.calls.append(("reduce_scatter", role.value, op, input.dtype, input.numel()))
+        return super().reduce_scatter(output, input, op=op, role=role)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        self.calls.append(("all_gather", role.value, "-", input.dtype, input.numel()))
+        return super().all_gather(output, input, role=role)
+
+
+def _record_level_groups(
+    config: TrainConfig,
+) -> list[tuple[str | None, list[list[tuple[str, str, str, torch.dtype, int]]]]]:
+    from lowcomm.launch import groups
+
+    made: list[tuple[str | None, tuple[_LevelRecordingComm, _LevelRecordingComm]]] = []
+    level_comms = groups.level_comms
+
+    def recording(
+        ranks_per_worker: int, timeout_s: float | None = None, *, backend: str | None = None
+    ) -> tuple[_LevelRecordingComm, _LevelRecordingComm]:
+        replica, outer = level_comms(ranks_per_worker, timeout_s, backend=backend)
+        pair = (_LevelRecordingComm(replica), _LevelRecordingComm(outer))
+        made.append((backend, pair))
+        return pair
+
+    groups.level_comms = recording  # type: ignore[assignment]
+    loop.train_worker(config, TorchComm(timeout_s=60.0))
+    return [(backend, [level.calls for level in pair]) for backend, pair in made]
+
+
+def test_hierarchical_workers_agree_launch_times_on_host_groups_of_their_levels(
+    tmp_path: Path,
+) -> None:
+    """With two ranks per worker the method's collectives run on two level groups (a worker's
+    ranks; one local index across workers), each made with a host (Gloo) group of the same
+    ranks, on which the virtual clock agrees on each launch time: the level groups carry only
+    payloads, their host groups one float64 max of one element per payload. Two workers of
+    two Gloo ranks train ddp on the virtual clock."""
+    config = TrainConfig(
+        method="ddp",
+        workers=2,
+        ranks_per_worker=2,
+        steps=3,
+        progress=False,
+        plot=False,
+        out=str(tmp_path / "run"),
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2),
+    )
+    assert config.clock == "virtual"
+    for made in spawn_workers(_record_level_groups, 4, (config,), timeout_s=180.0):
+        assert [backend for backend, _ in made] == [None, "gloo"]
+        (_, levels), (_, hosts) = made
+        for level, host in zip(levels, hosts, strict=True):
+            assert level and all(call[1] != Role.OTHER.value for call in level), level
+            assert host == [("all_reduce", "other", "max", torch.float64, 1)] * len(level)
+
+
 # --- no host synchronisation in a step outside the closure ----------------------------
 
 # Host reads a step may make, by method: the ACCO family reads the global micro-batch count

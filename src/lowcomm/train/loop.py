@@ -324,7 +324,8 @@ def _strategy_comms(
     """The strategy's communicator and, with ranks per worker > 1, the replica-level one
     (between the ranks of one worker) the averaging closure uses. ``levels``: the raw
     (replica, outer) communicators, when the caller made them. ``bookkeeping``: a host group
-    of ``raw``'s ranks, on which a flat worker's virtual clock agrees on launch times."""
+    of ``raw``'s ranks, on which a flat worker's virtual clock agrees on launch times (the
+    level groups made here get host groups of their own for that)."""
     profile = network_profile(config)
     wire = wire_dtype(config.comm_dtype)
     if config.ranks_per_worker == 1:
@@ -332,14 +333,22 @@ def _strategy_comms(
             raw, profile, clock, device=device, wire_dtype=wire, bookkeeping=bookkeeping
         )
         return comm, None
+    books: tuple[Comm | None, Comm | None] = (None, None)
     if levels is None:
         from lowcomm.launch.groups import level_comms
 
-        levels = level_comms(config.ranks_per_worker, config.collective_timeout_s)
+        timeout = config.collective_timeout_s
+        levels = level_comms(config.ranks_per_worker, timeout)
+        if bookkeeping is not None:
+            books = level_comms(config.ranks_per_worker, timeout, backend="gloo")
     replica_raw, outer_raw = levels
     replica_profile = replica_network_profile(config)
-    replica_comm = NetworkComm(replica_raw, replica_profile, clock, device=device, wire_dtype=wire)
-    outer_comm = NetworkComm(outer_raw, profile, clock, device=device, wire_dtype=wire)
+    replica_comm = NetworkComm(
+        replica_raw, replica_profile, clock, device=device, wire_dtype=wire, bookkeeping=books[0]
+    )
+    outer_comm = NetworkComm(
+        outer_raw, profile, clock, device=device, wire_dtype=wire, bookkeeping=books[1]
+    )
     return HierarchicalComm(replica_comm, outer_comm, clock), replica_comm
 
 
