@@ -874,7 +874,8 @@ def test_a_long_phase_is_announced_once(
 def test_an_elastic_resume_keeps_the_schedule_step_reached(old: int, new: int) -> None:
     """The schedule is indexed by committed samples per synchronous step, which depends on the
     worker count: after a resume on another count it goes on from the step reached, at the
-    new count's rate, instead of jumping (3 -> 2 workers used to jump from step 10 to 15)."""
+    new count's rate, instead of jumping (indexed by the new count's rate alone, 3 -> 2
+    workers would go from step 10 to 15)."""
     context = _context(SGD, 100)
 
     def acco(workers: int) -> ACCO:
@@ -908,8 +909,8 @@ def test_an_elastic_resume_keeps_the_schedule_step_reached(old: int, new: int) -
 def test_a_token_budget_commits_exactly_the_budget(name: str) -> None:
     """With a token budget the run ends when the committed micro-batches reach it: a worker
     whose share is computed runs no more micro-batches (a phase may then run none), so the
-    last commit never takes more than the budget, wherever the share ends in a step (an
-    ACCO run of `bench compare` used to commit one micro-batch per worker too many)."""
+    last commit never takes more than the budget, wherever the share ends in a step (not
+    one micro-batch per worker too many)."""
     profile = NetworkProfile(name="t", bandwidth_gbps=1.0, latency_ms=20.0)
     outcomes = []  # (budget, committed, this worker's micro-batches)
     for budget in range(4, 41, 2):  # 2 workers: shares of 2 to 20 micro-batches

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import builtins
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +79,25 @@ def test_out_differing_from_resume_is_refused_in_preflight(tmp_path: Path) -> No
     linked = TrainConfig(out=str(tmp_path / "link"), resume=str(tmp_path / "b"))
     with pytest.raises(ConfigError, match=r"--resume: .* holds no checkpoint"):
         preflight(linked)
+
+
+def test_the_configuration_checks_itself_without_the_training_code() -> None:
+    """``lowcomm.config`` sits below ``lowcomm.train``: importing it and validating a run,
+    --worker-sharding included (accepted and refused), imports nothing of the training code.
+    In a fresh interpreter, whose modules are only what these steps import."""
+    script = (
+        "import sys\n"
+        "import lowcomm.config as c\n"
+        "c.TrainConfig(method='diloco', ranks_per_worker=2, worker_sharding='fsdp').validate()\n"
+        "try:\n"
+        "    c.TrainConfig(method='diloco', worker_sharding='fsdp').validate()\n"
+        "except c.ConfigError as error:\n"
+        "    assert 'leaves nothing to shard' in str(error), error\n"
+        "else:\n"
+        "    raise AssertionError('one rank per worker was not refused')\n"
+        "train = sorted(m for m in sys.modules if m.startswith('lowcomm.train'))\n"
+        "assert not train, train\n"
+    )
+    source = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)

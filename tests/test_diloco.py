@@ -457,3 +457,22 @@ def test_a_run_that_ends_mid_round_is_told_its_final_model_leaves_out_the_tail(
     assert note(steps=32, diloco=sixteen) is None
     assert note(steps=30, diloco=sixteen, token_budget=10**6) is None
     assert preflight(TrainConfig(method="ddp", steps=30, out=str(tmp_path / "ddp"))) is None
+
+
+def test_an_exchange_without_extras_copies_nothing_from_the_host() -> None:
+    """A sync with no extras sends ``[Delta]`` alone, made where the flat buffer lives: no
+    empty host tensor copied to the device. ``meta`` stands in for a GPU: the group declares
+    it, and Delta lives there."""
+    from _host import HostTraffic
+
+    meta = torch.device("meta")
+    strategy = DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(sync_every=4))
+    group = RecordingComm(world_size=2, device=meta)
+    strategy.comm = group
+    numel = strategy.globals_[0].numel()
+    strategy.globals_[0] = torch.zeros(numel, device=meta)
+    strategy.local_fragment = lambda p: torch.zeros(numel, device=meta)  # type: ignore[method-assign]
+    with HostTraffic() as traffic:
+        strategy.launch_sync(0)
+    assert traffic.copies == [] and traffic.reads == []
+    assert [call.numel for call in group.calls] == [numel]

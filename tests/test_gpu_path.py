@@ -1,6 +1,6 @@
-"""The GPU path, second pass (issue 31), checked without a GPU: host reads per logging
-interval, event-based timing against a fake event source, the two-step quantized exchange,
-the hierarchical inner all-reduce count."""
+"""The GPU path, checked without a GPU: host reads per logging interval, event-based timing
+against a fake event source, the two-step quantized exchange, the hierarchical inner
+all-reduce count, the calibration's timing and the fused AdamW kernel."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from lowcomm.train.records import StepMetrics
 from lowcomm.train.step_log import StepLog, parameters_finite
 from test_gpu_readiness import GPU, DeviceCheckingComm, stand_in_gpu
 
-# --- item 4: loss and finiteness stay on the device; read every --log-every steps -------
+# --- loss and finiteness stay on the device; read every --log-every steps --------------
 
 
 def _metrics() -> StepMetrics:
@@ -93,7 +93,7 @@ def test_metrics_are_gathered_every_log_every_steps_with_the_same_records(
     assert numbers(held_records) == numbers(records)
 
 
-# --- item 7: the hierarchical inner all-reduce runs once per step on the flat gradient ---
+# --- the hierarchical inner all-reduce runs once per step on the flat gradient ----------
 
 
 @pytest.mark.parametrize("method", ["ddp", "diloco"])
@@ -130,7 +130,7 @@ def test_hierarchical_workers_average_the_flat_gradient_once_per_step(method: st
     assert [c.numel for c in gradient] == [numel] * 2
 
 
-# --- item 6: the quantized outer exchange in two steps ----------------------------------
+# --- the quantized outer exchange in two steps -----------------------------------------
 
 
 class _Bus:
@@ -221,8 +221,8 @@ def _exchange_bytes(fmt: str, workers: int) -> float:
 
 
 def test_fp8_sends_fewer_bytes_than_float32_at_sixteen_workers() -> None:
-    """Item 6: at M = 16 an all-gather of whole fp8 payloads (M - 1 of them, about a byte per
-    element each) sent more than a float32 ring all-reduce (2 (M-1)/M x 4 bytes); the
+    """At M = 16 an all-gather of whole fp8 payloads (M - 1 of them, about a byte per
+    element each) sends more than a float32 ring all-reduce (2 (M-1)/M x 4 bytes); the
     two-step exchange sends 2 (M-1)/M of the encoded size, under a third of float32's."""
     from lowcomm.comm.base import CollectiveKind
     from lowcomm.comm.network import bytes_sent
@@ -230,14 +230,14 @@ def test_fp8_sends_fewer_bytes_than_float32_at_sixteen_workers() -> None:
 
     fp32 = _exchange_bytes("none", 16)
     fp8 = _exchange_bytes("fp8", 16)
-    old_all_gather = bytes_sent(
+    all_gather = bytes_sent(
         CollectiveKind.ALL_GATHER, 16 * (encoded_bytes(4096, "fp8", 256) + 4), 16, 0
     )
-    assert old_all_gather > fp32  # what the issue found
+    assert all_gather > fp32  # why the exchange takes two steps
     assert fp8 < fp32 / 3
 
 
-# --- item 1: the real clock times a GPU with events, never a device-wide sync -----------
+# --- the real clock times a GPU with events, never a device-wide sync ------------------
 
 
 class _EventCuda:
@@ -288,7 +288,7 @@ class _Event:
 def test_the_real_clock_on_a_gpu_times_regions_with_events_without_syncing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Item 1: compute, a wait that only orders the stream after a collective (its device
+    """Compute, a wait that only orders the stream after a collective (its device
     time is the exposure), more compute and an excluded region, with no device-wide
     synchronisation and no host wait until the step's times are read; then the step's
     compute and exposed times are the device times of its regions."""
@@ -349,7 +349,7 @@ def test_the_cpu_clock_markers_are_its_totals() -> None:
     assert clock.totals_at(begin) == (0.0, 0.0)
 
 
-# --- item 3: the default command on CUDA: a calibrated virtual clock timed by events ----
+# --- the default command on CUDA: a calibrated virtual clock timed by events -----------
 
 
 def test_the_default_clock_is_accepted_on_cuda_and_cpu_time_is_refused() -> None:
@@ -363,7 +363,7 @@ def test_the_default_clock_is_accepted_on_cuda_and_cpu_time_is_refused() -> None
 
 
 def test_calibration_times_a_gpu_pass_with_events() -> None:
-    """Item 3: a pass's cost on a GPU is the device time between two events around it (the
+    """A pass's cost on a GPU is the device time between two events around it (the
     host's CPU time would see the launches only), waited for once."""
     from lowcomm.comm.calibration import _cuda_event_timing
 
@@ -377,7 +377,7 @@ def test_calibration_times_a_gpu_pass_with_events() -> None:
     assert cuda.event_waits == 1
 
 
-# --- item 5: torch's fused AdamW kernel where it exists (on a GPU) ----------------------
+# --- torch's fused AdamW kernel where it exists (on a GPU) -----------------------------
 
 
 def test_the_fused_adamw_kernel_equals_the_flat_update_to_rounding() -> None:
@@ -426,7 +426,7 @@ def test_flat_adamw_uses_the_fused_kernel_on_a_gpu_for_step_and_lookahead_alike(
     assert calls == ["fused", "fused"]  # s_m = 6, s_v = 2: the unfused update
 
 
-# --- items 1 and 4: a step of every method on a GPU's real clock: no device-wide sync ----
+# --- a step of every method on a GPU's real clock: no device-wide sync ---------------
 
 # Waits a method asks for itself (CoCoDC's readings of its inner step's compute time, which
 # schedule its syncs, take what the device has finished: none).

@@ -1,4 +1,4 @@
-"""The CUDA/NCCL path, checked on a machine without a GPU (issue 19).
+"""The CUDA/NCCL path, checked on a machine without a GPU.
 
 A stand-in accelerator: parameters live on PyTorch's ``meta`` device, which carries shapes and
 dtypes but no data, and which PyTorch keeps apart from the CPU exactly as it keeps a GPU apart:
@@ -126,7 +126,7 @@ class DeviceCheckingComm(RecordingComm):
         return super().broadcast(tensor, src=src, role=role)
 
 
-# --- item 1: evaluation on a worker without validation batches ---------------------------
+# --- evaluation on a worker without validation batches ----------------------------------
 
 
 def _tiny_gpt_on_gpu() -> GPT:
@@ -135,12 +135,10 @@ def _tiny_gpt_on_gpu() -> GPT:
 
 
 def test_evaluation_sum_is_on_one_device_whether_or_not_the_worker_has_batches() -> None:
-    """Item 1: with more workers than validation batches a worker has none, and every worker
-    must still hand the evaluation group a tensor it carries. That group is the Gloo
-    bookkeeping group, so the sum is a CPU tensor on every worker. (Before the fix it was a
-    CPU tensor on a worker without batches and a GPU tensor elsewhere, all on the NCCL group,
-    which rejects CPU tensors: the final evaluation of any run with more than 8 workers
-    crashed.)"""
+    """With more workers than validation batches a worker has none, and every worker must
+    still hand the evaluation group a tensor it carries. That group is the Gloo bookkeeping
+    group, so the sum is a CPU tensor on every worker, with or without batches (an NCCL group
+    refuses a CPU tensor, and a mix of devices across workers would not match)."""
     bookkeeping = DeviceCheckingComm(torch.device("cpu"))
     with stand_in_gpu():
         model = _tiny_gpt_on_gpu()
@@ -150,7 +148,7 @@ def test_evaluation_sum_is_on_one_device_whether_or_not_the_worker_has_batches()
     assert bookkeeping.devices == [torch.device("cpu")] * 2
 
 
-# --- item 2: quantized outer gradients stay on the parameters' device -------------------
+# --- quantized outer gradients stay on the parameters' device --------------------------
 
 
 @pytest.mark.parametrize("fmt", ["none", "bf16", "fp8", "int4"])
@@ -166,7 +164,7 @@ def test_quantization_round_trip_stays_on_the_device(fmt: str) -> None:
 @pytest.mark.parametrize("method", ["diloco", "streaming_diloco", "eager", "cocodc"])
 @pytest.mark.parametrize("fmt", ["none", "int4"])
 def test_diloco_family_exchange_is_on_the_parameters_device(method: str, fmt: str) -> None:
-    """Item 2: every tensor of a (quantized) outer-gradient exchange is on the GPU."""
+    """Every tensor of a (quantized) outer-gradient exchange is on the GPU."""
     comm = _run_on_stand_in(method, quantization=fmt)
     # (Quantized: the two-step exchange's first step counts as a reduce-scatter.)
     kind = CollectiveKind.ALL_REDUCE if fmt == "none" else CollectiveKind.REDUCE_SCATTER
@@ -229,7 +227,7 @@ def test_every_strategy_hands_its_collectives_tensors_on_the_parameters_device(m
     assert set(comm.devices) == {GPU}
 
 
-# --- item 3: bookkeeping never travels on the strategy's group --------------------------
+# --- bookkeeping never travels on the strategy's group ---------------------------------
 
 
 class _GroupRecordingComm(TorchComm):
@@ -278,19 +276,18 @@ def _record_strategy_group(config: TrainConfig) -> list[tuple[str, str]]:
 def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_group(
     tmp_path: Path,
 ) -> None:
-    """Item 3: on NCCL one group is one stream, so a metrics gather on the strategy's group
+    """On NCCL one group is one stream, so a metrics gather on the strategy's group
     waits behind its in-flight all-reduce. Two Gloo workers train co2 (an all-reduce in
     flight across steps) with per-step metrics, evaluation and checkpoints; the strategy's
     group must see only the method's own traffic and the initial parameter broadcast. (The
-    real clock: on the virtual clock each collective's launch-time agreement rides the
-    strategy's group on purpose, ordered with its payload.)"""
+    real clock; the virtual clock's launch-time agreements are checked below.)"""
     config = TrainConfig(
         method="co2",
         workers=2,
         steps=4,
         clock="real",
         eval_every=2,
-        eval_batches=1,  # one worker has no validation batch (item 1's situation)
+        eval_batches=1,  # one worker has no validation batch
         checkpoint_every=2,
         progress=False,
         plot=False,
@@ -307,7 +304,143 @@ def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_grou
         assert strategy_traffic, "the strategy made no collective"
 
 
-# --- item 11: no host synchronisation in a step outside the closure ---------------------
+class _HostGroupRecordingComm(TorchComm):
+    """A host group of the world, recording each all-reduce's (op, dtype, elements)."""
+
+    def __init__(self, group: Any, *, timeout_s: float) -> None:
+        super().__init__(group, timeout_s=timeout_s)
+        self.reductions: list[tuple[str, torch.dtype, int]] = []
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        self.reductions.append((op, tensor.dtype, tensor.numel()))
+        return super().all_reduce(tensor, op=op, role=role, segments=segments)
+
+
+def _record_strategy_and_host_groups(
+    config: TrainConfig,
+) -> tuple[list[tuple[str, str]], list[tuple[str, torch.dtype, int]]]:
+    import torch.distributed as dist
+
+    raw = _GroupRecordingComm(timeout_s=60.0)
+    books = _HostGroupRecordingComm(dist.new_group(backend="gloo"), timeout_s=60.0)
+    loop.train_worker(config, raw, bookkeeping=books)
+    return raw.calls, books.reductions
+
+
+def test_the_virtual_clock_agrees_launch_times_on_the_host_group(tmp_path: Path) -> None:
+    """On the virtual clock every collective of a group of two or more agrees on its launch
+    time (the latest of the ranks'). A flat worker does it on the world's host (Gloo) group as
+    a float64 max of one element: on NCCL the strategy's group would carry a device
+    all-reduce and a host read of it per collective. Two Gloo workers train ddp on the virtual
+    clock: the strategy's group carries only the method's payloads (one a step) and the
+    initial broadcast, and the host group one agreement per payload."""
+    config = TrainConfig(
+        method="ddp",
+        workers=2,
+        steps=4,
+        progress=False,
+        plot=False,
+        out=str(tmp_path / "run"),
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2),
+    )
+    assert config.clock == "virtual"
+    results = spawn_workers(_record_strategy_and_host_groups, 2, (config,), timeout_s=120.0)
+    for strategy_calls, host_reductions in results:
+        assert [call for call in strategy_calls if call[1] == Role.OTHER.value] == []
+        payloads = [call for call in strategy_calls if call[1] != Role.PARAMETER.value]
+        agreements = [r for r in host_reductions if r == ("max", torch.float64, 1)]
+        assert len(payloads) == config.steps
+        assert len(agreements) == len(payloads), host_reductions
+
+
+class _LevelRecordingComm(TorchComm):
+    """A level group (a worker's ranks, or one local index's ranks across workers),
+    recording each collective's (kind, role, op, dtype, elements)."""
+
+    def __init__(self, made: TorchComm) -> None:
+        super().__init__(made._group, timeout_s=60.0)
+        self.calls: list[tuple[str, str, str, torch.dtype, int]] = []
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        self.calls.append(("all_reduce", role.value, op, tensor.dtype, tensor.numel()))
+        return super().all_reduce(tensor, op=op, role=role, segments=segments)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        self.calls.append(("reduce_scatter", role.value, op, input.dtype, input.numel()))
+        return super().reduce_scatter(output, input, op=op, role=role)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        self.calls.append(("all_gather", role.value, "-", input.dtype, input.numel()))
+        return super().all_gather(output, input, role=role)
+
+
+def _record_level_groups(
+    config: TrainConfig,
+) -> list[tuple[str | None, list[list[tuple[str, str, str, torch.dtype, int]]]]]:
+    from lowcomm.launch import groups
+
+    made: list[tuple[str | None, tuple[_LevelRecordingComm, _LevelRecordingComm]]] = []
+    level_comms = groups.level_comms
+
+    def recording(
+        ranks_per_worker: int, timeout_s: float | None = None, *, backend: str | None = None
+    ) -> tuple[_LevelRecordingComm, _LevelRecordingComm]:
+        replica, outer = level_comms(ranks_per_worker, timeout_s, backend=backend)
+        pair = (_LevelRecordingComm(replica), _LevelRecordingComm(outer))
+        made.append((backend, pair))
+        return pair
+
+    groups.level_comms = recording  # type: ignore[assignment]
+    loop.train_worker(config, TorchComm(timeout_s=60.0))
+    return [(backend, [level.calls for level in pair]) for backend, pair in made]
+
+
+def test_hierarchical_workers_agree_launch_times_on_host_groups_of_their_levels(
+    tmp_path: Path,
+) -> None:
+    """With two ranks per worker the method's collectives run on two level groups (a worker's
+    ranks; one local index across workers), each made with a host (Gloo) group of the same
+    ranks, on which the virtual clock agrees on each launch time: the level groups carry only
+    payloads, their host groups one float64 max of one element per payload. Two workers of
+    two Gloo ranks train ddp on the virtual clock."""
+    config = TrainConfig(
+        method="ddp",
+        workers=2,
+        ranks_per_worker=2,
+        steps=3,
+        progress=False,
+        plot=False,
+        out=str(tmp_path / "run"),
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2),
+    )
+    assert config.clock == "virtual"
+    for made in spawn_workers(_record_level_groups, 4, (config,), timeout_s=180.0):
+        assert [backend for backend, _ in made] == [None, "gloo"]
+        (_, levels), (_, hosts) = made
+        for level, host in zip(levels, hosts, strict=True):
+            assert level and all(call[1] != Role.OTHER.value for call in level), level
+            assert host == [("all_reduce", "other", "max", torch.float64, 1)] * len(level)
+
+
+# --- no host synchronisation in a step outside the closure ----------------------------
 
 # Host reads a step may make, by method: the ACCO family reads the global micro-batch count
 # (and acco the clipping norm) on its communication thread, where it blocks no queued
@@ -317,7 +450,7 @@ _ALLOWED_HOST_READS = {"acco": 2, "dpu": 1, "wp": 1, "co2": 2, "cocodc": 7}
 
 @pytest.mark.parametrize("method", sorted(STRATEGIES))
 def test_a_step_reads_nothing_back_to_the_host(method: str) -> None:
-    """Item 11: every read of a device value on the host waits for all queued kernels.
+    """Every read of a device value on the host waits for all queued kernels.
     Clipping computes its factor on the device, so a step reads nothing back (beyond the
     listed exceptions)."""
     context = StrategyContext(total_steps=4, max_grad_norm=1.0)
@@ -341,7 +474,7 @@ def test_a_step_reads_nothing_back_to_the_host(method: str) -> None:
     assert max(per_step) <= _ALLOWED_HOST_READS.get(method, 0), per_step
 
 
-# --- items 5, 6, 7, 10: device binding, GPU count, timeouts, the ACCO thread's device ---
+# --- device binding, GPU count, timeouts, the ACCO thread's device --------------------
 
 
 def test_more_processes_than_gpus_is_refused_with_the_fix() -> None:
@@ -416,7 +549,7 @@ def test_nccl_and_gloo_timeouts_become_collective_timeout(message: str) -> None:
 
 
 def test_the_communication_thread_binds_the_strategys_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Item 10: the current CUDA device is per thread; ACCO's communication thread must make
+    """The current CUDA device is per thread; ACCO's communication thread must make
     the parameters' GPU current before its kernels and NCCL calls."""
     import threading
 
@@ -466,11 +599,11 @@ def test_connect_without_a_launcher_is_one_worker_on_the_cpu() -> None:
     assert comm.world_size == 1 and comm.device == torch.device("cpu")
 
 
-# --- item 8: the CUDA random state is checkpointed --------------------------------------
+# --- the CUDA random state is checkpointed ---------------------------------------------
 
 
 def test_the_cuda_random_state_is_saved_and_restored() -> None:
-    """Item 8: dropout on a GPU draws from the worker's device generator; an exact resume
+    """Dropout on a GPU draws from the worker's device generator; an exact resume
     needs it (a second CPU generator stands in for the CUDA one: same get/set_state)."""
     worker_generator = torch.Generator().manual_seed(3)
     device_generator = torch.Generator().manual_seed(7)
@@ -488,7 +621,7 @@ def test_the_cuda_random_state_is_saved_and_restored() -> None:
     assert torch.equal(device_generator.get_state(), before)
 
 
-# --- item 9: peak device memory in summary.json -----------------------------------------
+# --- peak device memory in summary.json ------------------------------------------------
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -673,7 +806,7 @@ def test_nccl_blocking_wait_turns_the_arrival_events_off(monkeypatch: pytest.Mon
     assert blocking_wait()
 
 
-# --- issue 31 item 2: a handle keeps its tensors; no work.wait() at the launch ----------
+# --- a handle keeps its tensors; no work.wait() at the launch --------------------------
 
 
 class _RecordedWork:
@@ -694,7 +827,7 @@ class _RecordedWork:
 
 
 def test_a_handle_keeps_its_tensors_referenced_until_wait() -> None:
-    """Item 2: on NCCL without recorded streams the process group drops its references to a
+    """On NCCL without recorded streams the process group drops its references to a
     collective's tensors at work.wait(); a send buffer only the collective uses (a cast copy,
     a hierarchical send buffer) must stay referenced by the handle until the method waits,
     and be released then."""
@@ -718,7 +851,7 @@ def test_a_handle_keeps_its_tensors_referenced_until_wait() -> None:
 def test_torch_comm_hands_every_collectives_tensors_to_its_handle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Item 2: each collective's handle holds the tensors the collective reads and writes
+    """Each collective's handle holds the tensors the collective reads and writes
     (the input of a reduce-scatter or all-gather included), and an NCCL group waits without
     a deadline (a deadline makes the host poll the work)."""
     import torch.distributed as dist

@@ -64,11 +64,10 @@ def _exit_past_busy_workers(code: int, *, threads: bool = False) -> None:
     """End the process now, without finalizing the interpreter, when this process ran worker
     threads (``threads``: in-process workers) or threads other than this one are still alive
     after a stop (workers it gave up on, a helper of theirs still unwinding). Finalizing after
-    a stop of worker threads aborted the process ("terminate called without an active
-    exception", status -6) instead of exiting with ``code``: twice in CI's interrupt test, once
-    with every Python thread already ended (2026-11-28), so the alive threads alone do not
-    tell. Everything the workers wrote is flushed and checkpoints are committed atomically, so
-    nothing kept is lost."""
+    a stop of worker threads can abort the process ("terminate called without an active
+    exception", status -6) instead of exiting with ``code``, even with every Python thread
+    already ended, so the alive threads alone do not tell. Everything the workers wrote is
+    flushed and checkpoints are committed atomically, so nothing kept is lost."""
     from lowcomm.launch.inprocess import workers_alive
 
     if (

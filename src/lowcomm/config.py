@@ -436,9 +436,9 @@ class TrainConfig:
                 f"--ranks-per-worker: {self.ranks_per_worker} with --method {self.method}: "
                 f"{refusal}; use --ranks-per-worker 1 with this method"
             )
-        from lowcomm.train.sharding import config_refusal
+        from lowcomm.strategies.worker_sharding import sharding_refusal
 
-        sharding = config_refusal(self)
+        sharding = sharding_refusal(self.method, self.worker_sharding, self.ranks_per_worker)
         if sharding is not None:
             raise ConfigError(sharding)
         self._validate_muon()

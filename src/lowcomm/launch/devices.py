@@ -17,12 +17,15 @@ import datetime
 import os
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from lowcomm.comm.torch_comm import process_group_timeout
+
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
 
 
 def backend_for(device: str) -> str:
@@ -179,6 +182,49 @@ def init_options(device: torch.device, collective_timeout_s: float) -> dict[str,
     return options
 
 
+def overlap_steps(config: TrainConfig) -> float:
+    """The most optimizer steps one of the run's collectives stays queued: launched, and
+    waited for that many steps later (0: each is waited for in the step that launched it).
+    From the method's declaration (``Transfer.hidden_steps`` of its cost model, which depends
+    on the options only: the timing handed to it here is a placeholder)."""
+    from lowcomm.strategies import method_options, strategy_class
+    from lowcomm.strategies.declaration import Timing
+
+    cls = strategy_class(config.method)
+    placeholder = Timing(step_seconds=1.0, all_reduce_seconds=lambda fraction: 1.0)
+    transfers = cls.cost.traffic(method_options(cls, config), placeholder)
+    return max((transfer.hidden_steps for transfer in transfers), default=0.0)
+
+
+def watchdog_note(config: TrainConfig) -> str | None:
+    """One line for the start of a run whose process groups' timeout may end it as hung
+    though nothing hangs, or None.
+
+    NCCL's watchdog counts from the launch of a collective, and an overlapped method waits
+    for it ``steps`` (:func:`overlap_steps`) steps later; until the last rank launches it, it
+    is not complete. Any persistent difference of speed between the ranks lets the fastest run
+    ahead until that wait holds it, so a collective stays incomplete for about the whole
+    window, ``steps`` steps of the slowest rank in wall time (on the virtual clock too, whose
+    modeled step time is not the wall time the watchdog measures). That time is not known
+    before the run, so the group's timeout is not sized from it; the line says which steps
+    would exceed it and what to pass: ``--collective-timeout-s`` C + ``steps`` x S keeps C
+    for a collective after its wait begins, with steps of S seconds. Said on NCCL (a GPU run
+    of several processes) where a step as long as a collective may wait (C) would exceed it."""
+    if config.device != "cuda" or config.processes < 2:
+        return None
+    steps = overlap_steps(config)
+    allowed_s = process_group_timeout(config.collective_timeout_s).total_seconds()
+    if steps * config.collective_timeout_s <= allowed_s:
+        return None
+    return (
+        f"lowcomm: note: {config.method} keeps a collective queued for up to {steps:g} steps, "
+        f"and NCCL's watchdog aborts a run whose collective is incomplete {allowed_s:g} s "
+        f"after its launch: steps over {allowed_s / steps:.3g} s on the slowest rank would end "
+        f"it though nothing hangs; for steps of S seconds pass --collective-timeout-s "
+        f"{config.collective_timeout_s:g} + {steps:g} x S"
+    )
+
+
 __all__ = [
     "backend_for",
     "bind_device",
@@ -188,6 +234,8 @@ __all__ = [
     "exchange_placements",
     "given_own_gpu",
     "init_options",
+    "overlap_steps",
     "placement",
     "shared_gpus",
+    "watchdog_note",
 ]

@@ -36,22 +36,23 @@ def worker_layout(
 
 
 def level_comms(
-    ranks_per_worker: int, timeout_s: float | None = None
+    ranks_per_worker: int, timeout_s: float | None = None, *, backend: str | None = None
 ) -> tuple[TorchComm, TorchComm]:
     """This rank's (replica, outer) communicators, whose waits give up after ``timeout_s``
     (``--collective-timeout-s``, as the world's) with the rank and collective named. Every
     rank of the world must call it (all groups are created on every rank, in the same order,
-    as torch.distributed requires)."""
+    as torch.distributed requires). ``backend``: the groups' (None: the world's; ``gloo``:
+    host groups of the same ranks, on which a GPU's virtual clock agrees on launch times)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     replica_groups, outer_groups = worker_layout(world_size, ranks_per_worker)
     timeout = None if timeout_s is None else process_group_timeout(timeout_s)
     mine: dict[str, Any] = {}
     for ranks in replica_groups:
-        group = dist.new_group(ranks, timeout=timeout)
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
         if rank in ranks:
             mine["replica"] = group
     for ranks in outer_groups:
-        group = dist.new_group(ranks, timeout=timeout)
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
         if rank in ranks:
             mine["outer"] = group
     return (

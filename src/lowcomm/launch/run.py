@@ -206,11 +206,13 @@ def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
     ``config.validate()``, which checks the options alone).
 
     Returns:
-        A line to print when a resume passes over damaged checkpoints, else None.
+        The lines to print at the start (a resume that passes over damaged checkpoints, a
+        method's note, an overlap window NCCL's watchdog may not cover), else None.
 
     Raises:
         ConfigError: the first problem, in one line naming the option and the fix.
     """
+    from lowcomm.launch.devices import watchdog_note
     from lowcomm.launch.init_check import check_init_from
     from lowcomm.train.rundir import check_run_dir
 
@@ -222,7 +224,8 @@ def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
     check_loggers(config)
     method_note = check_method_options(config, task)
     _check_data_path(config)
-    notes = [note for note in (check_run_dir(config), method_note) if note is not None]
+    watchdog = watchdog_note(config)
+    notes = [note for note in (check_run_dir(config), method_note, watchdog) if note is not None]
     return "\n".join(notes) if notes else None
 
 

@@ -510,7 +510,7 @@ class OuterLoopStrategy(LocalUpdate[OptionsT]):
         return OuterExchange(
             self.comm,
             delta,
-            extras if extras is not None else torch.zeros(0),
+            extras if extras is not None else torch.zeros(0, device=delta.device),
             self.quantization,
             self.row_size,
             clock=self.runtime.clock,

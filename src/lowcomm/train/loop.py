@@ -248,7 +248,10 @@ def set_up(
         links = (network_profile(config), replica_network_profile(config))
         comm = sharding.shard_worker(config, model, clock, device, links, deferred)
     else:
-        comm, _ = _strategy_comms(config, raw, clock, device, levels)
+        # The launch-time agreements of the virtual clock go on the world's host group (a
+        # host float there, where on NCCL each was a device all-reduce and a host read).
+        books = None if bookkeeping is raw else bookkeeping
+        comm, _ = _strategy_comms(config, raw, clock, device, levels, books)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     context = replace(strategy_context(config), runtime=comm.runtime())
@@ -316,22 +319,36 @@ def _strategy_comms(
     clock: Clock,
     device: torch.device,
     levels: tuple[Comm, Comm] | None = None,
+    bookkeeping: Comm | None = None,
 ) -> tuple[NetworkComm | HierarchicalComm, Comm | None]:
     """The strategy's communicator and, with ranks per worker > 1, the replica-level one
     (between the ranks of one worker) the averaging closure uses. ``levels``: the raw
-    (replica, outer) communicators, when the caller made them."""
+    (replica, outer) communicators, when the caller made them. ``bookkeeping``: a host group
+    of ``raw``'s ranks, on which a flat worker's virtual clock agrees on launch times (the
+    level groups made here get host groups of their own for that)."""
     profile = network_profile(config)
     wire = wire_dtype(config.comm_dtype)
     if config.ranks_per_worker == 1:
-        return NetworkComm(raw, profile, clock, device=device, wire_dtype=wire), None
+        comm = NetworkComm(
+            raw, profile, clock, device=device, wire_dtype=wire, bookkeeping=bookkeeping
+        )
+        return comm, None
+    books: tuple[Comm | None, Comm | None] = (None, None)
     if levels is None:
         from lowcomm.launch.groups import level_comms
 
-        levels = level_comms(config.ranks_per_worker, config.collective_timeout_s)
+        timeout = config.collective_timeout_s
+        levels = level_comms(config.ranks_per_worker, timeout)
+        if bookkeeping is not None:
+            books = level_comms(config.ranks_per_worker, timeout, backend="gloo")
     replica_raw, outer_raw = levels
     replica_profile = replica_network_profile(config)
-    replica_comm = NetworkComm(replica_raw, replica_profile, clock, device=device, wire_dtype=wire)
-    outer_comm = NetworkComm(outer_raw, profile, clock, device=device, wire_dtype=wire)
+    replica_comm = NetworkComm(
+        replica_raw, replica_profile, clock, device=device, wire_dtype=wire, bookkeeping=books[0]
+    )
+    outer_comm = NetworkComm(
+        outer_raw, profile, clock, device=device, wire_dtype=wire, bookkeeping=books[1]
+    )
     return HierarchicalComm(replica_comm, outer_comm, clock), replica_comm
 
 

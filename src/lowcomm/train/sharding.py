@@ -54,55 +54,12 @@ from lowcomm.strategies.sharded_flat import (
     norm_summer,
     register_flat_buffers,
 )
+from lowcomm.strategies.worker_sharding import SHARDINGS, sharded_methods, sharding_refusal
 
 if TYPE_CHECKING:
     from lowcomm.comm.clock import Clock
     from lowcomm.comm.network import NetworkProfile
     from lowcomm.config import TrainConfig
-
-#: The values of --worker-sharding.
-SHARDINGS = ("replicate", "fsdp")
-
-
-def sharded_methods() -> tuple[str, ...]:
-    """The methods that run on sharded workers (their ``sharding_refusal`` is None); every
-    other one is refused with its reason."""
-    from lowcomm.strategies import STRATEGIES
-
-    return tuple(sorted(n for n, cls in STRATEGIES.items() if cls.sharding_refusal is None))
-
-
-def sharding_refusal(method: str, sharding: str, ranks_per_worker: int) -> str | None:
-    """Why ``--method method --worker-sharding sharding`` cannot run, in one line, or None."""
-    if sharding not in SHARDINGS:
-        return (
-            f"--worker-sharding: {sharding!r} is not one of {', '.join(SHARDINGS)}; pass "
-            f"replicate (every rank holds the whole replica) or fsdp"
-        )
-    if sharding == "replicate":
-        return None
-    from lowcomm.strategies import strategy_class
-
-    reason = strategy_class(method).sharding_refusal
-    if reason is not None:
-        return (
-            f"--worker-sharding fsdp: --method {method} does not run on sharded workers: "
-            f"{reason}; use --worker-sharding replicate"
-        )
-    if ranks_per_worker < 2:
-        return (
-            f"--worker-sharding fsdp: --ranks-per-worker {ranks_per_worker} leaves nothing to "
-            f"shard; pass --ranks-per-worker 2 or more"
-        )
-    return None
-
-
-def config_refusal(config: TrainConfig) -> str | None:
-    """Why ``config``'s --worker-sharding cannot run, in one line, or None."""
-    refusal = sharding_refusal(config.method, config.worker_sharding, config.ranks_per_worker)
-    if refusal is not None or config.worker_sharding == "replicate":
-        return refusal
-    return None
 
 
 def worker_mesh(
@@ -716,7 +673,6 @@ __all__ = [
     "ShardedWorkerComm",
     "attach_inner",
     "charge_fsdp_collectives",
-    "config_refusal",
     "exportable",
     "flat_buffers",
     "flat_numel",
