@@ -1025,16 +1025,7 @@ def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tu
         ]
         rows += _rank_rows(plan)
     if config.lose_workers:
-        after = result["after_losing"]
-        assert isinstance(after, dict)
-        rows.append(
-            (
-                f"losing {config.lose_workers} of {plan.workers}",
-                f"{_human(after['step_s_before'])} -> {_human(after['step_s_after'])} per step "
-                f"on {after['workers']} workers ({after['slowdown']:.2f}x), utilisation "
-                f"{after['utilization']:.1%}",
-            )
-        )
+        rows.append(_losing_row(config, plan, result))
     if config.solve_bandwidth is not None:
         solved = result["solved_bandwidth_gbps"]
         rows.append(
@@ -1046,6 +1037,18 @@ def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tu
             )
         )
     return rows
+
+
+def _losing_row(config: PlanConfig, plan: Plan, result: dict[str, object]) -> tuple[str, str]:
+    """The row of --lose-workers: the step time and utilisation on the workers left."""
+    after = result["after_losing"]
+    assert isinstance(after, dict)
+    return (
+        f"losing {config.lose_workers} of {plan.workers}",
+        f"{_human(after['step_s_before'])} -> {_human(after['step_s_after'])} per step "
+        f"on {after['workers']} workers ({after['slowdown']:.2f}x), utilisation "
+        f"{after['utilization']:.1%}",
+    )
 
 
 def _goodput_rows(plan: Plan, priced: dict[str, Any]) -> list[tuple[str, str]]:

@@ -465,8 +465,8 @@ def _closest(word: str, known: tuple[str, ...]) -> str:
     return f"; did you mean {match[0]!r}?" if match else f"; known: {', '.join(known)}"
 
 
-def _parse_line(text: str, line: int, source: str) -> Event:
-    where = f"{source}:{line}: {' '.join(text.split())!r}"
+def _split_tokens(text: str, where: str) -> tuple[dict[str, str], list[str]]:
+    """A line's ``key=value`` pairs and its bare words, each known and given once."""
     values: dict[str, str] = {}
     words: list[str] = []
     for token in text.split():
@@ -485,6 +485,12 @@ def _parse_line(text: str, line: int, source: str) -> Event:
             if token in words:
                 raise TraceError(f"{where}: {token!r} is given twice; keep one")
             words.append(token)
+    return values, words
+
+
+def _parse_line(text: str, line: int, source: str) -> Event:
+    where = f"{source}:{line}: {' '.join(text.split())!r}"
+    values, words = _split_tokens(text, where)
 
     def number(key: str, kind: type[int] | type[float]) -> float | None:
         if key not in values:

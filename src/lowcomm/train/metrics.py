@@ -296,6 +296,11 @@ class RunWriter:
             peak = [int(p.peak_memory) for p in per_process]
             summary["peak_device_memory_bytes_per_worker"] = max(peak)
             summary["per_worker"]["peak_device_memory_bytes"] = peak
+        self._publish(summary)
+        return summary
+
+    def _publish(self, summary: dict[str, Any]) -> None:
+        """Write summary.json, draw loss.png, hand both to W&B, print the summary table."""
         atomic_write_text(
             self.directory / "summary.json",
             json.dumps(summary, indent=2, default=_json_default) + "\n",
@@ -310,7 +315,6 @@ class RunWriter:
             )
             self._wandb = None
         print(format_summary(summary, self.directory))
-        return summary
 
     def _totals(
         self, per_process: list[ProcessTotals], num_params: int, final_val_loss: float
