@@ -148,13 +148,14 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)
         t = self.step_index
-        completed = self.complete_due(t)
-        launched = self.launch_due(t)
+        completed = self.finish_syncs_due(t)
+        launched = self.launch_syncs_due(t)
         stats.extras["syncs_completed"] = float(completed)
         stats.extras["syncs_launched"] = float(launched)
         return stats
 
-    def launch_due(self, t: int) -> int:
+    def launch_syncs_due(self, t: int) -> int:
+        """launch_sync of every fragment whose launch offset falls on step t (Alg. 1)."""
         tau = self.options.overlap_steps
         launched = 0
         for p, offset in enumerate(self.launch_offsets):
@@ -165,10 +166,11 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
             self.in_flight.append(InFlight(p, t, t + tau, self.launch_sync(p)))
             launched += 1
         if tau == 0:
-            self.complete_due(t)
+            self.finish_syncs_due(t)
         return launched
 
-    def complete_due(self, t: int) -> int:
+    def finish_syncs_due(self, t: int) -> int:
+        """finish_sync of every fragment whose tau steps of overlap end at step t."""
         due = [sync for sync in self.in_flight if sync.complete_at <= t]
         for sync in due:
             self.in_flight.remove(sync)
