@@ -222,6 +222,9 @@ def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
 
         if not tensorboard_available():
             raise ConfigError(MISSING)
+    from lowcomm.faults.run import run_trace
+
+    run_trace(config)  # (a bad trace ends here, in one line; None: no faults)
     method_note = check_method_options(config, task)
     _check_data_path(config)
     notes = [note for note in (check_run_dir(config), method_note) if note is not None]
