@@ -138,7 +138,7 @@ def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
 ) -> None:
     gone = "crash" if kind == "join" else "leave"
     trace = _trace(tmp_path, f"step=2 worker=1 {gone}\nstep=5 worker=1 {kind}\n")
-    records, _, parameters = _run(_config(method, tmp_path / "out", trace))
+    records, summary, parameters = _run(_config(method, tmp_path / "out", trace))
     # (diloco: step 7 ends a round, after which every worker holds the outer parameters.)
     assert all(torch.equal(parameters[0], p) for p in parameters[1:])
     assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 3, 3, 3]
@@ -146,6 +146,9 @@ def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
     plain = records[7]["clock_s"] - records[6]["clock_s"]
     assert records[5]["clock_s"] - records[4]["clock_s"] > plain
     assert records[5]["bytes_sent_per_worker"] > records[7]["bytes_sent_per_worker"]
+    if gone == "crash":  # the survivors waited to detect it; the joiner's absence is no wait
+        exposed = summary["per_worker"]["exposed_comm_s"]
+        assert exposed[1] < exposed[0] - DETECTION_S
 
 
 # --- the quorum and the outer step, written from the equation ---------------------------------
@@ -348,3 +351,14 @@ def test_a_generated_trace_of_slow_workers_runs_and_replays_alike(tmp_path: Path
     assert first == run("b")
     plain = _run(_config("diloco", tmp_path / "plain", None))[0]
     assert first[-1]["clock_s"] > plain[-1]["clock_s"]  # a straggler slows the synchronous rounds
+
+
+def test_a_worker_that_leaves_costs_no_detection_and_drops_no_step(tmp_path: Path) -> None:
+    records, summary, _ = _run(
+        _config("ddp", tmp_path / "out", _trace(tmp_path, "step=3 worker=2 leave\n"))
+    )
+    assert [r["quorum"] for r in records] == [3, 3, 3, 2, 2, 2, 2, 2]
+    assert not any("dropped" in r for r in records)
+    assert records[3]["clock_s"] - records[2]["clock_s"] < DETECTION_S
+    assert summary["faults"]["rounds_dropped"] == 0
+    assert summary["committed_tokens"] == (3 * 3 + 5 * 2) * _tokens_per_step()

@@ -12,7 +12,9 @@ worker:
   over its members; a mean divides by its size), sets its compute speed from the trace's
   ``slow`` events, and then:
 
-  - when workers join at this step, every member takes part in healing: the lowest surviving
+  - when workers join at this step, the joiners' clocks move to the latest member's time
+    (uncharged; their absence is not a wait), then every member takes part in healing: the
+    lowest surviving
     member sends what the method declares global, charged on the link; the joiners start
     their own state by the method's rule (:meth:`Strategy.heal`);
   - when a member was lost at this step and the method's round is a step (``ddp``), the
@@ -34,6 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
+from lowcomm.comm.base import Role
 from lowcomm.comm.runtime import Quorum
 from lowcomm.faults.trace import Event, FaultTrace
 
@@ -64,7 +69,8 @@ class StepPlan:
         quorum: the step's quorum (``joined``: this worker joins at this step).
         member: whether this worker is in it.
         events: the membership events at this step.
-        lost: the workers lost at this step (crash or leave).
+        lost: the workers that crash at this step (one that leaves announces it: the others
+            neither wait to detect it nor drop the step).
         joining: the workers that join or rejoin at this step.
         source: the rank (in the quorum) of the member that heals the joiners.
         dropped: the step is dropped on every member (a step-round method lost a member).
@@ -136,7 +142,7 @@ class WorkerFaults:
         """What this worker does at ``step`` (the same quorum on every member)."""
         members, quorum_id = quorum_at(self.trace, step)
         events = tuple(e for e in self.trace.membership_events() if e.at_step == step)
-        lost = _workers_of(events, ("crash", "leave"))
+        lost = _workers_of(events, ("crash",))  # (a worker that leaves says so: no detection)
         joining = _workers_of(events, ("join", "rejoin"))
         survivors = [m for m in members if m not in joining]
         source = None
@@ -155,11 +161,24 @@ class WorkerFaults:
         """Enter the step's quorum on the group and set this worker's compute speed."""
         self._quorum = plan.quorum
         self.raw.enter(plan.quorum.id, plan.quorum.members)
+        if plan.joining:
+            self._meet_joiners(plan)
         factor = self.trace.speed_factor(self.slot, step=step, time=self.clock.now())
         self.clock.speed_factor = self.base_speed * factor
         if plan.lost and not plan.dropped and not plan.quorum.joined:
             # (A sync-round method: the survivors learn of the loss at the detection time.)
             self._detect_until = self.clock.now() + self.detection_s
+
+    def _meet_joiners(self, plan: StepPlan) -> None:
+        """A joiner's clock moves to the latest member's (an uncharged max over the quorum):
+        a worker that was away has no time of its own, and its absence is no wait."""
+        times = torch.tensor([self.clock.now()], dtype=torch.float64)
+        self.raw.all_reduce(times, op="max", role=Role.OTHER).wait()
+        latest = float(times[0])
+        if plan.quorum.joined and latest > self.clock.now():
+            state = self.clock.state_dict()
+            state["now"] = latest
+            self.clock.load_state_dict(state)
 
     def kept_state(self, plan: StepPlan) -> bool:
         """Whether this joining worker rejoins with its own state (``rejoin``)."""
