@@ -24,6 +24,7 @@ from lowcomm.launch.run import preflight
 from lowcomm.models import ModelConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.strategies import StrategyContext
+from lowcomm.strategies.co2 import LocalAdamW, LocalOptions
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 
 WORKERS = 3
@@ -38,6 +39,7 @@ def _config(method: str, out: Path, faults: Path | None, **overrides: Any) -> Tr
         eval_batches=3, log_every=1, progress=False, plot=False, out=str(out),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
+        local=LocalOptions(sync_every=2),
         faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S,
     )  # fmt: skip
     for key, value in overrides.items():
@@ -82,7 +84,7 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
     assert first[1]["faults"] == second[1]["faults"]
 
 
-@pytest.mark.parametrize("method", ["ddp", "diloco"])
+@pytest.mark.parametrize("method", ["ddp", "diloco", "local_sgd", "local_adamw"])
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
     plain = _run(_config(method, tmp_path / "plain", None))
     empty = _run(_config(method, tmp_path / "empty", _trace(tmp_path, "# no event\n")))
@@ -131,7 +133,8 @@ def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_de
 
 
 @pytest.mark.parametrize(
-    ("method", "kind"), [("ddp", "join"), ("diloco", "join"), ("diloco", "rejoin")]
+    ("method", "kind"),
+    [("ddp", "join"), ("diloco", "join"), ("diloco", "rejoin"), ("local_adamw", "join")],
 )
 def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
     method: str, kind: str, tmp_path: Path
@@ -139,7 +142,7 @@ def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
     gone = "crash" if kind == "join" else "leave"
     trace = _trace(tmp_path, f"step=2 worker=1 {gone}\nstep=5 worker=1 {kind}\n")
     records, summary, parameters = _run(_config(method, tmp_path / "out", trace))
-    # (diloco: step 7 ends a round, after which every worker holds the outer parameters.)
+    # (diloco, local: step 7 ends a round, after which every worker holds the same model.)
     assert all(torch.equal(parameters[0], p) for p in parameters[1:])
     assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 3, 3, 3]
     # The healing transfer is charged on the link: the join step costs more than a plain one.
@@ -362,3 +365,34 @@ def test_a_worker_that_leaves_costs_no_detection_and_drops_no_step(tmp_path: Pat
     assert records[3]["clock_s"] - records[2]["clock_s"] < DETECTION_S
     assert summary["faults"]["rounds_dropped"] == 0
     assert summary["committed_tokens"] == (3 * 3 + 5 * 2) * _tokens_per_step()
+
+
+def test_local_adamw_after_a_crash_averages_the_survivors_models() -> None:
+    group = InProcessGroup(WORKERS)
+    strategies = [
+        LocalAdamW(tiny_gpt(), group.comm(k), CONTEXT, LocalOptions(sync_every=2))
+        for k in range(WORKERS)
+    ]
+    before_sync: dict[int, torch.Tensor] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        rows = slice(k * 4, (k + 1) * 4)
+        batches = [global_batch(s, WORKERS) for s in range(4)]
+        closure = closure_for(strategy, [(x[rows], y[rows]) for x, y in batches])
+        for step in range(4):
+            if step == 2:
+                if k == 2:
+                    return  # worker 2 crashes inside the second round
+                group.enter(k, 1, (0, 1))
+            if step == 3:  # (the step's phases: the inner step, then the mean)
+                strategy.inner_step(closure)
+                before_sync[k] = flat_params(strategy.model)
+                strategy.average()
+                continue
+            strategy.step(closure)
+
+    _threads(work, WORKERS)
+    mean = (before_sync[0] + before_sync[1]) / 2
+    for k in (0, 1):
+        assert torch.allclose(flat_params(strategies[k].model), mean, atol=1e-7)

@@ -260,6 +260,11 @@ class Strategy(ABC):
         rejoining worker that kept its state; else a new worker with fresh state)."""
         raise NotImplementedError(f"{self.name} declares no membership rule")
 
+    def round_committed(self, stats: StepStats) -> bool:
+        """Whether the step that returned ``stats`` ended a round whose result every member
+        applied (its tokens, and a sync round's earlier ones, are then committed)."""
+        return True
+
     def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
         """Every member of the round calls this together: the member of rank ``source`` (in
         the round) sends what the method declares global, over the method's link (charged
@@ -268,7 +273,10 @@ class Strategy(ABC):
         tensors, counters = self.global_state()
         with torch.no_grad():
             for role, tensor in tensors:
-                self.comm.broadcast(tensor, src=source, role=role).wait()
+                # (Only a joiner takes the values: a member keeps its own, which a method may
+                # hold per worker, such as a local model it shares with a joiner.)
+                into = tensor if joining else tensor.clone()
+                self.comm.broadcast(into, src=source, role=role).wait()
         names = sorted(counters)
         values = torch.tensor([counters[name] for name in names], dtype=torch.float64)
         self.runtime.uncharged.broadcast(values, src=source, role=Role.OTHER).wait()

@@ -661,6 +661,9 @@ class DiLoCo(OuterLoopStrategy[DiLoCoOptions]):
             stats.extras["outer_step"] = 1.0
         return stats
 
+    def round_committed(self, stats: StepStats) -> bool:
+        return "outer_step" in stats.extras
+
     def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
         tensors = [(Role.PARAMETER, anchor) for anchor in self.globals_]
         tensors.extend((Role.FIRST_MOMENT, outer.momentum_buffer) for outer in self.outer)

@@ -564,7 +564,7 @@ def _step_with_faults(worker: Worker, faults: WorkerFaults, step: int) -> tuple[
         )  # fmt: skip
         return stats, True
     stats = strategy.step(worker.step_closure)
-    faults.account(stats.tokens, committed_round="outer_step" in stats.extras)
+    faults.account(stats.tokens, committed_round=strategy.round_committed(stats))
     return stats, True
 
 
