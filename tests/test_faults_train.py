@@ -84,7 +84,7 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
     assert first[1]["faults"] == second[1]["faults"]
 
 
-@pytest.mark.parametrize("method", ["ddp", "diloco", "local_sgd", "local_adamw"])
+@pytest.mark.parametrize("method", ["ddp", "diloco", "local_sgd", "local_adamw", "slowmo"])
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
     plain = _run(_config(method, tmp_path / "plain", None))
     empty = _run(_config(method, tmp_path / "empty", _trace(tmp_path, "# no event\n")))
@@ -134,7 +134,13 @@ def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_de
 
 @pytest.mark.parametrize(
     ("method", "kind"),
-    [("ddp", "join"), ("diloco", "join"), ("diloco", "rejoin"), ("local_adamw", "join")],
+    [
+        ("ddp", "join"),
+        ("diloco", "join"),
+        ("diloco", "rejoin"),
+        ("local_adamw", "join"),
+        ("slowmo", "rejoin"),
+    ],
 )
 def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
     method: str, kind: str, tmp_path: Path

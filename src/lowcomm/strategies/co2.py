@@ -412,6 +412,35 @@ class SlowMo(_AnchoredOuter):
         shards_over_replicas=True,
     )
 
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state="the anchor x_{t,0}, the slow momentum u, the step and round counters",
+        worker_state=(
+            "join: the local parameters start at the anchor and the inner optimizer afresh; "
+            "rejoin: the local parameters start at the anchor, the inner optimizer kept"
+        ),
+    )
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return "outer_step" in stats.extras
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        tensors = [(Role.PARAMETER, self.anchor), (Role.FIRST_MOMENT, self.momentum)]
+        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
+        counters["rounds"] = self.rounds
+        return tensors, counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        self.local_steps = counters["local_steps"]
+        self.rounds = counters["rounds"]
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        with torch.no_grad():
+            self.restart_from_anchor()
+
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)
         if self.round_due(stats):
