@@ -308,7 +308,7 @@ def _error(result: Any) -> str:
         ("step=2 worker=0 crash\nstep=2 worker=1 crash\n", "no worker is alive from step 2"),
         ("# a comment\nstep=2 worker=0 crash\nstep=x worker=1 join\n", ":3: "),
         ("t=2 worker=0 crash\n", "placed by time is not yet supported"),
-        ("step=2 link down for=3\n", "link events are not yet applied"),
+        ("step=2 link down for=3\n", "a link down placed by step would stop the step"),
     ],
 )
 def test_a_bad_trace_ends_in_one_line_before_any_worker_starts(
@@ -402,3 +402,20 @@ def test_local_adamw_after_a_crash_averages_the_survivors_models() -> None:
     mean = (before_sync[0] + before_sync[1]) / 2
     for k in (0, 1):
         assert torch.allclose(flat_params(strategies[k].model), mean, atol=1e-7)
+
+
+def test_a_degraded_link_stretches_each_transfer_and_a_down_link_holds_it(tmp_path: Path) -> None:
+    plain = _run(_config("ddp", tmp_path / "plain", None))[0]
+    half = _run(_config("ddp", tmp_path / "half", _trace(tmp_path, "t=0 link factor=0.5\n")))[0]
+    (tmp_path / "down.txt").write_text("t=0.05 link down for=1\n")
+    down = _run(_config("ddp", tmp_path / "down", tmp_path / "down.txt"))[0]
+    # ddp's step: one micro-batch of compute, then its all-reduce, fully exposed.
+    transfer = plain[0]["clock_s"] - SECONDS_PER_MICROBATCH
+    assert transfer > 0
+    assert math.isclose(half[0]["clock_s"] - SECONDS_PER_MICROBATCH, 2 * transfer, rel_tol=1e-9)
+    # The all-reduce launched while the link is down starts at t = 1.05.
+    held = next(r for r in down if r["clock_s"] > 1.05)
+    assert math.isclose(held["clock_s"], 1.05 + transfer, rel_tol=1e-9)
+    assert [r["clock_s"] for r in down if r["step"] < held["step"]] == [
+        r["clock_s"] for r in plain if r["step"] < held["step"]
+    ]

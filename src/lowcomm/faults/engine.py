@@ -124,6 +124,7 @@ class WorkerFaults:
         self.pending_tokens = 0
         self.committed_tokens = 0
         self.dropped_steps = 0
+        self._step = 0
 
     # --- the runtime's Membership -----------------------------------------------------------
 
@@ -160,6 +161,7 @@ class WorkerFaults:
     def begin(self, plan: StepPlan, step: int) -> None:
         """Enter the step's quorum on the group and set this worker's compute speed."""
         self._quorum = plan.quorum
+        self._step = step
         self.raw.enter(plan.quorum.id, plan.quorum.members)
         if plan.joining:
             self._meet_joiners(plan)
@@ -179,6 +181,23 @@ class WorkerFaults:
             state = self.clock.state_dict()
             state["now"] = latest
             self.clock.load_state_dict(state)
+
+    def transfer_time(self, start: float, cost: float) -> float:
+        """How long a transfer of modeled cost ``cost`` takes from ``start`` (the emulated
+        link's model): ``cost / F`` on a link degraded to F; on a link that is down, it
+        starts once the link is up again (a link down is placed by time)."""
+        begin = start
+        factor = self.trace.link_factor(step=self._step, time=begin)
+        while factor == 0.0:
+            begin = max(
+                event.at + float(event.duration or 0.0)
+                for event in self.trace.events
+                if event.kind == "link_down"
+                and event.at_time is not None
+                and event.at <= begin < event.at + float(event.duration or 0.0)
+            )
+            factor = self.trace.link_factor(step=self._step, time=begin)
+        return (begin - start) + cost / factor
 
     def kept_state(self, plan: StepPlan) -> bool:
         """Whether this joining worker rejoins with its own state (``rejoin``)."""

@@ -18,7 +18,8 @@ quorum is decided by the step every member agrees on; slow events by step or by
 time. The methods are those whose lost worker takes no state the others need and whose
 membership rule is declared (:func:`supported_methods`); the methods whose optimizer state is
 sharded across workers are refused with that reason (:data:`SHARDED_METHODS`); any other
-method is refused as not yet supported. Link events are not applied yet and are refused. Each refusal is one line, before any worker starts.
+method is refused as not yet supported. Link events scale (or stop) the modeled transfers of
+the strategy's link; a link down is placed by time. Each refusal is one line, before any worker starts.
 
 Nothing here reads a file but :func:`run_trace` (the launch's pre-flight calls it).
 """
@@ -236,14 +237,13 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
         trace = load_trace(settings.path, workers=config.workers)
     else:
         trace = generate_trace(settings.generated_options(), workers=config.workers)
-    link = [event for event in trace.events if event.worker is None]
-    if link:
-        event = link[0]
+    stepped_down = [e for e in trace.events if e.kind == "link_down" and e.at_step is not None]
+    if stepped_down:
+        event = stepped_down[0]
         line = f":{event.line}" if event.line else ""
         raise TraceError(
-            f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: link events are not "
-            "yet applied to the modeled link; drop the line (crash, leave, join, rejoin and "
-            "slow are)"
+            f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: a link down placed "
+            "by step would stop the step that must end it; place it with t=SECONDS for=D"
         )
     timed = [event for event in trace.membership_events() if event.at_step is None]
     if timed:

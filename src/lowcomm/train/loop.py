@@ -257,6 +257,8 @@ def set_up(
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
     faults = _worker_faults(config, raw, clock)
     runtime = comm.runtime() if faults is None else replace(comm.runtime(), membership=faults)
+    if faults is not None and isinstance(comm, NetworkComm):
+        comm.link_model = faults.transfer_time  # (link events: degraded or down)
     context = replace(strategy_context(config), runtime=runtime)
     strategy = build_strategy(config.method, model, comm, context, config)
     data = task.data(config, rank, None if shared is None else shared.validation)
