@@ -25,6 +25,7 @@ from lowcomm.models import ModelConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.strategies import StrategyContext
 from lowcomm.strategies.co2 import LocalAdamW, LocalOptions
+from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 
 WORKERS = 3
@@ -39,7 +40,7 @@ def _config(method: str, out: Path, faults: Path | None, **overrides: Any) -> Tr
         eval_batches=3, log_every=1, progress=False, plot=False, out=str(out),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
-        local=LocalOptions(sync_every=2),
+        local=LocalOptions(sync_every=2), desloc=DeslocOptions(param_period=2),
         faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S,
     )  # fmt: skip
     for key, value in overrides.items():
@@ -84,7 +85,9 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
     assert first[1]["faults"] == second[1]["faults"]
 
 
-@pytest.mark.parametrize("method", ["ddp", "diloco", "local_sgd", "local_adamw", "slowmo"])
+@pytest.mark.parametrize(
+    "method", ["ddp", "diloco", "local_sgd", "local_adamw", "slowmo", "desloc", "favg_reset"]
+)
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
     plain = _run(_config(method, tmp_path / "plain", None))
     empty = _run(_config(method, tmp_path / "empty", _trace(tmp_path, "# no event\n")))
@@ -140,6 +143,8 @@ def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_de
         ("diloco", "rejoin"),
         ("local_adamw", "join"),
         ("slowmo", "rejoin"),
+        ("desloc", "join"),
+        ("local_adam", "rejoin"),
     ],
 )
 def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(

@@ -204,6 +204,15 @@ def faults_refusal(config: TrainConfig) -> str | None:
         return (
             f"{flag}: --method {config.method} is not yet supported with --faults; use {supported}"
         )
+    desloc = getattr(config, "desloc", None)
+    if (
+        getattr(desloc, "rejoin_step", None) is not None
+        and strategy_class(config.method).options_field == "desloc"
+    ):
+        return (
+            f"{flag}: not with --desloc.rejoin-step, a rejoin of its own; write the rejoin in "
+            "the trace (step=N worker=K rejoin after a leave)"
+        )
     if config.optim.name != "adamw":
         return f"{flag}: not yet supported with --optim.name {config.optim.name}; use adamw"
     quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
