@@ -556,7 +556,7 @@ def _step_with_faults(worker: Worker, faults: WorkerFaults, step: int) -> tuple[
         strategy.heal(plan.source, joining=joined, kept=joined and faults.kept_state(plan))
     if plan.dropped:
         # The step's collectives cannot complete: its gradient is computed, then discarded
-        # once the loss is detected; the next step's accumulation zeroes it.
+        # once the crash is detected; the next step's accumulation zeroes it.
         count = worker.config.microbatches_per_step
         loss, samples, tokens = run_microbatches(worker.step_closure, count)
         faults.drop()
