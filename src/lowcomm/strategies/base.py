@@ -273,6 +273,8 @@ class Strategy(ABC):
         tensors, counters = self.global_state()
         with torch.no_grad():
             for role, tensor in tensors:
+                if tensor.numel() == 0:  # (an unused buffer: nothing to send)
+                    continue
                 # (Only a joiner takes the values: a member keeps its own, which a method may
                 # hold per worker, such as a local model it shares with a joiner.)
                 into = tensor if joining else tensor.clone()

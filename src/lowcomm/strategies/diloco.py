@@ -534,6 +534,37 @@ class OuterLoopStrategy(LocalUpdate[OptionsT]):
             self.fragments[p].scatter(self.master, values)
             self.write_back()
 
+    # membership (declared faults; a subclass declares its rule) ----------------------------
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return "outer_step" in stats.extras
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        tensors = [(Role.PARAMETER, anchor) for anchor in self.globals_]
+        tensors.extend((Role.FIRST_MOMENT, outer.momentum_buffer) for outer in self.outer)
+        counters = {
+            "step_index": self.step_index,
+            "outer_steps": self.outer_steps,
+            "local_steps": self.local_steps,
+            "rounds": self.rounds,
+        }
+        counters.update({f"outer{p}": outer.step_count for p, outer in enumerate(self.outer)})
+        return tensors, counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        self.outer_steps = counters["outer_steps"]
+        self.local_steps = counters["local_steps"]
+        self.rounds = counters["rounds"]
+        for p, outer in enumerate(self.outer):
+            outer.step_count = counters[f"outer{p}"]
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        for p, anchor in enumerate(self.globals_):
+            self.set_local_fragment(p, anchor)
+
     # Strategy API ---------------------------------------------------------------------------
 
     @contextmanager
@@ -660,35 +691,6 @@ class DiLoCo(OuterLoopStrategy[DiLoCoOptions]):
             self.set_local_fragment(0, self.globals_[0])  # every worker restarts from theta^g
             stats.extras["outer_step"] = 1.0
         return stats
-
-    def round_committed(self, stats: StepStats) -> bool:
-        return "outer_step" in stats.extras
-
-    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
-        tensors = [(Role.PARAMETER, anchor) for anchor in self.globals_]
-        tensors.extend((Role.FIRST_MOMENT, outer.momentum_buffer) for outer in self.outer)
-        counters = {
-            "step_index": self.step_index,
-            "outer_steps": self.outer_steps,
-            "local_steps": self.local_steps,
-            "rounds": self.rounds,
-        }
-        counters.update({f"outer{p}": outer.step_count for p, outer in enumerate(self.outer)})
-        return tensors, counters
-
-    def set_global_counters(self, counters: dict[str, int]) -> None:
-        self.step_index = counters["step_index"]
-        self.outer_steps = counters["outer_steps"]
-        self.local_steps = counters["local_steps"]
-        self.rounds = counters["rounds"]
-        for p, outer in enumerate(self.outer):
-            outer.step_count = counters[f"outer{p}"]
-
-    def start_worker_state(self, *, kept: bool) -> None:
-        if not kept:
-            self.inner.reset()
-        for p, anchor in enumerate(self.globals_):
-            self.set_local_fragment(p, anchor)
 
     def unsynchronized_tail(self, steps: int) -> str | None:
         """The deployed model is the outer one (docs/ALGORITHMS.md §4.1 has no final round):
