@@ -89,7 +89,17 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
 
 @pytest.mark.parametrize(
     "method",
-    ["ddp", "diloco", "local_sgd", "local_adamw", "slowmo", "desloc", "favg_reset", "sparseloco"],
+    [
+        "ddp",
+        "diloco",
+        "local_sgd",
+        "local_adamw",
+        "slowmo",
+        "desloc",
+        "favg_reset",
+        "sparseloco",
+        "demo",
+    ],
 )
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
     plain = _run(_config(method, tmp_path / "plain", None))
@@ -149,6 +159,7 @@ def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_de
         ("desloc", "join"),
         ("local_adam", "rejoin"),
         ("sparseloco", "join"),
+        ("demo", "join"),
     ],
 )
 def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
