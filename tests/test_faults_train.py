@@ -99,6 +99,7 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
         "favg_reset",
         "sparseloco",
         "demo",
+        "sparta",
     ],
 )
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
@@ -350,7 +351,7 @@ def test_a_bad_trace_ends_in_one_line_before_any_worker_starts(
         ({"clock": "real", "seconds_per_microbatch": None}, "not yet supported on the real clock"),
         ({"method": "zero1"}, "--method zero1 keeps its optimizer state sharded"),
         ({"method": "acco"}, "--method acco keeps its optimizer state sharded"),
-        ({"method": "sparta"}, "--method sparta is not yet supported with --faults"),
+        ({"method": "sparta_diloco"}, "--method sparta_diloco is not yet supported"),
         ({"fault_seed": 3}, "a run replays one trace, a file or a generated one"),
         ({"fault_detection_s": -1.0}, "--fault-detection-s: -1.0 is not valid"),
         ({"faults": None, "fault_slow_factor": 0.5}, "--fault-slow-factor: 0.5 is not valid"),
@@ -439,3 +440,15 @@ def test_a_degraded_link_stretches_each_transfer_and_a_down_link_holds_it(tmp_pa
     assert [r["clock_s"] for r in down if r["step"] < held["step"]] == [
         r["clock_s"] for r in plain if r["step"] < held["step"]
     ]
+
+
+@pytest.mark.parametrize("method", ["demo", "sparta"])
+def test_a_step_round_method_drops_the_crash_step_and_commits_the_others(
+    method: str, tmp_path: Path
+) -> None:
+    trace = _trace(tmp_path, "step=3 worker=2 crash\nstep=5 worker=2 join\n")
+    records, summary, _ = _run(_config(method, tmp_path / "out", trace))
+    assert [r["quorum"] for r in records] == [3, 3, 3, 2, 2, 3, 3, 3]
+    assert [r.get("dropped", False) for r in records] == [False] * 3 + [True] + [False] * 4
+    assert summary["committed_tokens"] == (6 * 3 + 1 * 2) * _tokens_per_step()
+    assert summary["faults"]["rounds_dropped"] == 1
