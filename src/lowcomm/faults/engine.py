@@ -14,17 +14,21 @@ worker:
 
   - when workers join at this step, the joiners' clocks move to the latest member's time
     (uncharged; their absence is not a wait), then every member takes part in healing: the
-    lowest surviving
-    member sends what the method declares global, charged on the link; the joiners start
-    their own state by the method's rule (:meth:`Strategy.heal`);
-  - when a member was lost at this step and the method's round is a step (``ddp``), the
-    step is *dropped* on every survivor: each computes its micro-batches (the gradient it
-    cannot send), waits the detection time on its clock, discards the gradient and commits
-    nothing;
-  - when a member was lost and the method's round is a sync (``diloco``), the survivors take
-    their inner steps as usual and wait, at the next sync, until the detection time after
-    the loss has passed (:meth:`WorkerFaults.enter_round`);
+    lowest surviving member sends what the method declares global, charged on the link; the
+    joiners start their own state by the method's rule (:meth:`Strategy.heal`);
+  - when a member crashed at this step and the method's round is a step (ddp, demo,
+    sparta), the step is *dropped* on every member: each computes its micro-batches (the
+    gradient it cannot send), waits the detection time on its clock, discards the gradient,
+    changes no state and commits nothing;
+  - when a member crashed and the method's round is a sync (the DiLoCo, local and DES-LOC
+    families, sparseloco), the survivors take their inner steps as usual and wait, at the
+    next sync, until the detection time after the crash has passed
+    (:meth:`WorkerFaults.enter_round`);
   - otherwise it takes the method's step.
+
+A worker that leaves announces it: the others neither wait to detect it nor drop a step. A
+link degraded to F makes a transfer that starts in it take 1/F times its modeled time; one
+that starts while the link is down starts when it is up (:meth:`WorkerFaults.transfer_time`).
 
 Committed tokens: a step-round method commits a member's tokens at every step that was not
 dropped; a sync-round method commits a worker's inner-step tokens at the sync it takes part
