@@ -452,3 +452,11 @@ def test_a_step_round_method_drops_the_crash_step_and_commits_the_others(
     assert [r.get("dropped", False) for r in records] == [False] * 3 + [True] + [False] * 4
     assert summary["committed_tokens"] == (6 * 3 + 1 * 2) * _tokens_per_step()
     assert summary["faults"]["rounds_dropped"] == 1
+
+
+def test_a_generated_trace_with_crashes_is_refused_until_crashes_by_time_run(
+    tmp_path: Path,
+) -> None:
+    config = _config("ddp", tmp_path / "out", None, fault_mtbf_s=600.0, fault_seed=0)
+    with pytest.raises(ConfigError, match="--fault-mtbf-s: 600 generates crashes placed by time"):
+        config.validate()

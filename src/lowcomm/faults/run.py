@@ -226,6 +226,12 @@ def faults_refusal(config: TrainConfig) -> str | None:
             f"{flag}: not yet supported with checkpoints (--resume, --checkpoint-every): a "
             "checkpoint does not record the quorum yet; drop them"
         )
+    if settings.mtbf_s is not None and math.isfinite(settings.mtbf_s):
+        return (
+            f"--fault-mtbf-s: {settings.mtbf_s:g} generates crashes placed by time, which are "
+            "not yet supported (the quorum is decided by the step every member agrees on); "
+            "write a trace with step=N crashes (--faults FILE), or drop --fault-mtbf-s"
+        )
     if config.token_budget is not None:
         return f"{flag}: not yet supported with --token-budget; give --steps"
     return None
