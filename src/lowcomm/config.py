@@ -27,6 +27,7 @@ from lowcomm.comm.network import (
     check_speed_factors,
 )
 from lowcomm.data import DataConfig
+from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S
 from lowcomm.models import ModelConfig
 from lowcomm.models.options import GPT_FAMILY
 from lowcomm.optim.adamw import AdamWConfig
@@ -249,6 +250,32 @@ class TrainConfig:
     embedding size comes from the weights). Not with --resume DIR (a resume continues its
     checkpoint)."""
 
+    # --- Declared faults (lowcomm.faults.run: the rules and what runs with them) ----------
+    faults: str | None = None
+    """Replay this fault trace. One event per line: step=N or t=S, worker=K or link, then crash,
+    leave, join, rejoin, slow factor=F [for=D], link factor=F [for=D] or link down for=D
+    (lowcomm.faults.trace). Not with the --fault-* options that generate a trace, which covers
+    1e6 modeled seconds (lowcomm.faults.run says what runs with faults today)."""
+
+    fault_mtbf_s: float | None = None
+    """Generated trace: each worker's mean time between failures (s)."""
+
+    fault_replace_after_s: float | None = None
+    """Generated trace: seconds from a crash until a replacement joins."""
+
+    fault_slow_fraction: float | None = None
+    """Generated trace: the fraction of worker slots that straggle."""
+
+    fault_slow_factor: float | None = None
+    """Generated trace: a straggler's compute slowdown (>= 1)."""
+
+    fault_detection_s: float = TORCHFT_HEARTBEAT_TIMEOUT_S
+    """Seconds until the survivors detect a crash. By default torchft's heartbeat timeout; a
+    synchronous method waits it, then goes on without the dead worker."""
+
+    fault_seed: int | None = None
+    """Generated trace: the seed of its draws (default 0)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -291,6 +318,15 @@ class TrainConfig:
             raise ConfigError(dtype_problem)
         self._validate_checkpointing()
         self._validate_compile()
+        self._validate_faults()
+
+    def _validate_faults(self) -> None:
+        """--faults and the --fault-* options (lowcomm.faults.run.faults_refusal)."""
+        from lowcomm.faults.run import faults_refusal
+
+        refusal = faults_refusal(self)
+        if refusal is not None:
+            raise ConfigError(refusal)
 
     def _validate_counts(self) -> None:
         """The counts, sizes and limits that stand alone (workers, steps, batches, seed, ...)."""

@@ -194,6 +194,9 @@ class NetworkComm:
         # rank the same link schedule.
         self._unresolved: deque[_EmulatedHandle] = deque()
         self._link_free_at = 0.0
+        #: With declared faults: how long a transfer of modeled cost ``cost`` takes when it
+        #: starts at ``start`` on a degraded or down link (None: ``cost``, always).
+        self.link_model: Callable[[float, float], float] | None = None
 
     @property
     def rank(self) -> int:
@@ -216,7 +219,8 @@ class NetworkComm:
         while handle.finish_time is None:
             head = self._unresolved.popleft()
             start = max(head._resolve_start(), self._link_free_at)
-            head.finish_time = start + head.cost
+            cost = head.cost if self.link_model is None else self.link_model(start, head.cost)
+            head.finish_time = start + cost
             self._link_free_at = head.finish_time
         return handle.finish_time
 

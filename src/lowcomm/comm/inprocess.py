@@ -16,6 +16,12 @@ arithmetic is the collective's, not the completing member's compute: it runs out
 thread's dispatch modes (:func:`~lowcomm.comm.base.collective_arithmetic`), so the calibrated
 clock charges it to no worker, as a worker process charges nothing for Gloo's.
 
+A round's quorum (:meth:`InProcessGroup.enter`, with declared faults) narrows the members: a
+member that entered quorum ``q`` of members ``S`` posts its n-th collective of that quorum in
+slot ``(q, n)``, which completes once every member of ``S`` has posted; a worker outside ``S``
+posts nothing. A member's ``rank`` and ``world_size`` are then its index in ``S`` and ``|S|``,
+so a mean divides by the quorum's size. Without faults every member is in quorum 0 of all.
+
 A member that fails aborts the group (:meth:`InProcessGroup.abort`): every waiting and every
 later collective of every member raises :class:`GroupAborted` at once, naming the cause.
 
@@ -102,6 +108,7 @@ class _Slot:
     compute: Callable[[list[_Post]], None]
     posts: list[_Post | None]
     remaining: int
+    members: tuple[int, ...] = ()
     event: SignalingEvent = field(default_factory=SignalingEvent)
     complete: bool = False
     error: BaseException | None = None
@@ -128,12 +135,28 @@ class InProcessGroup:
         self.name = name
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._slots: dict[int, _Slot] = {}
+        self._slots: dict[tuple[int, int], _Slot] = {}
         self._issued = [0] * size
+        everyone = tuple(range(size))
+        self._rounds: list[tuple[int, tuple[int, ...]]] = [(0, everyone)] * size
         self._abort_reason: str | None = None
         self._members = [InProcessComm(self, rank) for rank in range(size)]
         #: Runs the members' communication chains (ACCO's), one thread for all of them.
         self.chains = ChainScheduler(f"lowcomm-chains-{name}", timeout_s=timeout_s)
+
+    def enter(self, rank: int, quorum_id: int, members: tuple[int, ...]) -> None:
+        """Member ``rank`` takes part in quorum ``quorum_id`` of ``members`` from its next
+        collective on (a new id restarts its count of collectives)."""
+        if rank not in members:
+            raise ValueError(f"{self.name} group: member {rank} is not in quorum {members}")
+        with self._lock:
+            if self._rounds[rank][0] != quorum_id:
+                self._rounds[rank] = (quorum_id, tuple(members))
+                self._issued[rank] = 0
+
+    def round_of(self, rank: int) -> tuple[int, ...]:
+        """The members of member ``rank``'s current quorum."""
+        return self._rounds[rank][1]
 
     def comm(self, rank: int) -> InProcessComm:
         """Member ``rank``'s communicator."""
@@ -148,13 +171,17 @@ class InProcessGroup:
         """End the group: every pending and later collective raises :class:`GroupAborted`
         with ``reason`` (the first reason given wins)."""
         with self._lock:
-            if self._abort_reason is not None:
-                return
-            self._abort_reason = reason
-            pending = list(self._slots.values())
-            self._slots.clear()
+            pending = self._abort_locked(reason)
         for slot in pending:
             slot.event.set()
+
+    def _abort_locked(self, reason: str) -> list[_Slot]:
+        if self._abort_reason is not None:
+            return []
+        self._abort_reason = reason
+        pending = list(self._slots.values())
+        self._slots.clear()
+        return pending
 
     def _aborted_error(self) -> GroupAborted:
         return GroupAborted(f"{self.name} group aborted: {self._abort_reason}")
@@ -167,20 +194,39 @@ class InProcessGroup:
         compute: Callable[[list[_Post]], None],
     ) -> _Slot:
         """Hand in member ``rank``'s part of its next collective; complete it if last."""
+        disagreement: RuntimeError | None = None
+        pending: list[_Slot] = []
+        last = False
         with self._lock:
             if self._abort_reason is not None:
                 raise self._aborted_error()
+            quorum_id, members = self._rounds[rank]
             sequence = self._issued[rank]
             self._issued[rank] += 1
-            slot = self._slots.get(sequence)
+            key = (quorum_id, sequence)
+            slot = self._slots.get(key)
             if slot is None:
-                slot = _Slot(kind, compute, [None] * self.size, self.size)
-                self._slots[sequence] = slot
-            slot.posts[rank] = post
-            slot.remaining -= 1
-            last = slot.remaining == 0
-            if last:
-                del self._slots[sequence]
+                slot = _Slot(kind, compute, [None] * len(members), len(members), members)
+                self._slots[key] = slot
+            if slot.members != members:
+                disagreement = RuntimeError(
+                    f"{self.name} group: collective #{sequence} of quorum {quorum_id} has "
+                    f"members {slot.members} on one member but {members} on member {rank}; "
+                    f"every member must agree on the round's quorum"
+                )
+                pending = self._abort_locked(f"RuntimeError: {disagreement}")
+                for waiting in pending:
+                    waiting.error = disagreement
+            else:
+                slot.posts[members.index(rank)] = post
+                slot.remaining -= 1
+                last = slot.remaining == 0
+                if last:
+                    del self._slots[key]
+        if disagreement is not None:
+            for waiting in pending:
+                waiting.event.set()
+            raise disagreement
         if last:
             self._complete(slot, sequence)
         return slot
@@ -378,11 +424,22 @@ class InProcessComm:
 
     @property
     def rank(self) -> int:
-        return self._rank
+        """This member's rank in its current quorum (its slot without faults)."""
+        return self._group.round_of(self._rank).index(self._rank)
 
     @property
     def world_size(self) -> int:
-        return self._group.size
+        """The members of its current quorum (the group's size without faults)."""
+        return len(self._group.round_of(self._rank))
+
+    @property
+    def slot(self) -> int:
+        """This member's slot in the group, whatever the quorum."""
+        return self._rank
+
+    def enter(self, quorum_id: int, members: tuple[int, ...]) -> None:
+        """Take part in quorum ``quorum_id`` of ``members`` (see :meth:`InProcessGroup.enter`)."""
+        self._group.enter(self._rank, quorum_id, members)
 
     @property
     def group(self) -> InProcessGroup:

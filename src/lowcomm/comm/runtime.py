@@ -18,6 +18,9 @@ never ask which concrete communicator they were given. It holds:
 * :meth:`Runtime.restore`: the handle of a collective checkpointed by ``Handle.settle()``.
 * :meth:`Runtime.once_per_gather`: a decode of an all-gather, done once for the workers of one
   process that received it.
+* ``quorum``: the live workers of this round (:class:`Quorum`), and :meth:`Runtime.enter_round`,
+  which a method that talks once per round calls before its round's collectives (it charges
+  the wait for a lost member's detection). Without faults every worker is a member, always.
 
 This module imports nothing of the emulation; a strategy may import it.
 """
@@ -108,6 +111,40 @@ def _completed(settled: Settled) -> Handle:
     return CompletedHandle()
 
 
+@dataclass(frozen=True)
+class Quorum:
+    """The members of a round: the live workers, the same set on every member.
+
+    Attributes:
+        members: the workers' slots, sorted; a collective runs over them, in this order (a
+            member's rank in the round's collectives is its index here).
+        id: changes whenever the set does (0: the run's first set).
+        joined: this worker joined (or rejoined) at this round and was healed.
+    """
+
+    members: tuple[int, ...]
+    id: int = 0
+    joined: bool = False
+
+    @property
+    def size(self) -> int:
+        """How many members: what a mean divides by."""
+        return len(self.members)
+
+
+class Membership(Protocol):
+    """Who takes part in this worker's rounds (the fault engine implements it)."""
+
+    def quorum(self) -> Quorum:
+        """The current round's quorum."""
+        ...
+
+    def enter_round(self) -> Quorum:
+        """Begin a round: wait (on the clock) until a member lost since the last round has
+        been detected, then return the round's quorum."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Runtime:
     """What a strategy may use besides its ``Comm`` (see the module docstring).
@@ -120,6 +157,7 @@ class Runtime:
             thread; None when nothing is emulated (the thread's collectives are then all).
         restorer: builds :meth:`restore`'s handle (from the communicator; default: a
             completed handle, right for a communicator without a clock).
+        membership: who takes part in each round (None: every worker, always).
     """
 
     uncharged: Comm
@@ -127,6 +165,21 @@ class Runtime:
     replica_group: Comm | None = None
     offload: Offload | None = None
     restorer: Callable[[Settled], Handle] = field(default=_completed, repr=False)
+    membership: Membership | None = field(default=None, repr=False)
+
+    @property
+    def quorum(self) -> Quorum:
+        """This round's members (every worker of the group when the run has no faults)."""
+        if self.membership is None:
+            return Quorum(tuple(range(self.uncharged.world_size)))
+        return self.membership.quorum()
+
+    def enter_round(self) -> Quorum:
+        """Begin a round of collectives (see :class:`Membership`); without faults, the
+        quorum of every worker, at no cost."""
+        if self.membership is None:
+            return self.quorum
+        return self.membership.enter_round()
 
     def restore(self, settled: Settled) -> Handle:
         """The handle of a collective checkpointed by ``Handle.settle()``: its data is already

@@ -212,16 +212,17 @@ def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
     Raises:
         ConfigError: the first problem, in one line naming the option and the fix.
     """
+    from lowcomm.faults.run import run_trace
     from lowcomm.launch.devices import watchdog_note
     from lowcomm.launch.init_check import check_init_from
+    from lowcomm.train.metrics import check_loggers
     from lowcomm.train.rundir import check_run_dir
 
     check_init_from(config)  # first: it settles the tokenizer the resume check compares
     _check_resume(config)
     _check_calibration_file(config)
-    from lowcomm.train.metrics import check_loggers
-
     check_loggers(config)
+    run_trace(config)  # (a bad trace ends here, in one line; None: no faults)
     method_note = check_method_options(config, task)
     _check_data_path(config)
     watchdog = watchdog_note(config)

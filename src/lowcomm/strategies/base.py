@@ -31,7 +31,12 @@ from lowcomm.comm.runtime import Runtime, runtime_for
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.optim.muon import muon_refusal
 from lowcomm.optim.schedule import ScheduleConfig, learning_rate
-from lowcomm.strategies.declaration import COMM_DTYPES, CostModel, QuantizedExchange
+from lowcomm.strategies.declaration import (
+    COMM_DTYPES,
+    CostModel,
+    MembershipRule,
+    QuantizedExchange,
+)
 
 #: A micro-batch's or a step's loss: a host float or a 0-dim (device) tensor.
 Loss = float | torch.Tensor
@@ -186,6 +191,8 @@ class Strategy(ABC):
     #: Option values (fields of its options class, the rest at their defaults) under which a
     #: few steps run the method's whole cycle: ``lowcomm selftest`` runs it so.
     quick_options: ClassVar[Mapping[str, object]] = {}
+    #: How the method lives with workers that come and go (None: not with --faults yet).
+    membership: ClassVar[MembershipRule | None] = None
 
     @classmethod
     def takes_variable_microbatches(cls, options: Any) -> bool:
@@ -236,6 +243,49 @@ class Strategy(ABC):
         """Why the model deployed after ``steps`` steps leaves out the last of them (one line
         the launcher prints before the run starts), or None when it holds every step."""
         return None
+
+    # --- membership (declared faults; methods with a ``membership`` rule) ---------------
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        """What the method declares global: the tensors a joining worker receives from a
+        live member (with the role their bytes count under) and the counters."""
+        raise NotImplementedError(f"{self.name} declares no membership rule")
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        """Take a live member's counters (:meth:`global_state`'s)."""
+        raise NotImplementedError(f"{self.name} declares no membership rule")
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        """After healing: start this worker's own state by the method's rule (``kept``: a
+        rejoining worker that kept its state; else a new worker with fresh state)."""
+        raise NotImplementedError(f"{self.name} declares no membership rule")
+
+    def round_committed(self, stats: StepStats) -> bool:
+        """Whether the step that returned ``stats`` ended a round whose result every member
+        applied (its tokens, and a sync round's earlier ones, are then committed)."""
+        return True
+
+    def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
+        """Every member of the round calls this together: the member of rank ``source`` (in
+        the round) sends what the method declares global, over the method's link (charged
+        like any transfer); a ``joining`` worker takes it and starts its own state by the
+        method's rule. The counters (a few integers) travel uncharged."""
+        tensors, counters = self.global_state()
+        with torch.no_grad():
+            for role, tensor in tensors:
+                if tensor.numel() == 0:  # (an unused buffer: nothing to send)
+                    continue
+                # (Only a joiner takes the values: a member keeps its own, which a method may
+                # hold per worker, such as a local model it shares with a joiner.)
+                into = tensor if joining else tensor.clone()
+                self.comm.broadcast(into, src=source, role=role).wait()
+        names = sorted(counters)
+        values = torch.tensor([counters[name] for name in names], dtype=torch.float64)
+        self.runtime.uncharged.broadcast(values, src=source, role=Role.OTHER).wait()
+        if joining:
+            received = values.tolist()
+            self.set_global_counters({n: int(v) for n, v in zip(names, received, strict=True)})
+            self.start_worker_state(kept=kept)
 
     @abstractmethod
     def state_bytes(self) -> int:

@@ -40,7 +40,7 @@ from torch import nn
 from lowcomm.comm.base import Comm, Handle, Role
 from lowcomm.comm.runtime import pending_state
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, Transfer
+from lowcomm.strategies.declaration import CostModel, MembershipRule, Transfer
 from lowcomm.strategies.local_update import InnerOptimizerKind, LocalUpdate, RoundOptions
 from lowcomm.strategies.sharded_flat import whole_mean
 
@@ -143,6 +143,7 @@ class _LocalFamily(LocalUpdate[LocalOptions]):
 
     def average(self) -> None:
         """A blocking mean all-reduce of the local parameters (launched and finished at once)."""
+        self.runtime.enter_round()  # (a member lost since the last round: its detection)
         self.comm.all_reduce(self.flat.params, op="mean", role=Role.PARAMETER).wait()
 
     def state_dict(self) -> dict[str, Any]:
@@ -187,6 +188,33 @@ class LocalSGD(_LocalFamily):
     )
     fixed_inner: ClassVar[InnerOptimizerKind | None] = "sgd"
     muon_refusal: ClassVar[str | None] = "its inner optimizer is SGD"
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state="the step and round counters, and a live member's local parameters",
+        worker_state=(
+            "join: the local parameters start as the sending member's and the inner optimizer "
+            "afresh; rejoin: the same, the inner optimizer kept"
+        ),
+    )
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return stats.extras.get("synced") == 1.0
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
+        counters["rounds"] = self.rounds
+        return [(Role.PARAMETER, self.flat.params)], counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        self.local_steps = counters["local_steps"]
+        self.rounds = counters["rounds"]
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        with torch.no_grad():
+            self.params_written()
 
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)
@@ -383,6 +411,35 @@ class SlowMo(_AnchoredOuter):
         extra_copies=2,
         shards_over_replicas=True,
     )
+
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state="the anchor x_{t,0}, the slow momentum u, the step and round counters",
+        worker_state=(
+            "join: the local parameters start at the anchor and the inner optimizer afresh; "
+            "rejoin: the local parameters start at the anchor, the inner optimizer kept"
+        ),
+    )
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return "outer_step" in stats.extras
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        tensors = [(Role.PARAMETER, self.anchor), (Role.FIRST_MOMENT, self.momentum)]
+        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
+        counters["rounds"] = self.rounds
+        return tensors, counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        self.local_steps = counters["local_steps"]
+        self.rounds = counters["rounds"]
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        with torch.no_grad():
+            self.restart_from_anchor()
 
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)

@@ -19,7 +19,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, every_step
+from lowcomm.strategies.declaration import CostModel, MembershipRule, every_step
 from lowcomm.strategies.gradient_step import (
     accumulate,
     average_and_clip,
@@ -48,6 +48,11 @@ class DDP(Strategy):
     )
     muon_refusal: ClassVar[str | None] = None
     sharding_refusal: ClassVar[str | None] = None
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="step",
+        global_state="parameters, AdamW moments and their step counts, the step counter",
+        worker_state="none: every worker's state is the same, so all of it is healed",
+    )
 
     def __init__(self, model: nn.Module, comm: Comm, context: StrategyContext) -> None:
         super().__init__(model, comm, context)
@@ -83,6 +88,28 @@ class DDP(Strategy):
             tokens=tokens,
             lr=lr,
         )
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        tensors = [(Role.PARAMETER, self.flat.params)]
+        if self.optimizer.master is not self.flat.params:
+            tensors.append((Role.PARAMETER, self.optimizer.master))
+        tensors.extend((role, state) for role, state in self.optimizer.states().items())
+        saved = self.optimizer.state_dict()
+        counters = {"step_index": self.step_index}
+        counters.update(
+            {name: int(value) for name, value in saved.items() if name.endswith(("steps", "count"))}
+        )
+        return tensors, counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        saved = self.optimizer.state_dict()
+        saved.update({name: counters[name] for name in saved if name in counters})
+        self.optimizer.load_state_dict(saved)
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        with torch.no_grad():
+            self.flat.params.copy_(self.optimizer.master)
 
     def state_bytes(self) -> int:
         extra_master = (

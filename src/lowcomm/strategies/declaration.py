@@ -20,6 +20,9 @@ Each strategy class carries, next to its ``name``:
   selftest`` runs every registered method so);
 * ``takes_variable_microbatches(options)``: whether it takes a variable number of
   micro-batches per step (equal-token comparisons give it a token budget).
+* ``membership``: a :class:`MembershipRule`, how it lives with workers that come and go
+  (what a round is, what a joining worker is healed with, how its own state starts), or None
+  when it does not run with declared faults yet.
 
 The registry checks each declaration when it discovers the method
 (:func:`lowcomm.strategies.check_declaration`).
@@ -54,6 +57,29 @@ class Transfer:
     per_step: float
     hidden_steps: float = 0.0
     bytes_per_parameter: float | None = None
+
+
+@dataclass(frozen=True)
+class MembershipRule:
+    """How a method lives with workers that come and go (docs/ALGORITHMS.md, "Membership:
+    quorum, commit and healing").
+
+    Attributes:
+        round: ``step`` when its workers talk every step (a crash inside a step drops that
+            step on every member), ``sync`` when they talk at each outer sync (a worker lost
+            during the inner steps is left out of the next sync's quorum).
+        global_state: what a joining worker receives from a live member (healing).
+        worker_state: how a joining worker's own state starts (``join``), and what a
+            rejoining one keeps (``rejoin``).
+    """
+
+    round: str
+    global_state: str
+    worker_state: str
+
+    def __post_init__(self) -> None:
+        if self.round not in ("step", "sync"):
+            raise ValueError(f"MembershipRule.round: {self.round!r}; choose step or sync")
 
 
 #: Every value of ``--comm-dtype`` (:data:`lowcomm.comm.cast.COMM_DTYPES`, which

@@ -31,7 +31,7 @@ from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.dct import BlockDCT
 from lowcomm.optim.sparse import block_positions, decode_group, fresh, index_bits, pack_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, Transfer
+from lowcomm.strategies.declaration import CostModel, MembershipRule, Transfer
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.gradient_step import accumulate, average_and_clip
 
@@ -214,6 +214,11 @@ class DeMo(Strategy):
         schedule=lambda o: f"every step, k = {o.topk} of {o.chunk}x{o.chunk} per DCT block",
         extra_copies=1,  # the momentum m
     )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="step",
+        global_state="the parameters and the step counter",
+        worker_state="join: the momentum m starts at zero; rejoin: m kept",
+    )
 
     def __init__(
         self,
@@ -280,6 +285,19 @@ class DeMo(Strategy):
             lr=lr,
             extras={"payload_bytes": float(self.last_payload_bytes)},
         )
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        return [(Role.PARAMETER, self.master)], {"step_index": self.step_index}
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        with torch.no_grad():
+            if not kept:
+                self.momentum.zero_()
+            if self.master is not self.flat.params:
+                self.flat.params.copy_(self.master)
 
     def state_bytes(self) -> int:
         extra_master = 0 if self.master is self.flat.params else self.master.numel() * 4

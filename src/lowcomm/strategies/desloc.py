@@ -93,7 +93,7 @@ from lowcomm.optim.adopt import AdoptConfig, FlatAdopt
 from lowcomm.optim.flat import FlatOptimizer, tensor_bytes
 from lowcomm.optim.sgd import FlatSGD
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, state_traffic
+from lowcomm.strategies.declaration import CostModel, MembershipRule, state_traffic
 from lowcomm.strategies.gradient_step import accumulate, average_and_clip, step_and_publish
 from lowcomm.strategies.sharded_flat import flat_buffers, norm_summer, whole_norm
 
@@ -286,6 +286,14 @@ class Desloc(Strategy):
     }  # fmt: skip
     #: Zero the moments and counters after every parameter sync (FedAvg with reset state).
     reset_after_parameter_sync: ClassVar[bool] = False
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state="the step counter and the sending member's parameters",
+        worker_state=(
+            "join: the parameters start as the sending member's and the moments afresh (zero, "
+            "counters 0), to be averaged in at their next syncs; rejoin: the moments kept"
+        ),
+    )
 
     def __init__(
         self,
@@ -405,6 +413,7 @@ class Desloc(Strategy):
         self.last_synced = list(roles)
         if not roles:
             return
+        self.runtime.enter_round()  # (a member lost since the last sync: its detection)
         tensors = [self._tensor_of(role) for role in roles]
         with torch.no_grad():
             if len(roles) > 1 and self.options.fuse:
@@ -431,6 +440,23 @@ class Desloc(Strategy):
     def _publish_master(self) -> None:
         if self.inner.master is not self.flat.params:
             self.flat.params.copy_(self.inner.master)
+
+    # -- membership (declared faults) --
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return stats.extras.get(_EXTRA_NAMES[Role.PARAMETER]) == 1.0
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        return [(Role.PARAMETER, self.inner.master)], {"step_index": self.step_index}
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        with torch.no_grad():
+            self._publish_master()
 
     # -- joining --
 

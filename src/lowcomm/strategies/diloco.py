@@ -38,7 +38,12 @@ from lowcomm.comm.runtime import ClockReader, Runtime
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.optim.quantize import QuantizationFormat
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
+from lowcomm.strategies.declaration import (
+    CostModel,
+    MembershipRule,
+    QuantizedExchange,
+    Transfer,
+)
 from lowcomm.strategies.local_update import LocalUpdate, OptionsT, RoundOptions
 from lowcomm.strategies.sharded_flat import flat_numel
 from lowcomm.strategies.two_step import TwoStepQuantized, shard_payload_bytes
@@ -529,6 +534,37 @@ class OuterLoopStrategy(LocalUpdate[OptionsT]):
             self.fragments[p].scatter(self.master, values)
             self.write_back()
 
+    # membership (declared faults; a subclass declares its rule) ----------------------------
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return "outer_step" in stats.extras
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        tensors = [(Role.PARAMETER, anchor) for anchor in self.globals_]
+        tensors.extend((Role.FIRST_MOMENT, outer.momentum_buffer) for outer in self.outer)
+        counters = {
+            "step_index": self.step_index,
+            "outer_steps": self.outer_steps,
+            "local_steps": self.local_steps,
+            "rounds": self.rounds,
+        }
+        counters.update({f"outer{p}": outer.step_count for p, outer in enumerate(self.outer)})
+        return tensors, counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        self.outer_steps = counters["outer_steps"]
+        self.local_steps = counters["local_steps"]
+        self.rounds = counters["rounds"]
+        for p, outer in enumerate(self.outer):
+            outer.step_count = counters[f"outer{p}"]
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        for p, anchor in enumerate(self.globals_):
+            self.set_local_fragment(p, anchor)
+
     # Strategy API ---------------------------------------------------------------------------
 
     @contextmanager
@@ -617,6 +653,19 @@ class DiLoCo(OuterLoopStrategy[DiLoCoOptions]):
         shards_over_replicas=True,
     )
 
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state=(
+            "the global parameters theta^g, the outer momentum, the step, round and outer-step "
+            "counters"
+        ),
+        worker_state=(
+            "join: the local parameters start at theta^g and the inner AdamW afresh (zero "
+            "moments, step count 0); rejoin: the local parameters start at theta^g and the "
+            "inner AdamW keeps its state"
+        ),
+    )
+
     def __init__(
         self,
         model: nn.Module,
@@ -635,6 +684,7 @@ class DiLoCo(OuterLoopStrategy[DiLoCoOptions]):
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)
         if self.step_index % self.options.sync_every == 0:
+            self.runtime.enter_round()  # (a member lost since the last sync: its detection)
             sync = self.launch_sync(0)
             mean, _, _ = sync.wait()  # finish_sync: nothing overlaps DiLoCo's all-reduce
             self.outer_step(0, mean)

@@ -31,7 +31,7 @@ from torch import nn
 from lowcomm.comm.base import Comm, Role
 from lowcomm.optim.sparse import SparseCodec, index_bits
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
+from lowcomm.strategies.declaration import CostModel, MembershipRule, QuantizedExchange, Transfer
 from lowcomm.strategies.diloco import OuterLoopStrategy, outer_round_tail
 from lowcomm.strategies.local_update import RoundOptions
 
@@ -128,6 +128,14 @@ class SparseLoCo(OuterLoopStrategy[SparseLoCoOptions]):
     """
 
     name: ClassVar[str] = "sparseloco"
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state="the global parameters theta^g, the outer momentum, the counters",
+        worker_state=(
+            "join: the local parameters start at theta^g, the inner AdamW and the error "
+            "feedback e afresh (zero); rejoin: the inner AdamW and e kept"
+        ),
+    )
     options_field: ClassVar[str | None] = "sparseloco"
     # Its own compressed all-gather is priced from Transfer.bytes_per_parameter.
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
@@ -194,6 +202,7 @@ class SparseLoCo(OuterLoopStrategy[SparseLoCoOptions]):
             with torch.no_grad():
                 delta = self.globals_[0] - self.local_fragment(0)
                 self.error.mul_(self.options.error_decay).add_(delta)  # e <- beta e + Delta
+                self.runtime.enter_round()  # (a member lost since the last sync: its detection)
                 mean, own = self.exchange()  # launch and finish: a blocking all-gather of D
                 self.error.sub_(own)  # e <- e - D
                 self.outer_step(0, mean)
@@ -201,6 +210,11 @@ class SparseLoCo(OuterLoopStrategy[SparseLoCoOptions]):
             stats.extras["outer_step"] = 1.0
             stats.extras["payload_bytes"] = float(self.last_payload_bytes)
         return stats
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        super().start_worker_state(kept=kept)
+        if not kept:
+            self.error.zero_()
 
     def extra_state_bytes(self) -> int:
         return self.error.numel() * self.error.element_size()

@@ -29,7 +29,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm, Role
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, QuantizedExchange, Transfer
+from lowcomm.strategies.declaration import CostModel, MembershipRule, QuantizedExchange, Transfer
 from lowcomm.strategies.diloco import OuterLoopStrategy, outer_round_tail
 from lowcomm.strategies.flat import FlatBuffers
 from lowcomm.strategies.local_update import LocalUpdate, RoundOptions
@@ -200,6 +200,14 @@ class Sparta(LocalUpdate[SpartaOptions]):
         schedule=lambda o: f"every step, p = {o.fraction:g} of the parameters",
         shards_over_replicas=True,
     )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="step",
+        global_state="the step counters and the sending member's parameters",
+        worker_state=(
+            "join: the parameters start as the sending member's and the inner AdamW afresh; "
+            "rejoin: the same, the inner AdamW kept"
+        ),
+    )
 
     def __init__(
         self,
@@ -210,6 +218,22 @@ class Sparta(LocalUpdate[SpartaOptions]):
     ) -> None:
         super().__init__(model, comm, context, options or SpartaOptions())
         self.average = sparse_average(comm, self.flat, self.options.fraction, context.seed)
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
+        counters["rounds"] = self.rounds
+        return [(Role.PARAMETER, self.master)], counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        self.local_steps = counters["local_steps"]
+        self.rounds = counters["rounds"]
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        with torch.no_grad():
+            self.write_back()
 
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)

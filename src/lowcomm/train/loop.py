@@ -24,9 +24,11 @@ from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.comm.turns import holding
 from lowcomm.config import TrainConfig
+from lowcomm.faults.engine import WorkerFaults
 from lowcomm.models.gpt import drawing_from, dropout_modules
 from lowcomm.models.recompute import checkpoint_blocks, compile_blocks
-from lowcomm.strategies import MicroBatchResult, Strategy, build_strategy
+from lowcomm.strategies import MicroBatchResult, StepStats, Strategy, build_strategy
+from lowcomm.strategies.base import run_microbatches
 from lowcomm.train import checkpoint, sharding
 from lowcomm.train.compute import (
     budget_spent,
@@ -135,6 +137,8 @@ class Worker:
     ``torch.manual_seed`` starts the device's own)."""
     one_process: bool = False
     """Every worker of the run is in this process (``--workers-per-process``)."""
+    faults: WorkerFaults | None = None
+    """This worker's view of the run's declared faults (None: the run has none)."""
 
 
 @dataclass
@@ -254,7 +258,11 @@ def set_up(
         comm, _ = _strategy_comms(config, raw, clock, device, levels, books)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
-    context = replace(strategy_context(config), runtime=comm.runtime())
+    faults = _worker_faults(config, raw, clock)
+    runtime = comm.runtime() if faults is None else replace(comm.runtime(), membership=faults)
+    if faults is not None and isinstance(comm, NetworkComm):
+        comm.link_model = faults.transfer_time  # (link events: degraded or down)
+    context = replace(strategy_context(config), runtime=runtime)
     strategy = build_strategy(config.method, model, comm, context, config)
     data = task.data(config, rank, None if shared is None else shared.validation)
     validation = [to_device(batch, device) for batch in data.validation]
@@ -268,7 +276,26 @@ def set_up(
         comm=comm, bookkeeping=bookkeeping, strategy=strategy, task=task, shard=data.shard,
         validation=validation, validation_batches=data.validation_batches,
         step_closure=step_closure, generator=generator, device_generator=device_generator,
-        one_process=shared is not None and shared.whole_run,
+        one_process=shared is not None and shared.whole_run, faults=faults,
+    )  # fmt: skip
+
+
+def _worker_faults(config: TrainConfig, raw: Comm, clock: Clock) -> WorkerFaults | None:
+    """This worker's view of the run's fault trace (None without one). The options were
+    checked before any worker started (``config.validate()`` and the pre-flight): the
+    workers are threads of this process on an in-process group."""
+    from lowcomm.comm.inprocess import InProcessComm
+    from lowcomm.faults.run import run_trace
+    from lowcomm.strategies import strategy_class
+
+    trace = run_trace(config)
+    rule = strategy_class(config.method).membership
+    if trace is None or rule is None:
+        return None
+    assert isinstance(raw, InProcessComm), "faults run with every worker in one process"
+    return WorkerFaults(
+        trace, slot=raw.slot, round_kind=rule.round, detection_s=config.fault_detection_s,
+        clock=clock, raw=raw,
     )  # fmt: skip
 
 
@@ -481,7 +508,11 @@ def train_step(
     # run it; they are read with the loss, every --log-every steps.)
     begin = clock.marker()
     before_bytes = comm.bytes_sent
-    stats = worker.strategy.step(worker.step_closure)
+    member = True
+    if worker.faults is None:
+        stats = worker.strategy.step(worker.step_closure)
+    else:
+        stats, member = _step_with_faults(worker, worker.faults, step)
     now = clock.now()
     end = clock.marker()
     progress.tokens += stats.tokens
@@ -501,7 +532,9 @@ def train_step(
         )
         is_last = step == config.steps - 1 or progress.end_step is not None
         evaluate = (step + 1) % config.eval_every == 0 and not is_last
-        if evaluate:
+        if evaluate and not member:  # (takes its turn in the sums, with no batch)
+            progress.val_loss = _evaluate(worker.model, [], worker.bookkeeping, worker.task)
+        elif evaluate:
             with worker.strategy.deployed() as deployed_model:
                 progress.val_loss = _evaluate(
                     deployed_model, worker.validation, worker.bookkeeping, worker.task
@@ -521,6 +554,39 @@ def train_step(
     return not stopped
 
 
+def _step_with_faults(worker: Worker, faults: WorkerFaults, step: int) -> tuple[StepStats, bool]:
+    """One step under the fault trace (:mod:`lowcomm.faults.engine`); returns the step's
+    stats and whether this worker was a member of its quorum."""
+    strategy = worker.strategy
+    plan = faults.plan(step)
+    if not plan.member:
+        faults.lose_pending()
+        absent = StepStats(
+            loss=math.nan, microbatches=0, samples=0, tokens=0,
+            lr=strategy.lr_at(strategy.step_index), committed_steps=0,
+        )  # fmt: skip
+        return absent, False
+    faults.begin(plan, step)
+    if plan.joining:
+        assert plan.source is not None
+        joined = plan.quorum.joined
+        strategy.heal(plan.source, joining=joined, kept=joined and faults.kept_state(plan))
+    if plan.dropped:
+        # The step's collectives cannot complete: its gradient is computed, then discarded
+        # once the crash is detected; the next step's accumulation zeroes it.
+        count = worker.config.microbatches_per_step
+        loss, samples, tokens = run_microbatches(worker.step_closure, count)
+        faults.drop()
+        stats = StepStats(
+            loss=loss, microbatches=count, samples=samples, tokens=tokens,
+            lr=strategy.lr_at(strategy.step_index), committed_steps=0,
+        )  # fmt: skip
+        return stats, True
+    stats = strategy.step(worker.step_closure)
+    faults.account(stats.tokens, committed_round=strategy.round_committed(stats))
+    return stats, True
+
+
 def _write_held(
     worker: Worker,
     log: StepLog,
@@ -532,13 +598,19 @@ def _write_held(
     """Read and gather the held steps' metrics and write them, in order, up to a step with a
     non-finite loss or parameter, which stops the run."""
     steps = log.read(worker.bookkeeping, worker.clock)
+    faults = worker.faults
     for index, (held, everyone) in enumerate(steps):
-        _check_finite(held.step, everyone)
+        members = None if faults is None else faults.trace.members(step=held.step)
+        _check_finite(held.step, everyone, members)
         if writer is None:
             continue
+        rows = everyone.records()
         record = StepRecord.from_workers(
-            held.step, held.lr, everyone.records(), held.val_loss, clock_kind, held.extras
-        )
+            held.step, held.lr, rows if members is None else [rows[k] for k in members],
+            held.val_loss, clock_kind, held.extras,
+        )  # fmt: skip
+        if faults is not None:
+            fault_record(record, faults, held.step)
         if is_last and index == len(steps) - 1:
             # Written once the final validation gives it its val_loss, so metrics.jsonl
             # and loss.png end on summary.json's final_val_loss.
@@ -547,17 +619,40 @@ def _write_held(
             writer.write_step(record)
 
 
-def _check_finite(step: int, everyone: WorkerRows) -> None:
-    """Stop the run on a non-finite loss or parameter on any worker."""
+def fault_record(record: StepRecord, faults: WorkerFaults, step: int) -> None:
+    """Add the step's quorum size and its membership events to its record."""
+    plan = faults.plan(step)
+    record.quorum = plan.quorum.size
+    if plan.events:
+        record.membership_events = [
+            {"worker": int(event.worker or 0), "kind": event.kind} for event in plan.events
+        ]
+    if plan.dropped:
+        record.dropped = True
+
+
+def _check_finite(step: int, everyone: WorkerRows, members: tuple[int, ...] | None = None) -> None:
+    """Stop the run on a non-finite loss or parameter on any worker (of ``members``, the
+    step's quorum, when the run has faults: the others took no step)."""
     losses = everyone.column("loss")
-    bad = (~torch.isfinite(losses)).nonzero()
+    finite = torch.isfinite(losses)
+    if members is not None:
+        outside = torch.ones_like(finite)
+        outside[list(members)] = False
+        finite |= outside
+    bad = (~finite).nonzero()
     if len(bad):
         rank = int(bad[0])
         raise NonFiniteLoss(
             f"step {step}: worker {rank} reported a non-finite loss ({float(losses[rank])}); "
             f"lower --optim.lr or check the data{_NOT_SAVED}"
         )
-    bad = (everyone.column("params_finite") != 1.0).nonzero()
+    flags = everyone.column("params_finite") == 1.0
+    if members is not None:
+        outside = torch.ones_like(flags)
+        outside[list(members)] = False
+        flags |= outside
+    bad = (~flags).nonzero()
     if len(bad):
         rank = int(bad[0])
         raise NonFiniteLoss(
@@ -587,7 +682,16 @@ def _stopped(
 def final_evaluation(
     worker: Worker, progress: Progress, final: FinalState, keep_parameters: bool
 ) -> None:
-    """Drain the method's communication, then validate the parameters it deploys."""
+    """Drain the method's communication, then validate the parameters it deploys (a
+    worker outside the last step's quorum takes its turn in the sums with no batch)."""
+    faults, last = worker.faults, worker.config.steps - 1
+    if faults is not None and worker.rank not in faults.trace.members(step=last):
+        final.clock_s = worker.clock.now()
+        with worker.clock.excluded():
+            progress.val_loss = _evaluate(worker.model, [], worker.bookkeeping, worker.task)
+        if final.last_record is not None:
+            final.last_record.val_loss = progress.val_loss
+        return
     worker.strategy.finish()
     final.clock_s = worker.clock.now()
     with worker.clock.excluded(), worker.strategy.deployed() as deployed_model:
@@ -628,8 +732,16 @@ def finish(
     """Gather every process's totals on rank 0 (uncharged), which writes the summary."""
     summary = _worker_summary(worker, progress, final.clock_s, keep_parameters, final.deployed)
     everyone = _process_totals(worker, summary).all_gather(worker.bookkeeping)
+    fault_committed = None
+    if worker.faults is not None:  # (every worker's committed tokens, summed)
+        committed = torch.tensor([float(worker.faults.committed_tokens)], dtype=torch.float64)
+        worker.bookkeeping.all_reduce(committed, op="sum", role=Role.OTHER).wait()
+        fault_committed = int(committed[0])
     if writer is not None:
         config = worker.config
+        if worker.faults is not None:
+            assert fault_committed is not None
+            writer.faults = fault_summary(worker.faults, writer.records, fault_committed, config)
         writer.finish(
             per_process=everyone,
             bytes_by_role=summary.bytes_by_role,
@@ -640,7 +752,9 @@ def finish(
             compute_model=worker.clock.describe_compute(),
             committed_tokens=committed_tokens(
                 config, worker.strategy, progress.tokens * worker.world_size
-            ),
+            )
+            if fault_committed is None
+            else fault_committed,
             network=network_profile(config),
             task=worker.task.describe(),
             replica_network=replica_network_profile(config)
@@ -648,6 +762,56 @@ def finish(
             else None,
         )
     return summary
+
+
+def fault_summary(
+    faults: WorkerFaults, records: list[StepRecord], committed: int, config: TrainConfig
+) -> dict[str, object]:
+    """summary.json's ``faults``: goodput, rounds dropped, worker-seconds lost and the
+    membership changes (lowcomm.faults.goodput).
+
+    Goodput's fault-free step time is the median modeled time of this run's steps that had
+    every worker, no membership event and no slow worker: what a step costs without a fault.
+    A run with no such step reports no goodput (null)."""
+    from lowcomm.faults import goodput as accounting
+
+    trace, workers = faults.trace, config.workers
+    modeled_s = max((r.clock_s for r in records), default=0.0)
+    clean, previous = [], 0.0
+    for record in records:
+        slow = any(
+            trace.speed_factor(k, step=record.step, time=previous) != 1.0 for k in range(workers)
+        )
+        if record.quorum == workers and not record.membership_events and not slow:
+            clean.append(record.clock_s - previous)
+        previous = record.clock_s
+    per_step = config.microbatches_per_step * config.tokens_per_microbatch()
+    ratio: float | None = None
+    lost: float | None = None
+    if clean and modeled_s > 0:
+        clean.sort()
+        step_s = clean[len(clean) // 2]
+        free = accounting.fault_free_tokens(
+            workers=workers, tokens_per_worker_step=per_step, fault_free_step_s=step_s,
+            modeled_s=modeled_s,
+        )  # fmt: skip
+        ratio = accounting.goodput(committed_tokens=committed, fault_free_tokens=free)
+        lost = accounting.worker_seconds_lost(
+            workers=workers, modeled_s=modeled_s, goodput=min(ratio, 1.0)
+        )
+    return {
+        "source": trace.source,
+        "detection_s": faults.detection_s,
+        "committed_tokens": committed,
+        "goodput": ratio,
+        "rounds_dropped": sum(1 for r in records if r.dropped),
+        "worker_seconds_lost": lost,
+        "membership_changes": [
+            {"step": r.step, "events": r.membership_events, "quorum": r.quorum}
+            for r in records
+            if r.membership_events
+        ],
+    }
 
 
 def _process_totals(worker: Worker, summary: WorkerSummary) -> ProcessTotals:

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from lowcomm.config import TrainConfig
 
 
+_OPTIONAL = frozenset({"membership", "quorum", "membership_events", "dropped"})
+
+
 @dataclass
 class StepRecord:
     """One line of metrics.jsonl: a step, averaged over workers, with per-worker detail."""
@@ -41,10 +44,17 @@ class StepRecord:
     membership: dict[str, int] | None = None
     """On the first step after a membership change (an elastic resume on another number of
     workers): the checkpoint's step and the old and new worker counts (absent otherwise)."""
+    quorum: int | None = None
+    """With declared faults: the step's quorum size (absent otherwise)."""
+    membership_events: list[dict[str, object]] | None = None
+    """With declared faults: the crash, leave, join and rejoin events of this step."""
+    dropped: bool | None = None
+    """With declared faults: true when the step was dropped on every member."""
 
     def line(self) -> str:
-        """This record as one metrics.jsonl line (without ``membership`` when there is none)."""
-        fields = {k: v for k, v in self.__dict__.items() if k != "membership" or v is not None}
+        """This record as one metrics.jsonl line (without the optional fields that are not
+        set: ``membership`` and the fault fields)."""
+        fields = {k: v for k, v in self.__dict__.items() if k not in _OPTIONAL or v is not None}
         return json.dumps(fields) + "\n"
 
     @classmethod
@@ -187,6 +197,8 @@ class RunWriter:
         metrics_path = self.directory / "metrics.jsonl"
         self.records: list[StepRecord] = []
         self.membership: dict[str, int] | None = None
+        #: With declared faults: summary.json's ``faults`` (set before :meth:`finish`).
+        self.faults: dict[str, Any] | None = None
         """A membership change this run made at its start, for its first step's record."""
         self.extended_at: list[int] = []
         """The finished steps at which this run was extended (summary.json's
@@ -284,6 +296,8 @@ class RunWriter:
         changes = membership_changes(self.records)
         if changes:
             summary["membership_changes"] = changes
+        if self.faults is not None:
+            summary["faults"] = self.faults
         if task is not None and task.get("unit", "tokens") != "tokens":
             summary.update(task=task, unit=task["unit"])
             summary["samples"] = summary.pop("tokens")
@@ -392,6 +406,7 @@ class RunWriter:
 #: The order of summary.json's keys (unchanged since before the named records).
 _SUMMARY_ORDER = (
     "method", "workers", "ranks_per_worker", "steps", "extended_at_steps", "membership_changes",
+    "faults",
     "num_params", "tokens", "committed_tokens", "token_budget", "unit", "samples",
     "committed_samples", "task", "final_train_loss",
     "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",

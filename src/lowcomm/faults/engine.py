@@ -1,0 +1,225 @@
+"""Declared faults applied to one worker of an in-process run (every worker a thread).
+
+The trace decides who is alive at each step; every worker reads the same trace, so every
+member derives the same quorum without talking (:meth:`WorkerFaults.plan`). At each step a
+worker:
+
+* outside the quorum (crashed, left, or not yet joined) takes no part: it issues no strategy
+  collective and charges its clock nothing. Its thread stays only to take its turn in the
+  run's bookkeeping (the metrics gather, the validation sums, the summary), which its rows
+  leave out.
+* in the quorum enters it on the strategy's in-process group (the collectives of the step run
+  over its members; a mean divides by its size), sets its compute speed from the trace's
+  ``slow`` events, and then:
+
+  - when workers join at this step, the joiners' clocks move to the latest member's time
+    (uncharged; their absence is not a wait), then every member takes part in healing: the
+    lowest surviving member sends what the method declares global, charged on the link; the
+    joiners start their own state by the method's rule (:meth:`Strategy.heal`);
+  - when a member crashed at this step and the method's round is a step (ddp, demo,
+    sparta), the step is *dropped* on every member: each computes its micro-batches (the
+    gradient it cannot send), waits the detection time on its clock, discards the gradient,
+    changes no state and commits nothing;
+  - when a member crashed and the method's round is a sync (the DiLoCo, local and DES-LOC
+    families, sparseloco), the survivors take their inner steps as usual and wait, at the
+    next sync, until the detection time after the crash has passed
+    (:meth:`WorkerFaults.enter_round`);
+  - otherwise it takes the method's step.
+
+A worker that leaves announces it: the others neither wait to detect it nor drop a step. A
+link degraded to F makes a transfer that starts in it take 1/F times its modeled time; one
+that starts while the link is down starts when it is up (:meth:`WorkerFaults.transfer_time`).
+
+Committed tokens: a step-round method commits a member's tokens at every step that was not
+dropped; a sync-round method commits a worker's inner-step tokens at the sync it takes part
+in, and a worker lost before its sync loses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lowcomm.comm.base import Role
+from lowcomm.comm.runtime import Quorum
+from lowcomm.faults.trace import Event, FaultTrace
+
+if TYPE_CHECKING:
+    from lowcomm.comm.clock import Clock
+    from lowcomm.comm.inprocess import InProcessComm
+
+__all__ = ["StepPlan", "WorkerFaults", "quorum_at"]
+
+
+def quorum_at(trace: FaultTrace, step: int) -> tuple[tuple[int, ...], int]:
+    """The members at ``step`` and the quorum's id: the number of steps up to ``step`` at which
+    membership changed (so a crash and its replacement's join at one step change it too)."""
+    members = trace.members(step=step)
+    changes = {
+        event.at_step
+        for event in trace.membership_events()
+        if event.at_step is not None and event.at_step <= step
+    }
+    return members, len(changes)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one worker does at one step.
+
+    Attributes:
+        quorum: the step's quorum (``joined``: this worker joins at this step).
+        member: whether this worker is in it.
+        events: the membership events at this step.
+        lost: the workers that crash at this step (one that leaves announces it: the others
+            neither wait to detect it nor drop the step).
+        joining: the workers that join or rejoin at this step.
+        source: the rank (in the quorum) of the member that heals the joiners.
+        dropped: the step is dropped on every member (a step-round method lost a member).
+    """
+
+    quorum: Quorum
+    member: bool
+    events: tuple[Event, ...]
+    lost: tuple[int, ...]
+    joining: tuple[int, ...]
+    source: int | None
+    dropped: bool
+
+
+def _workers_of(events: tuple[Event, ...], kinds: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(sorted({e.worker for e in events if e.kind in kinds and e.worker is not None}))
+
+
+class WorkerFaults:
+    """One worker's view of the run's faults (it implements the runtime's ``Membership``).
+
+    Args:
+        trace: the run's trace.
+        slot: this worker's slot (its rank among the M workers).
+        round_kind: ``step`` or ``sync``, the method's :class:`MembershipRule` round.
+        detection_s: seconds until the survivors of a loss go on without the lost worker.
+        clock: this worker's clock.
+        raw: this worker's member of the strategy's in-process group.
+    """
+
+    def __init__(
+        self,
+        trace: FaultTrace,
+        *,
+        slot: int,
+        round_kind: str,
+        detection_s: float,
+        clock: Clock,
+        raw: InProcessComm,
+    ) -> None:
+        self.trace = trace
+        self.slot = slot
+        self.round_kind = round_kind
+        self.detection_s = detection_s
+        self.clock = clock
+        self.raw = raw
+        self.base_speed = clock.speed_factor
+        self._quorum = Quorum(tuple(range(trace.workers)))
+        self._detect_until: float | None = None
+        #: Tokens this worker computed that a sync has not committed yet (sync rounds).
+        self.pending_tokens = 0
+        self.committed_tokens = 0
+        self.dropped_steps = 0
+        self._step = 0
+
+    # --- the runtime's Membership -----------------------------------------------------------
+
+    def quorum(self) -> Quorum:
+        return self._quorum
+
+    def enter_round(self) -> Quorum:
+        if self._detect_until is not None:
+            self.clock.wait_until(self._detect_until)  # (waits only if not detected yet)
+            self._detect_until = None
+        return self._quorum
+
+    # --- the loop's side ---------------------------------------------------------------
+
+    def plan(self, step: int) -> StepPlan:
+        """What this worker does at ``step`` (the same quorum on every member)."""
+        members, quorum_id = quorum_at(self.trace, step)
+        events = tuple(e for e in self.trace.membership_events() if e.at_step == step)
+        lost = _workers_of(events, ("crash",))  # (a worker that leaves says so: no detection)
+        joining = _workers_of(events, ("join", "rejoin"))
+        survivors = [m for m in members if m not in joining]
+        source = None
+        if joining:
+            if not survivors:
+                raise RuntimeError(
+                    f"{self.trace.source}: step {step}: every member of the quorum joins at "
+                    "once, so none holds the state to heal them from; keep one worker alive"
+                )
+            source = members.index(survivors[0])
+        quorum = Quorum(members, quorum_id, joined=self.slot in joining)
+        dropped = bool(lost) and self.round_kind == "step"
+        return StepPlan(quorum, self.slot in members, events, lost, joining, source, dropped)
+
+    def begin(self, plan: StepPlan, step: int) -> None:
+        """Enter the step's quorum on the group and set this worker's compute speed."""
+        self._quorum = plan.quorum
+        self._step = step
+        self.raw.enter(plan.quorum.id, plan.quorum.members)
+        if plan.joining:
+            self._meet_joiners(plan)
+        factor = self.trace.speed_factor(self.slot, step=step, time=self.clock.now())
+        self.clock.speed_factor = self.base_speed * factor
+        if plan.lost and not plan.dropped and not plan.quorum.joined:
+            # (A sync-round method: the survivors learn of the loss at the detection time.)
+            self._detect_until = self.clock.now() + self.detection_s
+
+    def _meet_joiners(self, plan: StepPlan) -> None:
+        """A joiner's clock moves to the latest member's (an uncharged max over the quorum):
+        a worker that was away has no time of its own, and its absence is no wait."""
+        times = torch.tensor([self.clock.now()], dtype=torch.float64)
+        self.raw.all_reduce(times, op="max", role=Role.OTHER).wait()
+        latest = float(times[0])
+        if plan.quorum.joined and latest > self.clock.now():
+            state = self.clock.state_dict()
+            state["now"] = latest
+            self.clock.load_state_dict(state)
+
+    def transfer_time(self, start: float, cost: float) -> float:
+        """How long a transfer of modeled cost ``cost`` takes from ``start`` (the emulated
+        link's model): ``cost / F`` on a link degraded to F; on a link that is down, it
+        starts once the link is up again (a link down is placed by time)."""
+        begin = start
+        factor = self.trace.link_factor(step=self._step, time=begin)
+        while factor == 0.0:
+            begin = max(
+                event.at + float(event.duration or 0.0)
+                for event in self.trace.events
+                if event.kind == "link_down"
+                and event.at_time is not None
+                and event.at <= begin < event.at + float(event.duration or 0.0)
+            )
+            factor = self.trace.link_factor(step=self._step, time=begin)
+        return (begin - start) + cost / factor
+
+    def kept_state(self, plan: StepPlan) -> bool:
+        """Whether this joining worker rejoins with its own state (``rejoin``)."""
+        return any(e.kind == "rejoin" and e.worker == self.slot for e in plan.events)
+
+    def drop(self) -> None:
+        """The dropped step's end: wait until the lost member is detected."""
+        self.clock.wait_until(self.clock.now() + self.detection_s)
+        self.dropped_steps += 1
+
+    def account(self, tokens: int, *, committed_round: bool) -> None:
+        """Count a step's tokens: committed now (a step round, or the sync that ends a sync
+        round, which commits the round's earlier inner steps too), or pending."""
+        self.pending_tokens += tokens
+        if self.round_kind == "step" or committed_round:
+            self.committed_tokens += self.pending_tokens
+            self.pending_tokens = 0
+
+    def lose_pending(self) -> None:
+        """This worker left the quorum: its uncommitted tokens are lost."""
+        self.pending_tokens = 0

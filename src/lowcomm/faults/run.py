@@ -1,0 +1,272 @@
+"""A training run's faults: which trace it replays, and what it refuses.
+
+``lowcomm train`` takes either a trace file (``--faults FILE``) or generated-trace options
+(``--fault-mtbf-s``, ``--fault-replace-after-s``, ``--fault-slow-fraction``,
+``--fault-slow-factor``, ``--fault-seed``), never both; ``--fault-detection-s`` (torchft's
+heartbeat timeout by default) goes with either.
+
+**The generated trace's horizon.** A generated trace covers :data:`GENERATED_HORIZON_S`
+modeled seconds. Each worker slot draws its events from its own seeded stream, one after
+the other, so a longer horizon only appends events: the events of a run are the same
+whatever horizon covers it. The horizon is therefore a bound on the run's modeled time, not a
+run setting, set far past any run this placement simulates (no option sets it).
+
+**What runs with faults today.** Every worker as a thread of one process
+(``--workers-per-process`` equal to ``--workers``), one rank per worker, on the virtual clock;
+membership events (crash, leave, join, rejoin) placed by step (``step=N``), since the round's
+quorum is decided by the step every member agrees on; slow events by step or by
+time. The methods are those whose lost worker takes no state the others need and whose
+membership rule is declared (:func:`supported_methods`); the methods whose optimizer state is
+sharded across workers are refused with that reason (:data:`SHARDED_METHODS`); any other
+method is refused as not yet supported. Link events scale (or stop) the modeled transfers of
+the strategy's link; a link down is placed by time. Each refusal is one line, before any worker starts.
+
+Nothing here reads a file but :func:`run_trace` (the launch's pre-flight calls it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions, generate_trace
+from lowcomm.faults.trace import FaultTrace, TraceError, load_trace
+
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
+
+__all__ = [
+    "GENERATED_HORIZON_S",
+    "SHARDED_METHODS",
+    "FaultSettings",
+    "faults_refusal",
+    "run_trace",
+    "supported_methods",
+]
+
+#: Modeled seconds a generated trace covers (about 11.6 days of modeled time).
+GENERATED_HORIZON_S = 1e6
+
+
+def supported_methods() -> list[str]:
+    """The methods that run with --faults: those that declare a membership rule."""
+    from lowcomm.strategies import STRATEGIES
+
+    return sorted(name for name, cls in STRATEGIES.items() if cls.membership is not None)
+
+
+#: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
+#: others need, and none of them re-shards from the survivors yet.
+SHARDED_METHODS: frozenset[str] = frozenset({"zero1", "acco", "dpu", "wp"})
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """The fault options of a run (the ``--faults`` / ``--fault-*`` fields of TrainConfig)."""
+
+    path: str | None
+    mtbf_s: float | None
+    replace_after_s: float | None
+    slow_fraction: float | None
+    slow_factor: float | None
+    detection_s: float
+    seed: int | None
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> FaultSettings:
+        return cls(
+            path=config.faults,
+            mtbf_s=config.fault_mtbf_s,
+            replace_after_s=config.fault_replace_after_s,
+            slow_fraction=config.fault_slow_fraction,
+            slow_factor=config.fault_slow_factor,
+            detection_s=config.fault_detection_s,
+            seed=config.fault_seed,
+        )
+
+    @property
+    def generated_flags(self) -> list[str]:
+        """The generated-trace options that were given."""
+        given = {
+            "--fault-mtbf-s": self.mtbf_s,
+            "--fault-replace-after-s": self.replace_after_s,
+            "--fault-slow-fraction": self.slow_fraction,
+            "--fault-slow-factor": self.slow_factor,
+            "--fault-seed": self.seed,
+        }
+        return [flag for flag, value in given.items() if value is not None]
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run replays a trace (a file or a generated one)."""
+        return self.path is not None or bool(self.generated_flags)
+
+    def generated_options(self) -> FaultOptions:
+        """The generated trace's options (defaults: no crash, no straggler, seed 0)."""
+        return FaultOptions(
+            duration_s=GENERATED_HORIZON_S,
+            mtbf_s=math.inf if self.mtbf_s is None else self.mtbf_s,
+            replace_after_s=math.inf if self.replace_after_s is None else self.replace_after_s,
+            slow_fraction=0.0 if self.slow_fraction is None else self.slow_fraction,
+            slow_factor=1.0 if self.slow_factor is None else self.slow_factor,
+            detection_s=self.detection_s,
+            seed=0 if self.seed is None else self.seed,
+        )
+
+
+def _check_values(settings: FaultSettings) -> str | None:
+    """The generated options' and the detection time's own rules, in one line."""
+    checks: list[tuple[str, float | None, bool, str]] = [
+        (
+            "--fault-detection-s",
+            settings.detection_s,
+            math.isfinite(settings.detection_s) and settings.detection_s >= 0,
+            f"detection takes a finite time >= 0 seconds; e.g. {TORCHFT_HEARTBEAT_TIMEOUT_S:g} "
+            "(torchft's heartbeat timeout, the default)",
+        ),
+    ]
+    if settings.mtbf_s is not None:
+        ok = settings.mtbf_s > 0 and not math.isnan(settings.mtbf_s)
+        checks.append(
+            ("--fault-mtbf-s", settings.mtbf_s, ok, "a mean time between failures is > 0 seconds")
+        )
+    if settings.replace_after_s is not None:
+        ok = settings.replace_after_s >= 0
+        checks.append(
+            (
+                "--fault-replace-after-s",
+                settings.replace_after_s,
+                ok,
+                "a replacement joins >= 0 seconds after the crash (inf: never)",
+            )
+        )
+    if settings.slow_fraction is not None:
+        ok = 0 <= settings.slow_fraction <= 1
+        checks.append(
+            ("--fault-slow-fraction", settings.slow_fraction, ok, "a fraction in [0, 1], e.g. 0.1")
+        )
+    if settings.slow_factor is not None:
+        ok = math.isfinite(settings.slow_factor) and settings.slow_factor >= 1
+        checks.append(("--fault-slow-factor", settings.slow_factor, ok, "a slowdown >= 1, e.g. 3"))
+    if settings.seed is not None:
+        ok = settings.seed >= 0
+        checks.append(("--fault-seed", settings.seed, ok, "a whole number >= 0, e.g. 0"))
+    for flag, value, ok, rule in checks:
+        if not ok:
+            return f"{flag}: {value} is not valid: {rule}"
+    return None
+
+
+def faults_refusal(config: TrainConfig) -> str | None:
+    """Why this run's fault options cannot run (one line naming the option, the value, the
+    rule and the fix), or None. Reads no file."""
+    settings = FaultSettings.of(config)
+    problem = _check_values(settings)
+    if problem is not None:
+        return problem
+    if not settings.enabled:
+        return None
+    generated = settings.generated_flags
+    if settings.path is not None and generated:
+        return (
+            f"--faults {settings.path} with {generated[0]}: a run replays one trace, a file or "
+            "a generated one; drop --faults or the --fault-* options (--fault-detection-s "
+            "goes with either)"
+        )
+    flag = f"--faults {settings.path}" if settings.path is not None else generated[0]
+    supported = (
+        "faults run today with every worker a thread of one process on the virtual clock "
+        f"(--workers-per-process {config.workers} --clock virtual, --ranks-per-worker 1)"
+    )
+    if config.workers_per_process != config.workers:
+        return (
+            f"{flag}: not yet supported with --workers-per-process "
+            f"{config.workers_per_process} (worker processes or torchrun); {supported}"
+        )
+    if config.ranks_per_worker != 1:
+        return (
+            f"{flag}: not yet supported with --ranks-per-worker {config.ranks_per_worker}; "
+            f"{supported}"
+        )
+    if config.clock != "virtual":
+        return f"{flag}: not yet supported on the {config.clock} clock; {supported}"
+    from lowcomm.strategies import strategy_class
+
+    supported = ", ".join(supported_methods())
+    if config.method in SHARDED_METHODS:
+        return (
+            f"{flag}: --method {config.method} keeps its optimizer state sharded across "
+            "workers, so a lost worker takes a shard the others need (it does not re-shard "
+            f"from the survivors); use {supported} with faults"
+        )
+    if strategy_class(config.method).membership is None:
+        return (
+            f"{flag}: --method {config.method} is not yet supported with --faults; use {supported}"
+        )
+    desloc = getattr(config, "desloc", None)
+    if (
+        getattr(desloc, "rejoin_step", None) is not None
+        and strategy_class(config.method).options_field == "desloc"
+    ):
+        return (
+            f"{flag}: not with --desloc.rejoin-step, a rejoin of its own; write the rejoin in "
+            "the trace (step=N worker=K rejoin after a leave)"
+        )
+    if config.optim.name != "adamw":
+        return f"{flag}: not yet supported with --optim.name {config.optim.name}; use adamw"
+    quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
+    if config.method == "diloco" and quantization != "none":
+        return (
+            f"{flag}: not yet supported with --diloco.quantization {quantization} (its "
+            "two-step exchange is laid out for every worker); use none"
+        )
+    if config.resume is not None or config.checkpoint_every is not None:
+        return (
+            f"{flag}: not yet supported with checkpoints (--resume, --checkpoint-every): a "
+            "checkpoint does not record the quorum yet; drop them"
+        )
+    if settings.mtbf_s is not None and math.isfinite(settings.mtbf_s):
+        return (
+            f"--fault-mtbf-s: {settings.mtbf_s:g} generates crashes placed by time, which are "
+            "not yet supported (the quorum is decided by the step every member agrees on); "
+            "write a trace with step=N crashes (--faults FILE), or drop --fault-mtbf-s"
+        )
+    if config.token_budget is not None:
+        return f"{flag}: not yet supported with --token-budget; give --steps"
+    return None
+
+
+def run_trace(config: TrainConfig) -> FaultTrace | None:
+    """The trace this run replays (None without faults), read or generated and validated
+    against its workers: a malformed line (with its line number), worker 7 of 4 or a trace
+    leaving no worker alive ends here, before any worker starts.
+
+    Raises:
+        TraceError: in one line (a ValueError, which ``lowcomm train`` prints as its error).
+    """
+    settings = FaultSettings.of(config)
+    if not settings.enabled:
+        return None
+    if settings.path is not None:
+        trace = load_trace(settings.path, workers=config.workers)
+    else:
+        trace = generate_trace(settings.generated_options(), workers=config.workers)
+    stepped_down = [e for e in trace.events if e.kind == "link_down" and e.at_step is not None]
+    if stepped_down:
+        event = stepped_down[0]
+        line = f":{event.line}" if event.line else ""
+        raise TraceError(
+            f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: a link down placed "
+            "by step would stop the step that must end it; place it with t=SECONDS for=D"
+        )
+    timed = [event for event in trace.membership_events() if event.at_step is None]
+    if timed:
+        event = timed[0]
+        line = f":{event.line}" if event.line else ""
+        raise TraceError(
+            f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: a membership event placed by "
+            "time is not yet supported (the quorum is decided by the step every member "
+            "agrees on); place crash, leave, join and rejoin with step=N"
+        )
+    return trace

@@ -1,0 +1,462 @@
+"""Declared faults in a training run with every worker a thread of one process: the round's
+quorum, the dropped round, healing, the records, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _cli import TINY, lowcomm
+from _dist import closure_for, flat_params, global_batch, tiny_gpt
+from lowcomm.comm import Role
+from lowcomm.comm.inprocess import InProcessGroup
+from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.data import DataConfig
+from lowcomm.launch.inprocess import train_in_process
+from lowcomm.launch.run import preflight
+from lowcomm.models import ModelConfig
+from lowcomm.optim import AdamWConfig, ScheduleConfig
+from lowcomm.strategies import StrategyContext
+from lowcomm.strategies.co2 import LocalAdamW, LocalOptions
+from lowcomm.strategies.desloc import DeslocOptions
+from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
+from lowcomm.strategies.sparseloco import SparseLoCoOptions
+
+WORKERS = 3
+DETECTION_S = 2.5
+SECONDS_PER_MICROBATCH = 0.01
+
+
+def _config(method: str, out: Path, faults: Path | None, **overrides: Any) -> TrainConfig:
+    config = TrainConfig(
+        method=method, workers=WORKERS, workers_per_process=WORKERS, steps=8, network="wan",
+        clock="virtual", seconds_per_microbatch=SECONDS_PER_MICROBATCH, eval_every=4,
+        eval_batches=3, log_every=1, progress=False, plot=False, out=str(out),
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
+        local=LocalOptions(sync_every=2), desloc=DeslocOptions(param_period=2),
+        sparseloco=SparseLoCoOptions(sync_every=2),
+        faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S,
+    )  # fmt: skip
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
+    """The run's metrics records, summary and every worker's final parameters."""
+    config.validate()
+    preflight(config)
+    summaries = train_in_process(config, keep_parameters=True)
+    out = Path(str(config.out))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    return records, summary, [s.parameters for s in summaries if s.parameters is not None]
+
+
+def _trace(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "trace.txt"
+    path.write_text(text)
+    return path
+
+
+def _tokens_per_step() -> int:
+    return 2 * 16  # micro-batch of 2 sequences of 16 tokens, one micro-batch a step
+
+
+# --- the whole run -------------------------------------------------------------------------
+
+
+def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -> None:
+    trace = _trace(
+        tmp_path,
+        "step=3 worker=2 crash\nstep=5 worker=2 join\nstep=1 worker=0 slow factor=3 for=2\n",
+    )
+    first = _run(_config("ddp", tmp_path / "a", trace))
+    second = _run(_config("ddp", tmp_path / "b", trace))
+    assert first[0] == second[0]
+    for a, b in zip(first[2], second[2], strict=True):
+        assert torch.equal(a, b)
+    assert first[1]["faults"] == second[1]["faults"]
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "ddp",
+        "diloco",
+        "local_sgd",
+        "local_adamw",
+        "slowmo",
+        "desloc",
+        "favg_reset",
+        "sparseloco",
+        "demo",
+        "sparta",
+    ],
+)
+def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
+    plain = _run(_config(method, tmp_path / "plain", None))
+    empty = _run(_config(method, tmp_path / "empty", _trace(tmp_path, "# no event\n")))
+    for with_faults, without in zip(empty[0], plain[0], strict=True):
+        assert with_faults.pop("quorum") == WORKERS
+        assert with_faults == without
+    for a, b in zip(empty[2], plain[2], strict=True):
+        assert torch.equal(a, b)
+    assert empty[1]["faults"]["rounds_dropped"] == 0
+    assert empty[1]["faults"]["membership_changes"] == []
+    assert empty[1]["final_val_loss"] == plain[1]["final_val_loss"]
+    assert empty[1]["modeled_time_s"] == plain[1]["modeled_time_s"]
+    assert empty[1]["committed_tokens"] == plain[1]["committed_tokens"]
+
+
+def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_dead_worker(
+    tmp_path: Path,
+) -> None:
+    records, summary, _ = _run(
+        _config("ddp", tmp_path / "out", _trace(tmp_path, "step=3 worker=2 crash\n"))
+    )
+    per_step = _tokens_per_step()
+    assert [r["quorum"] for r in records] == [3, 3, 3, 2, 2, 2, 2, 2]
+    assert records[3]["dropped"] is True and "dropped" not in records[4]
+    assert records[3]["membership_events"] == [{"worker": 2, "kind": "crash"}]
+    # The survivors computed the dropped step's gradient, then waited the detection time.
+    step_s = records[2]["clock_s"] - records[1]["clock_s"]
+    assert records[3]["clock_s"] - records[2]["clock_s"] >= DETECTION_S + SECONDS_PER_MICROBATCH
+    assert records[3]["clock_s"] - records[2]["clock_s"] < DETECTION_S + step_s
+    # Every step but the dropped one commits its members' tokens.
+    committed = 3 * 3 * per_step + 4 * 2 * per_step
+    faults = summary["faults"]
+    assert summary["committed_tokens"] == committed == faults["committed_tokens"]
+    assert faults["rounds_dropped"] == 1
+    assert faults["membership_changes"] == [
+        {"step": 3, "events": [{"worker": 2, "kind": "crash"}], "quorum": 2}
+    ]
+    # Goodput, from its definition: the fault-free step is the first steps' (every worker).
+    free = WORKERS * per_step * summary["modeled_time_s"] / step_s
+    assert math.isclose(faults["goodput"], committed / free, rel_tol=1e-9)
+    assert math.isclose(
+        faults["worker_seconds_lost"],
+        WORKERS * summary["modeled_time_s"] * (1 - faults["goodput"]),
+        rel_tol=1e-9,
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"),
+    [
+        ("ddp", "join"),
+        ("diloco", "join"),
+        ("diloco", "rejoin"),
+        ("local_adamw", "join"),
+        ("slowmo", "rejoin"),
+        ("desloc", "join"),
+        ("local_adam", "rejoin"),
+        ("sparseloco", "join"),
+        ("demo", "join"),
+    ],
+)
+def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
+    method: str, kind: str, tmp_path: Path
+) -> None:
+    gone = "crash" if kind == "join" else "leave"
+    trace = _trace(tmp_path, f"step=2 worker=1 {gone}\nstep=5 worker=1 {kind}\n")
+    records, summary, parameters = _run(_config(method, tmp_path / "out", trace))
+    # (diloco, local: step 7 ends a round, after which every worker holds the same model.)
+    assert all(torch.equal(parameters[0], p) for p in parameters[1:])
+    assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 3, 3, 3]
+    # The healing transfer is charged on the link: the join step costs more than a plain one.
+    plain = records[7]["clock_s"] - records[6]["clock_s"]
+    assert records[5]["clock_s"] - records[4]["clock_s"] > plain
+    assert records[5]["bytes_sent_per_worker"] > records[7]["bytes_sent_per_worker"]
+    if gone == "crash":  # the survivors waited to detect it; the joiner's absence is no wait
+        exposed = summary["per_worker"]["exposed_comm_s"]
+        assert exposed[0] > DETECTION_S / 2 > exposed[1]
+
+
+# --- the quorum and the outer step, written from the equation ---------------------------------
+
+
+CONTEXT = StrategyContext(
+    optim=AdamWConfig(lr=3e-3, weight_decay=0.1),
+    schedule=ScheduleConfig(kind="constant", warmup_steps=0),
+    total_steps=40,
+    max_grad_norm=None,
+)
+
+
+def _threads(work: Callable[[int], None], count: int) -> None:
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            work(rank)
+        except BaseException as error:  # (re-raised on the test's thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if errors:
+        raise errors[0]
+
+
+class _Tap:
+    """A member's communicator that keeps a copy of each pseudo-gradient it sends."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+        self.sent: list[torch.Tensor] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def all_reduce(self, tensor: torch.Tensor, **kwargs: Any) -> Any:
+        if kwargs.get("role") == Role.PSEUDO_GRADIENT:
+            self.sent.append(tensor.clone())
+        return self._comm.all_reduce(tensor, **kwargs)
+
+
+def test_diloco_after_a_crash_steps_with_the_mean_of_the_survivors_pseudo_gradients() -> None:
+    lr, mu = 0.7, 0.9
+    options = DiLoCoOptions(sync_every=2, outer_lr=lr, outer_momentum=mu, outer_nesterov=True)
+    group = InProcessGroup(WORKERS)
+    taps = [_Tap(group.comm(k)) for k in range(WORKERS)]
+    strategies = [DiLoCo(tiny_gpt(), taps[k], CONTEXT, options) for k in range(WORKERS)]
+    before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        rows = slice(k * 4, (k + 1) * 4)  # (worker k's rows of each global batch)
+        batches = [global_batch(s, WORKERS) for s in range(4)]
+        closure = closure_for(strategy, [(x[rows], y[rows]) for x, y in batches])
+        for step in range(4):
+            if step == 2:
+                if k == 2:
+                    return  # worker 2 crashes at step 2, inside the second round
+                group.enter(k, 1, (0, 1))
+                before[k] = (
+                    strategy.globals_[0].clone(),
+                    strategy.outer[0].momentum_buffer.clone(),
+                )
+            strategy.step(closure)
+
+    _threads(work, WORKERS)
+    anchor, momentum = before[0]
+    assert torch.equal(anchor, before[1][0])
+    deltas = [taps[k].sent[-1] for k in (0, 1)]  # each survivor's Delta = anchor - local
+    mean = (deltas[0] + deltas[1]) / 2
+    b = mu * momentum + mean
+    expected = anchor - lr * (mean + mu * b)
+    for k in (0, 1):
+        assert torch.allclose(strategies[k].globals_[0], expected, atol=1e-6)
+        assert torch.equal(flat_params(strategies[k].model), strategies[k].globals_[0])
+    assert len(taps[2].sent) == 1  # the crashed worker sent the first round's only
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_diloco_healing_copies_the_global_state_and_starts_the_inner_state_by_the_rule(
+    kept: bool,
+) -> None:
+    options = DiLoCoOptions(sync_every=2, outer_lr=0.7, outer_momentum=0.9)
+    group = InProcessGroup(2)
+    strategies = [DiLoCo(tiny_gpt(seed=k), group.comm(k), CONTEXT, options) for k in range(2)]
+    batches = [global_batch(s, 1) for s in range(3)]
+    # Worker 0 trained through a round; worker 1 took one inner step of its own and left.
+    strategies[0].step(closure_for(strategies[0], batches))
+    strategies[1].inner_step(closure_for(strategies[1], batches))
+    own_moment = strategies[1].inner.states()[Role.FIRST_MOMENT].clone()
+    strategies[0].inner_step(closure_for(strategies[0], batches[1:]))  # (mid-round)
+
+    def work(k: int) -> None:
+        strategies[k].heal(0, joining=k == 1, kept=kept)
+
+    _threads(work, 2)
+    source, joiner = strategies
+    assert torch.equal(joiner.globals_[0], source.globals_[0])
+    assert torch.equal(joiner.outer[0].momentum_buffer, source.outer[0].momentum_buffer)
+    assert (joiner.step_index, joiner.outer_steps) == (source.step_index, source.outer_steps)
+    assert torch.equal(flat_params(joiner.model), joiner.globals_[0])  # restarts at theta^g
+    moment = joiner.inner.states()[Role.FIRST_MOMENT]
+    if kept:
+        assert torch.equal(moment, own_moment) and bool(own_moment.abs().sum() > 0)
+    else:
+        assert not moment.any() and joiner.inner.state_dict()["step_count"] == 0
+
+
+def test_a_collective_completes_over_the_quorum_and_a_mean_divides_by_its_size() -> None:
+    group = InProcessGroup(3)
+    values = {0: 1.0, 1: 5.0, 2: 100.0}
+    results: dict[int, float] = {}
+
+    def work(k: int) -> None:
+        if k == 1:
+            return  # not in the quorum: posts nothing
+        comm = group.comm(k)
+        comm.enter(4, (0, 2))
+        tensor = torch.tensor([values[k]])
+        assert (comm.world_size, comm.rank) == (2, 0 if k == 0 else 1)
+        comm.all_reduce(tensor, op="mean", role=Role.GRADIENT).wait()
+        results[k] = float(tensor[0])
+
+    _threads(work, 3)
+    assert results == {0: 50.5, 2: 50.5}
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+def _error(result: Any) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lowcomm: error: "), result.stderr
+    return str(lines[0])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("step=2 worker=7 crash\n", "worker=7"),
+        ("step=2 worker=0 crash\nstep=2 worker=1 crash\n", "no worker is alive from step 2"),
+        ("# a comment\nstep=2 worker=0 crash\nstep=x worker=1 join\n", ":3: "),
+        ("t=2 worker=0 crash\n", "placed by time is not yet supported"),
+        ("step=2 link down for=3\n", "a link down placed by step would stop the step"),
+    ],
+)
+def test_a_bad_trace_ends_in_one_line_before_any_worker_starts(
+    text: str, expected: str, tmp_path: Path
+) -> None:
+    trace = _trace(tmp_path, text)
+    result = lowcomm(
+        "train", *TINY, "--workers-per-process", "2", "--faults", str(trace), "--out",
+        str(tmp_path / "out"),
+    )  # fmt: skip
+    assert expected in _error(result)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"workers_per_process": 1}, "not yet supported with --workers-per-process 1"),
+        ({"clock": "real", "seconds_per_microbatch": None}, "not yet supported on the real clock"),
+        ({"method": "zero1"}, "--method zero1 keeps its optimizer state sharded"),
+        ({"method": "acco"}, "--method acco keeps its optimizer state sharded"),
+        ({"method": "sparta_diloco"}, "--method sparta_diloco is not yet supported"),
+        ({"fault_seed": 3}, "a run replays one trace, a file or a generated one"),
+        ({"fault_detection_s": -1.0}, "--fault-detection-s: -1.0 is not valid"),
+        ({"faults": None, "fault_slow_factor": 0.5}, "--fault-slow-factor: 0.5 is not valid"),
+    ],
+)
+def test_what_faults_do_not_run_with_yet_is_refused_in_one_line(
+    overrides: dict[str, Any], expected: str, tmp_path: Path
+) -> None:
+    overrides = dict(overrides)
+    method = overrides.pop("method", "ddp")
+    faults = overrides.pop("faults", tmp_path / "trace.txt")
+    config = _config(method, tmp_path / "out", faults, **overrides)
+    with pytest.raises(ConfigError, match=expected) as caught:
+        config.validate()
+    assert "\n" not in str(caught.value)
+
+
+def test_a_generated_trace_of_slow_workers_runs_and_replays_alike(tmp_path: Path) -> None:
+    def run(out: str) -> list[dict[str, Any]]:
+        config = _config(
+            "diloco", tmp_path / out, None, fault_slow_fraction=0.5, fault_slow_factor=3.0,
+            fault_seed=0,  # (slots 0 and 2 are slow)
+        )  # fmt: skip
+        return _run(config)[0]
+
+    first = run("a")
+    assert first == run("b")
+    plain = _run(_config("diloco", tmp_path / "plain", None))[0]
+    assert first[-1]["clock_s"] > plain[-1]["clock_s"]  # a straggler slows the synchronous rounds
+
+
+def test_a_worker_that_leaves_costs_no_detection_and_drops_no_step(tmp_path: Path) -> None:
+    records, summary, _ = _run(
+        _config("ddp", tmp_path / "out", _trace(tmp_path, "step=3 worker=2 leave\n"))
+    )
+    assert [r["quorum"] for r in records] == [3, 3, 3, 2, 2, 2, 2, 2]
+    assert not any("dropped" in r for r in records)
+    assert records[3]["clock_s"] - records[2]["clock_s"] < DETECTION_S
+    assert summary["faults"]["rounds_dropped"] == 0
+    assert summary["committed_tokens"] == (3 * 3 + 5 * 2) * _tokens_per_step()
+
+
+def test_local_adamw_after_a_crash_averages_the_survivors_models() -> None:
+    group = InProcessGroup(WORKERS)
+    strategies = [
+        LocalAdamW(tiny_gpt(), group.comm(k), CONTEXT, LocalOptions(sync_every=2))
+        for k in range(WORKERS)
+    ]
+    before_sync: dict[int, torch.Tensor] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        rows = slice(k * 4, (k + 1) * 4)
+        batches = [global_batch(s, WORKERS) for s in range(4)]
+        closure = closure_for(strategy, [(x[rows], y[rows]) for x, y in batches])
+        for step in range(4):
+            if step == 2:
+                if k == 2:
+                    return  # worker 2 crashes inside the second round
+                group.enter(k, 1, (0, 1))
+            if step == 3:  # (the step's phases: the inner step, then the mean)
+                strategy.inner_step(closure)
+                before_sync[k] = flat_params(strategy.model)
+                strategy.average()
+                continue
+            strategy.step(closure)
+
+    _threads(work, WORKERS)
+    mean = (before_sync[0] + before_sync[1]) / 2
+    for k in (0, 1):
+        assert torch.allclose(flat_params(strategies[k].model), mean, atol=1e-7)
+
+
+def test_a_degraded_link_stretches_each_transfer_and_a_down_link_holds_it(tmp_path: Path) -> None:
+    plain = _run(_config("ddp", tmp_path / "plain", None))[0]
+    half = _run(_config("ddp", tmp_path / "half", _trace(tmp_path, "t=0 link factor=0.5\n")))[0]
+    (tmp_path / "down.txt").write_text("t=0.05 link down for=1\n")
+    down = _run(_config("ddp", tmp_path / "down", tmp_path / "down.txt"))[0]
+    # ddp's step: one micro-batch of compute, then its all-reduce, fully exposed.
+    transfer = plain[0]["clock_s"] - SECONDS_PER_MICROBATCH
+    assert transfer > 0
+    assert math.isclose(half[0]["clock_s"] - SECONDS_PER_MICROBATCH, 2 * transfer, rel_tol=1e-9)
+    # The all-reduce launched while the link is down starts at t = 1.05.
+    held = next(r for r in down if r["clock_s"] > 1.05)
+    assert math.isclose(held["clock_s"], 1.05 + transfer, rel_tol=1e-9)
+    assert [r["clock_s"] for r in down if r["step"] < held["step"]] == [
+        r["clock_s"] for r in plain if r["step"] < held["step"]
+    ]
+
+
+@pytest.mark.parametrize("method", ["demo", "sparta"])
+def test_a_step_round_method_drops_the_crash_step_and_commits_the_others(
+    method: str, tmp_path: Path
+) -> None:
+    trace = _trace(tmp_path, "step=3 worker=2 crash\nstep=5 worker=2 join\n")
+    records, summary, _ = _run(_config(method, tmp_path / "out", trace))
+    assert [r["quorum"] for r in records] == [3, 3, 3, 2, 2, 3, 3, 3]
+    assert [r.get("dropped", False) for r in records] == [False] * 3 + [True] + [False] * 4
+    assert summary["committed_tokens"] == (6 * 3 + 1 * 2) * _tokens_per_step()
+    assert summary["faults"]["rounds_dropped"] == 1
+
+
+def test_a_generated_trace_with_crashes_is_refused_until_crashes_by_time_run(
+    tmp_path: Path,
+) -> None:
+    config = _config("ddp", tmp_path / "out", None, fault_mtbf_s=600.0, fault_seed=0)
+    with pytest.raises(ConfigError, match="--fault-mtbf-s: 600 generates crashes placed by time"):
+        config.validate()
