@@ -65,6 +65,18 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "Faults: workers that fail, straggle and join (docs/train.md)",
+        (
+            "faults",
+            "fault_mtbf_s",
+            "fault_replace_after_s",
+            "fault_slow_fraction",
+            "fault_slow_factor",
+            "fault_detection_s",
+            "fault_seed",
+        ),
+    ),
+    (
         "Checkpoints, resuming and initial weights",
         ("checkpoint_every", "keep_checkpoints", "resume", "stop_after", "init_from"),
     ),

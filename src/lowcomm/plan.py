@@ -191,19 +191,19 @@ class PlanConfig:
     M - K, the global batch kept: each remaining worker computes M/(M-K) times more per step):
     time per step before and after."""
 
-    fault_mtbf_s: float = math.inf
+    fault_mtbf_s: float | None = None
     """Faults (generated trace, priced analytically): each worker's mean time between
-    failures in seconds (inf: no crash). Any --fault-* option adds the method's expected
+    failures in seconds (None or inf: no crash). Any --fault-* option adds the method's expected
     goodput to the plan (docs/plan.md, "Faults and goodput")."""
 
-    fault_replace_after_s: float = math.inf
-    """Faults: seconds from a crash until a replacement joins the slot (inf: never)."""
+    fault_replace_after_s: float | None = None
+    """Faults: seconds from a crash until a replacement joins the slot (None or inf: never)."""
 
-    fault_slow_fraction: float = 0.0
-    """Faults: the fraction of worker slots that are stragglers, in [0, 1]."""
+    fault_slow_fraction: float | None = None
+    """Faults: the fraction of worker slots that are stragglers, in [0, 1] (None: none)."""
 
-    fault_slow_factor: float = 1.0
-    """Faults: how many times longer a straggler's compute takes (>= 1)."""
+    fault_slow_factor: float | None = None
+    """Faults: how many times longer a straggler's compute takes (>= 1; None: 1)."""
 
     fault_detection_s: float = TORCHFT_HEARTBEAT_TIMEOUT_S
     """Faults: seconds from a crash until the survivors learn of it (torchft's heartbeat
@@ -273,15 +273,15 @@ class PlanConfig:
 def _check_fault_options(config: PlanConfig) -> None:
     """Refuse a --fault-* value the model cannot price, in one line: the option, the value,
     the rule and the fix."""
+    mtbf, replace, fraction, factor = _fault_values(config)
     checks: list[tuple[str, float | None, bool, str]] = [
-        ("mtbf_s", config.fault_mtbf_s, config.fault_mtbf_s > 0,
+        ("mtbf_s", config.fault_mtbf_s, mtbf > 0,
          "a mean time between failures is > 0 seconds (inf: no crash); pass e.g. 86400"),
-        ("replace_after_s", config.fault_replace_after_s, config.fault_replace_after_s >= 0,
+        ("replace_after_s", config.fault_replace_after_s, replace >= 0,
          "a replacement joins >= 0 seconds after the crash (inf: never); pass e.g. 600"),
-        ("slow_fraction", config.fault_slow_fraction, 0 <= config.fault_slow_fraction <= 1,
+        ("slow_fraction", config.fault_slow_fraction, 0 <= fraction <= 1,
          "a fraction of the workers lies in [0, 1]; pass e.g. 0.1"),
-        ("slow_factor", config.fault_slow_factor,
-         math.isfinite(config.fault_slow_factor) and config.fault_slow_factor >= 1,
+        ("slow_factor", config.fault_slow_factor, math.isfinite(factor) and factor >= 1,
          "a slowdown is a finite factor >= 1 (1: not slow); pass e.g. 3 for three times slower"),
         ("detection_s", config.fault_detection_s,
          math.isfinite(config.fault_detection_s) and config.fault_detection_s >= 0,
@@ -297,6 +297,18 @@ def _check_fault_options(config: PlanConfig) -> None:
         if not ok:
             flag = "--fault-" + name.replace("_", "-")
             raise ValueError(f"{flag}: {value} is refused: {rule}")
+
+
+def _fault_values(config: PlanConfig) -> tuple[float, float, float, float]:
+    """The mean time between failures, the replacement time, the slow fraction and factor,
+    with the no-fault value of each option left unset (the defaults of ``lowcomm train``'s
+    options of the same names)."""
+    return (
+        math.inf if config.fault_mtbf_s is None else config.fault_mtbf_s,
+        math.inf if config.fault_replace_after_s is None else config.fault_replace_after_s,
+        0.0 if config.fault_slow_fraction is None else config.fault_slow_fraction,
+        1.0 if config.fault_slow_factor is None else config.fault_slow_factor,
+    )
 
 
 #: The --fault-* fields of :class:`PlanConfig` (their defaults mean: no fault).
@@ -849,12 +861,13 @@ def price_faults(config: PlanConfig, plan: Plan) -> FaultGoodput:
     _, options = method_options(config)
     model = fault_model(config.method)
     horizon = plan.wall_clock_s if config.fault_horizon_s is None else config.fault_horizon_s
+    mtbf, replace, fraction, factor = _fault_values(config)
     faults = FaultOptions(
         duration_s=horizon,
-        mtbf_s=config.fault_mtbf_s,
-        replace_after_s=config.fault_replace_after_s,
-        slow_fraction=config.fault_slow_fraction,
-        slow_factor=config.fault_slow_factor,
+        mtbf_s=mtbf,
+        replace_after_s=replace,
+        slow_fraction=fraction,
+        slow_factor=factor,
         detection_s=config.fault_detection_s,
     )
     exposure = expected_exposure(faults, workers=config.workers)

@@ -175,6 +175,35 @@ def faults_refusal(config: TrainConfig) -> str | None:
             "goes with either)"
         )
     flag = f"--faults {settings.path}" if settings.path is not None else generated[0]
+    problem = _placement_refusal(config, flag) or _method_refusal(config, flag)
+    if problem is not None:
+        return problem
+    if config.optim.name != "adamw":
+        return f"{flag}: not yet supported with --optim.name {config.optim.name}; use adamw"
+    quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
+    if config.method == "diloco" and quantization != "none":
+        return (
+            f"{flag}: not yet supported with --diloco.quantization {quantization} (its "
+            "two-step exchange is laid out for every worker); use none"
+        )
+    if config.resume is not None or config.checkpoint_every is not None:
+        return (
+            f"{flag}: not yet supported with checkpoints (--resume, --checkpoint-every): a "
+            "checkpoint does not record the quorum yet; drop them"
+        )
+    if settings.mtbf_s is not None and math.isfinite(settings.mtbf_s):
+        return (
+            f"--fault-mtbf-s: {settings.mtbf_s:g} generates crashes placed by time, which are "
+            "not yet supported (the quorum is decided by the step every member agrees on); "
+            "write a trace with step=N crashes (--faults FILE), or drop --fault-mtbf-s"
+        )
+    if config.token_budget is not None:
+        return f"{flag}: not yet supported with --token-budget; give --steps"
+    return None
+
+
+def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
+    """Why the run's placement or clock cannot replay faults yet, or None."""
     supported = (
         "faults run today with every worker a thread of one process on the virtual clock "
         f"(--workers-per-process {config.workers} --clock virtual, --ranks-per-worker 1)"
@@ -191,6 +220,12 @@ def faults_refusal(config: TrainConfig) -> str | None:
         )
     if config.clock != "virtual":
         return f"{flag}: not yet supported on the {config.clock} clock; {supported}"
+    return None
+
+
+def _method_refusal(config: TrainConfig, flag: str) -> str | None:
+    """Why the run's method cannot replay faults, or None: its state is sharded across
+    workers, or it has no membership rule yet."""
     from lowcomm.strategies import strategy_class
 
     supported = ", ".join(supported_methods())
@@ -213,27 +248,6 @@ def faults_refusal(config: TrainConfig) -> str | None:
             f"{flag}: not with --desloc.rejoin-step, a rejoin of its own; write the rejoin in "
             "the trace (step=N worker=K rejoin after a leave)"
         )
-    if config.optim.name != "adamw":
-        return f"{flag}: not yet supported with --optim.name {config.optim.name}; use adamw"
-    quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
-    if config.method == "diloco" and quantization != "none":
-        return (
-            f"{flag}: not yet supported with --diloco.quantization {quantization} (its "
-            "two-step exchange is laid out for every worker); use none"
-        )
-    if config.resume is not None or config.checkpoint_every is not None:
-        return (
-            f"{flag}: not yet supported with checkpoints (--resume, --checkpoint-every): a "
-            "checkpoint does not record the quorum yet; drop them"
-        )
-    if settings.mtbf_s is not None and math.isfinite(settings.mtbf_s):
-        return (
-            f"--fault-mtbf-s: {settings.mtbf_s:g} generates crashes placed by time, which are "
-            "not yet supported (the quorum is decided by the step every member agrees on); "
-            "write a trace with step=N crashes (--faults FILE), or drop --fault-mtbf-s"
-        )
-    if config.token_budget is not None:
-        return f"{flag}: not yet supported with --token-budget; give --steps"
     return None
 
 

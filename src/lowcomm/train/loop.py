@@ -254,7 +254,9 @@ def set_up(
     else:
         # The launch-time agreements of the virtual clock go on the world's host group (a
         # host float there, where on NCCL each was a device all-reduce and a host read).
-        books = None if bookkeeping is raw else bookkeeping
+        # With faults a round's collectives run over its quorum, which the world's group
+        # does not follow: the quorum's own group agrees its launch times.
+        books = None if bookkeeping is raw or _has_faults(config) else bookkeeping
         comm, _ = _strategy_comms(config, raw, clock, device, levels, books)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
@@ -278,6 +280,13 @@ def set_up(
         step_closure=step_closure, generator=generator, device_generator=device_generator,
         one_process=shared is not None and shared.whole_run, faults=faults,
     )  # fmt: skip
+
+
+def _has_faults(config: TrainConfig) -> bool:
+    """Whether the run replays a fault trace (a file or generated options)."""
+    from lowcomm.faults.run import FaultSettings
+
+    return FaultSettings.of(config).enabled
 
 
 def _worker_faults(config: TrainConfig, raw: Comm, clock: Clock) -> WorkerFaults | None:
