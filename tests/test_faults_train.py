@@ -460,3 +460,25 @@ def test_a_generated_trace_with_crashes_is_refused_until_crashes_by_time_run(
     config = _config("ddp", tmp_path / "out", None, fault_mtbf_s=600.0, fault_seed=0)
     with pytest.raises(ConfigError, match="--fault-mtbf-s: 600 generates crashes placed by time"):
         config.validate()
+
+
+def test_a_local_methods_goodput_prices_a_fault_free_step_with_its_rounds_sync(
+    tmp_path: Path,
+) -> None:
+    """diloco's steps are mostly inner steps: the fault-free step time is the mean of the
+    clean steps, which carries the sync one step in H pays (their median would not)."""
+    config = _config("diloco", tmp_path / "out", _trace(tmp_path, "step=6 worker=2 crash\n"))
+    config.diloco = DiLoCoOptions(sync_every=4)
+    config.steps = 12
+    records, summary, _ = _run(config)
+    clean, previous = [], 0.0
+    for record in records:
+        if record["quorum"] == WORKERS and not record.get("membership_events"):
+            clean.append(record["clock_s"] - previous)
+        previous = record["clock_s"]
+    mean = sum(clean) / len(clean)
+    assert sorted(clean)[len(clean) // 2] < 0.9 * mean  # the median is an inner step's
+    per_step = _tokens_per_step()
+    free = WORKERS * per_step * summary["modeled_time_s"] / mean
+    faults = summary["faults"]
+    assert math.isclose(faults["goodput"], faults["committed_tokens"] / free, rel_tol=1e-9)
