@@ -233,13 +233,7 @@ def set_up(
     :func:`train_worker`)."""
     task = CorpusTask() if task is None else task
     rank, world_size = raw.rank, raw.world_size
-    device = torch.device(
-        config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
-    )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.backends.cuda.matmul.allow_tf32 = config.tf32  # (--tf32)
-        torch.backends.cudnn.allow_tf32 = config.tf32
+    device = _worker_device(config)
     model, rng_state, deferred = _initial_model(config, task, raw, device, shared)
     generator, device_generator = _worker_generators(rng_state, config.seed, device)
     if config.activation_checkpointing:
@@ -280,6 +274,19 @@ def set_up(
         step_closure=step_closure, generator=generator, device_generator=device_generator,
         one_process=shared is not None and shared.whole_run, faults=faults,
     )  # fmt: skip
+
+
+def _worker_device(config: TrainConfig) -> torch.device:
+    """This worker's device (on cuda the one its process is bound to), its peak memory
+    counter reset and its TF32 setting (--tf32) applied."""
+    device = torch.device(
+        config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.backends.cuda.matmul.allow_tf32 = config.tf32
+        torch.backends.cudnn.allow_tf32 = config.tf32
+    return device
 
 
 def _has_faults(config: TrainConfig) -> bool:
