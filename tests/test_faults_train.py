@@ -328,7 +328,7 @@ def _error(result: Any) -> str:
         ("step=2 worker=7 crash\n", "worker=7"),
         ("step=2 worker=0 crash\nstep=2 worker=1 crash\n", "no worker is alive from step 2"),
         ("# a comment\nstep=2 worker=0 crash\nstep=x worker=1 join\n", ":3: "),
-        ("t=2 worker=0 crash\n", "placed by time is not yet supported"),
+        ("t=2 worker=0 crash\nstep=4 worker=0 join\n", "must all use one clock"),
         ("step=2 link down for=3\n", "a link down placed by step would stop the step"),
     ],
 )
@@ -454,12 +454,56 @@ def test_a_step_round_method_drops_the_crash_step_and_commits_the_others(
     assert summary["faults"]["rounds_dropped"] == 1
 
 
-def test_a_generated_trace_with_crashes_is_refused_until_crashes_by_time_run(
-    tmp_path: Path,
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_a_crash_placed_by_time_lands_on_the_first_step_that_starts_after_it(
+    method: str, tmp_path: Path
 ) -> None:
-    config = _config("ddp", tmp_path / "out", None, fault_mtbf_s=600.0, fault_seed=0)
-    with pytest.raises(ConfigError, match="--fault-mtbf-s: 600 generates crashes placed by time"):
-        config.validate()
+    """The step's start on the run's clock is the end of the step before (its members'
+    latest clock): the crash lands on the first step starting at or after its time, and the
+    join likewise; two replays give the same run."""
+    plain = _run(_config(method, tmp_path / "plain", None))[0]
+    crash_at = (plain[1]["clock_s"] + plain[2]["clock_s"]) / 2  # (inside step 2)
+    join_at = crash_at + 0.1
+    trace = _trace(tmp_path, f"t={crash_at!r} worker=2 crash\nt={join_at!r} worker=2 join\n")
+    first, summary, params = _run(_config(method, tmp_path / "a", trace, fault_detection_s=0.05))
+    second, _, again = _run(_config(method, tmp_path / "b", trace, fault_detection_s=0.05))
+    assert first == second
+    for a, b in zip(params, again, strict=True):
+        assert torch.equal(a, b)
+    crash_step = 3  # step 2 started before the crash, step 3 at step 2's end, after it
+    starts = [0.0] + [r["clock_s"] for r in first[:-1]]
+    assert starts[crash_step - 1] < crash_at <= starts[crash_step]
+    assert first[crash_step]["membership_events"] == [{"worker": 2, "kind": "crash"}]
+    assert [r["quorum"] for r in first[:crash_step]] == [WORKERS] * crash_step
+    join_step = next(s for s, start in enumerate(starts) if start >= join_at)
+    assert starts[join_step - 1] < join_at
+    assert first[join_step]["membership_events"] == [{"worker": 2, "kind": "join"}]
+    assert [r["quorum"] for r in first[crash_step:join_step]] == [2] * (join_step - crash_step)
+    assert first[join_step]["quorum"] == WORKERS
+    assert [c["step"] for c in summary["faults"]["membership_changes"]] == [crash_step, join_step]
+
+
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_a_generated_trace_with_crashes_and_replacements_runs_and_reports_goodput(
+    method: str, tmp_path: Path
+) -> None:
+    def run(out: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        config = _config(
+            method, tmp_path / out, None, fault_mtbf_s=0.4, fault_replace_after_s=0.1,
+            fault_detection_s=0.05, fault_seed=1, steps=16,
+        )  # fmt: skip
+        records, summary, _ = _run(config)
+        return records, summary
+
+    records, summary = run("a")
+    assert (records, summary["faults"]) == (lambda r: (r[0], r[1]["faults"]))(run("b"))
+    kinds = [e["kind"] for r in records for e in r.get("membership_events", [])]
+    assert "crash" in kinds and "join" in kinds
+    faults = summary["faults"]
+    assert faults["source"].startswith("<generated seed=1")
+    assert 0 < faults["goodput"] < 1
+    assert faults["committed_tokens"] == summary["committed_tokens"]
+    assert min(r["quorum"] for r in records) < WORKERS
 
 
 def test_a_local_methods_goodput_prices_a_fault_free_step_with_its_rounds_sync(
