@@ -526,3 +526,31 @@ def test_a_local_methods_goodput_prices_a_fault_free_step_with_its_rounds_sync(
     free = WORKERS * per_step * summary["modeled_time_s"] / mean
     faults = summary["faults"]
     assert math.isclose(faults["goodput"], faults["committed_tokens"] / free, rel_tol=1e-9)
+
+
+def test_loss_png_marks_each_membership_event_in_both_panels(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from lowcomm.train.metrics import RunWriter
+
+    trace = _trace(tmp_path, "step=3 worker=2 crash\nstep=5 worker=2 join\n")
+    config = _config("ddp", tmp_path / "out", trace)
+    records = _run(config)[0]
+    # (The written run's records, read back as a resumed run reads them.)
+    writer = RunWriter(config, resume_step=config.steps)
+    figure = writer.figure()
+    writer.close_steps()
+    by_step, by_time = figure.axes
+    for axis, where in (
+        (by_step, lambda step: step),
+        (by_time, lambda s: records[s - 1]["clock_s"]),
+    ):
+        marks = {
+            line.get_gid(): line.get_xdata()[0]
+            for line in axis.get_lines()
+            if str(line.get_gid()).startswith("membership:")
+        }
+        assert marks == {"membership:crash:2": where(3), "membership:join:2": where(5)}
+    labels = by_step.get_legend_handles_labels()[1]
+    assert "crash" in labels and "join" in labels
+    plt.close(figure)
