@@ -5,7 +5,8 @@ For each worker count M every method first trains without faults (``--workers-pe
 M``, the virtual clock, the declared compute cost ``--seconds-per-microbatch``). The trace is
 then generated once per M from the fault options, the same for every method: unless given,
 each worker's mean time between failures is set so that about ``--crash-fraction`` of the
-workers crash within the longest fault-free run of that M (``1 - exp(-T / MTBF)``), and a
+workers crash within T (``1 - exp(-T / MTBF)``), T the longest fault-free run of that M times
+``--fault-slow-factor`` (a run with a permanent straggler waits for it), and a
 replacement joins ``--replace-fraction`` of that run's length after each crash; a
 ``--fault-slow-fraction`` of the slots run ``--fault-slow-factor`` times slower. Each method
 then trains again on that trace. The report gives, per method and M: goodput (the run's
@@ -74,7 +75,8 @@ class FaultsBench:
 
     crash_fraction: float = 0.1
     """About this fraction of the workers crashes during the run (sets the MTBF when
-    --fault-mtbf-s is not given)."""
+    --fault-mtbf-s is not given; the run's length is taken as the longest fault-free run's
+    times --fault-slow-factor)."""
 
     replace_fraction: float = 0.25
     """A replacement joins this fraction of the fault-free run's modeled time after a crash
@@ -243,7 +245,11 @@ def run_workers(
     )
     mtbf = bench.fault_mtbf_s
     if mtbf is None:
-        mtbf = longest / -math.log1p(-bench.crash_fraction)
+        # A run with a permanent straggler takes about slow_factor times as long (a
+        # synchronous step, or a local round's sync, waits for it): the crashes are drawn
+        # over that length.
+        slowed = bench.fault_slow_factor if bench.fault_slow_fraction > 0 else 1.0
+        mtbf = slowed * longest / -math.log1p(-bench.crash_fraction)
     replace = bench.fault_replace_after_s
     if replace is None:
         replace = bench.replace_fraction * longest
@@ -305,7 +311,8 @@ def report(rows: list[dict[str, Any]], traces: dict[int, dict[str, float]]) -> s
     for workers, trace in traces.items():
         lines.append(
             f"- M = {workers}: MTBF {trace['mtbf_s']:.1f} s per worker, replacement after "
-            f"{trace['replace_after_s']:.1f} s (longest fault-free run {trace['fault_free_longest_s']:.2f} s)"
+            f"{trace['replace_after_s']:.1f} s (longest fault-free run "
+            f"{trace['fault_free_longest_s']:.2f} s)"
         )
     return "\n".join(lines) + "\n"
 
