@@ -554,3 +554,38 @@ def test_loss_png_marks_each_membership_event_in_both_panels(tmp_path: Path) -> 
     labels = by_step.get_legend_handles_labels()[1]
     assert "crash" in labels and "join" in labels
     plt.close(figure)
+
+
+def test_a_generated_trace_grows_past_its_first_horizon_with_the_same_events(
+    tmp_path: Path,
+) -> None:
+    """A run longer than the generated trace's first horizon (8 MTBFs) extends it at an agreed
+    step; every crash and join still lands on the first step starting at or after it."""
+    from lowcomm.faults import FaultOptions, generate_trace
+    from lowcomm.faults.run import FIRST_HORIZON_MTBFS
+
+    mtbf, replace = 0.5, 0.005
+    config = _config(
+        "diloco", tmp_path / "out", None, fault_mtbf_s=mtbf, fault_replace_after_s=replace,
+        fault_detection_s=0.0, fault_seed=2, steps=48, seconds_per_microbatch=0.1, workers=6,
+        workers_per_process=6,
+    )  # fmt: skip
+    records, summary, _ = _run(config)
+    end = summary["modeled_time_s"]
+    assert end > FIRST_HORIZON_MTBFS * mtbf  # (extended)
+    whole = generate_trace(
+        FaultOptions(duration_s=end + 1.0, mtbf_s=mtbf, replace_after_s=replace, seed=2),
+        workers=config.workers,
+    )
+    starts = [0.0] + [r["clock_s"] for r in records[:-1]]
+    expected = []
+    for step, start in enumerate(starts):
+        before = starts[step - 1] if step > 0 else -1.0
+        events = [
+            {"worker": e.worker, "kind": e.kind}
+            for e in whole.membership_events()
+            if before < e.at <= start
+        ]
+        expected.append(events or None)
+    assert [r.get("membership_events") for r in records] == expected
+    assert sum(1 for events in expected if events) >= 3
