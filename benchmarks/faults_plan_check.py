@@ -77,13 +77,15 @@ def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, 
     """The run's measured goodput, the planner's, and their ratio."""
     config = plan_for_run(run, seconds_per_step=seconds_per_step)
     summary = json.loads((run / "summary.json").read_text())
-    if "goodput" not in summary:
+    goodput = (summary.get("faults") or {}).get("goodput")
+    if goodput is None:
         raise RunError(
-            f"{run / 'summary.json'}: no goodput; the run had no fault options, or comes from "
-            "a lowcomm that does not report it"
+            f"{run / 'summary.json'}: no faults.goodput; the run had no fault options, had no "
+            "fault-free step to price its goodput by, or comes from a lowcomm that does not "
+            "report it"
         )
     priced = price_faults(config, make_plan(config))
-    measured = float(summary["goodput"])
+    measured = float(goodput)
     predicted = priced.goodput
     ratio = math.nan if not predicted else measured / predicted
     return {

@@ -328,7 +328,7 @@ def _error(result: Any) -> str:
         ("step=2 worker=7 crash\n", "worker=7"),
         ("step=2 worker=0 crash\nstep=2 worker=1 crash\n", "no worker is alive from step 2"),
         ("# a comment\nstep=2 worker=0 crash\nstep=x worker=1 join\n", ":3: "),
-        ("t=2 worker=0 crash\n", "placed by time is not yet supported"),
+        ("t=2 worker=0 crash\nstep=4 worker=0 join\n", "must all use one clock"),
         ("step=2 link down for=3\n", "a link down placed by step would stop the step"),
     ],
 )
@@ -454,12 +454,56 @@ def test_a_step_round_method_drops_the_crash_step_and_commits_the_others(
     assert summary["faults"]["rounds_dropped"] == 1
 
 
-def test_a_generated_trace_with_crashes_is_refused_until_crashes_by_time_run(
-    tmp_path: Path,
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_a_crash_placed_by_time_lands_on_the_first_step_that_starts_after_it(
+    method: str, tmp_path: Path
 ) -> None:
-    config = _config("ddp", tmp_path / "out", None, fault_mtbf_s=600.0, fault_seed=0)
-    with pytest.raises(ConfigError, match="--fault-mtbf-s: 600 generates crashes placed by time"):
-        config.validate()
+    """The step's start on the run's clock is the end of the step before (its members'
+    latest clock): the crash lands on the first step starting at or after its time, and the
+    join likewise; two replays give the same run."""
+    plain = _run(_config(method, tmp_path / "plain", None))[0]
+    crash_at = (plain[1]["clock_s"] + plain[2]["clock_s"]) / 2  # (inside step 2)
+    join_at = crash_at + 0.1
+    trace = _trace(tmp_path, f"t={crash_at!r} worker=2 crash\nt={join_at!r} worker=2 join\n")
+    first, summary, params = _run(_config(method, tmp_path / "a", trace, fault_detection_s=0.05))
+    second, _, again = _run(_config(method, tmp_path / "b", trace, fault_detection_s=0.05))
+    assert first == second
+    for a, b in zip(params, again, strict=True):
+        assert torch.equal(a, b)
+    crash_step = 3  # step 2 started before the crash, step 3 at step 2's end, after it
+    starts = [0.0] + [r["clock_s"] for r in first[:-1]]
+    assert starts[crash_step - 1] < crash_at <= starts[crash_step]
+    assert first[crash_step]["membership_events"] == [{"worker": 2, "kind": "crash"}]
+    assert [r["quorum"] for r in first[:crash_step]] == [WORKERS] * crash_step
+    join_step = next(s for s, start in enumerate(starts) if start >= join_at)
+    assert starts[join_step - 1] < join_at
+    assert first[join_step]["membership_events"] == [{"worker": 2, "kind": "join"}]
+    assert [r["quorum"] for r in first[crash_step:join_step]] == [2] * (join_step - crash_step)
+    assert first[join_step]["quorum"] == WORKERS
+    assert [c["step"] for c in summary["faults"]["membership_changes"]] == [crash_step, join_step]
+
+
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_a_generated_trace_with_crashes_and_replacements_runs_and_reports_goodput(
+    method: str, tmp_path: Path
+) -> None:
+    def run(out: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        config = _config(
+            method, tmp_path / out, None, fault_mtbf_s=0.4, fault_replace_after_s=0.1,
+            fault_detection_s=0.05, fault_seed=1, steps=16,
+        )  # fmt: skip
+        records, summary, _ = _run(config)
+        return records, summary
+
+    records, summary = run("a")
+    assert (records, summary["faults"]) == (lambda r: (r[0], r[1]["faults"]))(run("b"))
+    kinds = [e["kind"] for r in records for e in r.get("membership_events", [])]
+    assert "crash" in kinds and "join" in kinds
+    faults = summary["faults"]
+    assert faults["source"].startswith("<generated seed=1")
+    assert 0 < faults["goodput"] < 1
+    assert faults["committed_tokens"] == summary["committed_tokens"]
+    assert min(r["quorum"] for r in records) < WORKERS
 
 
 def test_a_local_methods_goodput_prices_a_fault_free_step_with_its_rounds_sync(
@@ -482,3 +526,66 @@ def test_a_local_methods_goodput_prices_a_fault_free_step_with_its_rounds_sync(
     free = WORKERS * per_step * summary["modeled_time_s"] / mean
     faults = summary["faults"]
     assert math.isclose(faults["goodput"], faults["committed_tokens"] / free, rel_tol=1e-9)
+
+
+def test_loss_png_marks_each_membership_event_in_both_panels(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from lowcomm.train.metrics import RunWriter
+
+    trace = _trace(tmp_path, "step=3 worker=2 crash\nstep=5 worker=2 join\n")
+    config = _config("ddp", tmp_path / "out", trace)
+    records = _run(config)[0]
+    # (The written run's records, read back as a resumed run reads them.)
+    writer = RunWriter(config, resume_step=config.steps)
+    figure = writer.figure()
+    writer.close_steps()
+    by_step, by_time = figure.axes
+    for axis, where in (
+        (by_step, lambda step: step),
+        (by_time, lambda s: records[s - 1]["clock_s"]),
+    ):
+        marks = {
+            line.get_gid(): line.get_xdata()[0]
+            for line in axis.get_lines()
+            if str(line.get_gid()).startswith("membership:")
+        }
+        assert marks == {"membership:crash:2": where(3), "membership:join:2": where(5)}
+    labels = by_step.get_legend_handles_labels()[1]
+    assert "crash" in labels and "join" in labels
+    plt.close(figure)
+
+
+def test_a_generated_trace_grows_past_its_first_horizon_with_the_same_events(
+    tmp_path: Path,
+) -> None:
+    """A run longer than the generated trace's first horizon (8 MTBFs) extends it at an agreed
+    step; every crash and join still lands on the first step starting at or after it."""
+    from lowcomm.faults import FaultOptions, generate_trace
+    from lowcomm.faults.run import FIRST_HORIZON_MTBFS
+
+    mtbf, replace = 0.5, 0.005
+    config = _config(
+        "diloco", tmp_path / "out", None, fault_mtbf_s=mtbf, fault_replace_after_s=replace,
+        fault_detection_s=0.0, fault_seed=2, steps=48, seconds_per_microbatch=0.1, workers=6,
+        workers_per_process=6,
+    )  # fmt: skip
+    records, summary, _ = _run(config)
+    end = summary["modeled_time_s"]
+    assert end > FIRST_HORIZON_MTBFS * mtbf  # (extended)
+    whole = generate_trace(
+        FaultOptions(duration_s=end + 1.0, mtbf_s=mtbf, replace_after_s=replace, seed=2),
+        workers=config.workers,
+    )
+    starts = [0.0] + [r["clock_s"] for r in records[:-1]]
+    expected = []
+    for step, start in enumerate(starts):
+        before = starts[step - 1] if step > 0 else -1.0
+        events = [
+            {"worker": e.worker, "kind": e.kind}
+            for e in whole.membership_events()
+            if before < e.at <= start
+        ]
+        expected.append(events or None)
+    assert [r.get("membership_events") for r in records] == expected
+    assert sum(1 for events in expected if events) >= 3

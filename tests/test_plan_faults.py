@@ -237,8 +237,8 @@ def test_the_check_script_plans_a_run_as_it_ran(
 ) -> None:
     """benchmarks/faults_plan_check.py gives the planner a run's own settings: the plan of a
     fault-free run on the declared clock has the run's modeled time and bytes. A summary
-    without goodput is refused in one line; with one (written here, as the training side
-    will), the script prints measured / planned."""
+    without goodput is refused in one line; with one (summary.json's faults.goodput, written
+    here), the script prints measured / planned."""
     script = _check_script()
     run = tmp_path / "run"
     result = lowcomm(
@@ -257,8 +257,8 @@ def test_the_check_script_plans_a_run_as_it_ran(
     assert plan.wall_clock_s == pytest.approx(summary["modeled_time_s"], rel=1e-6)
     assert plan.comm_bytes_per_worker == pytest.approx(summary["bytes_sent_per_worker"], rel=0.01)
     assert script.main([str(run)]) == 2
-    assert "summary.json: no goodput" in capsys.readouterr().err
-    (run / "summary.json").write_text(json.dumps({**summary, "goodput": 0.8}))
+    assert "summary.json: no faults.goodput" in capsys.readouterr().err
+    (run / "summary.json").write_text(json.dumps({**summary, "faults": {"goodput": 0.8}}))
     assert script.main([str(run), "--json"]) == 1  # planned 1.0 without faults: 20% off
     row = json.loads(capsys.readouterr().out)
     assert (row["measured"], row["predicted"], row["ratio"]) == (0.8, 1.0, 0.8)

@@ -260,7 +260,7 @@ USAGE = """usage: lowcomm {demo,train,eval,generate,bench,plan,reproduce,methods
   train     train a model data-parallel with one method (lowcomm train --help)
   eval      validation loss and perplexity of a saved model (lowcomm eval OUT)
   generate  sample text from a saved model (lowcomm generate OUT --prompt TEXT)
-  bench     benchmarks: overhead ratio, method comparison, clock under load, scale, fsdp (lowcomm bench --help)
+  bench     benchmarks: overhead ratio, method comparison, clock under load, scale, fsdp, faults (lowcomm bench --help)
   plan      predict time, bytes and memory of a method at any scale (lowcomm plan --help)
   reproduce run the papers' CPU-scale experiments, judge their claims (lowcomm reproduce --help)
   methods   list the training methods

@@ -254,8 +254,8 @@ class TrainConfig:
     faults: str | None = None
     """Replay this fault trace. One event per line: step=N or t=S, worker=K or link, then crash,
     leave, join, rejoin, slow factor=F [for=D], link factor=F [for=D] or link down for=D
-    (lowcomm.faults.trace). Not with the --fault-* options that generate a trace, which covers
-    1e6 modeled seconds (lowcomm.faults.run says what runs with faults today)."""
+    (lowcomm.faults.trace). Not with the --fault-* options that generate a trace, which places
+    every event by time (lowcomm.faults.run says what runs with faults today)."""
 
     fault_mtbf_s: float | None = None
     """Generated trace: each worker's mean time between failures (s)."""

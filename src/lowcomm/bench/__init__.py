@@ -7,6 +7,7 @@ from typing import Any
 from lowcomm.bench.clock import ClockBench, run_clock
 from lowcomm.bench.compare import CompareBench, run_compare
 from lowcomm.bench.elastic import ElasticBench, run_elastic
+from lowcomm.bench.faults import FaultsBench, run_faults
 from lowcomm.bench.fsdp import FsdpBench, run_fsdp
 from lowcomm.bench.overhead import OverheadBench, run_overhead
 from lowcomm.bench.reallink import RealLinkBench, run_reallink
@@ -23,6 +24,7 @@ BENCHMARKS: dict[str, Any] = {
     "elastic": ElasticBench,
     "scale": ScaleBench,
     "fsdp": FsdpBench,
+    "faults": FaultsBench,
 }
 
 
@@ -52,6 +54,9 @@ def run_bench(command: object) -> None:
     if isinstance(command, FsdpBench):
         run_fsdp(command)
         return
+    if isinstance(command, FaultsBench):
+        run_faults(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
@@ -60,6 +65,7 @@ __all__ = [
     "ClockBench",
     "CompareBench",
     "ElasticBench",
+    "FaultsBench",
     "FsdpBench",
     "OverheadBench",
     "RealLinkBench",

@@ -26,6 +26,23 @@ worker:
     (:meth:`WorkerFaults.enter_round`);
   - otherwise it takes the method's step.
 
+**Membership events placed by time** (``t=SECONDS``, as every generated trace places its
+crashes and joins) land on a step: the first step whose start, on the run's clock, is at or
+after the event's time. The run's clock at a step's start is the latest clock of the
+previous step's members: at each step, while an event placed by time is still to come, every
+worker (member or not) takes part in one uncharged max over the bookkeeping group, giving its
+clock (a member) or nothing (``-inf``: a worker outside the quorum has no time of its own).
+Every worker gets the same number and resolves the same events to the same step, without
+talking on the strategy's links; from then on the event acts exactly as if the trace had
+placed it with ``step=N`` at that step (:meth:`WorkerFaults.resolve`). For a synchronous
+method the members' clocks agree after each step's collective, so this is their common time;
+for a local method it is the slowest member's, the time at which the whole quorum has
+reached the step. A run whose events are placed by step makes no such agreement.
+
+Events at one step happen together, in trace order: a worker whose events at a step leave it
+dead takes no part in it (a replacement that joins and crashes within one step never runs),
+and one that was dead before the step is not *lost* at it.
+
 A worker that leaves announces it: the others neither wait to detect it nor drop a step. A
 link degraded to F makes a transfer that starts in it take 1/F times its modeled time; one
 that starts while the link is down starts when it is up (:meth:`WorkerFaults.transfer_time`).
@@ -37,6 +54,8 @@ in, and a worker lost before its sync loses them.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,9 +63,10 @@ import torch
 
 from lowcomm.comm.base import Role
 from lowcomm.comm.runtime import Quorum
-from lowcomm.faults.trace import Event, FaultTrace
+from lowcomm.faults.trace import MEMBERSHIP_KINDS, Event, FaultTrace
 
 if TYPE_CHECKING:
+    from lowcomm.comm.base import Comm
     from lowcomm.comm.clock import Clock
     from lowcomm.comm.inprocess import InProcessComm
 
@@ -103,6 +123,12 @@ class WorkerFaults:
         detection_s: seconds until the survivors of a loss go on without the lost worker.
         clock: this worker's clock.
         raw: this worker's member of the strategy's in-process group.
+        books: this worker's member of the bookkeeping group (every worker, member or not),
+            where the step's start time is agreed while membership events placed by time are
+            still to come; needed only by such a trace.
+        extend: for a generated trace, the same trace over a longer horizon (seconds): called
+            when the run's clock passes the trace's horizon (None: the trace is complete).
+        horizon_s: the modeled time the trace covers (``math.inf``: complete).
     """
 
     def __init__(
@@ -114,6 +140,9 @@ class WorkerFaults:
         detection_s: float,
         clock: Clock,
         raw: InProcessComm,
+        books: Comm | None = None,
+        extend: Callable[[float], FaultTrace] | None = None,
+        horizon_s: float = math.inf,
     ) -> None:
         self.trace = trace
         self.slot = slot
@@ -121,7 +150,10 @@ class WorkerFaults:
         self.detection_s = detection_s
         self.clock = clock
         self.raw = raw
+        self.books = books
         self.base_speed = clock.speed_factor
+        self._extend = extend
+        self._horizon_s = horizon_s
         self._quorum = Quorum(tuple(range(trace.workers)))
         self._detect_until: float | None = None
         #: Tokens this worker computed that a sync has not committed yet (sync rounds).
@@ -129,6 +161,23 @@ class WorkerFaults:
         self.committed_tokens = 0
         self.dropped_steps = 0
         self._step = 0
+        # Membership resolved step by step (resolve): the events of each step, the members
+        # after them and the quorum's id.
+        self._set_trace(trace)
+        self._next = 0
+        self._alive = tuple(range(trace.workers))
+        self._quorum_id = 0
+        self._resolved: list[tuple[tuple[Event, ...], tuple[int, ...], int]] = []
+
+    def _set_trace(self, trace: FaultTrace) -> None:
+        self.trace = trace
+        self._membership = trace.membership_events()
+        #: The trace's slow and link events alone: the per-step queries read only these.
+        self.rates = FaultTrace(
+            workers=trace.workers,
+            events=tuple(e for e in trace.events if e.kind not in MEMBERSHIP_KINDS),
+            source=trace.source,
+        )
 
     # --- the runtime's Membership -----------------------------------------------------------
 
@@ -143,12 +192,77 @@ class WorkerFaults:
 
     # --- the loop's side ---------------------------------------------------------------
 
+    def resolve(self, step: int) -> None:
+        """Place the membership events that happen by ``step``'s start (every worker calls
+        it at every step, in order, before the step; see the module docstring)."""
+        while len(self._resolved) <= step:
+            current = len(self._resolved)
+            due = self._due_events(current)
+            alive = set(self._alive)
+            for event in due:
+                assert event.worker is not None
+                if event.kind in ("crash", "leave"):
+                    alive.discard(event.worker)
+                else:
+                    alive.add(event.worker)
+            if due:
+                self._alive = tuple(sorted(alive))
+                self._quorum_id += 1
+            self._resolved.append((due, self._alive, self._quorum_id))
+
+    def _due_events(self, step: int) -> tuple[Event, ...]:
+        """The membership events not yet placed that happen by ``step``'s start."""
+        if self._next >= len(self._membership) and self._extend is None:
+            return ()
+        if self._membership and self._membership[0].at_step is not None:  # (one clock)
+            found = []
+            while self._next < len(self._membership):
+                event = self._membership[self._next]
+                assert event.at_step is not None
+                if event.at_step > step:
+                    break
+                found.append(event)
+                self._next += 1
+            return tuple(found)
+        start = self._agreed_start()
+        while start >= self._horizon_s and self._extend is not None:
+            self._horizon_s *= 2
+            self._set_trace(self._extend(self._horizon_s))
+        found = []
+        while self._next < len(self._membership):
+            event = self._membership[self._next]
+            if event.at > start:
+                break
+            found.append(event)
+            self._next += 1
+        return tuple(found)
+
+    def _agreed_start(self) -> float:
+        """The step's start on the run's clock: the latest clock among the previous step's
+        members, agreed by every worker (an uncharged max on the bookkeeping group)."""
+        if self.books is None:
+            raise RuntimeError(
+                "membership events placed by time need the bookkeeping group to agree the "
+                "step's start; pass books="
+            )
+        mine = self.clock.now() if self.slot in self._alive else -math.inf
+        times = torch.tensor([mine], dtype=torch.float64)
+        self.books.all_reduce(times, op="max", role=Role.OTHER).wait()
+        return float(times[0])
+
+    def members(self, step: int) -> tuple[int, ...]:
+        """The members of ``step``'s quorum (a step already resolved)."""
+        self.resolve(step)
+        return self._resolved[step][1]
+
     def plan(self, step: int) -> StepPlan:
         """What this worker does at ``step`` (the same quorum on every member)."""
-        members, quorum_id = quorum_at(self.trace, step)
-        events = tuple(e for e in self.trace.membership_events() if e.at_step == step)
-        lost = _workers_of(events, ("crash",))  # (a worker that leaves says so: no detection)
-        joining = _workers_of(events, ("join", "rejoin"))
+        self.resolve(step)
+        events, members, quorum_id = self._resolved[step]
+        before = self._resolved[step - 1][1] if step > 0 else tuple(range(self.trace.workers))
+        # (A worker dead before the step is not lost at it; one dead after it does not join.)
+        lost = tuple(w for w in _workers_of(events, ("crash",)) if w in before)
+        joining = tuple(w for w in _workers_of(events, ("join", "rejoin")) if w in members)
         survivors = [m for m in members if m not in joining]
         source = None
         if joining:
@@ -169,7 +283,7 @@ class WorkerFaults:
         self.raw.enter(plan.quorum.id, plan.quorum.members)
         if plan.joining:
             self._meet_joiners(plan)
-        factor = self.trace.speed_factor(self.slot, step=step, time=self.clock.now())
+        factor = self.rates.speed_factor(self.slot, step=step, time=self.clock.now())
         self.clock.speed_factor = self.base_speed * factor
         if plan.lost and not plan.dropped and not plan.quorum.joined:
             # (A sync-round method: the survivors learn of the loss at the detection time.)
@@ -191,16 +305,16 @@ class WorkerFaults:
         link's model): ``cost / F`` on a link degraded to F; on a link that is down, it
         starts once the link is up again (a link down is placed by time)."""
         begin = start
-        factor = self.trace.link_factor(step=self._step, time=begin)
+        factor = self.rates.link_factor(step=self._step, time=begin)
         while factor == 0.0:
             begin = max(
                 event.at + float(event.duration or 0.0)
-                for event in self.trace.events
+                for event in self.rates.events
                 if event.kind == "link_down"
                 and event.at_time is not None
                 and event.at <= begin < event.at + float(event.duration or 0.0)
             )
-            factor = self.trace.link_factor(step=self._step, time=begin)
+            factor = self.rates.link_factor(step=self._step, time=begin)
         return (begin - start) + cost / factor
 
     def kept_state(self, plan: StepPlan) -> bool:

@@ -5,17 +5,22 @@
 ``--fault-slow-factor``, ``--fault-seed``), never both; ``--fault-detection-s`` (torchft's
 heartbeat timeout by default) goes with either.
 
-**The generated trace's horizon.** A generated trace covers :data:`GENERATED_HORIZON_S`
-modeled seconds. Each worker slot draws its events from its own seeded stream, one after
-the other, so a longer horizon only appends events: the events of a run are the same
-whatever horizon covers it. The horizon is therefore a bound on the run's modeled time, not a
-run setting, set far past any run this placement simulates (no option sets it).
+**The generated trace's horizon.** Each worker slot draws its events from its own seeded
+stream, one after the other, so a longer horizon only appends events: the events of a run are
+the same whatever horizon covers it. The horizon is therefore not a run setting (no option
+sets it). A trace without crashes covers :data:`GENERATED_HORIZON_S` modeled seconds. One
+with crashes first covers :data:`FIRST_HORIZON_MTBFS` mean times between failures (capped at
+:data:`GENERATED_HORIZON_S`), a few events per worker whatever the failure rate; when the
+run's clock passes it, every worker extends it to twice as long at the same step (the step's
+start is agreed, :mod:`lowcomm.faults.engine`), which appends the next events
+(:func:`trace_extension`). A generated trace is made once per process and shared by its
+workers.
 
 **What runs with faults today.** Every worker as a thread of one process
 (``--workers-per-process`` equal to ``--workers``), one rank per worker, on the virtual clock;
-membership events (crash, leave, join, rejoin) placed by step (``step=N``), since the round's
-quorum is decided by the step every member agrees on; slow events by step or by
-time. The methods are those whose lost worker takes no state the others need and whose
+membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
+(``t=SECONDS``: each lands on the first step whose start, on the run's clock, is at or after
+it; :mod:`lowcomm.faults.engine`); slow events by step or by time. The methods are those whose lost worker takes no state the others need and whose
 membership rule is declared (:func:`supported_methods`); the methods whose optimizer state is
 sharded across workers are refused with that reason (:data:`SHARDED_METHODS`); any other
 method is refused as not yet supported. Link events scale (or stop) the modeled transfers of
@@ -26,8 +31,10 @@ Nothing here reads a file but :func:`run_trace` (the launch's pre-flight calls i
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions, generate_trace
@@ -37,16 +44,20 @@ if TYPE_CHECKING:
     from lowcomm.config import TrainConfig
 
 __all__ = [
+    "FIRST_HORIZON_MTBFS",
     "GENERATED_HORIZON_S",
     "SHARDED_METHODS",
     "FaultSettings",
     "faults_refusal",
     "run_trace",
     "supported_methods",
+    "trace_extension",
 ]
 
 #: Modeled seconds a generated trace covers (about 11.6 days of modeled time).
 GENERATED_HORIZON_S = 1e6
+#: A generated trace with crashes first covers this many mean times between failures.
+FIRST_HORIZON_MTBFS = 8.0
 
 
 def supported_methods() -> list[str]:
@@ -191,12 +202,6 @@ def faults_refusal(config: TrainConfig) -> str | None:
             f"{flag}: not yet supported with checkpoints (--resume, --checkpoint-every): a "
             "checkpoint does not record the quorum yet; drop them"
         )
-    if settings.mtbf_s is not None and math.isfinite(settings.mtbf_s):
-        return (
-            f"--fault-mtbf-s: {settings.mtbf_s:g} generates crashes placed by time, which are "
-            "not yet supported (the quorum is decided by the step every member agrees on); "
-            "write a trace with step=N crashes (--faults FILE), or drop --fault-mtbf-s"
-        )
     if config.token_budget is not None:
         return f"{flag}: not yet supported with --token-budget; give --steps"
     return None
@@ -265,7 +270,7 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
     if settings.path is not None:
         trace = load_trace(settings.path, workers=config.workers)
     else:
-        trace = generate_trace(settings.generated_options(), workers=config.workers)
+        trace = _generated(settings.generated_options(), config.workers, _first_horizon(settings))
     stepped_down = [e for e in trace.events if e.kind == "link_down" and e.at_step is not None]
     if stepped_down:
         event = stepped_down[0]
@@ -274,13 +279,36 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
             f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: a link down placed "
             "by step would stop the step that must end it; place it with t=SECONDS for=D"
         )
-    timed = [event for event in trace.membership_events() if event.at_step is None]
-    if timed:
-        event = timed[0]
-        line = f":{event.line}" if event.line else ""
-        raise TraceError(
-            f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: a membership event placed by "
-            "time is not yet supported (the quorum is decided by the step every member "
-            "agrees on); place crash, leave, join and rejoin with step=N"
-        )
     return trace
+
+
+def _first_horizon(settings: FaultSettings) -> float:
+    """The modeled seconds a generated trace first covers (see the module docstring)."""
+    if settings.mtbf_s is None or not math.isfinite(settings.mtbf_s):
+        return GENERATED_HORIZON_S
+    return min(GENERATED_HORIZON_S, FIRST_HORIZON_MTBFS * settings.mtbf_s)
+
+
+@functools.lru_cache(maxsize=8)
+def _generated(options: FaultOptions, workers: int, horizon_s: float) -> FaultTrace:
+    """The generated trace over ``horizon_s`` seconds, made once per process (its workers
+    share it)."""
+    return generate_trace(replace(options, duration_s=horizon_s), workers=workers)
+
+
+def trace_extension(config: TrainConfig) -> tuple[Callable[[float], FaultTrace] | None, float]:
+    """How the run's generated trace grows past its horizon, and that horizon: a function
+    giving the same trace over a longer horizon (None: the trace is complete, a file or a
+    generated trace without crashes) and the seconds it covers now."""
+    settings = FaultSettings.of(config)
+    if settings.path is not None or not settings.enabled:
+        return None, math.inf
+    first = _first_horizon(settings)
+    if first >= GENERATED_HORIZON_S:
+        return None, math.inf
+    options, workers = settings.generated_options(), config.workers
+
+    def extend(horizon_s: float) -> FaultTrace:
+        return _generated(options, workers, horizon_s)
+
+    return extend, first

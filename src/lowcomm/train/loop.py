@@ -254,7 +254,7 @@ def set_up(
         comm, _ = _strategy_comms(config, raw, clock, device, levels, books)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
-    faults = _worker_faults(config, raw, clock)
+    faults = _worker_faults(config, raw, clock, bookkeeping)
     runtime = comm.runtime() if faults is None else replace(comm.runtime(), membership=faults)
     if faults is not None and isinstance(comm, NetworkComm):
         comm.link_model = faults.transfer_time  # (link events: degraded or down)
@@ -296,12 +296,14 @@ def _has_faults(config: TrainConfig) -> bool:
     return FaultSettings.of(config).enabled
 
 
-def _worker_faults(config: TrainConfig, raw: Comm, clock: Clock) -> WorkerFaults | None:
+def _worker_faults(
+    config: TrainConfig, raw: Comm, clock: Clock, bookkeeping: Comm
+) -> WorkerFaults | None:
     """This worker's view of the run's fault trace (None without one). The options were
     checked before any worker started (``config.validate()`` and the pre-flight): the
     workers are threads of this process on an in-process group."""
     from lowcomm.comm.inprocess import InProcessComm
-    from lowcomm.faults.run import run_trace
+    from lowcomm.faults.run import run_trace, trace_extension
     from lowcomm.strategies import strategy_class
 
     trace = run_trace(config)
@@ -309,9 +311,10 @@ def _worker_faults(config: TrainConfig, raw: Comm, clock: Clock) -> WorkerFaults
     if trace is None or rule is None:
         return None
     assert isinstance(raw, InProcessComm), "faults run with every worker in one process"
+    extend, horizon_s = trace_extension(config)
     return WorkerFaults(
         trace, slot=raw.slot, round_kind=rule.round, detection_s=config.fault_detection_s,
-        clock=clock, raw=raw,
+        clock=clock, raw=raw, books=bookkeeping, extend=extend, horizon_s=horizon_s,
     )  # fmt: skip
 
 
@@ -616,7 +619,7 @@ def _write_held(
     steps = log.read(worker.bookkeeping, worker.clock)
     faults = worker.faults
     for index, (held, everyone) in enumerate(steps):
-        members = None if faults is None else faults.trace.members(step=held.step)
+        members = None if faults is None else faults.members(held.step)
         _check_finite(held.step, everyone, members)
         if writer is None:
             continue
@@ -701,7 +704,7 @@ def final_evaluation(
     """Drain the method's communication, then validate the parameters it deploys (a
     worker outside the last step's quorum takes its turn in the sums with no batch)."""
     faults, last = worker.faults, worker.config.steps - 1
-    if faults is not None and worker.rank not in faults.trace.members(step=last):
+    if faults is not None and worker.rank not in faults.members(last):
         final.clock_s = worker.clock.now()
         with worker.clock.excluded():
             progress.val_loss = _evaluate(worker.model, [], worker.bookkeeping, worker.task)
@@ -794,11 +797,12 @@ def fault_summary(
     from lowcomm.faults import goodput as accounting
 
     trace, workers = faults.trace, config.workers
+    rates = faults.rates  # (the slow events, without the membership ones)
     modeled_s = max((r.clock_s for r in records), default=0.0)
     clean, previous = [], 0.0
     for record in records:
         slow = any(
-            trace.speed_factor(k, step=record.step, time=previous) != 1.0 for k in range(workers)
+            rates.speed_factor(k, step=record.step, time=previous) != 1.0 for k in range(workers)
         )
         if record.quorum == workers and not record.membership_events and not slow:
             clean.append(record.clock_s - previous)

@@ -15,6 +15,9 @@ from lowcomm.train.records import ProcessTotals, StepMetrics
 from lowcomm.train.rundir import MODEL_CONFIG_COPY, TOKENIZER_COPY, run_directory
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
     from lowcomm.config import TrainConfig
 
 
@@ -368,6 +371,17 @@ class RunWriter:
         }
 
     def _plot(self) -> None:
+        import matplotlib.pyplot as plt
+
+        figure = self.figure()
+        with atomic_path(self.directory / "loss.png") as temporary:
+            figure.savefig(temporary, dpi=100, format="png")
+        plt.close(figure)
+
+    def figure(self) -> Figure:
+        """loss.png's figure: the loss by step and by modeled time, an elastic resume's
+        change of workers, and each declared fault's membership event (crash, leave, join,
+        rejoin: a vertical line at the start of the step it lands on, in both panels)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -388,6 +402,7 @@ class RunWriter:
         for change in membership_changes(self.records):
             label = f"{change['old_workers']} -> {change['new_workers']} workers"
             by_step.axvline(change["step"], color="grey", linestyle="--", label=label)
+        _mark_membership_events(self.records, by_step, by_time)
         by_step.set_xlabel("step")
         by_step.set_ylabel("loss")
         by_time.set_xlabel(f"time on the {self.config.clock} clock (s)")
@@ -398,9 +413,29 @@ class RunWriter:
             f"{self.config.method}, {self.config.workers} workers, network {self.config.network}"
         )
         figure.tight_layout()
-        with atomic_path(self.directory / "loss.png") as temporary:
-            figure.savefig(temporary, dpi=100, format="png")
-        plt.close(figure)
+        return figure
+
+
+#: The colour of each membership event's line in loss.png.
+_EVENT_COLOURS = {"crash": "red", "leave": "orange", "join": "green", "rejoin": "green"}
+
+
+def _mark_membership_events(records: list[StepRecord], by_step: Axes, by_time: Axes) -> None:
+    """A vertical line per membership event, at the start of its step: after ``step``
+    completed steps on the step axis, at the previous step's end on the time axis. Each line's
+    gid is ``membership:KIND:WORKER``; one legend entry per kind."""
+    labelled: set[str] = set()
+    previous_s = 0.0
+    for record in records:
+        for event in record.membership_events or []:
+            kind = str(event["kind"])
+            label = None if kind in labelled else kind
+            labelled.add(kind)
+            colour = _EVENT_COLOURS.get(kind, "grey")
+            for axis, x in ((by_step, record.step), (by_time, previous_s)):
+                line = axis.axvline(x, color=colour, linestyle=":", alpha=0.7, label=label)
+                line.set_gid(f"membership:{kind}:{event['worker']}")
+        previous_s = record.clock_s
 
 
 #: The order of summary.json's keys (unchanged since before the named records).

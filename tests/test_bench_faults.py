@@ -1,0 +1,45 @@
+"""``lowcomm bench faults``: the table it writes agrees with the runs' own summaries, and a
+method that refuses --faults is reported as refused, not a failure of the benchmark."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from lowcomm.bench.faults import FaultsBench, run_faults
+
+
+def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path) -> None:
+    bench = FaultsBench(
+        workers=(4,), methods=("ddp", "diloco", "streaming_diloco"), steps=8,
+        fault_mtbf_s=40.0, fault_replace_after_s=4.0, fault_slow_fraction=0.25,
+        fault_detection_s=2.0, out=str(tmp_path / "bench"),
+    )  # fmt: skip
+    rows = run_faults(bench)
+    results = json.loads((tmp_path / "bench" / "results.json").read_text())
+    assert results["rows"] == rows
+    report = (tmp_path / "bench" / "report.md").read_text()
+    by_method = {row["method"]: row for row in rows}
+    assert "refused" in by_method["streaming_diloco"]
+    assert "--faults" in by_method["streaming_diloco"]["refused"]
+    assert "\n" not in by_method["streaming_diloco"]["refused"]
+    for method in ("ddp", "diloco"):
+        row = by_method[method]
+        clean = json.loads((Path(row["clean_dir"]) / "summary.json").read_text())
+        faulted = json.loads((Path(row["faults_dir"]) / "summary.json").read_text())
+        assert "faults" not in clean and "faults" in faulted
+        assert row["clean_loss"] == clean["final_train_loss"]
+        assert row["clean_time_s"] == clean["modeled_time_s"]
+        assert row["faults_loss"] == faulted["final_train_loss"]
+        assert row["faults_time_s"] == faulted["modeled_time_s"]
+        assert row["faults_bytes"] == faulted["bytes_sent_per_worker"]
+        assert row["rounds_dropped"] == faulted["faults"]["rounds_dropped"]
+        expected = (faulted["committed_tokens"] / faulted["modeled_time_s"]) / (
+            clean["committed_tokens"] / clean["modeled_time_s"]
+        )
+        assert math.isclose(row["goodput"], expected, rel_tol=1e-12)
+        assert 0 < row["goodput"] < 1  # (a straggler and a crash cost time)
+        assert row["predicted_goodput"] is not None and 0 < row["predicted_goodput"] < 1
+        assert f"| 4 | {method} | {row['goodput']:.3f} | {row['predicted_goodput']:.3f} |" in report
+    assert "| 4 | streaming_diloco | refused |" in report
