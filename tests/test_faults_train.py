@@ -7,6 +7,7 @@ import json
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from _cli import TINY, lowcomm
 from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import Role
 from lowcomm.comm.inprocess import InProcessGroup
+from lowcomm.comm.runtime import Quorum
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch.inprocess import train_in_process
@@ -28,6 +30,7 @@ from lowcomm.strategies.co2 import LocalAdamW, LocalOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
+from lowcomm.strategies.streaming import StreamingDiLoCo
 
 WORKERS = 3
 DETECTION_S = 2.5
@@ -45,20 +48,27 @@ def _config(method: str, out: Path, faults: Path | None, **overrides: Any) -> Tr
         sparseloco=SparseLoCoOptions(sync_every=2),
         faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S,
     )  # fmt: skip
+    if method == "streaming_diloco":  # (two fragments, each in flight one step of four)
+        config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+        config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
 
 
-def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
-    """The run's metrics records, summary and every worker's final parameters."""
+def _run(
+    config: TrainConfig, *, deployed: bool = False
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
+    """The run's metrics records, summary and every worker's final parameters (``deployed``:
+    those the method deploys, which a fragmented method's workers share once synchronized)."""
     config.validate()
     preflight(config)
     summaries = train_in_process(config, keep_parameters=True)
     out = Path(str(config.out))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
-    return records, summary, [s.parameters for s in summaries if s.parameters is not None]
+    kept = [s.deployed_parameters if deployed else s.parameters for s in summaries]
+    return records, summary, [p for p in kept if p is not None]
 
 
 def _trace(tmp_path: Path, text: str) -> Path:
@@ -100,6 +110,7 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
         "sparseloco",
         "demo",
         "sparta",
+        "streaming_diloco",
     ],
 )
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
@@ -161,6 +172,8 @@ def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_de
         ("local_adam", "rejoin"),
         ("sparseloco", "join"),
         ("demo", "join"),
+        ("streaming_diloco", "join"),
+        ("streaming_diloco", "rejoin"),
     ],
 )
 def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
@@ -168,7 +181,11 @@ def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
 ) -> None:
     gone = "crash" if kind == "join" else "leave"
     trace = _trace(tmp_path, f"step=2 worker=1 {gone}\nstep=5 worker=1 {kind}\n")
-    records, summary, parameters = _run(_config(method, tmp_path / "out", trace))
+    # (streaming_diloco: each worker keeps a local drift alpha theta_p of its own, so its
+    # workers agree on the model they deploy, every fragment's theta^g_p.)
+    deployed = method == "streaming_diloco"
+    records, summary, parameters = _run(_config(method, tmp_path / "out", trace), deployed=deployed)
+    assert len(parameters) == WORKERS
     # (diloco, local: step 7 ends a round, after which every worker holds the same model.)
     assert all(torch.equal(parameters[0], p) for p in parameters[1:])
     assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 3, 3, 3]
@@ -482,3 +499,139 @@ def test_a_local_methods_goodput_prices_a_fault_free_step_with_its_rounds_sync(
     free = WORKERS * per_step * summary["modeled_time_s"] / mean
     faults = summary["faults"]
     assert math.isclose(faults["goodput"], faults["committed_tokens"] / free, rel_tol=1e-9)
+
+
+# --- streaming_diloco: a sync in flight when a member is lost -----------------------------
+
+
+class _Members:
+    """A membership whose quorum the test sets (the fault engine's role in a run)."""
+
+    def __init__(self, workers: int) -> None:
+        self.current = Quorum(tuple(range(workers)))
+
+    def quorum(self) -> Quorum:
+        return self.current
+
+    def enter_round(self) -> Quorum:
+        return self.current
+
+
+def test_streaming_diloco_drops_the_sync_in_flight_at_a_crash_and_steps_over_the_survivors() -> (
+    None
+):
+    lr, mu, alpha = 0.7, 0.9, 0.5
+    options = DiLoCoOptions(
+        sync_every=4, fragments=2, overlap_steps=1, outer_lr=lr, outer_momentum=mu,
+        outer_nesterov=True, mixing=alpha,
+    )  # fmt: skip
+    # Fragment 0 launches at t = 1, 5 and completes one step later; fragment 1 at t = 3, 7.
+    group = InProcessGroup(WORKERS)
+    taps = [_Tap(group.comm(k)) for k in range(WORKERS)]
+    members = [_Members(WORKERS) for _ in range(WORKERS)]
+    strategies = []
+    for k in range(WORKERS):
+        strategy = StreamingDiLoCo(tiny_gpt(), taps[k], CONTEXT, options)
+        strategy.runtime = replace(strategy.runtime, membership=members[k])
+        strategies.append(strategy)
+    before: dict[int, list[torch.Tensor]] = {}
+    unmerged: dict[int, torch.Tensor] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        rows = slice(k * 4, (k + 1) * 4)
+        batches = [global_batch(s, WORKERS) for s in range(8)]
+        closure = closure_for(strategy, [(x[rows], y[rows]) for x, y in batches])
+        for t in range(1, 9):
+            if t == 6:
+                if k == 2:
+                    return  # worker 2 crashes while fragment 0's second sync is in flight
+                group.enter(k, 1, (0, 1))
+                members[k].current = Quorum((0, 1), 1)
+                before[k] = [g.clone() for g in strategy.globals_] + [
+                    o.momentum_buffer.clone() for o in strategy.outer
+                ]
+                strategy.mark_failed_syncs()  # (the step's phases, to see the local fragment)
+                strategy.inner_step(closure)
+                unmerged[k] = strategy.local_fragment(0)
+                assert strategy.finish_syncs_due(t) == 1
+                continue
+            strategy.step(closure)
+
+    _threads(work, WORKERS)
+    anchor0, anchor1, momentum0, momentum1 = before[0]
+    for k in (0, 1):
+        strategy = strategies[k]
+        # Fragment 0's failed sync took no outer step; its local fragment merged with the
+        # unchanged theta^g_0.
+        assert torch.equal(strategy.globals_[0], anchor0)
+        assert torch.equal(strategy.outer[0].momentum_buffer, momentum0)
+        assert strategy.outer[0].step_count == 1
+    # Fragment 1's sync launched at t = 7 over the survivors: the mean of their two
+    # pseudo-gradients, then the outer Nesterov step, written from the equation.
+    deltas = [taps[k].sent[-1] for k in (0, 1)]
+    mean = (deltas[0] + deltas[1]) / 2
+    b = mu * momentum1 + mean
+    expected = anchor1 - lr * (mean + mu * b)
+    for k in (0, 1):
+        assert torch.allclose(strategies[k].globals_[1], expected, atol=1e-6)
+        assert strategies[k].outer[1].step_count == 2
+    assert len(taps[2].sent) == 3  # (t = 1, 3, 5: the crashed worker launched the third)
+
+
+def test_streaming_diloco_merges_a_failed_sync_with_the_unchanged_global_fragment() -> None:
+    options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1, mixing=0.5)
+    group = InProcessGroup(2)
+    members = [_Members(2) for _ in range(2)]
+    strategies = []
+    for k in range(2):
+        strategy = StreamingDiLoCo(tiny_gpt(), group.comm(k), CONTEXT, options)
+        strategy.runtime = replace(strategy.runtime, membership=members[k])
+        strategies.append(strategy)
+    results: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        batches = [global_batch(s, 1) for s in range(2)]
+        strategy.step(closure_for(strategy, batches))  # t = 1: fragment 0 launches
+        anchor = strategy.globals_[0].clone()
+        members[k].current = Quorum((k,), 1)  # (the other member is lost while it flies)
+        strategy.mark_failed_syncs()
+        strategy.inner_step(closure_for(strategy, batches[1:]))
+        local = strategy.local_fragment(0)
+        strategy.finish_syncs_due(strategy.step_index)
+        assert torch.equal(strategy.globals_[0], anchor)  # (no outer step)
+        results[k] = (local, anchor, strategy.local_fragment(0))
+
+    _threads(work, 2)
+    for local, anchor, merged in results.values():
+        assert torch.equal(merged, torch.lerp(anchor, local, 0.5))
+        assert not torch.equal(merged, local)
+
+
+def test_streaming_diloco_with_a_crash_in_flight_drops_that_sync_and_replays_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    # Loop step 4 is t = 5 (fragment 0 launches); worker 2 crashes at loop step 5 (t = 6),
+    # when that sync completes; a replacement joins at loop step 6.
+    trace = _trace(tmp_path, "step=5 worker=2 crash\nstep=6 worker=2 join\n")
+    first = _run(_config("streaming_diloco", tmp_path / "a", trace), deployed=True)
+    second = _run(_config("streaming_diloco", tmp_path / "b", trace), deployed=True)
+    records, summary, parameters = first
+    assert records == second[0] and first[1]["faults"] == second[1]["faults"]
+    for a, b in zip(parameters, second[2], strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(parameters[0], p) for p in parameters[1:])
+    assert [r["quorum"] for r in records] == [3, 3, 3, 3, 3, 2, 3, 3]
+    extras = [r["extras"] for r in records]
+    assert extras[5]["syncs_dropped"] == 1 and extras[5]["syncs_completed"] == 0
+    assert not any("syncs_dropped" in e for i, e in enumerate(extras) if i != 5)
+    # The survivors waited the detection time at the failed sync.
+    plain = _run(_config("streaming_diloco", tmp_path / "plain", None))[0]
+    assert records[5]["clock_s"] - records[4]["clock_s"] >= DETECTION_S
+    assert plain[5]["clock_s"] - plain[4]["clock_s"] < DETECTION_S
+    # Tokens commit at the syncs that complete (t = 2, 4, 8): the crashed worker's steps
+    # since t = 4 are lost, and the failed sync commits none of the survivors' steps until
+    # fragment 1's at t = 8.
+    per_step = _tokens_per_step()
+    assert summary["committed_tokens"] == (3 * 4 + 2 * 4 + 1 * 2) * per_step
