@@ -26,7 +26,7 @@ from lowcomm.launch.run import preflight
 from lowcomm.models import ModelConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.strategies import StrategyContext
-from lowcomm.strategies.co2 import LocalAdamW, LocalOptions
+from lowcomm.strategies.co2 import LocalAdamW, LocalOptions, OverlapLocalSGD
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
@@ -111,6 +111,7 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
         "demo",
         "sparta",
         "streaming_diloco",
+        "overlap_local_sgd",
     ],
 )
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
@@ -635,3 +636,108 @@ def test_streaming_diloco_with_a_crash_in_flight_drops_that_sync_and_replays_bit
     # fragment 1's at t = 8.
     per_step = _tokens_per_step()
     assert summary["committed_tokens"] == (3 * 4 + 2 * 4 + 1 * 2) * per_step
+
+
+def test_streaming_diloco_drops_a_sync_in_flight_when_a_member_leaves_without_a_detection_wait(
+    tmp_path: Path,
+) -> None:
+    trace = _trace(tmp_path, "step=5 worker=2 leave\n")
+    records = _run(_config("streaming_diloco", tmp_path / "out", trace))[0]
+    assert records[5]["extras"]["syncs_dropped"] == 1
+    assert records[5]["clock_s"] - records[4]["clock_s"] < DETECTION_S
+    assert records[7]["extras"]["syncs_completed"] == 1  # (fragment 1, over the two left)
+
+
+# --- overlap_local_sgd: the all-reduce of each boundary flies a whole round -----------------
+
+
+def _overlap_strategies(count: int) -> tuple[InProcessGroup, list[Any], list[_Members]]:
+    group = InProcessGroup(count)
+    members = [_Members(count) for _ in range(count)]
+    strategies = []
+    for k in range(count):
+        strategy = OverlapLocalSGD(tiny_gpt(), group.comm(k), CONTEXT, LocalOptions(sync_every=2))
+        strategy.runtime = replace(strategy.runtime, membership=members[k])
+        strategies.append(strategy)
+    return group, strategies, members
+
+
+def test_overlap_local_sgd_drops_the_average_in_flight_at_a_crash_and_averages_the_survivors() -> (
+    None
+):
+    group, strategies, members = _overlap_strategies(WORKERS)
+    pulled: dict[int, list[float]] = {k: [] for k in range(WORKERS)}
+    launched: dict[int, torch.Tensor] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        rows = slice(k * 4, (k + 1) * 4)
+        batches = [global_batch(s, WORKERS) for s in range(5)]
+        closure = closure_for(strategy, [(x[rows], y[rows]) for x, y in batches])
+        for t in range(1, 6):
+            if t == 3:
+                if k == 2:
+                    return  # worker 2 crashes while the average of t = 2 is in flight
+                group.enter(k, 1, (0, 1))
+                members[k].current = Quorum((0, 1), 1)
+            pulled[k].append(strategy.step(closure).extras.get("pulled", -1.0))
+            if t == 4:
+                launched[k] = flat_params(strategy.model)  # (what it launched at t = 4)
+        strategy.finish_sync()
+
+    _threads(work, WORKERS)
+    # t = 2: the first boundary (no anchor); t = 4: the average in flight failed, no pull.
+    assert pulled[0] == pulled[1] == [-1.0, 0.0, -1.0, 0.0, -1.0]
+    z = (launched[0] + launched[1]) / 2  # the t = 4 average, over the two survivors
+    for k in (0, 1):
+        assert torch.allclose(strategies[k].buffer, z, atol=1e-7)
+
+
+def test_overlap_local_sgd_heals_a_joiner_with_the_settled_anchor_and_a_members_model() -> None:
+    group, strategies, members = _overlap_strategies(WORKERS)
+    pulled: dict[int, float] = {}
+    launched: dict[int, torch.Tensor] = {}
+    healed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    start = threading.Barrier(WORKERS)
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        batches = [global_batch(s, WORKERS) for s in range(6)]
+        closure = closure_for(
+            strategy, [(x[k * 4 : k * 4 + 4], y[k * 4 : k * 4 + 4]) for x, y in batches]
+        )
+        if k < 2:  # (workers 0 and 1 train four steps; worker 2 is not yet a member)
+            group.enter(k, 1, (0, 1))
+            members[k].current = Quorum((0, 1), 1)
+            for _ in range(4):
+                strategy.step(closure)
+            launched[k] = flat_params(strategy.model)
+        start.wait()
+        group.enter(k, 2, (0, 1, 2))
+        members[k].current = Quorum((0, 1, 2), 2, joined=k == 2)
+        strategy.heal(0, joining=k == 2)
+        healed[k] = (flat_params(strategy.model), strategy.buffer.clone())
+        for _ in range(2):
+            stats = strategy.step(closure)
+        pulled[k] = stats.extras["pulled"]
+
+    _threads(work, WORKERS)
+    z = (launched[0] + launched[1]) / 2
+    assert torch.equal(healed[2][0], healed[0][0])  # the source's local model
+    for k in range(WORKERS):
+        assert torch.allclose(healed[k][1], z, atol=1e-7)
+    assert torch.equal(healed[2][1], healed[0][1])
+    assert pulled == {0: 1.0, 1: 1.0, 2: 1.0}  # every member, the joiner too, pulls toward z
+    assert strategies[2].step_index == strategies[0].step_index == 6
+
+
+def test_overlap_local_sgd_with_a_crash_and_a_join_replays_bit_for_bit(tmp_path: Path) -> None:
+    trace = _trace(tmp_path, "step=2 worker=2 crash\nstep=4 worker=2 join\n")
+    first = _run(_config("overlap_local_sgd", tmp_path / "a", trace))
+    second = _run(_config("overlap_local_sgd", tmp_path / "b", trace))
+    assert first[0] == second[0] and first[1]["faults"] == second[1]["faults"]
+    for a, b in zip(first[2], second[2], strict=True):
+        assert torch.equal(a, b)
+    records = first[0]
+    assert [r["extras"]["pulled"] for r in records if "pulled" in r["extras"]] == [0, 0, 1, 1]
+    assert records[3]["clock_s"] >= records[1]["clock_s"] + DETECTION_S  # (detected at t = 4)
