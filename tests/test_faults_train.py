@@ -741,3 +741,16 @@ def test_overlap_local_sgd_with_a_crash_and_a_join_replays_bit_for_bit(tmp_path:
     records = first[0]
     assert [r["extras"]["pulled"] for r in records if "pulled" in r["extras"]] == [0, 0, 1, 1]
     assert records[3]["clock_s"] >= records[1]["clock_s"] + DETECTION_S  # (detected at t = 4)
+
+
+def test_streaming_diloco_with_a_crash_and_a_join_at_once_during_a_sync_heals_the_joiner(
+    tmp_path: Path,
+) -> None:
+    # At loop step 5 worker 1 crashes while the sync launched at loop step 4 (over workers 0
+    # and 1) flies, and worker 2 joins: the member drains it as failed, then heals.
+    method = "streaming_diloco"
+    trace = _trace(tmp_path, "step=2 worker=2 crash\nstep=5 worker=1 crash\nstep=5 worker=2 join\n")
+    records, _, parameters = _run(_config(method, tmp_path / "out", trace), deployed=True)
+    assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 2, 2, 2]
+    assert records[5]["clock_s"] >= records[4]["clock_s"] + DETECTION_S
+    assert len(parameters) == 2 and torch.equal(parameters[0], parameters[1])
