@@ -27,6 +27,7 @@ from lowcomm.models import ModelConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.strategies import StrategyContext
 from lowcomm.strategies.co2 import LocalAdamW, LocalOptions, OverlapLocalSGD
+from lowcomm.strategies.cocodc import CoCoDC
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
@@ -48,7 +49,7 @@ def _config(method: str, out: Path, faults: Path | None, **overrides: Any) -> Tr
         sparseloco=SparseLoCoOptions(sync_every=2),
         faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S,
     )  # fmt: skip
-    if method == "streaming_diloco":  # (two fragments, each in flight one step of four)
+    if method in ("streaming_diloco", "cocodc"):  # (two fragments, each flying one step)
         config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
         config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
     for key, value in overrides.items():
@@ -112,11 +113,15 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
         "sparta",
         "streaming_diloco",
         "overlap_local_sgd",
+        "cocodc",
     ],
 )
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
-    plain = _run(_config(method, tmp_path / "plain", None))
-    empty = _run(_config(method, tmp_path / "empty", _trace(tmp_path, "# no event\n")))
+    # (A run with faults commits tokens at its syncs: each run here ends on one; cocodc's
+    # adaptive schedule syncs every 2 steps from t = 2, each completing a step later.)
+    steps = {"steps": 7} if method == "cocodc" else {}
+    plain = _run(_config(method, tmp_path / "plain", None, **steps))
+    empty = _run(_config(method, tmp_path / "empty", _trace(tmp_path, "# no event\n"), **steps))
     for with_faults, without in zip(empty[0], plain[0], strict=True):
         assert with_faults.pop("quorum") == WORKERS
         assert with_faults == without
@@ -175,6 +180,7 @@ def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_de
         ("demo", "join"),
         ("streaming_diloco", "join"),
         ("streaming_diloco", "rejoin"),
+        ("cocodc", "join"),
     ],
 )
 def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
@@ -184,7 +190,7 @@ def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
     trace = _trace(tmp_path, f"step=2 worker=1 {gone}\nstep=5 worker=1 {kind}\n")
     # (streaming_diloco: each worker keeps a local drift alpha theta_p of its own, so its
     # workers agree on the model they deploy, every fragment's theta^g_p.)
-    deployed = method == "streaming_diloco"
+    deployed = method in ("streaming_diloco", "cocodc")
     records, summary, parameters = _run(_config(method, tmp_path / "out", trace), deployed=deployed)
     assert len(parameters) == WORKERS
     # (diloco, local: step 7 ends a round, after which every worker holds the same model.)
@@ -613,6 +619,7 @@ def test_streaming_diloco_merges_a_failed_sync_with_the_unchanged_global_fragmen
 def test_streaming_diloco_with_a_crash_in_flight_drops_that_sync_and_replays_bit_for_bit(
     tmp_path: Path,
 ) -> None:
+    # (cocodc's replay: test_cocodc_with_a_crash_in_flight_and_a_join_replays_bit_for_bit.)
     # Loop step 4 is t = 5 (fragment 0 launches); worker 2 crashes at loop step 5 (t = 6),
     # when that sync completes; a replacement joins at loop step 6.
     trace = _trace(tmp_path, "step=5 worker=2 crash\nstep=6 worker=2 join\n")
@@ -754,3 +761,60 @@ def test_streaming_diloco_with_a_crash_and_a_join_at_once_during_a_sync_heals_th
     assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 2, 2, 2]
     assert records[5]["clock_s"] >= records[4]["clock_s"] + DETECTION_S
     assert len(parameters) == 2 and torch.equal(parameters[0], parameters[1])
+
+
+def test_cocodc_with_a_crash_in_flight_and_a_join_replays_bit_for_bit(tmp_path: Path) -> None:
+    trace = _trace(tmp_path, "step=2 worker=2 crash\nstep=5 worker=1 crash\nstep=5 worker=2 join\n")
+    first = _run(_config("cocodc", tmp_path / "a", trace), deployed=True)
+    second = _run(_config("cocodc", tmp_path / "b", trace), deployed=True)
+    assert first[0] == second[0] and first[1]["faults"] == second[1]["faults"]
+    for a, b in zip(first[2], second[2], strict=True):
+        assert torch.equal(a, b)
+    records, _, parameters = first
+    assert records[5]["clock_s"] >= records[4]["clock_s"] + DETECTION_S
+    assert len(parameters) == 2 and torch.equal(parameters[0], parameters[1])
+
+
+def test_cocodc_heals_a_joiner_after_the_members_finish_the_sync_in_flight(
+    tmp_path: Path,
+) -> None:
+    # cocodc syncs every 2 steps from t = 2, each flying one step: at loop step 4 (t = 5) the
+    # sync launched at t = 4 is in flight when worker 1 joins.
+    trace = _trace(tmp_path, "step=1 worker=1 crash\nstep=4 worker=1 join\n")
+    records, _, parameters = _run(_config("cocodc", tmp_path / "out", trace), deployed=True)
+    assert [r["quorum"] for r in records] == [3, 2, 2, 2, 3, 3, 3, 3]
+    assert len(parameters) == WORKERS
+    assert all(torch.equal(parameters[0], p) for p in parameters[1:])
+
+
+def test_cocodc_takes_no_outer_step_for_a_sync_that_lost_a_member_and_keeps_its_schedule() -> None:
+    options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
+    group = InProcessGroup(2)
+    members = [_Members(2) for _ in range(2)]
+    strategies = []
+    for k in range(2):
+        strategy = CoCoDC(tiny_gpt(), group.comm(k), CONTEXT, options)
+        strategy.runtime = replace(strategy.runtime, membership=members[k])
+        strategies.append(strategy)
+    before: dict[int, tuple[list[torch.Tensor], list[float], list[int]]] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        closure = closure_for(strategy, [global_batch(s, 1) for s in range(3)])
+        strategy.step(closure)
+        strategy.step(closure)  # t = 2: a fragment's sync launches
+        assert len(strategy.in_flight) == 1
+        before[k] = (
+            [g.clone() for g in strategy.globals_],
+            list(strategy.rates),
+            list(strategy.last_sync_steps),
+        )
+        members[k].current = Quorum((k,), 1)  # (the other member is lost while it flies)
+        strategy.step(closure)  # t = 3: it completes, failed
+
+    _threads(work, 2)
+    for k, strategy in enumerate(strategies):
+        anchors, rates, last = before[k]
+        assert all(torch.equal(a, g) for a, g in zip(anchors, strategy.globals_, strict=True))
+        assert (strategy.rates, strategy.last_sync_steps) == (rates, last)
+        assert not strategy.in_flight and strategy.outer_steps == 0

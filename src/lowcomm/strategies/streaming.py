@@ -102,6 +102,15 @@ def load_in_flight(
     )
 
 
+def mark_failed_syncs(in_flight: list[InFlight], members: tuple[int, ...]) -> None:
+    """Mark the syncs in flight whose launch quorum lost a member (not all in ``members``,
+    the current quorum): they fail on every member."""
+    alive = set(members)
+    for sync in in_flight:
+        if sync.members and not set(sync.members) <= alive:
+            sync.failed = True
+
+
 class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
     """Streaming DiLoCo: K strided fragments, staggered syncs overlapping tau inner steps.
 
@@ -229,10 +238,7 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
 
     def mark_failed_syncs(self) -> None:
         """Mark the syncs in flight that lost a member: they fail on every member."""
-        members = set(self.runtime.quorum.members)
-        for sync in self.in_flight:
-            if sync.members and not set(sync.members) <= members:
-                sync.failed = True
+        mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
 
     def round_committed(self, stats: StepStats) -> bool:
         return stats.extras.get("syncs_completed", 0.0) > 0
