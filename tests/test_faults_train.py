@@ -31,6 +31,7 @@ from lowcomm.strategies.cocodc import CoCoDC
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
+from lowcomm.strategies.sparta import SpartaOptions
 from lowcomm.strategies.streaming import StreamingDiLoCo
 
 WORKERS = 3
@@ -49,6 +50,8 @@ def _config(method: str, out: Path, faults: Path | None, **overrides: Any) -> Tr
         sparseloco=SparseLoCoOptions(sync_every=2),
         faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S,
     )  # fmt: skip
+    if method == "sparta_diloco":  # (a round of 2 steps; a tenth of the parameters a step)
+        config.sparta = SpartaOptions(sync_every=2, fraction=0.1)
     if method in ("streaming_diloco", "cocodc"):  # (two fragments, each flying one step)
         config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
         config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
@@ -114,6 +117,7 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
         "streaming_diloco",
         "overlap_local_sgd",
         "cocodc",
+        "sparta_diloco",
     ],
 )
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
@@ -181,6 +185,7 @@ def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_de
         ("streaming_diloco", "join"),
         ("streaming_diloco", "rejoin"),
         ("cocodc", "join"),
+        ("sparta_diloco", "join"),
     ],
 )
 def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
@@ -375,7 +380,7 @@ def test_a_bad_trace_ends_in_one_line_before_any_worker_starts(
         ({"clock": "real", "seconds_per_microbatch": None}, "not yet supported on the real clock"),
         ({"method": "zero1"}, "--method zero1 keeps its optimizer state sharded"),
         ({"method": "acco"}, "--method acco keeps its optimizer state sharded"),
-        ({"method": "sparta_diloco"}, "--method sparta_diloco is not yet supported"),
+        ({"method": "eager"}, "--method eager is not yet supported"),
         ({"fault_seed": 3}, "a run replays one trace, a file or a generated one"),
         ({"fault_detection_s": -1.0}, "--fault-detection-s: -1.0 is not valid"),
         ({"faults": None, "fault_slow_factor": 0.5}, "--fault-slow-factor: 0.5 is not valid"),
@@ -818,3 +823,18 @@ def test_cocodc_takes_no_outer_step_for_a_sync_that_lost_a_member_and_keeps_its_
         assert all(torch.equal(a, g) for a, g in zip(anchors, strategy.globals_, strict=True))
         assert (strategy.rates, strategy.last_sync_steps) == (rates, last)
         assert not strategy.in_flight and strategy.outer_steps == 0
+
+
+def test_sparta_diloco_detects_a_crash_at_its_step_and_syncs_over_the_survivors(
+    tmp_path: Path,
+) -> None:
+    records, summary, parameters = _run(
+        _config("sparta_diloco", tmp_path / "out", _trace(tmp_path, "step=2 worker=2 crash\n"))
+    )
+    assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 2, 2, 2]
+    assert not any("dropped" in r for r in records)
+    # The crash step's sparse average waits until the crash is detected.
+    assert records[2]["clock_s"] >= records[1]["clock_s"] + DETECTION_S
+    assert torch.equal(parameters[0], parameters[1])  # (step 7 ends a round)
+    # Tokens commit at the outer syncs (t = 2, 4, 6, 8): the crashed worker's t = 3 is lost.
+    assert summary["committed_tokens"] == (3 * 2 + 2 * 6) * _tokens_per_step()
