@@ -838,3 +838,11 @@ def test_sparta_diloco_detects_a_crash_at_its_step_and_syncs_over_the_survivors(
     assert torch.equal(parameters[0], parameters[1])  # (step 7 ends a round)
     # Tokens commit at the outer syncs (t = 2, 4, 6, 8): the crashed worker's t = 3 is lost.
     assert summary["committed_tokens"] == (3 * 2 + 2 * 6) * _tokens_per_step()
+
+
+def test_streaming_diloco_without_overlap_commits_its_tokens_at_each_sync(tmp_path: Path) -> None:
+    tau0 = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=0)
+    summary = _run(
+        _config("streaming_diloco", tmp_path / "out", _trace(tmp_path, "#\n"), diloco=tau0)
+    )[1]
+    assert summary["committed_tokens"] == WORKERS * 8 * _tokens_per_step()

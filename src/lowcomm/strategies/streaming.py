@@ -172,6 +172,8 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
             c - tau for c in completion_offsets(self.options.sync_every, self.num_fragments)
         ]
         self.in_flight: list[InFlight] = []
+        #: Declared faults: the step of the last sync that completed (tokens commit there).
+        self.completed_at = -1
 
     def step(self, closure: Closure) -> StepStats:
         self.mark_failed_syncs()
@@ -225,6 +227,7 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
             self.runtime.enter_round()  # (the exchange fails when the loss is detected)
         else:
             self.outer_step(p, mean)
+            self.completed_at = self.step_index
         local = self.local_fragment(p)
         # lerp(global, local, alpha) = alpha local + (1 - alpha) global; exactly global at 0.
         self.set_local_fragment(p, torch.lerp(self.globals_[p], local, self.options.mixing))
@@ -241,7 +244,7 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
         mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
 
     def round_committed(self, stats: StepStats) -> bool:
-        return stats.extras.get("syncs_completed", 0.0) > 0
+        return self.completed_at == self.step_index
 
     def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
         """The members first finish their syncs in flight (early, charged as their waits),
