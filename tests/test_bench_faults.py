@@ -12,7 +12,7 @@ from lowcomm.bench.faults import FaultsBench, run_faults
 
 def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path) -> None:
     bench = FaultsBench(
-        workers=(4,), methods=("ddp", "diloco", "streaming_diloco"), steps=8,
+        workers=(4,), methods=("ddp", "diloco", "eager"), steps=8,
         fault_mtbf_s=40.0, fault_replace_after_s=4.0, fault_slow_fraction=0.25,
         fault_detection_s=2.0, out=str(tmp_path / "bench"),
     )  # fmt: skip
@@ -21,9 +21,9 @@ def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path)
     assert results["rows"] == rows
     report = (tmp_path / "bench" / "report.md").read_text()
     by_method = {row["method"]: row for row in rows}
-    assert "refused" in by_method["streaming_diloco"]
-    assert "--faults" in by_method["streaming_diloco"]["refused"]
-    assert "\n" not in by_method["streaming_diloco"]["refused"]
+    assert "refused" in by_method["eager"]
+    assert "--faults" in by_method["eager"]["refused"]
+    assert "\n" not in by_method["eager"]["refused"]
     for method in ("ddp", "diloco"):
         row = by_method[method]
         clean = json.loads((Path(row["clean_dir"]) / "summary.json").read_text())
@@ -42,4 +42,4 @@ def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path)
         assert 0 < row["goodput"] < 1  # (a straggler and a crash cost time)
         assert row["predicted_goodput"] is not None and 0 < row["predicted_goodput"] < 1
         assert f"| 4 | {method} | {row['goodput']:.3f} | {row['predicted_goodput']:.3f} |" in report
-    assert "| 4 | streaming_diloco | refused |" in report
+    assert "| 4 | eager | refused |" in report

@@ -7,6 +7,7 @@ import json
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from _cli import TINY, lowcomm
 from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import Role
 from lowcomm.comm.inprocess import InProcessGroup
+from lowcomm.comm.runtime import Quorum
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch.inprocess import train_in_process
@@ -24,10 +26,13 @@ from lowcomm.launch.run import preflight
 from lowcomm.models import ModelConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.strategies import StrategyContext
-from lowcomm.strategies.co2 import LocalAdamW, LocalOptions
+from lowcomm.strategies.co2 import LocalAdamW, LocalOptions, OverlapLocalSGD
+from lowcomm.strategies.cocodc import CoCoDC
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCo, DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
+from lowcomm.strategies.sparta import SpartaOptions
+from lowcomm.strategies.streaming import StreamingDiLoCo
 
 WORKERS = 3
 DETECTION_S = 2.5
@@ -45,20 +50,29 @@ def _config(method: str, out: Path, faults: Path | None, **overrides: Any) -> Tr
         sparseloco=SparseLoCoOptions(sync_every=2),
         faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S,
     )  # fmt: skip
+    if method == "sparta_diloco":  # (a round of 2 steps; a tenth of the parameters a step)
+        config.sparta = SpartaOptions(sync_every=2, fraction=0.1)
+    if method in ("streaming_diloco", "cocodc"):  # (two fragments, each flying one step)
+        config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+        config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
 
 
-def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
-    """The run's metrics records, summary and every worker's final parameters."""
+def _run(
+    config: TrainConfig, *, deployed: bool = False
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
+    """The run's metrics records, summary and every worker's final parameters (``deployed``:
+    those the method deploys, which a fragmented method's workers share once synchronized)."""
     config.validate()
     preflight(config)
     summaries = train_in_process(config, keep_parameters=True)
     out = Path(str(config.out))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
-    return records, summary, [s.parameters for s in summaries if s.parameters is not None]
+    kept = [s.deployed_parameters if deployed else s.parameters for s in summaries]
+    return records, summary, [p for p in kept if p is not None]
 
 
 def _trace(tmp_path: Path, text: str) -> Path:
@@ -100,11 +114,18 @@ def test_a_trace_replayed_twice_gives_the_same_run_bit_for_bit(tmp_path: Path) -
         "sparseloco",
         "demo",
         "sparta",
+        "streaming_diloco",
+        "overlap_local_sgd",
+        "cocodc",
+        "sparta_diloco",
     ],
 )
 def test_an_empty_trace_gives_the_run_without_faults_exactly(method: str, tmp_path: Path) -> None:
-    plain = _run(_config(method, tmp_path / "plain", None))
-    empty = _run(_config(method, tmp_path / "empty", _trace(tmp_path, "# no event\n")))
+    # (A run with faults commits tokens at its syncs: each run here ends on one; cocodc's
+    # adaptive schedule syncs every 2 steps from t = 2, each completing a step later.)
+    steps = {"steps": 7} if method == "cocodc" else {}
+    plain = _run(_config(method, tmp_path / "plain", None, **steps))
+    empty = _run(_config(method, tmp_path / "empty", _trace(tmp_path, "# no event\n"), **steps))
     for with_faults, without in zip(empty[0], plain[0], strict=True):
         assert with_faults.pop("quorum") == WORKERS
         assert with_faults == without
@@ -161,6 +182,10 @@ def test_ddp_drops_the_crash_step_waits_for_detection_and_goes_on_without_the_de
         ("local_adam", "rejoin"),
         ("sparseloco", "join"),
         ("demo", "join"),
+        ("streaming_diloco", "join"),
+        ("streaming_diloco", "rejoin"),
+        ("cocodc", "join"),
+        ("sparta_diloco", "join"),
     ],
 )
 def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
@@ -168,7 +193,11 @@ def test_a_worker_that_joins_is_healed_to_the_others_parameters_bit_for_bit(
 ) -> None:
     gone = "crash" if kind == "join" else "leave"
     trace = _trace(tmp_path, f"step=2 worker=1 {gone}\nstep=5 worker=1 {kind}\n")
-    records, summary, parameters = _run(_config(method, tmp_path / "out", trace))
+    # (streaming_diloco: each worker keeps a local drift alpha theta_p of its own, so its
+    # workers agree on the model they deploy, every fragment's theta^g_p.)
+    deployed = method in ("streaming_diloco", "cocodc")
+    records, summary, parameters = _run(_config(method, tmp_path / "out", trace), deployed=deployed)
+    assert len(parameters) == WORKERS
     # (diloco, local: step 7 ends a round, after which every worker holds the same model.)
     assert all(torch.equal(parameters[0], p) for p in parameters[1:])
     assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 3, 3, 3]
@@ -351,7 +380,7 @@ def test_a_bad_trace_ends_in_one_line_before_any_worker_starts(
         ({"clock": "real", "seconds_per_microbatch": None}, "not yet supported on the real clock"),
         ({"method": "zero1"}, "--method zero1 keeps its optimizer state sharded"),
         ({"method": "acco"}, "--method acco keeps its optimizer state sharded"),
-        ({"method": "sparta_diloco"}, "--method sparta_diloco is not yet supported"),
+        ({"method": "eager"}, "--method eager is not yet supported"),
         ({"fault_seed": 3}, "a run replays one trace, a file or a generated one"),
         ({"fault_detection_s": -1.0}, "--fault-detection-s: -1.0 is not valid"),
         ({"faults": None, "fault_slow_factor": 0.5}, "--fault-slow-factor: 0.5 is not valid"),
@@ -589,3 +618,338 @@ def test_a_generated_trace_grows_past_its_first_horizon_with_the_same_events(
         expected.append(events or None)
     assert [r.get("membership_events") for r in records] == expected
     assert sum(1 for events in expected if events) >= 3
+
+
+# --- streaming_diloco: a sync in flight when a member is lost -----------------------------
+
+
+class _Members:
+    """A membership whose quorum the test sets (the fault engine's role in a run)."""
+
+    def __init__(self, workers: int) -> None:
+        self.current = Quorum(tuple(range(workers)))
+
+    def quorum(self) -> Quorum:
+        return self.current
+
+    def enter_round(self) -> Quorum:
+        return self.current
+
+
+def test_streaming_diloco_drops_the_sync_in_flight_at_a_crash_and_steps_over_the_survivors() -> (
+    None
+):
+    lr, mu, alpha = 0.7, 0.9, 0.5
+    options = DiLoCoOptions(
+        sync_every=4, fragments=2, overlap_steps=1, outer_lr=lr, outer_momentum=mu,
+        outer_nesterov=True, mixing=alpha,
+    )  # fmt: skip
+    # Fragment 0 launches at t = 1, 5 and completes one step later; fragment 1 at t = 3, 7.
+    group = InProcessGroup(WORKERS)
+    taps = [_Tap(group.comm(k)) for k in range(WORKERS)]
+    members = [_Members(WORKERS) for _ in range(WORKERS)]
+    strategies = []
+    for k in range(WORKERS):
+        strategy = StreamingDiLoCo(tiny_gpt(), taps[k], CONTEXT, options)
+        strategy.runtime = replace(strategy.runtime, membership=members[k])
+        strategies.append(strategy)
+    before: dict[int, list[torch.Tensor]] = {}
+    unmerged: dict[int, torch.Tensor] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        rows = slice(k * 4, (k + 1) * 4)
+        batches = [global_batch(s, WORKERS) for s in range(8)]
+        closure = closure_for(strategy, [(x[rows], y[rows]) for x, y in batches])
+        for t in range(1, 9):
+            if t == 6:
+                if k == 2:
+                    return  # worker 2 crashes while fragment 0's second sync is in flight
+                group.enter(k, 1, (0, 1))
+                members[k].current = Quorum((0, 1), 1)
+                before[k] = [g.clone() for g in strategy.globals_] + [
+                    o.momentum_buffer.clone() for o in strategy.outer
+                ]
+                strategy.mark_failed_syncs()  # (the step's phases, to see the local fragment)
+                strategy.inner_step(closure)
+                unmerged[k] = strategy.local_fragment(0)
+                assert strategy.finish_syncs_due(t) == 1
+                continue
+            strategy.step(closure)
+
+    _threads(work, WORKERS)
+    anchor0, anchor1, momentum0, momentum1 = before[0]
+    for k in (0, 1):
+        strategy = strategies[k]
+        # Fragment 0's failed sync took no outer step; its local fragment merged with the
+        # unchanged theta^g_0.
+        assert torch.equal(strategy.globals_[0], anchor0)
+        assert torch.equal(strategy.outer[0].momentum_buffer, momentum0)
+        assert strategy.outer[0].step_count == 1
+    # Fragment 1's sync launched at t = 7 over the survivors: the mean of their two
+    # pseudo-gradients, then the outer Nesterov step, written from the equation.
+    deltas = [taps[k].sent[-1] for k in (0, 1)]
+    mean = (deltas[0] + deltas[1]) / 2
+    b = mu * momentum1 + mean
+    expected = anchor1 - lr * (mean + mu * b)
+    for k in (0, 1):
+        assert torch.allclose(strategies[k].globals_[1], expected, atol=1e-6)
+        assert strategies[k].outer[1].step_count == 2
+    assert len(taps[2].sent) == 3  # (t = 1, 3, 5: the crashed worker launched the third)
+
+
+def test_streaming_diloco_merges_a_failed_sync_with_the_unchanged_global_fragment() -> None:
+    options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1, mixing=0.5)
+    group = InProcessGroup(2)
+    members = [_Members(2) for _ in range(2)]
+    strategies = []
+    for k in range(2):
+        strategy = StreamingDiLoCo(tiny_gpt(), group.comm(k), CONTEXT, options)
+        strategy.runtime = replace(strategy.runtime, membership=members[k])
+        strategies.append(strategy)
+    results: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        batches = [global_batch(s, 1) for s in range(2)]
+        strategy.step(closure_for(strategy, batches))  # t = 1: fragment 0 launches
+        anchor = strategy.globals_[0].clone()
+        members[k].current = Quorum((k,), 1)  # (the other member is lost while it flies)
+        strategy.mark_failed_syncs()
+        strategy.inner_step(closure_for(strategy, batches[1:]))
+        local = strategy.local_fragment(0)
+        strategy.finish_syncs_due(strategy.step_index)
+        assert torch.equal(strategy.globals_[0], anchor)  # (no outer step)
+        results[k] = (local, anchor, strategy.local_fragment(0))
+
+    _threads(work, 2)
+    for local, anchor, merged in results.values():
+        assert torch.equal(merged, torch.lerp(anchor, local, 0.5))
+        assert not torch.equal(merged, local)
+
+
+def test_streaming_diloco_with_a_crash_in_flight_drops_that_sync_and_replays_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    # (cocodc's replay: test_cocodc_with_a_crash_in_flight_and_a_join_replays_bit_for_bit.)
+    # Loop step 4 is t = 5 (fragment 0 launches); worker 2 crashes at loop step 5 (t = 6),
+    # when that sync completes; a replacement joins at loop step 6.
+    trace = _trace(tmp_path, "step=5 worker=2 crash\nstep=6 worker=2 join\n")
+    first = _run(_config("streaming_diloco", tmp_path / "a", trace), deployed=True)
+    second = _run(_config("streaming_diloco", tmp_path / "b", trace), deployed=True)
+    records, summary, parameters = first
+    assert records == second[0] and first[1]["faults"] == second[1]["faults"]
+    for a, b in zip(parameters, second[2], strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(parameters[0], p) for p in parameters[1:])
+    assert [r["quorum"] for r in records] == [3, 3, 3, 3, 3, 2, 3, 3]
+    extras = [r["extras"] for r in records]
+    assert extras[5]["syncs_dropped"] == 1 and extras[5]["syncs_completed"] == 0
+    assert not any("syncs_dropped" in e for i, e in enumerate(extras) if i != 5)
+    # The survivors waited the detection time at the failed sync.
+    plain = _run(_config("streaming_diloco", tmp_path / "plain", None))[0]
+    assert records[5]["clock_s"] - records[4]["clock_s"] >= DETECTION_S
+    assert plain[5]["clock_s"] - plain[4]["clock_s"] < DETECTION_S
+    # Tokens commit at the syncs that complete (t = 2, 4, 8): the crashed worker's steps
+    # since t = 4 are lost, and the failed sync commits none of the survivors' steps until
+    # fragment 1's at t = 8.
+    per_step = _tokens_per_step()
+    assert summary["committed_tokens"] == (3 * 4 + 2 * 4 + 1 * 2) * per_step
+
+
+def test_streaming_diloco_drops_a_sync_in_flight_when_a_member_leaves_without_a_detection_wait(
+    tmp_path: Path,
+) -> None:
+    trace = _trace(tmp_path, "step=5 worker=2 leave\n")
+    records = _run(_config("streaming_diloco", tmp_path / "out", trace))[0]
+    assert records[5]["extras"]["syncs_dropped"] == 1
+    assert records[5]["clock_s"] - records[4]["clock_s"] < DETECTION_S
+    assert records[7]["extras"]["syncs_completed"] == 1  # (fragment 1, over the two left)
+
+
+# --- overlap_local_sgd: the all-reduce of each boundary flies a whole round -----------------
+
+
+def _overlap_strategies(count: int) -> tuple[InProcessGroup, list[Any], list[_Members]]:
+    group = InProcessGroup(count)
+    members = [_Members(count) for _ in range(count)]
+    strategies = []
+    for k in range(count):
+        strategy = OverlapLocalSGD(tiny_gpt(), group.comm(k), CONTEXT, LocalOptions(sync_every=2))
+        strategy.runtime = replace(strategy.runtime, membership=members[k])
+        strategies.append(strategy)
+    return group, strategies, members
+
+
+def test_overlap_local_sgd_drops_the_average_in_flight_at_a_crash_and_averages_the_survivors() -> (
+    None
+):
+    group, strategies, members = _overlap_strategies(WORKERS)
+    pulled: dict[int, list[float]] = {k: [] for k in range(WORKERS)}
+    launched: dict[int, torch.Tensor] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        rows = slice(k * 4, (k + 1) * 4)
+        batches = [global_batch(s, WORKERS) for s in range(5)]
+        closure = closure_for(strategy, [(x[rows], y[rows]) for x, y in batches])
+        for t in range(1, 6):
+            if t == 3:
+                if k == 2:
+                    return  # worker 2 crashes while the average of t = 2 is in flight
+                group.enter(k, 1, (0, 1))
+                members[k].current = Quorum((0, 1), 1)
+            pulled[k].append(strategy.step(closure).extras.get("pulled", -1.0))
+            if t == 4:
+                launched[k] = flat_params(strategy.model)  # (what it launched at t = 4)
+        strategy.finish_sync()
+
+    _threads(work, WORKERS)
+    # t = 2: the first boundary (no anchor); t = 4: the average in flight failed, no pull.
+    assert pulled[0] == pulled[1] == [-1.0, 0.0, -1.0, 0.0, -1.0]
+    z = (launched[0] + launched[1]) / 2  # the t = 4 average, over the two survivors
+    for k in (0, 1):
+        assert torch.allclose(strategies[k].buffer, z, atol=1e-7)
+
+
+def test_overlap_local_sgd_heals_a_joiner_with_the_settled_anchor_and_a_members_model() -> None:
+    group, strategies, members = _overlap_strategies(WORKERS)
+    pulled: dict[int, float] = {}
+    launched: dict[int, torch.Tensor] = {}
+    healed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    start = threading.Barrier(WORKERS)
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        batches = [global_batch(s, WORKERS) for s in range(6)]
+        closure = closure_for(
+            strategy, [(x[k * 4 : k * 4 + 4], y[k * 4 : k * 4 + 4]) for x, y in batches]
+        )
+        if k < 2:  # (workers 0 and 1 train four steps; worker 2 is not yet a member)
+            group.enter(k, 1, (0, 1))
+            members[k].current = Quorum((0, 1), 1)
+            for _ in range(4):
+                strategy.step(closure)
+            launched[k] = flat_params(strategy.model)
+        start.wait()
+        group.enter(k, 2, (0, 1, 2))
+        members[k].current = Quorum((0, 1, 2), 2, joined=k == 2)
+        strategy.heal(0, joining=k == 2)
+        healed[k] = (flat_params(strategy.model), strategy.buffer.clone())
+        for _ in range(2):
+            stats = strategy.step(closure)
+        pulled[k] = stats.extras["pulled"]
+
+    _threads(work, WORKERS)
+    z = (launched[0] + launched[1]) / 2
+    assert torch.equal(healed[2][0], healed[0][0])  # the source's local model
+    for k in range(WORKERS):
+        assert torch.allclose(healed[k][1], z, atol=1e-7)
+    assert torch.equal(healed[2][1], healed[0][1])
+    assert pulled == {0: 1.0, 1: 1.0, 2: 1.0}  # every member, the joiner too, pulls toward z
+    assert strategies[2].step_index == strategies[0].step_index == 6
+
+
+def test_overlap_local_sgd_with_a_crash_and_a_join_replays_bit_for_bit(tmp_path: Path) -> None:
+    trace = _trace(tmp_path, "step=2 worker=2 crash\nstep=4 worker=2 join\n")
+    first = _run(_config("overlap_local_sgd", tmp_path / "a", trace))
+    second = _run(_config("overlap_local_sgd", tmp_path / "b", trace))
+    assert first[0] == second[0] and first[1]["faults"] == second[1]["faults"]
+    for a, b in zip(first[2], second[2], strict=True):
+        assert torch.equal(a, b)
+    records = first[0]
+    assert [r["extras"]["pulled"] for r in records if "pulled" in r["extras"]] == [0, 0, 1, 1]
+    assert records[3]["clock_s"] >= records[1]["clock_s"] + DETECTION_S  # (detected at t = 4)
+
+
+def test_streaming_diloco_with_a_crash_and_a_join_at_once_during_a_sync_heals_the_joiner(
+    tmp_path: Path,
+) -> None:
+    # At loop step 5 worker 1 crashes while the sync launched at loop step 4 (over workers 0
+    # and 1) flies, and worker 2 joins: the member drains it as failed, then heals.
+    method = "streaming_diloco"
+    trace = _trace(tmp_path, "step=2 worker=2 crash\nstep=5 worker=1 crash\nstep=5 worker=2 join\n")
+    records, _, parameters = _run(_config(method, tmp_path / "out", trace), deployed=True)
+    assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 2, 2, 2]
+    assert records[5]["clock_s"] >= records[4]["clock_s"] + DETECTION_S
+    assert len(parameters) == 2 and torch.equal(parameters[0], parameters[1])
+
+
+def test_cocodc_with_a_crash_in_flight_and_a_join_replays_bit_for_bit(tmp_path: Path) -> None:
+    trace = _trace(tmp_path, "step=2 worker=2 crash\nstep=5 worker=1 crash\nstep=5 worker=2 join\n")
+    first = _run(_config("cocodc", tmp_path / "a", trace), deployed=True)
+    second = _run(_config("cocodc", tmp_path / "b", trace), deployed=True)
+    assert first[0] == second[0] and first[1]["faults"] == second[1]["faults"]
+    for a, b in zip(first[2], second[2], strict=True):
+        assert torch.equal(a, b)
+    records, _, parameters = first
+    assert records[5]["clock_s"] >= records[4]["clock_s"] + DETECTION_S
+    assert len(parameters) == 2 and torch.equal(parameters[0], parameters[1])
+
+
+def test_cocodc_heals_a_joiner_after_the_members_finish_the_sync_in_flight(
+    tmp_path: Path,
+) -> None:
+    # cocodc syncs every 2 steps from t = 2, each flying one step: at loop step 4 (t = 5) the
+    # sync launched at t = 4 is in flight when worker 1 joins.
+    trace = _trace(tmp_path, "step=1 worker=1 crash\nstep=4 worker=1 join\n")
+    records, _, parameters = _run(_config("cocodc", tmp_path / "out", trace), deployed=True)
+    assert [r["quorum"] for r in records] == [3, 2, 2, 2, 3, 3, 3, 3]
+    assert len(parameters) == WORKERS
+    assert all(torch.equal(parameters[0], p) for p in parameters[1:])
+
+
+def test_cocodc_takes_no_outer_step_for_a_sync_that_lost_a_member_and_keeps_its_schedule() -> None:
+    options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
+    group = InProcessGroup(2)
+    members = [_Members(2) for _ in range(2)]
+    strategies = []
+    for k in range(2):
+        strategy = CoCoDC(tiny_gpt(), group.comm(k), CONTEXT, options)
+        strategy.runtime = replace(strategy.runtime, membership=members[k])
+        strategies.append(strategy)
+    before: dict[int, tuple[list[torch.Tensor], list[float], list[int]]] = {}
+
+    def work(k: int) -> None:
+        strategy = strategies[k]
+        closure = closure_for(strategy, [global_batch(s, 1) for s in range(3)])
+        strategy.step(closure)
+        strategy.step(closure)  # t = 2: a fragment's sync launches
+        assert len(strategy.in_flight) == 1
+        before[k] = (
+            [g.clone() for g in strategy.globals_],
+            list(strategy.rates),
+            list(strategy.last_sync_steps),
+        )
+        members[k].current = Quorum((k,), 1)  # (the other member is lost while it flies)
+        strategy.step(closure)  # t = 3: it completes, failed
+
+    _threads(work, 2)
+    for k, strategy in enumerate(strategies):
+        anchors, rates, last = before[k]
+        assert all(torch.equal(a, g) for a, g in zip(anchors, strategy.globals_, strict=True))
+        assert (strategy.rates, strategy.last_sync_steps) == (rates, last)
+        assert not strategy.in_flight and strategy.outer_steps == 0
+
+
+def test_sparta_diloco_detects_a_crash_at_its_step_and_syncs_over_the_survivors(
+    tmp_path: Path,
+) -> None:
+    records, summary, parameters = _run(
+        _config("sparta_diloco", tmp_path / "out", _trace(tmp_path, "step=2 worker=2 crash\n"))
+    )
+    assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 2, 2, 2]
+    assert not any("dropped" in r for r in records)
+    # The crash step's sparse average waits until the crash is detected.
+    assert records[2]["clock_s"] >= records[1]["clock_s"] + DETECTION_S
+    assert torch.equal(parameters[0], parameters[1])  # (step 7 ends a round)
+    # Tokens commit at the outer syncs (t = 2, 4, 6, 8): the crashed worker's t = 3 is lost.
+    assert summary["committed_tokens"] == (3 * 2 + 2 * 6) * _tokens_per_step()
+
+
+def test_streaming_diloco_without_overlap_commits_its_tokens_at_each_sync(tmp_path: Path) -> None:
+    tau0 = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=0)
+    summary = _run(
+        _config("streaming_diloco", tmp_path / "out", _trace(tmp_path, "#\n"), diloco=tau0)
+    )[1]
+    assert summary["committed_tokens"] == WORKERS * 8 * _tokens_per_step()

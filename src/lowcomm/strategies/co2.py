@@ -285,6 +285,17 @@ class OverlapLocalSGD(_LocalFamily):
         extra_copies=2,
         shards_over_replicas=True,
     )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state=(
+            "the step and round counters, the anchor z (the members first finish the "
+            "all-reduce in flight) and a live member's local parameters"
+        ),
+        worker_state=(
+            "join: the local parameters start as the sending member's and the inner optimizer "
+            "afresh; rejoin: the same, the inner optimizer kept"
+        ),
+    )
 
     def __init__(
         self,
@@ -296,12 +307,21 @@ class OverlapLocalSGD(_LocalFamily):
         super().__init__(model, comm, context, options)
         self.buffer = torch.zeros_like(self.flat.params)
         self.handle: Handle | None = None
+        #: Declared faults: the quorum the all-reduce in flight was launched over, whether it
+        #: failed (a member of it was lost), and whether the buffer holds a settled anchor z
+        #: with no handle (after healing).
+        self.launched_over: tuple[int, ...] = ()
+        self.sync_failed = False
+        self.anchored = False
 
     def step(self, closure: Closure) -> StepStats:
+        self.mark_failed_sync()
         stats = self.inner_step(closure)
         if self.round_due(stats):
             with torch.no_grad():
-                pulled = self.handle is not None  # no anchor z at the first boundary
+                self.drop_failed_sync()
+                # (No anchor z at the first boundary, nor after an all-reduce that failed.)
+                pulled = self.handle is not None or self.anchored
                 if pulled:
                     self.finish_sync()  # the buffer now holds z, the last boundary's average
                     self.flat.params.lerp_(self.buffer, self.options.pull)  # x -= alpha (x - z)
@@ -312,8 +332,67 @@ class OverlapLocalSGD(_LocalFamily):
         return stats
 
     def launch_sync(self) -> None:
+        # (A member lost since the last boundary: the new quorum forms once it is detected.)
+        self.launched_over = self.runtime.enter_round().members
+        self.sync_failed = self.anchored = False
         self.buffer.copy_(self.flat.params)
         self.handle = self.comm.all_reduce(self.buffer, op="mean", role=Role.PARAMETER)
+
+    # membership (declared faults) -----------------------------------------------------------
+
+    def mark_failed_sync(self) -> None:
+        """An all-reduce in flight whose quorum lost a member fails on every member."""
+        if self.handle is not None and not set(self.launched_over) <= set(
+            self.runtime.quorum.members
+        ):
+            self.sync_failed = True
+
+    def drop_failed_sync(self) -> None:
+        """Discard a failed all-reduce's result, where the boundary would have waited for it
+        (the buffer is reused only once the group is done with it): the boundary then pulls
+        toward no anchor."""
+        if self.handle is not None and self.sync_failed:
+            self.handle.wait()
+            self.handle = None
+            self.sync_failed = False
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return stats.extras.get("synced") == 1.0
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
+        counters.update(rounds=self.rounds, anchored=int(self.anchored))
+        return [(Role.PARAMETER, self.flat.params), (Role.PARAMETER, self.buffer)], counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        self.local_steps = counters["local_steps"]
+        self.rounds = counters["rounds"]
+        self.anchored = bool(counters["anchored"])
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        with torch.no_grad():
+            self.params_written()
+
+    def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
+        """The members first finish the all-reduce in flight, so the anchor z they send is
+        settled: the joiner took no part in it. A joiner's own one from before it was lost is
+        void."""
+        if joining:
+            if self.handle is not None:  # (complete: its members issued it steps ago)
+                self.handle.wait()
+            self.handle = None
+            self.sync_failed = False
+        else:
+            self.mark_failed_sync()
+            self.drop_failed_sync()
+            if self.handle is not None:
+                self.finish_sync()
+                self.handle = None
+                self.anchored = True
+        super().heal(source, joining=joining, kept=kept)
 
     def finish_sync(self) -> None:
         if self.handle is not None:

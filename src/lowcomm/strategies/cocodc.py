@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lowcomm.comm.base import Comm, values_on
+from lowcomm.comm.base import Comm, Role, values_on
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, fragment_traffic
+from lowcomm.strategies.declaration import CostModel, MembershipRule, fragment_traffic
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
 from lowcomm.strategies.sharded_flat import ranks_mean, whole_norm
 from lowcomm.strategies.streaming import (
@@ -24,6 +24,7 @@ from lowcomm.strategies.streaming import (
     InFlight,
     check_overlap,
     load_in_flight,
+    mark_failed_syncs,
     save_in_flight,
 )
 
@@ -143,6 +144,20 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
         extra_copies=3,
         shards_over_replicas=True,
     )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state=(
+            "every fragment's theta^g_p and outer momentum, the counters, and the fragment "
+            "schedule every member agrees on (each fragment's rate R_p and last sync step, "
+            "the agreed T_c and T_s, the syncs per H); the members first finish their syncs "
+            "in flight"
+        ),
+        worker_state=(
+            "as streaming_diloco: every local fragment starts at theta^g_p, the inner AdamW "
+            "afresh on join and kept on rejoin, no sync in flight; its own measured T_c and "
+            "T_s start at the sender's"
+        ),
+    )
 
     def __init__(
         self,
@@ -165,8 +180,13 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
         self.agreed_step_seconds = 0.0
         self.agreed_sync_seconds = 0.0
         self.compensation_ratio = 0.0
+        #: Declared faults: the step of the last sync that completed (tokens commit there)
+        #: and the schedule a joiner receives (:meth:`global_state`).
+        self.completed_at = -1
+        self.schedule = torch.zeros(0, dtype=torch.float64)
 
     def step(self, closure: Closure) -> StepStats:
+        mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
         stats = self.timed_inner_step(closure)
         t = self.step_index
         for sync in [s for s in self.in_flight if s.complete_at <= t]:
@@ -214,7 +234,10 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
         timings = [self.step_seconds, self.last_sync_seconds]
         extras = ranks_mean(self.flat, values_on(timings, self.flat.device))
         snapshot = self.local_fragment(p)
-        sync = InFlight(p, t, t + self.options.overlap_steps, self.launch_sync(p, extras), snapshot)
+        # (A member lost since the last launch: the new quorum forms once it is detected.)
+        members = self.runtime.enter_round().members
+        exchange = self.launch_sync(p, extras)
+        sync = InFlight(p, t, t + self.options.overlap_steps, exchange, snapshot, members)
         self.in_flight.append(sync)
         return sync
 
@@ -227,6 +250,15 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
         """Wait; outer step; compensated merge; update R_p, t_{p,b}, and the agreed N."""
         mean, extras, _ = sync.exchange.wait()
         p = sync.fragment
+        if sync.failed:
+            # A member was lost while it flew: no outer step, and the local fragment merges
+            # with the unchanged theta^g_p (streaming_diloco's rule); the schedule keeps its
+            # state, which the failed mean would have updated.
+            self.runtime.enter_round()
+            assert sync.snapshot is not None
+            self.set_local_fragment(p, self.merged(p, sync.snapshot))
+            return
+        self.completed_at = t
         if sync.exchange.sync_seconds is not None and self.clock is not None:
             self.last_sync_seconds = sync.exchange.sync_seconds
         self.outer_step(p, mean)
@@ -266,10 +298,61 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
             )
             self.interval = max(1, self.options.sync_every // self.syncs_per_h)
 
+    def merged(self, p: int, snapshot: torch.Tensor) -> torch.Tensor:
+        """The compensated merge of local fragment p with theta^g_p as it stands."""
+        return compensated_merge(
+            self.globals_[p],
+            snapshot,
+            self.local_fragment(p),
+            overlap_steps=self.options.overlap_steps,
+            compensation=self.options.compensation,
+            sync_every=self.options.sync_every,
+            sign=self.options.compensation_sign,
+        )
+
     def finish(self) -> None:
         for sync in list(self.in_flight):
             self.in_flight.remove(sync)
             self.complete(sync, self.step_index)
+
+    # membership (declared faults) -----------------------------------------------------------
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return self.completed_at == self.step_index
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        tensors, counters = super().global_state()
+        self.schedule = torch.tensor(
+            [*self.rates, *self.last_sync_steps, self.syncs_per_h, self.interval,
+             self.agreed_step_seconds, self.agreed_sync_seconds, self.step_seconds,
+             self.last_sync_seconds, self.compensation_ratio],
+            dtype=torch.float64,
+        )  # fmt: skip
+        return [*tensors, (Role.OTHER, self.schedule)], counters
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        super().start_worker_state(kept=kept)
+        k = self.num_fragments
+        values = self.schedule.tolist()
+        self.rates = values[:k]
+        self.last_sync_steps = [int(v) for v in values[k : 2 * k]]
+        self.syncs_per_h, self.interval = int(values[2 * k]), int(values[2 * k + 1])
+        (
+            self.agreed_step_seconds,
+            self.agreed_sync_seconds,
+            self.step_seconds,
+            self.last_sync_seconds,
+            self.compensation_ratio,
+        ) = values[2 * k + 2 :]
+
+    def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
+        """As streaming_diloco's: the members first finish their syncs in flight."""
+        if joining:
+            self.in_flight = []
+        else:
+            mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
+            self.finish()
+        super().heal(source, joining=joining, kept=kept)
 
     def in_flight_state(self) -> list[Any]:
         return [save_in_flight(sync) for sync in self.in_flight]

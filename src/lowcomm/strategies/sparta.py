@@ -290,6 +290,17 @@ class SpartaDiLoCo(OuterLoopStrategy[SpartaOptions]):
         extra_copies=2,
         shards_over_replicas=True,
     )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state=(
+            "the global parameters theta^g, the outer momentum, the step, round and outer-step "
+            "counters"
+        ),
+        worker_state=(
+            "as diloco: join: the local parameters start at theta^g and the inner AdamW "
+            "afresh; rejoin: the same, the inner AdamW kept"
+        ),
+    )
 
     def __init__(
         self,
@@ -303,6 +314,9 @@ class SpartaDiLoCo(OuterLoopStrategy[SpartaOptions]):
 
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)
+        # (The step's first collective: a member lost at this step is detected here, and the
+        # sparse average and the round's sync run over the survivors.)
+        self.runtime.enter_round()
         # The sparse average comes before the outer step of a round's last step, as exogym
         # orders its communication modules.
         with torch.no_grad():

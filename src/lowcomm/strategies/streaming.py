@@ -15,7 +15,7 @@ from torch import nn
 
 from lowcomm.comm.base import Comm
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, fragment_traffic
+from lowcomm.strategies.declaration import CostModel, MembershipRule, fragment_traffic
 from lowcomm.strategies.diloco import (
     DiLoCoOptions,
     OuterExchange,
@@ -60,13 +60,20 @@ def check_overlap(
 
 @dataclass
 class InFlight:
-    """A fragment sync launched at step ``launched_at`` that completes at ``complete_at``."""
+    """A fragment sync launched at step ``launched_at`` that completes at ``complete_at``.
+
+    ``members``: the quorum it was launched over (declared faults; empty when none is
+    known); ``failed``: a member of it was lost while it was in flight, so it fails on every
+    member (streaming_diloco's membership rule).
+    """
 
     fragment: int
     launched_at: int
     complete_at: int
     exchange: OuterExchange
     snapshot: torch.Tensor | None = None
+    members: tuple[int, ...] = ()
+    failed: bool = False
 
 
 def save_in_flight(sync: InFlight) -> dict[str, Any]:
@@ -93,6 +100,15 @@ def load_in_flight(
         restore(state["exchange"]),
         state.get("snapshot"),
     )
+
+
+def mark_failed_syncs(in_flight: list[InFlight], members: tuple[int, ...]) -> None:
+    """Mark the syncs in flight whose launch quorum lost a member (not all in ``members``,
+    the current quorum): they fail on every member."""
+    alive = set(members)
+    for sync in in_flight:
+        if sync.members and not set(sync.members) <= alive:
+            sync.failed = True
 
 
 class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
@@ -128,6 +144,18 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
         extra_copies=2,
         shards_over_replicas=True,
     )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state=(
+            "every fragment's global copy theta^g_p and outer momentum, the step, round and "
+            "outer-step counters; the members first finish their syncs in flight, so a "
+            "joiner receives them settled and starts with none in flight"
+        ),
+        worker_state=(
+            "as diloco: join: every local fragment starts at theta^g_p and the inner AdamW "
+            "afresh; rejoin: the same, the inner AdamW kept"
+        ),
+    )
 
     def __init__(
         self,
@@ -144,14 +172,20 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
             c - tau for c in completion_offsets(self.options.sync_every, self.num_fragments)
         ]
         self.in_flight: list[InFlight] = []
+        #: Declared faults: the step of the last sync that completed (tokens commit there).
+        self.completed_at = -1
 
     def step(self, closure: Closure) -> StepStats:
+        self.mark_failed_syncs()
         stats = self.inner_step(closure)
         t = self.step_index
+        dropped = sum(sync.failed for sync in self.in_flight if sync.complete_at <= t)
         completed = self.finish_syncs_due(t)
         launched = self.launch_syncs_due(t)
-        stats.extras["syncs_completed"] = float(completed)
+        stats.extras["syncs_completed"] = float(completed - dropped)
         stats.extras["syncs_launched"] = float(launched)
+        if dropped:
+            stats.extras["syncs_dropped"] = float(dropped)
         return stats
 
     def launch_syncs_due(self, t: int) -> int:
@@ -163,7 +197,9 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
                 continue
             if t + tau > self.context.total_steps:
                 continue  # would not complete before the end (§4.2 edge case)
-            self.in_flight.append(InFlight(p, t, t + tau, self.launch_sync(p)))
+            # (A member lost since the last launch: the new quorum forms once it is detected.)
+            members = self.runtime.enter_round().members
+            self.in_flight.append(InFlight(p, t, t + tau, self.launch_sync(p), members=members))
             launched += 1
         if tau == 0:
             self.finish_syncs_due(t)
@@ -178,10 +214,20 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
         return len(due)
 
     def complete(self, sync: InFlight) -> None:
-        """Wait, step the fragment's outer optimizer, merge into the local fragment."""
+        """Wait, step the fragment's outer optimizer, merge into the local fragment.
+
+        A sync that failed (a member lost while it was in flight) takes no outer step: its
+        result is discarded once the loss is detected, and the local fragment merges with
+        the unchanged theta^g_p, as torchft's DiLoCo does when a sync does not commit (at
+        alpha = 0 every member's fragment returns to the same theta^g_p, so no member keeps a
+        round's drift the others dropped)."""
         mean, _, _ = sync.exchange.wait()
         p = sync.fragment
-        self.outer_step(p, mean)
+        if sync.failed:
+            self.runtime.enter_round()  # (the exchange fails when the loss is detected)
+        else:
+            self.outer_step(p, mean)
+            self.completed_at = self.step_index
         local = self.local_fragment(p)
         # lerp(global, local, alpha) = alpha local + (1 - alpha) global; exactly global at 0.
         self.set_local_fragment(p, torch.lerp(self.globals_[p], local, self.options.mixing))
@@ -190,6 +236,26 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
         for sync in list(self.in_flight):
             self.in_flight.remove(sync)
             self.complete(sync)
+
+    # membership (declared faults) -----------------------------------------------------------
+
+    def mark_failed_syncs(self) -> None:
+        """Mark the syncs in flight that lost a member: they fail on every member."""
+        mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return self.completed_at == self.step_index
+
+    def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
+        """The members first finish their syncs in flight (early, charged as their waits),
+        so the state they send is settled: the joiner took no part in those syncs and could
+        not apply their outer steps. A joiner's own syncs from before it was lost are void."""
+        if joining:
+            self.in_flight = []
+        else:
+            self.mark_failed_syncs()
+            self.finish()
+        super().heal(source, joining=joining, kept=kept)
 
     def in_flight_state(self) -> list[Any]:
         return [save_in_flight(sync) for sync in self.in_flight]
