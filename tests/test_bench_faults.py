@@ -12,7 +12,7 @@ from lowcomm.bench.faults import FaultsBench, run_faults
 
 def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path) -> None:
     bench = FaultsBench(
-        workers=(4,), methods=("ddp", "diloco", "eager"), steps=8,
+        workers=(4,), methods=("ddp", "diloco", "streaming_diloco", "eager"), steps=8,
         fault_mtbf_s=40.0, fault_replace_after_s=4.0, fault_slow_fraction=0.25,
         fault_detection_s=2.0, out=str(tmp_path / "bench"),
     )  # fmt: skip
@@ -43,3 +43,6 @@ def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path)
         assert row["predicted_goodput"] is not None and 0 < row["predicted_goodput"] < 1
         assert f"| 4 | {method} | {row['goodput']:.3f} | {row['predicted_goodput']:.3f} |" in report
     assert "| 4 | eager | refused |" in report
+    # A run the planner cannot price (streaming_diloco's fragments as training sets them)
+    # keeps its measured row.
+    assert 0 < by_method["streaming_diloco"]["goodput"] < 1

@@ -183,7 +183,13 @@ def predicted_goodput(config: TrainConfig, summary: dict[str, Any]) -> float | N
         seconds_per_step=config.seconds_per_microbatch * config.microbatches_per_step,
         fault_horizon_s=float(summary["modeled_time_s"]),
     )
-    return price_faults(plan, make_plan(plan)).goodput
+    try:
+        return price_faults(plan, make_plan(plan)).goodput
+    except ValueError:
+        # The planner refuses the run's options as it reads them (streaming_diloco's
+        # fragments default to the model's blocks in training, to the planner's own count
+        # in a plan): the row then has no prediction rather than the benchmark none at all.
+        return None
 
 
 def _row(
