@@ -201,14 +201,8 @@ class LocalSGD(_LocalFamily):
         return stats.extras.get("synced") == 1.0
 
     def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
-        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
-        counters["rounds"] = self.rounds
+        counters = self.round_counters()
         return [(Role.PARAMETER, self.flat.params)], counters
-
-    def set_global_counters(self, counters: dict[str, int]) -> None:
-        self.step_index = counters["step_index"]
-        self.local_steps = counters["local_steps"]
-        self.rounds = counters["rounds"]
 
     def start_worker_state(self, *, kept: bool) -> None:
         if not kept:
@@ -360,14 +354,11 @@ class OverlapLocalSGD(_LocalFamily):
         return stats.extras.get("synced") == 1.0
 
     def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
-        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
-        counters.update(rounds=self.rounds, anchored=int(self.anchored))
+        counters = {**self.round_counters(), "anchored": int(self.anchored)}
         return [(Role.PARAMETER, self.flat.params), (Role.PARAMETER, self.buffer)], counters
 
     def set_global_counters(self, counters: dict[str, int]) -> None:
-        self.step_index = counters["step_index"]
-        self.local_steps = counters["local_steps"]
-        self.rounds = counters["rounds"]
+        super().set_global_counters(counters)
         self.anchored = bool(counters["anchored"])
 
     def start_worker_state(self, *, kept: bool) -> None:
@@ -505,14 +496,8 @@ class SlowMo(_AnchoredOuter):
 
     def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
         tensors = [(Role.PARAMETER, self.anchor), (Role.FIRST_MOMENT, self.momentum)]
-        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
-        counters["rounds"] = self.rounds
+        counters = self.round_counters()
         return tensors, counters
-
-    def set_global_counters(self, counters: dict[str, int]) -> None:
-        self.step_index = counters["step_index"]
-        self.local_steps = counters["local_steps"]
-        self.rounds = counters["rounds"]
 
     def start_worker_state(self, *, kept: bool) -> None:
         if not kept:

@@ -542,20 +542,13 @@ class OuterLoopStrategy(LocalUpdate[OptionsT]):
     def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
         tensors = [(Role.PARAMETER, anchor) for anchor in self.globals_]
         tensors.extend((Role.FIRST_MOMENT, outer.momentum_buffer) for outer in self.outer)
-        counters = {
-            "step_index": self.step_index,
-            "outer_steps": self.outer_steps,
-            "local_steps": self.local_steps,
-            "rounds": self.rounds,
-        }
+        counters = {**self.round_counters(), "outer_steps": self.outer_steps}
         counters.update({f"outer{p}": outer.step_count for p, outer in enumerate(self.outer)})
         return tensors, counters
 
     def set_global_counters(self, counters: dict[str, int]) -> None:
-        self.step_index = counters["step_index"]
+        super().set_global_counters(counters)
         self.outer_steps = counters["outer_steps"]
-        self.local_steps = counters["local_steps"]
-        self.rounds = counters["rounds"]
         for p, outer in enumerate(self.outer):
             outer.step_count = counters[f"outer{p}"]
 

@@ -214,6 +214,20 @@ class LocalUpdate(Strategy, Generic[OptionsT]):
         self.local_steps = 0
         self.rounds += 1
 
+    def round_counters(self) -> dict[str, int]:
+        """The round counters every member of a quorum holds alike: healing sends them to a
+        joiner (:meth:`global_state`)."""
+        return {
+            "step_index": self.step_index,
+            "local_steps": self.local_steps,
+            "rounds": self.rounds,
+        }
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        self.step_index = counters["step_index"]
+        self.local_steps = counters["local_steps"]
+        self.rounds = counters["rounds"]
+
     # --- the master and the working parameters ------------------------------------------
 
     @property

@@ -220,14 +220,8 @@ class Sparta(LocalUpdate[SpartaOptions]):
         self.average = sparse_average(comm, self.flat, self.options.fraction, context.seed)
 
     def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
-        counters = {"step_index": self.step_index, "local_steps": self.local_steps}
-        counters["rounds"] = self.rounds
+        counters = self.round_counters()
         return [(Role.PARAMETER, self.master)], counters
-
-    def set_global_counters(self, counters: dict[str, int]) -> None:
-        self.step_index = counters["step_index"]
-        self.local_steps = counters["local_steps"]
-        self.rounds = counters["rounds"]
 
     def start_worker_state(self, *, kept: bool) -> None:
         if not kept:
