@@ -273,15 +273,16 @@ class PlanConfig:
 def _check_fault_options(config: PlanConfig) -> None:
     """Refuse a --fault-* value the model cannot price, in one line: the option, the value,
     the rule and the fix."""
-    mtbf, replace, fraction, factor = _fault_values(config)
+    mtbf, replace = config.fault_mtbf_s, config.fault_replace_after_s
+    fraction, factor = config.fault_slow_fraction, config.fault_slow_factor
     checks: list[tuple[str, float | None, bool, str]] = [
-        ("mtbf_s", config.fault_mtbf_s, mtbf > 0,
+        ("mtbf_s", mtbf, mtbf is None or mtbf > 0,
          "a mean time between failures is > 0 seconds (inf: no crash); pass e.g. 86400"),
-        ("replace_after_s", config.fault_replace_after_s, replace >= 0,
+        ("replace_after_s", replace, replace is None or replace >= 0,
          "a replacement joins >= 0 seconds after the crash (inf: never); pass e.g. 600"),
-        ("slow_fraction", config.fault_slow_fraction, 0 <= fraction <= 1,
+        ("slow_fraction", fraction, fraction is None or 0 <= fraction <= 1,
          "a fraction of the workers lies in [0, 1]; pass e.g. 0.1"),
-        ("slow_factor", config.fault_slow_factor, math.isfinite(factor) and factor >= 1,
+        ("slow_factor", factor, factor is None or (math.isfinite(factor) and factor >= 1),
          "a slowdown is a finite factor >= 1 (1: not slow); pass e.g. 3 for three times slower"),
         ("detection_s", config.fault_detection_s,
          math.isfinite(config.fault_detection_s) and config.fault_detection_s >= 0,
@@ -297,18 +298,6 @@ def _check_fault_options(config: PlanConfig) -> None:
         if not ok:
             flag = "--fault-" + name.replace("_", "-")
             raise ValueError(f"{flag}: {value} is refused: {rule}")
-
-
-def _fault_values(config: PlanConfig) -> tuple[float, float, float, float]:
-    """The mean time between failures, the replacement time, the slow fraction and factor,
-    with the no-fault value of each option left unset (the defaults of ``lowcomm train``'s
-    options of the same names)."""
-    return (
-        math.inf if config.fault_mtbf_s is None else config.fault_mtbf_s,
-        math.inf if config.fault_replace_after_s is None else config.fault_replace_after_s,
-        0.0 if config.fault_slow_fraction is None else config.fault_slow_fraction,
-        1.0 if config.fault_slow_factor is None else config.fault_slow_factor,
-    )
 
 
 #: The --fault-* fields of :class:`PlanConfig` (their defaults mean: no fault).
@@ -861,14 +850,13 @@ def price_faults(config: PlanConfig, plan: Plan) -> FaultGoodput:
     _, options = method_options(config)
     model = fault_model(config.method)
     horizon = plan.wall_clock_s if config.fault_horizon_s is None else config.fault_horizon_s
-    mtbf, replace, fraction, factor = _fault_values(config)
-    faults = FaultOptions(
+    faults = FaultOptions.given(
         duration_s=horizon,
-        mtbf_s=mtbf,
-        replace_after_s=replace,
-        slow_fraction=fraction,
-        slow_factor=factor,
         detection_s=config.fault_detection_s,
+        mtbf_s=config.fault_mtbf_s,
+        replace_after_s=config.fault_replace_after_s,
+        slow_fraction=config.fault_slow_fraction,
+        slow_factor=config.fault_slow_factor,
     )
     exposure = expected_exposure(faults, workers=config.workers)
     period = model.period(options)

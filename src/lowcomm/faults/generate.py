@@ -81,6 +81,30 @@ class FaultOptions:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise bad("seed", "a seed is a whole number >= 0", "e.g. seed=0")
 
+    @classmethod
+    def given(
+        cls,
+        *,
+        duration_s: float,
+        detection_s: float,
+        mtbf_s: float | None = None,
+        replace_after_s: float | None = None,
+        slow_fraction: float | None = None,
+        slow_factor: float | None = None,
+        seed: int | None = None,
+    ) -> FaultOptions:
+        """The options as the command line's ``--fault-*`` flags give them: one left unset
+        (None) means no fault of its kind (no crash, no replacement, no straggler, seed 0)."""
+        return cls(
+            duration_s=duration_s,
+            mtbf_s=math.inf if mtbf_s is None else mtbf_s,
+            replace_after_s=math.inf if replace_after_s is None else replace_after_s,
+            slow_fraction=0.0 if slow_fraction is None else slow_fraction,
+            slow_factor=1.0 if slow_factor is None else slow_factor,
+            detection_s=detection_s,
+            seed=0 if seed is None else seed,
+        )
+
     @property
     def failure_rate(self) -> float:
         """lambda: each live worker's failures per second."""

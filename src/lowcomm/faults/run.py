@@ -115,14 +115,14 @@ class FaultSettings:
 
     def generated_options(self) -> FaultOptions:
         """The generated trace's options (defaults: no crash, no straggler, seed 0)."""
-        return FaultOptions(
+        return FaultOptions.given(
             duration_s=GENERATED_HORIZON_S,
-            mtbf_s=math.inf if self.mtbf_s is None else self.mtbf_s,
-            replace_after_s=math.inf if self.replace_after_s is None else self.replace_after_s,
-            slow_fraction=0.0 if self.slow_fraction is None else self.slow_fraction,
-            slow_factor=1.0 if self.slow_factor is None else self.slow_factor,
             detection_s=self.detection_s,
-            seed=0 if self.seed is None else self.seed,
+            mtbf_s=self.mtbf_s,
+            replace_after_s=self.replace_after_s,
+            slow_fraction=self.slow_fraction,
+            slow_factor=self.slow_factor,
+            seed=self.seed,
         )
 
 
