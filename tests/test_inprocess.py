@@ -180,7 +180,7 @@ def test_a_workers_copy_of_the_initial_model_is_deepcopys() -> None:
 
     model = tiny_gpt()
     model.lm_head.register_forward_hook(lambda *args: None)
-    shared = SharedSetup(None, model, torch.get_rng_state(), None, lambda: None)  # type: ignore[arg-type]
+    shared = SharedSetup(None, model, torch.get_rng_state(), None)
     first, second, reference = shared.copy_model(), shared.copy_model(), copy.deepcopy(model)
     for copied in (first, second):
         assert copied.lm_head.weight is copied.token_embedding.weight  # (tied in the GPT)

@@ -132,10 +132,7 @@ def test_transformers_dropout_is_refused_in_one_line() -> None:
 
 
 def _shared(model: nn.Module) -> SharedSetup:
-    return SharedSetup(
-        corpus=None, model=model, rng_state=torch.get_rng_state(), validation=None,
-        calibrate=lambda: None,  # type: ignore[arg-type,return-value]
-    )  # fmt: skip
+    return SharedSetup(corpus=None, model=model, rng_state=torch.get_rng_state(), validation=None)
 
 
 def test_a_built_model_whose_dropout_uses_the_global_generator_is_refused(

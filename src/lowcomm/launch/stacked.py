@@ -66,9 +66,9 @@ def train_stacked(
     )
     inter = TorchComm(timeout_s=timeout)
     # Every process creates the groups in the same order (new_group is collective).
-    inter_books, inter_calibration = inter.cpu_side_group(), inter.cpu_side_group()
+    inter_books = inter.cpu_side_group()
     ranks = _stacked_threads(config, inter, inter_books)
-    shared = shared_setup(config, task, calibration_group=inter_calibration)
+    shared = shared_setup(config, task, whole_run=False)
     check_shared(
         config, shared, task, device, processes=processes_on_this_machine(inter.world_size),
         report=os.environ.get("LOCAL_RANK", "0") == "0",  # (one process of each machine)

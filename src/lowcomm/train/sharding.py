@@ -33,11 +33,10 @@ A checkpoint records each rank's slices and the shapes they are cut from
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -350,10 +349,6 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> FsdpCharges
             self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
             async_op: bool = False,
         ) -> Any:  # fmt: skip
-            if getattr(model, _LOCAL, False):  # (calibrating: local_collectives)
-                shard = input_tensor.reshape(1, -1).clone()  # (FSDP's input is in its output)
-                output_tensor.view(-1, shard.numel()).copy_(shard)
-                return None
             work = super().__call__(output_tensor, input_tensor, group, async_op)
             charge(CollectiveKind.ALL_GATHER, Role.PARAMETER, output_tensor)
             return work
@@ -363,9 +358,6 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> FsdpCharges
             self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
             async_op: bool = False,
         ) -> Any:  # fmt: skip
-            if getattr(model, _LOCAL, False):
-                output_tensor.view(-1).copy_(input_tensor.view(-1)[: output_tensor.numel()].clone())
-                return None
             work = super().__call__(output_tensor, input_tensor, group, op, async_op)
             charge(CollectiveKind.REDUCE_SCATTER, Role.GRADIENT, input_tensor)
             return work
@@ -376,26 +368,6 @@ def charge_fsdp_collectives(model: nn.Module, inner: NetworkComm) -> FsdpCharges
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(scatter)
     return charges
-
-
-#: Set on a model while its FSDP collectives are local stand-ins (:func:`local_collectives`).
-_LOCAL = "_lowcomm_local_collectives"
-
-
-@contextlib.contextmanager
-def local_collectives(model: nn.Module) -> Iterator[None]:
-    """For the duration, ``model``'s FSDP collectives move nothing and are not charged: an
-    all-gather fills its output with this rank's shard repeated, a reduce-scatter keeps this
-    rank's chunk of its input. The calibration times a sharded rank's own pass this way
-    (the compute on whole gathered blocks and FSDP's copies into and out of the collective
-    buffers, no wait on another rank), one process at a time as for a replicated worker,
-    with no whole copy of the model; the values it computes are thrown away. (A model that
-    is not sharded is left as it is.)"""
-    setattr(model, _LOCAL, True)
-    try:
-        yield
-    finally:
-        delattr(model, _LOCAL)
 
 
 class ShardedWorkerComm(NetworkComm):
@@ -683,7 +655,6 @@ __all__ = [
     "initial_model",
     "is_sharded",
     "load_model_state",
-    "local_collectives",
     "materialise",
     "model_state",
     "norm_summer",

@@ -11,22 +11,16 @@ so both placements draw the same numbers.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from lowcomm.comm.base import Comm
-from lowcomm.comm.calibration import Calibration
-from lowcomm.comm.turns import holding
 from lowcomm.config import TrainConfig
 from lowcomm.data import PreparedCorpus
 from lowcomm.models import build_model
 from lowcomm.strategies.flat import laid_out_copy
-from lowcomm.train.compute import calibrate_in_process
-from lowcomm.train.task import Batch, CorpusTask, Task, calibration_pass
+from lowcomm.train.task import Batch, CorpusTask, Task
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -44,8 +38,6 @@ class SharedSetup:
     validation: list[Batch] | None
     """The run's validation batches (each worker evaluates its slice; None: each worker
     takes its own from the task)."""
-    calibrate: Callable[[], Calibration] = field(repr=False)
-    """Measures the calibration once, on first call (later calls return the same)."""
     whole_run: bool = True
     """Every worker of the run is in this process (False: one of several processes of
     several workers, ``lowcomm.launch.stacked``)."""
@@ -74,21 +66,6 @@ class SharedSetup:
 _EMPTY_COPIES: tuple[type, ...] = (OrderedDict, dict, set)
 
 
-class _Once:
-    """Calls ``measure`` on first use from any thread; every caller gets its result."""
-
-    def __init__(self, measure: Callable[[], Calibration]) -> None:
-        self._measure = measure
-        self._lock = threading.Lock()
-        self._result: Calibration | None = None
-
-    def __call__(self) -> Calibration:
-        with holding(self._lock):  # (another worker measures: its peers may need this turn)
-            if self._result is None:
-                self._result = self._measure()
-            return self._result
-
-
 def initial_model(config: TrainConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
     """The run's initial model (built from the seed, or loaded from --init-from)."""
     if config.init_from is None:
@@ -101,13 +78,12 @@ def initial_model(config: TrainConfig, vocab_size: int, device: torch.device) ->
 
 
 def shared_setup(
-    config: TrainConfig, task: Task | None = None, calibration_group: Comm | None = None
+    config: TrainConfig, task: Task | None = None, *, whole_run: bool = True
 ) -> SharedSetup:
     """Build what the in-process workers of ``config`` share (uses the process-global
     generator once, before any worker starts, as a worker process's set-up does); ``task``:
-    the run's model, data and loss (default: :class:`CorpusTask`). ``calibration_group``: the
-    processes of a run spread over several (one rank each, a group of their own), which
-    measure the calibration in turn and agree on it; None: the whole run is this process."""
+    the run's model, data and loss (default: :class:`CorpusTask`). ``whole_run``: every worker
+    of the run is in this process (False: one of several processes of several workers)."""
     task = CorpusTask() if task is None else task
     corpus = task.corpus(config) if isinstance(task, CorpusTask) else None
     device = torch.device(config.device)
@@ -115,12 +91,4 @@ def shared_setup(
     model = task.model(config).to(device)
     rng_state = torch.get_rng_state()
     validation = task.validation(config) if isinstance(task, CorpusTask) else None
-    timed = calibration_pass(task, config, device)
-    vocab_size = 0 if corpus is None else corpus.vocab_size
-    calibrate = _Once(
-        lambda: calibrate_in_process(
-            config, vocab_size, model=model, timed_loss=timed, bookkeeping=calibration_group
-        )
-    )
-    whole_run = calibration_group is None
-    return SharedSetup(corpus, model, rng_state, validation, calibrate, whole_run=whole_run)
+    return SharedSetup(corpus, model, rng_state, validation, whole_run=whole_run)
