@@ -16,21 +16,7 @@ from _cli import lowcomm
 from lowcomm.plan import _FAULT_MODELS, PlanConfig, fault_model, make_plan, price_faults, run_plan
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.diloco import DiLoCoOptions
-
-# As tests/test_plan.py: 8 Gbit/s = 1e9 bytes/s, 1 ms latency, 1 s of compute per step, 4
-# workers, a 1e9-parameter model sent in 2-byte elements.
-BASE = {
-    "params": "1e9",
-    "workers": 4,
-    "tokens": 10 * 4096.0,
-    "tokens_per_step": 4096.0,
-    "seconds_per_step": 1.0,
-    "network": "wan",
-    "bandwidth_gbps": 8.0,
-    "latency_ms": 1.0,
-    "bytes_per_element": 2.0,
-}
-ALL_REDUCE = 2 * 3 / 4 * 2e9 / 1e9 + 2 * 3 * 1e-3  # one bf16 model on 4 workers: 3.006 s
+from test_plan import ALL_REDUCE, BASE  # the planner's arithmetic-friendly settings
 
 
 def config(**overrides: object) -> PlanConfig:
