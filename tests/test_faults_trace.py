@@ -241,3 +241,10 @@ def test_load_trace_names_the_file(tmp_path: Path) -> None:
         load_trace(path, workers=2)
     with pytest.raises(TraceError, match="cannot read the fault trace"):
         load_trace(tmp_path / "missing.txt", workers=4)
+
+
+def test_a_binary_file_is_refused_as_not_a_trace(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"step=1 \xd4\xff\x00 crash\n")
+    with pytest.raises(TraceError, match=r"model.bin: not a fault trace \(byte 7 is not UTF-8"):
+        load_trace(path, workers=4)

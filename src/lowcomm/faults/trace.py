@@ -581,4 +581,9 @@ def load_trace(path: str | Path, *, workers: int) -> FaultTrace:
         raise TraceError(
             f"{path}: cannot read the fault trace ({error.strerror}); pass an existing file"
         ) from None
+    except UnicodeDecodeError as error:
+        raise TraceError(
+            f"{path}: not a fault trace (byte {error.start} is not UTF-8 text); a trace is a "
+            "text file of one event a line, e.g. 'step=40 worker=3 crash'"
+        ) from None
     return parse_trace(text, workers=workers, source=str(path))
