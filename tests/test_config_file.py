@@ -174,7 +174,13 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(
 def test_a_file_that_is_not_toml_or_is_missing_is_one_line(tmp_path: Path) -> None:
     broken = tmp_path / "broken.toml"
     broken.write_text("steps = = 3\n")
-    for path, words in ((broken, "not valid TOML"), (tmp_path / "none.toml", "cannot read")):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\xd4\xff\x00 steps = 3\n")
+    for path, words in (
+        (broken, "not valid TOML"),
+        (tmp_path / "none.toml", "cannot read"),
+        (binary, "is not text (byte 0 is not UTF-8)"),
+    ):
         result = lowcomm("train", "--config", str(path), *INLINE, "--print-config")
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr

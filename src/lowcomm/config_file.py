@@ -69,6 +69,11 @@ def read_raw(given: str) -> dict[str, Any]:
             f"--config {given}: cannot read {path} ({reason}); pass a TOML file "
             f"(`lowcomm train ... --print-config > run.toml` writes one) or a run directory"
         ) from None
+    except UnicodeDecodeError as error:
+        raise ConfigFileError(
+            f"--config {given}: {path} is not text (byte {error.start} is not UTF-8); pass a "
+            f"TOML file (`lowcomm train ... --print-config > run.toml` writes one)"
+        ) from None
     if path.suffix == ".json":
         try:
             values = json.loads(text)
