@@ -679,9 +679,20 @@ def _selftest_command(rest: list[str]) -> None:
 
 def _demo_command(rest: list[str]) -> None:
     from lowcomm.demo import DemoConfig, run_demo
+    from lowcomm.launch import Interrupted
 
+    demo = tyro.cli(DemoConfig, args=rest, prog="lowcomm demo", config=_TYRO)
     try:
-        run_demo(tyro.cli(DemoConfig, args=rest, prog="lowcomm demo", config=_TYRO))
+        run_demo(demo)
+    except Interrupted as interrupt:
+        print(
+            f"lowcomm: demo {interrupt}: the finished runs in {demo.out} are kept; the same "
+            f"command again reuses them and runs the rest",
+            file=sys.stderr,
+        )
+        # (the demo's workers are threads of this process, as in run_train's in-process case)
+        _exit_past_busy_workers(128 + interrupt.signum, threads=True)
+        raise SystemExit(128 + interrupt.signum) from None
     except RuntimeError as failed:  # a run failed (its error is in the report)
         _fail(str(failed), code=1)
 
