@@ -303,3 +303,65 @@ def process_group_timeout(collective_timeout_s: float) -> timedelta:
     ``collective_timeout_s``: longer, so that the wait's :class:`CollectiveTimeout` (with its
     rank, collective and fix) fires before NCCL's watchdog tears the process down."""
     return timedelta(seconds=collective_timeout_s + max(60.0, 0.25 * collective_timeout_s))
+
+
+class QuorumTorchComm(TorchComm):
+    """A :class:`TorchComm` over the world whose collectives run over the current round's
+    quorum (declared faults with one process per worker): the in-process group's
+    :meth:`~lowcomm.comm.inprocess.InProcessComm.enter`, on ``torch.distributed``.
+
+    A quorum's members are world ranks (a worker's slot is its process's rank). Each distinct
+    set of members gets its own process group, made the first time its members enter it and
+    kept for when the set recurs; the whole world is the default group. Only the members make
+    it (``use_local_synchronization``: a worker outside the set, crashed or not yet joined,
+    takes no part), and every member enters the run's quorums in the same order (the trace
+    decides them alike on each), as ``new_group`` requires. The group is named by its ranks,
+    and a group of a set never depends on a rank outside it: a member's collectives go on
+    whatever happens to the others. ``rank`` and ``world_size`` are then the member's index
+    in the set and the set's size, so a mean divides by the quorum's size.
+
+    Args:
+        timeout_s: as :class:`TorchComm`'s; the subgroups' own timeout follows it.
+    """
+
+    def __init__(self, *, timeout_s: float | None = None) -> None:
+        super().__init__(None, timeout_s=timeout_s)
+        self._slot = self._rank
+        self._everyone = tuple(range(self._world_size))
+        self._members = self._everyone
+        self._groups: dict[tuple[int, ...], Any] = {self._everyone: None}
+
+    @property
+    def slot(self) -> int:
+        """This worker's slot (its world rank), whatever the quorum."""
+        return self._slot
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The current quorum's members."""
+        return self._members
+
+    def enter(self, quorum_id: int, members: tuple[int, ...]) -> None:
+        """Take part in quorum ``quorum_id`` of ``members`` from the next collective on (the
+        id is the engine's; the set alone picks the group)."""
+        if self._slot not in members:
+            raise ValueError(f"worker {self._slot} is not in quorum {quorum_id} {members}")
+        members = tuple(sorted(members))
+        if members == self._members:
+            return
+        if members not in self._groups:
+            timeout = None if self._timeout_s is None else process_group_timeout(self._timeout_s)
+            self._groups[members] = dist.new_group(
+                list(members), timeout=timeout, use_local_synchronization=True
+            )
+        self._group = self._groups[members]
+        self._members = members
+        self._rank = members.index(self._slot)
+        self._world_size = len(members)
+
+    def cpu_side_group(self) -> TorchComm:
+        """The bookkeeping group: a Gloo group of the whole world (every worker, member or
+        not, takes its turn in the run's bookkeeping)."""
+        timeout = None if self._timeout_s is None else process_group_timeout(self._timeout_s)
+        group = dist.new_group(None, backend="gloo", timeout=timeout)
+        return TorchComm(group, timeout_s=self._timeout_s)

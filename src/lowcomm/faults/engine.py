@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from lowcomm.comm.base import Comm
     from lowcomm.comm.clock import Clock
     from lowcomm.comm.inprocess import InProcessComm
+    from lowcomm.comm.torch_comm import QuorumTorchComm
 
 __all__ = ["StepPlan", "WorkerFaults", "quorum_at"]
 
@@ -139,7 +140,7 @@ class WorkerFaults:
         round_kind: str,
         detection_s: float,
         clock: Clock,
-        raw: InProcessComm,
+        raw: InProcessComm | QuorumTorchComm,
         books: Comm | None = None,
         extend: Callable[[float], FaultTrace] | None = None,
         horizon_s: float = math.inf,

@@ -17,7 +17,9 @@ start is agreed, :mod:`lowcomm.faults.engine`), which appends the next events
 workers.
 
 **What runs with faults today.** Every worker as a thread of one process
-(``--workers-per-process`` equal to ``--workers``), one rank per worker, on the virtual clock;
+(``--workers-per-process`` equal to ``--workers``) or as a process of its own
+(``--workers-per-process 1``, the local launch on cpu: :mod:`lowcomm.faults.processes`), one
+rank per worker, on the virtual clock;
 membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
 (``t=SECONDS``: each lands on the first step whose start, on the run's clock, is at or after
 it; :mod:`lowcomm.faults.engine`); slow events by step or by time. The methods are those whose lost worker takes no state the others need and whose
@@ -209,14 +211,28 @@ def faults_refusal(config: TrainConfig) -> str | None:
 
 def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's placement or clock cannot replay faults yet, or None."""
+    from lowcomm.prestart import under_torchrun
+
     supported = (
-        "faults run today with every worker a thread of one process on the virtual clock "
-        f"(--workers-per-process {config.workers} --clock virtual, --ranks-per-worker 1)"
+        "faults run today on the virtual clock with every worker a thread of one process "
+        f"(--workers-per-process {config.workers}) or a process of its own "
+        "(--workers-per-process 1, local launch on cpu), one rank per worker"
     )
-    if config.workers_per_process != config.workers:
+    in_process = config.workers_per_process == config.workers
+    if under_torchrun() and not in_process:
+        return (
+            f"{flag}: not yet supported under torchrun (its elastic agent restarts every "
+            f"worker when one ends); launch with lowcomm train instead; {supported}"
+        )
+    if not in_process and config.workers_per_process != 1:
         return (
             f"{flag}: not yet supported with --workers-per-process "
-            f"{config.workers_per_process} (worker processes or torchrun); {supported}"
+            f"{config.workers_per_process} (processes of several workers); {supported}"
+        )
+    if not in_process and config.device != "cpu":
+        return (
+            f"{flag}: not yet supported with worker processes on --device {config.device} "
+            f"(the quorum's groups are checked on Gloo only); {supported}"
         )
     if config.ranks_per_worker != 1:
         return (

@@ -110,7 +110,12 @@ def _launch(
     else:
         if report is not None:
             report(f"starting {config.world_size} worker processes")
-        from lowcomm.train.loop import spawned_train as entry
+        from lowcomm.faults.run import FaultSettings
+
+        if FaultSettings.of(config).enabled:  # (the strategy's group follows the quorum)
+            from lowcomm.faults.processes import spawned_train_with_faults as entry
+        else:
+            from lowcomm.train.loop import spawned_train as entry
 
     spawn_workers(
         entry,

@@ -301,8 +301,10 @@ def _worker_faults(
 ) -> WorkerFaults | None:
     """This worker's view of the run's fault trace (None without one). The options were
     checked before any worker started (``config.validate()`` and the pre-flight): the
-    workers are threads of this process on an in-process group."""
+    workers are threads of this process on an in-process group, or processes whose raw
+    communicator follows the quorum (lowcomm.faults.processes)."""
     from lowcomm.comm.inprocess import InProcessComm
+    from lowcomm.comm.torch_comm import QuorumTorchComm
     from lowcomm.faults.run import run_trace, trace_extension
     from lowcomm.strategies import strategy_class
 
@@ -310,7 +312,7 @@ def _worker_faults(
     rule = strategy_class(config.method).membership
     if trace is None or rule is None:
         return None
-    assert isinstance(raw, InProcessComm), "faults run with every worker in one process"
+    assert isinstance(raw, InProcessComm | QuorumTorchComm), "a raw group that follows quorums"
     extend, horizon_s = trace_extension(config)
     return WorkerFaults(
         trace, slot=raw.slot, round_kind=rule.round, detection_s=config.fault_detection_s,

@@ -1,0 +1,43 @@
+"""Declared faults with one process per worker (``--workers-per-process 1``), on the virtual
+clock.
+
+Every worker process reads the same trace and derives the same quorum at each step, as the
+threads of an in-process run do (:mod:`lowcomm.faults.engine`); a round's strategy
+collectives run on the ``torch.distributed`` group of its quorum's members
+(:class:`~lowcomm.comm.torch_comm.QuorumTorchComm`), so a worker outside it issues none and
+its peers never wait for it. A worker that crashed, left or has not joined yet keeps its
+process: it charges its clock nothing and takes its turn in the run's bookkeeping (the
+metrics gather, the validation sums, the summary, on a Gloo group of every process), whose
+rows leave it out, as the thread of an in-process run does. So the same trace gives the same
+losses, modeled times and ``faults`` block in both placements, and a joining worker is healed
+from a live member over its quorum's group, charged like any transfer.
+
+What the crashed worker's process does not do here is die: on the virtual clock a crash is
+the modeled event (the survivors' detection wait, the dropped round, the lost state is
+replaced by healing at a join), and the bookkeeping that gives every report its rows runs
+over every process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
+    from lowcomm.train.loop import WorkerSummary
+    from lowcomm.train.task import Task
+
+__all__ = ["spawned_train_with_faults"]
+
+
+def spawned_train_with_faults(config: TrainConfig, task: Task | None = None) -> WorkerSummary:
+    """Entry point of a worker process of a run with declared faults (started by the local
+    spawner; the world's group is initialised): the strategy's raw communicator follows the
+    round's quorum."""
+    from lowcomm.comm.torch_comm import QuorumTorchComm
+    from lowcomm.train.loop import train_worker
+
+    raw = QuorumTorchComm(timeout_s=config.collective_timeout_s)
+    if raw.rank == 0:
+        print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
+    return train_worker(config, raw, task=task)

@@ -1,0 +1,115 @@
+"""Declared faults with one process per worker: the same trace gives the numbers of the run
+with every worker a thread of one process (losses, modeled times, the faults block), and
+what does not run with faults in processes is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.data import DataConfig
+from lowcomm.launch.run import run_training
+from lowcomm.models import ModelConfig
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
+
+WORKERS = 3
+
+#: A crash, its replacement's join a few steps later, and a straggler: each round's quorum
+#: changes twice, the joiner is healed, and the straggler's factor stretches its compute.
+TRACE = """\
+# when    worker    what
+step=2    worker=2  crash
+step=5    worker=2  join
+step=1    worker=0  slow factor=3 for=3
+"""
+
+
+def _config(method: str, out: Path, trace: Path, *, processes: bool) -> TrainConfig:
+    return TrainConfig(
+        method=method, workers=WORKERS, workers_per_process=1 if processes else WORKERS,
+        steps=8, network="wan", clock="virtual", seconds_per_microbatch=0.01, eval_every=4,
+        eval_batches=2, log_every=1, progress=False, plot=False, out=str(out),
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
+        local=LocalOptions(sync_every=2), faults=str(trace), fault_detection_s=2.5,
+    )  # fmt: skip
+
+
+def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    summary = run_training(config, report=None)
+    assert summary is not None
+    out = Path(str(config.out))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, summary
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    return (a is None and b is None) or (
+        a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    )
+
+
+@pytest.mark.parametrize("method", ["ddp", "diloco", "local_adamw"])
+def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
+    method: str, tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    threads = _run(_config(method, tmp_path / "threads", trace, processes=False))
+    processes = _run(_config(method, tmp_path / "processes", trace, processes=True))
+    got, want = processes[0], threads[0]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(8))
+    for g, w in zip(got, want, strict=True):
+        for name in ("train_loss", "val_loss"):
+            assert _close(g[name], w[name]), (name, g, w)
+        assert abs(g["clock_s"] - w["clock_s"]) <= 1e-9, (g, w)
+        for name in ("quorum", "membership_events", "dropped", "bytes_sent_per_worker"):
+            assert g.get(name) == w.get(name), (name, g, w)
+    # The trace took effect: the crash's step ran on 2 workers, the join's on 3 again.
+    assert [r["quorum"] for r in got] == [3, 3, 2, 2, 2, 3, 3, 3]
+    assert {"worker": 2, "kind": "join"} in got[5]["membership_events"]
+    faults, expected = processes[1]["faults"], threads[1]["faults"]
+    assert faults.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, float):
+            assert math.isclose(faults[key], value, rel_tol=1e-9, abs_tol=1e-9), key
+        else:
+            assert faults[key] == value, key
+    assert faults["goodput"] < 1.0
+    assert _close(processes[1]["final_val_loss"], threads[1]["final_val_loss"])
+    for name in ("modeled_time_s", "compute_s", "exposed_comm_s"):
+        assert abs(processes[1][name] - threads[1][name]) <= 1e-9, name
+    assert processes[1]["committed_tokens"] == threads[1]["committed_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            {"workers": 4, "workers_per_process": 2},
+            "not yet supported with --workers-per-process 2",
+        ),
+        ({"clock": "real", "seconds_per_microbatch": None}, "not yet supported on the real clock"),
+        ({"ranks_per_worker": 2}, "not yet supported with --ranks-per-worker 2"),
+    ],
+)
+def test_what_faults_in_processes_do_not_run_with_yet_is_refused_in_one_line(
+    overrides: dict[str, Any], expected: str, tmp_path: Path
+) -> None:
+    config = _config("ddp", tmp_path / "out", tmp_path / "trace.txt", processes=True)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with pytest.raises(ConfigError, match=expected) as caught:
+        config.validate()
+    assert "\n" not in str(caught.value)
+
+
+def test_faults_in_worker_processes_pass_the_checks(tmp_path: Path) -> None:
+    config = _config("diloco", tmp_path / "out", tmp_path / "trace.txt", processes=True)
+    config.validate()  # (no refusal: the placement runs with faults)
