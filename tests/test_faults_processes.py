@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _cli import torchrun
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch.run import run_training
@@ -41,12 +43,14 @@ def _config(method: str, out: Path, trace: Path, *, processes: bool) -> TrainCon
     )  # fmt: skip
 
 
+def _records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     summary = run_training(config, report=None)
     assert summary is not None
-    out = Path(str(config.out))
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return records, summary
+    return _records(Path(str(config.out))), summary
 
 
 def _close(a: float | None, b: float | None) -> bool:
@@ -55,14 +59,13 @@ def _close(a: float | None, b: float | None) -> bool:
     )
 
 
-@pytest.mark.parametrize("method", ["ddp", "diloco", "local_adamw"])
-def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
-    method: str, tmp_path: Path
+def _same_numbers(
+    run: tuple[list[dict[str, Any]], dict[str, Any]],
+    reference: tuple[list[dict[str, Any]], dict[str, Any]],
 ) -> None:
-    trace = tmp_path / "trace.txt"
-    trace.write_text(TRACE)
-    threads = _run(_config(method, tmp_path / "threads", trace, processes=False))
-    processes = _run(_config(method, tmp_path / "processes", trace, processes=True))
+    """Per-step losses to 1e-6, modeled times to 1e-9 s, the same quorums, membership events,
+    dropped rounds and bytes, and the same summary (its faults block, times and losses)."""
+    processes, threads = run, reference
     got, want = processes[0], threads[0]
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(8))
     for g, w in zip(got, want, strict=True):
@@ -86,6 +89,17 @@ def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
     for name in ("modeled_time_s", "compute_s", "exposed_comm_s"):
         assert abs(processes[1][name] - threads[1][name]) <= 1e-9, name
     assert processes[1]["committed_tokens"] == threads[1]["committed_tokens"]
+
+
+@pytest.mark.parametrize("method", ["ddp", "diloco", "local_adamw"])
+def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
+    method: str, tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    threads = _run(_config(method, tmp_path / "threads", trace, processes=False))
+    processes = _run(_config(method, tmp_path / "processes", trace, processes=True))
+    _same_numbers(processes, threads)
 
 
 @pytest.mark.parametrize(
@@ -113,3 +127,26 @@ def test_what_faults_in_processes_do_not_run_with_yet_is_refused_in_one_line(
 def test_faults_in_worker_processes_pass_the_checks(tmp_path: Path) -> None:
     config = _config("diloco", tmp_path / "out", tmp_path / "trace.txt", processes=True)
     config.validate()  # (no refusal: the placement runs with faults)
+
+
+def test_the_same_trace_under_torchrun_gives_the_numbers_of_one_process(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    threads = _run(_config("diloco", tmp_path / "threads", trace, processes=False))
+    out = tmp_path / "torchrun"
+    flags = [
+        "train", "--method", "diloco", "--steps", "8", "--network", "wan", "--clock", "virtual",
+        "--seconds-per-microbatch", "0.01", "--eval-every", "4", "--eval-batches", "2",
+        "--log-every", "1", "--progress", "False", "--plot", "False", "--model.n-layer", "1",
+        "--model.n-head", "2", "--model.n-embd", "32", "--model.block-size", "16",
+        "--micro-batch-size", "2", "--diloco.sync-every", "2", "--faults", str(trace),
+        "--fault-detection-s", "2.5", "--out", str(out),
+    ]  # fmt: skip
+    launched = subprocess.run(
+        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", str(WORKERS), "-m",
+         "lowcomm", *flags],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    _same_numbers((_records(out), summary), threads)

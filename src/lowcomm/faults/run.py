@@ -18,7 +18,8 @@ workers.
 
 **What runs with faults today.** Every worker as a thread of one process
 (``--workers-per-process`` equal to ``--workers``) or as a process of its own
-(``--workers-per-process 1``, the local launch on cpu: :mod:`lowcomm.faults.processes`), one
+(``--workers-per-process 1``, the local launch or torchrun, on cpu:
+:mod:`lowcomm.faults.processes`), one
 rank per worker, on the virtual clock;
 membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
 (``t=SECONDS``: each lands on the first step whose start, on the run's clock, is at or after
@@ -211,19 +212,12 @@ def faults_refusal(config: TrainConfig) -> str | None:
 
 def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's placement or clock cannot replay faults yet, or None."""
-    from lowcomm.prestart import under_torchrun
-
     supported = (
         "faults run today on the virtual clock with every worker a thread of one process "
         f"(--workers-per-process {config.workers}) or a process of its own "
-        "(--workers-per-process 1, local launch on cpu), one rank per worker"
+        "(--workers-per-process 1, local launch or torchrun, on cpu), one rank per worker"
     )
     in_process = config.workers_per_process == config.workers
-    if under_torchrun() and not in_process:
-        return (
-            f"{flag}: not yet supported under torchrun (its elastic agent restarts every "
-            f"worker when one ends); launch with lowcomm train instead; {supported}"
-        )
     if not in_process and config.workers_per_process != 1:
         return (
             f"{flag}: not yet supported with --workers-per-process "

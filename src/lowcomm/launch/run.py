@@ -491,7 +491,8 @@ def _join_torchrun(
     import torch
     import torch.distributed as dist
 
-    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.comm.torch_comm import QuorumTorchComm, TorchComm
+    from lowcomm.faults.run import FaultSettings
     from lowcomm.launch.spawn import init_from_env, leave_failed_rank
     from lowcomm.train.loop import train_worker
     from lowcomm.train.rundir import run_directory
@@ -523,6 +524,8 @@ def _join_torchrun(
             from lowcomm.launch.stacked import train_stacked
 
             train_stacked(config, task)
+        elif FaultSettings.of(config).enabled:  # (the strategy's group follows the quorum)
+            train_worker(config, QuorumTorchComm(timeout_s=config.collective_timeout_s), task=task)
         else:
             train_worker(config, TorchComm(timeout_s=config.collective_timeout_s), task=task)
     except BaseException as error:
