@@ -124,6 +124,18 @@ def test_what_faults_in_processes_do_not_run_with_yet_is_refused_in_one_line(
     assert "\n" not in str(caught.value)
 
 
+def test_faults_under_torchrun_with_several_workers_a_process_are_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    config = _config("ddp", tmp_path / "out", tmp_path / "trace.txt", processes=False)
+    with pytest.raises(ConfigError, match="not yet supported under torchrun") as caught:
+        config.validate()
+    assert "\n" not in str(caught.value)
+    config.workers_per_process = 1
+    config.validate()
+
+
 def test_faults_in_worker_processes_pass_the_checks(tmp_path: Path) -> None:
     config = _config("diloco", tmp_path / "out", tmp_path / "trace.txt", processes=True)
     config.validate()  # (no refusal: the placement runs with faults)

@@ -212,12 +212,20 @@ def faults_refusal(config: TrainConfig) -> str | None:
 
 def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's placement or clock cannot replay faults yet, or None."""
+    from lowcomm.prestart import under_torchrun
+
     supported = (
         "faults run today on the virtual clock with every worker a thread of one process "
-        f"(--workers-per-process {config.workers}) or a process of its own "
+        f"(--workers-per-process {config.workers}, local launch) or a process of its own "
         "(--workers-per-process 1, local launch or torchrun, on cpu), one rank per worker"
     )
     in_process = config.workers_per_process == config.workers
+    if under_torchrun() and config.workers_per_process != 1:
+        return (
+            f"{flag}: not yet supported under torchrun with --workers-per-process "
+            f"{config.workers_per_process} (its processes run their workers as threads of the "
+            f"stacked launcher, whose groups do not follow a quorum); {supported}"
+        )
     if not in_process and config.workers_per_process != 1:
         return (
             f"{flag}: not yet supported with --workers-per-process "
