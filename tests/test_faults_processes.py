@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from _cli import torchrun
+from lowcomm.comm import Role
+from lowcomm.comm.torch_comm import QuorumTorchComm
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch.run import run_training
+from lowcomm.launch.spawn import WorkerFailed, end_by_sigkill, spawn_workers
 from lowcomm.models import ModelConfig
 from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
@@ -162,3 +168,35 @@ def test_the_same_trace_under_torchrun_gives_the_numbers_of_one_process(tmp_path
     assert launched.returncode == 0, launched.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     _same_numbers((_records(out), summary), threads)
+
+
+def _survivors_of_a_sigkill(planned: bool) -> list[float]:
+    """Three workers reduce together; worker 2 is then SIGKILLed (by plan or not), and the
+    other two reduce on their quorum's group, one made before the kill and one after."""
+    comm = QuorumTorchComm(timeout_s=60.0)
+    everyone = torch.ones(1)
+    comm.all_reduce(everyone, op="sum", role=Role.OTHER).wait()
+    if comm.slot == 2:
+        if planned:
+            end_by_sigkill("declared crash of worker 2")
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.enter(1, (0, 1))  # (its group is made now, after the kill)
+    pair = torch.tensor([float(comm.slot + 1)])
+    comm.all_reduce(pair, op="mean", role=Role.OTHER).wait()
+    comm.enter(2, (0, 1, 2))  # (the world's group: worker 2 is gone from it)
+    comm.enter(3, (0, 1))  # (a set met before keeps its group)
+    again = torch.tensor([float(comm.slot)])
+    comm.all_reduce(again, op="sum", role=Role.OTHER).wait()
+    return [float(everyone[0]), float(pair[0]), float(again[0]), float(comm.world_size)]
+
+
+def test_a_planned_sigkill_ends_one_worker_and_its_peers_go_on_over_their_quorum() -> None:
+    """A declared crash's SIGKILL is no run failure: the launcher counts the worker done, its
+    peers' group that leaves it out works before and after (the spawner's store is a file,
+    served by no worker), and a kill that was not planned still fails the run."""
+    results = spawn_workers(_survivors_of_a_sigkill, 3, (True,), timeout_s=60.0)
+    assert results[:2] == [[3.0, 1.5, 1.0, 2.0]] * 2
+    assert results[2] is None
+    with pytest.raises(WorkerFailed, match="killed by SIGKILL") as caught:
+        spawn_workers(_survivors_of_a_sigkill, 3, (False,), timeout_s=60.0)
+    assert caught.value.rank == 2

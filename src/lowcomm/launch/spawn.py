@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -39,6 +40,7 @@ from lowcomm.prestart import WORKER_MODULES, under_torchrun, use_forkserver
 __all__ = [
     "WorkerFailed",
     "backend_for",
+    "end_by_sigkill",
     "init_from_env",
     "leave_failed_rank",
     "spawn_workers",
@@ -54,6 +56,10 @@ _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNA
 
 #: Seconds the workers get to stop after SIGTERM before they are killed.
 STOP_GRACE_S = 5.0
+
+#: In a worker started by :func:`spawn_workers`: the launch's folder of results and failure
+#: records (None elsewhere).
+_RESULT_DIR: str | None = None
 
 
 class Interrupted(RuntimeError):
@@ -152,6 +158,28 @@ def leave_failed_rank(error: BaseException) -> NoReturn:
     os._exit(code)
 
 
+def end_by_sigkill(reason: str) -> NoReturn:
+    """End this worker process now by SIGKILL, as a planned end (a declared crash): it leaves
+    no result and no failure record, its peers' groups that leave it out go on (each group's
+    connections are its own; the spawner's store is a file, served by no worker), and the
+    launcher counts it done, not failed (:func:`spawn_workers`). Only in a worker that
+    :func:`spawn_workers` started: under torchrun the agent would restart every worker.
+
+    Args:
+        reason: what ended it, for the launch's record.
+    """
+    if _RESULT_DIR is None:
+        raise RuntimeError(
+            "end_by_sigkill: only a worker process started by spawn_workers may end by plan"
+        )
+    rank = os.environ["RANK"]
+    (Path(_RESULT_DIR) / f"rank{rank}.gone").write_text(reason)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL ends the process")
+
+
 def _worker_entry(
     local_rank: int,
     fn: Callable[..., Any],
@@ -167,6 +195,8 @@ def _worker_entry(
     # SIGTERM (the launcher stopping the run) unwinds like SIGINT does, so the run files are
     # closed; either ends this worker without a failure record.
     signal.signal(signal.SIGTERM, _raise_stop)
+    global _RESULT_DIR
+    _RESULT_DIR = result_dir
     # A forkserver child inherits the server's environment and directory, taken when the
     # server started: make them this launch's, as a spawned interpreter would have them.
     for key in set(os.environ) - set(environment):
@@ -238,7 +268,8 @@ def spawn_workers(
     ``fn`` must be importable (defined at module level). Each process gets one intra-op
     thread. If any worker raises or dies, the others are terminated and
     :class:`WorkerFailed` names the first failing rank and its error; the failing workers'
-    tracebacks go to ``log_path`` if given, else to stderr.
+    tracebacks go to ``log_path`` if given, else to stderr. A worker that ends by
+    :func:`end_by_sigkill` (a planned end) has not failed: the others go on.
 
     SIGINT or SIGTERM sent to this (the launching) process stops every worker: each gets
     SIGTERM, and any still alive :data:`STOP_GRACE_S` seconds later SIGKILL; then
@@ -246,7 +277,8 @@ def spawn_workers(
     are left alone.)
 
     Returns:
-        Each rank's return value, in rank order.
+        Each rank's return value, in rank order (None for a rank that ended by
+        :func:`end_by_sigkill`).
     """
     if world_size < 1:
         raise ValueError(f"world_size: {world_size} must be >= 1")
@@ -266,11 +298,63 @@ def spawn_workers(
                     start_method=_start_method(fn),
                 )
             _join(context, signals, scratch, log_path)
-        return [
-            torch.load(Path(scratch) / f"rank{r}.pt", weights_only=False) for r in range(world_size)
-        ]
+        return [_result(Path(scratch), r) for r in range(world_size)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _result(scratch: Path, rank: int) -> Any:
+    """Rank ``rank``'s return value (None: it ended by plan, :func:`end_by_sigkill`)."""
+    if (scratch / f"rank{rank}.gone").exists():
+        return None
+    return torch.load(scratch / f"rank{rank}.pt", weights_only=False)
+
+
+def _planned_end(scratch: str, rank: int) -> bool:
+    """Whether worker ``rank`` ended by :func:`end_by_sigkill` (it wrote its record first)."""
+    return (Path(scratch) / f"rank{rank}.gone").exists()
+
+
+def _wait_workers(context: Any, scratch: str, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the workers; True once every one has ended. torch's
+    ``ProcessContext.join``, except that a worker that ended by plan (:func:`end_by_sigkill`)
+    is done, not failed. On a failure the others are stopped (SIGTERM, then SIGKILL after
+    30 s) and ``ProcessExitedException`` names the failed one, as torch's join does."""
+    import multiprocessing.connection
+
+    ready = multiprocessing.connection.wait(list(context.sentinels), timeout=timeout_s)
+    for sentinel in ready:
+        index = context.sentinels.pop(sentinel)
+        process = context.processes[index]
+        process.join()
+        code = process.exitcode
+        if code == 0 or _planned_end(scratch, index):
+            continue
+        for other in context.processes:
+            if other.is_alive():
+                other.terminate()
+        deadline = time.monotonic() + 30.0
+        for other in context.processes:
+            other.join(timeout=max(0.0, deadline - time.monotonic()))
+            if other.is_alive():
+                other.kill()
+            other.join()
+        if os.access(context.error_files[index], os.R_OK):  # (raised before its own handler)
+            with open(context.error_files[index], "rb") as raised:
+                trace = pickle.load(raised)
+            message = f"\n\n-- Process {index} terminated with the following error:\n{trace}"
+            raise ProcessRaisedException(message, index, process.pid)
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            raise ProcessExitedException(
+                f"process {index} terminated with signal {name}", error_index=index,
+                error_pid=process.pid, exit_code=code, signal_name=name,
+            )  # fmt: skip
+        raise ProcessExitedException(
+            f"process {index} terminated with exit code {code}", error_index=index,
+            error_pid=process.pid, exit_code=code,
+        )  # fmt: skip
+    return not context.sentinels
 
 
 @contextmanager
@@ -296,7 +380,7 @@ def _join(context: Any, signals: _LauncherSignals, scratch: str, log_path: Path 
     quiet = _Quiet("torch.multiprocessing.spawn")
     try:
         signals.arm()  # a signal during the start was held until now
-        while not context.join(timeout=1.0):
+        while not _wait_workers(context, scratch, 1.0):
             pass
         signals.disarm()
     except _LauncherSignal as received:
