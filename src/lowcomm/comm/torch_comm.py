@@ -311,14 +311,15 @@ class QuorumTorchComm(TorchComm):
     :meth:`~lowcomm.comm.inprocess.InProcessComm.enter`, on ``torch.distributed``.
 
     A quorum's members are world ranks (a worker's slot is its process's rank). Each distinct
-    set of members gets its own process group, made the first time its members enter it and
-    kept for when the set recurs; the whole world is the default group. Only the members make
-    it (``use_local_synchronization``: a worker outside the set, crashed or not yet joined,
-    takes no part), and every member enters the run's quorums in the same order (the trace
-    decides them alike on each), as ``new_group`` requires. The group is named by its ranks,
-    and a group of a set never depends on a rank outside it: a member's collectives go on
-    whatever happens to the others. ``rank`` and ``world_size`` are then the member's index
-    in the set and the set's size, so a mean divides by the quorum's size.
+    set of members has its own process group, made by :meth:`prepare` the first time the set
+    appears and kept for when it recurs; the whole world is the default group. ``new_group``
+    is called by every process, member or not, in the same order (the fault engine prepares
+    each step's set as it resolves the step, which every worker does, in step order): a
+    group made by its members alone (``use_local_synchronization``) hangs on Gloo once the
+    processes have made different numbers of groups. A group never depends on a rank outside
+    it: its collectives go on whatever happens to the others (a peer killed included).
+    ``rank`` and ``world_size`` are the member's index in the current set and the set's
+    size, so a mean divides by the quorum's size.
 
     Args:
         timeout_s: as :class:`TorchComm`'s; the subgroups' own timeout follows it.
@@ -341,18 +342,25 @@ class QuorumTorchComm(TorchComm):
         """The current quorum's members."""
         return self._members
 
+    def prepare(self, members: tuple[int, ...]) -> None:
+        """Make the process group of ``members`` unless it exists. Collective: every process
+        of the world calls it, in the same order."""
+        members = tuple(sorted(members))
+        if members in self._groups:
+            return
+        timeout = None if self._timeout_s is None else process_group_timeout(self._timeout_s)
+        self._groups[members] = dist.new_group(list(members), timeout=timeout)
+
     def enter(self, quorum_id: int, members: tuple[int, ...]) -> None:
         """Take part in quorum ``quorum_id`` of ``members`` from the next collective on (the
-        id is the engine's; the set alone picks the group)."""
+        id is the engine's; the set alone picks the group, made by :meth:`prepare`)."""
+        members = tuple(sorted(members))
         if self._slot not in members:
             raise ValueError(f"worker {self._slot} is not in quorum {quorum_id} {members}")
-        members = tuple(sorted(members))
-        if members == self._members:
-            return
         if members not in self._groups:
-            timeout = None if self._timeout_s is None else process_group_timeout(self._timeout_s)
-            self._groups[members] = dist.new_group(
-                list(members), timeout=timeout, use_local_synchronization=True
+            raise RuntimeError(
+                f"worker {self._slot}: quorum {quorum_id} {members} has no process group; "
+                "every process must prepare() each set before its members enter it"
             )
         self._group = self._groups[members]
         self._members = members

@@ -20,14 +20,37 @@ over every process.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from lowcomm.faults.engine import WorkerFaults
 
 if TYPE_CHECKING:
+    from lowcomm.comm.torch_comm import QuorumTorchComm
     from lowcomm.config import TrainConfig
     from lowcomm.train.loop import WorkerSummary
     from lowcomm.train.task import Task
 
-__all__ = ["spawned_train_with_faults"]
+__all__ = ["ProcessFaults", "spawned_train_with_faults"]
+
+
+class ProcessFaults(WorkerFaults):
+    """A worker process's view of the run's faults: the engine's, and as each step is
+    resolved (every worker resolves every step, in order, member or not), the process group
+    of its quorum is made on every process (:meth:`QuorumTorchComm.prepare`, collective).
+    Made then, a quorum that a generated trace adds when it grows past its horizon gets its
+    group like the others."""
+
+    def __init__(self, *args: Any, raw: QuorumTorchComm, **kwargs: Any) -> None:
+        self._groups_made = 0  # (before the engine resolves anything)
+        self._quorum_groups = raw
+        super().__init__(*args, raw=raw, **kwargs)
+
+    def resolve(self, step: int) -> None:
+        super().resolve(step)
+        while self._groups_made <= step:
+            resolved = self._groups_made
+            self._groups_made += 1  # (members() resolves again: already done)
+            self._quorum_groups.prepare(self.members(resolved))
 
 
 def spawned_train_with_faults(config: TrainConfig, task: Task | None = None) -> WorkerSummary:

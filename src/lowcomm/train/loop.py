@@ -314,6 +314,13 @@ def _worker_faults(
         return None
     assert isinstance(raw, InProcessComm | QuorumTorchComm), "a raw group that follows quorums"
     extend, horizon_s = trace_extension(config)
+    if isinstance(raw, QuorumTorchComm):  # (worker processes: a group per quorum)
+        from lowcomm.faults.processes import ProcessFaults
+
+        return ProcessFaults(
+            trace, slot=raw.slot, round_kind=rule.round, detection_s=config.fault_detection_s,
+            clock=clock, raw=raw, books=bookkeeping, extend=extend, horizon_s=horizon_s,
+        )  # fmt: skip
     return WorkerFaults(
         trace, slot=raw.slot, round_kind=rule.round, detection_s=config.fault_detection_s,
         clock=clock, raw=raw, books=bookkeeping, extend=extend, horizon_s=horizon_s,
