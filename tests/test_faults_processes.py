@@ -38,15 +38,21 @@ step=1    worker=0  slow factor=3 for=3
 """
 
 
-def _config(method: str, out: Path, trace: Path, *, processes: bool) -> TrainConfig:
-    return TrainConfig(
-        method=method, workers=WORKERS, workers_per_process=1 if processes else WORKERS,
+def _config(
+    method: str, out: Path, trace: Path, *, processes: bool, workers: int = WORKERS
+) -> TrainConfig:
+    config = TrainConfig(
+        method=method, workers=workers, workers_per_process=1 if processes else workers,
         steps=8, network="wan", clock="virtual", seconds_per_microbatch=0.01, eval_every=4,
         eval_batches=2, log_every=1, progress=False, plot=False, out=str(out),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
         local=LocalOptions(sync_every=2), faults=str(trace), fault_detection_s=2.5,
     )  # fmt: skip
+    if method == "streaming_diloco":  # (two fragments, each flying one step)
+        config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+        config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
+    return config
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
@@ -146,6 +152,29 @@ def test_faults_under_torchrun_with_several_workers_a_process_are_refused_in_one
 def test_faults_in_worker_processes_pass_the_checks(tmp_path: Path) -> None:
     config = _config("diloco", tmp_path / "out", tmp_path / "trace.txt", processes=True)
     config.validate()  # (no refusal: the placement runs with faults)
+
+
+#: Four workers whose quorums overlap and recur: two crashes a step apart, a leave and its
+#: rejoin landing with a join, so the processes meet sets {0,1,2,3}, {0,1,3}, {0,3}, {0,1,2,3}.
+OVERLAPPING_TRACE = """\
+step=2  worker=2  crash
+step=3  worker=1  leave
+step=5  worker=1  rejoin
+step=5  worker=2  join
+step=6  worker=3  slow factor=2 for=2
+"""
+
+
+@pytest.mark.parametrize("method", ["streaming_diloco", "demo", "sparta"])
+def test_overlapping_events_on_four_workers_give_the_same_numbers_in_processes(
+    method: str, tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text(OVERLAPPING_TRACE)
+    threads = _run(_config(method, tmp_path / "t", trace, processes=False, workers=4))
+    processes = _run(_config(method, tmp_path / "p", trace, processes=True, workers=4))
+    _same_numbers(processes, threads)
+    assert [r["quorum"] for r in processes[0]] == [4, 4, 3, 2, 2, 4, 4, 4]
 
 
 #: Every event placed by time: the steps they land on are agreed between the processes at run
