@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -189,6 +189,55 @@ class WorkerFaults:
             self.clock.wait_until(self._detect_until)  # (waits only if not detected yet)
             self._detect_until = None
         return self._quorum
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this worker stands in the trace, for a checkpoint: the membership resolved
+        so far (each step's events as indices into the trace's membership events, its members
+        and quorum id), the trace's cursor and horizon, the quorum in force, a detection still
+        to wait, and the token counts. Everything else is the trace itself, which the resumed
+        run reads again (the checkpoint's fingerprint names its content)."""
+        # (By equality: a grown generated trace holds equal events, as other objects.)
+        index = {event: position for position, event in enumerate(self._membership)}
+        return {
+            "resolved": [
+                ([index[event] for event in events], list(members), quorum_id)
+                for events, members, quorum_id in self._resolved
+            ],
+            "next": self._next,
+            "alive": list(self._alive),
+            "quorum_id": self._quorum_id,
+            "horizon_s": self._horizon_s,
+            "quorum": [list(self._quorum.members), self._quorum.id, self._quorum.joined],
+            "detect_until": self._detect_until,
+            "step": self._step,
+            "pending_tokens": self.pending_tokens,
+            "committed_tokens": self.committed_tokens,
+            "dropped_steps": self.dropped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (on a worker built from the same trace)."""
+        horizon = float(state["horizon_s"])
+        if horizon != self._horizon_s and self._extend is not None:
+            self._horizon_s = horizon  # (the generated trace as far as the run had grown it)
+            self._set_trace(self._extend(horizon))
+        self._resolved = [
+            (tuple(self._membership[i] for i in events), tuple(members), int(quorum_id))
+            for events, members, quorum_id in state["resolved"]
+        ]
+        self._next = int(state["next"])
+        self._alive = tuple(state["alive"])
+        self._quorum_id = int(state["quorum_id"])
+        members, quorum_id, joined = state["quorum"]
+        self._quorum = Quorum(tuple(members), int(quorum_id), joined=bool(joined))
+        detect = state["detect_until"]
+        self._detect_until = None if detect is None else float(detect)
+        self._step = int(state["step"])
+        self.pending_tokens = int(state["pending_tokens"])
+        self.committed_tokens = int(state["committed_tokens"])
+        self.dropped_steps = int(state["dropped_steps"])
 
     # --- the loop's side ---------------------------------------------------------------
 

@@ -26,15 +26,22 @@ sharded across workers are refused with that reason (:data:`SHARDED_METHODS`); a
 method is refused as not yet supported. Link events scale (or stop) the modeled transfers of
 the strategy's link; a link down is placed by time. Each refusal is one line, before any worker starts.
 
+**Checkpoints.** A run with faults checkpoints and resumes exactly: each worker saves where it
+stands in the trace (:meth:`lowcomm.faults.engine.WorkerFaults.state_dict`), and the
+checkpoint's fingerprint names the trace (:func:`faults_identity`), so a resume replays only
+the trace it was written with.
+
 Nothing here reads a file but :func:`run_trace` (the launch's pre-flight calls it).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions, generate_trace
@@ -48,6 +55,7 @@ __all__ = [
     "GENERATED_HORIZON_S",
     "SHARDED_METHODS",
     "FaultSettings",
+    "faults_identity",
     "faults_refusal",
     "run_trace",
     "supported_methods",
@@ -197,11 +205,6 @@ def faults_refusal(config: TrainConfig) -> str | None:
             f"{flag}: not yet supported with --diloco.quantization {quantization} (its "
             "two-step exchange is laid out for every worker); use none"
         )
-    if config.resume is not None or config.checkpoint_every is not None:
-        return (
-            f"{flag}: not yet supported with checkpoints (--resume, --checkpoint-every): a "
-            "checkpoint does not record the quorum yet; drop them"
-        )
     if config.token_budget is not None:
         return f"{flag}: not yet supported with --token-budget; give --steps"
     return None
@@ -254,6 +257,43 @@ def _method_refusal(config: TrainConfig, flag: str) -> str | None:
             "the trace (step=N worker=K rejoin after a leave)"
         )
     return None
+
+
+#: How a checkpoint's fingerprint names a trace file: by its content.
+TRACE_DIGEST = "sha256:"
+
+
+def trace_digest(path: str) -> str:
+    """A trace file's identity: ``sha256:<hex>`` of its bytes (its path as given where it
+    cannot be read; the pre-flight names that problem)."""
+    try:
+        return TRACE_DIGEST + hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+    except OSError:
+        return path
+
+
+def faults_identity(config: TrainConfig) -> dict[str, object] | None:
+    """What a checkpoint's state depends on in the run's faults (None: no faults): the trace
+    (a file by its content, a generated one by its options), the workers it was validated
+    against and the detection time. A resume must replay the same trace from the saved
+    cursor, so a checkpoint is resumed only under the same identity. How long a run waits
+    for a quorum and how few workers form one are not in it: a run that ended waiting for
+    its quorum continues with other values of those."""
+    settings = FaultSettings.of(config)
+    if not settings.enabled:
+        return None
+    trace: dict[str, object] | str
+    if settings.path is not None:
+        trace = trace_digest(settings.path)
+    else:
+        trace = {
+            "mtbf_s": settings.mtbf_s,
+            "replace_after_s": settings.replace_after_s,
+            "slow_fraction": settings.slow_fraction,
+            "slow_factor": settings.slow_factor,
+            "seed": settings.seed,
+        }
+    return {"trace": trace, "workers": config.workers, "detection_s": settings.detection_s}
 
 
 def run_trace(config: TrainConfig) -> FaultTrace | None:

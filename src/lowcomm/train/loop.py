@@ -446,6 +446,8 @@ def resume(worker: Worker) -> Progress:
         if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
             worker.comm.load_state_dict(saved["comm"])
         _restore_rng(saved["rng"], worker.generator, worker.device_generator)
+        if worker.faults is not None:  # (the fingerprint has checked it is the same trace)
+            worker.faults.load_state_dict(saved["faults"])
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
             resumed_from=resume_from, membership=saved.get("membership"),
@@ -972,6 +974,8 @@ def _state(worker: Worker, step: int, progress: Progress) -> dict[str, object]:
         "tokens": progress.tokens,
         "val_loss": progress.val_loss,
         "step": step,
+        # Where the worker stands in the fault trace (None: the run has no faults).
+        "faults": None if worker.faults is None else worker.faults.state_dict(),
     }
 
 
