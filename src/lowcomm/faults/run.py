@@ -91,6 +91,8 @@ class FaultSettings:
     slow_factor: float | None
     detection_s: float
     seed: int | None
+    min_workers: int = 1
+    quorum_wait_s: float = 1800.0
 
     @classmethod
     def of(cls, config: TrainConfig) -> FaultSettings:
@@ -102,6 +104,8 @@ class FaultSettings:
             slow_factor=config.fault_slow_factor,
             detection_s=config.fault_detection_s,
             seed=config.fault_seed,
+            min_workers=config.fault_min_workers,
+            quorum_wait_s=config.fault_quorum_wait_s,
         )
 
     @property
@@ -134,8 +138,9 @@ class FaultSettings:
         )
 
 
-def _check_values(settings: FaultSettings) -> str | None:
-    """The generated options' and the detection time's own rules, in one line."""
+def _check_values(settings: FaultSettings, workers: int) -> str | None:
+    """The generated options', the detection time's and the quorum's own rules, in one
+    line."""
     checks: list[tuple[str, float | None, bool, str]] = [
         (
             "--fault-detection-s",
@@ -143,6 +148,19 @@ def _check_values(settings: FaultSettings) -> str | None:
             math.isfinite(settings.detection_s) and settings.detection_s >= 0,
             f"detection takes a finite time >= 0 seconds; e.g. {TORCHFT_HEARTBEAT_TIMEOUT_S:g} "
             "(torchft's heartbeat timeout, the default)",
+        ),
+        (
+            "--fault-min-workers",
+            settings.min_workers,
+            1 <= settings.min_workers <= workers,
+            f"a quorum needs between 1 and --workers ({workers}) live workers; e.g. 1 (the "
+            "default)",
+        ),
+        (
+            "--fault-quorum-wait-s",
+            settings.quorum_wait_s,
+            math.isfinite(settings.quorum_wait_s) and settings.quorum_wait_s >= 0,
+            "a run waits a finite time >= 0 seconds for its quorum; e.g. 1800 (the default)",
         ),
     ]
     if settings.mtbf_s is not None:
@@ -181,7 +199,7 @@ def faults_refusal(config: TrainConfig) -> str | None:
     """Why this run's fault options cannot run (one line naming the option, the value, the
     rule and the fix), or None. Reads no file."""
     settings = FaultSettings.of(config)
-    problem = _check_values(settings)
+    problem = _check_values(settings, config.workers)
     if problem is not None:
         return problem
     if not settings.enabled:
@@ -319,7 +337,39 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
             f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: a link down placed "
             "by step would stop the step that must end it; place it with t=SECONDS for=D"
         )
+    _check_minimum(trace, settings.min_workers)
     return trace
+
+
+def _check_minimum(trace: FaultTrace, min_workers: int) -> None:
+    """Refuse a trace placed by step that leaves fewer than ``min_workers`` alive: a run
+    below its quorum takes no step, so the step of the join it waits for never comes (a
+    trace placed by time is waited out on the run's clock, :mod:`lowcomm.faults.engine`).
+
+    Raises:
+        TraceError: in one line naming the event, the count and the fix.
+    """
+    events = trace.membership_events()
+    if min_workers <= 1 or not events or events[0].at_step is None:
+        return
+    alive = set(range(trace.workers))
+    for index, event in enumerate(events):
+        assert event.worker is not None
+        if event.kind in ("crash", "leave"):
+            alive.discard(event.worker)
+        else:
+            alive.add(event.worker)
+        moment_ends = index + 1 == len(events) or events[index + 1].at != event.at
+        if moment_ends and len(alive) < min_workers:
+            line = f":{event.line}" if event.line else ""
+            raise TraceError(
+                f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: leaves "
+                f"{len(alive)} live worker(s) from step {event.at_step} on, below "
+                f"--fault-min-workers {min_workers}, and a run below its quorum takes no step "
+                "to reach a join placed by step; join a worker at the same step, place the "
+                "events by time (t=SECONDS: the run waits for the join), or lower "
+                "--fault-min-workers"
+            )
 
 
 def _first_horizon(settings: FaultSettings) -> float:
