@@ -377,7 +377,6 @@ def test_a_bad_trace_ends_in_one_line_before_any_worker_starts(
     ("overrides", "expected"),
     [
         ({"workers_per_process": 1}, "not yet supported with --workers-per-process 1"),
-        ({"clock": "real", "seconds_per_microbatch": None}, "not yet supported on the real clock"),
         ({"method": "zero1"}, "--method zero1 keeps its optimizer state sharded"),
         ({"method": "acco"}, "--method acco keeps its optimizer state sharded"),
         ({"method": "eager"}, "--method eager is not yet supported"),

@@ -17,7 +17,7 @@ start is agreed, :mod:`lowcomm.faults.engine`), which appends the next events
 workers.
 
 **What runs with faults today.** Every worker as a thread of one process
-(``--workers-per-process`` equal to ``--workers``), one rank per worker, on the virtual clock;
+(``--workers-per-process`` equal to ``--workers``), one rank per worker, on either clock;
 membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
 (``t=SECONDS``: each lands on the first step whose start, on the run's clock, is at or after
 it; :mod:`lowcomm.faults.engine`); slow events by step or by time. The methods are those whose lost worker takes no state the others need and whose
@@ -25,6 +25,15 @@ membership rule is declared (:func:`supported_methods`); the methods whose optim
 sharded across workers are refused with that reason (:data:`SHARDED_METHODS`); any other
 method is refused as not yet supported. Link events scale (or stop) the modeled transfers of
 the strategy's link; a link down is placed by time. Each refusal is one line, before any worker starts.
+
+**The real clock.** The same engine runs on ``--clock real``: an event placed by time lands
+on the first step starting at or after it on the wall clock (the workers' real clocks, agreed
+as on the virtual clock), a slow worker's clock really sleeps its factor on its compute, the
+detection of a crash and a wait for the quorum are real sleeps (exposed time), and a link
+event stretches the real wait for each transfer it covers. A replay is then not bit for bit:
+where a time-placed event lands depends on the machine's speed. On a GPU's real clock a
+transfer is timed on the device, where the link's factor is not applied, so link events are
+refused there.
 
 **Checkpoints.** A run with faults checkpoints and resumes exactly: each worker saves where it
 stands in the trace (:meth:`lowcomm.faults.engine.WorkerFaults.state_dict`), and the
@@ -231,8 +240,8 @@ def faults_refusal(config: TrainConfig) -> str | None:
 def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's placement or clock cannot replay faults yet, or None."""
     supported = (
-        "faults run today with every worker a thread of one process on the virtual clock "
-        f"(--workers-per-process {config.workers} --clock virtual, --ranks-per-worker 1)"
+        "faults run today with every worker a thread of one process "
+        f"(--workers-per-process {config.workers}, --ranks-per-worker 1)"
     )
     if config.workers_per_process != config.workers:
         return (
@@ -244,8 +253,6 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: not yet supported with --ranks-per-worker {config.ranks_per_worker}; "
             f"{supported}"
         )
-    if config.clock != "virtual":
-        return f"{flag}: not yet supported on the {config.clock} clock; {supported}"
     return None
 
 
@@ -338,6 +345,16 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
             "by step would stop the step that must end it; place it with t=SECONDS for=D"
         )
     _check_minimum(trace, settings.min_workers)
+    linked = [e for e in trace.events if e.kind in ("link_degraded", "link_down")]
+    if linked and config.clock == "real" and config.device != "cpu":
+        event = linked[0]
+        line = f":{event.line}" if event.line else ""
+        raise TraceError(
+            f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: link events are "
+            f"not yet modeled on the real clock of a GPU (--device {config.device}: a transfer "
+            "is timed on the device, where the link's factor is not applied); use --clock "
+            "virtual or --device cpu, or drop the link events"
+        )
     return trace
 
 
