@@ -137,3 +137,20 @@ def test_link_events_on_a_gpus_real_clock_are_refused_in_one_line(tmp_path: Path
         run_trace(config)
     assert "\n" not in str(caught.value)
     assert run_trace(replace(config, device="cpu")) is not None
+
+
+def test_a_degraded_link_stretches_each_real_transfer(tmp_path: Path) -> None:
+    from lowcomm.comm.base import CollectiveKind
+    from lowcomm.train.context import network_profile
+
+    factor = 0.25
+    trace = _trace(tmp_path, f"t=0 link factor={factor}\n")
+    # (A slow link: the transfers, not the compute, make the steps' time.)
+    config = _config("ddp", tmp_path / "out", trace, steps=3, bandwidth_gbps=0.07)
+    records, _ = _run(config)
+    # (A ring all-reduce sends 2 (M-1)/M of its payload; ddp sends one a step. The link
+    # carries one transfer at a time, so step s ends after s + 1 stretched transfers.)
+    payload = round(records[0]["bytes_sent_per_worker"] * WORKERS / (2 * (WORKERS - 1)))
+    cost = network_profile(config).collective_time(CollectiveKind.ALL_REDUCE, payload, WORKERS)
+    for record in records:
+        assert record["clock_s"] >= (record["step"] + 1) * cost / factor
