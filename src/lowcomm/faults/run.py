@@ -45,13 +45,14 @@ Nothing here reads a file but :func:`run_trace` (the launch's pre-flight calls i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions, generate_trace
 from lowcomm.faults.trace import FaultTrace, TraceError, load_trace
@@ -63,12 +64,14 @@ __all__ = [
     "FIRST_HORIZON_MTBFS",
     "GENERATED_HORIZON_S",
     "SHARDED_METHODS",
+    "FaultFlags",
     "FaultSettings",
     "faults_identity",
     "faults_refusal",
     "run_trace",
     "supported_methods",
     "trace_extension",
+    "with_fault_placement",
 ]
 
 #: Modeled seconds a generated trace covers (about 11.6 days of modeled time).
@@ -145,6 +148,89 @@ class FaultSettings:
             slow_factor=self.slow_factor,
             seed=self.seed,
         )
+
+
+@dataclass
+class FaultFlags:
+    """The fault options a study (``bench compare``, ``reproduce``) gives every run it makes,
+    as ``lowcomm train`` spells them; unset ones keep each run's own value."""
+
+    faults: str | None = None
+    """Replay this fault trace in every run (as lowcomm train --faults)."""
+
+    fault_mtbf_s: float | None = None
+    """Generated trace for every run: each worker's mean time between failures (s)."""
+
+    fault_replace_after_s: float | None = None
+    """Generated trace: seconds from a crash until a replacement joins."""
+
+    fault_slow_fraction: float | None = None
+    """Generated trace: the fraction of worker slots that straggle."""
+
+    fault_slow_factor: float | None = None
+    """Generated trace: a straggler's compute slowdown (>= 1)."""
+
+    fault_detection_s: float | None = None
+    """Seconds until the survivors detect a crash (default: lowcomm train's, torchft's
+    heartbeat timeout)."""
+
+    fault_seed: int | None = None
+    """Generated trace: the seed of its draws (default 0): every run replays the same events."""
+
+    fault_min_workers: int | None = None
+    """The fewest live workers a round's quorum needs (default 1)."""
+
+    fault_quorum_wait_s: float | None = None
+    """Seconds a run waits for its quorum before it ends with a checkpoint (default 1800)."""
+
+    def given(self) -> dict[str, Any]:
+        """The options given, by their TrainConfig field names."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    def flags(self) -> list[str]:
+        """The options given, as command-line flags."""
+        return [
+            word
+            for name, value in self.given().items()
+            for word in (f"--{name.replace('_', '-')}", str(value))
+        ]
+
+    def merged(self, train: TrainConfig) -> TrainConfig:
+        """``train`` (a study's shared training options) with these options set. An option
+        given both here and under ``--train.`` with another value is refused; a run with
+        faults runs its workers as threads of one process (``--workers-per-process``
+        ``--workers`` when left at 1).
+
+        Raises:
+            ValueError: in one line.
+        """
+        from lowcomm.config import TrainConfig
+
+        defaults = TrainConfig()
+        changes: dict[str, Any] = {}
+        for name, value in self.given().items():
+            under_train = getattr(train, name)
+            if under_train not in (value, getattr(defaults, name)):
+                flag = name.replace("_", "-")
+                raise ValueError(
+                    f"--{flag}: given both as --{flag} {value} and as --train.{flag} "
+                    f"{under_train}; they are one option, give it once"
+                )
+            changes[name] = value
+        merged = replace(train, **changes)
+        return with_fault_placement(merged)
+
+
+def with_fault_placement(config: TrainConfig) -> TrainConfig:
+    """``config`` with its workers as threads of one process when it has faults and left
+    ``--workers-per-process`` at 1 (faults run in that placement; unchanged otherwise)."""
+    if FaultSettings.of(config).enabled and config.workers_per_process == 1:
+        return replace(config, workers_per_process=config.workers)
+    return config
 
 
 def _check_values(settings: FaultSettings, workers: int) -> str | None:
