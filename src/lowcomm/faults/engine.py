@@ -374,15 +374,13 @@ class WorkerFaults:
         end = deadline if formed is None else formed[0]
         missing = tuple(sorted(set(range(self.trace.workers)) - alive))
         speaker = bool(alive) and self.slot == min(alive)
-        needed = (
-            f"the quorum needs --fault-min-workers {self.min_workers} live workers and "
-            f"{len(alive)} are (worker {', '.join(map(str, sorted(alive)))})"
-        )
         if speaker:
+            live = ", ".join(map(str, sorted(alive)))
             self.say(
-                f"lowcomm: step {step}: {needed}; waiting for worker "
-                f"{', '.join(map(str, missing))}, up to {_seconds(self.quorum_wait_s)} "
-                f"(--fault-quorum-wait-s)"
+                f"lowcomm: step {step}: the quorum needs --fault-min-workers {self.min_workers} "
+                f"live workers and has {len(alive)} (worker {live}); waiting for worker "
+                f"{', '.join(map(str, missing))} to join, up to {_seconds(self.quorum_wait_s)} "
+                "(--fault-quorum-wait-s)"
             )
         if self.slot in alive:
             wait_saying(
