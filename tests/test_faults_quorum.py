@@ -225,3 +225,23 @@ def _threads(work: Callable[[int], None], count: int) -> None:
         thread.join(timeout=60)
     if errors:
         raise errors[0]
+
+
+def test_a_run_resumed_with_fewer_workers_to_wait_for_goes_on_and_forgets_the_wait(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # (Steps of about 5 modeled seconds. Stopped waiting for 3 workers at step 1, resumed
+    # needing 2, which it has: a later loss of its quorum waits its own full time.)
+    trace, out = tmp_path / "trace.txt", tmp_path / "out"
+    trace.write_text(
+        "t=0.1 worker=1 crash\nt=0.1 worker=2 crash\nt=0.15 worker=1 join\n"
+        "t=40 worker=1 crash\nt=75 worker=1 join\n"
+    )
+    options: dict[str, Any] = {"seconds_per_microbatch": 5.0, "fault_quorum_wait_s": 30.0}
+    _train(_config(out, trace, fault_min_workers=3, **options))
+    assert "no quorum at step 1" in capfd.readouterr().out
+    options["fault_quorum_wait_s"] = 60.0  # (75 s is within 60 s of the second loss only)
+    records = _train(_config(out, trace, fault_min_workers=2, resume=str(out), **options))
+    said = capfd.readouterr().out
+    assert "a quorum of 2 formed after waiting" in said and "no quorum" not in said
+    assert records[-1]["step"] == 5

@@ -347,6 +347,8 @@ class WorkerFaults:
                     return
                 due += more
                 alive = _after(alive, more)
+            else:  # (no wait in progress: a run resumed with fewer --fault-min-workers)
+                self._waiting_since = None
             if due:
                 self._alive = tuple(sorted(alive))
                 self._quorum_id += 1
