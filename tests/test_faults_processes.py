@@ -122,7 +122,10 @@ def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
             {"workers": 4, "workers_per_process": 2},
             "not yet supported with --workers-per-process 2",
         ),
-        ({"clock": "real", "seconds_per_microbatch": None}, "not yet supported on the real clock"),
+        (
+            {"clock": "real", "seconds_per_microbatch": None},
+            "not yet supported with worker processes on the real clock",
+        ),
         ({"ranks_per_worker": 2}, "not yet supported with --ranks-per-worker 2"),
     ],
 )
@@ -211,6 +214,39 @@ def test_a_generated_trace_gives_the_same_numbers_in_processes(tmp_path: Path) -
         runs.append(_run(config))
     _same_numbers(runs[1], runs[0])
     assert runs[1][1]["faults"]["membership_changes"]  # (the generated crashes landed)
+
+
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_a_run_in_processes_stopped_mid_trace_and_resumed_gives_the_uninterrupted_numbers(
+    method: str, tmp_path: Path
+) -> None:
+    """A checkpoint after step 3 (worker 2 dead, for diloco its crash not yet detected),
+    resumed in worker processes: the run without a stop, in one process, to the same
+    tolerances."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    whole = _run(_config(method, tmp_path / "whole", trace, processes=False))
+    out = tmp_path / "resumed"
+    config = _config(method, out, trace, processes=True)
+    config.stop_after = 3
+    assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
+    config = _config(method, out, trace, processes=True)
+    config.resume = str(out)
+    _same_numbers(_run(config), whole)
+
+
+def test_a_quorum_below_the_minimum_waits_for_its_join_in_processes_as_in_one_process(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text("t=0.1 worker=1 crash\nt=0.1 worker=2 crash\nt=1e6 worker=1 join\n")
+    runs = []
+    for processes in (False, True):
+        config = _config("ddp", tmp_path / str(processes), trace, processes=processes)
+        config.fault_min_workers, config.fault_quorum_wait_s = 2, 2e6
+        runs.append(_run(config))
+    _same_numbers(runs[1], runs[0])
+    assert max(r["clock_s"] for r in runs[1][0]) > 1e6  # (the modeled wait for the join)
 
 
 def test_the_same_trace_under_torchrun_gives_the_numbers_of_one_process(tmp_path: Path) -> None:

@@ -276,6 +276,14 @@ class TrainConfig:
     fault_seed: int | None = None
     """Generated trace: the seed of its draws (default 0)."""
 
+    fault_min_workers: int = 1
+    """The fewest live workers a round's quorum needs. Below it the run waits for joins
+    (placed by time; a trace placed by step that goes below it is refused)."""
+
+    fault_quorum_wait_s: float = 1800.0
+    """Seconds (on the run's clock) a run waits for a quorum of --fault-min-workers before it
+    ends with a checkpoint; --resume with a longer wait (or fewer workers) continues it."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)

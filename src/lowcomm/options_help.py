@@ -74,6 +74,8 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fault_slow_factor",
             "fault_detection_s",
             "fault_seed",
+            "fault_min_workers",
+            "fault_quorum_wait_s",
         ),
     ),
     (

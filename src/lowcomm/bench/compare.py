@@ -9,7 +9,10 @@ interrupted sweep resumes where it stopped. The report aggregates over seeds:
 * tokens processed;
 * modeled time to a target validation loss (default: the median method's final mean, so about
   half the methods reach it) on the run's clock;
-* utilisation, bytes per worker per step, state bytes per worker.
+* utilisation, bytes per worker per step, state bytes per worker;
+* with faults (``--faults FILE`` or the generated-trace ``--fault-*`` options, given to every
+  run): goodput and rounds dropped (summary.json's ``faults``), every run replaying the same
+  trace.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from lowcomm.bench.runs import mean_sd as _mean_sd
 from lowcomm.bench.runs import val_curve as _val_curve
 from lowcomm.bench.variants import Variant, parse_methods
 from lowcomm.config import TrainConfig
+from lowcomm.faults.run import FaultFlags, FaultSettings
 
 #: The training options ``bench compare`` also takes at the top level (``--steps`` is
 #: ``--train.steps``), with the bench's own defaults. Giving one both ways is refused.
@@ -82,11 +86,15 @@ class CompareBench:
     target_loss: float | None = None
     """Validation loss for the time-to-target column (default: the median method's final mean)."""
 
-    budget: Literal["tokens", "steps"] = "tokens"
-    """tokens: every run commits the tokens DDP commits in --steps steps (--train.token-budget
-    set for every run; acco, dpu and wp, which take a variable number of micro-batches per
-    step, end when they reach it, their schedule laid out over it). steps: every run takes
-    --steps steps, whatever its tokens."""
+    budget: Literal["tokens", "steps"] | None = None
+    """tokens (the default without faults): every run commits the tokens DDP commits in
+    --steps steps (--train.token-budget set for every run; acco, dpu and wp, which take a
+    variable number of micro-batches per step, end when they reach it, their schedule laid
+    out over it). steps (the default with faults, whose runs commit what the faults leave):
+    every run takes --steps steps, whatever its tokens."""
+
+    fault: Annotated[FaultFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=FaultFlags)
+    """Declared faults for every run (--faults FILE or the --fault-* options)."""
 
     checkpoints: Annotated[CheckpointPolicy, tyro.conf.arg(help=CHECKPOINTS_HELP)] = "drop"
 
@@ -108,11 +116,24 @@ class CompareBench:
                 )
             # One place holds the value from here on: the training configuration.
             self.train = dataclasses.replace(self.train, **{name: given})
+        self.train = self.fault.merged(self.train)
+        if self.budget is None:
+            self.budget = "steps" if self.has_faults else "tokens"
+        if self.budget == "tokens" and self.has_faults:
+            raise ValueError(
+                "--budget: tokens with faults: a run with faults takes its --steps and commits "
+                "what the faults leave (a token budget is refused); use --budget steps"
+            )
         if self.train.steps < 1:
             raise ValueError(f"--steps: {self.train.steps} must be >= 1")
         if self.train.workers < 1:
             raise ValueError(f"--workers: {self.train.workers} must be >= 1")
         self.variants()  # a bad --methods entry is refused before any run
+
+    @property
+    def has_faults(self) -> bool:
+        """Whether every run replays a fault trace (given here or under --train.)."""
+        return FaultSettings.of(self.train).enabled
 
     def variants(self) -> list[Variant]:
         """The methods and variants --methods names, in its order (sorted for ``all``)."""
@@ -266,7 +287,10 @@ def _method_row(
         "seeds": len(summaries),
         "final_val_loss_mean": mean,
         "final_val_loss_sd": None if math.isnan(sd) else sd,  # JSON has no NaN
-        "tokens": statistics.fmean(s.get("committed_tokens") or s["tokens"] for s in summaries),
+        "tokens": statistics.fmean(
+            s["tokens"] if s.get("committed_tokens") is None else s["committed_tokens"]
+            for s in summaries
+        ),
         "tokens_consumed": statistics.fmean(s["tokens"] for s in summaries),
         "steps": statistics.fmean(s["steps"] for s in summaries),
         "time_to_target_s": statistics.fmean(reached)
@@ -278,10 +302,27 @@ def _method_row(
             s["bytes_sent_per_worker"] / s["steps"] for s in summaries
         ),
         "state_bytes_per_worker": max(s["state_bytes_per_worker"] for s in summaries),
+        **(_fault_columns(summaries) if bench.has_faults else {}),
         "runs": [
             str(Path(bench.run_config(variant, seed).out or "")) for seed in range(len(summaries))
         ],
     }
+
+
+def _fault_columns(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's goodput (mean over seeds; None if a seed's run has none) and rounds dropped."""
+    goodputs = [s.get("faults", {}).get("goodput") for s in summaries]
+    known = [g for g in goodputs if g is not None]
+    return {
+        "goodput": statistics.fmean(known) if known and len(known) == len(goodputs) else None,
+        "rounds_dropped": statistics.fmean(
+            s.get("faults", {}).get("rounds_dropped", 0) for s in summaries
+        ),
+    }
+
+
+def _fmt_goodput(row: dict[str, Any]) -> str:
+    return "n/a" if row.get("goodput") is None else f"{row['goodput']:.3f}"
 
 
 def _report(
@@ -299,6 +340,7 @@ def _report(
             f"{row['tokens']:,.0f} | {row['steps']:g} | {'not reached' if to_target is None else f'{to_target:.1f} s'} | "
             f"{row['modeled_time_s']:.1f} s | {row['utilization']:.1%} | "
             f"{_fmt_bytes(row['bytes_per_worker_per_step'])} | {_fmt_bytes(row['state_bytes_per_worker'])} |"
+            + (f" {_fmt_goodput(row)} | {row['rounds_dropped']:g} |" if bench.has_faults else "")
         )
     lines += _report_notes(bench) + _report_variants(bench, rows)
     if failures:
@@ -323,22 +365,48 @@ def _report_header(
         if bench.budget == "tokens"
         else f"{train.steps} steps per run"
     )
+    faults = bench.has_faults
+    heading = (
+        f"| method | final val loss | tokens | steps | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"
+        if target is not None
+        else "| method | final val loss | tokens | steps | time to target | time | utilisation | bytes/worker/step | state bytes/worker |"
+    ) + (" goodput | rounds dropped |" if faults else "")
     return [
         f"# Method comparison on `{train.network}`",
         "",
         f"{train.workers} workers{ranks}, {budget}, {bench.seeds} seed(s), {clock} clock. "
-        f"Same model, data order and budget for every method.",
+        f"Same model, data order and budget for every method."
+        + (f" Faults: {_describe_faults(train)}, the same for every run." if faults else ""),
         "",
         *(
             [study.describe("--train.calibration", Path(bench.out)), ""]
             if study is not None
             else []
         ),
-        f"| method | final val loss | tokens | steps | time to val {target:.3f} ({clock}) | time ({clock}) | utilisation | bytes/worker/step | state bytes/worker |"
-        if target is not None
-        else "| method | final val loss | tokens | steps | time to target | time | utilisation | bytes/worker/step | state bytes/worker |",
-        "|---|---|---|---|---|---|---|---|---|",
+        heading,
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if faults else ""),
     ]
+
+
+def _describe_faults(train: TrainConfig) -> str:
+    """The runs' fault trace in a few words: its file, or its generated options."""
+    settings = FaultSettings.of(train)
+    if settings.path is not None:
+        trace = f"the trace `{settings.path}`"
+    else:
+        given = ", ".join(
+            f"`{flag} {value}`"
+            for flag, value in (
+                ("--fault-mtbf-s", settings.mtbf_s),
+                ("--fault-replace-after-s", settings.replace_after_s),
+                ("--fault-slow-fraction", settings.slow_fraction),
+                ("--fault-slow-factor", settings.slow_factor),
+                ("--fault-seed", settings.seed),
+            )
+            if value is not None
+        )
+        trace = f"a generated trace ({given})"
+    return f"{trace}, detection {settings.detection_s:g} s"
 
 
 def _report_notes(bench: CompareBench) -> list[str]:
@@ -354,6 +422,15 @@ def _report_notes(bench: CompareBench) -> list[str]:
             if bench.budget == "tokens"
             else "Tokens differ where a method takes a variable number of micro-batches per step "
             "(ACCO, DPU, WP accumulate while they communicate): the budget is in steps. "
+        )
+        + (
+            "Goodput: committed tokens over the tokens the workers would have computed in the "
+            "same modeled time without a fault (summary.json's faults.goodput, mean over "
+            "seeds; n/a where a run had no fault-free step to price one); rounds dropped: "
+            "rounds whose collectives did not complete, so their tokens were not committed. "
+            "A method that refuses faults is listed under the failed runs with its reason. "
+            if bench.has_faults
+            else ""
         )
         + "Time to target: first evaluation at or "
         "below the target validation loss, on the run's clock, averaged over seeds (reported only "

@@ -43,6 +43,16 @@ Events at one step happen together, in trace order: a worker whose events at a s
 dead takes no part in it (a replacement that joins and crashes within one step never runs),
 and one that was dead before the step is not *lost* at it.
 
+**A quorum below ``min_workers``** (``--fault-min-workers``) waits, on the run's clock, for
+the trace's next joins that form one; they land on the step that waited
+(:meth:`WorkerFaults.resolve`). On the virtual clock the wait is modeled: the live workers'
+clocks move to the moment the quorum forms (exposed time), and no real time passes; on the
+real clock they sleep, the lowest live worker saying every :data:`SAY_EVERY_S` seconds who is
+missing and how long it has waited. A trace placed by step cannot be waited out (no step is
+taken to reach its join); the pre-flight refuses it. A wait longer than ``quorum_wait_s``
+from its start stalls the run (:attr:`WorkerFaults.stalled`): the loop checkpoints the state
+before that step and ends, and a resume counts its wait from the same start.
+
 A worker that leaves announces it: the others neither wait to detect it nor drop a step. A
 link degraded to F makes a transfer that starts in it take 1/F times its modeled time; one
 that starts while the link is down starts when it is up (:meth:`WorkerFaults.transfer_time`).
@@ -57,7 +67,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -71,7 +81,7 @@ if TYPE_CHECKING:
     from lowcomm.comm.inprocess import InProcessComm
     from lowcomm.comm.torch_comm import QuorumTorchComm
 
-__all__ = ["StepPlan", "WorkerFaults", "quorum_at"]
+__all__ = ["SAY_EVERY_S", "QuorumStall", "StepPlan", "WorkerFaults", "quorum_at", "wait_saying"]
 
 
 def quorum_at(trace: FaultTrace, step: int) -> tuple[tuple[int, ...], int]:
@@ -84,6 +94,65 @@ def quorum_at(trace: FaultTrace, step: int) -> tuple[tuple[int, ...], int]:
         if event.at_step is not None and event.at_step <= step
     }
     return members, len(changes)
+
+
+def _after(alive: set[int], events: tuple[Event, ...]) -> set[int]:
+    """The live workers after ``events`` (in order)."""
+    alive = set(alive)
+    for event in events:
+        assert event.worker is not None
+        if event.kind in ("crash", "leave"):
+            alive.discard(event.worker)
+        else:
+            alive.add(event.worker)
+    return alive
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g} s" if value < 100 else f"{value:.0f} s"
+
+
+#: How often a run waiting for its quorum on the real clock says so (seconds).
+SAY_EVERY_S = 30.0
+
+
+def wait_saying(
+    *,
+    now: Callable[[], float],
+    sleep_until: Callable[[float], None],
+    end: float,
+    since: float,
+    every_s: float | None,
+    say: Callable[[str], None] | None,
+    line: Callable[[float], str],
+) -> None:
+    """Wait until ``end`` on a clock (``now``, ``sleep_until``), saying ``line(waited)`` every
+    ``every_s`` seconds of the wait begun at ``since`` (None: in one sleep, silently; ``say``
+    None: this worker waits without speaking)."""
+    if every_s is None or say is None:
+        sleep_until(end)
+        return
+    due = since + every_s
+    while due <= now():  # (a wait resumed from a checkpoint began before it)
+        due += every_s
+    while now() < end:
+        sleep_until(min(end, due))
+        current = now()
+        if due <= current < end:
+            say(line(current - since))
+            due += every_s
+
+
+@dataclass(frozen=True)
+class QuorumStall:
+    """A quorum that could not be formed: the run ends with a checkpoint at ``step``."""
+
+    step: int
+    alive: tuple[int, ...]
+    missing: tuple[int, ...]
+    min_workers: int
+    waited_s: float
+    quorum_wait_s: float
 
 
 @dataclass(frozen=True)
@@ -130,6 +199,11 @@ class WorkerFaults:
         extend: for a generated trace, the same trace over a longer horizon (seconds): called
             when the run's clock passes the trace's horizon (None: the trace is complete).
         horizon_s: the modeled time the trace covers (``math.inf``: complete).
+        min_workers: the fewest live workers a quorum needs; below it the run waits for
+            joins (:meth:`resolve`).
+        quorum_wait_s: how long (on the run's clock) it waits before it gives up.
+        say: where the waiting worker's lines go (one line each; the lowest live slot speaks;
+            on the real clock every :data:`SAY_EVERY_S` seconds of the wait).
     """
 
     def __init__(
@@ -144,6 +218,9 @@ class WorkerFaults:
         books: Comm | None = None,
         extend: Callable[[float], FaultTrace] | None = None,
         horizon_s: float = math.inf,
+        min_workers: int = 1,
+        quorum_wait_s: float = math.inf,
+        say: Callable[[str], None] = print,
     ) -> None:
         self.trace = trace
         self.slot = slot
@@ -169,6 +246,14 @@ class WorkerFaults:
         self._alive = tuple(range(trace.workers))
         self._quorum_id = 0
         self._resolved: list[tuple[tuple[Event, ...], tuple[int, ...], int]] = []
+        self.min_workers = min_workers
+        self.quorum_wait_s = quorum_wait_s
+        self.say = say
+        self.say_every_s = SAY_EVERY_S if clock.kind == "real" else None
+        #: When the current wait for a quorum began, on the run's clock (None: no wait).
+        self._waiting_since: float | None = None
+        #: The quorum that could not be formed (None: the run goes on).
+        self.stalled: QuorumStall | None = None
 
     def _set_trace(self, trace: FaultTrace) -> None:
         self.trace = trace
@@ -187,34 +272,187 @@ class WorkerFaults:
 
     def enter_round(self) -> Quorum:
         if self._detect_until is not None:
-            self.clock.wait_until(self._detect_until)  # (waits only if not detected yet)
+            self.wait_until(self._detect_until)  # (waits only if not detected yet)
             self._detect_until = None
         return self._quorum
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this worker stands in the trace, for a checkpoint: the membership resolved
+        so far (each step's events as indices into the trace's membership events, its members
+        and quorum id), the trace's cursor and horizon, the quorum in force, a detection still
+        to wait, and the token counts. Everything else is the trace itself, which the resumed
+        run reads again (the checkpoint's fingerprint names its content)."""
+        # (By equality: a grown generated trace holds equal events, as other objects.)
+        index = {event: position for position, event in enumerate(self._membership)}
+        return {
+            "resolved": [
+                ([index[event] for event in events], list(members), quorum_id)
+                for events, members, quorum_id in self._resolved
+            ],
+            "next": self._next,
+            "alive": list(self._alive),
+            "quorum_id": self._quorum_id,
+            "horizon_s": self._horizon_s,
+            "quorum": [list(self._quorum.members), self._quorum.id, self._quorum.joined],
+            "detect_until": self._detect_until,
+            "step": self._step,
+            "pending_tokens": self.pending_tokens,
+            "committed_tokens": self.committed_tokens,
+            "dropped_steps": self.dropped_steps,
+            "waiting_since": self._waiting_since,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (on a worker built from the same trace)."""
+        horizon = float(state["horizon_s"])
+        if horizon != self._horizon_s and self._extend is not None:
+            self._horizon_s = horizon  # (the generated trace as far as the run had grown it)
+            self._set_trace(self._extend(horizon))
+        self._resolved = [
+            (tuple(self._membership[i] for i in events), tuple(members), int(quorum_id))
+            for events, members, quorum_id in state["resolved"]
+        ]
+        self._next = int(state["next"])
+        self._alive = tuple(state["alive"])
+        self._quorum_id = int(state["quorum_id"])
+        members, quorum_id, joined = state["quorum"]
+        self._quorum = Quorum(tuple(members), int(quorum_id), joined=bool(joined))
+        detect = state["detect_until"]
+        self._detect_until = None if detect is None else float(detect)
+        self._step = int(state["step"])
+        self.pending_tokens = int(state["pending_tokens"])
+        self.committed_tokens = int(state["committed_tokens"])
+        self.dropped_steps = int(state["dropped_steps"])
+        waiting = state.get("waiting_since")
+        self._waiting_since = None if waiting is None else float(waiting)
 
     # --- the loop's side ---------------------------------------------------------------
 
     def resolve(self, step: int) -> None:
         """Place the membership events that happen by ``step``'s start (every worker calls
-        it at every step, in order, before the step; see the module docstring)."""
-        while len(self._resolved) <= step:
+        it at every step, in order, before the step; see the module docstring). A quorum
+        below ``min_workers`` waits for the joins that form one (:meth:`_wait_for_quorum`);
+        when none comes in time, :attr:`stalled` says so and nothing more is placed."""
+        while len(self._resolved) <= step and self.stalled is None:
             current = len(self._resolved)
-            due = self._due_events(current)
-            alive = set(self._alive)
-            for event in due:
-                assert event.worker is not None
-                if event.kind in ("crash", "leave"):
-                    alive.discard(event.worker)
-                else:
-                    alive.add(event.worker)
+            due, start = self._due_events(current)
+            alive = _after(set(self._alive), due)
+            if len(alive) < self.min_workers:
+                # (A trace placed by step never gets here: the pre-flight refuses it.)
+                assert start is not None, "a quorum below the minimum on a trace by step"
+                more = self._wait_for_quorum(current, start, alive)
+                if more is None:  # (the step's events stay to come: a resume places them)
+                    self._next -= len(due)
+                    return
+                due += more
+                alive = _after(alive, more)
+            else:  # (no wait in progress: a run resumed with fewer --fault-min-workers)
+                self._waiting_since = None
             if due:
                 self._alive = tuple(sorted(alive))
                 self._quorum_id += 1
             self._resolved.append((due, self._alive, self._quorum_id))
 
-    def _due_events(self, step: int) -> tuple[Event, ...]:
-        """The membership events not yet placed that happen by ``step``'s start."""
+    def quorum_lost(self, step: int) -> bool:
+        """Whether no quorum of ``min_workers`` formed for ``step`` in the time the run waits
+        for one (the run then ends with a checkpoint; :attr:`stalled` says why)."""
+        self.resolve(step)
+        return self.stalled is not None
+
+    def _wait_for_quorum(
+        self, step: int, start: float, alive: set[int]
+    ) -> tuple[Event, ...] | None:
+        """The quorum at ``step`` (starting at ``start`` on the run's clock) has fewer than
+        ``min_workers`` live workers: wait, on this clock, until the trace's next events form
+        one, up to ``quorum_wait_s`` after the wait began (a wait the run resumed in began
+        before its checkpoint). Returns those events (they land on this step), or None when
+        none forms in time: the live workers' clocks then stand at the wait's end and
+        :attr:`stalled` describes it."""
+        since = start if self._waiting_since is None else self._waiting_since
+        self._waiting_since = since
+        deadline = since + self.quorum_wait_s
+        formed = self._next_quorum(alive, deadline)
+        end = deadline if formed is None else formed[0]
+        missing = tuple(sorted(set(range(self.trace.workers)) - alive))
+        speaker = bool(alive) and self.slot == min(alive)
+        if speaker:
+            live = ", ".join(map(str, sorted(alive)))
+            self.say(
+                f"lowcomm: step {step}: the quorum needs --fault-min-workers {self.min_workers} "
+                f"live workers and has {len(alive)} (worker {live}); waiting for worker "
+                f"{', '.join(map(str, missing))} to join, up to {_seconds(self.quorum_wait_s)} "
+                "(--fault-quorum-wait-s)"
+            )
+        if self.slot in alive:
+            wait_saying(
+                now=self.clock.now,
+                sleep_until=lambda until: self.wait_until(until),
+                end=end,
+                since=since,
+                every_s=self.say_every_s,
+                say=self.say if speaker else None,
+                line=lambda waited: (
+                    f"lowcomm: step {step}: still waiting for worker "
+                    f"{', '.join(map(str, missing))} to form a quorum of "
+                    f"{self.min_workers}: waited {_seconds(waited)} of "
+                    f"{_seconds(self.quorum_wait_s)}"
+                ),
+            )
+        if formed is None:
+            self.stalled = QuorumStall(
+                step=step, alive=tuple(sorted(alive)), missing=missing,
+                min_workers=self.min_workers, waited_s=deadline - since,
+                quorum_wait_s=self.quorum_wait_s,
+            )  # fmt: skip
+            return None
+        at, index = formed
+        events = tuple(self._membership[self._next : index])
+        self._next = index
+        self._waiting_since = None
+        if speaker:
+            self.say(
+                f"lowcomm: step {step}: a quorum of {len(_after(alive, events))} formed after "
+                f"waiting {_seconds(at - since)}"
+            )
+        return events
+
+    def _next_quorum(self, alive: set[int], deadline: float) -> tuple[float, int] | None:
+        """When the trace's next membership events (from the cursor) first leave at least
+        ``min_workers`` alive, at or before ``deadline``: that moment and the cursor after
+        its events; None if they do not (a generated trace grows as far as the deadline)."""
+        members, index = set(alive), self._next
+        while True:
+            while index >= len(self._membership):
+                if self._extend is None or self._horizon_s > deadline:
+                    return None
+                self._horizon_s *= 2
+                self._set_trace(self._extend(self._horizon_s))
+            event = self._membership[index]
+            if event.at > deadline:
+                return None
+            members = _after(members, (event,))
+            index += 1
+            moment_ends = index == len(self._membership) or self._membership[index].at != event.at
+            if moment_ends and len(members) >= self.min_workers:
+                return event.at, index
+
+    def wait_until(self, deadline: float) -> None:
+        """Wait on this worker's clock until ``deadline`` (on the real clock the sleep is a
+        wait on communication, exposed time, not compute)."""
+        if self.clock.kind == "real":
+            with self.clock.blocked():
+                self.clock.wait_until(deadline)
+        else:
+            self.clock.wait_until(deadline)
+
+    def _due_events(self, step: int) -> tuple[tuple[Event, ...], float | None]:
+        """The membership events not yet placed that happen by ``step``'s start, and that
+        start on the run's clock (None: not agreed, the trace is placed by step or has no
+        event to come)."""
         if self._next >= len(self._membership) and self._extend is None:
-            return ()
+            return (), None
         if self._membership and self._membership[0].at_step is not None:  # (one clock)
             found = []
             while self._next < len(self._membership):
@@ -224,7 +462,7 @@ class WorkerFaults:
                     break
                 found.append(event)
                 self._next += 1
-            return tuple(found)
+            return tuple(found), None
         start = self._agreed_start()
         while start >= self._horizon_s and self._extend is not None:
             self._horizon_s *= 2
@@ -236,7 +474,7 @@ class WorkerFaults:
                 break
             found.append(event)
             self._next += 1
-        return tuple(found)
+        return tuple(found), start
 
     def _agreed_start(self) -> float:
         """The step's start on the run's clock: the latest clock among the previous step's
@@ -324,7 +562,11 @@ class WorkerFaults:
 
     def drop(self) -> None:
         """The dropped step's end: wait until the lost member is detected."""
-        self.clock.wait_until(self.clock.now() + self.detection_s)
+        if self.clock.kind == "real":  # (the deadline read inside the wait: all of it exposed)
+            with self.clock.blocked():
+                self.clock.wait_until(self.clock.now() + self.detection_s)
+        else:
+            self.clock.wait_until(self.clock.now() + self.detection_s)
         self.dropped_steps += 1
 
     def account(self, tokens: int, *, committed_round: bool) -> None:

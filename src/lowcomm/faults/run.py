@@ -17,10 +17,9 @@ start is agreed, :mod:`lowcomm.faults.engine`), which appends the next events
 workers.
 
 **What runs with faults today.** Every worker as a thread of one process
-(``--workers-per-process`` equal to ``--workers``) or as a process of its own
-(``--workers-per-process 1``, the local launch or torchrun, on cpu:
-:mod:`lowcomm.faults.processes`), one
-rank per worker, on the virtual clock;
+(``--workers-per-process`` equal to ``--workers``), on either clock, or as a process of its
+own (``--workers-per-process 1``, the local launch or torchrun, on cpu, on the virtual clock:
+:mod:`lowcomm.faults.processes`), one rank per worker;
 membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
 (``t=SECONDS``: each lands on the first step whose start, on the run's clock, is at or after
 it; :mod:`lowcomm.faults.engine`); slow events by step or by time. The methods are those whose lost worker takes no state the others need and whose
@@ -29,16 +28,33 @@ sharded across workers are refused with that reason (:data:`SHARDED_METHODS`); a
 method is refused as not yet supported. Link events scale (or stop) the modeled transfers of
 the strategy's link; a link down is placed by time. Each refusal is one line, before any worker starts.
 
+**The real clock.** The same engine runs on ``--clock real``: an event placed by time lands
+on the first step starting at or after it on the wall clock (the workers' real clocks, agreed
+as on the virtual clock), a slow worker's clock really sleeps its factor on its compute, the
+detection of a crash and a wait for the quorum are real sleeps (exposed time), and a link
+event stretches the real wait for each transfer it covers. A replay is then not bit for bit:
+where a time-placed event lands depends on the machine's speed. On a GPU's real clock a
+transfer is timed on the device, where the link's factor is not applied, so link events are
+refused there.
+
+**Checkpoints.** A run with faults checkpoints and resumes exactly: each worker saves where it
+stands in the trace (:meth:`lowcomm.faults.engine.WorkerFaults.state_dict`), and the
+checkpoint's fingerprint names the trace (:func:`faults_identity`), so a resume replays only
+the trace it was written with.
+
 Nothing here reads a file but :func:`run_trace` (the launch's pre-flight calls it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions, generate_trace
 from lowcomm.faults.trace import FaultTrace, TraceError, load_trace
@@ -50,11 +66,14 @@ __all__ = [
     "FIRST_HORIZON_MTBFS",
     "GENERATED_HORIZON_S",
     "SHARDED_METHODS",
+    "FaultFlags",
     "FaultSettings",
+    "faults_identity",
     "faults_refusal",
     "run_trace",
     "supported_methods",
     "trace_extension",
+    "with_fault_placement",
 ]
 
 #: Modeled seconds a generated trace covers (about 11.6 days of modeled time).
@@ -86,6 +105,8 @@ class FaultSettings:
     slow_factor: float | None
     detection_s: float
     seed: int | None
+    min_workers: int = 1
+    quorum_wait_s: float = 1800.0
 
     @classmethod
     def of(cls, config: TrainConfig) -> FaultSettings:
@@ -97,6 +118,8 @@ class FaultSettings:
             slow_factor=config.fault_slow_factor,
             detection_s=config.fault_detection_s,
             seed=config.fault_seed,
+            min_workers=config.fault_min_workers,
+            quorum_wait_s=config.fault_quorum_wait_s,
         )
 
     @property
@@ -129,8 +152,92 @@ class FaultSettings:
         )
 
 
-def _check_values(settings: FaultSettings) -> str | None:
-    """The generated options' and the detection time's own rules, in one line."""
+@dataclass
+class FaultFlags:
+    """The fault options a study (``bench compare``, ``reproduce``) gives every run it makes,
+    as ``lowcomm train`` spells them; unset ones keep each run's own value."""
+
+    faults: str | None = None
+    """Replay this fault trace in every run (as lowcomm train --faults)."""
+
+    fault_mtbf_s: float | None = None
+    """Generated trace for every run: each worker's mean time between failures (s)."""
+
+    fault_replace_after_s: float | None = None
+    """Generated trace: seconds from a crash until a replacement joins."""
+
+    fault_slow_fraction: float | None = None
+    """Generated trace: the fraction of worker slots that straggle."""
+
+    fault_slow_factor: float | None = None
+    """Generated trace: a straggler's compute slowdown (>= 1)."""
+
+    fault_detection_s: float | None = None
+    """Seconds until the survivors detect a crash (default: lowcomm train's, torchft's
+    heartbeat timeout)."""
+
+    fault_seed: int | None = None
+    """Generated trace: the seed of its draws (default 0): every run replays the same events."""
+
+    fault_min_workers: int | None = None
+    """The fewest live workers a round's quorum needs (default 1)."""
+
+    fault_quorum_wait_s: float | None = None
+    """Seconds a run waits for its quorum before it ends with a checkpoint (default 1800)."""
+
+    def given(self) -> dict[str, Any]:
+        """The options given, by their TrainConfig field names."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    def flags(self) -> list[str]:
+        """The options given, as command-line flags."""
+        return [
+            word
+            for name, value in self.given().items()
+            for word in (f"--{name.replace('_', '-')}", str(value))
+        ]
+
+    def merged(self, train: TrainConfig) -> TrainConfig:
+        """``train`` (a study's shared training options) with these options set. An option
+        given both here and under ``--train.`` with another value is refused; a run with
+        faults runs its workers as threads of one process (``--workers-per-process``
+        ``--workers`` when left at 1).
+
+        Raises:
+            ValueError: in one line.
+        """
+        from lowcomm.config import TrainConfig
+
+        defaults = TrainConfig()
+        changes: dict[str, Any] = {}
+        for name, value in self.given().items():
+            under_train = getattr(train, name)
+            if under_train not in (value, getattr(defaults, name)):
+                flag = name.replace("_", "-")
+                raise ValueError(
+                    f"--{flag}: given both as --{flag} {value} and as --train.{flag} "
+                    f"{under_train}; they are one option, give it once"
+                )
+            changes[name] = value
+        merged = replace(train, **changes)
+        return with_fault_placement(merged)
+
+
+def with_fault_placement(config: TrainConfig) -> TrainConfig:
+    """``config`` with its workers as threads of one process when it has faults and left
+    ``--workers-per-process`` at 1 (faults run in that placement; unchanged otherwise)."""
+    if FaultSettings.of(config).enabled and config.workers_per_process == 1:
+        return replace(config, workers_per_process=config.workers)
+    return config
+
+
+def _check_values(settings: FaultSettings, workers: int) -> str | None:
+    """The generated options', the detection time's and the quorum's own rules, in one
+    line."""
     checks: list[tuple[str, float | None, bool, str]] = [
         (
             "--fault-detection-s",
@@ -138,6 +245,19 @@ def _check_values(settings: FaultSettings) -> str | None:
             math.isfinite(settings.detection_s) and settings.detection_s >= 0,
             f"detection takes a finite time >= 0 seconds; e.g. {TORCHFT_HEARTBEAT_TIMEOUT_S:g} "
             "(torchft's heartbeat timeout, the default)",
+        ),
+        (
+            "--fault-min-workers",
+            settings.min_workers,
+            1 <= settings.min_workers <= workers,
+            f"a quorum needs between 1 and --workers ({workers}) live workers; e.g. 1 (the "
+            "default)",
+        ),
+        (
+            "--fault-quorum-wait-s",
+            settings.quorum_wait_s,
+            math.isfinite(settings.quorum_wait_s) and settings.quorum_wait_s >= 0,
+            "a run waits a finite time >= 0 seconds for its quorum; e.g. 1800 (the default)",
         ),
     ]
     if settings.mtbf_s is not None:
@@ -176,7 +296,7 @@ def faults_refusal(config: TrainConfig) -> str | None:
     """Why this run's fault options cannot run (one line naming the option, the value, the
     rule and the fix), or None. Reads no file."""
     settings = FaultSettings.of(config)
-    problem = _check_values(settings)
+    problem = _check_values(settings, config.workers)
     if problem is not None:
         return problem
     if not settings.enabled:
@@ -200,11 +320,6 @@ def faults_refusal(config: TrainConfig) -> str | None:
             f"{flag}: not yet supported with --diloco.quantization {quantization} (its "
             "two-step exchange is laid out for every worker); use none"
         )
-    if config.resume is not None or config.checkpoint_every is not None:
-        return (
-            f"{flag}: not yet supported with checkpoints (--resume, --checkpoint-every): a "
-            "checkpoint does not record the quorum yet; drop them"
-        )
     if config.token_budget is not None:
         return f"{flag}: not yet supported with --token-budget; give --steps"
     return None
@@ -215,9 +330,10 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     from lowcomm.prestart import under_torchrun
 
     supported = (
-        "faults run today on the virtual clock with every worker a thread of one process "
-        f"(--workers-per-process {config.workers}, local launch) or a process of its own "
-        "(--workers-per-process 1, local launch or torchrun, on cpu), one rank per worker"
+        "faults run today with every worker a thread of one process "
+        f"(--workers-per-process {config.workers}, local launch, either clock) or a process "
+        "of its own (--workers-per-process 1, local launch or torchrun, on cpu, on the virtual "
+        "clock), one rank per worker"
     )
     in_process = config.workers_per_process == config.workers
     if under_torchrun() and config.workers_per_process != 1:
@@ -231,6 +347,11 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: not yet supported with --workers-per-process "
             f"{config.workers_per_process} (processes of several workers); {supported}"
         )
+    if not in_process and config.clock != "virtual":
+        return (
+            f"{flag}: not yet supported with worker processes on the {config.clock} clock (a "
+            f"crashed worker's process is not killed, only left out of its quorum); {supported}"
+        )
     if not in_process and config.device != "cpu":
         return (
             f"{flag}: not yet supported with worker processes on --device {config.device} "
@@ -241,8 +362,6 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: not yet supported with --ranks-per-worker {config.ranks_per_worker}; "
             f"{supported}"
         )
-    if config.clock != "virtual":
-        return f"{flag}: not yet supported on the {config.clock} clock; {supported}"
     return None
 
 
@@ -274,6 +393,43 @@ def _method_refusal(config: TrainConfig, flag: str) -> str | None:
     return None
 
 
+#: How a checkpoint's fingerprint names a trace file: by its content.
+TRACE_DIGEST = "sha256:"
+
+
+def trace_digest(path: str) -> str:
+    """A trace file's identity: ``sha256:<hex>`` of its bytes (its path as given where it
+    cannot be read; the pre-flight names that problem)."""
+    try:
+        return TRACE_DIGEST + hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+    except OSError:
+        return path
+
+
+def faults_identity(config: TrainConfig) -> dict[str, object] | None:
+    """What a checkpoint's state depends on in the run's faults (None: no faults): the trace
+    (a file by its content, a generated one by its options), the workers it was validated
+    against and the detection time. A resume must replay the same trace from the saved
+    cursor, so a checkpoint is resumed only under the same identity. How long a run waits
+    for a quorum and how few workers form one are not in it: a run that ended waiting for
+    its quorum continues with other values of those."""
+    settings = FaultSettings.of(config)
+    if not settings.enabled:
+        return None
+    trace: dict[str, object] | str
+    if settings.path is not None:
+        trace = trace_digest(settings.path)
+    else:
+        trace = {
+            "mtbf_s": settings.mtbf_s,
+            "replace_after_s": settings.replace_after_s,
+            "slow_fraction": settings.slow_fraction,
+            "slow_factor": settings.slow_factor,
+            "seed": settings.seed,
+        }
+    return {"trace": trace, "workers": config.workers, "detection_s": settings.detection_s}
+
+
 def run_trace(config: TrainConfig) -> FaultTrace | None:
     """The trace this run replays (None without faults), read or generated and validated
     against its workers: a malformed line (with its line number), worker 7 of 4 or a trace
@@ -297,7 +453,49 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
             f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: a link down placed "
             "by step would stop the step that must end it; place it with t=SECONDS for=D"
         )
+    _check_minimum(trace, settings.min_workers)
+    linked = [e for e in trace.events if e.kind in ("link_degraded", "link_down")]
+    if linked and config.clock == "real" and config.device != "cpu":
+        event = linked[0]
+        line = f":{event.line}" if event.line else ""
+        raise TraceError(
+            f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: link events are "
+            f"not yet modeled on the real clock of a GPU (--device {config.device}: a transfer "
+            "is timed on the device, where the link's factor is not applied); use --clock "
+            "virtual or --device cpu, or drop the link events"
+        )
     return trace
+
+
+def _check_minimum(trace: FaultTrace, min_workers: int) -> None:
+    """Refuse a trace placed by step that leaves fewer than ``min_workers`` alive: a run
+    below its quorum takes no step, so the step of the join it waits for never comes (a
+    trace placed by time is waited out on the run's clock, :mod:`lowcomm.faults.engine`).
+
+    Raises:
+        TraceError: in one line naming the event, the count and the fix.
+    """
+    events = trace.membership_events()
+    if min_workers <= 1 or not events or events[0].at_step is None:
+        return
+    alive = set(range(trace.workers))
+    for index, event in enumerate(events):
+        assert event.worker is not None
+        if event.kind in ("crash", "leave"):
+            alive.discard(event.worker)
+        else:
+            alive.add(event.worker)
+        moment_ends = index + 1 == len(events) or events[index + 1].at != event.at
+        if moment_ends and len(alive) < min_workers:
+            line = f":{event.line}" if event.line else ""
+            raise TraceError(
+                f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: leaves "
+                f"{len(alive)} live worker(s) from step {event.at_step} on, below "
+                f"--fault-min-workers {min_workers}, and a run below its quorum takes no step "
+                "to reach a join placed by step; join a worker at the same step, place the "
+                "events by time (t=SECONDS: the run waits for the join), or lower "
+                "--fault-min-workers"
+            )
 
 
 def _first_horizon(settings: FaultSettings) -> float:

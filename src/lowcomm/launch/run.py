@@ -195,6 +195,8 @@ def make_paths_absolute(config: TrainConfig) -> None:
     if tokenizer is not None and os.path.exists(os.path.expanduser(tokenizer)):
         config.data.tokenizer = absolute(tokenizer)
     config.data.cache_dir = absolute(config.data.cache_dir)
+    if config.faults is not None and os.path.exists(os.path.expanduser(config.faults)):
+        config.faults = absolute(config.faults)
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:

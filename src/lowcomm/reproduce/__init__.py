@@ -14,13 +14,14 @@ import json
 import math
 import shlex
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import tyro
 
 from lowcomm.bench.runs import CHECKPOINTS_HELP, STUDY_CALIBRATION, CheckpointPolicy
+from lowcomm.faults.run import FaultFlags
 from lowcomm.models import ModelConfig
 from lowcomm.reproduce.papers import PAPERS, Paper
 from lowcomm.reproduce.runner import Results, Scale, execute
@@ -109,6 +110,11 @@ class ReproduceConfig:
     measured once, before the first run, so every method of every paper is charged the same
     compute."""
 
+    fault: Annotated[FaultFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=FaultFlags)
+    """Declared faults for every training run (--faults FILE or the --fault-* options); the
+    tables then give each run's goodput. A run whose method refuses faults is a failed run
+    with its reason."""
+
     def __post_init__(self) -> None:
         choices = [*PAPERS, "all"]
         if self.paper not in choices:
@@ -145,7 +151,7 @@ class ReproduceConfig:
             parts += ["--budget", self.budget]
         if self.calibration is not None:
             parts += ["--calibration", self.calibration]
-        return shlex.join(parts)
+        return shlex.join(parts + self.fault.flags())
 
 
 def _finite(value: float) -> float | None:
@@ -174,7 +180,9 @@ def _rose_late(curve: list[tuple[int, float, float]]) -> bool:
 
 
 def _run_rows(
-    results: Results, budget: Literal["tokens", "steps"] = "tokens"
+    results: Results,
+    budget: Literal["tokens", "steps"] = "tokens",
+    faults: FaultFlags | None = None,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for label, runs in results.runs.items():
@@ -188,14 +196,20 @@ def _run_rows(
             {
                 "label": label,
                 "seeds": [r.seed for r in runs],
-                "command": spec.command(runs[0].seed if runs else 0, budget),
+                "command": spec.command(runs[0].seed if runs else 0, budget, faults),
                 "final_val_loss": finals,
                 "final_val_loss_mean": _finite(statistics.fmean(finals)) if finals else None,
                 "final_val_loss_sd": statistics.stdev(finals) if len(finals) > 1 else None,
-                "tokens": [r.summary.get("committed_tokens") or r.summary["tokens"] for r in runs],
+                "tokens": [_committed(r.summary) for r in runs],
                 "modeled_time_s": [r.summary["modeled_time_s"] for r in runs],
                 "utilization": [r.summary["utilization"] for r in runs],
                 "bytes_sent_per_worker": [r.summary["bytes_sent_per_worker"] for r in runs],
+                # (With faults: each seed's goodput, None where a run could not price one.)
+                **(
+                    {"goodput": [r.summary["faults"].get("goodput") for r in runs]}
+                    if any("faults" in r.summary for r in runs)
+                    else {}
+                ),
                 "val_curves": [r.curve for r in runs],
                 "rose_late_seeds": sum(_rose_late(r.curve) for r in runs),
             }
@@ -211,7 +225,7 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
     specs = paper.runs(scale)
     results, failures = execute(
         paper.name, specs, config.seeds, runs_dir, config.budget, config.checkpoints,
-        calibration=config.calibration_file(),
+        calibration=config.calibration_file(), faults=config.fault,
     )  # fmt: skip
     findings = [prediction(results, scale) for prediction in paper.predictions]
     document = {
@@ -222,7 +236,7 @@ def reproduce_paper(paper: Paper, config: ReproduceConfig, scale: Scale) -> dict
         "seeds": list(config.seeds),
         "setting": paper.setting(scale),
         "predictions": [_finding_json(f) for f in findings],
-        "runs": _run_rows(results, config.budget),
+        "runs": _run_rows(results, config.budget, config.fault),
         "calibration": None if results.calibration is None else results.calibration.to_dict(),
         "calibration_note": None
         if results.calibration is None
@@ -313,13 +327,25 @@ def _report_predictions(doc: dict[str, Any]) -> list[str]:
 
 def _report_runs(doc: dict[str, Any]) -> list[str]:
     """One row per run: loss over seeds, late rises, modeled time, bytes and its command."""
+    faults = any("goodput" in row for row in doc["runs"])
     lines = [
         "## Runs",
         "",
         f"Rose late: seeds whose final validation loss ended more than {ROSE_LATE:.0%} above their best evaluation (a divergence or oscillation late in the run).",
+        *(
+            [
+                "Goodput: committed tokens over the tokens the workers would have computed in "
+                "the same modeled time without a fault (summary.json's faults.goodput), mean "
+                "over seeds; n/a where a run could not price one."
+            ]
+            if faults
+            else []
+        ),
         "",
-        "| run | seeds | final val loss | rose late | modeled time (s) | bytes/worker | command (seed of the first run) |",
-        "|---|---|---|---|---|---|---|",
+        "| run | seeds | final val loss | rose late | modeled time (s) | bytes/worker |"
+        + (" goodput |" if faults else "")
+        + " command (seed of the first run) |",
+        "|---|---|---|---|---|---|---|" + ("---|" if faults else ""),
     ]
     for row in doc["runs"]:
         if "distances" in row:
@@ -327,7 +353,9 @@ def _report_runs(doc: dict[str, Any]) -> list[str]:
                 ", ".join(f"{m} {d:.4f}" for m, d in seed.items()) for seed in row["distances"]
             )
             lines.append(
-                f"| {row['label']} | {len(row['seeds'])} | distances to (1, 1) per seed: {distances} | | | | `{row['command']}` |"
+                f"| {row['label']} | {len(row['seeds'])} | distances to (1, 1) per seed: {distances} | | | |"
+                + (" |" if faults else "")
+                + f" `{row['command']}` |"
             )
             continue
         mean, sd = row["final_val_loss_mean"], row["final_val_loss_sd"]
@@ -343,9 +371,25 @@ def _report_runs(doc: dict[str, Any]) -> list[str]:
             else ""
         )
         lines.append(
-            f"| {row['label']} | {len(row['seeds'])} | {loss} | {row['rose_late_seeds']} | {time} | {sent} | `{row['command']}` |"
+            f"| {row['label']} | {len(row['seeds'])} | {loss} | {row['rose_late_seeds']} | {time} | {sent} |"
+            + (f" {_goodput_cell(row.get('goodput'))} |" if faults else "")
+            + f" `{row['command']}` |"
         )
     return lines
+
+
+def _committed(summary: dict[str, Any]) -> int:
+    """A run's committed tokens (0 is a count: a run with faults may commit none), or its
+    tokens where the summary predates the count."""
+    committed = summary.get("committed_tokens")
+    return int(summary["tokens"] if committed is None else committed)
+
+
+def _goodput_cell(goodputs: list[float | None] | None) -> str:
+    """A run's goodput over its seeds (n/a if a seed has none)."""
+    if not goodputs or any(g is None for g in goodputs):
+        return "n/a"
+    return f"{statistics.fmean(g for g in goodputs if g is not None):.3f}"
 
 
 def _summary(config: ReproduceConfig, documents: list[dict[str, Any]]) -> str:

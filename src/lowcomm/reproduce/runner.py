@@ -32,6 +32,7 @@ from lowcomm.bench.runs import (
 )
 from lowcomm.config import TrainConfig
 from lowcomm.data import DataConfig
+from lowcomm.faults.run import FaultFlags
 from lowcomm.models import ModelConfig
 from lowcomm.reproduce.stats import Stat
 
@@ -99,18 +100,33 @@ class RunSpec:
         return "rosenbrock" if isinstance(self.run, RosenbrockRun) else "train"
 
     def train_config(
-        self, seed: int, run_dir: Path, budget: Literal["tokens", "steps"] = "tokens"
+        self,
+        seed: int,
+        run_dir: Path,
+        budget: Literal["tokens", "steps"] = "tokens",
+        faults: FaultFlags | None = None,
     ) -> TrainConfig:
-        """The run of ``seed`` into ``run_dir`` (``budget``: see :func:`equal_tokens`)."""
-        assert isinstance(self.run, TrainConfig), self.label
-        run = equal_tokens(self.run) if budget == "tokens" else self.run
-        return dataclasses.replace(run, seed=seed, out=str(run_dir), progress=False)
+        """The run of ``seed`` into ``run_dir`` (``budget``: see :func:`equal_tokens`;
+        ``faults``: the study's fault options, which every run replays)."""
+        return dataclasses.replace(
+            self._declared(budget, faults), seed=seed, out=str(run_dir), progress=False
+        )
 
-    def command(self, seed: int, budget: Literal["tokens", "steps"] = "tokens") -> str:
+    def command(
+        self, seed: int, budget: Literal["tokens", "steps"] = "tokens",
+        faults: FaultFlags | None = None,
+    ) -> str:  # fmt: skip
         if isinstance(self.run, RosenbrockRun):
             return f"python examples/rosenbrock_desloc.py {' '.join(self.run.args(seed))}"
-        run = equal_tokens(self.run) if budget == "tokens" else self.run
+        run = self._declared(budget, faults)
         return f"lowcomm train {' '.join(train_flags(run))} --seed {seed}"
+
+    def _declared(
+        self, budget: Literal["tokens", "steps"], faults: FaultFlags | None
+    ) -> TrainConfig:
+        assert isinstance(self.run, TrainConfig), self.label
+        run = equal_tokens(self.run) if budget == "tokens" else self.run
+        return run if faults is None else faults.merged(run)
 
 
 def equal_tokens(config: TrainConfig) -> TrainConfig:
@@ -283,13 +299,15 @@ def execute(
     budget: Literal["tokens", "steps"] = "tokens",
     checkpoints: CheckpointPolicy = "drop",
     calibration: tuple[Path, str] | None = None,
+    faults: FaultFlags | None = None,
 ) -> tuple[Results, dict[str, str]]:
     """Run (or resume) every declared run; return the finished ones and the failures
     (``budget``: equal tokens or equal steps, see :func:`equal_tokens`; ``checkpoints``: a
     finished run's, see :func:`lowcomm.bench.runs.run_or_resume`; ``calibration``: the
     study's calibration file and the option that names it, measured before the first run
     if missing and charged by every run on the calibrated compute model, see
-    :func:`lowcomm.bench.runs.study_calibration`)."""
+    :func:`lowcomm.bench.runs.study_calibration`; ``faults``: the study's fault options,
+    given to every training run)."""
     runs: dict[str, list[RunData]] = {spec.label: [] for spec in specs}
     failures: dict[str, str] = {}
     train_specs = [spec for spec in specs if spec.kind == "train"]
@@ -323,7 +341,7 @@ def execute(
                     data = json.loads((run_dir / "result.json").read_text())
                     runs[spec.label].append(RunData(spec.label, seed, data, [], []))
             else:
-                config = spec.train_config(seed, run_dir, budget)
+                config = spec.train_config(seed, run_dir, budget, faults)
                 config = config if study is None else study.apply(config)
                 error = run_or_resume(
                     config, tag, tag="reproduce", option="--runs-dir", checkpoints=checkpoints

@@ -403,12 +403,22 @@ class OverlapLocalSGD(_LocalFamily):
     def state_dict(self) -> dict[str, Any]:
         # Settled first: the buffer holds the in-flight result only once the data has moved.
         pending = pending_state(self.handle)
-        return {**super().state_dict(), **pending, "buffer": self.buffer.clone()}
+        # (Declared faults: whether the all-reduce in flight fails is decided by its launch
+        # quorum, so a resumed run must know it.)
+        faults = {
+            "launched_over": list(self.launched_over),
+            "sync_failed": self.sync_failed,
+            "anchored": self.anchored,
+        }
+        return {**super().state_dict(), **pending, "buffer": self.buffer.clone(), **faults}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.buffer.copy_(state["buffer"])
         self.handle = self.runtime.restore_pending(state)
+        self.launched_over = tuple(state.get("launched_over", ()))
+        self.sync_failed = bool(state.get("sync_failed", False))
+        self.anchored = bool(state.get("anchored", False))
 
 
 class _AnchoredOuter(_LocalFamily):

@@ -63,6 +63,7 @@ _ADDED_LATER: dict[str, Any] = {
     "precision": "fp32",
     "comm_dtype": "fp32",
     "worker_sharding": "replicate",
+    "faults": None,
 }
 
 
@@ -102,6 +103,7 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The settings a checkpoint's state depends on: resuming under different ones would not
     continue the same run (JSON-normalised so it compares equal after a round trip). A given
     tokenizer is named by its content (:func:`tokenizer_identity`), not its path."""
+    from lowcomm.faults.run import faults_identity
     from lowcomm.strategies import strategy_class
 
     options_field = strategy_class(config.method).options_field
@@ -136,6 +138,8 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
         "options": None
         if options_field is None
         else dataclasses.asdict(getattr(config, options_field)),
+        # The fault trace (by content) the saved cursor and quorum belong to (None: none).
+        "faults": faults_identity(config),
     }
     normalised: dict[str, Any] = json.loads(json.dumps(chosen, default=str))
     return normalised
@@ -441,6 +445,8 @@ def _damage(
             continue
         if key == "ranks_per_worker":  # another layout is re-sharded (train/reshard.py)
             continue
+        if key == "faults":
+            _check_same_trace(saved.get(key), value)
         if saved.get(key) != value:
             name, before, now = _first_difference(key, saved.get(key), value)
             raise CheckpointError(
@@ -455,6 +461,24 @@ def _damage(
     if (manifest.get("world_size"), saved.get("ranks_per_worker")) != layout:
         _check_reshardable(directory, manifest, world_size, fingerprint)
     return None
+
+
+def _check_same_trace(saved: Any, value: Any) -> None:
+    """Refuse, naming both digests, a resume whose --faults file is not the trace the
+    checkpoint was written with (its saved cursor and quorum index into that trace).
+
+    Raises:
+        CheckpointError: in one line.
+    """
+    before = saved.get("trace") if isinstance(saved, dict) else None
+    now = value.get("trace") if isinstance(value, dict) else None
+    if isinstance(before, str) and isinstance(now, str) and before != now:
+        raise CheckpointError(
+            f"--faults: the checkpoint was written replaying the trace {before} but this "
+            f"run's --faults file now reads {now}; a resume continues the same trace from where it "
+            f"stood, so resume with the file the run was written with (or start a new run "
+            f"with a different --out)"
+        )
 
 
 def _options_added_later(saved: dict[str, Any], method: str) -> dict[str, Any]:

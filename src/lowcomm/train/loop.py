@@ -156,6 +156,8 @@ class Progress:
     """The step after which a --token-budget run ended (None: it runs to --steps)."""
     membership: dict[str, int] | None = None
     """The membership change this resume made (old and new workers), or None."""
+    stopped: str | None = None
+    """Why the run stopped early with a checkpoint, in one line (None: --stop-after)."""
 
 
 def train_worker(
@@ -314,17 +316,21 @@ def _worker_faults(
         return None
     assert isinstance(raw, InProcessComm | QuorumTorchComm), "a raw group that follows quorums"
     extend, horizon_s = trace_extension(config)
+    cls: type[WorkerFaults] = WorkerFaults
     if isinstance(raw, QuorumTorchComm):  # (worker processes: a group per quorum)
         from lowcomm.faults.processes import ProcessFaults
 
-        return ProcessFaults(
-            trace, slot=raw.slot, round_kind=rule.round, detection_s=config.fault_detection_s,
-            clock=clock, raw=raw, books=bookkeeping, extend=extend, horizon_s=horizon_s,
-        )  # fmt: skip
-    return WorkerFaults(
+        cls = ProcessFaults
+    return cls(
         trace, slot=raw.slot, round_kind=rule.round, detection_s=config.fault_detection_s,
         clock=clock, raw=raw, books=bookkeeping, extend=extend, horizon_s=horizon_s,
+        min_workers=config.fault_min_workers, quorum_wait_s=config.fault_quorum_wait_s,
+        say=_say,
     )  # fmt: skip
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def _worker_generators(
@@ -455,6 +461,8 @@ def resume(worker: Worker) -> Progress:
         if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
             worker.comm.load_state_dict(saved["comm"])
         _restore_rng(saved["rng"], worker.generator, worker.device_generator)
+        if worker.faults is not None:  # (the fingerprint has checked it is the same trace)
+            worker.faults.load_state_dict(saved["faults"])
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
             resumed_from=resume_from, membership=saved.get("membership"),
@@ -530,13 +538,18 @@ def train_step(
 ) -> bool:
     """One optimizer step, then (outside the clock) its evaluation and checkpoint; its
     metrics are held in ``log`` and read, checked and written every --log-every steps and
-    before a checkpoint or the end. False if the run stops after it (--stop-after)."""
+    before a checkpoint or the end. False if the run stops after it (--stop-after), or
+    before it when no quorum of --fault-min-workers formed for it in --fault-quorum-wait-s."""
     config, clock, comm = worker.config, worker.clock, worker.comm
     # (Markers: on a GPU the step's compute and exposed times are known once the device has
     # run it; they are read with the loss, every --log-every steps.)
     begin = clock.marker()
     before_bytes = comm.bytes_sent
     member = True
+    # (A wait for the quorum is the step's: its clock and exposed time include it.)
+    if worker.faults is not None and worker.faults.quorum_lost(step):
+        _stop_without_quorum(worker, worker.faults, step, progress, writer, final, log)
+        return False
     if worker.faults is None:
         stats = worker.strategy.step(worker.step_closure)
     else:
@@ -580,6 +593,36 @@ def train_step(
         if save:
             _save_checkpoint(worker, step + 1, progress)
     return not stopped
+
+
+def _stop_without_quorum(
+    worker: Worker,
+    faults: WorkerFaults,
+    step: int,
+    progress: Progress,
+    writer: RunWriter | None,
+    final: FinalState,
+    log: StepLog,
+) -> None:
+    """No quorum formed for ``step`` in the time the run waits for one: write the steps
+    held, checkpoint the state before ``step`` (every worker, the live ones' clocks at the
+    wait's end) and say in one line how to continue."""
+    stall = faults.stalled
+    assert stall is not None
+    with worker.clock.excluded():
+        _write_held(worker, log, writer, final, worker.clock.kind, False)
+        _save_checkpoint(worker, step, progress)
+    out = run_directory(worker.config)
+    live = ", ".join(map(str, stall.alive))
+    missing = ", ".join(map(str, stall.missing))
+    progress.stopped = (
+        f"lowcomm: no quorum at step {step}: --fault-min-workers {stall.min_workers} needs "
+        f"{stall.min_workers} live workers, worker {live} waited {stall.waited_s:g} s "
+        f"(--fault-quorum-wait-s {stall.quorum_wait_s:g}) and worker {missing} did not join; "
+        f"stopped with a checkpoint in {out}; continue with: lowcomm train --resume {out} "
+        f"--fault-quorum-wait-s {max(2 * stall.quorum_wait_s, 60.0):g} (a longer wait) or "
+        f"--fault-min-workers {len(stall.alive)}"
+    )
 
 
 def _step_with_faults(worker: Worker, faults: WorkerFaults, step: int) -> tuple[StepStats, bool]:
@@ -699,7 +742,8 @@ def _stopped(
     if writer is not None:
         writer.close_steps()
         print(
-            f"lowcomm: stopped after step {worker.config.stop_after} with a checkpoint in "
+            progress.stopped
+            or f"lowcomm: stopped after step {worker.config.stop_after} with a checkpoint in "
             f"{run_directory(worker.config)}; continue with: lowcomm train --resume "
             f"{run_directory(worker.config)}",
             flush=True,
@@ -981,6 +1025,8 @@ def _state(worker: Worker, step: int, progress: Progress) -> dict[str, object]:
         "tokens": progress.tokens,
         "val_loss": progress.val_loss,
         "step": step,
+        # Where the worker stands in the fault trace (None: the run has no faults).
+        "faults": None if worker.faults is None else worker.faults.state_dict(),
     }
 
 
