@@ -1,6 +1,7 @@
 """Declared faults with one process per worker: the same trace gives the numbers of the run
-with every worker a thread of one process (losses, modeled times, the faults block), and
-what does not run with faults in processes is refused in one line."""
+with every worker a thread of one process (losses, modeled times, the faults block), launched
+locally or by torchrun; a worker may end by a planned SIGKILL while its peers go on; and what
+does not run with faults in processes is refused in one line."""
 
 from __future__ import annotations
 
