@@ -304,3 +304,28 @@ def test_a_planned_sigkill_ends_one_worker_and_its_peers_go_on_over_their_quorum
     with pytest.raises(WorkerFailed, match="killed by SIGKILL") as caught:
         spawn_workers(_survivors_of_a_sigkill, 3, (False,), timeout_s=60.0)
     assert caught.value.rank == 2
+
+
+def _cycling_through_more_sets_than_are_kept() -> tuple[list[float], list[tuple[int, ...]]]:
+    """Four workers enter five sets in turn, keeping the groups of two: each set's group is
+    destroyed two sets later and made again when the set comes back."""
+    comm = QuorumTorchComm(timeout_s=60.0, keep_groups=2)
+    sums = []
+    sets = [(0, 1, 2), (0, 1), (0, 2, 3), (1, 2, 3), (0, 1, 2), (0, 1, 2, 3), (0, 1)]
+    for quorum_id, members in enumerate(sets, start=1):
+        comm.prepare(members)
+        if comm.slot in members:
+            comm.enter(quorum_id, members)
+            value = torch.tensor([float(comm.slot)])
+            comm.all_reduce(value, op="sum", role=Role.OTHER).wait()
+            sums.append(float(value[0]))
+        assert len(comm.kept_sets) <= 2
+    return sums, list(comm.kept_sets)
+
+
+def test_quorum_groups_beyond_those_kept_are_destroyed_and_made_again() -> None:
+    results = spawn_workers(_cycling_through_more_sets_than_are_kept, 4, timeout_s=60.0)
+    sets = [(0, 1, 2), (0, 1), (0, 2, 3), (1, 2, 3), (0, 1, 2), (0, 1, 2, 3), (0, 1)]
+    for slot, (sums, kept) in enumerate(results):
+        assert sums == [float(sum(members)) for members in sets if slot in members]
+        assert kept == [(0, 1, 2), (0, 1)]  # (the whole world is the default group)
