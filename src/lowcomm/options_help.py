@@ -225,7 +225,9 @@ def _nested_group(name: str, title: str, hint: Any, *, note: bool = True) -> Gro
     kind = _dataclass(hint)
     assert kind is not None
     omit = tyro.conf.OmitArgPrefixes in _extras(hint)
-    prefix = "--" if omit else f"--{name}."
+    # (a group renamed on the command line, as --membership.* is for membership_options)
+    renamed = [getattr(e, "name", None) for e in _extras(hint) if getattr(e, "name", None)]
+    prefix = "--" if omit else f"--{renamed[0] if renamed else name}."
     hints = typing.get_type_hints(kind, include_extras=True)
     docs = field_docs(kind)
     options = tuple(

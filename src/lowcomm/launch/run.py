@@ -74,6 +74,8 @@ def run_training(
     config.validate()
     task.check(config)
     note = preflight(config, task)
+    if config.membership == "torchft":  # (lowcomm.membership: each worker a torchft replica)
+        return _launch_membership(config, note, report, task, torchrun)
     if torchrun:
         return _join_torchrun(config, note, report, task)
     check_process_memory(config, task)
@@ -83,6 +85,28 @@ def run_training(
         warn_if_oversubscribed(processes, config)
     start_run_dir(config, note)
     return _launch(config, processes, report, task)
+
+
+def _launch_membership(
+    config: TrainConfig, note: str | None, report: Report, task: Task, torchrun: bool
+) -> dict[str, Any] | None:
+    """A ``--membership torchft`` job (:func:`lowcomm.membership.local.run_membership`)."""
+    from lowcomm.membership.options import require_torchft
+
+    try:
+        require_torchft()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if torchrun:
+        raise ConfigError(
+            "--membership torchft: not under torchrun; start each worker with lowcomm train "
+            "--membership.lighthouse HOST:PORT --membership.worker K (docs/membership.md)"
+        )
+    from lowcomm.membership.local import run_membership
+
+    _prepare(config, task, report)
+    start_run_dir(config, note)
+    return run_membership(config, task)
 
 
 def _launch(
