@@ -48,7 +48,7 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -209,6 +209,8 @@ class Replica:
         self.events: list[dict[str, Any]] = []
         self.digests: list[dict[str, Any]] = []
         self._last_quorum = -1
+        #: Called after each event (the worker rewrites membership.json: a job's progress).
+        self.on_event: Callable[[], None] | None = None
 
     # --- the method's state (the Manager's state dict callbacks) ------------------------
 
@@ -255,6 +257,11 @@ class Replica:
         strategy.start_worker_state(kept=False)
         self._healed_step = step
 
+    def _log(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event()
+
     def take_healed_step(self) -> int | None:
         """The loop step of the state this worker was last healed with (once; None: not
         healed since the last call)."""
@@ -289,7 +296,7 @@ class Replica:
     def _note_quorum(self) -> None:
         if self.pg.quorum_id != self._last_quorum:
             self._last_quorum = self.pg.quorum_id
-            self.events.append({
+            self._log({
                 "event": "quorum", "time": time.time(), "step": self.loop_step,
                 "quorum_id": self.pg.quorum_id, "members": sorted(self.pg.members),
                 "participants": self.manager.num_participants(),
@@ -304,7 +311,7 @@ class Replica:
         enough workers took part)."""
         started = time.time()
         committed = self.manager.should_commit()
-        self.events.append({
+        self._log({
             "event": "commit" if committed else "dropped", "time": time.time(),
             "step": self.loop_step, "quorum_id": self.pg.quorum_id, "waited_s": time.time() - started,
         })  # fmt: skip
@@ -344,7 +351,7 @@ class Replica:
                 self._apply(payload, rewind=True)
                 self._joined = True
                 nbytes = sum(int(t.untyped_storage().nbytes()) for t in payload["tensors"])
-                self.events.append({
+                self._log({
                     "event": "healed", "time": time.time(), "asked": began,
                     "step": int(payload["loop_step"]), "bytes": nbytes,
                     "members": list(quorum.members),

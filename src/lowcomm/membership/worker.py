@@ -92,6 +92,8 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
             worker.strategy.runtime, membership=TorchftMembership(replica)
         )
         replica.attach(worker.strategy)
+        path = run_directory(config) / "membership.json"
+        replica.on_event = lambda: _write(path, _record(replica, config, started))
         raw.start()
         progress = loop.resume(worker)  # (a fresh start: checkpoints are refused)
         finish_calibration(worker.clock, config, 0)
@@ -123,7 +125,8 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
                 writer.close_steps()
         loop.finish(worker, progress, writer, final, False, time.perf_counter() - start_wall)
         record = _record(replica, config, started)
-        _write(run_directory(config) / "membership.json", record)
+        record["finished"] = time.time()
+        _write(path, record)
         return record
     finally:
         replica.shutdown()
@@ -135,7 +138,7 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
         "worker": replica.slot,
         "workers": config.workers,
         "started": started,
-        "finished": time.time(),
+        "finished": None,
         "commits": replica.commits,
         "dropped_rounds": replica.failed_rounds,
         "events": replica.events,
@@ -145,7 +148,9 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
 
 def _write(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, default=_plain) + "\n")
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=1, default=_plain) + "\n")
+    partial.replace(path)  # (a reader never sees half a file)
 
 
 def _plain(value: object) -> object:
