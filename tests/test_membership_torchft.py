@@ -93,6 +93,7 @@ def _kill_and_restart(method: str, out: Path, steps: int, restart: bool) -> dict
     return {"codes": codes, "killed": killed, "dirs": dirs}
 
 
+@pytest.mark.slow
 def test_diloco_survives_a_kill_and_the_restarted_worker_heals_bit_for_bit(
     tmp_path: Path,
 ) -> None:
@@ -128,6 +129,7 @@ def test_diloco_survives_a_kill_and_the_restarted_worker_heals_bit_for_bit(
     assert mine[max(mine)] == theirs[max(theirs)] and max(mine) == 159
 
 
+@pytest.mark.slow
 def test_ddp_survivors_continue_after_a_kill(tmp_path: Path) -> None:
     _needs_torchft()
     job = _kill_and_restart("ddp", tmp_path, steps=30, restart=False)
@@ -146,6 +148,7 @@ def test_ddp_survivors_continue_after_a_kill(tmp_path: Path) -> None:
     assert _digests(_record(dirs[(0, 0)]))[29] == _digests(_record(dirs[(1, 0)]))[29]
 
 
+@pytest.mark.slow
 def test_no_fault_diloco_follows_the_static_trajectory(tmp_path: Path) -> None:
     _needs_torchft()
     from lowcomm.launch.run import run_training
@@ -235,3 +238,92 @@ def test_static_membership_refuses_torchft_options() -> None:
     config = TrainConfig(membership_options=MembershipOptions(lighthouse="127.0.0.1:29510"))
     with pytest.raises(ConfigError, match="take effect with --membership torchft"):
         config.validate()
+
+
+class _FakeWork:
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+    def wait(self) -> bool:
+        return self.ok
+
+
+class _FakeError:
+    original_exception = RuntimeError("Connection reset by peer\ndetails")
+
+
+class _FakeManager:
+    """A torchft Manager whose first ``allreduce_failures`` collectives break (a peer died
+    inside them): the tensor is garbage and the Manager records the error, as torchft's does."""
+
+    def __init__(self, allreduce_failures: int) -> None:
+        self.failures = allreduce_failures
+        self.error: _FakeError | None = None
+        self.quorums = 0
+        self.issued = 0
+
+    def allreduce(self, tensor: Any, reduce_op: Any) -> _FakeWork:
+        self.issued += 1
+        if self.issued <= self.failures:
+            tensor.fill_(float("nan"))
+            self.error = _FakeError()
+            return _FakeWork(False)
+        tensor.mul_(2.0)  # (what the reduction makes of it here)
+        return _FakeWork(True)
+
+    def should_commit(self) -> bool:
+        return self.error is None
+
+    def errored(self) -> _FakeError | None:
+        return self.error
+
+    def start_quorum(self, allow_heal: bool, timeout: Any) -> None:
+        self.quorums += 1
+        self.error = None
+
+
+def _fake_replica(failures: int, attempts: int) -> Any:
+    from types import SimpleNamespace
+
+    from lowcomm.membership.torchft_comm import Replica
+
+    replica = Replica.__new__(Replica)  # (its state only: no lighthouse, no group)
+    replica.options = MembershipOptions(round_attempts=attempts)
+    replica.manager = _FakeManager(failures)
+    replica.pg = SimpleNamespace(quorum_id=1, members=(0, 1), replica_rank=0)
+    replica.slot, replica.loop_step = 0, 7
+    replica.commits = replica.failed_rounds = 0
+    replica.events, replica.digests = [], []
+    replica.on_event = None
+    replica._round_open, replica._joined, replica._last_quorum = True, False, 1
+    return replica
+
+
+def test_a_round_whose_collective_failed_is_dropped_and_tried_again_from_its_input() -> None:
+    _needs_torchft()
+    import torch
+
+    from lowcomm.membership.torchft_comm import _RoundHandle
+
+    replica = _fake_replica(failures=1, attempts=3)
+    tensor = torch.arange(4, dtype=torch.float32)
+    _RoundHandle(replica, tensor, "mean").wait()
+    # The broken attempt committed nothing; the new quorum's attempt started from the input.
+    assert torch.equal(tensor, torch.arange(4, dtype=torch.float32) * 2)
+    assert [e["event"] for e in replica.events] == ["dropped", "commit"]
+    assert replica.failed_rounds == 1 and replica.commits == 1 and replica.manager.quorums == 1
+
+
+def test_a_round_that_never_commits_ends_the_worker_in_one_line() -> None:
+    _needs_torchft()
+    import torch
+
+    from lowcomm.membership.torchft_comm import RoundFailed, _RoundHandle
+
+    replica = _fake_replica(failures=5, attempts=2)
+    handle = _RoundHandle(replica, torch.ones(3), "mean")
+    with pytest.raises(
+        RoundFailed, match=r"step 7 did not commit in 2 attempts .*Connection reset"
+    ):
+        handle.wait()
+    assert replica.commits == 0 and replica.failed_rounds == 2

@@ -119,8 +119,21 @@ def parse_address(address: str, flag: str) -> tuple[str, int]:
 
 def require_torchft() -> None:
     """Import torchft, or raise ValueError in one line naming the install command."""
+    import os
+    import warnings
+
+    # torchft's Rust side logs every quorum request and commit at info level; a run says
+    # what happened in membership.json instead (RUST_LOG set by the user wins).
+    os.environ.setdefault("RUST_LOG", "warn")
+    # Its Python loggers print a traceback for every collective a dead peer broke; the worker
+    # says a dropped round in one line instead (lowcomm.membership.torchft_comm).
+    import logging
+
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    # (PGTransport makes tensors of read-only pickles and uses a deprecated pytree check)
+    warnings.filterwarnings("ignore", module="torchft.checkpointing.pg_transport")
     try:
-        import torchft
+        import torchft  # noqa: F401
         import torchft.manager  # noqa: F401
     except ImportError as error:
         raise ValueError(
@@ -155,10 +168,10 @@ def membership_refusal(config: TrainConfig) -> str | None:
             f"quorum and one mean all-reduce); use {' or '.join(TORCHFT_METHODS)}"
         )
     if config.method == "diloco":
-        diloco = getattr(config, "diloco", None)
-        if getattr(diloco, "quantization", "none") != "none":
+        quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
+        if quantization != "none":
             return (
-                f"{flag}: not with --diloco.quantization {diloco.quantization} (its two-step "
+                f"{flag}: not with --diloco.quantization {quantization} (its two-step "
                 "exchange is two collectives per round); use none"
             )
     simple = (

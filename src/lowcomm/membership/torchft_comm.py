@@ -47,6 +47,7 @@ import contextlib
 import hashlib
 import logging
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -88,7 +89,7 @@ class RoundFailed(RuntimeError):
     """A round did not commit in --membership.round-attempts attempts."""
 
 
-class _RecordingGloo(ProcessGroupGloo):
+class _RecordingGloo(ProcessGroupGloo):  # type: ignore[misc]
     """torchft's reconfigurable Gloo group, remembering the members of its current quorum
     (their worker slots: the replica ids' trailing numbers, as torchft derives global ranks)."""
 
@@ -118,11 +119,16 @@ class _RecordingGloo(ProcessGroupGloo):
         self.replica_rank = rank
 
 
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
 def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def bound_store(host: str) -> tuple[dist.TCPStore, socket.socket]:
+def bound_store(host: str) -> tuple[Any, socket.socket]:
     """A TCPStore server listening on ``host`` only (a TCPStore made with ``is_master`` binds
     every interface): its socket is bound here and handed over. Keep the socket alive as long
     as the store."""
@@ -131,7 +137,7 @@ def bound_store(host: str) -> tuple[dist.TCPStore, socket.socket]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     sock.listen(128)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
+    store = dist.TCPStore(  # type: ignore[attr-defined,name-defined]
         host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
         master_listen_fd=sock.fileno(), use_libuv=True,
     )  # fmt: skip
@@ -310,7 +316,7 @@ class Replica:
         """End the open round: whether torchft commits it (every collective completed and
         enough workers took part)."""
         started = time.time()
-        committed = self.manager.should_commit()
+        committed = bool(self.manager.should_commit())
         self._log({
             "event": "commit" if committed else "dropped", "time": time.time(),
             "step": self.loop_step, "quorum_id": self.pg.quorum_id, "waited_s": time.time() - started,
@@ -321,6 +327,14 @@ class Replica:
             self._joined = False
         else:
             self.failed_rounds += 1
+            error = self.manager.errored()
+            cause = "" if error is None else f" ({_first_line(error.original_exception)})"
+            print(
+                f"lowcomm: worker {self.slot}: the round at step {self.loop_step} did not "
+                f"commit{cause}; trying it again on a new quorum",
+                file=sys.stderr,
+                flush=True,
+            )
         return committed
 
     def retry_round(self) -> None:
@@ -422,7 +436,7 @@ class _RoundHandle:
             replica.retry_round()
             self._work = self._issue()
         error = replica.manager.errored()
-        cause = "" if error is None else f": {str(error.original_exception).splitlines()[0]}"
+        cause = "" if error is None else f": {_first_line(error.original_exception)}"
         raise RoundFailed(
             f"worker {replica.slot}: the round at step {replica.loop_step} did not commit in "
             f"{attempts} attempts (--membership.round-attempts){cause}"
@@ -450,7 +464,7 @@ class _MaxHandle:
         manager.wait_quorum()
         if manager.errored() is None:
             options = AllreduceOptions()
-            options.reduceOp = ReduceOp.MAX
+            options.reduceOp = ReduceOp.MAX  # type: ignore[assignment]
             try:
                 self._work = replica.pg.allreduce([tensor], options)
             except Exception as error:  # (the group could not issue it: a broken quorum)
@@ -503,7 +517,7 @@ class TorchftComm:
         if not self._started or not self.replica.started:
             return self.replica.workers
         # (The workers that take part: a healing one sits the round out.)
-        return max(1, self.replica.manager.num_participants())
+        return max(1, int(self.replica.manager.num_participants()))
 
     def all_reduce(
         self,
