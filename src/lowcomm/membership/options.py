@@ -133,7 +133,7 @@ def require_torchft() -> None:
     # (PGTransport makes tensors of read-only pickles and uses a deprecated pytree check)
     warnings.filterwarnings("ignore", module="torchft.checkpointing.pg_transport")
     try:
-        import torchft  # noqa: F401
+        import torchft
         import torchft.manager  # noqa: F401
     except ImportError as error:
         raise ValueError(
