@@ -43,7 +43,7 @@ def _config(method: str, out: Path, steps: int, **overrides: Any) -> TrainConfig
         data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=4),
         membership="torchft",
         membership_options=MembershipOptions(
-            heartbeat_timeout_s=HEARTBEAT_S, quorum_timeout_s=60.0, digests=True
+            detect_s=HEARTBEAT_S, quorum_s=60.0, digests=True
         ),
     )  # fmt: skip
     for key, value in overrides.items():
@@ -288,7 +288,7 @@ def _fake_replica(failures: int, attempts: int) -> Any:
     from lowcomm.membership.torchft_comm import Replica
 
     replica = Replica.__new__(Replica)  # (its state only: no lighthouse, no group)
-    replica.options = MembershipOptions(round_attempts=attempts)
+    replica.options = MembershipOptions(attempts=attempts)
     replica.manager = _FakeManager(failures)
     replica.pg = SimpleNamespace(quorum_id=1, members=(0, 1), replica_rank=0)
     replica.slot, replica.loop_step = 0, 7

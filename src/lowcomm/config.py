@@ -278,9 +278,9 @@ class TrainConfig:
     """Generated trace: the seed of its draws (default 0)."""
 
     membership: Literal["static", "torchft"] = "static"
-    """Who takes part in each round: static (every worker, always; a dead worker ends the run)
-    or torchft (torchft's lighthouse decides each round's quorum: a dead worker is left out,
-    a worker started later joins and heals; lowcomm.membership)."""
+    """Who takes part in each round: static or torchft (docs/membership.md). static: every
+    worker, always; a dead worker ends the run. torchft: torchft's lighthouse decides each
+    round's quorum; a dead worker is left out, a worker started later joins and heals."""
 
     membership_options: Annotated[MembershipOptions, tyro.conf.arg(name="membership")] = field(
         default_factory=MembershipOptions

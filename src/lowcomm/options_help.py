@@ -74,6 +74,7 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fault_slow_factor",
             "fault_detection_s",
             "fault_seed",
+            "membership",
         ),
     ),
     (
@@ -89,6 +90,9 @@ TITLES = {
     "optim": "Optimizer",
     "schedule": "Learning-rate schedule",
 }
+
+#: Nested components that --help gives one line per option, and their titles.
+BRIEF_TITLES = {"membership_options": "Live membership (--membership torchft)"}
 
 #: The command line's own options of ``lowcomm train`` (not TrainConfig's fields).
 FILE_OPTIONS = (
@@ -133,6 +137,7 @@ SHORT = {
     "log": "Where the step records also go: tensorboard, wandb (metrics.jsonl always).",
     "resume": "Resume from this run directory's latest checkpoint, or auto.",
     "init_from": "Start from this model (a run's OUT, a lowcomm or local HF model directory).",
+    "membership": "Who takes part in each round: static, or torchft (workers die and join).",
 }
 
 #: Where --help sends the reader for the details.
@@ -201,7 +206,12 @@ def groups() -> list[Group]:
     plain = [n for n in others if n not in nested]
     if plain:
         result.append(flat("Other options", plain))
-    result += [_nested_group(n, n, hints[n]) for n in others if n in nested]
+    for name in (n for n in others if n in nested):
+        if name in BRIEF_TITLES:  # (one line per option; docs/options.md has the rest)
+            group = _nested_group(name, BRIEF_TITLES[name], hints[name], note=False)
+            result.append(dataclasses.replace(group, brief=True))
+        else:
+            result.append(_nested_group(name, name, hints[name]))
     result.append(
         Group("Config files", "", tuple(Option(flag, "", "", doc) for flag, doc in FILE_OPTIONS))
     )

@@ -92,8 +92,8 @@ class LocalJob:
         self.lighthouse = LighthouseServer(
             bind="127.0.0.1:0",
             min_replicas=options.min_workers,
-            join_timeout_ms=int(options.quorum_timeout_s * 1000),
-            heartbeat_timeout_ms=int(options.heartbeat_timeout_s * 1000),
+            join_timeout_ms=int(options.quorum_s * 1000),
+            heartbeat_timeout_ms=int(options.detect_s * 1000),
         )
         # (Its address names the host name; the workers reach it on the loopback.)
         _, port = parse_address(self.lighthouse.address(), "lighthouse")

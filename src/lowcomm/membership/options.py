@@ -46,50 +46,52 @@ class MembershipOptions:
     """Live membership on torchft (with --membership torchft)."""
 
     lighthouse: str | None = None
-    """The torchft lighthouse, HOST:PORT, that decides each round's quorum. This process is then
-    one worker (--membership.worker) of a job that workers join and leave. None: a local run
-    starts a lighthouse on 127.0.0.1 and --workers worker processes, and stops them at the end."""
+    """The torchft lighthouse HOST:PORT; this process is then one worker. The lighthouse
+    decides each round's quorum; this process is worker --membership.worker of a job that
+    workers join and leave. None: a local run starts a lighthouse on 127.0.0.1 and --workers
+    worker processes, and stops them at the end."""
 
     worker: int | None = None
-    """This process's worker slot, 0 to --workers - 1 (with --membership.lighthouse): its data
+    """This process's worker slot (with --membership.lighthouse). 0 to --workers - 1: its data
     shard and its torchft replica id. A slot whose worker died may be started again: it joins."""
 
     min_workers: int = 1
-    """The fewest workers a round may commit with (torchft's min_replica_size; a local run's
-    lighthouse also forms no quorum below it)."""
+    """The fewest workers a round may commit with. torchft's min_replica_size; a local run's
+    lighthouse also forms no quorum below it."""
 
-    heartbeat_timeout_s: float = 5.0
-    """Seconds without a heartbeat after which the local lighthouse counts a worker dead (on a
-    cluster, torchft_lighthouse's --heartbeat_timeout_ms says it)."""
+    detect_s: float = 5.0
+    """Seconds without a heartbeat before a worker is dropped (the detection time). The local
+    lighthouse's heartbeat timeout; on a cluster, torchft_lighthouse's --heartbeat_timeout_ms
+    says it."""
 
-    quorum_timeout_s: float = 60.0
-    """Seconds a worker waits for a quorum to form; also how long the local lighthouse waits
+    quorum_s: float = 60.0
+    """Seconds a worker waits for a quorum to form. Also how long the local lighthouse waits
     for a live worker that has not asked yet (torchft's join timeout)."""
 
     host: str | None = None
-    """The address this worker binds its listeners to and tells its peers (its manager server,
-    replica-group store and Gloo group). None: 127.0.0.1 in a local run; with a lighthouse, the
+    """The address this worker's listeners bind and advertise. Its manager server,
+    replica-group store and Gloo group. None: 127.0.0.1 in a local run; with a lighthouse, the
     address of the interface that routes to it."""
 
-    round_attempts: int = 3
-    """How many times a round that did not commit is tried again on a new quorum before the
-    worker gives up."""
+    attempts: int = 3
+    """Tries of a round that did not commit, each on a new quorum. Then the worker gives
+    up."""
 
     digests: bool = False
-    """Record a SHA-256 of the parameters after every committed round in membership.json (to
-    check that workers hold the same bits)."""
+    """Record a SHA-256 of the parameters after each committed round. In membership.json,
+    to check that workers hold the same bits."""
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, object, bool, str]] = [
             ("--membership.min-workers", self.min_workers, self.min_workers >= 1,
              "at least 1 worker commits a round"),
-            ("--membership.heartbeat-timeout-s", self.heartbeat_timeout_s,
-             math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0,
+            ("--membership.detect-s", self.detect_s,
+             math.isfinite(self.detect_s) and self.detect_s > 0,
              "a finite time > 0 seconds, e.g. 5 (torchft's default)"),
-            ("--membership.quorum-timeout-s", self.quorum_timeout_s,
-             math.isfinite(self.quorum_timeout_s) and self.quorum_timeout_s >= 1,
+            ("--membership.quorum-s", self.quorum_s,
+             math.isfinite(self.quorum_s) and self.quorum_s >= 1,
              "a finite time >= 1 second, e.g. 60"),
-            ("--membership.round-attempts", self.round_attempts, self.round_attempts >= 1,
+            ("--membership.attempts", self.attempts, self.attempts >= 1,
              "at least 1 attempt, e.g. 3"),
             ("--membership.worker", self.worker, self.worker is None or self.worker >= 0,
              "a slot 0 to --workers - 1"),

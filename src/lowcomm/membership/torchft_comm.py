@@ -11,7 +11,7 @@ take part); its handle's ``wait()`` asks the Manager to commit (``should_commit`
 that did not commit (a peer died inside the collective, the group could not be reconfigured) is
 dropped: its input is put back and the round is tried again on a new quorum, which leaves the
 dead worker out once the lighthouse has stopped hearing its heartbeats; the strategy only ever
-sees a committed result. After ``--membership.round-attempts`` failures the worker gives up.
+sees a committed result. After ``--membership.attempts`` failures the worker gives up.
 
 **Healing.** A worker that asks for a quorum with a lower torchft step than the others is
 healed: torchft's Manager has a live member send it what the method declares global
@@ -86,7 +86,7 @@ ADMISSION_POLL_S = 0.2
 
 
 class RoundFailed(RuntimeError):
-    """A round did not commit in --membership.round-attempts attempts."""
+    """A round did not commit in --membership.attempts attempts."""
 
 
 class _RecordingGloo(ProcessGroupGloo):  # type: ignore[misc]
@@ -196,8 +196,8 @@ class Replica:
             self.manager = Manager(
                 pg=self.pg, load_state_dict=self._load, state_dict=self._save,
                 min_replica_size=options.min_workers, use_async_quorum=True, timeout=timeout,
-                quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
-                connect_timeout=timedelta(seconds=min(options.quorum_timeout_s, 30.0)),
+                quorum_timeout=timedelta(seconds=options.quorum_s),
+                connect_timeout=timedelta(seconds=min(options.quorum_s, 30.0)),
                 rank=0, world_size=1, store_addr=host, store_port=self.store.port,
                 lighthouse_addr=address, replica_id=f"lowcomm_worker_{slot}", port=0,
                 hostname=host, checkpoint_transport=transport, init_sync=False,
@@ -285,7 +285,7 @@ class Replica:
         """Open a round (ask for a quorum; it forms in the background) unless one is open."""
         if not self._round_open:
             self.manager.start_quorum(
-                allow_heal=True, timeout=timedelta(seconds=self.options.quorum_timeout_s)
+                allow_heal=True, timeout=timedelta(seconds=self.options.quorum_s)
             )
             self._round_open = True
 
@@ -350,7 +350,7 @@ class Replica:
         empty round together. A worker whose quorum finds the others further on is healed
         from one of them: its round stays open (it is the live workers' round, whose
         collectives this worker joins in its first step) and it starts at their loop step."""
-        deadline = time.monotonic() + self.options.quorum_timeout_s
+        deadline = time.monotonic() + self.options.quorum_s
         while True:
             self.open_round()
             began = time.time()
@@ -377,11 +377,11 @@ class Replica:
             if self.manager.errored() is None and (full or late) and self.commit():
                 return 0
             self._round_open = False
-            if time.monotonic() >= deadline + self.options.quorum_timeout_s:
+            if time.monotonic() >= deadline + self.options.quorum_s:
                 raise RoundFailed(
                     f"worker {self.slot}: no quorum of --membership.min-workers "
                     f"{self.options.min_workers} formed within "
-                    f"{2 * self.options.quorum_timeout_s:g} s (the last had {quorum.size})"
+                    f"{2 * self.options.quorum_s:g} s (the last had {quorum.size})"
                 )
             time.sleep(ADMISSION_POLL_S)
 
@@ -422,7 +422,7 @@ class _RoundHandle:
         if self._done:
             return
         replica = self._replica
-        attempts = replica.options.round_attempts
+        attempts = replica.options.attempts
         for attempt in range(1, attempts + 1):
             self._work.wait()  # (an error is reported to the Manager, which then drops it)
             replica._note_quorum()
@@ -439,7 +439,7 @@ class _RoundHandle:
         cause = "" if error is None else f": {_first_line(error.original_exception)}"
         raise RoundFailed(
             f"worker {replica.slot}: the round at step {replica.loop_step} did not commit in "
-            f"{attempts} attempts (--membership.round-attempts){cause}"
+            f"{attempts} attempts (--membership.attempts){cause}"
         )
 
     def done(self) -> bool:
