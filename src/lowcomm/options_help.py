@@ -208,8 +208,8 @@ def groups() -> list[Group]:
         result.append(flat("Other options", plain))
     for name in (n for n in others if n in nested):
         if name in BRIEF_TITLES:  # (one line per option; docs/options.md has the rest)
-            group = _nested_group(name, BRIEF_TITLES[name], hints[name], note=False)
-            result.append(dataclasses.replace(group, brief=True))
+            shown = _nested_group(name, BRIEF_TITLES[name], hints[name], note=False)
+            result.append(dataclasses.replace(shown, brief=True))
         else:
             result.append(_nested_group(name, name, hints[name]))
     result.append(
