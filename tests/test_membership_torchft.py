@@ -75,6 +75,23 @@ def _digests(record: dict[str, Any]) -> dict[int, str]:
     return {int(entry["step"]): str(entry["sha256"]) for entry in record["digests"]}
 
 
+def _listening(pids: list[int], port: int | None = None) -> set[str]:
+    """The addresses the processes ``pids`` listen on (TCP; on ``port`` only, if given)."""
+    psutil = pytest.importorskip("psutil")
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        found |= {
+            c.laddr.ip
+            for c in connections
+            if c.status == psutil.CONN_LISTEN and port in (None, c.laddr.port)
+        }
+    return found
+
+
 def _kill_and_restart(method: str, out: Path, steps: int, restart: bool) -> dict[str, Any]:
     """A local job whose worker 2 is SIGKILLed after 10 steps (and, with ``restart``, started
     again at once); every process's membership.json and exit code."""
@@ -84,13 +101,16 @@ def _kill_and_restart(method: str, out: Path, steps: int, restart: bool) -> dict
     with LocalJob(config) as job:
         job.start_all()
         _wait_for(lambda: _lines(job.worker_dir(2, 0) / "metrics.jsonl") >= 10, "10 steps")
+        pids = [p.pid for ps in job.processes.values() for p in ps if p.pid]
+        port = int(job.address.rpartition(":")[2])
+        listening = _listening(pids) | _listening([os.getpid()], port=port)
         killed = job.kill(2)
         if restart:
             job.start(2)
         codes = job.wait(300)
         dirs = {(slot, n): job.worker_dir(slot, n) for slot, ps in job.processes.items()
                 for n in range(len(ps))}  # fmt: skip
-    return {"codes": codes, "killed": killed, "dirs": dirs}
+    return {"codes": codes, "killed": killed, "dirs": dirs, "listening": listening}
 
 
 @pytest.mark.slow
@@ -101,6 +121,8 @@ def test_diloco_survives_a_kill_and_the_restarted_worker_heals_bit_for_bit(
     job = _kill_and_restart("diloco", tmp_path, steps=160, restart=True)
     codes, dirs = job["codes"], job["dirs"]
     assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
+    # The lighthouse (in this process) and every worker listen on the loopback only.
+    assert job["listening"] == {"127.0.0.1"}, job["listening"]
     assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
     # Each worker has its own run directory; none is shared.
     assert len({str(d) for d in dirs.values()}) == 4
