@@ -119,6 +119,18 @@ class _RecordingGloo(ProcessGroupGloo):  # type: ignore[misc]
         self.replica_rank = rank
 
 
+class _TimedTransport(PGTransport):  # type: ignore[misc]
+    """torchft's process-group transport, timing the last state it received."""
+
+    last_receive_s: float | None = None
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        begin = time.perf_counter()
+        state = super().recv_checkpoint(src_rank, metadata, step, timeout)
+        self.last_receive_s = time.perf_counter() - begin
+        return state
+
+
 def _first_line(error: BaseException) -> str:
     lines = [line for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
@@ -190,7 +202,7 @@ class Replica:
         self.store, self._store_socket = bound_store(host)
         timeout = timedelta(seconds=timeout_s)
         self.pg = _RecordingGloo(timeout)
-        transport: PGTransport[Any] = PGTransport(self.pg, timeout, torch.device("cpu"))
+        self.transport = _TimedTransport(self.pg, timeout, torch.device("cpu"))
         address = lighthouse if lighthouse.startswith("http://") else f"http://{lighthouse}"
         with _manager_server_on(host):
             self.manager = Manager(
@@ -200,7 +212,7 @@ class Replica:
                 connect_timeout=timedelta(seconds=min(options.quorum_s, 30.0)),
                 rank=0, world_size=1, store_addr=host, store_port=self.store.port,
                 lighthouse_addr=address, replica_id=f"lowcomm_worker_{slot}", port=0,
-                hostname=host, checkpoint_transport=transport, init_sync=False,
+                hostname=host, checkpoint_transport=self.transport, init_sync=False,
             )  # fmt: skip
         self._strategy: Strategy | None = None
         #: The loop step this worker is in (what a healed peer continues from).
@@ -368,6 +380,7 @@ class Replica:
                 self._log({
                     "event": "healed", "time": time.time(), "asked": began,
                     "step": int(payload["loop_step"]), "bytes": nbytes,
+                    "transfer_s": self.transport.last_receive_s,
                     "members": list(quorum.members),
                 })  # fmt: skip
                 self.loop_step = int(payload["loop_step"])
