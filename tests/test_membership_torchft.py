@@ -137,6 +137,17 @@ def test_diloco_survives_a_kill_and_the_restarted_worker_heals_bit_for_bit(
         assert after[0]["members"] == [0, 1], after
         assert any(e["members"] == [0, 1, 2] for e in after[1:]), after
         assert record["dropped_rounds"] == 0 or record["commits"] > 0
+    # metrics.jsonl and summary.json record the quorum changes, as a simulated run does.
+    rows = [json.loads(line) for line in (dirs[(0, 0)] / "metrics.jsonl").read_text().splitlines()]
+    changed = [
+        (r["step"], r["quorum"], r["membership_events"]) for r in rows if "membership_events" in r
+    ]
+    assert [c[1:] for c in changed] == [
+        (2, [{"worker": 2, "kind": "crash"}]),
+        (3, [{"worker": 2, "kind": "join"}]),
+    ], changed
+    summary = json.loads((dirs[(0, 0)] / "summary.json").read_text())
+    assert [c["step"] for c in summary["faults"]["membership_changes"]] == [c[0] for c in changed]
     joiner = _record(dirs[(2, 1)])
     healed = [e for e in joiner["events"] if e["event"] == "healed"]
     assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]

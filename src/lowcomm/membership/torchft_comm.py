@@ -229,6 +229,12 @@ class Replica:
         self._last_quorum = -1
         #: Called after each event (the worker rewrites membership.json: a job's progress).
         self.on_event: Callable[[], None] | None = None
+        #: Per loop step: the quorum's size, the workers it lost or gained at that step
+        #: (metrics.jsonl's quorum and membership_events), and the steps a round was dropped.
+        self.step_quorum: dict[int, int] = {}
+        self.step_changes: dict[int, list[dict[str, object]]] = {}
+        self.dropped_steps: set[int] = set()
+        self._members: tuple[int, ...] = ()
 
     # --- the method's state (the Manager's state dict callbacks) ------------------------
 
@@ -280,6 +286,12 @@ class Replica:
         if self.on_event is not None:
             self.on_event()
 
+    def quorum_size_at(self, step: int) -> int | None:
+        """The size of the quorum this worker's step ``step`` ran in (the last one formed at
+        or before it; None before the first)."""
+        known = [s for s in self.step_quorum if s <= step]
+        return self.step_quorum[max(known)] if known else None
+
     def take_healed_step(self) -> int | None:
         """The loop step of the state this worker was last healed with (once; None: not
         healed since the last call)."""
@@ -314,6 +326,18 @@ class Replica:
     def _note_quorum(self) -> None:
         if self.pg.quorum_id != self._last_quorum:
             self._last_quorum = self.pg.quorum_id
+            members = tuple(sorted(self.pg.members))
+            if self._members:
+                changes: list[dict[str, object]] = [
+                    {"worker": w, "kind": "crash"} for w in self._members if w not in members
+                ]
+                changes += [
+                    {"worker": w, "kind": "join"} for w in members if w not in self._members
+                ]
+                if changes:
+                    self.step_changes.setdefault(self.loop_step, []).extend(changes)
+            self._members = members
+            self.step_quorum[self.loop_step] = len(members)
             self._log({
                 "event": "quorum", "time": time.time(), "step": self.loop_step,
                 "quorum_id": self.pg.quorum_id, "members": sorted(self.pg.members),
@@ -339,6 +363,7 @@ class Replica:
             self._joined = False
         else:
             self.failed_rounds += 1
+            self.dropped_steps.add(self.loop_step)
             error = self.manager.errored()
             cause = "" if error is None else f" ({_first_line(error.original_exception)})"
             print(

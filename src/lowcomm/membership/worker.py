@@ -101,6 +101,8 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         rule = strategy_class(config.method).membership
         per_step = rule is not None and rule.round == "step"
         writer = loop._run_writer(worker, progress)
+        if writer is not None:
+            _record_membership(writer, replica)
         final = loop.FinalState()
         log = StepLog(config.log_every)
         start_wall = time.perf_counter()
@@ -123,6 +125,8 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
                 if final.last_record is not None:
                     writer.write_step(final.last_record)
                 writer.close_steps()
+        if writer is not None:
+            writer.faults = _membership_summary(writer, replica, config)
         loop.finish(worker, progress, writer, final, False, time.perf_counter() - start_wall)
         record = _record(replica, config, started)
         record["finished"] = time.time()
@@ -130,6 +134,41 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         return record
     finally:
         replica.shutdown()
+
+
+def _record_membership(writer: Any, replica: Any) -> None:
+    """Each step's record (metrics.jsonl) gets the size of its quorum, the workers that
+    quorum lost (``crash``: torchft cannot tell a crash from a leave) or gained, and whether
+    its round was dropped, as a run with simulated faults records them."""
+    write_step = writer.write_step
+
+    def with_membership(record: Any) -> None:
+        record.quorum = replica.quorum_size_at(record.step)
+        record.membership_events = replica.step_changes.get(record.step)
+        if record.step in replica.dropped_steps:
+            record.dropped = True
+        write_step(record)
+
+    writer.write_step = with_membership
+
+
+def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[str, Any]:
+    """summary.json's ``faults`` of a torchft worker: its quorum changes and dropped rounds,
+    as a simulated run's (goodput needs the fault-free rate, which a live run does not know:
+    none)."""
+    return {
+        "source": "torchft",
+        "detection_s": config.membership_options.detect_s,
+        "committed_tokens": None,
+        "goodput": None,
+        "rounds_dropped": replica.failed_rounds,
+        "worker_seconds_lost": None,
+        "membership_changes": [
+            {"step": r.step, "events": r.membership_events, "quorum": r.quorum}
+            for r in writer.records
+            if r.membership_events
+        ],
+    }
 
 
 def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]:
