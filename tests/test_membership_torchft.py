@@ -160,6 +160,8 @@ def test_diloco_survives_a_kill_and_the_restarted_worker_heals_bit_for_bit(
     # After its first sync the joiner's parameters equal the others', bit for bit, and stay so.
     assert mine[first_sync] == theirs[first_sync] == _digests(survivors[1])[first_sync]
     assert mine[max(mine)] == theirs[max(theirs)] and max(mine) == 159
+    # Its data shard continued where its slot's would be: every worker ends at 160 micro-batches.
+    assert joiner["data_position"] == survivors[0]["data_position"] == 160
 
 
 @pytest.mark.slow

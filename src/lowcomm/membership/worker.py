@@ -98,8 +98,10 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         progress = loop.resume(worker)  # (a fresh start: checkpoints are refused)
         finish_calibration(worker.clock, config, 0)
         progress.start_step = replica.admit()
+        per_step = config.microbatches_per_step
+        _skip_to(worker.shard, progress.start_step * per_step)
         rule = strategy_class(config.method).membership
-        per_step = rule is not None and rule.round == "step"
+        step_rounds = rule is not None and rule.round == "step"
         writer = loop._run_writer(worker, progress)
         if writer is not None:
             _record_membership(writer, replica)
@@ -111,13 +113,15 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
                 step = progress.start_step
                 while step < config.steps:
                     replica.loop_step = step
-                    if per_step:
+                    if step_rounds:
                         replica.open_round()  # (forms while the gradient is computed)
                     commits = replica.commits
                     loop.train_step(worker, step, progress, writer, final, log)
                     if options.digests and replica.commits > commits:
                         replica.record_digest(step, worker.model.parameters())
                     healed = replica.take_healed_step()
+                    if healed is not None and healed != step:  # (healed into a later step)
+                        _skip_to(worker.shard, (healed + 1) * per_step)
                     step = (step if healed is None else healed) + 1
                 loop.final_evaluation(worker, progress, final, keep_parameters=False)
         finally:
@@ -130,10 +134,22 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         loop.finish(worker, progress, writer, final, False, time.perf_counter() - start_wall)
         record = _record(replica, config, started)
         record["finished"] = time.time()
+        record["data_position"] = worker.shard.state_dict().get("position")
         _write(path, record)
         return record
     finally:
         replica.shutdown()
+
+
+def _skip_to(shard: Any, position: int) -> None:
+    """Put the worker's data shard at ``position`` micro-batches: a worker that joins at a
+    step continues its slot's shard where it would be had the slot never been empty (what
+    the slot's dead worker did not train on is skipped, and no sample comes twice in a pass).
+    A shard of the user's own task that keeps no position is left where it is."""
+    state = shard.state_dict()
+    if "position" in state:
+        state["position"] = position
+        shard.load_state_dict(state)
 
 
 def _record_membership(writer: Any, replica: Any) -> None:
