@@ -362,3 +362,70 @@ def test_a_round_that_never_commits_ends_the_worker_in_one_line() -> None:
     ):
         handle.wait()
     assert replica.commits == 0 and replica.failed_rounds == 2
+
+
+@pytest.mark.slow
+def test_cluster_commands_with_torchft_lighthouse(tmp_path: Path) -> None:
+    """The cluster recipe of docs/membership.md: torchft_lighthouse, then one `lowcomm train`
+    per worker naming it."""
+    _needs_torchft()
+    import shutil
+    import socket
+
+    from lowcomm.membership.local import loopback_interface
+
+    binary = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+    if binary is None:
+        pytest.skip("torchft_lighthouse is not installed beside this Python")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ, "PYTHONPATH": str(ROOT / "src"), "GLOO_SOCKET_IFNAME": loopback_interface(),
+        "RUST_LOG": "warn",
+    }  # fmt: skip
+    lighthouse = subprocess.Popen(
+        [binary, "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
+         "--heartbeat_timeout_ms", "2000", "--join_timeout_ms", "60000"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "lowcomm",
+                    "train",
+                    *TINY,
+                    "--method",
+                    "diloco",
+                    "--steps",
+                    "8",
+                    "--diloco.sync-every",
+                    "4",
+                    "--membership",
+                    "torchft",
+                    "--membership.lighthouse",
+                    f"127.0.0.1:{port}",
+                    "--membership.worker",
+                    str(k),
+                    "--membership.digests",
+                    "True",
+                    "--out",
+                    str(tmp_path / f"w{k}"),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for k in range(2)
+        ]
+        errors = [worker.communicate(timeout=240)[1] for worker in workers]
+        assert [worker.returncode for worker in workers] == [0, 0], errors
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    digests = [_digests(_record(tmp_path / f"w{k}")) for k in range(2)]
+    assert digests[0] == digests[1] and sorted(digests[0]) == [3, 7]
