@@ -330,6 +330,8 @@ def _fake_replica(failures: int, attempts: int) -> Any:
     replica.commits = replica.failed_rounds = 0
     replica.events, replica.digests = [], []
     replica.on_event = None
+    replica.dropped_steps, replica.step_quorum, replica.step_changes = set(), {}, {}
+    replica._members = (0, 1)
     replica._round_open, replica._joined, replica._last_quorum = True, False, 1
     return replica
 
@@ -347,6 +349,7 @@ def test_a_round_whose_collective_failed_is_dropped_and_tried_again_from_its_inp
     assert torch.equal(tensor, torch.arange(4, dtype=torch.float32) * 2)
     assert [e["event"] for e in replica.events] == ["dropped", "commit"]
     assert replica.failed_rounds == 1 and replica.commits == 1 and replica.manager.quorums == 1
+    assert replica.dropped_steps == {7}  # (metrics.jsonl marks the step's round dropped)
 
 
 def test_a_round_that_never_commits_ends_the_worker_in_one_line() -> None:
