@@ -404,6 +404,10 @@ def option_flags(cls: type, prefix: str = "") -> list[str]:
         if tyro.conf.Positional in extras:
             continue
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            # (a group renamed on the command line: membership_options is --membership.*)
+            renamed = [getattr(e, "name", None) for e in extras if getattr(e, "name", None)]
+            if renamed:
+                name = prefix + str(renamed[0]).replace("_", "-")
             inner = "" if tyro.conf.OmitArgPrefixes in extras else name + "."
             flags += option_flags(hint, inner)
         else:

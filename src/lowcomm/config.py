@@ -28,6 +28,7 @@ from lowcomm.comm.network import (
 )
 from lowcomm.data import DataConfig
 from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S
+from lowcomm.membership.options import MembershipOptions
 from lowcomm.models import ModelConfig
 from lowcomm.models.options import GPT_FAMILY
 from lowcomm.optim.adamw import AdamWConfig
@@ -284,6 +285,15 @@ class TrainConfig:
     """Seconds (on the run's clock) a run waits for a quorum of --fault-min-workers before it
     ends with a checkpoint; --resume with a longer wait (or fewer workers) continues it."""
 
+    membership: Literal["static", "torchft"] = "static"
+    """Who takes part in each round: static or torchft (docs/membership.md). static: every
+    worker, always; a dead worker ends the run. torchft: torchft's lighthouse decides each
+    round's quorum; a dead worker is left out, a worker started later joins and heals."""
+
+    membership_options: Annotated[MembershipOptions, tyro.conf.arg(name="membership")] = field(
+        default_factory=MembershipOptions
+    )
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -333,6 +343,11 @@ class TrainConfig:
         from lowcomm.faults.run import faults_refusal
 
         refusal = faults_refusal(self)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        from lowcomm.membership.options import membership_refusal
+
+        refusal = membership_refusal(self)
         if refusal is not None:
             raise ConfigError(refusal)
 

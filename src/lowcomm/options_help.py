@@ -76,6 +76,7 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fault_seed",
             "fault_min_workers",
             "fault_quorum_wait_s",
+            "membership",
         ),
     ),
     (
@@ -91,6 +92,9 @@ TITLES = {
     "optim": "Optimizer",
     "schedule": "Learning-rate schedule",
 }
+
+#: Nested components that --help gives one line per option, and their titles.
+BRIEF_TITLES = {"membership_options": "Live membership (--membership torchft)"}
 
 #: The command line's own options of ``lowcomm train`` (not TrainConfig's fields).
 FILE_OPTIONS = (
@@ -135,6 +139,7 @@ SHORT = {
     "log": "Where the step records also go: tensorboard, wandb (metrics.jsonl always).",
     "resume": "Resume from this run directory's latest checkpoint, or auto.",
     "init_from": "Start from this model (a run's OUT, a lowcomm or local HF model directory).",
+    "membership": "Who takes part in each round: static, or torchft (workers die and join).",
 }
 
 #: Where --help sends the reader for the details.
@@ -203,7 +208,12 @@ def groups() -> list[Group]:
     plain = [n for n in others if n not in nested]
     if plain:
         result.append(flat("Other options", plain))
-    result += [_nested_group(n, n, hints[n]) for n in others if n in nested]
+    for name in (n for n in others if n in nested):
+        if name in BRIEF_TITLES:  # (one line per option; docs/options.md has the rest)
+            shown = _nested_group(name, BRIEF_TITLES[name], hints[name], note=False)
+            result.append(dataclasses.replace(shown, brief=True))
+        else:
+            result.append(_nested_group(name, name, hints[name]))
     result.append(
         Group("Config files", "", tuple(Option(flag, "", "", doc) for flag, doc in FILE_OPTIONS))
     )
@@ -227,7 +237,9 @@ def _nested_group(name: str, title: str, hint: Any, *, note: bool = True) -> Gro
     kind = _dataclass(hint)
     assert kind is not None
     omit = tyro.conf.OmitArgPrefixes in _extras(hint)
-    prefix = "--" if omit else f"--{name}."
+    # (a group renamed on the command line, as --membership.* is for membership_options)
+    renamed = [getattr(e, "name", None) for e in _extras(hint) if getattr(e, "name", None)]
+    prefix = "--" if omit else f"--{renamed[0] if renamed else name}."
     hints = typing.get_type_hints(kind, include_extras=True)
     docs = field_docs(kind)
     options = tuple(
@@ -290,7 +302,7 @@ def metavar(hint: Any) -> str:
         if len(arguments) == 2 and arguments[1] is Ellipsis:
             return f"{metavar(arguments[0])}..."
         return " ".join(metavar(a) for a in arguments)
-    names = {bool: "{True,False}", int: "INT", float: "FLOAT", str: "STR"}
+    names = {bool: "BOOL", int: "INT", float: "FLOAT", str: "STR"}
     return names.get(hint, "VALUE")
 
 
@@ -395,7 +407,8 @@ def train_help(width: int | None = None) -> str:
         "       lowcomm train --config run.toml [OPTIONS]",
         "",
         "Train a model data-parallel with one lowcomm method. Each option is --name VALUE",
-        "(defaults in brackets); a method's own options are under its group at the end.",
+        "(defaults in brackets, BOOL: True or False); a method's own options are under its",
+        "group at the end.",
     ]
     for group in groups():
         lines += ["", f"{group.title}:"]

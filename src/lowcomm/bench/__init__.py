@@ -13,6 +13,7 @@ from lowcomm.bench.overhead import OverheadBench, run_overhead
 from lowcomm.bench.reallink import RealLinkBench, run_reallink
 from lowcomm.bench.scale import ScaleBench, run_scale
 from lowcomm.bench.startup import StartupBench, run_startup
+from lowcomm.membership.bench import MembershipBench, run_membership_bench
 
 #: ``lowcomm bench NAME``: the benchmark configurations, by name.
 BENCHMARKS: dict[str, Any] = {
@@ -25,6 +26,7 @@ BENCHMARKS: dict[str, Any] = {
     "scale": ScaleBench,
     "fsdp": FsdpBench,
     "faults": FaultsBench,
+    "membership": MembershipBench,
 }
 
 
@@ -57,6 +59,9 @@ def run_bench(command: object) -> None:
     if isinstance(command, FaultsBench):
         run_faults(command)
         return
+    if isinstance(command, MembershipBench):
+        run_membership_bench(command)
+        return
     raise TypeError(f"unknown bench command {command!r}")
 
 
@@ -67,6 +72,7 @@ __all__ = [
     "ElasticBench",
     "FaultsBench",
     "FsdpBench",
+    "MembershipBench",
     "OverheadBench",
     "RealLinkBench",
     "ScaleBench",

@@ -72,8 +72,12 @@ def run_training(
     if torchrun:
         adopt_torchrun_world(config)
     config.validate()
+    if config.membership == "torchft":  # (lowcomm.membership: each worker a torchft replica)
+        _check_membership_engine(config, torchrun)
     task.check(config)
     note = preflight(config, task)
+    if config.membership == "torchft":
+        return _launch_membership(config, note, report, task)
     if torchrun:
         return _join_torchrun(config, note, report, task)
     check_process_memory(config, task)
@@ -83,6 +87,36 @@ def run_training(
         warn_if_oversubscribed(processes, config)
     start_run_dir(config, note)
     return _launch(config, processes, report, task)
+
+
+def _check_membership_engine(config: TrainConfig, torchrun: bool) -> None:
+    """Before anything is built: torchft is installed, and the lighthouse answers."""
+    from lowcomm.membership.options import require_torchft
+
+    try:
+        require_torchft()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if torchrun:
+        raise ConfigError(
+            "--membership torchft: not under torchrun; start each worker with lowcomm train "
+            "--membership.lighthouse HOST:PORT --membership.worker K (docs/membership.md)"
+        )
+    from lowcomm.membership.worker import check_lighthouse
+
+    if config.membership_options.lighthouse is not None:
+        check_lighthouse(config.membership_options.lighthouse)
+
+
+def _launch_membership(
+    config: TrainConfig, note: str | None, report: Report, task: Task
+) -> dict[str, Any] | None:
+    """A ``--membership torchft`` job (:func:`lowcomm.membership.local.run_membership`)."""
+    from lowcomm.membership.local import run_membership
+
+    _prepare(config, task, report)
+    start_run_dir(config, note)
+    return run_membership(config, task)
 
 
 def _launch(

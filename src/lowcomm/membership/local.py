@@ -1,0 +1,227 @@
+"""A ``--membership torchft`` job: one worker in this process (``--membership.lighthouse``
+given, on a cluster), or a local job of ``--workers`` worker processes and a lighthouse.
+
+A local job (:class:`LocalJob`) starts torchft's lighthouse in this process, bound to
+127.0.0.1 on a port the system picks, and every worker as a process of its own on the loopback
+(``GLOO_SOCKET_IFNAME`` set to its interface): nothing listens beyond 127.0.0.1. Worker K
+writes ``OUT/workerK`` (a worker started again in slot K writes ``OUT/workerK.N``): nodes share
+no disk. The job ends when every worker has; a worker that dies does not end it. It can kill a
+worker (SIGKILL) and start one again, which joins the others at their next round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import replace
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from lowcomm.config import TrainConfig
+from lowcomm.membership.options import parse_address, require_torchft
+from lowcomm.train.task import Task
+
+__all__ = ["LocalJob", "loopback_interface", "run_membership"]
+
+
+def loopback_interface() -> str:
+    """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    return next((name for name in names if name.startswith("lo")), "lo")
+
+
+def _worker_main(config: TrainConfig, task: Task | None) -> None:
+    """A local worker process: train, and say a failure in one line."""
+    import torch
+
+    torch.set_num_threads(1)
+    from lowcomm.membership.worker import train_replica
+
+    try:
+        train_replica(config, task)
+    except KeyboardInterrupt:
+        os._exit(130)
+    except ValueError as error:
+        print(
+            f"lowcomm: worker {config.membership_options.worker}: error: {error}", file=sys.stderr
+        )
+        sys.stderr.flush()
+        os._exit(2)
+    except BaseException as error:  # (a traceback for the log, then this worker ends)
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+        print(
+            f"lowcomm: worker {config.membership_options.worker}: error: {error}", file=sys.stderr
+        )
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+class LocalJob:
+    """A lighthouse on 127.0.0.1 and the job's worker processes.
+
+    Args:
+        config: the job (``--membership torchft`` without a lighthouse); its ``--out`` (or
+            run directory) holds one directory per worker.
+        task: the model, data and loss (None: ``lowcomm train``'s).
+    """
+
+    def __init__(self, config: TrainConfig, task: Task | None = None) -> None:
+        require_torchft()
+        from torchft.coordination import LighthouseServer
+
+        from lowcomm.train.rundir import run_directory
+
+        options = config.membership_options
+        self.config = config
+        self.task = task
+        self.run_dir = run_directory(config)
+        self.lighthouse = LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=options.min_workers,
+            join_timeout_ms=int(options.quorum_s * 1000),
+            heartbeat_timeout_ms=int(options.detect_s * 1000),
+        )
+        # (Its address names the host name; the workers reach it on the loopback.)
+        _, port = parse_address(self.lighthouse.address(), "lighthouse")
+        self.address = f"127.0.0.1:{port}"
+        self.processes: dict[int, list[BaseProcess]] = {}
+        self._context = multiprocessing.get_context("spawn")
+
+    def worker_dir(self, slot: int, start: int) -> Path:
+        """Where slot ``slot``'s ``start``-th process (0: the first) writes its run."""
+        return self.run_dir / (f"worker{slot}" if start == 0 else f"worker{slot}.{start}")
+
+    def start(self, slot: int) -> BaseProcess:
+        """Start a worker in ``slot`` (again, if one ran there: it joins the live ones)."""
+        started = len(self.processes.get(slot, []))
+        options = replace(
+            self.config.membership_options, lighthouse=self.address, worker=slot, host="127.0.0.1"
+        )
+        config = replace(
+            self.config, out=str(self.worker_dir(slot, started)), membership_options=options
+        )
+        saved = {key: os.environ.get(key) for key in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            process = self._context.Process(target=_worker_main, args=(config, self.task))
+            process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        self.processes.setdefault(slot, []).append(process)
+        return process
+
+    def start_all(self) -> None:
+        for slot in range(self.config.workers):
+            self.start(slot)
+
+    def kill(self, slot: int) -> float:
+        """SIGKILL slot ``slot``'s live worker; the wall time of the kill."""
+        process = self.processes[slot][-1]
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        killed = time.time()
+        process.join()
+        return killed
+
+    def wait(self, timeout_s: float | None = None) -> dict[int, list[int | None]]:
+        """Wait for every worker process to end; the exit codes of each slot's processes
+        (None: still running at the timeout)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for processes in list(self.processes.values()):
+            for process in processes:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                process.join(left)
+        return {
+            slot: [process.exitcode for process in processes]
+            for slot, processes in self.processes.items()
+        }
+
+    def stop(self) -> None:
+        """Stop every live worker (SIGTERM, then SIGKILL) and the lighthouse."""
+        for processes in self.processes.values():
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+        for processes in self.processes.values():
+            for process in processes:
+                process.join(5.0)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        with contextlib.suppress(Exception):
+            self.lighthouse.shutdown()
+
+    def __enter__(self) -> LocalJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | None:
+    """Run a ``--membership torchft`` job; return worker 0's summary (or the first that
+    finished).
+
+    With ``--membership.lighthouse`` this process is that one worker. Without, a local job:
+    a lighthouse on 127.0.0.1 and ``--workers`` worker processes; it ends when they all have,
+    and fails when none finished."""
+    from lowcomm.launch.run import read_summary
+    from lowcomm.launch.spawn import WorkerFailed
+    from lowcomm.train.rundir import run_directory
+
+    options = config.membership_options
+    if options.lighthouse is not None:
+        from lowcomm.membership.worker import train_replica
+
+        train_replica(config, task)
+        return read_summary(run_directory(config))
+    with LocalJob(config, task) as job:
+        print(
+            f"lowcomm: torchft lighthouse on {job.address}; starting {config.workers} worker "
+            f"processes (each its own run in {job.run_dir}/workerK)",
+            flush=True,
+        )
+        job.start_all()
+        codes = job.wait()
+    finished = [slot for slot, exits in sorted(codes.items()) if exits and exits[-1] == 0]
+    _write_job(job, codes)
+    if not finished:
+        slot, exits = min(codes.items())
+        raise WorkerFailed(slot, f"every worker failed (worker {slot} exited with {exits[-1]})")
+    return read_summary(job.worker_dir(finished[0], len(codes[finished[0]]) - 1))
+
+
+def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
+    """OUT/membership.json: where each worker's run is and how its processes ended."""
+    record = {
+        "engine": "torchft",
+        "lighthouse": job.address,
+        "workers": {
+            str(slot): [
+                {"run": str(job.worker_dir(slot, n)), "exit_code": code}
+                for n, code in enumerate(exits)
+            ]
+            for slot, exits in sorted(codes.items())
+        },
+    }
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    (job.run_dir / "membership.json").write_text(json.dumps(record, indent=1) + "\n")

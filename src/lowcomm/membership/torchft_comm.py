@@ -1,0 +1,621 @@
+"""One worker as a torchft replica group: a ``Comm`` over torchft's Manager and its
+reconfigurable Gloo group, and the runtime's ``Membership`` that opens each round with a quorum.
+
+**A round** is one quorum, the method's collectives over its members, and one commit
+(docs/ARCHITECTURE.md, "Workers that come and go"): each step for ddp, each outer sync for
+diloco. :class:`Replica` opens it with torchft's asynchronous quorum (``Manager.start_quorum``):
+ddp's worker opens it at the start of the step, so the quorum forms while the gradient is
+computed; diloco's opens it when the strategy enters its sync (``runtime.enter_round()``). The
+round's payload travels in ``Manager.allreduce`` (a sum, divided by the number of workers that
+take part); its handle's ``wait()`` asks the Manager to commit (``should_commit``). A round
+that did not commit (a peer died inside the collective, the group could not be reconfigured) is
+dropped: its input is put back and the round is tried again on a new quorum, which leaves the
+dead worker out once the lighthouse has stopped hearing its heartbeats; the strategy only ever
+sees a committed result. After ``--membership.attempts`` failures the worker gives up.
+
+**Healing.** A worker that asks for a quorum with a lower torchft step than the others is
+healed: torchft's Manager has a live member send it what the method declares global
+(``Strategy.global_state``: for diloco the global parameters, the outer momentum and the
+counters; for ddp the parameters, the AdamW moments and the counters) over torchft's
+process-group transport (``PGTransport``: the same reconfigured Gloo group, so healing opens no
+listener of its own). A healed worker is not a participant of the round it healed in (torchft's
+asynchronous quorum: its payload is zeroed and the mean divides by the others): it never counts
+a peer's data twice. A worker's own state starts by the method's rule
+(``Strategy.start_worker_state``).
+
+A new worker asks for its first quorum before its first step (:meth:`Replica.admit`): at a run's
+start every worker waits until all ``--workers`` are in (or the quorum timeout passes), then
+they commit an empty round together, so each holds torchft step 1 and a worker that starts later
+(at step 0) is healed. A worker started later is admitted into the live workers' next round: it
+takes the healed state, and its loop continues from the step the round belongs to.
+
+**Listeners.** torchft's Manager binds its server to ``[::]`` and its default checkpoint
+transport (HTTP) to every interface, and advertises the host name. Here every listener binds
+``host`` (127.0.0.1 in a local run): the manager server through a wrapper of the
+``ManagerServer`` that Manager constructs (the bind address is not one of its arguments), the
+replica group's TCPStore on a socket bound here beforehand (``master_listen_fd``), Gloo on the
+interface of ``GLOO_SOCKET_IFNAME`` (the local launcher sets the loopback's), and no HTTP
+server at all (:class:`PGTransport`).
+
+This module imports torchft: import it only for ``--membership torchft``
+(:func:`lowcomm.membership.options.require_torchft` first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllreduceOptions
+from torchft import manager as torchft_manager
+from torchft.checkpointing.pg_transport import PGTransport
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo
+
+from lowcomm.comm.base import (
+    CompletedHandle,
+    Handle,
+    Role,
+    Segments,
+    Settled,
+    check_segments,
+)
+from lowcomm.comm.base import (
+    ReduceOp as LowcommReduceOp,
+)
+from lowcomm.comm.runtime import Quorum
+from lowcomm.membership.options import MembershipOptions
+from lowcomm.strategies.base import Strategy
+
+__all__ = ["Replica", "RoundFailed", "TorchftComm", "TorchftMembership", "bound_store"]
+
+logger = logging.getLogger(__name__)
+
+#: How often a starting worker asks again while fewer than --workers are in its quorum.
+ADMISSION_POLL_S = 0.2
+
+
+class RoundFailed(RuntimeError):
+    """A round did not commit in --membership.attempts attempts."""
+
+
+class _RecordingGloo(ProcessGroupGloo):  # type: ignore[misc]
+    """torchft's reconfigurable Gloo group, remembering the members of its current quorum
+    (their worker slots: the replica ids' trailing numbers, as torchft derives global ranks)."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout)
+        self.members: tuple[int, ...] = ()
+        self.quorum_id = -1
+        self.replica_rank = 0
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: list[int] | None = None,
+    ) -> None:
+        super().configure(
+            store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+            global_ranks,
+        )  # fmt: skip
+        self.members = tuple(global_ranks or ())
+        self.quorum_id = -1 if quorum_id is None else quorum_id
+        self.replica_rank = rank
+
+
+class _TimedTransport(PGTransport):  # type: ignore[misc]
+    """torchft's process-group transport, timing the last state it received."""
+
+    last_receive_s: float | None = None
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        begin = time.perf_counter()
+        state = super().recv_checkpoint(src_rank, metadata, step, timeout)
+        self.last_receive_s = time.perf_counter() - begin
+        return state
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def bound_store(host: str) -> tuple[Any, socket.socket]:
+    """A TCPStore server listening on ``host`` only (a TCPStore made with ``is_master`` binds
+    every interface): its socket is bound here and handed over. Keep the socket alive as long
+    as the store."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    store = dist.TCPStore(  # type: ignore[attr-defined,name-defined]
+        host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+        master_listen_fd=sock.fileno(), use_libuv=True,
+    )  # fmt: skip
+    return store, sock
+
+
+@contextlib.contextmanager
+def _manager_server_on(host: str) -> Iterator[None]:
+    """While Manager is constructed, its ManagerServer binds ``host`` instead of ``[::]``."""
+    original = torchft_manager.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        _, _, port = str(kwargs["bind"]).rpartition(":")
+        kwargs["bind"] = f"{_bracketed(host)}:{port}"
+        return original(**kwargs)
+
+    torchft_manager.ManagerServer = bound  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original  # type: ignore[misc]
+
+
+class Replica:
+    """This worker's torchft replica group (one rank: ``--ranks-per-worker 1``): its Manager,
+    its reconfigurable Gloo group, and the state of the current round.
+
+    Args:
+        options: the run's ``--membership.*``.
+        slot: this worker's slot (its data shard; its replica id ends in it).
+        workers: the run's worker slots (``--workers``): the size of a full quorum.
+        lighthouse: the lighthouse, ``HOST:PORT``.
+        host: the address every listener of this worker binds and advertises.
+        timeout_s: how long a collective, a commit or a healing transfer may take.
+    """
+
+    def __init__(
+        self,
+        options: MembershipOptions,
+        *,
+        slot: int,
+        workers: int,
+        lighthouse: str,
+        host: str,
+        timeout_s: float,
+    ) -> None:
+        self.options = options
+        self.slot = slot
+        self.workers = workers
+        self.store, self._store_socket = bound_store(host)
+        timeout = timedelta(seconds=timeout_s)
+        self.pg = _RecordingGloo(timeout)
+        self.transport = _TimedTransport(self.pg, timeout, torch.device("cpu"))
+        address = lighthouse if lighthouse.startswith("http://") else f"http://{lighthouse}"
+        with _manager_server_on(host):
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=self._load, state_dict=self._save,
+                min_replica_size=options.min_workers, use_async_quorum=True, timeout=timeout,
+                quorum_timeout=timedelta(seconds=options.quorum_s),
+                connect_timeout=timedelta(seconds=min(options.quorum_s, 30.0)),
+                rank=0, world_size=1, store_addr=host, store_port=self.store.port,
+                lighthouse_addr=address, replica_id=f"lowcomm_worker_{slot}", port=0,
+                hostname=host, checkpoint_transport=self.transport, init_sync=False,
+            )  # fmt: skip
+        self._strategy: Strategy | None = None
+        #: The loop step this worker is in (what a healed peer continues from).
+        self.loop_step = 0
+        self._round_open = False
+        self._joined = False
+        self._healed_step: int | None = None
+        #: Rounds committed (the startup round included) and rounds dropped.
+        self.commits = 0
+        self.failed_rounds = 0
+        #: What happened, in order, with wall times (membership.json).
+        self.events: list[dict[str, Any]] = []
+        self.digests: list[dict[str, Any]] = []
+        self._last_quorum = -1
+        #: Called after each event (the worker rewrites membership.json: a job's progress).
+        self.on_event: Callable[[], None] | None = None
+        #: Per loop step: the quorum's size, the workers it lost or gained at that step
+        #: (metrics.jsonl's quorum and membership_events), and the steps a round was dropped.
+        self.step_quorum: dict[int, int] = {}
+        self.step_changes: dict[int, list[dict[str, object]]] = {}
+        self.dropped_steps: set[int] = set()
+        self._members: tuple[int, ...] = ()
+
+    # --- the method's state (the Manager's state dict callbacks) ------------------------
+
+    def attach(self, strategy: Strategy) -> None:
+        """The strategy whose declared global state heals a joiner."""
+        self._strategy = strategy
+
+    def _save(self) -> dict[str, Any]:
+        """What a joiner receives: the declared global tensors and counters, and the loop
+        step this worker is in (called on torchft's quorum thread while this worker waits in
+        its round, or, for ddp, computes a gradient, which none of these tensors is)."""
+        assert self._strategy is not None
+        tensors, counters = self._strategy.global_state()
+        return {
+            "tensors": [tensor for _, tensor in tensors],
+            "counters": dict(counters),
+            "loop_step": self.loop_step,
+        }
+
+    def _load(self, payload: dict[str, Any]) -> None:
+        """The Manager applies the healed state when the round commits (after its
+        collective, before the strategy uses the result)."""
+        self._apply(payload, rewind=False)
+
+    def _apply(self, payload: dict[str, Any], *, rewind: bool) -> None:
+        """Take a live member's global state and start this worker's own by the method's
+        rule. ``rewind``: before this worker's first step, the member is inside its loop step
+        (past its inner step, for a method that syncs after it), which this worker then takes
+        itself: its counters go back by the steps the member has taken into that loop step."""
+        strategy = self._strategy
+        assert strategy is not None
+        tensors, _ = strategy.global_state()
+        counters = {name: int(value) for name, value in payload["counters"].items()}
+        step = int(payload["loop_step"])
+        if rewind:
+            ahead = counters["step_index"] - step
+            counters["step_index"] -= ahead
+            if "local_steps" in counters:
+                counters["local_steps"] -= ahead
+        with torch.no_grad():
+            for (_, mine), theirs in zip(tensors, payload["tensors"], strict=True):
+                mine.copy_(theirs)
+        strategy.set_global_counters(counters)
+        strategy.start_worker_state(kept=False)
+        self._healed_step = step
+
+    def _log(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event()
+
+    def quorum_size_at(self, step: int) -> int | None:
+        """The size of the quorum this worker's step ``step`` ran in (the last one formed at
+        or before it; None before the first)."""
+        known = [s for s in self.step_quorum if s <= step]
+        return self.step_quorum[max(known)] if known else None
+
+    def take_healed_step(self) -> int | None:
+        """The loop step of the state this worker was last healed with (once; None: not
+        healed since the last call)."""
+        step, self._healed_step = self._healed_step, None
+        return step
+
+    # --- rounds ---------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        """Whether this worker has asked for a quorum yet."""
+        return self._last_quorum >= 0 or self._round_open
+
+    def open_round(self) -> None:
+        """Open a round (ask for a quorum; it forms in the background) unless one is open."""
+        if not self._round_open:
+            self.manager.start_quorum(
+                allow_heal=True, timeout=timedelta(seconds=self.options.quorum_s)
+            )
+            self._round_open = True
+
+    def wait_quorum(self) -> Quorum:
+        """The open round's quorum, once formed."""
+        self.manager.wait_quorum()
+        self._note_quorum()
+        return self.quorum()
+
+    def quorum(self) -> Quorum:
+        members = tuple(sorted(self.pg.members)) or (self.slot,)
+        return Quorum(members, max(self.pg.quorum_id, 0), joined=self._joined)
+
+    def _note_quorum(self) -> None:
+        if self.pg.quorum_id != self._last_quorum:
+            self._last_quorum = self.pg.quorum_id
+            members = tuple(sorted(self.pg.members))
+            if self._members:
+                changes: list[dict[str, object]] = [
+                    {"worker": w, "kind": "crash"} for w in self._members if w not in members
+                ]
+                changes += [
+                    {"worker": w, "kind": "join"} for w in members if w not in self._members
+                ]
+                if changes:
+                    self.step_changes.setdefault(self.loop_step, []).extend(changes)
+            self._members = members
+            self.step_quorum[self.loop_step] = len(members)
+            self._log({
+                "event": "quorum", "time": time.time(), "step": self.loop_step,
+                "quorum_id": self.pg.quorum_id, "members": sorted(self.pg.members),
+                "participants": self.manager.num_participants(),
+            })  # fmt: skip
+
+    def healing(self) -> bool:
+        """Whether this worker is being healed in the open round (its quorum is formed)."""
+        return bool(getattr(self.manager, "_healing", False))
+
+    def commit(self) -> bool:
+        """End the open round: whether torchft commits it (every collective completed and
+        enough workers took part)."""
+        started = time.time()
+        committed = bool(self.manager.should_commit())
+        self._log({
+            "event": "commit" if committed else "dropped", "time": time.time(),
+            "step": self.loop_step, "quorum_id": self.pg.quorum_id, "waited_s": time.time() - started,
+        })  # fmt: skip
+        if committed:
+            self.commits += 1
+            self._round_open = False
+            self._joined = False
+        else:
+            self.failed_rounds += 1
+            self.dropped_steps.add(self.loop_step)
+            error = self.manager.errored()
+            cause = "" if error is None else f" ({_first_line(error.original_exception)})"
+            print(
+                f"lowcomm: worker {self.slot}: the round at step {self.loop_step} did not "
+                f"commit{cause}; trying it again on a new quorum",
+                file=sys.stderr,
+                flush=True,
+            )
+        return committed
+
+    def retry_round(self) -> None:
+        """Open the round again on a new quorum after it did not commit."""
+        self._round_open = False
+        self.open_round()
+
+    def admit(self) -> int:
+        """This worker's first quorum; the loop step it starts at.
+
+        At a run's start the workers ask until a quorum holds all ``--workers`` of them (or
+        the quorum timeout passed with at least ``--membership.min-workers``), then commit an
+        empty round together. A worker whose quorum finds the others further on is healed
+        from one of them: its round stays open (it is the live workers' round, whose
+        collectives this worker joins in its first step) and it starts at their loop step."""
+        deadline = time.monotonic() + self.options.quorum_s
+        while True:
+            self.open_round()
+            began = time.time()
+            quorum = self.wait_quorum()
+            if self.manager.errored() is None and self.healing():
+                pending = getattr(self.manager, "_pending_state_dict", None)
+                if pending is None:
+                    raise RoundFailed(
+                        f"worker {self.slot}: torchft reported healing but received no state"
+                    )
+                payload = pending["user"]["default"]
+                self._apply(payload, rewind=True)
+                self._joined = True
+                nbytes = sum(int(t.untyped_storage().nbytes()) for t in payload["tensors"])
+                self._log({
+                    "event": "healed", "time": time.time(), "asked": began,
+                    "step": int(payload["loop_step"]), "bytes": nbytes,
+                    "transfer_s": self.transport.last_receive_s,
+                    "members": list(quorum.members),
+                })  # fmt: skip
+                self.loop_step = int(payload["loop_step"])
+                return self.take_healed_step() or self.loop_step
+            full = quorum.size >= self.workers
+            late = time.monotonic() >= deadline and quorum.size >= self.options.min_workers
+            if self.manager.errored() is None and (full or late) and self.commit():
+                return 0
+            self._round_open = False
+            if time.monotonic() >= deadline + self.options.quorum_s:
+                raise RoundFailed(
+                    f"worker {self.slot}: no quorum of --membership.min-workers "
+                    f"{self.options.min_workers} formed within "
+                    f"{2 * self.options.quorum_s:g} s (the last had {quorum.size})"
+                )
+            time.sleep(ADMISSION_POLL_S)
+
+    def record_digest(self, step: int, parameters: Iterator[torch.Tensor]) -> None:
+        """A SHA-256 of the parameters after a committed round."""
+        digest = hashlib.sha256()
+        for parameter in parameters:
+            digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self.digests.append({"step": step, "sha256": digest.hexdigest()})
+
+    def shutdown(self) -> None:
+        """Stop the manager server (its heartbeats) and the group."""
+        with contextlib.suppress(Exception):
+            self.manager.shutdown(wait=False)
+        with contextlib.suppress(Exception):
+            self.pg.abort(errored=False)
+        with contextlib.suppress(OSError):
+            self._store_socket.close()
+
+
+class _RoundHandle:
+    """The round's payload in flight; ``wait()`` returns once a round committed it (tried
+    again on a new quorum if one did not; see the module docstring)."""
+
+    def __init__(self, replica: Replica, tensor: torch.Tensor, op: LowcommReduceOp) -> None:
+        self._replica = replica
+        self._tensor = tensor
+        self._op = op
+        self._input = tensor.detach().clone()  # (a dropped round starts again from it)
+        self._work = self._issue()
+        self._done = False
+
+    def _issue(self) -> Any:
+        reduce = ReduceOp.AVG if self._op == "mean" else ReduceOp.SUM
+        return self._replica.manager.allreduce(self._tensor, reduce_op=reduce)
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        replica = self._replica
+        attempts = replica.options.attempts
+        for attempt in range(1, attempts + 1):
+            self._work.wait()  # (an error is reported to the Manager, which then drops it)
+            replica._note_quorum()
+            if replica.commit():
+                self._done = True
+                return
+            if attempt == attempts:
+                break
+            with torch.no_grad():
+                self._tensor.copy_(self._input)
+            replica.retry_round()
+            self._work = self._issue()
+        error = replica.manager.errored()
+        cause = "" if error is None else f": {_first_line(error.original_exception)}"
+        raise RoundFailed(
+            f"worker {replica.slot}: the round at step {replica.loop_step} did not commit in "
+            f"{attempts} attempts (--membership.attempts){cause}"
+        )
+
+    def done(self) -> bool:
+        return self._done
+
+    def settle(self) -> Settled:
+        self.wait()
+        return Settled()
+
+
+class _MaxHandle:
+    """A max over the round's members (the virtual clock's agreement on a launch time)
+    outside the commit: a failure is reported to the Manager, which drops the round's
+    commit, and the tensor keeps this worker's value."""
+
+    def __init__(self, replica: Replica, tensor: torch.Tensor) -> None:
+        self._replica = replica
+        self._tensor = tensor
+        self._input = tensor.detach().clone()
+        self._work: Any = None
+        manager = replica.manager
+        manager.wait_quorum()
+        if manager.errored() is None:
+            options = AllreduceOptions()
+            options.reduceOp = ReduceOp.MAX  # type: ignore[assignment]
+            try:
+                self._work = replica.pg.allreduce([tensor], options)
+            except Exception as error:  # (the group could not issue it: a broken quorum)
+                manager.report_error(error)
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        try:
+            work.wait()
+        except Exception as error:
+            self._replica.manager.report_error(error)
+            with torch.no_grad():
+                self._tensor.copy_(self._input)
+
+    def done(self) -> bool:
+        return self._work is None
+
+    def settle(self) -> Settled:
+        self.wait()
+        return Settled()
+
+
+class TorchftComm:
+    """The strategy's raw ``Comm`` between workers, over this worker's :class:`Replica`.
+
+    Before the worker starts (set-up) it is a group of ``--workers`` in which this worker has
+    its slot's rank (so set-up takes the slot's data shard) and a broadcast changes nothing
+    (every worker builds the same model from the run's seed; torchft's ``init_sync`` is off).
+    Then its rank and size are those of the current round.
+    """
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self._started = False
+
+    def start(self) -> None:
+        """Set-up is over: from now on collectives run in rounds."""
+        self._started = True
+
+    @property
+    def rank(self) -> int:
+        if not self._started or not self.replica.started:
+            return self.replica.slot
+        return self.replica.pg.replica_rank
+
+    @property
+    def world_size(self) -> int:
+        if not self._started or not self.replica.started:
+            return self.replica.workers
+        # (The workers that take part: a healing one sits the round out.)
+        return max(1, int(self.replica.manager.num_participants()))
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: LowcommReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        check_segments(tensor, segments)
+        self._check_started("all_reduce")
+        self.replica.open_round()
+        if op == "max":
+            return _MaxHandle(self.replica, tensor)
+        return _RoundHandle(self.replica, tensor, op)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        if not self._started:
+            return CompletedHandle()
+        raise NotImplementedError(self._unsupported("broadcast"))
+
+    def barrier(self) -> Handle:
+        if not self._started:
+            return CompletedHandle()
+        raise NotImplementedError(self._unsupported("barrier"))
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: LowcommReduceOp = "sum", role: Role
+    ) -> Handle:
+        raise NotImplementedError(self._unsupported("reduce_scatter"))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        raise NotImplementedError(self._unsupported("all_gather"))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        raise NotImplementedError(self._unsupported("all_to_all"))
+
+    def _check_started(self, op: str) -> None:
+        if not self._started:
+            raise RuntimeError(f"TorchftComm.{op}: called during set-up, before any quorum")
+
+    @staticmethod
+    def _unsupported(op: str) -> str:
+        return (
+            f"TorchftComm.{op}: a round here is one quorum and one mean all-reduce; the methods "
+            "that run with --membership torchft issue nothing else"
+        )
+
+
+class TorchftMembership:
+    """The runtime's ``Membership`` of a torchft worker: entering a round opens it (if the
+    worker has not already, as ddp's worker does at the step's start) and waits for its
+    quorum."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+
+    def quorum(self) -> Quorum:
+        return self.replica.quorum()
+
+    def enter_round(self) -> Quorum:
+        self.replica.open_round()
+        return self.replica.wait_quorum()

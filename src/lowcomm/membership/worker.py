@@ -1,0 +1,214 @@
+"""One worker of a ``--membership torchft`` run: a torchft replica group of one rank that
+trains with lowcomm's loop, its collectives in torchft rounds
+(:mod:`lowcomm.membership.torchft_comm`).
+
+The worker's run is its own: nodes share no disk, so each worker writes its own run directory
+(``--out``): metrics.jsonl and summary.json as a run of one worker does (its loss, its clock,
+its bytes), and membership.json, what torchft decided for it: each quorum (its id, members
+and participants), each round committed or dropped, and when it was healed (the loop step it
+was healed at, the bytes received and how long it took).
+
+A worker started while the others train is healed before its first step
+(:meth:`Replica.admit`) and continues from the others' loop step; its first round sits out
+their sync.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.membership.options import parse_address, require_torchft
+from lowcomm.train.task import Task
+
+__all__ = ["check_lighthouse", "local_address", "train_replica"]
+
+#: How long the lighthouse may take to accept a connection before the run is refused.
+REACH_TIMEOUT_S = 5.0
+
+
+def check_lighthouse(address: str) -> None:
+    """Refuse, in one line, a lighthouse that cannot be reached."""
+    host, port = parse_address(address, "--membership.lighthouse")
+    try:
+        with socket.create_connection((host, port), timeout=REACH_TIMEOUT_S):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(
+            f"--membership.lighthouse {address}: cannot be reached ({reason}); start one there "
+            f"(torchft_lighthouse --bind {host}:{port} --min_replicas 1) or give its address"
+        ) from None
+
+
+def local_address(lighthouse: str) -> str:
+    """The address of this machine's interface that routes to the lighthouse (nothing is
+    sent: a UDP socket's connect only picks the route)."""
+    host, port = parse_address(lighthouse, "--membership.lighthouse")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
+
+
+def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, Any]:
+    """Train this process as worker ``--membership.worker`` of a torchft job; return what
+    membership.json holds."""
+    require_torchft()
+    options = config.membership_options
+    assert options.lighthouse is not None and options.worker is not None
+    check_lighthouse(options.lighthouse)
+
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.local import LocalComm
+    from lowcomm.membership.torchft_comm import Replica, TorchftComm, TorchftMembership
+    from lowcomm.strategies import strategy_class
+    from lowcomm.train import loop
+    from lowcomm.train.compute import finish_calibration
+    from lowcomm.train.rundir import run_directory
+    from lowcomm.train.step_log import StepLog
+
+    host = options.host or local_address(options.lighthouse)
+    replica = Replica(
+        options, slot=options.worker, workers=config.workers, lighthouse=options.lighthouse,
+        host=host, timeout_s=config.collective_timeout_s,
+    )  # fmt: skip
+    started = time.time()
+    try:
+        raw = TorchftComm(replica)
+        worker = loop.set_up(config, raw, LocalComm(), None, task)
+        # This process's run is its own: it writes its directory as a run's rank 0 does.
+        worker.rank, worker.world_size = 0, 1
+        if isinstance(worker.comm, NetworkComm):
+            # (The virtual clock agrees launch times over the round's members, not locally.)
+            worker.comm._bookkeeping = None
+        worker.strategy.runtime = replace(
+            worker.strategy.runtime, membership=TorchftMembership(replica)
+        )
+        replica.attach(worker.strategy)
+        path = run_directory(config) / "membership.json"
+        replica.on_event = lambda: _write(path, _record(replica, config, started))
+        raw.start()
+        progress = loop.resume(worker)  # (a fresh start: checkpoints are refused)
+        finish_calibration(worker.clock, config, 0)
+        progress.start_step = replica.admit()
+        per_step = config.microbatches_per_step
+        _skip_to(worker.shard, progress.start_step * per_step)
+        rule = strategy_class(config.method).membership
+        step_rounds = rule is not None and rule.round == "step"
+        writer = loop._run_writer(worker, progress)
+        if writer is not None:
+            _record_membership(writer, replica)
+        final = loop.FinalState()
+        log = StepLog(config.log_every)
+        start_wall = time.perf_counter()
+        try:
+            with worker.clock.training():
+                step = progress.start_step
+                while step < config.steps:
+                    replica.loop_step = step
+                    if step_rounds:
+                        replica.open_round()  # (forms while the gradient is computed)
+                    commits = replica.commits
+                    loop.train_step(worker, step, progress, writer, final, log)
+                    if options.digests and replica.commits > commits:
+                        replica.record_digest(step, worker.model.parameters())
+                    healed = replica.take_healed_step()
+                    if healed is not None and healed != step:  # (healed into a later step)
+                        _skip_to(worker.shard, (healed + 1) * per_step)
+                    step = (step if healed is None else healed) + 1
+                loop.final_evaluation(worker, progress, final, keep_parameters=False)
+        finally:
+            if writer is not None:
+                if final.last_record is not None:
+                    writer.write_step(final.last_record)
+                writer.close_steps()
+        if writer is not None:
+            writer.faults = _membership_summary(writer, replica, config)
+        loop.finish(worker, progress, writer, final, False, time.perf_counter() - start_wall)
+        record = _record(replica, config, started)
+        record["finished"] = time.time()
+        record["data_position"] = worker.shard.state_dict().get("position")
+        _write(path, record)
+        return record
+    finally:
+        replica.shutdown()
+
+
+def _skip_to(shard: Any, position: int) -> None:
+    """Put the worker's data shard at ``position`` micro-batches: a worker that joins at a
+    step continues its slot's shard where it would be had the slot never been empty (what
+    the slot's dead worker did not train on is skipped, and no sample comes twice in a pass).
+    A shard of the user's own task that keeps no position is left where it is."""
+    state = shard.state_dict()
+    if "position" in state:
+        state["position"] = position
+        shard.load_state_dict(state)
+
+
+def _record_membership(writer: Any, replica: Any) -> None:
+    """Each step's record (metrics.jsonl) gets the size of its quorum, the workers that
+    quorum lost (``crash``: torchft cannot tell a crash from a leave) or gained, and whether
+    its round was dropped, as a run with simulated faults records them."""
+    write_step = writer.write_step
+
+    def with_membership(record: Any) -> None:
+        record.quorum = replica.quorum_size_at(record.step)
+        record.membership_events = replica.step_changes.get(record.step)
+        if record.step in replica.dropped_steps:
+            record.dropped = True
+        write_step(record)
+
+    writer.write_step = with_membership
+
+
+def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[str, Any]:
+    """summary.json's ``faults`` of a torchft worker: its quorum changes and dropped rounds,
+    as a simulated run's (goodput needs the fault-free rate, which a live run does not know:
+    none)."""
+    return {
+        "source": "torchft",
+        "detection_s": config.membership_options.detect_s,
+        "committed_tokens": None,
+        "goodput": None,
+        "rounds_dropped": replica.failed_rounds,
+        "worker_seconds_lost": None,
+        "membership_changes": [
+            {"step": r.step, "events": r.membership_events, "quorum": r.quorum}
+            for r in writer.records
+            if r.membership_events
+        ],
+    }
+
+
+def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]:
+    return {
+        "engine": "torchft",
+        "worker": replica.slot,
+        "workers": config.workers,
+        "started": started,
+        "finished": None,
+        "commits": replica.commits,
+        "dropped_rounds": replica.failed_rounds,
+        "events": replica.events,
+        "digests": replica.digests,
+    }
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=1, default=_plain) + "\n")
+    partial.replace(path)  # (a reader never sees half a file)
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
