@@ -111,13 +111,21 @@ def test_one_crash_decoupled_by_hand() -> None:
 
 def test_stragglers_by_hand() -> None:
     # 10 workers, each slow with probability 0.1 by 3x: some slot is slow with probability
-    # p = 1 - 0.9^10, and the slowest paces at S = 1 + 2 p.
+    # p = 1 - 0.9^10, and the slowest paces at S = 1 + 2 p on average.
     stragglers = Exposure(workers=10, duration_s=100.0, slow_fraction=0.1, slow_factor=3.0)
-    pace = 1.0 + 2.0 * (1.0 - 0.9**10)
+    p = 1.0 - 0.9**10
+    pace = 1.0 + 2.0 * p
     assert stragglers.slowest_pace == pytest.approx(pace, rel=1e-12)
     costs = StepCosts(compute_s=1.0, sync_s=1.0, sync_every=4)
-    assert goodput_synchronous(stragglers, StepCosts(compute_s=1.0)) == pytest.approx(1 / pace)
-    assert goodput_local(stragglers, costs) == pytest.approx(5.0 / (4.0 * pace + 1.0))
+    # A run waits for a slow slot (pace 3) with probability p, else runs at pace 1: the
+    # expectation is p G(3) + (1 - p) G(1), not G at the mean pace.
+    expected = p / 3.0 + (1.0 - p)
+    assert goodput_synchronous(stragglers, StepCosts(compute_s=1.0)) == pytest.approx(expected)
+    assert goodput_synchronous(stragglers, StepCosts(compute_s=1.0)) > 1 / pace
+    assert goodput_local(stragglers, costs) == pytest.approx(p * 5.0 / 13.0 + (1.0 - p))
+    # Every run has a straggler when every slot is slow.
+    every = Exposure(workers=10, duration_s=100.0, slow_fraction=1.0, slow_factor=3.0)
+    assert goodput_local(every, costs) == pytest.approx(5.0 / 13.0)
     # Decoupled: a straggler's tokens come at a third of the pace and nobody waits for it.
     assert goodput_decoupled(stragglers, costs, min_quorum=1, grace_s=0.0) == pytest.approx(
         0.9 + 0.1 / 3
@@ -132,6 +140,24 @@ def test_stragglers_by_hand() -> None:
         stragglers, costs, min_quorum=1, grace_s=10.0, late_fragments_commit=False
     )
     assert waited == pytest.approx(0.9 + 0.1 / 3)
+
+
+def test_a_sync_landing_rounds_late_loses_the_rounds_in_flight_of_every_member() -> None:
+    # ONE_CRASH: 4 workers, 100 s, one crash, a = 0.95, D = 5 s. A round of 10 steps of
+    # 0.8 s and 2 s exposed: rho = 10 s. The crash loses the dead worker's half round, the
+    # survivors' wait D^2 / (2 rho) = 1.25 s each, and with N rounds in flight N rho of the
+    # dead worker and of each of the (M - 1) a survivors.
+    costs = StepCosts(compute_s=0.8, sync_s=2.0, sync_every=10)
+    survivors = 3 * 0.95
+    base = 5.0 + survivors * 1.25
+    for n in (0, 1, 2):
+        lost = base + n * (1.0 + survivors) * 10.0
+        expected = 0.95 - lost / 400.0
+        assert goodput_local(ONE_CRASH, costs, rounds_in_flight=n) == pytest.approx(
+            expected, rel=1e-12
+        )
+    with pytest.raises(ValueError, match=r"^rounds_in_flight=-1: a count of rounds >= 0"):
+        goodput_local(ONE_CRASH, costs, rounds_in_flight=-1)
 
 
 def test_expected_exposure_of_generated_options_by_hand() -> None:

@@ -36,7 +36,8 @@ Each formula below is ``fault-free rate`` times ``worker-time kept``; lost worke
 divided by M T.
 
 *Synchronous per step* (ddp; :func:`goodput_synchronous`). Every step waits for the
-slowest worker, so a step takes tau = c S + m against tau0 = c + m without faults. A crash
+slowest worker, so a step takes tau = c S + m against tau0 = c + m without faults (S the
+slowest pace, s or 1: see *Stragglers* below). A crash
 stalls every survivor for detection and the step it drops: D + tau each, and each of the
 other M - 1 slots is alive with probability a. A join stalls every member for h::
 
@@ -51,6 +52,22 @@ otherwise. The sync's quorum forms after detection, so the survivors' round is k
 during the collective itself, which would drop the round for all, is neglected: m << rho)::
 
     G_local = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + j M a h) / (M T))
+
+*A sync that lands N rounds late* (eager and diloco_delayed, N = --diloco.outer-delay; co2,
+N = 1; ``goodput_local(rounds_in_flight=N)``). A round's tokens commit when its exchange is
+applied, N rounds after its launch, and an exchange whose launch quorum lost a member fails
+on every member (docs/ALGORITHMS.md, "Membership"). N exchanges are always in flight, so a
+crash also drops the last N rounds of the dead worker and of every survivor (N the mean
+number in flight at a crash: min(r, N) in round r of R, so N - N (N + 1) / (2 R))::
+
+    G_late = (rho0 / rho) * (a - (n (rho / 2 + N (1 + (M - 1) a) rho + (M - 1) a w)
+                                  + j M a h) / (M T))
+
+*Stragglers.* A slot is slow with probability f, so some slot is slow with probability
+p = 1 - (1 - f)^M, and a method that waits for its slowest worker then runs at its pace s
+for the whole run; otherwise at 1. G_sync and G_local are the expectation over the two,
+p G(s) + (1 - p) G(1): goodput goes as 1/pace, and 1/E[pace] would overstate a run with a
+straggler (at M = 16, f = 0.1, s = 3: 0.38 for the 0.33 such a run keeps).
 
 *Never waiting, with a quorum and a grace window* (decoupled_diloco;
 :func:`goodput_decoupled`). Learners never wait for each other or for the synchronizer. A
@@ -306,14 +323,36 @@ def _clamp(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
+def _over_stragglers(exposure: Exposure, goodput_at: Callable[[float], float]) -> float:
+    """E[G] over the slowest worker's pace: s when some slot is slow (probability p), else
+    1. A run that waits for its slowest worker keeps 1/pace of its rate, and E[1/S] is not
+    1/E[S]: at M = 16 and f = 0.1 the slowest pace averages 2.6 (s = 3), but a run goes at 1
+    or at 1/3 of its rate, never at 1/2.6."""
+    e = exposure
+    some_slow = 1.0 - (1.0 - e.slow_fraction) ** e.workers
+    if e.slow_factor == 1.0 or some_slow == 0.0:
+        return goodput_at(1.0)
+    if some_slow == 1.0:
+        return goodput_at(e.slow_factor)
+    return some_slow * goodput_at(e.slow_factor) + (1.0 - some_slow) * goodput_at(1.0)
+
+
 def goodput_synchronous(exposure: Exposure, costs: StepCosts) -> float:
     """G_sync: a method that waits for every worker at every step (ddp)."""
     e = exposure
-    fault_free_step = costs.compute_s + costs.sync_s
-    step = costs.compute_s * e.slowest_pace + costs.sync_s
-    survivors = (e.workers - 1) * e.alive_fraction
-    lost = e.crashes * survivors * (e.detection_s + step) + e.joins * e.live_workers * costs.heal_s
-    return _clamp(fault_free_step / step * (e.alive_fraction - lost / (e.workers * e.duration_s)))
+
+    def at(pace: float) -> float:
+        fault_free_step = costs.compute_s + costs.sync_s
+        step = costs.compute_s * pace + costs.sync_s
+        survivors = (e.workers - 1) * e.alive_fraction
+        lost = (
+            e.crashes * survivors * (e.detection_s + step) + e.joins * e.live_workers * costs.heal_s
+        )
+        return _clamp(
+            fault_free_step / step * (e.alive_fraction - lost / (e.workers * e.duration_s))
+        )
+
+    return _over_stragglers(e, at)
 
 
 def detection_wait(detection_s: float, round_s: float) -> float:
@@ -324,15 +363,34 @@ def detection_wait(detection_s: float, round_s: float) -> float:
     return detection_s - round_s / 2.0
 
 
-def goodput_local(exposure: Exposure, costs: StepCosts) -> float:
+def goodput_local(exposure: Exposure, costs: StepCosts, *, rounds_in_flight: float = 0.0) -> float:
     """G_local: H steps alone, then a sync that waits for every live worker (local SGD,
-    DiLoCo, streaming DiLoCo)."""
+    DiLoCo, streaming DiLoCo); with ``rounds_in_flight`` = N > 0, G_late: each round's
+    result lands N rounds after its launch (eager, diloco_delayed with N = --diloco.outer-delay;
+    co2 with N = 1), so a crash fails the N exchanges in flight on every member (the mean
+    number in flight at a crash, which the first rounds of a run lower:
+    :func:`lowcomm.plan.mean_in_flight`)."""
     e = exposure
-    round_s = costs.sync_every * costs.compute_s * e.slowest_pace + costs.sync_s
-    wait = detection_wait(e.detection_s, round_s)
-    survivors = (e.workers - 1) * e.alive_fraction
-    lost = e.crashes * (round_s / 2.0 + survivors * wait) + e.joins * e.live_workers * costs.heal_s
-    return _clamp(costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s)))
+    if isinstance(rounds_in_flight, bool) or not rounds_in_flight >= 0:
+        raise ValueError(
+            f"rounds_in_flight={rounds_in_flight!r}: a count of rounds >= 0; pass 0 for a "
+            "sync that lands where it is launched"
+        )
+
+    def at(pace: float) -> float:
+        round_s = costs.sync_every * costs.compute_s * pace + costs.sync_s
+        wait = detection_wait(e.detection_s, round_s)
+        survivors = (e.workers - 1) * e.alive_fraction
+        dropped = rounds_in_flight * (1.0 + survivors) * round_s
+        lost = (
+            e.crashes * (round_s / 2.0 + dropped + survivors * wait)
+            + e.joins * e.live_workers * costs.heal_s
+        )
+        return _clamp(
+            costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s))
+        )
+
+    return _over_stragglers(e, at)
 
 
 def goodput_decoupled(
