@@ -32,7 +32,7 @@ from typing import Any
 from lowcomm.config import TrainConfig
 from lowcomm.faults.goodput import Exposure, absent_worker_seconds
 from lowcomm.faults.run import run_trace
-from lowcomm.plan import PlanConfig, make_plan, price_faults
+from lowcomm.plan import PlanConfig, fault_model, make_plan, method_options, price_faults
 from lowcomm.plan import plan_for_run as plan_for_train_run
 
 
@@ -131,6 +131,24 @@ def run_exposure(run: Path) -> Exposure | None:
     )
 
 
+def run_in_flight(run: Path, config: PlanConfig) -> float:
+    """The mean number of exchanges in flight at the run's crashes, for a method whose sync
+    lands N rounds late (0 for the others): min(r, N) at a crash in round r."""
+    model = fault_model(config.method)
+    _, options = method_options(config)
+    late, period = model.in_flight(options), model.period(options)
+    summary = json.loads((run / "summary.json").read_text())
+    crashes = [
+        int(change["step"])
+        for change in (summary.get("faults") or {}).get("membership_changes", [])
+        for event in change["events"]
+        if event["kind"] == "crash"
+    ]
+    if not crashes:
+        return 0.0
+    return sum(min(step // period, late) for step in crashes) / len(crashes)
+
+
 def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, Any]:
     """The run's measured goodput; the planner's expected goodput (over the trace's random
     draws) and its ratio; the planner's model given the faults this run met, and its ratio."""
@@ -138,7 +156,10 @@ def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, 
     measured = measured_goodput(run)
     plan = make_plan(config)
     priced = price_faults(config, plan)
-    given = price_faults(config, plan, exposure=run_exposure(run)).goodput
+    exposure = run_exposure(run)
+    given = price_faults(
+        config, plan, exposure=exposure, rounds_in_flight=run_in_flight(run, config)
+    ).goodput
     predicted = priced.goodput
     return {
         "run": str(run),

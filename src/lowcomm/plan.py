@@ -860,14 +860,20 @@ def fault_model(method: str) -> _FaultModel:
 
 
 def price_faults(
-    config: PlanConfig, plan: Plan, *, exposure: Exposure | None = None
+    config: PlanConfig,
+    plan: Plan,
+    *,
+    exposure: Exposure | None = None,
+    rounds_in_flight: float | None = None,
 ) -> FaultGoodput:
     """The expected goodput of ``plan``'s method under ``config``'s --fault-* options.
 
     The step costs are the plan's: c its compute per step, m its exposed communication per
     step times H, h the method's global state over the link (one hop, each rank its 1/R);
     T is --fault-horizon-s or the plan's fault-free wall clock. ``exposure``: the faults to
-    price instead of the options' expected ones (a run's own, to check the model on it).
+    price instead of the options' expected ones, and ``rounds_in_flight`` the exchanges in
+    flight at its crashes instead of their mean over the run (a run's own, to check the
+    model on it).
     """
     _, options = method_options(config)
     model = fault_model(config.method)
@@ -895,7 +901,7 @@ def price_faults(
         sync_every=period,
         heal_s=link.collective_time(CollectiveKind.BROADCAST, heal_bytes, 2),
     )
-    value = _family_goodput(model, exposure, costs, options, plan.steps / period)
+    value = _family_goodput(model, exposure, costs, options, plan.steps / period, rounds_in_flight)
     fault_free_rate = config.tokens / plan.wall_clock_s
     return FaultGoodput(
         family=model.family, goodput=value, reason=model.reason, horizon_s=horizon,
@@ -929,11 +935,13 @@ def _family_goodput(
     costs: StepCosts,
     options: object | None,
     rounds: float,
+    in_flight: float | None = None,
 ) -> float | None:
     if model.family == "synchronous":
         return goodput_synchronous(exposure, costs)
     if model.family == "local":
-        in_flight = mean_in_flight(model.in_flight(options), rounds)
+        if in_flight is None:
+            in_flight = mean_in_flight(model.in_flight(options), rounds)
         return goodput_local(exposure, costs, rounds_in_flight=in_flight)
     if model.family == "decoupled":
         # Late fragments are merged by their token count, so the grace window does not
