@@ -16,6 +16,7 @@ import torch
 from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.runtime import Quorum
+from lowcomm.models import ModelConfig
 from lowcomm.strategies.co2 import CO2, LocalOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.strategies.eager import DiLoCoDelayed, Eager
@@ -260,10 +261,13 @@ def test_a_leave_while_an_exchange_flies_drops_it_without_a_detection_wait(
     method: str, tmp_path: Path
 ) -> None:
     trace = _trace(tmp_path, "step=3 worker=2 leave\nstep=5 worker=2 rejoin\n")
-    records, summary, _ = _run(_config(method, tmp_path / "out", trace))
+    records, summary, parameters = _run(_config(method, tmp_path / "out", trace), deployed=True)
     assert records[3]["extras"]["syncs_dropped"] == 1
     assert records[3]["clock_s"] - records[2]["clock_s"] < DETECTION_S
     assert summary["faults"]["rounds_dropped"] == 1
+    if method != "eager":  # (the rejoined worker, healed, deploys the others' model)
+        assert len(parameters) == WORKERS
+        assert all(torch.equal(parameters[0], p) for p in parameters[1:])
 
 
 # --- rounds_dropped counts the syncs that failed ----------------------------------------------
@@ -298,3 +302,29 @@ def test_rounds_dropped_counts_a_failed_sync_the_writing_worker_was_away_for(
     records, summary, _ = _run(_config("diloco_delayed", tmp_path / "out", trace))
     assert "syncs_dropped" not in records[3]["extras"]  # (worker 0's own extras: it was away)
     assert summary["faults"]["rounds_dropped"] == 1
+
+
+@pytest.mark.parametrize("method", ["diloco_delayed", "eager"])
+def test_with_fragments_and_two_rounds_in_flight_a_crash_drops_every_exchange_it_was_in(
+    method: str, tmp_path: Path
+) -> None:
+    # H = 4, K = 2: fragment 0 launches at t = 2, 6, 10, 14 and fragment 1 at t = 4, 8, 12,
+    # 16, each landing N = 2 of its periods (8 steps) later. Worker 2 crashes at loop step 6
+    # (t = 7), when the exchanges of t = 2, 4 and 6 fly: all three fail; a replacement joins
+    # at loop step 9 (t = 10) and is healed with the two exchanges of each fragment in flight.
+    options = DiLoCoOptions(sync_every=4, fragments=2, outer_delay=2)
+    model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    trace = _trace(tmp_path, "step=6 worker=2 crash\nstep=9 worker=2 join\n")
+    runs = [
+        _run(_config(method, tmp_path / out, trace, steps=16, diloco=options, model=model))
+        for out in ("a", "b")
+    ]
+    (records, summary, parameters), (again, summary_again, parameters_again) = runs
+    assert records == again and summary["faults"] == summary_again["faults"]
+    assert all(torch.equal(a, b) for a, b in zip(parameters, parameters_again, strict=True))
+    dropped = [r["step"] for r in records if "syncs_dropped" in r["extras"]]
+    assert dropped == [9, 11, 13] and summary["faults"]["rounds_dropped"] == 3
+    # Each launch closes the steps since the previous one (2 steps): those of t = 8 (the two
+    # survivors' loop steps 6, 7) commit at t = 16, the rest at the final drain; the joiner's
+    # first step is loop step 9.
+    assert summary["committed_tokens"] == (2 * 2 + (2 + 3) + 3 * 2 * 3) * _tokens_per_step()
