@@ -328,3 +328,21 @@ def test_with_fragments_and_two_rounds_in_flight_a_crash_drops_every_exchange_it
     # survivors' loop steps 6, 7) commit at t = 16, the rest at the final drain; the joiner's
     # first step is loop step 9.
     assert summary["committed_tokens"] == (2 * 2 + (2 + 3) + 3 * 2 * 3) * _tokens_per_step()
+
+
+@pytest.mark.parametrize("method", LATE)
+def test_a_join_into_a_quorum_smaller_than_the_run_heals_the_exchanges_in_flight(
+    method: str, tmp_path: Path
+) -> None:
+    # Worker 0 crashes at loop step 1 and worker 1 at step 3, so the exchange launched at
+    # step 3 flies over worker 2 alone; worker 1 joins at step 5, into a quorum of 2 of 3.
+    trace = _trace(tmp_path, "step=1 worker=0 crash\nstep=3 worker=1 crash\nstep=5 worker=1 join\n")
+    records, summary, parameters = _run(_config(method, tmp_path / "out", trace), deployed=True)
+    assert [r["quorum"] for r in records] == [3, 2, 2, 1, 1, 2, 2, 2]
+    assert len(parameters) == 2
+    if method != "eager":
+        assert torch.equal(parameters[0], parameters[1])
+    # The round launched at loop step 1 over workers 1 and 2 lost worker 1 at step 3:
+    # dropped. The one launched at step 3 over worker 2 alone, which the joiner is healed
+    # with, lands at step 5 on both.
+    assert summary["faults"]["rounds_dropped"] == 1

@@ -639,6 +639,8 @@ class CO2(_AnchoredOuter):
         self.received = False
         self.anchor_moved = True
         self.settled: list[tuple[int, bool]] = []
+        #: M, every worker slot (built with all of them; a quorum's group has its members').
+        self.workers = comm.world_size
 
     @property
     def _shared(self) -> bool:
@@ -792,7 +794,7 @@ class CO2(_AnchoredOuter):
             "launched_at": self.launched_at,
             "anchor_moved": int(self.anchor_moved),
         }
-        counters.update({f"member{k}": int(k in members) for k in range(self.comm.world_size)})
+        counters.update({f"member{k}": int(k in members) for k in range(self.workers)})
         return tensors, counters
 
     def set_global_counters(self, counters: dict[str, int]) -> None:
@@ -802,7 +804,7 @@ class CO2(_AnchoredOuter):
         self.sync_failed = bool(counters["sync_failed"])
         self.launched_at = counters["launched_at"]
         self.anchor_moved = bool(counters["anchor_moved"])
-        self.launched_over = tuple(k for k in range(self.comm.world_size) if counters[f"member{k}"])
+        self.launched_over = tuple(k for k in range(self.workers) if counters[f"member{k}"])
 
     def start_worker_state(self, *, kept: bool) -> None:
         if not kept:

@@ -120,6 +120,8 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         self.sync_offsets = completion_offsets(self.options.sync_every, self.num_fragments)
         # Per fragment: in-flight exchanges, oldest first, with the fresh own Delta at launch.
         self.pending: list[deque[PendingSync]] = [deque() for _ in self.fragments]
+        #: M, every worker slot (built with all of them; a quorum's group has its members').
+        self.workers = comm.world_size
         #: Syncs settled since settled_syncs() was last read: (launch step, applied).
         self.settled: list[tuple[int, bool]] = []
 
@@ -240,7 +242,7 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         """The sender's exchanges in flight to a joiner: their launch steps, quorums and
         failures (a few numbers, uncharged), then each live one's mean and, for eager, the
         sender's own contribution (charged on the link)."""
-        workers = self.comm.world_size
+        workers = self.workers
         counts = torch.tensor([float(len(q)) for q in self.pending], dtype=torch.float64)
         self.runtime.uncharged.broadcast(counts, src=source, role=Role.OTHER).wait()
         sizes = [int(c) for c in counts.tolist()]
@@ -306,7 +308,7 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                 f"{self.name}: the checkpoint has {len(saved)} fragments, this run "
                 f"{len(self.pending)}; resume with the same --diloco.fragments"
             )
-        everyone = tuple(range(self.comm.world_size))
+        everyone = tuple(range(self.workers))
         self.pending = [
             deque(
                 PendingSync(
