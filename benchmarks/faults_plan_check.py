@@ -131,22 +131,20 @@ def run_exposure(run: Path) -> Exposure | None:
     )
 
 
-def run_in_flight(run: Path, config: PlanConfig) -> float:
-    """The mean number of exchanges in flight at the run's crashes, for a method whose sync
-    lands N rounds late (0 for the others): min(r, N) at a crash in round r."""
+def run_dropped_rounds(run: Path, config: PlanConfig) -> float:
+    """The exchanges the run's crashes failed, for a method whose sync lands N rounds late
+    (0 for the others): a crash in round r fails those of rounds r - N .. r - 1 (those
+    launched before it and not yet applied), each once however many crashes it meets."""
     model = fault_model(config.method)
     _, options = method_options(config)
     late, period = model.in_flight(options), model.period(options)
     summary = json.loads((run / "summary.json").read_text())
-    crashes = [
-        int(change["step"])
-        for change in (summary.get("faults") or {}).get("membership_changes", [])
-        for event in change["events"]
-        if event["kind"] == "crash"
-    ]
-    if not crashes:
-        return 0.0
-    return sum(min(step // period, late) for step in crashes) / len(crashes)
+    failed: set[int] = set()
+    for change in (summary.get("faults") or {}).get("membership_changes", []):
+        if any(event["kind"] == "crash" for event in change["events"]):
+            round_index = int(change["step"]) // period
+            failed.update(range(max(0, round_index - late), round_index))
+    return float(len(failed))
 
 
 def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, Any]:
@@ -158,7 +156,7 @@ def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, 
     priced = price_faults(config, plan)
     exposure = run_exposure(run)
     given = price_faults(
-        config, plan, exposure=exposure, rounds_in_flight=run_in_flight(run, config)
+        config, plan, exposure=exposure, dropped_rounds=run_dropped_rounds(run, config)
     ).goodput
     predicted = priced.goodput
     return {

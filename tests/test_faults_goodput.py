@@ -21,6 +21,7 @@ from lowcomm.faults import (
 )
 from lowcomm.faults.goodput import (
     detection_wait,
+    expected_dropped_rounds,
     goodput,
     goodput_decoupled,
     goodput_local,
@@ -142,22 +143,35 @@ def test_stragglers_by_hand() -> None:
     assert waited == pytest.approx(0.9 + 0.1 / 3)
 
 
-def test_a_sync_landing_rounds_late_loses_the_rounds_in_flight_of_every_member() -> None:
+def test_a_sync_landing_rounds_late_loses_the_rounds_it_drops_of_every_member() -> None:
     # ONE_CRASH: 4 workers, 100 s, one crash, a = 0.95, D = 5 s. A round of 10 steps of
-    # 0.8 s and 2 s exposed: rho = 10 s. The crash loses the dead worker's half round, the
-    # survivors' wait D^2 / (2 rho) = 1.25 s each, and with N rounds in flight N rho of the
+    # 0.8 s and 2 s exposed: rho = 10 s. The crash loses the dead worker's half round and the
+    # survivors' wait D^2 / (2 rho) = 1.25 s each; each dropped round, a round rho of the
     # dead worker and of each of the (M - 1) a survivors.
     costs = StepCosts(compute_s=0.8, sync_s=2.0, sync_every=10)
     survivors = 3 * 0.95
     base = 5.0 + survivors * 1.25
-    for n in (0, 1, 2):
-        lost = base + n * (1.0 + survivors) * 10.0
+    for dropped in (0.0, 0.5, 2.0):
+        lost = base + dropped * (1.0 + survivors) * 10.0
         expected = 0.95 - lost / 400.0
-        assert goodput_local(ONE_CRASH, costs, rounds_in_flight=n) == pytest.approx(
+        assert goodput_local(ONE_CRASH, costs, dropped_rounds=dropped) == pytest.approx(
             expected, rel=1e-12
         )
-    with pytest.raises(ValueError, match=r"^rounds_in_flight=-1: a count of rounds >= 0"):
-        goodput_local(ONE_CRASH, costs, rounds_in_flight=-1)
+    with pytest.raises(ValueError, match=r"^dropped_rounds=-1: must be a finite number >= 0"):
+        goodput_local(ONE_CRASH, costs, dropped_rounds=-1)
+
+
+def test_the_expected_dropped_rounds_by_hand() -> None:
+    # R = 5 rounds, N = 1: the exchanges of rounds 0-3 fly one round each, round 4's none
+    # (the run ends); n crashes fall at n / 5 per round.
+    for n in (0.5, 3.0):
+        expected = 4 * (1 - math.exp(-n / 5))
+        assert expected_dropped_rounds(n, 1, 5.0) == pytest.approx(expected, rel=1e-12)
+    # Rare crashes: about n times the mean in flight at a crash, N - N (N + 1) / (2 R).
+    assert expected_dropped_rounds(1e-6, 2, 10.0) == pytest.approx(1e-6 * (2 - 3 / 10), rel=1e-5)
+    # Many crashes drop each exchange once: at most those that fly.
+    assert expected_dropped_rounds(1e4, 1, 5.0) == pytest.approx(4.0)
+    assert expected_dropped_rounds(3.0, 0, 5.0) == 0.0
 
 
 def test_expected_exposure_of_generated_options_by_hand() -> None:

@@ -255,9 +255,9 @@ def test_the_check_script_plans_a_run_as_it_ran(
 
 
 def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand() -> None:
-    """eager (N = 1) over 10 steps of H = 2 (R = 5 rounds): a crash fails the exchange in
-    flight on every member, min(r, 1) exchanges in round r, N - N (N + 1) / (2 R) = 0.8 on
-    average, each a round rho of the dead worker and of the (M - 1) a survivors."""
+    """eager (N = 1) over 10 steps of H = 2 (R = 5 rounds): the exchanges of rounds 0-3 each
+    fly one round and fail if a crash falls in it, D = 4 (1 - exp(-n / 5)) of them, each a
+    round rho of the dead worker and of the (M - 1) a survivors."""
     options = DiLoCoOptions(sync_every=2, outer_delay=1)
     eager = priced(
         method="eager", diloco=options, fault_mtbf_s=500.0, fault_replace_after_s=100.0,
@@ -268,7 +268,8 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 2 * eager.compute_s + eager.sync_s
     wait = d * d / (2 * rho) if d <= rho else d - rho / 2
-    lost = crashes * (rho / 2 + 0.8 * (1 + (m - 1) * a) * rho + (m - 1) * a * wait)
+    dropped = 4 * (1 - math.exp(-crashes / 5))
+    lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
     expected = a - (lost + joins * m * a * eager.heal_s) / (m * t)
     assert eager.family == "local" and eager.sync_every == 2
     assert eager.goodput == pytest.approx(expected, rel=1e-12)

@@ -32,6 +32,7 @@ from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions
 from lowcomm.faults.goodput import (
     Exposure,
     StepCosts,
+    expected_dropped_rounds,
     expected_exposure,
     goodput_decoupled,
     goodput_local,
@@ -864,16 +865,15 @@ def price_faults(
     plan: Plan,
     *,
     exposure: Exposure | None = None,
-    rounds_in_flight: float | None = None,
+    dropped_rounds: float | None = None,
 ) -> FaultGoodput:
     """The expected goodput of ``plan``'s method under ``config``'s --fault-* options.
 
     The step costs are the plan's: c its compute per step, m its exposed communication per
     step times H, h the method's global state over the link (one hop, each rank its 1/R);
     T is --fault-horizon-s or the plan's fault-free wall clock. ``exposure``: the faults to
-    price instead of the options' expected ones, and ``rounds_in_flight`` the exchanges in
-    flight at its crashes instead of their mean over the run (a run's own, to check the
-    model on it).
+    price instead of the options' expected ones, and ``dropped_rounds`` the exchanges that
+    failed instead of their expected number (a run's own, to check the model on it).
     """
     _, options = method_options(config)
     model = fault_model(config.method)
@@ -901,7 +901,7 @@ def price_faults(
         sync_every=period,
         heal_s=link.collective_time(CollectiveKind.BROADCAST, heal_bytes, 2),
     )
-    value = _family_goodput(model, exposure, costs, options, plan.steps / period, rounds_in_flight)
+    value = _family_goodput(model, exposure, costs, options, plan.steps / period, dropped_rounds)
     fault_free_rate = config.tokens / plan.wall_clock_s
     return FaultGoodput(
         family=model.family, goodput=value, reason=model.reason, horizon_s=horizon,
@@ -918,31 +918,21 @@ def price_faults(
     )  # fmt: skip
 
 
-def mean_in_flight(rounds_late: int, rounds: float) -> float:
-    """The mean number of exchanges in flight at a crash at a uniform moment of a run of
-    ``rounds`` rounds, each landing ``rounds_late`` = N rounds after its launch: min(r, N) in
-    round r, so N - N (N + 1) / (2 R) (the first N rounds have fewer behind them)."""
-    if rounds_late == 0 or rounds <= 1:
-        return 0.0
-    if rounds <= rounds_late:
-        return (rounds - 1.0) / 2.0
-    return rounds_late - rounds_late * (rounds_late + 1) / (2.0 * rounds)
-
-
 def _family_goodput(
     model: _FaultModel,
     exposure: Exposure,
     costs: StepCosts,
     options: object | None,
     rounds: float,
-    in_flight: float | None = None,
+    dropped_rounds: float | None = None,
 ) -> float | None:
     if model.family == "synchronous":
         return goodput_synchronous(exposure, costs)
     if model.family == "local":
-        if in_flight is None:
-            in_flight = mean_in_flight(model.in_flight(options), rounds)
-        return goodput_local(exposure, costs, rounds_in_flight=in_flight)
+        if dropped_rounds is None:
+            late = model.in_flight(options)
+            dropped_rounds = expected_dropped_rounds(exposure.crashes, late, rounds)
+        return goodput_local(exposure, costs, dropped_rounds=dropped_rounds)
     if model.family == "decoupled":
         # Late fragments are merged by their token count, so the grace window does not
         # change what commits (lowcomm.faults.goodput.goodput_decoupled).

@@ -54,13 +54,16 @@ during the collective itself, which would drop the round for all, is neglected: 
     G_local = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + j M a h) / (M T))
 
 *A sync that lands N rounds late* (eager and diloco_delayed, N = --diloco.outer-delay; co2,
-N = 1; ``goodput_local(rounds_in_flight=N)``). A round's tokens commit when its exchange is
+N = 1; ``goodput_local(dropped_rounds=D)``). A round's tokens commit when its exchange is
 applied, N rounds after its launch, and an exchange whose launch quorum lost a member fails
-on every member (docs/ALGORITHMS.md, "Membership"). N exchanges are always in flight, so a
-crash also drops the last N rounds of the dead worker and of every survivor (N the mean
-number in flight at a crash: min(r, N) in round r of R, so N - N (N + 1) / (2 R))::
+on every member (docs/ALGORITHMS.md, "Membership"), which drops that round of the dead worker
+and of every survivor. Round r's exchange flies w_r = min(N, R - (r + 1)) of the run's R
+rounds and fails when a crash falls in that window (crashes at rate n / R per round), so the
+run drops D = sum_r (1 - exp(-n w_r / R)) rounds (:func:`expected_dropped_rounds`: about
+n (N - N (N + 1) / (2 R)) when crashes are rare, at most one per exchange when they are
+not)::
 
-    G_late = (rho0 / rho) * (a - (n (rho / 2 + N (1 + (M - 1) a) rho + (M - 1) a w)
+    G_late = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + D (1 + (M - 1) a) rho
                                   + j M a h) / (M T))
 
 *Stragglers.* A slot is slow with probability f, so some slot is slow with probability
@@ -99,6 +102,7 @@ __all__ = [
     "StepCosts",
     "absent_worker_seconds",
     "detection_wait",
+    "expected_dropped_rounds",
     "expected_exposure",
     "expected_goodput",
     "fault_free_tokens",
@@ -363,27 +367,50 @@ def detection_wait(detection_s: float, round_s: float) -> float:
     return detection_s - round_s / 2.0
 
 
-def goodput_local(exposure: Exposure, costs: StepCosts, *, rounds_in_flight: float = 0.0) -> float:
-    """G_local: H steps alone, then a sync that waits for every live worker (local SGD,
-    DiLoCo, streaming DiLoCo); with ``rounds_in_flight`` = N > 0, G_late: each round's
-    result lands N rounds after its launch (eager, diloco_delayed with N = --diloco.outer-delay;
-    co2 with N = 1), so a crash fails the N exchanges in flight on every member (the mean
-    number in flight at a crash, which the first rounds of a run lower:
-    :func:`lowcomm.plan.mean_in_flight`)."""
-    e = exposure
-    if isinstance(rounds_in_flight, bool) or not rounds_in_flight >= 0:
+def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> float:
+    """D, the expected number of exchanges that fail in a run of ``rounds`` rounds (R) with
+    ``crashes`` crashes (n) at uniform moments, when each round's exchange lands
+    ``rounds_late`` (N) rounds after its launch and fails if a crash falls while it flies.
+    Round r's exchange flies w_r = min(N, R - (r + 1)) rounds, so
+
+        D = sum_{r=0}^{floor(R)-1} (1 - exp(-n w_r / R)),
+
+    about n times the mean number in flight at a crash (N - N (N + 1) / (2 R)) when crashes
+    are rare, and at most the exchanges a run launches when they are not: crashes that fall
+    on one exchange drop it once."""
+    _non_negative("crashes", crashes)
+    _non_negative("rounds", rounds)
+    if isinstance(rounds_late, bool) or not isinstance(rounds_late, int) or rounds_late < 0:
         raise ValueError(
-            f"rounds_in_flight={rounds_in_flight!r}: a count of rounds >= 0; pass 0 for a "
-            "sync that lands where it is launched"
+            f"rounds_late={rounds_late!r}: a count of rounds >= 0; pass 0 for a sync that "
+            "lands where it is launched"
         )
+    if rounds_late == 0 or crashes == 0.0 or rounds <= 1.0:
+        return 0.0
+    rate = crashes / rounds
+    total = 0.0
+    for launch in range(int(rounds)):
+        window = max(0.0, min(float(rounds_late), rounds - (launch + 1)))
+        total += 1.0 - math.exp(-rate * window)
+    return total
+
+
+def goodput_local(exposure: Exposure, costs: StepCosts, *, dropped_rounds: float = 0.0) -> float:
+    """G_local: H steps alone, then a sync that waits for every live worker (local SGD,
+    DiLoCo, streaming DiLoCo); with ``dropped_rounds`` = D > 0, G_late: a method whose round
+    lands rounds after its launch (eager, diloco_delayed, co2) loses D rounds of every member
+    of their quorums to the exchanges that failed (:func:`expected_dropped_rounds`)."""
+    e = exposure
+    _non_negative("dropped_rounds", dropped_rounds)
 
     def at(pace: float) -> float:
         round_s = costs.sync_every * costs.compute_s * pace + costs.sync_s
         wait = detection_wait(e.detection_s, round_s)
         survivors = (e.workers - 1) * e.alive_fraction
-        dropped = rounds_in_flight * (1.0 + survivors) * round_s
+        dropped = dropped_rounds * (1.0 + survivors) * round_s
         lost = (
-            e.crashes * (round_s / 2.0 + dropped + survivors * wait)
+            e.crashes * (round_s / 2.0 + survivors * wait)
+            + dropped
             + e.joins * e.live_workers * costs.heal_s
         )
         return _clamp(
