@@ -280,6 +280,8 @@ def test_a_leave_while_an_exchange_flies_drops_it_without_a_detection_wait(
         ("streaming_diloco", "step=5 worker=2 crash\n"),
         # (overlap_local_sgd: the average launched at loop step 1 settles at step 3.)
         ("overlap_local_sgd", "step=2 worker=2 crash\n"),
+        # (cocodc: a sync every 2 steps from t = 2, each completing a step later.)
+        ("cocodc", "step=4 worker=2 crash\n"),
         ("diloco", "step=2 worker=2 crash\n"),
     ],
 )

@@ -189,9 +189,13 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
         mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
         stats = self.timed_inner_step(closure)
         t = self.step_index
-        for sync in [s for s in self.in_flight if s.complete_at <= t]:
+        due = [s for s in self.in_flight if s.complete_at <= t]
+        for sync in due:
             self.in_flight.remove(sync)
             self.complete(sync, t)  # finish_sync, outer step, compensated merge
+        dropped = sum(sync.failed for sync in due)
+        if dropped:
+            stats.extras["syncs_dropped"] = float(dropped)
         p = self.fragment_due(t)
         if p is not None:
             sync = self.launch(p, t)
