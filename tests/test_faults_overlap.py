@@ -348,3 +348,20 @@ def test_a_join_into_a_quorum_smaller_than_the_run_heals_the_exchanges_in_flight
     # dropped. The one launched at step 3 over worker 2 alone, which the joiner is healed
     # with, lands at step 5 on both.
     assert summary["faults"]["rounds_dropped"] == 1
+
+
+@pytest.mark.parametrize("method", ["streaming_diloco", "cocodc"])
+def test_a_sync_the_members_finish_early_at_a_join_commits_its_tokens(
+    method: str, tmp_path: Path
+) -> None:
+    # streaming_diloco: the sync launched at loop step 6 flies when worker 2 joins at step 7:
+    # the members finish it before healing, and the steps it covers commit then (no later
+    # sync would commit them). cocodc: none flies at step 7, and the join commits nothing
+    # early.
+    trace = _trace(tmp_path, "step=1 worker=2 crash\nstep=7 worker=2 join\n")
+    summary = _run(_config(method, tmp_path / "out", trace, steps=8))[1]
+    plain = _run(_config(method, tmp_path / "plain", _trace(tmp_path, "step=1 worker=2 crash\n")))
+    # Without the join, the last sync completes at its step: both runs commit the same
+    # tokens of workers 0 and 1 (the joiner's one step, after the sync, commits nothing).
+    assert summary["committed_tokens"] == plain[1]["committed_tokens"]
+    assert summary["committed_tokens"] > 0

@@ -355,7 +355,10 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
             self.in_flight = []
         else:
             mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
+            completing = any(not sync.failed for sync in self.in_flight)
             self.finish()
+            if completing:
+                self.completed_at = self.step_index + 1  # (it commits at this step)
         super().heal(source, joining=joining, kept=kept)
 
     def in_flight_state(self) -> list[Any]:
