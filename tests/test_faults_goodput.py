@@ -78,15 +78,22 @@ ONE_CRASH = Exposure(
 
 
 def test_one_crash_synchronous_by_hand() -> None:
-    # tau = 0.8 + 0.2 = 1 s; the survivors lose D + tau = 6 s each.
+    # tau = 0.8 + 0.2 = 1 s; the survivors compute the dropped step, wait the detection and
+    # discard it: c + D = 5.8 s each (no exchange).
     costs = StepCosts(compute_s=0.8, sync_s=0.2)
-    expected = 0.95 - 2.85 * 6.0 / 400.0  # 0.90725
+    expected = 0.95 - 2.85 * 5.8 / 400.0
     assert goodput_synchronous(ONE_CRASH, costs) == pytest.approx(expected, rel=1e-12)
-    # Counted exactly: 20 empty worker-seconds and 3 survivors stalled 6 s: 1 - 38/400.
-    assert goodput_synchronous(ONE_CRASH, costs) == pytest.approx(0.905, abs=0.003)
+    # Counted exactly: 20 empty worker-seconds and 3 survivors stalled 5.8 s: 1 - 37.4/400.
+    assert goodput_synchronous(ONE_CRASH, costs) == pytest.approx(0.9065, abs=0.003)
     # A join that costs 2 s stalls the 3.8 live workers once more.
     healing = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
     assert goodput_synchronous(ONE_CRASH, healing) == pytest.approx(expected - 3.8 * 2 / 400)
+    # Crashes that fall on one step drop it once: n crashes over K steps drop K (1 - e^(-n/K)).
+    two = Exposure(workers=4, duration_s=100.0, alive_fraction=0.95, crashes=2.0, detection_s=5.0)
+    dropped = 4 * (1 - math.exp(-2 / 4))
+    assert goodput_synchronous(two, costs, steps=4) == pytest.approx(
+        0.95 - dropped * 2.85 * 5.8 / 400.0, rel=1e-12
+    )
 
 
 def test_one_crash_local_by_hand() -> None:

@@ -899,9 +899,11 @@ def price_faults(
         compute_s=compute,
         sync_s=exposed_per_step * period,
         sync_every=period,
-        heal_s=link.collective_time(CollectiveKind.BROADCAST, heal_bytes, 2),
+        heal_s=_heal_seconds(link, heal_bytes, model.heal_bytes(config), config.workers),
     )
-    value = _family_goodput(model, exposure, costs, options, plan.steps / period, dropped_rounds)
+    value = _family_goodput(
+        model, exposure, costs, options, plan.steps / period, dropped_rounds, plan.steps
+    )
     fault_free_rate = config.tokens / plan.wall_clock_s
     return FaultGoodput(
         family=model.family, goodput=value, reason=model.reason, horizon_s=horizon,
@@ -918,6 +920,18 @@ def price_faults(
     )  # fmt: skip
 
 
+def _heal_seconds(
+    link: NetworkProfile, heal_bytes: float, bytes_per_parameter: float, workers: int
+) -> float:
+    """h: the healing broadcasts from one member over the quorum's M workers, one per
+    model-sized float32 tensor of the global state (4 bytes per parameter each): their
+    transfer and, each, the (M - 1) hops of latency the link prices a broadcast with."""
+    tensors = max(1, round(bytes_per_parameter / 4.0))
+    single = link.collective_time(CollectiveKind.BROADCAST, heal_bytes, workers)
+    hops = link.collective_time(CollectiveKind.BROADCAST, 0.0, workers)
+    return single + (tensors - 1) * hops
+
+
 def _family_goodput(
     model: _FaultModel,
     exposure: Exposure,
@@ -925,9 +939,10 @@ def _family_goodput(
     options: object | None,
     rounds: float,
     dropped_rounds: float | None = None,
+    steps: float | None = None,
 ) -> float | None:
     if model.family == "synchronous":
-        return goodput_synchronous(exposure, costs)
+        return goodput_synchronous(exposure, costs, steps=steps)
     if model.family == "local":
         if dropped_rounds is None:
             late = model.in_flight(options)

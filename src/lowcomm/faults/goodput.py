@@ -37,11 +37,17 @@ divided by M T.
 
 *Synchronous per step* (ddp; :func:`goodput_synchronous`). Every step waits for the
 slowest worker, so a step takes tau = c S + m against tau0 = c + m without faults (S the
-slowest pace, s or 1: see *Stragglers* below). A crash
-stalls every survivor for detection and the step it drops: D + tau each, and each of the
-other M - 1 slots is alive with probability a. A join stalls every member for h::
+slowest pace, s or 1: see *Stragglers* below). A crash drops the step it happens in on
+every survivor: they compute it, wait the detection and discard it, c S + D each (no
+exchange), and each of the other M - 1 slots is alive with probability a. Crashes that fall
+on one step drop it once: over a run of K steps, n crashes drop d = K (1 - exp(-n / K))
+steps (n when crashes are rare). A join stalls every member for h::
 
-    G_sync = (tau0 / tau) * (a - (n (M - 1) a (D + tau) + j M a h) / (M T))
+    G_sync = (tau0 / tau) * (a - (d (M - 1) a (c S + D) + j M a h) / (M T))
+
+A join's h is the healing broadcast from one member over the quorum's group: each healed
+tensor (one per 4 bytes per parameter of the method's global state) costs its transfer and
+(M - 1) hops of latency, as the link prices a broadcast over M.
 
 *Local and DiLoCo* (H inner steps, then a sync; :func:`goodput_local`). A round takes
 rho = H c S + m against rho0 = H c + m: stragglers make the others wait at each sync. A
@@ -341,16 +347,25 @@ def _over_stragglers(exposure: Exposure, goodput_at: Callable[[float], float]) -
     return some_slow * goodput_at(e.slow_factor) + (1.0 - some_slow) * goodput_at(1.0)
 
 
-def goodput_synchronous(exposure: Exposure, costs: StepCosts) -> float:
-    """G_sync: a method that waits for every worker at every step (ddp)."""
+def goodput_synchronous(
+    exposure: Exposure, costs: StepCosts, *, steps: float | None = None
+) -> float:
+    """G_sync: a method that waits for every worker at every step (ddp). ``steps``: the run's
+    K steps, over which crashes that fall on one step drop it once (None: every crash drops
+    a step of its own)."""
     e = exposure
+    dropped = e.crashes
+    if steps is not None:
+        _positive("steps", steps)
+        dropped = steps * -math.expm1(-e.crashes / steps)
 
     def at(pace: float) -> float:
         fault_free_step = costs.compute_s + costs.sync_s
         step = costs.compute_s * pace + costs.sync_s
         survivors = (e.workers - 1) * e.alive_fraction
         lost = (
-            e.crashes * survivors * (e.detection_s + step) + e.joins * e.live_workers * costs.heal_s
+            dropped * survivors * (costs.compute_s * pace + e.detection_s)
+            + e.joins * e.live_workers * costs.heal_s
         )
         return _clamp(
             fault_free_step / step * (e.alive_fraction - lost / (e.workers * e.duration_s))
