@@ -96,6 +96,18 @@ def test_one_crash_synchronous_by_hand() -> None:
     )
 
 
+def test_joins_on_one_step_heal_once() -> None:
+    # 3 joins over a run of 4 steps fall on 4 (1 - e^(-3/4)) steps, each healing once (h = 2 s
+    # for the 4 live workers), in both models.
+    joins = Exposure(workers=4, duration_s=100.0, joins=3.0)
+    healed = 4 * (1 - math.exp(-3 / 4))
+    costs = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
+    expected = 1 - healed * 4 * 2.0 / 400.0
+    assert goodput_synchronous(joins, costs, steps=4) == pytest.approx(expected, rel=1e-12)
+    assert goodput_local(joins, costs, steps=4) == pytest.approx(expected, rel=1e-12)
+    assert goodput_local(joins, costs) == pytest.approx(1 - 3 * 4 * 2.0 / 400.0, rel=1e-12)
+
+
 def test_one_crash_local_by_hand() -> None:
     # rho = 10 * 0.8 + 2 = 10 s; D <= rho, so w = D^2 / (2 rho) = 1.25 s; the dead worker
     # loses half a round, 5 s.

@@ -50,7 +50,8 @@ def test_ddp_under_crashes_by_hand() -> None:
     # The run's 10 steps: crashes on one step drop it once; a dropped step costs each
     # survivor its compute and the detection (c + D, no exchange).
     dropped = 10 * (1 - math.exp(-crashes / 10))
-    expected = a - (dropped * (m - 1) * a * (1.0 + d) + joins * m * a * heal) / (m * t)
+    healed = 10 * (1 - math.exp(-joins / 10))  # (joins on one step heal at once)
+    expected = a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
     assert result.family == "synchronous"
     assert (result.compute_s, result.sync_s, result.sync_every) == pytest.approx(
         (1.0, ALL_REDUCE, 1)
@@ -107,7 +108,8 @@ def test_diloco_under_crashes_by_hand() -> None:
     rho = 2 * 1.0 + ALL_REDUCE  # 5.006 s < D
     wait = d - rho / 2
     heal = 8e9 / 1e9 + 2 * 3 * 1e-3  # (two broadcasts over the 4 workers, 3 hops of 1 ms)
-    expected = a - (crashes * (rho / 2 + (m - 1) * a * wait) + joins * m * a * heal) / (m * t)
+    healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
+    expected = a - (crashes * (rho / 2 + (m - 1) * a * wait) + healed * m * a * heal) / (m * t)
     assert result.heal_s == pytest.approx(heal)
     assert result.goodput == pytest.approx(expected)
 
@@ -275,7 +277,8 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     wait = d * d / (2 * rho) if d <= rho else d - rho / 2
     dropped = 4 * (1 - math.exp(-crashes / 5))
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
-    expected = a - (lost + joins * m * a * eager.heal_s) / (m * t)
+    healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
+    expected = a - (lost + healed * m * a * eager.heal_s) / (m * t)
     assert eager.family == "local" and eager.sync_every == 2
     assert eager.goodput == pytest.approx(expected, rel=1e-12)
     assert eager.heal_bytes == (8 + 4 * 2) * 1e9  # phi, momentum, the mean and own in flight

@@ -947,7 +947,7 @@ def _family_goodput(
         if dropped_rounds is None:
             late = model.in_flight(options)
             dropped_rounds = expected_dropped_rounds(exposure.crashes, late, rounds)
-        return goodput_local(exposure, costs, dropped_rounds=dropped_rounds)
+        return goodput_local(exposure, costs, dropped_rounds=dropped_rounds, steps=steps)
     if model.family == "decoupled":
         # Late fragments are merged by their token count, so the grace window does not
         # change what commits (lowcomm.faults.goodput.goodput_decoupled).

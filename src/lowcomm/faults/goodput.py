@@ -41,7 +41,9 @@ slowest pace, s or 1: see *Stragglers* below). A crash drops the step it happens
 every survivor: they compute it, wait the detection and discard it, c S + D each (no
 exchange), and each of the other M - 1 slots is alive with probability a. Crashes that fall
 on one step drop it once: over a run of K steps, n crashes drop d = K (1 - exp(-n / K))
-steps (n when crashes are rare). A join stalls every member for h::
+steps (n when crashes are rare). A join stalls every member for h, once per step however
+many join at it (j joins heal on K (1 - exp(-j / K)) steps; G_local and G_late count them
+alike)::
 
     G_sync = (tau0 / tau) * (a - (d (M - 1) a (c S + D) + j M a h) / (M T))
 
@@ -354,10 +356,7 @@ def goodput_synchronous(
     K steps, over which crashes that fall on one step drop it once (None: every crash drops
     a step of its own)."""
     e = exposure
-    dropped = e.crashes
-    if steps is not None:
-        _positive("steps", steps)
-        dropped = steps * -math.expm1(-e.crashes / steps)
+    dropped, joins = _per_step(e.crashes, steps), _per_step(e.joins, steps)
 
     def at(pace: float) -> float:
         fault_free_step = costs.compute_s + costs.sync_s
@@ -365,7 +364,7 @@ def goodput_synchronous(
         survivors = (e.workers - 1) * e.alive_fraction
         lost = (
             dropped * survivors * (costs.compute_s * pace + e.detection_s)
-            + e.joins * e.live_workers * costs.heal_s
+            + joins * e.live_workers * costs.heal_s
         )
         return _clamp(
             fault_free_step / step * (e.alive_fraction - lost / (e.workers * e.duration_s))
@@ -410,13 +409,30 @@ def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> 
     return total
 
 
-def goodput_local(exposure: Exposure, costs: StepCosts, *, dropped_rounds: float = 0.0) -> float:
+def _per_step(events: float, steps: float | None) -> float:
+    """The steps on which ``events`` events at uniform moments of a run of ``steps`` steps
+    fall, K (1 - exp(-n / K)): events on one step count once (a step drops once, one
+    healing heals every joiner of a step). None: each event on a step of its own."""
+    if steps is None:
+        return events
+    _positive("steps", steps)
+    return steps * -math.expm1(-events / steps)
+
+
+def goodput_local(
+    exposure: Exposure,
+    costs: StepCosts,
+    *,
+    dropped_rounds: float = 0.0,
+    steps: float | None = None,
+) -> float:
     """G_local: H steps alone, then a sync that waits for every live worker (local SGD,
     DiLoCo, streaming DiLoCo); with ``dropped_rounds`` = D > 0, G_late: a method whose round
     lands rounds after its launch (eager, diloco_delayed, co2) loses D rounds of every member
     of their quorums to the exchanges that failed (:func:`expected_dropped_rounds`)."""
     e = exposure
     _non_negative("dropped_rounds", dropped_rounds)
+    joins = _per_step(e.joins, steps)
 
     def at(pace: float) -> float:
         round_s = costs.sync_every * costs.compute_s * pace + costs.sync_s
@@ -426,7 +442,7 @@ def goodput_local(exposure: Exposure, costs: StepCosts, *, dropped_rounds: float
         lost = (
             e.crashes * (round_s / 2.0 + survivors * wait)
             + dropped
-            + e.joins * e.live_workers * costs.heal_s
+            + joins * e.live_workers * costs.heal_s
         )
         return _clamp(
             costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s))
