@@ -726,6 +726,7 @@ class _FaultModel:
         reason: why it is not priced (family None).
         in_flight: N, the rounds after its launch that a round's result lands (0: where it
             is launched); a crash fails the N in flight on every member.
+        heal_tensors: the broadcasts healing takes (None: one per 4 bytes of heal_bytes).
     """
 
     family: FaultFamily | None
@@ -733,6 +734,7 @@ class _FaultModel:
     heal_bytes: Callable[[PlanConfig], float] = lambda config: 4.0
     reason: str = ""
     in_flight: Callable[[Any], int] = lambda options: 0
+    heal_tensors: int | None = None
 
 
 def _sync_every(options: Any) -> int:
@@ -793,7 +795,9 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
     "overlap_local_sgd": _FaultModel("local", _sync_every),
     "slowmo": _FaultModel("local", _sync_every, lambda config: _OUTER),
     # The anchor, m, the all-reduce in flight ([Delta | d]: twice the model) and d.
-    "co2": _FaultModel("local", _sync_every, lambda config: 20.0, in_flight=lambda o: 1),
+    "co2": _FaultModel(
+        "local", _sync_every, lambda config: 20.0, in_flight=lambda o: 1, heal_tensors=4
+    ),
     # Averages a fraction of the parameters every step: a round is one step.
     "sparta": _FaultModel("local"),
     # DES-LOC and Local Adam average the moments too, so a joiner receives them.
@@ -899,7 +903,12 @@ def price_faults(
         compute_s=compute,
         sync_s=exposed_per_step * period,
         sync_every=period,
-        heal_s=_heal_seconds(link, heal_bytes, model.heal_bytes(config), config.workers),
+        heal_s=_heal_seconds(
+            link,
+            heal_bytes,
+            model.heal_tensors or round(model.heal_bytes(config) / 4.0),
+            config.workers,
+        ),
     )
     value = _family_goodput(
         model, exposure, costs, options, plan.steps / period, dropped_rounds, plan.steps
@@ -920,13 +929,11 @@ def price_faults(
     )  # fmt: skip
 
 
-def _heal_seconds(
-    link: NetworkProfile, heal_bytes: float, bytes_per_parameter: float, workers: int
-) -> float:
-    """h: the healing broadcasts from one member over the quorum's M workers, one per
-    model-sized float32 tensor of the global state (4 bytes per parameter each): their
-    transfer and, each, the (M - 1) hops of latency the link prices a broadcast with."""
-    tensors = max(1, round(bytes_per_parameter / 4.0))
+def _heal_seconds(link: NetworkProfile, heal_bytes: float, tensors: int, workers: int) -> float:
+    """h: the healing broadcasts from one member over the quorum's M workers, ``tensors`` of
+    them (one per tensor of the global state): their transfer and, each, the (M - 1) hops of
+    latency the link prices a broadcast with."""
+    tensors = max(1, tensors)
     single = link.collective_time(CollectiveKind.BROADCAST, heal_bytes, workers)
     hops = link.collective_time(CollectiveKind.BROADCAST, 0.0, workers)
     return single + (tensors - 1) * hops
