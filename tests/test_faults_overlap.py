@@ -365,3 +365,20 @@ def test_a_sync_the_members_finish_early_at_a_join_commits_its_tokens(
     # tokens of workers 0 and 1 (the joiner's one step, after the sync, commits nothing).
     assert summary["committed_tokens"] == plain[1]["committed_tokens"]
     assert summary["committed_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", LATE)
+def test_rounds_dropped_counts_an_exchange_that_fails_in_the_final_drain(
+    method: str, tmp_path: Path
+) -> None:
+    # 7 steps: the last exchange is launched at loop step 5, and worker 2 leaves at step 6,
+    # the trailing partial round: the final drain discards that exchange on the members.
+    trace = _trace(tmp_path, "step=6 worker=2 leave\n")
+    records, summary, _ = _run(_config(method, tmp_path / "out", trace, steps=7))
+    assert not any("syncs_dropped" in r["extras"] for r in records)
+    assert summary["faults"]["rounds_dropped"] == 1
+    # Rounds 0 and 1 (loop steps 0-3, three workers) commit; round 2 (steps 4, 5) is lost.
+    # The trailing step 6 of the two members: co2 makes it a round of its own, applied in
+    # the drain; the delayed methods' deployed phi leaves it out.
+    trailing = 2 if method == "co2" else 0
+    assert summary["committed_tokens"] == (3 * 4 + trailing) * _tokens_per_step()

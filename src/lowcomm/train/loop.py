@@ -720,6 +720,7 @@ def final_evaluation(
     if faults is not None and settled is not None:  # (the drain settles the last syncs)
         at = worker.strategy.step_index
         faults.account(0, committed_round=True, settled=settled, launched_at=at)
+        faults.note_failed_syncs(last, sum(1 for _, applied in settled if not applied))
     final.clock_s = worker.clock.now()
     with worker.clock.excluded(), worker.strategy.deployed() as deployed_model:
         progress.val_loss = _evaluate(
