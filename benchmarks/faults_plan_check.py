@@ -98,6 +98,14 @@ def measured_goodput(run: Path) -> float:
     return float(goodput)
 
 
+def _events_over(distinct_steps: int, steps: int) -> float:
+    """n with K (1 - exp(-n / K)) = ``distinct_steps``: the events whose expected steps are
+    those the run's events fell on (all of them: every step)."""
+    if distinct_steps >= steps:
+        return float(distinct_steps) * 50.0
+    return -steps * math.log1p(-distinct_steps / steps)
+
+
 def run_exposure(run: Path) -> Exposure | None:
     """The faults the run met, as the model's exposure: its crashes and joins (summary.json),
     the slot-time its workers were away (its trace), and whether a slot was slow (a generated
@@ -119,12 +127,26 @@ def run_exposure(run: Path) -> Exposure | None:
         trace, duration_s=duration, step_time=lambda step: ends.get(step - 1, 0.0)
     )
     slow = [e for e in trace.events if e.kind == "slow" and (e.factor or 1.0) > 1.0]
+    # The model counts the steps events share by expectation, K (1 - exp(-n / K)); given the
+    # run's own, it takes the count whose expectation is the steps they fell on: the joins'
+    # (one healing a step) in every model, the crashes' (one dropped step) in ddp's.
+    steps = int(summary["steps"])
+    crash_steps, join_steps = set(), set()
+    for change in summary["faults"]["membership_changes"]:
+        kinds_here = {event["kind"] for event in change["events"]}
+        if "crash" in kinds_here:
+            crash_steps.add(int(change["step"]))
+        if kinds_here & {"join", "rejoin"}:
+            join_steps.add(int(change["step"]))
+    crashes = float(kinds.count("crash"))
+    if fault_model(train.method).family == "synchronous":
+        crashes = _events_over(len(crash_steps), steps)
     return Exposure(
         workers=train.workers,
         duration_s=duration,
         alive_fraction=1.0 - absent / (train.workers * duration),
-        crashes=float(kinds.count("crash")),
-        joins=float(kinds.count("join") + kinds.count("rejoin")),
+        crashes=crashes,
+        joins=_events_over(len(join_steps), steps),
         detection_s=train.fault_detection_s,
         slow_fraction=1.0 if slow else 0.0,
         slow_factor=max((float(e.factor or 1.0) for e in slow), default=1.0),
