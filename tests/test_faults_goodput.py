@@ -21,6 +21,7 @@ from lowcomm.faults import (
 )
 from lowcomm.faults.goodput import (
     detection_wait,
+    expected_dropped_rounds,
     goodput,
     goodput_decoupled,
     goodput_local,
@@ -77,15 +78,34 @@ ONE_CRASH = Exposure(
 
 
 def test_one_crash_synchronous_by_hand() -> None:
-    # tau = 0.8 + 0.2 = 1 s; the survivors lose D + tau = 6 s each.
+    # tau = 0.8 + 0.2 = 1 s; the survivors compute the dropped step, wait the detection and
+    # discard it: c + D = 5.8 s each (no exchange).
     costs = StepCosts(compute_s=0.8, sync_s=0.2)
-    expected = 0.95 - 2.85 * 6.0 / 400.0  # 0.90725
+    expected = 0.95 - 2.85 * 5.8 / 400.0
     assert goodput_synchronous(ONE_CRASH, costs) == pytest.approx(expected, rel=1e-12)
-    # Counted exactly: 20 empty worker-seconds and 3 survivors stalled 6 s: 1 - 38/400.
-    assert goodput_synchronous(ONE_CRASH, costs) == pytest.approx(0.905, abs=0.003)
+    # Counted exactly: 20 empty worker-seconds and 3 survivors stalled 5.8 s: 1 - 37.4/400.
+    assert goodput_synchronous(ONE_CRASH, costs) == pytest.approx(0.9065, abs=0.003)
     # A join that costs 2 s stalls the 3.8 live workers once more.
     healing = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
     assert goodput_synchronous(ONE_CRASH, healing) == pytest.approx(expected - 3.8 * 2 / 400)
+    # Crashes that fall on one step drop it once: n crashes over K steps drop K (1 - e^(-n/K)).
+    two = Exposure(workers=4, duration_s=100.0, alive_fraction=0.95, crashes=2.0, detection_s=5.0)
+    dropped = 4 * (1 - math.exp(-2 / 4))
+    assert goodput_synchronous(two, costs, steps=4) == pytest.approx(
+        0.95 - dropped * 2.85 * 5.8 / 400.0, rel=1e-12
+    )
+
+
+def test_joins_on_one_step_heal_once() -> None:
+    # 3 joins over a run of 4 steps fall on 4 (1 - e^(-3/4)) steps, each healing once (h = 2 s
+    # for the 4 live workers), in both models.
+    joins = Exposure(workers=4, duration_s=100.0, joins=3.0)
+    healed = 4 * (1 - math.exp(-3 / 4))
+    costs = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
+    expected = 1 - healed * 4 * 2.0 / 400.0
+    assert goodput_synchronous(joins, costs, steps=4) == pytest.approx(expected, rel=1e-12)
+    assert goodput_local(joins, costs, steps=4) == pytest.approx(expected, rel=1e-12)
+    assert goodput_local(joins, costs) == pytest.approx(1 - 3 * 4 * 2.0 / 400.0, rel=1e-12)
 
 
 def test_one_crash_local_by_hand() -> None:
@@ -111,13 +131,21 @@ def test_one_crash_decoupled_by_hand() -> None:
 
 def test_stragglers_by_hand() -> None:
     # 10 workers, each slow with probability 0.1 by 3x: some slot is slow with probability
-    # p = 1 - 0.9^10, and the slowest paces at S = 1 + 2 p.
+    # p = 1 - 0.9^10, and the slowest paces at S = 1 + 2 p on average.
     stragglers = Exposure(workers=10, duration_s=100.0, slow_fraction=0.1, slow_factor=3.0)
-    pace = 1.0 + 2.0 * (1.0 - 0.9**10)
+    p = 1.0 - 0.9**10
+    pace = 1.0 + 2.0 * p
     assert stragglers.slowest_pace == pytest.approx(pace, rel=1e-12)
     costs = StepCosts(compute_s=1.0, sync_s=1.0, sync_every=4)
-    assert goodput_synchronous(stragglers, StepCosts(compute_s=1.0)) == pytest.approx(1 / pace)
-    assert goodput_local(stragglers, costs) == pytest.approx(5.0 / (4.0 * pace + 1.0))
+    # A run waits for a slow slot (pace 3) with probability p, else runs at pace 1: the
+    # expectation is p G(3) + (1 - p) G(1), not G at the mean pace.
+    expected = p / 3.0 + (1.0 - p)
+    assert goodput_synchronous(stragglers, StepCosts(compute_s=1.0)) == pytest.approx(expected)
+    assert goodput_synchronous(stragglers, StepCosts(compute_s=1.0)) > 1 / pace
+    assert goodput_local(stragglers, costs) == pytest.approx(p * 5.0 / 13.0 + (1.0 - p))
+    # Every run has a straggler when every slot is slow.
+    every = Exposure(workers=10, duration_s=100.0, slow_fraction=1.0, slow_factor=3.0)
+    assert goodput_local(every, costs) == pytest.approx(5.0 / 13.0)
     # Decoupled: a straggler's tokens come at a third of the pace and nobody waits for it.
     assert goodput_decoupled(stragglers, costs, min_quorum=1, grace_s=0.0) == pytest.approx(
         0.9 + 0.1 / 3
@@ -132,6 +160,37 @@ def test_stragglers_by_hand() -> None:
         stragglers, costs, min_quorum=1, grace_s=10.0, late_fragments_commit=False
     )
     assert waited == pytest.approx(0.9 + 0.1 / 3)
+
+
+def test_a_sync_landing_rounds_late_loses_the_rounds_it_drops_of_every_member() -> None:
+    # ONE_CRASH: 4 workers, 100 s, one crash, a = 0.95, D = 5 s. A round of 10 steps of
+    # 0.8 s and 2 s exposed: rho = 10 s. The crash loses the dead worker's half round and the
+    # survivors' wait D^2 / (2 rho) = 1.25 s each; each dropped round, a round rho of the
+    # dead worker and of each of the (M - 1) a survivors.
+    costs = StepCosts(compute_s=0.8, sync_s=2.0, sync_every=10)
+    survivors = 3 * 0.95
+    base = 5.0 + survivors * 1.25
+    for dropped in (0.0, 0.5, 2.0):
+        lost = base + dropped * (1.0 + survivors) * 10.0
+        expected = 0.95 - lost / 400.0
+        assert goodput_local(ONE_CRASH, costs, dropped_rounds=dropped) == pytest.approx(
+            expected, rel=1e-12
+        )
+    with pytest.raises(ValueError, match=r"^dropped_rounds=-1: must be a finite number >= 0"):
+        goodput_local(ONE_CRASH, costs, dropped_rounds=-1)
+
+
+def test_the_expected_dropped_rounds_by_hand() -> None:
+    # R = 5 rounds, N = 1: the exchanges of rounds 0-3 fly one round each, round 4's none
+    # (the run ends); n crashes fall at n / 5 per round.
+    for n in (0.5, 3.0):
+        expected = 4 * (1 - math.exp(-n / 5))
+        assert expected_dropped_rounds(n, 1, 5.0) == pytest.approx(expected, rel=1e-12)
+    # Rare crashes: about n times the mean in flight at a crash, N - N (N + 1) / (2 R).
+    assert expected_dropped_rounds(1e-6, 2, 10.0) == pytest.approx(1e-6 * (2 - 3 / 10), rel=1e-5)
+    # Many crashes drop each exchange once: at most those that fly.
+    assert expected_dropped_rounds(1e4, 1, 5.0) == pytest.approx(4.0)
+    assert expected_dropped_rounds(3.0, 0, 5.0) == 0.0
 
 
 def test_expected_exposure_of_generated_options_by_hand() -> None:

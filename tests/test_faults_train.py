@@ -382,7 +382,10 @@ def test_a_bad_trace_ends_in_one_line_before_any_worker_starts(
         ),
         ({"method": "zero1"}, "--method zero1 keeps its optimizer state sharded"),
         ({"method": "acco"}, "--method acco keeps its optimizer state sharded"),
-        ({"method": "eager"}, "--method eager is not yet supported"),
+        (
+            {"method": "eager", "diloco": DiLoCoOptions(sync_every=2, quantization="int4")},
+            "not yet supported with --diloco.quantization int4",
+        ),
         ({"fault_seed": 3}, "a run replays one trace, a file or a generated one"),
         ({"fault_detection_s": -1.0}, "--fault-detection-s: -1.0 is not valid"),
         ({"faults": None, "fault_slow_factor": 0.5}, "--fault-slow-factor: 0.5 is not valid"),

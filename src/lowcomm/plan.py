@@ -32,6 +32,7 @@ from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions
 from lowcomm.faults.goodput import (
     Exposure,
     StepCosts,
+    expected_dropped_rounds,
     expected_exposure,
     goodput_decoupled,
     goodput_local,
@@ -45,6 +46,7 @@ from lowcomm.strategies.option_groups import with_method_options
 from lowcomm.strategies.two_step import shard_payload_bytes
 
 if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
     from lowcomm.strategies import Strategy
 
 #: Named model sizes (parameters).
@@ -722,16 +724,30 @@ class _FaultModel:
             every worker holds alike (float32: parameters, outer optimizer state, replicated
             optimizer state); its per-worker state starts by the method's rule and is not sent.
         reason: why it is not priced (family None).
+        in_flight: N, the rounds after its launch that a round's result lands (0: where it
+            is launched); a crash fails the N in flight on every member.
+        heal_tensors: the broadcasts healing takes (None: one per 4 bytes of heal_bytes).
     """
 
     family: FaultFamily | None
     period: Callable[[Any], int] = lambda options: 1
     heal_bytes: Callable[[PlanConfig], float] = lambda config: 4.0
     reason: str = ""
+    in_flight: Callable[[Any], int] = lambda options: 0
+    heal_tensors: int | None = None
 
 
 def _sync_every(options: Any) -> int:
     return int(options.sync_every)
+
+
+def _outer_delay(options: Any) -> int:
+    return int(options.outer_delay)
+
+
+def _delayed_heal(config: PlanConfig, tensors_per_exchange: int) -> float:
+    """phi, the outer momentum and N in-flight exchanges of ``tensors_per_exchange`` tensors."""
+    return _OUTER + 4.0 * tensors_per_exchange * _outer_delay(method_options(config)[1])
 
 
 def _param_period(options: Any) -> int:
@@ -764,8 +780,13 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
     "diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
     "streaming_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
     "cocodc": _FaultModel("local", _sync_every, lambda config: _OUTER),
-    "diloco_delayed": _FaultModel("local", _sync_every, lambda config: _OUTER),
-    "eager": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    # phi, the outer momentum and the N exchanges in flight (eager: with the sender's own).
+    "diloco_delayed": _FaultModel(
+        "local", _sync_every, lambda config: _delayed_heal(config, 1), in_flight=_outer_delay
+    ),
+    "eager": _FaultModel(
+        "local", _sync_every, lambda config: _delayed_heal(config, 2), in_flight=_outer_delay
+    ),
     "sparta_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
     # The anchor; the error-feedback buffer is per worker.
     "sparseloco": _FaultModel("local", _sync_every),
@@ -773,7 +794,10 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
     "local_adamw": _FaultModel("local", _sync_every),
     "overlap_local_sgd": _FaultModel("local", _sync_every),
     "slowmo": _FaultModel("local", _sync_every, lambda config: _OUTER),
-    "co2": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    # The anchor, m, the all-reduce in flight ([Delta | d]: twice the model) and d.
+    "co2": _FaultModel(
+        "local", _sync_every, lambda config: 20.0, in_flight=lambda o: 1, heal_tensors=4
+    ),
     # Averages a fraction of the parameters every step: a round is one step.
     "sparta": _FaultModel("local"),
     # DES-LOC and Local Adam average the moments too, so a joiner receives them.
@@ -840,12 +864,20 @@ def fault_model(method: str) -> _FaultModel:
     return _FAULT_MODELS.get(method, unknown)
 
 
-def price_faults(config: PlanConfig, plan: Plan) -> FaultGoodput:
+def price_faults(
+    config: PlanConfig,
+    plan: Plan,
+    *,
+    exposure: Exposure | None = None,
+    dropped_rounds: float | None = None,
+) -> FaultGoodput:
     """The expected goodput of ``plan``'s method under ``config``'s --fault-* options.
 
     The step costs are the plan's: c its compute per step, m its exposed communication per
     step times H, h the method's global state over the link (one hop, each rank its 1/R);
-    T is --fault-horizon-s or the plan's fault-free wall clock.
+    T is --fault-horizon-s or the plan's fault-free wall clock. ``exposure``: the faults to
+    price instead of the options' expected ones, and ``dropped_rounds`` the exchanges that
+    failed instead of their expected number (a run's own, to check the model on it).
     """
     _, options = method_options(config)
     model = fault_model(config.method)
@@ -858,7 +890,8 @@ def price_faults(config: PlanConfig, plan: Plan) -> FaultGoodput:
         slow_fraction=config.fault_slow_fraction,
         slow_factor=config.fault_slow_factor,
     )
-    exposure = expected_exposure(faults, workers=config.workers)
+    if exposure is None:
+        exposure = expected_exposure(faults, workers=config.workers)
     period = model.period(options)
     compute = _step_compute(config, plan.params)
     exposed_per_step = plan.comm_exposed_s / plan.steps if plan.steps > 0 else 0.0
@@ -870,9 +903,16 @@ def price_faults(config: PlanConfig, plan: Plan) -> FaultGoodput:
         compute_s=compute,
         sync_s=exposed_per_step * period,
         sync_every=period,
-        heal_s=link.collective_time(CollectiveKind.BROADCAST, heal_bytes, 2),
+        heal_s=_heal_seconds(
+            link,
+            heal_bytes,
+            model.heal_tensors or round(model.heal_bytes(config) / 4.0),
+            config.workers,
+        ),
     )
-    value = _family_goodput(model, exposure, costs, options)
+    value = _family_goodput(
+        model, exposure, costs, options, plan.steps / period, dropped_rounds, plan.steps
+    )
     fault_free_rate = config.tokens / plan.wall_clock_s
     return FaultGoodput(
         family=model.family, goodput=value, reason=model.reason, horizon_s=horizon,
@@ -889,13 +929,32 @@ def price_faults(config: PlanConfig, plan: Plan) -> FaultGoodput:
     )  # fmt: skip
 
 
+def _heal_seconds(link: NetworkProfile, heal_bytes: float, tensors: int, workers: int) -> float:
+    """h: the healing broadcasts from one member over the quorum's M workers, ``tensors`` of
+    them (one per tensor of the global state): their transfer and, each, the (M - 1) hops of
+    latency the link prices a broadcast with."""
+    tensors = max(1, tensors)
+    single = link.collective_time(CollectiveKind.BROADCAST, heal_bytes, workers)
+    hops = link.collective_time(CollectiveKind.BROADCAST, 0.0, workers)
+    return single + (tensors - 1) * hops
+
+
 def _family_goodput(
-    model: _FaultModel, exposure: Exposure, costs: StepCosts, options: object | None
+    model: _FaultModel,
+    exposure: Exposure,
+    costs: StepCosts,
+    options: object | None,
+    rounds: float,
+    dropped_rounds: float | None = None,
+    steps: float | None = None,
 ) -> float | None:
     if model.family == "synchronous":
-        return goodput_synchronous(exposure, costs)
+        return goodput_synchronous(exposure, costs, steps=steps)
     if model.family == "local":
-        return goodput_local(exposure, costs)
+        if dropped_rounds is None:
+            late = model.in_flight(options)
+            dropped_rounds = expected_dropped_rounds(exposure.crashes, late, rounds)
+        return goodput_local(exposure, costs, dropped_rounds=dropped_rounds, steps=steps)
     if model.family == "decoupled":
         # Late fragments are merged by their token count, so the grace window does not
         # change what commits (lowcomm.faults.goodput.goodput_decoupled).
@@ -1077,3 +1136,56 @@ def _goodput_rows(plan: Plan, priced: dict[str, Any]) -> list[tuple[str, str]]:
             f"{priced['sync_every']}, heal {_gb(priced['heal_bytes'])} in {priced['heal_s']:.4g} s",
         ),
     ]
+
+
+def plan_for_run(
+    train: TrainConfig,
+    *,
+    params: str,
+    tokens: float,
+    steps: int,
+    seconds_per_step: float,
+    horizon_s: float,
+) -> PlanConfig:
+    """The planner's configuration of a training run: the settings ``train`` and ``plan``
+    share (the method's options and the --fault-* options among them), and the run's size,
+    tokens, steps, one worker's compute per step and its modeled time as the fault horizon.
+
+    A fragmented method's unset fragment count is the one the run used: its default capped
+    at the model's transformer blocks (a 1-block model trains with 1 fragment), where a plan
+    alone takes the method's default (4), which the run's H and tau may not fit.
+    """
+    from lowcomm.config import TrainConfig as Train
+    from lowcomm.strategies import strategy_class
+
+    shared = {f.name for f in dataclasses.fields(PlanConfig)} & {
+        f.name for f in dataclasses.fields(Train)
+    }
+    values = {name: getattr(train, name) for name in shared}
+    cls = strategy_class(train.method)
+    field = cls.options_field
+    options = None if field is None else getattr(train, field, None)
+    if getattr(options, "fragments", 0) is None and field in values:
+        values[field] = dataclasses.replace(options, fragments=_run_fragments(train, cls))  # type: ignore[type-var]
+    return PlanConfig(
+        **values,
+        params=params,
+        tokens=tokens,
+        tokens_per_step=tokens / steps,
+        seconds_per_step=seconds_per_step,
+        fault_horizon_s=horizon_s,
+    )
+
+
+def _run_fragments(train: TrainConfig, cls: type[Strategy]) -> int:
+    """The fragment count a run of ``train`` uses when none is given (its model built on the
+    meta device: only its parameter names and sizes are read)."""
+    import torch
+
+    from lowcomm.models import build_model
+    from lowcomm.strategies.diloco import default_fragment_count
+
+    preferred = int(getattr(cls, "default_fragments", 1))
+    with torch.device("meta"):  # (the vocabulary does not change the blocks)
+        model = build_model(train.model, 64)
+    return default_fragment_count(model, preferred)

@@ -167,28 +167,20 @@ def _loss_at(records: list[dict[str, Any]], time_s: float) -> float | None:
 def predicted_goodput(config: TrainConfig, summary: dict[str, Any]) -> float | None:
     """The planner's goodput for this run: its shared settings (the --fault-* options among
     them), its parameters, tokens and steps, its modeled time as the horizon."""
-    from lowcomm.plan import PlanConfig, make_plan, price_faults
+    from lowcomm.plan import make_plan, plan_for_run, price_faults
 
-    shared = {f.name for f in dataclasses.fields(PlanConfig)} & {
-        f.name for f in dataclasses.fields(TrainConfig)
-    }
-    steps = int(summary["steps"])
-    tokens = float(summary["tokens"])
     assert config.seconds_per_microbatch is not None
-    plan = PlanConfig(
-        **{name: getattr(config, name) for name in shared},
-        params=str(summary["num_params"]),
-        tokens=tokens,
-        tokens_per_step=tokens / steps,
+    plan = plan_for_run(
+        config, params=str(summary["num_params"]), tokens=float(summary["tokens"]),
+        steps=int(summary["steps"]),
         seconds_per_step=config.seconds_per_microbatch * config.microbatches_per_step,
-        fault_horizon_s=float(summary["modeled_time_s"]),
-    )
+        horizon_s=float(summary["modeled_time_s"]),
+    )  # fmt: skip
     try:
         return price_faults(plan, make_plan(plan)).goodput
     except ValueError:
-        # The planner refuses the run's options as it reads them (streaming_diloco's
-        # fragments default to the model's blocks in training, to the planner's own count
-        # in a plan): the row then has no prediction rather than the benchmark none at all.
+        # The planner refuses the run's options as it reads them: the row then has no
+        # prediction rather than the benchmark none at all.
         return None
 
 

@@ -59,7 +59,10 @@ that starts while the link is down starts when it is up (:meth:`WorkerFaults.tra
 
 Committed tokens: a step-round method commits a member's tokens at every step that was not
 dropped; a sync-round method commits a worker's inner-step tokens at the sync it takes part
-in, and a worker lost before its sync loses them.
+in, and a worker lost before its sync loses them. A method whose sync's result is applied
+rounds after its launch (eager, diloco_delayed, co2: :meth:`Strategy.settled_syncs`) closes
+the tokens of the steps up to each launch into that sync's bucket, and commits or drops the
+bucket when the sync settles: applied by every member, or failed.
 """
 
 from __future__ import annotations
@@ -238,6 +241,10 @@ class WorkerFaults:
         self.pending_tokens = 0
         self.committed_tokens = 0
         self.dropped_steps = 0
+        #: Late-settling methods: tokens closed at each sync's launch step, awaiting its result.
+        self.awaiting: dict[int, int] = {}
+        #: Syncs that failed on every member, by the step that settled them.
+        self.failed_syncs: dict[int, int] = {}
         self._step = 0
         # Membership resolved step by step (resolve): the events of each step, the members
         # after them and the quorum's id.
@@ -569,14 +576,45 @@ class WorkerFaults:
             self.clock.wait_until(self.clock.now() + self.detection_s)
         self.dropped_steps += 1
 
-    def account(self, tokens: int, *, committed_round: bool) -> None:
+    def account(
+        self,
+        tokens: int,
+        *,
+        committed_round: bool,
+        settled: list[tuple[int, bool]] | None = None,
+        launched_at: int | None = None,
+    ) -> None:
         """Count a step's tokens: committed now (a step round, or the sync that ends a sync
-        round, which commits the round's earlier inner steps too), or pending."""
+        round, which commits the round's earlier inner steps too), or pending.
+
+        A method whose syncs settle late passes ``settled``, the syncs settled at this step
+        (launch step, applied), oldest first; then ``committed_round`` means the step
+        launched a sync (at ``launched_at``), which closes the pending tokens into its bucket
+        (before the settled ones are taken: a drain may launch and settle one sync at once).
+        A settled bucket this worker does not hold (a joiner's inherited sync) commits none.
+        """
         self.pending_tokens += tokens
-        if self.round_kind == "step" or committed_round:
-            self.committed_tokens += self.pending_tokens
+        if settled is None:
+            if self.round_kind == "step" or committed_round:
+                self.committed_tokens += self.pending_tokens
+                self.pending_tokens = 0
+            return
+        if committed_round:
+            assert launched_at is not None
+            self.awaiting[launched_at] = self.awaiting.get(launched_at, 0) + self.pending_tokens
             self.pending_tokens = 0
+        for launch, applied in settled:
+            bucket = self.awaiting.pop(launch, 0)
+            if applied:
+                self.committed_tokens += bucket
+
+    def note_failed_syncs(self, step: int, count: int) -> None:
+        """``count`` syncs failed on every member at ``step`` (rounds dropped)."""
+        if count:
+            self.failed_syncs[step] = self.failed_syncs.get(step, 0) + count
 
     def lose_pending(self) -> None:
-        """This worker left the quorum: its uncommitted tokens are lost."""
+        """This worker left the quorum: its uncommitted tokens are lost (its syncs in flight
+        fail on every member)."""
         self.pending_tokens = 0
+        self.awaiting.clear()

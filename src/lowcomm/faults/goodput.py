@@ -36,11 +36,20 @@ Each formula below is ``fault-free rate`` times ``worker-time kept``; lost worke
 divided by M T.
 
 *Synchronous per step* (ddp; :func:`goodput_synchronous`). Every step waits for the
-slowest worker, so a step takes tau = c S + m against tau0 = c + m without faults. A crash
-stalls every survivor for detection and the step it drops: D + tau each, and each of the
-other M - 1 slots is alive with probability a. A join stalls every member for h::
+slowest worker, so a step takes tau = c S + m against tau0 = c + m without faults (S the
+slowest pace, s or 1: see *Stragglers* below). A crash drops the step it happens in on
+every survivor: they compute it, wait the detection and discard it, c S + D each (no
+exchange), and each of the other M - 1 slots is alive with probability a. Crashes that fall
+on one step drop it once: over a run of K steps, n crashes drop d = K (1 - exp(-n / K))
+steps (n when crashes are rare). A join stalls every member for h, once per step however
+many join at it (j joins heal on K (1 - exp(-j / K)) steps; G_local and G_late count them
+alike)::
 
-    G_sync = (tau0 / tau) * (a - (n (M - 1) a (D + tau) + j M a h) / (M T))
+    G_sync = (tau0 / tau) * (a - (d (M - 1) a (c S + D) + j M a h) / (M T))
+
+A join's h is the healing broadcast from one member over the quorum's group: each healed
+tensor (one per 4 bytes per parameter of the method's global state) costs its transfer and
+(M - 1) hops of latency, as the link prices a broadcast over M.
 
 *Local and DiLoCo* (H inner steps, then a sync; :func:`goodput_local`). A round takes
 rho = H c S + m against rho0 = H c + m: stragglers make the others wait at each sync. A
@@ -51,6 +60,25 @@ otherwise. The sync's quorum forms after detection, so the survivors' round is k
 during the collective itself, which would drop the round for all, is neglected: m << rho)::
 
     G_local = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + j M a h) / (M T))
+
+*A sync that lands N rounds late* (eager and diloco_delayed, N = --diloco.outer-delay; co2,
+N = 1; ``goodput_local(dropped_rounds=D)``). A round's tokens commit when its exchange is
+applied, N rounds after its launch, and an exchange whose launch quorum lost a member fails
+on every member (docs/ALGORITHMS.md, "Membership"), which drops that round of the dead worker
+and of every survivor. Round r's exchange flies w_r = min(N, R - (r + 1)) of the run's R
+rounds and fails when a crash falls in that window (crashes at rate n / R per round), so the
+run drops D = sum_r (1 - exp(-n w_r / R)) rounds (:func:`expected_dropped_rounds`: about
+n (N - N (N + 1) / (2 R)) when crashes are rare, at most one per exchange when they are
+not)::
+
+    G_late = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + D (1 + (M - 1) a) rho
+                                  + j M a h) / (M T))
+
+*Stragglers.* A slot is slow with probability f, so some slot is slow with probability
+p = 1 - (1 - f)^M, and a method that waits for its slowest worker then runs at its pace s
+for the whole run; otherwise at 1. G_sync and G_local are the expectation over the two,
+p G(s) + (1 - p) G(1): goodput goes as 1/pace, and 1/E[pace] would overstate a run with a
+straggler (at M = 16, f = 0.1, s = 3: 0.38 for the 0.33 such a run keeps).
 
 *Never waiting, with a quorum and a grace window* (decoupled_diloco;
 :func:`goodput_decoupled`). Learners never wait for each other or for the synchronizer. A
@@ -82,6 +110,7 @@ __all__ = [
     "StepCosts",
     "absent_worker_seconds",
     "detection_wait",
+    "expected_dropped_rounds",
     "expected_exposure",
     "expected_goodput",
     "fault_free_tokens",
@@ -306,14 +335,42 @@ def _clamp(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
-def goodput_synchronous(exposure: Exposure, costs: StepCosts) -> float:
-    """G_sync: a method that waits for every worker at every step (ddp)."""
+def _over_stragglers(exposure: Exposure, goodput_at: Callable[[float], float]) -> float:
+    """E[G] over the slowest worker's pace: s when some slot is slow (probability p), else
+    1. A run that waits for its slowest worker keeps 1/pace of its rate, and E[1/S] is not
+    1/E[S]: at M = 16 and f = 0.1 the slowest pace averages 2.6 (s = 3), but a run goes at 1
+    or at 1/3 of its rate, never at 1/2.6."""
     e = exposure
-    fault_free_step = costs.compute_s + costs.sync_s
-    step = costs.compute_s * e.slowest_pace + costs.sync_s
-    survivors = (e.workers - 1) * e.alive_fraction
-    lost = e.crashes * survivors * (e.detection_s + step) + e.joins * e.live_workers * costs.heal_s
-    return _clamp(fault_free_step / step * (e.alive_fraction - lost / (e.workers * e.duration_s)))
+    some_slow = 1.0 - (1.0 - e.slow_fraction) ** e.workers
+    if e.slow_factor == 1.0 or some_slow == 0.0:
+        return goodput_at(1.0)
+    if some_slow == 1.0:
+        return goodput_at(e.slow_factor)
+    return some_slow * goodput_at(e.slow_factor) + (1.0 - some_slow) * goodput_at(1.0)
+
+
+def goodput_synchronous(
+    exposure: Exposure, costs: StepCosts, *, steps: float | None = None
+) -> float:
+    """G_sync: a method that waits for every worker at every step (ddp). ``steps``: the run's
+    K steps, over which crashes that fall on one step drop it once (None: every crash drops
+    a step of its own)."""
+    e = exposure
+    dropped, joins = _per_step(e.crashes, steps), _per_step(e.joins, steps)
+
+    def at(pace: float) -> float:
+        fault_free_step = costs.compute_s + costs.sync_s
+        step = costs.compute_s * pace + costs.sync_s
+        survivors = (e.workers - 1) * e.alive_fraction
+        lost = (
+            dropped * survivors * (costs.compute_s * pace + e.detection_s)
+            + joins * e.live_workers * costs.heal_s
+        )
+        return _clamp(
+            fault_free_step / step * (e.alive_fraction - lost / (e.workers * e.duration_s))
+        )
+
+    return _over_stragglers(e, at)
 
 
 def detection_wait(detection_s: float, round_s: float) -> float:
@@ -324,15 +381,74 @@ def detection_wait(detection_s: float, round_s: float) -> float:
     return detection_s - round_s / 2.0
 
 
-def goodput_local(exposure: Exposure, costs: StepCosts) -> float:
+def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> float:
+    """D, the expected number of exchanges that fail in a run of ``rounds`` rounds (R) with
+    ``crashes`` crashes (n) at uniform moments, when each round's exchange lands
+    ``rounds_late`` (N) rounds after its launch and fails if a crash falls while it flies.
+    Round r's exchange flies w_r = min(N, R - (r + 1)) rounds, so
+
+        D = sum_{r=0}^{floor(R)-1} (1 - exp(-n w_r / R)),
+
+    about n times the mean number in flight at a crash (N - N (N + 1) / (2 R)) when crashes
+    are rare, and at most the exchanges a run launches when they are not: crashes that fall
+    on one exchange drop it once."""
+    _non_negative("crashes", crashes)
+    _non_negative("rounds", rounds)
+    if isinstance(rounds_late, bool) or not isinstance(rounds_late, int) or rounds_late < 0:
+        raise ValueError(
+            f"rounds_late={rounds_late!r}: a count of rounds >= 0; pass 0 for a sync that "
+            "lands where it is launched"
+        )
+    if rounds_late == 0 or crashes == 0.0 or rounds <= 1.0:
+        return 0.0
+    rate = crashes / rounds
+    total = 0.0
+    for launch in range(int(rounds)):
+        window = max(0.0, min(float(rounds_late), rounds - (launch + 1)))
+        total += 1.0 - math.exp(-rate * window)
+    return total
+
+
+def _per_step(events: float, steps: float | None) -> float:
+    """The steps on which ``events`` events at uniform moments of a run of ``steps`` steps
+    fall, K (1 - exp(-n / K)): events on one step count once (a step drops once, one
+    healing heals every joiner of a step). None: each event on a step of its own."""
+    if steps is None:
+        return events
+    _positive("steps", steps)
+    return steps * -math.expm1(-events / steps)
+
+
+def goodput_local(
+    exposure: Exposure,
+    costs: StepCosts,
+    *,
+    dropped_rounds: float = 0.0,
+    steps: float | None = None,
+) -> float:
     """G_local: H steps alone, then a sync that waits for every live worker (local SGD,
-    DiLoCo, streaming DiLoCo)."""
+    DiLoCo, streaming DiLoCo); with ``dropped_rounds`` = D > 0, G_late: a method whose round
+    lands rounds after its launch (eager, diloco_delayed, co2) loses D rounds of every member
+    of their quorums to the exchanges that failed (:func:`expected_dropped_rounds`)."""
     e = exposure
-    round_s = costs.sync_every * costs.compute_s * e.slowest_pace + costs.sync_s
-    wait = detection_wait(e.detection_s, round_s)
-    survivors = (e.workers - 1) * e.alive_fraction
-    lost = e.crashes * (round_s / 2.0 + survivors * wait) + e.joins * e.live_workers * costs.heal_s
-    return _clamp(costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s)))
+    _non_negative("dropped_rounds", dropped_rounds)
+    joins = _per_step(e.joins, steps)
+
+    def at(pace: float) -> float:
+        round_s = costs.sync_every * costs.compute_s * pace + costs.sync_s
+        wait = detection_wait(e.detection_s, round_s)
+        survivors = (e.workers - 1) * e.alive_fraction
+        dropped = dropped_rounds * (1.0 + survivors) * round_s
+        lost = (
+            e.crashes * (round_s / 2.0 + survivors * wait)
+            + dropped
+            + joins * e.live_workers * costs.heal_s
+        )
+        return _clamp(
+            costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s))
+        )
+
+    return _over_stragglers(e, at)
 
 
 def goodput_decoupled(

@@ -315,7 +315,7 @@ def faults_refusal(config: TrainConfig) -> str | None:
     if config.optim.name != "adamw":
         return f"{flag}: not yet supported with --optim.name {config.optim.name}; use adamw"
     quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
-    if config.method == "diloco" and quantization != "none":
+    if config.method in ("diloco", "diloco_delayed", "eager") and quantization != "none":
         return (
             f"{flag}: not yet supported with --diloco.quantization {quantization} (its "
             "two-step exchange is laid out for every worker); use none"

@@ -265,6 +265,14 @@ class Strategy(ABC):
         applied (its tokens, and a sync round's earlier ones, are then committed)."""
         return True
 
+    def settled_syncs(self) -> list[tuple[int, bool]] | None:
+        """For a method whose sync's result is applied rounds after its launch (eager,
+        diloco_delayed, co2): the syncs settled since the last call, oldest first, each as
+        (its launch step, whether every member applied it), and then ``round_committed``
+        says whether the step launched one. None (the default): a round's tokens commit at
+        ``round_committed``."""
+        return None
+
     def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
         """Every member of the round calls this together: the member of rank ``source`` (in
         the round) sends what the method declares global, over the method's link (charged

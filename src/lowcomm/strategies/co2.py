@@ -313,7 +313,8 @@ class OverlapLocalSGD(_LocalFamily):
         stats = self.inner_step(closure)
         if self.round_due(stats):
             with torch.no_grad():
-                self.drop_failed_sync()
+                if self.drop_failed_sync():
+                    stats.extras["syncs_dropped"] = 1.0
                 # (No anchor z at the first boundary, nor after an all-reduce that failed.)
                 pulled = self.handle is not None or self.anchored
                 if pulled:
@@ -341,14 +342,16 @@ class OverlapLocalSGD(_LocalFamily):
         ):
             self.sync_failed = True
 
-    def drop_failed_sync(self) -> None:
+    def drop_failed_sync(self) -> bool:
         """Discard a failed all-reduce's result, where the boundary would have waited for it
         (the buffer is reused only once the group is done with it): the boundary then pulls
-        toward no anchor."""
+        toward no anchor. Whether there was one."""
         if self.handle is not None and self.sync_failed:
             self.handle.wait()
             self.handle = None
             self.sync_failed = False
+            return True
+        return False
 
     def round_committed(self, stats: StepStats) -> bool:
         return stats.extras.get("synced") == 1.0
@@ -598,6 +601,20 @@ class CO2(_AnchoredOuter):
         extra_copies=4,
         shards_over_replicas=True,
     )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state=(
+            "the anchor x_{t,0}, the outer momentum m, the step and round counters, the "
+            "all-reduce in flight (the members first finish it: its mean outer gradient and "
+            "displacement, its inner steps, launch quorum and whether it failed), whether "
+            "the last round moved the anchor, and the sending member's displacements d"
+        ),
+        worker_state=(
+            "join: the local parameters start at the anchor and the inner optimizer afresh; "
+            "rejoin: the same, the inner optimizer kept; its own all-reduce from before it "
+            "was lost is void"
+        ),
+    )
 
     def __init__(
         self,
@@ -621,12 +638,26 @@ class CO2(_AnchoredOuter):
         #: Inner steps of the round whose outer gradient is in flight (tau in Lambda).
         self.inflight_steps = 0
         self.clip_active = self.options.clip and math.isfinite(self.options.clip_threshold)
+        #: Declared faults: the step and quorum the all-reduce in flight was launched at and
+        #: over, whether it failed (a member of it was lost), whether the buffer holds its
+        #: settled result with no handle (after healing), whether the last round's outer
+        #: step moved the anchor (Lambda's numerator), and the syncs settled since
+        #: settled_syncs() was last read.
+        self.launched_at = 0
+        self.launched_over: tuple[int, ...] = ()
+        self.sync_failed = False
+        self.received = False
+        self.anchor_moved = True
+        self.settled: list[tuple[int, bool]] = []
+        #: M, every worker slot (built with all of them; a quorum's group has its members').
+        self.workers = comm.world_size
 
     @property
     def _shared(self) -> bool:
         return self.previous_displacement is None and self.displacement is not None
 
     def step(self, closure: Closure) -> StepStats:
+        self.mark_failed_sync()
         stats = self.inner_step(closure)
         with torch.no_grad():
             if self.local_steps == 1 and self.displacement is not None:
@@ -639,14 +670,31 @@ class CO2(_AnchoredOuter):
     def close_round(self) -> dict[str, float]:
         """The end of round t, in Alg. 1's order; returns the step's extras."""
         extras: dict[str, float] = {}
-        previous = self.handle is not None  # t = 0 has no earlier round: keep the anchor
-        if previous:
-            extras.update(self.finish_sync())  # round t-1's Delta: Lambda_t and m_t
+        # t = 0 has no earlier round, and a failed one is discarded: keep the anchor.
+        previous = self.settle_previous(extras)
         self.launch_sync()  # round t's Delta (and d_t): it overlaps the next round
         if previous:
             extras.update(self.outer_step())  # x_{t+1,0} = x_{t,0} - alpha clip(m_t, phi)
+        self.anchor_moved = previous
         self.restart_from_anchor()
         return extras
+
+    def settle_previous(self, extras: dict[str, float]) -> bool:
+        """Round t-1's all-reduce, if any: finished (Lambda_t and m_t), or, when it failed,
+        discarded on every member once the loss is detected. Whether it is applied."""
+        if self.handle is None and not self.received:
+            return False
+        if self.sync_failed:
+            if self.handle is not None:  # (its buffer is reused once the group is done)
+                self.handle.wait()
+            self.handle, self.received, self.sync_failed = None, False, False
+            self.runtime.enter_round()  # (it fails when the loss is detected)
+            self.settled.append((self.launched_at, False))
+            extras["syncs_dropped"] = 1.0
+            return False
+        extras.update(self.finish_sync())
+        self.settled.append((self.launched_at, True))
+        return True
 
     def launch_sync(self) -> None:
         """Delta_t = x_{t,0} - x_{t,tau} (with d_t when shared) into the buffer, then its
@@ -661,6 +709,9 @@ class CO2(_AnchoredOuter):
                 self.displacement,
                 self.previous_displacement,
             )
+        # (A member lost since the last round: the new quorum forms once it is detected.)
+        self.launched_over = self.runtime.enter_round().members
+        self.launched_at = self.step_index
         self.handle = self.comm.all_reduce(self.buffer, op="mean", role=Role.PSEUDO_GRADIENT)
         self.inflight_steps = self.local_steps
 
@@ -672,8 +723,10 @@ class CO2(_AnchoredOuter):
 
     def finish_sync(self) -> dict[str, float]:
         """Wait for round t-1's all-reduce and update the outer momentum (lines 8-12)."""
-        assert self.handle is not None
-        self.handle.wait()
+        assert self.handle is not None or self.received
+        if self.handle is not None:
+            self.handle.wait()
+        self.received = False
         numel = self.flat.params.numel()
         outer_gradient = self.buffer[:numel]
         extras: dict[str, float] = {}
@@ -689,6 +742,8 @@ class CO2(_AnchoredOuter):
             )
             # |x_{t,0} - x_{t-1,0}| = alpha |clip(m_{t-1})|, read before m is overwritten.
             penalty = self._clipped_momentum().abs().mul_(self.options.outer_lr)
+            if not self.anchor_moved:  # (a discarded round left x_{t,0} = x_{t-1,0})
+                penalty.zero_()
             penalty.div_(denominator).add_(1.0)  # Lambda_t >= 1, element-wise
             outer_gradient.div_(penalty)
             extras["mean_penalty"] = whole_mean(self.flat, penalty)
@@ -710,10 +765,79 @@ class CO2(_AnchoredOuter):
             if self.local_steps > 0:
                 self.close_round()
                 self.end_round()
-            if self.handle is not None:
-                self.finish_sync()
+            self.mark_failed_sync()
+            if self.settle_previous({}):
                 self.outer_step()
                 self.restart_from_anchor()
+
+    # membership (declared faults) -----------------------------------------------------------
+
+    def mark_failed_sync(self) -> None:
+        """An all-reduce in flight whose quorum lost a member fails on every member."""
+        in_flight = self.handle is not None or self.received
+        if in_flight and not set(self.launched_over) <= set(self.runtime.quorum.members):
+            self.sync_failed = True
+
+    def round_committed(self, stats: StepStats) -> bool:
+        """Whether the step launched a round's all-reduce (its tokens wait for it to settle)."""
+        return stats.extras.get("synced") == 1.0
+
+    def settled_syncs(self) -> list[tuple[int, bool]] | None:
+        settled, self.settled = self.settled, []
+        return settled
+
+    def global_state(self) -> tuple[list[tuple[Role, torch.Tensor]], dict[str, int]]:
+        tensors = [
+            (Role.PARAMETER, self.anchor),
+            (Role.FIRST_MOMENT, self.momentum),
+            (Role.PSEUDO_GRADIENT, self.buffer),
+        ]
+        for extra in (self.displacement, self.previous_displacement):
+            if extra is not None:
+                tensors.append((Role.PSEUDO_GRADIENT, extra))
+        members = set(self.launched_over)
+        counters = {
+            **self.round_counters(),
+            "inflight_steps": self.inflight_steps,
+            "in_flight": int(self.received),
+            "sync_failed": int(self.sync_failed),
+            "launched_at": self.launched_at,
+            "anchor_moved": int(self.anchor_moved),
+        }
+        counters.update({f"member{k}": int(k in members) for k in range(self.workers)})
+        return tensors, counters
+
+    def set_global_counters(self, counters: dict[str, int]) -> None:
+        super().set_global_counters(counters)
+        self.inflight_steps = counters["inflight_steps"]
+        self.received = bool(counters["in_flight"])
+        self.sync_failed = bool(counters["sync_failed"])
+        self.launched_at = counters["launched_at"]
+        self.anchor_moved = bool(counters["anchor_moved"])
+        self.launched_over = tuple(k for k in range(self.workers) if counters[f"member{k}"])
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        if not kept:
+            self.inner.reset()
+        with torch.no_grad():
+            self.restart_from_anchor()
+
+    def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
+        """The members first finish the all-reduce in flight (early, charged as their wait;
+        they still apply it at the round's end), so the sender passes its result on: the
+        joiner took no part in it. A joiner's own one from before it was lost is void."""
+        if joining:
+            if self.handle is not None:  # (complete: its members issued it steps ago)
+                self.handle.wait()
+            self.handle = None
+            self.settled = []
+        else:
+            self.mark_failed_sync()
+            if self.handle is not None:  # (a failed one too: its flag travels with it)
+                self.handle.wait()
+                self.handle = None
+                self.received = True
+        super().heal(source, joining=joining, kept=kept)
 
     def state_bytes(self) -> int:
         return self.base_state_bytes() + _bytes(

@@ -189,9 +189,13 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
         mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
         stats = self.timed_inner_step(closure)
         t = self.step_index
-        for sync in [s for s in self.in_flight if s.complete_at <= t]:
+        due = [s for s in self.in_flight if s.complete_at <= t]
+        for sync in due:
             self.in_flight.remove(sync)
             self.complete(sync, t)  # finish_sync, outer step, compensated merge
+        dropped = sum(sync.failed for sync in due)
+        if dropped:
+            stats.extras["syncs_dropped"] = float(dropped)
         p = self.fragment_due(t)
         if p is not None:
             sync = self.launch(p, t)
@@ -351,7 +355,10 @@ class CoCoDC(OuterLoopStrategy[DiLoCoOptions]):
             self.in_flight = []
         else:
             mark_failed_syncs(self.in_flight, self.runtime.quorum.members)
+            completing = any(not sync.failed for sync in self.in_flight)
             self.finish()
+            if completing:
+                self.completed_at = self.step_index + 1  # (it commits at this step)
         super().heal(source, joining=joining, kept=kept)
 
     def in_flight_state(self) -> list[Any]:

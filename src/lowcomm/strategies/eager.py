@@ -8,14 +8,15 @@ The paper's equations are lost; the rules below are docs/ALGORITHMS.md's reconst
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from lowcomm.comm.base import Comm
+from lowcomm.comm.base import Comm, Role, Settled
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
-from lowcomm.strategies.declaration import CostModel, fragment_traffic
+from lowcomm.strategies.declaration import CostModel, MembershipRule, fragment_traffic
 from lowcomm.strategies.diloco import DiLoCoOptions, OuterExchange, OuterLoopStrategy
 from lowcomm.strategies.streaming import completion_offsets
 
@@ -38,6 +39,55 @@ def eager_outer_gradient(
         world_size: M.
     """
     return stale_mean + (fresh_own - stale_own) / world_size
+
+
+def quorum_eager_outer_gradient(
+    stale_mean: torch.Tensor,
+    fresh_own: torch.Tensor,
+    stale_own: torch.Tensor,
+    stale_size: int,
+    fresh_size: int,
+) -> torch.Tensor:
+    """The eager outer gradient over quorums (docs/ALGORITHMS.md, "Membership"): each
+    contribution weighs 1/|Q| of the quorum of its own round,
+
+    Delta~_m^(t) = Delta^(t-N) - Delta_m^(t-N) / |Q_{t-N}| + Delta_m^(t) / |Q_t|,
+
+    which is :func:`eager_outer_gradient` when both quorums have its M workers (then computed
+    by it, to the bit)."""
+    if stale_size == fresh_size:
+        return eager_outer_gradient(stale_mean, fresh_own, stale_own, fresh_size)
+    return stale_mean - stale_own / stale_size + fresh_own / fresh_size
+
+
+@dataclass
+class PendingSync:
+    """A fragment's outer exchange in flight: launched at step ``launched_at`` over the
+    quorum ``members``; ``failed``: a member of it was lost before it settled, so it fails
+    on every member."""
+
+    exchange: OuterExchange
+    launched_at: int
+    members: tuple[int, ...]
+    failed: bool = False
+
+
+#: The delayed methods' membership rule (docs/ALGORITHMS.md, "Membership: quorum, commit and
+#: healing"; the rows of eager and diloco_delayed).
+DELAYED_MEMBERSHIP = MembershipRule(
+    round="sync",
+    global_state=(
+        "the sending member's outer parameters phi_p and outer momentum of every fragment, "
+        "the step, round and outer-step counters, and every exchange in flight (settled by "
+        "the members first): its launch step and quorum, whether it failed, its mean and "
+        "for eager the sender's own contribution"
+    ),
+    worker_state=(
+        "join: the local parameters start at phi_p and the inner AdamW afresh; rejoin: the "
+        "same, the inner AdamW kept; the joiner's own exchanges from before it was lost are "
+        "void"
+    ),
+)
 
 
 class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
@@ -69,54 +119,188 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         super().__init__(model, comm, context, options)
         self.sync_offsets = completion_offsets(self.options.sync_every, self.num_fragments)
         # Per fragment: in-flight exchanges, oldest first, with the fresh own Delta at launch.
-        self.pending: list[deque[OuterExchange]] = [deque() for _ in self.fragments]
+        self.pending: list[deque[PendingSync]] = [deque() for _ in self.fragments]
+        #: M, every worker slot (built with all of them; a quorum's group has its members').
+        self.workers = comm.world_size
+        #: Syncs settled since settled_syncs() was last read: (launch step, applied).
+        self.settled: list[tuple[int, bool]] = []
 
     def step(self, closure: Closure) -> StepStats:
+        self.mark_failed_syncs()
         stats = self.inner_step(closure)
         t = self.step_index
+        dropped = 0
         for p, offset in enumerate(self.sync_offsets):
             if t >= offset and (t - offset) % self.options.sync_every == 0:
-                self.sync_fragment(p)
+                dropped += self.sync_fragment(p)
                 stats.extras["outer_step"] = 1.0
+        if dropped:
+            stats.extras["syncs_dropped"] = float(dropped)
         return stats
 
-    def sync_fragment(self, p: int) -> None:
-        """End of fragment p's inner phase: launch its exchange, apply the one N rounds old."""
+    def sync_fragment(self, p: int) -> int:
+        """End of fragment p's inner phase: launch its exchange, apply the one N rounds old.
+        Returns 1 when that one failed (a member of its quorum was lost while it flew): its
+        mean is discarded on every member, and the outer step takes no part of it."""
         fresh_own = self.globals_[p] - self.local_fragment(p)
-        self.pending[p].append(self.launch_sync(p))
+        # (A member lost since the last launch: the new quorum forms once it is detected.)
+        members = self.runtime.enter_round().members
+        self.pending[p].append(PendingSync(self.launch_sync(p), self.step_index, members))
+        failed = 0
         if len(self.pending[p]) > self.options.outer_delay:
-            stale_mean, _, stale_own = self.pending[p].popleft().wait()
+            sync = self.pending[p].popleft()
+            stale_mean, _, stale_own = sync.exchange.wait()
+            self.settled.append((sync.launched_at, not sync.failed))
+            stale_size = len(sync.members)
+            if sync.failed:
+                failed = 1
+                if not self.eager:  # no outer step: phi_p and its momentum unchanged
+                    self.set_local_fragment(p, self.globals_[p])
+                    return failed
+                # Eager: the failed round's others' part is lost; the own fresh part of
+                # this round is applied as in the first rounds.
+                stale_mean = torch.zeros_like(fresh_own)
+                stale_own = torch.zeros_like(fresh_own)
+                stale_size = len(members)
         elif self.eager:
             # First rounds [R-lo]: Delta^(0) = Delta_m^(0) = 0, a (1/M) Delta_m^(t) step.
             stale_mean = torch.zeros_like(fresh_own)
             stale_own = torch.zeros_like(fresh_own)
+            stale_size = len(members)
         else:
             # Naive delay, first rounds: no update (zero outer gradient); restart from phi_m.
             self.set_local_fragment(p, self.globals_[p])
-            return
+            return failed
         if self.eager:
-            update = eager_outer_gradient(stale_mean, fresh_own, stale_own, self.comm.world_size)
+            update = quorum_eager_outer_gradient(
+                stale_mean, fresh_own, stale_own, stale_size, len(members)
+            )
         else:
             update = stale_mean
         self.outer_step(p, update)
         self.set_local_fragment(p, self.globals_[p])
+        return failed
 
     def finish(self) -> None:
         """Drain every in-flight exchange and apply it, oldest first [R-med].
 
         Naive delay applies Delta^(s). Eager already applied its own part of round s (fresh,
-        1/M Delta_m^(s)), so it applies the others' part, Delta^(s) - (1/M) Delta_m^(s): every
-        worker's contribution then enters phi_m exactly once.
-        """
+        1/|Q_s| Delta_m^(s)), so it applies the others' part, Delta^(s) - Delta_m^(s)/|Q_s|:
+        every worker's contribution then enters phi_m exactly once. A failed exchange is
+        discarded once its loss is detected."""
+        self.mark_failed_syncs()
         for p, queue in enumerate(self.pending):
             while queue:
-                mean, _, own = queue.popleft().wait()
-                update = mean - own / self.comm.world_size if self.eager else mean
+                sync = queue.popleft()
+                mean, _, own = sync.exchange.wait()
+                self.settled.append((sync.launched_at, not sync.failed))
+                if sync.failed:
+                    self.runtime.enter_round()  # (it fails when the loss is detected)
+                    continue
+                update = mean - own / len(sync.members) if self.eager else mean
                 self.outer_step(p, update)
             self.set_local_fragment(p, self.globals_[p])
 
+    # membership (declared faults) -----------------------------------------------------------
+
+    def mark_failed_syncs(self) -> None:
+        """Mark the exchanges in flight whose launch quorum lost a member: they fail on
+        every member."""
+        alive = set(self.runtime.quorum.members)
+        for queue in self.pending:
+            for sync in queue:
+                if not set(sync.members) <= alive:
+                    sync.failed = True
+
+    def round_committed(self, stats: StepStats) -> bool:
+        """Whether the step launched a sync (its tokens wait for that sync to settle)."""
+        return stats.extras.get("outer_step") == 1.0
+
+    def settled_syncs(self) -> list[tuple[int, bool]] | None:
+        settled, self.settled = self.settled, []
+        return settled
+
+    def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
+        """The members settle their exchanges in flight first (early, charged as their
+        waits; they still apply each at its own round's end), so that the sender can pass
+        them on: a joiner takes the sender's phi, outer momentum and exchanges in flight, so
+        it applies the same outer steps at the same steps. A joiner's own exchanges from
+        before it was lost are void."""
+        if joining:
+            self.pending = [deque() for _ in self.fragments]
+            self.settled = []
+        else:
+            self.mark_failed_syncs()
+            for queue in self.pending:
+                for sync in queue:
+                    if not sync.failed:
+                        sync.exchange.wait()
+        self.pass_in_flight(source, joining=joining)
+        super().heal(source, joining=joining, kept=kept)
+
+    def pass_in_flight(self, source: int, *, joining: bool) -> None:
+        """The sender's exchanges in flight to a joiner: their launch steps, quorums and
+        failures (a few numbers, uncharged), then each live one's mean and, for eager, the
+        sender's own contribution (charged on the link)."""
+        workers = self.workers
+        counts = torch.tensor([float(len(q)) for q in self.pending], dtype=torch.float64)
+        self.runtime.uncharged.broadcast(counts, src=source, role=Role.OTHER).wait()
+        sizes = [int(c) for c in counts.tolist()]
+        header = torch.zeros(sum(sizes), 2 + workers, dtype=torch.float64)
+        if not joining:
+            rows = [sync for queue in self.pending for sync in queue]
+            for row, sync in zip(header, rows, strict=True):
+                row[0], row[1] = sync.launched_at, float(sync.failed)
+                row[2 + torch.tensor(sync.members, dtype=torch.long)] = 1.0
+        if header.numel():
+            self.runtime.uncharged.broadcast(header, src=source, role=Role.OTHER).wait()
+        received: list[deque[PendingSync]] = []
+        index = 0
+        for p, size in enumerate(sizes):
+            queue: deque[PendingSync] = deque()
+            for i in range(size):
+                row = header[index]
+                index += 1
+                failed = bool(row[1])
+                if joining:
+                    mean, own = (torch.zeros_like(self.globals_[p]) for _ in range(2))
+                else:
+                    mean, _, own = self.pending[p][i].exchange.wait()
+                if not failed:
+                    for tensor in (mean, own) if self.eager else (mean,):
+                        into = tensor if joining else tensor.clone()
+                        self.comm.broadcast(into, src=source, role=Role.PSEUDO_GRADIENT).wait()
+                if joining:
+                    members = tuple(int(k) for k in row[2:].nonzero().flatten().tolist())
+                    exchange = self.received_exchange(mean, own)
+                    queue.append(PendingSync(exchange, int(row[0]), members, failed))
+            received.append(queue)
+        if joining:
+            self.pending = received
+
+    def received_exchange(self, mean: torch.Tensor, own: torch.Tensor) -> OuterExchange:
+        """An exchange whose result arrived whole (healing): waiting for it charges nothing."""
+        state = {
+            "mean": mean,
+            "extras": torch.zeros(0),
+            "own": own,
+            "finish_time": None,
+            "settled": Settled().state_dict(),
+            "launch_time": None,
+            "waited": True,
+            "sync_seconds": 0.0,
+        }
+        return self.restore_exchange(state)
+
     def in_flight_state(self) -> list[Any]:
-        return [[exchange.state_dict() for exchange in queue] for queue in self.pending]
+        return [
+            [
+                {**sync.exchange.state_dict(), "launched_at": sync.launched_at,
+                 "members": list(sync.members)}
+                for sync in queue
+            ]
+            for queue in self.pending
+        ]  # fmt: skip
 
     def load_in_flight_state(self, saved: list[Any]) -> None:
         if len(saved) != len(self.pending):
@@ -124,7 +308,18 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                 f"{self.name}: the checkpoint has {len(saved)} fragments, this run "
                 f"{len(self.pending)}; resume with the same --diloco.fragments"
             )
-        self.pending = [deque(self.restore_exchange(item) for item in queue) for queue in saved]
+        everyone = tuple(range(self.workers))
+        self.pending = [
+            deque(
+                PendingSync(
+                    self.restore_exchange(item),
+                    int(item.get("launched_at", -1)),
+                    tuple(item.get("members", everyone)),
+                )
+                for item in queue
+            )
+            for queue in saved
+        ]
 
     def extra_state_bytes(self) -> int:
         # N in-flight buffers of every fragment (the whole model), plus for eager the stored own
@@ -159,6 +354,7 @@ class DiLoCoDelayed(DelayedOuterBase):
         extra_copies=3,
         shards_over_replicas=True,
     )
+    membership: ClassVar[MembershipRule | None] = DELAYED_MEMBERSHIP
     eager = False
 
 
@@ -188,6 +384,7 @@ class Eager(DelayedOuterBase):
         extra_copies=3,
         shards_over_replicas=True,
     )
+    membership: ClassVar[MembershipRule | None] = DELAYED_MEMBERSHIP
     eager = True
 
 

@@ -254,7 +254,12 @@ class StreamingDiLoCo(OuterLoopStrategy[DiLoCoOptions]):
             self.in_flight = []
         else:
             self.mark_failed_syncs()
+            completing = any(not sync.failed for sync in self.in_flight)
             self.finish()
+            if completing:
+                # (A sync finished early here commits at this step: its tokens would
+                # otherwise wait for a later sync, which the run's last one never has.)
+                self.completed_at = self.step_index + 1
         super().heal(source, joining=joining, kept=kept)
 
     def in_flight_state(self) -> list[Any]:

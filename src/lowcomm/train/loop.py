@@ -654,7 +654,11 @@ def _step_with_faults(worker: Worker, faults: WorkerFaults, step: int) -> tuple[
         )  # fmt: skip
         return stats, True
     stats = strategy.step(worker.step_closure)
-    faults.account(stats.tokens, committed_round=strategy.round_committed(stats))
+    faults.account(
+        stats.tokens, committed_round=strategy.round_committed(stats),
+        settled=strategy.settled_syncs(), launched_at=strategy.step_index,
+    )  # fmt: skip
+    faults.note_failed_syncs(step, int(stats.extras.get("syncs_dropped", 0)))
     return stats, True
 
 
@@ -765,6 +769,11 @@ def final_evaluation(
             final.last_record.val_loss = progress.val_loss
         return
     worker.strategy.finish()
+    settled = worker.strategy.settled_syncs()
+    if faults is not None and settled is not None:  # (the drain settles the last syncs)
+        at = worker.strategy.step_index
+        faults.account(0, committed_round=True, settled=settled, launched_at=at)
+        faults.note_failed_syncs(last, sum(1 for _, applied in settled if not applied))
     final.clock_s = worker.clock.now()
     with worker.clock.excluded(), worker.strategy.deployed() as deployed_model:
         progress.val_loss = _evaluate(
@@ -804,16 +813,24 @@ def finish(
     """Gather every process's totals on rank 0 (uncharged), which writes the summary."""
     summary = _worker_summary(worker, progress, final.clock_s, keep_parameters, final.deployed)
     everyone = _process_totals(worker, summary).all_gather(worker.bookkeeping)
-    fault_committed = None
+    fault_committed, failed_syncs = None, 0
     if worker.faults is not None:  # (every worker's committed tokens, summed)
         committed = torch.tensor([float(worker.faults.committed_tokens)], dtype=torch.float64)
         worker.bookkeeping.all_reduce(committed, op="sum", role=Role.OTHER).wait()
         fault_committed = int(committed[0])
+        # (Every member of a step sees its failed syncs alike; a worker away saw none.)
+        failed = torch.zeros(worker.config.steps, dtype=torch.float64)
+        for at, count in worker.faults.failed_syncs.items():
+            failed[at] = count
+        worker.bookkeeping.all_reduce(failed, op="max", role=Role.OTHER).wait()
+        failed_syncs = int(failed.sum())
     if writer is not None:
         config = worker.config
         if worker.faults is not None:
             assert fault_committed is not None
-            writer.faults = fault_summary(worker.faults, writer.records, fault_committed, config)
+            writer.faults = fault_summary(
+                worker.faults, writer.records, fault_committed, config, failed_syncs
+            )
         writer.finish(
             per_process=everyone,
             bytes_by_role=summary.bytes_by_role,
@@ -837,10 +854,15 @@ def finish(
 
 
 def fault_summary(
-    faults: WorkerFaults, records: list[StepRecord], committed: int, config: TrainConfig
+    faults: WorkerFaults,
+    records: list[StepRecord],
+    committed: int,
+    config: TrainConfig,
+    failed_syncs: int = 0,
 ) -> dict[str, object]:
-    """summary.json's ``faults``: goodput, rounds dropped, worker-seconds lost and the
-    membership changes (lowcomm.faults.goodput).
+    """summary.json's ``faults``: goodput, rounds dropped (steps dropped, and ``failed_syncs``:
+    syncs that failed on every member), worker-seconds lost and the membership changes
+    (lowcomm.faults.goodput).
 
     Goodput's fault-free step time is the mean modeled time of this run's steps that had
     every worker, no membership event and no slow worker: what a step costs without a fault.
@@ -878,7 +900,7 @@ def fault_summary(
         "detection_s": faults.detection_s,
         "committed_tokens": committed,
         "goodput": ratio,
-        "rounds_dropped": sum(1 for r in records if r.dropped),
+        "rounds_dropped": sum(1 for r in records if r.dropped) + failed_syncs,
         "worker_seconds_lost": lost,
         "membership_changes": [
             {"step": r.step, "events": r.membership_events, "quorum": r.quorum}
