@@ -1,0 +1,744 @@
+"""Decoupled DiLoCo (docs/ALGORITHMS.md, "Decoupled DiLoCo", reconstructed): learners that
+never wait for each other, and a synchronizer that merges whichever fragments are in.
+
+Every worker is a learner. It takes inner steps and, on Streaming DiLoCo's schedule (its own
+step count), sends a fragment's outer gradient with its token and step counts to the
+synchronizer: a message on its own link (``Runtime.message``), which arrives at its modeled
+completion. The synchronizer (:class:`Synchronizer`) is one object shared by the learners of
+one process; it merges with :mod:`lowcomm.strategies.decoupled_sync` (minimum quorum, grace
+window, token weighting, outer Nesterov per fragment) and answers each learner with the new
+fragment, a message down the learner's link from the merge (or, for a fragment that missed its
+merge, from its arrival). A learner takes the reply at its first step boundary at least tau of
+its own steps after the send at which the reply has arrived on its clock.
+
+**Ticks.** The training loop calls ``step()`` once per loop step on every learner; here a loop
+step is a *tick* of the run, and a learner takes an inner step at a tick only when it is not
+ahead of the others: when its clock is at most the earliest clock of the learners that are not
+waiting, or less than one nominal step (the fastest learner's last inner step) past it. A
+learner three times slower takes an inner step every third tick, so at equal modeled time it
+has computed a third of the tokens and no learner ever waits for it. A tick in which a learner
+takes no step reports no micro-batch, no token and a NaN loss (the loop leaves such rows out
+of the step's record).
+
+**Determinism.** The threads run in any order; everything the synchronizer decides is decided
+between two points every learner passes together: at the end of each tick every learner posts
+its clock on the uncharged group (an all-gather over the tick's members, after its sends of
+the tick). A learner's clock then bounds its later sends: each arrives after it. A merge at
+time t is applied once every live learner either has its fresh fragment in or a clock of at
+least t (nothing it sends later can arrive by t), and every learner applies the same merges at
+the same tick, whichever thread does it first. So a straggler never blocks a merge past the
+time the others reach, and metrics and evaluation (the loop's own collectives, between ticks)
+never meet a learner waiting inside the synchronizer.
+
+**Deployed model** (evaluation, the final model): the synchronizer's global fragments Theta_p
+at that tick, the same on every learner.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role
+from lowcomm.optim.outer import OuterNesterov
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.declaration import (
+    CostModel,
+    MembershipRule,
+    QuantizedExchange,
+    fragment_traffic,
+)
+from lowcomm.strategies.decoupled_sync import (
+    GRACE_KINDS,
+    LATE_POLICIES,
+    WEIGHTINGS,
+    Contribution,
+    GraceKind,
+    GraceRule,
+    LatePolicy,
+    Weighting,
+    decide_merge,
+    merged_outer_gradient,
+)
+from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
+from lowcomm.strategies.streaming import check_overlap, completion_offsets
+
+#: Why every other placement is refused (one clause).
+PLACEMENT = (
+    "its learners share one synchronizer in memory, so every worker must be a thread of one "
+    "process, one rank per worker"
+)
+
+
+@dataclass(kw_only=True)
+class DecoupledOptions(DiLoCoOptions):
+    """Options of decoupled_diloco: DiLoCo's period, fragments, overlap, mixing and outer step,
+    and the synchronizer's quorum, grace window, weighting and late policy."""
+
+    group: ClassVar[str] = "decoupled"
+
+    min_quorum: int = 1
+    """K_q: fresh fragments the synchronizer needs before it merges (at most --workers; with
+    fewer live learners, all of them)."""
+
+    grace: GraceKind = "adaptive"
+    """The grace window after the quorum: adaptive (gamma times the slack the overlap leaves),
+    fixed (--decoupled.grace-seconds) or none (merge as soon as the quorum is in)."""
+
+    grace_gamma: float = 0.5
+    """gamma: the share of the slack the adaptive window may spend, in [0, 1)."""
+
+    grace_seconds: float | None = None
+    """The fixed window in seconds, or the adaptive window's cap (None: no cap)."""
+
+    weighting: Weighting = "paper"
+    """A learner's weight: paper (tokens x tokens per step), tokens, or equal."""
+
+    late: LatePolicy = "next"
+    """A fragment that misses its merge: next (merged into the fragment's next merge) or drop."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_quorum < 1:
+            raise ValueError(
+                f"--decoupled.min-quorum: {self.min_quorum} must be at least 1; 1 merges as "
+                "soon as any learner's fragment is in"
+            )
+        for flag, value, choices in (
+            ("--decoupled.weighting", self.weighting, WEIGHTINGS),
+            ("--decoupled.late", self.late, LATE_POLICIES),
+            ("--decoupled.grace", self.grace, GRACE_KINDS),
+        ):
+            if value not in choices:
+                raise ValueError(
+                    f"{flag}: {value!r} is unknown; choose one of {', '.join(choices)}"
+                )
+        if self.quantization != "none":
+            raise ValueError(
+                f"--decoupled.quantization: {self.quantization} is not supported by "
+                "decoupled_diloco (the synchronizer takes float32 fragments); use none"
+            )
+        self.grace_rule()  # (its own one-line checks)
+
+    def grace_rule(self) -> GraceRule:
+        """The synchronizer's :class:`GraceRule` from these options."""
+        return GraceRule(
+            kind=self.grace,
+            gamma=self.grace_gamma,
+            overlap_steps=self.overlap_steps,
+            cap=self.grace_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    """One applied merge, as the synchronizer logged it (for tests and reports)."""
+
+    fragment: int
+    version: int
+    merge_time: float
+    tick: int
+    included: tuple[tuple[int, int], ...]
+    """(learner, base version) of each merged contribution, fresh ones first."""
+    weights: tuple[float, ...]
+    dropped: tuple[tuple[int, int], ...]
+    """(learner, base version) of late contributions discarded at this merge (late drop)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The synchronizer's answer to a contribution: it leaves at ``leaves`` (the merge, or the
+    arrival of a contribution that missed its merge) with version ``version`` of the fragment;
+    ``merged``: the contribution's tokens are (or will be, under ``late next``) committed."""
+
+    leaves: float
+    version: int
+    values: torch.Tensor
+    merged: bool
+
+
+@dataclass(frozen=True)
+class _Pending:
+    ticket: int
+    contribution: Contribution
+
+
+@dataclass(frozen=True)
+class Pace:
+    """What the learners agreed at a tick's end: the earliest clock of those not waiting, the
+    nominal step (the shortest last inner step), and whether any learner waits for a reply."""
+
+    earliest: float = -math.inf
+    nominal: float = 0.0
+    waiting: bool = False
+
+
+class Synchronizer:
+    """The global fragments Theta_p, their outer optimizers and versions, the contributions
+    not yet merged, and what the learners posted at the last tick; shared by the learners of
+    one process (every method takes its lock)."""
+
+    def __init__(
+        self, globals_: list[torch.Tensor], *, learners: int, options: DecoupledOptions
+    ) -> None:
+        lr, momentum = options.outer()
+        self.lock = threading.Lock()
+        self.learners = learners
+        self.options = options
+        self.grace = options.grace_rule()
+        self.params = [g.detach().clone() for g in globals_]
+        self.outer = [
+            OuterNesterov(p, lr=lr, momentum=momentum, nesterov=options.outer_nesterov)
+            for p in self.params
+        ]
+        self.version = [0] * len(self.params)
+        #: Per fragment, one entry per version: (time it exists at the synchronizer, values).
+        self.history: list[list[tuple[float, torch.Tensor]]] = [
+            [(-math.inf, p.clone())] for p in self.params
+        ]
+        self.pending: list[list[_Pending]] = [[] for _ in self.params]
+        #: ticket -> (fragment, learner, merge time, new version) of merged fresh ones.
+        self.merged: dict[int, tuple[int, int, float, int]] = {}
+        self.tickets = 0
+        #: The last tick whose merges are applied, and its members' clocks.
+        self.tick = -1
+        self.live: tuple[int, ...] = tuple(range(learners))
+        self.horizon = -math.inf
+        self.pace = Pace()
+        self.finished = False
+        self.step_time = [0.0] * learners
+        self.sync_time = [0.0] * learners
+        self.log: list[MergeRecord] = []
+        self.committed_tokens = 0
+        self.dropped_tokens = 0
+        self.discarded_tokens = 0
+
+    # --- learners' calls -------------------------------------------------------------------
+
+    def submit(self, p: int, contribution: Contribution, step_time: float) -> int:
+        """Take a contribution of fragment p; its ticket names it in :meth:`reply`."""
+        with self.lock:
+            ticket = self.tickets
+            self.tickets += 1
+            self.pending[p].append(_Pending(ticket, contribution))
+            self.step_time[contribution.learner] = step_time
+            return ticket
+
+    def advance(self, tick: int, rows: list[tuple[int, float, bool, float]]) -> None:
+        """Apply every merge decided by the end of ``tick``; ``rows`` are (learner, clock,
+        waiting, last inner step's seconds) of the tick's members. The first learner to call
+        it for a tick does the work; the others find it done."""
+        with self.lock:
+            if tick <= self.tick or self.finished:
+                return
+            self.tick = tick
+            self._enter(tuple(sorted(m for m, _, _, _ in rows)))
+            bounds = {m: clock for m, clock, _, _ in rows}
+            stepping = [clock for _, clock, waiting, _ in rows if not waiting]
+            steps = [s for _, _, _, s in rows if s > 0]
+            self.pace = Pace(
+                earliest=min(stepping or list(bounds.values())),
+                nominal=min(steps, default=0.0),
+                waiting=any(waiting for _, _, waiting, _ in rows),
+            )
+            self.horizon = min(bounds.values())
+            self._merge_decided(bounds, tick)
+
+    def finish(self) -> None:
+        """No learner sends again: apply every merge that can still form."""
+        with self.lock:
+            if self.finished:
+                return
+            self.finished = True
+            self.horizon = math.inf
+            self._merge_decided({m: math.inf for m in self.live}, self.tick + 1)
+
+    def reply(self, p: int, ticket: int, c: Contribution) -> Reply | None:
+        """The reply to contribution ``c`` (ticket ``ticket``) of fragment p, or None while it
+        is not decided. Merged: it leaves at the merge with the new version. Missed its merge
+        (late): it leaves at its arrival with the version then current, once every merge up
+        to its arrival is applied."""
+        with self.lock:
+            found = self.merged.pop(ticket, None)
+            if found is not None:
+                _, _, at, version = found
+                return Reply(at, version, self.history[p][version][1], True)
+            if self.version[p] > c.base_version and c.arrival <= self.horizon:
+                version = max(v for v, (at, _) in enumerate(self.history[p]) if at <= c.arrival)
+                merged = self.options.late == "next"
+                return Reply(c.arrival, version, self.history[p][version][1], merged)
+            return None
+
+    def snapshot(self) -> tuple[list[torch.Tensor], list[int], int]:
+        """Copies of every Theta_p, their versions, and the last tick applied."""
+        with self.lock:
+            return [p.clone() for p in self.params], list(self.version), self.tick
+
+    # --- with the lock held ----------------------------------------------------------------
+
+    def _enter(self, live: tuple[int, ...]) -> None:
+        """The tick's members are the live learners: a learner lost since the last tick takes
+        its contributions not yet merged with it (its tokens are not committed)."""
+        if live == self.live:
+            return
+        gone = set(self.live) - set(live)
+        self.live = live
+        for p, pending in enumerate(self.pending):
+            lost = [e for e in pending if e.contribution.learner in gone]
+            self.discarded_tokens += sum(e.contribution.tokens for e in lost)
+            self.pending[p] = [e for e in pending if e.contribution.learner not in gone]
+        self.merged = {t: v for t, v in self.merged.items() if v[1] not in gone}
+
+    def _fresh(self, p: int) -> list[_Pending]:
+        v = self.version[p]
+        return sorted(
+            (e for e in self.pending[p] if e.contribution.base_version == v),
+            key=lambda e: (e.contribution.arrival, e.contribution.learner),
+        )
+
+    def _merge_decided(self, bounds: dict[int, float], tick: int) -> None:
+        quorum = min(self.options.min_quorum, max(1, len(self.live)))
+        progressed = True
+        while progressed:
+            progressed = False
+            for p in range(len(self.params)):
+                fresh = self._fresh(p)
+                if not fresh:
+                    continue
+                first = fresh[0].contribution.learner
+                arguments: dict[str, Any] = {
+                    "min_quorum": quorum,
+                    "live": self.live,
+                    "grace": self.grace,
+                    "step_time": self.step_time[first],
+                    "sync_time": self.sync_time[first],
+                    "weighting": self.options.weighting,
+                }
+                probe = decide_merge([e.contribution for e in fresh], **arguments)
+                if probe is None:
+                    continue
+                t = probe.merge_time
+                senders = {e.contribution.learner for e in fresh}
+                if any(bounds.get(m, -math.inf) < t for m in self.live if m not in senders):
+                    continue  # (a learner may still send a fragment that arrives by t)
+                self._apply(p, fresh, t, tick, arguments)
+                progressed = True
+
+    def _apply(
+        self, p: int, fresh: list[_Pending], t: float, tick: int, arguments: dict[str, Any]
+    ) -> None:
+        v = self.version[p]
+        late = sorted(
+            (
+                e
+                for e in self.pending[p]
+                if e.contribution.base_version < v and e.contribution.arrival <= t
+            ),
+            key=lambda e: (e.contribution.arrival, e.contribution.learner),
+        )
+        carried = late if self.options.late == "next" else []
+        decision = decide_merge(
+            [e.contribution for e in fresh],
+            carried=[e.contribution for e in carried],
+            **arguments,
+        )
+        assert decision is not None and decision.merge_time == t
+        delta = merged_outer_gradient(decision.included, decision.weights)
+        self.outer[p].step(delta)
+        self.version[p] = v + 1
+        self.history[p].append((t, self.params[p].clone()))
+        included = {id(c) for c in decision.included}
+        for e in fresh:
+            if id(e.contribution) in included:
+                self.merged[e.ticket] = (p, e.contribution.learner, t, v + 1)
+        gone = included | {id(e.contribution) for e in late}
+        self.pending[p] = [e for e in self.pending[p] if id(e.contribution) not in gone]
+        self.committed_tokens += sum(c.tokens for c in decision.included)
+        dropped = [] if self.options.late == "next" else late
+        self.dropped_tokens += sum(e.contribution.tokens for e in dropped)
+        self.log.append(
+            MergeRecord(
+                fragment=p,
+                version=v + 1,
+                merge_time=t,
+                tick=tick,
+                included=tuple((c.learner, c.base_version) for c in decision.included),
+                weights=decision.weights,
+                dropped=tuple(
+                    (e.contribution.learner, e.contribution.base_version) for e in dropped
+                ),
+            )
+        )
+
+
+#: One synchronizer per in-process group: its learners are that group's threads.
+_SHARED: weakref.WeakKeyDictionary[object, Synchronizer] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+@dataclass
+class Outstanding:
+    """A contribution sent and not yet answered, with its reply once it is known."""
+
+    launched_at: int
+    ticket: int
+    contribution: Contribution
+    reply: Reply | None = None
+    reply_done: float | None = None
+    reply_handle: Handle | None = None
+
+
+class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
+    """Decoupled DiLoCo: learners on Streaming DiLoCo's fragment schedule that never wait for
+    each other; a shared synchronizer merges a fragment once the minimum quorum is in, after a
+    grace window, weighted by tokens, with the fragment's outer Nesterov step.
+
+    Paper: Douillard, Rush, Donchev, Charles et al. 2026, "Decoupled DiLoCo for Resilient
+    Distributed Pre-training" (arXiv 2604.21428; docs/ALGORITHMS.md, "Decoupled DiLoCo",
+    reconstructed). Symbols: K_q -> options.min_quorum, gamma -> options.grace_gamma,
+    w_{m,p} -> options.weighting, H -> options.sync_every, K -> options.fragments (default
+    4), tau -> options.overlap_steps, alpha -> options.mixing, Theta_p ->
+    Synchronizer.params[p], the learner's base version b_p -> self.base[p] (its copy
+    Theta_p^(b) is globals_[p]).
+    Reduces to: diloco with K_q = M, grace none, equal tokens, K = 1, tau = 0, alpha = 0; to
+    streaming_diloco with K fragments whenever every reply arrives within the overlap
+    (tests/test_decoupled_diloco.py checks both, parameters bit for bit).
+
+    Placement: every worker a thread of one process; other placements, hierarchical and
+    sharded workers are refused in one line. Resume: refused (the synchronizer's state is not
+    in the checkpoint).
+    """
+
+    name: ClassVar[str] = "decoupled_diloco"
+    options_field: ClassVar[str | None] = "decoupled"
+    default_fragments: ClassVar[int] = 4
+    quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
+    quantized_exchange: ClassVar[QuantizedExchange | None] = None
+    hierarchical_refusal: ClassVar[str | None] = PLACEMENT
+    one_process_refusal: ClassVar[str | None] = PLACEMENT
+    sharding_refusal: ClassVar[str | None] = PLACEMENT
+    cost: ClassVar[CostModel] = CostModel(
+        description="fragments sent to a synchronizer, no barrier",
+        # Each fragment up and back once per H: a ring all-reduce's bytes of Psi/K (the
+        # synchronizer sharded M ways), overlapping tau inner steps.
+        traffic=lambda o, t: fragment_traffic(
+            o.fragments or DecoupledDiLoCo.default_fragments,
+            (o.fragments or DecoupledDiLoCo.default_fragments) / o.sync_every,
+            o.overlap_steps,
+        ),
+        schedule=lambda o: (
+            f"H = {o.sync_every}, K = {o.fragments or DecoupledDiLoCo.default_fragments} "
+            f"fragments, tau = {o.overlap_steps}, quorum {o.min_quorum}, grace {o.grace}"
+        ),
+        extra_copies=2,
+        shards_over_replicas=False,
+    )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state=(
+            "the synchronizer's, not a learner's: every fragment's Theta_p, sent to a joiner "
+            "from the synchronizer over the joiner's link"
+        ),
+        worker_state=(
+            "join: the local parameters start at Theta, the inner AdamW afresh, the counters at "
+            "0 and no fragment in flight; rejoin: the learner keeps its (stale) parameters and "
+            "inner AdamW, and its first send of each fragment is late"
+        ),
+    )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        context: StrategyContext,
+        options: DecoupledOptions | None = None,
+    ) -> None:
+        options = options or DecoupledOptions()
+        check_overlap(options, model, self.default_fragments, self.name)
+        super().__init__(model, comm, context, options)
+        workers = comm.world_size
+        if options.min_quorum > workers:
+            raise ValueError(
+                f"--decoupled.min-quorum: {options.min_quorum} is more than the {workers} "
+                f"workers; pass at most {workers}"
+            )
+        if options.overlap_steps == 0 and self.num_fragments > 1:
+            raise ValueError(
+                f"--decoupled.overlap-steps: 0 with {self.num_fragments} fragments: a learner "
+                "waits for each reply at tau = 0, which needs one fragment; pass "
+                "--decoupled.fragments 1 or tau >= 1"
+            )
+        if self.runtime.replica_group is not None:
+            raise ValueError(f"--ranks-per-worker: decoupled_diloco refused: {PLACEMENT}")
+        raw = self.runtime.uncharged
+        self.learner = int(getattr(raw, "slot", comm.rank))
+        group = getattr(raw, "group", None)
+        #: Whether the synchronizer is shared with the other threads of an in-process group
+        #: (else this learner's own: a group of one, or a communicator without one).
+        self.shared = group is not None and workers > 1
+        self.sync = self._synchronizer(group, workers, options)
+        tau = options.overlap_steps
+        self.launch_offsets = [
+            c - tau for c in completion_offsets(options.sync_every, self.num_fragments)
+        ]
+        self.base = [0] * self.num_fragments
+        self.tokens = [0] * self.num_fragments
+        self.steps = [0] * self.num_fragments
+        self.outstanding: list[Outstanding | None] = [None] * self.num_fragments
+        self.waiting = False
+        self.last_step_s = 0.0
+        self.ticks = 0
+        self.committed_now = False
+
+    def _synchronizer(
+        self, group: object | None, workers: int, options: DecoupledOptions
+    ) -> Synchronizer:
+        """The synchronizer of this learner's in-process group, made by its first learner."""
+        if not self.shared or group is None:
+            return Synchronizer(self.globals_, learners=max(workers, self.learner + 1),
+                                options=options)  # fmt: skip
+        with _SHARED_LOCK:
+            sync = _SHARED.get(group)
+            if sync is None:
+                sync = Synchronizer(self.globals_, learners=workers, options=options)
+                _SHARED[group] = sync
+            return sync
+
+    # --- the learner's clock and link --------------------------------------------------------
+
+    def now(self) -> float:
+        clock = self.runtime.clock
+        return clock.now() if clock is not None else float(self.step_index)
+
+    def _message(self, kind: CollectiveKind, role: Role, numel: int, start: float) -> Handle | None:
+        """Charge a message of ``numel`` float32 on this learner's link from ``start``."""
+        charge = self.runtime.message
+        return None if charge is None else charge(kind, role, 4 * numel, start)
+
+    @staticmethod
+    def _arrival(handle: Handle | None, start: float) -> float:
+        """A message's modeled arrival (its start without emulation), without moving the
+        clock."""
+        if handle is None:
+            return start
+        finish = handle.settle().finish_time
+        return start if finish is None else finish
+
+    # --- a tick ------------------------------------------------------------------------------
+
+    def step(self, closure: Closure) -> StepStats:
+        tick = self.ticks
+        self.ticks += 1
+        self.committed_now = False
+        earliest = self._earliest()
+        if self._takes_a_step(earliest):
+            before = self.now()
+            stats = self.inner_step(closure)
+            self.last_step_s = self.now() - before
+            for p in range(self.num_fragments):
+                self.tokens[p] += stats.tokens
+                self.steps[p] += 1
+            launched = self.send_fragments_due(self.step_index)
+        else:
+            stats = StepStats(
+                loss=math.nan, microbatches=0, samples=0, tokens=0,
+                lr=self.lr_at(self.step_index), committed_steps=0,
+            )  # fmt: skip
+            launched = 0
+        self.sync.advance(tick, self._post())
+        taken = self.take_replies_due()
+        stats.extras["syncs_launched"] = float(launched)
+        stats.extras["syncs_completed"] = float(taken)
+        return stats
+
+    def _earliest(self) -> float:
+        """The earliest clock among the learners not waiting at this tick's start: agreed
+        anew (an all-gather of the members' clocks) after a tick in which one waited, else
+        the one posted at the last tick's end."""
+        if not self.shared or not self.sync.pace.waiting:
+            return self.sync.pace.earliest
+        rows = self._gather([self.now(), float(self.waiting)])
+        stepping = [row[0] for row in rows if row[1] == 0.0]
+        return min(stepping or [row[0] for row in rows])
+
+    def _takes_a_step(self, earliest: float) -> bool:
+        """Not waiting for a reply, and not ahead of the earliest learner by a nominal step."""
+        if self.waiting:
+            return False
+        if not self.shared or earliest == -math.inf:  # (alone, or the run's first tick)
+            return True
+        now = self.now()
+        return now <= earliest or now < earliest + self.sync.pace.nominal
+
+    def _post(self) -> list[tuple[int, float, bool, float]]:
+        """Every member's (learner, clock, waiting, last step's seconds) at this tick's end."""
+        mine = [float(self.learner), self.now(), float(self.waiting), self.last_step_s]
+        if not self.shared:
+            return [(self.learner, mine[1], self.waiting, self.last_step_s)]
+        rows = self._gather(mine)
+        return [(int(r[0]), r[1], r[2] != 0.0, r[3]) for r in rows]
+
+    def _gather(self, values: list[float]) -> list[list[float]]:
+        """An all-gather of a few floats over the tick's members (uncharged: agreeing on
+        what the modeled clocks say is the simulation's bookkeeping, not a message)."""
+        raw = self.runtime.uncharged
+        mine = torch.tensor(values, dtype=torch.float64)
+        out = torch.zeros(raw.world_size * len(values), dtype=torch.float64)
+        raw.all_gather(out, mine, role=Role.OTHER).wait()
+        rows: list[list[float]] = out.view(raw.world_size, len(values)).tolist()
+        return rows
+
+    def send_fragments_due(self, t: int) -> int:
+        """Send every fragment whose launch offset falls on this learner's step t, unless its
+        previous send is still unanswered (at most one contribution per fragment in flight)."""
+        tau = self.options.overlap_steps
+        sent = 0
+        now = self.now()
+        for p, offset in enumerate(self.launch_offsets):
+            if t < offset or (t - offset) % self.options.sync_every:
+                continue
+            if t + tau > self.context.total_steps or self.outstanding[p] is not None:
+                continue
+            delta = self.globals_[p] - self.local_fragment(p)
+            handle = self._message(
+                CollectiveKind.REDUCE_SCATTER, Role.PSEUDO_GRADIENT, delta.numel(), now
+            )
+            contribution = Contribution(
+                learner=self.learner,
+                outer_gradient=delta,
+                tokens=self.tokens[p],
+                steps=self.steps[p],
+                arrival=self._arrival(handle, now),
+                base_version=self.base[p],
+            )
+            self.tokens[p] = self.steps[p] = 0
+            ticket = self.sync.submit(p, contribution, self.last_step_s)
+            self.outstanding[p] = Outstanding(t, ticket, contribution)
+            self.waiting = self.waiting or tau == 0
+            sent += 1
+        return sent
+
+    def take_replies_due(self, *, final: bool = False) -> int:
+        """Take every reply that has arrived by this step boundary, tau of this learner's
+        steps or more after its send; at tau = 0 (or at the end) wait for it."""
+        tau = self.options.overlap_steps
+        taken = 0
+        for p, out in enumerate(self.outstanding):
+            if out is None or (not final and self.step_index < out.launched_at + tau):
+                continue
+            if out.reply is None:
+                reply = self.sync.reply(p, out.ticket, out.contribution)
+                if reply is None:
+                    continue
+                out.reply = reply
+                out.reply_handle = self._message(
+                    CollectiveKind.ALL_GATHER, Role.PARAMETER, reply.values.numel(), reply.leaves
+                )
+                out.reply_done = self._arrival(out.reply_handle, reply.leaves)
+                self.sync.sync_time[self.learner] = out.reply_done - reply.leaves
+            assert out.reply_done is not None
+            if tau == 0 or final:
+                if out.reply_handle is not None:
+                    out.reply_handle.wait()
+            elif out.reply_done > self.now():
+                continue
+            self._take(p, out)
+            taken += 1
+        self.waiting = any(out is not None for out in self.outstanding) and tau == 0
+        return taken
+
+    def _take(self, p: int, out: Outstanding) -> None:
+        """theta_p <- alpha theta_p + (1 - alpha) Theta_p^(v); b_p <- v."""
+        assert out.reply is not None
+        self.globals_[p].copy_(out.reply.values)
+        local = self.local_fragment(p)
+        # lerp(global, local, alpha) = alpha local + (1 - alpha) global; exactly global at 0.
+        self.set_local_fragment(p, torch.lerp(self.globals_[p], local, self.options.mixing))
+        self.base[p] = out.reply.version
+        self.outstanding[p] = None
+        self.outer_steps += 1
+        self.committed_now = self.committed_now or out.reply.merged
+
+    def finish(self) -> None:
+        """Once every learner has ended its last tick, the synchronizer applies every merge
+        that can still form, and each learner takes its replies (waiting for them)."""
+        if self.shared:
+            self.runtime.uncharged.barrier().wait()
+        self.sync.finish()
+        self.take_replies_due(final=True)
+
+    # --- membership (declared faults) --------------------------------------------------------
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return self.committed_now
+
+    def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
+        """A joiner takes every Theta_p from the synchronizer, a message of the whole model
+        down its link (charged; its clock waits for it), and starts by the rule of
+        :attr:`membership`; a rejoiner keeps its own state. Members do nothing: no learner
+        holds state another needs."""
+        if not joining:
+            return
+        params, versions, tick = self.sync.snapshot()
+        self.ticks = tick + 1
+        self.outstanding = [None] * self.num_fragments
+        self.tokens = [0] * self.num_fragments
+        self.steps = [0] * self.num_fragments
+        self.waiting = False
+        if kept:
+            return
+        now = self.now()
+        for p, values in enumerate(params):
+            handle = self._message(CollectiveKind.ALL_GATHER, Role.PARAMETER, values.numel(), now)
+            if handle is not None:
+                handle.wait()
+            self.globals_[p].copy_(values)
+            self.set_local_fragment(p, values)
+            self.base[p] = versions[p]
+        self.inner.reset()
+        self.step_index = self.ticks
+        self.last_step_s = 0.0
+
+    # --- Strategy API ------------------------------------------------------------------------
+
+    @contextmanager
+    def deployed(self) -> Iterator[nn.Module]:
+        """The model at the synchronizer's global fragments Theta (the same on every learner);
+        the learner's local parameters are restored afterwards."""
+        params, _, _ = self.sync.snapshot()
+        local = self.flat.params.clone()
+        with torch.no_grad():
+            for fragment, values in zip(self.fragments, params, strict=True):
+                fragment.scatter(self.flat.params, values.to(self.flat.dtype))
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                self.flat.params.copy_(local)
+
+    def extra_state_bytes(self) -> int:
+        # One fragment's outer gradient in flight per fragment at most.
+        return 4 * sum(f.numel for f in self.fragments)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This learner's state; the shared synchronizer's is not in it, so a checkpoint is
+        not resumed (:meth:`load_state_dict` refuses)."""
+        return {**super().state_dict(), "base": list(self.base)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise ValueError(
+            "--resume: decoupled_diloco cannot resume a checkpoint: its synchronizer's state "
+            "(global fragments, outer momenta, versions, fragments in flight) is not saved; "
+            "run again from the start with the --steps you need"
+        )
+
+
+METHODS: tuple[type[Strategy], ...] = (DecoupledDiLoCo,)
