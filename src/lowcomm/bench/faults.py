@@ -117,7 +117,7 @@ def _train_config(bench: FaultsBench, method: str, workers: int, out: Path) -> T
                           block_size=bench.block_size),
         data=DataConfig(micro_batch_size=bench.micro_batch_size),
     )  # fmt: skip
-    for group in ("diloco", "streaming_diloco", "decoupled_diloco"):
+    for group in ("diloco", "decoupled"):
         options = getattr(config, group, None)
         if options is not None and hasattr(options, "sync_every"):
             setattr(config, group, dataclasses.replace(options, sync_every=bench.sync_every))
