@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role
+from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, Settled
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import (
@@ -214,6 +214,7 @@ class Synchronizer:
         self.horizon = -math.inf
         self.pace = Pace()
         self.finished = False
+        self.restored = False
         self.step_time = [0.0] * learners
         self.sync_time = [0.0] * learners
         self.log: list[MergeRecord] = []
@@ -281,6 +282,66 @@ class Synchronizer:
         """Copies of every Theta_p, their versions, and the last tick applied."""
         with self.lock:
             return [p.clone() for p in self.params], list(self.version), self.tick
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the synchronizer holds but its log (for a checkpoint between ticks)."""
+        with self.lock:
+            return {
+                "learners": self.learners,
+                "params": [p.clone() for p in self.params],
+                "outer": [o.state_dict() for o in self.outer],
+                "version": list(self.version),
+                "history": [[(at, v.clone()) for at, v in h] for h in self.history],
+                "pending": [
+                    [(e.ticket, _contribution_state(e.contribution)) for e in pending]
+                    for pending in self.pending
+                ],
+                "merged": dict(self.merged),
+                "tickets": self.tickets,
+                "tick": self.tick,
+                "live": list(self.live),
+                "horizon": self.horizon,
+                "pace": (self.pace.earliest, self.pace.nominal, self.pace.waiting),
+                "finished": self.finished,
+                "step_time": list(self.step_time),
+                "sync_time": list(self.sync_time),
+                "tokens": (self.committed_tokens, self.dropped_tokens, self.discarded_tokens),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's state, once per run: the first learner to load it restores it,
+        the others find it restored (every learner saved the same)."""
+        with self.lock:
+            if self.restored:
+                return
+            if int(state["learners"]) != self.learners:
+                raise ValueError(
+                    f"--resume: the checkpoint's decoupled_diloco synchronizer has "
+                    f"{state['learners']} learners and this run {self.learners}; decoupled_diloco "
+                    f"resumes on the same --workers only (pass --workers {state['learners']})"
+                )
+            self.restored = True
+            for mine, saved in zip(self.params, state["params"], strict=True):
+                mine.copy_(saved)
+            for outer, saved in zip(self.outer, state["outer"], strict=True):
+                outer.load_state_dict(saved)
+            self.version = [int(v) for v in state["version"]]
+            self.history = [[(float(at), v.clone()) for at, v in h] for h in state["history"]]
+            self.pending = [
+                [_Pending(int(t), _contribution_of(c)) for t, c in pending]
+                for pending in state["pending"]
+            ]
+            self.merged = {int(k): v for k, v in state["merged"].items()}
+            self.tickets = int(state["tickets"])
+            self.tick = int(state["tick"])
+            self.live = tuple(int(m) for m in state["live"])
+            self.horizon = float(state["horizon"])
+            earliest, nominal, waiting = state["pace"]
+            self.pace = Pace(float(earliest), float(nominal), bool(waiting))
+            self.finished = bool(state["finished"])
+            self.step_time = [float(x) for x in state["step_time"]]
+            self.sync_time = [float(x) for x in state["sync_time"]]
+            self.committed_tokens, self.dropped_tokens, self.discarded_tokens = state["tokens"]
 
     # --- with the lock held ----------------------------------------------------------------
 
@@ -379,6 +440,21 @@ class Synchronizer:
         )
 
 
+def _contribution_state(c: Contribution) -> dict[str, Any]:
+    return {
+        "learner": c.learner, "outer_gradient": c.outer_gradient.clone(), "tokens": c.tokens,
+        "steps": c.steps, "arrival": c.arrival, "base_version": c.base_version,
+    }  # fmt: skip
+
+
+def _contribution_of(state: dict[str, Any]) -> Contribution:
+    return Contribution(
+        learner=int(state["learner"]), outer_gradient=state["outer_gradient"].clone(),
+        tokens=int(state["tokens"]), steps=int(state["steps"]), arrival=float(state["arrival"]),
+        base_version=int(state["base_version"]),
+    )  # fmt: skip
+
+
 #: One synchronizer per in-process group: its learners are that group's threads.
 _SHARED: weakref.WeakKeyDictionary[object, Synchronizer] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
@@ -413,8 +489,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     (tests/test_decoupled_diloco.py checks both, parameters bit for bit).
 
     Placement: every worker a thread of one process; other placements, hierarchical and
-    sharded workers are refused in one line. Resume: refused (the synchronizer's state is not
-    in the checkpoint).
+    sharded workers are refused in one line. Resume: exact on the same workers (every learner's
+    checkpoint holds the synchronizer's state too); on another worker count, refused.
     """
 
     name: ClassVar[str] = "decoupled_diloco"
@@ -729,16 +805,62 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         return 4 * sum(f.numel for f in self.fragments)
 
     def state_dict(self) -> dict[str, Any]:
-        """This learner's state; the shared synchronizer's is not in it, so a checkpoint is
-        not resumed (:meth:`load_state_dict` refuses)."""
-        return {**super().state_dict(), "base": list(self.base)}
+        """This learner's state and, in every learner's checkpoint alike, the synchronizer's
+        (a checkpoint is taken between ticks, when no learner is inside it)."""
+        outstanding: list[dict[str, Any] | None] = []
+        for out in self.outstanding:
+            if out is None:
+                outstanding.append(None)
+                continue
+            reply = out.reply
+            outstanding.append({
+                "launched_at": out.launched_at, "ticket": out.ticket,
+                "contribution": _contribution_state(out.contribution),
+                "reply": None if reply is None else (reply.leaves, reply.version, reply.merged),
+                "reply_done": out.reply_done,
+            })  # fmt: skip
+        return {
+            **super().state_dict(),
+            "learner": {
+                "base": list(self.base), "tokens": list(self.tokens), "steps": list(self.steps),
+                "outstanding": outstanding, "waiting": self.waiting,
+                "last_step_s": self.last_step_s, "ticks": self.ticks,
+            },
+            "synchronizer": self.sync.state_dict(),
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise ValueError(
-            "--resume: decoupled_diloco cannot resume a checkpoint: its synchronizer's state "
-            "(global fragments, outer momenta, versions, fragments in flight) is not saved; "
-            "run again from the start with the --steps you need"
-        )
+        if "synchronizer" not in state:
+            raise ValueError(
+                "--resume: this checkpoint of decoupled_diloco holds no synchronizer state; "
+                "run again from the start"
+            )
+        super().load_state_dict(state)
+        self.sync.load_state_dict(state["synchronizer"])
+        mine = state["learner"]
+        self.base = [int(b) for b in mine["base"]]
+        self.tokens = [int(t) for t in mine["tokens"]]
+        self.steps = [int(t) for t in mine["steps"]]
+        self.waiting = bool(mine["waiting"])
+        self.last_step_s = float(mine["last_step_s"])
+        self.ticks = int(mine["ticks"])
+        self.outstanding = []
+        for p, saved in enumerate(mine["outstanding"]):
+            if saved is None:
+                self.outstanding.append(None)
+                continue
+            out = Outstanding(
+                int(saved["launched_at"]), int(saved["ticket"]),
+                _contribution_of(saved["contribution"]),
+            )  # fmt: skip
+            if saved["reply"] is not None:
+                leaves, version, merged = saved["reply"]
+                values = self.sync.history[p][int(version)][1]
+                out.reply = Reply(float(leaves), int(version), values, bool(merged))
+                out.reply_done = float(saved["reply_done"])
+                # (Charged before the checkpoint: it completes at its modeled arrival.)
+                out.reply_handle = self.runtime.restore(Settled(out.reply_done))
+            self.outstanding.append(out)
 
 
 METHODS: tuple[type[Strategy], ...] = (DecoupledDiLoCo,)
