@@ -200,10 +200,13 @@ class Synchronizer:
             for p in self.params
         ]
         self.version = [0] * len(self.params)
-        #: Per fragment, one entry per version: (time it exists at the synchronizer, values).
-        self.history: list[list[tuple[float, torch.Tensor]]] = [
-            [(-math.inf, p.clone())] for p in self.params
+        #: Per fragment, version -> (time it exists at the synchronizer, values): the versions
+        #: a reply not yet taken may still need (older ones are dropped, :meth:`_prune`).
+        self.history: list[dict[int, tuple[float, torch.Tensor]]] = [
+            {0: (-math.inf, p.clone())} for p in self.params
         ]
+        #: ticket -> (fragment, learner, arrival) of every contribution not yet answered.
+        self.unreplied: dict[int, tuple[int, int, float]] = {}
         self.pending: list[list[_Pending]] = [[] for _ in self.params]
         #: ticket -> (fragment, learner, merge time, new version) of merged fresh ones.
         self.merged: dict[int, tuple[int, int, float, int]] = {}
@@ -230,6 +233,7 @@ class Synchronizer:
             ticket = self.tickets
             self.tickets += 1
             self.pending[p].append(_Pending(ticket, contribution))
+            self.unreplied[ticket] = (p, contribution.learner, contribution.arrival)
             self.step_time[contribution.learner] = step_time
             return ticket
 
@@ -252,6 +256,7 @@ class Synchronizer:
             )
             self.horizon = min(bounds.values())
             self._merge_decided(bounds, tick)
+            self._prune()
 
     def finish(self) -> None:
         """No learner sends again: apply every merge that can still form."""
@@ -271,10 +276,12 @@ class Synchronizer:
             found = self.merged.pop(ticket, None)
             if found is not None:
                 _, _, at, version = found
+                self.unreplied.pop(ticket, None)
                 return Reply(at, version, self.history[p][version][1], True)
             if self.version[p] > c.base_version and c.arrival <= self.horizon:
-                version = max(v for v, (at, _) in enumerate(self.history[p]) if at <= c.arrival)
+                version = self._version_at(p, c.arrival)
                 merged = self.options.late == "next"
+                self.unreplied.pop(ticket, None)
                 return Reply(c.arrival, version, self.history[p][version][1], merged)
             return None
 
@@ -291,7 +298,10 @@ class Synchronizer:
                 "params": [p.clone() for p in self.params],
                 "outer": [o.state_dict() for o in self.outer],
                 "version": list(self.version),
-                "history": [[(at, v.clone()) for at, v in h] for h in self.history],
+                "history": [
+                    {v: (at, values.clone()) for v, (at, values) in h.items()} for h in self.history
+                ],
+                "unreplied": dict(self.unreplied),
                 "pending": [
                     [(e.ticket, _contribution_state(e.contribution)) for e in pending]
                     for pending in self.pending
@@ -326,7 +336,11 @@ class Synchronizer:
             for outer, saved in zip(self.outer, state["outer"], strict=True):
                 outer.load_state_dict(saved)
             self.version = [int(v) for v in state["version"]]
-            self.history = [[(float(at), v.clone()) for at, v in h] for h in state["history"]]
+            self.history = [
+                {int(v): (float(at), values.clone()) for v, (at, values) in h.items()}
+                for h in state["history"]
+            ]
+            self.unreplied = {int(k): v for k, v in state["unreplied"].items()}
             self.pending = [
                 [_Pending(int(t), _contribution_of(c)) for t, c in pending]
                 for pending in state["pending"]
@@ -357,6 +371,22 @@ class Synchronizer:
             self.discarded_tokens += sum(e.contribution.tokens for e in lost)
             self.pending[p] = [e for e in pending if e.contribution.learner not in gone]
         self.merged = {t: v for t, v in self.merged.items() if v[1] not in gone}
+        self.unreplied = {t: v for t, v in self.unreplied.items() if v[1] not in gone}
+
+    def _version_at(self, p: int, time: float) -> int:
+        """The latest version of fragment p the synchronizer held at ``time``."""
+        return max(v for v, (at, _) in self.history[p].items() if at <= time)
+
+    def _prune(self) -> None:
+        """Drop the versions no reply can still take: a reply not yet taken leaves at or
+        after its contribution's arrival, and a contribution sent later arrives after the
+        horizon, so every version older than the one current at the earliest of those is
+        unused."""
+        for p, history in enumerate(self.history):
+            waits = [arrival for q, _, arrival in self.unreplied.values() if q == p]
+            floor = self._version_at(p, min([self.horizon, *waits]))
+            for v in [v for v in history if v < floor]:
+                del history[v]
 
     def _fresh(self, p: int) -> list[_Pending]:
         v = self.version[p]
@@ -415,7 +445,7 @@ class Synchronizer:
         delta = merged_outer_gradient(decision.included, decision.weights)
         self.outer[p].step(delta)
         self.version[p] = v + 1
-        self.history[p].append((t, self.params[p].clone()))
+        self.history[p][v + 1] = (t, self.params[p].clone())
         included = {id(c) for c in decision.included}
         for e in fresh:
             if id(e.contribution) in included:
@@ -816,7 +846,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             outstanding.append({
                 "launched_at": out.launched_at, "ticket": out.ticket,
                 "contribution": _contribution_state(out.contribution),
-                "reply": None if reply is None else (reply.leaves, reply.version, reply.merged),
+                "reply": None
+                if reply is None
+                else (reply.leaves, reply.version, reply.merged, reply.values.clone()),
                 "reply_done": out.reply_done,
             })  # fmt: skip
         return {
@@ -845,7 +877,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.last_step_s = float(mine["last_step_s"])
         self.ticks = int(mine["ticks"])
         self.outstanding = []
-        for p, saved in enumerate(mine["outstanding"]):
+        for saved in mine["outstanding"]:
             if saved is None:
                 self.outstanding.append(None)
                 continue
@@ -854,9 +886,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 _contribution_of(saved["contribution"]),
             )  # fmt: skip
             if saved["reply"] is not None:
-                leaves, version, merged = saved["reply"]
-                values = self.sync.history[p][int(version)][1]
-                out.reply = Reply(float(leaves), int(version), values, bool(merged))
+                leaves, version, merged, values = saved["reply"]
+                out.reply = Reply(float(leaves), int(version), values.clone(), bool(merged))
                 out.reply_done = float(saved["reply_done"])
                 # (Charged before the checkpoint: it completes at its modeled arrival.)
                 out.reply_handle = self.runtime.restore(Settled(out.reply_done))
