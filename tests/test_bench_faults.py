@@ -50,3 +50,5 @@ def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path)
     # decoupled_diloco runs with faults: its learners wait for no straggler, so it keeps more
     # of its fault-free rate than ddp, which waits for the slowest worker every step.
     assert by_method["ddp"]["goodput"] < by_method["decoupled_diloco"]["goodput"] <= 1
+    # The planner prices it with the fragments training used.
+    assert 0 < by_method["decoupled_diloco"]["predicted_goodput"] <= 1
