@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -68,8 +68,14 @@ from lowcomm.strategies.decoupled_sync import (
     decide_merge,
     merged_outer_gradient,
 )
-from lowcomm.strategies.diloco import DiLoCoOptions, OuterLoopStrategy
-from lowcomm.strategies.streaming import check_overlap, completion_offsets
+from lowcomm.strategies.diloco import (
+    PAPER_OUTER,
+    OuterLoopStrategy,
+    default_fragment_count,
+    scaled_outer,
+)
+from lowcomm.strategies.local_update import RoundOptions
+from lowcomm.strategies.streaming import completion_offsets
 
 #: Why every other placement is refused (one clause).
 PLACEMENT = (
@@ -79,11 +85,41 @@ PLACEMENT = (
 
 
 @dataclass(kw_only=True)
-class DecoupledOptions(DiLoCoOptions):
-    """Options of decoupled_diloco: DiLoCo's period, fragments, overlap, mixing and outer step,
-    and the synchronizer's quorum, grace window, weighting and late policy."""
+class DecoupledOptions(RoundOptions):
+    """Options of decoupled_diloco: Streaming DiLoCo's period, fragments, overlap, mixing and
+    outer step (the same meaning and defaults as --diloco.*), and the synchronizer's quorum,
+    grace window, weighting and late policy."""
 
     group: ClassVar[str] = "decoupled"
+
+    sync_every: int = 16
+    """H: a learner's inner steps between two sends of one fragment."""
+
+    outer_lr: float | None = None
+    """eta_out: the synchronizer's outer learning rate (None: from H by
+    --decoupled.outer-defaults)."""
+
+    outer_momentum: float | None = None
+    """mu: the synchronizer's outer momentum, 0 = plain outer SGD (None: from H by
+    --decoupled.outer-defaults)."""
+
+    outer_nesterov: bool = True
+    """Nesterov form of the outer momentum (False = heavy ball)."""
+
+    outer_defaults: Literal["scaled", "paper"] = "scaled"
+    """What an unset --decoupled.outer-lr / --decoupled.outer-momentum takes: scaled (from H,
+    as --diloco.outer-defaults scaled) or paper (DiLoCo's eta_out 0.7, mu 0.9)."""
+
+    fragments: int | None = None
+    """K: number of strided fragments (None: 4, capped at the model's transformer blocks)."""
+
+    overlap_steps: int = 1
+    """tau: inner steps a learner computes between sending a fragment and needing its reply
+    (0: it waits for the reply; one fragment only)."""
+
+    mixing: float = 0.5
+    """alpha: weight of the LOCAL parameters when a reply is taken, theta <- alpha * local +
+    (1 - alpha) * Theta (0 takes the synchronizer's fragment)."""
 
     min_quorum: int = 1
     """K_q: fresh fragments the synchronizer needs before it merges (at most --workers; with
@@ -107,12 +143,8 @@ class DecoupledOptions(DiLoCoOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.min_quorum < 1:
-            raise ValueError(
-                f"--decoupled.min-quorum: {self.min_quorum} must be at least 1; 1 merges as "
-                "soon as any learner's fragment is in"
-            )
         for flag, value, choices in (
+            ("--decoupled.outer-defaults", self.outer_defaults, ("scaled", "paper")),
             ("--decoupled.weighting", self.weighting, WEIGHTINGS),
             ("--decoupled.late", self.late, LATE_POLICIES),
             ("--decoupled.grace", self.grace, GRACE_KINDS),
@@ -121,12 +153,36 @@ class DecoupledOptions(DiLoCoOptions):
                 raise ValueError(
                     f"{flag}: {value!r} is unknown; choose one of {', '.join(choices)}"
                 )
-        if self.quantization != "none":
+        if self.fragments is not None and self.fragments < 1:
             raise ValueError(
-                f"--decoupled.quantization: {self.quantization} is not supported by "
-                "decoupled_diloco (the synchronizer takes float32 fragments); use none"
+                f"--decoupled.fragments: {self.fragments} must be >= 1; pass e.g. 4, or None "
+                "for the default"
+            )
+        if self.overlap_steps < 0:
+            raise ValueError(
+                f"--decoupled.overlap-steps: {self.overlap_steps} must be >= 0; pass e.g. 1"
+            )
+        if not 0.0 <= self.mixing <= 1.0:
+            raise ValueError(
+                f"--decoupled.mixing: {self.mixing} must lie in [0, 1] (weight of the local "
+                "parameters); try 0.5"
+            )
+        if self.min_quorum < 1:
+            raise ValueError(
+                f"--decoupled.min-quorum: {self.min_quorum} must be at least 1; 1 merges as "
+                "soon as any learner's fragment is in"
             )
         self.grace_rule()  # (its own one-line checks)
+
+    def outer(self) -> tuple[float, float]:
+        """(eta_out, mu) of the synchronizer's outer steps, as :meth:`DiLoCoOptions.outer`."""
+        lr, momentum = (
+            scaled_outer(self.sync_every) if self.outer_defaults == "scaled" else PAPER_OUTER
+        )
+        return (
+            lr if self.outer_lr is None else self.outer_lr,
+            momentum if self.outer_momentum is None else self.outer_momentum,
+        )
 
     def grace_rule(self) -> GraceRule:
         """The synchronizer's :class:`GraceRule` from these options."""
@@ -568,7 +624,21 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         options: DecoupledOptions | None = None,
     ) -> None:
         options = options or DecoupledOptions()
-        check_overlap(options, model, self.default_fragments, self.name)
+        fragments = options.fragments or default_fragment_count(model, self.default_fragments)
+        if fragments > options.sync_every:
+            raise ValueError(
+                f"--decoupled.fragments: {fragments} fragments do not fit in "
+                f"--decoupled.sync-every {options.sync_every} steps; pass at most "
+                f"{options.sync_every} fragments or a larger H"
+            )
+        gap = options.sync_every // fragments
+        if options.overlap_steps >= gap:
+            raise ValueError(
+                f"--decoupled.overlap-steps: {options.overlap_steps} must be < H/K = "
+                f"{options.sync_every}//{fragments} = {gap} so that a learner takes a fragment's "
+                "reply before it sends the next fragment; lower tau, raise "
+                "--decoupled.sync-every or use fewer fragments"
+            )
         super().__init__(model, comm, context, options)
         workers = comm.world_size
         if options.min_quorum > workers:
