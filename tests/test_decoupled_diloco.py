@@ -283,3 +283,24 @@ def test_a_stop_and_resume_continues_exactly(tmp_path: Path) -> None:
         assert torch.equal(a.parameters, b.parameters)
         assert torch.equal(a.deployed_parameters, b.deployed_parameters)
         assert a.clock_s == b.clock_s and a.bytes_sent == b.bytes_sent
+
+
+def test_no_merge_without_the_minimum_quorum_and_a_stall_at_tau_zero_ends_in_one_line(
+    tmp_path: Path, made: list[Synchronizer]
+) -> None:
+    """K_q = 3 of 3 learners: after a crash no fragment merges until the replacement joins
+    (tau = 1, the learners go on alone); at tau = 0 the two survivors both wait for a merge
+    that cannot form, and the run ends saying so."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("step=2 worker=2 crash\nstep=8 worker=2 join\n")
+    options = DecoupledOptions(sync_every=4, fragments=1, min_quorum=3)
+    _run(_config("decoupled_diloco", tmp_path / "a", steps=16, decoupled=options,
+                 faults=str(trace)))  # fmt: skip
+    ticks = [r.tick for r in made[-1].log]
+    assert ticks and not [t for t in ticks if 2 <= t < 8]
+    assert all(len(r.included) == 3 for r in made[-1].log)
+    trace.write_text("step=2 worker=2 crash\n")
+    stalled = DecoupledOptions(sync_every=4, fragments=1, overlap_steps=0, min_quorum=3)
+    with pytest.raises(Exception, match=r"--decoupled\.overlap-steps: 0 with") as e:
+        _run(_config("decoupled_diloco", tmp_path / "b", decoupled=stalled, faults=str(trace)))
+    assert "\n" not in str(e.value).strip()

@@ -122,8 +122,8 @@ class DecoupledOptions(RoundOptions):
     (1 - alpha) * Theta (0 takes the synchronizer's fragment)."""
 
     min_quorum: int = 1
-    """K_q: fresh fragments the synchronizer needs before it merges (at most --workers; with
-    fewer live learners, all of them)."""
+    """K_q: fresh fragments the synchronizer needs before it merges (at most --workers; while
+    fewer learners are live, no fragment merges and the learners go on alone)."""
 
     grace: GraceKind = "adaptive"
     """The grace window after the quorum: adaptive (gamma times the slack the overlap leaves),
@@ -452,7 +452,7 @@ class Synchronizer:
         )
 
     def _merge_decided(self, bounds: dict[int, float], tick: int) -> None:
-        quorum = min(self.options.min_quorum, max(1, len(self.live)))
+        quorum = self.options.min_quorum
         progressed = True
         while progressed:
             progressed = False
@@ -743,7 +743,16 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             return self.sync.pace.earliest
         rows = self._gather([self.now(), float(self.waiting)])
         stepping = [row[0] for row in rows if row[1] == 0.0]
-        return min(stepping or [row[0] for row in rows])
+        if not stepping:
+            # Every live learner waits at tau = 0 and none took a reply since the last tick:
+            # no clock can move, so no merge or reply can come.
+            raise ValueError(
+                f"--decoupled.overlap-steps: 0 with --decoupled.min-quorum "
+                f"{self.options.min_quorum}: all {len(rows)} live learners wait for replies "
+                "that no merge can give; use --decoupled.overlap-steps 1 or a quorum the live "
+                "learners reach"
+            )
+        return min(stepping)
 
     def _takes_a_step(self, earliest: float) -> bool:
         """Not waiting for a reply, and not ahead of the earliest learner by a nominal step."""
@@ -756,7 +765,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
 
     def _post(self) -> list[tuple[int, float, bool, float]]:
         """Every member's (learner, clock, waiting, last step's seconds) at this tick's end."""
-        mine = [float(self.learner), self.now(), float(self.waiting), self.last_step_s]
+        # (A learner waiting for its reply sends nothing before it arrives: its later sends
+        # arrive after its outstanding one's arrival, too.)
+        bound = max(
+            [self.now()] + [out.contribution.arrival for out in self.outstanding if out is not None]
+        )
+        mine = [float(self.learner), bound if self.waiting else self.now(), float(self.waiting),
+                self.last_step_s]  # fmt: skip
         if not self.shared:
             return [(self.learner, mine[1], self.waiting, self.last_step_s)]
         rows = self._gather(mine)
