@@ -228,10 +228,14 @@ def test_a_run_with_a_fault_trace_replays_and_heals_the_joiner(
         assert same and sent > 0 and inner_steps == 0
 
 
-def test_other_placements_are_refused_in_one_line(tmp_path: Path) -> None:
+def test_other_placements_and_a_bf16_wire_are_refused_in_one_line(tmp_path: Path) -> None:
     config = _config("decoupled_diloco", tmp_path / "p", workers=4)
     config.workers_per_process = 1
     with pytest.raises(ConfigError, match=r"--workers-per-process: 1 with --method decoupled") as e:
+        config.validate()
+    assert "\n" not in str(e.value)
+    config = _config("decoupled_diloco", tmp_path / "p", workers=4, comm_dtype="bf16")
+    with pytest.raises(ConfigError, match=r"--comm-dtype: bf16 with --method decoupled") as e:
         config.validate()
     assert "\n" not in str(e.value)
 

@@ -587,6 +587,10 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     hierarchical_refusal: ClassVar[str | None] = PLACEMENT
     one_process_refusal: ClassVar[str | None] = PLACEMENT
     sharding_refusal: ClassVar[str | None] = PLACEMENT
+    comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
+    comm_dtype_refusal: ClassVar[str | None] = (
+        "its fragments reach the synchronizer in memory as float32 and are charged so"
+    )
     cost: ClassVar[CostModel] = CostModel(
         description="fragments sent to a synchronizer, no barrier",
         # Each fragment up and back once per H: a ring all-reduce's bytes of Psi/K (the
