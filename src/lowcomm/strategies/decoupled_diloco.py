@@ -675,6 +675,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.outstanding: list[Outstanding | None] = [None] * self.num_fragments
         self.waiting = False
         self.last_step_s = 0.0
+        #: This learner's clock as it posted it at the last tick's end.
+        self.posted = -math.inf
         self.ticks = 0
         self.committed_now = False
 
@@ -718,8 +720,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         tick = self.ticks
         self.ticks += 1
         self.committed_now = False
-        earliest = self._earliest()
-        if self._takes_a_step(earliest):
+        earliest, mine = self._earliest()
+        if self._takes_a_step(earliest, mine):
             before = self.now()
             stats = self.inner_step(closure)
             self.last_step_s = self.now() - before
@@ -739,13 +741,15 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         stats.extras["syncs_completed"] = float(taken)
         return stats
 
-    def _earliest(self) -> float:
-        """The earliest clock among the learners not waiting at this tick's start: agreed
-        anew (an all-gather of the members' clocks) after a tick in which one waited, else
-        the one posted at the last tick's end."""
+    def _earliest(self) -> tuple[float, float]:
+        """The earliest clock among the learners not waiting, and this learner's, both read at
+        one point: agreed anew at this tick's start (an all-gather of the members' clocks)
+        after a tick in which one waited, else as posted at the last tick's end (on the real
+        clock, time passes between ticks, in the loop's bookkeeping, for every learner)."""
         if not self.shared or not self.sync.pace.waiting:
-            return self.sync.pace.earliest
-        rows = self._gather([self.now(), float(self.waiting)])
+            return self.sync.pace.earliest, self.posted
+        now = self.now()
+        rows = self._gather([now, float(self.waiting)])
         stepping = [row[0] for row in rows if row[1] == 0.0]
         if not stepping:
             # Every live learner waits at tau = 0 and none took a reply since the last tick:
@@ -756,16 +760,20 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "that no merge can give; use --decoupled.overlap-steps 1 or a quorum the live "
                 "learners reach"
             )
-        return min(stepping)
+        return min(stepping), now
 
-    def _takes_a_step(self, earliest: float) -> bool:
+    def _takes_a_step(self, earliest: float, mine: float) -> bool:
         """Not waiting for a reply, and not ahead of the earliest learner by a nominal step."""
         if self.waiting:
             return False
         if not self.shared or earliest == -math.inf:  # (alone, or the run's first tick)
             return True
-        now = self.now()
-        return now <= earliest or now < earliest + self.sync.pace.nominal
+        clock = self.runtime.clock
+        if clock is None or clock.kind != "virtual":
+            # On the real clock the threads' times include each other's turns on the shared
+            # cores, which says nothing of a learner's own pace: every learner steps.
+            return True
+        return mine <= earliest or mine < earliest + self.sync.pace.nominal
 
     def _post(self) -> list[tuple[int, float, bool, float]]:
         """Every member's (learner, clock, waiting, last step's seconds) at this tick's end."""
@@ -774,7 +782,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         bound = max(
             [self.now()] + [out.contribution.arrival for out in self.outstanding if out is not None]
         )
-        mine = [float(self.learner), bound if self.waiting else self.now(), float(self.waiting),
+        self.posted = self.now()
+        mine = [float(self.learner), bound if self.waiting else self.posted, float(self.waiting),
                 self.last_step_s]  # fmt: skip
         if not self.shared:
             return [(self.learner, mine[1], self.waiting, self.last_step_s)]
@@ -888,6 +897,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.tokens = [0] * self.num_fragments
         self.steps = [0] * self.num_fragments
         self.waiting = False
+        self.posted = self.now()  # (its clock, moved to the latest member's)
         if kept:
             return
         now = self.now()
@@ -901,6 +911,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.inner.reset()
         self.step_index = self.ticks
         self.last_step_s = 0.0
+        self.posted = self.now()
 
     # --- Strategy API ------------------------------------------------------------------------
 
@@ -945,7 +956,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             "learner": {
                 "base": list(self.base), "tokens": list(self.tokens), "steps": list(self.steps),
                 "outstanding": outstanding, "waiting": self.waiting,
-                "last_step_s": self.last_step_s, "ticks": self.ticks,
+                "last_step_s": self.last_step_s, "ticks": self.ticks, "posted": self.posted,
             },
             "synchronizer": self.sync.state_dict(),
         }  # fmt: skip
@@ -964,6 +975,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.steps = [int(t) for t in mine["steps"]]
         self.waiting = bool(mine["waiting"])
         self.last_step_s = float(mine["last_step_s"])
+        self.posted = float(mine["posted"])
         self.ticks = int(mine["ticks"])
         self.outstanding = []
         for saved in mine["outstanding"]:
