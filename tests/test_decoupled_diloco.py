@@ -308,3 +308,19 @@ def test_no_merge_without_the_minimum_quorum_and_a_stall_at_tau_zero_ends_in_one
     with pytest.raises(Exception, match=r"--decoupled\.overlap-steps: 0 with") as e:
         _run(_config("decoupled_diloco", tmp_path / "b", decoupled=stalled, faults=str(trace)))
     assert "\n" not in str(e.value).strip()
+
+
+def test_the_pace_follows_the_live_learners(tmp_path: Path) -> None:
+    """The fast learner of two crashes: the straggler, ahead of its last clock, steps at the
+    next tick rather than every learner idling (which would leave the step without a row)."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("step=4 worker=0 crash\n")
+    config = _config(
+        "decoupled_diloco", tmp_path / "a", workers=2, steps=8, log_every=1,
+        decoupled=DecoupledOptions(sync_every=4, fragments=1), faults=str(trace),
+        speed_factors=[1.0, 3.0],
+    )  # fmt: skip
+    _run(config)
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
+    assert [len(r["microbatches_per_worker"]) for r in records] == [2, 1, 1, 2, 1, 1, 1, 1]
+    assert all(math.isfinite(r["train_loss"]) for r in records)

@@ -229,12 +229,18 @@ class _Pending:
 
 @dataclass(frozen=True)
 class Pace:
-    """What the learners agreed at a tick's end: the earliest clock of those not waiting, the
-    nominal step (the shortest last inner step), and whether any learner waits for a reply."""
+    """What the learners agreed at a tick's end: the clocks of those not waiting, the nominal
+    step (the shortest last inner step), and whether any learner waits for a reply."""
 
-    earliest: float = -math.inf
+    clocks: tuple[tuple[int, float], ...] = ()
     nominal: float = 0.0
     waiting: bool = False
+
+    def earliest(self, members: tuple[int, ...]) -> float:
+        """The earliest posted clock among ``members`` (this tick's quorum: a learner lost
+        since then no longer sets the pace); -inf when none of them posted one."""
+        posted = dict(self.clocks)
+        return min((posted[m] for m in members if m in posted), default=-math.inf)
 
 
 class Synchronizer:
@@ -303,10 +309,10 @@ class Synchronizer:
             self.tick = tick
             self._enter(tuple(sorted(m for m, _, _, _ in rows)))
             bounds = {m: clock for m, clock, _, _ in rows}
-            stepping = [clock for _, clock, waiting, _ in rows if not waiting]
+            stepping = [(m, clock) for m, clock, waiting, _ in rows if not waiting]
             steps = [s for _, _, _, s in rows if s > 0]
             self.pace = Pace(
-                earliest=min(stepping or list(bounds.values())),
+                clocks=tuple(stepping or bounds.items()),
                 nominal=min(steps, default=0.0),
                 waiting=any(waiting for _, _, waiting, _ in rows),
             )
@@ -367,7 +373,7 @@ class Synchronizer:
                 "tick": self.tick,
                 "live": list(self.live),
                 "horizon": self.horizon,
-                "pace": (self.pace.earliest, self.pace.nominal, self.pace.waiting),
+                "pace": (self.pace.clocks, self.pace.nominal, self.pace.waiting),
                 "finished": self.finished,
                 "step_time": list(self.step_time),
                 "sync_time": list(self.sync_time),
@@ -406,8 +412,10 @@ class Synchronizer:
             self.tick = int(state["tick"])
             self.live = tuple(int(m) for m in state["live"])
             self.horizon = float(state["horizon"])
-            earliest, nominal, waiting = state["pace"]
-            self.pace = Pace(float(earliest), float(nominal), bool(waiting))
+            clocks, nominal, waiting = state["pace"]
+            self.pace = Pace(
+                tuple((int(m), float(c)) for m, c in clocks), float(nominal), bool(waiting)
+            )
             self.finished = bool(state["finished"])
             self.step_time = [float(x) for x in state["step_time"]]
             self.sync_time = [float(x) for x in state["sync_time"]]
@@ -747,7 +755,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         after a tick in which one waited, else as posted at the last tick's end (on the real
         clock, time passes between ticks, in the loop's bookkeeping, for every learner)."""
         if not self.shared or not self.sync.pace.waiting:
-            return self.sync.pace.earliest, self.posted
+            return self.sync.pace.earliest(self.runtime.quorum.members), self.posted
         now = self.now()
         rows = self._gather([now, float(self.waiting)])
         stepping = [row[0] for row in rows if row[1] == 0.0]
