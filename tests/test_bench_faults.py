@@ -12,7 +12,8 @@ from lowcomm.bench.faults import FaultsBench, run_faults
 
 def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path) -> None:
     bench = FaultsBench(
-        workers=(4,), methods=("ddp", "diloco", "streaming_diloco", "zero1"), steps=8,
+        workers=(4,), methods=("ddp", "diloco", "streaming_diloco", "decoupled_diloco", "zero1"),
+        steps=8,
         fault_mtbf_s=40.0, fault_replace_after_s=4.0, fault_slow_fraction=0.25,
         fault_detection_s=2.0, out=str(tmp_path / "bench"),
     )  # fmt: skip
@@ -47,3 +48,8 @@ def test_bench_faults_reports_each_runs_summary_and_the_refusals(tmp_path: Path)
     # where a plan alone takes 4, which H = 4 and tau = 1 do not fit).
     assert 0 < by_method["streaming_diloco"]["goodput"] < 1
     assert by_method["streaming_diloco"]["predicted_goodput"] is not None
+    # decoupled_diloco runs with faults: its learners wait for no straggler, so it keeps more
+    # of its fault-free rate than ddp, which waits for the slowest worker every step.
+    assert by_method["ddp"]["goodput"] < by_method["decoupled_diloco"]["goodput"] <= 1
+    # The planner prices it with the fragments training used.
+    assert 0 < by_method["decoupled_diloco"]["predicted_goodput"] <= 1

@@ -122,6 +122,15 @@ FAMILY: dict[str, dict[str, Choices]] = {
         "--diloco.compensation-sign": (("fixed", "literal"), ()),
         "--diloco.transmission-gamma": (("0.4", "2"), ("0", "inf", "nan")),
     },
+    "decoupled": {
+        "--decoupled.sync-every": (("4", "16"), ("0", "-1")),
+        "--decoupled.min-quorum": (("1",), ("0", "-1")),
+        "--decoupled.grace": (("adaptive", "none"), ()),
+        "--decoupled.grace-gamma": (("0.5", "0"), ("1", "-0.1", "nan")),
+        "--decoupled.weighting": (("paper", "tokens", "equal"), ()),
+        "--decoupled.late": (("next", "drop"), ()),
+        "--decoupled.mixing": (("0.5", "0"), ("1.5", "nan")),
+    },
     "desloc": {
         "--desloc.param-period": (("1", "2", "16"), ("0", "-1")),
         "--desloc.first-moment-period": (("None", "1", "3"), ("0",)),

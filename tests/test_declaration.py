@@ -142,6 +142,7 @@ PERIODS = {
     "sparseloco": {"sync_every": 4, "chunk": 64, "topk": 4},
     "demo": {"chunk": 4, "topk": 1},  # 4 x 4 blocks: the tiny GPT is almost all whole blocks
     "sparta": {"fraction": 0.05, "sync_every": 4},
+    "decoupled": {"sync_every": 4, "fragments": 2, "overlap_steps": 1},
 }
 SINGLE_PERIOD = {"param_period": 3}  # local_adam, favg_opt, favg_reset: K_u, K_v refused
 WHOLE_MODEL = {

@@ -21,6 +21,7 @@ from lowcomm.launch.inprocess import train_in_process
 from lowcomm.launch.run import preflight
 from lowcomm.models import ModelConfig
 from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.decoupled_diloco import DecoupledOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
@@ -38,6 +39,7 @@ def _config(method: str, out: Path, **overrides: Any) -> TrainConfig:
         data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
         local=LocalOptions(sync_every=2), desloc=DeslocOptions(param_period=2),
         sparseloco=SparseLoCoOptions(sync_every=2), fault_detection_s=2.5,
+        decoupled=DecoupledOptions(sync_every=2),
     )  # fmt: skip
     if method == "sparta_diloco":  # (a round of 2 steps; a tenth of the parameters a step)
         config.sparta = SpartaOptions(sync_every=2, fraction=0.1)

@@ -22,6 +22,7 @@ from lowcomm.models import ModelConfig
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.acco import AccoOptions
 from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.decoupled_diloco import DecoupledOptions
 from lowcomm.strategies.desloc import DeslocOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.strategies.sparseloco import SparseLoCoOptions
@@ -135,6 +136,7 @@ def _sixty_four_workers(method: str, out: Path) -> TrainConfig:
     config.data = DataConfig(micro_batch_size=1)
     config.local = LocalOptions(sync_every=1)
     config.diloco = DiLoCoOptions(sync_every=2, overlap_steps=0)
+    config.decoupled = DecoupledOptions(sync_every=2, overlap_steps=0, fragments=1)
     config.desloc = DeslocOptions(
         param_period=1, **({"first_moment_period": 2, "second_moment_period": 2}
                            if method == "desloc" else {})

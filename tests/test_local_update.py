@@ -38,6 +38,7 @@ DEFAULTS: dict[str, tuple[int, str, tuple[float, float, bool] | None]] = {
     "diloco_delayed": (16, "adamw", (0.85, 0.225, True)),
     "eager": (16, "adamw", (0.85, 0.225, True)),
     "cocodc": (16, "adamw", (0.85, 0.225, True)),
+    "decoupled_diloco": (16, "adamw", (0.85, 0.225, True)),
     "sparseloco": (15, "adamw", (1.0, 0.0, True)),
     "sparta": (100, "adamw", None),
     "sparta_diloco": (100, "adamw", (0.7, 0.9, True)),

@@ -287,7 +287,9 @@ def test_both_configs_hold_exactly_the_declared_option_groups() -> None:
     from lowcomm.strategies.option_groups import option_groups
 
     groups = option_groups(STRATEGIES)
-    assert set(groups) == {"acco", "local", "diloco", "desloc", "sparseloco", "demo", "sparta"}
+    assert set(groups) == {
+        "acco", "local", "diloco", "desloc", "sparseloco", "demo", "sparta", "decoupled",
+    }  # fmt: skip
     for config in (TrainConfig, PlanConfig):
         fields = {f.name: f for f in dataclasses.fields(config)}
         for name, kind in groups.items():

@@ -24,6 +24,7 @@ _PUBLIC = {
     "AccoOptions": "lowcomm.strategies.acco",
     "AdamWConfig": "lowcomm.optim.adamw",
     "DeMoOptions": "lowcomm.strategies.demo",
+    "DecoupledOptions": "lowcomm.strategies.decoupled_diloco",
     "DeslocOptions": "lowcomm.strategies.desloc",
     "DiLoCoOptions": "lowcomm.strategies.diloco",
     "FitResult": "lowcomm.fitting",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from lowcomm.strategies import MicroBatchResult, StepStats, Strategy, StrategyContext
     from lowcomm.strategies.acco import AccoOptions
     from lowcomm.strategies.co2 import LocalOptions
+    from lowcomm.strategies.decoupled_diloco import DecoupledOptions
     from lowcomm.strategies.demo import DeMoOptions
     from lowcomm.strategies.desloc import DeslocOptions
     from lowcomm.strategies.diloco import DiLoCoOptions
@@ -89,6 +91,7 @@ __all__ = [
     "AccoOptions",
     "AdamWConfig",
     "DeMoOptions",
+    "DecoupledOptions",
     "DeslocOptions",
     "DiLoCoOptions",
     "FitResult",

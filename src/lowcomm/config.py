@@ -523,6 +523,14 @@ class TrainConfig:
         refusal = self.placement_refusal()
         if refusal is not None:
             raise ConfigError(f"{flag}: {k} with {refusal}")
+        from lowcomm.strategies import strategy_class
+
+        together = strategy_class(self.method).one_process_refusal
+        if together is not None and k != self.workers:
+            raise ConfigError(
+                f"{flag}: {k} with --method {self.method}: {together}; pass "
+                f"--workers-per-process {self.workers}"
+            )
 
     def placement_refusal(self) -> str | None:
         """Why this run's workers cannot share processes at ``--workers-per-process`` (the

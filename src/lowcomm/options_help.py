@@ -401,7 +401,7 @@ def train_help(width: int | None = None) -> str:
     details are."""
     if width is None:
         width = max(70, min(100, shutil.get_terminal_size((100, 24)).columns))
-    column = 32
+    column = 36
     lines = [
         "usage: lowcomm train [OPTIONS]",
         "       lowcomm train --config run.toml [OPTIONS]",

@@ -32,6 +32,7 @@ from typing import Any
 
 from lowcomm.config import TrainConfig
 from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S
+from lowcomm.strategies import strategy_class
 
 #: The methods the benchmark compares by default.
 METHODS = ("ddp", "diloco", "streaming_diloco", "decoupled_diloco")
@@ -117,10 +118,18 @@ def _train_config(bench: FaultsBench, method: str, workers: int, out: Path) -> T
                           block_size=bench.block_size),
         data=DataConfig(micro_batch_size=bench.micro_batch_size),
     )  # fmt: skip
-    for group in ("diloco", "streaming_diloco", "decoupled_diloco"):
+    for group in ("diloco", "decoupled"):
         options = getattr(config, group, None)
         if options is not None and hasattr(options, "sync_every"):
             setattr(config, group, dataclasses.replace(options, sync_every=bench.sync_every))
+    # decoupled_diloco's fragments as training takes them (its default, capped at the model's
+    # blocks), given explicitly so that the planner prices the same count (its own default is
+    # uncapped). The diloco group cannot: diloco refuses a fragment count.
+    decoupled = getattr(config, "decoupled", None)
+    if decoupled is not None and decoupled.fragments is None:
+        preferred = int(getattr(strategy_class("decoupled_diloco"), "default_fragments", 1))
+        fragments = min(preferred, bench.n_layer)
+        config.decoupled = dataclasses.replace(decoupled, fragments=fragments)  # type: ignore[attr-defined]
     return config
 
 

@@ -28,6 +28,7 @@ from lowcomm.comm.base import (
     check_segments,
     payload_bytes,
 )
+from lowcomm.comm.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,21 @@ class RecordingComm:
         self.calls.append(
             CommCall(kind, role, full.numel(), full.dtype, payload_bytes(full), op, fused)
         )
+
+    def charge_message(
+        self, kind: CollectiveKind, role: Role, payload_bytes: int, start: float
+    ) -> Handle:
+        """Record a message of this rank alone (to or from a process outside the group) as a
+        ``kind`` of ``payload_bytes`` float32 bytes; it completes at once."""
+        self.calls.append(
+            CommCall(kind, role, payload_bytes // 4, torch.float32, payload_bytes, None, None)
+        )
+        return CompletedHandle()
+
+    def runtime(self) -> Runtime:
+        """A plain communicator's runtime (no clock, itself uncharged) whose messages are
+        recorded like its collectives."""
+        return Runtime(uncharged=self, message=self.charge_message)
 
     def all_reduce(
         self,

@@ -18,6 +18,9 @@ never ask which concrete communicator they were given. It holds:
 * :meth:`Runtime.restore`: the handle of a collective checkpointed by ``Handle.settle()``.
 * :meth:`Runtime.once_per_gather`: a decode of an all-gather, done once for the workers of one
   process that received it.
+* ``message``: charges a message of this worker alone (to or from a process outside the
+  group, such as a synchronizer) on its link from a given start, with no launch agreement;
+  None when nothing is emulated.
 * ``quorum``: the live workers of this round (:class:`Quorum`), and :meth:`Runtime.enter_round`,
   which a method that talks once per round calls before its round's collectives (it charges
   the wait for a lost member's detection). Without faults every worker is a member, always.
@@ -158,6 +161,9 @@ class Runtime:
         restorer: builds :meth:`restore`'s handle (from the communicator; default: a
             completed handle, right for a communicator without a clock).
         membership: who takes part in each round (None: every worker, always).
+        message: charges a message of this worker alone: ``message(kind, role,
+            payload_bytes, start)`` counts its bytes and queues it on this worker's link from
+            ``start``; its handle completes at the modeled arrival (None: no emulation).
     """
 
     uncharged: Comm
@@ -166,6 +172,9 @@ class Runtime:
     offload: Offload | None = None
     restorer: Callable[[Settled], Handle] = field(default=_completed, repr=False)
     membership: Membership | None = field(default=None, repr=False)
+    message: Callable[[CollectiveKind, Role, int, float], Handle] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def quorum(self) -> Quorum:

@@ -160,6 +160,10 @@ class Strategy(ABC):
     #: same collective results, takes the same decisions (no per-rank clock-driven control
     #: flow, no collectives from a second thread).
     hierarchical_refusal: ClassVar[str | None] = None
+    #: Why the method cannot run unless every worker is a thread of one process
+    #: (``--workers-per-process`` = ``--workers``), or None when any placement will do: its
+    #: workers share an object in memory, not only collectives.
+    one_process_refusal: ClassVar[str | None] = None
     #: Why the method cannot run on sharded workers (``--worker-sharding fsdp``: each rank
     #: holds 1/R of every parameter, FSDP2 over the worker's ranks), or None when it can: it
     #: takes its buffers from ``sharded_flat.flat_buffers``, sums every norm it reads over the

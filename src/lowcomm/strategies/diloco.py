@@ -494,7 +494,8 @@ class OuterLoopStrategy(LocalUpdate[OptionsT]):
         diloco = options if isinstance(options, DiLoCoOptions) else None
         self.quantization: QuantizationFormat = diloco.quantization if diloco else "none"
         self.row_size = diloco.quantization_row_size if diloco else 256
-        self.num_fragments = (diloco and diloco.fragments) or default_fragment_count(
+        # (A family of its own with fragments, decoupled_diloco's, names them too.)
+        self.num_fragments = getattr(options, "fragments", None) or default_fragment_count(
             model, self.default_fragments
         )
         self.fragments = build_fragments(model, self.num_fragments)

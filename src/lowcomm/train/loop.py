@@ -675,7 +675,7 @@ def _write_held(
     steps = log.read(worker.bookkeeping, worker.clock)
     faults = worker.faults
     for index, (held, everyone) in enumerate(steps):
-        members = None if faults is None else faults.members(held.step)
+        members = _stepped(everyone, None if faults is None else faults.members(held.step))
         _check_finite(held.step, everyone, members)
         if writer is None:
             continue
@@ -692,6 +692,18 @@ def _write_held(
             final.last_record = record
         else:
             writer.write_step(record)
+
+
+def _stepped(everyone: WorkerRows, members: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The workers whose rows make the step's record: the quorum's members (every worker
+    without faults), less those that took no step at this loop step (a method whose workers go
+    at their own pace, decoupled_diloco, reports no micro-batch and a NaN loss then)."""
+    idle = (everyone.column("microbatches") == 0) & torch.isnan(everyone.column("loss"))
+    if not bool(idle.any()):
+        return members
+    pool = range(len(everyone)) if members is None else members
+    stepped = tuple(k for k in pool if not bool(idle[k]))
+    return stepped or members
 
 
 def fault_record(record: StepRecord, faults: WorkerFaults, step: int) -> None:

@@ -1,0 +1,1006 @@
+"""Decoupled DiLoCo (docs/ALGORITHMS.md, "Decoupled DiLoCo", reconstructed): learners that
+never wait for each other, and a synchronizer that merges whichever fragments are in.
+
+Every worker is a learner. It takes inner steps and, on Streaming DiLoCo's schedule (its own
+step count), sends a fragment's outer gradient with its token and step counts to the
+synchronizer: a message on its own link (``Runtime.message``), which arrives at its modeled
+completion. The synchronizer (:class:`Synchronizer`) is one object shared by the learners of
+one process; it merges with :mod:`lowcomm.strategies.decoupled_sync` (minimum quorum, grace
+window, token weighting, outer Nesterov per fragment) and answers each learner with the new
+fragment, a message down the learner's link from the merge (or, for a fragment that missed its
+merge, from its arrival). A learner takes the reply at its first step boundary at least tau of
+its own steps after the send at which the reply has arrived on its clock.
+
+**Ticks.** The training loop calls ``step()`` once per loop step on every learner; here a loop
+step is a *tick* of the run, and a learner takes an inner step at a tick only when it is not
+ahead of the others: when its clock is at most the earliest clock of the learners that are not
+waiting, or less than one nominal step (the fastest learner's last inner step) past it. A
+learner three times slower takes an inner step every third tick, so at equal modeled time it
+has computed a third of the tokens and no learner ever waits for it. A tick in which a learner
+takes no step reports no micro-batch, no token and a NaN loss (the loop leaves such rows out
+of the step's record).
+
+**Determinism.** The threads run in any order; everything the synchronizer decides is decided
+between two points every learner passes together: at the end of each tick every learner posts
+its clock on the uncharged group (an all-gather over the tick's members, after its sends of
+the tick). A learner's clock then bounds its later sends: each arrives after it. A merge at
+time t is applied once every live learner either has its fresh fragment in or a clock of at
+least t (nothing it sends later can arrive by t), and every learner applies the same merges at
+the same tick, whichever thread does it first. So a straggler never blocks a merge past the
+time the others reach, and metrics and evaluation (the loop's own collectives, between ticks)
+never meet a learner waiting inside the synchronizer.
+
+**Deployed model** (evaluation, the final model): the synchronizer's global fragments Theta_p
+at that tick, the same on every learner.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, Settled
+from lowcomm.optim.outer import OuterNesterov
+from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.declaration import (
+    CostModel,
+    MembershipRule,
+    QuantizedExchange,
+    fragment_traffic,
+)
+from lowcomm.strategies.decoupled_sync import (
+    GRACE_KINDS,
+    LATE_POLICIES,
+    WEIGHTINGS,
+    Contribution,
+    GraceKind,
+    GraceRule,
+    LatePolicy,
+    Weighting,
+    decide_merge,
+    merged_outer_gradient,
+)
+from lowcomm.strategies.diloco import (
+    PAPER_OUTER,
+    OuterLoopStrategy,
+    default_fragment_count,
+    scaled_outer,
+)
+from lowcomm.strategies.local_update import RoundOptions
+from lowcomm.strategies.streaming import completion_offsets
+
+#: Why every other placement is refused (one clause).
+PLACEMENT = (
+    "its learners share one synchronizer in memory, so every worker must be a thread of one "
+    "process, one rank per worker"
+)
+
+
+@dataclass(kw_only=True)
+class DecoupledOptions(RoundOptions):
+    """Options of decoupled_diloco: Streaming DiLoCo's period, fragments, overlap, mixing and
+    outer step (the same meaning and defaults as --diloco.*), and the synchronizer's quorum,
+    grace window, weighting and late policy."""
+
+    group: ClassVar[str] = "decoupled"
+
+    sync_every: int = 16
+    """H: a learner's inner steps between two sends of one fragment."""
+
+    outer_lr: float | None = None
+    """eta_out: the synchronizer's outer learning rate (None: from H by
+    --decoupled.outer-defaults)."""
+
+    outer_momentum: float | None = None
+    """mu: the synchronizer's outer momentum, 0 = plain outer SGD (None: from H by
+    --decoupled.outer-defaults)."""
+
+    outer_nesterov: bool = True
+    """Nesterov form of the outer momentum (False = heavy ball)."""
+
+    outer_defaults: Literal["scaled", "paper"] = "scaled"
+    """What an unset --decoupled.outer-lr / --decoupled.outer-momentum takes: scaled (from H,
+    as --diloco.outer-defaults scaled) or paper (DiLoCo's eta_out 0.7, mu 0.9)."""
+
+    fragments: int | None = None
+    """K: number of strided fragments (None: 4, capped at the model's transformer blocks)."""
+
+    overlap_steps: int = 1
+    """tau: inner steps a learner computes between sending a fragment and needing its reply
+    (0: it waits for the reply; one fragment only)."""
+
+    mixing: float = 0.5
+    """alpha: weight of the LOCAL parameters when a reply is taken, theta <- alpha * local +
+    (1 - alpha) * Theta (0 takes the synchronizer's fragment)."""
+
+    min_quorum: int = 1
+    """K_q: fresh fragments the synchronizer needs before it merges (at most --workers; while
+    fewer learners are live, no fragment merges and the learners go on alone)."""
+
+    grace: GraceKind = "adaptive"
+    """The grace window after the quorum: adaptive (gamma times the slack the overlap leaves),
+    fixed (--decoupled.grace-seconds) or none (merge as soon as the quorum is in)."""
+
+    grace_gamma: float = 0.5
+    """gamma: the share of the slack the adaptive window may spend, in [0, 1)."""
+
+    grace_seconds: float | None = None
+    """The fixed window in seconds, or the adaptive window's cap (None: no cap)."""
+
+    weighting: Weighting = "paper"
+    """A learner's weight: paper (tokens x tokens per step), tokens, or equal."""
+
+    late: LatePolicy = "next"
+    """A fragment that misses its merge: next (merged into the fragment's next merge) or drop."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for flag, value, choices in (
+            ("--decoupled.outer-defaults", self.outer_defaults, ("scaled", "paper")),
+            ("--decoupled.weighting", self.weighting, WEIGHTINGS),
+            ("--decoupled.late", self.late, LATE_POLICIES),
+            ("--decoupled.grace", self.grace, GRACE_KINDS),
+        ):
+            if value not in choices:
+                raise ValueError(
+                    f"{flag}: {value!r} is unknown; choose one of {', '.join(choices)}"
+                )
+        if self.fragments is not None and self.fragments < 1:
+            raise ValueError(
+                f"--decoupled.fragments: {self.fragments} must be >= 1; pass e.g. 4, or None "
+                "for the default"
+            )
+        if self.overlap_steps < 0:
+            raise ValueError(
+                f"--decoupled.overlap-steps: {self.overlap_steps} must be >= 0; pass e.g. 1"
+            )
+        if not 0.0 <= self.mixing <= 1.0:
+            raise ValueError(
+                f"--decoupled.mixing: {self.mixing} must lie in [0, 1] (weight of the local "
+                "parameters); try 0.5"
+            )
+        if self.min_quorum < 1:
+            raise ValueError(
+                f"--decoupled.min-quorum: {self.min_quorum} must be at least 1; 1 merges as "
+                "soon as any learner's fragment is in"
+            )
+        self.grace_rule()  # (its own one-line checks)
+
+    def outer(self) -> tuple[float, float]:
+        """(eta_out, mu) of the synchronizer's outer steps, as :meth:`DiLoCoOptions.outer`."""
+        lr, momentum = (
+            scaled_outer(self.sync_every) if self.outer_defaults == "scaled" else PAPER_OUTER
+        )
+        return (
+            lr if self.outer_lr is None else self.outer_lr,
+            momentum if self.outer_momentum is None else self.outer_momentum,
+        )
+
+    def grace_rule(self) -> GraceRule:
+        """The synchronizer's :class:`GraceRule` from these options."""
+        return GraceRule(
+            kind=self.grace,
+            gamma=self.grace_gamma,
+            overlap_steps=self.overlap_steps,
+            cap=self.grace_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    """One applied merge, as the synchronizer logged it (for tests and reports)."""
+
+    fragment: int
+    version: int
+    merge_time: float
+    tick: int
+    included: tuple[tuple[int, int], ...]
+    """(learner, base version) of each merged contribution, fresh ones first."""
+    weights: tuple[float, ...]
+    dropped: tuple[tuple[int, int], ...]
+    """(learner, base version) of late contributions discarded at this merge (late drop)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The synchronizer's answer to a contribution: it leaves at ``leaves`` (the merge, or the
+    arrival of a contribution that missed its merge) with version ``version`` of the fragment;
+    ``merged``: the contribution's tokens are (or will be, under ``late next``) committed."""
+
+    leaves: float
+    version: int
+    values: torch.Tensor
+    merged: bool
+
+
+@dataclass(frozen=True)
+class _Pending:
+    ticket: int
+    contribution: Contribution
+
+
+@dataclass(frozen=True)
+class Pace:
+    """What the learners agreed at a tick's end: the clocks of those not waiting, the nominal
+    step (the shortest last inner step), and whether any learner waits for a reply."""
+
+    clocks: tuple[tuple[int, float], ...] = ()
+    nominal: float = 0.0
+    waiting: bool = False
+
+    def earliest(self, members: tuple[int, ...]) -> float:
+        """The earliest posted clock among ``members`` (this tick's quorum: a learner lost
+        since then no longer sets the pace); -inf when none of them posted one."""
+        posted = dict(self.clocks)
+        return min((posted[m] for m in members if m in posted), default=-math.inf)
+
+
+class Synchronizer:
+    """The global fragments Theta_p, their outer optimizers and versions, the contributions
+    not yet merged, and what the learners posted at the last tick; shared by the learners of
+    one process (every method takes its lock)."""
+
+    def __init__(
+        self, globals_: list[torch.Tensor], *, learners: int, options: DecoupledOptions
+    ) -> None:
+        lr, momentum = options.outer()
+        self.lock = threading.Lock()
+        self.learners = learners
+        self.options = options
+        self.grace = options.grace_rule()
+        self.params = [g.detach().clone() for g in globals_]
+        self.outer = [
+            OuterNesterov(p, lr=lr, momentum=momentum, nesterov=options.outer_nesterov)
+            for p in self.params
+        ]
+        self.version = [0] * len(self.params)
+        #: Per fragment, version -> (time it exists at the synchronizer, values): the versions
+        #: a reply not yet taken may still need (older ones are dropped, :meth:`_prune`).
+        self.history: list[dict[int, tuple[float, torch.Tensor]]] = [
+            {0: (-math.inf, p.clone())} for p in self.params
+        ]
+        #: ticket -> (fragment, learner, arrival) of every contribution not yet answered.
+        self.unreplied: dict[int, tuple[int, int, float]] = {}
+        self.pending: list[list[_Pending]] = [[] for _ in self.params]
+        #: ticket -> (fragment, learner, merge time, new version) of merged fresh ones.
+        self.merged: dict[int, tuple[int, int, float, int]] = {}
+        self.tickets = 0
+        #: The last tick whose merges are applied, and its members' clocks.
+        self.tick = -1
+        self.live: tuple[int, ...] = tuple(range(learners))
+        self.horizon = -math.inf
+        self.pace = Pace()
+        self.finished = False
+        self.restored = False
+        self.step_time = [0.0] * learners
+        self.sync_time = [0.0] * learners
+        self.log: list[MergeRecord] = []
+        self.committed_tokens = 0
+        self.dropped_tokens = 0
+        self.discarded_tokens = 0
+
+    # --- learners' calls -------------------------------------------------------------------
+
+    def submit(self, p: int, contribution: Contribution, step_time: float) -> int:
+        """Take a contribution of fragment p; its ticket names it in :meth:`reply`."""
+        with self.lock:
+            ticket = self.tickets
+            self.tickets += 1
+            self.pending[p].append(_Pending(ticket, contribution))
+            self.unreplied[ticket] = (p, contribution.learner, contribution.arrival)
+            self.step_time[contribution.learner] = step_time
+            return ticket
+
+    def advance(self, tick: int, rows: list[tuple[int, float, bool, float]]) -> None:
+        """Apply every merge decided by the end of ``tick``; ``rows`` are (learner, clock,
+        waiting, last inner step's seconds) of the tick's members. The first learner to call
+        it for a tick does the work; the others find it done."""
+        with self.lock:
+            if tick <= self.tick or self.finished:
+                return
+            self.tick = tick
+            self._enter(tuple(sorted(m for m, _, _, _ in rows)))
+            bounds = {m: clock for m, clock, _, _ in rows}
+            stepping = [(m, clock) for m, clock, waiting, _ in rows if not waiting]
+            steps = [s for _, _, _, s in rows if s > 0]
+            self.pace = Pace(
+                clocks=tuple(stepping or bounds.items()),
+                nominal=min(steps, default=0.0),
+                waiting=any(waiting for _, _, waiting, _ in rows),
+            )
+            self.horizon = min(bounds.values())
+            self._merge_decided(bounds, tick)
+            self._prune()
+
+    def finish(self) -> None:
+        """No learner sends again: apply every merge that can still form."""
+        with self.lock:
+            if self.finished:
+                return
+            self.finished = True
+            self.horizon = math.inf
+            self._merge_decided({m: math.inf for m in self.live}, self.tick + 1)
+
+    def reply(self, p: int, ticket: int, c: Contribution) -> Reply | None:
+        """The reply to contribution ``c`` (ticket ``ticket``) of fragment p, or None while it
+        is not decided. Merged: it leaves at the merge with the new version. Missed its merge
+        (late): it leaves at its arrival with the version then current, once every merge up
+        to its arrival is applied."""
+        with self.lock:
+            found = self.merged.pop(ticket, None)
+            if found is not None:
+                _, _, at, version = found
+                self.unreplied.pop(ticket, None)
+                return Reply(at, version, self.history[p][version][1], True)
+            if self.version[p] > c.base_version and c.arrival <= self.horizon:
+                version = self._version_at(p, c.arrival)
+                merged = self.options.late == "next"
+                self.unreplied.pop(ticket, None)
+                return Reply(c.arrival, version, self.history[p][version][1], merged)
+            return None
+
+    def snapshot(self) -> tuple[list[torch.Tensor], list[int], int]:
+        """Copies of every Theta_p, their versions, and the last tick applied."""
+        with self.lock:
+            return [p.clone() for p in self.params], list(self.version), self.tick
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the synchronizer holds but its log (for a checkpoint between ticks)."""
+        with self.lock:
+            return {
+                "learners": self.learners,
+                "params": [p.clone() for p in self.params],
+                "outer": [o.state_dict() for o in self.outer],
+                "version": list(self.version),
+                "history": [
+                    {v: (at, values.clone()) for v, (at, values) in h.items()} for h in self.history
+                ],
+                "unreplied": dict(self.unreplied),
+                "pending": [
+                    [(e.ticket, _contribution_state(e.contribution)) for e in pending]
+                    for pending in self.pending
+                ],
+                "merged": dict(self.merged),
+                "tickets": self.tickets,
+                "tick": self.tick,
+                "live": list(self.live),
+                "horizon": self.horizon,
+                "pace": (self.pace.clocks, self.pace.nominal, self.pace.waiting),
+                "finished": self.finished,
+                "step_time": list(self.step_time),
+                "sync_time": list(self.sync_time),
+                "tokens": (self.committed_tokens, self.dropped_tokens, self.discarded_tokens),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's state, once per run: the first learner to load it restores it,
+        the others find it restored (every learner saved the same)."""
+        with self.lock:
+            if self.restored:
+                return
+            if int(state["learners"]) != self.learners:
+                raise ValueError(
+                    f"--resume: the checkpoint's decoupled_diloco synchronizer has "
+                    f"{state['learners']} learners and this run {self.learners}; decoupled_diloco "
+                    f"resumes on the same --workers only (pass --workers {state['learners']})"
+                )
+            self.restored = True
+            for mine, saved in zip(self.params, state["params"], strict=True):
+                mine.copy_(saved)
+            for outer, saved in zip(self.outer, state["outer"], strict=True):
+                outer.load_state_dict(saved)
+            self.version = [int(v) for v in state["version"]]
+            self.history = [
+                {int(v): (float(at), values.clone()) for v, (at, values) in h.items()}
+                for h in state["history"]
+            ]
+            self.unreplied = {int(k): v for k, v in state["unreplied"].items()}
+            self.pending = [
+                [_Pending(int(t), _contribution_of(c)) for t, c in pending]
+                for pending in state["pending"]
+            ]
+            self.merged = {int(k): v for k, v in state["merged"].items()}
+            self.tickets = int(state["tickets"])
+            self.tick = int(state["tick"])
+            self.live = tuple(int(m) for m in state["live"])
+            self.horizon = float(state["horizon"])
+            clocks, nominal, waiting = state["pace"]
+            self.pace = Pace(
+                tuple((int(m), float(c)) for m, c in clocks), float(nominal), bool(waiting)
+            )
+            self.finished = bool(state["finished"])
+            self.step_time = [float(x) for x in state["step_time"]]
+            self.sync_time = [float(x) for x in state["sync_time"]]
+            self.committed_tokens, self.dropped_tokens, self.discarded_tokens = state["tokens"]
+
+    # --- with the lock held ----------------------------------------------------------------
+
+    def _enter(self, live: tuple[int, ...]) -> None:
+        """The tick's members are the live learners: a learner lost since the last tick takes
+        its contributions not yet merged with it (its tokens are not committed)."""
+        if live == self.live:
+            return
+        gone = set(self.live) - set(live)
+        self.live = live
+        for p, pending in enumerate(self.pending):
+            lost = [e for e in pending if e.contribution.learner in gone]
+            self.discarded_tokens += sum(e.contribution.tokens for e in lost)
+            self.pending[p] = [e for e in pending if e.contribution.learner not in gone]
+        self.merged = {t: v for t, v in self.merged.items() if v[1] not in gone}
+        self.unreplied = {t: v for t, v in self.unreplied.items() if v[1] not in gone}
+
+    def _version_at(self, p: int, time: float) -> int:
+        """The latest version of fragment p the synchronizer held at ``time``."""
+        return max(v for v, (at, _) in self.history[p].items() if at <= time)
+
+    def _prune(self) -> None:
+        """Drop the versions no reply can still take: a reply not yet taken leaves at or
+        after its contribution's arrival, and a contribution sent later arrives after the
+        horizon, so every version older than the one current at the earliest of those is
+        unused."""
+        for p, history in enumerate(self.history):
+            waits = [arrival for q, _, arrival in self.unreplied.values() if q == p]
+            floor = self._version_at(p, min([self.horizon, *waits]))
+            for v in [v for v in history if v < floor]:
+                del history[v]
+
+    def _fresh(self, p: int) -> list[_Pending]:
+        v = self.version[p]
+        return sorted(
+            (e for e in self.pending[p] if e.contribution.base_version == v),
+            key=lambda e: (e.contribution.arrival, e.contribution.learner),
+        )
+
+    def _merge_decided(self, bounds: dict[int, float], tick: int) -> None:
+        quorum = self.options.min_quorum
+        progressed = True
+        while progressed:
+            progressed = False
+            for p in range(len(self.params)):
+                fresh = self._fresh(p)
+                if not fresh:
+                    continue
+                first = fresh[0].contribution.learner
+                arguments: dict[str, Any] = {
+                    "min_quorum": quorum,
+                    "live": self.live,
+                    "grace": self.grace,
+                    "step_time": self.step_time[first],
+                    "sync_time": self.sync_time[first],
+                    "weighting": self.options.weighting,
+                }
+                probe = decide_merge([e.contribution for e in fresh], **arguments)
+                if probe is None:
+                    continue
+                t = probe.merge_time
+                senders = {e.contribution.learner for e in fresh}
+                if any(bounds.get(m, -math.inf) < t for m in self.live if m not in senders):
+                    continue  # (a learner may still send a fragment that arrives by t)
+                self._apply(p, fresh, t, tick, arguments)
+                progressed = True
+
+    def _apply(
+        self, p: int, fresh: list[_Pending], t: float, tick: int, arguments: dict[str, Any]
+    ) -> None:
+        v = self.version[p]
+        late = sorted(
+            (
+                e
+                for e in self.pending[p]
+                if e.contribution.base_version < v and e.contribution.arrival <= t
+            ),
+            key=lambda e: (e.contribution.arrival, e.contribution.learner),
+        )
+        carried = late if self.options.late == "next" else []
+        decision = decide_merge(
+            [e.contribution for e in fresh],
+            carried=[e.contribution for e in carried],
+            **arguments,
+        )
+        assert decision is not None and decision.merge_time == t
+        delta = merged_outer_gradient(decision.included, decision.weights)
+        self.outer[p].step(delta)
+        self.version[p] = v + 1
+        self.history[p][v + 1] = (t, self.params[p].clone())
+        included = {id(c) for c in decision.included}
+        for e in fresh:
+            if id(e.contribution) in included:
+                self.merged[e.ticket] = (p, e.contribution.learner, t, v + 1)
+        gone = included | {id(e.contribution) for e in late}
+        self.pending[p] = [e for e in self.pending[p] if id(e.contribution) not in gone]
+        self.committed_tokens += sum(c.tokens for c in decision.included)
+        dropped = [] if self.options.late == "next" else late
+        self.dropped_tokens += sum(e.contribution.tokens for e in dropped)
+        self.log.append(
+            MergeRecord(
+                fragment=p,
+                version=v + 1,
+                merge_time=t,
+                tick=tick,
+                included=tuple((c.learner, c.base_version) for c in decision.included),
+                weights=decision.weights,
+                dropped=tuple(
+                    (e.contribution.learner, e.contribution.base_version) for e in dropped
+                ),
+            )
+        )
+
+
+def _contribution_state(c: Contribution) -> dict[str, Any]:
+    return {
+        "learner": c.learner, "outer_gradient": c.outer_gradient.clone(), "tokens": c.tokens,
+        "steps": c.steps, "arrival": c.arrival, "base_version": c.base_version,
+    }  # fmt: skip
+
+
+def _contribution_of(state: dict[str, Any]) -> Contribution:
+    return Contribution(
+        learner=int(state["learner"]), outer_gradient=state["outer_gradient"].clone(),
+        tokens=int(state["tokens"]), steps=int(state["steps"]), arrival=float(state["arrival"]),
+        base_version=int(state["base_version"]),
+    )  # fmt: skip
+
+
+#: One synchronizer per in-process group: its learners are that group's threads.
+_SHARED: weakref.WeakKeyDictionary[object, Synchronizer] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+@dataclass
+class Outstanding:
+    """A contribution sent and not yet answered, with its reply once it is known."""
+
+    launched_at: int
+    ticket: int
+    contribution: Contribution
+    reply: Reply | None = None
+    reply_done: float | None = None
+    reply_handle: Handle | None = None
+
+
+class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
+    """Decoupled DiLoCo: learners on Streaming DiLoCo's fragment schedule that never wait for
+    each other; a shared synchronizer merges a fragment once the minimum quorum is in, after a
+    grace window, weighted by tokens, with the fragment's outer Nesterov step.
+
+    Paper: Douillard, Rush, Donchev, Charles et al. 2026, "Decoupled DiLoCo for Resilient
+    Distributed Pre-training" (arXiv 2604.21428; docs/ALGORITHMS.md, "Decoupled DiLoCo",
+    reconstructed). Symbols: K_q -> options.min_quorum, gamma -> options.grace_gamma,
+    w_{m,p} -> options.weighting, H -> options.sync_every, K -> options.fragments (default
+    4), tau -> options.overlap_steps, alpha -> options.mixing, Theta_p ->
+    Synchronizer.params[p], the learner's base version b_p -> self.base[p] (its copy
+    Theta_p^(b) is globals_[p]).
+    Reduces to: diloco with K_q = M, grace none, equal tokens, K = 1, tau = 0, alpha = 0; to
+    streaming_diloco with K fragments whenever every reply arrives within the overlap
+    (tests/test_decoupled_diloco.py checks both, parameters bit for bit).
+
+    Placement: every worker a thread of one process; other placements, hierarchical and
+    sharded workers are refused in one line. Resume: exact on the same workers (every learner's
+    checkpoint holds the synchronizer's state too); on another worker count, refused.
+    """
+
+    name: ClassVar[str] = "decoupled_diloco"
+    options_field: ClassVar[str | None] = "decoupled"
+    default_fragments: ClassVar[int] = 4
+    quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
+    quantized_exchange: ClassVar[QuantizedExchange | None] = None
+    hierarchical_refusal: ClassVar[str | None] = PLACEMENT
+    one_process_refusal: ClassVar[str | None] = PLACEMENT
+    sharding_refusal: ClassVar[str | None] = PLACEMENT
+    comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
+    comm_dtype_refusal: ClassVar[str | None] = (
+        "its fragments reach the synchronizer in memory as float32 and are charged so"
+    )
+    cost: ClassVar[CostModel] = CostModel(
+        description="fragments sent to a synchronizer, no barrier",
+        # Each fragment up and back once per H: a ring all-reduce's bytes of Psi/K (the
+        # synchronizer sharded M ways), overlapping tau inner steps.
+        traffic=lambda o, t: fragment_traffic(
+            o.fragments or DecoupledDiLoCo.default_fragments,
+            (o.fragments or DecoupledDiLoCo.default_fragments) / o.sync_every,
+            o.overlap_steps,
+        ),
+        schedule=lambda o: (
+            f"H = {o.sync_every}, K = {o.fragments or DecoupledDiLoCo.default_fragments} "
+            f"fragments, tau = {o.overlap_steps}, quorum {o.min_quorum}, grace {o.grace}"
+        ),
+        extra_copies=2,
+        shards_over_replicas=False,
+    )
+    membership: ClassVar[MembershipRule | None] = MembershipRule(
+        round="sync",
+        global_state=(
+            "the synchronizer's, not a learner's: every fragment's Theta_p, sent to a joiner "
+            "from the synchronizer over the joiner's link"
+        ),
+        worker_state=(
+            "join: the local parameters start at Theta, the inner AdamW afresh, the counters at "
+            "0 and no fragment in flight; rejoin: the learner keeps its (stale) parameters and "
+            "inner AdamW, and its first send of each fragment is late"
+        ),
+    )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        context: StrategyContext,
+        options: DecoupledOptions | None = None,
+    ) -> None:
+        options = options or DecoupledOptions()
+        fragments = options.fragments or default_fragment_count(model, self.default_fragments)
+        if fragments > options.sync_every:
+            raise ValueError(
+                f"--decoupled.fragments: {fragments} fragments do not fit in "
+                f"--decoupled.sync-every {options.sync_every} steps; pass at most "
+                f"{options.sync_every} fragments or a larger H"
+            )
+        gap = options.sync_every // fragments
+        if options.overlap_steps >= gap:
+            raise ValueError(
+                f"--decoupled.overlap-steps: {options.overlap_steps} must be < H/K = "
+                f"{options.sync_every}//{fragments} = {gap} so that a learner takes a fragment's "
+                "reply before it sends the next fragment; lower tau, raise "
+                "--decoupled.sync-every or use fewer fragments"
+            )
+        super().__init__(model, comm, context, options)
+        workers = comm.world_size
+        if options.min_quorum > workers:
+            raise ValueError(
+                f"--decoupled.min-quorum: {options.min_quorum} is more than the {workers} "
+                f"workers; pass at most {workers}"
+            )
+        if options.overlap_steps == 0 and self.num_fragments > 1:
+            raise ValueError(
+                f"--decoupled.overlap-steps: 0 with {self.num_fragments} fragments: a learner "
+                "waits for each reply at tau = 0, which needs one fragment; pass "
+                "--decoupled.fragments 1 or tau >= 1"
+            )
+        if self.runtime.replica_group is not None:
+            raise ValueError(f"--ranks-per-worker: decoupled_diloco refused: {PLACEMENT}")
+        raw = self.runtime.uncharged
+        self.learner = int(getattr(raw, "slot", comm.rank))
+        group = getattr(raw, "group", None)
+        #: Whether the synchronizer is shared with the other threads of an in-process group
+        #: (else this learner's own: a group of one, or a communicator without one).
+        self.shared = group is not None and workers > 1
+        self.sync = self._synchronizer(group, workers, options)
+        tau = options.overlap_steps
+        self.launch_offsets = [
+            c - tau for c in completion_offsets(options.sync_every, self.num_fragments)
+        ]
+        self.base = [0] * self.num_fragments
+        self.tokens = [0] * self.num_fragments
+        self.steps = [0] * self.num_fragments
+        self.outstanding: list[Outstanding | None] = [None] * self.num_fragments
+        self.waiting = False
+        self.last_step_s = 0.0
+        #: This learner's clock as it posted it at the last tick's end.
+        self.posted = -math.inf
+        self.ticks = 0
+        self.committed_now = False
+
+    def _synchronizer(
+        self, group: object | None, workers: int, options: DecoupledOptions
+    ) -> Synchronizer:
+        """The synchronizer of this learner's in-process group, made by its first learner."""
+        if not self.shared or group is None:
+            return Synchronizer(self.globals_, learners=max(workers, self.learner + 1),
+                                options=options)  # fmt: skip
+        with _SHARED_LOCK:
+            sync = _SHARED.get(group)
+            if sync is None:
+                sync = Synchronizer(self.globals_, learners=workers, options=options)
+                _SHARED[group] = sync
+            return sync
+
+    # --- the learner's clock and link --------------------------------------------------------
+
+    def now(self) -> float:
+        clock = self.runtime.clock
+        return clock.now() if clock is not None else float(self.step_index)
+
+    def _message(self, kind: CollectiveKind, role: Role, numel: int, start: float) -> Handle | None:
+        """Charge a message of ``numel`` float32 on this learner's link from ``start``."""
+        charge = self.runtime.message
+        return None if charge is None else charge(kind, role, 4 * numel, start)
+
+    @staticmethod
+    def _arrival(handle: Handle | None, start: float) -> float:
+        """A message's modeled arrival (its start without emulation), without moving the
+        clock."""
+        if handle is None:
+            return start
+        finish = handle.settle().finish_time
+        return start if finish is None else finish
+
+    # --- a tick ------------------------------------------------------------------------------
+
+    def step(self, closure: Closure) -> StepStats:
+        tick = self.ticks
+        self.ticks += 1
+        self.committed_now = False
+        earliest, mine = self._earliest()
+        if self._takes_a_step(earliest, mine):
+            before = self.now()
+            stats = self.inner_step(closure)
+            self.last_step_s = self.now() - before
+            for p in range(self.num_fragments):
+                self.tokens[p] += stats.tokens
+                self.steps[p] += 1
+            launched = self.send_fragments_due(self.step_index)
+        else:
+            stats = StepStats(
+                loss=math.nan, microbatches=0, samples=0, tokens=0,
+                lr=self.lr_at(self.step_index), committed_steps=0,
+            )  # fmt: skip
+            launched = 0
+        self.sync.advance(tick, self._post())
+        taken = self.take_replies_due()
+        stats.extras["syncs_launched"] = float(launched)
+        stats.extras["syncs_completed"] = float(taken)
+        return stats
+
+    def _earliest(self) -> tuple[float, float]:
+        """The earliest clock among the learners not waiting, and this learner's, both read at
+        one point: agreed anew at this tick's start (an all-gather of the members' clocks)
+        after a tick in which one waited, else as posted at the last tick's end (on the real
+        clock, time passes between ticks, in the loop's bookkeeping, for every learner)."""
+        if not self.shared or not self.sync.pace.waiting:
+            return self.sync.pace.earliest(self.runtime.quorum.members), self.posted
+        now = self.now()
+        rows = self._gather([now, float(self.waiting)])
+        stepping = [row[0] for row in rows if row[1] == 0.0]
+        if not stepping:
+            # Every live learner waits at tau = 0 and none took a reply since the last tick:
+            # no clock can move, so no merge or reply can come.
+            raise ValueError(
+                f"--decoupled.overlap-steps: 0 with --decoupled.min-quorum "
+                f"{self.options.min_quorum}: all {len(rows)} live learners wait for replies "
+                "that no merge can give; use --decoupled.overlap-steps 1 or a quorum the live "
+                "learners reach"
+            )
+        return min(stepping), now
+
+    def _takes_a_step(self, earliest: float, mine: float) -> bool:
+        """Not waiting for a reply, and not ahead of the earliest learner by a nominal step."""
+        if self.waiting:
+            return False
+        if not self.shared or earliest == -math.inf:  # (alone, or the run's first tick)
+            return True
+        clock = self.runtime.clock
+        if clock is None or clock.kind != "virtual":
+            # On the real clock the threads' times include each other's turns on the shared
+            # cores, which says nothing of a learner's own pace: every learner steps.
+            return True
+        return mine <= earliest or mine < earliest + self.sync.pace.nominal
+
+    def _post(self) -> list[tuple[int, float, bool, float]]:
+        """Every member's (learner, clock, waiting, last step's seconds) at this tick's end."""
+        # (A learner waiting for its reply sends nothing before it arrives: its later sends
+        # arrive after its outstanding one's arrival, too.)
+        bound = max(
+            [self.now()] + [out.contribution.arrival for out in self.outstanding if out is not None]
+        )
+        self.posted = self.now()
+        mine = [float(self.learner), bound if self.waiting else self.posted, float(self.waiting),
+                self.last_step_s]  # fmt: skip
+        if not self.shared:
+            return [(self.learner, mine[1], self.waiting, self.last_step_s)]
+        rows = self._gather(mine)
+        return [(int(r[0]), r[1], r[2] != 0.0, r[3]) for r in rows]
+
+    def _gather(self, values: list[float]) -> list[list[float]]:
+        """An all-gather of a few floats over the tick's members (uncharged: agreeing on
+        what the modeled clocks say is the simulation's bookkeeping, not a message)."""
+        raw = self.runtime.uncharged
+        mine = torch.tensor(values, dtype=torch.float64)
+        out = torch.zeros(raw.world_size * len(values), dtype=torch.float64)
+        raw.all_gather(out, mine, role=Role.OTHER).wait()
+        rows: list[list[float]] = out.view(raw.world_size, len(values)).tolist()
+        return rows
+
+    def send_fragments_due(self, t: int) -> int:
+        """Send every fragment whose launch offset falls on this learner's step t, unless its
+        previous send is still unanswered (at most one contribution per fragment in flight)."""
+        tau = self.options.overlap_steps
+        sent = 0
+        now = self.now()
+        for p, offset in enumerate(self.launch_offsets):
+            if t < offset or (t - offset) % self.options.sync_every:
+                continue
+            if t + tau > self.context.total_steps or self.outstanding[p] is not None:
+                continue
+            delta = self.globals_[p] - self.local_fragment(p)
+            handle = self._message(
+                CollectiveKind.REDUCE_SCATTER, Role.PSEUDO_GRADIENT, delta.numel(), now
+            )
+            contribution = Contribution(
+                learner=self.learner,
+                outer_gradient=delta,
+                tokens=self.tokens[p],
+                steps=self.steps[p],
+                arrival=self._arrival(handle, now),
+                base_version=self.base[p],
+            )
+            self.tokens[p] = self.steps[p] = 0
+            ticket = self.sync.submit(p, contribution, self.last_step_s)
+            self.outstanding[p] = Outstanding(t, ticket, contribution)
+            self.waiting = self.waiting or tau == 0
+            sent += 1
+        return sent
+
+    def take_replies_due(self, *, final: bool = False) -> int:
+        """Take every reply that has arrived by this step boundary, tau of this learner's
+        steps or more after its send; at tau = 0 (or at the end) wait for it."""
+        tau = self.options.overlap_steps
+        taken = 0
+        for p, out in enumerate(self.outstanding):
+            if out is None or (not final and self.step_index < out.launched_at + tau):
+                continue
+            if out.reply is None:
+                reply = self.sync.reply(p, out.ticket, out.contribution)
+                if reply is None:
+                    continue
+                out.reply = reply
+                out.reply_handle = self._message(
+                    CollectiveKind.ALL_GATHER, Role.PARAMETER, reply.values.numel(), reply.leaves
+                )
+                out.reply_done = self._arrival(out.reply_handle, reply.leaves)
+                self.sync.sync_time[self.learner] = out.reply_done - reply.leaves
+            assert out.reply_done is not None
+            if tau == 0 or final:
+                if out.reply_handle is not None:
+                    out.reply_handle.wait()
+            elif out.reply_done > self.now():
+                continue
+            self._take(p, out)
+            taken += 1
+        self.waiting = any(out is not None for out in self.outstanding) and tau == 0
+        return taken
+
+    def _take(self, p: int, out: Outstanding) -> None:
+        """theta_p <- alpha theta_p + (1 - alpha) Theta_p^(v); b_p <- v."""
+        assert out.reply is not None
+        self.globals_[p].copy_(out.reply.values)
+        local = self.local_fragment(p)
+        # lerp(global, local, alpha) = alpha local + (1 - alpha) global; exactly global at 0.
+        self.set_local_fragment(p, torch.lerp(self.globals_[p], local, self.options.mixing))
+        self.base[p] = out.reply.version
+        self.outstanding[p] = None
+        self.outer_steps += 1
+        self.committed_now = self.committed_now or out.reply.merged
+
+    def finish(self) -> None:
+        """Once every learner has ended its last tick, the synchronizer applies every merge
+        that can still form, and each learner takes its replies (waiting for them)."""
+        if self.shared:
+            self.runtime.uncharged.barrier().wait()
+        self.sync.finish()
+        self.take_replies_due(final=True)
+
+    # --- membership (declared faults) --------------------------------------------------------
+
+    def round_committed(self, stats: StepStats) -> bool:
+        return self.committed_now
+
+    def heal(self, source: int, *, joining: bool, kept: bool = False) -> None:
+        """A joiner takes every Theta_p from the synchronizer, a message of the whole model
+        down its link (charged; its clock waits for it), and starts by the rule of
+        :attr:`membership`; a rejoiner keeps its own state. Members do nothing: no learner
+        holds state another needs."""
+        if not joining:
+            return
+        params, versions, tick = self.sync.snapshot()
+        self.ticks = tick + 1
+        self.outstanding = [None] * self.num_fragments
+        self.tokens = [0] * self.num_fragments
+        self.steps = [0] * self.num_fragments
+        self.waiting = False
+        self.posted = self.now()  # (its clock, moved to the latest member's)
+        if kept:
+            return
+        now = self.now()
+        for p, values in enumerate(params):
+            handle = self._message(CollectiveKind.ALL_GATHER, Role.PARAMETER, values.numel(), now)
+            if handle is not None:
+                handle.wait()
+            self.globals_[p].copy_(values)
+            self.set_local_fragment(p, values)
+            self.base[p] = versions[p]
+        self.inner.reset()
+        self.step_index = self.ticks
+        self.last_step_s = 0.0
+        self.posted = self.now()
+
+    # --- Strategy API ------------------------------------------------------------------------
+
+    @contextmanager
+    def deployed(self) -> Iterator[nn.Module]:
+        """The model at the synchronizer's global fragments Theta (the same on every learner);
+        the learner's local parameters are restored afterwards."""
+        params, _, _ = self.sync.snapshot()
+        local = self.flat.params.clone()
+        with torch.no_grad():
+            for fragment, values in zip(self.fragments, params, strict=True):
+                fragment.scatter(self.flat.params, values.to(self.flat.dtype))
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                self.flat.params.copy_(local)
+
+    def extra_state_bytes(self) -> int:
+        # One fragment's outer gradient in flight per fragment at most.
+        return 4 * sum(f.numel for f in self.fragments)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This learner's state and, in every learner's checkpoint alike, the synchronizer's
+        (a checkpoint is taken between ticks, when no learner is inside it)."""
+        outstanding: list[dict[str, Any] | None] = []
+        for out in self.outstanding:
+            if out is None:
+                outstanding.append(None)
+                continue
+            reply = out.reply
+            outstanding.append({
+                "launched_at": out.launched_at, "ticket": out.ticket,
+                "contribution": _contribution_state(out.contribution),
+                "reply": None
+                if reply is None
+                else (reply.leaves, reply.version, reply.merged, reply.values.clone()),
+                "reply_done": out.reply_done,
+            })  # fmt: skip
+        return {
+            **super().state_dict(),
+            "learner": {
+                "base": list(self.base), "tokens": list(self.tokens), "steps": list(self.steps),
+                "outstanding": outstanding, "waiting": self.waiting,
+                "last_step_s": self.last_step_s, "ticks": self.ticks, "posted": self.posted,
+            },
+            "synchronizer": self.sync.state_dict(),
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "synchronizer" not in state:
+            raise ValueError(
+                "--resume: this checkpoint of decoupled_diloco holds no synchronizer state; "
+                "run again from the start"
+            )
+        super().load_state_dict(state)
+        self.sync.load_state_dict(state["synchronizer"])
+        mine = state["learner"]
+        self.base = [int(b) for b in mine["base"]]
+        self.tokens = [int(t) for t in mine["tokens"]]
+        self.steps = [int(t) for t in mine["steps"]]
+        self.waiting = bool(mine["waiting"])
+        self.last_step_s = float(mine["last_step_s"])
+        self.posted = float(mine["posted"])
+        self.ticks = int(mine["ticks"])
+        self.outstanding = []
+        for saved in mine["outstanding"]:
+            if saved is None:
+                self.outstanding.append(None)
+                continue
+            out = Outstanding(
+                int(saved["launched_at"]), int(saved["ticket"]),
+                _contribution_of(saved["contribution"]),
+            )  # fmt: skip
+            if saved["reply"] is not None:
+                leaves, version, merged, values = saved["reply"]
+                out.reply = Reply(float(leaves), int(version), values.clone(), bool(merged))
+                out.reply_done = float(saved["reply_done"])
+                # (Charged before the checkpoint: it completes at its modeled arrival.)
+                out.reply_handle = self.runtime.restore(Settled(out.reply_done))
+            self.outstanding.append(out)
+
+
+METHODS: tuple[type[Strategy], ...] = (DecoupledDiLoCo,)
