@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lowcomm.faults.processes import process_layout
 from lowcomm.launch.run import run_training
 from test_faults_processes import _config, _run, _same_numbers
 
@@ -93,22 +94,27 @@ def test_a_crash_placed_by_time_kills_at_the_step_it_lands_on(
     assert killed == (2, first)
 
 
+@pytest.mark.parametrize(
+    ("trace_text", "worker"),
+    [(KILL_TRACE, 2), ("step=2 worker=0 crash\nstep=5 worker=0 join\n", 0)],
+)
 @pytest.mark.parametrize("processes_again", [True, False])
 def test_a_checkpoint_after_a_kill_resumes_to_the_uninterrupted_numbers(
-    processes_again: bool, tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    """The run stops after step 4 with worker 2 killed at step 2: the checkpoint holds its
-    file as its thread would have it, so the run resumed in processes (worker 2's slot gets a
-    process again, outside its quorum) or in one process ends on the numbers of the run
-    without a stop."""
+    trace_text: str, worker: int, processes_again: bool, tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The run stops after step 4 with a worker killed at step 2: the checkpoint holds its
+    file as its thread would have it, so the run resumed in processes (its process killed
+    again at the start, a standing process taking over at its join) or in one process ends on
+    the numbers of the run without a stop."""
     trace = tmp_path / "trace.txt"
-    trace.write_text(KILL_TRACE)
+    trace.write_text(trace_text)
     whole = _run(_config("diloco", tmp_path / "whole", trace, processes=False))
     out = tmp_path / "resumed"
     config = _config("diloco", out, trace, processes=True)
     config.stop_after = 4
     assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
-    assert _killed(capfd.readouterr().out) == [(2, 2)]
+    assert _killed(capfd.readouterr().out) == [(worker, 2)]
     config = _config("diloco", out, trace, processes=processes_again)
     config.resume = str(out)
     _same_numbers(_run(config), whole)
@@ -134,9 +140,31 @@ def test_each_crash_kills_its_process_and_a_standing_process_takes_over_at_the_j
     trace = tmp_path / "trace.txt"
     trace.write_text(REPLACED_TRACE)
     threads = _run(_config(method, tmp_path / "threads", trace, processes=False))
-    processes = _run(_config(method, tmp_path / "processes", trace, processes=True))
-    output = capfd.readouterr().out
-    assert "lowcomm: workers connected: 5 processes" in output
-    assert sorted(_killed(output, processes=[1, 2])) == [(1, 1), (1, 5)]
+    config = _config(method, tmp_path / "processes", trace, processes=True)
+    assert process_layout(config) == (0, 1, 1, 1, 2)
+    processes = _run(config)
+    assert sorted(_killed(capfd.readouterr().out, processes=[1, 2])) == [(1, 1), (1, 5)]
     _same_numbers(processes, threads)
     assert [r["quorum"] for r in processes[0]] == [3, 2, 1, 2, 3, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("trace_text", "quorums"),
+    [
+        ("step=2 worker=0 crash\n", [3, 3, 2, 2, 2, 2, 2, 2]),
+        ("step=2 worker=0 crash\nstep=5 worker=0 join\n", [3, 3, 2, 2, 2, 3, 3, 3]),
+    ],
+)
+def test_worker_0_killed_hands_the_run_directory_to_the_lowest_live_worker(
+    trace_text: str, quorums: list[int], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Worker 0's process writes the run directory until its crash kills it; the lowest live
+    worker writes on from the steps already there, with the same numbers."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text(trace_text)
+    threads = _run(_config("diloco", tmp_path / "threads", trace, processes=False))
+    processes = _run(_config("diloco", tmp_path / "processes", trace, processes=True))
+    assert _killed(capfd.readouterr().out, processes=[0]) == [(0, 2)]
+    _same_numbers(processes, threads)
+    assert [r["quorum"] for r in processes[0]] == quorums
+    assert processes[1]["bytes_by_role"] == threads[1]["bytes_by_role"]

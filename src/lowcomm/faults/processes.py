@@ -13,7 +13,9 @@ rows are in them), and it leaves in the launch folder what the others need of it
 (:meth:`ProcessFaults.hand_over`): its totals for the summary (times, bytes, tokens,
 committed tokens) and its state. The others then keep their bookkeeping on the live
 processes (:class:`~lowcomm.comm.torch_comm.LiveBookkeeping`). Every process knows from the
-trace who is killed at each step, so they agree without talking.
+trace who is killed at each step, so they agree without talking. When worker 0's process
+is killed, the lowest live worker writes the run directory on from the steps already in it
+(:meth:`ProcessFaults.writes`).
 
 **A join takes a process started at launch.** For each join of a slot that follows its
 crash, the launch starts one more process for the slot (:func:`process_layout`; ranks follow
@@ -29,8 +31,8 @@ starts every process again and kills at once those killed before its checkpoint.
 
 A worker whose process is not killed keeps it outside its quorum, charging its clock
 nothing and taking its turn in the bookkeeping, whose rows leave it out, as the thread of an
-in-process run does: one that left (it rejoins with its state); worker 0 (it writes the run
-directory); every worker of a generated trace (each crash is replaced, a replacement per
+in-process run does: one that left (it rejoins with its state); every worker of a generated
+trace (each crash is replaced, a replacement per
 crash would be a process per event); and every worker under torchrun, whose agent would
 restart the whole world on a kill. So the same trace gives the same losses, modeled times
 and ``faults`` block in both placements.
@@ -95,8 +97,7 @@ class ProcessFaults(WorkerFaults):
 
     def _hold(self, step: int) -> None:
         """Who holds each slot at ``step`` (resolved), from the step before and its events,
-        in trace order: a crash of a worker lost at it kills its process (worker 0's aside:
-        it writes the run directory); a join or rejoin of a slot whose process was killed
+        in trace order: a crash of a worker lost at it kills its process; a join or rejoin of a slot whose process was killed
         is taken by the slot's next process."""
         if step == 0:
             holders: list[int | None] = [self.layout.index(s) for s in range(self.trace.workers)]
@@ -109,7 +110,7 @@ class ProcessFaults(WorkerFaults):
             worker = event.worker
             assert worker is not None
             rank = holders[worker]
-            if event.kind == "crash" and self.kills and worker in plan.lost and worker != 0:
+            if event.kind == "crash" and self.kills and worker in plan.lost:
                 if rank is not None:
                     killed.append(rank)
                 holders[worker] = None
@@ -175,15 +176,18 @@ class ProcessFaults(WorkerFaults):
         before = self._holders[step - 1][self.slot] if step > 0 else self.layout.index(self.slot)
         return self.holds(step) and before != self.process
 
-    def hand_over(self, step: int, totals: torch.Tensor, state: dict[str, Any]) -> None:
+    def hand_over(
+        self, step: int, totals: torch.Tensor, state: dict[str, Any],
+        bytes_by_role: dict[str, float],
+    ) -> None:  # fmt: skip
         """This process is killed at ``step``: leave its summary ``totals`` (a
-        :class:`~lowcomm.train.records.ProcessTotals` row), its committed tokens and its
-        checkpoint ``state`` in the launch folder, for the others."""
+        :class:`~lowcomm.train.records.ProcessTotals` row), its committed tokens, its
+        checkpoint ``state`` and its bytes by role in the launch folder, for the others."""
         path = handover_path(self.slot)
         partial = path.with_suffix(".partial")
         torch.save(
             {"step": step, "totals": totals, "committed_tokens": self.committed_tokens,
-             "state": state},
+             "state": state, "bytes_by_role": bytes_by_role},
             partial,
         )  # fmt: skip
         partial.replace(path)
@@ -195,6 +199,14 @@ class ProcessFaults(WorkerFaults):
         own.update({key: faults_state[key] for key in _OWN_FAULTS})
         own["pending_tokens"] = 0
         self.load_state_dict(own)
+
+    def writes(self, step: int) -> bool:
+        """Whether this process writes the run directory from ``step`` on, taking over from
+        worker 0's killed process: the lowest live process that holds a slot."""
+        holders = self.holders(step)
+        if holders[0] is not None:
+            return False
+        return min(rank for rank in holders if rank is not None) == self.process
 
     def die(self, step: int) -> NoReturn:
         from lowcomm.launch.spawn import end_by_sigkill
@@ -280,7 +292,7 @@ def process_layout(config: TrainConfig) -> tuple[int, ...]:
         for event in trace.membership_events():
             worker = event.worker
             assert worker is not None
-            if event.kind == "crash" and worker != 0:
+            if event.kind == "crash":
                 crashed.add(worker)
             elif event.kind in ("join", "rejoin") and worker in crashed:
                 crashed.discard(worker)

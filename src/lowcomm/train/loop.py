@@ -193,7 +193,7 @@ def train_worker(
     worker = set_up(config, raw, books, shared, task, levels)
     progress = resume(worker)
     finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
-    if worker.rank == 0:
+    if _first(worker):
         print(
             f"lowcomm: training: {_parameter_count(worker.model) / 1e6:.2f} M "
             f"parameters, {worker.validation_batches} validation batches; worker set-up "
@@ -206,13 +206,14 @@ def train_worker(
     try:
         with worker.clock.training():  # (the calibrated model counts the work done in it)
             if not train_steps(worker, progress, writer, final):
-                return _stopped(worker, progress, writer, keep_parameters)
+                return _stopped(worker, progress, final.writer or writer, keep_parameters)
             final_evaluation(worker, progress, final, keep_parameters)
             if progress.start_step < worker.config.steps:
                 # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
                 with worker.clock.excluded():
                     _save_checkpoint(worker, progress.end_step or worker.config.steps, progress)
     finally:
+        writer = final.writer or writer  # (taken over from a killed worker 0)
         if writer is not None:
             if final.last_record is not None:
                 writer.write_step(final.last_record)  # without val_loss if the evaluation failed
@@ -473,7 +474,7 @@ def resume(worker: Worker) -> Progress:
             extended_from=checkpoint.extension_of(directory, config.steps),
         )  # fmt: skip
     worker.bookkeeping.barrier().wait()
-    if resume_from is not None and worker.rank == 0:
+    if resume_from is not None and _first(worker):
         # Said whatever --progress is: a resumed run must not look like a fresh one.
         print(
             f"lowcomm: resumed {resume_from} from step {progress.start_step} (checkpoint "
@@ -491,9 +492,20 @@ def _membership_note(progress: Progress) -> str:
     return f", re-sharded from {change['old_workers']} to {change['new_workers']} workers"
 
 
+def _first(worker: Worker) -> bool:
+    """Whether this is the run's first process (rank 0; with declared faults in worker
+    processes a worker may have several processes in turn, and only the first of worker 0's
+    is the run's)."""
+    from lowcomm.faults.processes import ProcessFaults
+
+    if isinstance(worker.faults, ProcessFaults):
+        return worker.faults.process == 0
+    return worker.rank == 0
+
+
 def _run_writer(worker: Worker, progress: Progress) -> RunWriter | None:
     """Rank 0's writer of the run directory (None on the other ranks)."""
-    if worker.rank != 0:
+    if not _first(worker):
         return None
     resumed = progress.resumed_from is not None
     writer = RunWriter(worker.config, resume_step=progress.start_step if resumed else None)
@@ -514,6 +526,9 @@ class FinalState:
     """The last step's record, written once the final validation gives it its val_loss."""
     clock_s: float = math.nan
     """The clock after the final drain."""
+    writer: RunWriter | None = None
+    """The run directory's writer, when this process took it over from worker 0's killed
+    process (worker processes with declared faults)."""
     deployed: torch.Tensor | None = None
     """The deployed parameters, flattened (with keep_parameters)."""
 
@@ -525,7 +540,7 @@ def train_steps(
     config = worker.config
     log = StepLog(config.log_every)
     for step in range(progress.start_step, config.steps):
-        if not train_step(worker, step, progress, writer, final, log):
+        if not train_step(worker, step, progress, final.writer or writer, final, log):
             return False
         if progress.end_step is not None:
             return True
@@ -554,6 +569,7 @@ def train_step(
     lost = worker.faults is not None and worker.faults.quorum_lost(step)
     if _processes_at(worker, step, progress, writer, final, log):  # (took over its slot)
         begin, before_bytes = clock.marker(), comm.bytes_sent
+    writer = final.writer or writer  # (taken over from a killed worker 0)
     if lost:
         assert worker.faults is not None
         _stop_without_quorum(worker, worker.faults, step, progress, writer, final, log)
@@ -631,13 +647,20 @@ def _processes_at(
             if faults.process in killed:
                 summary = _worker_summary(worker, progress, worker.clock.now(), False)
                 totals = _process_totals(worker, summary).to_tensor()
-                faults.hand_over(step, totals, _state(worker, step, progress))
+                state = _state(worker, step, progress)
+                faults.hand_over(step, totals, state, summary.bytes_by_role)
             if killed:
                 books.barrier().wait()  # (what the killed hand over is written)
             if faults.process in killed:
                 faults.die(step)
             books.leave_out(killed)
     books.hold(faults.holders(step))
+    if writer is None and final.writer is None and faults.writes(step):
+        # Worker 0's process was killed: the lowest live worker writes the run directory on,
+        # from the steps already in it.
+        final.writer = RunWriter(worker.config, resume_step=step)
+        if progress.extended_from is not None:
+            final.writer.extended_at.append(progress.extended_from)
     if not faults.took_over(step):
         return False
     with worker.clock.excluded():
@@ -875,6 +898,7 @@ def finish(
         committed = torch.tensor([float(worker.faults.committed_tokens)], dtype=torch.float64)
         worker.bookkeeping.all_reduce(committed, op="sum", role=Role.OTHER).wait()
         fault_committed = int(committed[0])
+    bytes_by_role = _bytes_by_role(worker, summary)
     if writer is not None:
         _add_killed(worker, everyone)
         if fault_committed is not None:
@@ -885,7 +909,7 @@ def finish(
             writer.faults = fault_summary(worker.faults, writer.records, fault_committed, config)
         writer.finish(
             per_process=everyone,
-            bytes_by_role=summary.bytes_by_role,
+            bytes_by_role=bytes_by_role,
             num_params=_parameter_count(worker.model),
             final_val_loss=progress.val_loss,
             wall_clock_s=wall_clock_s,
@@ -914,6 +938,26 @@ def _add_killed(worker: Worker, everyone: list[ProcessTotals]) -> None:
         for slot in worker.faults.vacant_now():
             totals = worker.faults.handed_over(slot)["totals"]
             everyone[slot] = ProcessTotals.from_rows(totals)[0]
+
+
+def _bytes_by_role(worker: Worker, summary: WorkerSummary) -> dict[str, float]:
+    """Worker 0's bytes by role, as summary.json gives them: this process's, or with
+    declared faults in worker processes those of worker 0's process (an uncharged sum over
+    the live processes, which every one takes part in), or what its killed process handed
+    over."""
+    from lowcomm.faults.processes import ProcessFaults
+
+    faults = worker.faults
+    if not isinstance(faults, ProcessFaults):
+        return summary.bytes_by_role
+    if 0 in faults.vacant_now():
+        return dict(faults.handed_over(0)["bytes_by_role"])
+    names = [role.value for role in Role]
+    holds = worker.rank == 0 and faults.holds_now()
+    mine = [summary.bytes_by_role.get(name, 0.0) if holds else 0.0 for name in names]
+    ours = torch.tensor(mine, dtype=torch.float64)
+    worker.bookkeeping.all_reduce(ours, op="sum", role=Role.OTHER).wait()
+    return dict(zip(names, ours.tolist(), strict=True))
 
 
 def _killed_committed(worker: Worker) -> int:
