@@ -97,8 +97,8 @@ class ProcessFaults(WorkerFaults):
 
     def _hold(self, step: int) -> None:
         """Who holds each slot at ``step`` (resolved), from the step before and its events,
-        in trace order: a crash of a worker lost at it kills its process; a join or rejoin of a slot whose process was killed
-        is taken by the slot's next process."""
+        in trace order: a crash of a worker lost at it kills its process; a join or rejoin
+        of a slot whose process was killed is taken by the slot's next process."""
         if step == 0:
             holders: list[int | None] = [self.layout.index(s) for s in range(self.trace.workers)]
             self._last = [self.layout.index(s) for s in range(self.trace.workers)]
