@@ -168,3 +168,28 @@ def test_worker_0_killed_hands_the_run_directory_to_the_lowest_live_worker(
     _same_numbers(processes, threads)
     assert [r["quorum"] for r in processes[0]] == quorums
     assert processes[1]["bytes_by_role"] == threads[1]["bytes_by_role"]
+
+
+@pytest.mark.parametrize(
+    ("trace_text", "quorums", "killed"),
+    [
+        ("step=2 worker=2 crash\nstep=5 worker=2 join\n", [3, 3, 2, 2, 2, 3, 3, 3], (2, 2)),
+        ("t=0 worker=1 crash\n", [2] * 8, (1, 0)),
+    ],
+)
+def test_on_the_real_clock_a_crash_kills_its_process_at_the_step_it_lands_on(
+    trace_text: str, quorums: list[int], killed: tuple[int, int], tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Worker processes on the real clock: the crash kills the process at its step (one placed
+    at time 0 lands on the first step, whatever the machine's speed), a join is taken over by
+    the process standing by, and the run ends with its faults block."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text(trace_text)
+    config = _config("diloco", tmp_path / "real", trace, processes=True)
+    config.clock, config.seconds_per_microbatch, config.fault_detection_s = "real", None, 0.05
+    records, summary = _run(config)
+    assert _killed(capfd.readouterr().out) == [killed]
+    assert [r["quorum"] for r in records] == quorums
+    assert summary["clock"] == "real"
+    assert summary["faults"]["membership_changes"][0]["step"] == killed[1]
