@@ -324,6 +324,6 @@ def spawned_train_with_faults(config: TrainConfig, task: Task | None = None) -> 
 
     layout = process_layout(config) if launch_folder() is not None else None
     raw = QuorumTorchComm(timeout_s=config.collective_timeout_s, layout=layout)
-    if raw.rank == 0:
+    if dist_rank() == 0:  # (a process standing by for worker 0 says nothing)
         print(f"lowcomm: workers connected: {len(raw.layout)} processes", flush=True)
     return train_worker(config, raw, task=task)
