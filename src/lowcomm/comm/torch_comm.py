@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from lowcomm.comm.base import (
     CollectiveTimeout,
+    CompletedHandle,
     Handle,
     ReduceOp,
     Role,
@@ -329,18 +330,38 @@ class QuorumTorchComm(TorchComm):
     (the order is the same everywhere), and made again if its set comes back. The current
     quorum's set is prepared at every step, so it is never the oldest.
 
+    A slot may have several processes in turn (a crash kills its process; a process started
+    at launch takes the slot over at its join, :mod:`lowcomm.faults.processes`): ``layout``
+    gives each world rank's slot, in slot order, and :meth:`hold` which process holds each
+    slot from then on; :meth:`enter` takes a quorum's slots to the group of their holders.
+
     Args:
         timeout_s: as :class:`TorchComm`'s; the subgroups' own timeout follows it.
         keep_groups: how many sets besides the whole world keep their groups.
+        layout: the slot of each process (None: one process per slot, rank = slot).
     """
 
-    def __init__(self, *, timeout_s: float | None = None, keep_groups: int = 16) -> None:
+    def __init__(
+        self, *, timeout_s: float | None = None, keep_groups: int = 16,
+        layout: tuple[int, ...] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(None, timeout_s=timeout_s)
         if keep_groups < 1:
             raise ValueError(f"keep_groups: {keep_groups} must be 1 or more")
-        self._slot = self._rank
         self._everyone = tuple(range(self._world_size))
-        self._members = self._everyone
+        self._layout = self._everyone if layout is None else layout
+        if len(self._layout) != self._world_size or list(self._layout) != sorted(self._layout):
+            raise ValueError(
+                f"layout: {self._layout} must give the slot of each of the {self._world_size} "
+                "processes, in slot order"
+            )
+        self._slot = self._layout[self._rank]
+        #: Each slot's process (a world rank): the first of the slot's, until hold().
+        self._holders: tuple[int | None, ...] = tuple(
+            self._layout.index(slot) for slot in range(self._layout[-1] + 1)
+        )
+        self._members = tuple(range(len(self._holders)))
+        self._rank, self._world_size = self._slot, len(self._holders)
         self._keep_groups = keep_groups
         #: The subgroups, least recently prepared first (the whole world is the default group).
         self._groups: OrderedDict[tuple[int, ...], Any] = OrderedDict()
@@ -356,14 +377,33 @@ class QuorumTorchComm(TorchComm):
         return self._members
 
     @property
+    def layout(self) -> tuple[int, ...]:
+        """The slot of each process of the world, in rank order."""
+        return self._layout
+
+    def hold(self, holders: tuple[int | None, ...]) -> None:
+        """Each slot's process from now on (None: a slot whose process was killed)."""
+        self._holders = holders
+
+    def ranks_of(self, members: tuple[int, ...]) -> tuple[int, ...]:
+        """The world ranks of the processes that hold ``members`` (slots)."""
+        ranks = []
+        for slot in members:
+            rank = self._holders[slot]
+            if rank is None:
+                raise RuntimeError(f"worker {slot} has no process")
+            ranks.append(rank)
+        return tuple(sorted(ranks))
+
+    @property
     def kept_sets(self) -> tuple[tuple[int, ...], ...]:
         """The sets whose groups are kept, least recently prepared first (the whole world,
         the default group, is not among them)."""
         return tuple(self._groups)
 
     def prepare(self, members: tuple[int, ...]) -> None:
-        """Make the process group of ``members`` unless it exists. Collective: every process
-        of the world calls it, in the same order."""
+        """Make the process group of ``members`` (world ranks) unless it exists. Collective:
+        every live process of the world calls it, in the same order."""
         members = tuple(sorted(members))
         if members == self._everyone:
             return
@@ -380,21 +420,131 @@ class QuorumTorchComm(TorchComm):
         """Take part in quorum ``quorum_id`` of ``members`` from the next collective on (the
         id is the engine's; the set alone picks the group, made by :meth:`prepare`)."""
         members = tuple(sorted(members))
-        if self._slot not in members:
+        if self._slot not in members or self._holders[self._slot] != dist.get_rank():
             raise ValueError(f"worker {self._slot} is not in quorum {quorum_id} {members}")
-        if members != self._everyone and members not in self._groups:
+        ranks = self.ranks_of(members)
+        if ranks != self._everyone and ranks not in self._groups:
             raise RuntimeError(
                 f"worker {self._slot}: quorum {quorum_id} {members} has no process group; "
                 "every process must prepare() each set before its members enter it"
             )
-        self._group = None if members == self._everyone else self._groups[members]
+        self._group = None if ranks == self._everyone else self._groups[ranks]
         self._members = members
-        self._rank = members.index(self._slot)
+        self._rank = members.index(self._slot)  # (ranks follow slots: the same index)
         self._world_size = len(members)
 
-    def cpu_side_group(self) -> TorchComm:
-        """The bookkeeping group: a Gloo group of the whole world (every worker, member or
-        not, takes its turn in the run's bookkeeping)."""
+    def live_bookkeeping(self) -> LiveBookkeeping:
+        """The bookkeeping group: a Gloo group of the live processes (every worker, member or
+        not, takes its turn in the run's bookkeeping until its process is killed)."""
+        return LiveBookkeeping(timeout_s=self._timeout_s, layout=self._layout)
+
+
+class LiveBookkeeping:
+    """The run's bookkeeping (metrics, evaluation sums, checkpoint digests and barriers, the
+    summary's totals) over the worker processes still alive, addressed by slot.
+
+    A Gloo group that holds a killed process fails its next collective, so each time
+    processes are killed (a declared crash, :mod:`lowcomm.faults.processes`) every live
+    process makes the group of those left, at the same point (:meth:`leave_out`). ``rank``
+    and ``world_size`` stay the slot and the number of slots: a gather gives one row per slot,
+    a killed slot's row zeros (its rows were written before it died, and its totals are
+    handed on in the launch folder), and a sum or a max over the live processes is the same
+    as over every slot where a killed slot would give nothing (zeros, ``-inf``), as a worker
+    outside its quorum does. A mean would not be, and is refused.
+    """
+
+    def __init__(
+        self, *, timeout_s: float | None = None, layout: tuple[int, ...] | None = None
+    ) -> None:
+        self._timeout_s = timeout_s
+        self._process = dist.get_rank()
+        everyone = tuple(range(dist.get_world_size()))
+        self._layout = everyone if layout is None else layout
+        self._slot = self._layout[self._process]
+        self._slots = self._layout[-1] + 1
+        #: The live processes (world ranks).
+        self._live = everyone
+        #: Each slot's process (None: killed), whose row a gather gives for the slot.
+        self._holders: tuple[int | None, ...] = tuple(
+            self._layout.index(slot) for slot in range(self._slots)
+        )
+        self._comm = TorchComm(self._new_group(None), timeout_s=timeout_s)
+
+    def _new_group(self, ranks: list[int] | None) -> Any:
         timeout = None if self._timeout_s is None else process_group_timeout(self._timeout_s)
-        group = dist.new_group(None, backend="gloo", timeout=timeout)
-        return TorchComm(group, timeout_s=self._timeout_s)
+        return dist.new_group(ranks, backend="gloo", timeout=timeout)
+
+    @property
+    def rank(self) -> int:
+        return self._slot
+
+    @property
+    def world_size(self) -> int:
+        return self._slots
+
+    @property
+    def live(self) -> tuple[int, ...]:
+        """The live processes (world ranks), in order."""
+        return self._live
+
+    @property
+    def first(self) -> bool:
+        """Whether this is the lowest live process that holds a slot."""
+        held = [rank for rank in self._holders if rank is not None and rank in self._live]
+        return min(held) == self._process
+
+    def hold(self, holders: tuple[int | None, ...]) -> None:
+        """Each slot's process from now on (None: none, its process was killed)."""
+        self._holders = holders
+
+    def leave_out(self, gone: tuple[int, ...]) -> None:
+        """The processes of ``gone`` (world ranks) are killed: go on over the others' own
+        group. Collective over the live processes that remain (each makes the group at the
+        same point)."""
+        live = tuple(rank for rank in self._live if rank not in gone)
+        if live == self._live:
+            return
+        if self._process not in live:
+            raise ValueError(f"process {self._process} is among the killed {gone}")
+        self._live = live
+        self._comm = TorchComm(self._new_group(list(live)), timeout_s=self._timeout_s)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: ReduceOp = "mean", role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:  # fmt: skip
+        if op == "mean":
+            raise ValueError("bookkeeping over the live processes sums or takes a max, no mean")
+        return self._comm.all_reduce(tensor, op=op, role=role, segments=segments)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        raise NotImplementedError("the bookkeeping group does not reduce-scatter")
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        """Every slot's ``input`` in slot order, from the process that holds it; a slot whose
+        process was killed gives zeros (a process standing by for a slot gives nothing)."""
+        count = input.numel()
+        live = torch.zeros(len(self._live) * count, dtype=input.dtype)
+        self._comm.all_gather(live, input, role=role).wait()
+        output.zero_()
+        for slot, rank in enumerate(self._holders):
+            if rank is not None and rank in self._live:
+                index = self._live.index(rank)
+                output[slot * count : (slot + 1) * count] = live[
+                    index * count : (index + 1) * count
+                ]
+        return CompletedHandle()
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        raise NotImplementedError("the bookkeeping group does not exchange all-to-all")
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        holder = self._holders[src]
+        if holder is None or holder not in self._live:
+            raise ValueError(f"broadcast from worker {src}, whose process was killed")
+        return self._comm.broadcast(tensor, src=self._live.index(holder), role=role)
+
+    def barrier(self) -> Handle:
+        return self._comm.barrier()

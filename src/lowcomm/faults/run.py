@@ -332,8 +332,8 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     supported = (
         "faults run today with every worker a thread of one process "
         f"(--workers-per-process {config.workers}, local launch, either clock) or a process "
-        "of its own (--workers-per-process 1, local launch or torchrun, on cpu, on the virtual "
-        "clock), one rank per worker"
+        "of its own (--workers-per-process 1, on cpu: local launch on either clock, torchrun on "
+        "the virtual clock), one rank per worker"
     )
     in_process = config.workers_per_process == config.workers
     if under_torchrun() and config.workers_per_process != 1:
@@ -347,10 +347,11 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: not yet supported with --workers-per-process "
             f"{config.workers_per_process} (processes of several workers); {supported}"
         )
-    if not in_process and config.clock != "virtual":
+    if not in_process and config.clock != "virtual" and under_torchrun():
         return (
-            f"{flag}: not yet supported with worker processes on the {config.clock} clock (a "
-            f"crashed worker's process is not killed, only left out of its quorum); {supported}"
+            f"{flag}: not yet supported under torchrun on the {config.clock} clock (a crashed "
+            f"worker's process cannot be killed there: the agent would restart every worker); "
+            f"{supported}"
         )
     if not in_process and config.device != "cpu":
         return (

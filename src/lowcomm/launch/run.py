@@ -147,7 +147,10 @@ def _launch(
         from lowcomm.faults.run import FaultSettings
 
         if FaultSettings.of(config).enabled:  # (the strategy's group follows the quorum)
+            from lowcomm.faults.processes import process_layout
             from lowcomm.faults.processes import spawned_train_with_faults as entry
+
+            processes = len(process_layout(config))  # (with a process for each rejoin)
         else:
             from lowcomm.train.loop import spawned_train as entry
 

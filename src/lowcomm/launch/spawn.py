@@ -42,6 +42,7 @@ __all__ = [
     "backend_for",
     "end_by_sigkill",
     "init_from_env",
+    "launch_folder",
     "leave_failed_rank",
     "spawn_workers",
     "under_torchrun",
@@ -156,6 +157,13 @@ def leave_failed_rank(error: BaseException) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def launch_folder() -> Path | None:
+    """The launch's folder of results and records, in a worker that :func:`spawn_workers`
+    started (None elsewhere: under torchrun, or in the launcher): where a worker that ends by
+    plan (:func:`end_by_sigkill`) leaves what its peers need of it."""
+    return None if _RESULT_DIR is None else Path(_RESULT_DIR)
 
 
 def end_by_sigkill(reason: str) -> NoReturn:
@@ -328,7 +336,15 @@ def _wait_workers(context: Any, scratch: str, timeout_s: float) -> bool:
         process = context.processes[index]
         process.join()
         code = process.exitcode
-        if code == 0 or _planned_end(scratch, index):
+        if code == 0:
+            continue
+        if _planned_end(scratch, index):
+            reason = (Path(scratch) / f"rank{index}.gone").read_text()
+            print(
+                f"lowcomm: worker process {index} (pid {process.pid}) ended by "
+                f"{_signal_name(code)} as planned: {reason}",
+                flush=True,
+            )
             continue
         for other in context.processes:
             if other.is_alive():
@@ -345,7 +361,7 @@ def _wait_workers(context: Any, scratch: str, timeout_s: float) -> bool:
             message = f"\n\n-- Process {index} terminated with the following error:\n{trace}"
             raise ProcessRaisedException(message, index, process.pid)
         if code < 0:
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            name = _signal_name(code)
             raise ProcessExitedException(
                 f"process {index} terminated with signal {name}", error_index=index,
                 error_pid=process.pid, exit_code=code, signal_name=name,
@@ -355,6 +371,11 @@ def _wait_workers(context: Any, scratch: str, timeout_s: float) -> bool:
             error_pid=process.pid, exit_code=code,
         )  # fmt: skip
     return not context.sentinels
+
+
+def _signal_name(code: int) -> str:
+    """The name of the signal that ended a process with exit code ``code`` (negative)."""
+    return signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
 
 
 @contextmanager

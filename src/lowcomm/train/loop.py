@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,6 +52,9 @@ from lowcomm.train.task import (
     model_loss,
     to_device,
 )
+
+if TYPE_CHECKING:
+    from lowcomm.faults.processes import ProcessFaults
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -189,7 +193,7 @@ def train_worker(
     worker = set_up(config, raw, books, shared, task, levels)
     progress = resume(worker)
     finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
-    if worker.rank == 0:
+    if _first(worker):
         print(
             f"lowcomm: training: {_parameter_count(worker.model) / 1e6:.2f} M "
             f"parameters, {worker.validation_batches} validation batches; worker set-up "
@@ -202,13 +206,14 @@ def train_worker(
     try:
         with worker.clock.training():  # (the calibrated model counts the work done in it)
             if not train_steps(worker, progress, writer, final):
-                return _stopped(worker, progress, writer, keep_parameters)
+                return _stopped(worker, progress, final.writer or writer, keep_parameters)
             final_evaluation(worker, progress, final, keep_parameters)
             if progress.start_step < worker.config.steps:
                 # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
                 with worker.clock.excluded():
                     _save_checkpoint(worker, progress.end_step or worker.config.steps, progress)
     finally:
+        writer = final.writer or writer  # (taken over from a killed worker 0)
         if writer is not None:
             if final.last_record is not None:
                 writer.write_step(final.last_record)  # without val_loss if the evaluation failed
@@ -469,7 +474,7 @@ def resume(worker: Worker) -> Progress:
             extended_from=checkpoint.extension_of(directory, config.steps),
         )  # fmt: skip
     worker.bookkeeping.barrier().wait()
-    if resume_from is not None and worker.rank == 0:
+    if resume_from is not None and _first(worker):
         # Said whatever --progress is: a resumed run must not look like a fresh one.
         print(
             f"lowcomm: resumed {resume_from} from step {progress.start_step} (checkpoint "
@@ -487,9 +492,20 @@ def _membership_note(progress: Progress) -> str:
     return f", re-sharded from {change['old_workers']} to {change['new_workers']} workers"
 
 
+def _first(worker: Worker) -> bool:
+    """Whether this is the run's first process (rank 0; with declared faults in worker
+    processes a worker may have several processes in turn, and only the first of worker 0's
+    is the run's)."""
+    from lowcomm.faults.processes import ProcessFaults
+
+    if isinstance(worker.faults, ProcessFaults):
+        return worker.faults.process == 0
+    return worker.rank == 0
+
+
 def _run_writer(worker: Worker, progress: Progress) -> RunWriter | None:
     """Rank 0's writer of the run directory (None on the other ranks)."""
-    if worker.rank != 0:
+    if not _first(worker):
         return None
     resumed = progress.resumed_from is not None
     writer = RunWriter(worker.config, resume_step=progress.start_step if resumed else None)
@@ -510,6 +526,9 @@ class FinalState:
     """The last step's record, written once the final validation gives it its val_loss."""
     clock_s: float = math.nan
     """The clock after the final drain."""
+    writer: RunWriter | None = None
+    """The run directory's writer, when this process took it over from worker 0's killed
+    process (worker processes with declared faults)."""
     deployed: torch.Tensor | None = None
     """The deployed parameters, flattened (with keep_parameters)."""
 
@@ -521,7 +540,7 @@ def train_steps(
     config = worker.config
     log = StepLog(config.log_every)
     for step in range(progress.start_step, config.steps):
-        if not train_step(worker, step, progress, writer, final, log):
+        if not train_step(worker, step, progress, final.writer or writer, final, log):
             return False
         if progress.end_step is not None:
             return True
@@ -547,7 +566,12 @@ def train_step(
     before_bytes = comm.bytes_sent
     member = True
     # (A wait for the quorum is the step's: its clock and exposed time include it.)
-    if worker.faults is not None and worker.faults.quorum_lost(step):
+    lost = worker.faults is not None and worker.faults.quorum_lost(step)
+    if _processes_at(worker, step, progress, writer, final, log):  # (took over its slot)
+        begin, before_bytes = clock.marker(), comm.bytes_sent
+    writer = final.writer or writer  # (taken over from a killed worker 0)
+    if lost:
+        assert worker.faults is not None
         _stop_without_quorum(worker, worker.faults, step, progress, writer, final, log)
         return False
     if worker.faults is None:
@@ -593,6 +617,71 @@ def train_step(
         if save:
             _save_checkpoint(worker, step + 1, progress)
     return not stopped
+
+
+def _processes_at(
+    worker: Worker,
+    step: int,
+    progress: Progress,
+    writer: RunWriter | None,
+    final: FinalState,
+    log: StepLog,
+) -> bool:
+    """Worker processes (:mod:`lowcomm.faults.processes`): at a step where a slot changes
+    process, the held steps are written first (their rows are the old processes'), then each
+    process that a crash kills hands over its totals and state and dies, the others go on
+    with their bookkeeping over the live processes, and a process that stood by for a slot
+    takes it over from what its killed process handed over (True: this one did)."""
+    from lowcomm.comm.torch_comm import LiveBookkeeping
+    from lowcomm.faults.processes import ProcessFaults
+
+    faults, books = worker.faults, worker.bookkeeping
+    if not isinstance(faults, ProcessFaults) or not isinstance(books, LiveBookkeeping):
+        return False
+    # (A resumed run started again the processes killed before its checkpoint.)
+    since = 0 if step == progress.start_step else None
+    killed = faults.killed_at(step, since=since)
+    if killed or faults.changed_at(step):
+        with worker.clock.excluded():
+            _write_held(worker, log, writer, final, worker.clock.kind, False)
+            if faults.process in killed:
+                summary = _worker_summary(worker, progress, worker.clock.now(), False)
+                totals = _process_totals(worker, summary).to_tensor()
+                state = _state(worker, step, progress)
+                faults.hand_over(step, totals, state, summary.bytes_by_role)
+            if killed:
+                books.barrier().wait()  # (what the killed hand over is written)
+            if faults.process in killed:
+                faults.die(step)
+            books.leave_out(killed)
+    books.hold(faults.holders(step))
+    if writer is None and final.writer is None and faults.writes(step):
+        # Worker 0's process was killed: the lowest live worker writes the run directory on,
+        # from the steps already in it.
+        final.writer = RunWriter(worker.config, resume_step=step)
+        if progress.extended_from is not None:
+            final.writer.extended_at.append(progress.extended_from)
+    if not faults.took_over(step):
+        return False
+    with worker.clock.excluded():
+        _take_over(worker, faults, progress)
+    return True
+
+
+def _take_over(worker: Worker, faults: ProcessFaults, progress: Progress) -> None:
+    """This process takes over its slot at a join: the state its killed process handed
+    over (the model, the method's state, the data position, the clock and counters, the
+    random streams), which the join then heals as it would the slot's thread."""
+    saved = faults.handed_over(faults.slot)["state"]
+    sharding.load_model_state(worker.model, saved["model"])
+    worker.strategy.load_state_dict(saved["strategy"])
+    worker.shard.load_state_dict(saved["data"])
+    worker.clock.load_state_dict(saved["clock"])
+    if saved["comm"] is not None:
+        worker.comm.load_state_dict(saved["comm"])
+    _restore_rng(saved["rng"], worker.generator, worker.device_generator)
+    faults.take_over(saved["faults"])
+    progress.tokens = int(saved["tokens"])
 
 
 def _stop_without_quorum(
@@ -773,7 +862,7 @@ def final_evaluation(
     """Drain the method's communication, then validate the parameters it deploys (a
     worker outside the last step's quorum takes its turn in the sums with no batch)."""
     faults, last = worker.faults, worker.config.steps - 1
-    if faults is not None and worker.rank not in faults.members(last):
+    if faults is not None and not faults.plan(last).member:
         final.clock_s = worker.clock.now()
         with worker.clock.excluded():
             progress.val_loss = _evaluate(worker.model, [], worker.bookkeeping, worker.task)
@@ -836,7 +925,11 @@ def finish(
             failed[at] = count
         worker.bookkeeping.all_reduce(failed, op="max", role=Role.OTHER).wait()
         failed_syncs = int(failed.sum())
+    bytes_by_role = _bytes_by_role(worker, summary)
     if writer is not None:
+        _add_killed(worker, everyone)
+        if fault_committed is not None:
+            fault_committed += _killed_committed(worker)
         config = worker.config
         if worker.faults is not None:
             assert fault_committed is not None
@@ -845,7 +938,7 @@ def finish(
             )
         writer.finish(
             per_process=everyone,
-            bytes_by_role=summary.bytes_by_role,
+            bytes_by_role=bytes_by_role,
             num_params=_parameter_count(worker.model),
             final_val_loss=progress.val_loss,
             wall_clock_s=wall_clock_s,
@@ -863,6 +956,44 @@ def finish(
             else None,
         )
     return summary
+
+
+def _add_killed(worker: Worker, everyone: list[ProcessTotals]) -> None:
+    """The totals of the workers whose processes were killed (their rows of ``everyone``
+    gathered empty), from what they handed over."""
+    from lowcomm.faults.processes import ProcessFaults
+
+    if isinstance(worker.faults, ProcessFaults):
+        for slot in worker.faults.vacant_now():
+            totals = worker.faults.handed_over(slot)["totals"]
+            everyone[slot] = ProcessTotals.from_rows(totals)[0]
+
+
+def _bytes_by_role(worker: Worker, summary: WorkerSummary) -> dict[str, float]:
+    """Worker 0's bytes by role, as summary.json gives them: this process's, or with
+    declared faults in worker processes those of worker 0's process (an uncharged sum over
+    the live processes, which every one takes part in), or what its killed process handed
+    over."""
+    from lowcomm.faults.processes import ProcessFaults
+
+    faults = worker.faults
+    if not isinstance(faults, ProcessFaults):
+        return summary.bytes_by_role
+    if 0 in faults.vacant_now():
+        return dict(faults.handed_over(0)["bytes_by_role"])
+    names = [role.value for role in Role]
+    holds = worker.rank == 0 and faults.holds_now()
+    mine = [summary.bytes_by_role.get(name, 0.0) if holds else 0.0 for name in names]
+    ours = torch.tensor(mine, dtype=torch.float64)
+    worker.bookkeeping.all_reduce(ours, op="sum", role=Role.OTHER).wait()
+    return dict(zip(names, ours.tolist(), strict=True))
+
+
+def _killed_committed(worker: Worker) -> int:
+    from lowcomm.faults.processes import ProcessFaults
+
+    faults = worker.faults
+    return faults.committed_by_vacant() if isinstance(faults, ProcessFaults) else 0
 
 
 def fault_summary(
@@ -1014,11 +1145,16 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
     config, bookkeeping, run_dir = worker.config, worker.bookkeeping, run_directory(worker.config)
     # The state's copies are freed once written, before waiting for the other workers; in one
     # process the workers write in turn, so one worker's copies are alive at a time.
-    with _write_turn(worker):
-        state = _state(worker, step, progress)
-        path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
-        del state
-    digests = checkpoint.gather_digests(bookkeeping, checkpoint.file_digest(path))
+    if _stands_by(worker):  # (its slot's file is its holder's, or written for it)
+        digest = "00" * 32
+    else:
+        with _write_turn(worker):
+            state = _state(worker, step, progress)
+            path = checkpoint.write_rank_state(run_dir, step, bookkeeping.rank, state)
+            del state
+        digest = checkpoint.file_digest(path)
+    digests = checkpoint.gather_digests(bookkeeping, digest)
+    digests = _killed_checkpoints(worker, step, progress, digests)
     if bookkeeping.rank == 0 or not worker.one_process:  # (one process: one disk, one commit)
         checkpoint.commit_checkpoint(
             run_dir,
@@ -1029,6 +1165,29 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
             digests=digests,
         )
     bookkeeping.barrier().wait()
+
+
+def _stands_by(worker: Worker) -> bool:
+    """Whether this process stands by for a slot that another holds or whose process was
+    killed (worker processes with declared faults)."""
+    from lowcomm.faults.processes import ProcessFaults
+
+    return isinstance(worker.faults, ProcessFaults) and not worker.faults.holds_now()
+
+
+def _killed_checkpoints(
+    worker: Worker, step: int, progress: Progress, digests: list[str]
+) -> list[str]:
+    """The files of the workers whose processes were killed, written from what they handed
+    over, and ``digests`` with theirs (:mod:`lowcomm.faults.processes`)."""
+    from lowcomm.comm.torch_comm import LiveBookkeeping
+    from lowcomm.faults.processes import ProcessFaults
+
+    faults, books = worker.faults, worker.bookkeeping
+    if not isinstance(faults, ProcessFaults) or not isinstance(books, LiveBookkeeping):
+        return digests
+    run_dir = run_directory(worker.config)
+    return faults.write_killed_checkpoints(run_dir, step, progress.val_loss, books, digests)
 
 
 @contextlib.contextmanager
@@ -1081,8 +1240,10 @@ def bookkeeping_comm(raw: Comm) -> Comm:
     Over ``torch.distributed``: a new Gloo group of the same ranks (every rank must call this,
     in the same order as its other group creations, as ``new_group`` requires), whatever the
     strategy's backend. Otherwise (one worker, test fakes): ``raw`` itself."""
-    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.comm.torch_comm import QuorumTorchComm, TorchComm
 
+    if isinstance(raw, QuorumTorchComm):  # (declared faults: over the live processes)
+        return raw.live_bookkeeping()
     if isinstance(raw, TorchComm):
         return raw.cpu_side_group()
     return raw
