@@ -289,7 +289,8 @@ class WorkerFaults:
         """Where this worker stands in the trace, for a checkpoint: the membership resolved
         so far (each step's events as indices into the trace's membership events, its members
         and quorum id), the trace's cursor and horizon, the quorum in force, a detection still
-        to wait, and the token counts. Everything else is the trace itself, which the resumed
+        to wait, the token counts (with the buckets of syncs still to settle) and the syncs
+        failed so far, by step. Everything else is the trace itself, which the resumed
         run reads again (the checkpoint's fingerprint names its content)."""
         # (By equality: a grown generated trace holds equal events, as other objects.)
         index = {event: position for position, event in enumerate(self._membership)}
@@ -309,6 +310,8 @@ class WorkerFaults:
             "committed_tokens": self.committed_tokens,
             "dropped_steps": self.dropped_steps,
             "waiting_since": self._waiting_since,
+            "awaiting": sorted(self.awaiting.items()),
+            "failed_syncs": sorted(self.failed_syncs.items()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -334,6 +337,9 @@ class WorkerFaults:
         self.dropped_steps = int(state["dropped_steps"])
         waiting = state.get("waiting_since")
         self._waiting_since = None if waiting is None else float(waiting)
+        # (A checkpoint of a run whose syncs settle when launched holds neither.)
+        self.awaiting = {int(at): int(n) for at, n in state.get("awaiting", ())}
+        self.failed_syncs = {int(at): int(n) for at, n in state.get("failed_syncs", ())}
 
     # --- the loop's side ---------------------------------------------------------------
 

@@ -857,6 +857,13 @@ class CO2(_AnchoredOuter):
             **pending,
             "buffer": self.buffer.clone(),
             "inflight_steps": self.inflight_steps,
+            # (Declared faults: the all-reduce in flight fails by its launch quorum, its
+            # tokens settle by its launch step, and Lambda reads whether the anchor moved.)
+            "launched_at": self.launched_at,
+            "launched_over": list(self.launched_over),
+            "sync_failed": self.sync_failed,
+            "received": self.received,
+            "anchor_moved": self.anchor_moved,
         }
         if self.displacement is not None:
             state["displacement"] = self.displacement.clone()
@@ -869,6 +876,11 @@ class CO2(_AnchoredOuter):
         self.buffer.copy_(state["buffer"])
         self.handle = self.runtime.restore_pending(state)
         self.inflight_steps = int(state["inflight_steps"])
+        self.launched_at = int(state.get("launched_at", 0))
+        self.launched_over = tuple(int(k) for k in state.get("launched_over", ()))
+        self.sync_failed = bool(state.get("sync_failed", False))
+        self.received = bool(state.get("received", False))
+        self.anchor_moved = bool(state.get("anchor_moved", True))
         if self.displacement is not None:
             self.displacement.copy_(state["displacement"])
         if self.previous_displacement is not None:

@@ -296,7 +296,7 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         return [
             [
                 {**sync.exchange.state_dict(), "launched_at": sync.launched_at,
-                 "members": list(sync.members)}
+                 "members": list(sync.members), "failed": sync.failed}
                 for sync in queue
             ]
             for queue in self.pending
@@ -315,6 +315,7 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                     self.restore_exchange(item),
                     int(item.get("launched_at", -1)),
                     tuple(item.get("members", everyone)),
+                    bool(item.get("failed", False)),
                 )
                 for item in queue
             )

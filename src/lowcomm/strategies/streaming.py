@@ -83,6 +83,8 @@ def save_in_flight(sync: InFlight) -> dict[str, Any]:
         "launched_at": sync.launched_at,
         "complete_at": sync.complete_at,
         "exchange": sync.exchange.state_dict(),
+        "members": list(sync.members),
+        "failed": sync.failed,
     }
     if sync.snapshot is not None:
         state["snapshot"] = sync.snapshot.clone()
@@ -99,6 +101,8 @@ def load_in_flight(
         int(state["complete_at"]),
         restore(state["exchange"]),
         state.get("snapshot"),
+        tuple(int(k) for k in state.get("members", ())),
+        bool(state.get("failed", False)),
     )
 
 
