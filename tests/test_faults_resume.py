@@ -104,6 +104,24 @@ def test_a_run_resumed_mid_trace_gives_the_uninterrupted_run_bit_for_bit(
         _assert_same_run(_stopped_and_resumed(method, out, stop_after, faults=str(trace)), whole)
 
 
+@pytest.mark.parametrize(
+    ("method", "crash"),
+    [("eager", 2), ("diloco_delayed", 2), ("co2", 2), ("streaming_diloco", 3), ("cocodc", 2)],
+)
+def test_an_exchange_that_failed_before_the_checkpoint_stays_failed_once_its_quorum_is_back(
+    method: str, crash: int, tmp_path: Path
+) -> None:
+    # (The exchange in flight at the crash fails; the replacement joins the step after, so
+    # the resumed run's quorum is whole again and cannot tell the failure from the members.)
+    trace = tmp_path / "trace.txt"
+    trace.write_text(f"step={crash} worker=2 crash\nstep={crash + 1} worker=2 join\n")
+    whole = _run(_config(method, tmp_path / "whole", faults=str(trace)))
+    assert whole[1]["faults"]["rounds_dropped"] >= 1  # (an exchange failed)
+    for stop_after in (crash, crash + 1):
+        out = tmp_path / f"resumed-{stop_after}"
+        _assert_same_run(_stopped_and_resumed(method, out, stop_after, faults=str(trace)), whole)
+
+
 def test_a_worker_that_left_before_the_checkpoint_rejoins_with_its_own_state(
     tmp_path: Path,
 ) -> None:
