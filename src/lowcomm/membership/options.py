@@ -187,8 +187,6 @@ def membership_refusal(config: TrainConfig) -> str | None:
         return (
             f"{flag}: not yet supported on --device {config.device} (torchft's Gloo group); use cpu"
         )
-    if config.faults is not None or config.fault_mtbf_s is not None:
-        return f"{flag}: not with --faults / --fault-*, the simulated faults; drop them"
     if config.resume is not None or config.checkpoint_every is not None:
         return (
             f"{flag}: not yet with checkpoints (--resume, --checkpoint-every): a joining "
