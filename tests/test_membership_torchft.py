@@ -24,6 +24,7 @@ from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.membership.options import INSTALL_HINT, SHARDED_METHODS, MembershipOptions
 from lowcomm.models import ModelConfig
+from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 
 HEARTBEAT_S = 2.0
@@ -41,7 +42,7 @@ def _config(method: str, out: Path, steps: int, **overrides: Any) -> TrainConfig
         eval_every=1000, eval_batches=2, progress=False, plot=False, out=str(out), log_every=1,
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=4),
-        membership="torchft",
+        local=LocalOptions(sync_every=4), membership="torchft",
         membership_options=MembershipOptions(
             detect_s=HEARTBEAT_S, quorum_s=60.0, digests=True
         ),
@@ -162,6 +163,35 @@ def test_diloco_survives_a_kill_and_the_restarted_worker_heals_bit_for_bit(
     assert mine[max(mine)] == theirs[max(theirs)] and max(mine) == 159
     # Its data shard continued where its slot's would be: every worker ends at 160 micro-batches.
     assert joiner["data_position"] == survivors[0]["data_position"] == 160
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["local_sgd", "streaming_diloco"])
+def test_local_and_streaming_methods_survive_a_kill_and_heal_a_restarted_worker(
+    tmp_path: Path, method: str
+) -> None:
+    _needs_torchft()
+    job = _kill_and_restart(method, tmp_path, steps=80, restart=True)
+    codes, dirs = job["codes"], job["dirs"]
+    assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
+    assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
+    survivors = [_record(dirs[(0, 0)]), _record(dirs[(1, 0)])]
+    for record in survivors:
+        after = [
+            e for e in record["events"] if e["event"] == "quorum" and e["time"] > job["killed"]
+        ]
+        assert after[0]["members"] == [0, 1], after
+        assert any(e["members"] == [0, 1, 2] for e in after[1:]), after
+    joiner = _record(dirs[(2, 1)])
+    healed = [e for e in joiner["events"] if e["event"] == "healed"]
+    assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]
+    first_quorum = next(e for e in joiner["events"] if e["event"] == "quorum")
+    assert first_quorum["participants"] == 2, first_quorum  # (it sat out the round it healed in)
+    assert joiner["data_position"] == survivors[0]["data_position"] == 80
+    mine, theirs = _digests(joiner), _digests(survivors[0])
+    assert max(mine) == max(theirs) == 79
+    if method == "local_sgd":  # (an averaged model after every round: equal bits)
+        assert mine[79] == theirs[79] == _digests(survivors[1])[79]
 
 
 @pytest.mark.slow

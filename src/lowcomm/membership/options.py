@@ -34,7 +34,7 @@ INSTALL_HINT = "pip install 'lowcomm[ft]'"
 
 #: Methods that run with --membership torchft: each round is one quorum and one mean
 #: all-reduce of the method's payload, which torchft's Manager commits or drops.
-TORCHFT_METHODS: tuple[str, ...] = ("ddp", "diloco")
+TORCHFT_METHODS: tuple[str, ...] = ("ddp", "diloco", "local_sgd", "streaming_diloco")
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
 #: others need.
