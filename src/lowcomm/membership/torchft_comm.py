@@ -333,7 +333,9 @@ class Replica:
         if self.pg.quorum_id != self._last_quorum:
             self._last_quorum = self.pg.quorum_id
             members = tuple(sorted(self.pg.members))
-            if self._members:
+            # (Before the first committed round the job is still assembling: workers that
+            # arrive then are its members from the start, not joins.)
+            if self._members and self.commits > 0:
                 changes: list[dict[str, object]] = [
                     {"worker": w, "kind": "crash"} for w in self._members if w not in members
                 ]
