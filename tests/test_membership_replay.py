@@ -52,6 +52,10 @@ def test_a_cluster_worker_does_not_replay_a_trace(tmp_path: Path) -> None:
     config.membership_options = MembershipOptions(lighthouse="127.0.0.1:1", worker=0)
     with pytest.raises(ConfigError, match="local launcher replays a trace"):
         check_replay(config)
+    from lowcomm.membership.local import run_membership
+
+    with pytest.raises(ConfigError, match="local launcher replays a trace"):
+        run_membership(config)
 
 
 def test_job_goodput_is_committed_over_fault_free_tokens(tmp_path: Path) -> None:

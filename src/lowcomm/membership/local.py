@@ -211,6 +211,8 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     if options.lighthouse is not None:
         from lowcomm.membership.worker import train_replica
 
+        check_replay(config)  # (a trace is refused here: the local launcher replays one)
+
         train_replica(config, task)
         return read_summary(run_directory(config))
     with LocalJob(config, task) as job:
