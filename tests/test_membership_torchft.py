@@ -24,6 +24,7 @@ from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.membership.options import INSTALL_HINT, SHARDED_METHODS, MembershipOptions
 from lowcomm.models import ModelConfig
+from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 
 HEARTBEAT_S = 2.0
@@ -41,7 +42,7 @@ def _config(method: str, out: Path, steps: int, **overrides: Any) -> TrainConfig
         eval_every=1000, eval_batches=2, progress=False, plot=False, out=str(out), log_every=1,
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=4),
-        membership="torchft",
+        local=LocalOptions(sync_every=4), membership="torchft",
         membership_options=MembershipOptions(
             detect_s=HEARTBEAT_S, quorum_s=60.0, digests=True
         ),
@@ -165,6 +166,37 @@ def test_diloco_survives_a_kill_and_the_restarted_worker_heals_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["local_sgd", "streaming_diloco"])
+def test_local_and_streaming_methods_survive_a_kill_and_heal_a_restarted_worker(
+    tmp_path: Path, method: str
+) -> None:
+    _needs_torchft()
+    job = _kill_and_restart(method, tmp_path, steps=80, restart=True)
+    codes, dirs = job["codes"], job["dirs"]
+    assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
+    assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
+    survivors = [_record(dirs[(0, 0)]), _record(dirs[(1, 0)])]
+    for record in survivors:
+        after = [
+            e for e in record["events"] if e["event"] == "quorum" and e["time"] > job["killed"]
+        ]
+        # (The next quorum leaves the dead worker out, or, where the method's next round
+        # comes after the restarted one has asked, already holds the restarted one.)
+        assert after[0]["members"] in ([0, 1], [0, 1, 2]), after
+        assert after[-1]["members"] == [0, 1, 2], after
+    joiner = _record(dirs[(2, 1)])
+    healed = [e for e in joiner["events"] if e["event"] == "healed"]
+    assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]
+    first_quorum = next(e for e in joiner["events"] if e["event"] == "quorum")
+    assert first_quorum["participants"] == 2, first_quorum  # (it sat out the round it healed in)
+    assert joiner["data_position"] == survivors[0]["data_position"] == 80
+    mine, theirs = _digests(joiner), _digests(survivors[0])
+    assert max(mine) == max(theirs) == 79
+    if method == "local_sgd":  # (an averaged model after every round: equal bits)
+        assert mine[79] == theirs[79] == _digests(survivors[1])[79]
+
+
+@pytest.mark.slow
 def test_ddp_survivors_continue_after_a_kill(tmp_path: Path) -> None:
     _needs_torchft()
     job = _kill_and_restart("ddp", tmp_path, steps=30, restart=False)
@@ -206,6 +238,31 @@ def test_no_fault_diloco_follows_the_static_trajectory(tmp_path: Path) -> None:
         assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
     digests = [_digests(_record(tmp_path / "torchft" / f"worker{k}")) for k in range(3)]
     assert digests[0] == digests[1] == digests[2] and sorted(digests[0]) == [3, 7]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["local_sgd", "streaming_diloco"])
+def test_no_fault_local_and_streaming_methods_follow_the_static_trajectory(
+    tmp_path: Path, method: str
+) -> None:
+    _needs_torchft()
+    from lowcomm.launch.run import run_training
+
+    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
+    static = _config(method, tmp_path / "static", membership="static", **common)
+    static.membership_options = MembershipOptions()
+    run_training(static, report=None)
+    run_training(_config(method, tmp_path / "torchft", **common), report=None)
+
+    def losses(path: Path) -> list[float]:
+        return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
+
+    expected = losses(tmp_path / "static" / "metrics.jsonl")
+    workers = [losses(tmp_path / "torchft" / f"worker{k}" / "metrics.jsonl") for k in range(3)]
+    assert len(expected) == 8 and all(len(w) == 8 for w in workers)
+    for step, want in enumerate(expected):
+        mean = sum(w[step] for w in workers) / 3
+        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
 
 
 def _one_line_refusal(args: list[str], *, python: list[str] | None = None) -> str:
@@ -309,6 +366,9 @@ class _FakeManager:
     def should_commit(self) -> bool:
         return self.error is None
 
+    def is_participating(self) -> bool:
+        return True
+
     def errored(self) -> _FakeError | None:
         return self.error
 
@@ -332,6 +392,7 @@ def _fake_replica(failures: int, attempts: int) -> Any:
     replica.on_event = None
     replica.dropped_steps, replica.step_quorum, replica.step_changes = set(), {}, {}
     replica._members = (0, 1)
+    replica.pending_tokens, replica.committed_tokens = 32, 0
     replica._round_open, replica._joined, replica._last_quorum = True, False, 1
     return replica
 
@@ -349,6 +410,8 @@ def test_a_round_whose_collective_failed_is_dropped_and_tried_again_from_its_inp
     assert torch.equal(tensor, torch.arange(4, dtype=torch.float32) * 2)
     assert [e["event"] for e in replica.events] == ["dropped", "commit"]
     assert replica.failed_rounds == 1 and replica.commits == 1 and replica.manager.quorums == 1
+    # The step's tokens are committed once, by the round that committed (goodput).
+    assert replica.committed_tokens == 32 and replica.pending_tokens == 0
     assert replica.dropped_steps == {7}  # (metrics.jsonl marks the step's round dropped)
 
 
@@ -365,6 +428,7 @@ def test_a_round_that_never_commits_ends_the_worker_in_one_line() -> None:
     ):
         handle.wait()
     assert replica.commits == 0 and replica.failed_rounds == 2
+    assert replica.committed_tokens == 0
 
 
 @pytest.mark.slow

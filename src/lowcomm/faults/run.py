@@ -309,7 +309,10 @@ def faults_refusal(config: TrainConfig) -> str | None:
             "goes with either)"
         )
     flag = f"--faults {settings.path}" if settings.path is not None else generated[0]
-    problem = _placement_refusal(config, flag) or _method_refusal(config, flag)
+    # (--membership torchft replays the trace on its own processes: its placement rules
+    # are lowcomm.membership.options')
+    placed = None if config.membership == "torchft" else _placement_refusal(config, flag)
+    problem = placed or _method_refusal(config, flag)
     if problem is not None:
         return problem
     if config.optim.name != "adamw":

@@ -15,6 +15,9 @@ one run on this machine (docs/membership.md).
    receiving the state); asking for the quorum to holding the state also waits for the
    others' next round (``asked_to_healed_s``).
 
+4. **A trace**: simulated against measured goodput on one fault trace (a crash and a join,
+   placed by step), replayed on the live job (:mod:`lowcomm.membership.replay`).
+
 Every job runs through :class:`lowcomm.membership.local.LocalJob` or the launch path; numbers
 come from each worker's summary.json and membership.json.
 """
@@ -62,6 +65,13 @@ class MembershipBench:
 
     json_out: str | None = None
     """Also write the results as JSON here."""
+
+    trace_steps: int = 600
+    """Steps of the trace's jobs: long enough that the joiner's process starts (seconds)
+    while the others still train."""
+
+    trace_only: bool = False
+    """Run only the trace's simulated against measured goodput."""
 
 
 def _config(
@@ -161,6 +171,48 @@ def _kill_and_heal(bench: MembershipBench, root: Path) -> dict[str, Any]:
     }
 
 
+def _trace_goodput(bench: MembershipBench, root: Path) -> dict[str, Any]:
+    """Simulated against measured goodput on one trace: worker 2 crashes at a quarter of the
+    steps and a new worker joins its slot at half. Measured: the trace replayed on the live
+    torchft job (SIGKILL, a new process). Simulated: the same trace in one process on the
+    virtual clock, each micro-batch declared at the live job's fault-free step time and
+    detection at ``--detect-s``, so that the two differ only in what the simulation models."""
+    from lowcomm.launch.run import run_training
+
+    trace = root / "trace.txt"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    steps = bench.trace_steps
+    trace.write_text(f"step={steps // 4} worker=2 crash\nstep={steps // 2} worker=2 join\n")
+    live = replace(
+        _config(bench, "diloco", root / "trace-torchft", "torchft"), faults=str(trace),
+        steps=steps,
+    )  # fmt: skip
+    live.validate()
+    measured = run_training(live, report=None)
+    assert measured is not None
+    faults = measured["faults"]
+    step_s = float(faults["fault_free_step_s"])
+    simulated_config = replace(
+        _config(bench, "diloco", root / "trace-simulated", "static"), faults=str(trace),
+        clock="virtual", workers_per_process=bench.workers, fault_detection_s=bench.detect_s,
+        steps=steps,
+        seconds_per_microbatch=step_s / live.microbatches_per_step,
+    )  # fmt: skip
+    simulated_config.validate()
+    simulated = run_training(simulated_config, report=None)
+    assert simulated is not None
+    sim, real = simulated["faults"]["goodput"], faults["goodput"]
+    return {
+        "trace": trace.read_text(),
+        "measured_goodput": real,
+        "simulated_goodput": sim,
+        "ratio": None if not sim or real is None else real / sim,
+        "fault_free_step_s": step_s,
+        "measured_run_s": faults["run_s"],
+        "launcher": faults["launcher"],
+    }
+
+
 def run_membership_bench(bench: MembershipBench) -> dict[str, Any]:
     """Run the benchmark; print its table and return its numbers."""
     from lowcomm.membership.options import require_torchft
@@ -168,10 +220,28 @@ def run_membership_bench(bench: MembershipBench) -> dict[str, Any]:
     require_torchft()
     with tempfile.TemporaryDirectory(prefix="lowcomm-bench-membership-") as scratch:
         root = Path(bench.out) if bench.out is not None else Path(scratch)
-        results: dict[str, Any] = {
-            "overhead": {m: _overhead(bench, m, root) for m in ("diloco", "ddp")},
-            "kill": _kill_and_heal(bench, root),
-        }
+        results: dict[str, Any] = {}
+        if not bench.trace_only:
+            results["overhead"] = {m: _overhead(bench, m, root) for m in ("diloco", "ddp")}
+            results["kill"] = _kill_and_heal(bench, root)
+        results["trace"] = _trace_goodput(bench, root)
+    lines = _table(bench, results)
+    traced = results["trace"]
+    ratio = "?" if traced["ratio"] is None else f"{traced['ratio']:.3f}"
+    lines.append(
+        f"trace ({' / '.join(traced['trace'].strip().splitlines())}): goodput "
+        f"measured {traced['measured_goodput']:.3f}, simulated {traced['simulated_goodput']:.3f}"
+        f" (measured / simulated {ratio})"
+    )
+    print("\n".join(lines), flush=True)
+    if bench.json_out is not None:
+        Path(bench.json_out).write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def _table(bench: MembershipBench, results: dict[str, Any]) -> list[str]:
+    if "overhead" not in results:
+        return []
     lines = ["method  static tok/s  torchft tok/s  time ratio (torchft / static)"]
     for method, row in results["overhead"].items():
         lines.append(
@@ -188,7 +258,4 @@ def run_membership_bench(bench: MembershipBench) -> dict[str, Any]:
         f"{bench.bandwidth_gbps:g} Gbit/s = {kill['bytes_over_bandwidth_s']:.3f} s); process "
         f"start to its first committed round {kill['start_to_first_commit_s']:.1f} s",
     ]
-    print("\n".join(lines), flush=True)
-    if bench.json_out is not None:
-        Path(bench.json_out).write_text(json.dumps(results, indent=1) + "\n")
-    return results
+    return lines

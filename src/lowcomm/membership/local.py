@@ -26,6 +26,7 @@ from typing import Any
 
 from lowcomm.config import TrainConfig
 from lowcomm.membership.options import parse_address, require_torchft
+from lowcomm.membership.replay import Channel, Replay, WorkerReplay, check_replay, job_goodput
 from lowcomm.train.task import Task
 
 __all__ = ["LocalJob", "loopback_interface", "run_membership"]
@@ -40,7 +41,7 @@ def loopback_interface() -> str:
     return next((name for name in names if name.startswith("lo")), "lo")
 
 
-def _worker_main(config: TrainConfig, task: Task | None) -> None:
+def _worker_main(config: TrainConfig, task: Task | None, replay: WorkerReplay | None) -> None:
     """A local worker process: train, and say a failure in one line."""
     import torch
 
@@ -48,7 +49,7 @@ def _worker_main(config: TrainConfig, task: Task | None) -> None:
     from lowcomm.membership.worker import train_replica
 
     try:
-        train_replica(config, task)
+        train_replica(config, task, replay)
     except KeyboardInterrupt:
         os._exit(130)
     except ValueError as error:
@@ -100,13 +101,20 @@ class LocalJob:
         self.address = f"127.0.0.1:{port}"
         self.processes: dict[int, list[BaseProcess]] = {}
         self._context = multiprocessing.get_context("spawn")
+        #: The fault trace replayed on the workers (--faults, --fault-*), or None.
+        self.trace = check_replay(config)
+        self.channel = Channel.make(self._context, config.workers)
+        self.replay = (
+            None if self.trace is None else Replay(self.trace, self.channel, config.workers)
+        )
 
     def worker_dir(self, slot: int, start: int) -> Path:
         """Where slot ``slot``'s ``start``-th process (0: the first) writes its run."""
         return self.run_dir / (f"worker{slot}" if start == 0 else f"worker{slot}.{start}")
 
-    def start(self, slot: int) -> BaseProcess:
-        """Start a worker in ``slot`` (again, if one ran there: it joins the live ones)."""
+    def start(self, slot: int, since_step: int = 0) -> BaseProcess:
+        """Start a worker in ``slot`` (again, if one ran there: it joins the live ones, which
+        are at ``since_step``)."""
         started = len(self.processes.get(slot, []))
         options = replace(
             self.config.membership_options, lighthouse=self.address, worker=slot, host="127.0.0.1"
@@ -118,7 +126,10 @@ class LocalJob:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         try:
-            process = self._context.Process(target=_worker_main, args=(config, self.task))
+            replay = None
+            if self.trace is not None:
+                replay = WorkerReplay(self.channel, self.trace, slot, since_step)
+            process = self._context.Process(target=_worker_main, args=(config, self.task, replay))
             process.start()
         finally:
             for key, value in saved.items():
@@ -132,6 +143,14 @@ class LocalJob:
     def start_all(self) -> None:
         for slot in range(self.config.workers):
             self.start(slot)
+
+    def alive(self, slot: int) -> bool:
+        """Whether slot ``slot``'s latest worker process is running."""
+        processes = self.processes.get(slot)
+        return processes is not None and bool(processes) and processes[-1].is_alive()
+
+    def any_alive(self) -> bool:
+        return any(self.alive(slot) for slot in self.processes)
 
     def kill(self, slot: int) -> float:
         """SIGKILL slot ``slot``'s live worker; the wall time of the kill."""
@@ -192,6 +211,8 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     if options.lighthouse is not None:
         from lowcomm.membership.worker import train_replica
 
+        check_replay(config)  # (a trace is refused here: the local launcher replays one)
+
         train_replica(config, task)
         return read_summary(run_directory(config))
     with LocalJob(config, task) as job:
@@ -201,17 +222,69 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
             flush=True,
         )
         job.start_all()
+        if job.replay is not None:
+            job.replay.run(job)
         codes = job.wait()
     finished = [slot for slot, exits in sorted(codes.items()) if exits and exits[-1] == 0]
     _write_job(job, codes)
     if not finished:
         slot, exits = min(codes.items())
         raise WorkerFailed(slot, f"every worker failed (worker {slot} exited with {exits[-1]})")
-    return read_summary(job.worker_dir(finished[0], len(codes[finished[0]]) - 1))
+    summary = read_summary(job.worker_dir(finished[0], len(codes[finished[0]]) - 1))
+    if summary is not None and job.replay is not None:
+        summary["faults"] = json.loads((job.run_dir / "membership.json").read_text())["faults"]
+    return summary
+
+
+def job_faults(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, Any] | None:
+    """The replayed trace's record of the job (None: no trace): what the launcher did, the
+    job's goodput (lowcomm.membership.replay.job_goodput), and every worker's rounds dropped
+    and membership changes. Also written into each finished worker's summary.json ``faults``
+    (its goodput is the job's)."""
+    if job.replay is None or job.trace is None:
+        return None
+    from lowcomm.membership.replay import read_record
+
+    records = []
+    for slot, exits in sorted(codes.items()):
+        for n in range(len(exits)):
+            record = read_record(job.worker_dir(slot, n) / "membership.json")
+            if record is not None:
+                records.append(record)
+    started = float(job.channel.started.value) or None
+    figures = job_goodput(job.config, records, started)
+    return {
+        "source": job.trace.source,
+        "replayed": "torchft",
+        "detection_s": job.config.membership_options.detect_s,
+        **figures,
+        "rounds_dropped": max((int(r.get("dropped_rounds") or 0) for r in records), default=0),
+        "launcher": job.replay.log,
+    }
+
+
+def _patch_summaries(
+    job: LocalJob, codes: dict[int, list[int | None]], faults: dict[str, Any]
+) -> None:
+    for slot, exits in codes.items():
+        path = job.worker_dir(slot, len(exits) - 1) / "summary.json"
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        own = summary.get("faults") or {}
+        for key in ("committed_tokens", "goodput", "worker_seconds_lost", "fault_free_step_s"):
+            own[key] = faults[key]
+        own["scope"] = "job"
+        summary["faults"] = own
+        path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
     """OUT/membership.json: where each worker's run is and how its processes ended."""
+    faults = job_faults(job, codes)
+    if faults is not None:
+        _patch_summaries(job, codes, faults)
     record = {
         "engine": "torchft",
         "lighthouse": job.address,
@@ -222,6 +295,7 @@ def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
             ]
             for slot, exits in sorted(codes.items())
         },
+        "faults": faults,
     }
     job.run_dir.mkdir(parents=True, exist_ok=True)
     (job.run_dir / "membership.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -33,8 +33,12 @@ __all__ = [
 INSTALL_HINT = "pip install 'lowcomm[ft]'"
 
 #: Methods that run with --membership torchft: each round is one quorum and one mean
-#: all-reduce of the method's payload, which torchft's Manager commits or drops.
-TORCHFT_METHODS: tuple[str, ...] = ("ddp", "diloco")
+#: all-reduce of the method's payload, which torchft's Manager commits or drops; each is
+#: checked against static membership with no fault and through a kill and a restart.
+TORCHFT_METHODS: tuple[str, ...] = (
+    "ddp", "diloco", "streaming_diloco", "desloc", "sparta", "sparta_diloco", "local_sgd",
+    "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt",
+)  # fmt: skip
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
 #: others need.
@@ -164,12 +168,17 @@ def membership_refusal(config: TrainConfig) -> str | None:
             "workers, so a lost worker takes a shard the others need (it does not re-shard "
             f"from the survivors); use {' or '.join(TORCHFT_METHODS)}"
         )
+    if config.method == "demo":
+        return (
+            f"{flag}: --method demo gathers its workers' components (all_gather), which a "
+            f"torchft round does not carry yet; use {', '.join(TORCHFT_METHODS)}"
+        )
     if config.method not in TORCHFT_METHODS:
         return (
-            f"{flag}: --method {config.method} is not yet supported (a round must be one "
-            f"quorum and one mean all-reduce); use {' or '.join(TORCHFT_METHODS)}"
+            f"{flag}: --method {config.method} is not yet supported (its rounds are not yet "
+            f"checked through a kill and a restart); use {', '.join(TORCHFT_METHODS)}"
         )
-    if config.method == "diloco":
+    if config.method in ("diloco", "streaming_diloco", "sparta_diloco"):
         quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
         if quantization != "none":
             return (
@@ -187,8 +196,6 @@ def membership_refusal(config: TrainConfig) -> str | None:
         return (
             f"{flag}: not yet supported on --device {config.device} (torchft's Gloo group); use cpu"
         )
-    if config.faults is not None or config.fault_mtbf_s is not None:
-        return f"{flag}: not with --faults / --fault-*, the simulated faults; drop them"
     if config.resume is not None or config.checkpoint_every is not None:
         return (
             f"{flag}: not yet with checkpoints (--resume, --checkpoint-every): a joining "

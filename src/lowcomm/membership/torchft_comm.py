@@ -235,6 +235,12 @@ class Replica:
         self.step_changes: dict[int, list[dict[str, object]]] = {}
         self.dropped_steps: set[int] = set()
         self._members: tuple[int, ...] = ()
+        #: Tokens this worker trained since its last committed round, and the tokens its
+        #: committed rounds kept (goodput): a round it sat out (healing) keeps none of its own.
+        self.pending_tokens = 0
+        self.committed_tokens = 0
+        #: The wall time this worker ended its last step (None: it has not).
+        self.trained_until: float | None = None
 
     # --- the method's state (the Manager's state dict callbacks) ------------------------
 
@@ -327,7 +333,9 @@ class Replica:
         if self.pg.quorum_id != self._last_quorum:
             self._last_quorum = self.pg.quorum_id
             members = tuple(sorted(self.pg.members))
-            if self._members:
+            # (Before the first committed round the job is still assembling: workers that
+            # arrive then are its members from the start, not joins.)
+            if self._members and self.commits > 0:
                 changes: list[dict[str, object]] = [
                     {"worker": w, "kind": "crash"} for w in self._members if w not in members
                 ]
@@ -352,7 +360,11 @@ class Replica:
         """End the open round: whether torchft commits it (every collective completed and
         enough workers took part)."""
         started = time.time()
+        participating = bool(self.manager.is_participating())
         committed = bool(self.manager.should_commit())
+        if committed:
+            self.committed_tokens += self.pending_tokens if participating else 0
+            self.pending_tokens = 0
         self._log({
             "event": "commit" if committed else "dropped", "time": time.time(),
             "step": self.loop_step, "quorum_id": self.pg.quorum_id, "waited_s": time.time() - started,

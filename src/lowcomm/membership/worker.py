@@ -25,6 +25,7 @@ from typing import Any
 
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.membership.options import parse_address, require_torchft
+from lowcomm.membership.replay import WorkerReplay, without_faults
 from lowcomm.train.task import Task
 
 __all__ = ["check_lighthouse", "local_address", "train_replica"]
@@ -57,10 +58,15 @@ def local_address(lighthouse: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, Any]:
+def train_replica(
+    config: TrainConfig, task: Task | None = None, replay: WorkerReplay | None = None
+) -> dict[str, Any]:
     """Train this process as worker ``--membership.worker`` of a torchft job; return what
-    membership.json holds."""
+    membership.json holds. ``replay``: the local launcher replays a fault trace on this
+    worker (lowcomm.membership.replay); its trace is then not simulated here."""
     require_torchft()
+    if replay is not None:
+        config = without_faults(config)
     options = config.membership_options
     assert options.lighthouse is not None and options.worker is not None
     check_lighthouse(options.lighthouse)
@@ -108,21 +114,32 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         final = loop.FinalState()
         log = StepLog(config.log_every)
         start_wall = time.perf_counter()
+        tokens_per_step = per_step * config.tokens_per_microbatch()
+        clean = _CleanSteps(config.workers)
         try:
             with worker.clock.training():
                 step = progress.start_step
                 while step < config.steps:
+                    if replay is not None:
+                        replay.at_step(step)  # (a crash placed at this step: killed here)
                     replica.loop_step = step
+                    replica.pending_tokens += tokens_per_step
                     if step_rounds:
                         replica.open_round()  # (forms while the gradient is computed)
                     commits = replica.commits
+                    dropped = replica.failed_rounds
+                    began = time.perf_counter()
                     loop.train_step(worker, step, progress, writer, final, log)
+                    step_s = time.perf_counter() - began
+                    slow = replay is not None and replay.slow_down(step, step_s)
+                    clean.add(replica, step, step_s, slow or replica.failed_rounds > dropped)
                     if options.digests and replica.commits > commits:
                         replica.record_digest(step, worker.model.parameters())
                     healed = replica.take_healed_step()
                     if healed is not None and healed != step:  # (healed into a later step)
                         _skip_to(worker.shard, (healed + 1) * per_step)
                     step = (step if healed is None else healed) + 1
+                replica.trained_until = time.time()
                 loop.final_evaluation(worker, progress, final, keep_parameters=False)
         finally:
             if writer is not None:
@@ -134,6 +151,7 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         loop.finish(worker, progress, writer, final, False, time.perf_counter() - start_wall)
         record = _record(replica, config, started)
         record["finished"] = time.time()
+        record["clean_step_s"], record["clean_steps"] = clean.seconds, clean.count
         record["data_position"] = worker.shard.state_dict().get("position")
         _write(path, record)
         return record
@@ -198,7 +216,26 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
         "dropped_rounds": replica.failed_rounds,
         "events": replica.events,
         "digests": replica.digests,
+        "committed_tokens": replica.committed_tokens,
+        "trained_until": replica.trained_until,
     }
+
+
+class _CleanSteps:
+    """The wall seconds of this worker's steps that ran as a fault-free step does: every
+    worker in the quorum, no membership change, no slowdown and no dropped round (goodput's
+    fault-free step time, lowcomm.membership.replay)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.seconds = 0.0
+        self.count = 0
+
+    def add(self, replica: Any, step: int, step_s: float, disturbed: bool) -> None:
+        full = replica.quorum_size_at(step) == self.workers
+        if full and not disturbed and step not in replica.step_changes:
+            self.seconds += step_s
+            self.count += 1
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
