@@ -38,7 +38,7 @@ METHODS = sorted(STRATEGIES)
 
 def _config(method: str, out: Path, workers: int, **overrides: object) -> Any:
     config = tiny_config(method, out, **overrides)
-    config.workers = workers
+    config.placement.workers = workers
     return config
 
 

@@ -76,12 +76,14 @@ def speed_worker(setting: SpeedSetting) -> dict[str, list[float]]:
 
 def speed_config(setting: SpeedSetting) -> Any:
     """The ``lowcomm train`` configuration of lowcomm's side."""
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import CommConfig, NumericsConfig, PlacementConfig, TrainConfig
 
     config = TrainConfig(
-        method="ddp", workers=WORKERS, ranks_per_worker=RANKS, worker_sharding="fsdp",
-        network="none", inner_network="none", clock="real", precision=setting.precision,  # type: ignore[arg-type]
-    )  # fmt: skip
+        method="ddp",
+        placement=PlacementConfig(workers=WORKERS, ranks_per_worker=RANKS, worker_sharding="fsdp"),
+        comm=CommConfig(network="none", inner_network="none", clock="real"),
+        numerics=NumericsConfig(precision=setting.precision),  # type: ignore[arg-type]
+    )
     heads = max(1, setting.n_embd // 64)
     config.model.family = "hf-llama"
     config.model.n_layer, config.model.n_embd, config.model.n_head = (

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from lowcomm.bench.runs import STUDY_CALIBRATION, study_calibration
 from lowcomm.bench.startup import time_command
+from lowcomm.config import CommConfig
 
 #: Placements the bench knows.
 MODES = ("process", "inprocess")
@@ -349,10 +350,11 @@ def _scale_train_config(bench: ScaleBench) -> Any:
     from lowcomm.models.options import ModelConfig
 
     return TrainConfig(
-        method=bench.method, network=bench.network,
+        method=bench.method,
         model=ModelConfig(n_layer=2, n_embd=64, n_head=2, block_size=32),
         data=DataConfig(micro_batch_size=bench.micro_batch_size),
-    )  # fmt: skip
+        comm=CommConfig(network=bench.network),
+    )
 
 
 def describe_run(run: ScaleRun) -> str:

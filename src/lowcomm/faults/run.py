@@ -41,13 +41,14 @@ from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions, g
 from lowcomm.faults.trace import FaultTrace, TraceError, load_trace
 
 if TYPE_CHECKING:
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import FaultConfig, TrainConfig
 
 __all__ = [
     "FIRST_HORIZON_MTBFS",
     "GENERATED_HORIZON_S",
     "SHARDED_METHODS",
     "FaultSettings",
+    "check_values",
     "faults_refusal",
     "run_trace",
     "supported_methods",
@@ -85,15 +86,15 @@ class FaultSettings:
     seed: int | None
 
     @classmethod
-    def of(cls, config: TrainConfig) -> FaultSettings:
+    def of(cls, options: FaultConfig) -> FaultSettings:
         return cls(
-            path=config.faults,
-            mtbf_s=config.fault_mtbf_s,
-            replace_after_s=config.fault_replace_after_s,
-            slow_fraction=config.fault_slow_fraction,
-            slow_factor=config.fault_slow_factor,
-            detection_s=config.fault_detection_s,
-            seed=config.fault_seed,
+            path=options.faults,
+            mtbf_s=options.fault_mtbf_s,
+            replace_after_s=options.fault_replace_after_s,
+            slow_fraction=options.fault_slow_fraction,
+            slow_factor=options.fault_slow_factor,
+            detection_s=options.fault_detection_s,
+            seed=options.fault_seed,
         )
 
     @property
@@ -126,7 +127,7 @@ class FaultSettings:
         )
 
 
-def _check_values(settings: FaultSettings) -> str | None:
+def check_values(settings: FaultSettings) -> str | None:
     """The generated options' and the detection time's own rules, in one line."""
     checks: list[tuple[str, float | None, bool, str]] = [
         (
@@ -172,8 +173,8 @@ def _check_values(settings: FaultSettings) -> str | None:
 def faults_refusal(config: TrainConfig) -> str | None:
     """Why this run's fault options cannot run (one line naming the option, the value, the
     rule and the fix), or None. Reads no file."""
-    settings = FaultSettings.of(config)
-    problem = _check_values(settings)
+    settings = FaultSettings.of(config.fault)
+    problem = check_values(settings)
     if problem is not None:
         return problem
     if not settings.enabled:
@@ -197,12 +198,12 @@ def faults_refusal(config: TrainConfig) -> str | None:
             f"{flag}: not yet supported with --diloco.quantization {quantization} (its "
             "two-step exchange is laid out for every worker); use none"
         )
-    if config.resume is not None or config.checkpoint_every is not None:
+    if config.run.resume is not None or config.run.checkpoint_every is not None:
         return (
             f"{flag}: not yet supported with checkpoints (--resume, --checkpoint-every): a "
             "checkpoint does not record the quorum yet; drop them"
         )
-    if config.token_budget is not None:
+    if config.run.token_budget is not None:
         return f"{flag}: not yet supported with --token-budget; give --steps"
     return None
 
@@ -211,20 +212,20 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's placement or clock cannot replay faults yet, or None."""
     supported = (
         "faults run today with every worker a thread of one process on the virtual clock "
-        f"(--workers-per-process {config.workers} --clock virtual, --ranks-per-worker 1)"
+        f"(--workers-per-process {config.placement.workers} --clock virtual, --ranks-per-worker 1)"
     )
-    if config.workers_per_process != config.workers:
+    if config.placement.workers_per_process != config.placement.workers:
         return (
             f"{flag}: not yet supported with --workers-per-process "
-            f"{config.workers_per_process} (worker processes or torchrun); {supported}"
+            f"{config.placement.workers_per_process} (worker processes or torchrun); {supported}"
         )
-    if config.ranks_per_worker != 1:
+    if config.placement.ranks_per_worker != 1:
         return (
-            f"{flag}: not yet supported with --ranks-per-worker {config.ranks_per_worker}; "
+            f"{flag}: not yet supported with --ranks-per-worker {config.placement.ranks_per_worker}; "
             f"{supported}"
         )
-    if config.clock != "virtual":
-        return f"{flag}: not yet supported on the {config.clock} clock; {supported}"
+    if config.comm.clock != "virtual":
+        return f"{flag}: not yet supported on the {config.comm.clock} clock; {supported}"
     return None
 
 
@@ -264,13 +265,15 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
     Raises:
         TraceError: in one line (a ValueError, which ``lowcomm train`` prints as its error).
     """
-    settings = FaultSettings.of(config)
+    settings = FaultSettings.of(config.fault)
     if not settings.enabled:
         return None
     if settings.path is not None:
-        trace = load_trace(settings.path, workers=config.workers)
+        trace = load_trace(settings.path, workers=config.placement.workers)
     else:
-        trace = _generated(settings.generated_options(), config.workers, _first_horizon(settings))
+        trace = _generated(
+            settings.generated_options(), config.placement.workers, _first_horizon(settings)
+        )
     stepped_down = [e for e in trace.events if e.kind == "link_down" and e.at_step is not None]
     if stepped_down:
         event = stepped_down[0]
@@ -300,13 +303,13 @@ def trace_extension(config: TrainConfig) -> tuple[Callable[[float], FaultTrace] 
     """How the run's generated trace grows past its horizon, and that horizon: a function
     giving the same trace over a longer horizon (None: the trace is complete, a file or a
     generated trace without crashes) and the seconds it covers now."""
-    settings = FaultSettings.of(config)
+    settings = FaultSettings.of(config.fault)
     if settings.path is not None or not settings.enabled:
         return None, math.inf
     first = _first_horizon(settings)
     if first >= GENERATED_HORIZON_S:
         return None, math.inf
-    options, workers = settings.generated_options(), config.workers
+    options, workers = settings.generated_options(), config.placement.workers
 
     def extend(horizon_s: float) -> FaultTrace:
         return _generated(options, workers, horizon_s)
