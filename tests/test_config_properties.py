@@ -256,7 +256,7 @@ def first_step(config: TrainConfig) -> None:
     in-process replica group: a recording cannot stand in for the other ranks, whose slices
     of a two-level all-gather differ from this one's."""
     datetime.timedelta(seconds=config.comm.collective_timeout_s)  # the process group's timeout
-    profile = network_profile(config)
+    profile = network_profile(config.comm)
     make_clock(
         config.comm.clock,
         speed_factor=profile.speed_factor(0),
@@ -291,13 +291,13 @@ def first_step(config: TrainConfig) -> None:
 def _rank_first_step(
     config: TrainConfig, corpus: Any, model: Any, replica_comm: Any, replica: int
 ) -> None:
-    profile = network_profile(config)
+    profile = network_profile(config.comm)
     clock = VirtualClock(speed_factor=profile.speed_factor(0), seconds_per_microbatch=0.05)
     comm: NetworkComm | HierarchicalComm = NetworkComm(
         RecordingComm(world_size=config.placement.workers), profile, clock
     )
     if replica_comm is not None:
-        inner = NetworkComm(replica_comm, replica_network_profile(config), clock)
+        inner = NetworkComm(replica_comm, replica_network_profile(config.comm), clock)
         comm = HierarchicalComm(inner, comm, clock)
     strategy = build_strategy(config.method, model, comm, strategy_context(config), config)
     shard = WorkerShard(

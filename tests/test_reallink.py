@@ -133,7 +133,7 @@ def test_the_virtual_run_declares_the_shaped_link_at_its_goodput(tmp_path: Path)
         3,
     )
     assert (config.method, config.run.steps, config.comm.seconds_per_microbatch) == ("co2", 5, None)
-    profile = network_profile(config)
+    profile = network_profile(config.comm)
     assert profile.latency_ms == 0.0
     # tbf meters 1514-byte frames that carry 1448 bytes of TCP payload each.
     assert profile.bandwidth_gbps == pytest.approx(0.1 * 1448 / 1514)

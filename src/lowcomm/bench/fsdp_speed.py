@@ -103,7 +103,7 @@ def _lowcomm_side(config: Any, model: torch.nn.Module, batches: _Batches) -> Cal
     from lowcomm.train.context import network_profile, replica_network_profile, strategy_context
 
     clock = RealClock()
-    links = (network_profile(config), replica_network_profile(config))
+    links = (network_profile(config.comm), replica_network_profile(config.comm))
     comm = sharding.shard_worker(config, model, clock, torch.device("cpu"), links)
     from dataclasses import replace
 

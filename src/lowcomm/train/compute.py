@@ -102,7 +102,7 @@ def worker_clock(config: TrainConfig, task: Task, bookkeeping: Comm, device: tor
     measured by :func:`finish_calibration`: the standard pass of ``task``'s whole model on
     its fixed micro-batch, once for the run, see :func:`lowcomm.comm.calibration.calibrate`)."""
     worker_index = bookkeeping.rank // config.placement.ranks_per_worker
-    speed_factor = network_profile(config).speed_factor(worker_index)
+    speed_factor = network_profile(config.comm).speed_factor(worker_index)
     if not uses_calibration(config):
         return make_clock(
             config.comm.clock,

@@ -8,27 +8,27 @@ them here from it: the worker's communicators (:mod:`lowcomm.train.loop`), its c
 from __future__ import annotations
 
 from lowcomm.comm.network import INNER_LINK, OUTER_LINK, NetworkProfile
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, TrainConfig
 from lowcomm.strategies.base import StrategyContext, budget_shares
 
 
-def network_profile(config: TrainConfig) -> NetworkProfile:
+def network_profile(comm: CommConfig) -> NetworkProfile:
     """The link between workers (``--network``, its overrides and ``--speed-factors``)."""
     return NetworkProfile.from_preset(
-        config.comm.network,
-        bandwidth_gbps=config.comm.bandwidth_gbps,
-        latency_ms=config.comm.latency_ms,
-        speed_factors=tuple(config.comm.speed_factors),
+        comm.network,
+        bandwidth_gbps=comm.bandwidth_gbps,
+        latency_ms=comm.latency_ms,
+        speed_factors=tuple(comm.speed_factors),
         names=OUTER_LINK,
     )
 
 
-def replica_network_profile(config: TrainConfig) -> NetworkProfile:
+def replica_network_profile(comm: CommConfig) -> NetworkProfile:
     """The replica link: between the ranks of one worker (``--inner-network``)."""
     return NetworkProfile.from_preset(
-        config.comm.inner_network,
-        bandwidth_gbps=config.comm.inner_bandwidth_gbps,
-        latency_ms=config.comm.inner_latency_ms,
+        comm.inner_network,
+        bandwidth_gbps=comm.inner_bandwidth_gbps,
+        latency_ms=comm.inner_latency_ms,
         names=INNER_LINK,
     )
 

@@ -245,7 +245,7 @@ def set_up(
     if (
         config.placement.worker_sharding == "fsdp"
     ):  # FSDP2 over the worker's ranks (train/sharding.py)
-        links = (network_profile(config), replica_network_profile(config))
+        links = (network_profile(config.comm), replica_network_profile(config.comm))
         comm = sharding.shard_worker(config, model, clock, device, links, deferred)
     else:
         # The launch-time agreements of the virtual clock go on the world's host group (a
@@ -385,7 +385,7 @@ def _strategy_comms(
     (replica, outer) communicators, when the caller made them. ``bookkeeping``: a host group
     of ``raw``'s ranks, on which a flat worker's virtual clock agrees on launch times (the
     level groups made here get host groups of their own for that)."""
-    profile = network_profile(config)
+    profile = network_profile(config.comm)
     wire = wire_dtype(config.comm.comm_dtype)
     if config.placement.ranks_per_worker == 1:
         comm = NetworkComm(
@@ -401,7 +401,7 @@ def _strategy_comms(
         if bookkeeping is not None:
             books = level_comms(config.placement.ranks_per_worker, timeout, backend="gloo")
     replica_raw, outer_raw = levels
-    replica_profile = replica_network_profile(config)
+    replica_profile = replica_network_profile(config.comm)
     replica_comm = NetworkComm(
         replica_raw, replica_profile, clock, device=device, wire_dtype=wire, bookkeeping=books[0]
     )
@@ -789,9 +789,9 @@ def finish(
             )
             if fault_committed is None
             else fault_committed,
-            network=network_profile(config),
+            network=network_profile(config.comm),
             task=worker.task.describe(),
-            replica_network=replica_network_profile(config)
+            replica_network=replica_network_profile(config.comm)
             if config.placement.ranks_per_worker > 1
             else None,
         )
