@@ -31,11 +31,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from lowcomm.bench.runs import STUDY_CALIBRATION, study_calibration
 from lowcomm.bench.startup import time_command
-from lowcomm.config import CommConfig
+
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
 
 #: Placements the bench knows.
 MODES = ("process", "inprocess")
@@ -343,9 +345,9 @@ def run_scale(bench: ScaleBench) -> list[ScaleRun]:
     return runs
 
 
-def _scale_train_config(bench: ScaleBench) -> Any:
+def _scale_train_config(bench: ScaleBench) -> TrainConfig:
     """The training configuration of the bench's runs (for the study's calibration)."""
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import CommConfig, TrainConfig
     from lowcomm.data.config import DataConfig
     from lowcomm.models.options import ModelConfig
 
