@@ -39,9 +39,11 @@ ROOT = DATA.parents[1]
 FLAT_CONFIG = DATA / "config_main.json"
 #: Every flag `lowcomm train` took before the components (tyro's parser, sorted).
 FLAGS_BEFORE = DATA / "train_flags_main.txt"
+#: Every flag `lowcomm bench compare` took then, where TrainConfig is nested (--train.workers).
+COMPARE_FLAGS_BEFORE = DATA / "bench_compare_flags_main.txt"
 
 
-def _train_flags() -> list[str]:
+def _flags(kind: type) -> list[str]:
     import warnings
 
     import tyro
@@ -50,12 +52,16 @@ def _train_flags() -> list[str]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # (get_parser is deprecated)
-        parser = tyro.extras.get_parser(TrainConfig, config=_TYRO)
+        parser = tyro.extras.get_parser(kind, config=_TYRO)
     return sorted({flag for a in parser._actions for flag in a.option_strings if flag[:2] == "--"})
 
 
 def test_every_flag_keeps_its_name() -> None:
-    assert _train_flags() == FLAGS_BEFORE.read_text().split()
+    from lowcomm.bench.compare import CompareBench
+
+    assert _flags(TrainConfig) == FLAGS_BEFORE.read_text().split()
+    # The components add no prefix of their own, and drop none of the level above them.
+    assert _flags(CompareBench) == COMPARE_FLAGS_BEFORE.read_text().split()
 
 
 def test_a_component_flag_sets_its_component() -> None:
