@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import TrainConfig, option_names, option_value
 from lowcomm.plan import PlanConfig, make_plan, price_faults
 
 
@@ -49,22 +49,20 @@ def plan_for_run(run: Path, *, seconds_per_step: float | None = None) -> PlanCon
     train = TrainConfig.from_dict(json.loads(config_path.read_text()))
     summary = json.loads(summary_path.read_text())
     if seconds_per_step is None:
-        if train.seconds_per_microbatch is None:
+        if train.comm.seconds_per_microbatch is None:
             raise RunError(
                 f"{run}: --seconds-per-microbatch None (a calibrated clock): the planner needs "
                 "one worker's compute per step; pass --seconds-per-step, or run on the declared "
                 "clock"
             )
-        seconds_per_step = train.seconds_per_microbatch * train.microbatches_per_step
-    shared = {f.name for f in dataclasses.fields(PlanConfig)} & {
-        f.name for f in dataclasses.fields(TrainConfig)
-    }
+        seconds_per_step = train.comm.seconds_per_microbatch * train.run.microbatches_per_step
+    shared = {f.name for f in dataclasses.fields(PlanConfig)} & option_names()
     steps = int(summary["steps"])
     tokens = float(summary.get("tokens") or summary.get("samples") or 0.0)
     if steps < 1 or not tokens > 0:
         raise RunError(f"{summary_path}: steps={steps}, tokens={tokens}; the run trained nothing")
     return PlanConfig(
-        **{name: getattr(train, name) for name in shared},
+        **{name: option_value(train, name) for name in shared},
         params=str(summary["num_params"]),
         tokens=tokens,
         tokens_per_step=tokens / steps,

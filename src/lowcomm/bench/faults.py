@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import (
+    CommConfig,
+    PlacementConfig,
+    RunConfig,
+    TrainConfig,
+    option_names,
+    option_value,
+)
 from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S
 
 #: The methods the benchmark compares by default.
@@ -109,14 +116,27 @@ def _train_config(bench: FaultsBench, method: str, workers: int, out: Path) -> T
     from lowcomm.models import ModelConfig
 
     config = TrainConfig(
-        method=method, workers=workers, workers_per_process=workers, steps=bench.steps,
-        network=bench.network, clock="virtual", seconds_per_microbatch=bench.seconds_per_microbatch,
-        eval_every=bench.steps, eval_batches=2, log_every=bench.steps, progress=False, plot=False,
-        out=str(out),
-        model=ModelConfig(n_layer=bench.n_layer, n_head=2, n_embd=bench.n_embd,
-                          block_size=bench.block_size),
+        method=method,
+        model=ModelConfig(
+            n_layer=bench.n_layer, n_head=2, n_embd=bench.n_embd, block_size=bench.block_size
+        ),
         data=DataConfig(micro_batch_size=bench.micro_batch_size),
-    )  # fmt: skip
+        placement=PlacementConfig(workers=workers, workers_per_process=workers),
+        run=RunConfig(
+            steps=bench.steps,
+            eval_every=bench.steps,
+            eval_batches=2,
+            log_every=bench.steps,
+            progress=False,
+            plot=False,
+            out=str(out),
+        ),
+        comm=CommConfig(
+            network=bench.network,
+            clock="virtual",
+            seconds_per_microbatch=bench.seconds_per_microbatch,
+        ),
+    )
     for group in ("diloco", "streaming_diloco", "decoupled_diloco"):
         options = getattr(config, group, None)
         if options is not None and hasattr(options, "sync_every"):
@@ -125,12 +145,12 @@ def _train_config(bench: FaultsBench, method: str, workers: int, out: Path) -> T
 
 
 def _with_faults(config: TrainConfig, bench: FaultsBench, mtbf_s: float, replace_s: float) -> None:
-    config.fault_mtbf_s = mtbf_s
-    config.fault_replace_after_s = replace_s
-    config.fault_slow_fraction = bench.fault_slow_fraction
-    config.fault_slow_factor = bench.fault_slow_factor
-    config.fault_detection_s = bench.fault_detection_s
-    config.fault_seed = bench.fault_seed
+    config.fault.fault_mtbf_s = mtbf_s
+    config.fault.fault_replace_after_s = replace_s
+    config.fault.fault_slow_fraction = bench.fault_slow_fraction
+    config.fault.fault_slow_factor = bench.fault_slow_factor
+    config.fault.fault_detection_s = bench.fault_detection_s
+    config.fault.fault_seed = bench.fault_seed
 
 
 def _refusal(config: TrainConfig) -> str | None:
@@ -146,7 +166,7 @@ def _run(config: TrainConfig) -> dict[str, Any] | str:
     """Train ``config`` from scratch; its summary and its records, or the error in one line."""
     from lowcomm.bench.runs import run_one
 
-    out = Path(str(config.out))
+    out = Path(str(config.run.out))
     if out.exists():
         shutil.rmtree(out)
     error = run_one(config)
@@ -169,18 +189,16 @@ def predicted_goodput(config: TrainConfig, summary: dict[str, Any]) -> float | N
     them), its parameters, tokens and steps, its modeled time as the horizon."""
     from lowcomm.plan import PlanConfig, make_plan, price_faults
 
-    shared = {f.name for f in dataclasses.fields(PlanConfig)} & {
-        f.name for f in dataclasses.fields(TrainConfig)
-    }
+    shared = {f.name for f in dataclasses.fields(PlanConfig)} & option_names()
     steps = int(summary["steps"])
     tokens = float(summary["tokens"])
-    assert config.seconds_per_microbatch is not None
+    assert config.comm.seconds_per_microbatch is not None
     plan = PlanConfig(
-        **{name: getattr(config, name) for name in shared},
+        **{name: option_value(config, name) for name in shared},
         params=str(summary["num_params"]),
         tokens=tokens,
         tokens_per_step=tokens / steps,
-        seconds_per_step=config.seconds_per_microbatch * config.microbatches_per_step,
+        seconds_per_step=config.comm.seconds_per_microbatch * config.run.microbatches_per_step,
         fault_horizon_s=float(summary["modeled_time_s"]),
     )
     try:
@@ -244,7 +262,7 @@ def run_workers(
             continue
         result = _run(config)
         if not isinstance(result, str):
-            result["_dir"] = str(config.out)
+            result["_dir"] = str(config.run.out)
         clean[method] = result
     longest = max(
         (r["modeled_time_s"] for r in clean.values() if not isinstance(r, str)), default=1.0
@@ -273,7 +291,7 @@ def run_workers(
         else:
             result = _run(config)
             if not isinstance(result, str):
-                result["_dir"] = str(config.out)
+                result["_dir"] = str(config.run.out)
                 predicted = predicted_goodput(config, result)
             faulted = result
         rows.append(_row(method, workers, clean[method], faulted, predicted))

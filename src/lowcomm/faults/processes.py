@@ -60,7 +60,7 @@ def spawned_train_with_faults(config: TrainConfig, task: Task | None = None) -> 
     from lowcomm.comm.torch_comm import QuorumTorchComm
     from lowcomm.train.loop import train_worker
 
-    raw = QuorumTorchComm(timeout_s=config.collective_timeout_s)
+    raw = QuorumTorchComm(timeout_s=config.comm.collective_timeout_s)
     if raw.rank == 0:
         print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
     return train_worker(config, raw, task=task)

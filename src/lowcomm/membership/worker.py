@@ -61,7 +61,7 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
     """Train this process as worker ``--membership.worker`` of a torchft job; return what
     membership.json holds."""
     require_torchft()
-    options = config.membership_options
+    options = config.placement.membership_options
     assert options.lighthouse is not None and options.worker is not None
     check_lighthouse(options.lighthouse)
 
@@ -76,8 +76,8 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
 
     host = options.host or local_address(options.lighthouse)
     replica = Replica(
-        options, slot=options.worker, workers=config.workers, lighthouse=options.lighthouse,
-        host=host, timeout_s=config.collective_timeout_s,
+        options, slot=options.worker, workers=config.placement.workers, lighthouse=options.lighthouse,
+        host=host, timeout_s=config.comm.collective_timeout_s,
     )  # fmt: skip
     started = time.time()
     try:
@@ -98,7 +98,7 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         progress = loop.resume(worker)  # (a fresh start: checkpoints are refused)
         finish_calibration(worker.clock, config, 0)
         progress.start_step = replica.admit()
-        per_step = config.microbatches_per_step
+        per_step = config.run.microbatches_per_step
         _skip_to(worker.shard, progress.start_step * per_step)
         rule = strategy_class(config.method).membership
         step_rounds = rule is not None and rule.round == "step"
@@ -106,12 +106,12 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         if writer is not None:
             _record_membership(writer, replica)
         final = loop.FinalState()
-        log = StepLog(config.log_every)
+        log = StepLog(config.run.log_every)
         start_wall = time.perf_counter()
         try:
             with worker.clock.training():
                 step = progress.start_step
-                while step < config.steps:
+                while step < config.run.steps:
                     replica.loop_step = step
                     if step_rounds:
                         replica.open_round()  # (forms while the gradient is computed)
@@ -174,7 +174,7 @@ def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[
     none)."""
     return {
         "source": "torchft",
-        "detection_s": config.membership_options.detect_s,
+        "detection_s": config.placement.membership_options.detect_s,
         "committed_tokens": None,
         "goodput": None,
         "rounds_dropped": replica.failed_rounds,
@@ -191,7 +191,7 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
     return {
         "engine": "torchft",
         "worker": replica.slot,
-        "workers": config.workers,
+        "workers": config.placement.workers,
         "started": started,
         "finished": None,
         "commits": replica.commits,
