@@ -77,6 +77,32 @@ def test_a_component_flag_sets_its_component() -> None:
     assert config.fault.fault_mtbf_s == 60.0 and config.data.micro_batch_size == 2
 
 
+def test_the_quorum_and_membership_options_have_their_components() -> None:
+    import tyro
+
+    from lowcomm.cli import _TYRO
+    from lowcomm.membership import MembershipOptions
+
+    args = ["--fault-min-workers", "2", "--fault-quorum-wait-s", "60", "--membership",
+            "torchft", "--membership.lighthouse", "127.0.0.1:29510"]  # fmt: skip
+    config = tyro.cli(TrainConfig, args=args, config=_TYRO)
+    assert (config.fault.fault_min_workers, config.fault.fault_quorum_wait_s) == (2, 60.0)
+    assert config.placement.membership == "torchft"
+    assert config.placement.membership_options.lighthouse == "127.0.0.1:29510"
+    # A config of the flat shape spells them at its top level.
+    flat_shape = {"membership": "torchft", "membership_options": {"lighthouse": "h:1"}}
+    loaded = TrainConfig.from_dict({**flat_shape, "fault_min_workers": 2})
+    assert loaded.placement.membership == "torchft" and loaded.fault.fault_min_workers == 2
+    assert loaded.placement.membership_options == MembershipOptions(lighthouse="h:1")
+    # The quorum's size alone is the fault component's to check; against --workers, the run's.
+    with pytest.raises(ConfigError, match=r"^--fault-min-workers: 0 is not valid"):
+        FaultConfig(fault_min_workers=0).validate()
+    many = with_options(TrainConfig(), workers=2, fault_min_workers=3)
+    many.fault.validate()
+    with pytest.raises(ConfigError, match=r"^--fault-min-workers: 3 is not valid.*--workers \(2\)"):
+        many.validate()
+
+
 def test_every_option_belongs_to_one_component() -> None:
     names = [f.name for kind in FLAT_COMPONENTS.values() for f in dataclasses.fields(kind)]
     assert len(names) == len(set(names)) == len(FLAT_KEYS)
