@@ -178,19 +178,10 @@ class Group:
 
 def groups() -> list[Group]:
     """lowcomm train's options, grouped by component, in the order the help shows them."""
-    from lowcomm.config import FLAT_COMPONENTS, TrainConfig
     from lowcomm.strategies import STRATEGIES
     from lowcomm.strategies.option_groups import group_members, option_groups
 
-    fields, hints, docs, keys = _options_of(TrainConfig, "")
-    for component, kind in FLAT_COMPONENTS.items():
-        # Their options are flags of their own (--workers); a file spells them in the
-        # component's table (placement.workers).
-        more = _options_of(kind, f"{component}.")
-        for known, new in zip((fields, hints, docs, keys), more, strict=True):
-            known.update(new)
-    for name in FLAT_COMPONENTS:
-        del fields[name]
+    fields, hints, docs, keys = _train_options()
     nested = {name for name in fields if _dataclass(hints[name]) is not None}
     method_groups = option_groups(STRATEGIES)
     listed = {name for _, names in COMPONENTS for name in names}
@@ -238,6 +229,25 @@ def groups() -> list[Group]:
             method_group = _nested_group(group, title, hints[group], note=False)
             result.append(dataclasses.replace(method_group, note=note, brief=True))
     return result
+
+
+def _train_options() -> tuple[
+    dict[str, dataclasses.Field[Any]], dict[str, Any], dict[str, str], dict[str, str]
+]:
+    """TrainConfig's options as :func:`_options_of` gives them, the flat components' fields
+    in place of the components."""
+    from lowcomm.config import FLAT_COMPONENTS, TrainConfig
+
+    fields, hints, docs, keys = _options_of(TrainConfig, "")
+    for component, kind in FLAT_COMPONENTS.items():
+        # Their options are flags of their own (--workers); a file spells them in the
+        # component's table (placement.workers).
+        more = _options_of(kind, f"{component}.")
+        for known, new in zip((fields, hints, docs, keys), more, strict=True):
+            known.update(new)
+    for name in FLAT_COMPONENTS:
+        del fields[name]
+    return fields, hints, docs, keys
 
 
 def _options_of(

@@ -26,11 +26,8 @@ from lowcomm.faults.engine import WorkerFaults
 
 if TYPE_CHECKING:
     from lowcomm.comm.torch_comm import QuorumTorchComm
-    from lowcomm.config import TrainConfig
-    from lowcomm.train.loop import WorkerSummary
-    from lowcomm.train.task import Task
 
-__all__ = ["ProcessFaults", "spawned_train_with_faults"]
+__all__ = ["ProcessFaults"]
 
 
 class ProcessFaults(WorkerFaults):
@@ -51,16 +48,3 @@ class ProcessFaults(WorkerFaults):
             resolved = self._groups_made
             self._groups_made += 1  # (members() resolves again: already done)
             self._quorum_groups.prepare(self.members(resolved))
-
-
-def spawned_train_with_faults(config: TrainConfig, task: Task | None = None) -> WorkerSummary:
-    """Entry point of a worker process of a run with declared faults (started by the local
-    spawner; the world's group is initialised): the strategy's raw communicator follows the
-    round's quorum."""
-    from lowcomm.comm.torch_comm import QuorumTorchComm
-    from lowcomm.train.loop import train_worker
-
-    raw = QuorumTorchComm(timeout_s=config.comm.collective_timeout_s)
-    if raw.rank == 0:
-        print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
-    return train_worker(config, raw, task=task)

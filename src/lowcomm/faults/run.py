@@ -211,20 +211,18 @@ class FaultFlags:
         Raises:
             ValueError: in one line.
         """
-        from lowcomm.config import TrainConfig, option_value, with_options
-
-        defaults = TrainConfig()
+        defaults = type(train.fault)()  # (every option here is one of the fault component's)
         changes: dict[str, Any] = {}
         for name, value in self.given().items():
-            under_train = option_value(train, name)
-            if under_train not in (value, option_value(defaults, name)):
+            under_train = getattr(train.fault, name)
+            if under_train not in (value, getattr(defaults, name)):
                 flag = name.replace("_", "-")
                 raise ValueError(
                     f"--{flag}: given both as --{flag} {value} and as --train.{flag} "
                     f"{under_train}; they are one option, give it once"
                 )
             changes[name] = value
-        merged = with_options(train, **changes)
+        merged = replace(train, fault=replace(train.fault, **changes))
         return with_fault_placement(merged)
 
 

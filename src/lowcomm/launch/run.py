@@ -18,7 +18,6 @@ processes:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.launch.spawn import spawn_workers, under_torchrun
+from lowcomm.train.rundir import read_summary
 
 if TYPE_CHECKING:
     from lowcomm.data import PreparedCorpus
@@ -149,7 +149,7 @@ def _launch(
         from lowcomm.faults.run import FaultSettings
 
         if FaultSettings.of(config.fault).enabled:  # (the strategy's group follows the quorum)
-            from lowcomm.faults.processes import spawned_train_with_faults as entry
+            from lowcomm.train.loop import spawned_train_with_faults as entry
         else:
             from lowcomm.train.loop import spawned_train as entry
 
@@ -237,15 +237,6 @@ def make_paths_absolute(config: TrainConfig) -> None:
     config.data.cache_dir = absolute(config.data.cache_dir)
     if config.fault.faults is not None and os.path.exists(os.path.expanduser(config.fault.faults)):
         config.fault.faults = absolute(config.fault.faults)
-
-
-def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    """A finished run's ``summary.json`` (None if the run has none: it stopped early)."""
-    path = run_dir / "summary.json"
-    if not path.exists():
-        return None
-    summary: dict[str, Any] = json.loads(path.read_text())
-    return summary
 
 
 def preflight(config: TrainConfig, task: Task | None = None) -> str | None:

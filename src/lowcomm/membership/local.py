@@ -189,9 +189,8 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     With ``--membership.lighthouse`` this process is that one worker. Without, a local job:
     a lighthouse on 127.0.0.1 and ``--workers`` worker processes; it ends when they all have,
     and fails when none finished."""
-    from lowcomm.launch.run import read_summary
     from lowcomm.launch.spawn import WorkerFailed
-    from lowcomm.train.rundir import run_directory
+    from lowcomm.train.rundir import read_summary, run_directory
 
     options = config.placement.membership_options
     if options.lighthouse is not None:

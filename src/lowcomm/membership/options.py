@@ -158,24 +158,9 @@ def membership_refusal(config: TrainConfig) -> str | None:
                 "--membership torchft; add it, or drop them"
             )
         return None
-    if config.method in SHARDED_METHODS:
-        return (
-            f"{flag}: --method {config.method} keeps its optimizer state sharded across "
-            "workers, so a lost worker takes a shard the others need (it does not re-shard "
-            f"from the survivors); use {' or '.join(TORCHFT_METHODS)}"
-        )
-    if config.method not in TORCHFT_METHODS:
-        return (
-            f"{flag}: --method {config.method} is not yet supported (a round must be one "
-            f"quorum and one mean all-reduce); use {' or '.join(TORCHFT_METHODS)}"
-        )
-    if config.method == "diloco":
-        quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
-        if quantization != "none":
-            return (
-                f"{flag}: not with --diloco.quantization {quantization} (its two-step "
-                "exchange is two collectives per round); use none"
-            )
+    refusal = _method_refusal(config, flag)
+    if refusal is not None:
+        return refusal
     simple = (
         ("--ranks-per-worker", config.placement.ranks_per_worker, 1),
         ("--workers-per-process", config.placement.workers_per_process, 1),
@@ -183,8 +168,9 @@ def membership_refusal(config: TrainConfig) -> str | None:
     for name, value, needed in simple:
         if value != needed:
             return f"{flag}: not yet supported with {name} {value}; use {needed}"
-    if config.placement.device != "cpu":
-        return f"{flag}: not yet supported on --device {config.placement.device} (torchft's Gloo group); use cpu"
+    device = config.placement.device
+    if device != "cpu":
+        return f"{flag}: not yet supported on --device {device} (torchft's Gloo group); use cpu"
     if config.fault.faults is not None or config.fault.fault_mtbf_s is not None:
         return f"{flag}: not with --faults / --fault-*, the simulated faults; drop them"
     if config.run.resume is not None or config.run.checkpoint_every is not None:
@@ -204,9 +190,33 @@ def membership_refusal(config: TrainConfig) -> str | None:
             "--membership.lighthouse: this process is then one worker; say which with "
             "--membership.worker K (0 to --workers - 1)"
         )
-    if options.min_workers > config.placement.workers:
+    workers = config.placement.workers
+    if options.min_workers > workers:
         return (
             f"--membership.min-workers: {options.min_workers} is more than --workers "
-            f"{config.placement.workers}; no round could commit; give at most {config.placement.workers}"
+            f"{workers}; no round could commit; give at most {workers}"
         )
+    return None
+
+
+def _method_refusal(config: TrainConfig, flag: str) -> str | None:
+    """Why the run's method cannot run with live membership, or None."""
+    if config.method in SHARDED_METHODS:
+        return (
+            f"{flag}: --method {config.method} keeps its optimizer state sharded across "
+            "workers, so a lost worker takes a shard the others need (it does not re-shard "
+            f"from the survivors); use {' or '.join(TORCHFT_METHODS)}"
+        )
+    if config.method not in TORCHFT_METHODS:
+        return (
+            f"{flag}: --method {config.method} is not yet supported (a round must be one "
+            f"quorum and one mean all-reduce); use {' or '.join(TORCHFT_METHODS)}"
+        )
+    if config.method == "diloco":
+        quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
+        if quantization != "none":
+            return (
+                f"{flag}: not with --diloco.quantization {quantization} (its two-step "
+                "exchange is two collectives per round); use none"
+            )
     return None

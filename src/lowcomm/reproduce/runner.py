@@ -334,27 +334,7 @@ def execute(
     given to every training run)."""
     runs: dict[str, list[RunData]] = {spec.label: [] for spec in specs}
     failures: dict[str, str] = {}
-    train_specs = [spec for spec in specs if spec.kind == "train"]
-    study = None
-    if train_specs:
-        from lowcomm.data import prepare_corpus
-
-        first = train_specs[0].train_config(seeds[0], runs_dir)
-        corpus = prepare_corpus(first.data)
-        if calibration is not None:
-            path, option = calibration
-            from lowcomm.train.compute import uses_calibration
-
-            calibrated = [
-                s.run
-                for s in train_specs
-                if isinstance(s.run, TrainConfig) and uses_calibration(s.run)
-            ]
-            if calibrated:
-                study = study_calibration(
-                    calibrated[0], path, vocab_size=corpus.vocab_size, option=option,
-                    tag="reproduce",
-                )  # fmt: skip
+    study = _prepare([spec for spec in specs if spec.kind == "train"], seeds, runs_dir, calibration)
     for spec in specs:
         for seed in seeds[:1] if spec.first_seed_only else seeds:
             run_dir = runs_dir / f"{slug(spec.label)}-s{seed}"
@@ -377,6 +357,35 @@ def execute(
     results = Results(runs, specs)
     results.calibration = study
     return results, failures
+
+
+def _prepare(
+    train_specs: list[RunSpec],
+    seeds: tuple[int, ...],
+    runs_dir: Path,
+    calibration: tuple[Path, str] | None,
+) -> StudyCalibration | None:
+    """Prepare the training runs' corpus, and measure the study's calibration (None without
+    one, or when no run is charged on the calibrated compute model)."""
+    if not train_specs:
+        return None
+    from lowcomm.data import prepare_corpus
+
+    first = train_specs[0].train_config(seeds[0], runs_dir)
+    corpus = prepare_corpus(first.data)
+    if calibration is None:
+        return None
+    path, option = calibration
+    from lowcomm.train.compute import uses_calibration
+
+    calibrated = [
+        s.run for s in train_specs if isinstance(s.run, TrainConfig) and uses_calibration(s.run)
+    ]
+    if not calibrated:
+        return None
+    return study_calibration(
+        calibrated[0], path, vocab_size=corpus.vocab_size, option=option, tag="reproduce"
+    )
 
 
 def finite_or_none(value: float) -> float | None:

@@ -587,13 +587,8 @@ def train_step(
         )
         is_last = step == config.run.steps - 1 or progress.end_step is not None
         evaluate = (step + 1) % config.run.eval_every == 0 and not is_last
-        if evaluate and not member:  # (takes its turn in the sums, with no batch)
-            progress.val_loss = _evaluate(worker.model, [], worker.bookkeeping, worker.task)
-        elif evaluate:
-            with worker.strategy.deployed() as deployed_model:
-                progress.val_loss = _evaluate(
-                    deployed_model, worker.validation, worker.bookkeeping, worker.task
-                )
+        if evaluate:
+            progress.val_loss = _step_evaluation(worker, member)
         log.hold(
             step, stats, mine, parameters_finite(worker.model),
             progress.val_loss if evaluate else None, (begin, end),
@@ -607,6 +602,15 @@ def train_step(
         if save:
             _save_checkpoint(worker, step + 1, progress)
     return not stopped
+
+
+def _step_evaluation(worker: Worker, member: bool) -> float:
+    """The validation loss of the deployed parameters after a step (a worker outside the
+    step's quorum takes its turn in the sums with no batch)."""
+    if not member:
+        return _evaluate(worker.model, [], worker.bookkeeping, worker.task)
+    with worker.strategy.deployed() as deployed_model:
+        return _evaluate(deployed_model, worker.validation, worker.bookkeeping, worker.task)
 
 
 def _stop_without_quorum(
@@ -1053,6 +1057,18 @@ def spawned_train(config: TrainConfig, task: Task | None = None) -> WorkerSummar
     raw = TorchComm(timeout_s=config.comm.collective_timeout_s)
     if raw.rank == 0:
         # The group is up: Gloo has connected every pair of processes.
+        print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
+    return train_worker(config, raw, task=task)
+
+
+def spawned_train_with_faults(config: TrainConfig, task: Task | None = None) -> WorkerSummary:
+    """Entry point of a worker process of a run with declared faults (started by the local
+    spawner; the world's group is initialised): the strategy's raw communicator follows the
+    round's quorum."""
+    from lowcomm.comm.torch_comm import QuorumTorchComm
+
+    raw = QuorumTorchComm(timeout_s=config.comm.collective_timeout_s)
+    if raw.rank == 0:
         print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
     return train_worker(config, raw, task=task)
 

@@ -222,3 +222,12 @@ def clear_run(run_dir: Path) -> list[str]:
             else:
                 leftover.unlink(missing_ok=True)
     return removed
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A finished run's ``summary.json`` (None if the run has none: it stopped early)."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    summary: dict[str, Any] = json.loads(path.read_text())
+    return summary
