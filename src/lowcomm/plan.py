@@ -1155,13 +1155,11 @@ def plan_for_run(
     at the model's transformer blocks (a 1-block model trains with 1 fragment), where a plan
     alone takes the method's default (4), which the run's H and tau may not fit.
     """
-    from lowcomm.config import TrainConfig as Train
+    from lowcomm.config import option_names, option_value
     from lowcomm.strategies import strategy_class
 
-    shared = {f.name for f in dataclasses.fields(PlanConfig)} & {
-        f.name for f in dataclasses.fields(Train)
-    }
-    values = {name: getattr(train, name) for name in shared}
+    shared = {f.name for f in dataclasses.fields(PlanConfig)} & option_names()
+    values = {name: option_value(train, name) for name in shared}
     cls = strategy_class(train.method)
     field = cls.options_field
     options = None if field is None else getattr(train, field, None)

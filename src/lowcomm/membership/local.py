@@ -24,7 +24,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import TrainConfig, with_options
 from lowcomm.membership.options import parse_address, require_torchft
 from lowcomm.train.task import Task
 
@@ -53,7 +53,8 @@ def _worker_main(config: TrainConfig, task: Task | None) -> None:
         os._exit(130)
     except ValueError as error:
         print(
-            f"lowcomm: worker {config.membership_options.worker}: error: {error}", file=sys.stderr
+            f"lowcomm: worker {config.placement.membership_options.worker}: error: {error}",
+            file=sys.stderr,
         )
         sys.stderr.flush()
         os._exit(2)
@@ -62,7 +63,8 @@ def _worker_main(config: TrainConfig, task: Task | None) -> None:
 
         traceback.print_exception(error, file=sys.stderr)
         print(
-            f"lowcomm: worker {config.membership_options.worker}: error: {error}", file=sys.stderr
+            f"lowcomm: worker {config.placement.membership_options.worker}: error: {error}",
+            file=sys.stderr,
         )
         sys.stderr.flush()
         os._exit(1)
@@ -85,7 +87,7 @@ class LocalJob:
 
         from lowcomm.train.rundir import run_directory
 
-        options = config.membership_options
+        options = config.placement.membership_options
         self.config = config
         self.task = task
         self.run_dir = run_directory(config)
@@ -109,9 +111,12 @@ class LocalJob:
         """Start a worker in ``slot`` (again, if one ran there: it joins the live ones)."""
         started = len(self.processes.get(slot, []))
         options = replace(
-            self.config.membership_options, lighthouse=self.address, worker=slot, host="127.0.0.1"
+            self.config.placement.membership_options,
+            lighthouse=self.address,
+            worker=slot,
+            host="127.0.0.1",
         )
-        config = replace(
+        config = with_options(
             self.config, out=str(self.worker_dir(slot, started)), membership_options=options
         )
         saved = {key: os.environ.get(key) for key in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
@@ -130,7 +135,7 @@ class LocalJob:
         return process
 
     def start_all(self) -> None:
-        for slot in range(self.config.workers):
+        for slot in range(self.config.placement.workers):
             self.start(slot)
 
     def kill(self, slot: int) -> float:
@@ -184,11 +189,10 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     With ``--membership.lighthouse`` this process is that one worker. Without, a local job:
     a lighthouse on 127.0.0.1 and ``--workers`` worker processes; it ends when they all have,
     and fails when none finished."""
-    from lowcomm.launch.run import read_summary
     from lowcomm.launch.spawn import WorkerFailed
-    from lowcomm.train.rundir import run_directory
+    from lowcomm.train.rundir import read_summary, run_directory
 
-    options = config.membership_options
+    options = config.placement.membership_options
     if options.lighthouse is not None:
         from lowcomm.membership.worker import train_replica
 
@@ -196,7 +200,7 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         return read_summary(run_directory(config))
     with LocalJob(config, task) as job:
         print(
-            f"lowcomm: torchft lighthouse on {job.address}; starting {config.workers} worker "
+            f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} worker "
             f"processes (each its own run in {job.run_dir}/workerK)",
             flush=True,
         )

@@ -21,11 +21,16 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.membership.options import parse_address, require_torchft
 from lowcomm.train.task import Task
+
+if TYPE_CHECKING:
+    from lowcomm.membership.torchft_comm import Replica, TorchftComm
+    from lowcomm.train.loop import FinalState, Progress, Worker
+    from lowcomm.train.metrics import RunWriter
 
 __all__ = ["check_lighthouse", "local_address", "train_replica"]
 
@@ -61,44 +66,32 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
     """Train this process as worker ``--membership.worker`` of a torchft job; return what
     membership.json holds."""
     require_torchft()
-    options = config.membership_options
+    options = config.placement.membership_options
     assert options.lighthouse is not None and options.worker is not None
     check_lighthouse(options.lighthouse)
 
-    from lowcomm.comm.emulated import NetworkComm
-    from lowcomm.comm.local import LocalComm
-    from lowcomm.membership.torchft_comm import Replica, TorchftComm, TorchftMembership
+    from lowcomm.membership.torchft_comm import Replica, TorchftComm
     from lowcomm.strategies import strategy_class
     from lowcomm.train import loop
     from lowcomm.train.compute import finish_calibration
     from lowcomm.train.rundir import run_directory
-    from lowcomm.train.step_log import StepLog
 
     host = options.host or local_address(options.lighthouse)
     replica = Replica(
-        options, slot=options.worker, workers=config.workers, lighthouse=options.lighthouse,
-        host=host, timeout_s=config.collective_timeout_s,
+        options, slot=options.worker, workers=config.placement.workers, lighthouse=options.lighthouse,
+        host=host, timeout_s=config.comm.collective_timeout_s,
     )  # fmt: skip
     started = time.time()
     try:
         raw = TorchftComm(replica)
-        worker = loop.set_up(config, raw, LocalComm(), None, task)
-        # This process's run is its own: it writes its directory as a run's rank 0 does.
-        worker.rank, worker.world_size = 0, 1
-        if isinstance(worker.comm, NetworkComm):
-            # (The virtual clock agrees launch times over the round's members, not locally.)
-            worker.comm._bookkeeping = None
-        worker.strategy.runtime = replace(
-            worker.strategy.runtime, membership=TorchftMembership(replica)
-        )
-        replica.attach(worker.strategy)
+        worker = _set_up(config, raw, replica, task)
         path = run_directory(config) / "membership.json"
         replica.on_event = lambda: _write(path, _record(replica, config, started))
         raw.start()
         progress = loop.resume(worker)  # (a fresh start: checkpoints are refused)
         finish_calibration(worker.clock, config, 0)
         progress.start_step = replica.admit()
-        per_step = config.microbatches_per_step
+        per_step = config.run.microbatches_per_step
         _skip_to(worker.shard, progress.start_step * per_step)
         rule = strategy_class(config.method).membership
         step_rounds = rule is not None and rule.round == "step"
@@ -106,23 +99,10 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         if writer is not None:
             _record_membership(writer, replica)
         final = loop.FinalState()
-        log = StepLog(config.log_every)
         start_wall = time.perf_counter()
         try:
             with worker.clock.training():
-                step = progress.start_step
-                while step < config.steps:
-                    replica.loop_step = step
-                    if step_rounds:
-                        replica.open_round()  # (forms while the gradient is computed)
-                    commits = replica.commits
-                    loop.train_step(worker, step, progress, writer, final, log)
-                    if options.digests and replica.commits > commits:
-                        replica.record_digest(step, worker.model.parameters())
-                    healed = replica.take_healed_step()
-                    if healed is not None and healed != step:  # (healed into a later step)
-                        _skip_to(worker.shard, (healed + 1) * per_step)
-                    step = (step if healed is None else healed) + 1
+                _replica_steps(config, worker, replica, progress, writer, final, step_rounds)
                 loop.final_evaluation(worker, progress, final, keep_parameters=False)
         finally:
             if writer is not None:
@@ -139,6 +119,57 @@ def train_replica(config: TrainConfig, task: Task | None = None) -> dict[str, An
         return record
     finally:
         replica.shutdown()
+
+
+def _set_up(config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task | None) -> Worker:
+    """This replica's worker, its strategy's rounds following the lighthouse's quorums."""
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.local import LocalComm
+    from lowcomm.membership.torchft_comm import TorchftMembership
+    from lowcomm.train import loop
+
+    worker = loop.set_up(config, raw, LocalComm(), None, task)
+    # This process's run is its own: it writes its directory as a run's rank 0 does.
+    worker.rank, worker.world_size = 0, 1
+    if isinstance(worker.comm, NetworkComm):
+        # (The virtual clock agrees launch times over the round's members, not locally.)
+        worker.comm._bookkeeping = None
+    worker.strategy.runtime = replace(
+        worker.strategy.runtime, membership=TorchftMembership(replica)
+    )
+    replica.attach(worker.strategy)
+    return worker
+
+
+def _replica_steps(
+    config: TrainConfig,
+    worker: Worker,
+    replica: Replica,
+    progress: Progress,
+    writer: RunWriter | None,
+    final: FinalState,
+    step_rounds: bool,
+) -> None:
+    """Train from the admitted step to --steps, each step in the round's quorum; a worker
+    healed into a later step goes on from there."""
+    from lowcomm.train import loop
+    from lowcomm.train.step_log import StepLog
+
+    log = StepLog(config.run.log_every)
+    per_step = config.run.microbatches_per_step
+    step = progress.start_step
+    while step < config.run.steps:
+        replica.loop_step = step
+        if step_rounds:
+            replica.open_round()  # (forms while the gradient is computed)
+        commits = replica.commits
+        loop.train_step(worker, step, progress, writer, final, log)
+        if config.placement.membership_options.digests and replica.commits > commits:
+            replica.record_digest(step, worker.model.parameters())
+        healed = replica.take_healed_step()
+        if healed is not None and healed != step:  # (healed into a later step)
+            _skip_to(worker.shard, (healed + 1) * per_step)
+        step = (step if healed is None else healed) + 1
 
 
 def _skip_to(shard: Any, position: int) -> None:
@@ -174,7 +205,7 @@ def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[
     none)."""
     return {
         "source": "torchft",
-        "detection_s": config.membership_options.detect_s,
+        "detection_s": config.placement.membership_options.detect_s,
         "committed_tokens": None,
         "goodput": None,
         "rounds_dropped": replica.failed_rounds,
@@ -191,7 +222,7 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
     return {
         "engine": "torchft",
         "worker": replica.slot,
-        "workers": config.workers,
+        "workers": config.placement.workers,
         "started": started,
         "finished": None,
         "commits": replica.commits,
