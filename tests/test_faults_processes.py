@@ -166,7 +166,7 @@ def test_faults_under_torchrun_with_several_workers_a_process_are_refused_in_one
     assert "\n" not in str(caught.value)
     config.placement.workers_per_process = 1
     config.validate()
-    config.clock, config.seconds_per_microbatch = "real", None
+    config.comm.clock, config.comm.seconds_per_microbatch = "real", None
     with pytest.raises(ConfigError, match="not yet supported under torchrun on the real") as real:
         config.validate()
     assert "\n" not in str(real.value)
