@@ -598,17 +598,7 @@ def train_step(
     if budget_spent(config, worker.strategy, progress.tokens * worker.world_size):
         progress.end_step = step + 1
     with clock.excluded():
-        mine = StepMetrics(
-            loss=math.nan,  # (held on the device until the read)
-            compute_s=math.nan,  # (from the markers, at the read)
-            exposed_comm_s=math.nan,
-            bytes_sent=comm.bytes_sent - before_bytes,
-            clock_s=now,
-            microbatches=stats.microbatches,
-            tokens=stats.tokens,
-            committed_steps=stats.committed_steps,
-            params_finite=math.nan,
-        )
+        mine = _own_metrics(stats, comm.bytes_sent - before_bytes, now)
         is_last = step == config.run.steps - 1 or progress.end_step is not None
         evaluate = (step + 1) % config.run.eval_every == 0 and not is_last
         if evaluate:
@@ -626,6 +616,22 @@ def train_step(
         if save:
             _save_checkpoint(worker, step + 1, progress)
     return not stopped
+
+
+def _own_metrics(stats: StepStats, bytes_sent: float, clock_s: float) -> StepMetrics:
+    """This worker's metrics of a step as it ends: its bytes, clock and counts; its loss and
+    times are read later, with the held steps."""
+    return StepMetrics(
+        loss=math.nan,  # (held on the device until the read)
+        compute_s=math.nan,  # (from the markers, at the read)
+        exposed_comm_s=math.nan,
+        bytes_sent=bytes_sent,
+        clock_s=clock_s,
+        microbatches=stats.microbatches,
+        tokens=stats.tokens,
+        committed_steps=stats.committed_steps,
+        params_finite=math.nan,
+    )
 
 
 def _processes_at(
