@@ -56,13 +56,13 @@ def plan_for_run(run: Path, *, seconds_per_step: float | None = None) -> PlanCon
     train = TrainConfig.from_dict(json.loads(config_path.read_text()))
     summary = json.loads(summary_path.read_text())
     if seconds_per_step is None:
-        if train.seconds_per_microbatch is None:
+        if train.comm.seconds_per_microbatch is None:
             raise RunError(
                 f"{run}: --seconds-per-microbatch None (a calibrated clock): the planner needs "
                 "one worker's compute per step; pass --seconds-per-step, or run on the declared "
                 "clock"
             )
-        seconds_per_step = train.seconds_per_microbatch * train.microbatches_per_step
+        seconds_per_step = train.comm.seconds_per_microbatch * train.run.microbatches_per_step
     steps = int(summary["steps"])
     tokens = float(summary.get("tokens") or summary.get("samples") or 0.0)
     if steps < 1 or not tokens > 0:
@@ -142,12 +142,12 @@ def run_exposure(run: Path) -> Exposure | None:
     if fault_model(train.method).family == "synchronous":
         crashes = _events_over(len(crash_steps), steps)
     return Exposure(
-        workers=train.workers,
+        workers=train.placement.workers,
         duration_s=duration,
-        alive_fraction=1.0 - absent / (train.workers * duration),
+        alive_fraction=1.0 - absent / (train.placement.workers * duration),
         crashes=crashes,
         joins=_events_over(len(join_steps), steps),
-        detection_s=train.fault_detection_s,
+        detection_s=train.fault.fault_detection_s,
         slow_fraction=1.0 if slow else 0.0,
         slow_factor=max((float(e.factor or 1.0) for e in slow), default=1.0),
     )
@@ -185,7 +185,9 @@ def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, 
         "run": str(run),
         "method": config.method,
         "workers": config.workers,
-        "seed": json.loads((run / "config.json").read_text()).get("fault_seed"),
+        "seed": TrainConfig.from_dict(
+            json.loads((run / "config.json").read_text())
+        ).fault.fault_seed,
         "family": priced.family,
         "measured": measured,
         "predicted": predicted,

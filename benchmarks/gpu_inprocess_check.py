@@ -83,7 +83,14 @@ _find_lowcomm()
 
 import torch  # noqa: E402
 
-from lowcomm.config import ConfigError, TrainConfig  # noqa: E402
+from lowcomm.config import (  # noqa: E402
+    CommConfig,
+    ConfigError,
+    NumericsConfig,
+    PlacementConfig,
+    RunConfig,
+    TrainConfig,
+)
 from lowcomm.data import DataConfig  # noqa: E402
 from lowcomm.launch.run import run_training  # noqa: E402
 from lowcomm.models import ModelConfig  # noqa: E402
@@ -138,15 +145,31 @@ class Report:
 def base_config(out: Path, method: str, device: str, workers: int = 4) -> TrainConfig:
     """A small deterministic run: declared cost per micro-batch on the virtual clock."""
     return TrainConfig(
-        method=method, workers=workers, workers_per_process=workers, steps=8, network="wan",
-        clock="virtual", seconds_per_microbatch=0.05, seed=0, eval_every=4, eval_batches=4,
-        progress=False, out=str(out), overwrite=True, device=device, tf32=False,  # type: ignore[arg-type]
-        collective_timeout_s=60.0,
+        method=method,
         model=ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=32),
-        data=DataConfig(micro_batch_size=4), optim=AdamWConfig(lr=3e-3),
+        data=DataConfig(micro_batch_size=4),
+        optim=AdamWConfig(lr=3e-3),
         diloco=DiLoCoOptions(sync_every=4, overlap_steps=1),
         acco=AccoOptions(dpu_warmup_steps=2),
-    )  # fmt: skip
+        placement=PlacementConfig(
+            workers=workers,
+            workers_per_process=workers,
+            device=device,  # type: ignore[arg-type]
+        ),
+        run=RunConfig(
+            steps=8,
+            seed=0,
+            eval_every=4,
+            eval_batches=4,
+            progress=False,
+            out=str(out),
+            overwrite=True,
+        ),
+        comm=CommConfig(
+            network="wan", clock="virtual", seconds_per_microbatch=0.05, collective_timeout_s=60.0
+        ),
+        numerics=NumericsConfig(tf32=False),
+    )
 
 
 def steps_of(out: Path) -> list[dict[str, Any]]:
@@ -205,7 +228,7 @@ class Checks:
         runs = {}
         for device in (self.gpu, "cpu"):
             config = base_config(self.out / f"{name}-{device}", method, device, workers)
-            config.ranks_per_worker = ranks
+            config.placement.ranks_per_worker = ranks
             runs[device] = self.train(config)
         gpu, cpu = runs[self.gpu], runs["cpu"]
         detail = compare(self.out / f"{name}-{self.gpu}", self.out / f"{name}-cpu", gpu, cpu)
@@ -232,7 +255,7 @@ class Checks:
 
     def real_clock(self) -> str:
         config = base_config(self.out / "real", "ddp", self.gpu)
-        config.clock, config.seconds_per_microbatch = "real", None
+        config.comm.clock, config.comm.seconds_per_microbatch = "real", None
         summary = self.train(config)
         assert summary["compute_s"] > 0, f"compute_s {summary['compute_s']}"
         return f"compute {summary['compute_s']:.3f} s, modeled {summary['modeled_time_s']:.3f} s"
@@ -253,7 +276,7 @@ def _dry_refusal(config: TrainConfig) -> str:
     from lowcomm.launch import device_memory
     from lowcomm.models import build_model
 
-    config.device = "cuda"
+    config.placement.device = "cuda"
     model = build_model(config.model, vocab_size=2048)
     try:
         device_memory.check_device_memory(

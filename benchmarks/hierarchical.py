@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from lowcomm.bench.runs import run_or_resume
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, RunConfig, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
 from lowcomm.strategies.desloc import DeslocOptions
@@ -35,32 +35,43 @@ LAYOUTS = (("hier", "2 x 2", 2, 2), ("flat", "4 x 1", 4, 1))
 def declared_runs(args: argparse.Namespace) -> list[tuple[str, str, TrainConfig]]:
     """The sweep: (method, layout label, configuration) per run."""
     base = TrainConfig(
-        steps=args.steps, seed=args.seed, network=args.network, clock="virtual", progress=False,
-        eval_every=args.steps, eval_batches=args.eval_batches, inner_network=args.inner_network,
         model=ModelConfig(
             n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size
         ),
         data=DataConfig(micro_batch_size=args.micro_batch_size),
         diloco=DiLoCoOptions(sync_every=args.sync_every),
         desloc=DeslocOptions(param_period=args.desloc_sync_every),
-    )  # fmt: skip
+        run=RunConfig(
+            steps=args.steps,
+            seed=args.seed,
+            progress=False,
+            eval_every=args.steps,
+            eval_batches=args.eval_batches,
+        ),
+        comm=CommConfig(network=args.network, clock="virtual", inner_network=args.inner_network),
+    )
     runs = []
     for method in args.methods:
         for layout, label, workers, ranks in LAYOUTS:
             out = Path(args.out) / f"{method}-{layout}-s{args.seed}"
             config = dataclasses.replace(
-                base, method=method, workers=workers, ranks_per_worker=ranks, out=str(out)
+                base,
+                method=method,
+                placement=dataclasses.replace(
+                    base.placement, workers=workers, ranks_per_worker=ranks
+                ),
+                run=dataclasses.replace(base.run, out=str(out)),
             )
             runs.append((method, label, config))
     return runs
 
 
 def run_one(config: TrainConfig) -> dict[str, float]:
-    name = Path(str(config.out)).name
+    name = Path(str(config.run.out)).name
     error = run_or_resume(config, name, tag="hierarchical")
     if error is not None:
         raise RuntimeError(f"{name} failed: {error}")
-    summary = json.loads((Path(str(config.out)) / "summary.json").read_text())
+    summary = json.loads((Path(str(config.run.out)) / "summary.json").read_text())
     levels = summary["levels"]
     return {
         "val": float(summary["final_val_loss"]),

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.bench.runs import run_or_resume
-from lowcomm.config import TrainConfig
+from lowcomm.config import (
+    CommConfig,
+    NumericsConfig,
+    PlacementConfig,
+    RunConfig,
+    TrainConfig,
+    with_options,
+)
 from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
 
@@ -34,11 +41,11 @@ METHODS = ("ddp", "diloco", "streaming_diloco", "eager", "cocodc")
 
 
 def _run(config: TrainConfig) -> dict[str, Any]:
-    name = Path(str(config.out)).name
+    name = Path(str(config.run.out)).name
     error = run_or_resume(config, name, tag="warm-start")
     if error is not None:
         raise RuntimeError(f"{name} failed: {error}")
-    summary: dict[str, Any] = json.loads((Path(str(config.out)) / "summary.json").read_text())
+    summary: dict[str, Any] = json.loads((Path(str(config.run.out)) / "summary.json").read_text())
     return summary
 
 
@@ -50,13 +57,15 @@ def _mean_sd(values: list[float]) -> str:
 def small(args: argparse.Namespace, **changes: Any) -> TrainConfig:
     """The reduced-scale run every comparison uses."""
     base = TrainConfig(
-        workers=args.workers, network="wan", clock="virtual", progress=False,
-        eval_every=args.steps, eval_batches=args.eval_batches,
-        model=ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                          block_size=args.block_size),
+        model=ModelConfig(
+            n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size
+        ),
         data=DataConfig(micro_batch_size=args.micro_batch_size),
-    )  # fmt: skip
-    return dataclasses.replace(base, **changes)
+        placement=PlacementConfig(workers=args.workers),
+        comm=CommConfig(network="wan", clock="virtual"),
+        run=RunConfig(progress=False, eval_every=args.steps, eval_batches=args.eval_batches),
+    )
+    return with_options(base, **changes)
 
 
 def warm_start(args: argparse.Namespace, out: Path) -> None:
@@ -109,9 +118,14 @@ def precision(args: argparse.Namespace, out: Path) -> None:
     print("|---|---|---|---|---|---|")
     for name in ("fp32", "bf16-mixed"):
         config = TrainConfig(
-            steps=args.precision_steps, precision=name, eval_every=args.precision_steps,
-            progress=False, out=str(out / f"default-{name}"),
-        )  # fmt: skip
+            run=RunConfig(
+                steps=args.precision_steps,
+                eval_every=args.precision_steps,
+                progress=False,
+                out=str(out / f"default-{name}"),
+            ),
+            numerics=NumericsConfig(precision=name),
+        )
         summary = _run(config)
         wall = float(summary["wall_clock_s"])
         tokens = float(summary["tokens"])

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.bench.runs import STUDY_CALIBRATION, run_or_resume, study_calibration
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig, TrainConfig
 from lowcomm.data import DataConfig, prepare_corpus
 from lowcomm.models import ModelConfig
 
@@ -48,23 +48,30 @@ def config_for(args: argparse.Namespace, method: str, workers: int, seed: int) -
         raise SystemExit(
             f"--tokens {args.tokens}: fewer than one step of {per_step} tokens at M={workers}"
         )
-    placement = {} if args.process_mode else {"workers_per_process": workers}
+    per_process = 1 if args.process_mode else workers
     return TrainConfig(
-        method=method, workers=workers, steps=steps, seed=seed, network=args.network,
-        eval_every=max(1, steps // 4), eval_batches=8, progress=False,
+        method=method,
         model=ModelConfig(n_layer=2, n_embd=64, n_head=2, block_size=args.block_size),
         data=DataConfig(micro_batch_size=args.micro_batch_size),
-        out=str(Path(args.out) / "runs" / f"{method}-M{workers}-s{seed}"),
-        **placement,  # type: ignore[arg-type]
-    )  # fmt: skip
+        placement=PlacementConfig(workers=workers, workers_per_process=per_process),
+        run=RunConfig(
+            steps=steps,
+            seed=seed,
+            eval_every=max(1, steps // 4),
+            eval_batches=8,
+            progress=False,
+            out=str(Path(args.out) / "runs" / f"{method}-M{workers}-s{seed}"),
+        ),
+        comm=CommConfig(network=args.network),  # type: ignore[arg-type]
+    )
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
-    name = Path(str(config.out)).name
+    name = Path(str(config.run.out)).name
     error = run_or_resume(config, name, tag="workers-sweep")
     if error is not None:
         raise RuntimeError(f"{name} failed: {error}")
-    summary: dict[str, Any] = json.loads((Path(str(config.out)) / "summary.json").read_text())
+    summary: dict[str, Any] = json.loads((Path(str(config.run.out)) / "summary.json").read_text())
     return summary
 
 

@@ -30,9 +30,9 @@ def main() -> None:
     config = lowcomm.TrainConfig(
         optim=AdamWConfig(lr=3e-3),
         data=DataConfig(micro_batch_size=16),
-        eval_every=10,
-        checkpoint_every=10,
-        seconds_per_microbatch=0.02,  # the virtual clock charges a declared device's cost
+        run=lowcomm.RunConfig(eval_every=10, checkpoint_every=10),
+        # the virtual clock charges a declared device's cost
+        comm=lowcomm.CommConfig(seconds_per_microbatch=0.02),
     )
     options = lowcomm.DiLoCoOptions(sync_every=5) if args.method == "diloco" else None
     result = lowcomm.fit(

@@ -32,6 +32,7 @@ from lowcomm.comm import (
 )
 from lowcomm.comm.base import Comm, Handle, Settled
 from lowcomm.comm.calibration import CalibratedClock, Calibration, ElementCounter
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig
 from lowcomm.optim import AdamWConfig, FlatAdamW, ScheduleConfig
 from lowcomm.optim.schedule import learning_rate
 from lowcomm.strategies import MicroBatchResult, StrategyContext, ZeRO1, strategy_class
@@ -691,10 +692,13 @@ def _heterogeneous(
         committed.append(extras["global_microbatches_committed"])
     strategy.finish()
     return {
-        "estimate": estimate, "update": update, "committed": committed,
-        "exposed": clock.exposed_comm_s, "compute": clock.compute_s,
+        "estimate": estimate,
+        "update": update,
+        "committed": committed,
+        "exposed": clock.exposed_comm_s,
+        "compute": clock.compute_s,
         "params": strategy.flat.params.clone(),
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.slow
@@ -946,7 +950,12 @@ def test_budget_shares_follow_the_workers_speeds() -> None:
             shares = budget_shares(budget, factors)
             assert sum(shares) == budget and min(shares) >= (1 if budget >= len(factors) else 0)
 
-    config = TrainConfig(method="acco", workers=4, speed_factors=(1, 1, 1, 4), token_budget=98304)
+    config = TrainConfig(
+        method="acco",
+        placement=PlacementConfig(workers=4),
+        comm=CommConfig(speed_factors=(1, 1, 1, 4)),
+        run=RunConfig(token_budget=98304),
+    )
     context = strategy_context(config)
     assert context.microbatch_budget == 98304 // config.tokens_per_microbatch()
     assert context.microbatch_shares == budget_shares(context.microbatch_budget, [1, 1, 1, 4])

@@ -41,8 +41,12 @@ def _alive(pid: int) -> bool:
 def test_clock_bench_configs_and_command() -> None:
     bench = ClockBench(repeats=2, steps=5)
     config = bench.config("co2", "cpu-time", Path("/tmp/x"), workers=2)
-    assert (config.method, config.compute_model, config.workers) == ("co2", "cpu-time", 2)
-    assert config.steps == 5 and config.network == "wan" and config.clock == "virtual"
+    assert (config.method, config.comm.compute_model, config.placement.workers) == (
+        "co2",
+        "cpu-time",
+        2,
+    )
+    assert config.run.steps == 5 and config.comm.network == "wan" and config.comm.clock == "virtual"
     assert bench.command() == "lowcomm bench clock --repeats 2 --steps 5"
     with pytest.raises(ValueError, match="--repeats"):
         ClockBench(repeats=0)
@@ -64,7 +68,7 @@ def test_quiet_and_loaded_blocks_alternate(monkeypatch: pytest.MonkeyPatch) -> N
 
     def fake_summary(config: TrainConfig) -> dict[str, object]:
         load = "loaded" if busy_now[0] else "quiet"
-        order.append((config.method, config.compute_model, load))
+        order.append((config.method, config.comm.compute_model, load))
         time = float(len(order))  # the n-th run "takes" n seconds
         return {"modeled_time_s": time, "utilization": 0.5, "compute_model": {"model": "x"}}
 
@@ -96,18 +100,18 @@ def test_agreement_splits_the_ratio_into_compute_and_communication(
     }
 
     def fake_summary(config: TrainConfig) -> dict[str, object]:
-        seen.append((config.method, config.clock, config.compute_model))
-        compute, comm = times[(config.clock, config.compute_model)]
+        seen.append((config.method, config.comm.clock, config.comm.compute_model))
+        compute, comm = times[(config.comm.clock, config.comm.compute_model)]
         model = (
             {
                 "model": "wall", "on_core": 0.9, "compute_s": compute, "waiting_s": 0.1 * compute,
                 "microbatch_wall_s": {"count": 10, "min": 0.25, "median": 0.3, "mean": 0.32},
             }
-            if config.clock == "real"
+            if config.comm.clock == "real"
             else {"model": "x", "seconds_per_microbatch": 0.24}
         )  # fmt: skip
         return {
-            "modeled_time_s": compute + comm, "steps": config.steps, "compute_s": compute,
+            "modeled_time_s": compute + comm, "steps": config.run.steps, "compute_s": compute,
             "exposed_comm_s": comm, "utilization": compute / 10, "compute_model": model,
         }  # fmt: skip
 
@@ -150,10 +154,10 @@ def test_agreement_rounds_alternate_and_keep_the_median_round(
     real_seconds = iter([10.0, 10.0, 8.0, 8.0, 12.5, 12.5])  # per (round, method) real run
 
     def fake_summary(config: TrainConfig) -> dict[str, object]:
-        seen.append((config.method, config.clock, Path(config.out).name))
-        seconds = next(real_seconds) if config.clock == "real" else 9.0
+        seen.append((config.method, config.comm.clock, Path(config.run.out).name))
+        seconds = next(real_seconds) if config.comm.clock == "real" else 9.0
         return {
-            "modeled_time_s": seconds, "steps": config.steps, "compute_s": seconds,
+            "modeled_time_s": seconds, "steps": config.run.steps, "compute_s": seconds,
             "exposed_comm_s": 0.0, "utilization": 1.0, "compute_model": {"model": "x"},
         }  # fmt: skip
 
@@ -213,8 +217,8 @@ def test_the_load_comparison_can_run_the_calibrated_model_alone(
     models: list[str] = []
 
     def fake_summary(config: TrainConfig) -> dict[str, object]:
-        models.append(config.compute_model)
-        time = 1.02 if config.out and "loaded" in str(config.out) else 1.0
+        models.append(config.comm.compute_model)
+        time = 1.02 if config.run.out and "loaded" in str(config.run.out) else 1.0
         return {"modeled_time_s": time, "utilization": 0.5, "compute_model": {"model": "x"}}
 
     monkeypatch.setattr(clock_bench, "busy_processes", lambda count: contextlib.nullcontext())

@@ -28,6 +28,7 @@ from lowcomm.comm.calibration import (
 )
 from lowcomm.comm.clock import RealClock, VirtualClock
 from lowcomm.comm.overlap import HelperMeter
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig
 from lowcomm.launch import spawn_workers
 from lowcomm.models import ModelConfig, build_model
 
@@ -155,7 +156,7 @@ def test_a_resume_writes_its_checkpoints_calibration_to_a_new_calibration_file(
     from lowcomm.train.compute import finish_calibration
 
     path = tmp_path / "calibration.json"
-    config = TrainConfig(calibration=str(path))
+    config = TrainConfig(comm=CommConfig(calibration=str(path)))
 
     def measure() -> Calibration:
         raise AssertionError("a resume must not measure")
@@ -321,15 +322,31 @@ def _straight_and_resumed_calibrated(base: str, method: str) -> dict[str, float]
 
     root = Path(base)
     config = TrainConfig(
-        method=method, workers=2, steps=6, network="wan", eval_every=3, eval_batches=2,
-        progress=False, plot=False, model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-        data=DataConfig(micro_batch_size=2), calibration=str(root / "calibration.json"),
-    )  # fmt: skip
-    straight = train_worker(replace(config, out=str(root / "straight")), TorchComm())
-    stop = replace(config, out=str(root / "resumed"), stop_after=3)
+        method=method,
+        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        data=DataConfig(micro_batch_size=2),
+        placement=PlacementConfig(workers=2),
+        run=RunConfig(steps=6, eval_every=3, eval_batches=2, progress=False, plot=False),
+        comm=CommConfig(network="wan", calibration=str(root / "calibration.json")),
+    )
+    straight = train_worker(
+        replace(
+            config,
+            run=replace(config.run, out=str(root / "straight")),
+        ),
+        TorchComm(),
+    )
+    stop = replace(
+        config,
+        run=replace(config.run, out=str(root / "resumed"), stop_after=3),
+    )
     train_worker(stop, TorchComm())
     resumed = train_worker(
-        replace(stop, stop_after=None, resume=str(root / "resumed")), TorchComm()
+        replace(
+            stop,
+            run=replace(stop.run, stop_after=None, resume=str(root / "resumed")),
+        ),
+        TorchComm(),
     )
     return {
         "clock_diff": abs(straight.clock_s - resumed.clock_s),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from tests._cli import lowcomm
 
 from lowcomm.comm.calibration import STANDARD_MMAP_THRESHOLD, standard_heap
 from lowcomm.comm.local import LocalComm
-from lowcomm.config import TrainConfig
+from lowcomm.config import PlacementConfig, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
 from lowcomm.train.compute import (
@@ -30,8 +29,13 @@ MODEL = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
 
 
 def _config(**changes: object) -> TrainConfig:
-    base = TrainConfig(method="diloco", workers=4, model=MODEL, data=DataConfig(micro_batch_size=2))
-    return replace(base, **changes)  # type: ignore[arg-type]
+    base = TrainConfig(
+        method="diloco",
+        model=MODEL,
+        data=DataConfig(micro_batch_size=2),
+        placement=PlacementConfig(workers=4),
+    )
+    return with_options(base, **changes)
 
 
 def test_the_standard_setting_does_not_depend_on_the_placement() -> None:
@@ -135,9 +139,11 @@ def test_a_sharded_worker_calibrates_the_whole_unsharded_model() -> None:
         calibrations.append(clock.calibration)
     fsdp, replicated = calibrations
     assert (fsdp.num_params, fsdp.micro_batch_size, fsdp.block_size, fsdp.bf16) == (
-        replicated.num_params, replicated.micro_batch_size, replicated.block_size,
+        replicated.num_params,
+        replicated.micro_batch_size,
+        replicated.block_size,
         replicated.bf16,
-    )  # fmt: skip
+    )
 
 
 FLAGS = (

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lowcomm.config import RunConfig
+
 pytestmark = pytest.mark.slow
 
 SMALL_TRAIN = [
@@ -56,7 +58,7 @@ def test_compare_two_methods_writes_report_and_results(tmp_path: Path) -> None:
     for run in ("ddp-s0", "zero1-s0", "ddp+lr-s0"):
         summary = json.loads((out / "runs" / run / "summary.json").read_text())
         run_config = json.loads((out / "runs" / run / "config.json").read_text())
-        assert run_config["calibration"] == str((out / "calibration.json").resolve())
+        assert run_config["comm"]["calibration"] == str((out / "calibration.json").resolve())
         charged.add(summary["compute_model"]["seconds_per_microbatch"])
     assert charged == {calibration["seconds_per_microbatch"]}
     assert (
@@ -147,8 +149,10 @@ def test_top_level_and_train_options_are_one_option() -> None:
     from lowcomm.bench.compare import CompareBench
     from lowcomm.config import TrainConfig
 
-    assert CompareBench().run_config("ddp", 0).steps == 60  # the bench's own default
-    assert CompareBench(steps=5).run_config("ddp", 0).steps == 5
-    assert CompareBench(train=TrainConfig(steps=7)).run_config("ddp", 0).steps == 7
+    assert CompareBench().run_config("ddp", 0).run.steps == 60  # the bench's own default
+    assert CompareBench(steps=5).run_config("ddp", 0).run.steps == 5
+    assert (
+        CompareBench(train=TrainConfig(run=RunConfig(steps=7))).run_config("ddp", 0).run.steps == 7
+    )
     with pytest.raises(ValueError, match="--steps: given both"):
-        CompareBench(steps=5, train=TrainConfig(steps=7))
+        CompareBench(steps=5, train=TrainConfig(run=RunConfig(steps=7)))

@@ -9,14 +9,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import (
+    CommConfig,
+    ConfigError,
+    NumericsConfig,
+    PlacementConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 
 def _config(out: Path, compiled: bool) -> TrainConfig:
     config = TrainConfig(
-        workers=1, steps=3, eval_every=3, eval_batches=1, seconds_per_microbatch=0.01,
-        progress=False, plot=False, compile=compiled, out=str(out),
-    )  # fmt: skip
+        placement=PlacementConfig(workers=1),
+        run=RunConfig(
+            steps=3, eval_every=3, eval_batches=1, progress=False, plot=False, out=str(out)
+        ),
+        comm=CommConfig(seconds_per_microbatch=0.01),
+        numerics=NumericsConfig(compile=compiled),
+    )
     config.model.n_layer, config.model.n_embd, config.model.n_head = 2, 32, 2
     config.model.block_size, config.data.micro_batch_size = 16, 2
     config.validate()
@@ -45,7 +56,10 @@ def test_a_compiled_run_trains_the_uncompiled_runs_numbers(tmp_path: Path) -> No
 
 
 def test_compile_is_refused_where_it_cannot_run() -> None:
-    config = TrainConfig(workers=2, workers_per_process=2, compile=True)
+    config = TrainConfig(
+        placement=PlacementConfig(workers=2, workers_per_process=2),
+        numerics=NumericsConfig(compile=True),
+    )
     with pytest.raises(ConfigError, match=r"--compile: --workers-per-process 2 .* not thread-safe"):
         config.validate()
     from lowcomm.models.recompute import compile_blocks

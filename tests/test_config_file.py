@@ -58,7 +58,7 @@ def test_print_config_read_back_gives_the_same_config(tmp_path: Path) -> None:
     assert tomllib.loads(printed.stdout)["diloco"]["quantization"] == "fp8"
     # The other methods' groups are left out; a None over a default is spelled "None".
     assert "desloc" not in tomllib.loads(printed.stdout)
-    assert tomllib.loads(printed.stdout)["max_grad_norm"] == "None"
+    assert tomllib.loads(printed.stdout)["run"]["max_grad_norm"] == "None"
     again = lowcomm("train", "--config", str(path), *INLINE, "--print-config")
     assert again.returncode == 0, again.stderr
     assert again.stdout == printed.stdout
@@ -67,7 +67,7 @@ def test_print_config_read_back_gives_the_same_config(tmp_path: Path) -> None:
         over = lowcomm("train", *order, "--diloco.sync-every", "5", "--print-config")
         assert over.returncode == 0, over.stderr
         values = tomllib.loads(over.stdout)
-        assert values["steps"] == 7 and values["diloco"]["sync_every"] == 5
+        assert values["run"]["steps"] == 7 and values["diloco"]["sync_every"] == 5
         assert values["optim"]["lr"] == 2.0
 
 
@@ -101,7 +101,7 @@ def test_a_printed_config_and_a_run_directory_rerun_the_flags_run(tmp_path: Path
 def test_each_example_config_runs_a_step(tmp_path: Path, example: Path) -> None:
     values = tomllib.loads(example.read_text())
     # FSDP's collectives need a process per rank; the others run their workers as threads.
-    processes = values.get("worker_sharding") == "fsdp"
+    processes = values.get("placement", {}).get("worker_sharding") == "fsdp"
     out = tmp_path / "run"
     result = lowcomm(
         "train", "--config", str(example), *TINY, "--model.n-layer", "4", "--steps", "1",
@@ -130,7 +130,7 @@ def test_the_example_configs_are_the_four_the_docs_name() -> None:
     [
         ('method = "diloco"\n[diloco]\nsync_evry = 4\n', "diloco.sync_evry (did you mean diloco.sync_every?)"),
         ("micro_batch_size = 4\n", "micro_batch_size (did you mean data.micro_batch_size?)"),
-        ("stpes = 4\n", "stpes (did you mean steps?)"),
+        ("stpes = 4\n", "stpes (did you mean run.steps?)"),
     ],
 )  # fmt: skip
 def test_an_unknown_key_is_one_line_naming_the_closest_known_one(
@@ -150,11 +150,12 @@ def test_an_unknown_key_is_one_line_naming_the_closest_known_one(
 @pytest.mark.parametrize(
     ("text", "key", "wanted"),
     [
-        ('steps = "ten"\n', "steps", "a whole number"),
+        ('[run]\nsteps = "ten"\n', "run.steps", "a whole number"),
+        ('steps = "ten"\n', "run.steps", "a whole number"),  # the flat shape
         ("[model]\nn_layer = 1.5\n", "model.n_layer", "a whole number"),
-        ('clock = "wall"\n', "clock", 'one of "real", "virtual"'),
+        ('[comm]\nclock = "wall"\n', "comm.clock", 'one of "real", "virtual"'),
         ("[optim]\nbetas = [0.9]\n", "optim.betas", "a list of 2 numbers"),
-        ("overwrite = 1\n", "overwrite", "true or false"),
+        ("run.overwrite = 1\n", "run.overwrite", "true or false"),
         ("model = 3\n", "model", "is not a table"),
         ('data = "corpus.txt"\n', "data", "data.data = ..."),
     ],
@@ -194,8 +195,8 @@ def test_a_run_directory_is_read_as_a_new_run_not_resumed_nor_cleared(tmp_path: 
     result = lowcomm("train", "--config", str(run), *INLINE, "--print-config")
     assert result.returncode == 0, result.stderr
     values = tomllib.loads(result.stdout)
-    assert values["method"] == "desloc" and values["steps"] == 9
-    assert values["overwrite"] is False and "resume" not in values
+    assert values["method"] == "desloc" and values["run"]["steps"] == 9
+    assert values["run"]["overwrite"] is False and "resume" not in values["run"]
 
 
 def test_options_of_another_method_in_the_file_are_refused(tmp_path: Path) -> None:

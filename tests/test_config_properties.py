@@ -232,7 +232,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig | None, object, str]:
     def spawner(
         fn: object, world_size: int, args: tuple[Any, ...], **kwargs: object
     ) -> list[object]:
-        assert world_size == args[0].world_size
+        assert world_size == args[0].placement.world_size
         handed.append(args[0])
         return []
 
@@ -264,17 +264,17 @@ def first_step(config: TrainConfig) -> None:
     other workers are recordings). A hierarchical worker's R ranks are R threads on a real
     in-process replica group: a recording cannot stand in for the other ranks, whose slices
     of a two-level all-gather differ from this one's."""
-    datetime.timedelta(seconds=config.collective_timeout_s)  # the process group's timeout
-    profile = network_profile(config)
+    datetime.timedelta(seconds=config.comm.collective_timeout_s)  # the process group's timeout
+    profile = network_profile(config.comm)
     make_clock(
-        config.clock,
+        config.comm.clock,
         speed_factor=profile.speed_factor(0),
-        seconds_per_microbatch=config.seconds_per_microbatch,
+        seconds_per_microbatch=config.comm.seconds_per_microbatch,
     )
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.run.seed)
     corpus = prepare_corpus(config.data)
     model = build_model(config.model, corpus.vocab_size)
-    ranks = config.ranks_per_worker
+    ranks = config.placement.ranks_per_worker
     if ranks == 1:
         _rank_first_step(config, corpus, model, None, 0)
         return
@@ -300,31 +300,31 @@ def first_step(config: TrainConfig) -> None:
 def _rank_first_step(
     config: TrainConfig, corpus: Any, model: Any, replica_comm: Any, replica: int
 ) -> None:
-    profile = network_profile(config)
+    profile = network_profile(config.comm)
     clock = VirtualClock(speed_factor=profile.speed_factor(0), seconds_per_microbatch=0.05)
     comm: NetworkComm | HierarchicalComm = NetworkComm(
-        RecordingComm(world_size=config.workers), profile, clock
+        RecordingComm(world_size=config.placement.workers), profile, clock
     )
     if replica_comm is not None:
-        inner = NetworkComm(replica_comm, replica_network_profile(config), clock)
+        inner = NetworkComm(replica_comm, replica_network_profile(config.comm), clock)
         comm = HierarchicalComm(inner, comm, clock)
     strategy = build_strategy(config.method, model, comm, strategy_context(config), config)
     shard = WorkerShard(
         corpus,
         rank=0,
-        world_size=config.workers,
+        world_size=config.placement.workers,
         seq_len=config.model.block_size,
         micro_batch_size=config.data.micro_batch_size,
-        seed=config.seed,
+        seed=config.run.seed,
         split=config.data.split,
         replica=replica,
-        replicas=config.ranks_per_worker,
+        replicas=config.placement.ranks_per_worker,
     )
     val = validation_batches(
         corpus,
         seq_len=config.model.block_size,
         batch_size=config.data.micro_batch_size,
-        num_batches=config.eval_batches,
+        num_batches=config.run.eval_batches,
     )
 
     def closure() -> MicroBatchResult:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from lowcomm.comm.calibration import Calibration
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import CommConfig, ConfigError, PlacementConfig, RunConfig, TrainConfig
 from lowcomm.launch.run import preflight
 
 
@@ -37,12 +37,13 @@ def _no_disk(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_validate_reads_no_file_whatever_paths_it_is_given(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    TrainConfig(method="diloco", ranks_per_worker=2).validate()  # imports done before the ban
+    TrainConfig(
+        method="diloco",
+        placement=PlacementConfig(ranks_per_worker=2),
+    ).validate()  # imports done before the ban
     config = TrainConfig(
-        calibration=str(tmp_path / "c.json"),
-        out=str(tmp_path / "a"),
-        resume=str(tmp_path / "b"),
-        checkpoint_every=2,
+        comm=CommConfig(calibration=str(tmp_path / "c.json")),
+        run=RunConfig(out=str(tmp_path / "a"), resume=str(tmp_path / "b"), checkpoint_every=2),
     )
     config.data.data = str(tmp_path / "corpus.txt")
     attempts = _no_disk(monkeypatch)
@@ -59,7 +60,9 @@ def test_a_calibration_of_other_shapes_is_refused_in_preflight(tmp_path: Path) -
         block_size=64,
         num_params=1000,
     ).save(path)
-    config = TrainConfig(calibration=str(path), out=str(tmp_path / "run"))
+    config = TrainConfig(
+        comm=CommConfig(calibration=str(path)), run=RunConfig(out=str(tmp_path / "run"))
+    )
     config.validate()  # the options alone are fine
     with pytest.raises(ConfigError) as refused:
         preflight(config)
@@ -69,32 +72,37 @@ def test_a_calibration_of_other_shapes_is_refused_in_preflight(tmp_path: Path) -
 
 
 def test_out_differing_from_resume_is_refused_in_preflight(tmp_path: Path) -> None:
-    config = TrainConfig(out=str(tmp_path / "a"), resume=str(tmp_path / "b"))
+    config = TrainConfig(run=RunConfig(out=str(tmp_path / "a"), resume=str(tmp_path / "b")))
     config.validate()
     with pytest.raises(ConfigError, match=r"^--out: .* differs from --resume .*omit --out$"):
         preflight(config)
     # The same directory through a symbolic link is the same run directory.
     (tmp_path / "b").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "b")
-    linked = TrainConfig(out=str(tmp_path / "link"), resume=str(tmp_path / "b"))
+    linked = TrainConfig(run=RunConfig(out=str(tmp_path / "link"), resume=str(tmp_path / "b")))
     with pytest.raises(ConfigError, match=r"--resume: .* holds no checkpoint"):
         preflight(linked)
 
 
 def test_the_configuration_checks_itself_without_the_training_code() -> None:
     """``lowcomm.config`` sits below ``lowcomm.train``: importing it and validating a run,
-    --worker-sharding included (accepted and refused), imports nothing of the training code.
+    --worker-sharding included (accepted and refused), and each component alone, imports
+    nothing of the training code.
     In a fresh interpreter, whose modules are only what these steps import."""
     script = (
         "import sys\n"
         "import lowcomm.config as c\n"
-        "c.TrainConfig(method='diloco', ranks_per_worker=2, worker_sharding='fsdp').validate()\n"
+        "placement = c.PlacementConfig(ranks_per_worker=2, worker_sharding='fsdp')\n"
+        "c.TrainConfig(method='diloco', placement=placement).validate()\n"
         "try:\n"
-        "    c.TrainConfig(method='diloco', worker_sharding='fsdp').validate()\n"
+        "    placement = c.PlacementConfig(worker_sharding='fsdp')\n"
+        "    c.TrainConfig(method='diloco', placement=placement).validate()\n"
         "except c.ConfigError as error:\n"
         "    assert 'leaves nothing to shard' in str(error), error\n"
         "else:\n"
         "    raise AssertionError('one rank per worker was not refused')\n"
+        "for component in (c.PlacementConfig(), c.RunConfig(), c.CommConfig(), c.FaultConfig()):\n"
+        "    component.validate()\n"
         "train = sorted(m for m in sys.modules if m.startswith('lowcomm.train'))\n"
         "assert not train, train\n"
     )

@@ -355,7 +355,7 @@ spec.loader.exec_module(module)
 
 import torch
 from lowcomm.comm.local import LocalComm
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import CommConfig, ConfigError, RunConfig, TrainConfig
 from lowcomm.plan import PlanConfig, make_plan
 from lowcomm.reproduce.runner import equal_tokens
 from lowcomm import selftest
@@ -366,7 +366,7 @@ plain = make_plan(PlanConfig(method="squash", workers=8))
 fp8 = make_plan(PlanConfig(method="squash", workers=8, squash=toy.SquashOptions(encoding="fp8")))
 result["fp8_bytes_ratio"] = fp8.comm_bytes_per_worker_per_step / plain.comm_bytes_per_worker_per_step
 for name, attempt in (
-    ("train_bf16", lambda: TrainConfig(method="squash", comm_dtype="bf16").validate()),
+    ("train_bf16", lambda: TrainConfig(method="squash", comm=CommConfig(comm_dtype="bf16")).validate()),  # noqa: E501
     ("plan_bf16", lambda: make_plan(PlanConfig(method="squash", comm_dtype="bf16"))),
 ):
     try:
@@ -380,11 +380,11 @@ result["selftest_check"] = selftest._check_method(
     "squash", LocalComm(), LocalComm(), torch.device("cpu")
 ).startswith("4 steps")
 result["exported"] = lowcomm.SquashOptions is toy.SquashOptions
-base = TrainConfig(method="squash", steps=10)
-result["budget"] = equal_tokens(base).token_budget
+base = TrainConfig(method="squash", run=RunConfig(steps=10))
+result["budget"] = equal_tokens(base).run.token_budget
 result["tokens_per_microbatch"] = base.tokens_per_microbatch()
 fixed = replace(base, squash=toy.SquashOptions(fixed_count=2))
-result["fixed_budget"] = equal_tokens(fixed).token_budget
+result["fixed_budget"] = equal_tokens(fixed).run.token_budget
 print(json.dumps(result))
 """
 
@@ -447,11 +447,11 @@ def test_the_declared_dtypes_are_the_values_of_comm_dtype() -> None:
     import typing
 
     from lowcomm.comm.cast import COMM_DTYPES
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import CommConfig
     from lowcomm.strategies.declaration import COMM_DTYPES as DECLARED
 
     assert (
-        DECLARED == COMM_DTYPES == typing.get_args(typing.get_type_hints(TrainConfig)["comm_dtype"])
+        DECLARED == COMM_DTYPES == typing.get_args(typing.get_type_hints(CommConfig)["comm_dtype"])
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.launch.inprocess import train_in_process
 from lowcomm.launch.run import preflight
@@ -30,15 +30,16 @@ STEPS = 12
 
 def _config(method: str, out: Path, workers: int = WORKERS, **overrides: Any) -> TrainConfig:
     config = TrainConfig(
-        method=method, workers=workers, workers_per_process=workers, steps=STEPS,
-        network="wan", clock="virtual", seconds_per_microbatch=1.0, eval_every=1000,
-        log_every=1000, eval_batches=1, progress=False, plot=False, out=str(out),
+        method=method,
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
+    )
+    options: dict[str, Any] = dict(
+        workers=workers, workers_per_process=workers, steps=STEPS, network="wan",
+        clock="virtual", seconds_per_microbatch=1.0, eval_every=1000, log_every=1000,
+        eval_batches=1, progress=False, plot=False, out=str(out),
     )  # fmt: skip
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return config
+    return with_options(config, **{**options, **overrides})
 
 
 def _run(config: TrainConfig) -> tuple[dict[str, Any], list[Any]]:
@@ -46,7 +47,7 @@ def _run(config: TrainConfig) -> tuple[dict[str, Any], list[Any]]:
     config.validate()
     preflight(config)
     summaries = train_in_process(config, keep_parameters=True)
-    summary = json.loads((Path(str(config.out)) / "summary.json").read_text())
+    summary = json.loads((Path(str(config.run.out)) / "summary.json").read_text())
     return summary, summaries
 
 
@@ -230,7 +231,7 @@ def test_a_run_with_a_fault_trace_replays_and_heals_the_joiner(
 
 def test_other_placements_and_a_bf16_wire_are_refused_in_one_line(tmp_path: Path) -> None:
     config = _config("decoupled_diloco", tmp_path / "p", workers=4)
-    config.workers_per_process = 1
+    config.placement.workers_per_process = 1
     with pytest.raises(ConfigError, match=r"--workers-per-process: 1 with --method decoupled") as e:
         config.validate()
     assert "\n" not in str(e.value)

@@ -116,12 +116,12 @@ def test_pre_flight_builds_the_model_and_method_for_shapes_without_the_compiler_
     script = textwrap.dedent("""
         import sys
         import torch
-        from lowcomm.config import TrainConfig
+        from lowcomm.config import PlacementConfig, TrainConfig
         from lowcomm.launch.run import check_method_options
         from lowcomm.models import ModelConfig, build_model
         from lowcomm.train.task import CorpusTask
 
-        config = TrainConfig(method="diloco", workers=2)
+        config = TrainConfig(method="diloco", placement=PlacementConfig(workers=2))
         config.model = ModelConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
         shapes = CorpusTask().shapes_model(config)
         check_method_options(config)

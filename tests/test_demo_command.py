@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from _cli import lowcomm
-from lowcomm.config import TrainConfig
+from lowcomm.config import RunConfig, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.demo import DemoConfig, demo_train_config, run_demo
 from lowcomm.models import ModelConfig
@@ -20,10 +20,7 @@ from lowcomm.models import ModelConfig
 TINY = TrainConfig(
     model=ModelConfig(n_layer=1, n_embd=32, n_head=2, block_size=16),
     data=DataConfig(micro_batch_size=2),
-    eval_every=2,
-    eval_batches=2,
-    progress=False,
-    plot=False,
+    run=RunConfig(eval_every=2, eval_batches=2, progress=False, plot=False),
 )
 
 _METHOD_LINE = re.compile(
@@ -80,11 +77,16 @@ def test_the_verdict_is_the_runs_own_numbers(
 
 def test_both_runs_share_the_link_the_clock_the_tokens_and_one_process() -> None:
     train = demo_train_config(DemoConfig(steps=7, workers=3, sync_every=5), TINY)
-    assert (train.network, train.clock, train.steps, train.workers) == ("wan", "virtual", 7, 3)
-    assert train.workers_per_process == 3 and train.diloco.sync_every == 5
+    assert (train.comm.network, train.comm.clock, train.run.steps, train.placement.workers) == (
+        "wan",
+        "virtual",
+        7,
+        3,
+    )
+    assert train.placement.workers_per_process == 3 and train.diloco.sync_every == 5
     assert train.model == TINY.model
     default = demo_train_config(DemoConfig())
-    assert default.model == TrainConfig().model and default.workers_per_process == 4
+    assert default.model == TrainConfig().model and default.placement.workers_per_process == 4
 
 
 @pytest.mark.parametrize(

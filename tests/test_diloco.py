@@ -12,6 +12,7 @@ import torch
 from _cli import lowcomm, small_flags
 from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import CollectiveKind, LocalComm, RecordingComm, Role
+from lowcomm.config import RunConfig
 from lowcomm.models.gpt import GPT, GPTConfig
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.optim.outer import OuterNesterov
@@ -440,12 +441,12 @@ def test_a_run_that_ends_mid_round_is_told_its_final_model_leaves_out_the_tail(
     is not a multiple of H starts, the launcher says which inner steps the final model leaves
     out and which --steps ends on a round; not for a run that ends on one, nor for a
     --token-budget run."""
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import TrainConfig, with_options
     from lowcomm.launch.run import preflight
 
     def note(**options: object) -> str | None:
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-        return preflight(TrainConfig(method="diloco", out=str(out), **options))
+        return preflight(with_options(TrainConfig(method="diloco"), out=str(out), **options))
 
     sixteen = DiLoCoOptions(sync_every=16)
     assert note(steps=30, diloco=sixteen) == (
@@ -456,7 +457,15 @@ def test_a_run_that_ends_mid_round_is_told_its_final_model_leaves_out_the_tail(
     assert "the initial one (no round ends)" in str(note(steps=10, diloco=sixteen))
     assert note(steps=32, diloco=sixteen) is None
     assert note(steps=30, diloco=sixteen, token_budget=10**6) is None
-    assert preflight(TrainConfig(method="ddp", steps=30, out=str(tmp_path / "ddp"))) is None
+    assert (
+        preflight(
+            TrainConfig(
+                method="ddp",
+                run=RunConfig(steps=30, out=str(tmp_path / "ddp")),
+            )
+        )
+        is None
+    )
 
 
 def test_an_exchange_without_extras_copies_nothing_from_the_host() -> None:

@@ -40,7 +40,7 @@ METHODS = sorted(set(STRATEGIES) - {"decoupled_diloco"})
 
 def _config(method: str, out: Path, workers: int, **overrides: object) -> Any:
     config = tiny_config(method, out, **overrides)
-    config.workers = workers
+    config.placement.workers = workers
     return config
 
 
@@ -85,7 +85,7 @@ def _ddp_reference(base: Path) -> float:
         keep_parameters=True,
     )
     config = _config("ddp", base / "ddp-reference", 2)
-    config.workers_per_process = 2
+    config.placement.workers_per_process = 2
     saved = read_rank_state(source, 0)
     carry = consumed_in_pass([read_rank_state(source, rank)["data"] for rank in range(3)])
     world, books, shared = InProcessGroup(2), InProcessGroup(2), shared_setup(config)

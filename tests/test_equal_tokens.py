@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tests._cli import lowcomm
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import PlacementConfig, RunConfig, TrainConfig
 from lowcomm.reproduce.runner import equal_tokens
 from lowcomm.train.context import strategy_context
 
@@ -49,12 +49,16 @@ def test_compare_runs_acco_on_ddps_tokens(tmp_path: Path) -> None:
 
 
 def test_equal_tokens_budgets_only_variable_methods() -> None:
-    acco = TrainConfig(method="acco", steps=8, workers=2)
+    acco = TrainConfig(
+        method="acco",
+        run=RunConfig(steps=8),
+        placement=PlacementConfig(workers=2),
+    )
     budgeted = equal_tokens(acco)
     per_microbatch = acco.data.micro_batch_size * acco.model.block_size
-    assert budgeted.token_budget == 8 * 2 * per_microbatch
+    assert budgeted.run.token_budget == 8 * 2 * per_microbatch
     assert strategy_context(budgeted).microbatch_budget == 8 * 2
-    assert equal_tokens(TrainConfig(method="ddp")).token_budget is None
+    assert equal_tokens(TrainConfig(method="ddp")).run.token_budget is None
 
 
 def test_a_token_budget_below_one_is_refused() -> None:

@@ -112,11 +112,11 @@ def test_a_checkpoint_after_a_kill_resumes_to_the_uninterrupted_numbers(
     whole = _run(_config("diloco", tmp_path / "whole", trace, processes=False))
     out = tmp_path / "resumed"
     config = _config("diloco", out, trace, processes=True)
-    config.stop_after = 4
+    config.run.stop_after = 4
     assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
     assert _killed(capfd.readouterr().out) == [(worker, 2)]
     config = _config("diloco", out, trace, processes=processes_again)
-    config.resume = str(out)
+    config.run.resume = str(out)
     _same_numbers(_run(config), whole)
 
 
@@ -187,7 +187,8 @@ def test_on_the_real_clock_a_crash_kills_its_process_at_the_step_it_lands_on(
     trace = tmp_path / "trace.txt"
     trace.write_text(trace_text)
     config = _config("diloco", tmp_path / "real", trace, processes=True)
-    config.clock, config.seconds_per_microbatch, config.fault_detection_s = "real", None, 0.05
+    config.comm.clock, config.comm.seconds_per_microbatch = "real", None
+    config.fault.fault_detection_s = 0.05
     records, summary = _run(config)
     assert _killed(capfd.readouterr().out) == [killed]
     assert [r["quorum"] for r in records] == quorums

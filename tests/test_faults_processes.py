@@ -19,7 +19,7 @@ import torch
 from _cli import torchrun
 from lowcomm.comm import Role
 from lowcomm.comm.torch_comm import QuorumTorchComm
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.launch.run import run_training
 from lowcomm.launch.spawn import WorkerFailed, end_by_sigkill, spawn_workers
@@ -42,14 +42,29 @@ step=1    worker=0  slow factor=3 for=3
 def _config(
     method: str, out: Path, trace: Path, *, processes: bool, workers: int = WORKERS
 ) -> TrainConfig:
-    config = TrainConfig(
-        method=method, workers=workers, workers_per_process=1 if processes else workers,
-        steps=8, network="wan", clock="virtual", seconds_per_microbatch=0.01, eval_every=4,
-        eval_batches=2, log_every=1, progress=False, plot=False, out=str(out),
-        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
-        local=LocalOptions(sync_every=2), faults=str(trace), fault_detection_s=2.5,
-    )  # fmt: skip
+    config = with_options(
+        TrainConfig(
+            method=method,
+            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+            data=DataConfig(micro_batch_size=2),
+            diloco=DiLoCoOptions(sync_every=2),
+            local=LocalOptions(sync_every=2),
+        ),
+        workers=workers,
+        workers_per_process=1 if processes else workers,
+        steps=8,
+        network="wan",
+        clock="virtual",
+        seconds_per_microbatch=0.01,
+        eval_every=4,
+        eval_batches=2,
+        log_every=1,
+        progress=False,
+        plot=False,
+        out=str(out),
+        faults=str(trace),
+        fault_detection_s=2.5,
+    )
     if method == "streaming_diloco":  # (two fragments, each flying one step)
         config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
         config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
@@ -63,7 +78,7 @@ def _records(out: Path) -> list[dict[str, Any]]:
 def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     summary = run_training(config, report=None)
     assert summary is not None
-    return _records(Path(str(config.out))), summary
+    return _records(Path(str(config.run.out))), summary
 
 
 def _close(a: float | None, b: float | None) -> bool:
@@ -135,8 +150,7 @@ def test_what_faults_in_processes_do_not_run_with_yet_is_refused_in_one_line(
     overrides: dict[str, Any], expected: str, tmp_path: Path
 ) -> None:
     config = _config("ddp", tmp_path / "out", tmp_path / "trace.txt", processes=True)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = with_options(config, **overrides)
     with pytest.raises(ConfigError, match=expected) as caught:
         config.validate()
     assert "\n" not in str(caught.value)
@@ -150,9 +164,9 @@ def test_faults_under_torchrun_with_several_workers_a_process_are_refused_in_one
     with pytest.raises(ConfigError, match="not yet supported under torchrun") as caught:
         config.validate()
     assert "\n" not in str(caught.value)
-    config.workers_per_process = 1
+    config.placement.workers_per_process = 1
     config.validate()
-    config.clock, config.seconds_per_microbatch = "real", None
+    config.comm.clock, config.comm.seconds_per_microbatch = "real", None
     with pytest.raises(ConfigError, match="not yet supported under torchrun on the real") as real:
         config.validate()
     assert "\n" not in str(real.value)
@@ -214,9 +228,10 @@ def test_a_generated_trace_gives_the_same_numbers_in_processes(tmp_path: Path) -
     runs = []
     for processes in (False, True):
         config = _config("diloco", tmp_path / str(processes), tmp_path / "x", processes=processes)
-        config.faults, config.fault_mtbf_s, config.fault_replace_after_s = None, 0.2, 0.05
-        config.fault_slow_fraction, config.fault_slow_factor, config.fault_seed = 0.4, 3.0, 1
-        config.fault_detection_s = 0.05
+        fault = config.fault
+        fault.faults, fault.fault_mtbf_s, fault.fault_replace_after_s = None, 0.2, 0.05
+        fault.fault_slow_fraction, fault.fault_slow_factor, fault.fault_seed = 0.4, 3.0, 1
+        fault.fault_detection_s = 0.05
         runs.append(_run(config))
     _same_numbers(runs[1], runs[0])
     assert runs[1][1]["faults"]["membership_changes"]  # (the generated crashes landed)
@@ -234,10 +249,10 @@ def test_a_run_in_processes_stopped_mid_trace_and_resumed_gives_the_uninterrupte
     whole = _run(_config(method, tmp_path / "whole", trace, processes=False))
     out = tmp_path / "resumed"
     config = _config(method, out, trace, processes=True)
-    config.stop_after = 3
+    config.run.stop_after = 3
     assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
     config = _config(method, out, trace, processes=True)
-    config.resume = str(out)
+    config.run.resume = str(out)
     _same_numbers(_run(config), whole)
 
 
@@ -249,7 +264,7 @@ def test_a_quorum_below_the_minimum_waits_for_its_join_in_processes_as_in_one_pr
     runs = []
     for processes in (False, True):
         config = _config("ddp", tmp_path / str(processes), trace, processes=processes)
-        config.fault_min_workers, config.fault_quorum_wait_s = 2, 2e6
+        config.fault.fault_min_workers, config.fault.fault_quorum_wait_s = 2, 2e6
         runs.append(_run(config))
     _same_numbers(runs[1], runs[0])
     assert max(r["clock_s"] for r in runs[1][0]) > 1e6  # (the modeled wait for the join)

@@ -9,14 +9,13 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lowcomm.comm.inprocess import InProcessGroup
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.faults.engine import SAY_EVERY_S, WorkerFaults, wait_saying
 from lowcomm.faults.trace import TraceError, parse_trace
@@ -30,22 +29,37 @@ WORKERS = 3
 
 
 def _config(out: Path, trace: Path, **overrides: Any) -> TrainConfig:
-    config = TrainConfig(
-        method="ddp", workers=WORKERS, workers_per_process=WORKERS, steps=6, network="wan",
-        clock="virtual", seconds_per_microbatch=0.01, eval_every=3, eval_batches=3,
-        log_every=1, progress=False, plot=False, out=str(out),
-        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
-        faults=str(trace), fault_detection_s=0.5, fault_min_workers=2,
-    )  # fmt: skip
-    return replace(config, **overrides)
+    config = with_options(
+        TrainConfig(
+            method="ddp",
+            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+            data=DataConfig(micro_batch_size=2),
+            diloco=DiLoCoOptions(sync_every=2),
+        ),
+        workers=WORKERS,
+        workers_per_process=WORKERS,
+        steps=6,
+        network="wan",
+        clock="virtual",
+        seconds_per_microbatch=0.01,
+        eval_every=3,
+        eval_batches=3,
+        log_every=1,
+        progress=False,
+        plot=False,
+        out=str(out),
+        faults=str(trace),
+        fault_detection_s=0.5,
+        fault_min_workers=2,
+    )
+    return with_options(config, **overrides)
 
 
 def _train(config: TrainConfig) -> list[dict[str, Any]]:
     config.validate()
     preflight(config)
     train_in_process(config)
-    path = Path(str(config.out)) / "metrics.jsonl"
+    path = Path(str(config.run.out)) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

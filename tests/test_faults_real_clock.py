@@ -7,13 +7,12 @@ least d), never a speed claim."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.launch.inprocess import train_in_process
 from lowcomm.launch.run import preflight
@@ -26,21 +25,35 @@ DETECTION_S = 0.05
 
 
 def _config(method: str, out: Path, trace: Path, **overrides: Any) -> TrainConfig:
-    config = TrainConfig(
-        method=method, workers=WORKERS, workers_per_process=WORKERS, steps=8, network="wan",
-        clock="real", eval_every=4, eval_batches=2, log_every=1, progress=False, plot=False,
-        out=str(out), model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
-        faults=str(trace), fault_detection_s=DETECTION_S,
-    )  # fmt: skip
-    return replace(config, **overrides)
+    config = with_options(
+        TrainConfig(
+            method=method,
+            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+            data=DataConfig(micro_batch_size=2),
+            diloco=DiLoCoOptions(sync_every=2),
+        ),
+        workers=WORKERS,
+        workers_per_process=WORKERS,
+        steps=8,
+        network="wan",
+        clock="real",
+        eval_every=4,
+        eval_batches=2,
+        log_every=1,
+        progress=False,
+        plot=False,
+        out=str(out),
+        faults=str(trace),
+        fault_detection_s=DETECTION_S,
+    )
+    return with_options(config, **overrides)
 
 
 def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     config.validate()
     preflight(config)
     train_in_process(config)
-    out = Path(str(config.out))
+    out = Path(str(config.run.out))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = out / "summary.json"
     return records, json.loads(summary.read_text()) if summary.exists() else None
@@ -136,7 +149,7 @@ def test_link_events_on_a_gpus_real_clock_are_refused_in_one_line(tmp_path: Path
     with pytest.raises(TraceError, match="link events are not yet modeled") as caught:
         run_trace(config)
     assert "\n" not in str(caught.value)
-    assert run_trace(replace(config, device="cpu")) is not None
+    assert run_trace(with_options(config, device="cpu")) is not None
 
 
 def test_a_degraded_link_stretches_each_real_transfer(tmp_path: Path) -> None:
@@ -151,6 +164,6 @@ def test_a_degraded_link_stretches_each_real_transfer(tmp_path: Path) -> None:
     # (A ring all-reduce sends 2 (M-1)/M of its payload; ddp sends one a step. The link
     # carries one transfer at a time, so step s ends after s + 1 stretched transfers.)
     payload = round(records[0]["bytes_sent_per_worker"] * WORKERS / (2 * (WORKERS - 1)))
-    cost = network_profile(config).collective_time(CollectiveKind.ALL_REDUCE, payload, WORKERS)
+    cost = network_profile(config.comm).collective_time(CollectiveKind.ALL_REDUCE, payload, WORKERS)
     for record in records:
         assert record["clock_s"] >= (record["step"] + 1) * cost / factor

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.faults.run import supported_methods
 from lowcomm.launch.inprocess import train_in_process
@@ -31,29 +30,44 @@ WORKERS = 3
 
 
 def _config(method: str, out: Path, **overrides: Any) -> TrainConfig:
-    config = TrainConfig(
-        method=method, workers=WORKERS, workers_per_process=WORKERS, steps=8, network="wan",
-        clock="virtual", seconds_per_microbatch=0.01, eval_every=4, eval_batches=3,
-        log_every=1, progress=False, plot=False, out=str(out),
-        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
-        local=LocalOptions(sync_every=2), desloc=DeslocOptions(param_period=2),
-        sparseloco=SparseLoCoOptions(sync_every=2), fault_detection_s=2.5,
-        decoupled=DecoupledOptions(sync_every=2),
-    )  # fmt: skip
+    config = with_options(
+        TrainConfig(
+            method=method,
+            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+            data=DataConfig(micro_batch_size=2),
+            diloco=DiLoCoOptions(sync_every=2),
+            local=LocalOptions(sync_every=2),
+            desloc=DeslocOptions(param_period=2),
+            sparseloco=SparseLoCoOptions(sync_every=2),
+            decoupled=DecoupledOptions(sync_every=2),
+        ),
+        workers=WORKERS,
+        workers_per_process=WORKERS,
+        steps=8,
+        network="wan",
+        clock="virtual",
+        seconds_per_microbatch=0.01,
+        eval_every=4,
+        eval_batches=3,
+        log_every=1,
+        progress=False,
+        plot=False,
+        out=str(out),
+        fault_detection_s=2.5,
+    )
     if method == "sparta_diloco":  # (a round of 2 steps; a tenth of the parameters a step)
         config.sparta = SpartaOptions(sync_every=2, fraction=0.1)
     if method in ("streaming_diloco", "cocodc"):  # (two fragments, each flying one step)
         config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
         config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
-    return replace(config, **overrides)
+    return with_options(config, **overrides)
 
 
 def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any], list[torch.Tensor]]:
     config.validate()
     preflight(config)
     summaries = train_in_process(config, keep_parameters=True)
-    out = Path(str(config.out))
+    out = Path(str(config.run.out))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     return records, summary, [s.parameters for s in summaries if s.parameters is not None]

@@ -44,8 +44,10 @@ def test_bench_compare_gives_every_run_the_trace_and_reports_goodput(
     for method, row in results["methods"].items():
         run = out / "runs" / f"{method}-s0"
         config = json.loads((run / "config.json").read_text())
-        assert config["faults"] == str(trace) and config["fault_detection_s"] == 0.5
-        assert config["workers_per_process"] == 2  # (faults run as threads of one process)
+        fault = config["fault"]
+        assert fault["faults"] == str(trace) and fault["fault_detection_s"] == 0.5
+        # (faults run as threads of one process)
+        assert config["placement"]["workers_per_process"] == 2
         faults = json.loads((run / "summary.json").read_text())["faults"]
         assert [c["step"] for c in faults["membership_changes"]] == [1, 3]
         assert row["goodput"] == faults["goodput"] and 0 < row["goodput"] < 1
@@ -106,9 +108,9 @@ def test_reproduce_gives_every_run_the_fault_options_and_reports_goodput(
     ddp = rows[papers.DDP2]
     assert f"--faults {trace}" in ddp["command"] and "--fault-detection-s 0.5" in ddp["command"]
     run = next((out / "acco" / "runs").glob("ddp*-s0"))
-    config = json.loads((run / "config.json").read_text())
-    assert (config["faults"], config["fault_detection_s"]) == (str(trace), 0.5)
-    assert config["fault_quorum_wait_s"] == 60.0
+    fault = json.loads((run / "config.json").read_text())["fault"]
+    assert (fault["faults"], fault["fault_detection_s"]) == (str(trace), 0.5)
+    assert fault["fault_quorum_wait_s"] == 60.0
     faults = json.loads((run / "summary.json").read_text())["faults"]
     assert [c["step"] for c in faults["membership_changes"]] == [1, 3]
     assert ddp["goodput"] == [faults["goodput"]] and 0 < faults["goodput"] < 1
@@ -127,7 +129,10 @@ def test_a_generated_trace_reaches_every_compared_run_in_one_process() -> None:
     )  # fmt: skip
     for method in ("ddp", "diloco"):
         run = bench.run_config(method, 0)
-        assert (run.fault_mtbf_s, run.fault_replace_after_s, run.fault_seed) == (50.0, 5.0, 4)
-        assert run.workers_per_process == 3 and run.token_budget is None
+        fault = run.fault
+        assert (fault.fault_mtbf_s, fault.fault_replace_after_s, fault.fault_seed) == (50.0, 5.0, 4)
+        assert run.placement.workers_per_process == 3 and run.run.token_budget is None
     plain = CompareBench(methods=("ddp",), workers=3)
-    assert plain.budget == "tokens" and plain.run_config("ddp", 0).workers_per_process == 1
+    assert (
+        plain.budget == "tokens" and plain.run_config("ddp", 0).placement.workers_per_process == 1
+    )

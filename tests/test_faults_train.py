@@ -19,7 +19,15 @@ from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import Role
 from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.runtime import Quorum
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import (
+    CommConfig,
+    ConfigError,
+    FaultConfig,
+    PlacementConfig,
+    RunConfig,
+    TrainConfig,
+    with_options,
+)
 from lowcomm.data import DataConfig
 from lowcomm.launch.inprocess import train_in_process
 from lowcomm.launch.run import preflight
@@ -41,22 +49,36 @@ SECONDS_PER_MICROBATCH = 0.01
 
 def _config(method: str, out: Path, faults: Path | None, **overrides: Any) -> TrainConfig:
     config = TrainConfig(
-        method=method, workers=WORKERS, workers_per_process=WORKERS, steps=8, network="wan",
-        clock="virtual", seconds_per_microbatch=SECONDS_PER_MICROBATCH, eval_every=4,
-        eval_batches=3, log_every=1, progress=False, plot=False, out=str(out),
+        method=method,
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=2),
-        local=LocalOptions(sync_every=2), desloc=DeslocOptions(param_period=2),
+        data=DataConfig(micro_batch_size=2),
+        diloco=DiLoCoOptions(sync_every=2),
+        local=LocalOptions(sync_every=2),
+        desloc=DeslocOptions(param_period=2),
         sparseloco=SparseLoCoOptions(sync_every=2),
-        faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S,
-    )  # fmt: skip
+        placement=PlacementConfig(workers=WORKERS, workers_per_process=WORKERS),
+        run=RunConfig(
+            steps=8,
+            eval_every=4,
+            eval_batches=3,
+            log_every=1,
+            progress=False,
+            plot=False,
+            out=str(out),
+        ),
+        comm=CommConfig(
+            network="wan", clock="virtual", seconds_per_microbatch=SECONDS_PER_MICROBATCH
+        ),
+        fault=FaultConfig(
+            faults=None if faults is None else str(faults), fault_detection_s=DETECTION_S
+        ),
+    )
     if method == "sparta_diloco":  # (a round of 2 steps; a tenth of the parameters a step)
         config.sparta = SpartaOptions(sync_every=2, fraction=0.1)
     if method in ("streaming_diloco", "cocodc"):  # (two fragments, each flying one step)
         config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
         config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = with_options(config, **overrides)
     return config
 
 
@@ -68,7 +90,7 @@ def _run(
     config.validate()
     preflight(config)
     summaries = train_in_process(config, keep_parameters=True)
-    out = Path(str(config.out))
+    out = Path(str(config.run.out))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     kept = [s.deployed_parameters if deployed else s.parameters for s in summaries]
@@ -547,7 +569,7 @@ def test_a_local_methods_goodput_prices_a_fault_free_step_with_its_rounds_sync(
     clean steps, which carries the sync one step in H pays (their median would not)."""
     config = _config("diloco", tmp_path / "out", _trace(tmp_path, "step=6 worker=2 crash\n"))
     config.diloco = DiLoCoOptions(sync_every=4)
-    config.steps = 12
+    config.run.steps = 12
     records, summary, _ = _run(config)
     clean, previous = [], 0.0
     for record in records:
@@ -571,7 +593,7 @@ def test_loss_png_marks_each_membership_event_in_both_panels(tmp_path: Path) -> 
     config = _config("ddp", tmp_path / "out", trace)
     records = _run(config)[0]
     # (The written run's records, read back as a resumed run reads them.)
-    writer = RunWriter(config, resume_step=config.steps)
+    writer = RunWriter(config, resume_step=config.run.steps)
     figure = writer.figure()
     writer.close_steps()
     by_step, by_time = figure.axes
@@ -609,7 +631,7 @@ def test_a_generated_trace_grows_past_its_first_horizon_with_the_same_events(
     assert end > FIRST_HORIZON_MTBFS * mtbf  # (extended)
     whole = generate_trace(
         FaultOptions(duration_s=end + 1.0, mtbf_s=mtbf, replace_after_s=replace, seed=2),
-        workers=config.workers,
+        workers=config.placement.workers,
     )
     starts = [0.0] + [r["clock_s"] for r in records[:-1]]
     expected = []

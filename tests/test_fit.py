@@ -20,7 +20,14 @@ from torch.utils.data import DataLoader
 import lowcomm
 from _cli import TINY
 from _cli import lowcomm as lowcomm_cli
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import (
+    CommConfig,
+    ConfigError,
+    PlacementConfig,
+    RunConfig,
+    TrainConfig,
+    with_options,
+)
 from lowcomm.data import DataConfig
 from lowcomm.data.config import DataError
 from lowcomm.fitting import unimportable
@@ -56,8 +63,9 @@ def test_fit_with_the_builtin_gpt_equals_lowcomm_train(tmp_path: Path) -> None:
     config = TrainConfig(
         model=ModelConfig(n_layer=1, n_embd=32, n_head=2, block_size=16),
         data=DataConfig(micro_batch_size=2),
-        eval_every=100, eval_batches=2, progress=False, plot=False, seconds_per_microbatch=0.01,
-    )  # fmt: skip
+        run=RunConfig(eval_every=100, eval_batches=2, progress=False, plot=False),
+        comm=CommConfig(seconds_per_microbatch=0.01),
+    )
     result = lowcomm.fit(
         method="diloco", options=lowcomm.DiLoCoOptions(sync_every=2), workers=2, steps=4,
         out=tmp_path / "fit", config=config,
@@ -71,11 +79,13 @@ def test_fit_with_the_builtin_gpt_equals_lowcomm_train(tmp_path: Path) -> None:
 
 
 def _cnn_config(**overrides: Any) -> TrainConfig:
-    return TrainConfig(
-        optim=AdamWConfig(lr=1e-2), data=DataConfig(micro_batch_size=8), eval_every=100,
-        eval_batches=2, progress=False, plot=False, seconds_per_microbatch=0.01, log_every=1,
-        **overrides,
-    )  # fmt: skip
+    config = TrainConfig(
+        optim=AdamWConfig(lr=1e-2),
+        data=DataConfig(micro_batch_size=8),
+        run=RunConfig(eval_every=100, eval_batches=2, progress=False, plot=False, log_every=1),
+        comm=CommConfig(seconds_per_microbatch=0.01),
+    )
+    return with_options(config, **overrides)
 
 
 def _fit_cnn(out: Path, method: str, **arguments: Any) -> lowcomm.FitResult:
@@ -162,7 +172,7 @@ def test_a_dataset_run_refuses_a_token_budget(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="token_budget: 100 counts tokens"):
         lowcomm.fit(
             TinyCNN, Bars(64), loss_fn=cross_entropy, workers=1, steps=1,
-            out=tmp_path / "x", config=TrainConfig(token_budget=100),
+            out=tmp_path / "x", config=TrainConfig(run=RunConfig(token_budget=100)),
         )  # fmt: skip
 
 
@@ -173,7 +183,9 @@ def _labels(task: DatasetTask, config: TrainConfig, rank: int, batches: int) -> 
 
 def test_a_dataset_is_dealt_iid_or_by_a_key_and_resumes_at_its_position() -> None:
     data = Bars(64)
-    config = TrainConfig(workers=2, data=DataConfig(micro_batch_size=4, split="non-iid"))
+    config = TrainConfig(
+        data=DataConfig(micro_batch_size=4, split="non-iid"), placement=PlacementConfig(workers=2)
+    )
     by_label = DatasetTask(TinyCNN, data, split_key=label)
     firsts = [_labels(by_label, config, rank, 3) for rank in range(2)]
     # Bars(64) holds 24 zeros and 40 ones: worker 1's block (the last 32) is all ones.
@@ -252,7 +264,9 @@ def test_a_hugging_face_dataset_is_a_map_style_dataset() -> None:
     rows = {"x": [[float(i), 1.0] for i in range(16)], "label": [i % 2 for i in range(16)]}
     data = datasets.Dataset.from_dict(rows).with_format("torch")
     task = DatasetTask(TinyCNN, data, split_key=lambda row: row["label"])
-    config = TrainConfig(workers=2, data=DataConfig(micro_batch_size=4, split="non-iid"))
+    config = TrainConfig(
+        data=DataConfig(micro_batch_size=4, split="non-iid"), placement=PlacementConfig(workers=2)
+    )
     batch = task.data(config, 1).shard.next_batch()
     assert batch["x"].shape == (4, 2) and set(batch["label"].tolist()) == {1}
     assert task.count(batch) == (4, 4)

@@ -16,7 +16,7 @@ from lowcomm.comm import Role
 from lowcomm.comm import gathered as shared
 from lowcomm.comm.calibration import ElementCounter
 from lowcomm.comm.inprocess import InProcessGroup
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch.inprocess import run_threads
 from lowcomm.models import ModelConfig
@@ -216,13 +216,23 @@ def test_a_run_in_one_process_decodes_each_gather_once_with_the_same_numbers(
     def run(out: str, steps: int = 4) -> tuple[list[str], list[torch.Tensor]]:
         """The run's metrics lines and final parameters."""
         config = TrainConfig(
-            method=method, workers=MEMBERS, workers_per_process=MEMBERS, steps=steps,
-            network="wan", seed=0, eval_every=2, eval_batches=1, progress=False, plot=False,
-            out=str(tmp_path / out), calibration=str(tmp_path / "calibration.json"),
+            method=method,
             model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-            data=DataConfig(micro_batch_size=2), optim=AdamWConfig(lr=3e-3),
+            data=DataConfig(micro_batch_size=2),
+            optim=AdamWConfig(lr=3e-3),
             sparseloco=SparseLoCoOptions(sync_every=2),
-        )  # fmt: skip
+            placement=PlacementConfig(workers=MEMBERS, workers_per_process=MEMBERS),
+            run=RunConfig(
+                steps=steps,
+                seed=0,
+                eval_every=2,
+                eval_batches=1,
+                progress=False,
+                plot=False,
+                out=str(tmp_path / out),
+            ),
+            comm=CommConfig(network="wan", calibration=str(tmp_path / "calibration.json")),
+        )
         config.validate()
         summaries = train_in_process(config, keep_parameters=True)
         lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()

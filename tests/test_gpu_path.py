@@ -14,7 +14,7 @@ import torch
 from lowcomm.comm.base import CompletedHandle, Handle, Role
 from lowcomm.comm.fake import RecordingComm
 from lowcomm.comm.local import LocalComm
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.models import ModelConfig
 from lowcomm.strategies import StepStats
@@ -65,11 +65,20 @@ class _CountingLocal(LocalComm):
 
 def _run(tmp_path: Path, log_every: int) -> tuple[int, list[dict[str, object]]]:
     config = TrainConfig(
-        method="diloco", workers=1, steps=7, eval_every=100, eval_batches=1, progress=False, plot=False,
-        log_every=log_every, out=str(tmp_path / f"every{log_every}"),
+        method="diloco",
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
-    )  # fmt: skip
+        placement=PlacementConfig(workers=1),
+        run=RunConfig(
+            steps=7,
+            eval_every=100,
+            eval_batches=1,
+            progress=False,
+            plot=False,
+            log_every=log_every,
+            out=str(tmp_path / f"every{log_every}"),
+        ),
+    )
     bookkeeping = _CountingLocal()
     loop.train_worker(config, LocalComm(), bookkeeping=bookkeeping)
     lines = (tmp_path / f"every{log_every}" / "metrics.jsonl").read_text().splitlines()
@@ -355,11 +364,15 @@ def test_the_cpu_clock_markers_are_its_totals() -> None:
 def test_the_default_clock_is_accepted_on_cuda_and_cpu_time_is_refused() -> None:
     from lowcomm.config import ConfigError
 
-    config = TrainConfig(device="cuda")  # the virtual clock, calibrated compute
-    assert config.clock == "virtual" and config.compute_model == "calibrated"
+    config = TrainConfig(
+        placement=PlacementConfig(device="cuda")
+    )  # the virtual clock, calibrated compute
+    assert config.comm.clock == "virtual" and config.comm.compute_model == "calibrated"
     config.validate()
     with pytest.raises(ConfigError, match="--compute-model cpu-time: on cuda"):
-        TrainConfig(device="cuda", compute_model="cpu-time").validate()
+        TrainConfig(
+            placement=PlacementConfig(device="cuda"), comm=CommConfig(compute_model="cpu-time")
+        ).validate()
 
 
 def test_calibration_times_a_gpu_pass_with_events() -> None:

@@ -31,7 +31,7 @@ from _dist import TINY
 from lowcomm.comm.base import CollectiveKind, Handle, ReduceOp, Role, Segments
 from lowcomm.comm.fake import RecordingComm
 from lowcomm.comm.torch_comm import TorchComm
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch import spawn_workers
 from lowcomm.models import ModelConfig
@@ -295,17 +295,19 @@ def test_metrics_evaluation_and_checkpoint_barriers_never_use_the_strategys_grou
     real clock; the virtual clock's launch-time agreements are checked below.)"""
     config = TrainConfig(
         method="co2",
-        workers=2,
-        steps=4,
-        clock="real",
-        eval_every=2,
-        eval_batches=1,  # one worker has no validation batch
-        checkpoint_every=2,
-        progress=False,
-        plot=False,
-        out=str(tmp_path / "run"),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
+        placement=PlacementConfig(workers=2),
+        run=RunConfig(
+            steps=4,
+            eval_every=2,
+            eval_batches=1,  # one worker has no validation batch
+            checkpoint_every=2,
+            progress=False,
+            plot=False,
+            out=str(tmp_path / "run"),
+        ),
+        comm=CommConfig(clock="real"),
     )
     calls = spawn_workers(_record_strategy_group, 2, (config,), timeout_s=120.0)
     for rank_calls in calls:
@@ -355,21 +357,18 @@ def test_the_virtual_clock_agrees_launch_times_on_the_host_group(tmp_path: Path)
     initial broadcast, and the host group one agreement per payload."""
     config = TrainConfig(
         method="ddp",
-        workers=2,
-        steps=4,
-        progress=False,
-        plot=False,
-        out=str(tmp_path / "run"),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
+        placement=PlacementConfig(workers=2),
+        run=RunConfig(steps=4, progress=False, plot=False, out=str(tmp_path / "run")),
     )
-    assert config.clock == "virtual"
+    assert config.comm.clock == "virtual"
     results = spawn_workers(_record_strategy_and_host_groups, 2, (config,), timeout_s=120.0)
     for strategy_calls, host_reductions in results:
         assert [call for call in strategy_calls if call[1] == Role.OTHER.value] == []
         payloads = [call for call in strategy_calls if call[1] != Role.PARAMETER.value]
         agreements = [r for r in host_reductions if r == ("max", torch.float64, 1)]
-        assert len(payloads) == config.steps
+        assert len(payloads) == config.run.steps
         assert len(agreements) == len(payloads), host_reductions
 
 
@@ -434,16 +433,12 @@ def test_hierarchical_workers_agree_launch_times_on_host_groups_of_their_levels(
     two Gloo ranks train ddp on the virtual clock."""
     config = TrainConfig(
         method="ddp",
-        workers=2,
-        ranks_per_worker=2,
-        steps=3,
-        progress=False,
-        plot=False,
-        out=str(tmp_path / "run"),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
+        placement=PlacementConfig(workers=2, ranks_per_worker=2),
+        run=RunConfig(steps=3, progress=False, plot=False, out=str(tmp_path / "run")),
     )
-    assert config.clock == "virtual"
+    assert config.comm.clock == "virtual"
     for made in spawn_workers(_record_level_groups, 4, (config,), timeout_s=180.0):
         assert [backend for backend, _ in made] == [None, "gloo"]
         (_, levels), (_, hosts) = made
@@ -642,7 +637,9 @@ def test_summary_reports_peak_device_memory_on_cuda(tmp_path: Path, device: str)
     from lowcomm.train.metrics import RunWriter
 
     config = TrainConfig(
-        device=device, clock="real", progress=False, plot=False, out=str(tmp_path / "run")
+        placement=PlacementConfig(device=device),
+        comm=CommConfig(clock="real"),
+        run=RunConfig(progress=False, plot=False, out=str(tmp_path / "run")),
     )  # type: ignore[arg-type]
     writer = RunWriter(config)
     writer.close_steps()

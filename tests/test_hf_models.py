@@ -17,6 +17,7 @@ from _cli import lowcomm
 
 transformers = pytest.importorskip("transformers", reason="the HF families need transformers")
 
+from lowcomm.config import PlacementConfig, RunConfig  # noqa: E402
 from lowcomm.data import DataConfig, prepare_corpus  # noqa: E402
 from lowcomm.models import ModelConfig, build_model  # noqa: E402
 from lowcomm.models import loss as loss_module  # noqa: E402
@@ -145,7 +146,7 @@ def _check_eval_equals_transformers(out: Path, hf: Any) -> None:
     run = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
     batches = validation_batches(
         prepare_corpus(run.data), seq_len=run.model.block_size,
-        batch_size=run.data.micro_batch_size, num_batches=run.eval_batches,
+        batch_size=run.data.micro_batch_size, num_batches=run.run.eval_batches,
     )  # fmt: skip
     losses = []
     with torch.no_grad():
@@ -353,7 +354,10 @@ def test_a_sharded_run_refuses_weights_it_cannot_slice(
     from lowcomm.config import ConfigError, TrainConfig
     from lowcomm.launch.init_check import check_init_from
 
-    config = TrainConfig(ranks_per_worker=2, worker_sharding="fsdp", init_from=str(pickled))
+    config = TrainConfig(
+        placement=PlacementConfig(ranks_per_worker=2, worker_sharding="fsdp"),
+        run=RunConfig(init_from=str(pickled)),
+    )
     config.model.block_size = 16
     with pytest.raises(ConfigError) as refused:
         check_init_from(config)

@@ -19,7 +19,7 @@ from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.fake import RecordingComm
 from lowcomm.comm.hierarchical import HierarchicalComm, slice_length, slice_segments
 from lowcomm.comm.network import NetworkProfile
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import CommConfig, ConfigError, PlacementConfig, RunConfig, TrainConfig
 from lowcomm.strategies import STRATEGIES
 
 M, R = 2, 2  # workers, ranks per worker
@@ -130,12 +130,20 @@ def test_methods_that_cannot_run_hierarchically_refuse_with_the_reason() -> None
     refused = sorted(name for name, cls in STRATEGIES.items() if cls.hierarchical_refusal)
     assert refused == ["acco", "dpu", "wp"]
     with pytest.raises(ConfigError, match=r"--ranks-per-worker: 2 with --method acco: .*thread"):
-        TrainConfig(method="acco", ranks_per_worker=2).validate()
-    TrainConfig(method="acco", ranks_per_worker=1, workers=2).validate()  # flat: fine
+        TrainConfig(
+            method="acco",
+            placement=PlacementConfig(ranks_per_worker=2),
+        ).validate()
+    TrainConfig(
+        method="acco",
+        placement=PlacementConfig(ranks_per_worker=1, workers=2),
+    ).validate()  # flat: fine
     with pytest.raises(ConfigError, match=r"--ranks-per-worker: 0 .*pass 1"):
-        TrainConfig(ranks_per_worker=0).validate()
+        TrainConfig(placement=PlacementConfig(ranks_per_worker=0)).validate()
     with pytest.raises(ConfigError, match=r"--inner-network: unknown preset 'fast'"):
-        TrainConfig(ranks_per_worker=2, inner_network="fast").validate()
+        TrainConfig(
+            placement=PlacementConfig(ranks_per_worker=2), comm=CommConfig(inner_network="fast")
+        ).validate()
 
 
 def test_worker_layout() -> None:
@@ -314,9 +322,13 @@ def test_hierarchical_methods_equal_flat_workers_with_the_union_batch() -> None:
 
 def _config(out: Path, ranks: int, micro_batch: int) -> TrainConfig:
     config = TrainConfig(
-        method="ddp", workers=M, ranks_per_worker=ranks, steps=3, eval_every=3, eval_batches=2,
-        progress=False, plot=False, out=str(out), network="wan", inner_network="datacenter",
-    )  # fmt: skip
+        method="ddp",
+        placement=PlacementConfig(workers=M, ranks_per_worker=ranks),
+        run=RunConfig(
+            steps=3, eval_every=3, eval_batches=2, progress=False, plot=False, out=str(out)
+        ),
+        comm=CommConfig(network="wan", inner_network="datacenter"),
+    )
     config.model.n_layer, config.model.n_embd, config.model.n_head = 1, 32, 2
     config.model.block_size = 16
     config.data.micro_batch_size = micro_batch
@@ -332,8 +344,8 @@ def test_training_loop_hierarchical_ddp_matches_flat_and_bytes_per_level(tmp_pat
     hier, flat = _config(tmp_path / "h", R, 2), _config(tmp_path / "f", 1, 2 * R)
     hier.validate()
     prepare_corpus(hier.data)
-    spawn_workers(spawned_train, hier.world_size, (hier,))
-    spawn_workers(spawned_train, flat.world_size, (flat,))
+    spawn_workers(spawned_train, hier.placement.world_size, (hier,))
+    spawn_workers(spawned_train, flat.placement.world_size, (flat,))
     h = json.loads((tmp_path / "h" / "summary.json").read_text())
     f = json.loads((tmp_path / "f" / "summary.json").read_text())
     assert h["final_val_loss"] == pytest.approx(f["final_val_loss"], rel=1e-5)

@@ -162,7 +162,7 @@ def test_resume_works_from_another_working_directory(tmp_path: Path) -> None:
     saved = json.loads((first / "runs" / "r" / "config.json").read_text())
     assert saved["data"]["data"] == str(first / "texts")
     assert saved["data"]["cache_dir"] == str(first / "cache")
-    assert saved["out"] == str(first / "runs" / "r")
+    assert saved["run"]["out"] == str(first / "runs" / "r")
     resumed = _lowcomm("train", "--resume", str(first / "runs" / "r"), cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     # With --progress False (saved in config.json) the resume is still announced.

@@ -68,7 +68,7 @@ def test_a_run_from_a_finished_run_starts_at_its_final_loss(tmp_path: Path) -> N
     after_one = json.loads((second / "summary.json").read_text())["final_val_loss"]
     assert after_one == pytest.approx(final, abs=0.05)
     config = json.loads((second / "config.json").read_text())
-    assert config["init_from"] == str(first)
+    assert config["run"]["init_from"] == str(first)
     assert config["data"]["tokenizer"] == str(first / "model" / "tokenizer.json")
 
 

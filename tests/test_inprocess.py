@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from lowcomm.comm.turns import TurnStall
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, PlacementConfig, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch.run import run_training
 from lowcomm.models import ModelConfig
@@ -36,8 +36,8 @@ METHOD = "diloco"  # outer state, an overlapped sync and local steps: much to ca
 
 def _config(out: Path, *, threads: bool, workers: int = 2, **overrides: Any) -> TrainConfig:
     config = tiny_config(METHOD, out, steps=STEPS, checkpoint_every=STOP, **overrides)
-    config.workers = workers
-    config.workers_per_process = workers if threads else 1
+    config.placement.workers = workers
+    config.placement.workers_per_process = workers if threads else 1
     return config
 
 
@@ -67,7 +67,9 @@ def _same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
 def test_a_placement_that_does_not_fit_is_refused_in_one_line(
     workers: int, per_process: int, rule: str
 ) -> None:
-    config = TrainConfig(workers=workers, workers_per_process=per_process)
+    config = TrainConfig(
+        placement=PlacementConfig(workers=workers, workers_per_process=per_process)
+    )
     with pytest.raises(ConfigError, match=rule) as caught:
         config.validate()
     assert str(caught.value).startswith("--workers-per-process: ")
@@ -89,7 +91,7 @@ def test_calibrated_runs_charge_alike_in_one_process_and_in_processes(
     for threads in (False, True):
         out = tmp_path / ("threads" if threads else "processes")
         config = _config(out, threads=threads, calibration=str(calibration))
-        config.method, config.seconds_per_microbatch, config.steps = method, None, 4
+        config.method, config.comm.seconds_per_microbatch, config.run.steps = method, None, 4
         run_training(config, report=None)
         steps[threads] = _steps(out)
     assert calibration.exists()
@@ -112,14 +114,14 @@ def test_checkpoints_cross_placements_and_worker_counts(tmp_path: Path) -> None:
         copy = tmp_path / f"{name}-on-4"
         shutil.copytree(out, copy)
         resumed = _config(copy, threads=True, workers=4)
-        resumed.resume, resumed.out = str(copy), None
+        resumed.run.resume, resumed.run.out = str(copy), None
         run_training(resumed, report=None)
         elastic[name] = _steps(copy)
     _same_steps(elastic["processes"], elastic["threads"])
 
     for out, threads in ((by_processes, True), (by_threads, False)):
         resumed = _config(out, threads=threads)
-        resumed.resume, resumed.out = str(out), None
+        resumed.run.resume, resumed.run.out = str(out), None
         run_training(resumed, report=None)
         _same_steps(_steps(out), _steps(straight))
 
@@ -131,7 +133,7 @@ def _sixty_four_workers(method: str, out: Path) -> TrainConfig:
     collective, which ACCO, DPU and WP fill with about 100 micro-batches a step), every
     method's period 1 or 2 so that each communicates within them."""
     config = tiny_config(method, out, steps=2, eval_every=100, eval_batches=1, network="datacenter")
-    config.workers = config.workers_per_process = 64
+    config.placement.workers = config.placement.workers_per_process = 64
     config.model = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
     config.data = DataConfig(micro_batch_size=1)
     config.local = LocalOptions(sync_every=1)
@@ -155,7 +157,7 @@ def test_every_method_trains_64_workers_in_one_process(method: str, tmp_path: Pa
         warnings.simplefilter("error", TurnStall)
         summary = run_training(config, report=None)
     assert summary is not None and math.isfinite(summary["final_val_loss"])
-    assert len(_steps(tmp_path / method)) == config.steps
+    assert len(_steps(tmp_path / method)) == config.run.steps
     assert summary["bytes_sent_per_worker"] > 0  # (every method communicated)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Role
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, PlacementConfig, TrainConfig, with_options
 from lowcomm.launch import device_memory
 from lowcomm.launch.device_memory import (
     HOST_SLACK,
@@ -89,9 +89,8 @@ def test_rank_threads_reduce_over_their_own_levels() -> None:
 
 
 def _config(**overrides: Any) -> TrainConfig:
-    config = TrainConfig(workers=4, workers_per_process=4)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = TrainConfig(placement=PlacementConfig(workers=4, workers_per_process=4))
+    config = with_options(config, **overrides)
     return config
 
 
@@ -313,14 +312,14 @@ def test_a_run_whose_cpu_workers_do_not_fit_stops_before_they_start(
     from lowcomm.launch.inprocess import train_in_process
 
     config = tiny_config("ddp", tmp_path / "fits", steps=1)
-    config.workers_per_process = config.workers
+    config.placement.workers_per_process = config.placement.workers
     train_in_process(config)
     printed = capsys.readouterr().out
-    assert f"lowcomm: {config.workers} workers on cpu: about " in printed
+    assert f"lowcomm: {config.placement.workers} workers on cpu: about " in printed
     assert " free" in printed.split("workers on cpu:")[1].splitlines()[0]
     monkeypatch.setattr(device_memory, "available_host_bytes", lambda: 2.0**20)
     refused = tiny_config("ddp", tmp_path / "refused", steps=1)
-    refused.workers_per_process = refused.workers
+    refused.placement.workers_per_process = refused.placement.workers
     with pytest.raises(ConfigError, match=r"but 1\.0 MiB are free; not one worker fits"):
         train_in_process(refused)
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
@@ -333,9 +332,9 @@ STEPS = 4
 
 def _hier(out: Path, per_process: int) -> TrainConfig:
     config = tiny_config("diloco", out, steps=STEPS, eval_every=2)
-    config.workers, config.ranks_per_worker = 4, 2
-    config.workers_per_process = per_process
-    config.speed_factors = (1.0, 1.5, 1.0, 2.0)  # the clock must follow the worker
+    config.placement.workers, config.placement.ranks_per_worker = 4, 2
+    config.placement.workers_per_process = per_process
+    config.comm.speed_factors = (1.0, 1.5, 1.0, 2.0)  # the clock must follow the worker
     return config
 
 
@@ -353,10 +352,10 @@ def test_two_processes_of_hierarchical_workers_stop_and_resume_in_one_process(
     straight = tmp_path / "straight"
     summary = run_training(_hier(straight, 4), report=None)
     stopped = _hier(tmp_path / "stopped", 2)
-    stopped.checkpoint_every = stopped.stop_after = 2
+    stopped.run.checkpoint_every = stopped.run.stop_after = 2
     run_training(stopped, report=None)
     resumed = _hier(tmp_path / "stopped", 4)
-    resumed.resume, resumed.out = str(tmp_path / "stopped"), None
+    resumed.run.resume, resumed.run.out = str(tmp_path / "stopped"), None
     again = run_training(resumed, report=None)
     got, want = _steps(tmp_path / "stopped"), _steps(straight)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(STEPS))

@@ -123,7 +123,7 @@ def _check_consistent(out: Path) -> int:
     steps = _steps(out / "metrics.jsonl")
     assert steps == list(range(len(steps)))
     config = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
-    step, _ = find_latest(out, config.world_size, fingerprint(config))
+    step, _ = find_latest(out, config.placement.world_size, fingerprint(config))
     assert 0 < step <= len(steps)
     return len(steps)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.membership.options import MembershipOptions
 from lowcomm.membership.replay import check_replay, job_goodput
@@ -24,16 +24,17 @@ def _config(out: Path, trace: str, steps: int = 8, **overrides: Any) -> TrainCon
     path = out / "trace.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(trace)
-    config = TrainConfig(
-        method="diloco", workers=3, steps=steps, clock="real", network="wan", latency_ms=200.0,
+    config = with_options(
+        TrainConfig(
+            method="diloco", model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+            data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=4),
+        ),
+        workers=3, steps=steps, clock="real", network="wan", latency_ms=200.0,
         eval_every=1000, eval_batches=2, progress=False, plot=False, out=str(out), log_every=1,
-        model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=4),
         membership="torchft", faults=str(path),
         membership_options=MembershipOptions(detect_s=2.0, quorum_s=60.0, digests=True),
     )  # fmt: skip
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = with_options(config, **overrides)
     config.validate()
     return config
 
@@ -49,7 +50,7 @@ def test_link_events_are_refused_in_one_line(tmp_path: Path) -> None:
 
 def test_a_cluster_worker_does_not_replay_a_trace(tmp_path: Path) -> None:
     config = _config(tmp_path, "step=2 worker=1 crash\n")
-    config.membership_options = MembershipOptions(lighthouse="127.0.0.1:1", worker=0)
+    config.placement.membership_options = MembershipOptions(lighthouse="127.0.0.1:1", worker=0)
     with pytest.raises(ConfigError, match="local launcher replays a trace"):
         check_replay(config)
     from lowcomm.membership.local import run_membership

@@ -13,7 +13,7 @@ import torch
 
 from _cli import TINY, lowcomm
 from lowcomm.comm.torch_comm import TorchComm
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig, TrainConfig
 from lowcomm.data import DataConfig, prepare_corpus
 from lowcomm.launch import spawn_workers
 from lowcomm.models import ModelConfig, build_model
@@ -95,11 +95,14 @@ def _diloco_run(out: str, family: str) -> dict[str, torch.Tensor]:
     from lowcomm.train.loop import train_worker
 
     config = TrainConfig(
-        method="diloco", workers=2, steps=6, network="wan", clock="virtual",
-        seconds_per_microbatch=0.01, eval_every=100, eval_batches=2, progress=False, plot=False, out=out,
+        method="diloco",
         model=ModelConfig(family=family, n_layer=1, n_head=2, n_embd=32, block_size=16),
-        data=DataConfig(micro_batch_size=2), diloco=DiLoCoOptions(sync_every=4),
-    )  # fmt: skip
+        data=DataConfig(micro_batch_size=2),
+        diloco=DiLoCoOptions(sync_every=4),
+        placement=PlacementConfig(workers=2),
+        run=RunConfig(steps=6, eval_every=100, eval_batches=2, progress=False, plot=False, out=out),
+        comm=CommConfig(network="wan", clock="virtual", seconds_per_microbatch=0.01),
+    )
     summary = train_worker(config, TorchComm(), keep_parameters=True)
     assert summary.parameters is not None and summary.deployed_parameters is not None
     return {"local": summary.parameters, "deployed": summary.deployed_parameters}
@@ -176,7 +179,7 @@ def test_eval_and_generate_use_a_saved_model(tmp_path: Path) -> None:
     from lowcomm.data import validation_batches
 
     run = TrainConfig.from_dict(json.loads((hf / "config.json").read_text()))
-    batches = validation_batches(prepare_corpus(run.data), 16, 2, run.eval_batches)
+    batches = validation_batches(prepare_corpus(run.data), 16, 2, run.run.eval_batches)
     torch.save(batches, tmp_path / "batches.pt")
     script = (
         "import sys, torch, transformers\n"

@@ -15,7 +15,7 @@ import torch
 from _cli import lowcomm, small_flags
 from _dist import closure_for, flat_params, global_batch, tiny_gpt
 from lowcomm.comm import LocalComm, RecordingComm
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, PlacementConfig, RunConfig, TrainConfig, with_options
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.optim.muon import (
     FlatMuon,
@@ -247,7 +247,11 @@ def test_sgd_inner_and_several_ranks_refuse() -> None:
         DiLoCo(tiny_gpt(), LocalComm(), CONTEXT, DiLoCoOptions(inner_optimizer="sgd"))
     with pytest.raises(ValueError, match=r"--local\.inner-optimizer sgd"):
         CO2(tiny_gpt(), LocalComm(), CONTEXT, LocalOptions(inner_optimizer="sgd"))
-    config = TrainConfig(method="diloco", optim=MUON, ranks_per_worker=2)
+    config = TrainConfig(
+        method="diloco",
+        optim=MUON,
+        placement=PlacementConfig(ranks_per_worker=2),
+    )
     with pytest.raises(ConfigError, match=r"--optim\.name: muon with --ranks-per-worker 2"):
         config.validate()
     with pytest.raises(ConfigError, match="--method zero1"):
@@ -358,13 +362,17 @@ def _config(out: Path, **overrides: object) -> TrainConfig:
     from lowcomm.models import ModelConfig
 
     config = TrainConfig(
-        method="diloco", workers=2, steps=6, eval_every=6, eval_batches=1, progress=False, plot=False,
-        out=str(out), optim=AdamWConfig(name="muon"), diloco=DiLoCoOptions(sync_every=2),
+        method="diloco",
+        optim=AdamWConfig(name="muon"),
+        diloco=DiLoCoOptions(sync_every=2),
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
-    )  # fmt: skip
-    for key, value in overrides.items():
-        setattr(config, key, value)
+        placement=PlacementConfig(workers=2),
+        run=RunConfig(
+            steps=6, eval_every=6, eval_batches=1, progress=False, plot=False, out=str(out)
+        ),
+    )
+    config = with_options(config, **overrides)
     return config
 
 
@@ -405,7 +413,7 @@ def _elastic_worker(base: str) -> None:
     from lowcomm.train.loop import train_worker
 
     config = _config(Path(base) / "elastic", resume=str(Path(base) / "elastic"))
-    config.workers = 1
+    config.placement.workers = 1
     train_worker(config, TorchComm())
 
 

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from lowcomm.comm import CollectiveKind, NetworkProfile, bytes_sent
+from lowcomm.config import PlacementConfig, with_options
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
@@ -113,9 +114,11 @@ def test_one_validation_of_a_link_at_every_place_that_takes_one(
     outer, inner = fields[setting], f"inner_{fields[setting]}"
     flag = {"preset": "--network", "bandwidth": "--bandwidth-gbps", "latency": "--latency-ms"}
     attempts = [
-        (lambda: TrainConfig(**{outer: value}).validate(), flag[setting]),
+        (lambda: with_options(TrainConfig(), **{outer: value}).validate(), flag[setting]),
         (
-            lambda: TrainConfig(ranks_per_worker=2, **{inner: value}).validate(),
+            lambda: with_options(
+                TrainConfig(placement=PlacementConfig(ranks_per_worker=2)), **{inner: value}
+            ).validate(),
             flag[setting].replace("--", "--inner-"),
         ),
         (lambda: PlanConfig(**{outer: value}), flag[setting]),

@@ -263,17 +263,15 @@ def test_plan_and_train_share_every_default(method: str) -> None:
     with."""
     import dataclasses
 
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import TrainConfig, option_names, option_value
     from lowcomm.plan import method_options
     from lowcomm.strategies import strategy_class
 
     train, planned = TrainConfig(method=method), PlanConfig(method=method)
-    shared = {f.name for f in dataclasses.fields(TrainConfig)} & {
-        f.name for f in dataclasses.fields(PlanConfig)
-    }
+    shared = option_names() & {f.name for f in dataclasses.fields(PlanConfig)}
     assert {"method", "workers", "network", "ranks_per_worker"} <= shared
     for name in sorted(shared):
-        assert getattr(planned, name) == getattr(train, name), f"{method}: --{name} differs"
+        assert getattr(planned, name) == option_value(train, name), f"{method}: --{name} differs"
     field = strategy_class(method).options_field
     _, options = method_options(planned)
     assert options == (None if field is None else getattr(train, field))

@@ -292,13 +292,13 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
 def test_a_run_of_a_one_block_model_is_planned_with_the_fragments_it_used() -> None:
     """streaming_diloco's default of 4 fragments is capped at the model's blocks in training:
     a 1-block model trains with 1, and H = 4, tau = 1 fit it where they do not fit 4."""
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import PlacementConfig, TrainConfig
     from lowcomm.models import ModelConfig
     from lowcomm.plan import plan_for_run
 
     options = DiLoCoOptions(sync_every=4, overlap_steps=1)
     train = TrainConfig(
-        method="streaming_diloco", workers=4, diloco=options,
+        method="streaming_diloco", placement=PlacementConfig(workers=4), diloco=options,
         model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
     )  # fmt: skip
     planned = plan_for_run(

@@ -17,7 +17,7 @@ from lowcomm.comm.clock import make_clock
 from lowcomm.comm.emulated import NetworkComm
 from lowcomm.comm.fake import RecordingComm
 from lowcomm.comm.network import NetworkProfile
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import CommConfig, ConfigError, PlacementConfig, TrainConfig, with_options
 from lowcomm.models import ModelConfig, build_model
 from lowcomm.strategies import MicroBatchResult, build_strategy
 from lowcomm.train.context import strategy_context
@@ -35,7 +35,7 @@ def _ddp_step(wire: torch.dtype) -> tuple[NetworkComm, RecordingComm, int]:
     torch.manual_seed(0)
     model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), 300)
     comm, recording = _network(wire)
-    config = TrainConfig(workers=2)
+    config = TrainConfig(placement=PlacementConfig(workers=2))
     context = replace(strategy_context(config), runtime=comm.runtime())
     strategy = build_strategy("ddp", model, comm, context, config)
     tokens = torch.randint(0, 300, (2, 17))
@@ -87,7 +87,10 @@ def test_a_cast_collective_writes_the_bf16_result_into_the_fp32_tensor() -> None
 def test_comm_dtype_bf16_with_the_acco_family_is_refused(method: str) -> None:
     """DPU and WP run ACCO's communication thread, which does not cast."""
     with pytest.raises(ConfigError, match=f"--comm-dtype: bf16 with --method {method}: its"):
-        TrainConfig(method=method, comm_dtype="bf16").validate()
+        TrainConfig(
+            method=method,
+            comm=CommConfig(comm_dtype="bf16"),
+        ).validate()
 
 
 def _summary(out: Path, *flags: str) -> dict[str, Any]:
@@ -130,8 +133,8 @@ def test_plan_takes_the_same_options_with_the_same_defaults() -> None:
     from lowcomm.plan import PlanConfig, make_plan
 
     assert (PlanConfig().precision, PlanConfig().comm_dtype) == (
-        TrainConfig().precision,
-        TrainConfig().comm_dtype,
+        TrainConfig().numerics.precision,
+        TrainConfig().comm.comm_dtype,
     )
     fp32 = make_plan(PlanConfig(method="ddp"))
     bf16 = make_plan(PlanConfig(method="ddp", comm_dtype="bf16"))
@@ -156,13 +159,16 @@ def test_a_resume_with_another_precision_or_comm_dtype_is_refused(
         write_rank_state,
     )
 
-    base = TrainConfig(method="ddp", workers=1)
-    written = fingerprint(replace(base, **saved))
+    base = TrainConfig(
+        method="ddp",
+        placement=PlacementConfig(workers=1),
+    )
+    written = fingerprint(with_options(base, **saved))
     if not saved:  # as written before the two keys existed
         del written["precision"], written["comm_dtype"]
     write_rank_state(tmp_path, 2, 0, {"step": 2})
     commit_checkpoint(tmp_path, 2, 1, written)
-    assert find_resumable(tmp_path, 1, fingerprint(replace(base, **saved))) is not None
+    assert find_resumable(tmp_path, 1, fingerprint(with_options(base, **saved))) is not None
     key = next(iter(resumed or saved))
     with pytest.raises(CheckpointError, match=f"written with {key}="):
-        find_resumable(tmp_path, 1, fingerprint(replace(base, **resumed)))
+        find_resumable(tmp_path, 1, fingerprint(with_options(base, **resumed)))

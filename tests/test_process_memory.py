@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, PlacementConfig, TrainConfig, with_options
 from lowcomm.launch.device_memory import (
     MIB,
     PROCESS_SLACK,
@@ -20,9 +20,11 @@ PARAMETERS = 10_000_000
 
 
 def _config(**overrides: Any) -> TrainConfig:
-    config = TrainConfig(method="ddp", workers=8)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = TrainConfig(
+        method="ddp",
+        placement=PlacementConfig(workers=8),
+    )
+    config = with_options(config, **overrides)
     return config
 
 

@@ -127,9 +127,13 @@ def test_the_virtual_run_declares_the_shaped_link_at_its_goodput(tmp_path: Path)
     bench = RealLinkBench(workers=3, bandwidth_mbit=100.0, steps=5)
     args = virtual_args(bench, "co2", tmp_path / "run")
     config = tyro.cli(TrainConfig, args=args, config=(tyro.conf.FlagConversionOff,))
-    assert (config.clock, config.network, config.workers) == ("virtual", "wan", 3)
-    assert (config.method, config.steps, config.seconds_per_microbatch) == ("co2", 5, None)
-    profile = network_profile(config)
+    assert (config.comm.clock, config.comm.network, config.placement.workers) == (
+        "virtual",
+        "wan",
+        3,
+    )
+    assert (config.method, config.run.steps, config.comm.seconds_per_microbatch) == ("co2", 5, None)
+    profile = network_profile(config.comm)
     assert profile.latency_ms == 0.0
     # tbf meters 1514-byte frames that carry 1448 bytes of TCP payload each.
     assert profile.bandwidth_gbps == pytest.approx(0.1 * 1448 / 1514)

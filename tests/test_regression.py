@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from lowcomm.comm.torch_comm import TorchComm
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig, TrainConfig
 from lowcomm.data import DataConfig
 from lowcomm.launch import spawn_workers
 from lowcomm.models import ModelConfig
@@ -86,18 +86,6 @@ DESCRIPTION = (
 def regression_config(method: str, out: Path, ranks_per_worker: int = 1) -> TrainConfig:
     return TrainConfig(
         method=method,
-        workers=2,
-        ranks_per_worker=ranks_per_worker,
-        steps=8,
-        network="wan",
-        clock="virtual",
-        seconds_per_microbatch=0.05,
-        seed=0,
-        eval_every=3,
-        eval_batches=2,
-        progress=False,
-        plot=False,
-        out=str(out),
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
         optim=AdamWConfig(lr=3e-3),
@@ -113,6 +101,11 @@ def regression_config(method: str, out: Path, ranks_per_worker: int = 1) -> Trai
         sparseloco=SparseLoCoOptions(sync_every=4),
         sparta=SpartaOptions(sync_every=4),
         decoupled=DecoupledOptions(sync_every=4, overlap_steps=1),
+        placement=PlacementConfig(workers=2, ranks_per_worker=ranks_per_worker),
+        run=RunConfig(
+            steps=8, seed=0, eval_every=3, eval_batches=2, progress=False, plot=False, out=str(out)
+        ),
+        comm=CommConfig(network="wan", clock="virtual", seconds_per_microbatch=0.05),
     )
 
 
@@ -344,7 +337,7 @@ def test_in_process_run_matches_stored_numbers(key: str, tmp_path: Path) -> None
     if REGEN and method not in ONE_PROCESS:
         pytest.skip("the stored numbers are made by worker processes")
     config = _run_config(key, method, tmp_path / key, ranks)
-    config.workers_per_process = config.workers
+    config.placement.workers_per_process = config.placement.workers
     summaries = train_in_process(config, keep_parameters=True)
     got = {**_run_numbers(config), "ranks": [_rank_numbers(s) for s in summaries]}
     if REGEN:
@@ -372,7 +365,7 @@ def test_four_workers_in_one_process_equal_four_processes(tmp_path: Path) -> Non
         want = processes[method]
         assert isinstance(want, dict), f"{method} failed in processes: {want}"
         config = _run_config(method, method, tmp_path / "threads" / method, 1)
-        config.workers = config.workers_per_process = 4
+        config.placement.workers = config.placement.workers_per_process = 4
         summaries = train_in_process(config, keep_parameters=True)
         got = {**_run_numbers(config), "ranks": [_rank_numbers(s) for s in summaries]}
         problems = _compare(method, got, want)
@@ -383,7 +376,7 @@ def _run_four(base: str, runs: list[tuple[str, str, int]]) -> dict[str, dict[str
     results: dict[str, dict[str, Any] | str] = {}
     for key, method, ranks in runs:
         config = _run_config(key, method, Path(base) / key, ranks)
-        config.workers = 4
+        config.placement.workers = 4
         results[key] = _record(config)
     return results
 

@@ -31,7 +31,11 @@ def _run_all(base: str) -> dict[str, dict[str, Any] | str]:
     results: dict[str, dict[str, Any] | str] = {}
     for key, method in RUNS:
         config = dataclasses.replace(
-            base_config(method, Path(base) / key), precision="bf16-mixed", comm_dtype="bf16"
+            base_config(method, Path(base) / key),
+            numerics=dataclasses.replace(
+                base_config(method, Path(base) / key).numerics, precision="bf16-mixed"
+            ),
+            comm=dataclasses.replace(base_config(method, Path(base) / key).comm, comm_dtype="bf16"),
         )
         try:
             results[key] = _record(config)

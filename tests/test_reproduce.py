@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from lowcomm import cli
-from lowcomm.config import TrainConfig
+from lowcomm.config import FLAT_COMPONENTS, RunConfig, TrainConfig
 from lowcomm.models import ModelConfig
 from lowcomm.reproduce import PAPERS, SCALES, ReproduceConfig, papers
 from lowcomm.reproduce.runner import (
@@ -251,7 +251,8 @@ def _train_flag_names() -> set[str]:
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if dataclasses.is_dataclass(value):
-            prefix = "" if field.name == "data" else f"{field.name}."  # data options are unprefixed
+            # The data options and the flat components' are unprefixed.
+            prefix = "" if field.name in ("data", *FLAT_COMPONENTS) else f"{field.name}."
             names |= {
                 f"--{prefix}{sub.name.replace('_', '-')}" for sub in dataclasses.fields(value)
             }
@@ -269,7 +270,7 @@ def test_every_declared_run_uses_real_options_and_methods(scale: str) -> None:
         for spec in (spec for spec in specs if spec.kind == "train"):
             assert isinstance(spec.run, TrainConfig)
             assert spec.run.method in STRATEGIES, (spec.label, spec.run.method)
-            assert spec.run.clock == "virtual"
+            assert spec.run.comm.clock == "virtual"
             # The command a report shows is real options that give back the same run.
             flags = train_flags(spec.run)
             assert {token for token in flags if token.startswith("--")} <= known, spec.label
@@ -455,15 +456,21 @@ def test_a_sweeps_finished_runs_drop_their_checkpoints_unless_kept(
     seen: list[str] = []
 
     def fake_run(config: TrainConfig) -> str | None:
-        run_dir = Path(str(config.out))
+        run_dir = Path(str(config.run.out))
         (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
         (run_dir / "model").mkdir()
         seen.append(config.method)
         return "boom" if config.method == "ddp" else None
 
     monkeypatch.setattr(runs, "run_one", fake_run)
-    ok = TrainConfig(method="diloco", out=str(tmp_path / "ok"))
-    bad = TrainConfig(method="ddp", out=str(tmp_path / "bad"))
+    ok = TrainConfig(
+        method="diloco",
+        run=RunConfig(out=str(tmp_path / "ok")),
+    )
+    bad = TrainConfig(
+        method="ddp",
+        run=RunConfig(out=str(tmp_path / "bad")),
+    )
     assert runs.run_or_resume(ok, "ok", tag="t", checkpoints=policy) is None
     assert runs.run_or_resume(bad, "bad", tag="t", checkpoints=policy) == "boom"
     assert (tmp_path / "ok" / "checkpoints").exists() == (policy == "keep")

@@ -25,13 +25,13 @@ def _mapped_files() -> set[str]:
 
 def test_resharding_maps_the_old_files_and_keeps_their_values(tmp_path: Path) -> None:
     config = tiny_config("ddp", tmp_path / "run", stop_after=2, checkpoint_every=2)
-    config.workers = 3
+    config.placement.workers = 3
     train_threads(config)
     directory = committed(tmp_path / "run")[-1]
     old_files = {str(directory / f"rank{r}.pt") for r in range(3)}
     assert not old_files & _mapped_files()
 
-    config.workers = 2
+    config.placement.workers = 2
     state = read_resharded(directory, config, 0, torch.device("cpu"))
     # Replicated parameters are kept exactly, and still backed by the old files' pages.
     assert old_files & _mapped_files(), "the old rank files were read, not mapped"

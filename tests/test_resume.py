@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _cli import TINY, lowcomm
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, PlacementConfig, RunConfig, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.launch.inprocess import train_in_process
 from lowcomm.models import ModelConfig
@@ -37,16 +37,6 @@ STOP = 5  # mid-period for every method below, with collectives in flight
 def tiny_config(method: str, out: Path, **overrides: object) -> TrainConfig:
     config = TrainConfig(
         method=method,
-        workers=2,
-        steps=STEPS,
-        network="wan",
-        clock="virtual",
-        seconds_per_microbatch=0.01,
-        eval_every=3,
-        eval_batches=2,
-        progress=False,
-        plot=False,
-        out=str(out),
         model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16),
         data=DataConfig(micro_batch_size=2),
         local=LocalOptions(sync_every=2),
@@ -60,9 +50,13 @@ def tiny_config(method: str, out: Path, **overrides: object) -> TrainConfig:
         # Rounds before STOP, so the checkpoint holds a non-zero error buffer / outer state.
         sparseloco=SparseLoCoOptions(sync_every=2),
         sparta=SpartaOptions(sync_every=4),
+        placement=PlacementConfig(workers=2),
+        run=RunConfig(
+            steps=STEPS, eval_every=3, eval_batches=2, progress=False, plot=False, out=str(out)
+        ),
+        comm=CommConfig(network="wan", clock="virtual", seconds_per_microbatch=0.01),
     )
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = with_options(config, **overrides)
     return config
 
 
@@ -71,7 +65,7 @@ def train_threads(config: TrainConfig, *, keep_parameters: bool = False) -> list
     of them, whose numbers equal worker processes', as the regression tier checks); every
     rank's summary, in rank order. These tests check the methods' state, not the process
     machinery (test_inprocess.py and test_stacked.py resume across placements)."""
-    config.workers_per_process = config.workers
+    config.placement.workers_per_process = config.placement.workers
     config.validate()
     return train_in_process(config, keep_parameters=keep_parameters)
 
@@ -223,7 +217,11 @@ def _hierarchical_method(root: Path, method: str) -> list[dict[str, float]]:
     stop = tiny_config(method, root / "resumed", stop_after=STOP, **hierarchical)
     train_threads(stop)
     resumed = train_threads(
-        replace(stop, stop_after=None, resume=str(root / "resumed")), keep_parameters=True
+        replace(
+            stop,
+            run=replace(stop.run, stop_after=None, resume=str(root / "resumed")),
+        ),
+        keep_parameters=True,
     )
     return _differences(straight, resumed)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lowcomm.comm.inprocess import InProcessGroup
-from lowcomm.config import TrainConfig
+from lowcomm.config import PlacementConfig, RunConfig, TrainConfig
 from lowcomm.launch.inprocess import run_threads
 from lowcomm.train.checkpoint import CheckpointError
 from lowcomm.train.loop import _resume_directory
@@ -21,7 +21,7 @@ def _with_checkpoint(path: Path) -> Path:
 
 def _decide(dirs: list[Path]) -> list[Path | str | None]:
     """Each rank's decision, on its own disk (``dirs[rank]``); a refusal as its message."""
-    config = TrainConfig(workers=len(dirs), resume="auto")
+    config = TrainConfig(placement=PlacementConfig(workers=len(dirs)), run=RunConfig(resume="auto"))
     group = InProcessGroup(len(dirs))
 
     def decide(rank: int) -> Path | str | None:

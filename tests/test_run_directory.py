@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from _cli import TINY, lowcomm
-from lowcomm.config import TrainConfig
+from lowcomm.config import RunConfig, TrainConfig
 from lowcomm.optim.adamw import AdamWConfig
 from lowcomm.train.rundir import run_directory
 
@@ -76,7 +76,7 @@ def test_a_new_run_into_a_run_directory_is_refused_and_overwrite_replaces_it(
     replaced = _train(*TINY, "--steps", "2", "--out", str(run), "--overwrite")
     assert replaced.returncode == 0, replaced.stderr[-3000:]
     assert _steps(run) == [0, 1]
-    assert json.loads((run / "config.json").read_text())["steps"] == 2
+    assert json.loads((run / "config.json").read_text())["run"]["steps"] == 2
     # The old run's checkpoints are gone, so a later --resume auto cannot pick them up; files
     # a run does not write are left alone.
     # (the new run's own final checkpoint, step 2, is all that is left)
@@ -92,11 +92,11 @@ def test_default_run_names_differ_by_setting() -> None:
     names = {run_directory(TrainConfig(optim=AdamWConfig(lr=lr))) for lr in (1e-4, 2e-4, 5e-4)}
     assert len(names) == 3 and run_directory(base) not in names
     assert all(name.name.startswith("ddp-wan-w4-s0-") for name in names)
-    assert run_directory(TrainConfig(steps=100)) != run_directory(base)
+    assert run_directory(TrainConfig(run=RunConfig(steps=100))) != run_directory(base)
     # The same settings give the same name; settings that only steer the run change nothing.
     assert run_directory(TrainConfig(optim=AdamWConfig(lr=5e-4))) in names
     assert run_directory(
-        TrainConfig(progress=False, plot=False, checkpoint_every=5)
+        TrainConfig(run=RunConfig(progress=False, plot=False, checkpoint_every=5))
     ) == run_directory(base)
 
 

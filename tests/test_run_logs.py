@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from _cli import lowcomm
-from lowcomm.config import TrainConfig
+from lowcomm.config import PlacementConfig, RunConfig, TrainConfig
 from lowcomm.train.metrics import RunWriter, StepRecord
 from lowcomm.train.records import StepMetrics
 
@@ -58,7 +58,12 @@ def test_loss_png_uses_one_colour_per_series_in_both_panels(
         Path(args[0]).write_bytes(b"")
 
     monkeypatch.setattr(Figure, "savefig", keep)
-    writer = RunWriter(TrainConfig(out=str(tmp_path / "run"), progress=False, workers=1))
+    writer = RunWriter(
+        TrainConfig(
+            run=RunConfig(out=str(tmp_path / "run"), progress=False),
+            placement=PlacementConfig(workers=1),
+        )
+    )
     for record in _records(6):
         writer.write_step(record)
     writer.close_steps()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _dist import closure_for, global_batch, tiny_gpt
-from lowcomm.config import TrainConfig
+from lowcomm.config import NumericsConfig, PlacementConfig, TrainConfig
 from lowcomm.train.sharding import sharded_methods, sharding_refusal
 
 M, R = 2, 2  # workers, ranks per worker
@@ -424,20 +424,36 @@ def test_the_command_line_refuses_what_does_not_shard_yet() -> None:
 def test_sharded_checkpoints_resume_on_other_workers_and_ranks(tmp_path: Path) -> None:
     from lowcomm.train import checkpoint
 
-    config = TrainConfig(method="ddp", workers=2, ranks_per_worker=2, worker_sharding="fsdp")
+    config = TrainConfig(
+        method="ddp",
+        placement=PlacementConfig(workers=2, ranks_per_worker=2, worker_sharding="fsdp"),
+    )
     written = checkpoint.fingerprint(config)
     for rank in range(4):
         checkpoint.write_rank_state(tmp_path, 2, rank, {"step": 2})
     checkpoint.commit_checkpoint(tmp_path, 2, 4, written)
     assert checkpoint.find_latest(tmp_path, 4, written)[0] == 2
-    fewer = checkpoint.fingerprint(TrainConfig(method="ddp", workers=1, ranks_per_worker=2,
-                                               worker_sharding="fsdp"))  # fmt: skip
+    fewer = checkpoint.fingerprint(
+        TrainConfig(
+            method="ddp",
+            placement=PlacementConfig(workers=1, ranks_per_worker=2, worker_sharding="fsdp"),
+        )
+    )
     assert checkpoint.find_latest(tmp_path, 2, fewer)[0] == 2  # re-sharded over the workers
-    other_ranks = checkpoint.fingerprint(TrainConfig(method="ddp", workers=1, ranks_per_worker=4,
-                                                     worker_sharding="fsdp"))  # fmt: skip
+    other_ranks = checkpoint.fingerprint(
+        TrainConfig(
+            method="ddp",
+            placement=PlacementConfig(workers=1, ranks_per_worker=4, worker_sharding="fsdp"),
+        )
+    )
     assert checkpoint.find_latest(tmp_path, 4, other_ranks)[0] == 2  # slices re-cut
     # nor resumed replicated: another --worker-sharding is another run
-    replicated = checkpoint.fingerprint(TrainConfig(method="ddp", workers=2, ranks_per_worker=2))
+    replicated = checkpoint.fingerprint(
+        TrainConfig(
+            method="ddp",
+            placement=PlacementConfig(workers=2, ranks_per_worker=2),
+        )
+    )
     with pytest.raises(checkpoint.CheckpointError, match="worker_sharding='fsdp'"):
         checkpoint.find_latest(tmp_path, 4, replicated)
 
@@ -550,7 +566,7 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_the_gradients(
         assert torch.equal(mine.grad, theirs.grad)
     with pytest.raises(ValueError, match="--activation-checkpointing: Linear has no list"):
         checkpoint_blocks(torch.nn.Linear(2, 2))
-    config = TrainConfig(activation_checkpointing=True)
+    config = TrainConfig(numerics=NumericsConfig(activation_checkpointing=True))
     config.model.family = "hf-llama"
     config.validate()
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import PlacementConfig, TrainConfig
 from lowcomm.launch import WorkerFailed, spawn_workers
 from lowcomm.launch.run import run_training
 from test_resume import tiny_config
@@ -21,9 +21,14 @@ STEPS = 4
 
 def _config(method: str, out: Path, per_process: int) -> TrainConfig:
     config = tiny_config(method, out, steps=STEPS, eval_every=2)
-    config.workers = 4
-    config.workers_per_process = per_process
-    config.speed_factors = (1.0, 1.5, 1.0, 2.0)  # the clock must follow the worker, not the process
+    config.placement.workers = 4
+    config.placement.workers_per_process = per_process
+    config.comm.speed_factors = (
+        1.0,
+        1.5,
+        1.0,
+        2.0,
+    )  # the clock must follow the worker, not the process
     return config
 
 
@@ -78,7 +83,7 @@ def _fail_on_worker_3(config: TrainConfig) -> object:
 
 def test_a_failing_worker_ends_the_run_with_its_error(tmp_path: Path) -> None:
     config = _config("ddp", tmp_path / "run", 2)
-    config.speed_factors = ()
+    config.comm.speed_factors = ()
     from lowcomm.launch.run import make_paths_absolute
 
     make_paths_absolute(config)
@@ -101,10 +106,10 @@ def test_a_checkpoint_of_two_processes_of_two_resumes_in_one_process(tmp_path: P
     straight = tmp_path / "straight"
     run_training(_config("diloco", straight, 4), report=None)
     stopped = _config("diloco", tmp_path / "stopped", 2)
-    stopped.checkpoint_every = stopped.stop_after = 2
+    stopped.run.checkpoint_every = stopped.run.stop_after = 2
     run_training(stopped, report=None)
     resumed = _config("diloco", tmp_path / "stopped", 4)
-    resumed.resume, resumed.out = str(tmp_path / "stopped"), None
+    resumed.run.resume, resumed.run.out = str(tmp_path / "stopped"), None
     run_training(resumed, report=None)
     _same_steps(_steps(tmp_path / "stopped"), _steps(straight))
 
@@ -120,8 +125,8 @@ def test_torchrun_processes_of_several_workers_count_every_worker(
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "1")
-    config = TrainConfig(workers_per_process=2)
+    config = TrainConfig(placement=PlacementConfig(workers_per_process=2))
     adopt_torchrun_world(config)
     config.validate()
-    assert config.workers == 6
+    assert config.placement.workers == 6
     assert preflight_ranks(2) == (2, 3)

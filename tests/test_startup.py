@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lowcomm.bench.startup import PHASES, phase_costs
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, TrainConfig
 from lowcomm.launch.run import warn_if_oversubscribed
 
 SMALL = [
@@ -48,9 +48,9 @@ def test_more_processes_than_cores_is_warned(
     assert line.startswith("lowcomm: warning: 16 worker processes on 2 CPU cores")
     # What it says of the clock follows the run's compute model (calibrated by default).
     assert "calibrate in turn" in line and "own CPU time" not in line
-    warn_if_oversubscribed(16, TrainConfig(compute_model="cpu-time"))
+    warn_if_oversubscribed(16, TrainConfig(comm=CommConfig(compute_model="cpu-time")))
     assert "each worker's own CPU time" in capsys.readouterr().err
-    warn_if_oversubscribed(16, TrainConfig(clock="real"))
+    warn_if_oversubscribed(16, TrainConfig(comm=CommConfig(clock="real")))
     said = capsys.readouterr().err
     assert "the real clock's modeled time grows" in said
     assert "--workers-per-process" not in said  # (a torchrun or P x K run: no such fix)

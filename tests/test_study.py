@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 from lowcomm.bench.runs import study_calibration
-from lowcomm.config import TrainConfig
+from lowcomm.config import PlacementConfig, RunConfig, TrainConfig
 from lowcomm.models import ModelConfig
 
 TINY = TrainConfig(
-    model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), workers=2, steps=2
+    model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+    placement=PlacementConfig(workers=2),
+    run=RunConfig(steps=2),
 )
 
 
@@ -25,10 +27,15 @@ def test_a_study_measures_once_and_every_run_charges_that_file(tmp_path: Path) -
     assert again is not None and not again.measured
     assert again.calibration == first.calibration  # two studies, one cost
     runs = [first.apply(dataclasses.replace(TINY, method=m)) for m in ("ddp", "diloco")]
-    assert {run.calibration for run in runs} == {str(path.resolve())}
+    assert {run.comm.calibration for run in runs} == {str(path.resolve())}
     # A run off the calibrated model is left as it is.
-    declared = first.apply(dataclasses.replace(TINY, seconds_per_microbatch=0.1))
-    assert declared.calibration is None
+    declared = first.apply(
+        dataclasses.replace(
+            TINY,
+            comm=dataclasses.replace(TINY.comm, seconds_per_microbatch=0.1),
+        )
+    )
+    assert declared.comm.calibration is None
     # The report names the file relative to its own directory, never by an absolute path.
     beside = first.describe("--train.calibration", tmp_path)
     assert "saved in `calibration.json`, relative to this report" in beside
@@ -47,7 +54,10 @@ def test_a_calibration_of_another_model_is_refused(tmp_path: Path) -> None:
 
 
 def test_no_calibration_off_the_calibrated_model(tmp_path: Path) -> None:
-    cpu_time = dataclasses.replace(TINY, compute_model="cpu-time")
+    cpu_time = dataclasses.replace(
+        TINY,
+        comm=dataclasses.replace(TINY.comm, compute_model="cpu-time"),
+    )
     path = tmp_path / "calibration.json"
     assert study_calibration(cpu_time, path, vocab_size=64, option="--out", tag="t") is None
     assert not path.exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from _cli import TINY, lowcomm
+from lowcomm.config import RunConfig
 
 
 @pytest.mark.slow
@@ -68,9 +69,11 @@ def test_tensorboard_without_the_package_is_refused_before_any_worker_starts(
     monkeypatch.setattr(importlib.util, "find_spec", without_tensorboard)
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as refused:
-        preflight(TrainConfig(tensorboard=True, out=str(out)))
+        preflight(TrainConfig(run=RunConfig(tensorboard=True, out=str(out))))
     assert str(refused.value) == (
         "--tensorboard: needs the tensorboard package: pip install 'lowcomm[tensorboard]'"
     )
     assert not out.exists()
-    preflight(TrainConfig(tensorboard=False, out=str(out)))  # the same run without it passes
+    preflight(
+        TrainConfig(run=RunConfig(tensorboard=False, out=str(out)))
+    )  # the same run without it passes

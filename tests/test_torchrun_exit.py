@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, PlacementConfig, RunConfig, TrainConfig
 
 
 class _Exited(BaseException):
@@ -78,7 +78,10 @@ def test_a_failing_train_rank_exits_without_teardown(
     from lowcomm.launch.run import _join_torchrun
 
     monkeypatch.setattr("lowcomm.train.loop.train_worker", failure)
-    config = TrainConfig(workers=1, out=str(tmp_path / "run"), progress=False, plot=False)
+    config = TrainConfig(
+        placement=PlacementConfig(workers=1),
+        run=RunConfig(out=str(tmp_path / "run"), progress=False, plot=False),
+    )
     task: Any = SimpleNamespace(reads_corpus=False)
     with pytest.raises(_Exited) as exited:
         _join_torchrun(config, None, None, task)

@@ -32,9 +32,12 @@ def test_one_method_twice_with_different_options_gets_its_own_label_and_run() ->
     assert (plain.diloco.sync_every, h4.diloco.sync_every) == (16, 4)
     assert (plain.diloco.outer_lr, h4.diloco.outer_lr) == (None, 0.5)
     assert int4.diloco.quantization == "int4" and plain.diloco.quantization == "none"
-    assert str(h4.out).endswith("runs/diloco+h4-s1") and h4.seed == 1
+    assert str(h4.run.out).endswith("runs/diloco+h4-s1") and h4.run.seed == 1
     # Everything else is the study's: the same budget, steps and network.
-    assert h4.token_budget == plain.token_budget and h4.network == plain.network == "wan"
+    assert (
+        h4.run.token_budget == plain.run.token_budget
+        and h4.comm.network == plain.comm.network == "wan"
+    )
 
 
 def test_values_are_read_as_the_options_type() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from _cli import TINY, lowcomm
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, RunConfig, TrainConfig
 from lowcomm.launch.run import preflight
 from lowcomm.train.metrics import loggers
 from lowcomm.train.wandb_log import MISSING, NO_LOGIN, login_problem
@@ -116,7 +116,7 @@ def test_without_the_package_the_run_is_refused_in_one_line(
     monkeypatch.setattr(importlib.util, "find_spec", without_wandb)
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as refused:
-        preflight(TrainConfig(log=("jsonl", "wandb"), out=str(out)))
+        preflight(TrainConfig(run=RunConfig(log=("jsonl", "wandb"), out=str(out))))
     assert str(refused.value) == MISSING
     assert MISSING == "--log wandb: needs the wandb package: pip install 'lowcomm[wandb]'"
     assert not out.exists()
@@ -149,8 +149,8 @@ def test_online_without_a_key_is_refused_in_one_line_naming_both_fixes(
 
 def test_tensorboard_is_an_alias_of_log_tensorboard() -> None:
     assert loggers(TrainConfig()) == {"jsonl"}
-    assert loggers(TrainConfig(tensorboard=True)) == {"jsonl", "tensorboard"}
-    assert loggers(TrainConfig(log=("tensorboard",))) == {"jsonl", "tensorboard"}
-    assert loggers(TrainConfig(log=("wandb",), tensorboard=True)) == {
+    assert loggers(TrainConfig(run=RunConfig(tensorboard=True))) == {"jsonl", "tensorboard"}
+    assert loggers(TrainConfig(run=RunConfig(log=("tensorboard",)))) == {"jsonl", "tensorboard"}
+    assert loggers(TrainConfig(run=RunConfig(log=("wandb",), tensorboard=True) )) == {
         "jsonl", "tensorboard", "wandb"
     }  # fmt: skip

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lowcomm.comm.torch_comm import process_group_timeout
-from lowcomm.config import TrainConfig
+from lowcomm.config import PlacementConfig, TrainConfig, with_options
 from lowcomm.launch.devices import overlap_steps, watchdog_note
 from lowcomm.launch.run import preflight
 from lowcomm.strategies import STRATEGIES
@@ -20,15 +20,14 @@ from lowcomm.strategies.diloco import DiLoCoOptions
 
 
 def _config(method: str, **fields: object) -> TrainConfig:
-    return TrainConfig(
+    config = TrainConfig(
         method=method,
-        workers=4,
-        device="cuda",
         local=LocalOptions(sync_every=12),
         diloco=DiLoCoOptions(sync_every=12, overlap_steps=3, outer_delay=2),
         acco=AccoOptions(),
-        **fields,  # type: ignore[arg-type]
+        placement=PlacementConfig(workers=4, device="cuda"),
     )
+    return with_options(config, **fields)
 
 
 @pytest.mark.parametrize(
@@ -68,10 +67,13 @@ def test_a_long_overlap_on_nccl_is_told_the_steps_that_would_exceed_the_timeout(
     assert "incomplete 375 s after its launch" in note and "steps over 31.2 s" in note
     assert note.endswith("pass --collective-timeout-s 300 + 12 x S")
     for step_s in (31.25, 60.0, 1000.0):  # the advice, for steps of step_s seconds
-        advised = replace(config, collective_timeout_s=300 + 12 * step_s)
+        advised = replace(
+            config,
+            comm=replace(config.comm, collective_timeout_s=300 + 12 * step_s),
+        )
         window_s = 12 * step_s
-        timeout_s = process_group_timeout(advised.collective_timeout_s).total_seconds()
-        assert timeout_s >= window_s + config.collective_timeout_s
+        timeout_s = process_group_timeout(advised.comm.collective_timeout_s).total_seconds()
+        assert timeout_s >= window_s + config.comm.collective_timeout_s
     # The limit the line names is the window the default timeout covers exactly.
     assert process_group_timeout(300).total_seconds() == 12 * 31.25
 
@@ -90,7 +92,7 @@ def test_no_line_where_a_step_as_long_as_the_timeout_fits(
     method: str, fields: dict[str, object]
 ) -> None:
     config = _config(method)
-    assert watchdog_note(replace(config, **fields)) is None  # type: ignore[arg-type]
+    assert watchdog_note(with_options(config, **fields)) is None
 
 
 def test_the_line_is_printed_at_the_start_of_a_run(tmp_path: Path) -> None:

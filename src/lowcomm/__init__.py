@@ -37,6 +37,11 @@ _PUBLIC = {
     "Strategy": "lowcomm.strategies",
     "StrategyContext": "lowcomm.strategies",
     "TrainConfig": "lowcomm.config",
+    "PlacementConfig": "lowcomm.config",
+    "RunConfig": "lowcomm.config",
+    "CommConfig": "lowcomm.config",
+    "NumericsConfig": "lowcomm.config",
+    "FaultConfig": "lowcomm.config",
     "connect": "lowcomm.api",
     "fit": "lowcomm.fitting",
     "load_model": "lowcomm.models.export",
@@ -45,7 +50,14 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from lowcomm.api import connect, make_strategy
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import (
+        CommConfig,
+        FaultConfig,
+        NumericsConfig,
+        PlacementConfig,
+        RunConfig,
+        TrainConfig,
+    )
     from lowcomm.fitting import FitResult, fit
     from lowcomm.models.export import load_model
     from lowcomm.optim.adamw import AdamWConfig
@@ -90,13 +102,18 @@ def __dir__() -> list[str]:
 __all__ = [
     "AccoOptions",
     "AdamWConfig",
+    "CommConfig",
     "DeMoOptions",
     "DecoupledOptions",
     "DeslocOptions",
     "DiLoCoOptions",
+    "FaultConfig",
     "FitResult",
     "LocalOptions",
     "MicroBatchResult",
+    "NumericsConfig",
+    "PlacementConfig",
+    "RunConfig",
     "ScheduleConfig",
     "SparseLoCoOptions",
     "SpartaOptions",

@@ -53,7 +53,9 @@ def run_train(config: TrainConfig) -> None:
         _fail(f"{error}; {kept_state(config)}", code=1)
     except Interrupted as interrupt:
         print(_interrupted_message(config, interrupt), file=sys.stderr)
-        _exit_past_busy_workers(128 + interrupt.signum, threads=config.workers_per_process > 1)
+        _exit_past_busy_workers(
+            128 + interrupt.signum, threads=config.placement.workers_per_process > 1
+        )
         raise SystemExit(128 + interrupt.signum) from None
     except KeyboardInterrupt:  # before the workers start (they have their own handling)
         print("lowcomm: interrupted", file=sys.stderr)
@@ -133,8 +135,9 @@ def _resume_defaults(args: list[str]) -> TrainConfig | None:
         _fail(
             f"--resume: {path} is not a readable lowcomm config ({error}); pass the options again"
         )
-    saved.out, saved.stop_after, saved.resume, saved.overwrite = None, None, value, False
-    saved.init_from = None  # the checkpoint holds the weights; --init-from again is refused
+    run = saved.run
+    run.out, run.stop_after, run.resume, run.overwrite = None, None, value, False
+    saved.run.init_from = None  # the checkpoint holds the weights; --init-from again is refused
     if not any(arg == "--tokenizer" or arg.startswith("--tokenizer=") for arg in args):
         _tokenizer_copy(saved, Path(value))
     if not any(arg == "--model.config" or arg.startswith("--model.config=") for arg in args):
@@ -408,7 +411,12 @@ def option_flags(cls: type, prefix: str = "") -> list[str]:
             renamed = [getattr(e, "name", None) for e in extras if getattr(e, "name", None)]
             if renamed:
                 name = prefix + str(renamed[0]).replace("_", "-")
-            inner = "" if tyro.conf.OmitArgPrefixes in extras else name + "."
+            if tyro.conf.OmitArgPrefixes in extras:
+                inner = ""
+            elif any(getattr(extra, "name", None) == "" for extra in extras):
+                inner = prefix  # tyro.conf.arg(name=""): this level adds no prefix
+            else:
+                inner = name + "."
             flags += option_flags(hint, inner)
         else:
             flags.append(f"--{name}")
@@ -525,7 +533,7 @@ def _in_this_process(rest: list[str], config_file: str | None = None) -> bool:
     if config_file is not None:
         from lowcomm.config_file import peek
 
-        return peek(config_file, "workers_per_process") not in (None, 1)
+        return peek(config_file, "placement", "workers_per_process") not in (None, 1)
     return False
 
 

@@ -1,9 +1,12 @@
 """Config files for ``lowcomm train``: ``--config FILE`` reads one, ``--print-config`` writes one.
 
 A file has the shape of :class:`lowcomm.config.TrainConfig`, the shape a run directory's
-``config.json`` already has: top-level options as keys (``method = "diloco"``), each
-component as a table (``[model]``, ``[data]``, ``[optim]``, ``[schedule]``) and each
-method's options as the table of its group (``[diloco]``). TOML's dotted keys
+``config.json`` already has: the method as a top-level key (``method = "diloco"``), each
+component as a table (``[model]``, ``[data]``, ``[optim]``, ``[schedule]``, ``[placement]``,
+``[run]``, ``[comm]``, ``[numerics]``, ``[fault]``) and each method's options as the table of
+its group (``[diloco]``). A file of the flat shape, with the options of ``[placement]`` to
+``[fault]`` at the top level (``workers = 4``, as lowcomm wrote config.json before), is read
+the same. TOML's dotted keys
 (``diloco.sync_every = 50``) are the same tables; a key may be spelled with ``-`` or ``_``.
 TOML has no null: the string ``"None"`` sets an option to None, as ``--option None`` does.
 
@@ -98,14 +101,18 @@ def read_config(given: str) -> TrainConfig:
         ConfigFileError: an unknown key (named with the closest known one), a value of the
             wrong type (named with its key and the type wanted), or a value an option refuses.
     """
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import ConfigError, TrainConfig, nested
 
-    values = read_raw(given)
-    if config_path(given).suffix == ".json":
+    try:
+        values = nested(read_raw(given))  # a file of the flat shape too
+    except ConfigError as error:
+        raise ConfigFileError(f"--config {given}: {error}") from None
+    run = values.get("run")
+    if config_path(given).suffix == ".json" and isinstance(run, dict):
         # How that run was started, not what it trained: a rerun neither resumes it nor
         # clears its directory unless its own command line says so.
-        values.pop("resume", None)
-        values.pop("overwrite", None)
+        run.pop("resume", None)
+        run.pop("overwrite", None)
     checked = _checked(TrainConfig, values, given, prefix="")
     try:
         return TrainConfig.from_dict(checked)
@@ -118,6 +125,24 @@ def known_keys() -> list[str]:
     from lowcomm.config import TrainConfig
 
     return _keys(TrainConfig, "")
+
+
+def _closest(key: str) -> list[str]:
+    """The known key closest to ``key``, if one is close: an option of a flat component
+    misspelled at the top level (``stpes``) is matched by its own name and named with its
+    table (``run.steps``)."""
+    from lowcomm.config import FLAT_KEYS
+
+    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.6)
+    if "." not in key:
+        flat = difflib.get_close_matches(key, list(FLAT_KEYS), n=1, cutoff=0.6)
+        if flat and (not close or _ratio(key, flat[0]) > _ratio(key, close[0])):
+            close = [f"{FLAT_KEYS[flat[0]]}.{flat[0]}"]
+    return close
+
+
+def _ratio(key: str, known: str) -> float:
+    return difflib.SequenceMatcher(None, key, known.rsplit(".", 1)[-1]).ratio()
 
 
 def _keys(kind: type[Any], prefix: str) -> list[str]:
@@ -144,7 +169,7 @@ def _checked(kind: type[Any], values: dict[str, Any], given: str, prefix: str) -
         name = raw_key.replace("-", "_")
         key = prefix + name
         if name not in fields:
-            close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.6)
+            close = _closest(key)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigFileError(
                 f"--config {given}: unknown key {key}{hint}; `lowcomm train --help` lists the "
@@ -340,11 +365,17 @@ def other_groups_set(config: TrainConfig, given: str) -> None:
         )
 
 
-def peek(given: str, key: str) -> Any:
-    """A top-level value of the file, or None where the file cannot be read or lacks it
-    (read before torch is imported: :func:`read_config` reports the problems)."""
+def peek(given: str, component: str, key: str) -> Any:
+    """The value of ``key`` in the ``component`` table of the file (or at its top level, as a
+    file of the flat shape holds it), or None where the file cannot be read or lacks it (read
+    before torch is imported: :func:`read_config` reports the problems)."""
     try:
         values = read_raw(given)
     except ConfigFileError:
         return None
-    return values.get(key, values.get(key.replace("_", "-")))
+    table = values.get(component)
+    for place in (table if isinstance(table, dict) else {}, values):
+        for spelling in (key, key.replace("_", "-")):
+            if spelling in place:
+                return place[spelling]
+    return None

@@ -72,12 +72,12 @@ def demo_train_config(demo: DemoConfig, base: TrainConfig | None = None) -> Trai
     base = TrainConfig() if base is None else base
     return dataclasses.replace(
         base,
-        network=NETWORK,
-        clock="virtual",
-        steps=demo.steps,
-        workers=demo.workers,
-        workers_per_process=demo.workers,
         diloco=dataclasses.replace(base.diloco, sync_every=demo.sync_every),
+        comm=dataclasses.replace(base.comm, network=NETWORK, clock="virtual"),
+        run=dataclasses.replace(base.run, steps=demo.steps),
+        placement=dataclasses.replace(
+            base.placement, workers=demo.workers, workers_per_process=demo.workers
+        ),
     )
 
 

@@ -184,38 +184,39 @@ def fit_config(
 ) -> TrainConfig:
     """A copy of ``config`` (default: ``lowcomm train``'s defaults) with fit's arguments
     (``data_path``: a path given as the training data, ``--data``)."""
-    run = copy.deepcopy(config) if config is not None else TrainConfig()
+    train = copy.deepcopy(config) if config is not None else TrainConfig()
     if method is not None:
-        run.method = method
+        train.method = method
     if workers is not None:
-        run.workers = workers
+        train.placement.workers = workers
     if steps is not None:
-        run.steps = steps
+        train.run.steps = steps
     if network is not None:
-        run.network = network
+        train.comm.network = network
     if clock is not None:
-        run.clock = clock
+        train.comm.clock = clock
     if batch_size is not None:
-        run.data = dataclasses.replace(run.data, micro_batch_size=batch_size)
+        train.data = dataclasses.replace(train.data, micro_batch_size=batch_size)
     if data_path is not None:
-        run.data = dataclasses.replace(run.data, data=data_path)
+        train.data = dataclasses.replace(train.data, data=data_path)
     if options is not None:
-        _set_options(run, options)
-    run.overwrite = overwrite or run.overwrite
+        _set_options(train, options)
+    train.run.overwrite = overwrite or train.run.overwrite
     if out is not None:
-        run.out = os.fspath(out)
-    elif run.out is None and run.resume is None and not isinstance(task, CorpusTask):
+        train.run.out = os.fspath(out)
+    elif train.run.out is None and train.run.resume is None and not isinstance(task, CorpusTask):
         from lowcomm.train.rundir import run_directory
 
         name = qualified_name(getattr(task, "model_factory", task)).rsplit(".", 1)[-1]
-        run.out = str(Path("runs") / f"{name}-{run_directory(run).name}")
-    if _interactive() and run.workers_per_process == 1 and _in_process_fits(run):
-        run.workers_per_process = run.workers  # (threads: nothing to import or pickle)
+        train.run.out = str(Path("runs") / f"{name}-{run_directory(train).name}")
+    if _interactive() and train.placement.workers_per_process == 1 and _in_process_fits(train):
+        # (threads: nothing to import or pickle)
+        train.placement.workers_per_process = train.placement.workers
     if resume:
         from lowcomm.train.rundir import run_directory
 
-        run.resume, run.out = str(run_directory(run)), None
-    return run
+        train.run.resume, train.run.out = str(run_directory(train)), None
+    return train
 
 
 def _interactive() -> bool:
@@ -226,8 +227,11 @@ def _interactive() -> bool:
 def _in_process_fits(run: TrainConfig) -> bool:
     """Whether the run's workers can all be threads of this process (the in-process
     placement's limits)."""
-    together = dataclasses.replace(run, workers_per_process=run.workers)
-    return run.workers > 1 and together.placement_refusal() is None
+    together = dataclasses.replace(
+        run,
+        placement=dataclasses.replace(run.placement, workers_per_process=run.placement.workers),
+    )
+    return run.placement.workers > 1 and together.placement_refusal() is None
 
 
 def _set_options(run: TrainConfig, options: object) -> None:
@@ -249,7 +253,7 @@ def launch(config: TrainConfig, task: Task) -> FitResult:
     from lowcomm.launch.run import run_training
     from lowcomm.train.rundir import run_directory
 
-    problem = None if config.workers_per_process > 1 else unimportable(task)
+    problem = None if config.placement.workers_per_process > 1 else unimportable(task)
     if problem is not None:  # (worker processes unpickle the task; threads share it)
         raise ConfigError(problem)
     try:

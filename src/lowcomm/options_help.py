@@ -1,8 +1,9 @@
 """``lowcomm train --help``, grouped by component, and docs/options.md, its long form.
 
-tyro groups options only by nested dataclass, and TrainConfig's run options are flat fields
-(20+ modules read ``config.steps``), so the help is written here from the same source tyro
-reads: the dataclass fields, their types, defaults and docstrings. ``--help`` gives each
+tyro groups options only by nested dataclass, and the flags of TrainConfig's placement, run,
+comm, numerics and fault components have no prefix, so the help groups them by what they
+mean (:data:`COMPONENTS`), written here from the same source tyro reads: the dataclass
+fields, their types, defaults and docstrings. ``--help`` gives each
 option its first sentence (or a shorter line from :data:`SHORT`); docs/options.md gives
 every docstring whole, in the same groups. ``python -m lowcomm.options_help > docs/options.md``
 writes the page again.
@@ -21,7 +22,7 @@ import types
 import typing
 from typing import Any, Literal
 
-#: The components TrainConfig's flat options belong to, in the order --help shows them.
+#: The groups the options without a prefix are shown in, in the order --help shows them.
 #: A field listed nowhere is shown under "Other options", so a new one is never hidden.
 COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Method", ("method",)),
@@ -177,13 +178,10 @@ class Group:
 
 def groups() -> list[Group]:
     """lowcomm train's options, grouped by component, in the order the help shows them."""
-    from lowcomm.config import TrainConfig
     from lowcomm.strategies import STRATEGIES
     from lowcomm.strategies.option_groups import group_members, option_groups
 
-    fields = {field.name: field for field in dataclasses.fields(TrainConfig) if field.init}
-    hints = typing.get_type_hints(TrainConfig, include_extras=True)
-    docs = field_docs(TrainConfig)
+    fields, hints, docs, keys = _train_options()
     nested = {name for name in fields if _dataclass(hints[name]) is not None}
     method_groups = option_groups(STRATEGIES)
     listed = {name for _, names in COMPONENTS for name in names}
@@ -192,7 +190,11 @@ def groups() -> list[Group]:
     def flat(title: str, names: list[str]) -> Group:
         options = tuple(
             _option(
-                f"--{name.replace('_', '-')}", hints[name], fields[name], docs.get(name, ""), name
+                f"--{name.replace('_', '-')}",
+                hints[name],
+                fields[name],
+                docs.get(name, ""),
+                keys[name],
             )
             for name in names
         )
@@ -227,6 +229,35 @@ def groups() -> list[Group]:
             method_group = _nested_group(group, title, hints[group], note=False)
             result.append(dataclasses.replace(method_group, note=note, brief=True))
     return result
+
+
+def _train_options() -> tuple[
+    dict[str, dataclasses.Field[Any]], dict[str, Any], dict[str, str], dict[str, str]
+]:
+    """TrainConfig's options as :func:`_options_of` gives them, the flat components' fields
+    in place of the components."""
+    from lowcomm.config import FLAT_COMPONENTS, TrainConfig
+
+    fields, hints, docs, keys = _options_of(TrainConfig, "")
+    for component, kind in FLAT_COMPONENTS.items():
+        # Their options are flags of their own (--workers); a file spells them in the
+        # component's table (placement.workers).
+        more = _options_of(kind, f"{component}.")
+        for known, new in zip((fields, hints, docs, keys), more, strict=True):
+            known.update(new)
+    for name in FLAT_COMPONENTS:
+        del fields[name]
+    return fields, hints, docs, keys
+
+
+def _options_of(
+    kind: type, prefix: str
+) -> tuple[dict[str, dataclasses.Field[Any]], dict[str, Any], dict[str, str], dict[str, str]]:
+    """The fields of dataclass ``kind`` by name, their type hints, their docstrings and
+    their keys in a config file (``prefix`` and the name)."""
+    fields = {field.name: field for field in dataclasses.fields(kind) if field.init}
+    hints = typing.get_type_hints(kind, include_extras=True)
+    return fields, hints, field_docs(kind), {name: f"{prefix}{name}" for name in fields}
 
 
 def _nested_group(name: str, title: str, hint: Any, *, note: bool = True) -> Group:

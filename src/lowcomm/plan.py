@@ -882,34 +882,11 @@ def price_faults(
     _, options = method_options(config)
     model = fault_model(config.method)
     horizon = plan.wall_clock_s if config.fault_horizon_s is None else config.fault_horizon_s
-    faults = FaultOptions.given(
-        duration_s=horizon,
-        detection_s=config.fault_detection_s,
-        mtbf_s=config.fault_mtbf_s,
-        replace_after_s=config.fault_replace_after_s,
-        slow_fraction=config.fault_slow_fraction,
-        slow_factor=config.fault_slow_factor,
-    )
     if exposure is None:
-        exposure = expected_exposure(faults, workers=config.workers)
+        exposure = expected_exposure(_fault_options(config, horizon), workers=config.workers)
     period = model.period(options)
-    compute = _step_compute(config, plan.params)
-    exposed_per_step = plan.comm_exposed_s / plan.steps if plan.steps > 0 else 0.0
-    heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
-    link = NetworkProfile(
-        name="custom", bandwidth_gbps=plan.bandwidth_gbps, latency_ms=plan.latency_ms
-    )
-    costs = StepCosts(
-        compute_s=compute,
-        sync_s=exposed_per_step * period,
-        sync_every=period,
-        heal_s=_heal_seconds(
-            link,
-            heal_bytes,
-            model.heal_tensors or round(model.heal_bytes(config) / 4.0),
-            config.workers,
-        ),
-    )
+    costs, heal_bytes = _fault_step_costs(config, plan, model, period)
+    compute = costs.compute_s
     value = _family_goodput(
         model, exposure, costs, options, plan.steps / period, dropped_rounds, plan.steps
     )
@@ -927,6 +904,42 @@ def price_faults(
         heal_s=costs.heal_s, alive_fraction=exposure.alive_fraction, crashes=exposure.crashes,
         joins=exposure.joins, slowest_pace=exposure.slowest_pace,
     )  # fmt: skip
+
+
+def _fault_options(config: PlanConfig, horizon: float) -> FaultOptions:
+    """The --fault-* options over a horizon of ``horizon`` seconds."""
+    return FaultOptions.given(
+        duration_s=horizon,
+        detection_s=config.fault_detection_s,
+        mtbf_s=config.fault_mtbf_s,
+        replace_after_s=config.fault_replace_after_s,
+        slow_fraction=config.fault_slow_fraction,
+        slow_factor=config.fault_slow_factor,
+    )
+
+
+def _fault_step_costs(
+    config: PlanConfig, plan: Plan, model: _FaultModel, period: int
+) -> tuple[StepCosts, float]:
+    """The step costs the fault model prices (c, m over a period of H steps, h) and the
+    bytes of a healing (each rank its 1/R of the global state)."""
+    exposed_per_step = plan.comm_exposed_s / plan.steps if plan.steps > 0 else 0.0
+    heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
+    link = NetworkProfile(
+        name="custom", bandwidth_gbps=plan.bandwidth_gbps, latency_ms=plan.latency_ms
+    )
+    costs = StepCosts(
+        compute_s=_step_compute(config, plan.params),
+        sync_s=exposed_per_step * period,
+        sync_every=period,
+        heal_s=_heal_seconds(
+            link,
+            heal_bytes,
+            model.heal_tensors or round(model.heal_bytes(config) / 4.0),
+            config.workers,
+        ),
+    )
+    return costs, heal_bytes
 
 
 def _heal_seconds(link: NetworkProfile, heal_bytes: float, tensors: int, workers: int) -> float:
@@ -1155,13 +1168,11 @@ def plan_for_run(
     at the model's transformer blocks (a 1-block model trains with 1 fragment), where a plan
     alone takes the method's default (4), which the run's H and tau may not fit.
     """
-    from lowcomm.config import TrainConfig as Train
+    from lowcomm.config import option_names, option_value
     from lowcomm.strategies import strategy_class
 
-    shared = {f.name for f in dataclasses.fields(PlanConfig)} & {
-        f.name for f in dataclasses.fields(Train)
-    }
-    values = {name: getattr(train, name) for name in shared}
+    shared = {f.name for f in dataclasses.fields(PlanConfig)} & option_names()
+    values = {name: option_value(train, name) for name in shared}
     cls = strategy_class(train.method)
     field = cls.options_field
     options = None if field is None else getattr(train, field, None)

@@ -6,12 +6,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 import tyro
 
 from lowcomm.models.export import load_model, load_tokenizer, model_directory
+
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
 
 
 @dataclass(kw_only=True)
@@ -49,7 +52,7 @@ class GenerateConfig:
     """Random seed of the sampling."""
 
 
-def _run_config(directory: Path) -> Any:
+def _run_config(directory: Path) -> TrainConfig | None:
     """The TrainConfig of the run that saved the model in ``directory`` (None if unknown)."""
     from lowcomm.config import TrainConfig
 
@@ -85,8 +88,8 @@ def _batches(config: EvalConfig, directory: Path, block_size: int) -> list[tuple
     corpus = prepare_corpus(run.data)
     return validation_batches(
         corpus, seq_len=run.model.block_size,
-        batch_size=run.data.micro_batch_size * run.ranks_per_worker,
-        num_batches=config.batches if config.batches is not None else run.eval_batches,
+        batch_size=run.data.micro_batch_size * run.placement.ranks_per_worker,
+        num_batches=config.batches if config.batches is not None else run.run.eval_batches,
     )  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from lowcomm.atomic import atomic_write_text
 from lowcomm.bench.runs import drop_checkpoints, run_one
-from lowcomm.config import TrainConfig
+from lowcomm.config import TrainConfig, with_options
 from lowcomm.train.rundir import run_directory
 
 ComputeModel = Literal["cpu-time", "calibrated"]
@@ -145,10 +145,10 @@ class ClockBench:
             "method": method, "steps": self.steps, "workers": self.workers,
             "network": self.network, "clock": "virtual", "compute_model": model,
             "progress": False, "overwrite": True, "out": str(out),
-            "eval_every": max(self.steps, self.train.eval_every),
+            "eval_every": max(self.steps, self.train.run.eval_every),
         }  # fmt: skip
         settings.update(changes)
-        return dataclasses.replace(self.train, **settings)
+        return with_options(self.train, **settings)
 
 
 @contextmanager

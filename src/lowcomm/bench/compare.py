@@ -17,7 +17,6 @@ interrupted sweep resumes where it stopped. The report aggregates over seeds:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import statistics
@@ -41,16 +40,16 @@ from lowcomm.bench.runs import (
 from lowcomm.bench.runs import mean_sd as _mean_sd
 from lowcomm.bench.runs import val_curve as _val_curve
 from lowcomm.bench.variants import Variant, parse_methods
-from lowcomm.config import TrainConfig
+from lowcomm.config import TrainConfig, option_value, with_options
 from lowcomm.faults.run import FaultFlags, FaultSettings
 
 #: The training options ``bench compare`` also takes at the top level (``--steps`` is
-#: ``--train.steps``), with the bench's own defaults. Giving one both ways is refused.
+#: ``--train.run.steps``), with the bench's own defaults. Giving one both ways is refused.
 SHARED_DEFAULTS: dict[str, Any] = {"network": "wan", "clock": "virtual", "steps": 60, "workers": 4}
 
 
 def _bench_train_defaults() -> TrainConfig:
-    return TrainConfig(**SHARED_DEFAULTS)
+    return with_options(TrainConfig(), **SHARED_DEFAULTS)
 
 
 @dataclass(kw_only=True)
@@ -65,19 +64,19 @@ class CompareBench:
     so one method can appear twice."""
 
     network: str | None = None
-    """Network preset for every run (default wan; the same option as --train.network)."""
+    """Network preset for every run (default wan; the same option as --train.comm.network)."""
 
     clock: Literal["real", "virtual"] | None = None
-    """Clock for every run (default virtual; the same option as --train.clock)."""
+    """Clock for every run (default virtual; the same option as --train.comm.clock)."""
 
     seeds: int = 1
     """Seeds per method (0, 1, ...)."""
 
     steps: int | None = None
-    """Optimizer steps per run (default 60; the same option as --train.steps)."""
+    """Optimizer steps per run (default 60; the same option as --train.run.steps)."""
 
     workers: int | None = None
-    """Workers per run (default 4; the same option as --train.workers). With
+    """Workers per run (default 4; the same option as --train.placement.workers). With
     --train.ranks-per-worker R each worker is R processes."""
 
     out: str = "runs/compare"
@@ -108,14 +107,14 @@ class CompareBench:
             given = getattr(self, name)
             if given is None:
                 continue
-            under_train = getattr(self.train, name)
+            under_train = option_value(self.train, name)
             if under_train not in (given, default):
                 raise ValueError(
                     f"--{name}: given both as --{name} {given} and as --train.{name} "
                     f"{under_train}; they are one option, give it once"
                 )
             # One place holds the value from here on: the training configuration.
-            self.train = dataclasses.replace(self.train, **{name: given})
+            self.train = with_options(self.train, **{name: given})
         self.train = self.fault.merged(self.train)
         if self.budget is None:
             self.budget = "steps" if self.has_faults else "tokens"
@@ -124,16 +123,16 @@ class CompareBench:
                 "--budget: tokens with faults: a run with faults takes its --steps and commits "
                 "what the faults leave (a token budget is refused); use --budget steps"
             )
-        if self.train.steps < 1:
-            raise ValueError(f"--steps: {self.train.steps} must be >= 1")
-        if self.train.workers < 1:
-            raise ValueError(f"--workers: {self.train.workers} must be >= 1")
+        if self.train.run.steps < 1:
+            raise ValueError(f"--steps: {self.train.run.steps} must be >= 1")
+        if self.train.placement.workers < 1:
+            raise ValueError(f"--workers: {self.train.placement.workers} must be >= 1")
         self.variants()  # a bad --methods entry is refused before any run
 
     @property
     def has_faults(self) -> bool:
         """Whether every run replays a fault trace (given here or under --train.)."""
-        return FaultSettings.of(self.train).enabled
+        return FaultSettings.of(self.train.fault).enabled
 
     def variants(self) -> list[Variant]:
         """The methods and variants --methods names, in its order (sorted for ``all``)."""
@@ -150,7 +149,7 @@ class CompareBench:
         shared training configuration with only the method (and a variant's options), the
         seed and the run directory set."""
         variant = method if isinstance(method, Variant) else Variant(method)
-        return dataclasses.replace(
+        return with_options(
             variant.apply(self.train),
             seed=seed,
             progress=False,
@@ -164,8 +163,12 @@ class CompareBench:
         if self.budget == "steps":
             return None
         train = self.train
-        per_step = train.workers * train.microbatches_per_step * train.tokens_per_microbatch()
-        return train.steps * per_step
+        per_step = (
+            train.placement.workers
+            * train.run.microbatches_per_step
+            * train.tokens_per_microbatch()
+        )
+        return train.run.steps * per_step
 
 
 def _time_to_target(curve: list[tuple[int, float, float]], target: float) -> float | None:
@@ -188,17 +191,17 @@ def _fmt_bytes(count: float) -> str:
 
 
 def _study_calibration(bench: CompareBench) -> StudyCalibration | None:
-    """The study's one calibration (``--train.calibration`` or OUT/calibration.json),
+    """The study's one calibration (``--train.comm.calibration`` or OUT/calibration.json),
     measured before the first run if the file is missing."""
     from lowcomm.data import prepare_corpus
 
     corpus = prepare_corpus(bench.train.data)
-    given = bench.train.calibration
+    given = bench.train.comm.calibration
     return study_calibration(
         bench.train,
         Path(given) if given else Path(bench.out) / STUDY_CALIBRATION,
         vocab_size=corpus.vocab_size,
-        option="--train.calibration" if given else "--out",
+        option="--train.comm.calibration" if given else "--out",
         tag="compare",
     )
 
@@ -215,7 +218,7 @@ def _run_all(
         for seed in range(bench.seeds):
             config = bench.run_config(variant, seed)
             config = config if study is None else study.apply(config)
-            run_dir = Path(str(config.out))
+            run_dir = Path(str(config.run.out))
             error = run_or_resume(
                 config, f"{method} seed {seed}", tag="compare", checkpoints=bench.checkpoints
             )
@@ -248,13 +251,13 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         for method, summaries in finished.items()
     }
     results = {
-        "network": bench.train.network,
-        "clock": bench.train.clock,
-        "steps": bench.train.steps,
+        "network": bench.train.comm.network,
+        "clock": bench.train.comm.clock,
+        "steps": bench.train.run.steps,
         "budget": bench.budget,
         "token_budget": bench.token_budget(),
-        "workers": bench.train.workers,
-        "ranks_per_worker": bench.train.ranks_per_worker,
+        "workers": bench.train.placement.workers,
+        "ranks_per_worker": bench.train.placement.ranks_per_worker,
         "seeds": bench.seeds,
         "target_val_loss": target,
         "methods": rows,
@@ -263,7 +266,7 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         "train_config": bench.run_config(variants[0].method, 0).to_dict() if variants else {},
     }
     atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
-    plot_all(out, finished, bench.train.clock)
+    plot_all(out, finished, bench.train.comm.clock)
     report = _report(bench, rows, target, failures, study)
     atomic_write_text(out / "report.md", report)
     print(report)
@@ -304,7 +307,8 @@ def _method_row(
         "state_bytes_per_worker": max(s["state_bytes_per_worker"] for s in summaries),
         **(_fault_columns(summaries) if bench.has_faults else {}),
         "runs": [
-            str(Path(bench.run_config(variant, seed).out or "")) for seed in range(len(summaries))
+            str(Path(bench.run_config(variant, seed).run.out or ""))
+            for seed in range(len(summaries))
         ],
     }
 
@@ -357,13 +361,17 @@ def _report_header(
 ) -> list[str]:
     """The report's title, the sweep's setting and the results table's heading."""
     train = bench.train
-    clock = train.clock
-    ranks = f" of {train.ranks_per_worker} ranks each" if train.ranks_per_worker > 1 else ""
+    clock = train.comm.clock
+    ranks = (
+        f" of {train.placement.ranks_per_worker} ranks each"
+        if train.placement.ranks_per_worker > 1
+        else ""
+    )
     budget = (
-        f"a budget of {bench.token_budget():,} committed tokens (DDP's in {train.steps} steps; "
-        f"at most {train.steps} steps)"
+        f"a budget of {bench.token_budget():,} committed tokens (DDP's in {train.run.steps} steps; "
+        f"at most {train.run.steps} steps)"
         if bench.budget == "tokens"
-        else f"{train.steps} steps per run"
+        else f"{train.run.steps} steps per run"
     )
     faults = bench.has_faults
     heading = (
@@ -372,14 +380,14 @@ def _report_header(
         else "| method | final val loss | tokens | steps | time to target | time | utilisation | bytes/worker/step | state bytes/worker |"
     ) + (" goodput | rounds dropped |" if faults else "")
     return [
-        f"# Method comparison on `{train.network}`",
+        f"# Method comparison on `{train.comm.network}`",
         "",
-        f"{train.workers} workers{ranks}, {budget}, {bench.seeds} seed(s), {clock} clock. "
+        f"{train.placement.workers} workers{ranks}, {budget}, {bench.seeds} seed(s), {clock} clock. "
         f"Same model, data order and budget for every method."
         + (f" Faults: {_describe_faults(train)}, the same for every run." if faults else ""),
         "",
         *(
-            [study.describe("--train.calibration", Path(bench.out)), ""]
+            [study.describe("--train.comm.calibration", Path(bench.out)), ""]
             if study is not None
             else []
         ),
@@ -390,7 +398,7 @@ def _report_header(
 
 def _describe_faults(train: TrainConfig) -> str:
     """The runs' fault trace in a few words: its file, or its generated options."""
-    settings = FaultSettings.of(train)
+    settings = FaultSettings.of(train.fault)
     if settings.path is not None:
         trace = f"the trace `{settings.path}`"
     else:

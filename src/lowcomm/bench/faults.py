@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import (
+    CommConfig,
+    PlacementConfig,
+    RunConfig,
+    TrainConfig,
+)
 from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S
 from lowcomm.strategies import strategy_class
 
@@ -110,14 +115,27 @@ def _train_config(bench: FaultsBench, method: str, workers: int, out: Path) -> T
     from lowcomm.models import ModelConfig
 
     config = TrainConfig(
-        method=method, workers=workers, workers_per_process=workers, steps=bench.steps,
-        network=bench.network, clock="virtual", seconds_per_microbatch=bench.seconds_per_microbatch,
-        eval_every=bench.steps, eval_batches=2, log_every=bench.steps, progress=False, plot=False,
-        out=str(out),
-        model=ModelConfig(n_layer=bench.n_layer, n_head=2, n_embd=bench.n_embd,
-                          block_size=bench.block_size),
+        method=method,
+        model=ModelConfig(
+            n_layer=bench.n_layer, n_head=2, n_embd=bench.n_embd, block_size=bench.block_size
+        ),
         data=DataConfig(micro_batch_size=bench.micro_batch_size),
-    )  # fmt: skip
+        placement=PlacementConfig(workers=workers, workers_per_process=workers),
+        run=RunConfig(
+            steps=bench.steps,
+            eval_every=bench.steps,
+            eval_batches=2,
+            log_every=bench.steps,
+            progress=False,
+            plot=False,
+            out=str(out),
+        ),
+        comm=CommConfig(
+            network=bench.network,
+            clock="virtual",
+            seconds_per_microbatch=bench.seconds_per_microbatch,
+        ),
+    )
     for group in ("diloco", "decoupled"):
         options = getattr(config, group, None)
         if options is not None and hasattr(options, "sync_every"):
@@ -134,12 +152,12 @@ def _train_config(bench: FaultsBench, method: str, workers: int, out: Path) -> T
 
 
 def _with_faults(config: TrainConfig, bench: FaultsBench, mtbf_s: float, replace_s: float) -> None:
-    config.fault_mtbf_s = mtbf_s
-    config.fault_replace_after_s = replace_s
-    config.fault_slow_fraction = bench.fault_slow_fraction
-    config.fault_slow_factor = bench.fault_slow_factor
-    config.fault_detection_s = bench.fault_detection_s
-    config.fault_seed = bench.fault_seed
+    config.fault.fault_mtbf_s = mtbf_s
+    config.fault.fault_replace_after_s = replace_s
+    config.fault.fault_slow_fraction = bench.fault_slow_fraction
+    config.fault.fault_slow_factor = bench.fault_slow_factor
+    config.fault.fault_detection_s = bench.fault_detection_s
+    config.fault.fault_seed = bench.fault_seed
 
 
 def _refusal(config: TrainConfig) -> str | None:
@@ -155,7 +173,7 @@ def _run(config: TrainConfig) -> dict[str, Any] | str:
     """Train ``config`` from scratch; its summary and its records, or the error in one line."""
     from lowcomm.bench.runs import run_one
 
-    out = Path(str(config.out))
+    out = Path(str(config.run.out))
     if out.exists():
         shutil.rmtree(out)
     error = run_one(config)
@@ -178,11 +196,11 @@ def predicted_goodput(config: TrainConfig, summary: dict[str, Any]) -> float | N
     them), its parameters, tokens and steps, its modeled time as the horizon."""
     from lowcomm.plan import make_plan, plan_for_run, price_faults
 
-    assert config.seconds_per_microbatch is not None
+    assert config.comm.seconds_per_microbatch is not None
     plan = plan_for_run(
         config, params=str(summary["num_params"]), tokens=float(summary["tokens"]),
         steps=int(summary["steps"]),
-        seconds_per_step=config.seconds_per_microbatch * config.microbatches_per_step,
+        seconds_per_step=config.comm.seconds_per_microbatch * config.run.microbatches_per_step,
         horizon_s=float(summary["modeled_time_s"]),
     )  # fmt: skip
     try:
@@ -245,7 +263,7 @@ def run_workers(
             continue
         result = _run(config)
         if not isinstance(result, str):
-            result["_dir"] = str(config.out)
+            result["_dir"] = str(config.run.out)
         clean[method] = result
     longest = max(
         (r["modeled_time_s"] for r in clean.values() if not isinstance(r, str)), default=1.0
@@ -274,7 +292,7 @@ def run_workers(
         else:
             result = _run(config)
             if not isinstance(result, str):
-                result["_dir"] = str(config.out)
+                result["_dir"] = str(config.run.out)
                 predicted = predicted_goodput(config, result)
             faulted = result
         rows.append(_row(method, workers, clean[method], faulted, predicted))

@@ -20,9 +20,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
 
 _Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -74,14 +77,16 @@ def speed_worker(setting: SpeedSetting) -> dict[str, list[float]]:
     return times
 
 
-def speed_config(setting: SpeedSetting) -> Any:
+def speed_config(setting: SpeedSetting) -> TrainConfig:
     """The ``lowcomm train`` configuration of lowcomm's side."""
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import CommConfig, NumericsConfig, PlacementConfig, TrainConfig
 
     config = TrainConfig(
-        method="ddp", workers=WORKERS, ranks_per_worker=RANKS, worker_sharding="fsdp",
-        network="none", inner_network="none", clock="real", precision=setting.precision,  # type: ignore[arg-type]
-    )  # fmt: skip
+        method="ddp",
+        placement=PlacementConfig(workers=WORKERS, ranks_per_worker=RANKS, worker_sharding="fsdp"),
+        comm=CommConfig(network="none", inner_network="none", clock="real"),
+        numerics=NumericsConfig(precision=setting.precision),  # type: ignore[arg-type]
+    )
     heads = max(1, setting.n_embd // 64)
     config.model.family = "hf-llama"
     config.model.n_layer, config.model.n_embd, config.model.n_head = (
@@ -93,7 +98,9 @@ def speed_config(setting: SpeedSetting) -> Any:
     return config
 
 
-def _lowcomm_side(config: Any, model: torch.nn.Module, batches: _Batches) -> Callable[[int], None]:
+def _lowcomm_side(
+    config: TrainConfig, model: torch.nn.Module, batches: _Batches
+) -> Callable[[int], None]:
     """Steps of lowcomm's ddp on a sharded worker, as the training loop takes them."""
     from lowcomm.comm.clock import RealClock
     from lowcomm.strategies import MicroBatchResult, build_strategy
@@ -101,13 +108,13 @@ def _lowcomm_side(config: Any, model: torch.nn.Module, batches: _Batches) -> Cal
     from lowcomm.train.context import network_profile, replica_network_profile, strategy_context
 
     clock = RealClock()
-    links = (network_profile(config), replica_network_profile(config))
+    links = (network_profile(config.comm), replica_network_profile(config.comm))
     comm = sharding.shard_worker(config, model, clock, torch.device("cpu"), links)
     from dataclasses import replace
 
     context = replace(strategy_context(config), runtime=comm.runtime())
     strategy = build_strategy("ddp", model, comm, context, config)
-    bf16 = config.precision == "bf16-mixed"
+    bf16 = config.numerics.precision == "bf16-mixed"
     cursor = [0]
 
     def closure() -> MicroBatchResult:
@@ -126,7 +133,9 @@ def _lowcomm_side(config: Any, model: torch.nn.Module, batches: _Batches) -> Cal
     return block
 
 
-def _plain_side(config: Any, model: torch.nn.Module, batches: _Batches) -> Callable[[int], None]:
+def _plain_side(
+    config: TrainConfig, model: torch.nn.Module, batches: _Batches
+) -> Callable[[int], None]:
     """Steps of the plain FSDP2 HSDP loop one writes by hand."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -134,7 +143,7 @@ def _plain_side(config: Any, model: torch.nn.Module, batches: _Batches) -> Calla
     from lowcomm.models.blocks import transformer_blocks
 
     mesh = init_device_mesh("cpu", (WORKERS, RANKS), mesh_dim_names=("replicate", "shard"))
-    bf16 = config.precision == "bf16-mixed"
+    bf16 = config.numerics.precision == "bf16-mixed"
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,

@@ -72,9 +72,12 @@ def run_or_resume(
     from lowcomm.launch.run import make_paths_absolute
 
     make_paths_absolute(config)  # as the run's config.json will hold them
-    run_dir = Path(str(config.out))
+    run_dir = Path(str(config.run.out))
     if (run_dir / "summary.json").exists():
-        previous = json.loads((run_dir / "config.json").read_text())
+        from lowcomm.config import nested
+
+        # (nested: a run of the flat shape, written before the components, is the same run)
+        previous = nested(json.loads((run_dir / "config.json").read_text()))
         if previous != json.loads(config.to_json()):
             raise ValueError(
                 f"{option}: {run_dir} holds a finished run with a different configuration; "
@@ -162,7 +165,10 @@ class StudyCalibration:
 
         if not uses_calibration(config):
             return config
-        return dataclasses.replace(config, calibration=str(self.path))
+        return dataclasses.replace(
+            config,
+            comm=dataclasses.replace(config.comm, calibration=str(self.path)),
+        )
 
     def describe(self, reuse: str, report_dir: Path) -> str:
         """The report's sentence: what every run charged and how to charge it again. The file
@@ -199,7 +205,7 @@ def study_calibration(
 
     if not uses_calibration(train):
         return None
-    bf16 = train.precision == "bf16-mixed"
+    bf16 = train.numerics.precision == "bf16-mixed"
     problem = check_calibration_file(
         path, micro_batch_size=train.data.micro_batch_size, block_size=train.model.block_size,
         bf16=bf16,
@@ -207,7 +213,7 @@ def study_calibration(
     if problem is None and path.exists():
         calibration = Calibration.load(path)
         params = sum(p.numel() for p in build_model(train.model, vocab_size).parameters())
-        if train.init_from is None and calibration.num_params != params:
+        if train.run.init_from is None and calibration.num_params != params:
             problem = (
                 f"was measured on a model of {calibration.num_params:,} parameters, this study "
                 f"trains one of {params:,}"

@@ -31,10 +31,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from lowcomm.bench.runs import STUDY_CALIBRATION, study_calibration
 from lowcomm.bench.startup import time_command
+
+if TYPE_CHECKING:
+    from lowcomm.config import TrainConfig
 
 #: Placements the bench knows.
 MODES = ("process", "inprocess")
@@ -342,17 +345,18 @@ def run_scale(bench: ScaleBench) -> list[ScaleRun]:
     return runs
 
 
-def _scale_train_config(bench: ScaleBench) -> Any:
+def _scale_train_config(bench: ScaleBench) -> TrainConfig:
     """The training configuration of the bench's runs (for the study's calibration)."""
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import CommConfig, TrainConfig
     from lowcomm.data.config import DataConfig
     from lowcomm.models.options import ModelConfig
 
     return TrainConfig(
-        method=bench.method, network=bench.network,
+        method=bench.method,
         model=ModelConfig(n_layer=2, n_embd=64, n_head=2, block_size=32),
         data=DataConfig(micro_batch_size=bench.micro_batch_size),
-    )  # fmt: skip
+        comm=CommConfig(network=bench.network),
+    )
 
 
 def describe_run(run: ScaleRun) -> str:

@@ -152,12 +152,16 @@ def parse_methods(arguments: Sequence[str], known: Collection[str]) -> list[Vari
 
 
 def _set_option(config: Any, key: str, text: str, entry: str) -> Any:
+    from lowcomm.config import FLAT_KEYS
+
     path = key.replace("-", "_").split(".")
     if path[0] in STUDY_OWNED and len(path) == 1:
         raise ValueError(
             f"--methods: {entry}: {key} is set by the study for every run; give it once for "
             f"all (--{key.replace('_', '-')} or --train.{key.replace('_', '-')})"
         )
+    if len(path) == 1 and path[0] in FLAT_KEYS:  # an option named as its flag is
+        path = [FLAT_KEYS[path[0]], path[0]]
     return _set_path(config, path, text, key, entry)
 
 

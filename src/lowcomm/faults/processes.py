@@ -53,10 +53,8 @@ from lowcomm.faults.engine import StepPlan, WorkerFaults
 if TYPE_CHECKING:
     from lowcomm.comm.torch_comm import LiveBookkeeping, QuorumTorchComm
     from lowcomm.config import TrainConfig
-    from lowcomm.train.loop import WorkerSummary
-    from lowcomm.train.task import Task
 
-__all__ = ["ProcessFaults", "handover_path", "process_layout", "spawned_train_with_faults"]
+__all__ = ["ProcessFaults", "handover_path", "process_layout"]
 
 
 class ProcessFaults(WorkerFaults):
@@ -286,8 +284,8 @@ def process_layout(config: TrainConfig) -> tuple[int, ...]:
     from lowcomm.faults.run import FaultSettings, run_trace
 
     trace = run_trace(config)
-    counts = [1] * config.workers
-    if trace is not None and FaultSettings.of(config).path is not None:
+    counts = [1] * config.placement.workers
+    if trace is not None and FaultSettings.of(config.fault).path is not None:
         crashed: set[int] = set()
         for event in trace.membership_events():
             worker = event.worker
@@ -297,7 +295,7 @@ def process_layout(config: TrainConfig) -> tuple[int, ...]:
             elif event.kind in ("join", "rejoin") and worker in crashed:
                 crashed.discard(worker)
                 counts[worker] += 1
-    return tuple(slot for slot in range(config.workers) for _ in range(counts[slot]))
+    return tuple(slot for slot in range(config.placement.workers) for _ in range(counts[slot]))
 
 
 #: What a worker's fault state holds of its own rather than of the trace.
@@ -312,18 +310,3 @@ def handover_path(slot: int) -> Path:
     if folder is None:
         raise RuntimeError("only a worker that spawn_workers started is killed by plan")
     return folder / f"slot{slot}.handover.pt"
-
-
-def spawned_train_with_faults(config: TrainConfig, task: Task | None = None) -> WorkerSummary:
-    """Entry point of a worker process of a run with declared faults (started by the local
-    spawner; the world's group is initialised): the strategy's raw communicator follows the
-    round's quorum."""
-    from lowcomm.comm.torch_comm import QuorumTorchComm
-    from lowcomm.launch.spawn import launch_folder
-    from lowcomm.train.loop import train_worker
-
-    layout = process_layout(config) if launch_folder() is not None else None
-    raw = QuorumTorchComm(timeout_s=config.collective_timeout_s, layout=layout)
-    if dist_rank() == 0:  # (a process standing by for worker 0 says nothing)
-        print(f"lowcomm: workers connected: {len(raw.layout)} processes", flush=True)
-    return train_worker(config, raw, task=task)

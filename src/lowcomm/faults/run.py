@@ -60,7 +60,7 @@ from lowcomm.faults.generate import TORCHFT_HEARTBEAT_TIMEOUT_S, FaultOptions, g
 from lowcomm.faults.trace import FaultTrace, TraceError, load_trace
 
 if TYPE_CHECKING:
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import FaultConfig, TrainConfig
 
 __all__ = [
     "FIRST_HORIZON_MTBFS",
@@ -68,6 +68,7 @@ __all__ = [
     "SHARDED_METHODS",
     "FaultFlags",
     "FaultSettings",
+    "check_values",
     "faults_identity",
     "faults_refusal",
     "run_trace",
@@ -109,17 +110,17 @@ class FaultSettings:
     quorum_wait_s: float = 1800.0
 
     @classmethod
-    def of(cls, config: TrainConfig) -> FaultSettings:
+    def of(cls, options: FaultConfig) -> FaultSettings:
         return cls(
-            path=config.faults,
-            mtbf_s=config.fault_mtbf_s,
-            replace_after_s=config.fault_replace_after_s,
-            slow_fraction=config.fault_slow_fraction,
-            slow_factor=config.fault_slow_factor,
-            detection_s=config.fault_detection_s,
-            seed=config.fault_seed,
-            min_workers=config.fault_min_workers,
-            quorum_wait_s=config.fault_quorum_wait_s,
+            path=options.faults,
+            mtbf_s=options.fault_mtbf_s,
+            replace_after_s=options.fault_replace_after_s,
+            slow_fraction=options.fault_slow_fraction,
+            slow_factor=options.fault_slow_factor,
+            detection_s=options.fault_detection_s,
+            seed=options.fault_seed,
+            min_workers=options.fault_min_workers,
+            quorum_wait_s=options.fault_quorum_wait_s,
         )
 
     @property
@@ -210,12 +211,10 @@ class FaultFlags:
         Raises:
             ValueError: in one line.
         """
-        from lowcomm.config import TrainConfig
-
-        defaults = TrainConfig()
+        defaults = type(train.fault)()  # (every option here is one of the fault component's)
         changes: dict[str, Any] = {}
         for name, value in self.given().items():
-            under_train = getattr(train, name)
+            under_train = getattr(train.fault, name)
             if under_train not in (value, getattr(defaults, name)):
                 flag = name.replace("_", "-")
                 raise ValueError(
@@ -223,21 +222,22 @@ class FaultFlags:
                     f"{under_train}; they are one option, give it once"
                 )
             changes[name] = value
-        merged = replace(train, **changes)
+        merged = replace(train, fault=replace(train.fault, **changes))
         return with_fault_placement(merged)
 
 
 def with_fault_placement(config: TrainConfig) -> TrainConfig:
     """``config`` with its workers as threads of one process when it has faults and left
     ``--workers-per-process`` at 1 (faults run in that placement; unchanged otherwise)."""
-    if FaultSettings.of(config).enabled and config.workers_per_process == 1:
-        return replace(config, workers_per_process=config.workers)
+    placement = config.placement
+    if FaultSettings.of(config.fault).enabled and placement.workers_per_process == 1:
+        return replace(config, placement=replace(placement, workers_per_process=placement.workers))
     return config
 
 
-def _check_values(settings: FaultSettings, workers: int) -> str | None:
+def check_values(settings: FaultSettings, workers: int | None = None) -> str | None:
     """The generated options', the detection time's and the quorum's own rules, in one
-    line."""
+    line; the quorum's bound by the run's ``workers`` when given."""
     checks: list[tuple[str, float | None, bool, str]] = [
         (
             "--fault-detection-s",
@@ -249,9 +249,10 @@ def _check_values(settings: FaultSettings, workers: int) -> str | None:
         (
             "--fault-min-workers",
             settings.min_workers,
-            1 <= settings.min_workers <= workers,
-            f"a quorum needs between 1 and --workers ({workers}) live workers; e.g. 1 (the "
-            "default)",
+            1 <= settings.min_workers <= (settings.min_workers if workers is None else workers),
+            f"a quorum needs between 1 and --workers ({workers}) live workers; e.g. 1 (the default)"
+            if workers is not None
+            else "a quorum needs 1 or more live workers; e.g. 1 (the default)",
         ),
         (
             "--fault-quorum-wait-s",
@@ -295,8 +296,8 @@ def _check_values(settings: FaultSettings, workers: int) -> str | None:
 def faults_refusal(config: TrainConfig) -> str | None:
     """Why this run's fault options cannot run (one line naming the option, the value, the
     rule and the fix), or None. Reads no file."""
-    settings = FaultSettings.of(config)
-    problem = _check_values(settings, config.workers)
+    settings = FaultSettings.of(config.fault)
+    problem = check_values(settings, config.placement.workers)
     if problem is not None:
         return problem
     if not settings.enabled:
@@ -311,7 +312,7 @@ def faults_refusal(config: TrainConfig) -> str | None:
     flag = f"--faults {settings.path}" if settings.path is not None else generated[0]
     # (--membership torchft replays the trace on its own processes: its placement rules
     # are lowcomm.membership.options')
-    placed = None if config.membership == "torchft" else _placement_refusal(config, flag)
+    placed = None if config.placement.membership == "torchft" else _placement_refusal(config, flag)
     problem = placed or _method_refusal(config, flag)
     if problem is not None:
         return problem
@@ -323,7 +324,7 @@ def faults_refusal(config: TrainConfig) -> str | None:
             f"{flag}: not yet supported with --diloco.quantization {quantization} (its "
             "two-step exchange is laid out for every worker); use none"
         )
-    if config.token_budget is not None:
+    if config.run.token_budget is not None:
         return f"{flag}: not yet supported with --token-budget; give --steps"
     return None
 
@@ -334,36 +335,36 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
 
     supported = (
         "faults run today with every worker a thread of one process "
-        f"(--workers-per-process {config.workers}, local launch, either clock) or a process "
-        "of its own (--workers-per-process 1, on cpu: local launch on either clock, torchrun on "
-        "the virtual clock), one rank per worker"
+        f"(--workers-per-process {config.placement.workers}, local launch, either clock) or a "
+        "process of its own (--workers-per-process 1, on cpu: local launch on either clock, "
+        "torchrun on the virtual clock), one rank per worker"
     )
-    in_process = config.workers_per_process == config.workers
-    if under_torchrun() and config.workers_per_process != 1:
+    in_process = config.placement.workers_per_process == config.placement.workers
+    if under_torchrun() and config.placement.workers_per_process != 1:
         return (
             f"{flag}: not yet supported under torchrun with --workers-per-process "
-            f"{config.workers_per_process} (its processes run their workers as threads of the "
+            f"{config.placement.workers_per_process} (its processes run their workers as threads of the "
             f"stacked launcher, whose groups do not follow a quorum); {supported}"
         )
-    if not in_process and config.workers_per_process != 1:
+    if not in_process and config.placement.workers_per_process != 1:
         return (
             f"{flag}: not yet supported with --workers-per-process "
-            f"{config.workers_per_process} (processes of several workers); {supported}"
+            f"{config.placement.workers_per_process} (processes of several workers); {supported}"
         )
-    if not in_process and config.clock != "virtual" and under_torchrun():
+    if not in_process and config.comm.clock != "virtual" and under_torchrun():
         return (
-            f"{flag}: not yet supported under torchrun on the {config.clock} clock (a crashed "
-            f"worker's process cannot be killed there: the agent would restart every worker); "
-            f"{supported}"
+            f"{flag}: not yet supported under torchrun on the {config.comm.clock} clock (a "
+            f"crashed worker's process cannot be killed there: the agent would restart every "
+            f"worker); {supported}"
         )
-    if not in_process and config.device != "cpu":
+    if not in_process and config.placement.device != "cpu":
         return (
-            f"{flag}: not yet supported with worker processes on --device {config.device} "
+            f"{flag}: not yet supported with worker processes on --device {config.placement.device} "
             f"(the quorum's groups are checked on Gloo only); {supported}"
         )
-    if config.ranks_per_worker != 1:
+    if config.placement.ranks_per_worker != 1:
         return (
-            f"{flag}: not yet supported with --ranks-per-worker {config.ranks_per_worker}; "
+            f"{flag}: not yet supported with --ranks-per-worker {config.placement.ranks_per_worker}; "
             f"{supported}"
         )
     return None
@@ -417,7 +418,7 @@ def faults_identity(config: TrainConfig) -> dict[str, object] | None:
     cursor, so a checkpoint is resumed only under the same identity. How long a run waits
     for a quorum and how few workers form one are not in it: a run that ended waiting for
     its quorum continues with other values of those."""
-    settings = FaultSettings.of(config)
+    settings = FaultSettings.of(config.fault)
     if not settings.enabled:
         return None
     trace: dict[str, object] | str
@@ -431,7 +432,11 @@ def faults_identity(config: TrainConfig) -> dict[str, object] | None:
             "slow_factor": settings.slow_factor,
             "seed": settings.seed,
         }
-    return {"trace": trace, "workers": config.workers, "detection_s": settings.detection_s}
+    return {
+        "trace": trace,
+        "workers": config.placement.workers,
+        "detection_s": settings.detection_s,
+    }
 
 
 def run_trace(config: TrainConfig) -> FaultTrace | None:
@@ -442,13 +447,15 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
     Raises:
         TraceError: in one line (a ValueError, which ``lowcomm train`` prints as its error).
     """
-    settings = FaultSettings.of(config)
+    settings = FaultSettings.of(config.fault)
     if not settings.enabled:
         return None
     if settings.path is not None:
-        trace = load_trace(settings.path, workers=config.workers)
+        trace = load_trace(settings.path, workers=config.placement.workers)
     else:
-        trace = _generated(settings.generated_options(), config.workers, _first_horizon(settings))
+        trace = _generated(
+            settings.generated_options(), config.placement.workers, _first_horizon(settings)
+        )
     stepped_down = [e for e in trace.events if e.kind == "link_down" and e.at_step is not None]
     if stepped_down:
         event = stepped_down[0]
@@ -459,12 +466,12 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
         )
     _check_minimum(trace, settings.min_workers)
     linked = [e for e in trace.events if e.kind in ("link_degraded", "link_down")]
-    if linked and config.clock == "real" and config.device != "cpu":
+    if linked and config.comm.clock == "real" and config.placement.device != "cpu":
         event = linked[0]
         line = f":{event.line}" if event.line else ""
         raise TraceError(
             f"{trace.source}{line}: {' '.join(event.to_text().split())!r}: link events are "
-            f"not yet modeled on the real clock of a GPU (--device {config.device}: a transfer "
+            f"not yet modeled on the real clock of a GPU (--device {config.placement.device}: a transfer "
             "is timed on the device, where the link's factor is not applied); use --clock "
             "virtual or --device cpu, or drop the link events"
         )
@@ -520,13 +527,13 @@ def trace_extension(config: TrainConfig) -> tuple[Callable[[float], FaultTrace] 
     """How the run's generated trace grows past its horizon, and that horizon: a function
     giving the same trace over a longer horizon (None: the trace is complete, a file or a
     generated trace without crashes) and the seconds it covers now."""
-    settings = FaultSettings.of(config)
+    settings = FaultSettings.of(config.fault)
     if settings.path is not None or not settings.enabled:
         return None, math.inf
     first = _first_horizon(settings)
     if first >= GENERATED_HORIZON_S:
         return None, math.inf
-    options, workers = settings.generated_options(), config.workers
+    options, workers = settings.generated_options(), config.placement.workers
 
     def extend(horizon_s: float) -> FaultTrace:
         return _generated(options, workers, horizon_s)

@@ -113,9 +113,11 @@ def estimate_worker_memory(
     from lowcomm.strategies import strategy_class
 
     cost = strategy_class(config.method).cost
-    optimizer_bytes = OPTIMIZER_BYTES / (config.workers if cost.shards_over_workers else 1)
-    ranks = config.ranks_per_worker
-    if ranks > 1 and config.worker_sharding == "fsdp":
+    optimizer_bytes = OPTIMIZER_BYTES / (
+        config.placement.workers if cost.shards_over_workers else 1
+    )
+    ranks = config.placement.ranks_per_worker
+    if ranks > 1 and config.placement.worker_sharding == "fsdp":
         # Each of the worker's R ranks holds 1/R of the model, and of all priced by it.
         parameters = parameters / ranks
     elif ranks > 1 and cost.shards_over_replicas:
@@ -147,8 +149,8 @@ def check_workers_fit(
     Raises:
         ConfigError: naming the estimate, the free memory and the largest count that fits.
     """
-    ranks = config.ranks_per_worker
-    workers = config.workers_per_process
+    ranks = config.placement.ranks_per_worker
+    workers = config.placement.workers_per_process
     need = processes * workers * ranks * per_worker.total
     if need <= free_bytes:
         return
@@ -242,7 +244,7 @@ def measured_estimate(
 ) -> WorkerMemory:
     """One worker's estimate for ``model``, its activations measured by ``measure`` on
     ``device`` (see :func:`estimate_worker_memory`)."""
-    activations = measure(model, loss, device, config.precision == "bf16-mixed")
+    activations = measure(model, loss, device, config.numerics.precision == "bf16-mixed")
     parameters = sum(parameter.numel() for parameter in model.parameters())
     return estimate_worker_memory(config, parameters, activations, slack=slack)
 
@@ -392,13 +394,13 @@ def check_worker_processes(
     Raises:
         ConfigError: the processes do not fit.
     """
-    if config.device != "cpu" or config.workers_per_process != 1:
+    if config.placement.device != "cpu" or config.placement.workers_per_process != 1:
         return None
     free = (available_host_bytes if free_bytes is None else free_bytes)()
     if free is None:
         return None
     each = estimate_worker_memory(config, parameters, 0.0, slack=PROCESS_SLACK)
-    processes = config.world_size
+    processes = config.placement.world_size
     need = processes * each.total
     if need > free:
         raise ConfigError(_processes_refusal(config, each, need, free))
@@ -407,24 +409,24 @@ def check_worker_processes(
 
 def _processes_refusal(config: TrainConfig, each: WorkerMemory, need: float, free: float) -> str:
     """The one line of :func:`check_worker_processes`'s refusal."""
-    ranks = config.ranks_per_worker
+    ranks = config.placement.ranks_per_worker
     fits = largest_fit(each, ranks, free)
-    one_process = config.workers * ranks * (each.total - each.slack + HOST_SLACK)
+    one_process = config.placement.workers * ranks * (each.total - each.slack + HOST_SLACK)
     if not fits:
         fix = "not one worker fits: a smaller model"
     else:
         fix = (
             f"at most {fits} {'worker fits' if fits == 1 else 'workers fit'}: pass --workers {fits}"
         )
-        if one_process <= free and config.worker_sharding != "fsdp":
+        if one_process <= free and config.placement.worker_sharding != "fsdp":
             fix += (
-                f", --workers-per-process {config.workers} (every worker in one process: "
+                f", --workers-per-process {config.placement.workers} (every worker in one process: "
                 f"the interpreter once, about {amount(one_process)})"
             )
         fix += " or a smaller model"
     unit = "process" if ranks == 1 else f"process, {ranks} per worker"
     return (
-        f"--workers {config.workers}: {config.world_size} worker processes on this machine need "
+        f"--workers {config.placement.workers}: {config.placement.world_size} worker processes on this machine need "
         f"at least {amount(need)} of host memory ({amount(each.total)} per {unit}: "
         f"{each.describe('process')}; a micro-batch's activations not counted) but "
         f"{amount(free)} are free; {fix}"

@@ -210,18 +210,18 @@ def watchdog_note(config: TrainConfig) -> str | None:
     would exceed it and what to pass: ``--collective-timeout-s`` C + ``steps`` x S keeps C
     for a collective after its wait begins, with steps of S seconds. Said on NCCL (a GPU run
     of several processes) where a step as long as a collective may wait (C) would exceed it."""
-    if config.device != "cuda" or config.processes < 2:
+    if config.placement.device != "cuda" or config.placement.processes < 2:
         return None
     steps = overlap_steps(config)
-    allowed_s = process_group_timeout(config.collective_timeout_s).total_seconds()
-    if steps * config.collective_timeout_s <= allowed_s:
+    allowed_s = process_group_timeout(config.comm.collective_timeout_s).total_seconds()
+    if steps * config.comm.collective_timeout_s <= allowed_s:
         return None
     return (
         f"lowcomm: note: {config.method} keeps a collective queued for up to {steps:g} steps, "
         f"and NCCL's watchdog aborts a run whose collective is incomplete {allowed_s:g} s "
         f"after its launch: steps over {allowed_s / steps:.3g} s on the slowest rank would end "
         f"it though nothing hangs; for steps of S seconds pass --collective-timeout-s "
-        f"{config.collective_timeout_s:g} + {steps:g} x S"
+        f"{config.comm.collective_timeout_s:g} + {steps:g} x S"
     )
 
 

@@ -32,8 +32,8 @@ def check_init_from(config: TrainConfig) -> None:
     try:
         if tokenizer is not None:
             tokenizer_vocab_size(tokenizer)
-        if config.init_from is not None:
-            initial = preflight_init_from(config.init_from, config.model)
+        if config.run.init_from is not None:
+            initial = preflight_init_from(config.run.init_from, config.model)
             if tokenizer is None:
                 if initial.tokenizer is None:
                     raise ConfigError(
@@ -43,7 +43,7 @@ def check_init_from(config: TrainConfig) -> None:
                     )
                 tokenizer = config.data.tokenizer = str(initial.tokenizer)
             architecture = initial.architecture
-            if config.worker_sharding == "fsdp" and (refusal := sharded_refusal(initial)):
+            if config.placement.worker_sharding == "fsdp" and (refusal := sharded_refusal(initial)):
                 raise ConfigError(refusal)
             config.model.config = str(architecture.source)
             config.model.family = architecture.family
@@ -89,7 +89,7 @@ def _resume_hint(config: TrainConfig) -> str:
     from lowcomm.train.checkpoint import has_checkpoint
     from lowcomm.train.rundir import run_directory
 
-    if config.resume != "auto" or not has_checkpoint(run_directory(config)):
+    if config.run.resume != "auto" or not has_checkpoint(run_directory(config)):
         return ""
     return (
         f" (the run in {run_directory(config)} has a checkpoint: `lowcomm train --resume "

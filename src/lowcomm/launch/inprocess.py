@@ -91,7 +91,9 @@ def train_in_process(
         shared = shared_setup(config, task)
         check_shared(config, shared, task, device)
         ranks = RankThreads.in_process(
-            config.workers, config.ranks_per_worker, config.collective_timeout_s
+            config.placement.workers,
+            config.placement.ranks_per_worker,
+            config.comm.collective_timeout_s,
         )
 
         def work(rank: int) -> WorkerSummary:
@@ -115,7 +117,7 @@ def worker_turns(config: TrainConfig, threads: int) -> Turns | None:
     """How many of ``threads`` worker threads run at once: one per CPU when there are more
     threads than CPUs, on the virtual clock (:mod:`lowcomm.comm.turns`); None: all of them."""
     slots = cpu_count()
-    if config.clock != "virtual" or threads <= slots:
+    if config.comm.clock != "virtual" or threads <= slots:
         return None
     return Turns(slots)
 
@@ -200,7 +202,7 @@ def process_device(config: TrainConfig) -> torch.device:
     """
     from lowcomm.launch.devices import bind_device
 
-    return bind_device(config.device, 0)
+    return bind_device(config.placement.device, 0)
 
 
 def check_shared(
@@ -227,14 +229,14 @@ def check_shared(
         foreign = global_dropout(shared.model)
         if foreign is not None:
             raise ConfigError(
-                f"--workers-per-process: {config.workers_per_process} with a model whose "
+                f"--workers-per-process: {config.placement.workers_per_process} with a model whose "
                 f"dropout draws from the process-global generator ({foreign}), which the "
                 f"workers of one process would share; use a model without dropout, the "
                 f"built-in gpt, or --workers-per-process 1"
             )
     from lowcomm.launch import device_memory as memory
 
-    threads = config.workers_per_process * config.ranks_per_worker
+    threads = config.placement.workers_per_process * config.placement.ranks_per_worker
     loss = calibration_pass(task, config, device)
     if device.type == "cuda":  # (each process of a machine has a GPU of its own)
         estimate = memory.check_device_memory(config, shared.model, loss, device)
@@ -248,7 +250,7 @@ def check_shared(
     if not report:
         return
     where = "" if processes == 1 else f" ({processes} processes of {threads})"
-    unit = "workers" if config.ranks_per_worker == 1 else "rank threads"
+    unit = "workers" if config.placement.ranks_per_worker == 1 else "rank threads"
     print(
         f"lowcomm: {processes * threads} {unit} on {device}{where}: about "
         f"{memory.amount(processes * threads * estimate.total)} of {what} "

@@ -18,7 +18,6 @@ processes:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.launch.spawn import spawn_workers, under_torchrun
+from lowcomm.train.rundir import read_summary
 
 if TYPE_CHECKING:
     from lowcomm.data import PreparedCorpus
@@ -72,18 +72,20 @@ def run_training(
     if torchrun:
         adopt_torchrun_world(config)
     config.validate()
-    if config.membership == "torchft":  # (lowcomm.membership: each worker a torchft replica)
+    if (
+        config.placement.membership == "torchft"
+    ):  # (lowcomm.membership: each worker a torchft replica)
         _check_membership_engine(config, torchrun)
     task.check(config)
     note = preflight(config, task)
-    if config.membership == "torchft":
+    if config.placement.membership == "torchft":
         return _launch_membership(config, note, report, task)
     if torchrun:
         return _join_torchrun(config, note, report, task)
     check_process_memory(config, task)
     _prepare(config, task, report)
-    processes = config.processes
-    if report is not None and processes > 1 and config.workers_per_process > 1:
+    processes = config.placement.processes
+    if report is not None and processes > 1 and config.placement.workers_per_process > 1:
         warn_if_oversubscribed(processes, config)
     start_run_dir(config, note)
     return _launch(config, processes, report, task)
@@ -104,8 +106,8 @@ def _check_membership_engine(config: TrainConfig, torchrun: bool) -> None:
         )
     from lowcomm.membership.worker import check_lighthouse
 
-    if config.membership_options.lighthouse is not None:
-        check_lighthouse(config.membership_options.lighthouse)
+    if config.placement.membership_options.lighthouse is not None:
+        check_lighthouse(config.placement.membership_options.lighthouse)
 
 
 def _launch_membership(
@@ -126,29 +128,29 @@ def _launch(
     processes (of ``--workers-per-process`` workers each); return its summary."""
     from lowcomm.train.rundir import ERROR_LOG, run_directory
 
-    if processes == 1 and config.workers_per_process > 1:
+    if processes == 1 and config.placement.workers_per_process > 1:
         if report is not None:
-            report(f"starting {config.workers} workers in this process (one thread each)")
+            report(f"starting {config.placement.workers} workers in this process (one thread each)")
         from lowcomm.launch.inprocess import train_in_process
 
         train_in_process(config, log_path=run_directory(config) / ERROR_LOG, task=task)
         return read_summary(run_directory(config))
     entry: Callable[[TrainConfig, Task], Any]
-    if config.workers_per_process > 1:
+    if config.placement.workers_per_process > 1:
         if report is not None:
             report(
-                f"starting {processes} processes of {config.workers_per_process} workers "
+                f"starting {processes} processes of {config.placement.workers_per_process} workers "
                 f"each (one thread per worker)"
             )
         from lowcomm.launch.stacked import spawned_stacked as entry
     else:
         if report is not None:
-            report(f"starting {config.world_size} worker processes")
+            report(f"starting {config.placement.world_size} worker processes")
         from lowcomm.faults.run import FaultSettings
 
-        if FaultSettings.of(config).enabled:  # (the strategy's group follows the quorum)
+        if FaultSettings.of(config.fault).enabled:  # (the strategy's group follows the quorum)
             from lowcomm.faults.processes import process_layout
-            from lowcomm.faults.processes import spawned_train_with_faults as entry
+            from lowcomm.train.loop import spawned_train_with_faults as entry
 
             processes = len(process_layout(config))  # (with a process for each rejoin)
         else:
@@ -158,8 +160,8 @@ def _launch(
         entry,
         processes,
         (config, task),
-        device=config.device,
-        timeout_s=config.collective_timeout_s,
+        device=config.placement.device,
+        timeout_s=config.comm.collective_timeout_s,
         log_path=run_directory(config) / ERROR_LOG,
     )
     return read_summary(run_directory(config))
@@ -191,9 +193,11 @@ def _prepare(config: TrainConfig, task: Task, report: Report) -> None:
     if task.reads_corpus:
         prepare_checked_corpus(config, report)
     task.prepare(config, report)
-    if report is not None and config.workers_per_process == 1:
-        workers = config.workers if config.worker_sharding == "replicate" else None
-        warn_if_oversubscribed(config.world_size, config, workers=workers)
+    if report is not None and config.placement.workers_per_process == 1:
+        workers = (
+            config.placement.workers if config.placement.worker_sharding == "replicate" else None
+        )
+        warn_if_oversubscribed(config.placement.world_size, config, workers=workers)
 
 
 def check_process_memory(config: TrainConfig, task: Task) -> None:
@@ -205,7 +209,7 @@ def check_process_memory(config: TrainConfig, task: Task) -> None:
     Raises:
         ConfigError: naming the estimate, the free memory and the fix.
     """
-    if config.device != "cpu" or config.workers_per_process != 1:
+    if config.placement.device != "cpu" or config.placement.workers_per_process != 1:
         return
     from lowcomm.launch.device_memory import check_worker_processes
 
@@ -222,27 +226,20 @@ def make_paths_absolute(config: TrainConfig) -> None:
     def absolute(path: str | None) -> str | None:
         return None if path is None else os.path.abspath(os.path.expanduser(path))
 
-    config.out = absolute(config.out)
-    if config.resume != "auto":
-        config.resume = absolute(config.resume)
+    config.run.out = absolute(config.run.out)
+    if config.run.resume != "auto":
+        config.run.resume = absolute(config.run.resume)
     config.data.data = absolute(config.data.data)
-    if config.init_from is not None and os.path.exists(os.path.expanduser(config.init_from)):
-        config.init_from = absolute(config.init_from)
+    if config.run.init_from is not None and os.path.exists(
+        os.path.expanduser(config.run.init_from)
+    ):
+        config.run.init_from = absolute(config.run.init_from)
     tokenizer = config.data.tokenizer
     if tokenizer is not None and os.path.exists(os.path.expanduser(tokenizer)):
         config.data.tokenizer = absolute(tokenizer)
     config.data.cache_dir = absolute(config.data.cache_dir)
-    if config.faults is not None and os.path.exists(os.path.expanduser(config.faults)):
-        config.faults = absolute(config.faults)
-
-
-def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    """A finished run's ``summary.json`` (None if the run has none: it stopped early)."""
-    path = run_dir / "summary.json"
-    if not path.exists():
-        return None
-    summary: dict[str, Any] = json.loads(path.read_text())
-    return summary
+    if config.fault.faults is not None and os.path.exists(os.path.expanduser(config.fault.faults)):
+        config.fault.faults = absolute(config.fault.faults)
 
 
 def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
@@ -285,19 +282,19 @@ def _check_data_path(config: TrainConfig) -> None:
 
 def _check_calibration_file(config: TrainConfig) -> None:
     """``--calibration FILE``: an existing file is a calibration of this run's shapes."""
-    if config.calibration is None:
+    if config.comm.calibration is None:
         return
     from lowcomm.comm.calibration import check_calibration_file
 
     problem = check_calibration_file(
-        Path(config.calibration),
+        Path(config.comm.calibration),
         micro_batch_size=config.data.micro_batch_size,
         block_size=config.model.block_size,
-        bf16=config.precision == "bf16-mixed",
+        bf16=config.numerics.precision == "bf16-mixed",
     )
     if problem is not None:
         raise ConfigError(
-            f"--calibration: {config.calibration} {problem}; pass another file (a missing "
+            f"--calibration: {config.comm.calibration} {problem}; pass another file (a missing "
             f"one is measured and written)"
         )
 
@@ -305,11 +302,14 @@ def _check_calibration_file(config: TrainConfig) -> None:
 def _check_resume(config: TrainConfig) -> None:
     """``--resume DIR``: the directory holds a checkpoint this configuration can continue
     (and is the run's directory: an ``--out`` elsewhere is refused)."""
-    if config.resume is None or config.resume == "auto":
+    if config.run.resume is None or config.run.resume == "auto":
         return
-    if config.out is not None and Path(config.out).resolve() != Path(config.resume).resolve():
+    if (
+        config.run.out is not None
+        and Path(config.run.out).resolve() != Path(config.run.resume).resolve()
+    ):
         raise ConfigError(
-            f"--out: {config.out!r} differs from --resume {config.resume!r}; a resumed run "
+            f"--out: {config.run.out!r} differs from --resume {config.run.resume!r}; a resumed run "
             f"continues in its own directory, so omit --out"
         )
     from lowcomm.train.checkpoint import (
@@ -320,19 +320,19 @@ def _check_resume(config: TrainConfig) -> None:
         preflight_ranks,
     )
 
-    if not has_checkpoint(Path(config.resume)):
-        latest = Path(config.resume) / "checkpoints" / "latest"
+    if not has_checkpoint(Path(config.run.resume)):
+        latest = Path(config.run.resume) / "checkpoints" / "latest"
         raise ConfigError(
-            f"--resume: {config.resume!r} holds no checkpoint ({latest} is missing); pass "
+            f"--resume: {config.run.resume!r} holds no checkpoint ({latest} is missing); pass "
             f"the --out directory of a run trained with --checkpoint-every or "
             f"--stop-after, or --resume auto"
         )
     try:
         find_latest(
-            Path(config.resume),
-            config.world_size,
+            Path(config.run.resume),
+            config.placement.world_size,
             fingerprint(config),
-            preflight_ranks(config.ranks_per_process),
+            preflight_ranks(config.placement.ranks_per_process),
         )
     except CheckpointError as error:
         raise ConfigError(str(error)) from None
@@ -357,14 +357,14 @@ def check_method_options(config: TrainConfig, task: Task | None = None) -> str |
         model = (CorpusTask() if task is None else task).shapes_model(config)
         with ShapesOnly():
             strategy = build_strategy(
-                config.method, model, RecordingComm(world_size=config.workers),
+                config.method, model, RecordingComm(world_size=config.placement.workers),
                 strategy_context(config), config,
             )  # fmt: skip
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if config.token_budget is not None:
+    if config.run.token_budget is not None:
         return None
-    tail = strategy.unsynchronized_tail(config.steps)
+    tail = strategy.unsynchronized_tail(config.run.steps)
     return None if tail is None else f"lowcomm: note: {tail}"
 
 
@@ -410,14 +410,14 @@ def check_corpus(config: TrainConfig, corpus: PreparedCorpus) -> None:
 
     try:
         WorkerShard(
-            corpus, rank=0, world_size=config.workers, seq_len=config.model.block_size,
-            micro_batch_size=config.data.micro_batch_size, seed=config.seed,
-            split=config.data.split, replica=0, replicas=config.ranks_per_worker,
+            corpus, rank=0, world_size=config.placement.workers, seq_len=config.model.block_size,
+            micro_batch_size=config.data.micro_batch_size, seed=config.run.seed,
+            split=config.data.split, replica=0, replicas=config.placement.ranks_per_worker,
         )  # fmt: skip
         validation_batches(
             corpus,
             seq_len=config.model.block_size,
-            batch_size=config.data.micro_batch_size * config.ranks_per_worker,
+            batch_size=config.data.micro_batch_size * config.placement.ranks_per_worker,
             num_batches=1,
         )
     except ValueError as error:  # DataError included
@@ -468,11 +468,11 @@ def warn_if_oversubscribed(
 
 def _clock_under_load(config: TrainConfig) -> str:
     """What the run's clock makes of workers taking turns on the cores."""
-    if config.clock == "real":
+    if config.comm.clock == "real":
         return "the real clock's modeled time grows with them: try --clock virtual"
-    if config.seconds_per_microbatch is not None:
+    if config.comm.seconds_per_microbatch is not None:
         return "the virtual clock charges the declared --seconds-per-microbatch and is not inflated"
-    if config.compute_model == "cpu-time":
+    if config.comm.compute_model == "cpu-time":
         return (
             "the virtual clock counts each worker's own CPU time, which sharing a core "
             "inflates by a few percent"
@@ -489,7 +489,7 @@ def start_run_dir(config: TrainConfig, note: str | None) -> None:
 
     if note is not None:
         print(note, file=sys.stderr)
-    if config.overwrite:
+    if config.run.overwrite:
         removed = clear_run(run_directory(config))
         if removed:
             print(
@@ -501,24 +501,24 @@ def start_run_dir(config: TrainConfig, note: str | None) -> None:
 def adopt_torchrun_world(config: TrainConfig) -> None:
     """Take the worker count from torchrun's world (before the checks that depend on it)."""
     world_size = int(os.environ["WORLD_SIZE"])
-    if config.ranks_per_worker < 1:
+    if config.placement.ranks_per_worker < 1:
         return  # validate() names it
-    if config.workers_per_process <= 1 and world_size % config.ranks_per_worker:
+    if config.placement.workers_per_process <= 1 and world_size % config.placement.ranks_per_worker:
         raise ConfigError(
-            f"--ranks-per-worker: {config.ranks_per_worker} does not divide the torchrun world "
+            f"--ranks-per-worker: {config.placement.ranks_per_worker} does not divide the torchrun world "
             f"of {world_size} processes; launch workers x ranks-per-worker processes (e.g. "
-            f"--nproc-per-node {config.ranks_per_worker} on each of the workers' nodes)"
+            f"--nproc-per-node {config.placement.ranks_per_worker} on each of the workers' nodes)"
         )
     # --workers-per-process K > 1: each of torchrun's processes runs K workers, their ranks
     # as threads (validate() names a K that does not fit); else each process is one rank.
-    k = config.workers_per_process
-    workers = world_size * k if k > 1 else world_size // config.ranks_per_worker
-    if config.workers != workers:
+    k = config.placement.workers_per_process
+    workers = world_size * k if k > 1 else world_size // config.placement.ranks_per_worker
+    if config.placement.workers != workers:
         # torchrun decides the world; keep the recorded config truthful.
-        config.workers = workers
-        if config.speed_factors and len(config.speed_factors) != workers:
+        config.placement.workers = workers
+        if config.comm.speed_factors and len(config.comm.speed_factors) != workers:
             raise ConfigError(
-                f"--speed-factors: {len(config.speed_factors)} values for a torchrun world of "
+                f"--speed-factors: {len(config.comm.speed_factors)} values for a torchrun world of "
                 f"{workers} workers; give one per worker"
             )
 
@@ -539,7 +539,7 @@ def _join_torchrun(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank == 0 and report is not None:
         warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), config)
-    init_from_env(device=config.device, timeout_s=config.collective_timeout_s)
+    init_from_env(device=config.placement.device, timeout_s=config.comm.collective_timeout_s)
     try:
         # Every process checked the run directory before the rendezvous; only then is it cleared.
         first = dist.get_rank() == 0
@@ -559,14 +559,16 @@ def _join_torchrun(
         if task.reads_corpus:
             prepare_checked_corpus(config, report if first else None, waiting=waiting)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        if config.workers_per_process > 1:  # this process's K workers, as threads
+        if config.placement.workers_per_process > 1:  # this process's K workers, as threads
             from lowcomm.launch.stacked import train_stacked
 
             train_stacked(config, task)
-        elif FaultSettings.of(config).enabled:  # (the strategy's group follows the quorum)
-            train_worker(config, QuorumTorchComm(timeout_s=config.collective_timeout_s), task=task)
+        elif FaultSettings.of(config.fault).enabled:  # (the strategy's group follows the quorum)
+            train_worker(
+                config, QuorumTorchComm(timeout_s=config.comm.collective_timeout_s), task=task
+            )
         else:
-            train_worker(config, TorchComm(timeout_s=config.collective_timeout_s), task=task)
+            train_worker(config, TorchComm(timeout_s=config.comm.collective_timeout_s), task=task)
     except BaseException as error:
         leave_failed_rank(error)
     dist.destroy_process_group()

@@ -55,13 +55,13 @@ def train_stacked(
             ``error.log``); the error names that worker.
         _WorkerStop: this process got SIGINT or SIGTERM; its workers have stopped.
     """
-    timeout = config.collective_timeout_s
+    timeout = config.comm.collective_timeout_s
     torch.set_num_threads(1)
     heap.return_large_blocks()  # (the workers' freed activations go back to the system)
     # (The spawner or torchrun bound this process's device; --device cuda is one process.)
     device = (
         torch.device("cpu")
-        if config.device == "cpu"
+        if config.placement.device == "cpu"
         else torch.device("cuda", torch.cuda.current_device())
     )
     inter = TorchComm(timeout_s=timeout)
@@ -102,8 +102,8 @@ def _stacked_threads(config: TrainConfig, inter: TorchComm, inter_books: TorchCo
     """This process's K x R threads on stacked groups (strategy, bookkeeping and, with R > 1,
     one outer group per local rank, each on its own process group of the P processes) and
     in-process replica groups (a worker's R ranks are all here)."""
-    per_process, ranks = config.workers_per_process, config.ranks_per_worker
-    timeout, threads = config.collective_timeout_s, per_process * ranks
+    per_process, ranks = config.placement.workers_per_process, config.placement.ranks_per_worker
+    timeout, threads = config.comm.collective_timeout_s, per_process * ranks
     world = StackedGroup(threads, inter, timeout_s=timeout, name="strategy")
     books = StackedGroup(threads, inter_books, timeout_s=timeout, name="bookkeeping")
     if ranks == 1:

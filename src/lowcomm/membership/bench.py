@@ -77,17 +77,21 @@ class MembershipBench:
 def _config(
     bench: MembershipBench, method: str, out: Path, membership: Literal["static", "torchft"]
 ) -> Any:
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import TrainConfig, with_options
     from lowcomm.data import DataConfig
     from lowcomm.membership.options import MembershipOptions
     from lowcomm.models import ModelConfig
     from lowcomm.strategies.diloco import DiLoCoOptions
 
-    config = TrainConfig(
-        method=method, workers=bench.workers, steps=bench.steps, clock="real", network="none",
+    config = with_options(
+        TrainConfig(
+            method=method,
+            model=ModelConfig(n_layer=bench.n_layer, n_head=4, n_embd=bench.n_embd, block_size=64),
+            data=DataConfig(micro_batch_size=4),
+            diloco=DiLoCoOptions(sync_every=bench.sync_every),
+        ),
+        workers=bench.workers, steps=bench.steps, clock="real", network="none",
         eval_every=10**6, eval_batches=2, progress=False, plot=False, out=str(out), log_every=10,
-        model=ModelConfig(n_layer=bench.n_layer, n_head=4, n_embd=bench.n_embd, block_size=64),
-        data=DataConfig(micro_batch_size=4), diloco=DiLoCoOptions(sync_every=bench.sync_every),
         membership=membership,
         membership_options=MembershipOptions(detect_s=bench.detect_s, quorum_s=120.0)
         if membership == "torchft"

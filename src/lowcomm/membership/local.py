@@ -24,7 +24,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import TrainConfig, with_options
 from lowcomm.membership.options import parse_address, require_torchft
 from lowcomm.membership.replay import Channel, Replay, WorkerReplay, check_replay, job_goodput
 from lowcomm.train.task import Task
@@ -54,7 +54,8 @@ def _worker_main(config: TrainConfig, task: Task | None, replay: WorkerReplay | 
         os._exit(130)
     except ValueError as error:
         print(
-            f"lowcomm: worker {config.membership_options.worker}: error: {error}", file=sys.stderr
+            f"lowcomm: worker {config.placement.membership_options.worker}: error: {error}",
+            file=sys.stderr,
         )
         sys.stderr.flush()
         os._exit(2)
@@ -63,7 +64,8 @@ def _worker_main(config: TrainConfig, task: Task | None, replay: WorkerReplay | 
 
         traceback.print_exception(error, file=sys.stderr)
         print(
-            f"lowcomm: worker {config.membership_options.worker}: error: {error}", file=sys.stderr
+            f"lowcomm: worker {config.placement.membership_options.worker}: error: {error}",
+            file=sys.stderr,
         )
         sys.stderr.flush()
         os._exit(1)
@@ -86,7 +88,7 @@ class LocalJob:
 
         from lowcomm.train.rundir import run_directory
 
-        options = config.membership_options
+        options = config.placement.membership_options
         self.config = config
         self.task = task
         self.run_dir = run_directory(config)
@@ -103,9 +105,9 @@ class LocalJob:
         self._context = multiprocessing.get_context("spawn")
         #: The fault trace replayed on the workers (--faults, --fault-*), or None.
         self.trace = check_replay(config)
-        self.channel = Channel.make(self._context, config.workers)
+        self.channel = Channel.make(self._context, config.placement.workers)
         self.replay = (
-            None if self.trace is None else Replay(self.trace, self.channel, config.workers)
+            None if self.trace is None else Replay(self.trace, self.channel, config.placement.workers)
         )
 
     def worker_dir(self, slot: int, start: int) -> Path:
@@ -117,9 +119,12 @@ class LocalJob:
         are at ``since_step``)."""
         started = len(self.processes.get(slot, []))
         options = replace(
-            self.config.membership_options, lighthouse=self.address, worker=slot, host="127.0.0.1"
+            self.config.placement.membership_options,
+            lighthouse=self.address,
+            worker=slot,
+            host="127.0.0.1",
         )
-        config = replace(
+        config = with_options(
             self.config, out=str(self.worker_dir(slot, started)), membership_options=options
         )
         saved = {key: os.environ.get(key) for key in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
@@ -141,7 +146,7 @@ class LocalJob:
         return process
 
     def start_all(self) -> None:
-        for slot in range(self.config.workers):
+        for slot in range(self.config.placement.workers):
             self.start(slot)
 
     def alive(self, slot: int) -> bool:
@@ -203,11 +208,10 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     With ``--membership.lighthouse`` this process is that one worker. Without, a local job:
     a lighthouse on 127.0.0.1 and ``--workers`` worker processes; it ends when they all have,
     and fails when none finished."""
-    from lowcomm.launch.run import read_summary
     from lowcomm.launch.spawn import WorkerFailed
-    from lowcomm.train.rundir import run_directory
+    from lowcomm.train.rundir import read_summary, run_directory
 
-    options = config.membership_options
+    options = config.placement.membership_options
     if options.lighthouse is not None:
         from lowcomm.membership.worker import train_replica
 
@@ -217,7 +221,7 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         return read_summary(run_directory(config))
     with LocalJob(config, task) as job:
         print(
-            f"lowcomm: torchft lighthouse on {job.address}; starting {config.workers} worker "
+            f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} worker "
             f"processes (each its own run in {job.run_dir}/workerK)",
             flush=True,
         )
@@ -256,7 +260,7 @@ def job_faults(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, A
     return {
         "source": job.trace.source,
         "replayed": "torchft",
-        "detection_s": job.config.membership_options.detect_s,
+        "detection_s": job.config.placement.membership_options.detect_s,
         **figures,
         "rounds_dropped": max((int(r.get("dropped_rounds") or 0) for r in records), default=0),
         "launcher": job.replay.log,

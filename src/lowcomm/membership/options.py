@@ -152,9 +152,9 @@ def membership_refusal(config: TrainConfig) -> str | None:
     """Why this run's membership options cannot run (one line: the option, the value, the
     rule and the fix), or None. Imports nothing heavy; whether torchft is installed is checked
     by :func:`require_torchft` at launch."""
-    options = config.membership_options
+    options = config.placement.membership_options
     flag = "--membership torchft"
-    if config.membership == "static":
+    if config.placement.membership == "static":
         given = options.lighthouse is not None or options.worker is not None
         if given:
             return (
@@ -162,6 +162,47 @@ def membership_refusal(config: TrainConfig) -> str | None:
                 "--membership torchft; add it, or drop them"
             )
         return None
+    refusal = _method_refusal(config, flag)
+    if refusal is not None:
+        return refusal
+    simple = (
+        ("--ranks-per-worker", config.placement.ranks_per_worker, 1),
+        ("--workers-per-process", config.placement.workers_per_process, 1),
+    )
+    for name, value, needed in simple:
+        if value != needed:
+            return f"{flag}: not yet supported with {name} {value}; use {needed}"
+    device = config.placement.device
+    if device != "cpu":
+        return f"{flag}: not yet supported on --device {device} (torchft's Gloo group); use cpu"
+    if config.run.resume is not None or config.run.checkpoint_every is not None:
+        return (
+            f"{flag}: not yet with checkpoints (--resume, --checkpoint-every): a joining "
+            "worker heals from a live one instead; drop them"
+        )
+    if config.run.token_budget is not None:
+        return f"{flag}: not yet with --token-budget; give --steps"
+    if options.worker is not None and not options.worker < config.placement.workers:
+        return (
+            f"--membership.worker: {options.worker} is not a slot of --workers "
+            f"{config.placement.workers}; give 0 to {config.placement.workers - 1}"
+        )
+    if options.lighthouse is not None and options.worker is None:
+        return (
+            "--membership.lighthouse: this process is then one worker; say which with "
+            "--membership.worker K (0 to --workers - 1)"
+        )
+    workers = config.placement.workers
+    if options.min_workers > workers:
+        return (
+            f"--membership.min-workers: {options.min_workers} is more than --workers "
+            f"{workers}; no round could commit; give at most {workers}"
+        )
+    return None
+
+
+def _method_refusal(config: TrainConfig, flag: str) -> str | None:
+    """Why the run's method cannot run with live membership, or None."""
     if config.method in SHARDED_METHODS:
         return (
             f"{flag}: --method {config.method} keeps its optimizer state sharded across "
@@ -185,37 +226,4 @@ def membership_refusal(config: TrainConfig) -> str | None:
                 f"{flag}: not with --diloco.quantization {quantization} (its two-step "
                 "exchange is two collectives per round); use none"
             )
-    simple = (
-        ("--ranks-per-worker", config.ranks_per_worker, 1),
-        ("--workers-per-process", config.workers_per_process, 1),
-    )
-    for name, value, needed in simple:
-        if value != needed:
-            return f"{flag}: not yet supported with {name} {value}; use {needed}"
-    if config.device != "cpu":
-        return (
-            f"{flag}: not yet supported on --device {config.device} (torchft's Gloo group); use cpu"
-        )
-    if config.resume is not None or config.checkpoint_every is not None:
-        return (
-            f"{flag}: not yet with checkpoints (--resume, --checkpoint-every): a joining "
-            "worker heals from a live one instead; drop them"
-        )
-    if config.token_budget is not None:
-        return f"{flag}: not yet with --token-budget; give --steps"
-    if options.worker is not None and not options.worker < config.workers:
-        return (
-            f"--membership.worker: {options.worker} is not a slot of --workers "
-            f"{config.workers}; give 0 to {config.workers - 1}"
-        )
-    if options.lighthouse is not None and options.worker is None:
-        return (
-            "--membership.lighthouse: this process is then one worker; say which with "
-            "--membership.worker K (0 to --workers - 1)"
-        )
-    if options.min_workers > config.workers:
-        return (
-            f"--membership.min-workers: {options.min_workers} is more than --workers "
-            f"{config.workers}; no round could commit; give at most {config.workers}"
-        )
     return None

@@ -67,7 +67,7 @@ def replay_refusal(config: TrainConfig, trace: FaultTrace) -> str | None:
             "replayed with --membership torchft (the emulated link's bandwidth would change "
             "under a running collective); drop them, or run the trace without --membership"
         )
-    if config.membership_options.lighthouse is not None:
+    if config.placement.membership_options.lighthouse is not None:
         return (
             "--faults / --fault-* with --membership.lighthouse: the local launcher replays a "
             "trace on its worker processes; on a cluster, kill and start workers yourself"
@@ -79,10 +79,11 @@ def without_faults(config: TrainConfig) -> TrainConfig:
     """The worker's own config: its trace is replayed on it by the launcher, not simulated."""
     from dataclasses import replace
 
-    return replace(
-        config, faults=None, fault_mtbf_s=None, fault_replace_after_s=None,
+    fault = replace(
+        config.fault, faults=None, fault_mtbf_s=None, fault_replace_after_s=None,
         fault_slow_fraction=None, fault_slow_factor=None, fault_seed=None,
     )  # fmt: skip
+    return replace(config, fault=fault)
 
 
 @dataclass
@@ -242,14 +243,14 @@ def job_goodput(
     span = None if started is None or not ends else max(ends) - started
     step_s = clean_s / clean_n if clean_n else None
     if span is not None and span > 0 and step_s is not None and step_s > 0:
-        per_step = config.microbatches_per_step * config.tokens_per_microbatch()
+        per_step = config.run.microbatches_per_step * config.tokens_per_microbatch()
         free = accounting.fault_free_tokens(
-            workers=config.workers, tokens_per_worker_step=per_step, fault_free_step_s=step_s,
+            workers=config.placement.workers, tokens_per_worker_step=per_step, fault_free_step_s=step_s,
             modeled_s=span,
         )  # fmt: skip
         ratio = accounting.goodput(committed_tokens=committed, fault_free_tokens=free)
         lost = accounting.worker_seconds_lost(
-            workers=config.workers, modeled_s=span, goodput=min(ratio, 1.0)
+            workers=config.placement.workers, modeled_s=span, goodput=min(ratio, 1.0)
         )
     return {
         "committed_tokens": committed,

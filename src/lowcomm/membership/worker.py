@@ -21,12 +21,17 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowcomm.config import ConfigError, TrainConfig
 from lowcomm.membership.options import parse_address, require_torchft
 from lowcomm.membership.replay import WorkerReplay, without_faults
 from lowcomm.train.task import Task
+
+if TYPE_CHECKING:
+    from lowcomm.membership.torchft_comm import Replica, TorchftComm
+    from lowcomm.train.loop import FinalState, Progress, Worker
+    from lowcomm.train.metrics import RunWriter
 
 __all__ = ["check_lighthouse", "local_address", "train_replica"]
 
@@ -67,44 +72,32 @@ def train_replica(
     require_torchft()
     if replay is not None:
         config = without_faults(config)
-    options = config.membership_options
+    options = config.placement.membership_options
     assert options.lighthouse is not None and options.worker is not None
     check_lighthouse(options.lighthouse)
 
-    from lowcomm.comm.emulated import NetworkComm
-    from lowcomm.comm.local import LocalComm
-    from lowcomm.membership.torchft_comm import Replica, TorchftComm, TorchftMembership
+    from lowcomm.membership.torchft_comm import Replica, TorchftComm
     from lowcomm.strategies import strategy_class
     from lowcomm.train import loop
     from lowcomm.train.compute import finish_calibration
     from lowcomm.train.rundir import run_directory
-    from lowcomm.train.step_log import StepLog
 
     host = options.host or local_address(options.lighthouse)
     replica = Replica(
-        options, slot=options.worker, workers=config.workers, lighthouse=options.lighthouse,
-        host=host, timeout_s=config.collective_timeout_s,
+        options, slot=options.worker, workers=config.placement.workers, lighthouse=options.lighthouse,
+        host=host, timeout_s=config.comm.collective_timeout_s,
     )  # fmt: skip
     started = time.time()
     try:
         raw = TorchftComm(replica)
-        worker = loop.set_up(config, raw, LocalComm(), None, task)
-        # This process's run is its own: it writes its directory as a run's rank 0 does.
-        worker.rank, worker.world_size = 0, 1
-        if isinstance(worker.comm, NetworkComm):
-            # (The virtual clock agrees launch times over the round's members, not locally.)
-            worker.comm._bookkeeping = None
-        worker.strategy.runtime = replace(
-            worker.strategy.runtime, membership=TorchftMembership(replica)
-        )
-        replica.attach(worker.strategy)
+        worker = _set_up(config, raw, replica, task)
         path = run_directory(config) / "membership.json"
         replica.on_event = lambda: _write(path, _record(replica, config, started))
         raw.start()
         progress = loop.resume(worker)  # (a fresh start: checkpoints are refused)
         finish_calibration(worker.clock, config, 0)
         progress.start_step = replica.admit()
-        per_step = config.microbatches_per_step
+        per_step = config.run.microbatches_per_step
         _skip_to(worker.shard, progress.start_step * per_step)
         rule = strategy_class(config.method).membership
         step_rounds = rule is not None and rule.round == "step"
@@ -112,33 +105,13 @@ def train_replica(
         if writer is not None:
             _record_membership(writer, replica)
         final = loop.FinalState()
-        log = StepLog(config.log_every)
         start_wall = time.perf_counter()
-        tokens_per_step = per_step * config.tokens_per_microbatch()
-        clean = _CleanSteps(config.workers)
+        clean = _CleanSteps(config.placement.workers)
         try:
             with worker.clock.training():
-                step = progress.start_step
-                while step < config.steps:
-                    if replay is not None:
-                        replay.at_step(step)  # (a crash placed at this step: killed here)
-                    replica.loop_step = step
-                    replica.pending_tokens += tokens_per_step
-                    if step_rounds:
-                        replica.open_round()  # (forms while the gradient is computed)
-                    commits = replica.commits
-                    dropped = replica.failed_rounds
-                    began = time.perf_counter()
-                    loop.train_step(worker, step, progress, writer, final, log)
-                    step_s = time.perf_counter() - began
-                    slow = replay is not None and replay.slow_down(step, step_s)
-                    clean.add(replica, step, step_s, slow or replica.failed_rounds > dropped)
-                    if options.digests and replica.commits > commits:
-                        replica.record_digest(step, worker.model.parameters())
-                    healed = replica.take_healed_step()
-                    if healed is not None and healed != step:  # (healed into a later step)
-                        _skip_to(worker.shard, (healed + 1) * per_step)
-                    step = (step if healed is None else healed) + 1
+                _replica_steps(
+                    config, worker, replica, (progress, writer, final), step_rounds, replay, clean
+                )
                 replica.trained_until = time.time()
                 loop.final_evaluation(worker, progress, final, keep_parameters=False)
         finally:
@@ -157,6 +130,68 @@ def train_replica(
         return record
     finally:
         replica.shutdown()
+
+
+def _set_up(config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task | None) -> Worker:
+    """This replica's worker, its strategy's rounds following the lighthouse's quorums."""
+    from lowcomm.comm.emulated import NetworkComm
+    from lowcomm.comm.local import LocalComm
+    from lowcomm.membership.torchft_comm import TorchftMembership
+    from lowcomm.train import loop
+
+    worker = loop.set_up(config, raw, LocalComm(), None, task)
+    # This process's run is its own: it writes its directory as a run's rank 0 does.
+    worker.rank, worker.world_size = 0, 1
+    if isinstance(worker.comm, NetworkComm):
+        # (The virtual clock agrees launch times over the round's members, not locally.)
+        worker.comm._bookkeeping = None
+    worker.strategy.runtime = replace(
+        worker.strategy.runtime, membership=TorchftMembership(replica)
+    )
+    replica.attach(worker.strategy)
+    return worker
+
+
+def _replica_steps(
+    config: TrainConfig,
+    worker: Worker,
+    replica: Replica,
+    run: tuple[Progress, RunWriter | None, FinalState],
+    step_rounds: bool,
+    replay: WorkerReplay | None,
+    clean: _CleanSteps,
+) -> None:
+    """Train from the admitted step to --steps, each step in the round's quorum; a worker
+    healed into a later step goes on from there. A replayed trace kills this worker at its
+    crash's step and slows it down over its slow events."""
+    from lowcomm.train import loop
+    from lowcomm.train.step_log import StepLog
+
+    progress, writer, final = run
+    log = StepLog(config.run.log_every)
+    per_step = config.run.microbatches_per_step
+    tokens_per_step = per_step * config.tokens_per_microbatch()
+    step = progress.start_step
+    while step < config.run.steps:
+        if replay is not None:
+            replay.at_step(step)  # (a crash placed at this step: killed here)
+        replica.loop_step = step
+        replica.pending_tokens += tokens_per_step
+        if step_rounds:
+            replica.open_round()  # (forms while the gradient is computed)
+        commits = replica.commits
+        dropped = replica.failed_rounds
+        began = time.perf_counter()
+        loop.train_step(worker, step, progress, writer, final, log)
+        step_s = time.perf_counter() - began
+        slow = replay is not None and replay.slow_down(step, step_s)
+        clean.add(replica, step, step_s, slow or replica.failed_rounds > dropped)
+        if config.placement.membership_options.digests and replica.commits > commits:
+            replica.record_digest(step, worker.model.parameters())
+        healed = replica.take_healed_step()
+        if healed is not None and healed != step:  # (healed into a later step)
+            _skip_to(worker.shard, (healed + 1) * per_step)
+        step = (step if healed is None else healed) + 1
 
 
 def _skip_to(shard: Any, position: int) -> None:
@@ -192,7 +227,7 @@ def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[
     none)."""
     return {
         "source": "torchft",
-        "detection_s": config.membership_options.detect_s,
+        "detection_s": config.placement.membership_options.detect_s,
         "committed_tokens": None,
         "goodput": None,
         "rounds_dropped": replica.failed_rounds,
@@ -209,7 +244,7 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
     return {
         "engine": "torchft",
         "worker": replica.slot,
-        "workers": config.workers,
+        "workers": config.placement.workers,
         "started": started,
         "finished": None,
         "commits": replica.commits,
@@ -219,6 +254,19 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
         "committed_tokens": replica.committed_tokens,
         "trained_until": replica.trained_until,
     }
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=1, default=_plain) + "\n")
+    partial.replace(path)  # (a reader never sees half a file)
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
 
 
 class _CleanSteps:
@@ -236,16 +284,3 @@ class _CleanSteps:
         if full and not disturbed and step not in replica.step_changes:
             self.seconds += step_s
             self.count += 1
-
-
-def _write(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(record, indent=1, default=_plain) + "\n")
-    partial.replace(path)  # (a reader never sees half a file)
-
-
-def _plain(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return str(value)

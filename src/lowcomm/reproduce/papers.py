@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lowcomm.config import TrainConfig
+from lowcomm.config import TrainConfig, with_options
 from lowcomm.reproduce.runner import (
     Results,
     RosenbrockRun,
@@ -77,8 +77,8 @@ def _dpu_warmups(s: Scale) -> tuple[int, int, int]:
 
 def acco_runs(s: Scale) -> list[RunSpec]:
     c = s.common()
-    equal = replace(c, microbatches_per_step=2)
-    straggler = replace(s.common(workers=4), speed_factors=(1.0, 1.0, 1.0, 4.0))
+    equal = with_options(c, microbatches_per_step=2)
+    straggler = with_options(s.common(workers=4), speed_factors=(1.0, 1.0, 1.0, 4.0))
     return [
         RunSpec(DDP2, replace(equal, method="ddp")),
         RunSpec(ZERO2, replace(equal, method="zero1")),
@@ -296,7 +296,7 @@ def co2_runs(s: Scale) -> list[RunSpec]:
             replace(c, method="co2", local=LocalOptions(sync_every=small, clip=False)),
         ),
     ]
-    timing = replace(
+    timing = with_options(
         s.common(steps=s.c4_steps), eval_every=s.c4_steps, seconds_per_microbatch=_c4_cost(s)
     )
     runs.append(

@@ -30,7 +30,13 @@ from lowcomm.bench.runs import (
     study_calibration,
     val_curve,
 )
-from lowcomm.config import TrainConfig
+from lowcomm.config import (
+    FLAT_COMPONENTS,
+    CommConfig,
+    PlacementConfig,
+    RunConfig,
+    TrainConfig,
+)
 from lowcomm.data import DataConfig
 from lowcomm.faults.run import FaultFlags
 from lowcomm.models import ModelConfig
@@ -68,11 +74,16 @@ class Scale:
     def common(self, *, workers: int | None = None, steps: int | None = None) -> TrainConfig:
         """The configuration every run of this scale starts from (the method is set per run)."""
         return TrainConfig(
-            workers=workers or self.workers, steps=steps or self.steps, network="wan",
-            clock="virtual", eval_every=self.eval_every, eval_batches=self.eval_batches,
             model=dataclasses.replace(self.model),
             data=DataConfig(micro_batch_size=self.micro_batch_size),
-        )  # fmt: skip
+            placement=PlacementConfig(workers=workers or self.workers),
+            run=RunConfig(
+                steps=steps or self.steps,
+                eval_every=self.eval_every,
+                eval_batches=self.eval_batches,
+            ),
+            comm=CommConfig(network="wan", clock="virtual"),
+        )
 
 
 @dataclass(frozen=True)
@@ -108,8 +119,10 @@ class RunSpec:
     ) -> TrainConfig:
         """The run of ``seed`` into ``run_dir`` (``budget``: see :func:`equal_tokens`;
         ``faults``: the study's fault options, which every run replays)."""
+        run = self._declared(budget, faults)
         return dataclasses.replace(
-            self._declared(budget, faults), seed=seed, out=str(run_dir), progress=False
+            run,
+            run=dataclasses.replace(run.run, seed=seed, out=str(run_dir), progress=False),
         )
 
     def command(
@@ -137,10 +150,15 @@ def equal_tokens(config: TrainConfig) -> TrainConfig:
 
     cls = strategy_class(config.method)
     variable = cls.takes_variable_microbatches(method_options(cls, config))
-    if not variable or config.token_budget is not None:
+    if not variable or config.run.token_budget is not None:
         return config
-    per_step = config.workers * config.microbatches_per_step * config.tokens_per_microbatch()
-    return dataclasses.replace(config, token_budget=config.steps * per_step)
+    per_step = (
+        config.placement.workers * config.run.microbatches_per_step * config.tokens_per_microbatch()
+    )
+    return dataclasses.replace(
+        config,
+        run=dataclasses.replace(config.run, token_budget=config.run.steps * per_step),
+    )
 
 
 def train_flags(config: TrainConfig) -> list[str]:
@@ -157,8 +175,14 @@ def _differing_flags(value: Any, default: Any, prefix: str, flags: list[str]) ->
         if field.name == "method" or mine == theirs:
             continue
         if dataclasses.is_dataclass(mine):
-            # The data options are spelled without their prefix (--micro-batch-size).
-            inner = "" if field.name == "data" else f"{prefix}{field.name.replace('_', '-')}."
+            # The data options are spelled without their prefix (--micro-batch-size), the
+            # flat components' without theirs (--workers).
+            if field.name == "data":
+                inner = ""
+            elif field.name in FLAT_COMPONENTS and not prefix:
+                inner = prefix
+            else:
+                inner = f"{prefix}{field.name.replace('_', '-')}."
             _differing_flags(mine, theirs, inner, flags)
             continue
         words = [str(item) for item in mine] if isinstance(mine, tuple) else [str(mine)]
@@ -310,27 +334,7 @@ def execute(
     given to every training run)."""
     runs: dict[str, list[RunData]] = {spec.label: [] for spec in specs}
     failures: dict[str, str] = {}
-    train_specs = [spec for spec in specs if spec.kind == "train"]
-    study = None
-    if train_specs:
-        from lowcomm.data import prepare_corpus
-
-        first = train_specs[0].train_config(seeds[0], runs_dir)
-        corpus = prepare_corpus(first.data)
-        if calibration is not None:
-            path, option = calibration
-            from lowcomm.train.compute import uses_calibration
-
-            calibrated = [
-                s.run
-                for s in train_specs
-                if isinstance(s.run, TrainConfig) and uses_calibration(s.run)
-            ]
-            if calibrated:
-                study = study_calibration(
-                    calibrated[0], path, vocab_size=corpus.vocab_size, option=option,
-                    tag="reproduce",
-                )  # fmt: skip
+    study = _prepare([spec for spec in specs if spec.kind == "train"], seeds, runs_dir, calibration)
     for spec in specs:
         for seed in seeds[:1] if spec.first_seed_only else seeds:
             run_dir = runs_dir / f"{slug(spec.label)}-s{seed}"
@@ -353,6 +357,35 @@ def execute(
     results = Results(runs, specs)
     results.calibration = study
     return results, failures
+
+
+def _prepare(
+    train_specs: list[RunSpec],
+    seeds: tuple[int, ...],
+    runs_dir: Path,
+    calibration: tuple[Path, str] | None,
+) -> StudyCalibration | None:
+    """Prepare the training runs' corpus, and measure the study's calibration (None without
+    one, or when no run is charged on the calibrated compute model)."""
+    if not train_specs:
+        return None
+    from lowcomm.data import prepare_corpus
+
+    first = train_specs[0].train_config(seeds[0], runs_dir)
+    corpus = prepare_corpus(first.data)
+    if calibration is None:
+        return None
+    path, option = calibration
+    from lowcomm.train.compute import uses_calibration
+
+    calibrated = [
+        s.run for s in train_specs if isinstance(s.run, TrainConfig) and uses_calibration(s.run)
+    ]
+    if not calibrated:
+        return None
+    return study_calibration(
+        calibrated[0], path, vocab_size=corpus.vocab_size, option=option, tag="reproduce"
+    )
 
 
 def finite_or_none(value: float) -> float | None:

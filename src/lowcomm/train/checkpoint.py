@@ -109,15 +109,15 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
     options_field = strategy_class(config.method).options_field
     chosen = {
         "method": config.method,
-        "ranks_per_worker": config.ranks_per_worker,
-        "worker_sharding": config.worker_sharding,
-        "seed": config.seed,
-        "steps": config.steps,
-        "microbatches_per_step": config.microbatches_per_step,
-        "max_grad_norm": config.max_grad_norm,
-        "clock": config.clock,
-        "precision": config.precision,
-        "comm_dtype": config.comm_dtype,
+        "ranks_per_worker": config.placement.ranks_per_worker,
+        "worker_sharding": config.placement.worker_sharding,
+        "seed": config.run.seed,
+        "steps": config.run.steps,
+        "microbatches_per_step": config.run.microbatches_per_step,
+        "max_grad_norm": config.run.max_grad_norm,
+        "clock": config.comm.clock,
+        "precision": config.numerics.precision,
+        "comm_dtype": config.comm.comm_dtype,
         "model": _model_identity(config),
         # (--tokenizer only when given, --end-of-text only when not <|endoftext|>: checkpoints
         # from before they existed still match.)

@@ -26,9 +26,9 @@ from lowcomm.train.task import Task, calibration_pass
 def uses_calibration(config: TrainConfig) -> bool:
     """Whether the run charges compute on the calibrated model."""
     return (
-        config.clock == "virtual"
-        and config.seconds_per_microbatch is None
-        and config.compute_model == "calibrated"
+        config.comm.clock == "virtual"
+        and config.comm.seconds_per_microbatch is None
+        and config.comm.compute_model == "calibrated"
     )
 
 
@@ -53,11 +53,15 @@ class StandardSetting:
 def standard_setting(config: TrainConfig) -> StandardSetting:
     """The setting of ``config``'s standard calibration pass."""
     return StandardSetting(
-        model=config.model, init_from=config.init_from,
-        micro_batch_size=config.data.micro_batch_size, block_size=config.model.block_size,
-        bf16=config.precision == "bf16-mixed", device=config.device,
-        activation_checkpointing=config.activation_checkpointing, compile=config.compile,
-    )  # fmt: skip
+        model=config.model,
+        init_from=config.run.init_from,
+        micro_batch_size=config.data.micro_batch_size,
+        block_size=config.model.block_size,
+        bf16=config.numerics.precision == "bf16-mixed",
+        device=config.placement.device,
+        activation_checkpointing=config.numerics.activation_checkpointing,
+        compile=config.numerics.compile,
+    )
 
 
 def standard_model(
@@ -85,9 +89,9 @@ def fixed_mmap_threshold(config: TrainConfig) -> int | None:
     chosen = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     if chosen is not None and chosen.strip().isdigit():
         return int(chosen)
-    if config.workers_per_process > 1:
+    if config.placement.workers_per_process > 1:
         return MMAP_THRESHOLD
-    if config.worker_sharding == "fsdp" and config.device == "cpu":
+    if config.placement.worker_sharding == "fsdp" and config.placement.device == "cpu":
         return sharding.MMAP_THRESHOLD
     return None
 
@@ -97,13 +101,13 @@ def worker_clock(config: TrainConfig, task: Task, bookkeeping: Comm, device: tor
     calibrated model (read from --calibration, or from the checkpoint a resume reads, or
     measured by :func:`finish_calibration`: the standard pass of ``task``'s whole model on
     its fixed micro-batch, once for the run, see :func:`lowcomm.comm.calibration.calibrate`)."""
-    worker_index = bookkeeping.rank // config.ranks_per_worker
-    speed_factor = network_profile(config).speed_factor(worker_index)
+    worker_index = bookkeeping.rank // config.placement.ranks_per_worker
+    speed_factor = network_profile(config.comm).speed_factor(worker_index)
     if not uses_calibration(config):
         return make_clock(
-            config.clock,
+            config.comm.clock,
             speed_factor=speed_factor,
-            seconds_per_microbatch=config.seconds_per_microbatch,
+            seconds_per_microbatch=config.comm.seconds_per_microbatch,
             device=device,
         )
     path = calibration_file(config)
@@ -143,16 +147,16 @@ def calibrate_in_process(
     from lowcomm.models import build_model
 
     setting = standard_setting(config)
-    device = torch.device(config.device)
+    device = torch.device(config.placement.device)
 
     def build() -> torch.nn.Module:
         if model is not None:  # (a copy: the pass recomputes or compiles its own blocks)
             return copy.deepcopy(model)
-        if config.init_from is None:
+        if config.run.init_from is None:
             return build_model(config.model, vocab_size)
         from lowcomm.models.init_from import preflight_init_from
 
-        return preflight_init_from(config.init_from, config.model).load()
+        return preflight_init_from(config.run.init_from, config.model).load()
 
     return calibrate(
         lambda: standard_model(setting, build, device),
@@ -168,7 +172,7 @@ def calibrate_in_process(
 
 def calibration_file(config: TrainConfig) -> Path | None:
     """The --calibration file, if the run names one."""
-    return None if config.calibration is None else Path(config.calibration)
+    return None if config.comm.calibration is None else Path(config.comm.calibration)
 
 
 def finish_calibration(clock: Clock, config: TrainConfig, rank: int) -> None:
@@ -197,5 +201,5 @@ def committed_tokens(config: TrainConfig, strategy: Strategy, consumed_tokens: i
 
 def budget_spent(config: TrainConfig, strategy: Strategy, consumed_tokens: int) -> bool:
     """Whether a --token-budget run has committed its budget (False without a budget)."""
-    budget = config.token_budget
+    budget = config.run.token_budget
     return budget is not None and committed_tokens(config, strategy, consumed_tokens) >= budget

@@ -8,27 +8,27 @@ them here from it: the worker's communicators (:mod:`lowcomm.train.loop`), its c
 from __future__ import annotations
 
 from lowcomm.comm.network import INNER_LINK, OUTER_LINK, NetworkProfile
-from lowcomm.config import TrainConfig
+from lowcomm.config import CommConfig, TrainConfig
 from lowcomm.strategies.base import StrategyContext, budget_shares
 
 
-def network_profile(config: TrainConfig) -> NetworkProfile:
+def network_profile(comm: CommConfig) -> NetworkProfile:
     """The link between workers (``--network``, its overrides and ``--speed-factors``)."""
     return NetworkProfile.from_preset(
-        config.network,
-        bandwidth_gbps=config.bandwidth_gbps,
-        latency_ms=config.latency_ms,
-        speed_factors=tuple(config.speed_factors),
+        comm.network,
+        bandwidth_gbps=comm.bandwidth_gbps,
+        latency_ms=comm.latency_ms,
+        speed_factors=tuple(comm.speed_factors),
         names=OUTER_LINK,
     )
 
 
-def replica_network_profile(config: TrainConfig) -> NetworkProfile:
+def replica_network_profile(comm: CommConfig) -> NetworkProfile:
     """The replica link: between the ranks of one worker (``--inner-network``)."""
     return NetworkProfile.from_preset(
-        config.inner_network,
-        bandwidth_gbps=config.inner_bandwidth_gbps,
-        latency_ms=config.inner_latency_ms,
+        comm.inner_network,
+        bandwidth_gbps=comm.inner_bandwidth_gbps,
+        latency_ms=comm.inner_latency_ms,
         names=INNER_LINK,
     )
 
@@ -39,21 +39,21 @@ def strategy_context(config: TrainConfig) -> StrategyContext:
     micro-batch budget and each worker's share of it (in proportion to its speed)."""
     budget = (
         None
-        if config.token_budget is None
-        else -(-config.token_budget // config.tokens_per_microbatch())
+        if config.run.token_budget is None
+        else -(-config.run.token_budget // config.tokens_per_microbatch())
     )
     shares = (
         None
         if budget is None
-        else budget_shares(budget, config.speed_factors or (1.0,) * config.workers)
+        else budget_shares(budget, config.comm.speed_factors or (1.0,) * config.placement.workers)
     )
     return StrategyContext(
         optim=config.optim,
         schedule=config.schedule,
-        total_steps=config.steps,
-        microbatches_per_step=config.microbatches_per_step,
-        max_grad_norm=config.max_grad_norm,
+        total_steps=config.run.steps,
+        microbatches_per_step=config.run.microbatches_per_step,
+        max_grad_norm=config.run.max_grad_norm,
         microbatch_budget=budget,
         microbatch_shares=shares,
-        seed=config.seed,
+        seed=config.run.seed,
     )

@@ -208,10 +208,10 @@ def train_worker(
             if not train_steps(worker, progress, writer, final):
                 return _stopped(worker, progress, final.writer or writer, keep_parameters)
             final_evaluation(worker, progress, final, keep_parameters)
-            if progress.start_step < worker.config.steps:
+            if progress.start_step < worker.config.run.steps:
                 # The last step's checkpoint: `--resume OUT --steps MORE` extends the run.
                 with worker.clock.excluded():
-                    _save_checkpoint(worker, progress.end_step or worker.config.steps, progress)
+                    _save_checkpoint(worker, progress.end_step or worker.config.run.steps, progress)
     finally:
         writer = final.writer or writer  # (taken over from a killed worker 0)
         if writer is not None:
@@ -242,15 +242,17 @@ def set_up(
     rank, world_size = raw.rank, raw.world_size
     device = _worker_device(config)
     model, rng_state, deferred = _initial_model(config, task, raw, device, shared)
-    generator, device_generator = _worker_generators(rng_state, config.seed, device)
-    if config.activation_checkpointing:
+    generator, device_generator = _worker_generators(rng_state, config.run.seed, device)
+    if config.numerics.activation_checkpointing:
         checkpoint_blocks(model)
-    if config.compile:  # (compiled on the first pass)
+    if config.numerics.compile:  # (compiled on the first pass)
         compile_blocks(model)
     clock = worker_clock(config, task, bookkeeping, device)
     comm: NetworkComm | HierarchicalComm
-    if config.worker_sharding == "fsdp":  # FSDP2 over the worker's ranks (train/sharding.py)
-        links = (network_profile(config), replica_network_profile(config))
+    if (
+        config.placement.worker_sharding == "fsdp"
+    ):  # FSDP2 over the worker's ranks (train/sharding.py)
+        links = (network_profile(config.comm), replica_network_profile(config.comm))
         comm = sharding.shard_worker(config, model, clock, device, links, deferred)
     else:
         # The launch-time agreements of the virtual clock go on the world's host group (a
@@ -272,7 +274,7 @@ def set_up(
     # Synchronous data parallel inside a worker (R > 1): the strategy averages its flat
     # gradient over the worker's ranks once per step (gradient_step.accumulate), charged to
     # the replica link (runtime.replica_group).
-    bf16 = config.precision == "bf16-mixed"
+    bf16 = config.numerics.precision == "bf16-mixed"
     step_closure = _closure(model, task, data.shard, clock, device, bf16, device_generator)
     return Worker(
         config=config, rank=rank, world_size=world_size, device=device, model=model, clock=clock,
@@ -287,12 +289,14 @@ def _worker_device(config: TrainConfig) -> torch.device:
     """This worker's device (on cuda the one its process is bound to), its peak memory
     counter reset and its TF32 setting (--tf32) applied."""
     device = torch.device(
-        config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
+        config.placement.device
+        if config.placement.device == "cpu"
+        else f"cuda:{torch.cuda.current_device()}"
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        torch.backends.cuda.matmul.allow_tf32 = config.tf32
-        torch.backends.cudnn.allow_tf32 = config.tf32
+        torch.backends.cuda.matmul.allow_tf32 = config.numerics.tf32
+        torch.backends.cudnn.allow_tf32 = config.numerics.tf32
     return device
 
 
@@ -300,7 +304,7 @@ def _has_faults(config: TrainConfig) -> bool:
     """Whether the run replays a fault trace (a file or generated options)."""
     from lowcomm.faults.run import FaultSettings
 
-    return FaultSettings.of(config).enabled
+    return FaultSettings.of(config.fault).enabled
 
 
 def _worker_faults(
@@ -327,11 +331,19 @@ def _worker_faults(
 
         cls = ProcessFaults
     return cls(
-        trace, slot=raw.slot, round_kind=rule.round, detection_s=config.fault_detection_s,
-        clock=clock, raw=raw, books=bookkeeping, extend=extend, horizon_s=horizon_s,
-        min_workers=config.fault_min_workers, quorum_wait_s=config.fault_quorum_wait_s,
+        trace,
+        slot=raw.slot,
+        round_kind=rule.round,
+        detection_s=config.fault.fault_detection_s,
+        clock=clock,
+        raw=raw,
+        books=bookkeeping,
+        extend=extend,
+        horizon_s=horizon_s,
+        min_workers=config.fault.fault_min_workers,
+        quorum_wait_s=config.fault.fault_quorum_wait_s,
         say=_say,
-    )  # fmt: skip
+    )
 
 
 def _say(line: str) -> None:
@@ -358,10 +370,12 @@ def _initial_model(
     worker's generator starts there), and for a sharded worker the model's deferred values
     (the model then on ``meta``: sharding.initial_model)."""
     if shared is not None:  # one of several workers in this process: a copy of the one model
-        room = config.workers * config.ranks_per_worker  # (any strategy's padding fits)
+        room = (
+            config.placement.workers * config.placement.ranks_per_worker
+        )  # (any strategy's padding fits)
         return shared.copy_model(room), shared.rng_state, None
-    torch.manual_seed(config.seed)
-    if config.worker_sharding == "fsdp":  # (made shard by shard, after fully_shard)
+    torch.manual_seed(config.run.seed)
+    if config.placement.worker_sharding == "fsdp":  # (made shard by shard, after fully_shard)
         model, deferred = sharding.initial_model(config, lambda: task.model(config), raw.rank)
         return model, torch.get_rng_state(), deferred
     return _shared_initial_model(config, task, raw, device), torch.get_rng_state(), None
@@ -392,9 +406,9 @@ def _strategy_comms(
     (replica, outer) communicators, when the caller made them. ``bookkeeping``: a host group
     of ``raw``'s ranks, on which a flat worker's virtual clock agrees on launch times (the
     level groups made here get host groups of their own for that)."""
-    profile = network_profile(config)
-    wire = wire_dtype(config.comm_dtype)
-    if config.ranks_per_worker == 1:
+    profile = network_profile(config.comm)
+    wire = wire_dtype(config.comm.comm_dtype)
+    if config.placement.ranks_per_worker == 1:
         comm = NetworkComm(
             raw, profile, clock, device=device, wire_dtype=wire, bookkeeping=bookkeeping
         )
@@ -403,12 +417,12 @@ def _strategy_comms(
     if levels is None:
         from lowcomm.launch.groups import level_comms
 
-        timeout = config.collective_timeout_s
-        levels = level_comms(config.ranks_per_worker, timeout)
+        timeout = config.comm.collective_timeout_s
+        levels = level_comms(config.placement.ranks_per_worker, timeout)
         if bookkeeping is not None:
-            books = level_comms(config.ranks_per_worker, timeout, backend="gloo")
+            books = level_comms(config.placement.ranks_per_worker, timeout, backend="gloo")
     replica_raw, outer_raw = levels
-    replica_profile = replica_network_profile(config)
+    replica_profile = replica_network_profile(config.comm)
     replica_comm = NetworkComm(
         replica_raw, replica_profile, clock, device=device, wire_dtype=wire, bookkeeping=books[0]
     )
@@ -471,7 +485,7 @@ def resume(worker: Worker) -> Progress:
         progress = Progress(
             start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
             resumed_from=resume_from, membership=saved.get("membership"),
-            extended_from=checkpoint.extension_of(directory, config.steps),
+            extended_from=checkpoint.extension_of(directory, config.run.steps),
         )  # fmt: skip
     worker.bookkeeping.barrier().wait()
     if resume_from is not None and _first(worker):
@@ -479,7 +493,7 @@ def resume(worker: Worker) -> Progress:
         print(
             f"lowcomm: resumed {resume_from} from step {progress.start_step} (checkpoint "
             f"{directory.name}{_membership_note(progress)}); training steps "
-            f"{progress.start_step + 1} to {config.steps}",
+            f"{progress.start_step + 1} to {config.run.steps}",
             flush=True,
         )
     return progress
@@ -538,8 +552,8 @@ def train_steps(
 ) -> bool:
     """Train from the start step to the end; False if the run stopped early (--stop-after)."""
     config = worker.config
-    log = StepLog(config.log_every)
-    for step in range(progress.start_step, config.steps):
+    log = StepLog(config.run.log_every)
+    for step in range(progress.start_step, config.run.steps):
         if not train_step(worker, step, progress, final.writer or writer, final, log):
             return False
         if progress.end_step is not None:
@@ -584,32 +598,17 @@ def train_step(
     if budget_spent(config, worker.strategy, progress.tokens * worker.world_size):
         progress.end_step = step + 1
     with clock.excluded():
-        mine = StepMetrics(
-            loss=math.nan,  # (held on the device until the read)
-            compute_s=math.nan,  # (from the markers, at the read)
-            exposed_comm_s=math.nan,
-            bytes_sent=comm.bytes_sent - before_bytes,
-            clock_s=now,
-            microbatches=stats.microbatches,
-            tokens=stats.tokens,
-            committed_steps=stats.committed_steps,
-            params_finite=math.nan,
-        )
-        is_last = step == config.steps - 1 or progress.end_step is not None
-        evaluate = (step + 1) % config.eval_every == 0 and not is_last
-        if evaluate and not member:  # (takes its turn in the sums, with no batch)
-            progress.val_loss = _evaluate(worker.model, [], worker.bookkeeping, worker.task)
-        elif evaluate:
-            with worker.strategy.deployed() as deployed_model:
-                progress.val_loss = _evaluate(
-                    deployed_model, worker.validation, worker.bookkeeping, worker.task
-                )
+        mine = _own_metrics(stats, comm.bytes_sent - before_bytes, now)
+        is_last = step == config.run.steps - 1 or progress.end_step is not None
+        evaluate = (step + 1) % config.run.eval_every == 0 and not is_last
+        if evaluate:
+            progress.val_loss = _step_evaluation(worker, member)
         log.hold(
             step, stats, mine, parameters_finite(worker.model),
             progress.val_loss if evaluate else None, (begin, end),
         )  # fmt: skip
-        stopped = config.stop_after is not None and step + 1 == config.stop_after
-        every = config.checkpoint_every
+        stopped = config.run.stop_after is not None and step + 1 == config.run.stop_after
+        every = config.run.checkpoint_every
         save = (every is not None and (step + 1) % every == 0 and not is_last) or stopped
         if save or is_last or log.due(step):
             # (Before a checkpoint: a non-finite state must stop the run, not be saved.)
@@ -617,6 +616,22 @@ def train_step(
         if save:
             _save_checkpoint(worker, step + 1, progress)
     return not stopped
+
+
+def _own_metrics(stats: StepStats, bytes_sent: float, clock_s: float) -> StepMetrics:
+    """This worker's metrics of a step as it ends: its bytes, clock and counts; its loss and
+    times are read later, with the held steps."""
+    return StepMetrics(
+        loss=math.nan,  # (held on the device until the read)
+        compute_s=math.nan,  # (from the markers, at the read)
+        exposed_comm_s=math.nan,
+        bytes_sent=bytes_sent,
+        clock_s=clock_s,
+        microbatches=stats.microbatches,
+        tokens=stats.tokens,
+        committed_steps=stats.committed_steps,
+        params_finite=math.nan,
+    )
 
 
 def _processes_at(
@@ -684,6 +699,15 @@ def _take_over(worker: Worker, faults: ProcessFaults, progress: Progress) -> Non
     progress.tokens = int(saved["tokens"])
 
 
+def _step_evaluation(worker: Worker, member: bool) -> float:
+    """The validation loss of the deployed parameters after a step (a worker outside the
+    step's quorum takes its turn in the sums with no batch)."""
+    if not member:
+        return _evaluate(worker.model, [], worker.bookkeeping, worker.task)
+    with worker.strategy.deployed() as deployed_model:
+        return _evaluate(deployed_model, worker.validation, worker.bookkeeping, worker.task)
+
+
 def _stop_without_quorum(
     worker: Worker,
     faults: WorkerFaults,
@@ -734,7 +758,7 @@ def _step_with_faults(worker: Worker, faults: WorkerFaults, step: int) -> tuple[
     if plan.dropped:
         # The step's collectives cannot complete: its gradient is computed, then discarded
         # once the crash is detected; the next step's accumulation zeroes it.
-        count = worker.config.microbatches_per_step
+        count = worker.config.run.microbatches_per_step
         loss, samples, tokens = run_microbatches(worker.step_closure, count)
         faults.drop()
         stats = StepStats(
@@ -848,7 +872,7 @@ def _stopped(
         writer.close_steps()
         print(
             progress.stopped
-            or f"lowcomm: stopped after step {worker.config.stop_after} with a checkpoint in "
+            or f"lowcomm: stopped after step {worker.config.run.stop_after} with a checkpoint in "
             f"{run_directory(worker.config)}; continue with: lowcomm train --resume "
             f"{run_directory(worker.config)}",
             flush=True,
@@ -861,7 +885,7 @@ def final_evaluation(
 ) -> None:
     """Drain the method's communication, then validate the parameters it deploys (a
     worker outside the last step's quorum takes its turn in the sums with no batch)."""
-    faults, last = worker.faults, worker.config.steps - 1
+    faults, last = worker.faults, worker.config.run.steps - 1
     if faults is not None and not faults.plan(last).member:
         final.clock_s = worker.clock.now()
         with worker.clock.excluded():
@@ -883,7 +907,9 @@ def final_evaluation(
         if keep_parameters:
             final.deployed = _flat_parameters(deployed_model)
         # (sharded: gathered whole by worker 0's ranks)
-        exported = sharding.exportable(deployed_model, worker.rank, worker.config.ranks_per_worker)
+        exported = sharding.exportable(
+            deployed_model, worker.rank, worker.config.placement.ranks_per_worker
+        )
         if worker.rank == 0 and exported is not None:
             # The deployed parameters (rank 0's: worker 0's outer copy for eager and the
             # delayed DiLoCo) become OUT/model/.
@@ -920,7 +946,7 @@ def finish(
         worker.bookkeeping.all_reduce(committed, op="sum", role=Role.OTHER).wait()
         fault_committed = int(committed[0])
         # (Every member of a step sees its failed syncs alike; a worker away saw none.)
-        failed = torch.zeros(worker.config.steps, dtype=torch.float64)
+        failed = torch.zeros(worker.config.run.steps, dtype=torch.float64)
         for at, count in worker.faults.failed_syncs.items():
             failed[at] = count
         worker.bookkeeping.all_reduce(failed, op="max", role=Role.OTHER).wait()
@@ -949,10 +975,10 @@ def finish(
             )
             if fault_committed is None
             else fault_committed,
-            network=network_profile(config),
+            network=network_profile(config.comm),
             task=worker.task.describe(),
-            replica_network=replica_network_profile(config)
-            if config.ranks_per_worker > 1
+            replica_network=replica_network_profile(config.comm)
+            if config.placement.ranks_per_worker > 1
             else None,
         )
     return summary
@@ -1014,7 +1040,7 @@ def fault_summary(
     with no such step reports no goodput (null)."""
     from lowcomm.faults import goodput as accounting
 
-    trace, workers = faults.trace, config.workers
+    trace, workers = faults.trace, config.placement.workers
     rates = faults.rates  # (the slow events, without the membership ones)
     modeled_s = max((r.clock_s for r in records), default=0.0)
     clean, previous = [], 0.0
@@ -1025,7 +1051,7 @@ def fault_summary(
         if record.quorum == workers and not record.membership_events and not slow:
             clean.append(record.clock_s - previous)
         previous = record.clock_s
-    per_step = config.microbatches_per_step * config.tokens_per_microbatch()
+    per_step = config.run.microbatches_per_step * config.tokens_per_microbatch()
     ratio: float | None = None
     lost: float | None = None
     if clean and modeled_s > 0:
@@ -1097,10 +1123,10 @@ def _resume_directory(config: TrainConfig, run_dir: Path, bookkeeping: Comm) -> 
         CheckpointError: on every rank alike, when some ranks see a checkpoint and others
             do not.
     """
-    if config.resume is None:
+    if config.run.resume is None:
         return None
-    if config.resume != "auto":
-        return Path(config.resume)
+    if config.run.resume != "auto":
+        return Path(config.run.resume)
     mine = int(checkpoint.has_checkpoint(run_dir))
     seen = torch.tensor([mine, -mine], dtype=torch.int64)
     bookkeeping.all_reduce(seen, op="max", role=Role.OTHER).wait()
@@ -1161,7 +1187,7 @@ def _save_checkpoint(worker: Worker, step: int, progress: Progress) -> None:
             step,
             bookkeeping.world_size,
             checkpoint.fingerprint(config),
-            keep=config.keep_checkpoints,
+            keep=config.run.keep_checkpoints,
             digests=digests,
         )
     bookkeeping.barrier().wait()
@@ -1197,7 +1223,7 @@ def _write_turn(worker: Worker) -> Iterator[None]:
     collectives every worker has issued, so no turn waits on another. A worker of several
     ranks settles its two-level exchanges with a new collective on its replica group, which
     its other ranks could not issue while waiting for the turn: its ranks write at once."""
-    if not worker.one_process or worker.config.ranks_per_worker > 1:
+    if not worker.one_process or worker.config.placement.ranks_per_worker > 1:
         yield
         return
     with holding(_WRITE_TURN):  # (the worker that writes may need this thread's CPU turn)
@@ -1227,10 +1253,25 @@ def spawned_train(config: TrainConfig, task: Task | None = None) -> WorkerSummar
     """Entry point of a worker started by the local spawner (the group is initialised)."""
     from lowcomm.comm.torch_comm import TorchComm
 
-    raw = TorchComm(timeout_s=config.collective_timeout_s)
+    raw = TorchComm(timeout_s=config.comm.collective_timeout_s)
     if raw.rank == 0:
         # The group is up: Gloo has connected every pair of processes.
         print(f"lowcomm: workers connected: {raw.world_size} processes", flush=True)
+    return train_worker(config, raw, task=task)
+
+
+def spawned_train_with_faults(config: TrainConfig, task: Task | None = None) -> WorkerSummary:
+    """Entry point of a worker process of a run with declared faults (started by the local
+    spawner; the world's group is initialised): the strategy's raw communicator follows the
+    round's quorum."""
+    from lowcomm.comm.torch_comm import QuorumTorchComm
+    from lowcomm.faults.processes import dist_rank, process_layout
+    from lowcomm.launch.spawn import launch_folder
+
+    layout = process_layout(config) if launch_folder() is not None else None
+    raw = QuorumTorchComm(timeout_s=config.comm.collective_timeout_s, layout=layout)
+    if dist_rank() == 0:  # (a process standing by for worker 0 says nothing)
+        print(f"lowcomm: workers connected: {len(raw.layout)} processes", flush=True)
     return train_worker(config, raw, task=task)
 
 

@@ -167,7 +167,7 @@ def loggers(config: TrainConfig) -> set[str]:
     """Where the run's step records go: --log's entries, and tensorboard with
     --tensorboard (its older spelling). metrics.jsonl is written whatever --log says: a
     resume and the benchmarks read it."""
-    return {"jsonl", *config.log} | ({"tensorboard"} if config.tensorboard else set())
+    return {"jsonl", *config.run.log} | ({"tensorboard"} if config.run.tensorboard else set())
 
 
 def check_loggers(config: TrainConfig) -> None:
@@ -225,11 +225,14 @@ class RunWriter:
 
             self._wandb = WandbLog(config, self.directory, resumed=resume_step is not None)
         self._progress: Any = None
-        if config.progress:
+        if config.run.progress:
             from tqdm import tqdm
 
             self._progress = tqdm(
-                total=config.steps, initial=len(self.records), desc=f"{config.method}", unit="step"
+                total=config.run.steps,
+                initial=len(self.records),
+                desc=f"{config.method}",
+                unit="step",
             )
 
     def write_step(self, record: StepRecord) -> None:
@@ -288,7 +291,7 @@ class RunWriter:
             clock=clock_kind,
             compute_model=compute_model,
             committed_tokens=committed_tokens,
-            token_budget=self.config.token_budget,
+            token_budget=self.config.run.token_budget,
             network=_describe_network(network, speed_factors=True),
             # (the summary's key names the option, --inner-network)
             inner_network=None if replica_network is None else _describe_network(replica_network),
@@ -307,7 +310,7 @@ class RunWriter:
             summary["committed_samples"] = summary.pop("committed_tokens")
             del summary["token_budget"]
         summary = {key: summary[key] for key in _SUMMARY_ORDER if key in summary}
-        if self.config.device == "cuda":
+        if self.config.placement.device == "cuda":
             # torch.cuda.max_memory_allocated, the honest figure on a GPU (it includes
             # activations and the transient copies state_bytes leaves out).
             peak = [int(p.peak_memory) for p in per_process]
@@ -322,7 +325,7 @@ class RunWriter:
             self.directory / "summary.json",
             json.dumps(summary, indent=2, default=_json_default) + "\n",
         )
-        if self.config.plot:
+        if self.config.run.plot:
             self._plot()
         if self._wandb is not None:
             # (after the plot: the W&B run gets loss.png; its run stays open across
@@ -337,7 +340,7 @@ class RunWriter:
         self, per_process: list[ProcessTotals], num_params: int, final_val_loss: float
     ) -> dict[str, Any]:
         """The summary's run-wide numbers: means over processes, the slowest clock."""
-        ranks = self.config.ranks_per_worker
+        ranks = self.config.placement.ranks_per_worker
         compute_mean = statistics.fmean(p.compute_s for p in per_process)
         exposed_mean = statistics.fmean(p.exposed_comm_s for p in per_process)
         total = compute_mean + exposed_mean
@@ -405,12 +408,12 @@ class RunWriter:
         _mark_membership_events(self.records, by_step, by_time)
         by_step.set_xlabel("step")
         by_step.set_ylabel("loss")
-        by_time.set_xlabel(f"time on the {self.config.clock} clock (s)")
+        by_time.set_xlabel(f"time on the {self.config.comm.clock} clock (s)")
         for axis in (by_step, by_time):
             axis.grid(alpha=0.3)
             axis.legend()
         figure.suptitle(
-            f"{self.config.method}, {self.config.workers} workers, network {self.config.network}"
+            f"{self.config.method}, {self.config.placement.workers} workers, network {self.config.comm.network}"
         )
         figure.tight_layout()
         return figure
@@ -455,9 +458,9 @@ def _state_per_worker(per_process: list[ProcessTotals], config: TrainConfig) -> 
     """The state bytes of the largest worker: one rank's (its ranks hold replicas), or with
     --worker-sharding fsdp the sum over its ranks (each holds a shard)."""
     held = [int(p.state_bytes) for p in per_process]
-    if config.worker_sharding != "fsdp":
+    if config.placement.worker_sharding != "fsdp":
         return max(held)
-    ranks = config.ranks_per_worker
+    ranks = config.placement.ranks_per_worker
     return max(sum(held[m : m + ranks]) for m in range(0, len(held), ranks))
 
 

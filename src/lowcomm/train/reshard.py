@@ -112,14 +112,17 @@ def read_resharded(
     every rank's memory (8 per 8-GPU node) and read each file once per rank. Only what this
     rank keeps is copied (:func:`reshard` leaves its inputs untouched, so no page is
     written)."""
-    old, new = saved_layout(directory), Layout(config.workers, config.ranks_per_worker)
+    old, new = (
+        saved_layout(directory),
+        Layout(config.placement.workers, config.placement.ranks_per_worker),
+    )
     if old == new:
         return read_rank_state(directory, rank, device)
     states = [read_rank_state(directory, r, "cpu", mmap=True) for r in range(old.world_size)]
     # (Sharded workers: rank 0 holds a whole FSDP chunk of every parameter, the length of
     # every rank's flat buffer.)
     rules = rules_for(config.method, parameter_count(states[0]))
-    sharded = config.worker_sharding == "fsdp"
+    sharded = config.placement.worker_sharding == "fsdp"
     mine = reshard(states, old, new, rules, sharded_workers=sharded)[rank]
     moved: dict[str, Any] = _to_device(mine, device)
     return moved

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lowcomm.config import ConfigError, TrainConfig
+from lowcomm.config import ConfigError, TrainConfig, flat
 
 #: The run's copy of a given --tokenizer, beside its checkpoints: a resume reads it when the
 #: original (say, an --init-from model's tokenizer.json) has moved or is gone.
@@ -40,11 +40,11 @@ def run_directory(config: TrainConfig) -> Path:
     """The run's directory: ``--out``, else the ``--resume`` directory, else
     ``runs/<method>-<network>-w<workers>-s<seed>``, plus ``-<hash>`` of the other settings
     that differ from their defaults (:func:`non_default_settings`)."""
-    if config.out is not None:
-        return Path(config.out)
-    if config.resume is not None and config.resume != "auto":
-        return Path(config.resume)
-    name = f"{config.method}-{config.network}-w{config.workers}-s{config.seed}"
+    if config.run.out is not None:
+        return Path(config.run.out)
+    if config.run.resume is not None and config.run.resume != "auto":
+        return Path(config.run.resume)
+    name = f"{config.method}-{config.comm.network}-w{config.placement.workers}-s{config.run.seed}"
     differing = non_default_settings(config)
     if differing:
         # Runs that differ in any other setting (a learning-rate sweep) get their own directory.
@@ -57,7 +57,10 @@ def non_default_settings(config: TrainConfig) -> dict[str, Any]:
     """The settings, other than those in the default run name and those that only steer
     the run (output, resume, progress, plot, checkpointing, timeout), that differ from their
     defaults, as flat ``dotted.name: value`` pairs."""
-    mine, defaults = _flatten(config.to_dict()), _flatten(TrainConfig().to_dict())
+    # The flat components' options by their own names (``workers``), as before they were
+    # components: the hash, and so the directory of a run, stays the same.
+    mine = _flatten(flat(config.to_dict()))
+    defaults = _flatten(flat(TrainConfig().to_dict()))
     return {
         key: value
         for key, value in mine.items()
@@ -79,13 +82,13 @@ _RUN_NAME_EXCLUDED = frozenset(
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
+    result: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            result.update(_flatten(value, f"{prefix}{key}."))
         else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+            result[f"{prefix}{key}"] = value
+    return result
 
 
 def run_files(run_dir: Path) -> list[str]:
@@ -96,7 +99,7 @@ def run_files(run_dir: Path) -> list[str]:
 
 
 def _option(config: TrainConfig) -> str:
-    if config.resume is not None and config.resume != "auto":
+    if config.run.resume is not None and config.run.resume != "auto":
         return "--resume"
     return "--out"
 
@@ -119,8 +122,8 @@ def check_run_dir(config: TrainConfig) -> str | None:
     option = _option(config)
     _check_writable(directory, option)
     held = run_files(directory)
-    if config.resume is None:
-        if held and not config.overwrite:
+    if config.run.resume is None:
+        if held and not config.run.overwrite:
             from lowcomm.train.checkpoint import has_checkpoint
 
             resume = f", --resume {directory} to continue it" if has_checkpoint(directory) else ""
@@ -145,15 +148,18 @@ def _check_resumable(config: TrainConfig, run_dir: Path, held: list[str]) -> str
     if has_checkpoint(run_dir):
         try:
             found = find_resumable(
-                run_dir, config.world_size, mine, preflight_ranks(config.ranks_per_process)
+                run_dir,
+                config.placement.world_size,
+                mine,
+                preflight_ranks(config.placement.ranks_per_process),
             )
         except CheckpointError as error:
             message = str(error)
-            if config.resume == "auto":
+            if config.run.resume == "auto":
                 message = message.replace("--resume:", f"--resume auto: {run_dir}:", 1)
             raise ConfigError(message) from None
         return found.fallback_note()
-    if config.resume == "auto" and held:
+    if config.run.resume == "auto" and held:
         # No checkpoint yet: a restart of the same run starts it afresh, another run is kept.
         try:
             saved = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
@@ -216,3 +222,12 @@ def clear_run(run_dir: Path) -> list[str]:
             else:
                 leftover.unlink(missing_ok=True)
     return removed
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A finished run's ``summary.json`` (None if the run has none: it stopped early)."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    summary: dict[str, Any] = json.loads(path.read_text())
+    return summary

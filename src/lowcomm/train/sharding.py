@@ -436,8 +436,10 @@ def shard_worker(
     from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.torch_comm import TorchComm
 
-    wire, timeout = wire_dtype(config.comm_dtype), config.collective_timeout_s
-    mesh = worker_mesh(config.workers, config.ranks_per_worker, device.type, timeout_s=timeout)
+    wire, timeout = wire_dtype(config.comm.comm_dtype), config.comm.collective_timeout_s
+    mesh = worker_mesh(
+        config.placement.workers, config.placement.ranks_per_worker, device.type, timeout_s=timeout
+    )
     books = host_groups(mesh, timeout) if device.type == "cuda" else (None, None)
     inner = NetworkComm(
         TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
@@ -448,7 +450,7 @@ def shard_worker(
         across, links[0], clock, inner=inner, device=device, wire_dtype=wire,
         bookkeeping=books[1],
     )  # fmt: skip
-    shard_model(model, mesh["ranks"], bf16=config.precision == "bf16-mixed")
+    shard_model(model, mesh["ranks"], bf16=config.numerics.precision == "bf16-mixed")
     if deferred is not None:
         materialise(model, deferred, device)
     for record in fsdp_params(model):
@@ -479,12 +481,12 @@ def initial_model(
     deferred is built whole on the CPU instead (None: rank 0 says why)."""
     from lowcomm.models.deferred import build_deferred
 
-    if config.device == "cpu":
+    if config.placement.device == "cpu":
         return_freed_memory()
-    if config.init_from is not None:
+    if config.run.init_from is not None:
         from lowcomm.models.init_from import preflight_init_from, sliced_start
 
-        return sliced_start(preflight_init_from(config.init_from, config.model))
+        return sliced_start(preflight_init_from(config.run.init_from, config.model))
     state = torch.default_generator.get_state()
     try:
         return build_deferred(build)

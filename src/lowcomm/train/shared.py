@@ -68,13 +68,13 @@ _EMPTY_COPIES: tuple[type, ...] = (OrderedDict, dict, set)
 
 def initial_model(config: TrainConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
     """The run's initial model (built from the seed, or loaded from --init-from)."""
-    if config.init_from is None:
+    if config.run.init_from is None:
         return build_model(config.model, vocab_size).to(device)
     # --init-from: the saved weights, loaded straight into the model (pre-flight checked
     # that they fit); the architecture is the directory's config.json.
     from lowcomm.models.init_from import preflight_init_from
 
-    return preflight_init_from(config.init_from, config.model).load().to(device)
+    return preflight_init_from(config.run.init_from, config.model).load().to(device)
 
 
 def shared_setup(
@@ -86,8 +86,8 @@ def shared_setup(
     of the run is in this process (False: one of several processes of several workers)."""
     task = CorpusTask() if task is None else task
     corpus = task.corpus(config) if isinstance(task, CorpusTask) else None
-    device = torch.device(config.device)
-    torch.manual_seed(config.seed)
+    device = torch.device(config.placement.device)
+    torch.manual_seed(config.run.seed)
     model = task.model(config).to(device)
     rng_state = torch.get_rng_state()
     validation = task.validation(config) if isinstance(task, CorpusTask) else None

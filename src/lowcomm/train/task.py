@@ -183,13 +183,13 @@ class CorpusTask:
             return self.model_factory()
         from lowcomm.models import build_model
 
-        if config.init_from is None:
+        if config.run.init_from is None:
             return build_model(config.model, self.corpus(config).vocab_size)
         # --init-from: the saved weights, loaded straight into the model (pre-flight checked
         # that they fit); the architecture is the directory's config.json.
         from lowcomm.models.init_from import preflight_init_from
 
-        return preflight_init_from(config.init_from, config.model).load()
+        return preflight_init_from(config.run.init_from, config.model).load()
 
     def shapes_model(self, config: TrainConfig) -> nn.Module:
         from lowcomm.models import build_model
@@ -207,13 +207,13 @@ class CorpusTask:
         from lowcomm.data import WorkerShard
 
         corpus = self.corpus(config)
-        ranks = config.ranks_per_worker
+        ranks = config.placement.ranks_per_worker
         worker, replica = divmod(rank, ranks)
-        workers = config.workers
+        workers = config.placement.workers
         batch = config.data.micro_batch_size
         shard = WorkerShard(
             corpus, rank=worker, world_size=workers, seq_len=config.model.block_size,
-            micro_batch_size=batch, seed=config.seed, split=config.data.split,
+            micro_batch_size=batch, seed=config.run.seed, split=config.data.split,
             replica=replica, replicas=ranks,
         )  # fmt: skip
         # A worker evaluates the batches a flat worker would (R x the micro-batch size), each
@@ -228,10 +228,11 @@ class CorpusTask:
         from lowcomm.data import validation_batches
 
         return validation_batches(  # type: ignore[return-value]
-            self.corpus(config), seq_len=config.model.block_size,
-            batch_size=config.data.micro_batch_size * config.ranks_per_worker,
-            num_batches=config.eval_batches,
-        )  # fmt: skip
+            self.corpus(config),
+            seq_len=config.model.block_size,
+            batch_size=config.data.micro_batch_size * config.placement.ranks_per_worker,
+            num_batches=config.run.eval_batches,
+        )
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return (self.loss_fn or model_loss)(model, batch)

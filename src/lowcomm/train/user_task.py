@@ -143,13 +143,22 @@ class DatasetTask:
 
     def check(self, config: TrainConfig) -> None:
         refusals = (
-            (config.token_budget is not None, f"token_budget: {config.token_budget} counts "
-             "tokens, and a dataset run counts samples; pass steps= instead"),
-            (config.init_from is not None, f"init_from: {config.init_from!r} loads a lowcomm "
-             "language model; load your weights in the model factory instead"),
-            (config.worker_sharding != "replicate", f"worker_sharding: "
-             f"{config.worker_sharding!r} shards the built-in GPT only; pass 'replicate'"),
-        )  # fmt: skip
+            (
+                config.run.token_budget is not None,
+                f"token_budget: {config.run.token_budget} counts "
+                "tokens, and a dataset run counts samples; pass steps= instead",
+            ),
+            (
+                config.run.init_from is not None,
+                f"init_from: {config.run.init_from!r} loads a lowcomm "
+                "language model; load your weights in the model factory instead",
+            ),
+            (
+                config.placement.worker_sharding != "replicate",
+                f"worker_sharding: "
+                f"{config.placement.worker_sharding!r} shards the built-in GPT only; pass 'replicate'",
+            ),
+        )
         for refused, message in refusals:
             if refused:
                 raise ConfigError(f"fit: {message}")
@@ -169,19 +178,19 @@ class DatasetTask:
     def _shard(self, config: TrainConfig, worker: int, replica: int) -> DatasetShard:
         order = sample_order(self.train_data, self.split_key)
         shard = WorkerShard(
-            SampleIndex(len(order)), rank=worker, world_size=config.workers, seq_len=1,
-            micro_batch_size=config.data.micro_batch_size, seed=config.seed,
-            split=config.data.split, replica=replica, replicas=config.ranks_per_worker,
+            SampleIndex(len(order)), rank=worker, world_size=config.placement.workers, seq_len=1,
+            micro_batch_size=config.data.micro_batch_size, seed=config.run.seed,
+            split=config.data.split, replica=replica, replicas=config.placement.ranks_per_worker,
         )  # fmt: skip
         return DatasetShard(self.train_data, order, self._collate(), shard)
 
     def data(self, config: TrainConfig, rank: int, everyone: list[Batch] | None = None) -> TaskData:
-        worker, replica = divmod(rank, config.ranks_per_worker)
+        worker, replica = divmod(rank, config.placement.ranks_per_worker)
         shard = self._shard(config, worker, replica)
         batches = self._validation_indices(config)
         batch = config.data.micro_batch_size
         mine = []
-        for indices in batches[worker :: config.workers]:
+        for indices in batches[worker :: config.placement.workers]:
             assert self.val_data is not None  # (no indices without it)
             rows = indices[replica * batch : (replica + 1) * batch]
             if len(rows) > 0:
@@ -193,9 +202,9 @@ class DatasetTask:
         micro-batch (all its ranks), evenly spaced over the validation set."""
         if self.val_data is None or len(self.val_data) == 0:
             return []
-        batch = config.data.micro_batch_size * config.ranks_per_worker
+        batch = config.data.micro_batch_size * config.placement.ranks_per_worker
         count = len(self.val_data)
-        wanted = min(batch * config.eval_batches, count)
+        wanted = min(batch * config.run.eval_batches, count)
         if wanted >= batch:
             wanted -= wanted % batch
         chosen = np.rint(np.linspace(0, count - 1, wanted)).astype(np.int64)
@@ -288,18 +297,18 @@ class BatchStreamTask(DatasetTask):
 
     def check(self, config: TrainConfig) -> None:
         super().check(config)
-        if config.ranks_per_worker > 1:
+        if config.placement.ranks_per_worker > 1:
             raise ConfigError(
-                f"fit: ranks_per_worker {config.ranks_per_worker} with a stream of batches "
+                f"fit: ranks_per_worker {config.placement.ranks_per_worker} with a stream of batches "
                 f"(whose rows lowcomm cannot split); pass a map-style dataset, or 1"
             )
 
     def data(self, config: TrainConfig, rank: int, everyone: list[Batch] | None = None) -> TaskData:
-        shard = BatchStreamShard(self.train_data, rank, config.workers)
+        shard = BatchStreamShard(self.train_data, rank, config.placement.workers)
         if self.val_data is None:
             return TaskData(shard, [], 0)
-        batches = list(itertools.islice(iter(self.val_data), config.eval_batches))
-        return TaskData(shard, batches[rank :: config.workers], len(batches))
+        batches = list(itertools.islice(iter(self.val_data), config.run.eval_batches))
+        return TaskData(shard, batches[rank :: config.placement.workers], len(batches))
 
     def calibration_batch(self, config: TrainConfig) -> Batch:
         return next(iter(self.train_data))

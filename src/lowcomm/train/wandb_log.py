@@ -110,8 +110,8 @@ class WandbLog:
             run_id = uuid.uuid4().hex[:8]  # (W&B's own ids: 8 lowercase letters and digits)
             atomic_write_text(id_file, run_id + "\n")
         self._run: Any = wandb.init(
-            project=config.wandb_project,
-            name=config.wandb_name or run_dir.resolve().name,
+            project=config.run.wandb_project,
+            name=config.run.wandb_name or run_dir.resolve().name,
             id=run_id,
             resume="allow",
             dir=os.environ.get("WANDB_DIR") or str(run_dir),
