@@ -107,7 +107,9 @@ class LocalJob:
         self.trace = check_replay(config)
         self.channel = Channel.make(self._context, config.placement.workers)
         self.replay = (
-            None if self.trace is None else Replay(self.trace, self.channel, config.placement.workers)
+            None
+            if self.trace is None
+            else Replay(self.trace, self.channel, config.placement.workers)
         )
 
     def worker_dir(self, slot: int, start: int) -> Path:
