@@ -73,6 +73,10 @@ def test_stopped_and_resumed_job_follows_the_uninterrupted_one(tmp_path: Path, m
         assert latest == f"step-{2 * H:06d}", slot  # (each worker's own, at one round's end)
         assert sorted(_losses(job / f"worker{slot}")) == list(range(2 * H))
 
+    # The job's options, which `lowcomm train --resume OUT` alone continues with.
+    saved = TrainConfig.from_dict(json.loads((job / "config.json").read_text()))
+    assert (saved.method, saved.run.steps, saved.placement.workers) == (method, STEPS, 3)
+
     # A job whose workers stopped at different steps is refused, naming them.
     skewed = tmp_path / "skewed"
     shutil.copytree(job, skewed)

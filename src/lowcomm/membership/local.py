@@ -248,6 +248,13 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
             f"processes (each its own run in {job.run_dir}/workerK)",
             flush=True,
         )
+        run = config.run
+        if run.checkpoint_every is not None or run.stop_after is not None:
+            # The job's options, so that `lowcomm train --resume OUT` alone continues it.
+            from lowcomm.atomic import atomic_write_text
+
+            job.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(job.run_dir / "config.json", config.to_json() + "\n")
         job.start_all()
         if job.replay is not None:
             job.replay.run(job)
@@ -256,8 +263,7 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         _write_job(job, codes)
         print(
             f"lowcomm: stopped after step {config.run.stop_after} with each worker's checkpoint "
-            f"in {job.run_dir}/workerK; continue with: lowcomm train --membership torchft "
-            f"--resume {job.run_dir}",
+            f"in {job.run_dir}/workerK; continue with: lowcomm train --resume {job.run_dir}",
             flush=True,
         )
         return None
