@@ -305,6 +305,14 @@ def _check_resume(config: TrainConfig) -> None:
     if config.run.resume is None or config.run.resume == "auto":
         return
     if (
+        config.placement.membership == "torchft"
+        and config.placement.membership_options.lighthouse is None
+    ):
+        from lowcomm.membership.local import check_resume
+
+        check_resume(config)  # (each worker's own directory, all at one step)
+        return
+    if (
         config.run.out is not None
         and Path(config.run.out).resolve() != Path(config.run.resume).resolve()
     ):

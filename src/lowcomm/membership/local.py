@@ -24,7 +24,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from lowcomm.config import TrainConfig, with_options
+from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.membership.options import parse_address, require_torchft
 from lowcomm.membership.replay import Channel, Replay, WorkerReplay, check_replay, job_goodput
 from lowcomm.train.task import Task
@@ -105,6 +105,14 @@ class LocalJob:
         self._context = multiprocessing.get_context("spawn")
         #: The fault trace replayed on the workers (--faults, --fault-*), or None.
         self.trace = check_replay(config)
+        run = config.run
+        if self.trace is not None and (
+            run.resume is not None or run.checkpoint_every is not None or run.stop_after is not None
+        ):
+            raise ConfigError(
+                "--faults: a replayed trace is not yet kept with checkpoints (--resume, "
+                "--checkpoint-every, --stop-after) under --membership torchft; drop one of them"
+            )
         self.channel = Channel.make(self._context, config.placement.workers)
         self.replay = (
             None
@@ -126,8 +134,14 @@ class LocalJob:
             worker=slot,
             host="127.0.0.1",
         )
+        # A resumed job's first worker in each slot continues its own checkpoint; one started
+        # again heals from the live ones instead.
+        resume = self.config.run.resume if started == 0 else None
         config = with_options(
-            self.config, out=str(self.worker_dir(slot, started)), membership_options=options
+            self.config,
+            out=str(self.worker_dir(slot, started)),
+            membership_options=options,
+            resume=None if resume is None else str(self.worker_dir(slot, 0)),
         )
         saved = {key: os.environ.get(key) for key in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
@@ -218,6 +232,13 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         from lowcomm.membership.worker import train_replica
 
         check_replay(config)  # (a trace is refused here: the local launcher replays one)
+        run = config.run
+        if run.resume is not None or run.checkpoint_every is not None or run.stop_after is not None:
+            raise ConfigError(
+                "--membership.lighthouse: checkpoints (--resume, --checkpoint-every, "
+                "--stop-after) are not yet kept by a cluster's workers (nothing checks that "
+                "they resume from the same step); drop them, or run a local job"
+            )
 
         train_replica(config, task)
         return read_summary(run_directory(config))
@@ -227,10 +248,25 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
             f"processes (each its own run in {job.run_dir}/workerK)",
             flush=True,
         )
+        run = config.run
+        if run.checkpoint_every is not None or run.stop_after is not None:
+            # The job's options, so that `lowcomm train --resume OUT` alone continues it.
+            from lowcomm.atomic import atomic_write_text
+
+            job.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(job.run_dir / "config.json", config.to_json() + "\n")
         job.start_all()
         if job.replay is not None:
             job.replay.run(job)
         codes = job.wait()
+    if config.run.stop_after is not None and all(exits[-1] == 0 for exits in codes.values()):
+        _write_job(job, codes)
+        print(
+            f"lowcomm: stopped after step {config.run.stop_after} with each worker's checkpoint "
+            f"in {job.run_dir}/workerK; continue with: lowcomm train --resume {job.run_dir}",
+            flush=True,
+        )
+        return None
     finished = [slot for slot, exits in sorted(codes.items()) if exits and exits[-1] == 0]
     _write_job(job, codes)
     if not finished:
@@ -240,6 +276,31 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     if summary is not None and job.replay is not None:
         summary["faults"] = json.loads((job.run_dir / "membership.json").read_text())["faults"]
     return summary
+
+
+def check_resume(config: TrainConfig) -> None:
+    """``--resume OUT`` of a local job: every worker's directory ``OUT/workerK`` holds an
+    intact checkpoint of this configuration, and all name the same step (the workers start
+    the resumed job together, from one committed round)."""
+    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
+
+    assert config.run.resume is not None
+    job = Path(config.run.resume)
+    steps: dict[int, int] = {}
+    for slot in range(config.placement.workers):
+        directory = job / f"worker{slot}"
+        worker = with_options(config, out=str(directory), resume=str(directory))
+        try:
+            steps[slot] = find_latest(directory, 1, fingerprint(worker))[0]
+        except CheckpointError as error:
+            raise ConfigError(f"--resume: worker {slot}: {error}") from None
+    if len(set(steps.values())) > 1:
+        named = ", ".join(f"worker{slot} at step {step}" for slot, step in steps.items())
+        raise ConfigError(
+            f"--resume: {job}: the workers' checkpoints name different steps ({named}); a "
+            "job resumes every worker from one step: remove the newer checkpoints (or give "
+            "a job whose workers stopped together)"
+        )
 
 
 def job_faults(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, Any] | None:

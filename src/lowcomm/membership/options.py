@@ -175,11 +175,9 @@ def membership_refusal(config: TrainConfig) -> str | None:
     device = config.placement.device
     if device != "cpu":
         return f"{flag}: not yet supported on --device {device} (torchft's Gloo group); use cpu"
-    if config.run.resume is not None or config.run.checkpoint_every is not None:
-        return (
-            f"{flag}: not yet with checkpoints (--resume, --checkpoint-every): a joining "
-            "worker heals from a live one instead; drop them"
-        )
+    refusal = _checkpoint_refusal(config, flag)
+    if refusal is not None:
+        return refusal
     if config.run.token_budget is not None:
         return f"{flag}: not yet with --token-budget; give --steps"
     if options.worker is not None and not options.worker < config.placement.workers:
@@ -198,6 +196,44 @@ def membership_refusal(config: TrainConfig) -> str | None:
             f"--membership.min-workers: {options.min_workers} is more than --workers "
             f"{workers}; no round could commit; give at most {workers}"
         )
+    return None
+
+
+#: Methods whose torchft workers keep checkpoints and resume exactly (--checkpoint-every,
+#: --stop-after, --resume), each checked against the uninterrupted job: per-step rounds, or
+#: sync rounds every --<group>.sync-every steps whose state at a round's end is the round's.
+CHECKPOINT_METHODS: dict[str, str | None] = {"ddp": None, "diloco": "diloco", "local_sgd": "local"}
+
+
+def _checkpoint_refusal(config: TrainConfig, flag: str) -> str | None:
+    """Why the run's checkpoints cannot be kept with live membership, or None. A worker
+    checkpoints only at the end of a round, so every worker's names a committed step."""
+    run = config.run
+    if run.resume is None and run.checkpoint_every is None and run.stop_after is None:
+        return None
+    if config.method not in CHECKPOINT_METHODS:
+        return (
+            f"{flag}: --method {config.method} does not yet keep checkpoints (--resume, "
+            f"--checkpoint-every, --stop-after) with live workers; use "
+            f"{' or '.join(CHECKPOINT_METHODS)}, or drop them"
+        )
+    if run.resume == "auto":
+        return (
+            f"--resume auto: not with {flag}; give the job's directory (--resume OUT), whose "
+            "workerK directories hold each worker's checkpoints"
+        )
+    group = CHECKPOINT_METHODS[config.method]
+    every = 1 if group is None else int(getattr(config, group).sync_every)
+    for name, value in (
+        ("--checkpoint-every", run.checkpoint_every),
+        ("--stop-after", run.stop_after),
+    ):
+        if value is not None and value % every:
+            return (
+                f"{name}: {value} is not a round's end; with {flag} a worker checkpoints only "
+                f"where a round commits, every --{group}.sync-every {every} steps; give a "
+                f"multiple of {every}"
+            )
     return None
 
 

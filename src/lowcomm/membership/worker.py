@@ -94,9 +94,12 @@ def train_replica(
         path = run_directory(config) / "membership.json"
         replica.on_event = lambda: _write(path, _record(replica, config, started))
         raw.start()
-        progress = loop.resume(worker)  # (a fresh start: checkpoints are refused)
+        # (--resume: this worker's own checkpoint, in its own run directory; the launcher
+        # has checked that every worker's names the same step.)
+        progress = _resume(worker)
         finish_calibration(worker.clock, config, 0)
-        progress.start_step = replica.admit()
+        admitted = replica.admit()  # (0: no peer further on; else healed into their step)
+        progress.start_step = admitted or progress.start_step
         per_step = config.run.microbatches_per_step
         _skip_to(worker.shard, progress.start_step * per_step)
         rule = strategy_class(config.method).membership
@@ -107,18 +110,29 @@ def train_replica(
         final = loop.FinalState()
         start_wall = time.perf_counter()
         clean = _CleanSteps(config.placement.workers)
+        stopped = False
         try:
             with worker.clock.training():
-                _replica_steps(
+                stopped = not _replica_steps(
                     config, worker, replica, (progress, writer, final), step_rounds, replay, clean
                 )
                 replica.trained_until = time.time()
-                loop.final_evaluation(worker, progress, final, keep_parameters=False)
+                if not stopped:
+                    loop.final_evaluation(worker, progress, final, keep_parameters=False)
+                    if _checkpoints(config) and progress.start_step < config.run.steps:
+                        # The last step's checkpoint, as a static run's.
+                        with worker.clock.excluded():
+                            loop._save_checkpoint(worker, config.run.steps, progress)
         finally:
             if writer is not None:
                 if final.last_record is not None:
                     writer.write_step(final.last_record)
                 writer.close_steps()
+        if stopped:  # (--stop-after: its checkpoint is written; the launcher says how to go on)
+            record = _record(replica, config, started)
+            record["stopped"] = config.run.stop_after
+            _write(path, record)
+            return record
         if writer is not None:
             writer.faults = _membership_summary(writer, replica, config)
         loop.finish(worker, progress, writer, final, False, time.perf_counter() - start_wall)
@@ -152,6 +166,27 @@ def _set_up(config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task 
     return worker
 
 
+def _resume(worker: Worker) -> Progress:
+    """This worker's progress: a fresh start, or with --resume its own directory's newest
+    intact checkpoint (one file, rank0.pt: the worker's run is its own; the job's other
+    workers are not a layout to re-shard from)."""
+    from lowcomm.train import checkpoint, loop
+
+    config = worker.config
+    if config.run.resume is None:
+        return loop.Progress()
+    resume_from = Path(config.run.resume)
+    step, directory = checkpoint.find_latest(resume_from, 1, checkpoint.fingerprint(config))
+    saved = checkpoint.read_rank_state(directory, 0, worker.device)
+    progress = loop.restore(worker, saved, step, resume_from, directory)
+    print(
+        f"lowcomm: worker {config.placement.membership_options.worker} resumed {resume_from} "
+        f"from step {step}; training steps {step + 1} to {config.run.steps}",
+        flush=True,
+    )
+    return progress
+
+
 def _replica_steps(
     config: TrainConfig,
     worker: Worker,
@@ -160,10 +195,11 @@ def _replica_steps(
     step_rounds: bool,
     replay: WorkerReplay | None,
     clean: _CleanSteps,
-) -> None:
+) -> bool:
     """Train from the admitted step to --steps, each step in the round's quorum; a worker
     healed into a later step goes on from there. A replayed trace kills this worker at its
-    crash's step and slows it down over its slow events."""
+    crash's step and slows it down over its slow events. False: it stopped after
+    --stop-after's step, whose checkpoint it wrote."""
     from lowcomm.train import loop
     from lowcomm.train.step_log import StepLog
 
@@ -182,7 +218,7 @@ def _replica_steps(
         commits = replica.commits
         dropped = replica.failed_rounds
         began = time.perf_counter()
-        loop.train_step(worker, step, progress, writer, final, log)
+        going_on = loop.train_step(worker, step, progress, writer, final, log)
         step_s = time.perf_counter() - began
         slow = replay is not None and replay.slow_down(step, step_s)
         clean.add(replica, step, step_s, slow or replica.failed_rounds > dropped)
@@ -191,7 +227,17 @@ def _replica_steps(
         healed = replica.take_healed_step()
         if healed is not None and healed != step:  # (healed into a later step)
             _skip_to(worker.shard, (healed + 1) * per_step)
+        if not going_on:
+            return False
         step = (step if healed is None else healed) + 1
+    return True
+
+
+def _checkpoints(config: TrainConfig) -> bool:
+    """Whether this worker's run keeps checkpoints (--checkpoint-every, --stop-after or a
+    resume); without them a torchft worker writes none, a joining one heals instead."""
+    run = config.run
+    return run.checkpoint_every is not None or run.stop_after is not None or run.resume is not None
 
 
 def _skip_to(shard: Any, position: int) -> None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -473,20 +473,7 @@ def resume(worker: Worker) -> Progress:
         )
         # Written with another number of workers: re-sharded here (train/reshard.py).
         saved = read_resharded(directory, config, worker.rank, worker.device)
-        sharding.load_model_state(worker.model, saved["model"])
-        worker.strategy.load_state_dict(saved["strategy"])
-        worker.shard.load_state_dict(saved["data"])
-        worker.clock.load_state_dict(saved["clock"])
-        if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
-            worker.comm.load_state_dict(saved["comm"])
-        _restore_rng(saved["rng"], worker.generator, worker.device_generator)
-        if worker.faults is not None:  # (the fingerprint has checked it is the same trace)
-            worker.faults.load_state_dict(saved["faults"])
-        progress = Progress(
-            start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
-            resumed_from=resume_from, membership=saved.get("membership"),
-            extended_from=checkpoint.extension_of(directory, config.run.steps),
-        )  # fmt: skip
+        progress = restore(worker, saved, start_step, resume_from, directory)
     worker.bookkeeping.barrier().wait()
     if resume_from is not None and _first(worker):
         # Said whatever --progress is: a resumed run must not look like a fresh one.
@@ -497,6 +484,27 @@ def resume(worker: Worker) -> Progress:
             flush=True,
         )
     return progress
+
+
+def restore(
+    worker: Worker, saved: dict[str, Any], start_step: int, resume_from: Path, directory: Path
+) -> Progress:
+    """Load a checkpoint's state of this worker (``saved``, read from ``directory``); the
+    progress it resumes at."""
+    sharding.load_model_state(worker.model, saved["model"])
+    worker.strategy.load_state_dict(saved["strategy"])
+    worker.shard.load_state_dict(saved["data"])
+    worker.clock.load_state_dict(saved["clock"])
+    if saved["comm"] is not None:  # None: another --ranks-per-worker, counters afresh
+        worker.comm.load_state_dict(saved["comm"])
+    _restore_rng(saved["rng"], worker.generator, worker.device_generator)
+    if worker.faults is not None:  # (the fingerprint has checked it is the same trace)
+        worker.faults.load_state_dict(saved["faults"])
+    return Progress(
+        start_step=start_step, tokens=int(saved["tokens"]), val_loss=float(saved["val_loss"]),
+        resumed_from=resume_from, membership=saved.get("membership"),
+        extended_from=checkpoint.extension_of(directory, worker.config.run.steps),
+    )  # fmt: skip
 
 
 def _membership_note(progress: Progress) -> str:
