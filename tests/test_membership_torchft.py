@@ -263,7 +263,7 @@ def test_no_fault_local_and_streaming_methods_follow_the_static_trajectory(
 
     common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
     static = _config(method, tmp_path / "static", membership="static", **common)
-    static.membership_options = MembershipOptions()
+    static.placement.membership_options = MembershipOptions()
     run_training(static, report=None)
     run_training(_config(method, tmp_path / "torchft", **common), report=None)
 

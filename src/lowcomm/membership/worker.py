@@ -77,8 +77,6 @@ def train_replica(
     check_lighthouse(options.lighthouse)
 
     from lowcomm.membership.torchft_comm import Replica, TorchftComm
-    from lowcomm.strategies import strategy_class
-    from lowcomm.train import loop
     from lowcomm.train.compute import finish_calibration
     from lowcomm.train.rundir import run_directory
 
@@ -102,48 +100,64 @@ def train_replica(
         progress.start_step = admitted or progress.start_step
         per_step = config.run.microbatches_per_step
         _skip_to(worker.shard, progress.start_step * per_step)
-        rule = strategy_class(config.method).membership
-        step_rounds = rule is not None and rule.round == "step"
-        writer = loop._run_writer(worker, progress)
-        if writer is not None:
-            _record_membership(writer, replica)
-        final = loop.FinalState()
-        start_wall = time.perf_counter()
-        clean = _CleanSteps(config.placement.workers)
-        stopped = False
-        try:
-            with worker.clock.training():
-                stopped = not _replica_steps(
-                    config, worker, replica, (progress, writer, final), step_rounds, replay, clean
-                )
-                replica.trained_until = time.time()
-                if not stopped:
-                    loop.final_evaluation(worker, progress, final, keep_parameters=False)
-                    if _checkpoints(config) and progress.start_step < config.run.steps:
-                        # The last step's checkpoint, as a static run's.
-                        with worker.clock.excluded():
-                            loop._save_checkpoint(worker, config.run.steps, progress)
-        finally:
-            if writer is not None:
-                if final.last_record is not None:
-                    writer.write_step(final.last_record)
-                writer.close_steps()
-        if stopped:  # (--stop-after: its checkpoint is written; the launcher says how to go on)
-            record = _record(replica, config, started)
-            record["stopped"] = config.run.stop_after
-            _write(path, record)
-            return record
-        if writer is not None:
-            writer.faults = _membership_summary(writer, replica, config)
-        loop.finish(worker, progress, writer, final, False, time.perf_counter() - start_wall)
-        record = _record(replica, config, started)
-        record["finished"] = time.time()
-        record["clean_step_s"], record["clean_steps"] = clean.seconds, clean.count
-        record["data_position"] = worker.shard.state_dict().get("position")
-        _write(path, record)
-        return record
+        return _train(config, worker, replica, (progress, path, started), replay)
     finally:
         replica.shutdown()
+
+
+def _train(
+    config: TrainConfig,
+    worker: Worker,
+    replica: Replica,
+    admitted: tuple[Progress, Path, float],
+    replay: WorkerReplay | None,
+) -> dict[str, Any]:
+    """Train the admitted worker to --steps (or --stop-after), write its run and return what
+    membership.json holds."""
+    from lowcomm.strategies import strategy_class
+    from lowcomm.train import loop
+
+    progress, path, started = admitted
+    rule = strategy_class(config.method).membership
+    step_rounds = rule is not None and rule.round == "step"
+    writer = loop._run_writer(worker, progress)
+    if writer is not None:
+        _record_membership(writer, replica)
+    final = loop.FinalState()
+    start_wall = time.perf_counter()
+    clean = _CleanSteps(config.placement.workers)
+    stopped = False
+    try:
+        with worker.clock.training():
+            stopped = not _replica_steps(
+                config, worker, replica, (progress, writer, final), step_rounds, replay, clean
+            )
+            replica.trained_until = time.time()
+            if not stopped:
+                loop.final_evaluation(worker, progress, final, keep_parameters=False)
+                if _checkpoints(config) and progress.start_step < config.run.steps:
+                    # The last step's checkpoint, as a static run's.
+                    with worker.clock.excluded():
+                        loop._save_checkpoint(worker, config.run.steps, progress)
+    finally:
+        if writer is not None:
+            if final.last_record is not None:
+                writer.write_step(final.last_record)
+            writer.close_steps()
+    if stopped:  # (--stop-after: its checkpoint is written; the launcher says how to go on)
+        record = _record(replica, config, started)
+        record["stopped"] = config.run.stop_after
+        _write(path, record)
+        return record
+    if writer is not None:
+        writer.faults = _membership_summary(writer, replica, config)
+    loop.finish(worker, progress, writer, final, False, time.perf_counter() - start_wall)
+    record = _record(replica, config, started)
+    record["finished"] = time.time()
+    record["clean_step_s"], record["clean_steps"] = clean.seconds, clean.count
+    record["data_position"] = worker.shard.state_dict().get("position")
+    _write(path, record)
+    return record
 
 
 def _set_up(config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task | None) -> Worker:
