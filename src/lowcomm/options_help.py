@@ -242,9 +242,11 @@ def _train_options() -> tuple[
     for component, kind in FLAT_COMPONENTS.items():
         # Their options are flags of their own (--workers); a file spells them in the
         # component's table (placement.workers).
-        more = _options_of(kind, f"{component}.")
-        for known, new in zip((fields, hints, docs, keys), more, strict=True):
-            known.update(new)
+        more_fields, more_hints, more_docs, more_keys = _options_of(kind, f"{component}.")
+        fields.update(more_fields)
+        hints.update(more_hints)
+        docs.update(more_docs)
+        keys.update(more_keys)
     for name in FLAT_COMPONENTS:
         del fields[name]
     return fields, hints, docs, keys
