@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,10 @@ __all__ = ["Channel", "Replay", "job_goodput", "replay_refusal", "trace_of"]
 
 #: How often the launcher looks at the workers' steps and the time.
 POLL_S = 0.01
+
+#: Seconds a worker at its declared crash waits for the launcher's SIGKILL before it ends
+#: itself (the launcher polls every POLL_S, so only a launcher that is gone leaves it waiting).
+KILL_WAIT_S = 120.0
 
 #: A slot's step before its worker has trained (and after its process died).
 NOT_TRAINING = -1
@@ -124,8 +129,15 @@ class WorkerReplay:
             )
             and step >= self.since_step
         ):
-            while True:  # (until the launcher's SIGKILL)
+            # Until the launcher's SIGKILL; a launcher that is gone sends none, so the
+            # worker ends itself rather than stay behind.
+            deadline = time.monotonic() + KILL_WAIT_S
+            while time.monotonic() < deadline and os.getppid() != 1:
                 time.sleep(1.0)
+            raise SystemExit(
+                f"worker {self.slot}: the launcher did not end it at its declared crash at "
+                f"step {step} within {KILL_WAIT_S:g} s; ending it here"
+            )
 
     def slow_down(self, step: int, step_s: float) -> bool:
         """Sleep the step's slowdown; whether the worker was slow at this step."""
