@@ -32,12 +32,14 @@ __all__ = [
 #: What installs the optional engine.
 INSTALL_HINT = "pip install 'lowcomm[ft]'"
 
-#: Methods that run with --membership torchft: each round is one quorum and one mean
-#: all-reduce of the method's payload, which torchft's Manager commits or drops; each is
-#: checked against static membership with no fault and through a kill and a restart.
+#: Methods that run with --membership torchft: each round is one quorum and the method's
+#: mean all-reduces or all-gathers (demo, sparseloco) of its payload, which torchft's Manager
+#: commits or drops; each is checked against static membership with no fault and through a
+#: kill and a restart.
 TORCHFT_METHODS: tuple[str, ...] = (
     "ddp", "diloco", "streaming_diloco", "desloc", "sparta", "sparta_diloco", "local_sgd",
-    "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt",
+    "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt", "demo",
+    "sparseloco",
 )  # fmt: skip
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
@@ -244,11 +246,6 @@ def _method_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: --method {config.method} keeps its optimizer state sharded across "
             "workers, so a lost worker takes a shard the others need (it does not re-shard "
             f"from the survivors); use {' or '.join(TORCHFT_METHODS)}"
-        )
-    if config.method == "demo":
-        return (
-            f"{flag}: --method demo gathers its workers' components (all_gather), which a "
-            f"torchft round does not carry yet; use {', '.join(TORCHFT_METHODS)}"
         )
     if config.method not in TORCHFT_METHODS:
         return (

@@ -13,6 +13,12 @@ dropped: its input is put back and the round is tried again on a new quorum, whi
 dead worker out once the lighthouse has stopped hearing its heartbeats; the strategy only ever
 sees a committed result. After ``--membership.attempts`` failures the worker gives up.
 
+**Gathers.** A method that all-gathers its workers' payloads (demo, sparseloco) gathers in the
+round too (:class:`_GatherHandle`): torchft's Manager wraps no all-gather, so it runs on the
+reconfigured group directly, reports a failure to the Manager (the round then does not commit)
+and is tried again from its saved input on a new quorum. Its output has one row per
+participant, in slot order: a member being healed sends a row that is left out.
+
 **Healing.** A worker that asks for a quorum with a lower torchft step than the others is
 healed: torchft's Manager has a live member send it what the method declares global
 (``Strategy.global_state``: for diloco the global parameters, the outer momentum and the
@@ -55,6 +61,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllreduceOptions
 from torchft import manager as torchft_manager
@@ -68,6 +75,7 @@ from lowcomm.comm.base import (
     Role,
     Segments,
     Settled,
+    check_scatter_shapes,
     check_segments,
 )
 from lowcomm.comm.base import (
@@ -539,6 +547,109 @@ class _MaxHandle:
         return Settled()
 
 
+class _GatherHandle:
+    """The round's all-gather: every participant's ``input``, in slot order, written into
+    ``output``; ``wait()`` returns once a round committed it (tried again on a new quorum
+    from the saved input if one did not, as :class:`_RoundHandle`).
+
+    torchft's Manager wraps only the all-reduce, so the gather runs on its reconfigured
+    group directly, over every member of the round's quorum, and reports a failure to the
+    Manager, which then drops the round's commit on every member. A member being healed in
+    the round takes part in the collective (the group holds it) but not in the result: each
+    member sends a trailing flag byte saying whether it participates, and only the
+    participants' rows are kept, so the output has one row per participant
+    (``Manager.num_participants()``, what ``TorchftComm.world_size`` says) and a healer's
+    data never counts, nor a peer's twice. A retry's quorum may hold another number of
+    participants: ``output`` is then resized to it (read the count from ``output.numel()``
+    after ``wait()``)."""
+
+    def __init__(self, replica: Replica, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._replica = replica
+        self._output = output
+        self._input = input.detach().reshape(-1).clone()  # (a dropped round resends it)
+        self._rows: list[torch.Tensor] = []
+        self._work = self._issue()
+        self._done = False
+
+    def _issue(self) -> Any:
+        """Start the gather of this round's quorum (None: the round has already failed)."""
+        manager = self._replica.manager
+        manager.wait_quorum()
+        if manager.errored() is not None:
+            return None
+        flag = torch.tensor([1 if manager.is_participating() else 0], dtype=torch.uint8)
+        wire = torch.cat([self._input.view(torch.uint8), flag])
+        self._rows = [torch.empty_like(wire) for _ in self._replica.pg.members]
+        try:
+            return self._replica.pg.allgather([self._rows], [wire], AllgatherOptions())
+        except Exception as error:  # (the group could not issue it: a broken quorum)
+            manager.report_error(error)
+            return None
+
+    def _finish(self) -> None:
+        """Wait for the gather; a failure, or rows that disagree with the quorum's
+        participants, is reported to the Manager (the round then does not commit)."""
+        manager = self._replica.manager
+        work, self._work = self._work, None
+        if work is None:
+            return
+        try:
+            work.wait()
+        except Exception as error:
+            manager.report_error(error)
+            return
+        participants = sum(int(row[-1]) for row in self._rows)
+        if participants != manager.num_participants():
+            manager.report_error(
+                RuntimeError(
+                    f"all_gather: {participants} rows flagged participating, the quorum has "
+                    f"{manager.num_participants()} participants"
+                )
+            )
+
+    def _place(self) -> None:
+        """The participants' rows, in slot order, into ``output``."""
+        members = self._replica.pg.members
+        order = sorted(range(len(members)), key=lambda index: members[index])
+        kept = [self._rows[i][:-1] for i in order if int(self._rows[i][-1]) == 1]
+        count = self._input.numel()
+        if self._output.numel() != len(kept) * count:
+            self._output.resize_(len(kept) * count)
+        flat = self._output.view(-1).view(torch.uint8)
+        with torch.no_grad():
+            flat.copy_(torch.cat(kept))
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        replica = self._replica
+        attempts = replica.options.attempts
+        for attempt in range(1, attempts + 1):
+            self._finish()
+            replica._note_quorum()
+            if replica.commit():
+                self._place()
+                self._done = True
+                return
+            if attempt == attempts:
+                break
+            replica.retry_round()
+            self._work = self._issue()
+        error = replica.manager.errored()
+        cause = "" if error is None else f": {_first_line(error.original_exception)}"
+        raise RoundFailed(
+            f"worker {replica.slot}: the round at step {replica.loop_step} did not commit in "
+            f"{attempts} attempts (--membership.attempts){cause}"
+        )
+
+    def done(self) -> bool:
+        return self._done
+
+    def settle(self) -> Settled:
+        self.wait()
+        return Settled()
+
+
 class TorchftComm:
     """The strategy's raw ``Comm`` between workers, over this worker's :class:`Replica`.
 
@@ -600,7 +711,13 @@ class TorchftComm:
         raise NotImplementedError(self._unsupported("reduce_scatter"))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
-        raise NotImplementedError(self._unsupported("all_gather"))
+        """The participants' ``input``, in slot order, into ``output`` (``world_size`` rows),
+        committed as the round (:class:`_GatherHandle`; a retry on a quorum of another size
+        resizes ``output``)."""
+        self._check_started("all_gather")
+        self.replica.open_round()
+        check_scatter_shapes(output, input, self.world_size, "all_gather")
+        return _GatherHandle(self.replica, output, input)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
         raise NotImplementedError(self._unsupported("all_to_all"))
@@ -612,8 +729,8 @@ class TorchftComm:
     @staticmethod
     def _unsupported(op: str) -> str:
         return (
-            f"TorchftComm.{op}: a round here is one quorum and one mean all-reduce; the methods "
-            "that run with --membership torchft issue nothing else"
+            f"TorchftComm.{op}: a round here is one quorum and its mean all-reduces or "
+            "all-gathers; the methods that run with --membership torchft issue nothing else"
         )
 
 

@@ -249,6 +249,9 @@ class DeMo(Strategy):
         world = self.comm.world_size
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         self.comm.all_gather(gathered, payload, role=Role.PSEUDO_GRADIENT).wait()
+        # (The workers that sent a payload: with live membership a round retried on a new
+        # quorum gathers from that quorum's workers.)
+        world = gathered.numel() // payload.numel()
 
         def mean() -> torch.Tensor:
             self.codec.mean(gathered.view(world, -1), self.update)

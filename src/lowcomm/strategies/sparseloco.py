@@ -179,14 +179,20 @@ class SparseLoCo(OuterLoopStrategy[SparseLoCoOptions]):
         )
         self.last_payload_bytes = 0
 
-    def exchange(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather this worker's encoded error buffer; (mean of every worker's decoded D,
-        this worker's own decoded D). Blocking."""
+    def exchange(self) -> torch.Tensor:
+        """Take this worker's decoded D out of its error buffer (e <- e - D), all-gather its
+        encoded D and return the mean of every worker's decoded D. Blocking."""
         payload = self.codec.encode(self.error)
         own = self.codec.decode(payload)
+        # e <- e - D before the gather: a worker healed in this round starts its e afresh
+        # when the round commits (inside the wait), and sat the round out.
+        self.error.sub_(own)
         world = self.comm.world_size
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         self.comm.all_gather(gathered, payload, role=Role.PSEUDO_GRADIENT).wait()
+        # (The workers that sent a payload: with live membership a round retried on a new
+        # quorum gathers from that quorum's workers.)
+        world = gathered.numel() // payload.numel()
         mean = self.runtime.once_per_gather(  # (workers of one process that gathered the
             gathered,  # same bytes decode them once)
             "sparseloco-sum",
@@ -194,7 +200,7 @@ class SparseLoCo(OuterLoopStrategy[SparseLoCoOptions]):
         )
         mean /= world
         self.last_payload_bytes = payload.numel()
-        return mean, own
+        return mean
 
     def step(self, closure: Closure) -> StepStats:
         stats = self.inner_step(closure)
@@ -203,8 +209,7 @@ class SparseLoCo(OuterLoopStrategy[SparseLoCoOptions]):
                 delta = self.globals_[0] - self.local_fragment(0)
                 self.error.mul_(self.options.error_decay).add_(delta)  # e <- beta e + Delta
                 self.runtime.enter_round()  # (a member lost since the last sync: its detection)
-                mean, own = self.exchange()  # launch and finish: a blocking all-gather of D
-                self.error.sub_(own)  # e <- e - D
+                mean = self.exchange()  # e <- e - D, then a blocking all-gather of D
                 self.outer_step(0, mean)
                 self.set_local_fragment(0, self.globals_[0])
             stats.extras["outer_step"] = 1.0
