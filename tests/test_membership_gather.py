@@ -242,6 +242,16 @@ def test_rows_that_disagree_with_the_quorums_participants_never_commit() -> None
     assert replica.commits == 1 and output.tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("method", ["demo", "sparseloco"])
+def test_gathering_methods_are_not_refused(method: str) -> None:
+    from lowcomm.config import TrainConfig, with_options
+    from lowcomm.membership.options import membership_refusal
+
+    assert (
+        membership_refusal(with_options(TrainConfig(method=method), membership="torchft")) is None
+    )
+
+
 # --- local jobs --------------------------------------------------------------------------------
 
 
