@@ -271,7 +271,10 @@ def test_no_fault_gathering_methods_follow_the_static_trajectory(
     common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
     if method == "sparseloco":
         common["sparseloco"] = SparseLoCoOptions(sync_every=4, chunk=64, topk=4)
-    static = _config(method, tmp_path / "static", membership="static", **common)
+    # (The static run's workers are threads of one process: the same numbers, no spawn.)
+    static = _config(
+        method, tmp_path / "static", membership="static", workers_per_process=3, **common
+    )
     static.placement.membership_options = MembershipOptions()
     run_training(static, report=None)
     run_training(_config(method, tmp_path / "torchft", **common), report=None)
