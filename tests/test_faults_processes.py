@@ -139,10 +139,6 @@ def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (
-            {"workers": 4, "workers_per_process": 2},
-            "not yet supported with --workers-per-process 2",
-        ),
         ({"ranks_per_worker": 2}, "not yet supported with --ranks-per-worker 2"),
     ],
 )

@@ -333,23 +333,20 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's placement or clock cannot replay faults yet, or None."""
     from lowcomm.prestart import under_torchrun
 
+    placement = config.placement
     supported = (
         "faults run today with every worker a thread of one process "
-        f"(--workers-per-process {config.placement.workers}, local launch, either clock) or a "
-        "process of its own (--workers-per-process 1, on cpu: local launch on either clock, "
-        "torchrun on the virtual clock), one rank per worker"
+        f"(--workers-per-process {placement.workers}, local launch, either clock), a process "
+        "of its own (--workers-per-process 1, on cpu: local launch on either clock, torchrun "
+        "on the virtual clock) or one of K threads in each of several processes "
+        "(--workers-per-process K dividing --workers, on cpu, local launch), one rank per worker"
     )
-    in_process = config.placement.workers_per_process == config.placement.workers
-    if under_torchrun() and config.placement.workers_per_process != 1:
+    in_process = placement.workers_per_process == placement.workers
+    if under_torchrun() and placement.workers_per_process != 1:
         return (
             f"{flag}: not yet supported under torchrun with --workers-per-process "
-            f"{config.placement.workers_per_process} (its processes run their workers as threads of the "
-            f"stacked launcher, whose groups do not follow a quorum); {supported}"
-        )
-    if not in_process and config.placement.workers_per_process != 1:
-        return (
-            f"{flag}: not yet supported with --workers-per-process "
-            f"{config.placement.workers_per_process} (processes of several workers); {supported}"
+            f"{placement.workers_per_process} (the stacked launcher's quorum groups are "
+            f"checked with the local launch only); {supported}"
         )
     if not in_process and config.comm.clock != "virtual" and under_torchrun():
         return (

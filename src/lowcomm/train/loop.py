@@ -323,13 +323,21 @@ def _worker_faults(
     rule = strategy_class(config.method).membership
     if trace is None or rule is None:
         return None
-    assert isinstance(raw, InProcessComm | QuorumTorchComm), "a raw group that follows quorums"
+    from lowcomm.faults.stacked import QuorumStackedComm
+
+    assert isinstance(raw, InProcessComm | QuorumTorchComm | QuorumStackedComm), (
+        "a raw group that follows quorums"
+    )
     extend, horizon_s = trace_extension(config)
     cls: type[WorkerFaults] = WorkerFaults
     if isinstance(raw, QuorumTorchComm):  # (worker processes: a group per quorum)
         from lowcomm.faults.processes import ProcessFaults
 
         cls = ProcessFaults
+    elif isinstance(raw, QuorumStackedComm):  # (processes of several workers)
+        from lowcomm.faults.stacked import StackedFaults
+
+        cls = StackedFaults
     return cls(
         trace,
         slot=raw.slot,

@@ -1,0 +1,131 @@
+"""Declared faults in the placements beyond one process and one process per worker: K
+workers in each of several processes (a crash stops a worker's thread, its process's other
+workers go on, the quorum's groups span the processes that hold its members), and workers of
+several ranks. The same trace gives the numbers of the run with every worker a thread of one
+process: losses to 1e-6, modeled times to 1e-9 s, the same quorums, events and faults block."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lowcomm.config import ConfigError, TrainConfig, with_options
+from lowcomm.data import DataConfig
+from lowcomm.launch.run import run_training
+from lowcomm.models import ModelConfig
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
+
+STEPS = 8
+
+#: Worker 1 (process 0's second) crashes and joins again; worker 3 (process 1's second)
+#: straggles: a quorum with two members in one process and one in the other.
+TRACE = """\
+# when    worker    what
+step=2    worker=1  crash
+step=5    worker=1  join
+step=1    worker=3  slow factor=3 for=3
+"""
+
+#: Both workers of process 0 are gone for a while: a quorum held by process 1 alone.
+EMPTY_PROCESS = """\
+step=2    worker=0  crash
+step=3    worker=1  leave
+step=5    worker=0  join
+step=6    worker=1  rejoin
+"""
+
+
+def _config(method: str, out: Path, trace: Path, **placement: Any) -> TrainConfig:
+    return with_options(
+        TrainConfig(
+            method=method,
+            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+            data=DataConfig(micro_batch_size=2),
+            diloco=DiLoCoOptions(sync_every=2),
+            local=LocalOptions(sync_every=2),
+        ),
+        steps=STEPS,
+        network="wan",
+        clock="virtual",
+        seconds_per_microbatch=0.01,
+        eval_every=4,
+        eval_batches=2,
+        log_every=1,
+        progress=False,
+        plot=False,
+        out=str(out),
+        faults=str(trace),
+        fault_detection_s=2.5,
+        **placement,
+    )
+
+
+def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    summary = run_training(config, report=None)
+    assert summary is not None
+    out = Path(str(config.run.out))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, summary
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def _same_numbers(
+    run: tuple[list[dict[str, Any]], dict[str, Any]],
+    reference: tuple[list[dict[str, Any]], dict[str, Any]],
+) -> None:
+    (got, summary), (want, expected) = run, reference
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(STEPS))
+    for g, w in zip(got, want, strict=True):
+        for name in ("train_loss", "val_loss"):
+            assert _close(g[name], w[name]), (name, g, w)
+        assert abs(g["clock_s"] - w["clock_s"]) <= 1e-9, (g, w)
+        for name in ("quorum", "membership_events", "dropped", "bytes_sent_per_worker"):
+            assert g.get(name) == w.get(name), (name, g, w)
+    assert summary["faults"].keys() == expected["faults"].keys()
+    for key, value in expected["faults"].items():
+        if isinstance(value, float):
+            assert math.isclose(summary["faults"][key], value, rel_tol=1e-9, abs_tol=1e-9), key
+        else:
+            assert summary["faults"][key] == value, key
+    assert _close(summary["final_val_loss"], expected["final_val_loss"])
+    for name in ("modeled_time_s", "compute_s", "exposed_comm_s"):
+        assert abs(summary[name] - expected[name]) <= 1e-9, name
+    assert summary["committed_tokens"] == expected["committed_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "trace"), [("ddp", TRACE), ("diloco", EMPTY_PROCESS)])
+def test_the_same_trace_with_two_workers_a_process_gives_the_numbers_of_one_process(
+    method: str, trace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "trace.txt"
+    path.write_text(trace)
+    one = _run(_config(method, tmp_path / "one", path, workers=4, workers_per_process=4))
+    two = _run(_config(method, tmp_path / "two", path, workers=4, workers_per_process=2))
+    _same_numbers(two, one)
+    quorums = [r["quorum"] for r in two[0]]
+    if trace == TRACE:  # (the crash's step and those after it ran on 3 workers)
+        assert quorums == [4, 4, 3, 3, 3, 4, 4, 4]
+    else:  # (steps 3 and 4 ran on process 1's two workers alone)
+        assert quorums == [4, 4, 3, 2, 2, 3, 4, 4]
+
+
+def test_two_workers_a_process_pass_the_checks_and_torchrun_still_refuses_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config("ddp", tmp_path / "out", tmp_path / "t", workers=4, workers_per_process=2)
+    config.validate()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    with pytest.raises(ConfigError, match="under torchrun with --workers-per-process 2") as caught:
+        config.validate()
+    assert "\n" not in str(caught.value)
