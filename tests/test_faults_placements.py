@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
-from lowcomm.launch.run import run_training
+from lowcomm.launch.inprocess import train_in_process
+from lowcomm.launch.run import preflight, run_training
 from lowcomm.models import ModelConfig
 from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
@@ -54,7 +56,7 @@ def _config(method: str, out: Path, trace: Path, **placement: Any) -> TrainConfi
         clock="virtual",
         seconds_per_microbatch=0.01,
         eval_every=4,
-        eval_batches=2,
+        eval_batches=4,
         log_every=1,
         progress=False,
         plot=False,
@@ -129,3 +131,73 @@ def test_two_workers_a_process_pass_the_checks_and_torchrun_still_refuses_them(
     with pytest.raises(ConfigError, match="under torchrun with --workers-per-process 2") as caught:
         config.validate()
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "trace"), [("diloco", EMPTY_PROCESS), ("demo", TRACE)])
+def test_workers_of_two_ranks_in_processes_give_the_numbers_of_one_process(
+    method: str, trace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "trace.txt"
+    path.write_text(trace)
+    placement = {"workers": 4, "ranks_per_worker": 2}
+    one = _run(_config(method, tmp_path / "one", path, workers_per_process=4, **placement))
+    two = _run(_config(method, tmp_path / "two", path, workers_per_process=2, **placement))
+    _same_numbers(two, one)
+    expected = [4, 4, 3, 2, 2, 3, 4, 4] if trace == EMPTY_PROCESS else [4, 4, 3, 3, 3, 4, 4, 4]
+    assert [r["quorum"] for r in two[0]] == expected
+
+
+@pytest.mark.parametrize("method", ["diloco", "local_adamw"])
+def test_a_crash_takes_every_rank_of_its_worker_and_healing_reaches_each_of_the_joiners(
+    method: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "trace.txt"
+    path.write_text("step=2 worker=1 crash\nstep=5 worker=1 join\n")
+    config = _config(method, tmp_path / "out", path, workers=3, workers_per_process=3)
+    config = with_options(config, ranks_per_worker=2)
+    config.validate()
+    preflight(config)
+    summaries = train_in_process(config, keep_parameters=True)
+    out = Path(str(config.run.out))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    parameters = [s.parameters for s in summaries]
+    # Six rank threads; step 7 ends a round, after which every rank of every worker holds
+    # the same model: the joiner's two ranks were each healed to the members' state.
+    assert len(parameters) == 6
+    assert all(p is not None and torch.equal(parameters[0], p) for p in parameters)
+    # Worker 1 (ranks 2 and 3) was out of steps 2-4 with both its ranks.
+    assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 3, 3, 3]
+    tokens = [s.tokens for s in summaries]
+    assert tokens[2] == tokens[3] < tokens[0] == tokens[1] == tokens[4] == tokens[5]
+    # The healing transfer is charged on the link: the join step costs more than a plain one.
+    plain = records[7]["clock_s"] - records[6]["clock_s"]
+    assert records[5]["clock_s"] - records[4]["clock_s"] > plain
+    assert records[5]["bytes_sent_per_worker"] > records[7]["bytes_sent_per_worker"]
+
+
+@pytest.mark.parametrize(
+    ("placement", "expected"),
+    [
+        (
+            {"workers": 2, "workers_per_process": 1, "ranks_per_worker": 2,
+             "worker_sharding": "fsdp"},
+            "--ranks-per-worker 2 --worker-sharding fsdp (FSDP's shards",
+        ),
+        (
+            {"workers": 2, "workers_per_process": 1, "ranks_per_worker": 2},
+            "--ranks-per-worker 2 and --workers-per-process 1 (a worker of several ranks",
+        ),
+    ],
+)  # fmt: skip
+def test_what_workers_of_several_ranks_do_not_run_with_yet_is_refused_in_one_line(
+    placement: dict[str, Any], expected: str, tmp_path: Path
+) -> None:
+    config = _config("diloco", tmp_path / "out", tmp_path / "t", **placement)
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(")) as caught:
+        config.validate()
+    assert "\n" not in str(caught.value)
+    config = _config("ddp", tmp_path / "out", tmp_path / "t", workers=2, workers_per_process=2)
+    config = with_options(config, ranks_per_worker=2)
+    with pytest.raises(ConfigError, match="--method ddp is not yet supported with --ranks-per"):
+        config.validate()

@@ -359,10 +359,26 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: not yet supported with worker processes on --device {config.placement.device} "
             f"(the quorum's groups are checked on Gloo only); {supported}"
         )
-    if config.placement.ranks_per_worker != 1:
+    ranks = placement.ranks_per_worker
+    if ranks != 1 and placement.worker_sharding == "fsdp":
         return (
-            f"{flag}: not yet supported with --ranks-per-worker {config.placement.ranks_per_worker}; "
-            f"{supported}"
+            f"{flag}: not yet supported with --ranks-per-worker {ranks} --worker-sharding fsdp "
+            "(FSDP's shards live on a device mesh of every worker's ranks, which does not "
+            "follow a quorum); use --worker-sharding replicate with faults"
+        )
+    if ranks != 1 and config.method == "ddp":
+        return (
+            f"{flag}: --method ddp is not yet supported with --ranks-per-worker {ranks} (its "
+            "AdamW moments are sharded over the worker's ranks, and healing does not yet send "
+            "each joining rank its slice); use --ranks-per-worker 1 with ddp, or another "
+            "method"
+        )
+    if ranks != 1 and placement.workers_per_process == 1:
+        return (
+            f"{flag}: not yet supported with --ranks-per-worker {ranks} and --workers-per-process "
+            "1 (a worker of several ranks replays faults as threads, of one process or of "
+            f"several); use --workers-per-process {placement.workers} or a divisor of "
+            "--workers above 1"
         )
     return None
 

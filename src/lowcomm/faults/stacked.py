@@ -62,7 +62,7 @@ from lowcomm.comm.torch_comm import TorchComm, process_group_timeout
 from lowcomm.comm.turns import wait_for
 from lowcomm.faults.engine import WorkerFaults
 
-__all__ = ["QuorumStackedComm", "QuorumStackedGroup", "StackedFaults"]
+__all__ = ["ProcessSets", "QuorumStackedComm", "QuorumStackedGroup", "StackedFaults"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,35 @@ class _Slot:
     completed_at: float | None = None
 
 
+class ProcessSets:
+    """Where the quorum groups of one process make their process groups: for each step, in
+    step order, once per process (the first of its workers to resolve the step makes them,
+    the others find them made), one group per registered quorum group in the order they
+    registered, so that every process calls ``new_group`` in the same order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._prepared = 0
+        self._groups: list[QuorumStackedGroup] = []
+
+    def register(self, group: QuorumStackedGroup) -> None:
+        self._groups.append(group)
+
+    def prepare(self, step: int, processes: tuple[int, ...]) -> None:
+        """Make the process groups of the set ``processes`` (the processes holding ``step``'s
+        quorum) unless made. Collective over the P processes: each calls it for every step
+        in order."""
+        with self._lock:
+            if step < self._prepared:
+                return
+            if step != self._prepared:
+                raise RuntimeError(f"quorum groups: step {step} prepared before {self._prepared}")
+            self._prepared += 1
+            for group in self._groups:
+                if not group.has_set(processes):
+                    group.add_set(processes)
+
+
 class QuorumStackedGroup:
     """This process's K members of the strategy's group of M = P x K workers, whose
     collectives run over each round's quorum (see the module docstring).
@@ -119,11 +148,13 @@ class QuorumStackedGroup:
             process p); the courier uses it for a quorum with members in every process.
         timeout_s: how long a member's wait may block (None: no limit).
         name: what errors call the group.
+        sets: where the process groups of this process's quorum groups are made, shared by
+            the groups (one per rank of a worker) that must make theirs in one order.
     """
 
     def __init__(
         self, local_size: int, inter: TorchComm, *, timeout_s: float | None = None,
-        name: str = "strategy",
+        name: str = "strategy", sets: ProcessSets | None = None,
     ) -> None:  # fmt: skip
         self.local_size = local_size
         self.inter = inter
@@ -140,8 +171,8 @@ class QuorumStackedGroup:
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._abort_reason: str | None = None
         self._groups: dict[tuple[int, ...], Comm] = {tuple(range(self.processes)): inter}
-        self._prepare_lock = threading.Lock()
-        self._prepared = 0
+        self.sets = ProcessSets() if sets is None else sets
+        self.sets.register(self)
         self._queue: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
         self._members = [QuorumStackedComm(self, k) for k in range(local_size)]
         self.chains = ChainScheduler(f"lowcomm-chains-{name}", timeout_s=timeout_s)
@@ -163,27 +194,21 @@ class QuorumStackedGroup:
         return _Layout(processes, tuple(counts[p] for p in processes))
 
     def prepare(self, step: int, members: tuple[int, ...]) -> None:
-        """Make the process group of the processes holding ``members``, the quorum of
-        ``step``, unless it exists. Collective over the P processes: each of them calls it
-        for every step in order (once per process: the first worker of the process to get
-        here makes it, the others find it made)."""
-        with self._prepare_lock:
-            if step < self._prepared:
-                return
-            if step != self._prepared:
-                raise RuntimeError(
-                    f"{self.name} group: step {step} prepared before {self._prepared}"
-                )
-            self._prepared += 1
-            processes = self.layout(members).processes
-            if processes in self._groups:
-                return
-            timeout = None if self.timeout_s is None else process_group_timeout(self.timeout_s)
-            group = dist.new_group(list(processes), timeout=timeout)
-            if self.process in processes:
-                self._groups[processes] = TorchComm(group, timeout_s=self.timeout_s)
-            else:  # (a non-member's handle: kept only so the set is not made twice)
-                self._groups[processes] = self.inter
+        """Make the process groups of ``step``'s quorum of ``members`` (see
+        :meth:`ProcessSets.prepare`)."""
+        self.sets.prepare(step, self.layout(members).processes)
+
+    def has_set(self, processes: tuple[int, ...]) -> bool:
+        return processes in self._groups
+
+    def add_set(self, processes: tuple[int, ...]) -> None:
+        """Make the process group of ``processes`` (collective over every process)."""
+        timeout = None if self.timeout_s is None else process_group_timeout(self.timeout_s)
+        group = dist.new_group(list(processes), timeout=timeout)
+        if self.process in processes:
+            self._groups[processes] = TorchComm(group, timeout_s=self.timeout_s)
+        else:  # (a non-member's handle: kept only so that the set is not made twice)
+            self._groups[processes] = self.inter
 
     def enter(self, member: int, quorum_id: int, members: tuple[int, ...]) -> None:
         """Local member ``member`` takes part in quorum ``quorum_id`` of ``members`` (global

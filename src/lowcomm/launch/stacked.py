@@ -39,7 +39,7 @@ from lowcomm.comm.stacked import StackedGroup
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
 from lowcomm.faults.run import FaultSettings
-from lowcomm.faults.stacked import QuorumStackedGroup
+from lowcomm.faults.stacked import ProcessSets, QuorumStackedGroup
 from lowcomm.launch import heap
 from lowcomm.launch.device_memory import processes_on_this_machine
 from lowcomm.launch.inprocess import RankThreads, check_shared, run_threads, worker_turns
@@ -111,9 +111,14 @@ def _stacked_threads(config: TrainConfig, inter: TorchComm, inter_books: TorchCo
     in-process replica groups (a worker's R ranks are all here)."""
     per_process, ranks = config.placement.workers_per_process, config.placement.ranks_per_worker
     timeout, threads = config.comm.collective_timeout_s, per_process * ranks
+    # With declared faults the groups between workers follow the quorum: the strategy's
+    # (flat workers) or each rank's outer group (a worker of several ranks enters its
+    # quorum on those, lowcomm.train.loop.set_up), their process groups made in one order.
+    faults = FaultSettings.of(config.fault).enabled
+    sets = ProcessSets()
     world: StackedGroup | QuorumStackedGroup
-    if FaultSettings.of(config.fault).enabled:  # (the strategy's group follows the quorum)
-        world = QuorumStackedGroup(threads, inter, timeout_s=timeout, name="strategy")
+    if faults and ranks == 1:
+        world = QuorumStackedGroup(threads, inter, timeout_s=timeout, name="strategy", sets=sets)
     else:
         world = StackedGroup(threads, inter, timeout_s=timeout, name="strategy")
     books = StackedGroup(threads, inter_books, timeout_s=timeout, name="bookkeeping")
@@ -121,8 +126,12 @@ def _stacked_threads(config: TrainConfig, inter: TorchComm, inter_books: TorchCo
         return RankThreads(threads, world, books, first_rank=world.first_rank)
     # (Gloo process groups: --device cuda runs its workers in one process, see
     # TrainConfig.placement_refusal.)
-    outers = [
-        StackedGroup(per_process, inter.cpu_side_group(), timeout_s=timeout, name=f"outer {r}")
+    outers: list[StackedGroup | QuorumStackedGroup] = [
+        QuorumStackedGroup(
+            per_process, inter.cpu_side_group(), timeout_s=timeout, name=f"outer {r}", sets=sets
+        )
+        if faults
+        else StackedGroup(per_process, inter.cpu_side_group(), timeout_s=timeout, name=f"outer {r}")
         for r in range(ranks)
     ]
     first_worker = inter.rank * per_process
