@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from _cli import torchrun
 from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.launch.inprocess import train_in_process
@@ -39,6 +41,14 @@ step=2    worker=0  crash
 step=3    worker=1  leave
 step=5    worker=0  join
 step=6    worker=1  rejoin
+"""
+
+#: Placed by time: each event lands on the first step starting at or after it, the step's
+#: start agreed over every worker of both processes.
+TIMED = """\
+t=0.02    worker=2  crash
+t=2.6     worker=2  join
+t=0       worker=0  slow factor=2 for=0.1
 """
 
 
@@ -106,7 +116,9 @@ def _same_numbers(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "trace"), [("ddp", TRACE), ("diloco", EMPTY_PROCESS)])
+@pytest.mark.parametrize(
+    ("method", "trace"), [("ddp", TRACE), ("diloco", EMPTY_PROCESS), ("local_adamw", TIMED)]
+)
 def test_the_same_trace_with_two_workers_a_process_gives_the_numbers_of_one_process(
     method: str, trace: str, tmp_path: Path
 ) -> None:
@@ -118,19 +130,49 @@ def test_the_same_trace_with_two_workers_a_process_gives_the_numbers_of_one_proc
     quorums = [r["quorum"] for r in two[0]]
     if trace == TRACE:  # (the crash's step and those after it ran on 3 workers)
         assert quorums == [4, 4, 3, 3, 3, 4, 4, 4]
-    else:  # (steps 3 and 4 ran on process 1's two workers alone)
+    elif trace == EMPTY_PROCESS:  # (steps 3 and 4 ran on process 1's two workers alone)
         assert quorums == [4, 4, 3, 2, 2, 3, 4, 4]
+    else:  # (the crash and the join each landed on a step, as in one process)
+        assert quorums == [4, 3, 3, 3, 4, 4, 4, 4]
 
 
-def test_two_workers_a_process_pass_the_checks_and_torchrun_still_refuses_them(
+def test_two_workers_a_process_pass_the_checks_and_torchrun_refuses_them_on_the_real_clock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config("ddp", tmp_path / "out", tmp_path / "t", workers=4, workers_per_process=2)
     config.validate()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    with pytest.raises(ConfigError, match="under torchrun with --workers-per-process 2") as caught:
+    config.validate()
+    config.comm.clock, config.comm.seconds_per_microbatch = "real", None
+    with pytest.raises(ConfigError, match="checked there on the virtual clock only") as caught:
         config.validate()
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_the_same_trace_under_torchrun_with_two_workers_a_process_gives_the_same_numbers(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    one = _run(_config("diloco", tmp_path / "one", trace, workers=4, workers_per_process=4))
+    out = tmp_path / "torchrun"
+    flags = [
+        "train", "--method", "diloco", "--workers", "4", "--workers-per-process", "2",
+        "--steps", str(STEPS), "--network", "wan", "--clock", "virtual",
+        "--seconds-per-microbatch", "0.01", "--eval-every", "4", "--eval-batches", "4",
+        "--log-every", "1", "--progress", "False", "--plot", "False", "--model.n-layer", "1",
+        "--model.n-head", "2", "--model.n-embd", "32", "--model.block-size", "16",
+        "--micro-batch-size", "2", "--diloco.sync-every", "2", "--faults", str(trace),
+        "--fault-detection-s", "2.5", "--out", str(out),
+    ]  # fmt: skip
+    launched = subprocess.run(
+        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", *flags],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _same_numbers((records, json.loads((out / "summary.json").read_text())), one)
 
 
 @pytest.mark.slow
@@ -201,3 +243,24 @@ def test_what_workers_of_several_ranks_do_not_run_with_yet_is_refused_in_one_lin
     config = with_options(config, ranks_per_worker=2)
     with pytest.raises(ConfigError, match="--method ddp is not yet supported with --ranks-per"):
         config.validate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_run_of_two_workers_a_process_stopped_mid_trace_and_resumed_gives_the_whole_run(
+    ranks: int, tmp_path: Path
+) -> None:
+    """A checkpoint after step 3 (worker 1 dead, its crash not yet detected by diloco's
+    survivors), resumed in processes of two workers: the run without a stop, in one
+    process."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    placement = {"workers": 4, "ranks_per_worker": ranks}
+    whole = _run(_config("diloco", tmp_path / "whole", trace, workers_per_process=4, **placement))
+    out = tmp_path / "resumed"
+    config = _config("diloco", out, trace, workers_per_process=2, **placement)
+    config.run.stop_after = 3
+    assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
+    config = _config("diloco", out, trace, workers_per_process=2, **placement)
+    config.run.resume = str(out)
+    _same_numbers(_run(config), whole)
