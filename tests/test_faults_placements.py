@@ -264,3 +264,77 @@ def test_a_run_of_two_workers_a_process_stopped_mid_trace_and_resumed_gives_the_
     config = _config("diloco", out, trace, workers_per_process=2, **placement)
     config.run.resume = str(out)
     _same_numbers(_run(config), whole)
+
+
+# --- the quorum's group across processes, written from a flat group's results -------------
+
+
+def _flat_results(members: tuple[int, ...], slot: int) -> list[list[float]]:
+    """What a flat group of ``members`` gives ``slot`` (each member's inputs from its slot)."""
+    size, rank = len(members), members.index(slot)
+    scattered = [sum(float(m + rank * 2 + t) for m in members) for t in range(2)]
+    gathered = [float(m * 10 + t) for m in members for t in range(2)]
+    exchanged = [float(m * 100 + rank * 2 + t) for m in members for t in range(2)]
+    return [[sum(members) / size], scattered, gathered, exchanged, [float(members[size // 2])]]
+
+
+def _collectives(comm: Any) -> list[list[float]]:
+    """Every collective of the protocol, each member's inputs made from its slot."""
+    from lowcomm.comm import Role
+
+    slot, size = comm.slot, comm.world_size
+    mean = torch.tensor([float(slot)])
+    comm.all_reduce(mean, op="mean", role=Role.OTHER).wait()
+    scatter_in = slot + torch.arange(size * 2, dtype=torch.float32)
+    scattered = torch.empty(2)
+    comm.reduce_scatter(scattered, scatter_in, op="sum", role=Role.OTHER).wait()
+    gathered = torch.empty(size * 2)
+    comm.all_gather(gathered, torch.tensor([slot * 10.0, slot * 10.0 + 1]), role=Role.OTHER).wait()
+    exchange_in = slot * 100.0 + torch.arange(size * 2, dtype=torch.float32)
+    exchanged = torch.empty(size * 2)
+    comm.all_to_all(exchanged, exchange_in, role=Role.OTHER).wait()
+    value = torch.tensor([float(slot)])
+    comm.broadcast(value, src=size // 2, role=Role.OTHER).wait()
+    return [t.tolist() for t in (mean, scattered, gathered, exchanged, value)]
+
+
+#: Each step's quorum of 6 workers in 2 processes of 3: uneven (1 and 3 members), process 1
+#: alone, every worker, process 0 alone.
+_QUORUMS = [(0, 3, 4, 5), (3, 4), (0, 1, 2, 3, 4, 5), (1, 2)]
+
+
+def _quorums_across_two_processes() -> dict[int, list[list[list[float]]]]:
+    import threading
+
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.faults.stacked import QuorumStackedGroup
+
+    group = QuorumStackedGroup(3, TorchComm(timeout_s=60.0), timeout_s=60.0)
+    results: dict[int, list[list[list[float]]]] = {}
+    for step, members in enumerate(_QUORUMS):
+        group.prepare(step, members)  # (every process, every step, in order)
+        local = [m - group.first_rank for m in members if m // 3 == group.process]
+
+        def member(k: int, quorum_id: int, members: tuple[int, ...] = members) -> None:
+            comm = group.comm(k)
+            comm.enter(quorum_id, members)
+            results.setdefault(comm.slot, []).append(_collectives(comm))
+
+        threads = [threading.Thread(target=member, args=(k, step + 1)) for k in local]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    group.close()
+    return results
+
+
+@pytest.mark.slow
+def test_a_quorums_collectives_across_processes_give_a_flat_groups_results() -> None:
+    from lowcomm.launch.spawn import spawn_workers
+
+    processes = spawn_workers(_quorums_across_two_processes, 2, timeout_s=120.0)
+    got = {slot: rows for results in processes for slot, rows in results.items()}
+    for slot in range(6):
+        expected = [_flat_results(m, slot) for m in _QUORUMS if slot in m]
+        assert got[slot] == expected, slot
