@@ -371,13 +371,6 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
             "(FSDP's shards live on a device mesh of every worker's ranks, which does not "
             "follow a quorum); use --worker-sharding replicate with faults"
         )
-    if ranks != 1 and config.method == "ddp":
-        return (
-            f"{flag}: --method ddp is not yet supported with --ranks-per-worker {ranks} (its "
-            "AdamW moments are sharded over the worker's ranks, and healing does not yet send "
-            "each joining rank its slice); use --ranks-per-worker 1 with ddp, or another "
-            "method"
-        )
     if ranks != 1 and placement.workers_per_process == 1:
         return (
             f"{flag}: not yet supported with --ranks-per-worker {ranks} and --workers-per-process "
