@@ -348,11 +348,12 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
         "several ranks (replicated) as threads"
     )
     in_process = placement.workers_per_process == placement.workers
-    if not in_process and config.comm.clock != "virtual" and under_torchrun():
+    several = placement.workers_per_process > 1
+    if (several or not in_process) and config.comm.clock != "virtual" and under_torchrun():
         why = (
             "a crashed worker's process cannot be killed there: the agent would restart every "
             "worker"
-            if placement.workers_per_process == 1
+            if not several
             else "processes of several workers are checked there on the virtual clock only"
         )
         return (
