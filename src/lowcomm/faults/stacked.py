@@ -59,8 +59,8 @@ from lowcomm.comm.gathered import mark_gathered
 from lowcomm.comm.inprocess import GroupAborted, SignalingEvent, SlotHandle
 from lowcomm.comm.overlap import ChainScheduler
 from lowcomm.comm.torch_comm import TorchComm, process_group_timeout
-from lowcomm.comm.turns import wait_for
-from lowcomm.faults.engine import WorkerFaults
+from lowcomm.comm.turns import blocking, holding, wait_for
+from lowcomm.faults.engine import StepPlan, WorkerFaults
 
 __all__ = ["ProcessSets", "QuorumStackedComm", "QuorumStackedGroup", "StackedFaults"]
 
@@ -110,15 +110,30 @@ class _Slot:
 
 
 class ProcessSets:
-    """Where the quorum groups of one process make their process groups: for each step, in
-    step order, once per process (the first of its workers to resolve the step makes them,
-    the others find them made), one group per registered quorum group in the order they
-    registered, so that every process calls ``new_group`` in the same order."""
+    """What the quorum groups of one process share: where they make their process groups,
+    and the meeting of the process's worker threads where the quorum changes.
 
-    def __init__(self) -> None:
+    The process groups are made for each step, in step order, once per process (the first
+    of its workers to resolve the step makes them, the others find them made), one group per
+    registered quorum group in the order they registered, so that every process calls
+    ``new_group`` in the same order.
+
+    Args:
+        threads: the worker threads of this process (K, or K R with workers of R ranks),
+            each of which meets the others at every step where the quorum changes
+            (:meth:`meet`).
+        timeout_s: how long a meeting waits (None: no limit).
+    """
+
+    def __init__(self, threads: int = 1, *, timeout_s: float | None = None) -> None:
         self._lock = threading.Lock()
         self._prepared = 0
         self._groups: list[QuorumStackedGroup] = []
+        self._threads = threads
+        self._timeout_s = timeout_s
+        self._arrived = 0
+        self._met = threading.Event()
+        self._abort_reason: str | None = None
 
     def register(self, group: QuorumStackedGroup) -> None:
         self._groups.append(group)
@@ -127,7 +142,7 @@ class ProcessSets:
         """Make the process groups of the set ``processes`` (the processes holding ``step``'s
         quorum) unless made. Collective over the P processes: each calls it for every step
         in order."""
-        with self._lock:
+        with holding(self._lock):
             if step < self._prepared:
                 return
             if step != self._prepared:
@@ -135,7 +150,41 @@ class ProcessSets:
             self._prepared += 1
             for group in self._groups:
                 if not group.has_set(processes):
-                    group.add_set(processes)
+                    with blocking():  # (the other processes' workers may need this turn)
+                        group.add_set(processes)
+
+    def meet(self, step: int) -> None:
+        """Wait until every worker thread of this process has begun ``step``, where the
+        quorum changes: then each has posted every collective of the quorums before, and a
+        process's courier receives no collective of the new quorum before the old one's last
+        (every process issues them in the same order: a worker that crashed at the step may
+        still be posting its last exchange of the step before, which its peers wait for)."""
+        with self._lock:
+            if self._abort_reason is not None:
+                raise GroupAborted(f"quorum groups aborted: {self._abort_reason}")
+            met = self._met
+            self._arrived += 1
+            if self._arrived == self._threads:
+                self._arrived = 0
+                self._met = threading.Event()
+                met.set()
+                return
+        if not wait_for(met, self._timeout_s):
+            raise CollectiveTimeout(
+                f"step {step}: the workers of this process did not all begin the step within "
+                f"{self._timeout_s} s (--collective-timeout-s {self._timeout_s}); a worker "
+                "stopped, hung or is far slower"
+            )
+        if self._abort_reason is not None:
+            raise GroupAborted(f"quorum groups aborted: {self._abort_reason}")
+
+    def abort(self, reason: str) -> None:
+        """End every meeting: a waiting and a later one raise :class:`GroupAborted`."""
+        with self._lock:
+            if self._abort_reason is None:
+                self._abort_reason = reason
+            met = self._met
+        met.set()
 
 
 class QuorumStackedGroup:
@@ -244,6 +293,7 @@ class QuorumStackedGroup:
         for slot in pending:
             slot.event.set()
         self._queue.put(None)
+        self.sets.abort(reason)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -526,6 +576,7 @@ class StackedFaults(WorkerFaults):
     def __init__(self, *args: Any, raw: QuorumStackedComm, **kwargs: Any) -> None:
         self._stacked = raw.group
         self._groups_made = 0
+        self._planned = 0
         super().__init__(*args, raw=raw, **kwargs)
 
     def resolve(self, step: int) -> None:
@@ -534,3 +585,14 @@ class StackedFaults(WorkerFaults):
             resolved = self._groups_made
             self._groups_made += 1
             self._stacked.prepare(resolved, self._resolved[resolved][1])
+
+    def plan(self, step: int) -> StepPlan:
+        """The engine's; the first time a step is planned (its start: every worker plans
+        every step, in order) where the quorum changes, the process's workers meet first
+        (:meth:`ProcessSets.meet`)."""
+        if step >= self._planned:
+            self._planned = step + 1
+            self.resolve(step)
+            if step > 0 and self._resolved[step][2] != self._resolved[step - 1][2]:
+                self._stacked.sets.meet(step)
+        return super().plan(step)

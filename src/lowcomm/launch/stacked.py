@@ -115,7 +115,7 @@ def _stacked_threads(config: TrainConfig, inter: TorchComm, inter_books: TorchCo
     # (flat workers) or each rank's outer group (a worker of several ranks enters its
     # quorum on those, lowcomm.train.loop.set_up), their process groups made in one order.
     faults = FaultSettings.of(config.fault).enabled
-    sets = ProcessSets()
+    sets = ProcessSets(threads, timeout_s=timeout)
     world: StackedGroup | QuorumStackedGroup
     if faults and ranks == 1:
         world = QuorumStackedGroup(threads, inter, timeout_s=timeout, name="strategy", sets=sets)
