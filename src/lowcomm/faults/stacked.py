@@ -22,15 +22,24 @@ chunk. The emulation prices each collective from its payload, rank and size, nev
 moves here, so a run gives the numbers of the same run with every worker in one process (up
 to the order of a sum's terms: float rounding).
 
+A worker of several ranks (``--ranks-per-worker R``) takes part in its quorum on each rank's
+outer group (R of them, one per local rank, each a :class:`QuorumStackedGroup` whose members
+are the workers): a crash takes its R ranks, and a join heals each of them from the same rank
+of a live member. The R groups make their process groups together, in one order
+(:class:`ProcessSets`).
+
 Each set of processes gets its process group the first time a quorum needs it, made by every
 process at the same point: the first of its workers to resolve a step (every worker resolves
 every step, in order, :class:`StackedFaults`) prepares the step's set, and the others of the
-process find it made. A run meets at most ``2^P - 1`` sets of its P processes; each is kept.
+process find it made. A run meets at most ``2^P - 1`` sets of its P processes; each is kept
+(unlike one process per worker's groups, :class:`~lowcomm.comm.torch_comm.QuorumTorchComm`,
+none is destroyed: a run of many processes that meets many sets holds a group for each).
 
-Slots reach a process's courier in the order its members complete them: within a quorum in
-sequence order (every member posts in program order); a new quorum's collectives come after
-the old one's, since every member of the old quorum has posted its collectives of a step
-before the step ends, and a worker enters the new quorum at the next step.
+Every process's courier issues a quorum's exchanges in one order: within a quorum in sequence
+order (every member posts in program order, as with ``StackedGroup``), and a new quorum's
+after the old one's, because where the quorum changes the process's worker threads meet
+before any of them plans the step (:meth:`ProcessSets.meet`), by when each has posted its
+collectives of the steps before.
 """
 
 from __future__ import annotations
