@@ -139,10 +139,6 @@ def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (
-            {"workers": 4, "workers_per_process": 2},
-            "not yet supported with --workers-per-process 2",
-        ),
         ({"ranks_per_worker": 2}, "not yet supported with --ranks-per-worker 2"),
     ],
 )
@@ -156,15 +152,11 @@ def test_what_faults_in_processes_do_not_run_with_yet_is_refused_in_one_line(
     assert "\n" not in str(caught.value)
 
 
-def test_faults_under_torchrun_with_several_workers_a_process_are_refused_in_one_line(
+def test_faults_under_torchrun_on_the_real_clock_are_refused_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    config = _config("ddp", tmp_path / "out", tmp_path / "trace.txt", processes=False)
-    with pytest.raises(ConfigError, match="not yet supported under torchrun") as caught:
-        config.validate()
-    assert "\n" not in str(caught.value)
-    config.placement.workers_per_process = 1
+    config = _config("ddp", tmp_path / "out", tmp_path / "trace.txt", processes=True)
     config.validate()
     config.comm.clock, config.comm.seconds_per_microbatch = "real", None
     with pytest.raises(ConfigError, match="not yet supported under torchrun on the real") as real:

@@ -398,10 +398,6 @@ def test_a_bad_trace_ends_in_one_line_before_any_worker_starts(
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (
-            {"workers": 4, "workers_per_process": 2},
-            "not yet supported with --workers-per-process 2",
-        ),
         ({"method": "zero1"}, "--method zero1 keeps its optimizer state sharded"),
         ({"method": "acco"}, "--method acco keeps its optimizer state sharded"),
         (

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from lowcomm.comm.clock import Clock
     from lowcomm.comm.inprocess import InProcessComm
     from lowcomm.comm.torch_comm import QuorumTorchComm
+    from lowcomm.faults.stacked import QuorumStackedComm
 
 __all__ = ["SAY_EVERY_S", "QuorumStall", "StepPlan", "WorkerFaults", "quorum_at", "wait_saying"]
 
@@ -217,7 +218,7 @@ class WorkerFaults:
         round_kind: str,
         detection_s: float,
         clock: Clock,
-        raw: InProcessComm | QuorumTorchComm,
+        raw: InProcessComm | QuorumTorchComm | QuorumStackedComm,
         books: Comm | None = None,
         extend: Callable[[float], FaultTrace] | None = None,
         horizon_s: float = math.inf,

@@ -17,9 +17,13 @@ start is agreed, :mod:`lowcomm.faults.engine`), which appends the next events
 workers.
 
 **What runs with faults today.** Every worker as a thread of one process
-(``--workers-per-process`` equal to ``--workers``), on either clock, or as a process of its
+(``--workers-per-process`` equal to ``--workers``), on either clock; as a process of its
 own (``--workers-per-process 1``, the local launch or torchrun, on cpu, on the virtual clock:
-:mod:`lowcomm.faults.processes`), one rank per worker;
+:mod:`lowcomm.faults.processes`), one rank per worker; or as one of K threads in each of
+several processes (the local launch, on cpu: :mod:`lowcomm.faults.stacked`, where a crash
+stops its worker's thread and no process is killed). A worker of several ranks (replicated)
+runs as R threads of one process or of several: a crash takes its R ranks, and a join heals
+each of them over its rank's outer group;
 membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
 (``t=SECONDS``: each lands on the first step whose start, on the run's clock, is at or after
 it; :mod:`lowcomm.faults.engine`); slow events by step or by time. The methods are those whose lost worker takes no state the others need and whose
@@ -333,39 +337,47 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's placement or clock cannot replay faults yet, or None."""
     from lowcomm.prestart import under_torchrun
 
+    placement = config.placement
     supported = (
         "faults run today with every worker a thread of one process "
-        f"(--workers-per-process {config.placement.workers}, local launch, either clock) or a "
-        "process of its own (--workers-per-process 1, on cpu: local launch on either clock, "
-        "torchrun on the virtual clock), one rank per worker"
+        f"(--workers-per-process {placement.workers}, local launch, either clock), a process "
+        "of its own (--workers-per-process 1, on cpu: local launch on either clock, torchrun "
+        "on the virtual clock) or one of K threads in each of several processes "
+        "(--workers-per-process K dividing --workers, on cpu: local launch on either clock, "
+        "torchrun on the virtual clock), a worker of "
+        "several ranks (replicated) as threads"
     )
-    in_process = config.placement.workers_per_process == config.placement.workers
-    if under_torchrun() and config.placement.workers_per_process != 1:
-        return (
-            f"{flag}: not yet supported under torchrun with --workers-per-process "
-            f"{config.placement.workers_per_process} (its processes run their workers as threads of the "
-            f"stacked launcher, whose groups do not follow a quorum); {supported}"
+    in_process = placement.workers_per_process == placement.workers
+    several = placement.workers_per_process > 1
+    if (several or not in_process) and config.comm.clock != "virtual" and under_torchrun():
+        why = (
+            "a crashed worker's process cannot be killed there: the agent would restart every "
+            "worker"
+            if not several
+            else "processes of several workers are checked there on the virtual clock only"
         )
-    if not in_process and config.placement.workers_per_process != 1:
         return (
-            f"{flag}: not yet supported with --workers-per-process "
-            f"{config.placement.workers_per_process} (processes of several workers); {supported}"
-        )
-    if not in_process and config.comm.clock != "virtual" and under_torchrun():
-        return (
-            f"{flag}: not yet supported under torchrun on the {config.comm.clock} clock (a "
-            f"crashed worker's process cannot be killed there: the agent would restart every "
-            f"worker); {supported}"
+            f"{flag}: not yet supported under torchrun on the {config.comm.clock} clock "
+            f"({why}); {supported}"
         )
     if not in_process and config.placement.device != "cpu":
         return (
             f"{flag}: not yet supported with worker processes on --device {config.placement.device} "
             f"(the quorum's groups are checked on Gloo only); {supported}"
         )
-    if config.placement.ranks_per_worker != 1:
+    ranks = placement.ranks_per_worker
+    if ranks != 1 and placement.worker_sharding == "fsdp":
         return (
-            f"{flag}: not yet supported with --ranks-per-worker {config.placement.ranks_per_worker}; "
-            f"{supported}"
+            f"{flag}: not yet supported with --ranks-per-worker {ranks} --worker-sharding fsdp "
+            "(FSDP's shards live on a device mesh of every worker's ranks, which does not "
+            "follow a quorum); use --worker-sharding replicate with faults"
+        )
+    if ranks != 1 and placement.workers_per_process == 1:
+        return (
+            f"{flag}: not yet supported with --ranks-per-worker {ranks} and --workers-per-process "
+            "1 (a worker of several ranks replays faults as threads, of one process or of "
+            f"several); use --workers-per-process {placement.workers} or a divisor of "
+            "--workers above 1"
         )
     return None
 

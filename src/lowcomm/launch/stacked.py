@@ -16,6 +16,11 @@ in-process group of its R threads, and the outer group of local rank ``r`` is st
 strategy's group, on a process group of its own (one per ``r``: each courier issues on its
 own).
 
+With declared faults (flat workers) the strategy's group is a
+:class:`~lowcomm.faults.stacked.QuorumStackedGroup`, whose collectives run over each round's
+quorum; a declared crash stops its worker's thread, not its process
+(:mod:`lowcomm.faults.stacked`).
+
 A worker that raises aborts its process's groups, the process exits non-zero with that
 worker's one-line error (:class:`~lowcomm.launch.spawn.WorkerFailed` naming the worker), and
 the launcher (the local spawner, or torchrun's agent) stops the other processes, whose
@@ -33,6 +38,8 @@ from lowcomm.comm.inprocess import InProcessGroup
 from lowcomm.comm.stacked import StackedGroup
 from lowcomm.comm.torch_comm import TorchComm
 from lowcomm.config import TrainConfig
+from lowcomm.faults.run import FaultSettings
+from lowcomm.faults.stacked import ProcessSets, QuorumStackedGroup
 from lowcomm.launch import heap
 from lowcomm.launch.device_memory import processes_on_this_machine
 from lowcomm.launch.inprocess import RankThreads, check_shared, run_threads, worker_turns
@@ -94,7 +101,7 @@ def train_stacked(
         raise _WorkerStop(stop.signum) from None
     finally:
         for group in ranks.groups:
-            if isinstance(group, StackedGroup):
+            if isinstance(group, StackedGroup | QuorumStackedGroup):
                 group.close()
 
 
@@ -104,14 +111,27 @@ def _stacked_threads(config: TrainConfig, inter: TorchComm, inter_books: TorchCo
     in-process replica groups (a worker's R ranks are all here)."""
     per_process, ranks = config.placement.workers_per_process, config.placement.ranks_per_worker
     timeout, threads = config.comm.collective_timeout_s, per_process * ranks
-    world = StackedGroup(threads, inter, timeout_s=timeout, name="strategy")
+    # With declared faults the groups between workers follow the quorum: the strategy's
+    # (flat workers) or each rank's outer group (a worker of several ranks enters its
+    # quorum on those, lowcomm.train.loop.set_up), their process groups made in one order.
+    faults = FaultSettings.of(config.fault).enabled
+    sets = ProcessSets(threads, timeout_s=timeout)
+    world: StackedGroup | QuorumStackedGroup
+    if faults and ranks == 1:
+        world = QuorumStackedGroup(threads, inter, timeout_s=timeout, name="strategy", sets=sets)
+    else:
+        world = StackedGroup(threads, inter, timeout_s=timeout, name="strategy")
     books = StackedGroup(threads, inter_books, timeout_s=timeout, name="bookkeeping")
     if ranks == 1:
         return RankThreads(threads, world, books, first_rank=world.first_rank)
     # (Gloo process groups: --device cuda runs its workers in one process, see
     # TrainConfig.placement_refusal.)
-    outers = [
-        StackedGroup(per_process, inter.cpu_side_group(), timeout_s=timeout, name=f"outer {r}")
+    outers: list[StackedGroup | QuorumStackedGroup] = [
+        QuorumStackedGroup(
+            per_process, inter.cpu_side_group(), timeout_s=timeout, name=f"outer {r}", sets=sets
+        )
+        if faults
+        else StackedGroup(per_process, inter.cpu_side_group(), timeout_s=timeout, name=f"outer {r}")
         for r in range(ranks)
     ]
     first_worker = inter.rank * per_process

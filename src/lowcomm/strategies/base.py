@@ -255,6 +255,12 @@ class Strategy(ABC):
         live member (with the role their bytes count under) and the counters."""
         raise NotImplementedError(f"{self.name} declares no membership rule")
 
+    def rank_state(self) -> list[tuple[Role, torch.Tensor]]:
+        """What the method declares global but each rank of a worker holds its own slice of
+        (a worker of several ranks): healed rank to rank over the outer link, where
+        :meth:`global_state`'s tensors are whole on every rank. None by default."""
+        return []
+
     def set_global_counters(self, counters: dict[str, int]) -> None:
         """Take a live member's counters (:meth:`global_state`'s)."""
         raise NotImplementedError(f"{self.name} declares no membership rule")
@@ -291,6 +297,11 @@ class Strategy(ABC):
                 # hold per worker, such as a local model it shares with a joiner.)
                 into = tensor if joining else tensor.clone()
                 self.comm.broadcast(into, src=source, role=role).wait()
+            # (Rank r of the joiner takes rank r's slice of the member, on their outer link.)
+            outer = getattr(self.comm, "outer_comm", self.comm)
+            for role, tensor in self.rank_state():
+                into = tensor if joining else tensor.clone()
+                outer.broadcast(into, src=source, role=role).wait()
         names = sorted(counters)
         values = torch.tensor([counters[name] for name in names], dtype=torch.float64)
         self.runtime.uncharged.broadcast(values, src=source, role=Role.OTHER).wait()

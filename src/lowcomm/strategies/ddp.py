@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import Comm, Role
+from lowcomm.optim.adamw import ReplicaShardedAdamW
 from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
 from lowcomm.strategies.declaration import CostModel, MembershipRule, every_step
 from lowcomm.strategies.gradient_step import (
@@ -93,13 +94,21 @@ class DDP(Strategy):
         tensors = [(Role.PARAMETER, self.flat.params)]
         if self.optimizer.master is not self.flat.params:
             tensors.append((Role.PARAMETER, self.optimizer.master))
-        tensors.extend((role, state) for role, state in self.optimizer.states().items())
+        if not isinstance(self.optimizer, ReplicaShardedAdamW):  # (else: rank_state)
+            tensors.extend((role, state) for role, state in self.optimizer.states().items())
         saved = self.optimizer.state_dict()
         counters = {"step_index": self.step_index}
         counters.update(
             {name: int(value) for name, value in saved.items() if name.endswith(("steps", "count"))}
         )
         return tensors, counters
+
+    def rank_state(self) -> list[tuple[Role, torch.Tensor]]:
+        """A worker of several ranks: each rank's slice of the AdamW moments."""
+        if isinstance(self.optimizer, ReplicaShardedAdamW):
+            return [(Role.FIRST_MOMENT, self.optimizer.exp_avg),
+                    (Role.SECOND_MOMENT, self.optimizer.exp_avg_sq)]  # fmt: skip
+        return []
 
     def set_global_counters(self, counters: dict[str, int]) -> None:
         self.step_index = counters["step_index"]

@@ -263,7 +263,9 @@ def set_up(
         comm, _ = _strategy_comms(config, raw, clock, device, levels, books)
     # The strategy sees the Comm protocol and the runtime the comm describes (read-only
     # clock, replica group, uncharged channel, restoring of settled handles), nothing else.
-    faults = _worker_faults(config, raw, clock, bookkeeping)
+    # (A worker of several ranks takes part in a quorum on each rank's outer group, where
+    # its slot is the worker's index: its ranks enter, leave and heal together.)
+    faults = _worker_faults(config, raw if levels is None else levels[1], clock, bookkeeping)
     runtime = comm.runtime() if faults is None else replace(comm.runtime(), membership=faults)
     if faults is not None and isinstance(comm, NetworkComm):
         comm.link_model = faults.transfer_time  # (link events: degraded or down)
@@ -323,13 +325,21 @@ def _worker_faults(
     rule = strategy_class(config.method).membership
     if trace is None or rule is None:
         return None
-    assert isinstance(raw, InProcessComm | QuorumTorchComm), "a raw group that follows quorums"
+    from lowcomm.faults.stacked import QuorumStackedComm
+
+    assert isinstance(raw, InProcessComm | QuorumTorchComm | QuorumStackedComm), (
+        "a raw group that follows quorums"
+    )
     extend, horizon_s = trace_extension(config)
     cls: type[WorkerFaults] = WorkerFaults
     if isinstance(raw, QuorumTorchComm):  # (worker processes: a group per quorum)
         from lowcomm.faults.processes import ProcessFaults
 
         cls = ProcessFaults
+    elif isinstance(raw, QuorumStackedComm):  # (processes of several workers)
+        from lowcomm.faults.stacked import StackedFaults
+
+        cls = StackedFaults
     return cls(
         trace,
         slot=raw.slot,
@@ -796,7 +806,7 @@ def _write_held(
     steps = log.read(worker.bookkeeping, worker.clock)
     faults = worker.faults
     for index, (held, everyone) in enumerate(steps):
-        members = _stepped(everyone, None if faults is None else faults.members(held.step))
+        members = _stepped(everyone, None if faults is None else _member_rows(worker, held.step))
         _check_finite(held.step, everyone, members)
         if writer is None:
             continue
@@ -813,6 +823,14 @@ def _write_held(
             final.last_record = record
         else:
             writer.write_step(record)
+
+
+def _member_rows(worker: Worker, step: int) -> tuple[int, ...]:
+    """The bookkeeping rows of ``step``'s quorum: each member's ranks (a worker of R ranks
+    has rows ``w R .. w R + R - 1``, one per rank thread or process)."""
+    assert worker.faults is not None
+    ranks = worker.config.placement.ranks_per_worker
+    return tuple(w * ranks + r for w in worker.faults.members(step) for r in range(ranks))
 
 
 def _stepped(everyone: WorkerRows, members: tuple[int, ...] | None) -> tuple[int, ...] | None:

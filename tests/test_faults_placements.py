@@ -1,0 +1,339 @@
+"""Declared faults in the placements beyond one process and one process per worker: K
+workers in each of several processes (a crash stops a worker's thread, its process's other
+workers go on, the quorum's groups span the processes that hold its members), and workers of
+several ranks. The same trace gives the numbers of the run with every worker a thread of one
+process: losses to 1e-6, modeled times to 1e-9 s, the same quorums, events and faults block."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _cli import torchrun
+from lowcomm.config import ConfigError, TrainConfig, with_options
+from lowcomm.data import DataConfig
+from lowcomm.launch.inprocess import train_in_process
+from lowcomm.launch.run import preflight, run_training
+from lowcomm.models import ModelConfig
+from lowcomm.strategies.co2 import LocalOptions
+from lowcomm.strategies.diloco import DiLoCoOptions
+
+STEPS = 8
+
+#: Worker 1 (process 0's second) crashes and joins again; worker 3 (process 1's second)
+#: straggles: a quorum with two members in one process and one in the other.
+TRACE = """\
+# when    worker    what
+step=2    worker=1  crash
+step=5    worker=1  join
+step=1    worker=3  slow factor=3 for=3
+"""
+
+#: Both workers of process 0 are gone for a while: a quorum held by process 1 alone.
+EMPTY_PROCESS = """\
+step=2    worker=0  crash
+step=3    worker=1  leave
+step=5    worker=0  join
+step=6    worker=1  rejoin
+"""
+
+#: Placed by time: each event lands on the first step starting at or after it, the step's
+#: start agreed over every worker of both processes.
+TIMED = """\
+t=0.02    worker=2  crash
+t=2.6     worker=2  join
+t=0       worker=0  slow factor=2 for=0.1
+"""
+
+
+def _config(method: str, out: Path, trace: Path, **placement: Any) -> TrainConfig:
+    return with_options(
+        TrainConfig(
+            method=method,
+            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
+            data=DataConfig(micro_batch_size=2),
+            diloco=DiLoCoOptions(sync_every=2),
+            local=LocalOptions(sync_every=2),
+        ),
+        steps=STEPS,
+        network="wan",
+        clock="virtual",
+        seconds_per_microbatch=0.01,
+        eval_every=4,
+        eval_batches=4,
+        log_every=1,
+        progress=False,
+        plot=False,
+        out=str(out),
+        faults=str(trace),
+        fault_detection_s=2.5,
+        **placement,
+    )
+
+
+def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    summary = run_training(config, report=None)
+    assert summary is not None
+    out = Path(str(config.run.out))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, summary
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def _same_numbers(
+    run: tuple[list[dict[str, Any]], dict[str, Any]],
+    reference: tuple[list[dict[str, Any]], dict[str, Any]],
+) -> None:
+    (got, summary), (want, expected) = run, reference
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(STEPS))
+    for g, w in zip(got, want, strict=True):
+        for name in ("train_loss", "val_loss"):
+            assert _close(g[name], w[name]), (name, g, w)
+        assert abs(g["clock_s"] - w["clock_s"]) <= 1e-9, (g, w)
+        for name in ("quorum", "membership_events", "dropped", "bytes_sent_per_worker"):
+            assert g.get(name) == w.get(name), (name, g, w)
+    assert summary["faults"].keys() == expected["faults"].keys()
+    for key, value in expected["faults"].items():
+        if isinstance(value, float):
+            assert math.isclose(summary["faults"][key], value, rel_tol=1e-9, abs_tol=1e-9), key
+        else:
+            assert summary["faults"][key] == value, key
+    assert _close(summary["final_val_loss"], expected["final_val_loss"])
+    for name in ("modeled_time_s", "compute_s", "exposed_comm_s"):
+        assert abs(summary[name] - expected[name]) <= 1e-9, name
+    assert summary["committed_tokens"] == expected["committed_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "trace"), [("ddp", TRACE), ("diloco", EMPTY_PROCESS), ("local_adamw", TIMED)]
+)
+def test_the_same_trace_with_two_workers_a_process_gives_the_numbers_of_one_process(
+    method: str, trace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "trace.txt"
+    path.write_text(trace)
+    one = _run(_config(method, tmp_path / "one", path, workers=4, workers_per_process=4))
+    two = _run(_config(method, tmp_path / "two", path, workers=4, workers_per_process=2))
+    _same_numbers(two, one)
+    quorums = [r["quorum"] for r in two[0]]
+    if trace == TRACE:  # (the crash's step and those after it ran on 3 workers)
+        assert quorums == [4, 4, 3, 3, 3, 4, 4, 4]
+    elif trace == EMPTY_PROCESS:  # (steps 3 and 4 ran on process 1's two workers alone)
+        assert quorums == [4, 4, 3, 2, 2, 3, 4, 4]
+    else:  # (the crash and the join each landed on a step, as in one process)
+        assert quorums == [4, 3, 3, 3, 4, 4, 4, 4]
+
+
+def test_two_workers_a_process_pass_the_checks_and_torchrun_refuses_them_on_the_real_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config("ddp", tmp_path / "out", tmp_path / "t", workers=4, workers_per_process=2)
+    config.validate()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    config.validate()
+    config.comm.clock, config.comm.seconds_per_microbatch = "real", None
+    with pytest.raises(ConfigError, match="checked there on the virtual clock only") as caught:
+        config.validate()
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_the_same_trace_under_torchrun_with_two_workers_a_process_gives_the_same_numbers(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    one = _run(_config("diloco", tmp_path / "one", trace, workers=4, workers_per_process=4))
+    out = tmp_path / "torchrun"
+    flags = [
+        "train", "--method", "diloco", "--workers", "4", "--workers-per-process", "2",
+        "--steps", str(STEPS), "--network", "wan", "--clock", "virtual",
+        "--seconds-per-microbatch", "0.01", "--eval-every", "4", "--eval-batches", "4",
+        "--log-every", "1", "--progress", "False", "--plot", "False", "--model.n-layer", "1",
+        "--model.n-head", "2", "--model.n-embd", "32", "--model.block-size", "16",
+        "--micro-batch-size", "2", "--diloco.sync-every", "2", "--faults", str(trace),
+        "--fault-detection-s", "2.5", "--out", str(out),
+    ]  # fmt: skip
+    launched = subprocess.run(
+        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", *flags],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _same_numbers((records, json.loads((out / "summary.json").read_text())), one)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "trace"), [("diloco", EMPTY_PROCESS), ("demo", TRACE), ("ddp", TRACE)]
+)
+def test_workers_of_two_ranks_in_processes_give_the_numbers_of_one_process(
+    method: str, trace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "trace.txt"
+    path.write_text(trace)
+    placement = {"workers": 4, "ranks_per_worker": 2}
+    one = _run(_config(method, tmp_path / "one", path, workers_per_process=4, **placement))
+    two = _run(_config(method, tmp_path / "two", path, workers_per_process=2, **placement))
+    _same_numbers(two, one)
+    expected = [4, 4, 3, 2, 2, 3, 4, 4] if trace == EMPTY_PROCESS else [4, 4, 3, 3, 3, 4, 4, 4]
+    assert [r["quorum"] for r in two[0]] == expected
+
+
+@pytest.mark.parametrize("method", ["diloco", "local_adamw", "ddp"])
+def test_a_crash_takes_every_rank_of_its_worker_and_healing_reaches_each_of_the_joiners(
+    method: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "trace.txt"
+    path.write_text("step=2 worker=1 crash\nstep=5 worker=1 join\n")
+    config = _config(method, tmp_path / "out", path, workers=3, workers_per_process=3)
+    config = with_options(config, ranks_per_worker=2)
+    config.validate()
+    preflight(config)
+    summaries = train_in_process(config, keep_parameters=True)
+    out = Path(str(config.run.out))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    parameters = [s.parameters for s in summaries]
+    # Six rank threads; step 7 ends a round, after which every rank of every worker holds
+    # the same model: the joiner's two ranks were each healed to the members' state (ddp:
+    # each rank to its slice of the AdamW moments, else its updates would differ).
+    assert len(parameters) == 6
+    assert all(p is not None and torch.equal(parameters[0], p) for p in parameters)
+    # Worker 1 (ranks 2 and 3) was out of steps 2-4 with both its ranks.
+    assert [r["quorum"] for r in records] == [3, 3, 2, 2, 2, 3, 3, 3]
+    tokens = [s.tokens for s in summaries]
+    assert tokens[2] == tokens[3] < tokens[0] == tokens[1] == tokens[4] == tokens[5]
+    # The healing transfer is charged on the link: the join step costs more than a plain one.
+    plain = records[7]["clock_s"] - records[6]["clock_s"]
+    assert records[5]["clock_s"] - records[4]["clock_s"] > plain
+    assert records[5]["bytes_sent_per_worker"] > records[7]["bytes_sent_per_worker"]
+
+
+@pytest.mark.parametrize(
+    ("placement", "expected"),
+    [
+        (
+            {"workers": 2, "workers_per_process": 1, "ranks_per_worker": 2,
+             "worker_sharding": "fsdp"},
+            "--ranks-per-worker 2 --worker-sharding fsdp (FSDP's shards",
+        ),
+        (
+            {"workers": 2, "workers_per_process": 1, "ranks_per_worker": 2},
+            "--ranks-per-worker 2 and --workers-per-process 1 (a worker of several ranks",
+        ),
+    ],
+)  # fmt: skip
+def test_what_workers_of_several_ranks_do_not_run_with_yet_is_refused_in_one_line(
+    placement: dict[str, Any], expected: str, tmp_path: Path
+) -> None:
+    config = _config("diloco", tmp_path / "out", tmp_path / "t", **placement)
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(")) as caught:
+        config.validate()
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_run_of_two_workers_a_process_stopped_mid_trace_and_resumed_gives_the_whole_run(
+    ranks: int, tmp_path: Path
+) -> None:
+    """A checkpoint after step 3 (worker 1 dead, its crash not yet detected by diloco's
+    survivors), resumed in processes of two workers: the run without a stop, in one
+    process."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    placement = {"workers": 4, "ranks_per_worker": ranks}
+    whole = _run(_config("diloco", tmp_path / "whole", trace, workers_per_process=4, **placement))
+    out = tmp_path / "resumed"
+    config = _config("diloco", out, trace, workers_per_process=2, **placement)
+    config.run.stop_after = 3
+    assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
+    config = _config("diloco", out, trace, workers_per_process=2, **placement)
+    config.run.resume = str(out)
+    _same_numbers(_run(config), whole)
+
+
+# --- the quorum's group across processes, written from a flat group's results -------------
+
+
+def _flat_results(members: tuple[int, ...], slot: int) -> list[list[float]]:
+    """What a flat group of ``members`` gives ``slot`` (each member's inputs from its slot)."""
+    size, rank = len(members), members.index(slot)
+    scattered = [sum(float(m + rank * 2 + t) for m in members) for t in range(2)]
+    gathered = [float(m * 10 + t) for m in members for t in range(2)]
+    exchanged = [float(m * 100 + rank * 2 + t) for m in members for t in range(2)]
+    return [[sum(members) / size], scattered, gathered, exchanged, [float(members[size // 2])]]
+
+
+def _collectives(comm: Any) -> list[list[float]]:
+    """Every collective of the protocol, each member's inputs made from its slot."""
+    from lowcomm.comm import Role
+
+    slot, size = comm.slot, comm.world_size
+    mean = torch.tensor([float(slot)])
+    comm.all_reduce(mean, op="mean", role=Role.OTHER).wait()
+    scatter_in = slot + torch.arange(size * 2, dtype=torch.float32)
+    scattered = torch.empty(2)
+    comm.reduce_scatter(scattered, scatter_in, op="sum", role=Role.OTHER).wait()
+    gathered = torch.empty(size * 2)
+    comm.all_gather(gathered, torch.tensor([slot * 10.0, slot * 10.0 + 1]), role=Role.OTHER).wait()
+    exchange_in = slot * 100.0 + torch.arange(size * 2, dtype=torch.float32)
+    exchanged = torch.empty(size * 2)
+    comm.all_to_all(exchanged, exchange_in, role=Role.OTHER).wait()
+    value = torch.tensor([float(slot)])
+    comm.broadcast(value, src=size // 2, role=Role.OTHER).wait()
+    return [t.tolist() for t in (mean, scattered, gathered, exchanged, value)]
+
+
+#: Each step's quorum of 6 workers in 2 processes of 3: uneven (1 and 3 members), process 1
+#: alone, every worker, process 0 alone.
+_QUORUMS = [(0, 3, 4, 5), (3, 4), (0, 1, 2, 3, 4, 5), (1, 2)]
+
+
+def _quorums_across_two_processes() -> dict[int, list[list[list[float]]]]:
+    import threading
+
+    from lowcomm.comm.torch_comm import TorchComm
+    from lowcomm.faults.stacked import QuorumStackedGroup
+
+    group = QuorumStackedGroup(3, TorchComm(timeout_s=60.0), timeout_s=60.0)
+    results: dict[int, list[list[list[float]]]] = {}
+    for step, members in enumerate(_QUORUMS):
+        group.prepare(step, members)  # (every process, every step, in order)
+        local = [m - group.first_rank for m in members if m // 3 == group.process]
+
+        def member(k: int, quorum_id: int, members: tuple[int, ...] = members) -> None:
+            comm = group.comm(k)
+            comm.enter(quorum_id, members)
+            results.setdefault(comm.slot, []).append(_collectives(comm))
+
+        threads = [threading.Thread(target=member, args=(k, step + 1)) for k in local]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    group.close()
+    return results
+
+
+@pytest.mark.slow
+def test_a_quorums_collectives_across_processes_give_a_flat_groups_results() -> None:
+    from lowcomm.launch.spawn import spawn_workers
+
+    processes = spawn_workers(_quorums_across_two_processes, 2, timeout_s=120.0)
+    got = {slot: rows for results in processes for slot, rows in results.items()}
+    for slot in range(6):
+        expected = [_flat_results(m, slot) for m in _QUORUMS if slot in m]
+        assert got[slot] == expected, slot
