@@ -175,6 +175,19 @@ def _manager_server_on(host: str) -> Iterator[None]:
         torchft_manager.ManagerServer = original  # type: ignore[misc]
 
 
+def _group_store(
+    host: str, rank: int, store_port: int | None
+) -> tuple[Any, socket.socket | None, int]:
+    """The replica group's store as rank ``rank`` holds it: rank 0 serves it on ``host``
+    (the store, its socket and its port); another rank only knows its port."""
+    if rank == 0:
+        store, sock = bound_store(host)
+        return store, sock, int(store.port)
+    if store_port is None:
+        raise ValueError(f"Replica: rank {rank} of a group needs its rank 0's store_port")
+    return None, None, store_port
+
+
 class Replica:
     """One rank of this worker's torchft replica group: its Manager, its reconfigurable Gloo
     group (to the same rank of the other groups), and the state of the current round.
@@ -192,8 +205,7 @@ class Replica:
         host: the address every listener of this worker binds and advertises (rank 0's).
         timeout_s: how long a collective, a commit or a healing transfer may take.
         rank, ranks: this process's rank in its replica group, and the group's size.
-        store_port: the port of the group's store on ``host`` (a rank above 0; rank 0 opens
-            it, :attr:`store_port`).
+        store_port: a rank above 0: the port of the store rank 0 opened (:attr:`store_port`).
     """
 
     def __init__(
@@ -210,18 +222,9 @@ class Replica:
         store_port: int | None = None,
     ) -> None:
         self.options = options
-        self.slot = slot
-        self.workers = workers
-        self.rank, self.ranks = rank, ranks
-        self.store: Any = None
-        self._store_socket: socket.socket | None = None
-        if rank == 0:
-            self.store, self._store_socket = bound_store(host)
-            store_port = int(self.store.port)
-        if store_port is None:
-            raise ValueError(f"Replica: rank {rank} of a group needs its rank 0's store_port")
-        #: The port of the replica group's store (served by rank 0).
-        self.store_port = store_port
+        self.slot, self.workers, self.rank, self.ranks = slot, workers, rank, ranks
+        #: The replica group's store (rank 0 serves it; the others know its port).
+        self.store, self._store_socket, self.store_port = _group_store(host, rank, store_port)
         timeout = timedelta(seconds=timeout_s)
         self.pg = _RecordingGloo(timeout)
         self.transport = _TimedTransport(self.pg, timeout, torch.device("cpu"))
@@ -232,7 +235,7 @@ class Replica:
                 min_replica_size=options.min_workers, use_async_quorum=True, timeout=timeout,
                 quorum_timeout=timedelta(seconds=options.quorum_s),
                 connect_timeout=timedelta(seconds=min(options.quorum_s, 30.0)),
-                rank=rank, world_size=ranks, store_addr=host, store_port=store_port,
+                rank=rank, world_size=ranks, store_addr=host, store_port=self.store_port,
                 lighthouse_addr=address, replica_id=f"lowcomm_worker_{slot}", port=0,
                 hostname=host, checkpoint_transport=self.transport, init_sync=False,
             )  # fmt: skip
