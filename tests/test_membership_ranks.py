@@ -224,3 +224,28 @@ def test_ranks_refusals_are_one_line() -> None:
         assert "\n" not in refusal
     assert membership_refusal(base) is None
     assert membership_refusal(with_options(base, method="ddp")) is None
+
+
+@pytest.mark.parametrize(
+    ("world", "lighthouse", "expected"),
+    [
+        ("3", "127.0.0.1:1", "--ranks-per-worker: 2 is not torchrun's world of 3 processes"),
+        ("2", None, "under torchrun, one worker"),
+    ],
+)
+def test_a_torchrun_group_that_is_not_one_worker_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: str, lighthouse: str | None,
+    expected: str,
+) -> None:  # fmt: skip
+    _needs_torchft()
+    from lowcomm.config import ConfigError, with_options
+    from lowcomm.launch.run import run_training
+
+    for key, value in {"TORCHELASTIC_RUN_ID": "t", "RANK": "0", "WORLD_SIZE": world}.items():
+        monkeypatch.setenv(key, value)
+    config = _ranks_config("diloco", tmp_path, steps=8)
+    options = MembershipOptions(lighthouse=lighthouse, worker=None if lighthouse is None else 0)
+    config = with_options(config, membership_options=options)
+    with pytest.raises(ConfigError, match=expected) as caught:
+        run_training(config, report=None)
+    assert "\n" not in str(caught.value)

@@ -291,9 +291,11 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         train_replica(config, task)
         return read_summary(run_directory(config))
     with LocalJob(config, task) as job:
+        ranks = config.placement.ranks_per_worker
+        each = "processes" if ranks == 1 else f"replica groups of {ranks} processes"
         print(
-            f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} worker "
-            f"processes (each its own run in {job.run_dir}/workerK)",
+            f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} "
+            f"worker {each} (each its own run in {job.run_dir}/workerK)",
             flush=True,
         )
         run = config.run
