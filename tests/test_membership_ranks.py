@@ -249,3 +249,22 @@ def test_a_torchrun_group_that_is_not_one_worker_is_refused_in_one_line(
     with pytest.raises(ConfigError, match=expected) as caught:
         run_training(config, report=None)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_group_alone_starts_after_the_quorum_timeout_on_every_rank(tmp_path: Path) -> None:
+    """Worker 1 never comes: worker 0's ranks, whose set-ups end at different times, all start
+    without it once --membership.quorum-s has passed (none commits the startup round while
+    another still asks for a quorum)."""
+    _needs_torchft()
+    from lowcomm.membership.local import LocalJob
+
+    options = MembershipOptions(detect_s=2.0, quorum_s=3.0, digests=True)
+    config = _ranks_config("diloco", tmp_path, steps=8, membership_options=options)
+    with LocalJob(config) as job:
+        job.start(0)
+        codes = job.wait(240)
+    assert codes == {0: [0]}, codes
+    record = _record(tmp_path / "worker0")
+    assert sorted(_digests(record)) == [3, 7]
+    assert _lines(tmp_path / "worker0" / "metrics.jsonl") == 8

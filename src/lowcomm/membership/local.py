@@ -256,6 +256,11 @@ class LocalJob:
         self.stop()
 
 
+def _processes(config: TrainConfig) -> str:
+    ranks = config.placement.ranks_per_worker
+    return "processes" if ranks == 1 else f"replica groups of {ranks} processes"
+
+
 def _group_exit(group: list[BaseProcess]) -> int | None:
     """A worker's exit code: its first rank's that did not end with 0 (None: one still runs),
     else 0."""
@@ -291,11 +296,9 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         train_replica(config, task)
         return read_summary(run_directory(config))
     with LocalJob(config, task) as job:
-        ranks = config.placement.ranks_per_worker
-        each = "processes" if ranks == 1 else f"replica groups of {ranks} processes"
         print(
             f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} "
-            f"worker {each} (each its own run in {job.run_dir}/workerK)",
+            f"worker {_processes(config)} (each its own run in {job.run_dir}/workerK)",
             flush=True,
         )
         run = config.run

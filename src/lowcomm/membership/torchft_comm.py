@@ -208,6 +208,10 @@ class Replica:
         store_port: a rank above 0: the port of the store rank 0 opened (:attr:`store_port`).
     """
 
+    #: With R > 1 ranks: whether every rank of the group says True (a collective over the
+    #: group), so that a decision taken from a rank's own clock is the group's.
+    agree: Callable[[bool], bool] | None = None
+
     def __init__(
         self,
         options: MembershipOptions,
@@ -449,7 +453,10 @@ class Replica:
                 return self.take_healed_step() or self.loop_step
             full = quorum.size >= self.workers
             late = time.monotonic() >= deadline and quorum.size >= self.options.min_workers
-            if self.manager.errored() is None and (full or late) and self.commit():
+            ready = self.manager.errored() is None and (full or late)
+            if self.agree is not None:  # (every rank of the group commits, or none)
+                ready = self.agree(ready)
+            if ready and self.commit():
                 return 0
             self._round_open = False
             if time.monotonic() >= deadline + self.options.quorum_s:

@@ -210,7 +210,20 @@ def _replica(config: TrainConfig, group: GroupRank | None) -> Replica:
     if replica is None:
         host, port = shared[0]
         replica = make(str(host), int(port))
+    replica.agree = _every_rank
     return replica
+
+
+def _every_rank(ready: bool) -> bool:
+    """Whether every rank of this worker's group is ready (its admission: a deadline each rank
+    reads from its own clock must not split the group, some ranks committing the startup
+    round and others asking for a quorum again)."""
+    import torch
+    import torch.distributed as dist
+
+    waiting = torch.tensor([0.0 if ready else 1.0])
+    dist.all_reduce(waiting, op=dist.ReduceOp.MAX)
+    return bool(waiting.item() == 0.0)
 
 
 def _train(
