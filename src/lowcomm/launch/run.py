@@ -69,8 +69,8 @@ def run_training(
     task = CorpusTask() if task is None else task
     make_paths_absolute(config)
     torchrun = under_torchrun()
-    if torchrun:
-        adopt_torchrun_world(config)
+    if torchrun and config.placement.membership != "torchft":
+        adopt_torchrun_world(config)  # (with torchft, torchrun's world is one worker's ranks)
     config.validate()
     if (
         config.placement.membership == "torchft"
@@ -99,13 +99,16 @@ def _check_membership_engine(config: TrainConfig, torchrun: bool) -> None:
         require_torchft()
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if torchrun:
-        raise ConfigError(
-            "--membership torchft: not under torchrun; start each worker with lowcomm train "
-            "--membership.lighthouse HOST:PORT --membership.worker K (docs/membership.md)"
-        )
-    from lowcomm.membership.worker import check_lighthouse
+    from lowcomm.membership.worker import check_lighthouse, check_torchrun_group
 
+    if torchrun:  # (one replica group: its ranks, of one worker that names its lighthouse)
+        if config.placement.membership_options.lighthouse is None:
+            raise ConfigError(
+                "--membership torchft: under torchrun, one worker (a replica group of "
+                "--ranks-per-worker ranks) of a running lighthouse; give --membership.lighthouse "
+                "HOST:PORT --membership.worker K (docs/membership.md)"
+            )
+        check_torchrun_group(config)
     if config.placement.membership_options.lighthouse is not None:
         check_lighthouse(config.placement.membership_options.lighthouse)
 
@@ -117,7 +120,8 @@ def _launch_membership(
     from lowcomm.membership.local import run_membership
 
     _prepare(config, task, report)
-    start_run_dir(config, note)
+    if not under_torchrun() or os.environ.get("RANK") == "0":  # (the group's rank 0 writes it)
+        start_run_dir(config, note)
     return run_membership(config, task)
 
 

@@ -7,6 +7,10 @@ A local job (:class:`LocalJob`) starts torchft's lighthouse in this process, bou
 writes ``OUT/workerK`` (a worker started again in slot K writes ``OUT/workerK.N``): nodes share
 no disk. The job ends when every worker has; a worker that dies does not end it. It can kill a
 worker (SIGKILL) and start one again, which joins the others at their next round.
+
+With ``--ranks-per-worker R > 1`` a worker is R processes, one torchft replica group: its
+ranks meet in a file store of their own (a fresh one each time the slot starts: no listener),
+a kill ends all R, and a start starts R again.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import contextlib
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
@@ -41,32 +47,33 @@ def loopback_interface() -> str:
     return next((name for name in names if name.startswith("lo")), "lo")
 
 
-def _worker_main(config: TrainConfig, task: Task | None, replay: WorkerReplay | None) -> None:
-    """A local worker process: train, and say a failure in one line."""
+def _worker_main(
+    config: TrainConfig, task: Task | None, replay: WorkerReplay | None, group: Any = None
+) -> None:
+    """A local worker process (``group``: its rank of the worker's replica group, a
+    :class:`lowcomm.membership.worker.GroupRank`; None: the worker's only process): train, and
+    say a failure in one line."""
     import torch
 
     torch.set_num_threads(1)
     from lowcomm.membership.worker import train_replica
 
+    who = f"worker {config.placement.membership_options.worker}"
+    if group is not None:
+        who += f" rank {group.rank}"
     try:
-        train_replica(config, task, replay)
+        train_replica(config, task, replay, group)
     except KeyboardInterrupt:
         os._exit(130)
     except ValueError as error:
-        print(
-            f"lowcomm: worker {config.placement.membership_options.worker}: error: {error}",
-            file=sys.stderr,
-        )
+        print(f"lowcomm: {who}: error: {error}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(2)
     except BaseException as error:  # (a traceback for the log, then this worker ends)
         import traceback
 
         traceback.print_exception(error, file=sys.stderr)
-        print(
-            f"lowcomm: worker {config.placement.membership_options.worker}: error: {error}",
-            file=sys.stderr,
-        )
+        print(f"lowcomm: {who}: error: {error}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)
     sys.stdout.flush()
@@ -101,7 +108,12 @@ class LocalJob:
         # (Its address names the host name; the workers reach it on the loopback.)
         _, port = parse_address(self.lighthouse.address(), "lighthouse")
         self.address = f"127.0.0.1:{port}"
+        #: Each slot's processes, one per start (with R ranks per worker: each group's rank 0).
         self.processes: dict[int, list[BaseProcess]] = {}
+        #: Each slot's replica groups, one per start: its R processes in rank order.
+        self.groups: dict[int, list[list[BaseProcess]]] = {}
+        # (The groups' file stores: a fresh file per start, removed with the job.)
+        self._stores = tempfile.mkdtemp(prefix="lowcomm-ft-groups-")
         self._context = multiprocessing.get_context("spawn")
         #: The fault trace replayed on the workers (--faults, --fault-*), or None.
         self.trace = check_replay(config)
@@ -112,6 +124,12 @@ class LocalJob:
             raise ConfigError(
                 "--faults: a replayed trace is not yet kept with checkpoints (--resume, "
                 "--checkpoint-every, --stop-after) under --membership torchft; drop one of them"
+            )
+        if self.trace is not None and config.placement.ranks_per_worker > 1:
+            raise ConfigError(
+                f"--faults: a replayed trace is not yet supported with --ranks-per-worker "
+                f"{config.placement.ranks_per_worker} under --membership torchft; use 1, or "
+                "drop the trace"
             )
         self.channel = Channel.make(self._context, config.placement.workers)
         self.replay = (
@@ -126,7 +144,8 @@ class LocalJob:
 
     def start(self, slot: int, since_step: int = 0) -> BaseProcess:
         """Start a worker in ``slot`` (again, if one ran there: it joins the live ones, which
-        are at ``since_step``)."""
+        are at ``since_step``): its process, or with ``--ranks-per-worker R`` its R processes
+        (rank 0's is returned)."""
         started = len(self.processes.get(slot, []))
         options = replace(
             self.config.placement.membership_options,
@@ -150,71 +169,105 @@ class LocalJob:
             replay = None
             if self.trace is not None:
                 replay = WorkerReplay(self.channel, self.trace, slot, since_step)
-            process = self._context.Process(target=_worker_main, args=(config, self.task, replay))
-            process.start()
+            group: list[BaseProcess] = [
+                self._context.Process(target=_worker_main, args=(config, self.task, replay, place))
+                for place in self._places(slot, started)
+            ]
+            for process in group:
+                process.start()
         finally:
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        self.processes.setdefault(slot, []).append(process)
-        return process
+        self.processes.setdefault(slot, []).append(group[0])
+        self.groups.setdefault(slot, []).append(group)
+        return group[0]
+
+    def _places(self, slot: int, start: int) -> list[Any]:
+        """Each process's place in the replica group of slot ``slot``'s ``start``-th start
+        (``[None]``: one rank), its ranks meeting in a file store of their own."""
+        from lowcomm.membership.worker import GroupRank
+
+        ranks = self.config.placement.ranks_per_worker
+        if ranks == 1:
+            return [None]
+        path = os.path.join(self._stores, f"worker{slot}.{start}")
+        return [GroupRank(rank, ranks, path) for rank in range(ranks)]
 
     def start_all(self) -> None:
         for slot in range(self.config.placement.workers):
             self.start(slot)
 
     def alive(self, slot: int) -> bool:
-        """Whether slot ``slot``'s latest worker process is running."""
-        processes = self.processes.get(slot)
-        return processes is not None and bool(processes) and processes[-1].is_alive()
+        """Whether a process of slot ``slot``'s latest worker is running."""
+        groups = self.groups.get(slot)
+        return bool(groups) and any(process.is_alive() for process in (groups or [[]])[-1])
 
     def any_alive(self) -> bool:
         return any(self.alive(slot) for slot in self.processes)
 
     def kill(self, slot: int) -> float:
-        """SIGKILL slot ``slot``'s live worker; the wall time of the kill."""
-        process = self.processes[slot][-1]
-        assert process.pid is not None
-        os.kill(process.pid, signal.SIGKILL)
+        """SIGKILL slot ``slot``'s live worker (every process of its replica group); the wall
+        time of the kill."""
+        group = self.groups[slot][-1]
         killed = time.time()
-        process.join()
+        for process in group:
+            if process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+        for process in group:
+            process.join()
         return killed
 
     def wait(self, timeout_s: float | None = None) -> dict[int, list[int | None]]:
         """Wait for every worker process to end; the exit codes of each slot's processes
         (None: still running at the timeout)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for processes in list(self.processes.values()):
-            for process in processes:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                process.join(left)
+        for process in self._every_process():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            process.join(left)
         return {
-            slot: [process.exitcode for process in processes]
-            for slot, processes in self.processes.items()
+            slot: [_group_exit(group) for group in groups] for slot, groups in self.groups.items()
         }
+
+    def _every_process(self) -> list[BaseProcess]:
+        return [process for groups in self.groups.values() for group in groups for process in group]
 
     def stop(self) -> None:
         """Stop every live worker (SIGTERM, then SIGKILL) and the lighthouse."""
-        for processes in self.processes.values():
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()
-        for processes in self.processes.values():
-            for process in processes:
-                process.join(5.0)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+        for process in self._every_process():
+            if process.is_alive():
+                process.terminate()
+        for process in self._every_process():
+            process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
         with contextlib.suppress(Exception):
             self.lighthouse.shutdown()
+        shutil.rmtree(self._stores, ignore_errors=True)
 
     def __enter__(self) -> LocalJob:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _processes(config: TrainConfig) -> str:
+    ranks = config.placement.ranks_per_worker
+    return "processes" if ranks == 1 else f"replica groups of {ranks} processes"
+
+
+def _group_exit(group: list[BaseProcess]) -> int | None:
+    """A worker's exit code: its first rank's that did not end with 0 (None: one still runs),
+    else 0."""
+    codes = [process.exitcode for process in group]
+    if None in codes:
+        return None
+    return next((code for code in codes if code != 0), 0)
 
 
 def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, Any] | None:
@@ -244,8 +297,8 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         return read_summary(run_directory(config))
     with LocalJob(config, task) as job:
         print(
-            f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} worker "
-            f"processes (each its own run in {job.run_dir}/workerK)",
+            f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} "
+            f"worker {_processes(config)} (each its own run in {job.run_dir}/workerK)",
             flush=True,
         )
         run = config.run

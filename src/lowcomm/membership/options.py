@@ -167,13 +167,12 @@ def membership_refusal(config: TrainConfig) -> str | None:
     refusal = _method_refusal(config, flag)
     if refusal is not None:
         return refusal
-    simple = (
-        ("--ranks-per-worker", config.placement.ranks_per_worker, 1),
-        ("--workers-per-process", config.placement.workers_per_process, 1),
-    )
-    for name, value, needed in simple:
-        if value != needed:
-            return f"{flag}: not yet supported with {name} {value}; use {needed}"
+    k = config.placement.workers_per_process
+    if k != 1:
+        return f"{flag}: not yet supported with --workers-per-process {k}; use 1"
+    refusal = _ranks_refusal(config, flag)
+    if refusal is not None:
+        return refusal
     device = config.placement.device
     if device != "cpu":
         return f"{flag}: not yet supported on --device {device} (torchft's Gloo group); use cpu"
@@ -197,6 +196,37 @@ def membership_refusal(config: TrainConfig) -> str | None:
         return (
             f"--membership.min-workers: {options.min_workers} is more than --workers "
             f"{workers}; no round could commit; give at most {workers}"
+        )
+    return None
+
+
+#: Methods whose workers of several ranks (--ranks-per-worker R > 1, each a torchft replica
+#: group) are checked against static membership with no fault and through a kill and a
+#: restart.
+RANKS_METHODS: tuple[str, ...] = ("ddp", "diloco")
+
+
+def _ranks_refusal(config: TrainConfig, flag: str) -> str | None:
+    """Why the run's workers of R > 1 ranks cannot run with live membership, or None."""
+    placement, run = config.placement, config.run
+    ranks = placement.ranks_per_worker
+    if ranks == 1:
+        return None
+    if config.method not in RANKS_METHODS:
+        return (
+            f"{flag}: --method {config.method} is not yet checked with --ranks-per-worker "
+            f"{ranks} (a kill and a restart of a replica group); use "
+            f"{' or '.join(RANKS_METHODS)}, or --ranks-per-worker 1"
+        )
+    if placement.worker_sharding != "replicate":
+        return (
+            f"{flag}: not yet supported with --worker-sharding {placement.worker_sharding} "
+            f"(--ranks-per-worker {ranks}); use replicate"
+        )
+    if run.resume is not None or run.checkpoint_every is not None or run.stop_after is not None:
+        return (
+            f"{flag}: checkpoints (--resume, --checkpoint-every, --stop-after) are not yet kept "
+            f"with --ranks-per-worker {ranks}; use 1, or drop them"
         )
     return None
 

@@ -122,7 +122,9 @@ class _RecordingGloo(ProcessGroupGloo):  # type: ignore[misc]
             store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
             global_ranks,
         )  # fmt: skip
-        self.members = tuple(global_ranks or ())
+        # (torchft numbers rank r of replica group k as k R + r: the slot is k.)
+        ranks = max(1, group_world_size or 1)
+        self.members = tuple(g // ranks for g in global_ranks or ())
         self.quorum_id = -1 if quorum_id is None else quorum_id
         self.replica_rank = rank
 
@@ -181,18 +183,42 @@ def _manager_server_on(host: str) -> Iterator[None]:
         torchft_manager.ManagerServer = original  # type: ignore[misc]
 
 
+def _group_store(
+    host: str, rank: int, store_port: int | None
+) -> tuple[Any, socket.socket | None, int]:
+    """The replica group's store as rank ``rank`` holds it: rank 0 serves it on ``host``
+    (the store, its socket and its port); another rank only knows its port."""
+    if rank == 0:
+        store, sock = bound_store(host)
+        return store, sock, int(store.port)
+    if store_port is None:
+        raise ValueError(f"Replica: rank {rank} of a group needs its rank 0's store_port")
+    return None, None, store_port
+
+
 class Replica:
-    """This worker's torchft replica group (one rank: ``--ranks-per-worker 1``): its Manager,
-    its reconfigurable Gloo group, and the state of the current round.
+    """One rank of this worker's torchft replica group: its Manager, its reconfigurable Gloo
+    group (to the same rank of the other groups), and the state of the current round.
+
+    A worker of ``--ranks-per-worker R`` is R processes, one Replica each: rank 0 serves the
+    group's store and torchft's manager server (which asks the lighthouse once all R ranks
+    have asked it, and commits a round only if all R ranks can); rank r's collectives and
+    healing go to rank r of the other groups.
 
     Args:
         options: the run's ``--membership.*``.
         slot: this worker's slot (its data shard; its replica id ends in it).
         workers: the run's worker slots (``--workers``): the size of a full quorum.
         lighthouse: the lighthouse, ``HOST:PORT``.
-        host: the address every listener of this worker binds and advertises.
+        host: the address every listener of this worker binds and advertises (rank 0's).
         timeout_s: how long a collective, a commit or a healing transfer may take.
+        rank, ranks: this process's rank in its replica group, and the group's size.
+        store_port: a rank above 0: the port of the store rank 0 opened (:attr:`store_port`).
     """
+
+    #: With R > 1 ranks: whether every rank of the group says True (a collective over the
+    #: group), so that a decision taken from a rank's own clock is the group's.
+    agree: Callable[[bool], bool] | None = None
 
     def __init__(
         self,
@@ -203,11 +229,14 @@ class Replica:
         lighthouse: str,
         host: str,
         timeout_s: float,
+        rank: int = 0,
+        ranks: int = 1,
+        store_port: int | None = None,
     ) -> None:
         self.options = options
-        self.slot = slot
-        self.workers = workers
-        self.store, self._store_socket = bound_store(host)
+        self.slot, self.workers, self.rank, self.ranks = slot, workers, rank, ranks
+        #: The replica group's store (rank 0 serves it; the others know its port).
+        self.store, self._store_socket, self.store_port = _group_store(host, rank, store_port)
         timeout = timedelta(seconds=timeout_s)
         self.pg = _RecordingGloo(timeout)
         self.transport = _TimedTransport(self.pg, timeout, torch.device("cpu"))
@@ -218,7 +247,7 @@ class Replica:
                 min_replica_size=options.min_workers, use_async_quorum=True, timeout=timeout,
                 quorum_timeout=timedelta(seconds=options.quorum_s),
                 connect_timeout=timedelta(seconds=min(options.quorum_s, 30.0)),
-                rank=0, world_size=1, store_addr=host, store_port=self.store.port,
+                rank=rank, world_size=ranks, store_addr=host, store_port=self.store_port,
                 lighthouse_addr=address, replica_id=f"lowcomm_worker_{slot}", port=0,
                 hostname=host, checkpoint_transport=self.transport, init_sync=False,
             )  # fmt: skip
@@ -432,7 +461,10 @@ class Replica:
                 return self.take_healed_step() or self.loop_step
             full = quorum.size >= self.workers
             late = time.monotonic() >= deadline and quorum.size >= self.options.min_workers
-            if self.manager.errored() is None and (full or late) and self.commit():
+            ready = self.manager.errored() is None and (full or late)
+            if self.agree is not None:  # (every rank of the group commits, or none)
+                ready = self.agree(ready)
+            if ready and self.commit():
                 return 0
             self._round_open = False
             if time.monotonic() >= deadline + self.options.quorum_s:
@@ -456,8 +488,9 @@ class Replica:
             self.manager.shutdown(wait=False)
         with contextlib.suppress(Exception):
             self.pg.abort(errored=False)
-        with contextlib.suppress(OSError):
-            self._store_socket.close()
+        if self._store_socket is not None:
+            with contextlib.suppress(OSError):
+                self._store_socket.close()
 
 
 class _RoundHandle:

@@ -1,6 +1,12 @@
-"""One worker of a ``--membership torchft`` run: a torchft replica group of one rank that
-trains with lowcomm's loop, its collectives in torchft rounds
-(:mod:`lowcomm.membership.torchft_comm`).
+"""One worker of a ``--membership torchft`` run: a torchft replica group that trains with
+lowcomm's loop, its collectives in torchft rounds (:mod:`lowcomm.membership.torchft_comm`).
+
+A worker of ``--ranks-per-worker R > 1`` is R processes (:class:`GroupRank`): inside it the
+ranks are a plain ``torch.distributed`` group (Gloo, over the local launcher's file store or
+torchrun's), lowcomm's replica level as in a static run; between workers rank r's collectives
+go through its own torchft Manager to rank r of the other workers (the strategy's
+``HierarchicalComm``, whose outer level is this rank's :class:`TorchftComm`). Group rank 0
+writes the run directory; rank r > 0 writes only its ``membership.rank{r}.json``.
 
 The worker's run is its own: nodes share no disk, so each worker writes its own run directory
 (``--out``): metrics.jsonl and summary.json as a run of one worker does (its loss, its clock,
@@ -15,11 +21,14 @@ their sync.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import socket
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +38,20 @@ from lowcomm.membership.replay import WorkerReplay, without_faults
 from lowcomm.train.task import Task
 
 if TYPE_CHECKING:
+    import torch
+
+    from lowcomm.comm.base import Comm, Handle, ReduceOp, Role, Segments
     from lowcomm.membership.torchft_comm import Replica, TorchftComm
     from lowcomm.train.loop import FinalState, Progress, Worker
     from lowcomm.train.metrics import RunWriter
 
-__all__ = ["check_lighthouse", "local_address", "train_replica"]
+__all__ = [
+    "GroupRank",
+    "check_lighthouse",
+    "check_torchrun_group",
+    "local_address",
+    "train_replica",
+]
 
 #: How long the lighthouse may take to accept a connection before the run is refused.
 REACH_TIMEOUT_S = 5.0
@@ -63,11 +81,42 @@ def local_address(lighthouse: str) -> str:
         return str(probe.getsockname()[0])
 
 
+@dataclass(frozen=True)
+class GroupRank:
+    """This process's place in its worker's replica group (``--ranks-per-worker R > 1``)."""
+
+    rank: int
+    """Its rank in the group, 0 to R - 1."""
+    ranks: int
+    """The group's size R."""
+    store_path: str | None = None
+    """The file store the group's ranks meet in (the local launcher's: no listener); None:
+    torchrun's rendezvous (its environment)."""
+
+
+def check_torchrun_group(config: TrainConfig) -> GroupRank:
+    """This torchrun process's place in its replica group, or ConfigError in one line: under
+    torchrun a torchft worker is one replica group, so torchrun's world is its R ranks."""
+    ranks = config.placement.ranks_per_worker
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != ranks:
+        raise ConfigError(
+            f"--ranks-per-worker: {ranks} is not torchrun's world of {world} processes; with "
+            "--membership torchft one torchrun starts one worker (a replica group): "
+            f"torchrun --nnodes 1 --nproc-per-node {ranks}, one per worker"
+        )
+    return GroupRank(int(os.environ.get("RANK", "0")), ranks)
+
+
 def train_replica(
-    config: TrainConfig, task: Task | None = None, replay: WorkerReplay | None = None
+    config: TrainConfig,
+    task: Task | None = None,
+    replay: WorkerReplay | None = None,
+    group: GroupRank | None = None,
 ) -> dict[str, Any]:
-    """Train this process as worker ``--membership.worker`` of a torchft job; return what
-    membership.json holds. ``replay``: the local launcher replays a fault trace on this
+    """Train this process as worker ``--membership.worker`` of a torchft job (with
+    ``--ranks-per-worker R > 1``, rank ``group.rank`` of it; None: torchrun's rank); return
+    what membership.json holds. ``replay``: the local launcher replays a fault trace on this
     worker (lowcomm.membership.replay); its trace is then not simulated here."""
     require_torchft()
     if replay is not None:
@@ -76,20 +125,20 @@ def train_replica(
     assert options.lighthouse is not None and options.worker is not None
     check_lighthouse(options.lighthouse)
 
-    from lowcomm.membership.torchft_comm import Replica, TorchftComm
+    from lowcomm.membership.torchft_comm import TorchftComm
     from lowcomm.train.compute import finish_calibration
     from lowcomm.train.rundir import run_directory
 
-    host = options.host or local_address(options.lighthouse)
-    replica = Replica(
-        options, slot=options.worker, workers=config.placement.workers, lighthouse=options.lighthouse,
-        host=host, timeout_s=config.comm.collective_timeout_s,
-    )  # fmt: skip
+    if config.placement.ranks_per_worker > 1 and group is None:
+        group = check_torchrun_group(config)
+    inner = _join_group(config, group)
+    replica = _replica(config, group)
     started = time.time()
     try:
         raw = TorchftComm(replica)
-        worker = _set_up(config, raw, replica, task)
-        path = run_directory(config) / "membership.json"
+        worker = _set_up(config, raw, replica, task, inner)
+        name = "membership.json" if replica.rank == 0 else f"membership.rank{replica.rank}.json"
+        path = run_directory(config) / name
         replica.on_event = lambda: _write(path, _record(replica, config, started))
         raw.start()
         # (--resume: this worker's own checkpoint, in its own run directory; the launcher
@@ -103,6 +152,78 @@ def train_replica(
         return _train(config, worker, replica, (progress, path, started), replay)
     finally:
         replica.shutdown()
+        if inner is not None:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _join_group(config: TrainConfig, group: GroupRank | None) -> Comm | None:
+    """The worker's own group of its R ranks (None: one rank), on the launcher's file store
+    or torchrun's rendezvous; Gloo, on the interface of ``GLOO_SOCKET_IFNAME``."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    from lowcomm.comm.torch_comm import TorchComm
+
+    timeout_s = config.comm.collective_timeout_s
+    if group.store_path is None:
+        from lowcomm.launch.spawn import init_from_env
+
+        init_from_env(device="cpu", timeout_s=timeout_s)
+    else:
+        store = dist.FileStore(group.store_path, group.ranks)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            "gloo", store=store, rank=group.rank, world_size=group.ranks,
+            timeout=timedelta(seconds=max(timeout_s, 60.0)),
+        )  # fmt: skip
+    return TorchComm(timeout_s=timeout_s)
+
+
+def _replica(config: TrainConfig, group: GroupRank | None) -> Replica:
+    """This process's torchft Replica. In a group of R ranks, rank 0 opens the group's store
+    and manager server on its host, then tells the other ranks where (they connect to it)."""
+    from lowcomm.membership.torchft_comm import Replica
+
+    options = config.placement.membership_options
+    assert options.lighthouse is not None and options.worker is not None
+    rank, ranks = (0, 1) if group is None else (group.rank, group.ranks)
+    host = options.host or local_address(options.lighthouse)
+
+    def make(host: str, store_port: int | None) -> Replica:
+        assert options.lighthouse is not None and options.worker is not None
+        return Replica(
+            options, slot=options.worker, workers=config.placement.workers,
+            lighthouse=options.lighthouse, host=host, timeout_s=config.comm.collective_timeout_s,
+            rank=rank, ranks=ranks, store_port=store_port,
+        )  # fmt: skip
+
+    if group is None:
+        return make(host, None)
+    import torch.distributed as dist
+
+    replica = make(host, None) if rank == 0 else None
+    shared: list[Any] = [None if replica is None else (host, replica.store_port)]
+    dist.broadcast_object_list(shared, src=0)
+    if replica is None:
+        host, port = shared[0]
+        replica = make(str(host), int(port))
+    replica.agree = _every_rank
+    return replica
+
+
+def _every_rank(ready: bool) -> bool:
+    """Whether every rank of this worker's group is ready (its admission: a deadline each rank
+    reads from its own clock must not split the group, some ranks committing the startup
+    round and others asking for a quorum again)."""
+    import torch
+    import torch.distributed as dist
+
+    waiting = torch.tensor([0.0 if ready else 1.0])
+    dist.all_reduce(waiting, op=dist.ReduceOp.MAX)
+    return bool(waiting.item() == 0.0)
 
 
 def _train(
@@ -160,24 +281,81 @@ def _train(
     return record
 
 
-def _set_up(config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task | None) -> Worker:
-    """This replica's worker, its strategy's rounds following the lighthouse's quorums."""
+def _set_up(
+    config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task | None, inner: Comm | None
+) -> Worker:
+    """This replica's worker, its strategy's rounds following the lighthouse's quorums.
+    ``inner``: the group of the worker's R ranks (None: one rank)."""
     from lowcomm.comm.emulated import NetworkComm
     from lowcomm.comm.local import LocalComm
     from lowcomm.membership.torchft_comm import TorchftMembership
     from lowcomm.train import loop
 
-    worker = loop.set_up(config, raw, LocalComm(), None, task)
-    # This process's run is its own: it writes its directory as a run's rank 0 does.
-    worker.rank, worker.world_size = 0, 1
-    if isinstance(worker.comm, NetworkComm):
-        # (The virtual clock agrees launch times over the round's members, not locally.)
-        worker.comm._bookkeeping = None
+    if inner is None:
+        worker = loop.set_up(config, raw, LocalComm(), None, task)
+        # This process's run is its own: it writes its directory as a run's rank 0 does.
+        worker.rank, worker.world_size = 0, 1
+        if isinstance(worker.comm, NetworkComm):
+            # (The virtual clock agrees launch times over the round's members, not locally.)
+            worker.comm._bookkeeping = None
+    else:
+        # The worker's run is its R ranks': metrics, evaluation and totals over its own
+        # group, the method between workers over each rank's torchft group (the outer level).
+        ranks = config.placement.ranks_per_worker
+        place = _JobRank(raw, replica.slot * ranks + inner.rank, config.placement.workers * ranks)
+        worker = loop.set_up(config, place, inner, None, task, (inner, raw))
+        worker.rank, worker.world_size = inner.rank, inner.world_size
     worker.strategy.runtime = replace(
         worker.strategy.runtime, membership=TorchftMembership(replica)
     )
     replica.attach(worker.strategy)
     return worker
+
+
+class _JobRank:
+    """A worker rank's place among the job's ranks during set-up: rank r of worker K takes
+    the data of the job's rank K R + r, as in a static run. Its collectives are those of
+    this rank's :class:`TorchftComm` (nothing crosses workers during set-up)."""
+
+    def __init__(self, comm: Comm, rank: int, world_size: int) -> None:
+        self._comm = comm
+        self._rank = rank
+        self._world_size = world_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: ReduceOp = "mean",
+        role: Role,
+        segments: Segments | None = None,
+    ) -> Handle:
+        return self._comm.all_reduce(tensor, op=op, role=role, segments=segments)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", role: Role
+    ) -> Handle:
+        return self._comm.reduce_scatter(output, input, op=op, role=role)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        return self._comm.all_gather(output, input, role=role)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
+        return self._comm.all_to_all(output, input, role=role)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
+        return self._comm.broadcast(tensor, src=src, role=role)
+
+    def barrier(self) -> Handle:
+        return self._comm.barrier()
 
 
 def _resume(worker: Worker) -> Progress:

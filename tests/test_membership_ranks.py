@@ -1,0 +1,270 @@
+"""--membership torchft with --ranks-per-worker R > 1: each worker is one torchft replica group
+of R processes (its ranks a plain Gloo group inside it; rank r's collectives between workers go
+to rank r of the other groups through its own torchft Manager), started by the local launcher
+or by torchrun.
+
+Each job is 2 workers of 2 ranks of a tiny GPT on a local lighthouse, on the loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _cli import TINY
+from lowcomm.config import TrainConfig
+from lowcomm.membership.options import MembershipOptions, membership_refusal
+from test_membership_torchft import _config, _digests, _record
+
+ROOT = Path(__file__).resolve().parents[1]
+RANKS = 2
+
+
+def _needs_torchft() -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install 'lowcomm[ft]')")
+
+
+def _ranks_config(method: str, out: Path, steps: int, **overrides: Any) -> TrainConfig:
+    return _config(method, out, steps, **{"workers": 2, "ranks_per_worker": RANKS, **overrides})
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
+
+
+def _lines(path: Path) -> int:
+    try:
+        return len(path.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def _wait_for(condition: Any, what: str, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["diloco", "ddp"])
+def test_no_fault_groups_of_two_ranks_follow_the_static_trajectory(
+    tmp_path: Path, method: str
+) -> None:
+    _needs_torchft()
+    from lowcomm.launch.run import run_training
+
+    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
+    static = _ranks_config(method, tmp_path / "static", membership="static", **common)
+    static.placement.membership_options = MembershipOptions()
+    run_training(static, report=None)
+    run_training(_ranks_config(method, tmp_path / "torchft", **common), report=None)
+
+    expected = _losses(tmp_path / "static" / "metrics.jsonl")
+    live = tmp_path / "torchft"
+    workers = [_losses(live / f"worker{k}" / "metrics.jsonl") for k in range(2)]
+    assert len(expected) == 8 and all(len(w) == 8 for w in workers)
+    for step, want in enumerate(expected):
+        mean = sum(w[step] for w in workers) / 2
+        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+    # Every rank of every worker holds the same parameters after each committed round.
+    records = [_record(live / f"worker{k}") for k in range(2)]
+    ranks = [
+        json.loads((live / f"worker{k}" / "membership.rank1.json").read_text()) for k in range(2)
+    ]
+    digests = [_digests(r) for r in records + ranks]
+    assert all(d == digests[0] for d in digests) and digests[0]
+    rounds = [3, 7] if method == "diloco" else list(range(8))
+    assert sorted(digests[0]) == rounds
+    # The quorums name the workers (slots), not the ranks' torchft numbers (k R + r); one
+    # formed while the job assembled may hold worker 0 alone.
+    quorums = [e["members"] for e in records[0]["events"] if e["event"] == "quorum"]
+    assert quorums[-1] == [0, 1] and all(set(m) <= {0, 1} for m in quorums), quorums
+
+
+@pytest.mark.slow
+def test_a_killed_group_restarted_heals_every_rank_bit_for_bit(tmp_path: Path) -> None:
+    """3 workers of 2 ranks (the two survivors keep the emulated link's pace while the
+    joiner's processes start); worker 2's group is SIGKILLed and started again."""
+    _needs_torchft()
+    from lowcomm.membership.local import LocalJob
+
+    config = _ranks_config("diloco", tmp_path, steps=160, workers=3)
+    with LocalJob(config) as job:
+        job.start_all()
+        assert [len(job.groups[k][0]) for k in range(3)] == [RANKS] * 3
+        _wait_for(lambda: _lines(job.worker_dir(2, 0) / "metrics.jsonl") >= 10, "10 steps")
+        group = job.groups[2][0]
+        killed = job.kill(2)
+        assert [p.exitcode for p in group] == [-9] * RANKS  # the whole group
+        _wait_for(lambda: _quorum_without_2(job.worker_dir(0, 0), killed), "a quorum without it")
+        job.start(2)
+        codes = job.wait(300)
+    assert codes == {0: [0], 1: [0], 2: [-9, 0]}, codes
+    survivor, joiner = tmp_path / "worker0", tmp_path / "worker2.1"
+    # Each rank of the joiner was healed from the same rank of a live group, sat out the sync
+    # it healed in, and then holds the survivors' parameters bit for bit.
+    for name in ("membership.json", "membership.rank1.json"):
+        record = json.loads((joiner / name).read_text())
+        healed = [e for e in record["events"] if e["event"] == "healed"]
+        assert len(healed) == 1 and healed[0]["bytes"] > 0, record["events"]
+        first_quorum = next(e for e in record["events"] if e["event"] == "quorum")
+        assert first_quorum["participants"] == 2, first_quorum
+        mine = _digests(record)
+        theirs = _digests(json.loads((survivor / name).read_text()))
+        first_sync = min(mine)
+        assert first_sync == healed[0]["step"]
+        assert mine[first_sync] == theirs[first_sync]
+        assert mine[159] == theirs[159]
+    assert _record(joiner)["data_position"] == _record(survivor)["data_position"] == 160
+    assert (joiner / "summary.json").is_file() and (survivor / "summary.json").is_file()
+
+
+def _quorum_without_2(directory: Path, since: float) -> bool:
+    path = directory / "membership.json"
+    if not path.is_file():
+        return False
+    events = json.loads(path.read_text())["events"]
+    return any(
+        e["event"] == "quorum" and e["time"] > since and e["members"] == [0, 1] for e in events
+    )
+
+
+@pytest.mark.slow
+def test_replica_groups_started_by_torchrun_join_a_lighthouse(tmp_path: Path) -> None:
+    """docs/membership.md's cluster recipe with torchrun: torchft_lighthouse, then one
+    `torchrun --nproc-per-node 2 -m lowcomm train ...` per worker, on the loopback."""
+    _needs_torchft()
+    from lowcomm.membership.local import loopback_interface
+
+    binary = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if binary is None or torchrun is None:
+        pytest.skip("torchft_lighthouse or torchrun is not installed beside this Python")
+    ports = []
+    for _ in range(3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    env = {
+        **os.environ, "PYTHONPATH": str(ROOT / "src"), "GLOO_SOCKET_IFNAME": loopback_interface(),
+        "RUST_LOG": "warn", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    lighthouse = subprocess.Popen(
+        [binary, "--bind", f"127.0.0.1:{ports[0]}", "--min_replicas", "1",
+         "--heartbeat_timeout_ms", "2000", "--join_timeout_ms", "60000"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        groups = [
+            subprocess.Popen(
+                _torchrun_group(torchrun, k, ports[1 + k], ports[0], tmp_path / f"w{k}"),
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for k in range(2)
+        ]
+        errors = [group.communicate(timeout=300)[1] for group in groups]
+        assert [group.returncode for group in groups] == [0, 0], errors
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    records = [_record(tmp_path / f"w{k}") for k in range(2)]
+    digests = [_digests(r) for r in records]
+    assert digests[0] == digests[1] and sorted(digests[0]) == [3, 7]
+    rank1 = json.loads((tmp_path / "w0" / "membership.rank1.json").read_text())
+    assert _digests(rank1) == digests[0]
+    assert all(_lines(tmp_path / f"w{k}" / "metrics.jsonl") == 8 for k in range(2))
+
+
+def _torchrun_group(torchrun: str, slot: int, port: int, lighthouse: int, out: Path) -> list[str]:
+    """The command of worker ``slot``: one torchrun of R ranks (its own rendezvous on
+    ``port``) naming the lighthouse."""
+    rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    return [
+        torchrun, "--nnodes", "1", "--nproc-per-node", str(RANKS), *rendezvous,
+        "-m", "lowcomm", "train", *TINY, "--method", "diloco", "--steps", "8",
+        "--diloco.sync-every", "4", "--workers", "2", "--ranks-per-worker", str(RANKS),
+        "--membership", "torchft", "--membership.lighthouse", f"127.0.0.1:{lighthouse}",
+        "--membership.worker", str(slot), "--membership.digests", "True", "--out", str(out),
+    ]  # fmt: skip
+
+
+def test_ranks_refusals_are_one_line() -> None:
+    from lowcomm.config import with_options
+
+    base = with_options(
+        TrainConfig(method="diloco"), workers=2, ranks_per_worker=2, membership="torchft"
+    )
+    cases = {
+        "local_sgd": with_options(base, method="local_sgd"),
+        "fsdp": with_options(base, worker_sharding="fsdp"),
+        "checkpoints": with_options(base, checkpoint_every=4),
+    }
+    expected = {
+        "local_sgd": "--method local_sgd is not yet checked with --ranks-per-worker 2",
+        "fsdp": "--worker-sharding fsdp",
+        "checkpoints": "checkpoints (--resume, --checkpoint-every, --stop-after)",
+    }
+    for name, config in cases.items():
+        refusal = membership_refusal(config)
+        assert refusal is not None and expected[name] in refusal, (name, refusal)
+        assert "\n" not in refusal
+    assert membership_refusal(base) is None
+    assert membership_refusal(with_options(base, method="ddp")) is None
+
+
+@pytest.mark.parametrize(
+    ("world", "lighthouse", "expected"),
+    [
+        ("3", "127.0.0.1:1", "--ranks-per-worker: 2 is not torchrun's world of 3 processes"),
+        ("2", None, "under torchrun, one worker"),
+    ],
+)
+def test_a_torchrun_group_that_is_not_one_worker_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: str, lighthouse: str | None,
+    expected: str,
+) -> None:  # fmt: skip
+    _needs_torchft()
+    from lowcomm.config import ConfigError, with_options
+    from lowcomm.launch.run import run_training
+
+    for key, value in {"TORCHELASTIC_RUN_ID": "t", "RANK": "0", "WORLD_SIZE": world}.items():
+        monkeypatch.setenv(key, value)
+    config = _ranks_config("diloco", tmp_path, steps=8)
+    options = MembershipOptions(lighthouse=lighthouse, worker=None if lighthouse is None else 0)
+    config = with_options(config, membership_options=options)
+    with pytest.raises(ConfigError, match=expected) as caught:
+        run_training(config, report=None)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_group_alone_starts_after_the_quorum_timeout_on_every_rank(tmp_path: Path) -> None:
+    """Worker 1 never comes: worker 0's ranks, whose set-ups end at different times, all start
+    without it once --membership.quorum-s has passed (none commits the startup round while
+    another still asks for a quorum)."""
+    _needs_torchft()
+    from lowcomm.membership.local import LocalJob
+
+    options = MembershipOptions(detect_s=2.0, quorum_s=3.0, digests=True)
+    config = _ranks_config("diloco", tmp_path, steps=8, membership_options=options)
+    with LocalJob(config) as job:
+        job.start(0)
+        codes = job.wait(240)
+    assert codes == {0: [0]}, codes
+    record = _record(tmp_path / "worker0")
+    assert sorted(_digests(record)) == [3, 7]
+    assert _lines(tmp_path / "worker0" / "metrics.jsonl") == 8
