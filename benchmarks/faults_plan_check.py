@@ -139,8 +139,12 @@ def run_exposure(run: Path) -> Exposure | None:
         if kinds_here & {"join", "rejoin"}:
             join_steps.add(int(change["step"]))
     crashes = float(kinds.count("crash"))
-    if fault_model(train.method).family == "synchronous":
+    family = fault_model(train.method).family
+    if family == "synchronous":
         crashes = _events_over(len(crash_steps), steps)
+    # The run's slots are known: the share that is slow (decoupled_diloco's learners do not
+    # wait, and lose that share's pace), and whether any is (the others wait for it).
+    slow_slots = {e.worker for e in slow}
     return Exposure(
         workers=train.placement.workers,
         duration_s=duration,
@@ -148,8 +152,9 @@ def run_exposure(run: Path) -> Exposure | None:
         crashes=crashes,
         joins=_events_over(len(join_steps), steps),
         detection_s=train.fault.fault_detection_s,
-        slow_fraction=1.0 if slow else 0.0,
+        slow_fraction=len(slow_slots) / train.placement.workers,
         slow_factor=max((float(e.factor or 1.0) for e in slow), default=1.0),
+        slow_present=1.0 if slow else 0.0,
     )
 
 
@@ -169,6 +174,25 @@ def run_dropped_rounds(run: Path, config: PlanConfig) -> float:
     return float(len(failed))
 
 
+def run_last_sync_lost(run: Path, config: PlanConfig) -> float:
+    """The rounds of every survivor the run's last sync lost, for a method whose overlapped
+    syncs' tokens wait for the next completed one (0 for the others): 1 / F when a crash fell
+    in the run's last tau steps, while the last sync flew."""
+    model = fault_model(config.method)
+    _, options = method_options(config)
+    overlap = model.overlap(options)
+    if overlap == 0:
+        return 0.0
+    summary = json.loads((run / "summary.json").read_text())
+    steps = int(summary["steps"])
+    late_crash = any(
+        int(change["step"]) >= steps - overlap
+        for change in (summary.get("faults") or {}).get("membership_changes", [])
+        if any(event["kind"] == "crash" for event in change["events"])
+    )
+    return 1.0 / model.fragments(options) if late_crash else 0.0
+
+
 def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, Any]:
     """The run's measured goodput; the planner's expected goodput (over the trace's random
     draws) and its ratio; the planner's model given the faults this run met, and its ratio."""
@@ -178,8 +202,9 @@ def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, 
     priced = price_faults(config, plan)
     exposure = run_exposure(run)
     given = price_faults(
-        config, plan, exposure=exposure, dropped_rounds=run_dropped_rounds(run, config)
-    ).goodput
+        config, plan, exposure=exposure, dropped_rounds=run_dropped_rounds(run, config),
+        last_sync_lost=run_last_sync_lost(run, config),
+    ).goodput  # fmt: skip
     predicted = priced.goodput
     return {
         "run": str(run),

@@ -308,3 +308,60 @@ def test_a_run_of_a_one_block_model_is_planned_with_the_fragments_it_used() -> N
     assert make_plan(planned).steps == 8
     with pytest.raises(ValueError, match=r"--diloco\.overlap-steps: 1 must be < H/K"):
         make_plan(dataclasses.replace(planned, diloco=options))
+
+
+def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
+    """streaming_diloco, H = 4, F = 2 fragments, tau = 1, over the plan's K = 10 steps: a
+    failed sync's tokens wait for the next that completes, so a crash costs what diloco's
+    does, plus, when one falls in the run's last tau steps (1 - exp(-n tau / K)), every
+    survivor's steps since the previous completed sync: H / F steps, 1 / F of a round."""
+    from lowcomm.faults.goodput import expected_last_sync_lost
+
+    options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
+    result = priced(
+        method="streaming_diloco", diloco=options, fault_mtbf_s=200.0,
+        fault_replace_after_s=100.0, fault_detection_s=5.0, fault_horizon_s=1000.0,
+    )  # fmt: skip
+    m, rate, r, d, t = 4, 1 / 200, 100.0, 5.0, 1000.0
+    a = 1 / (1 + rate * r)
+    crashes, joins = m * a * rate * t, m * a * rate * (t - r)
+    rho = 4 * result.compute_s + result.sync_s
+    wait = d * d / (2 * rho) if d <= rho else d - rho / 2
+    last = (1 - math.exp(-crashes * 1 / 10)) / 2
+    healed = 10 * (1 - math.exp(-joins / 10))
+    lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
+    expected = a - (lost + healed * m * a * result.heal_s) / (m * t)
+    assert result.family == "local" and result.sync_every == 4
+    assert expected_last_sync_lost(
+        crashes, overlap_steps=1, fragments=2, steps=10
+    ) == pytest.approx(last)
+    assert result.goodput == pytest.approx(expected, rel=1e-12)
+    assert 0.1 < last < 0.5  # (the case prices the last sync)
+    # Without overlap nothing waits for a later sync: no loss at the end.
+    flat = priced(
+        method="streaming_diloco", diloco=dataclasses.replace(options, overlap_steps=0),
+        fault_mtbf_s=200.0, fault_replace_after_s=100.0, fault_detection_s=5.0,
+        fault_horizon_s=1000.0,
+    )  # fmt: skip
+    assert flat.goodput is not None and result.goodput is not None
+    assert flat.goodput > result.goodput
+
+
+def test_a_decoupled_run_ends_with_its_straggler_by_hand() -> None:
+    """decoupled_diloco over K = 10 ticks, each slot 3x slow with probability 1/4: a
+    straggler steps at ticks floor(3 j), so it takes ceil(10 / 3) = 4 inner steps (r = 4/10)
+    and its last ends (4 * 3 - 10) c = 2 c after the others' K rho0 / H; with a straggler
+    (p = 1 - (3/4)^4) the run stretches by that tail, in which nobody else computes."""
+    from lowcomm.strategies.decoupled_diloco import DecoupledOptions
+
+    result = priced(
+        method="decoupled_diloco", decoupled=DecoupledOptions(sync_every=2, fragments=1),
+        fault_slow_fraction=0.25, fault_slow_factor=3.0,
+    )  # fmt: skip
+    c = result.compute_s
+    run_s = 10 * (2 * c + result.sync_s) / 2
+    p, f = 1 - 0.75**4, 0.25
+    expected = (p * run_s / (run_s + 2 * c) + 1 - p) * (1 - f + f * 4 / 10)
+    assert result.family == "decoupled" and result.crashes == 0
+    assert result.goodput == pytest.approx(expected, rel=1e-12)
+    assert expected < 1 - f + f / 3  # (the tail costs more than the share gains)

@@ -34,6 +34,7 @@ from lowcomm.faults.goodput import (
     StepCosts,
     expected_dropped_rounds,
     expected_exposure,
+    expected_last_sync_lost,
     goodput_decoupled,
     goodput_local,
     goodput_synchronous,
@@ -727,6 +728,10 @@ class _FaultModel:
         in_flight: N, the rounds after its launch that a round's result lands (0: where it
             is launched); a crash fails the N in flight on every member.
         heal_tensors: the broadcasts healing takes (None: one per 4 bytes of heal_bytes).
+        overlap: tau, the steps a sync flies when its failure only delays its tokens to the
+            next completed sync (0: none); the run's last sync then loses them.
+        fragments: F, the fragments whose syncs take turns (a sync completes every H / F
+            steps).
     """
 
     family: FaultFamily | None
@@ -735,6 +740,8 @@ class _FaultModel:
     reason: str = ""
     in_flight: Callable[[Any], int] = lambda options: 0
     heal_tensors: int | None = None
+    overlap: Callable[[Any], int] = lambda options: 0
+    fragments: Callable[[Any], int] = lambda options: 1
 
 
 def _sync_every(options: Any) -> int:
@@ -748,6 +755,15 @@ def _outer_delay(options: Any) -> int:
 def _delayed_heal(config: PlanConfig, tensors_per_exchange: int) -> float:
     """phi, the outer momentum and N in-flight exchanges of ``tensors_per_exchange`` tensors."""
     return _OUTER + 4.0 * tensors_per_exchange * _outer_delay(method_options(config)[1])
+
+
+def _overlap_steps(options: Any) -> int:
+    return int(options.overlap_steps)
+
+
+def _fragments_or(default: int) -> Callable[[Any], int]:
+    """F from the options, or the method's default (a plan's options leave it unset)."""
+    return lambda options: int(options.fragments or default)
 
 
 def _param_period(options: Any) -> int:
@@ -778,8 +794,21 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
     "dpu": _FaultModel(None, reason=_SHARDED_PIPELINE),
     "wp": _FaultModel(None, reason=_SHARDED_PIPELINE),
     "diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
-    "streaming_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
-    "cocodc": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    # A failed sync's tokens wait for the next completed one: only the last sync's are lost.
+    "streaming_diloco": _FaultModel(
+        "local",
+        _sync_every,
+        lambda config: _OUTER,
+        overlap=_overlap_steps,
+        fragments=_fragments_or(4),
+    ),
+    "cocodc": _FaultModel(
+        "local",
+        _sync_every,
+        lambda config: _OUTER,
+        overlap=_overlap_steps,
+        fragments=_fragments_or(4),
+    ),
     # phi, the outer momentum and the N exchanges in flight (eager: with the sender's own).
     "diloco_delayed": _FaultModel(
         "local", _sync_every, lambda config: _delayed_heal(config, 1), in_flight=_outer_delay
@@ -870,14 +899,16 @@ def price_faults(
     *,
     exposure: Exposure | None = None,
     dropped_rounds: float | None = None,
+    last_sync_lost: float | None = None,
 ) -> FaultGoodput:
     """The expected goodput of ``plan``'s method under ``config``'s --fault-* options.
 
     The step costs are the plan's: c its compute per step, m its exposed communication per
     step times H, h the method's global state over the link (one hop, each rank its 1/R);
     T is --fault-horizon-s or the plan's fault-free wall clock. ``exposure``: the faults to
-    price instead of the options' expected ones, and ``dropped_rounds`` the exchanges that
-    failed instead of their expected number (a run's own, to check the model on it).
+    price instead of the options' expected ones, ``dropped_rounds`` the exchanges that
+    failed instead of their expected number and ``last_sync_lost`` the rounds of every
+    survivor the run's failed last sync lost (a run's own, to check the model on it).
     """
     _, options = method_options(config)
     model = fault_model(config.method)
@@ -888,7 +919,7 @@ def price_faults(
     costs, heal_bytes = _fault_step_costs(config, plan, model, period)
     compute = costs.compute_s
     value = _family_goodput(
-        model, exposure, costs, options, plan.steps / period, dropped_rounds, plan.steps
+        model, exposure, costs, options, plan.steps, (dropped_rounds, last_sync_lost)
     )
     fault_free_rate = config.tokens / plan.wall_clock_s
     return FaultGoodput(
@@ -957,22 +988,35 @@ def _family_goodput(
     exposure: Exposure,
     costs: StepCosts,
     options: object | None,
-    rounds: float,
-    dropped_rounds: float | None = None,
-    steps: float | None = None,
+    steps: float,
+    given: tuple[float | None, float | None] = (None, None),
 ) -> float | None:
+    """G of the model's family; ``given``: the dropped rounds and the last sync's lost rounds
+    to price instead of their expectations (None: expected)."""
     if model.family == "synchronous":
         return goodput_synchronous(exposure, costs, steps=steps)
     if model.family == "local":
+        dropped_rounds, last_lost = given
         if dropped_rounds is None:
             late = model.in_flight(options)
+            rounds = steps / costs.sync_every
             dropped_rounds = expected_dropped_rounds(exposure.crashes, late, rounds)
-        return goodput_local(exposure, costs, dropped_rounds=dropped_rounds, steps=steps)
+        if last_lost is None:
+            overlap = model.overlap(options)
+            last_lost = 0.0
+            if overlap > 0:
+                last_lost = expected_last_sync_lost(
+                    exposure.crashes, overlap_steps=overlap,
+                    fragments=model.fragments(options), steps=steps,
+                )  # fmt: skip
+        return goodput_local(
+            exposure, costs, dropped_rounds=dropped_rounds, last_sync_lost=last_lost, steps=steps
+        )
     if model.family == "decoupled":
         # Late fragments are merged by their token count, so the grace window does not
         # change what commits (lowcomm.faults.goodput.goodput_decoupled).
         quorum = int(getattr(options, "min_quorum", 1))
-        return goodput_decoupled(exposure, costs, min_quorum=quorum, grace_s=0.0)
+        return goodput_decoupled(exposure, costs, min_quorum=quorum, grace_s=0.0, steps=steps)
     return None
 
 

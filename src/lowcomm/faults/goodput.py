@@ -74,6 +74,18 @@ not)::
     G_late = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + D (1 + (M - 1) a) rho
                                   + j M a h) / (M T))
 
+*A sync that overlaps tau steps* (streaming_diloco, cocodc: F fragments, one completing
+every H / F steps, each in flight for tau steps; ``goodput_local(last_sync_lost=L)``). A
+crash while a fragment's sync flies fails it on every member, but its tokens are not lost:
+they wait for the next sync that completes. Only the run's last sync has no next one, so a
+crash in the run's last tau steps (K steps, crashes at n / K per step: probability
+1 - exp(-n tau / K)) loses every survivor's steps since the previous completed sync, H / F of
+them, a fraction 1 / F of a round (:func:`expected_last_sync_lost`)::
+
+    L       = (1 - exp(-n tau / K)) / F
+    G_stream = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + L (M - 1) a rho
+                                    + j M a h) / (M T))
+
 *Stragglers.* A slot is slow with probability f, so some slot is slow with probability
 p = 1 - (1 - f)^M, and a method that waits for its slowest worker then runs at its pace s
 for the whole run; otherwise at 1. G_sync and G_local are the expectation over the two,
@@ -91,6 +103,15 @@ the next one by its token count, otherwise dropped (r = 0)::
     r = 1 / s   (within the window, or late fragments commit);  0 otherwise
     G_dec = a (1 - f + f r) - (n rho0 / 2 + j h) / (M T)
     G_dec = 0 when M a < q (the minimum quorum cannot form)
+
+A run of K ticks (``steps``) ends when its slowest learner ends its last inner step. A
+straggler steps at a tick when its clock is less than one step past the others', so its j-th
+step falls at tick floor(j s): it takes ceil(K / s) steps (r = ceil(K / s) / K) and the last
+ends (ceil(K / s) s - K) c after the others' K rho0 / H. With a straggler (probability p)
+the run's time stretches by that tail, in which nobody else computes::
+
+    W = K rho0 / H,  tail = (ceil(K / s) s - K) c
+    G_dec,K = (p W / (W + tail) + 1 - p) G_dec
 
 Every G is clamped to [0, 1]. The model neglects the faults' interactions (a crash during a
 stall, a straggler among the dead) and is checked against simulated runs.
@@ -113,6 +134,7 @@ __all__ = [
     "expected_dropped_rounds",
     "expected_exposure",
     "expected_goodput",
+    "expected_last_sync_lost",
     "fault_free_tokens",
     "goodput",
     "goodput_decoupled",
@@ -268,6 +290,8 @@ class Exposure:
         detection_s: D.
         slow_fraction: f.
         slow_factor: s.
+        slow_present: p, the probability that some slot is slow (None: 1 - (1 - f)^M, the
+            generated trace's; 1 or 0 for a run whose slots are known).
     """
 
     workers: int
@@ -278,6 +302,7 @@ class Exposure:
     detection_s: float = 0.0
     slow_fraction: float = 0.0
     slow_factor: float = 1.0
+    slow_present: float | None = None
 
     def __post_init__(self) -> None:
         _workers(self.workers)
@@ -293,12 +318,20 @@ class Exposure:
             raise ValueError(f"slow_fraction={self.slow_fraction!r}: must be in [0, 1]")
         if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):
             raise ValueError(f"slow_factor={self.slow_factor!r}: a slowdown is >= 1")
+        if self.slow_present is not None and not 0 <= self.slow_present <= 1:
+            raise ValueError(f"slow_present={self.slow_present!r}: a probability is in [0, 1]")
+
+    @property
+    def some_slow(self) -> float:
+        """p = 1 - (1 - f)^M (or ``slow_present``): the probability that some slot is slow."""
+        if self.slow_present is not None:
+            return self.slow_present
+        return 1.0 - (1.0 - self.slow_fraction) ** self.workers
 
     @property
     def slowest_pace(self) -> float:
-        """S = 1 + (s - 1) (1 - (1 - f)^M): the expected compute multiplier of the slowest."""
-        some_slow = 1.0 - (1.0 - self.slow_fraction) ** self.workers
-        return 1.0 + (self.slow_factor - 1.0) * some_slow
+        """S = 1 + (s - 1) p: the expected compute multiplier of the slowest worker."""
+        return 1.0 + (self.slow_factor - 1.0) * self.some_slow
 
     @property
     def live_workers(self) -> float:
@@ -341,7 +374,7 @@ def _over_stragglers(exposure: Exposure, goodput_at: Callable[[float], float]) -
     1/E[S]: at M = 16 and f = 0.1 the slowest pace averages 2.6 (s = 3), but a run goes at 1
     or at 1/3 of its rate, never at 1/2.6."""
     e = exposure
-    some_slow = 1.0 - (1.0 - e.slow_fraction) ** e.workers
+    some_slow = e.some_slow
     if e.slow_factor == 1.0 or some_slow == 0.0:
         return goodput_at(1.0)
     if some_slow == 1.0:
@@ -409,6 +442,26 @@ def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> 
     return total
 
 
+def expected_last_sync_lost(
+    crashes: float, *, overlap_steps: int, fragments: int, steps: float
+) -> float:
+    """L, the expected fraction of a round every survivor loses at the run's end, for a
+    method whose syncs overlap ``overlap_steps`` (tau) steps and whose tokens wait for the
+    next sync that completes (streaming_diloco, cocodc): the run's last sync fails when a
+    crash falls in its last tau steps (n crashes at uniform steps of K), and then the steps
+    since the previous completed sync, 1 / F of a round (``fragments`` = F), never commit::
+
+        L = (1 - exp(-n tau / K)) / F
+    """
+    _non_negative("crashes", crashes)
+    _positive("steps", steps)
+    for name, value, least in (("overlap_steps", overlap_steps, 0), ("fragments", fragments, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r}: a count >= {least}; pass the run's option")
+    window = min(float(overlap_steps), steps)
+    return -math.expm1(-crashes * window / steps) / fragments
+
+
 def _per_step(events: float, steps: float | None) -> float:
     """The steps on which ``events`` events at uniform moments of a run of ``steps`` steps
     fall, K (1 - exp(-n / K)): events on one step count once (a step drops once, one
@@ -424,21 +477,26 @@ def goodput_local(
     costs: StepCosts,
     *,
     dropped_rounds: float = 0.0,
+    last_sync_lost: float = 0.0,
     steps: float | None = None,
 ) -> float:
     """G_local: H steps alone, then a sync that waits for every live worker (local SGD,
     DiLoCo, streaming DiLoCo); with ``dropped_rounds`` = D > 0, G_late: a method whose round
     lands rounds after its launch (eager, diloco_delayed, co2) loses D rounds of every member
-    of their quorums to the exchanges that failed (:func:`expected_dropped_rounds`)."""
+    of their quorums to the exchanges that failed (:func:`expected_dropped_rounds`); with
+    ``last_sync_lost`` = L > 0, G_stream: a method whose overlapped syncs' tokens wait for
+    the next completed one loses L rounds of every survivor when the run's last sync fails
+    (:func:`expected_last_sync_lost`)."""
     e = exposure
     _non_negative("dropped_rounds", dropped_rounds)
+    _non_negative("last_sync_lost", last_sync_lost)
     joins = _per_step(e.joins, steps)
 
     def at(pace: float) -> float:
         round_s = costs.sync_every * costs.compute_s * pace + costs.sync_s
         wait = detection_wait(e.detection_s, round_s)
         survivors = (e.workers - 1) * e.alive_fraction
-        dropped = dropped_rounds * (1.0 + survivors) * round_s
+        dropped = (dropped_rounds * (1.0 + survivors) + last_sync_lost * survivors) * round_s
         lost = (
             e.crashes * (round_s / 2.0 + survivors * wait)
             + dropped
@@ -458,6 +516,7 @@ def goodput_decoupled(
     min_quorum: int,
     grace_s: float,
     late_fragments_commit: bool = True,
+    steps: float | None = None,
 ) -> float:
     """G_dec: learners that never wait, merged by a quorum with a grace window
     (decoupled_diloco).
@@ -469,6 +528,8 @@ def goodput_decoupled(
         grace_s: g, how long the synchronizer waits past the quorum for more fragments.
         late_fragments_commit: whether a fragment that misses the window is merged later
             (its tokens commit) rather than dropped.
+        steps: the run's K ticks, which end when its slowest learner ends its last inner
+            step (None: a run long enough for that tail not to count).
     """
     e = exposure
     if isinstance(min_quorum, bool) or not isinstance(min_quorum, int) or min_quorum < 1:
@@ -477,10 +538,25 @@ def goodput_decoupled(
     if e.live_workers < min_quorum:
         return 0.0
     lag = (e.slow_factor - 1.0) * costs.sync_every * costs.compute_s
-    straggler_share = 1.0 / e.slow_factor if (lag <= grace_s or late_fragments_commit) else 0.0
-    pace = 1.0 - e.slow_fraction + e.slow_fraction * straggler_share
+    commits = lag <= grace_s or late_fragments_commit
+    share, stretch = 1.0 / e.slow_factor, 1.0
+    if steps is not None:
+        _positive("steps", steps)
+        done, tail_s = _straggler_steps(steps, e.slow_factor, costs.compute_s)
+        share = done / steps
+        run_s = steps * costs.round_s / costs.sync_every
+        stretch = e.some_slow * run_s / (run_s + tail_s) + (1.0 - e.some_slow)
+    pace = 1.0 - e.slow_fraction + e.slow_fraction * (share if commits else 0.0)
     lost = e.crashes * costs.round_s / 2.0 + e.joins * costs.heal_s
-    return _clamp(e.alive_fraction * pace - lost / (e.workers * e.duration_s))
+    return _clamp(stretch * (e.alive_fraction * pace - lost / (e.workers * e.duration_s)))
+
+
+def _straggler_steps(steps: float, slow_factor: float, compute_s: float) -> tuple[float, float]:
+    """A learner s times slower over a run of K ticks: its inner steps, ceil(K / s) (it steps
+    at a tick when its clock is less than one step past the others', so its j-th step at tick
+    floor(j s)), and how long its last one runs past the others' end, (ceil(K / s) s - K) c."""
+    done = float(math.ceil(steps / slow_factor - 1e-9))
+    return done, max(0.0, done * slow_factor - steps) * compute_s
 
 
 def expected_goodput(
