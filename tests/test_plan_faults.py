@@ -264,7 +264,12 @@ def test_the_check_script_plans_a_run_as_it_ran(
 def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand() -> None:
     """eager (N = 1) over 10 steps of H = 2 (R = 5 rounds): the exchanges of rounds 0-3 each
     fly one round and fail if a crash falls in it, D = 4 (1 - exp(-n / 5)) of them, each a
-    round rho of the dead worker and of the (M - 1) a survivors."""
+    round rho of the dead worker and of the (M - 1) a survivors. A join is healed with phi,
+    the outer momentum and the exchange in flight (its mean and the sender's own), which is
+    sent only while live: at a join it has flown (H + 1) / 2 steps on average, failed with
+    probability 1 - exp(-n 1.5 / 10). Before healing, the members settle it: a join u steps
+    after its launch (u = 0 or 1, each with probability 1/2) waits max(0, x - u c) for its
+    x = 3.006 s all-reduce, which overlaps the round's H c = 2 s of compute."""
     options = DiLoCoOptions(sync_every=2, outer_delay=1)
     eager = priced(
         method="eager", diloco=options, fault_mtbf_s=500.0, fault_replace_after_s=100.0,
@@ -278,8 +283,14 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     dropped = 4 * (1 - math.exp(-crashes / 5))
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
     healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
-    expected = a - (lost + healed * m * a * eager.heal_s) / (m * t)
+    failed = 1 - math.exp(-crashes * 1.5 / 10)
+    tensors = 4 - 2 * failed  # phi, momentum, and the mean and own in flight when live
+    heal = 4e9 * tensors / 1e9 + tensors * 3 * 1e-3  # (a model per tensor; 3 hops of 1 ms)
+    settle = (ALL_REDUCE + (ALL_REDUCE - 1.0)) / 2
+    expected = a - (lost + healed * m * a * (heal + settle)) / (m * t)
     assert eager.family == "local" and eager.sync_every == 2
+    assert eager.sync_s == pytest.approx(ALL_REDUCE - 2.0)  # (its exposed part)
+    assert eager.heal_s == pytest.approx(heal, rel=1e-12)
     assert eager.goodput == pytest.approx(expected, rel=1e-12)
     assert eager.heal_bytes == (8 + 4 * 2) * 1e9  # phi, momentum, the mean and own in flight
     diloco = priced(
@@ -314,7 +325,10 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     """streaming_diloco, H = 4, F = 2 fragments, tau = 1, over the plan's K = 10 steps: a
     failed sync's tokens wait for the next that completes, so a crash costs what diloco's
     does, plus, when one falls in the run's last tau steps (1 - exp(-n tau / K)), every
-    survivor's steps since the previous completed sync: H / F steps, 1 / F of a round."""
+    survivor's steps since the previous completed sync: H / F steps, 1 / F of a round. A
+    join waits for a sync launched at the step before it (F of the H steps: probability
+    F / H) for its whole x: each fragment's all-reduce (half the model, x = 1.506 s) overlaps
+    tau c = 1 s of compute."""
     from lowcomm.faults.goodput import expected_last_sync_lost
 
     options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
@@ -330,8 +344,11 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     last = (1 - math.exp(-crashes * 1 / 10)) / 2
     healed = 10 * (1 - math.exp(-joins / 10))
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
-    expected = a - (lost + healed * m * a * result.heal_s) / (m * t)
+    x = 2 * 3 / 4 * 1e9 / 1e9 + 2 * 3 * 1e-3  # (half a bf16 model on 4 workers)
+    settle = 2 / 4 * x
+    expected = a - (lost + healed * m * a * (result.heal_s + settle)) / (m * t)
     assert result.family == "local" and result.sync_every == 4
+    assert result.sync_s == pytest.approx(2 * (x - 1.0))
     assert expected_last_sync_lost(
         crashes, overlap_steps=1, fragments=2, steps=10
     ) == pytest.approx(last)
@@ -365,3 +382,20 @@ def test_a_decoupled_run_ends_with_its_straggler_by_hand() -> None:
     assert result.family == "decoupled" and result.crashes == 0
     assert result.goodput == pytest.approx(expected, rel=1e-12)
     assert expected < 1 - f + f / 3  # (the tail costs more than the share gains)
+
+
+def test_a_straggler_hides_an_overlapped_sync_by_hand() -> None:
+    """streaming_diloco, H = 4, F = 2, tau = 1: each fragment's all-reduce (x = 1.506 s)
+    overlaps tau c = 1 s of compute and exposes x - 1 without faults. Behind a 2x straggler
+    the overlapped compute is the straggler's, 2 s, which hides it whole: a round takes
+    H c 2 + 0, not H c 2 + 2 (x - 1)."""
+    options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
+    result = priced(
+        method="streaming_diloco", diloco=options, fault_slow_fraction=0.25,
+        fault_slow_factor=2.0,
+    )  # fmt: skip
+    x = 2 * 3 / 4 * 1e9 / 1e9 + 2 * 3 * 1e-3
+    rho0 = 4 * 1.0 + 2 * (x - 1.0)
+    p = 1 - 0.75**4
+    assert result.goodput == pytest.approx(p * rho0 / (4 * 2.0) + (1 - p), rel=1e-12)
+    assert rho0 / (4 * 2.0) > rho0 / (4 * 2.0 + 2 * (x - 1.0))  # (the blocking reading)

@@ -732,6 +732,9 @@ class _FaultModel:
             next completed sync (0: none); the run's last sync then loses them.
         fragments: F, the fragments whose syncs take turns (a sync completes every H / F
             steps).
+        live_heal: the model-sized tensors of each exchange in flight that a healing sends
+            only when the exchange is live (eager 2, diloco_delayed 1; already counted in
+            heal_bytes): one that a crash failed since its launch is not sent.
     """
 
     family: FaultFamily | None
@@ -742,6 +745,7 @@ class _FaultModel:
     heal_tensors: int | None = None
     overlap: Callable[[Any], int] = lambda options: 0
     fragments: Callable[[Any], int] = lambda options: 1
+    live_heal: int = 0
 
 
 def _sync_every(options: Any) -> int:
@@ -811,10 +815,18 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
     ),
     # phi, the outer momentum and the N exchanges in flight (eager: with the sender's own).
     "diloco_delayed": _FaultModel(
-        "local", _sync_every, lambda config: _delayed_heal(config, 1), in_flight=_outer_delay
+        "local",
+        _sync_every,
+        lambda config: _delayed_heal(config, 1),
+        in_flight=_outer_delay,
+        live_heal=1,
     ),
     "eager": _FaultModel(
-        "local", _sync_every, lambda config: _delayed_heal(config, 2), in_flight=_outer_delay
+        "local",
+        _sync_every,
+        lambda config: _delayed_heal(config, 2),
+        in_flight=_outer_delay,
+        live_heal=2,
     ),
     "sparta_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
     # The anchor; the error-feedback buffer is per worker.
@@ -916,7 +928,7 @@ def price_faults(
     if exposure is None:
         exposure = expected_exposure(_fault_options(config, horizon), workers=config.workers)
     period = model.period(options)
-    costs, heal_bytes = _fault_step_costs(config, plan, model, period)
+    costs, heal_bytes = _fault_step_costs(config, plan, model, period, exposure.crashes)
     compute = costs.compute_s
     value = _family_goodput(
         model, exposure, costs, options, plan.steps, (dropped_rounds, last_sync_lost)
@@ -931,7 +943,7 @@ def price_faults(
             workers=config.workers, modeled_s=horizon, goodput=value
         ),
         wall_clock_s=None if not value else plan.wall_clock_s / value,
-        compute_s=compute, sync_s=costs.sync_s, sync_every=period, heal_bytes=heal_bytes,
+        compute_s=compute, sync_s=costs.exposed_s(), sync_every=period, heal_bytes=heal_bytes,
         heal_s=costs.heal_s, alive_fraction=exposure.alive_fraction, crashes=exposure.crashes,
         joins=exposure.joins, slowest_pace=exposure.slowest_pace,
     )  # fmt: skip
@@ -950,34 +962,74 @@ def _fault_options(config: PlanConfig, horizon: float) -> FaultOptions:
 
 
 def _fault_step_costs(
-    config: PlanConfig, plan: Plan, model: _FaultModel, period: int
+    config: PlanConfig, plan: Plan, model: _FaultModel, period: int, crashes: float
 ) -> tuple[StepCosts, float]:
     """The step costs the fault model prices (c, m over a period of H steps, h) and the
-    bytes of a healing (each rank its 1/R of the global state)."""
+    bytes of a healing with every exchange in flight live (each rank its 1/R of the global
+    state); h is the expected healing, without the exchanges ``crashes`` failed."""
     exposed_per_step = plan.comm_exposed_s / plan.steps if plan.steps > 0 else 0.0
     heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
+    tensors = float(model.heal_tensors or round(model.heal_bytes(config) / 4.0))
+    if model.live_heal:
+        unsent = model.live_heal * _failed_in_flight(
+            crashes, model.in_flight(method_options(config)[1]), period, plan.steps
+        )
+        heal_bytes_sent = heal_bytes * (1.0 - unsent / tensors)
+        tensors -= unsent
+    else:
+        heal_bytes_sent = heal_bytes
     link = NetworkProfile(
         name="custom", bandwidth_gbps=plan.bandwidth_gbps, latency_ms=plan.latency_ms
     )
+    overlapped = _overlapped(config, plan, period)
+    hidden_exposed = sum(k * max(0.0, x - y) for k, x, y in overlapped)
     costs = StepCosts(
         compute_s=_step_compute(config, plan.params),
-        sync_s=exposed_per_step * period,
+        sync_s=max(0.0, exposed_per_step * period - hidden_exposed),
         sync_every=period,
-        heal_s=_heal_seconds(
-            link,
-            heal_bytes,
-            model.heal_tensors or round(model.heal_bytes(config) / 4.0),
-            config.workers,
-        ),
+        overlapped=overlapped,
+        heal_s=_heal_seconds(link, heal_bytes_sent, tensors, config.workers),
     )
     return costs, heal_bytes
 
 
-def _heal_seconds(link: NetworkProfile, heal_bytes: float, tensors: int, workers: int) -> float:
+def _failed_in_flight(crashes: float, in_flight: int, period: int, steps: float) -> float:
+    """The expected exchanges in flight at a join that a crash has failed since their
+    launch (crashes at n / K per step): the i-th newest was launched (i - 1) H steps and,
+    the join falling at a uniform step of the round, (H + 1) / 2 more before it, so it is
+    live with probability exp(-n ((H + 1) / 2 + (i - 1) H) / K)."""
+    if crashes == 0.0 or steps <= 0:
+        return 0.0
+    rate = crashes / steps
+    return sum(-math.expm1(-rate * ((period + 1) / 2.0 + i * period)) for i in range(in_flight))
+
+
+def _overlapped(
+    config: PlanConfig, plan: Plan, period: int
+) -> tuple[tuple[float, float, float], ...]:
+    """The method's collectives that overlap compute, per round of ``period`` steps, as the
+    plan prices them: (how many, seconds each, compute seconds each overlaps). A straggler's
+    slower compute hides more of them (``StepCosts.overlapped``)."""
+    cls, options = method_options(config)
+    if cls.cost.accumulates:
+        return ()
+    pricing = _pricing(config, cls, options, plan.bandwidth_gbps)
+    step = _step_compute(config, pricing.params)
+    transfers = cls.cost.traffic(
+        options, Timing(step_seconds=step, all_reduce_seconds=pricing.exchange_seconds)
+    )
+    return tuple(
+        (t.per_step * period, pricing.seconds(t), t.hidden_steps * step)
+        for t in transfers
+        if t.hidden_steps > 0
+    )
+
+
+def _heal_seconds(link: NetworkProfile, heal_bytes: float, tensors: float, workers: int) -> float:
     """h: the healing broadcasts from one member over the quorum's M workers, ``tensors`` of
-    them (one per tensor of the global state): their transfer and, each, the (M - 1) hops of
-    latency the link prices a broadcast with."""
-    tensors = max(1, tensors)
+    them (one per tensor of the global state; an expected count may be fractional): their
+    transfer and, each, the (M - 1) hops of latency the link prices a broadcast with."""
+    tensors = max(1.0, tensors)
     single = link.collective_time(CollectiveKind.BROADCAST, heal_bytes, workers)
     hops = link.collective_time(CollectiveKind.BROADCAST, 0.0, workers)
     return single + (tensors - 1) * hops

@@ -18,7 +18,10 @@ first part from a trace alone.
   after it; a join costs h = heal_s (the new quorum and the healing transfer);
 * a fraction f of the slots is slow, by a factor s;
 * a step computes for c seconds on one worker and exposes m seconds of communication per
-  round of H steps (H = 1 for a method that talks every step).
+  round of H steps (H = 1 for a method that talks every step). A collective of x seconds
+  that overlaps y seconds of compute (streaming_diloco's tau steps, eager's N rounds)
+  exposes max(0, x - y); when the slowest worker computes at pace S its compute hides more,
+  max(0, x - y S), so m(S) falls with S (``StepCosts.overlapped``), and rho(S) = H c S + m(S).
 
 Expected exposure (:func:`expected_exposure`)::
 
@@ -36,7 +39,7 @@ Each formula below is ``fault-free rate`` times ``worker-time kept``; lost worke
 divided by M T.
 
 *Synchronous per step* (ddp; :func:`goodput_synchronous`). Every step waits for the
-slowest worker, so a step takes tau = c S + m against tau0 = c + m without faults (S the
+slowest worker, so a step takes tau = c S + m(S) against tau0 = c + m without faults (S the
 slowest pace, s or 1: see *Stragglers* below). A crash drops the step it happens in on
 every survivor: they compute it, wait the detection and discard it, c S + D each (no
 exchange), and each of the other M - 1 slots is alive with probability a. Crashes that fall
@@ -49,10 +52,16 @@ alike)::
 
 A join's h is the healing broadcast from one member over the quorum's group: each healed
 tensor (one per 4 bytes per parameter of the method's global state) costs its transfer and
-(M - 1) hops of latency, as the link prices a broadcast over M.
+(M - 1) hops of latency, as the link prices a broadcast over M. An exchange in flight that
+a healing passes on (eager's and diloco_delayed's) is sent only while live: the i-th newest
+at a join has flown (H + 1) / 2 + (i - 1) H steps on average and is failed with probability
+1 - exp(-n that / K), so h is priced with its expected tensors. Before they heal, the
+members settle the collectives in flight (:meth:`StepCosts.settle_s`): a join u steps after
+a launch waits max(0, x - u c S) for the rest of its flight, so every formula's j M a h is
+j M a (h + settle(S)).
 
 *Local and DiLoCo* (H inner steps, then a sync; :func:`goodput_local`). A round takes
-rho = H c S + m against rho0 = H c + m: stragglers make the others wait at each sync. A
+rho = H c S + m(S) against rho0 = H c + m: stragglers make the others wait at each sync. A
 crash at a uniform moment u of a round loses the dead worker's partial round (rho / 2 on
 average); the survivors reach the sync rho - u later and wait for detection only if it has
 not happened yet: w = E[max(0, D - (rho - u))] = D^2 / (2 rho) when D <= rho, D - rho / 2
@@ -248,20 +257,28 @@ class StepCosts:
 
     Attributes:
         compute_s: c, one worker's compute seconds per step.
-        sync_s: m, the communication seconds a round exposes (not hidden by compute).
+        sync_s: the communication seconds a round exposes whatever the pace (blocking).
         sync_every: H, the steps per round (1 for a method that talks every step).
         heal_s: h, what a join costs: the new quorum and the healing transfer.
+        overlapped: the round's collectives that overlap compute, each (count k, seconds x,
+            compute seconds y it overlaps at pace 1): a round exposes k max(0, x - y S) of
+            them when the slowest worker computes at pace S (its compute hides them).
     """
 
     compute_s: float
     sync_s: float = 0.0
     sync_every: int = 1
     heal_s: float = 0.0
+    overlapped: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         _positive("compute_s", self.compute_s)
         _non_negative("sync_s", self.sync_s)
         _non_negative("heal_s", self.heal_s)
+        for count, seconds, hidden in self.overlapped:
+            _non_negative("overlapped count", count)
+            _non_negative("overlapped seconds", seconds)
+            _non_negative("overlapped compute seconds", hidden)
         if (
             isinstance(self.sync_every, bool)
             or not isinstance(self.sync_every, int)
@@ -271,10 +288,35 @@ class StepCosts:
                 f"sync_every={self.sync_every!r}: a round has at least one step; pass H >= 1"
             )
 
+    def exposed_s(self, pace: float = 1.0) -> float:
+        """m(S): the communication a round exposes when its slowest worker's pace is S."""
+        return self.sync_s + sum(
+            count * max(0.0, seconds - hidden * pace) for count, seconds, hidden in self.overlapped
+        )
+
+    def settle_s(self, pace: float = 1.0) -> float:
+        """What a join waits for the overlapped collectives in flight, which the members
+        settle before they heal it: the join falls at a uniform step of the round, u steps
+        after a launch (k per round of H steps, each in flight for y / c steps), and waits
+        for the rest of its flight, max(0, x - u c S)::
+
+            settle(S) = sum over collectives (k / H) sum_{u < y / c} max(0, x - u c S)
+        """
+        total = 0.0
+        for count, seconds, hidden in self.overlapped:
+            flight_steps = math.ceil(hidden / self.compute_s - 1e-9)
+            waits = sum(max(0.0, seconds - u * self.compute_s * pace) for u in range(flight_steps))
+            total += count / self.sync_every * waits
+        return total
+
+    def round_at(self, pace: float) -> float:
+        """rho(S) = H c S + m(S), a round waiting for a worker at pace S."""
+        return self.sync_every * self.compute_s * pace + self.exposed_s(pace)
+
     @property
     def round_s(self) -> float:
-        """rho0 = H c + m, a fault-free round."""
-        return self.sync_every * self.compute_s + self.sync_s
+        """rho0 = H c + m, a fault-free round (m = m(1))."""
+        return self.round_at(1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -392,13 +434,12 @@ def goodput_synchronous(
     dropped, joins = _per_step(e.crashes, steps), _per_step(e.joins, steps)
 
     def at(pace: float) -> float:
-        fault_free_step = costs.compute_s + costs.sync_s
-        step = costs.compute_s * pace + costs.sync_s
+        fault_free_step = costs.round_s / costs.sync_every
+        step = costs.round_at(pace) / costs.sync_every
         survivors = (e.workers - 1) * e.alive_fraction
-        lost = (
-            dropped * survivors * (costs.compute_s * pace + e.detection_s)
-            + joins * e.live_workers * costs.heal_s
-        )
+        lost = dropped * survivors * (
+            costs.compute_s * pace + e.detection_s
+        ) + joins * e.live_workers * (costs.heal_s + costs.settle_s(pace))
         return _clamp(
             fault_free_step / step * (e.alive_fraction - lost / (e.workers * e.duration_s))
         )
@@ -493,14 +534,14 @@ def goodput_local(
     joins = _per_step(e.joins, steps)
 
     def at(pace: float) -> float:
-        round_s = costs.sync_every * costs.compute_s * pace + costs.sync_s
+        round_s = costs.round_at(pace)
         wait = detection_wait(e.detection_s, round_s)
         survivors = (e.workers - 1) * e.alive_fraction
         dropped = (dropped_rounds * (1.0 + survivors) + last_sync_lost * survivors) * round_s
         lost = (
             e.crashes * (round_s / 2.0 + survivors * wait)
             + dropped
-            + joins * e.live_workers * costs.heal_s
+            + joins * e.live_workers * (costs.heal_s + costs.settle_s(pace))
         )
         return _clamp(
             costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s))
