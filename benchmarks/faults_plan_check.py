@@ -10,7 +10,8 @@ worker's compute per step (``--seconds-per-microbatch`` times ``--microbatches-p
 of a run on the declared clock, or this script's ``--seconds-per-step``). Printed per run:
 the measured goodput; the planner's expected goodput (over the trace's random draws: whether
 a slot is slow, how many crash) and their ratio; and the planner's model given the faults
-this run met (its crashes, joins, time away and straggler) and their ratio. Then, per method
+this run met (its crashes, joins, time away, its share of slow slots and whether one is slow,
+the exchanges its crashes failed and whether its last sync failed) and their ratio. Then, per method
 and M, the mean measured goodput over the runs given (one per --fault-seed) against the mean
 expectation: a single run at M = 16 either has a straggler or not, which the expectation
 mixes. The exit status is 1 when a run's ratio to its own faults' model, or a mean's ratio
@@ -258,6 +259,46 @@ def seed_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return means
 
 
+def trace_exposures(rows: list[dict[str, Any]], traces: int) -> list[dict[str, Any]]:
+    """Per M, the exposure the planner expects (crashes n, joins j, slot-seconds away) against
+    its mean over ``traces`` generated traces (seeds 0 ..) of the same options over the same
+    horizon: the expectation's side of the check, without simulated runs (a run meets one
+    trace, whose crash count alone varies by about sqrt(n))."""
+    import dataclasses
+    import statistics
+
+    from lowcomm.faults.generate import FaultOptions, generate_trace
+    from lowcomm.faults.goodput import expected_exposure
+
+    found = []
+    for workers in sorted({row["workers"] for row in rows}):
+        row = next(r for r in rows if r["workers"] == workers)
+        config = plan_for_run(Path(row["run"]))
+        options = FaultOptions.given(
+            duration_s=row["horizon_s"], detection_s=config.fault_detection_s,
+            mtbf_s=config.fault_mtbf_s, replace_after_s=config.fault_replace_after_s,
+            slow_fraction=config.fault_slow_fraction, slow_factor=config.fault_slow_factor,
+        )  # fmt: skip
+        expected = expected_exposure(options, workers=workers)
+        counts: dict[str, list[float]] = {"crashes": [], "joins": [], "away_s": []}
+        for seed in range(traces):
+            trace = generate_trace(dataclasses.replace(options, seed=seed), workers=workers)
+            events = [e for e in trace.membership_events() if e.at <= options.duration_s]
+            counts["crashes"].append(sum(e.kind == "crash" for e in events))
+            counts["joins"].append(sum(e.kind in ("join", "rejoin") for e in events))
+            counts["away_s"].append(absent_worker_seconds(trace, duration_s=options.duration_s))
+        away = (1.0 - expected.alive_fraction) * workers * options.duration_s
+        found.append(
+            {
+                "workers": workers, "horizon_s": options.duration_s, "traces": traces,
+                "expected": {"crashes": expected.crashes, "joins": expected.joins, "away_s": away},
+                "mean": {k: statistics.fmean(v) for k, v in counts.items()},
+                "sd": {k: statistics.stdev(v) if traces > 1 else 0.0 for k, v in counts.items()},
+            }
+        )  # fmt: skip
+    return found
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
@@ -269,6 +310,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tolerance", type=float, default=0.10, help="allowed |ratio - 1|")
     parser.add_argument("--json", action="store_true", help="print JSON lines")
+    parser.add_argument(
+        "--traces",
+        type=int,
+        default=0,
+        help="also compare, per M, the expected crashes, joins and time away with their mean "
+        "over this many generated traces of the first run's options (0: no)",
+    )
     return parser.parse_args(argv)
 
 
@@ -319,6 +367,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{mean['method']:16} {mean['workers']:>4} {mean['runs']:>4} "
             f"{mean['with_straggler']:>4} {mean['some_slow']:>5.3f} {mean['measured']:>8.3f} "
             f"{_cell(mean['predicted'])} {mean['ratio']:>6.3f}{mark}"
+        )
+    for found in trace_exposures(rows, args.traces) if args.traces > 0 else []:
+        cells = ", ".join(
+            f"{key} {found['expected'][key]:.2f} against {found['mean'][key]:.2f} "
+            f"(sd {found['sd'][key]:.2f})"
+            for key in ("crashes", "joins", "away_s")
+        )
+        print(
+            f"M = {found['workers']}, T = {found['horizon_s']:.1f} s, expected against the mean "
+            f"over {found['traces']} generated traces: {cells}"
         )
     print(
         f"{len(rows) + len(means) - len(outside)} of {len(rows) + len(means)} within "
