@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from _cli import lowcomm
+from lowcomm.faults.generate import FaultOptions
+from lowcomm.faults.goodput import expected_exposure
 from lowcomm.plan import _FAULT_MODELS, PlanConfig, fault_model, make_plan, price_faults, run_plan
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.diloco import DiLoCoOptions
@@ -28,11 +30,27 @@ def priced(**overrides: object):  # type: ignore[no-untyped-def]
     return price_faults(planned, make_plan(planned))
 
 
+def at_mean(**overrides: object):  # type: ignore[no-untyped-def]
+    """The fault pricing at the expected exposure itself (its crash count not averaged over
+    a trace's draws): the formulas of lowcomm.faults.goodput, one evaluation."""
+    planned = config(**overrides)
+    plan = make_plan(planned)
+    options = FaultOptions.given(
+        duration_s=planned.fault_horizon_s or plan.wall_clock_s,
+        detection_s=planned.fault_detection_s, mtbf_s=planned.fault_mtbf_s,
+        replace_after_s=planned.fault_replace_after_s,
+        slow_fraction=planned.fault_slow_fraction, slow_factor=planned.fault_slow_factor,
+    )  # fmt: skip
+    exposure = expected_exposure(options, workers=planned.workers)
+    return price_faults(planned, plan, exposure=exposure)
+
+
 def test_ddp_under_crashes_by_hand() -> None:
     """One crash rate: lambda = 1/500 per worker, replaced after R = 100 s, detected after
     D = 5 s, over T = 1000 s; a join heals ddp's parameters and AdamW state (K = 12 bytes per
-    parameter) over one hop of the link."""
-    result = priced(
+    parameter) over one hop of the link. The planner's expectation averages G over the
+    trace's crash count k, Poisson with mean n (joins j k / n, time away (1 - a) k / n)."""
+    result = at_mean(
         method="ddp",
         fault_mtbf_s=500.0,
         fault_replace_after_s=100.0,
@@ -47,11 +65,25 @@ def test_ddp_under_crashes_by_hand() -> None:
     # moments), each 3 hops of 1 ms.
     heal = 12e9 / 1e9 + 3 * 3 * 1e-3
     step = 1.0 + ALL_REDUCE  # c + m, no straggler
-    # The run's 10 steps: crashes on one step drop it once; a dropped step costs each
-    # survivor its compute and the detection (c + D, no exchange).
-    dropped = 10 * (1 - math.exp(-crashes / 10))
-    healed = 10 * (1 - math.exp(-joins / 10))  # (joins on one step heal at once)
-    expected = a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
+
+    def by_hand(crashes: float, joins: float, a: float) -> float:
+        # The run's 10 steps: crashes on one step drop it once; a dropped step costs each
+        # survivor its compute and the detection (c + D, no exchange).
+        dropped = 10 * (1 - math.exp(-crashes / 10))
+        healed = 10 * (1 - math.exp(-joins / 10))  # (joins on one step heal at once)
+        return a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
+
+    expected = by_hand(crashes, joins, a)
+    poisson = [math.exp(-crashes) * crashes**k / math.factorial(k) for k in range(60)]
+    averaged = sum(
+        p * max(0.0, by_hand(k, joins * k / crashes, 1 - (1 - a) * k / crashes))
+        for k, p in enumerate(poisson)
+    )
+    assert priced(
+        method="ddp", fault_mtbf_s=500.0, fault_replace_after_s=100.0, fault_detection_s=5.0,
+        fault_horizon_s=1000.0,
+    ).goodput == pytest.approx(averaged / sum(poisson), rel=1e-9)  # fmt: skip
+    assert abs(averaged - expected) > 1e-3  # (the average is not G at the mean)
     assert result.family == "synchronous"
     assert (result.compute_s, result.sync_s, result.sync_every) == pytest.approx(
         (1.0, ALL_REDUCE, 1)
@@ -94,7 +126,7 @@ def test_diloco_under_crashes_by_hand() -> None:
     """A crash at a uniform moment of a round of rho = H c + m loses the dead worker's half
     round, and the survivors wait w = D - rho / 2 for the detection when D > rho; a join heals
     the anchor and the outer momentum (8 bytes per parameter)."""
-    result = priced(
+    result = at_mean(
         method="diloco",
         diloco=DiLoCoOptions(sync_every=2),
         fault_mtbf_s=2000.0,
@@ -271,7 +303,7 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     after its launch (u = 0 or 1, each with probability 1/2) waits max(0, x - u c) for its
     x = 3.006 s all-reduce, which overlaps the round's H c = 2 s of compute."""
     options = DiLoCoOptions(sync_every=2, outer_delay=1)
-    eager = priced(
+    eager = at_mean(
         method="eager", diloco=options, fault_mtbf_s=500.0, fault_replace_after_s=100.0,
         fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
@@ -293,7 +325,7 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     assert eager.heal_s == pytest.approx(heal, rel=1e-12)
     assert eager.goodput == pytest.approx(expected, rel=1e-12)
     assert eager.heal_bytes == (8 + 4 * 2) * 1e9  # phi, momentum, the mean and own in flight
-    diloco = priced(
+    diloco = at_mean(
         method="diloco", diloco=options, fault_mtbf_s=500.0, fault_replace_after_s=100.0,
         fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
@@ -332,7 +364,7 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     from lowcomm.faults.goodput import expected_last_sync_lost
 
     options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
-    result = priced(
+    result = at_mean(
         method="streaming_diloco", diloco=options, fault_mtbf_s=200.0,
         fault_replace_after_s=100.0, fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
@@ -355,7 +387,7 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     assert result.goodput == pytest.approx(expected, rel=1e-12)
     assert 0.1 < last < 0.5  # (the case prices the last sync)
     # Without overlap nothing waits for a later sync: no loss at the end.
-    flat = priced(
+    flat = at_mean(
         method="streaming_diloco", diloco=dataclasses.replace(options, overlap_steps=0),
         fault_mtbf_s=200.0, fault_replace_after_s=100.0, fault_detection_s=5.0,
         fault_horizon_s=1000.0,

@@ -38,6 +38,7 @@ from lowcomm.faults.goodput import (
     goodput_decoupled,
     goodput_local,
     goodput_synchronous,
+    over_crash_counts,
     worker_seconds_lost,
 )
 from lowcomm.optim.adamw import AdamWConfig
@@ -925,14 +926,21 @@ def price_faults(
     _, options = method_options(config)
     model = fault_model(config.method)
     horizon = plan.wall_clock_s if config.fault_horizon_s is None else config.fault_horizon_s
+    expected = exposure is None
     if exposure is None:
         exposure = expected_exposure(_fault_options(config, horizon), workers=config.workers)
     period = model.period(options)
     costs, heal_bytes = _fault_step_costs(config, plan, model, period, exposure.crashes)
     compute = costs.compute_s
-    value = _family_goodput(
-        model, exposure, costs, options, plan.steps, (dropped_rounds, last_sync_lost)
-    )
+
+    def goodput_of(faults: Exposure) -> float | None:
+        given = (dropped_rounds, last_sync_lost)
+        return _family_goodput(model, faults, costs, options, plan.steps, given)
+
+    value = goodput_of(exposure)
+    if expected and value is not None:
+        # (A trace's crash count is drawn: the expectation is over it.)
+        value = over_crash_counts(exposure, lambda faults: goodput_of(faults) or 0.0)
     fault_free_rate = config.tokens / plan.wall_clock_s
     return FaultGoodput(
         family=model.family, goodput=value, reason=model.reason, horizon_s=horizon,

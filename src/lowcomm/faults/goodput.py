@@ -130,7 +130,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lowcomm.faults.generate import FaultOptions
 from lowcomm.faults.trace import FaultTrace
@@ -149,6 +149,7 @@ __all__ = [
     "goodput_decoupled",
     "goodput_local",
     "goodput_synchronous",
+    "over_crash_counts",
     "worker_seconds_lost",
 ]
 
@@ -476,8 +477,12 @@ def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> 
     if rounds_late == 0 or crashes == 0.0 or rounds <= 1.0:
         return 0.0
     rate = crashes / rounds
-    total = 0.0
-    for launch in range(int(rounds)):
+    # (The launches whose exchange flies all N rounds share one term; the last few, cut by
+    # the run's end, are summed one by one.)
+    launches = int(rounds)
+    whole = min(launches, max(0, math.floor(rounds - 1 - rounds_late) + 1))
+    total = whole * -math.expm1(-rate * rounds_late)
+    for launch in range(whole, launches):
         window = max(0.0, min(float(rounds_late), rounds - (launch + 1)))
         total += 1.0 - math.exp(-rate * window)
     return total
@@ -600,6 +605,34 @@ def _straggler_steps(steps: float, slow_factor: float, compute_s: float) -> tupl
     return done, max(0.0, done * slow_factor - steps) * compute_s
 
 
+#: Up to this many expected crashes, :func:`over_crash_counts` averages over the count.
+POISSON_UP_TO = 400.0
+
+
+def over_crash_counts(exposure: Exposure, goodput_of: Callable[[Exposure], float]) -> float:
+    """E[G] over the run's crash count k, Poisson with mean n, the joins and the time away
+    scaled with it (j k / n; 1 - a as (1 - a) k / n): a generated trace's crashes are
+    independent draws, and G is not linear in them (crashes that fall on one step or
+    exchange count once; G is clamped at 0), so G at the mean count is not the mean G. Past
+    :data:`POISSON_UP_TO` crashes (a relative spread under 5%) G at the mean is taken."""
+    n = exposure.crashes
+    if n == 0.0 or n > POISSON_UP_TO:
+        return goodput_of(exposure)
+    spread = 8.0 * math.sqrt(n) + 8.0
+    total = weight = 0.0
+    for k in range(max(0, math.floor(n - spread)), math.ceil(n + spread) + 1):
+        probability = math.exp(k * math.log(n) - n - math.lgamma(k + 1))
+        scaled = replace(
+            exposure,
+            crashes=float(k),
+            joins=exposure.joins * k / n,
+            alive_fraction=max(0.0, 1.0 - (1.0 - exposure.alive_fraction) * k / n),
+        )
+        total += probability * goodput_of(scaled)
+        weight += probability
+    return total / weight
+
+
 def expected_goodput(
     family: str,
     options: FaultOptions,
@@ -625,11 +658,14 @@ def expected_goodput(
     """
     exposure = expected_exposure(options, workers=workers)
     if family == "synchronous":
-        return goodput_synchronous(exposure, costs)
+        return over_crash_counts(exposure, lambda e: goodput_synchronous(e, costs))
     if family == "local":
-        return goodput_local(exposure, costs)
+        return over_crash_counts(exposure, lambda e: goodput_local(e, costs))
     if family == "decoupled":
-        return goodput_decoupled(exposure, costs, min_quorum=min_quorum, grace_s=grace_s)
+        return over_crash_counts(
+            exposure,
+            lambda e: goodput_decoupled(e, costs, min_quorum=min_quorum, grace_s=grace_s),
+        )
     raise ValueError(
         f"family={family!r}: the model knows synchronous, local and decoupled; pick the one "
         "whose waiting the method shares"
