@@ -122,6 +122,9 @@ the run's time stretches by that tail, in which nobody else computes::
     W = K rho0 / H,  tail = (ceil(K / s) s - K) c
     G_dec,K = (p W / (W + tail) + 1 - p) G_dec
 
+The planner's expectation averages G over the trace's crash count, Poisson with mean n
+(:func:`over_crash_counts`), as it averages over the stragglers: G is not linear in it.
+
 Every G is clamped to [0, 1]. The model neglects the faults' interactions (a crash during a
 stall, a straggler among the dead) and is checked against simulated runs.
 """
