@@ -10,7 +10,8 @@ worker's compute per step (``--seconds-per-microbatch`` times ``--microbatches-p
 of a run on the declared clock, or this script's ``--seconds-per-step``). Printed per run:
 the measured goodput; the planner's expected goodput (over the trace's random draws: whether
 a slot is slow, how many crash) and their ratio; and the planner's model given the faults
-this run met (its crashes, joins, time away and straggler) and their ratio. Then, per method
+this run met (its crashes, joins, time away, its share of slow slots and whether one is slow,
+the exchanges its crashes failed and whether its last sync failed) and their ratio. Then, per method
 and M, the mean measured goodput over the runs given (one per --fault-seed) against the mean
 expectation: a single run at M = 16 either has a straggler or not, which the expectation
 mixes. The exit status is 1 when a run's ratio to its own faults' model, or a mean's ratio
@@ -139,8 +140,12 @@ def run_exposure(run: Path) -> Exposure | None:
         if kinds_here & {"join", "rejoin"}:
             join_steps.add(int(change["step"]))
     crashes = float(kinds.count("crash"))
-    if fault_model(train.method).family == "synchronous":
+    family = fault_model(train.method).family
+    if family == "synchronous":
         crashes = _events_over(len(crash_steps), steps)
+    # The run's slots are known: the share that is slow (decoupled_diloco's learners do not
+    # wait, and lose that share's pace), and whether any is (the others wait for it).
+    slow_slots = {e.worker for e in slow}
     return Exposure(
         workers=train.placement.workers,
         duration_s=duration,
@@ -148,8 +153,9 @@ def run_exposure(run: Path) -> Exposure | None:
         crashes=crashes,
         joins=_events_over(len(join_steps), steps),
         detection_s=train.fault.fault_detection_s,
-        slow_fraction=1.0 if slow else 0.0,
+        slow_fraction=len(slow_slots) / train.placement.workers,
         slow_factor=max((float(e.factor or 1.0) for e in slow), default=1.0),
+        slow_present=1.0 if slow else 0.0,
     )
 
 
@@ -169,6 +175,25 @@ def run_dropped_rounds(run: Path, config: PlanConfig) -> float:
     return float(len(failed))
 
 
+def run_last_sync_lost(run: Path, config: PlanConfig) -> float:
+    """The rounds of every survivor the run's last sync lost, for a method whose overlapped
+    syncs' tokens wait for the next completed one (0 for the others): 1 / F when a crash fell
+    in the run's last tau steps, while the last sync flew."""
+    model = fault_model(config.method)
+    _, options = method_options(config)
+    overlap = model.overlap(options)
+    if overlap == 0:
+        return 0.0
+    summary = json.loads((run / "summary.json").read_text())
+    steps = int(summary["steps"])
+    late_crash = any(
+        int(change["step"]) >= steps - overlap
+        for change in (summary.get("faults") or {}).get("membership_changes", [])
+        if any(event["kind"] == "crash" for event in change["events"])
+    )
+    return 1.0 / model.fragments(options) if late_crash else 0.0
+
+
 def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, Any]:
     """The run's measured goodput; the planner's expected goodput (over the trace's random
     draws) and its ratio; the planner's model given the faults this run met, and its ratio."""
@@ -178,8 +203,9 @@ def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, 
     priced = price_faults(config, plan)
     exposure = run_exposure(run)
     given = price_faults(
-        config, plan, exposure=exposure, dropped_rounds=run_dropped_rounds(run, config)
-    ).goodput
+        config, plan, exposure=exposure, dropped_rounds=run_dropped_rounds(run, config),
+        last_sync_lost=run_last_sync_lost(run, config),
+    ).goodput  # fmt: skip
     predicted = priced.goodput
     return {
         "run": str(run),
@@ -233,6 +259,46 @@ def seed_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return means
 
 
+def trace_exposures(rows: list[dict[str, Any]], traces: int) -> list[dict[str, Any]]:
+    """Per M, the exposure the planner expects (crashes n, joins j, slot-seconds away) against
+    its mean over ``traces`` generated traces (seeds 0 ..) of the same options over the same
+    horizon: the expectation's side of the check, without simulated runs (a run meets one
+    trace, whose crash count alone varies by about sqrt(n))."""
+    import dataclasses
+    import statistics
+
+    from lowcomm.faults.generate import FaultOptions, generate_trace
+    from lowcomm.faults.goodput import expected_exposure
+
+    found = []
+    for workers in sorted({row["workers"] for row in rows}):
+        row = next(r for r in rows if r["workers"] == workers)
+        config = plan_for_run(Path(row["run"]))
+        options = FaultOptions.given(
+            duration_s=row["horizon_s"], detection_s=config.fault_detection_s,
+            mtbf_s=config.fault_mtbf_s, replace_after_s=config.fault_replace_after_s,
+            slow_fraction=config.fault_slow_fraction, slow_factor=config.fault_slow_factor,
+        )  # fmt: skip
+        expected = expected_exposure(options, workers=workers)
+        counts: dict[str, list[float]] = {"crashes": [], "joins": [], "away_s": []}
+        for seed in range(traces):
+            trace = generate_trace(dataclasses.replace(options, seed=seed), workers=workers)
+            events = [e for e in trace.membership_events() if e.at <= options.duration_s]
+            counts["crashes"].append(sum(e.kind == "crash" for e in events))
+            counts["joins"].append(sum(e.kind in ("join", "rejoin") for e in events))
+            counts["away_s"].append(absent_worker_seconds(trace, duration_s=options.duration_s))
+        away = (1.0 - expected.alive_fraction) * workers * options.duration_s
+        found.append(
+            {
+                "workers": workers, "horizon_s": options.duration_s, "traces": traces,
+                "expected": {"crashes": expected.crashes, "joins": expected.joins, "away_s": away},
+                "mean": {k: statistics.fmean(v) for k, v in counts.items()},
+                "sd": {k: statistics.stdev(v) if traces > 1 else 0.0 for k, v in counts.items()},
+            }
+        )  # fmt: skip
+    return found
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
@@ -244,6 +310,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tolerance", type=float, default=0.10, help="allowed |ratio - 1|")
     parser.add_argument("--json", action="store_true", help="print JSON lines")
+    parser.add_argument(
+        "--traces",
+        type=int,
+        default=0,
+        help="also compare, per M, the expected crashes, joins and time away with their mean "
+        "over this many generated traces of the first run's options (0: no)",
+    )
     return parser.parse_args(argv)
 
 
@@ -294,6 +367,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{mean['method']:16} {mean['workers']:>4} {mean['runs']:>4} "
             f"{mean['with_straggler']:>4} {mean['some_slow']:>5.3f} {mean['measured']:>8.3f} "
             f"{_cell(mean['predicted'])} {mean['ratio']:>6.3f}{mark}"
+        )
+    for found in trace_exposures(rows, args.traces) if args.traces > 0 else []:
+        cells = ", ".join(
+            f"{key} {found['expected'][key]:.2f} against {found['mean'][key]:.2f} "
+            f"(sd {found['sd'][key]:.2f})"
+            for key in ("crashes", "joins", "away_s")
+        )
+        print(
+            f"M = {found['workers']}, T = {found['horizon_s']:.1f} s, expected against the mean "
+            f"over {found['traces']} generated traces: {cells}"
         )
     print(
         f"{len(rows) + len(means) - len(outside)} of {len(rows) + len(means)} within "

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from _cli import lowcomm
+from lowcomm.faults.generate import FaultOptions
+from lowcomm.faults.goodput import expected_exposure
 from lowcomm.plan import _FAULT_MODELS, PlanConfig, fault_model, make_plan, price_faults, run_plan
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.diloco import DiLoCoOptions
@@ -28,11 +30,27 @@ def priced(**overrides: object):  # type: ignore[no-untyped-def]
     return price_faults(planned, make_plan(planned))
 
 
+def at_mean(**overrides: object):  # type: ignore[no-untyped-def]
+    """The fault pricing at the expected exposure itself (its crash count not averaged over
+    a trace's draws): the formulas of lowcomm.faults.goodput, one evaluation."""
+    planned = config(**overrides)
+    plan = make_plan(planned)
+    options = FaultOptions.given(
+        duration_s=planned.fault_horizon_s or plan.wall_clock_s,
+        detection_s=planned.fault_detection_s, mtbf_s=planned.fault_mtbf_s,
+        replace_after_s=planned.fault_replace_after_s,
+        slow_fraction=planned.fault_slow_fraction, slow_factor=planned.fault_slow_factor,
+    )  # fmt: skip
+    exposure = expected_exposure(options, workers=planned.workers)
+    return price_faults(planned, plan, exposure=exposure)
+
+
 def test_ddp_under_crashes_by_hand() -> None:
     """One crash rate: lambda = 1/500 per worker, replaced after R = 100 s, detected after
     D = 5 s, over T = 1000 s; a join heals ddp's parameters and AdamW state (K = 12 bytes per
-    parameter) over one hop of the link."""
-    result = priced(
+    parameter) over one hop of the link. The planner's expectation averages G over the
+    trace's crash count k, Poisson with mean n (joins j k / n, time away (1 - a) k / n)."""
+    result = at_mean(
         method="ddp",
         fault_mtbf_s=500.0,
         fault_replace_after_s=100.0,
@@ -47,11 +65,25 @@ def test_ddp_under_crashes_by_hand() -> None:
     # moments), each 3 hops of 1 ms.
     heal = 12e9 / 1e9 + 3 * 3 * 1e-3
     step = 1.0 + ALL_REDUCE  # c + m, no straggler
-    # The run's 10 steps: crashes on one step drop it once; a dropped step costs each
-    # survivor its compute and the detection (c + D, no exchange).
-    dropped = 10 * (1 - math.exp(-crashes / 10))
-    healed = 10 * (1 - math.exp(-joins / 10))  # (joins on one step heal at once)
-    expected = a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
+
+    def by_hand(crashes: float, joins: float, a: float) -> float:
+        # The run's 10 steps: crashes on one step drop it once; a dropped step costs each
+        # survivor its compute and the detection (c + D, no exchange).
+        dropped = 10 * (1 - math.exp(-crashes / 10))
+        healed = 10 * (1 - math.exp(-joins / 10))  # (joins on one step heal at once)
+        return a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
+
+    expected = by_hand(crashes, joins, a)
+    poisson = [math.exp(-crashes) * crashes**k / math.factorial(k) for k in range(60)]
+    averaged = sum(
+        p * max(0.0, by_hand(k, joins * k / crashes, 1 - (1 - a) * k / crashes))
+        for k, p in enumerate(poisson)
+    )
+    assert priced(
+        method="ddp", fault_mtbf_s=500.0, fault_replace_after_s=100.0, fault_detection_s=5.0,
+        fault_horizon_s=1000.0,
+    ).goodput == pytest.approx(averaged / sum(poisson), rel=1e-9)  # fmt: skip
+    assert abs(averaged - expected) > 1e-3  # (the average is not G at the mean)
     assert result.family == "synchronous"
     assert (result.compute_s, result.sync_s, result.sync_every) == pytest.approx(
         (1.0, ALL_REDUCE, 1)
@@ -94,7 +126,7 @@ def test_diloco_under_crashes_by_hand() -> None:
     """A crash at a uniform moment of a round of rho = H c + m loses the dead worker's half
     round, and the survivors wait w = D - rho / 2 for the detection when D > rho; a join heals
     the anchor and the outer momentum (8 bytes per parameter)."""
-    result = priced(
+    result = at_mean(
         method="diloco",
         diloco=DiLoCoOptions(sync_every=2),
         fault_mtbf_s=2000.0,
@@ -264,9 +296,14 @@ def test_the_check_script_plans_a_run_as_it_ran(
 def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand() -> None:
     """eager (N = 1) over 10 steps of H = 2 (R = 5 rounds): the exchanges of rounds 0-3 each
     fly one round and fail if a crash falls in it, D = 4 (1 - exp(-n / 5)) of them, each a
-    round rho of the dead worker and of the (M - 1) a survivors."""
+    round rho of the dead worker and of the (M - 1) a survivors. A join is healed with phi,
+    the outer momentum and the exchange in flight (its mean and the sender's own), which is
+    sent only while live: at a join it has flown (H + 1) / 2 steps on average, failed with
+    probability 1 - exp(-n 1.5 / 10). Before healing, the members settle it: a join u steps
+    after its launch (u = 0 or 1, each with probability 1/2) waits max(0, x - u c) for its
+    x = 3.006 s all-reduce, which overlaps the round's H c = 2 s of compute."""
     options = DiLoCoOptions(sync_every=2, outer_delay=1)
-    eager = priced(
+    eager = at_mean(
         method="eager", diloco=options, fault_mtbf_s=500.0, fault_replace_after_s=100.0,
         fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
@@ -278,11 +315,17 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     dropped = 4 * (1 - math.exp(-crashes / 5))
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
     healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
-    expected = a - (lost + healed * m * a * eager.heal_s) / (m * t)
+    failed = 1 - math.exp(-crashes * 1.5 / 10)
+    tensors = 4 - 2 * failed  # phi, momentum, and the mean and own in flight when live
+    heal = 4e9 * tensors / 1e9 + tensors * 3 * 1e-3  # (a model per tensor; 3 hops of 1 ms)
+    settle = (ALL_REDUCE + (ALL_REDUCE - 1.0)) / 2
+    expected = a - (lost + healed * m * a * (heal + settle)) / (m * t)
     assert eager.family == "local" and eager.sync_every == 2
+    assert eager.sync_s == pytest.approx(ALL_REDUCE - 2.0)  # (its exposed part)
+    assert eager.heal_s == pytest.approx(heal, rel=1e-12)
     assert eager.goodput == pytest.approx(expected, rel=1e-12)
     assert eager.heal_bytes == (8 + 4 * 2) * 1e9  # phi, momentum, the mean and own in flight
-    diloco = priced(
+    diloco = at_mean(
         method="diloco", diloco=options, fault_mtbf_s=500.0, fault_replace_after_s=100.0,
         fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
@@ -308,3 +351,83 @@ def test_a_run_of_a_one_block_model_is_planned_with_the_fragments_it_used() -> N
     assert make_plan(planned).steps == 8
     with pytest.raises(ValueError, match=r"--diloco\.overlap-steps: 1 must be < H/K"):
         make_plan(dataclasses.replace(planned, diloco=options))
+
+
+def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
+    """streaming_diloco, H = 4, F = 2 fragments, tau = 1, over the plan's K = 10 steps: a
+    failed sync's tokens wait for the next that completes, so a crash costs what diloco's
+    does, plus, when one falls in the run's last tau steps (1 - exp(-n tau / K)), every
+    survivor's steps since the previous completed sync: H / F steps, 1 / F of a round. A
+    join waits for a sync launched at the step before it (F of the H steps: probability
+    F / H) for its whole x: each fragment's all-reduce (half the model, x = 1.506 s) overlaps
+    tau c = 1 s of compute."""
+    from lowcomm.faults.goodput import expected_last_sync_lost
+
+    options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
+    result = at_mean(
+        method="streaming_diloco", diloco=options, fault_mtbf_s=200.0,
+        fault_replace_after_s=100.0, fault_detection_s=5.0, fault_horizon_s=1000.0,
+    )  # fmt: skip
+    m, rate, r, d, t = 4, 1 / 200, 100.0, 5.0, 1000.0
+    a = 1 / (1 + rate * r)
+    crashes, joins = m * a * rate * t, m * a * rate * (t - r)
+    rho = 4 * result.compute_s + result.sync_s
+    wait = d * d / (2 * rho) if d <= rho else d - rho / 2
+    last = (1 - math.exp(-crashes * 1 / 10)) / 2
+    healed = 10 * (1 - math.exp(-joins / 10))
+    lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
+    x = 2 * 3 / 4 * 1e9 / 1e9 + 2 * 3 * 1e-3  # (half a bf16 model on 4 workers)
+    settle = 2 / 4 * x
+    expected = a - (lost + healed * m * a * (result.heal_s + settle)) / (m * t)
+    assert result.family == "local" and result.sync_every == 4
+    assert result.sync_s == pytest.approx(2 * (x - 1.0))
+    assert expected_last_sync_lost(
+        crashes, overlap_steps=1, fragments=2, steps=10
+    ) == pytest.approx(last)
+    assert result.goodput == pytest.approx(expected, rel=1e-12)
+    assert 0.1 < last < 0.5  # (the case prices the last sync)
+    # Without overlap nothing waits for a later sync: no loss at the end.
+    flat = at_mean(
+        method="streaming_diloco", diloco=dataclasses.replace(options, overlap_steps=0),
+        fault_mtbf_s=200.0, fault_replace_after_s=100.0, fault_detection_s=5.0,
+        fault_horizon_s=1000.0,
+    )  # fmt: skip
+    assert flat.goodput is not None and result.goodput is not None
+    assert flat.goodput > result.goodput
+
+
+def test_a_decoupled_run_ends_with_its_straggler_by_hand() -> None:
+    """decoupled_diloco over K = 10 ticks, each slot 3x slow with probability 1/4: a
+    straggler steps at ticks floor(3 j), so it takes ceil(10 / 3) = 4 inner steps (r = 4/10)
+    and its last ends (4 * 3 - 10) c = 2 c after the others' K rho0 / H; with a straggler
+    (p = 1 - (3/4)^4) the run stretches by that tail, in which nobody else computes."""
+    from lowcomm.strategies.decoupled_diloco import DecoupledOptions
+
+    result = priced(
+        method="decoupled_diloco", decoupled=DecoupledOptions(sync_every=2, fragments=1),
+        fault_slow_fraction=0.25, fault_slow_factor=3.0,
+    )  # fmt: skip
+    c = result.compute_s
+    run_s = 10 * (2 * c + result.sync_s) / 2
+    p, f = 1 - 0.75**4, 0.25
+    expected = (p * run_s / (run_s + 2 * c) + 1 - p) * (1 - f + f * 4 / 10)
+    assert result.family == "decoupled" and result.crashes == 0
+    assert result.goodput == pytest.approx(expected, rel=1e-12)
+    assert expected < 1 - f + f / 3  # (the tail costs more than the share gains)
+
+
+def test_a_straggler_hides_an_overlapped_sync_by_hand() -> None:
+    """streaming_diloco, H = 4, F = 2, tau = 1: each fragment's all-reduce (x = 1.506 s)
+    overlaps tau c = 1 s of compute and exposes x - 1 without faults. Behind a 2x straggler
+    the overlapped compute is the straggler's, 2 s, which hides it whole: a round takes
+    H c 2 + 0, not H c 2 + 2 (x - 1)."""
+    options = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
+    result = priced(
+        method="streaming_diloco", diloco=options, fault_slow_fraction=0.25,
+        fault_slow_factor=2.0,
+    )  # fmt: skip
+    x = 2 * 3 / 4 * 1e9 / 1e9 + 2 * 3 * 1e-3
+    rho0 = 4 * 1.0 + 2 * (x - 1.0)
+    p = 1 - 0.75**4
+    assert result.goodput == pytest.approx(p * rho0 / (4 * 2.0) + (1 - p), rel=1e-12)
+    assert rho0 / (4 * 2.0) > rho0 / (4 * 2.0 + 2 * (x - 1.0))  # (the blocking reading)

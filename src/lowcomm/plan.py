@@ -34,9 +34,11 @@ from lowcomm.faults.goodput import (
     StepCosts,
     expected_dropped_rounds,
     expected_exposure,
+    expected_last_sync_lost,
     goodput_decoupled,
     goodput_local,
     goodput_synchronous,
+    over_crash_counts,
     worker_seconds_lost,
 )
 from lowcomm.optim.adamw import AdamWConfig
@@ -727,6 +729,13 @@ class _FaultModel:
         in_flight: N, the rounds after its launch that a round's result lands (0: where it
             is launched); a crash fails the N in flight on every member.
         heal_tensors: the broadcasts healing takes (None: one per 4 bytes of heal_bytes).
+        overlap: tau, the steps a sync flies when its failure only delays its tokens to the
+            next completed sync (0: none); the run's last sync then loses them.
+        fragments: F, the fragments whose syncs take turns (a sync completes every H / F
+            steps).
+        live_heal: the model-sized tensors of each exchange in flight that a healing sends
+            only when the exchange is live (eager 2, diloco_delayed 1; already counted in
+            heal_bytes): one that a crash failed since its launch is not sent.
     """
 
     family: FaultFamily | None
@@ -735,6 +744,9 @@ class _FaultModel:
     reason: str = ""
     in_flight: Callable[[Any], int] = lambda options: 0
     heal_tensors: int | None = None
+    overlap: Callable[[Any], int] = lambda options: 0
+    fragments: Callable[[Any], int] = lambda options: 1
+    live_heal: int = 0
 
 
 def _sync_every(options: Any) -> int:
@@ -748,6 +760,15 @@ def _outer_delay(options: Any) -> int:
 def _delayed_heal(config: PlanConfig, tensors_per_exchange: int) -> float:
     """phi, the outer momentum and N in-flight exchanges of ``tensors_per_exchange`` tensors."""
     return _OUTER + 4.0 * tensors_per_exchange * _outer_delay(method_options(config)[1])
+
+
+def _overlap_steps(options: Any) -> int:
+    return int(options.overlap_steps)
+
+
+def _fragments_or(default: int) -> Callable[[Any], int]:
+    """F from the options, or the method's default (a plan's options leave it unset)."""
+    return lambda options: int(options.fragments or default)
 
 
 def _param_period(options: Any) -> int:
@@ -778,14 +799,35 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
     "dpu": _FaultModel(None, reason=_SHARDED_PIPELINE),
     "wp": _FaultModel(None, reason=_SHARDED_PIPELINE),
     "diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
-    "streaming_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
-    "cocodc": _FaultModel("local", _sync_every, lambda config: _OUTER),
+    # A failed sync's tokens wait for the next completed one: only the last sync's are lost.
+    "streaming_diloco": _FaultModel(
+        "local",
+        _sync_every,
+        lambda config: _OUTER,
+        overlap=_overlap_steps,
+        fragments=_fragments_or(4),
+    ),
+    "cocodc": _FaultModel(
+        "local",
+        _sync_every,
+        lambda config: _OUTER,
+        overlap=_overlap_steps,
+        fragments=_fragments_or(4),
+    ),
     # phi, the outer momentum and the N exchanges in flight (eager: with the sender's own).
     "diloco_delayed": _FaultModel(
-        "local", _sync_every, lambda config: _delayed_heal(config, 1), in_flight=_outer_delay
+        "local",
+        _sync_every,
+        lambda config: _delayed_heal(config, 1),
+        in_flight=_outer_delay,
+        live_heal=1,
     ),
     "eager": _FaultModel(
-        "local", _sync_every, lambda config: _delayed_heal(config, 2), in_flight=_outer_delay
+        "local",
+        _sync_every,
+        lambda config: _delayed_heal(config, 2),
+        in_flight=_outer_delay,
+        live_heal=2,
     ),
     "sparta_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
     # The anchor; the error-feedback buffer is per worker.
@@ -870,26 +912,35 @@ def price_faults(
     *,
     exposure: Exposure | None = None,
     dropped_rounds: float | None = None,
+    last_sync_lost: float | None = None,
 ) -> FaultGoodput:
     """The expected goodput of ``plan``'s method under ``config``'s --fault-* options.
 
     The step costs are the plan's: c its compute per step, m its exposed communication per
     step times H, h the method's global state over the link (one hop, each rank its 1/R);
     T is --fault-horizon-s or the plan's fault-free wall clock. ``exposure``: the faults to
-    price instead of the options' expected ones, and ``dropped_rounds`` the exchanges that
-    failed instead of their expected number (a run's own, to check the model on it).
+    price instead of the options' expected ones, ``dropped_rounds`` the exchanges that
+    failed instead of their expected number and ``last_sync_lost`` the rounds of every
+    survivor the run's failed last sync lost (a run's own, to check the model on it).
     """
     _, options = method_options(config)
     model = fault_model(config.method)
     horizon = plan.wall_clock_s if config.fault_horizon_s is None else config.fault_horizon_s
+    expected = exposure is None
     if exposure is None:
         exposure = expected_exposure(_fault_options(config, horizon), workers=config.workers)
     period = model.period(options)
-    costs, heal_bytes = _fault_step_costs(config, plan, model, period)
+    costs, heal_bytes = _fault_step_costs(config, plan, model, period, exposure.crashes)
     compute = costs.compute_s
-    value = _family_goodput(
-        model, exposure, costs, options, plan.steps / period, dropped_rounds, plan.steps
-    )
+
+    def goodput_of(faults: Exposure) -> float | None:
+        given = (dropped_rounds, last_sync_lost)
+        return _family_goodput(model, faults, costs, options, plan.steps, given)
+
+    value = goodput_of(exposure)
+    if expected and value is not None:
+        # (A trace's crash count is drawn: the expectation is over it.)
+        value = over_crash_counts(exposure, lambda faults: goodput_of(faults) or 0.0)
     fault_free_rate = config.tokens / plan.wall_clock_s
     return FaultGoodput(
         family=model.family, goodput=value, reason=model.reason, horizon_s=horizon,
@@ -900,7 +951,7 @@ def price_faults(
             workers=config.workers, modeled_s=horizon, goodput=value
         ),
         wall_clock_s=None if not value else plan.wall_clock_s / value,
-        compute_s=compute, sync_s=costs.sync_s, sync_every=period, heal_bytes=heal_bytes,
+        compute_s=compute, sync_s=costs.exposed_s(), sync_every=period, heal_bytes=heal_bytes,
         heal_s=costs.heal_s, alive_fraction=exposure.alive_fraction, crashes=exposure.crashes,
         joins=exposure.joins, slowest_pace=exposure.slowest_pace,
     )  # fmt: skip
@@ -919,34 +970,74 @@ def _fault_options(config: PlanConfig, horizon: float) -> FaultOptions:
 
 
 def _fault_step_costs(
-    config: PlanConfig, plan: Plan, model: _FaultModel, period: int
+    config: PlanConfig, plan: Plan, model: _FaultModel, period: int, crashes: float
 ) -> tuple[StepCosts, float]:
     """The step costs the fault model prices (c, m over a period of H steps, h) and the
-    bytes of a healing (each rank its 1/R of the global state)."""
+    bytes of a healing with every exchange in flight live (each rank its 1/R of the global
+    state); h is the expected healing, without the exchanges ``crashes`` failed."""
     exposed_per_step = plan.comm_exposed_s / plan.steps if plan.steps > 0 else 0.0
     heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
+    tensors = float(model.heal_tensors or round(model.heal_bytes(config) / 4.0))
+    if model.live_heal:
+        unsent = model.live_heal * _failed_in_flight(
+            crashes, model.in_flight(method_options(config)[1]), period, plan.steps
+        )
+        heal_bytes_sent = heal_bytes * (1.0 - unsent / tensors)
+        tensors -= unsent
+    else:
+        heal_bytes_sent = heal_bytes
     link = NetworkProfile(
         name="custom", bandwidth_gbps=plan.bandwidth_gbps, latency_ms=plan.latency_ms
     )
+    overlapped = _overlapped(config, plan, period)
+    hidden_exposed = sum(k * max(0.0, x - y) for k, x, y in overlapped)
     costs = StepCosts(
         compute_s=_step_compute(config, plan.params),
-        sync_s=exposed_per_step * period,
+        sync_s=max(0.0, exposed_per_step * period - hidden_exposed),
         sync_every=period,
-        heal_s=_heal_seconds(
-            link,
-            heal_bytes,
-            model.heal_tensors or round(model.heal_bytes(config) / 4.0),
-            config.workers,
-        ),
+        overlapped=overlapped,
+        heal_s=_heal_seconds(link, heal_bytes_sent, tensors, config.workers),
     )
     return costs, heal_bytes
 
 
-def _heal_seconds(link: NetworkProfile, heal_bytes: float, tensors: int, workers: int) -> float:
+def _failed_in_flight(crashes: float, in_flight: int, period: int, steps: float) -> float:
+    """The expected exchanges in flight at a join that a crash has failed since their
+    launch (crashes at n / K per step): the i-th newest was launched (i - 1) H steps and,
+    the join falling at a uniform step of the round, (H + 1) / 2 more before it, so it is
+    live with probability exp(-n ((H + 1) / 2 + (i - 1) H) / K)."""
+    if crashes == 0.0 or steps <= 0:
+        return 0.0
+    rate = crashes / steps
+    return sum(-math.expm1(-rate * ((period + 1) / 2.0 + i * period)) for i in range(in_flight))
+
+
+def _overlapped(
+    config: PlanConfig, plan: Plan, period: int
+) -> tuple[tuple[float, float, float], ...]:
+    """The method's collectives that overlap compute, per round of ``period`` steps, as the
+    plan prices them: (how many, seconds each, compute seconds each overlaps). A straggler's
+    slower compute hides more of them (``StepCosts.overlapped``)."""
+    cls, options = method_options(config)
+    if cls.cost.accumulates:
+        return ()
+    pricing = _pricing(config, cls, options, plan.bandwidth_gbps)
+    step = _step_compute(config, pricing.params)
+    transfers = cls.cost.traffic(
+        options, Timing(step_seconds=step, all_reduce_seconds=pricing.exchange_seconds)
+    )
+    return tuple(
+        (t.per_step * period, pricing.seconds(t), t.hidden_steps * step)
+        for t in transfers
+        if t.hidden_steps > 0
+    )
+
+
+def _heal_seconds(link: NetworkProfile, heal_bytes: float, tensors: float, workers: int) -> float:
     """h: the healing broadcasts from one member over the quorum's M workers, ``tensors`` of
-    them (one per tensor of the global state): their transfer and, each, the (M - 1) hops of
-    latency the link prices a broadcast with."""
-    tensors = max(1, tensors)
+    them (one per tensor of the global state; an expected count may be fractional): their
+    transfer and, each, the (M - 1) hops of latency the link prices a broadcast with."""
+    tensors = max(1.0, tensors)
     single = link.collective_time(CollectiveKind.BROADCAST, heal_bytes, workers)
     hops = link.collective_time(CollectiveKind.BROADCAST, 0.0, workers)
     return single + (tensors - 1) * hops
@@ -957,22 +1048,35 @@ def _family_goodput(
     exposure: Exposure,
     costs: StepCosts,
     options: object | None,
-    rounds: float,
-    dropped_rounds: float | None = None,
-    steps: float | None = None,
+    steps: float,
+    given: tuple[float | None, float | None] = (None, None),
 ) -> float | None:
+    """G of the model's family; ``given``: the dropped rounds and the last sync's lost rounds
+    to price instead of their expectations (None: expected)."""
     if model.family == "synchronous":
         return goodput_synchronous(exposure, costs, steps=steps)
     if model.family == "local":
+        dropped_rounds, last_lost = given
         if dropped_rounds is None:
             late = model.in_flight(options)
+            rounds = steps / costs.sync_every
             dropped_rounds = expected_dropped_rounds(exposure.crashes, late, rounds)
-        return goodput_local(exposure, costs, dropped_rounds=dropped_rounds, steps=steps)
+        if last_lost is None:
+            overlap = model.overlap(options)
+            last_lost = 0.0
+            if overlap > 0:
+                last_lost = expected_last_sync_lost(
+                    exposure.crashes, overlap_steps=overlap,
+                    fragments=model.fragments(options), steps=steps,
+                )  # fmt: skip
+        return goodput_local(
+            exposure, costs, dropped_rounds=dropped_rounds, last_sync_lost=last_lost, steps=steps
+        )
     if model.family == "decoupled":
         # Late fragments are merged by their token count, so the grace window does not
         # change what commits (lowcomm.faults.goodput.goodput_decoupled).
         quorum = int(getattr(options, "min_quorum", 1))
-        return goodput_decoupled(exposure, costs, min_quorum=quorum, grace_s=0.0)
+        return goodput_decoupled(exposure, costs, min_quorum=quorum, grace_s=0.0, steps=steps)
     return None
 
 
