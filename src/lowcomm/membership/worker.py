@@ -88,7 +88,7 @@ def train_replica(
     started = time.time()
     try:
         raw = TorchftComm(replica)
-        worker = _set_up(config, raw, replica, task)
+        worker = _set_up(config, raw, replica, task, replay)
         path = run_directory(config) / "membership.json"
         replica.on_event = lambda: _write(path, _record(replica, config, started))
         raw.start()
@@ -160,8 +160,15 @@ def _train(
     return record
 
 
-def _set_up(config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task | None) -> Worker:
-    """This replica's worker, its strategy's rounds following the lighthouse's quorums."""
+def _set_up(
+    config: TrainConfig,
+    raw: TorchftComm,
+    replica: Replica,
+    task: Task | None,
+    replay: WorkerReplay | None,
+) -> Worker:
+    """This replica's worker, its strategy's rounds following the lighthouse's quorums (and
+    its emulated link following a replayed trace's link events, as a simulated run's)."""
     from lowcomm.comm.emulated import NetworkComm
     from lowcomm.comm.local import LocalComm
     from lowcomm.membership.torchft_comm import TorchftMembership
@@ -173,6 +180,8 @@ def _set_up(config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task 
     if isinstance(worker.comm, NetworkComm):
         # (The virtual clock agrees launch times over the round's members, not locally.)
         worker.comm._bookkeeping = None
+        if replay is not None and replay.has_link_events():
+            worker.comm.link_model = replay.link_model(worker.clock.now)
     worker.strategy.runtime = replace(
         worker.strategy.runtime, membership=TorchftMembership(replica)
     )
