@@ -126,3 +126,46 @@ def test_resume_auto_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"--resume auto: not with --membership torchft") as error:
         config.validate()
     assert "\n" not in str(error.value)
+
+
+def _checkpoint(config: TrainConfig, directory: Path, step: int) -> None:
+    """A worker's intact checkpoint of ``config`` at ``step`` in ``directory`` (its state is
+    not read here: only where it is and the step it names)."""
+    from lowcomm.membership.replay import without_faults
+    from lowcomm.train import checkpoint
+
+    worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
+    path = checkpoint.write_rank_state(directory, step, 0, {"step": step})
+    checkpoint.commit_checkpoint(
+        directory, step, 1, checkpoint.fingerprint(worker), digests=[checkpoint.file_digest(path)]
+    )
+
+
+def test_a_resume_continues_each_slots_last_process(tmp_path: Path) -> None:
+    from lowcomm.membership.local import resume_point
+
+    job = tmp_path / "job"
+    (job / "trace.txt").parent.mkdir(parents=True)
+    (job / "trace.txt").write_text("step=2 worker=2 crash\nstep=3 worker=1 crash\n")
+    config = _config(None, resume=str(job), faults=str(job / "trace.txt"))
+    # Slot 0 ran throughout; slot 1's worker was killed and one started again, which stopped
+    # with the job; slot 2's was killed (its checkpoint before that is older).
+    workers = {
+        "0": [{"run": str(job / "worker0"), "exit_code": 0}],
+        "1": [{"run": str(job / "worker1"), "exit_code": -9},
+              {"run": str(job / "worker1.1"), "exit_code": 0}],
+        "2": [{"run": str(job / "worker2"), "exit_code": -9}],
+    }  # fmt: skip
+    (job / "membership.json").write_text(
+        json.dumps({"workers": workers, "replayed": {"run_s": 9.5}})
+    )
+    for directory, step in (("worker0", 8), ("worker1", 2), ("worker1.1", 8), ("worker2", 2)):
+        _checkpoint(config, job / directory, step)
+    point = resume_point(config)
+    assert point.step == 8 and point.replayed == (8, 9.5)
+    assert point.dirs == {0: job / "worker0", 1: job / "worker1.1", 2: None}
+    # (Slot 2's next worker, started by the trace's join, writes worker2.1.)
+    assert point.first_index == {0: 0, 1: 1, 2: 1}
+    # Without a trace to start slot 2 again, its older checkpoint is refused.
+    with pytest.raises(ConfigError, match=r"different steps \(worker0 at step 8, worker1.1 at"):
+        resume_point(_config(None, resume=str(job)))
