@@ -13,7 +13,14 @@ import pytest
 from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.membership.options import MembershipOptions
-from lowcomm.membership.replay import Channel, WorkerReplay, check_replay, job_goodput, link_time
+from lowcomm.membership.replay import (
+    Channel,
+    Replay,
+    WorkerReplay,
+    check_replay,
+    job_goodput,
+    link_time,
+)
 from lowcomm.models import ModelConfig
 from lowcomm.strategies.diloco import DiLoCoOptions
 
@@ -202,3 +209,20 @@ def test_a_traces_link_events_slow_the_live_workers_link(tmp_path: Path) -> None
         # The sync at step 7 ran on the link degraded to 1/4 (steps 4 to 7); 11's did not.
         assert comm[7] == pytest.approx(4 * comm[3], rel=1e-6), slot
         assert comm[11] == pytest.approx(comm[3], rel=1e-6), slot
+
+
+def test_a_resumed_replay_meets_only_the_events_after_the_stop(tmp_path: Path) -> None:
+    import multiprocessing
+
+    trace = "step=2 worker=2 crash\nstep=8 worker=2 join\nstep=9 worker=1 crash\n"
+    config = _config(tmp_path, trace, steps=12)
+    found = check_replay(config)
+    assert found is not None
+    channel = Channel.make(multiprocessing.get_context("spawn"), 3)
+    # Stopped at step 8 with slot 2 dead: the join at 8 and the crash at 9 are still to come.
+    replay = Replay(found, channel, 3, since=(8, 4.0), first=[0, 1])
+    assert [(e.kind, e.worker, e.at) for e in replay.pending] == [("join", 2, 8), ("crash", 1, 9)]
+    assert channel.before.value == 4.0  # (the workers' run time continues the stopped job's)
+    # Training starts once the slots that have a worker are past their startup round.
+    channel.steps[0] = channel.steps[1] = 8
+    assert replay.training_started() is not None
