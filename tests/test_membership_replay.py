@@ -163,13 +163,16 @@ def test_a_trace_kept_with_checkpoints_continues_where_it_stopped(tmp_path: Path
     from lowcomm.launch.run import run_training
 
     steps, stop = 88, 80
-    trace = "step=2 worker=1 crash\nstep=4 worker=1 join\nstep=84 worker=1 crash\n"
+    trace = (
+        "step=2 worker=1 crash\nstep=4 worker=1 join\nstep=6 worker=2 crash\n"
+        "step=84 worker=1 crash\n"
+    )
     run = tmp_path / "run"
-    config = _config(run, trace, steps=steps, workers=2, stop_after=stop)
+    config = _config(run, trace, steps=steps, stop_after=stop)
     assert run_training(config, report=None) is None
-    # The job stopped at step 80: the crash and join before it happened, the crash after it
-    # did not, and slot 1's live worker (its second process) wrote its checkpoint.
-    assert _launched(run) == [("crash", 1), ("join", 1)]
+    # The job stopped at step 80: the events before it happened, the crash after it did not,
+    # and slot 1's live worker (its second process) wrote its checkpoint; slot 2 was dead.
+    assert _launched(run) == [("crash", 1), ("join", 1), ("crash", 2)]
     for directory in ("worker0", "worker1.1"):
         latest = (run / directory / "checkpoints" / "latest").read_text().strip()
         assert latest == f"step-{stop:06d}", directory
@@ -177,11 +180,15 @@ def test_a_trace_kept_with_checkpoints_continues_where_it_stopped(tmp_path: Path
     resumed = with_options(config, resume=str(run), stop_after=None, out=None)
     summary = run_training(resumed, report=None)
     assert summary is not None
-    # Resumed at 80: only the crash at step 84 happens, in slot 1's continued process.
+    # Resumed at 80: only the crash at step 84 happens, in slot 1's continued process; slot 2
+    # starts no worker, and the two that start begin together from their own checkpoints.
     assert _launched(run) == [("crash", 1)]
     job = json.loads((run / "membership.json").read_text())
     codes = {slot: [p["exit_code"] for p in runs] for slot, runs in job["workers"].items()}
     assert codes == {"0": [0], "1": [-9]}, codes
+    for directory in ("worker0", "worker1.1"):
+        events = json.loads((run / directory / "membership.json").read_text())["events"]
+        assert not [e for e in events if e["event"] == "healed"], directory
     assert [Path(p["run"]).name for p in job["workers"]["1"]] == ["worker1.1"]
     # (Slot 1's process continued its directory from step 80 and was killed at 84.)
     assert [r["step"] for r in _lines(run / "worker1.1" / "metrics.jsonl")][-4:] == [80, 81, 82, 83]

@@ -157,6 +157,8 @@ class LocalJob:
             replay = None
             if self.trace is not None:
                 replay = WorkerReplay(self.channel, self.trace, slot, since_step)
+                if self.resumed is not None and started == 0:
+                    replay.assembling = sum(map(self.starts, range(self.config.placement.workers)))
             process = self._context.Process(target=_worker_main, args=(config, self.task, replay))
             process.start()
         finally:

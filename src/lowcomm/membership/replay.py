@@ -126,6 +126,9 @@ class WorkerReplay:
     """The step this process started at: the trace's crashes before it were its predecessor's."""
     step: int = 0
     """The step it trains (the moment of the trace's events placed by step)."""
+    assembling: int | None = None
+    """How many workers start the job together, which its first round waits for: a resumed
+    job's slots that had a worker at the stop (None: --workers)."""
 
     def at_step(self, step: int) -> None:
         """The worker is at the start of ``step``: say so, and stop here if the trace kills it

@@ -81,8 +81,13 @@ def train_replica(
     from lowcomm.train.rundir import run_directory
 
     host = options.host or local_address(options.lighthouse)
+    # (A resumed job whose trace had killed a slot before the stop starts without it: its
+    # first round waits for the workers that start, not for --workers.)
+    workers = config.placement.workers
+    if replay is not None and replay.assembling is not None:
+        workers = replay.assembling
     replica = Replica(
-        options, slot=options.worker, workers=config.placement.workers, lighthouse=options.lighthouse,
+        options, slot=options.worker, workers=workers, lighthouse=options.lighthouse,
         host=host, timeout_s=config.comm.collective_timeout_s,
     )  # fmt: skip
     started = time.time()
