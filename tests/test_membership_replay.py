@@ -13,7 +13,14 @@ import pytest
 from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
 from lowcomm.membership.options import MembershipOptions
-from lowcomm.membership.replay import check_replay, job_goodput
+from lowcomm.membership.replay import (
+    Channel,
+    Replay,
+    WorkerReplay,
+    check_replay,
+    job_goodput,
+    link_time,
+)
 from lowcomm.models import ModelConfig
 from lowcomm.strategies.diloco import DiLoCoOptions
 
@@ -39,13 +46,33 @@ def _config(out: Path, trace: str, steps: int = 8, **overrides: Any) -> TrainCon
     return config
 
 
-def test_link_events_are_refused_in_one_line(tmp_path: Path) -> None:
-    config = _config(tmp_path, "t=1 link factor=0.5 for=2\n")
-    with pytest.raises(ConfigError) as caught:
-        check_replay(config)
-    message = str(caught.value)
-    assert "link events are not yet replayed with --membership torchft" in message
-    assert "\n" not in message
+def test_link_time_follows_the_traces_link_events(tmp_path: Path) -> None:
+    config = _config(tmp_path, "step=4 link factor=0.25 for=2\nt=10 link down for=5\n")
+    trace = check_replay(config)  # (link events are replayed, not refused)
+    assert trace is not None
+    assert link_time(trace, 3, 0.0, 1.0) == 1.0
+    assert link_time(trace, 4, 0.0, 1.0) == 4.0  # (cost / F while degraded)
+    assert link_time(trace, 5, 0.0, 1.0) == 4.0
+    assert link_time(trace, 6, 0.0, 1.0) == 1.0
+    assert link_time(trace, 0, 12.0, 1.0) == 4.0  # (waits for the link up at 15, then 1)
+    assert link_time(trace, 4, 12.0, 1.0) == 7.0
+
+
+def test_a_workers_link_reads_the_trace_on_the_jobs_run_time(tmp_path: Path) -> None:
+    import multiprocessing
+    import time
+
+    config = _config(tmp_path, "t=140 link down for=20\n")
+    trace = check_replay(config)
+    assert trace is not None
+    channel = Channel.make(multiprocessing.get_context("spawn"), 3)
+    channel.started.value = time.time() - 100.0  # (the job trained 100 s; its trace is at
+    channel.before.value = 30.0  # 130 s with the 30 s of the job it resumed)
+    model = WorkerReplay(channel, trace, slot=0).link_model(lambda: 50.0)
+    # A transfer at the worker's clock 60 starts at run time ~140, in the down link: it
+    # waits ~20 s for it, then takes its cost.
+    assert model(60.0, 1.0) == pytest.approx(21.0, abs=1.0)
+    assert model(40.0, 1.0) == 1.0  # (at run time ~120: the link is up)
 
 
 def test_a_cluster_worker_does_not_replay_a_trace(tmp_path: Path) -> None:
@@ -123,3 +150,86 @@ def test_a_trace_kills_at_its_crash_and_starts_a_worker_at_its_join(tmp_path: Pa
         assert own["goodput"] == faults["goodput"] and own["scope"] == "job"
     # The joiner's data continued where its slot's would be: no sample twice in the pass.
     assert joiner["data_position"] == steps
+
+
+def _launched(run: Path) -> list[tuple[str, int]]:
+    job = json.loads((run / "membership.json").read_text())
+    return [(e["event"], e["worker"]) for e in job["faults"]["launcher"]]
+
+
+@pytest.mark.slow
+def test_a_trace_kept_with_checkpoints_continues_where_it_stopped(tmp_path: Path) -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install 'lowcomm[ft]')")
+    from lowcomm.launch.run import run_training
+
+    steps, stop = 88, 80
+    trace = (
+        "step=2 worker=1 crash\nstep=4 worker=1 join\nstep=6 worker=2 crash\n"
+        "step=84 worker=1 crash\n"
+    )
+    run = tmp_path / "run"
+    config = _config(run, trace, steps=steps, stop_after=stop)
+    assert run_training(config, report=None) is None
+    # The job stopped at step 80: the events before it happened, the crash after it did not,
+    # and slot 1's live worker (its second process) wrote its checkpoint; slot 2 was dead.
+    assert _launched(run) == [("crash", 1), ("join", 1), ("crash", 2)]
+    for directory in ("worker0", "worker1.1"):
+        latest = (run / directory / "checkpoints" / "latest").read_text().strip()
+        assert latest == f"step-{stop:06d}", directory
+
+    resumed = with_options(config, resume=str(run), stop_after=None, out=None)
+    summary = run_training(resumed, report=None)
+    assert summary is not None
+    # Resumed at 80: only the crash at step 84 happens, in slot 1's continued process; slot 2
+    # starts no worker, and the two that start begin together from their own checkpoints.
+    assert _launched(run) == [("crash", 1)]
+    job = json.loads((run / "membership.json").read_text())
+    codes = {slot: [p["exit_code"] for p in runs] for slot, runs in job["workers"].items()}
+    assert codes == {"0": [0], "1": [-9]}, codes
+    for directory in ("worker0", "worker1.1"):
+        events = json.loads((run / directory / "membership.json").read_text())["events"]
+        assert not [e for e in events if e["event"] == "healed"], directory
+    assert [Path(p["run"]).name for p in job["workers"]["1"]] == ["worker1.1"]
+    # (Slot 1's process continued its directory from step 80 and was killed at 84.)
+    assert [r["step"] for r in _lines(run / "worker1.1" / "metrics.jsonl")][-4:] == [80, 81, 82, 83]
+    assert [r["step"] for r in _lines(run / "worker0" / "metrics.jsonl")][-1] == steps - 1
+    assert job["replayed"]["step"] == steps
+
+
+@pytest.mark.slow
+def test_a_traces_link_events_slow_the_live_workers_link(tmp_path: Path) -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install 'lowcomm[ft]')")
+    from lowcomm.launch.run import run_training
+
+    # (The virtual clock: each sync's exposed time is the link's model, so it is exact.)
+    trace = "step=4 link factor=0.25 for=4\n"
+    config = _config(
+        tmp_path / "run", trace, steps=12, clock="virtual", seconds_per_microbatch=0.01
+    )
+    assert run_training(config, report=None) is not None
+    for slot in range(3):
+        comm = {
+            r["step"]: r["exposed_comm_s"]
+            for r in _lines(tmp_path / "run" / f"worker{slot}" / "metrics.jsonl")
+        }
+        assert comm[3] > 0
+        # The sync at step 7 ran on the link degraded to 1/4 (steps 4 to 7); 11's did not.
+        assert comm[7] == pytest.approx(4 * comm[3], rel=1e-6), slot
+        assert comm[11] == pytest.approx(comm[3], rel=1e-6), slot
+
+
+def test_a_resumed_replay_meets_only_the_events_after_the_stop(tmp_path: Path) -> None:
+    import multiprocessing
+
+    trace = "step=2 worker=2 crash\nstep=8 worker=2 join\nstep=9 worker=1 crash\n"
+    config = _config(tmp_path, trace, steps=12)
+    found = check_replay(config)
+    assert found is not None
+    channel = Channel.make(multiprocessing.get_context("spawn"), 3)
+    # Stopped at step 8 with slot 2 dead: the join at 8 and the crash at 9 are still to come.
+    replay = Replay(found, channel, 3, since=(8, 4.0), first=[0, 1])
+    assert [(e.kind, e.worker, e.at) for e in replay.pending] == [("join", 2, 8), ("crash", 1, 9)]
+    assert channel.before.value == 4.0  # (the workers' run time continues the stopped job's)
+    # Training starts once the slots that have a worker are past their startup round.
+    channel.steps[0] = channel.steps[1] = 8
+    assert replay.training_started() is not None

@@ -25,7 +25,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -117,30 +117,34 @@ class LocalJob:
         self._context = multiprocessing.get_context("spawn")
         #: The fault trace replayed on the workers (--faults, --fault-*), or None.
         self.trace = check_replay(config)
-        run = config.run
-        if self.trace is not None and (
-            run.resume is not None or run.checkpoint_every is not None or run.stop_after is not None
-        ):
-            raise ConfigError(
-                "--faults: a replayed trace is not yet kept with checkpoints (--resume, "
-                "--checkpoint-every, --stop-after) under --membership torchft; drop one of them"
-            )
         if self.trace is not None and config.placement.ranks_per_worker > 1:
             raise ConfigError(
                 f"--faults: a replayed trace is not yet supported with --ranks-per-worker "
                 f"{config.placement.ranks_per_worker} under --membership torchft; use 1, or "
                 "drop the trace"
             )
+        #: With --resume: where the stopped job stood (each slot's directory to continue).
+        self.resumed = None if config.run.resume is None else resume_point(config)
         self.channel = Channel.make(self._context, config.placement.workers)
-        self.replay = (
-            None
-            if self.trace is None
-            else Replay(self.trace, self.channel, config.placement.workers)
-        )
+        self.replay = None
+        if self.trace is not None:
+            since = (0, 0.0) if self.resumed is None else self.resumed.replayed
+            self.replay = Replay(
+                self.trace, self.channel, config.placement.workers, since=since,
+                first=[slot for slot in range(config.placement.workers) if self.starts(slot)],
+            )  # fmt: skip
+
+    def starts(self, slot: int) -> bool:
+        """Whether slot ``slot`` has a worker at the job's start (a resumed job's slot whose
+        worker was dead at the stop waits for the trace's join)."""
+        return self.resumed is None or self.resumed.dirs.get(slot) is not None
 
     def worker_dir(self, slot: int, start: int) -> Path:
-        """Where slot ``slot``'s ``start``-th process (0: the first) writes its run."""
-        return self.run_dir / (f"worker{slot}" if start == 0 else f"worker{slot}.{start}")
+        """Where slot ``slot``'s ``start``-th process (0: the first) writes its run. A
+        resumed job's first process continues its slot's last directory; one started later
+        takes the next name."""
+        index = start if self.resumed is None else self.resumed.first_index[slot] + start
+        return self.run_dir / (f"worker{slot}" if index == 0 else f"worker{slot}.{index}")
 
     def start(self, slot: int, since_step: int = 0) -> BaseProcess:
         """Start a worker in ``slot`` (again, if one ran there: it joins the live ones, which
@@ -155,12 +159,15 @@ class LocalJob:
         )
         # A resumed job's first worker in each slot continues its own checkpoint; one started
         # again heals from the live ones instead.
-        resume = self.config.run.resume if started == 0 else None
+        resume = None
+        if self.resumed is not None and started == 0:
+            resume = self.resumed.dirs.get(slot)
+            since_step = self.resumed.step
         config = with_options(
             self.config,
             out=str(self.worker_dir(slot, started)),
             membership_options=options,
-            resume=None if resume is None else str(self.worker_dir(slot, 0)),
+            resume=None if resume is None else str(resume),
         )
         saved = {key: os.environ.get(key) for key in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
@@ -169,6 +176,8 @@ class LocalJob:
             replay = None
             if self.trace is not None:
                 replay = WorkerReplay(self.channel, self.trace, slot, since_step)
+                if self.resumed is not None and started == 0:
+                    replay.assembling = sum(map(self.starts, range(self.config.placement.workers)))
             group: list[BaseProcess] = [
                 self._context.Process(target=_worker_main, args=(config, self.task, replay, place))
                 for place in self._places(slot, started)
@@ -198,7 +207,8 @@ class LocalJob:
 
     def start_all(self) -> None:
         for slot in range(self.config.placement.workers):
-            self.start(slot)
+            if self.starts(slot):
+                self.start(slot)
 
     def alive(self, slot: int) -> bool:
         """Whether a process of slot ``slot``'s latest worker is running."""
@@ -312,7 +322,7 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         if job.replay is not None:
             job.replay.run(job)
         codes = job.wait()
-    if config.run.stop_after is not None and all(exits[-1] == 0 for exits in codes.values()):
+    if config.run.stop_after is not None and _stopped(job, codes):
         _write_job(job, codes)
         print(
             f"lowcomm: stopped after step {config.run.stop_after} with each worker's checkpoint "
@@ -331,29 +341,95 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     return summary
 
 
-def check_resume(config: TrainConfig) -> None:
-    """``--resume OUT`` of a local job: every worker's directory ``OUT/workerK`` holds an
-    intact checkpoint of this configuration, and all name the same step (the workers start
-    the resumed job together, from one committed round)."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a stopped local job stood, which its resumed job continues.
+
+    Attributes:
+        step: the step every live worker's newest checkpoint names.
+        dirs: each slot's directory to continue (its last process's); None for a slot whose
+            worker was dead at the stop (killed by the replayed trace, which starts it again
+            at its next join).
+        first_index: the number of the slot's first process in the resumed job (its
+            directory ``workerK`` or ``workerK.N``).
+        replayed: the replayed trace's position at the stop (step, run seconds): the events
+            before it have happened.
+    """
+
+    step: int
+    dirs: dict[int, Path | None]
+    first_index: dict[int, int]
+    replayed: tuple[int, float]
+
+
+def resume_point(config: TrainConfig) -> ResumePoint:
+    """``--resume OUT`` of a local job: each slot's last process's directory (from
+    ``OUT/membership.json``; ``OUT/workerK`` without one) holds an intact checkpoint of this
+    configuration, and all name the same step (the workers start the resumed job together,
+    from one step). A slot whose last process was killed is left out only when a replayed
+    trace is there to start it again.
+
+    Raises:
+        ConfigError: in one line naming the worker, its directory and the fix.
+    """
+    from lowcomm.membership.replay import read_record, trace_of, without_faults
     from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
 
     assert config.run.resume is not None
     job = Path(config.run.resume)
+    record = read_record(job / "membership.json") or {}
+    processes = record.get("workers") or {}
+    traced = trace_of(config) is not None
     steps: dict[int, int] = {}
+    dirs: dict[int, Path | None] = {}
+    first: dict[int, int] = {}
+    names: dict[int, str] = {}
     for slot in range(config.placement.workers):
-        directory = job / f"worker{slot}"
-        worker = with_options(config, out=str(directory), resume=str(directory))
+        runs = processes.get(str(slot)) or [{"run": f"worker{slot}", "exit_code": 0}]
+        directory = job / Path(str(runs[-1]["run"])).name  # (the job's directory may move)
+        index = _process_index(directory.name)
+        if runs[-1]["exit_code"] != 0 and traced:  # (dead at the stop: the trace kills it)
+            dirs[slot], first[slot] = None, index + 1
+            continue
+        worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
         try:
             steps[slot] = find_latest(directory, 1, fingerprint(worker))[0]
         except CheckpointError as error:
             raise ConfigError(f"--resume: worker {slot}: {error}") from None
+        dirs[slot], first[slot], names[slot] = directory, index, directory.name
     if len(set(steps.values())) > 1:
-        named = ", ".join(f"worker{slot} at step {step}" for slot, step in steps.items())
+        named = ", ".join(f"{names[slot]} at step {step}" for slot, step in steps.items())
         raise ConfigError(
             f"--resume: {job}: the workers' checkpoints name different steps ({named}); a "
             "job resumes every worker from one step: remove the newer checkpoints (or give "
             "a job whose workers stopped together)"
         )
+    if not steps:
+        raise ConfigError(
+            f"--resume: {job}: no worker was alive at the job's stop; give a job with a live one"
+        )
+    step = next(iter(steps.values()))
+    replayed = record.get("replayed") or {}
+    return ResumePoint(step, dirs, first, (step, float(replayed.get("run_s") or 0.0)))
+
+
+def _process_index(name: str) -> int:
+    """The number of a worker's process from its directory's name (workerK: 0, workerK.N: N)."""
+    _, dot, number = name.partition(".")
+    return int(number) if dot and number.isdigit() else 0
+
+
+def check_resume(config: TrainConfig) -> None:
+    """``--resume OUT`` of a local job can continue (:func:`resume_point`), or ConfigError."""
+    resume_point(config)
+
+
+def _stopped(job: LocalJob, codes: dict[int, list[int | None]]) -> bool:
+    """Whether the job stopped at --stop-after: every slot's last process ended there, or
+    (a replayed trace) was killed by it."""
+    ends = [exits[-1] for exits in codes.values()]
+    killed = -int(signal.SIGKILL)
+    return 0 in ends and all(end == 0 or (job.replay is not None and end == killed) for end in ends)
 
 
 def job_faults(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, Any] | None:
@@ -417,5 +493,13 @@ def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
         },
         "faults": faults,
     }
+    if job.replay is not None:
+        # Where the trace stood: a resumed job replays the events after it.
+        before = job.replay.since[1]
+        run_s = None if faults is None else faults.get("run_s")
+        record["replayed"] = {
+            "step": job.config.run.stop_after or job.config.run.steps,
+            "run_s": before + float(run_s or 0.0),
+        }
     job.run_dir.mkdir(parents=True, exist_ok=True)
     (job.run_dir / "membership.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -231,41 +231,22 @@ def _ranks_refusal(config: TrainConfig, flag: str) -> str | None:
     return None
 
 
-#: Methods whose torchft workers keep checkpoints and resume exactly (--checkpoint-every,
-#: --stop-after, --resume), each checked against the uninterrupted job: per-step rounds, or
-#: sync rounds every --<group>.sync-every steps whose state at a round's end is the round's.
-CHECKPOINT_METHODS: dict[str, str | None] = {"ddp": None, "diloco": "diloco", "local_sgd": "local"}
-
-
 def _checkpoint_refusal(config: TrainConfig, flag: str) -> str | None:
-    """Why the run's checkpoints cannot be kept with live membership, or None. A worker
-    checkpoints only at the end of a round, so every worker's names a committed step."""
-    run = config.run
-    if run.resume is None and run.checkpoint_every is None and run.stop_after is None:
-        return None
-    if config.method not in CHECKPOINT_METHODS:
-        return (
-            f"{flag}: --method {config.method} does not yet keep checkpoints (--resume, "
-            f"--checkpoint-every, --stop-after) with live workers; use "
-            f"{' or '.join(CHECKPOINT_METHODS)}, or drop them"
-        )
-    if run.resume == "auto":
+    """Why the run's checkpoints cannot be kept with live membership, or None.
+
+    Every method that runs with live membership keeps them, at any step: a worker's checkpoint
+    is its whole state in its own run directory (its strategy's ``state_dict`` settles a round
+    still in flight first, as a static run's does: a streaming fragment, a delayed sync), and
+    the resumed job starts every live worker from the same step
+    (:func:`lowcomm.membership.local.resume_point`), where each holds the same committed
+    rounds and its own steps since. A step inside a sync round is such a step too: no round
+    is open there. Nothing here names a method, so a method that starts running with live
+    membership keeps checkpoints with no rule of its own."""
+    if config.run.resume == "auto":
         return (
             f"--resume auto: not with {flag}; give the job's directory (--resume OUT), whose "
             "workerK directories hold each worker's checkpoints"
         )
-    group = CHECKPOINT_METHODS[config.method]
-    every = 1 if group is None else int(getattr(config, group).sync_every)
-    for name, value in (
-        ("--checkpoint-every", run.checkpoint_every),
-        ("--stop-after", run.stop_after),
-    ):
-        if value is not None and value % every:
-            return (
-                f"{name}: {value} is not a round's end; with {flag} a worker checkpoints only "
-                f"where a round commits, every --{group}.sync-every {every} steps; give a "
-                f"multiple of {every}"
-            )
     return None
 
 

@@ -14,8 +14,14 @@ events happen to processes:
   live one (a rejoin is healed too: the killed process kept no state).
 - **slow**: the slot's worker sleeps after each step its factor less one times the step's own
   wall time, while the event is active.
-- **link** events would need the emulated link's bandwidth changed under a running collective:
-  refused in one line.
+- **link** (degraded or down): every worker's emulated link follows the event, as a simulated
+  run's (:func:`link_time`): a transfer that starts on a link degraded to F takes its cost over
+  F, one that starts while the link is down waits until it is up. An event placed by step is
+  read at the step the worker trains, one placed by time on the job's run time.
+
+With checkpoints the trace goes on where the job stopped: a resumed job's launcher replays the
+events at or after the resume step (or, placed by time, after the run time the stopped job
+reached), and its workers' run time continues the stopped job's (:attr:`Channel.before`).
 
 **Goodput** (:func:`job_goodput`) is the simulated run's, on the wall clock: the tokens the
 job committed over the tokens its M workers compute in the same time with no fault. Each
@@ -32,6 +38,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +49,7 @@ if TYPE_CHECKING:
     from lowcomm.config import TrainConfig
     from lowcomm.faults.trace import Event, FaultTrace
 
-__all__ = ["Channel", "Replay", "job_goodput", "replay_refusal", "trace_of"]
+__all__ = ["Channel", "Replay", "job_goodput", "link_time", "replay_refusal", "trace_of"]
 
 #: How often the launcher looks at the workers' steps and the time.
 POLL_S = 0.01
@@ -64,14 +71,6 @@ def trace_of(config: TrainConfig) -> FaultTrace | None:
 
 def replay_refusal(config: TrainConfig, trace: FaultTrace) -> str | None:
     """Why this trace cannot be replayed on live workers (one line), or None."""
-    linked = [e for e in trace.events if e.kind in ("link_degraded", "link_down")]
-    if linked:
-        event = linked[0]
-        return (
-            f"{trace.source}: {' '.join(event.to_text().split())!r}: link events are not yet "
-            "replayed with --membership torchft (the emulated link's bandwidth would change "
-            "under a running collective); drop them, or run the trace without --membership"
-        )
     if config.placement.membership_options.lighthouse is not None:
         return (
             "--faults / --fault-* with --membership.lighthouse: the local launcher replays a "
@@ -98,13 +97,21 @@ class Channel:
 
     steps: Any  # (a multiprocessing Array of int, one per slot)
     started: Any  # (a multiprocessing Value of double)
+    before: Any  # (the run seconds of the trace replayed before a resume: a Value of double)
 
     @classmethod
     def make(cls, context: Any, workers: int) -> Channel:
         return cls(
             context.Array("i", [NOT_TRAINING] * workers, lock=False),
             context.Value("d", 0.0, lock=False),
+            context.Value("d", 0.0, lock=False),
         )
+
+    def run_s(self) -> float | None:
+        """The trace's run time now: seconds since the job's training started, plus those
+        of the job it resumed (None: not started)."""
+        started = float(self.started.value)
+        return time.time() - started + float(self.before.value) if started > 0 else None
 
 
 @dataclass
@@ -117,11 +124,17 @@ class WorkerReplay:
     slot: int
     since_step: int = 0
     """The step this process started at: the trace's crashes before it were its predecessor's."""
+    step: int = 0
+    """The step it trains (the moment of the trace's events placed by step)."""
+    assembling: int | None = None
+    """How many workers start the job together, which its first round waits for: a resumed
+    job's slots that had a worker at the stop (None: --workers)."""
 
     def at_step(self, step: int) -> None:
         """The worker is at the start of ``step``: say so, and stop here if the trace kills it
         here (the launcher's SIGKILL ends the process)."""
         self.channel.steps[self.slot] = step
+        self.step = step
         if (
             any(
                 e.kind in ("crash", "leave") and e.worker == self.slot and e.at_step == step
@@ -139,15 +152,49 @@ class WorkerReplay:
                 f"step {step} within {KILL_WAIT_S:g} s; ending it here"
             )
 
+    def has_link_events(self) -> bool:
+        return any(e.kind in ("link_degraded", "link_down") for e in self.trace.events)
+
+    def link_model(self, clock_now: Callable[[], float]) -> Callable[[float, float], float]:
+        """The emulated link's model under the trace's link events (``NetworkComm.link_model``,
+        as a simulated run's): a transfer of modeled cost ``cost`` starting at ``start`` on
+        the worker's clock (``clock_now``'s) takes ``cost / F`` on a link degraded to F, and
+        on a link that is down starts once it is up. The trace's time is the job's run time,
+        which the worker's clock is offset from by what they read now."""
+
+        def transfer_time(start: float, cost: float) -> float:
+            run_s = self.channel.run_s()
+            moment = start + (0.0 if run_s is None else run_s - clock_now())
+            return link_time(self.trace, self.step, moment, cost)
+
+        return transfer_time
+
     def slow_down(self, step: int, step_s: float) -> bool:
         """Sleep the step's slowdown; whether the worker was slow at this step."""
-        started = float(self.channel.started.value)
-        now = time.time() - started if started > 0 else None
-        factor = _speed(self.trace, self.slot, step, now)
+        factor = _speed(self.trace, self.slot, step, self.channel.run_s())
         if factor > 1.0:
             time.sleep((factor - 1.0) * step_s)
             return True
         return False
+
+
+def link_time(trace: FaultTrace, step: int, time_s: float, cost: float) -> float:
+    """How long a transfer of modeled cost ``cost`` that starts at run time ``time_s`` of
+    ``step`` takes under the trace's link events (the simulated run's rule,
+    :meth:`lowcomm.faults.engine.WorkerFaults.transfer_time`): the wait for a link that is
+    down (placed by time), then ``cost / F``."""
+    begin = time_s
+    factor = trace.link_factor(step=step, time=begin)
+    while factor == 0.0:
+        begin = max(
+            event.at + float(event.duration or 0.0)
+            for event in trace.events
+            if event.kind == "link_down"
+            and event.at_time is not None
+            and event.at <= begin < event.at + float(event.duration or 0.0)
+        )
+        factor = trace.link_factor(step=step, time=begin)
+    return (begin - time_s) + cost / factor
 
 
 def _speed(trace: FaultTrace, slot: int, step: int, now: float | None) -> float:
@@ -176,29 +223,41 @@ class Replay:
     trace: FaultTrace
     channel: Channel
     workers: int
+    since: tuple[int, float] = (0, 0.0)
+    """Where a resumed job's trace stands (step, run seconds): the events before it
+    happened in the job it resumes."""
+    first: list[int] | None = None
+    """The slots with a worker at the job's start (None: every slot)."""
     pending: list[Event] = field(default_factory=list)
     #: What the launcher did: each kill and start, with its wall time and the live steps.
     log: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.pending = list(self.trace.membership_events())
+        step, run_s = self.since
+        self.pending = [
+            event
+            for event in self.trace.membership_events()
+            if (event.at >= step if event.at_step is not None else event.at >= run_s)
+        ]
+        self.channel.before.value = run_s
 
     def training_started(self) -> float | None:
         """The wall time every first worker was past its startup round (None: not yet)."""
         started = float(self.channel.started.value)
         if started > 0:
             return started
-        if all(self.channel.steps[k] >= 0 for k in range(self.workers)):
+        first = range(self.workers) if self.first is None else self.first
+        if all(self.channel.steps[k] >= 0 for k in first):
             self.channel.started.value = time.time()
             return float(self.channel.started.value)
         return None
 
     def poll(self, job: Any) -> None:
         """Meet every event that is due now."""
-        started = self.training_started()
-        if started is None:
+        if self.training_started() is None:
             return
-        now = time.time() - started
+        now = self.channel.run_s()
+        assert now is not None
         live_steps = [
             int(self.channel.steps[k])
             for k in range(self.workers)

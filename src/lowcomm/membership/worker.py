@@ -132,11 +132,11 @@ def train_replica(
     if config.placement.ranks_per_worker > 1 and group is None:
         group = check_torchrun_group(config)
     inner = _join_group(config, group)
-    replica = _replica(config, group)
+    replica = _replica(config, group, replay)
     started = time.time()
     try:
         raw = TorchftComm(replica)
-        worker = _set_up(config, raw, replica, task, inner)
+        worker = _set_up(config, raw, replica, task, (inner, replay))
         name = "membership.json" if replica.rank == 0 else f"membership.rank{replica.rank}.json"
         path = run_directory(config) / name
         replica.on_event = lambda: _write(path, _record(replica, config, started))
@@ -182,7 +182,7 @@ def _join_group(config: TrainConfig, group: GroupRank | None) -> Comm | None:
     return TorchComm(timeout_s=timeout_s)
 
 
-def _replica(config: TrainConfig, group: GroupRank | None) -> Replica:
+def _replica(config: TrainConfig, group: GroupRank | None, replay: WorkerReplay | None) -> Replica:
     """This process's torchft Replica. In a group of R ranks, rank 0 opens the group's store
     and manager server on its host, then tells the other ranks where (they connect to it)."""
     from lowcomm.membership.torchft_comm import Replica
@@ -191,11 +191,16 @@ def _replica(config: TrainConfig, group: GroupRank | None) -> Replica:
     assert options.lighthouse is not None and options.worker is not None
     rank, ranks = (0, 1) if group is None else (group.rank, group.ranks)
     host = options.host or local_address(options.lighthouse)
+    # (A resumed job whose trace had killed a slot before the stop starts without it: its
+    # first round waits for the workers that start, not for --workers.)
+    workers = config.placement.workers
+    if replay is not None and replay.assembling is not None:
+        workers = replay.assembling
 
     def make(host: str, store_port: int | None) -> Replica:
         assert options.lighthouse is not None and options.worker is not None
         return Replica(
-            options, slot=options.worker, workers=config.placement.workers,
+            options, slot=options.worker, workers=workers,
             lighthouse=options.lighthouse, host=host, timeout_s=config.comm.collective_timeout_s,
             rank=rank, ranks=ranks, store_port=store_port,
         )  # fmt: skip
@@ -282,15 +287,21 @@ def _train(
 
 
 def _set_up(
-    config: TrainConfig, raw: TorchftComm, replica: Replica, task: Task | None, inner: Comm | None
+    config: TrainConfig,
+    raw: TorchftComm,
+    replica: Replica,
+    task: Task | None,
+    around: tuple[Comm | None, WorkerReplay | None],
 ) -> Worker:
-    """This replica's worker, its strategy's rounds following the lighthouse's quorums.
-    ``inner``: the group of the worker's R ranks (None: one rank)."""
+    """This replica's worker, its strategy's rounds following the lighthouse's quorums (and
+    its emulated link following a replayed trace's link events, as a simulated run's).
+    ``around``: the group of the worker's R ranks (None: one rank) and the replayed trace."""
     from lowcomm.comm.emulated import NetworkComm
     from lowcomm.comm.local import LocalComm
     from lowcomm.membership.torchft_comm import TorchftMembership
     from lowcomm.train import loop
 
+    inner, replay = around
     if inner is None:
         worker = loop.set_up(config, raw, LocalComm(), None, task)
         # This process's run is its own: it writes its directory as a run's rank 0 does.
@@ -298,9 +309,12 @@ def _set_up(
         if isinstance(worker.comm, NetworkComm):
             # (The virtual clock agrees launch times over the round's members, not locally.)
             worker.comm._bookkeeping = None
+            if replay is not None and replay.has_link_events():
+                worker.comm.link_model = replay.link_model(worker.clock.now)
     else:
         # The worker's run is its R ranks': metrics, evaluation and totals over its own
         # group, the method between workers over each rank's torchft group (the outer level).
+        # (A replayed trace is refused with R ranks: the launcher's check.)
         ranks = config.placement.ranks_per_worker
         place = _JobRank(raw, replica.slot * ranks + inner.rank, config.placement.workers * ranks)
         worker = loop.set_up(config, place, inner, None, task, (inner, raw))
