@@ -220,6 +220,9 @@ class Replica:
         self._round_open = False
         self._joined = False
         self._healed_step: int | None = None
+        #: The state a joiner took at its admission (torchft offers it again at the round's
+        #: commit, which an overlapping method reaches steps later).
+        self._admitted_with: object | None = None
         #: Rounds committed (the startup round included) and rounds dropped.
         self.commits = 0
         self.failed_rounds = 0
@@ -262,7 +265,12 @@ class Replica:
 
     def _load(self, payload: dict[str, Any]) -> None:
         """The Manager applies the healed state when the round commits (after its
-        collective, before the strategy uses the result)."""
+        collective, before the strategy uses the result). A joiner took it already at its
+        admission, before its first step: applied again at the commit, it would put back
+        the state of the round's start, which a method whose all-reduce flies across inner
+        steps (co2, cocodc, streaming_diloco) has since moved on from."""
+        if payload is self._admitted_with:
+            return
         self._apply(payload, rewind=False)
 
     def _apply(self, payload: dict[str, Any], *, rewind: bool) -> None:
@@ -412,6 +420,7 @@ class Replica:
                     )
                 payload = pending["user"]["default"]
                 self._apply(payload, rewind=True)
+                self._admitted_with = payload
                 self._joined = True
                 nbytes = sum(int(t.untyped_storage().nbytes()) for t in payload["tensors"])
                 self._log({
