@@ -11,7 +11,8 @@ import pytest
 from lowcomm.membership.options import MembershipOptions
 from test_membership_torchft import _config, _digests, _kill_and_restart, _record
 
-OVERLAP_METHODS = ("co2",)
+#: The methods whose outer all-reduce flies across inner steps, and favg_reset.
+OVERLAP_METHODS = ("co2", "diloco_delayed", "cocodc", "favg_reset")
 
 
 def _losses(path: Path) -> list[float]:
@@ -38,11 +39,14 @@ def test_no_fault_follows_the_static_trajectory(tmp_path: Path, method: str) -> 
 
 
 @pytest.mark.slow
-def test_co2_survives_a_kill_and_heals_a_restarted_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["co2", "diloco_delayed"])
+def test_overlapping_methods_survive_a_kill_and_heal_a_restarted_worker(
+    tmp_path: Path, method: str
+) -> None:
     pytest.importorskip("torchft")
     # (160 steps: the survivors train long enough alone for the joiner's process to start
     # on a loaded machine.)
-    job = _kill_and_restart("co2", tmp_path, steps=160, restart=True)
+    job = _kill_and_restart(method, tmp_path, steps=160, restart=True)
     codes, dirs = job["codes"], job["dirs"]
     assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
     assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
@@ -60,10 +64,10 @@ def test_co2_survives_a_kill_and_heals_a_restarted_worker(tmp_path: Path) -> Non
     assert first_quorum["participants"] == 2, first_quorum  # (it sat out the round it healed in)
     assert joiner["data_position"] == survivors[0]["data_position"] == 160
     mine, theirs, other = (_digests(r) for r in (joiner, *survivors))
-    # Its first commit is the round it healed in, settled at the next round's end (co2's
-    # all-reduce flies a whole round); with the shared displacement every worker restarts
-    # each round from the same anchor, so from then on the joiner holds the others'
-    # parameters bit for bit.
+    # Its first commit is the round it healed in, settled at the next round's end (the
+    # all-reduce flies a whole round). Every worker restarts each round from the same
+    # parameters (co2's anchor with the shared displacement, diloco_delayed's phi, healed
+    # with the exchange in flight), so from then on the joiner holds the others' bit for bit.
     assert min(mine) == healed[0]["step"] + 4
     assert all(mine[s] == theirs[s] == other[s] for s in mine), (mine, theirs)
     assert max(mine) == 159

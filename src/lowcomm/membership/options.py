@@ -37,7 +37,8 @@ INSTALL_HINT = "pip install 'lowcomm[ft]'"
 #: checked against static membership with no fault and through a kill and a restart.
 TORCHFT_METHODS: tuple[str, ...] = (
     "ddp", "diloco", "streaming_diloco", "desloc", "sparta", "sparta_diloco", "local_sgd",
-    "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt", "co2",
+    "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt", "favg_reset",
+    "co2", "cocodc", "diloco_delayed",
 )  # fmt: skip
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the

@@ -238,6 +238,44 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         self.pass_in_flight(source, joining=joining)
         super().heal(source, joining=joining, kept=kept)
 
+    def healing_payload(self) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """The global state and every exchange in flight, settled (an engine that heals at
+        the next round's quorum has completed their collectives first): per exchange its
+        mean, for eager the sender's own Delta, and its launch step, quorum and failure."""
+        tensors, counters = super().healing_payload()
+        for p, queue in enumerate(self.pending):
+            counters[f"in_flight{p}"] = len(queue)
+            for i, sync in enumerate(queue):
+                mean, own = sync.exchange.moved_result()
+                tensors.extend((mean, own) if self.eager else (mean,))
+                key = f"in_flight{p}.{i}"
+                counters[f"{key}.at"] = sync.launched_at
+                counters[f"{key}.failed"] = int(sync.failed)
+                counters[f"{key}.members"] = sum(1 << k for k in sync.members)
+        return tensors, counters
+
+    def take_healing_payload(self, tensors: list[torch.Tensor], counters: dict[str, int]) -> None:
+        """The joiner applies the sender's exchanges in flight at the same steps; its own
+        from before it was lost are void."""
+        mine = len(self.global_state()[0])
+        super().take_healing_payload(tensors[:mine], counters)
+        received = iter(tensors[mine:])
+        self.pending = [deque() for _ in self.fragments]
+        self.settled = []
+        for p, queue in enumerate(self.pending):
+            for i in range(counters.get(f"in_flight{p}", 0)):
+                mean = next(received).clone()
+                own = next(received).clone() if self.eager else torch.zeros_like(mean)
+                key = f"in_flight{p}.{i}"
+                bits = counters[f"{key}.members"]
+                members = tuple(k for k in range(self.workers) if bits >> k & 1)
+                exchange = self.received_exchange(mean, own)
+                queue.append(
+                    PendingSync(
+                        exchange, counters[f"{key}.at"], members, bool(counters[f"{key}.failed"])
+                    )
+                )
+
     def pass_in_flight(self, source: int, *, joining: bool) -> None:
         """The sender's exchanges in flight to a joiner: their launch steps, quorums and
         failures (a few numbers, uncharged), then each live one's mean and, for eager, the
