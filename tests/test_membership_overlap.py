@@ -12,7 +12,7 @@ from lowcomm.membership.options import MembershipOptions
 from test_membership_torchft import _config, _digests, _kill_and_restart, _record
 
 #: The methods whose outer all-reduce flies across inner steps, and favg_reset.
-OVERLAP_METHODS = ("co2", "diloco_delayed", "cocodc", "favg_reset")
+OVERLAP_METHODS = ("co2", "eager", "diloco_delayed", "cocodc", "favg_reset")
 
 
 def _losses(path: Path) -> list[float]:
