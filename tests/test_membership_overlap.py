@@ -60,6 +60,17 @@ def test_overlapping_methods_survive_a_kill_and_heal_a_restarted_worker(
         ]
         assert after[0]["members"] in ([0, 1], [0, 1, 2]), after
         assert after[-1]["members"] == [0, 1, 2], after
+    # An exchange whose launch quorum lost the killed worker before it was applied is
+    # discarded on every survivor, as in simulation (its mean takes no outer step).
+    dropped = [
+        {
+            row["step"]
+            for row in map(json.loads, (dirs[(k, 0)] / "metrics.jsonl").read_text().splitlines())
+            if row.get("extras", {}).get("syncs_dropped")
+        }
+        for k in (0, 1)
+    ]
+    assert dropped[0] == dropped[1] and dropped[0], dropped
     first_quorum = next(e for e in joiner["events"] if e["event"] == "quorum")
     assert first_quorum["participants"] == 2, first_quorum  # (it sat out the round it healed in)
     assert joiner["data_position"] == survivors[0]["data_position"] == 160

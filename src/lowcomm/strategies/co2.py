@@ -685,6 +685,18 @@ class CO2(_AnchoredOuter):
         ``opens``: round t follows (not at the run's end)."""
         if self.handle is None and not self.received:
             return False
+        if not self.sync_failed:
+            if self.handle is not None:
+                self.handle.wait()
+                self.handle, self.received = None, True
+            if opens:
+                # The next round's quorum forms once this one settled and before its result
+                # is used: a joiner healed there (an engine such as torchft heals at the
+                # quorum) receives it with the anchor and m_{t-1} and takes round t's outer
+                # step as the members do. A quorum that forms only now (torchft's) may have
+                # lost a member of its launch: it then fails, as a loss seen earlier does.
+                self.runtime.enter_round()
+                self.mark_failed_sync()
         if self.sync_failed:
             if self.handle is not None:  # (its buffer is reused once the group is done)
                 self.handle.wait()
@@ -693,15 +705,6 @@ class CO2(_AnchoredOuter):
             self.settled.append((self.launched_at, False))
             extras["syncs_dropped"] = 1.0
             return False
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle, self.received = None, True
-        if opens:
-            # The next round's quorum forms once this one settled and before its result is
-            # used: a joiner healed there (an engine such as torchft heals at the quorum)
-            # receives it with the anchor and m_{t-1} and takes round t's outer step as the
-            # members do.
-            self.runtime.enter_round()
         extras.update(self.finish_sync())
         self.settled.append((self.launched_at, True))
         return True

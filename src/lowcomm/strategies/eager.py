@@ -152,6 +152,9 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         # (A member lost since the last launch: the new quorum forms once it is detected.)
         quorum = self.runtime.enter_round()
         members = quorum.members
+        # (A quorum that forms only now, torchft's, may have lost a member of an exchange's
+        # launch: it fails, as a loss seen at the step's start does.)
+        self.mark_failed_syncs()
         # |Q_t|: the workers whose Delta enters the mean. A joiner healed at this round's
         # quorum sits it out where the engine says so (torchft: its payload is zeroed and
         # the mean divides by the others); it then contributes nothing, its own part too.
