@@ -38,8 +38,8 @@ INSTALL_HINT = "pip install 'lowcomm[ft]'"
 #: kill and a restart.
 TORCHFT_METHODS: tuple[str, ...] = (
     "ddp", "diloco", "streaming_diloco", "desloc", "sparta", "sparta_diloco", "local_sgd",
-    "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt", "demo",
-    "sparseloco",
+    "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt", "favg_reset",
+    "co2", "cocodc", "diloco_delayed", "eager", "demo", "sparseloco",
 )  # fmt: skip
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the

@@ -257,6 +257,11 @@ class Replica:
         self._round_open = False
         self._joined = False
         self._healed_step: int | None = None
+        #: The state a joiner took at its admission (torchft offers it again at the round's
+        #: commit, which an overlapping method reaches steps later).
+        self._admitted_with: object | None = None
+        #: The last round collective issued (settled before a later step opens a round).
+        self._in_flight: _RoundHandle | None = None
         #: Rounds committed (the startup round included) and rounds dropped.
         self.commits = 0
         self.failed_rounds = 0
@@ -290,16 +295,17 @@ class Replica:
         step this worker is in (called on torchft's quorum thread while this worker waits in
         its round, or, for ddp, computes a gradient, which none of these tensors is)."""
         assert self._strategy is not None
-        tensors, counters = self._strategy.global_state()
-        return {
-            "tensors": [tensor for _, tensor in tensors],
-            "counters": dict(counters),
-            "loop_step": self.loop_step,
-        }
+        tensors, counters = self._strategy.healing_payload()
+        return {"tensors": tensors, "counters": counters, "loop_step": self.loop_step}
 
     def _load(self, payload: dict[str, Any]) -> None:
         """The Manager applies the healed state when the round commits (after its
-        collective, before the strategy uses the result)."""
+        collective, before the strategy uses the result). A joiner took it already at its
+        admission, before its first step: applied again at the commit, it would put back
+        the state of the round's start, which a method whose all-reduce flies across inner
+        steps (co2, cocodc, streaming_diloco) has since moved on from."""
+        if payload is self._admitted_with:
+            return
         self._apply(payload, rewind=False)
 
     def _apply(self, payload: dict[str, Any], *, rewind: bool) -> None:
@@ -309,7 +315,6 @@ class Replica:
         itself: its counters go back by the steps the member has taken into that loop step."""
         strategy = self._strategy
         assert strategy is not None
-        tensors, _ = strategy.global_state()
         counters = {name: int(value) for name, value in payload["counters"].items()}
         step = int(payload["loop_step"])
         if rewind:
@@ -317,10 +322,7 @@ class Replica:
             counters["step_index"] -= ahead
             if "local_steps" in counters:
                 counters["local_steps"] -= ahead
-        with torch.no_grad():
-            for (_, mine), theirs in zip(tensors, payload["tensors"], strict=True):
-                mine.copy_(theirs)
-        strategy.set_global_counters(counters)
+        strategy.take_healing_payload(list(payload["tensors"]), counters)
         strategy.start_worker_state(kept=False)
         self._healed_step = step
 
@@ -349,7 +351,16 @@ class Replica:
         return self._last_quorum >= 0 or self._round_open
 
     def open_round(self) -> None:
-        """Open a round (ask for a quorum; it forms in the background) unless one is open."""
+        """Open a round (ask for a quorum; it forms in the background) unless one is open.
+
+        torchft runs one round at a time. A method that launches its next exchange before it
+        applies the one in flight (eager, diloco_delayed) opens the next round while that one
+        is open: its collective, issued at an earlier step, is waited for and committed (or
+        tried again on a new quorum) first; the method still applies its result where its
+        equations do."""
+        in_flight = self._in_flight
+        if in_flight is not None and not in_flight.done() and in_flight.step != self.loop_step:
+            in_flight.wait()
         if not self._round_open:
             self.manager.start_quorum(
                 allow_heal=True, timeout=timedelta(seconds=self.options.quorum_s)
@@ -449,6 +460,7 @@ class Replica:
                     )
                 payload = pending["user"]["default"]
                 self._apply(payload, rewind=True)
+                self._admitted_with = payload
                 self._joined = True
                 nbytes = sum(int(t.untyped_storage().nbytes()) for t in payload["tensors"])
                 self._log({
@@ -502,8 +514,10 @@ class _RoundHandle:
         self._tensor = tensor
         self._op = op
         self._input = tensor.detach().clone()  # (a dropped round starts again from it)
+        self.step = replica.loop_step
         self._work = self._issue()
         self._done = False
+        replica._in_flight = self
 
     def _issue(self) -> Any:
         reduce = ReduceOp.AVG if self._op == "mean" else ReduceOp.SUM

@@ -265,6 +265,22 @@ class Strategy(ABC):
         """Take a live member's counters (:meth:`global_state`'s)."""
         raise NotImplementedError(f"{self.name} declares no membership rule")
 
+    def healing_payload(self) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """What a live member sends a joiner in one transfer, where an engine heals at a
+        round's quorum (torchft): :meth:`global_state`'s tensors and counters, and for a
+        method with exchanges in flight at that quorum, their settled results."""
+        tensors, counters = self.global_state()
+        return [tensor for _, tensor in tensors], dict(counters)
+
+    def take_healing_payload(self, tensors: list[torch.Tensor], counters: dict[str, int]) -> None:
+        """A joiner takes a live member's :meth:`healing_payload` (its own state then starts
+        by :meth:`start_worker_state`)."""
+        mine, _ = self.global_state()
+        with torch.no_grad():
+            for (_, tensor), theirs in zip(mine, tensors, strict=True):
+                tensor.copy_(theirs)
+        self.set_global_counters(counters)
+
     def start_worker_state(self, *, kept: bool) -> None:
         """After healing: start this worker's own state by the method's rule (``kept``: a
         rejoining worker that kept its state; else a new worker with fresh state)."""

@@ -679,11 +679,24 @@ class CO2(_AnchoredOuter):
         self.restart_from_anchor()
         return extras
 
-    def settle_previous(self, extras: dict[str, float]) -> bool:
+    def settle_previous(self, extras: dict[str, float], *, opens: bool = True) -> bool:
         """Round t-1's all-reduce, if any: finished (Lambda_t and m_t), or, when it failed,
-        discarded on every member once the loss is detected. Whether it is applied."""
+        discarded on every member once the loss is detected. Whether it is applied.
+        ``opens``: round t follows (not at the run's end)."""
         if self.handle is None and not self.received:
             return False
+        if not self.sync_failed:
+            if self.handle is not None:
+                self.handle.wait()
+                self.handle, self.received = None, True
+            if opens:
+                # The next round's quorum forms once this one settled and before its result
+                # is used: a joiner healed there (an engine such as torchft heals at the
+                # quorum) receives it with the anchor and m_{t-1} and takes round t's outer
+                # step as the members do. A quorum that forms only now (torchft's) may have
+                # lost a member of its launch: it then fails, as a loss seen earlier does.
+                self.runtime.enter_round()
+                self.mark_failed_sync()
         if self.sync_failed:
             if self.handle is not None:  # (its buffer is reused once the group is done)
                 self.handle.wait()
@@ -766,7 +779,7 @@ class CO2(_AnchoredOuter):
                 self.close_round()
                 self.end_round()
             self.mark_failed_sync()
-            if self.settle_previous({}):
+            if self.settle_previous({}, opens=False):
                 self.outer_step()
                 self.restart_from_anchor()
 

@@ -364,6 +364,14 @@ class OuterExchange:
             return False
         return self.handle.done()
 
+    def moved_result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean Delta, own Delta) of an unquantized exchange whose data has moved (its
+        collective completed), read without settling its handle or charging the clock: what
+        a live member sends a joiner from an engine's healing thread."""
+        if self._result is not None:
+            return self._result[0], self._result[2]
+        return self._buffer[: self.numel], self._own
+
     def _collect(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Finish the data movement (no time charged) and decode the result once."""
         if self._result is not None:

@@ -70,6 +70,13 @@ class PendingSync:
     launched_at: int
     members: tuple[int, ...]
     failed: bool = False
+    #: The workers whose Delta entered its mean (|Q| of its round; None: every member).
+    size: int | None = None
+
+    @property
+    def weight(self) -> int:
+        """|Q| of its round: what its mean divided by."""
+        return len(self.members) if self.size is None else self.size
 
 
 #: The delayed methods' membership rule (docs/ALGORITHMS.md, "Membership: quorum, commit and
@@ -142,16 +149,27 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         """End of fragment p's inner phase: launch its exchange, apply the one N rounds old.
         Returns 1 when that one failed (a member of its quorum was lost while it flew): its
         mean is discarded on every member, and the outer step takes no part of it."""
-        fresh_own = self.globals_[p] - self.local_fragment(p)
         # (A member lost since the last launch: the new quorum forms once it is detected.)
-        members = self.runtime.enter_round().members
-        self.pending[p].append(PendingSync(self.launch_sync(p), self.step_index, members))
+        quorum = self.runtime.enter_round()
+        members = quorum.members
+        # (A quorum that forms only now, torchft's, may have lost a member of an exchange's
+        # launch: it fails, as a loss seen at the step's start does.)
+        self.mark_failed_syncs()
+        # |Q_t|: the workers whose Delta enters the mean. A joiner healed at this round's
+        # quorum sits it out where the engine says so (torchft: its payload is zeroed and
+        # the mean divides by the others); it then contributes nothing, its own part too.
+        size = min(len(members), self.comm.world_size)
+        if quorum.joined and size < len(members):
+            self.set_local_fragment(p, self.globals_[p])
+        fresh_own = self.globals_[p] - self.local_fragment(p)
+        launched = PendingSync(self.launch_sync(p), self.step_index, members, size=size)
+        self.pending[p].append(launched)
         failed = 0
         if len(self.pending[p]) > self.options.outer_delay:
             sync = self.pending[p].popleft()
             stale_mean, _, stale_own = sync.exchange.wait()
             self.settled.append((sync.launched_at, not sync.failed))
-            stale_size = len(sync.members)
+            stale_size = sync.weight
             if sync.failed:
                 failed = 1
                 if not self.eager:  # no outer step: phi_p and its momentum unchanged
@@ -161,20 +179,18 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                 # this round is applied as in the first rounds.
                 stale_mean = torch.zeros_like(fresh_own)
                 stale_own = torch.zeros_like(fresh_own)
-                stale_size = len(members)
+                stale_size = size
         elif self.eager:
             # First rounds [R-lo]: Delta^(0) = Delta_m^(0) = 0, a (1/M) Delta_m^(t) step.
             stale_mean = torch.zeros_like(fresh_own)
             stale_own = torch.zeros_like(fresh_own)
-            stale_size = len(members)
+            stale_size = size
         else:
             # Naive delay, first rounds: no update (zero outer gradient); restart from phi_m.
             self.set_local_fragment(p, self.globals_[p])
             return failed
         if self.eager:
-            update = quorum_eager_outer_gradient(
-                stale_mean, fresh_own, stale_own, stale_size, len(members)
-            )
+            update = quorum_eager_outer_gradient(stale_mean, fresh_own, stale_own, stale_size, size)
         else:
             update = stale_mean
         self.outer_step(p, update)
@@ -197,7 +213,7 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                 if sync.failed:
                     self.runtime.enter_round()  # (it fails when the loss is detected)
                     continue
-                update = mean - own / len(sync.members) if self.eager else mean
+                update = mean - own / sync.weight if self.eager else mean
                 self.outer_step(p, update)
             self.set_local_fragment(p, self.globals_[p])
 
@@ -237,6 +253,45 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                         sync.exchange.wait()
         self.pass_in_flight(source, joining=joining)
         super().heal(source, joining=joining, kept=kept)
+
+    def healing_payload(self) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """The global state and every exchange in flight, settled (an engine that heals at
+        the next round's quorum has completed their collectives first): per exchange its
+        mean, for eager the sender's own Delta, and its launch step, quorum and failure."""
+        tensors, counters = super().healing_payload()
+        for p, queue in enumerate(self.pending):
+            counters[f"in_flight{p}"] = len(queue)
+            for i, sync in enumerate(queue):
+                mean, own = sync.exchange.moved_result()
+                tensors.extend((mean, own) if self.eager else (mean,))
+                key = f"in_flight{p}.{i}"
+                counters[f"{key}.at"] = sync.launched_at
+                counters[f"{key}.failed"] = int(sync.failed)
+                counters[f"{key}.members"] = sum(1 << k for k in sync.members)
+                counters[f"{key}.size"] = sync.weight
+        return tensors, counters
+
+    def take_healing_payload(self, tensors: list[torch.Tensor], counters: dict[str, int]) -> None:
+        """The joiner applies the sender's exchanges in flight at the same steps; its own
+        from before it was lost are void."""
+        mine = len(self.global_state()[0])
+        super().take_healing_payload(tensors[:mine], counters)
+        received = iter(tensors[mine:])
+        self.pending = [deque() for _ in self.fragments]
+        self.settled = []
+        for p, queue in enumerate(self.pending):
+            for i in range(counters.get(f"in_flight{p}", 0)):
+                mean = next(received).clone()
+                own = next(received).clone() if self.eager else torch.zeros_like(mean)
+                key = f"in_flight{p}.{i}"
+                bits = counters[f"{key}.members"]
+                members = tuple(k for k in range(self.workers) if bits >> k & 1)
+                exchange = self.received_exchange(mean, own)
+                queue.append(
+                    PendingSync(
+                        exchange, counters[f"{key}.at"], members, bool(counters[f"{key}.failed"])
+                    )
+                )
 
     def pass_in_flight(self, source: int, *, joining: bool) -> None:
         """The sender's exchanges in flight to a joiner: their launch steps, quorums and

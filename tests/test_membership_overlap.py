@@ -1,0 +1,84 @@
+"""--membership torchft with the methods whose outer all-reduce overlaps inner steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lowcomm.membership.options import MembershipOptions
+from test_membership_torchft import _config, _digests, _kill_and_restart, _record
+
+#: The methods whose outer all-reduce flies across inner steps, and favg_reset.
+OVERLAP_METHODS = ("co2", "eager", "diloco_delayed", "cocodc", "favg_reset")
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", OVERLAP_METHODS)
+def test_no_fault_follows_the_static_trajectory(tmp_path: Path, method: str) -> None:
+    pytest.importorskip("torchft")
+    from lowcomm.launch.run import run_training
+
+    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 12}
+    static = _config(method, tmp_path / "static", membership="static", **common)
+    static.placement.membership_options = MembershipOptions()
+    run_training(static, report=None)
+    run_training(_config(method, tmp_path / "torchft", **common), report=None)
+    expected = _losses(tmp_path / "static" / "metrics.jsonl")
+    workers = [_losses(tmp_path / "torchft" / f"worker{k}" / "metrics.jsonl") for k in range(3)]
+    assert len(expected) == 12 and all(len(w) == 12 for w in workers)
+    for step, want in enumerate(expected):
+        mean = sum(w[step] for w in workers) / 3
+        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["co2", "diloco_delayed"])
+def test_overlapping_methods_survive_a_kill_and_heal_a_restarted_worker(
+    tmp_path: Path, method: str
+) -> None:
+    pytest.importorskip("torchft")
+    # (160 steps: the survivors train long enough alone for the joiner's process to start
+    # on a loaded machine.)
+    job = _kill_and_restart(method, tmp_path, steps=160, restart=True)
+    codes, dirs = job["codes"], job["dirs"]
+    assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
+    assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
+    survivors = [_record(dirs[(0, 0)]), _record(dirs[(1, 0)])]
+    joiner = _record(dirs[(2, 1)])
+    healed = [e for e in joiner["events"] if e["event"] == "healed"]
+    assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]
+    for record in survivors:
+        after = [
+            e for e in record["events"] if e["event"] == "quorum" and e["time"] > job["killed"]
+        ]
+        assert after[0]["members"] in ([0, 1], [0, 1, 2]), after
+        assert after[-1]["members"] == [0, 1, 2], after
+    # An exchange whose launch quorum lost the killed worker before it was applied is
+    # discarded on every survivor, as in simulation (its mean takes no outer step).
+    dropped = [
+        {
+            row["step"]
+            for row in map(json.loads, (dirs[(k, 0)] / "metrics.jsonl").read_text().splitlines())
+            if row.get("extras", {}).get("syncs_dropped")
+        }
+        for k in (0, 1)
+    ]
+    assert dropped[0] == dropped[1] and dropped[0], dropped
+    first_quorum = next(e for e in joiner["events"] if e["event"] == "quorum")
+    assert first_quorum["participants"] == 2, first_quorum  # (it sat out the round it healed in)
+    assert joiner["data_position"] == survivors[0]["data_position"] == 160
+    mine, theirs, other = (_digests(r) for r in (joiner, *survivors))
+    # Its first commit is the round it healed in, settled at the next round's end (the
+    # all-reduce flies a whole round). Every worker restarts each round from the same
+    # parameters (co2's anchor with the shared displacement, diloco_delayed's phi, healed
+    # with the exchange in flight), so from then on the joiner holds the others' bit for bit.
+    assert min(mine) == healed[0]["step"] + 4
+    assert all(mine[s] == theirs[s] == other[s] for s in mine), (mine, theirs)
+    assert max(mine) == 159
