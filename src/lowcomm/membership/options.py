@@ -263,6 +263,12 @@ def _method_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: --method {config.method} is not yet supported (its rounds are not yet "
             f"checked through a kill and a restart); use {', '.join(TORCHFT_METHODS)}"
         )
+    if config.method in ("eager", "diloco_delayed") and config.comm.comm_dtype != "fp32":
+        return (
+            f"{flag}: --method {config.method} with --comm-dtype {config.comm.comm_dtype}: a "
+            "joiner is healed with the exchange in flight, read before the mean is cast back; "
+            "use --comm-dtype fp32"
+        )
     if config.method in ("diloco", "streaming_diloco", "sparta_diloco"):
         quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
         if quantization != "none":
