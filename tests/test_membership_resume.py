@@ -67,7 +67,7 @@ def _digests(run: Path) -> dict[int, str]:
 
 #: (method, --stop-after): at a sync round's end (8), or inside rounds: streaming's
 #: fragment launched at step 5 merges at 6; DES-LOC's parameters sync every 2 steps, its
-#: moments every 6 and 12; SPARTA-DiLoCo's sparse rounds are every step, its outer every 4.
+#: moments every 6 and 12.
 STOPS = [("diloco", 8), ("ddp", 8), ("streaming_diloco", 6), ("desloc", 7)]
 
 
