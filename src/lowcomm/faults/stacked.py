@@ -583,10 +583,13 @@ class StackedFaults(WorkerFaults):
     (:meth:`QuorumStackedGroup.prepare`, collective over the processes)."""
 
     def __init__(self, *args: Any, raw: QuorumStackedComm, **kwargs: Any) -> None:
+        from lowcomm.prestart import under_torchrun
+
         self._stacked = raw.group
         self._groups_made = 0
         self._planned = 0
         super().__init__(*args, raw=raw, **kwargs)
+        self.loses_state_in_place = under_torchrun()
 
     def resolve(self, step: int) -> None:
         super().resolve(step)
