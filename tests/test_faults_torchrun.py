@@ -1,6 +1,7 @@
 """Declared faults under torchrun: a crash is emulated in place (its worker's process, which
 torchrun's agent must not see die, loses its state and waits outside the quorum), on the real
-clock as on the virtual one, with one worker a process or two.
+clock as on the virtual one, with one worker a process or two; and the memory pre-flight of
+a local launch counts the processes standing by for a trace's joins.
 
 The virtual clock under torchrun giving the numbers of one process is
 tests/test_faults_processes.py's and tests/test_faults_placements.py's."""
@@ -16,11 +17,15 @@ import pytest
 import torch
 
 from _cli import torchrun
-from lowcomm.config import TrainConfig, with_options
+from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
+from lowcomm.launch import device_memory
+from lowcomm.launch.device_memory import check_worker_processes
+from lowcomm.launch.run import check_process_memory
 from lowcomm.models import ModelConfig
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.train.checkpoint import step_directory
+from lowcomm.train.task import CorpusTask
 
 STEPS = 8
 
@@ -123,3 +128,45 @@ def test_a_crash_under_torchrun_on_the_real_clock_loses_the_state_and_the_join_h
         for name, tensor in state["model"].items():
             assert torch.equal(tensor, end[0]["model"][name]), name
     assert any(bool(t.count_nonzero()) for t in end[lost]["model"].values())
+
+
+# --- the memory pre-flight of a local launch counts the standby processes -----------------
+
+
+def _each(config: TrainConfig) -> tuple[int, float]:
+    """The model's parameters and the floor of one worker process."""
+    model = CorpusTask().shapes_model(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    each = check_worker_processes(config, parameters, free_bytes=lambda: 1e15)
+    assert each is not None
+    return parameters, each.total
+
+
+def test_the_processes_standing_by_for_joins_count_in_the_memory_floor(tmp_path: Path) -> None:
+    config = _config(tmp_path / "out", tmp_path / "trace.txt")
+    parameters, each = _each(config)
+    free = 3.5 * each  # (3 processes fit, 4 do not)
+    assert check_worker_processes(config, parameters, free_bytes=lambda: free) is not None
+    with pytest.raises(ConfigError) as caught:
+        check_worker_processes(config, parameters, standbys=1, free_bytes=lambda: free)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "--workers 3: 4 worker processes (3 and 1 standing by for the joins of the --faults "
+        "trace) on this machine need at least "
+    )
+    assert "at most 2 workers fit: pass --workers 2" in message
+
+
+def test_the_launch_counts_a_standby_for_each_join_after_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = tmp_path / "trace.txt"
+    config = _config(tmp_path / "out", trace)
+    _, each = _each(config)
+    monkeypatch.setattr(device_memory, "available_host_bytes", lambda: 3.5 * each)
+    trace.write_text("step=2 worker=2 crash\n")  # (no join: no standby, 3 processes fit)
+    check_process_memory(config, CorpusTask())
+    trace.write_text("step=2 worker=2 crash\nstep=5 worker=2 join\n")
+    with pytest.raises(ConfigError, match=r"^--workers 3: 4 worker processes \(3 and 1 standing"):
+        check_process_memory(config, CorpusTask())
