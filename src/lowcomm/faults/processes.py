@@ -36,17 +36,17 @@ trace (each crash is replaced, a replacement per
 crash would be a process per event); and every worker under torchrun. So the same trace
 gives the same losses, modeled times and ``faults`` block in both placements.
 
-**Under torchrun a crash is emulated in place**, on either clock. A process cannot end
-itself there: torchrun's elastic agent takes any worker's exit before the others' as a
-failure of the whole job and stops (or restarts) every worker, and it starts no process for
-a join. So the crashed worker's process stays, and loses its state where it stands: at the
-crash's step it stops taking part (no strategy collective, nothing charged to its clock) and
-zeroes its parameters, their gradients and every tensor of its method's state
-(:func:`lose_state`), so that nothing of the lost worker reaches its join. Until the run ends,
-or until its slot's join, when it is healed from a live member like any new worker, it only
-takes its turn in the run's bookkeeping, whose rows leave it out, as a thread does. The
-survivors see what they would see of a killed process: a member fewer from the crash's step
-on.
+**Under torchrun a crash is emulated in place**, on either clock. A process is not killed
+there: torchrun's elastic agent takes a worker killed by a signal as the failure of the whole
+job and stops (or, with ``--max-restarts``, restarts) every worker, and its world is fixed at
+launch, with no process to stand by for a join. So the crashed worker's process stays, and
+loses its state where it stands: at the crash's step it stops taking part (no strategy
+collective, nothing charged to its clock) and zeroes its parameters, their gradients and
+every tensor of its method's state (:func:`lose_state`), so that nothing of the lost worker
+reaches its join. Until the run ends, or until its slot's join, when it is healed from a
+live member like any new worker, it only takes its turn in the run's bookkeeping, whose rows
+leave it out, as a thread does. The survivors see what they would see of a killed process:
+a member fewer from the crash's step on.
 """
 
 from __future__ import annotations

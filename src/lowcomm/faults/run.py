@@ -22,9 +22,9 @@ own (``--workers-per-process 1``, the local launch or torchrun, on cpu, on eithe
 :mod:`lowcomm.faults.processes`), one rank per worker; or as one of K threads in each of
 several processes (the local launch or torchrun, on cpu, on either clock:
 :mod:`lowcomm.faults.stacked`, where a crash stops its worker's thread and no process is
-killed). Under torchrun no process is killed either (its elastic agent would restart every
-worker): a crashed worker's process loses its state in place and waits outside the quorum
-(:func:`lowcomm.faults.processes.lose_state`). A worker of several ranks (replicated)
+killed). Under torchrun no process is killed either (its elastic agent would stop or
+restart every worker): a crashed worker's process loses its state in place and waits outside
+the quorum (:func:`lowcomm.faults.processes.lose_state`). A worker of several ranks (replicated)
 runs as R threads of one process or of several: a crash takes its R ranks, and a join heals
 each of them over its rank's outer group;
 membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
