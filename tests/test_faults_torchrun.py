@@ -1,7 +1,8 @@
 """Declared faults under torchrun: a crash is emulated in place (its worker's process, which
 torchrun's agent must not see die, loses its state and waits outside the quorum), on the real
-clock as on the virtual one, with one worker a process or two; and the memory pre-flight of
-a local launch counts the processes standing by for a trace's joins.
+clock as on the virtual one, with one worker a process or two; the emulation gives every
+method the numbers of a thread that keeps its state; and the memory pre-flight of a local
+launch counts the processes standing by for a trace's joins.
 
 The virtual clock under torchrun giving the numbers of one process is
 tests/test_faults_processes.py's and tests/test_faults_placements.py's."""
@@ -19,10 +20,14 @@ import torch
 from _cli import torchrun
 from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.data import DataConfig
+from lowcomm.faults.engine import WorkerFaults
+from lowcomm.faults.run import supported_methods
 from lowcomm.launch import device_memory
 from lowcomm.launch.device_memory import check_worker_processes
+from lowcomm.launch.inprocess import train_in_process
 from lowcomm.launch.run import check_process_memory
 from lowcomm.models import ModelConfig
+from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.train.checkpoint import step_directory
 from lowcomm.train.task import CorpusTask
@@ -128,6 +133,51 @@ def test_a_crash_under_torchrun_on_the_real_clock_loses_the_state_and_the_join_h
         for name, tensor in state["model"].items():
             assert torch.equal(tensor, end[0]["model"][name]), name
     assert any(bool(t.count_nonzero()) for t in end[lost]["model"].values())
+
+
+#: Methods that run in processes, where torchrun places them (decoupled_diloco's learners
+#: share one synchronizer in memory: threads of one process only).
+IN_PROCESSES = [m for m in supported_methods() if m != "decoupled_diloco"]
+
+
+def _numbers(out: Path) -> tuple[list[tuple[float, float | None, float]], dict[str, Any]]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [(r["train_loss"], r["val_loss"], r["clock_s"]) for r in records]
+    return rows, {"final_val_loss": summary["final_val_loss"], **summary["faults"]}
+
+
+@pytest.mark.parametrize("method", IN_PROCESSES)
+def test_a_crash_that_zeroes_its_state_in_place_changes_no_number(
+    method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The emulation under torchrun (the crashed worker zeroes its state where it stands)
+    gives the numbers of a thread that keeps its state until its join: every method's join
+    heals what it needs and starts the rest by its rule, so nothing of the lost worker is
+    read. Run here with every worker a thread, the emulation switched on for them."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text("step=2 worker=2 crash\nstep=5 worker=2 join\n")
+    runs = []
+    for in_place in (False, True):
+        monkeypatch.setattr(WorkerFaults, "loses_state_in_place", in_place)
+        out = tmp_path / str(in_place)
+        config = _config(
+            out, trace, workers_per_process=3, clock="virtual", seconds_per_microbatch=0.01,
+            eval_every=4, eval_batches=2, log_every=1, fault_detection_s=2.5,
+            checkpoint_every=4, keep_checkpoints=3,
+        )  # fmt: skip
+        config.local = LocalOptions(sync_every=2)
+        if method == "streaming_diloco":  # (two fragments, each flying one step)
+            config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+            config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
+        config.method = method
+        config.validate()
+        train_in_process(config)
+        runs.append(_numbers(out))
+        # (The checkpoint between the crash and the join holds what worker 2 kept.)
+        kept = _states(out, 4, 3)[2]["model"].values()
+        assert any(bool(t.count_nonzero()) for t in kept) is not in_place
+    assert runs[1] == runs[0]
 
 
 # --- the memory pre-flight of a local launch counts the standby processes -----------------
