@@ -136,7 +136,7 @@ def test_the_same_trace_with_two_workers_a_process_gives_the_numbers_of_one_proc
         assert quorums == [4, 3, 3, 3, 4, 4, 4, 4]
 
 
-def test_two_workers_a_process_pass_the_checks_and_torchrun_refuses_them_on_the_real_clock(
+def test_two_workers_a_process_pass_the_checks_locally_and_under_torchrun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config("ddp", tmp_path / "out", tmp_path / "t", workers=4, workers_per_process=2)
@@ -144,9 +144,7 @@ def test_two_workers_a_process_pass_the_checks_and_torchrun_refuses_them_on_the_
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     config.validate()
     config.comm.clock, config.comm.seconds_per_microbatch = "real", None
-    with pytest.raises(ConfigError, match="checked there on the virtual clock only") as caught:
-        config.validate()
-    assert "\n" not in str(caught.value)
+    config.validate()  # (a crash stops its worker's thread: no process is killed)
 
 
 @pytest.mark.slow

@@ -152,18 +152,6 @@ def test_what_faults_in_processes_do_not_run_with_yet_is_refused_in_one_line(
     assert "\n" not in str(caught.value)
 
 
-def test_faults_under_torchrun_on_the_real_clock_are_refused_in_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    config = _config("ddp", tmp_path / "out", tmp_path / "trace.txt", processes=True)
-    config.validate()
-    config.comm.clock, config.comm.seconds_per_microbatch = "real", None
-    with pytest.raises(ConfigError, match="not yet supported under torchrun on the real") as real:
-        config.validate()
-    assert "\n" not in str(real.value)
-
-
 def test_faults_in_worker_processes_pass_the_checks(tmp_path: Path) -> None:
     config = _config("diloco", tmp_path / "out", tmp_path / "trace.txt", processes=True)
     config.validate()  # (no refusal: the placement runs with faults)

@@ -210,6 +210,11 @@ class WorkerFaults:
             on the real clock every :data:`SAY_EVERY_S` seconds of the wait).
     """
 
+    #: Whether a crash zeroes its worker's state where it stands (a worker that goes on in a
+    #: process torchrun started: :mod:`lowcomm.faults.processes`); a thread of the other
+    #: placements keeps it, healed at its join.
+    loses_state_in_place = False
+
     def __init__(
         self,
         trace: FaultTrace,

@@ -33,9 +33,20 @@ A worker whose process is not killed keeps it outside its quorum, charging its c
 nothing and taking its turn in the bookkeeping, whose rows leave it out, as the thread of an
 in-process run does: one that left (it rejoins with its state); every worker of a generated
 trace (each crash is replaced, a replacement per
-crash would be a process per event); and every worker under torchrun, whose agent would
-restart the whole world on a kill. So the same trace gives the same losses, modeled times
-and ``faults`` block in both placements.
+crash would be a process per event); and every worker under torchrun. So the same trace
+gives the same losses, modeled times and ``faults`` block in both placements.
+
+**Under torchrun a crash is emulated in place**, on either clock. A process is not killed
+there: torchrun's elastic agent takes a worker killed by a signal as the failure of the whole
+job and stops (or, with ``--max-restarts``, restarts) every worker, and its world is fixed at
+launch, with no process to stand by for a join. So the crashed worker's process stays, and
+loses its state where it stands: at the crash's step it stops taking part (no strategy
+collective, nothing charged to its clock) and zeroes its parameters, their gradients and
+every tensor of its method's state (:func:`lose_state`), so that nothing of the lost worker
+reaches its join. Until the run ends, or until its slot's join, when it is healed from a
+live member like any new worker, it only takes its turn in the run's bookkeeping, whose rows
+leave it out, as a thread does. The survivors see what they would see of a killed process:
+a member fewer from the crash's step on.
 """
 
 from __future__ import annotations
@@ -51,10 +62,13 @@ from lowcomm.comm.base import Role
 from lowcomm.faults.engine import StepPlan, WorkerFaults
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from lowcomm.comm.torch_comm import LiveBookkeeping, QuorumTorchComm
     from lowcomm.config import TrainConfig
+    from lowcomm.strategies.base import Strategy
 
-__all__ = ["ProcessFaults", "handover_path", "process_layout"]
+__all__ = ["ProcessFaults", "handover_path", "lose_state", "process_layout"]
 
 
 class ProcessFaults(WorkerFaults):
@@ -68,6 +82,7 @@ class ProcessFaults(WorkerFaults):
 
     def __init__(self, *args: Any, raw: QuorumTorchComm, **kwargs: Any) -> None:
         from lowcomm.launch.spawn import launch_folder
+        from lowcomm.prestart import under_torchrun
 
         self._groups_made = 0  # (before the engine resolves anything)
         self._quorum_groups = raw
@@ -83,6 +98,7 @@ class ProcessFaults(WorkerFaults):
         #: Whether a crash kills its worker's process (a file's trace, in a launch of the
         #: local spawner; a generated trace replaces every crashed worker).
         self.kills = self._extend is None and launch_folder() is not None
+        self.loses_state_in_place = under_torchrun()
 
     def resolve(self, step: int) -> None:
         super().resolve(step)
@@ -266,6 +282,33 @@ class ProcessFaults(WorkerFaults):
             bytes(rows[slot].tolist()).hex() if slot in vacant else digest
             for slot, digest in enumerate(digests)
         ]
+
+
+def lose_state(model: nn.Module, strategy: Strategy) -> None:
+    """A crash emulated in a process that goes on (under torchrun): zero the worker's
+    parameters and their gradients, and every tensor of its method's state (what a checkpoint
+    holds of it, loaded back as zeros), so that its join finds nothing of it and is healed
+    like a new worker's. The model's buffers are not trained state (a new worker builds them
+    alike) and stay."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+            if parameter.grad is not None:
+                parameter.grad.zero_()
+    strategy.load_state_dict(_zeroed(strategy.state_dict()))
+
+
+def _zeroed(value: Any) -> Any:
+    """``value`` (a state dict) with every tensor in it zeros of its shape and type."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {key: _zeroed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_zeroed(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_zeroed(item) for item in value)
+    return value
 
 
 def dist_rank() -> int:

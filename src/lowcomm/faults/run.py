@@ -18,10 +18,13 @@ workers.
 
 **What runs with faults today.** Every worker as a thread of one process
 (``--workers-per-process`` equal to ``--workers``), on either clock; as a process of its
-own (``--workers-per-process 1``, the local launch or torchrun, on cpu, on the virtual clock:
+own (``--workers-per-process 1``, the local launch or torchrun, on cpu, on either clock:
 :mod:`lowcomm.faults.processes`), one rank per worker; or as one of K threads in each of
-several processes (the local launch, on cpu: :mod:`lowcomm.faults.stacked`, where a crash
-stops its worker's thread and no process is killed). A worker of several ranks (replicated)
+several processes (the local launch or torchrun, on cpu, on either clock:
+:mod:`lowcomm.faults.stacked`, where a crash stops its worker's thread and no process is
+killed). Under torchrun no process is killed either (its elastic agent would stop or
+restart every worker): a crashed worker's process loses its state in place and waits outside
+the quorum (:func:`lowcomm.faults.processes.lose_state`). A worker of several ranks (replicated)
 runs as R threads of one process or of several: a crash takes its R ranks, and a join heals
 each of them over its rank's outer group;
 membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
@@ -334,32 +337,17 @@ def faults_refusal(config: TrainConfig) -> str | None:
 
 
 def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
-    """Why the run's placement or clock cannot replay faults yet, or None."""
-    from lowcomm.prestart import under_torchrun
-
+    """Why the run's placement cannot replay faults yet, or None."""
     placement = config.placement
     supported = (
         "faults run today with every worker a thread of one process "
-        f"(--workers-per-process {placement.workers}, local launch, either clock), a process "
-        "of its own (--workers-per-process 1, on cpu: local launch on either clock, torchrun "
-        "on the virtual clock) or one of K threads in each of several processes "
-        "(--workers-per-process K dividing --workers, on cpu: local launch on either clock, "
-        "torchrun on the virtual clock), a worker of "
-        "several ranks (replicated) as threads"
+        f"(--workers-per-process {placement.workers}, either clock), a process of its own "
+        "(--workers-per-process 1, on cpu: local launch or torchrun, either clock) or one of "
+        "K threads in each of several processes (--workers-per-process K dividing --workers, "
+        "on cpu: local launch or torchrun, either clock), a worker of several ranks "
+        "(replicated) as threads"
     )
     in_process = placement.workers_per_process == placement.workers
-    several = placement.workers_per_process > 1
-    if (several or not in_process) and config.comm.clock != "virtual" and under_torchrun():
-        why = (
-            "a crashed worker's process cannot be killed there: the agent would restart every "
-            "worker"
-            if not several
-            else "processes of several workers are checked there on the virtual clock only"
-        )
-        return (
-            f"{flag}: not yet supported under torchrun on the {config.comm.clock} clock "
-            f"({why}); {supported}"
-        )
     if not in_process and config.placement.device != "cpu":
         return (
             f"{flag}: not yet supported with worker processes on --device {config.placement.device} "

@@ -6,8 +6,10 @@
 its event, as in one process (:mod:`lowcomm.faults.engine`): its thread issues no strategy
 collective from then on and only takes its turn in the run's bookkeeping, whose rows leave it
 out, while the other workers of its process go on. No process is killed: a SIGKILL would take
-the process's other, live, workers with it. A join is the slot's thread taking part again,
-healed from a live member over the link.
+the process's other, live, workers with it. Under torchrun the crashed worker's thread also
+zeroes its state at the crash, as a process of one worker does there
+(:mod:`lowcomm.faults.processes`). A join is the slot's thread taking part again, healed from
+a live member over the link.
 
 **The strategy's group follows the quorum across processes**
 (:class:`QuorumStackedGroup`). A round's collectives run over its members: those of each
@@ -583,10 +585,13 @@ class StackedFaults(WorkerFaults):
     (:meth:`QuorumStackedGroup.prepare`, collective over the processes)."""
 
     def __init__(self, *args: Any, raw: QuorumStackedComm, **kwargs: Any) -> None:
+        from lowcomm.prestart import under_torchrun
+
         self._stacked = raw.group
         self._groups_made = 0
         self._planned = 0
         super().__init__(*args, raw=raw, **kwargs)
+        self.loses_state_in_place = under_torchrun()
 
     def resolve(self, step: int) -> None:
         super().resolve(step)

@@ -377,13 +377,17 @@ def check_worker_processes(
     config: TrainConfig,
     parameters: int,
     *,
+    standbys: int = 0,
     free_bytes: Callable[[], float | None] | None = None,
 ) -> WorkerMemory | None:
     """Before the local spawner starts ``config.world_size`` CPU worker processes (one rank
-    each), refuse a run whose processes cannot fit this machine's free host memory, in one
-    line with the estimate and the largest worker count that fits; return the estimate per
-    process (None: not checked: a GPU run, workers sharing processes, which their processes
-    check themselves, or a free memory that cannot be read).
+    each) and ``standbys`` more (a run with declared faults starts one for each join that
+    follows a crash, :func:`lowcomm.faults.processes.process_layout`; each builds its model
+    and method state at the start, as a worker does), refuse a run whose processes cannot
+    fit this machine's free host memory, in one line with the estimate and the largest
+    worker count that fits; return the estimate per process (None: not checked: a GPU run,
+    workers sharing processes, which their processes check themselves, or a free memory
+    that cannot be read).
 
     The estimate is a floor: the model's ``parameters`` priced as :func:`estimate_worker_memory`
     prices them (1/R of everything per rank under ``--worker-sharding fsdp``) and
@@ -400,17 +404,19 @@ def check_worker_processes(
     if free is None:
         return None
     each = estimate_worker_memory(config, parameters, 0.0, slack=PROCESS_SLACK)
-    processes = config.placement.world_size
+    processes = config.placement.world_size + standbys
     need = processes * each.total
     if need > free:
-        raise ConfigError(_processes_refusal(config, each, need, free))
+        raise ConfigError(_processes_refusal(config, each, need, free, standbys))
     return each
 
 
-def _processes_refusal(config: TrainConfig, each: WorkerMemory, need: float, free: float) -> str:
+def _processes_refusal(
+    config: TrainConfig, each: WorkerMemory, need: float, free: float, standbys: int
+) -> str:
     """The one line of :func:`check_worker_processes`'s refusal."""
     ranks = config.placement.ranks_per_worker
-    fits = largest_fit(each, ranks, free)
+    fits = max(0, largest_fit(each, ranks, free) - standbys)
     one_process = config.placement.workers * ranks * (each.total - each.slack + HOST_SLACK)
     if not fits:
         fix = "not one worker fits: a smaller model"
@@ -425,8 +431,14 @@ def _processes_refusal(config: TrainConfig, each: WorkerMemory, need: float, fre
             )
         fix += " or a smaller model"
     unit = "process" if ranks == 1 else f"process, {ranks} per worker"
+    counted = f"{config.placement.world_size} worker processes"
+    if standbys:
+        counted = (
+            f"{config.placement.world_size + standbys} worker processes ({config.placement.world_size} "
+            f"and {standbys} standing by for the joins of the --faults trace)"
+        )
     return (
-        f"--workers {config.placement.workers}: {config.placement.world_size} worker processes on this machine need "
+        f"--workers {config.placement.workers}: {counted} on this machine need "
         f"at least {amount(need)} of host memory ({amount(each.total)} per {unit}: "
         f"{each.describe('process')}; a micro-batch's activations not counted) but "
         f"{amount(free)} are free; {fix}"

@@ -207,18 +207,22 @@ def _prepare(config: TrainConfig, task: Task, report: Report) -> None:
 def check_process_memory(config: TrainConfig, task: Task) -> None:
     """Refuse CPU worker processes (``--workers-per-process 1``) that cannot fit this
     machine's free host memory, before any starts (workers sharing processes are checked by
-    their processes, with their activations measured). The model's shapes only: on the meta
-    device where it can be built.
+    their processes, with their activations measured), the processes standing by for a
+    fault trace's joins counted. The model's shapes only: on the meta device where it can
+    be built.
 
     Raises:
         ConfigError: naming the estimate, the free memory and the fix.
     """
     if config.placement.device != "cpu" or config.placement.workers_per_process != 1:
         return
+    from lowcomm.faults.processes import process_layout
     from lowcomm.launch.device_memory import check_worker_processes
 
+    standbys = len(process_layout(config)) - config.placement.workers
     model = task.shapes_model(config)
-    check_worker_processes(config, sum(parameter.numel() for parameter in model.parameters()))
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    check_worker_processes(config, parameters, standbys=standbys)
 
 
 def make_paths_absolute(config: TrainConfig) -> None:

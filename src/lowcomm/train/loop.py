@@ -763,6 +763,11 @@ def _step_with_faults(worker: Worker, faults: WorkerFaults, step: int) -> tuple[
     plan = faults.plan(step)
     if not plan.member:
         faults.lose_pending()
+        if faults.loses_state_in_place and faults.slot in plan.lost:
+            from lowcomm.faults.processes import lose_state
+
+            with worker.clock.excluded():
+                lose_state(worker.model, strategy)
         absent = StepStats(
             loss=math.nan, microbatches=0, samples=0, tokens=0,
             lr=strategy.lr_at(strategy.step_index), committed_steps=0,
