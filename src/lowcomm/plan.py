@@ -373,6 +373,9 @@ class Plan:
     schedule: str = ""
     syncs_per_step: float = 0.0
     options: dict[str, Any] | None = None
+    final_drain_s: float = 0.0
+    """What the run waits after its last step for its exchanges still in flight (eager,
+    diloco_delayed, co2, overlap_local_sgd); part of comm_exposed_s and wall_clock_s."""
 
 
 def method_options(config: PlanConfig) -> tuple[type[Strategy], object | None]:
@@ -685,7 +688,8 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
     inner_per_step, inner_bytes_per_step = _inner_link(
         config, pricing, payloads_per_step, replica_sharded
     )
-    exposed = steps * (exposed_per_step + inner_per_step)
+    drain = 0.0 if model.accumulates else _final_drain(config, options, transfers, pricing, steps)
+    exposed = steps * (exposed_per_step + inner_per_step) + drain
     total_comm = steps * (comm_per_step + inner_per_step)
     wall = compute + exposed
     outer_bytes_per_step = sum(t.per_step * pricing.sent(t) for t in transfers)
@@ -708,7 +712,70 @@ def _evaluate(config: PlanConfig, bandwidth_gbps: float | None) -> Plan:
         inner_bytes_per_rank_per_step=inner_bytes_per_step,
         schedule=model.schedule(options), syncs_per_step=sum(t.per_step for t in transfers),
         options=None if options is None else dataclasses.asdict(options),  # type: ignore[call-overload]
+        final_drain_s=drain,
     )  # fmt: skip
+
+
+def _delayed_launch_gaps(options: Any, steps: int) -> list[int]:
+    """eager and diloco_delayed: per fragment, the steps from its last launch to the run's
+    end (fragment p launches at the steps t >= o_p with t = o_p mod H, o_p its completion
+    offset; a fragment that never launched is left out)."""
+    from lowcomm.strategies.streaming import completion_offsets
+
+    period = int(options.sync_every)
+    fragments = int(options.fragments or 1)
+    return [
+        (steps - offset) % period
+        for offset in completion_offsets(period, fragments)
+        if steps >= offset
+    ]
+
+
+def _round_launch_gaps(options: Any, steps: int) -> list[int]:
+    """overlap_local_sgd: the steps from its last launch (every tau steps) to the run's end."""
+    period = int(options.sync_every)
+    return [steps % period] if steps >= period else []
+
+
+#: The methods whose run ends by waiting for its exchanges still in flight (their
+#: ``finish()`` drains them): for a run of K steps, the steps each last exchange (one per
+#: fragment) overlaps between its launch and the run's end. co2 turns a trailing partial
+#: round into a round, so its last all-reduce is launched at the last step.
+#: streaming_diloco and cocodc start no sync within tau steps of the end: theirs lands there.
+_FINAL_EXCHANGES: dict[str, Callable[[Any, int], list[int]]] = {
+    "eager": _delayed_launch_gaps,
+    "diloco_delayed": _delayed_launch_gaps,
+    "co2": lambda options, steps: [0] if steps >= 1 else [],
+    "overlap_local_sgd": _round_launch_gaps,
+}
+
+
+def _final_drain(
+    config: PlanConfig,
+    options: object | None,
+    transfers: typing.Sequence[Transfer],
+    pricing: _Pricing,
+    steps: float,
+) -> float:
+    """D_end, the seconds a run waits after its last step for its last exchange in flight,
+    which the per-step pricing leaves out: an exchange of x seconds that overlaps y seconds of
+    compute exposes max(0, x - y) where it lands, but the run's last one lands after the last
+    step, with only the u steps since its launch to hide behind. Its wait past the last step,
+    beyond the max(0, x - y) already priced, is max(0, min(x, y) - u c) (the link busy with
+    the exchanges before it when x > y): D_end is the largest over the overlapped transfers
+    and the fragments' last launches. 0 for the methods that end with nothing in flight."""
+    gaps_of = _FINAL_EXCHANGES.get(config.method)
+    if gaps_of is None:
+        return 0.0
+    step = _step_compute(config, pricing.params)
+    gaps = gaps_of(options, math.floor(steps + 1e-9))
+    waits = [
+        max(0.0, min(pricing.seconds(t), t.hidden_steps * step) - gap * step)
+        for t in transfers
+        if t.hidden_steps > 0
+        for gap in gaps
+    ]
+    return max(waits, default=0.0)
 
 
 #: The analytic models of lowcomm.faults.goodput a method is priced with.
@@ -933,9 +1000,14 @@ def price_faults(
     costs, heal_bytes = _fault_step_costs(config, plan, model, period, exposure.crashes)
     compute = costs.compute_s
 
+    drained = _drained(plan, horizon)
+    if drained is not None:
+        exposure = dataclasses.replace(exposure, duration_s=horizon - plan.final_drain_s)
+
     def goodput_of(faults: Exposure) -> float | None:
         given = (dropped_rounds, last_sync_lost)
-        return _family_goodput(model, faults, costs, options, plan.steps, given)
+        value = _family_goodput(model, faults, costs, options, plan.steps, given)
+        return value if value is None or drained is None else min(1.0, value * drained)
 
     value = goodput_of(exposure)
     if expected and value is not None:
@@ -957,6 +1029,22 @@ def price_faults(
     )  # fmt: skip
 
 
+def _drained(plan: Plan, horizon: float) -> float | None:
+    """The factor a run's final drain D puts on the goodput its steps keep (None: no
+    drain). Both runs end by waiting D for their last exchange, computing nothing: the
+    fault-free run commits its tokens in W - D of its wall clock W, and the run with faults
+    computes for T - D of its T. So G is the family's G over the T - D the run computes,
+    times (T - D) / T (the drain commits nothing) and W / (W - D) (the fault-free rate it is
+    measured against is the slower for the drain too)::
+
+        G = G_family(T - D) (T - D) / T * W / (W - D)
+    """
+    drain, wall = plan.final_drain_s, plan.wall_clock_s
+    if drain <= 0.0 or not drain < min(horizon, wall):
+        return None
+    return (horizon - drain) / horizon * wall / (wall - drain)
+
+
 def _fault_options(config: PlanConfig, horizon: float) -> FaultOptions:
     """The --fault-* options over a horizon of ``horizon`` seconds."""
     return FaultOptions.given(
@@ -975,7 +1063,10 @@ def _fault_step_costs(
     """The step costs the fault model prices (c, m over a period of H steps, h) and the
     bytes of a healing with every exchange in flight live (each rank its 1/R of the global
     state); h is the expected healing, without the exchanges ``crashes`` failed."""
-    exposed_per_step = plan.comm_exposed_s / plan.steps if plan.steps > 0 else 0.0
+    # (The run's final drain is priced once, over the horizon: price_faults.)
+    exposed_per_step = (
+        (plan.comm_exposed_s - plan.final_drain_s) / plan.steps if plan.steps > 0 else 0.0
+    )
     heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
     tensors = float(model.heal_tensors or round(model.heal_bytes(config) / 4.0))
     if model.live_heal:
@@ -1178,7 +1269,12 @@ def _table(config: PlanConfig, plan: Plan, result: dict[str, object]) -> list[tu
         ("compute", _human(plan.compute_s)),
         (
             "communication",
-            f"{_human(plan.comm_total_s)} ({_human(plan.comm_hidden_s)} hidden, {_human(plan.comm_exposed_s)} exposed)",
+            f"{_human(plan.comm_total_s)} ({_human(plan.comm_hidden_s)} hidden, {_human(plan.comm_exposed_s)} exposed"
+            + (
+                f", {_human(plan.final_drain_s)} of it the final drain)"
+                if plan.final_drain_s
+                else ")"
+            ),
         ),
         ("utilisation", f"{plan.utilization:.1%}"),
         ("wall clock", _human(plan.wall_clock_s)),
