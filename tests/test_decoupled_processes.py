@@ -1,8 +1,8 @@
-"""decoupled_diloco with its learners in worker processes (``--workers-per-process 1``, each
-learner keeping a replica of the synchronizer): the same run gives the numbers of the run with
-every learner a thread of one process (losses to 1e-6, modeled times to 1e-9 s, bytes equal),
-without faults, with a trace of a crash, a join and a straggler, and stopped mid-trace and
-resumed in processes."""
+"""decoupled_diloco with its learners in worker processes (``--workers-per-process 1``, or 2
+threads in each of 2 processes; each learner keeps a replica of the synchronizer): the same
+run gives the numbers of the run with every learner a thread of one process (losses to 1e-6,
+modeled times to 1e-9 s, bytes equal), without faults, with a trace of a crash, a join and a
+straggler, and stopped mid-trace and resumed in processes."""
 
 from __future__ import annotations
 
@@ -34,14 +34,16 @@ step=1    worker=0  slow factor=3 for=5
 """
 
 
-def _config(out: Path, *, processes: bool, trace: Path | None) -> TrainConfig:
+def _config(
+    out: Path, *, processes: bool, trace: Path | None, workers: int = WORKERS, per_process: int = 1
+) -> TrainConfig:
     config = with_options(
         TrainConfig(
             method="decoupled_diloco",
             model=ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16),
             data=DataConfig(micro_batch_size=2),
         ),
-        workers=WORKERS, workers_per_process=1 if processes else WORKERS, steps=STEPS,
+        workers=workers, workers_per_process=per_process if processes else workers, steps=STEPS,
         network="wan", clock="virtual", seconds_per_microbatch=0.01, eval_every=4,
         eval_batches=2, log_every=1, progress=False, plot=False, out=str(out),
         decoupled=DecoupledOptions(sync_every=4, fragments=2),
@@ -122,6 +124,23 @@ def test_a_trace_in_processes_gives_the_numbers_of_one_process(tmp_path: Path) -
     assert {"worker": 2, "kind": "join"} in processes[0][7]["membership_events"]
     assert any(len(r["microbatches_per_worker"]) < r["quorum"] for r in processes[0][1:6])
     assert 0 < processes[1]["faults"]["goodput"] < 1
+
+
+@pytest.mark.slow
+def test_two_learners_in_each_of_two_processes_give_the_numbers_of_one_process(
+    tmp_path: Path,
+) -> None:
+    """K = 2 threads in each of 2 processes: each learner keeps its own replica (its process's
+    other learner is fed over the group like the remote ones); a crash stops a thread, not
+    its process."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE.replace("worker=2", "worker=3"))
+    runs = [
+        _run(_config(tmp_path / str(k), processes=k < 4, trace=trace, workers=4, per_process=k))
+        for k in (4, 2)
+    ]
+    _same_numbers(runs[1], runs[0])
+    assert [r["quorum"] for r in runs[1][0]] == [4, 4, 4, 3, 3, 3, 3, 4, 4, 4, 4, 4]
 
 
 @pytest.mark.slow

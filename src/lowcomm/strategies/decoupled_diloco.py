@@ -4,12 +4,28 @@ never wait for each other, and a synchronizer that merges whichever fragments ar
 Every worker is a learner. It takes inner steps and, on Streaming DiLoCo's schedule (its own
 step count), sends a fragment's outer gradient with its token and step counts to the
 synchronizer: a message on its own link (``Runtime.message``), which arrives at its modeled
-completion. The synchronizer (:class:`Synchronizer`) is one object shared by the learners of
-one process; it merges with :mod:`lowcomm.strategies.decoupled_sync` (minimum quorum, grace
-window, token weighting, outer Nesterov per fragment) and answers each learner with the new
-fragment, a message down the learner's link from the merge (or, for a fragment that missed its
-merge, from its arrival). A learner takes the reply at its first step boundary at least tau of
-its own steps after the send at which the reply has arrived on its clock.
+completion. The synchronizer (:class:`Synchronizer`) merges with
+:mod:`lowcomm.strategies.decoupled_sync` (minimum quorum, grace window, token weighting, outer
+Nesterov per fragment) and answers each learner with the new fragment, a message down the
+learner's link from the merge (or, for a fragment that missed its merge, from its arrival). A
+learner takes the reply at its first step boundary at least tau of its own steps after the
+send at which the reply has arrived on its clock.
+
+**Where the synchronizer runs.** It is a process of its own in the modeled system, reached
+over each learner's link; the simulation charges exactly those messages, whatever it moves
+to run it. With every learner a thread of one process, it is one object the threads share
+(each deposits its tick's sends). With learners in worker processes (one each, or K threads
+in each of several), every learner keeps a *replica*, and at each tick's end the members
+all-gather, uncharged, their posts and their sends' counters and then each fragment that
+someone sent (:meth:`DecoupledDiLoCo._exchange`): every replica submits the same
+contributions in the same order (learner, then fragment) and so makes the same merges, bit
+for bit, as the shared object. So the real bytes differ from the charged ones: each sent
+fragment reaches all M learners rather than one synchronizer, and no reply moves (each
+learner reads its replica), while the charge stays one fragment up the sender's link and one
+reply down it. A replica keeps the replies of its own learner only. A learner outside the
+quorum feeds nobody and its replica falls behind; when it joins or rejoins, the member that
+heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
+link, charged as in one process). A checkpoint holds each process's replica.
 
 **Ticks.** The training loop calls ``step()`` once per loop step on every learner; here a loop
 step is a *tick* of the run, and a learner takes an inner step at a tick only when it is not
@@ -22,8 +38,8 @@ of the step's record).
 
 **Determinism.** The threads run in any order; everything the synchronizer decides is decided
 between two points every learner passes together: at the end of each tick every learner posts
-its clock on the uncharged group (an all-gather over the tick's members, after its sends of
-the tick). A learner's clock then bounds its later sends: each arrives after it. A merge at
+its clock and its last reply's transfer time on the uncharged group (an all-gather over the
+tick's members, after its sends of the tick). A learner's clock then bounds its later sends: each arrives after it. A merge at
 time t is applied once every live learner either has its fresh fragment in or a clock of at
 least t (nothing it sends later can arrive by t), and every learner applies the same merges at
 the same tick, whichever thread does it first. So a straggler never blocks a merge past the
@@ -647,9 +663,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     streaming_diloco with K fragments whenever every reply arrives within the overlap
     (tests/test_decoupled_diloco.py checks both, parameters bit for bit).
 
-    Placement: every worker a thread of one process; other placements, hierarchical and
-    sharded workers are refused in one line. Resume: exact on the same workers (every learner's
-    checkpoint holds the synchronizer's state too); on another worker count, refused.
+    Placement: every worker a thread of one process (one shared synchronizer), a process of
+    its own, or one of K threads in each of several processes (a replica of the synchronizer
+    per learner; the same numbers, see the module docstring), on either clock, with or
+    without faults, launched by ``lowcomm train`` or torchrun; a worker of several ranks
+    (replicated or sharded) is refused in one line. Resume: exact on the same workers (every
+    learner's checkpoint holds the synchronizer's state, or its replica's, too); on another
+    worker count, refused.
     """
 
     name: ClassVar[str] = "decoupled_diloco"
@@ -952,10 +972,11 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
 
     def _gather(self, values: list[float]) -> list[list[float]]:
         """An all-gather of a few floats over the tick's members (uncharged: agreeing on
-        what the modeled clocks say is the simulation's bookkeeping, not a message), on the
-        parameters' device (a group of worker processes may be NCCL's)."""
+        what the modeled clocks say is the simulation's bookkeeping, not a message): on the
+        host in one process, on the parameters' device between processes (their group may be
+        NCCL's; reading the rows back is then the tick's one wait for the device)."""
         raw = self.runtime.uncharged
-        device = self.globals_[0].device
+        device = torch.device("cpu") if self.shared else self.globals_[0].device
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         out = torch.zeros(raw.world_size * len(values), dtype=torch.float64, device=device)
         raw.all_gather(out, mine, role=Role.OTHER).wait()
