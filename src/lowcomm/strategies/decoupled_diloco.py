@@ -720,21 +720,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         options: DecoupledOptions | None = None,
     ) -> None:
         options = options or DecoupledOptions()
-        fragments = options.fragments or default_fragment_count(model, self.default_fragments)
-        if fragments > options.sync_every:
-            raise ValueError(
-                f"--decoupled.fragments: {fragments} fragments do not fit in "
-                f"--decoupled.sync-every {options.sync_every} steps; pass at most "
-                f"{options.sync_every} fragments or a larger H"
-            )
-        gap = options.sync_every // fragments
-        if options.overlap_steps >= gap:
-            raise ValueError(
-                f"--decoupled.overlap-steps: {options.overlap_steps} must be < H/K = "
-                f"{options.sync_every}//{fragments} = {gap} so that a learner takes a fragment's "
-                "reply before it sends the next fragment; lower tau, raise "
-                "--decoupled.sync-every or use fewer fragments"
-            )
+        self._check_schedule(options, model)
         super().__init__(model, comm, context, options)
         workers = comm.world_size
         if options.min_quorum > workers:
@@ -779,6 +765,25 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.posted = -math.inf
         self.ticks = 0
         self.committed_now = False
+
+    @classmethod
+    def _check_schedule(cls, options: DecoupledOptions, model: nn.Module) -> None:
+        """The fragments fit in H, and tau in the gap between two fragments' sends."""
+        fragments = options.fragments or default_fragment_count(model, cls.default_fragments)
+        if fragments > options.sync_every:
+            raise ValueError(
+                f"--decoupled.fragments: {fragments} fragments do not fit in "
+                f"--decoupled.sync-every {options.sync_every} steps; pass at most "
+                f"{options.sync_every} fragments or a larger H"
+            )
+        gap = options.sync_every // fragments
+        if options.overlap_steps >= gap:
+            raise ValueError(
+                f"--decoupled.overlap-steps: {options.overlap_steps} must be < H/K = "
+                f"{options.sync_every}//{fragments} = {gap} so that a learner takes a fragment's "
+                "reply before it sends the next fragment; lower tau, raise "
+                "--decoupled.sync-every or use fewer fragments"
+            )
 
     @property
     def replicated(self) -> bool:
