@@ -61,9 +61,9 @@ def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def _close(a: float | None, b: float | None) -> bool:
-    return (a is None and b is None) or (
-        a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-    )
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b))
 
 
 def _same_numbers(
@@ -124,6 +124,30 @@ def test_a_trace_in_processes_gives_the_numbers_of_one_process(tmp_path: Path) -
     assert {"worker": 2, "kind": "join"} in processes[0][7]["membership_events"]
     assert any(len(r["microbatches_per_worker"]) < r["quorum"] for r in processes[0][1:6])
     assert 0 < processes[1]["faults"]["goodput"] < 1
+
+
+#: On four workers: a crash, a leave and its rejoin (the learner keeps its process and its
+#: stale replica, which the heal replaces) landing with the crashed slot's join.
+LEAVE_TRACE = """\
+step=2  worker=2  crash
+step=3  worker=1  leave
+step=6  worker=1  rejoin
+step=6  worker=2  join
+step=7  worker=3  slow factor=2 for=3
+"""
+
+
+@pytest.mark.slow
+def test_a_leave_and_its_rejoin_in_processes_give_the_numbers_of_one_process(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text(LEAVE_TRACE)
+    runs = [
+        _run(_config(tmp_path / str(p), processes=p, trace=trace, workers=4)) for p in (False, True)
+    ]
+    _same_numbers(runs[1], runs[0])
+    assert [r["quorum"] for r in runs[1][0]] == [4, 4, 3, 2, 2, 2, 4, 4, 4, 4, 4, 4]
 
 
 @pytest.mark.slow
