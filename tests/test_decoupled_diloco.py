@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -331,3 +332,34 @@ def test_the_pace_follows_the_live_learners(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
     assert [len(r["microbatches_per_worker"]) for r in records] == [2, 1, 1, 2, 1, 1, 1, 1]
     assert all(math.isfinite(r["train_loss"]) for r in records)
+
+
+def test_replicas_fed_the_same_contributions_merge_alike_and_keep_their_own_replies() -> None:
+    """Two replicas of the synchronizer (one per learner, as in worker processes), each fed
+    every learner's contributions at each tick's end: the same tickets, merges and Theta, bit
+    for bit; each answers its own learner only, so the versions kept stay bounded although
+    the other learner's replies are never taken from it."""
+    torch.manual_seed(0)
+    theta = torch.randn(6)
+    options = DecoupledOptions(min_quorum=2, grace="none", outer_lr=0.7, outer_momentum=0.9)
+    replicas = [Synchronizer([theta], learners=2, options=options, owners=(m,)) for m in (0, 1)]
+    tickets: list[list[int]] = [[], []]
+    for tick in range(6):
+        sent = [
+            (0, _contribution(m, torch.randn(6), float(tick), tokens=32 * (m + 1)), 1.0)
+            for m in (0, 1)
+        ]
+        sent = [(p, replace(c, base_version=tick), s) for p, c, s in sent]
+        rows = [(m, tick + 0.5, False, 1.0, 0.0) for m in (0, 1)]
+        for m, sync in enumerate(replicas):
+            sync.advance(tick, rows, sent)
+            ticket = sync.issued[(m, 0)]
+            reply = sync.reply(0, ticket, sent[m][1])
+            assert reply is not None and reply.version == tick + 1
+            tickets[m].append(ticket)
+    a, b = replicas
+    assert torch.equal(a.params[0], b.params[0]) and a.version == b.version == [6]
+    assert [(r.included, r.weights) for r in a.log] == [(r.included, r.weights) for r in b.log]
+    assert tickets[0] == [2 * t for t in range(6)] and tickets[1] == [2 * t + 1 for t in range(6)]
+    for sync in replicas:
+        assert not sync.unreplied and not sync.merged and len(sync.history[0]) <= 2
