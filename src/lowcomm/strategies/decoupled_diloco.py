@@ -39,12 +39,12 @@ of the step's record).
 **Determinism.** The threads run in any order; everything the synchronizer decides is decided
 between two points every learner passes together: at the end of each tick every learner posts
 its clock and its last reply's transfer time on the uncharged group (an all-gather over the
-tick's members, after its sends of the tick). A learner's clock then bounds its later sends: each arrives after it. A merge at
-time t is applied once every live learner either has its fresh fragment in or a clock of at
-least t (nothing it sends later can arrive by t), and every learner applies the same merges at
-the same tick, whichever thread does it first. So a straggler never blocks a merge past the
-time the others reach, and metrics and evaluation (the loop's own collectives, between ticks)
-never meet a learner waiting inside the synchronizer.
+tick's members, after its sends of the tick). A learner's clock then bounds its later sends:
+each arrives after it. A merge at time t is applied once every live learner either has its
+fresh fragment in or a clock of at least t (nothing it sends later can arrive by t), and every
+learner applies the same merges at the same tick, whichever thread does it first. So a
+straggler never blocks a merge past the time the others reach, and metrics and evaluation (the
+loop's own collectives, between ticks) never meet a learner waiting inside the synchronizer.
 
 **Deployed model** (evaluation, the final model): the synchronizer's global fragments Theta_p
 at that tick, the same on every learner.
