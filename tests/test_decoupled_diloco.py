@@ -1,12 +1,14 @@
 """decoupled_diloco as a training method, every worker a thread of one process: its reductions
 to diloco and streaming_diloco, a straggler past the grace window (late next and late drop),
 the synchronizer's merge gate against the rule of docs/ALGORITHMS.md ("Decoupled DiLoCo"), a
-run with a fault trace, and the one-line refusals."""
+run with a fault trace, and the one-line refusals (worker processes:
+tests/test_decoupled_processes.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -162,11 +164,15 @@ def test_a_merge_waits_for_a_learner_whose_clock_is_behind_its_time() -> None:
     sync.submit(0, _contribution(0, deltas[0], 1.0, tokens=64), 1.0)
     sync.submit(0, _contribution(1, deltas[1], 1.25, tokens=32), 1.0)
     # t = 1.0 + 0.5; learner 2 has sent nothing and its clock is 1.2 < 1.5: not yet.
-    sync.advance(0, [(0, 1.0, False, 1.0), (1, 1.25, False, 1.0), (2, 1.2, False, 1.0)])
+    sync.advance(
+        0, [(0, 1.0, False, 1.0, 0.0), (1, 1.25, False, 1.0, 0.0), (2, 1.2, False, 1.0, 0.0)]
+    )
     assert sync.version == [0] and not sync.log
     # Its fragment arrives at 1.75, after t: left out; its clock now passes t.
     sync.submit(0, _contribution(2, deltas[2], 1.75), 1.0)
-    sync.advance(1, [(0, 2.0, False, 1.0), (1, 2.0, False, 1.0), (2, 1.75, False, 1.0)])
+    sync.advance(
+        1, [(0, 2.0, False, 1.0, 0.0), (1, 2.0, False, 1.0, 0.0), (2, 1.75, False, 1.0, 0.0)]
+    )
     (record,) = sync.log
     assert record.merge_time == 1.5 and [m for m, _ in record.included] == [0, 1]
     expected = (64 * deltas[0] + 32 * deltas[1]) / 96
@@ -229,10 +235,11 @@ def test_a_run_with_a_fault_trace_replays_and_heals_the_joiner(
         assert same and sent > 0 and inner_steps == 0
 
 
-def test_other_placements_and_a_bf16_wire_are_refused_in_one_line(tmp_path: Path) -> None:
-    config = _config("decoupled_diloco", tmp_path / "p", workers=4)
-    config.placement.workers_per_process = 1
-    with pytest.raises(ConfigError, match=r"--workers-per-process: 1 with --method decoupled") as e:
+def test_several_ranks_per_worker_and_a_bf16_wire_are_refused_in_one_line(tmp_path: Path) -> None:
+    config = _config("decoupled_diloco", tmp_path / "p", workers=2, ranks_per_worker=2)
+    with pytest.raises(
+        ConfigError, match=r"--ranks-per-worker: 2 with --method decoupled_diloco: a learner is one"
+    ) as e:
         config.validate()
     assert "\n" not in str(e.value)
     config = _config("decoupled_diloco", tmp_path / "p", workers=4, comm_dtype="bf16")
@@ -325,3 +332,34 @@ def test_the_pace_follows_the_live_learners(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
     assert [len(r["microbatches_per_worker"]) for r in records] == [2, 1, 1, 2, 1, 1, 1, 1]
     assert all(math.isfinite(r["train_loss"]) for r in records)
+
+
+def test_replicas_fed_the_same_contributions_merge_alike_and_keep_their_own_replies() -> None:
+    """Two replicas of the synchronizer (one per learner, as in worker processes), each fed
+    every learner's contributions at each tick's end: the same tickets, merges and Theta, bit
+    for bit; each answers its own learner only, so the versions kept stay bounded although
+    the other learner's replies are never taken from it."""
+    torch.manual_seed(0)
+    theta = torch.randn(6)
+    options = DecoupledOptions(min_quorum=2, grace="none", outer_lr=0.7, outer_momentum=0.9)
+    replicas = [Synchronizer([theta], learners=2, options=options, owners=(m,)) for m in (0, 1)]
+    tickets: list[list[int]] = [[], []]
+    for tick in range(6):
+        sent = [
+            (0, _contribution(m, torch.randn(6), float(tick), tokens=32 * (m + 1)), 1.0)
+            for m in (0, 1)
+        ]
+        sent = [(p, replace(c, base_version=tick), s) for p, c, s in sent]
+        rows = [(m, tick + 0.5, False, 1.0, 0.0) for m in (0, 1)]
+        for m, sync in enumerate(replicas):
+            sync.advance(tick, rows, sent)
+            ticket = sync.issued[(m, 0)]
+            reply = sync.reply(0, ticket, sent[m][1])
+            assert reply is not None and reply.version == tick + 1
+            tickets[m].append(ticket)
+    a, b = replicas
+    assert torch.equal(a.params[0], b.params[0]) and a.version == b.version == [6]
+    assert [(r.included, r.weights) for r in a.log] == [(r.included, r.weights) for r in b.log]
+    assert tickets[0] == [2 * t for t in range(6)] and tickets[1] == [2 * t + 1 for t in range(6)]
+    for sync in replicas:
+        assert not sync.unreplied and not sync.merged and len(sync.history[0]) <= 2

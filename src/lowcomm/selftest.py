@@ -429,8 +429,7 @@ def _measure_bandwidth(comm: Any, device: torch.device, environment: dict[str, s
 
 def methods_to_check() -> tuple[str, ...]:
     """Every registered method that runs on this group of processes, in registry order (a
-    method whose workers must be threads of one process, decoupled_diloco, is checked by its
-    own tests)."""
+    method whose workers must be threads of one process is checked by its own tests)."""
     from lowcomm.strategies import STRATEGIES
 
     return tuple(name for name, cls in STRATEGIES.items() if cls.one_process_refusal is None)

@@ -4,12 +4,28 @@ never wait for each other, and a synchronizer that merges whichever fragments ar
 Every worker is a learner. It takes inner steps and, on Streaming DiLoCo's schedule (its own
 step count), sends a fragment's outer gradient with its token and step counts to the
 synchronizer: a message on its own link (``Runtime.message``), which arrives at its modeled
-completion. The synchronizer (:class:`Synchronizer`) is one object shared by the learners of
-one process; it merges with :mod:`lowcomm.strategies.decoupled_sync` (minimum quorum, grace
-window, token weighting, outer Nesterov per fragment) and answers each learner with the new
-fragment, a message down the learner's link from the merge (or, for a fragment that missed its
-merge, from its arrival). A learner takes the reply at its first step boundary at least tau of
-its own steps after the send at which the reply has arrived on its clock.
+completion. The synchronizer (:class:`Synchronizer`) merges with
+:mod:`lowcomm.strategies.decoupled_sync` (minimum quorum, grace window, token weighting, outer
+Nesterov per fragment) and answers each learner with the new fragment, a message down the
+learner's link from the merge (or, for a fragment that missed its merge, from its arrival). A
+learner takes the reply at its first step boundary at least tau of its own steps after the
+send at which the reply has arrived on its clock.
+
+**Where the synchronizer runs.** It is a process of its own in the modeled system, reached
+over each learner's link; the simulation charges exactly those messages, whatever it moves
+to run it. With every learner a thread of one process, it is one object the threads share
+(each deposits its tick's sends). With learners in worker processes (one each, or K threads
+in each of several), every learner keeps a *replica*, and at each tick's end the members
+all-gather, uncharged, their posts and their sends' counters and then each fragment that
+someone sent (:meth:`DecoupledDiLoCo._exchange`): every replica submits the same
+contributions in the same order (learner, then fragment) and so makes the same merges, bit
+for bit, as the shared object. So the real bytes differ from the charged ones: each sent
+fragment reaches all M learners rather than one synchronizer, and no reply moves (each
+learner reads its replica), while the charge stays one fragment up the sender's link and one
+reply down it. A replica keeps the replies of its own learner only. A learner outside the
+quorum feeds nobody and its replica falls behind; when it joins or rejoins, the member that
+heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
+link, charged as in one process). A checkpoint holds each process's replica.
 
 **Ticks.** The training loop calls ``step()`` once per loop step on every learner; here a loop
 step is a *tick* of the run, and a learner takes an inner step at a tick only when it is not
@@ -22,13 +38,13 @@ of the step's record).
 
 **Determinism.** The threads run in any order; everything the synchronizer decides is decided
 between two points every learner passes together: at the end of each tick every learner posts
-its clock on the uncharged group (an all-gather over the tick's members, after its sends of
-the tick). A learner's clock then bounds its later sends: each arrives after it. A merge at
-time t is applied once every live learner either has its fresh fragment in or a clock of at
-least t (nothing it sends later can arrive by t), and every learner applies the same merges at
-the same tick, whichever thread does it first. So a straggler never blocks a merge past the
-time the others reach, and metrics and evaluation (the loop's own collectives, between ticks)
-never meet a learner waiting inside the synchronizer.
+its clock and its last reply's transfer time on the uncharged group (an all-gather over the
+tick's members, after its sends of the tick). A learner's clock then bounds its later sends:
+each arrives after it. A merge at time t is applied once every live learner either has its
+fresh fragment in or a clock of at least t (nothing it sends later can arrive by t), and every
+learner applies the same merges at the same tick, whichever thread does it first. So a
+straggler never blocks a merge past the time the others reach, and metrics and evaluation (the
+loop's own collectives, between ticks) never meet a learner waiting inside the synchronizer.
 
 **Deployed model** (evaluation, the final model): the synchronizer's global fragments Theta_p
 at that tick, the same on every learner.
@@ -36,13 +52,14 @@ at that tick, the same on every learner.
 
 from __future__ import annotations
 
+import io
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -77,10 +94,10 @@ from lowcomm.strategies.diloco import (
 from lowcomm.strategies.local_update import RoundOptions
 from lowcomm.strategies.streaming import completion_offsets
 
-#: Why every other placement is refused (one clause).
-PLACEMENT = (
-    "its learners share one synchronizer in memory, so every worker must be a thread of one "
-    "process, one rank per worker"
+#: Why a worker of several ranks, replicated or sharded, is refused (one clause).
+ONE_RANK = (
+    "a learner is one rank holding the whole model, which sends its fragments and takes the "
+    "synchronizer's replies alone"
 )
 
 
@@ -227,6 +244,23 @@ class _Pending:
     contribution: Contribution
 
 
+#: A contribution as a tick hands it to the synchronizer: (fragment, contribution, the
+#: sender's last inner step in seconds).
+Sent = tuple[int, Contribution, float]
+
+
+class Posted(NamedTuple):
+    """What a learner posts at a tick's end: its clock (a bound on its later sends' arrivals),
+    whether it waits for a reply, its last inner step's seconds (xi_step) and its last
+    reply's transfer seconds (xi_sync)."""
+
+    learner: int
+    clock: float
+    waiting: bool
+    step_s: float
+    sync_s: float
+
+
 @dataclass(frozen=True)
 class Pace:
     """What the learners agreed at a tick's end: the clocks of those not waiting, the nominal
@@ -246,14 +280,21 @@ class Pace:
 class Synchronizer:
     """The global fragments Theta_p, their outer optimizers and versions, the contributions
     not yet merged, and what the learners posted at the last tick; shared by the learners of
-    one process (every method takes its lock)."""
+    one process, or one replica per learner in worker processes (every method takes its
+    lock).
+
+    ``owners``: the learners whose replies this copy answers (None: every learner). A replica
+    answers its own learner only, so it keeps only the versions that learner's replies may
+    still need; everything a merge reads is the same in every replica."""
 
     def __init__(
-        self, globals_: list[torch.Tensor], *, learners: int, options: DecoupledOptions
-    ) -> None:
+        self, globals_: list[torch.Tensor], *, learners: int, options: DecoupledOptions,
+        owners: Collection[int] | None = None,
+    ) -> None:  # fmt: skip
         lr, momentum = options.outer()
         self.lock = threading.Lock()
         self.learners = learners
+        self.owners = None if owners is None else frozenset(owners)
         self.options = options
         self.grace = options.grace_rule()
         self.params = [g.detach().clone() for g in globals_]
@@ -270,6 +311,10 @@ class Synchronizer:
         #: ticket -> (fragment, learner, arrival) of every contribution not yet answered.
         self.unreplied: dict[int, tuple[int, int, float]] = {}
         self.pending: list[list[_Pending]] = [[] for _ in self.params]
+        #: Contributions the learners of one process deposited during a tick, submitted at its
+        #: end (:meth:`advance`), and the tickets it gave: (learner, fragment) -> ticket.
+        self.inbox: list[Sent] = []
+        self.issued: dict[tuple[int, int], int] = {}
         #: ticket -> (fragment, learner, merge time, new version) of merged fresh ones.
         self.merged: dict[int, tuple[int, int, float, int]] = {}
         self.tickets = 0
@@ -292,40 +337,57 @@ class Synchronizer:
     def submit(self, p: int, contribution: Contribution, step_time: float) -> int:
         """Take a contribution of fragment p; its ticket names it in :meth:`reply`."""
         with self.lock:
-            ticket = self.tickets
-            self.tickets += 1
-            self.pending[p].append(_Pending(ticket, contribution))
-            self.unreplied[ticket] = (p, contribution.learner, contribution.arrival)
-            self.step_time[contribution.learner] = step_time
-            return ticket
+            return self._submit(p, contribution, step_time)
 
-    def advance(self, tick: int, rows: list[tuple[int, float, bool, float]]) -> None:
-        """Apply every merge decided by the end of ``tick``; ``rows`` are (learner, clock,
-        waiting, last inner step's seconds) of the tick's members. The first learner to call
-        it for a tick does the work; the others find it done."""
+    def deposit(self, p: int, contribution: Contribution, step_time: float) -> None:
+        """Leave a contribution for this tick's :meth:`advance` to submit (the learners of one
+        process sharing this synchronizer, during the tick)."""
+        with self.lock:
+            self.inbox.append((p, contribution, step_time))
+
+    def advance(
+        self,
+        tick: int,
+        rows: Sequence[tuple[int, float, bool, float, float]],
+        sent: Sequence[Sent] = (),
+    ) -> None:
+        """Submit the tick's contributions (``sent`` and the deposited ones, in learner and
+        fragment order: their tickets, in :attr:`issued`, are the same in every replica),
+        then apply every merge decided by the end of ``tick``; ``rows`` are the tick's
+        members' :class:`Posted`. The first learner to call it for a tick does the work; the
+        others find it done."""
         with self.lock:
             if tick <= self.tick or self.finished:
                 return
             self.tick = tick
-            self._enter(tuple(sorted(m for m, _, _, _ in rows)))
-            bounds = {m: clock for m, clock, _, _ in rows}
-            stepping = [(m, clock) for m, clock, waiting, _ in rows if not waiting]
-            steps = [s for _, _, _, s in rows if s > 0]
+            posts = [Posted(*row) for row in rows]
+            self._enter(tuple(sorted(row.learner for row in posts)))
+            for row in posts:
+                self.sync_time[row.learner] = row.sync_s
+            arrived = sorted([*self.inbox, *sent], key=lambda s: (s[1].learner, s[0]))
+            self.inbox = []
+            self.issued = {(c.learner, p): self._submit(p, c, step) for p, c, step in arrived}
+            bounds = {row.learner: row.clock for row in posts}
+            stepping = [(row.learner, row.clock) for row in posts if not row.waiting]
+            steps = [row.step_s for row in posts if row.step_s > 0]
             self.pace = Pace(
                 clocks=tuple(stepping or bounds.items()),
                 nominal=min(steps, default=0.0),
-                waiting=any(waiting for _, _, waiting, _ in rows),
+                waiting=any(row.waiting for row in posts),
             )
             self.horizon = min(bounds.values())
             self._merge_decided(bounds, tick)
             self._prune()
 
-    def finish(self) -> None:
-        """No learner sends again: apply every merge that can still form."""
+    def finish(self, sync_times: Mapping[int, float] | None = None) -> None:
+        """No learner sends again: apply every merge that can still form (``sync_times``: the
+        live learners' last xi_sync, posted since the last tick)."""
         with self.lock:
             if self.finished:
                 return
             self.finished = True
+            for learner, seconds in (sync_times or {}).items():
+                self.sync_time[learner] = seconds
             self.horizon = math.inf
             self._merge_decided({m: math.inf for m in self.live}, self.tick + 1)
 
@@ -380,11 +442,12 @@ class Synchronizer:
                 "tokens": (self.committed_tokens, self.dropped_tokens, self.discarded_tokens),
             }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a checkpoint's state, once per run: the first learner to load it restores it,
-        the others find it restored (every learner saved the same)."""
+    def load_state_dict(self, state: dict[str, Any], *, once: bool = True) -> None:
+        """Take a checkpoint's state (or a live replica's), keeping the replies of
+        :attr:`owners` only. ``once``: the first learner of a process to load it restores
+        it, the others find it restored (every learner saved the same)."""
         with self.lock:
-            if self.restored:
+            if once and self.restored:
                 return
             if int(state["learners"]) != self.learners:
                 raise ValueError(
@@ -402,12 +465,14 @@ class Synchronizer:
                 {int(v): (float(at), values.clone()) for v, (at, values) in h.items()}
                 for h in state["history"]
             ]
-            self.unreplied = {int(k): v for k, v in state["unreplied"].items()}
+            self.unreplied = {
+                int(k): v for k, v in state["unreplied"].items() if self._owns(int(v[1]))
+            }
             self.pending = [
                 [_Pending(int(t), _contribution_of(c)) for t, c in pending]
                 for pending in state["pending"]
             ]
-            self.merged = {int(k): v for k, v in state["merged"].items()}
+            self.merged = {int(k): v for k, v in state["merged"].items() if self._owns(int(v[1]))}
             self.tickets = int(state["tickets"])
             self.tick = int(state["tick"])
             self.live = tuple(int(m) for m in state["live"])
@@ -422,6 +487,18 @@ class Synchronizer:
             self.committed_tokens, self.dropped_tokens, self.discarded_tokens = state["tokens"]
 
     # --- with the lock held ----------------------------------------------------------------
+
+    def _owns(self, learner: int) -> bool:
+        return self.owners is None or learner in self.owners
+
+    def _submit(self, p: int, contribution: Contribution, step_time: float) -> int:
+        ticket = self.tickets
+        self.tickets += 1
+        self.pending[p].append(_Pending(ticket, contribution))
+        if self._owns(contribution.learner):
+            self.unreplied[ticket] = (p, contribution.learner, contribution.arrival)
+        self.step_time[contribution.learner] = step_time
+        return ticket
 
     def _enter(self, live: tuple[int, ...]) -> None:
         """The tick's members are the live learners: a learner lost since the last tick takes
@@ -512,7 +589,7 @@ class Synchronizer:
         self.history[p][v + 1] = (t, self.params[p].clone())
         included = {id(c) for c in decision.included}
         for e in fresh:
-            if id(e.contribution) in included:
+            if id(e.contribution) in included and self._owns(e.contribution.learner):
                 self.merged[e.ticket] = (p, e.contribution.learner, t, v + 1)
         gone = included | {id(e.contribution) for e in late}
         self.pending[p] = [e for e in self.pending[p] if id(e.contribution) not in gone]
@@ -549,6 +626,10 @@ def _contribution_of(state: dict[str, Any]) -> Contribution:
     )  # fmt: skip
 
 
+#: Per fragment, the counters a learner posts of a send: sent (1) or not (0), tokens, steps,
+#: arrival, base version, and its last inner step's seconds.
+_SENT_FIELDS = 6
+
 #: One synchronizer per in-process group: its learners are that group's threads.
 _SHARED: weakref.WeakKeyDictionary[object, Synchronizer] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
@@ -582,9 +663,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     streaming_diloco with K fragments whenever every reply arrives within the overlap
     (tests/test_decoupled_diloco.py checks both, parameters bit for bit).
 
-    Placement: every worker a thread of one process; other placements, hierarchical and
-    sharded workers are refused in one line. Resume: exact on the same workers (every learner's
-    checkpoint holds the synchronizer's state too); on another worker count, refused.
+    Placement: every worker a thread of one process (one shared synchronizer), a process of
+    its own, or one of K threads in each of several processes (a replica of the synchronizer
+    per learner; the same numbers, see the module docstring), on either clock, with or
+    without faults, launched by ``lowcomm train`` or torchrun; a worker of several ranks
+    (replicated or sharded) is refused in one line. Resume: exact on the same workers (every
+    learner's checkpoint holds the synchronizer's state, or its replica's, too); on another
+    worker count, refused.
     """
 
     name: ClassVar[str] = "decoupled_diloco"
@@ -592,12 +677,11 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     default_fragments: ClassVar[int] = 4
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
-    hierarchical_refusal: ClassVar[str | None] = PLACEMENT
-    one_process_refusal: ClassVar[str | None] = PLACEMENT
-    sharding_refusal: ClassVar[str | None] = PLACEMENT
+    hierarchical_refusal: ClassVar[str | None] = ONE_RANK
+    sharding_refusal: ClassVar[str | None] = ONE_RANK
     comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     comm_dtype_refusal: ClassVar[str | None] = (
-        "its fragments reach the synchronizer in memory as float32 and are charged so"
+        "its fragments reach the synchronizer as float32 and are charged so"
     )
     cost: ClassVar[CostModel] = CostModel(
         description="fragments sent to a synchronizer, no barrier",
@@ -636,21 +720,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         options: DecoupledOptions | None = None,
     ) -> None:
         options = options or DecoupledOptions()
-        fragments = options.fragments or default_fragment_count(model, self.default_fragments)
-        if fragments > options.sync_every:
-            raise ValueError(
-                f"--decoupled.fragments: {fragments} fragments do not fit in "
-                f"--decoupled.sync-every {options.sync_every} steps; pass at most "
-                f"{options.sync_every} fragments or a larger H"
-            )
-        gap = options.sync_every // fragments
-        if options.overlap_steps >= gap:
-            raise ValueError(
-                f"--decoupled.overlap-steps: {options.overlap_steps} must be < H/K = "
-                f"{options.sync_every}//{fragments} = {gap} so that a learner takes a fragment's "
-                "reply before it sends the next fragment; lower tau, raise "
-                "--decoupled.sync-every or use fewer fragments"
-            )
+        self._check_schedule(options, model)
         super().__init__(model, comm, context, options)
         workers = comm.world_size
         if options.min_quorum > workers:
@@ -665,13 +735,17 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "--decoupled.fragments 1 or tau >= 1"
             )
         if self.runtime.replica_group is not None:
-            raise ValueError(f"--ranks-per-worker: decoupled_diloco refused: {PLACEMENT}")
+            raise ValueError(f"--ranks-per-worker: decoupled_diloco refused: {ONE_RANK}")
         raw = self.runtime.uncharged
         self.learner = int(getattr(raw, "slot", comm.rank))
         group = getattr(raw, "group", None)
-        #: Whether the synchronizer is shared with the other threads of an in-process group
-        #: (else this learner's own: a group of one, or a communicator without one).
-        self.shared = group is not None and workers > 1
+        local = getattr(group, "local_size", getattr(group, "size", 0))
+        #: The only learner: nothing to agree with anyone.
+        self.alone = workers == 1
+        #: Whether every learner is a thread of this process, sharing one synchronizer; else
+        #: (worker processes, or K workers in each of several) each learner keeps a replica,
+        #: fed every learner's contributions over the uncharged group (:meth:`_exchange`).
+        self.shared = not self.alone and group is not None and local >= workers
         self.sync = self._synchronizer(group, workers, options)
         tau = options.overlap_steps
         self.launch_offsets = [
@@ -683,18 +757,47 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.outstanding: list[Outstanding | None] = [None] * self.num_fragments
         self.waiting = False
         self.last_step_s = 0.0
+        #: xi_sync: the transfer seconds of the last reply this learner took.
+        self.sync_s = 0.0
+        #: This tick's sends, handed to the synchronizer at the tick's end.
+        self.sending: list[Sent] = []
         #: This learner's clock as it posted it at the last tick's end.
         self.posted = -math.inf
         self.ticks = 0
         self.committed_now = False
 
+    @classmethod
+    def _check_schedule(cls, options: DecoupledOptions, model: nn.Module) -> None:
+        """The fragments fit in H, and tau in the gap between two fragments' sends."""
+        fragments = options.fragments or default_fragment_count(model, cls.default_fragments)
+        if fragments > options.sync_every:
+            raise ValueError(
+                f"--decoupled.fragments: {fragments} fragments do not fit in "
+                f"--decoupled.sync-every {options.sync_every} steps; pass at most "
+                f"{options.sync_every} fragments or a larger H"
+            )
+        gap = options.sync_every // fragments
+        if options.overlap_steps >= gap:
+            raise ValueError(
+                f"--decoupled.overlap-steps: {options.overlap_steps} must be < H/K = "
+                f"{options.sync_every}//{fragments} = {gap} so that a learner takes a fragment's "
+                "reply before it sends the next fragment; lower tau, raise "
+                "--decoupled.sync-every or use fewer fragments"
+            )
+
+    @property
+    def replicated(self) -> bool:
+        """Whether this learner keeps a replica of the synchronizer (see :attr:`shared`)."""
+        return not (self.alone or self.shared)
+
     def _synchronizer(
         self, group: object | None, workers: int, options: DecoupledOptions
     ) -> Synchronizer:
-        """The synchronizer of this learner's in-process group, made by its first learner."""
+        """The synchronizer of this learner's in-process group, made by its first learner,
+        or this learner's own replica."""
         if not self.shared or group is None:
             return Synchronizer(self.globals_, learners=max(workers, self.learner + 1),
-                                options=options)  # fmt: skip
+                                options=options, owners=(self.learner,))  # fmt: skip
         with _SHARED_LOCK:
             sync = _SHARED.get(group)
             if sync is None:
@@ -743,7 +846,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 lr=self.lr_at(self.step_index), committed_steps=0,
             )  # fmt: skip
             launched = 0
-        self.sync.advance(tick, self._post())
+        rows, sent = self._exchange()
+        self.sync.advance(tick, rows, sent)
+        for p, _, _ in self.sending:
+            out = self.outstanding[p]
+            assert out is not None
+            out.ticket = self.sync.issued[(self.learner, p)]
+        self.sending = []
         taken = self.take_replies_due()
         stats.extras["syncs_launched"] = float(launched)
         stats.extras["syncs_completed"] = float(taken)
@@ -754,7 +863,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         one point: agreed anew at this tick's start (an all-gather of the members' clocks)
         after a tick in which one waited, else as posted at the last tick's end (on the real
         clock, time passes between ticks, in the loop's bookkeeping, for every learner)."""
-        if not self.shared or not self.sync.pace.waiting:
+        if self.alone or not self.sync.pace.waiting:
             return self.sync.pace.earliest(self.runtime.quorum.members), self.posted
         now = self.now()
         rows = self._gather([now, float(self.waiting)])
@@ -774,7 +883,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         """Not waiting for a reply, and not ahead of the earliest learner by a nominal step."""
         if self.waiting:
             return False
-        if not self.shared or earliest == -math.inf:  # (alone, or the run's first tick)
+        if self.alone or earliest == -math.inf:  # (alone, or the run's first tick)
             return True
         clock = self.runtime.clock
         if clock is None or clock.kind != "virtual":
@@ -783,29 +892,100 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             return True
         return mine <= earliest or mine < earliest + self.sync.pace.nominal
 
-    def _post(self) -> list[tuple[int, float, bool, float]]:
-        """Every member's (learner, clock, waiting, last step's seconds) at this tick's end."""
+    def _exchange(self) -> tuple[list[Posted], list[Sent]]:
+        """Every member's :class:`Posted` at this tick's end, and the tick's contributions
+        the synchronizer has not been handed yet: sharing it, each learner deposits its own;
+        with replicas, every learner's (gathered here)."""
         # (A learner waiting for its reply sends nothing before it arrives: its later sends
         # arrive after its outstanding one's arrival, too.)
         bound = max(
             [self.now()] + [out.contribution.arrival for out in self.outstanding if out is not None]
         )
         self.posted = self.now()
-        mine = [float(self.learner), bound if self.waiting else self.posted, float(self.waiting),
-                self.last_step_s]  # fmt: skip
-        if not self.shared:
-            return [(self.learner, mine[1], self.waiting, self.last_step_s)]
-        rows = self._gather(mine)
-        return [(int(r[0]), r[1], r[2] != 0.0, r[3]) for r in rows]
+        mine = Posted(self.learner, bound if self.waiting else self.posted, self.waiting,
+                      self.last_step_s, self.sync_s)  # fmt: skip
+        if self.alone:
+            return [mine], list(self.sending)
+        if self.replicated:
+            return self._exchange_replicas(mine)
+        for p, contribution, step_s in self.sending:
+            self.sync.deposit(p, contribution, step_s)
+        table = self._gather([mine.clock, float(mine.waiting), mine.step_s, mine.sync_s])
+        return [self._posted(m, row) for m, row in zip(self._members(), table, strict=True)], []
+
+    @staticmethod
+    def _posted(learner: int, row: list[float]) -> Posted:
+        return Posted(learner, row[0], row[1] != 0.0, row[2], row[3])
+
+    def _members(self) -> tuple[int, ...]:
+        """The learners of this tick, in the order of the uncharged group's ranks."""
+        members = self.runtime.quorum.members
+        if len(members) != self.runtime.uncharged.world_size:
+            raise RuntimeError(
+                f"decoupled_diloco: the quorum {members} and the group of "
+                f"{self.runtime.uncharged.world_size} ranks disagree"
+            )
+        return members
+
+    def _exchange_replicas(self, mine: Posted) -> tuple[list[Posted], list[Sent]]:
+        """With a replica per learner: an all-gather of each member's post and of its sends'
+        counters (:data:`_SENT_FIELDS` per fragment), then one of each fragment someone sent
+        (zeros from the others). Uncharged: the modeled messages are each learner's own,
+        charged when it sent; these real bytes (every sent fragment to every learner) are how
+        the replicas come to hold the same contributions."""
+        sending = {p: (c, step_s) for p, c, step_s in self.sending}
+        header = [mine.clock, float(mine.waiting), mine.step_s, mine.sync_s]
+        for p in range(self.num_fragments):
+            if p in sending:
+                c, step_s = sending[p]
+                header += [1.0, float(c.tokens), float(c.steps), c.arrival,
+                           float(c.base_version), step_s]  # fmt: skip
+            else:
+                header += [0.0] * _SENT_FIELDS
+        members = self._members()
+        # (A learner's own row is what it posted; the others' are as gathered.)
+        table = [header if m == self.learner else row
+                 for m, row in zip(members, self._gather(header), strict=True)]  # fmt: skip
+        sent: list[Sent] = []
+        for p in range(self.num_fragments):
+            at = 4 + _SENT_FIELDS * p
+            senders = [i for i, row in enumerate(table) if row[at] != 0.0]
+            if not senders:
+                continue
+            values = self._gather_fragment(p, sending.get(p))
+            for i in senders:
+                learner, row = members[i], table[i]
+                if learner == self.learner:
+                    sent.append((p, *sending[p]))
+                    continue
+                c = Contribution(
+                    learner=learner, outer_gradient=values[i].clone(), tokens=int(row[at + 1]),
+                    steps=int(row[at + 2]), arrival=row[at + 3], base_version=int(row[at + 4]),
+                )  # fmt: skip
+                sent.append((p, c, row[at + 5]))
+        return [self._posted(m, row) for m, row in zip(members, table, strict=True)], sent
+
+    def _gather_fragment(self, p: int, mine: tuple[Contribution, float] | None) -> torch.Tensor:
+        """Every member's outer gradient of fragment p, one row each (zeros from a member
+        that did not send it)."""
+        raw = self.runtime.uncharged
+        like = self.globals_[p]
+        values = mine[0].outer_gradient if mine is not None else torch.zeros_like(like)
+        out = torch.empty(raw.world_size * like.numel(), dtype=like.dtype, device=like.device)
+        raw.all_gather(out, values.reshape(-1).contiguous(), role=Role.OTHER).wait()
+        return out.view(raw.world_size, like.numel())
 
     def _gather(self, values: list[float]) -> list[list[float]]:
         """An all-gather of a few floats over the tick's members (uncharged: agreeing on
-        what the modeled clocks say is the simulation's bookkeeping, not a message)."""
+        what the modeled clocks say is the simulation's bookkeeping, not a message): on the
+        host in one process, on the parameters' device between processes (their group may be
+        NCCL's; reading the rows back is then the tick's one wait for the device)."""
         raw = self.runtime.uncharged
-        mine = torch.tensor(values, dtype=torch.float64)
-        out = torch.zeros(raw.world_size * len(values), dtype=torch.float64)
+        device = torch.device("cpu") if self.shared else self.globals_[0].device
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        out = torch.zeros(raw.world_size * len(values), dtype=torch.float64, device=device)
         raw.all_gather(out, mine, role=Role.OTHER).wait()
-        rows: list[list[float]] = out.view(raw.world_size, len(values)).tolist()
+        rows: list[list[float]] = out.view(raw.world_size, len(values)).cpu().tolist()
         return rows
 
     def send_fragments_due(self, t: int) -> int:
@@ -832,8 +1012,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 base_version=self.base[p],
             )
             self.tokens[p] = self.steps[p] = 0
-            ticket = self.sync.submit(p, contribution, self.last_step_s)
-            self.outstanding[p] = Outstanding(t, ticket, contribution)
+            # (Its ticket comes at the tick's end, when the synchronizer takes it.)
+            self.sending.append((p, contribution, self.last_step_s))
+            self.outstanding[p] = Outstanding(t, -1, contribution)
             self.waiting = self.waiting or tau == 0
             sent += 1
         return sent
@@ -855,7 +1036,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                     CollectiveKind.ALL_GATHER, Role.PARAMETER, reply.values.numel(), reply.leaves
                 )
                 out.reply_done = self._arrival(out.reply_handle, reply.leaves)
-                self.sync.sync_time[self.learner] = out.reply_done - reply.leaves
+                self.sync_s = out.reply_done - reply.leaves
             assert out.reply_done is not None
             if tau == 0 or final:
                 if out.reply_handle is not None:
@@ -880,11 +1061,14 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.committed_now = self.committed_now or out.reply.merged
 
     def finish(self) -> None:
-        """Once every learner has ended its last tick, the synchronizer applies every merge
-        that can still form, and each learner takes its replies (waiting for them)."""
-        if self.shared:
-            self.runtime.uncharged.barrier().wait()
-        self.sync.finish()
+        """Once every learner has ended its last tick (and posted its last xi_sync), the
+        synchronizer applies every merge that can still form, and each learner takes its
+        replies (waiting for them)."""
+        if self.alone:
+            self.sync.finish({self.learner: self.sync_s})
+        else:
+            table = self._gather([self.sync_s])
+            self.sync.finish({m: row[0] for m, row in zip(self._members(), table, strict=True)})
         self.take_replies_due(final=True)
 
     # --- membership (declared faults) --------------------------------------------------------
@@ -897,6 +1081,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         down its link (charged; its clock waits for it), and starts by the rule of
         :attr:`membership`; a rejoiner keeps its own state. Members do nothing: no learner
         holds state another needs."""
+        if self.replicated:
+            self._copy_synchronizer(source, joining)
         if not joining:
             return
         params, versions, tick = self.sync.snapshot()
@@ -920,6 +1106,30 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.step_index = self.ticks
         self.last_step_s = 0.0
         self.posted = self.now()
+
+    def _copy_synchronizer(self, source: int, joining: bool) -> None:
+        """The member of rank ``source`` sends its replica to the round's members, and a
+        joiner takes it (its own missed the ticks it was out: nobody fed it). Uncharged: the
+        modeled transfer is the joiner's Theta down its link, charged in :meth:`heal`."""
+        raw = self.runtime.uncharged
+        device = self.globals_[0].device
+        payload = torch.empty(0, dtype=torch.uint8)
+        if raw.rank == source:
+            buffer = io.BytesIO()
+            torch.save(self.sync.state_dict(), buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        raw.broadcast(size, src=source, role=Role.OTHER).wait()
+        received = torch.zeros(int(size.cpu()[0]), dtype=torch.uint8, device=device)
+        if raw.rank == source:
+            received.copy_(payload)
+        raw.broadcast(received, src=source, role=Role.OTHER).wait()
+        if joining:
+            state = torch.load(
+                io.BytesIO(received.cpu().numpy().tobytes()), map_location=device,
+                weights_only=True,
+            )  # fmt: skip
+            self.sync.load_state_dict(state, once=False)
 
     # --- Strategy API ------------------------------------------------------------------------
 
@@ -965,6 +1175,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "base": list(self.base), "tokens": list(self.tokens), "steps": list(self.steps),
                 "outstanding": outstanding, "waiting": self.waiting,
                 "last_step_s": self.last_step_s, "ticks": self.ticks, "posted": self.posted,
+                "sync_s": self.sync_s,
             },
             "synchronizer": self.sync.state_dict(),
         }  # fmt: skip
@@ -976,8 +1187,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "run again from the start"
             )
         super().load_state_dict(state)
-        self.sync.load_state_dict(state["synchronizer"])
+        self.sync.load_state_dict(state["synchronizer"], once=self.shared)
         mine = state["learner"]
+        self.sync_s = float(mine.get("sync_s", state["synchronizer"]["sync_time"][self.learner]))
         self.base = [int(b) for b in mine["base"]]
         self.tokens = [int(t) for t in mine["tokens"]]
         self.steps = [int(t) for t in mine["steps"]]
