@@ -135,9 +135,8 @@ def test_a_crash_under_torchrun_on_the_real_clock_loses_the_state_and_the_join_h
     assert any(bool(t.count_nonzero()) for t in end[lost]["model"].values())
 
 
-#: Methods that run in processes, where torchrun places them (decoupled_diloco's learners
-#: share one synchronizer in memory: threads of one process only).
-IN_PROCESSES = [m for m in supported_methods() if m != "decoupled_diloco"]
+#: Methods that run in processes, where torchrun places them: all that take faults.
+IN_PROCESSES = supported_methods()
 
 
 def _numbers(out: Path) -> tuple[list[tuple[float, float | None, float]], dict[str, Any]]:

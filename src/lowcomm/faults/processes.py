@@ -295,20 +295,7 @@ def lose_state(model: nn.Module, strategy: Strategy) -> None:
             parameter.zero_()
             if parameter.grad is not None:
                 parameter.grad.zero_()
-    strategy.load_state_dict(_zeroed(strategy.state_dict()))
-
-
-def _zeroed(value: Any) -> Any:
-    """``value`` (a state dict) with every tensor in it zeros of its shape and type."""
-    if isinstance(value, torch.Tensor):
-        return torch.zeros_like(value)
-    if isinstance(value, dict):
-        return {key: _zeroed(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_zeroed(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_zeroed(item) for item in value)
-    return value
+    strategy.lose_state()
 
 
 def dist_rank() -> int:

@@ -286,6 +286,13 @@ class Strategy(ABC):
         rejoining worker that kept its state; else a new worker with fresh state)."""
         raise NotImplementedError(f"{self.name} declares no membership rule")
 
+    def lose_state(self) -> None:
+        """A crash emulated in a process that goes on (under torchrun): every tensor of this
+        worker's method state (what its checkpoint holds) becomes zeros, so that its join
+        finds nothing of it. A method holding state that is not the worker's own (a
+        synchronizer it shares) keeps that."""
+        self.load_state_dict(zeroed_tensors(self.state_dict()))
+
     def round_committed(self, stats: StepStats) -> bool:
         """Whether the step that returned ``stats`` ended a round whose result every member
         applied (its tokens, and a sync round's earlier ones, are then committed)."""
@@ -369,3 +376,17 @@ def run_microbatches(closure: Closure, count: int) -> tuple[Loss, int, int]:
         samples += result.samples
         tokens += result.tokens
     return total_loss / count, samples, tokens
+
+
+def zeroed_tensors(value: Any) -> Any:
+    """``value`` (a state dict) with every tensor in it zeros of its shape and type; every
+    other value as it is."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {key: zeroed_tensors(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [zeroed_tensors(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(zeroed_tensors(item) for item in value)
+    return value

@@ -66,7 +66,13 @@ from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, Settled
 from lowcomm.optim.outer import OuterNesterov
-from lowcomm.strategies.base import Closure, StepStats, Strategy, StrategyContext
+from lowcomm.strategies.base import (
+    Closure,
+    StepStats,
+    Strategy,
+    StrategyContext,
+    zeroed_tensors,
+)
 from lowcomm.strategies.declaration import (
     CostModel,
     MembershipRule,
@@ -1180,6 +1186,15 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             "synchronizer": self.sync.state_dict(),
         }  # fmt: skip
 
+    def lose_state(self) -> None:
+        """The learner's own state is lost; the synchronizer (shared by the process's
+        learners, or this process's replica of it) is not the learner's and stays."""
+        state = self.state_dict()
+        del state["synchronizer"]  # (not reloaded: the process's other learners go on in it)
+        lost = zeroed_tensors(state)
+        super().load_state_dict(lost)
+        self._load_learner(lost["learner"])
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "synchronizer" not in state:
             raise ValueError(
@@ -1188,8 +1203,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             )
         super().load_state_dict(state)
         self.sync.load_state_dict(state["synchronizer"], once=self.shared)
-        mine = state["learner"]
-        self.sync_s = float(mine.get("sync_s", state["synchronizer"]["sync_time"][self.learner]))
+        mine = dict(state["learner"])
+        mine.setdefault("sync_s", state["synchronizer"]["sync_time"][self.learner])
+        self._load_learner(mine)
+
+    def _load_learner(self, mine: dict[str, Any]) -> None:
+        """This learner's own part of a checkpoint (``state_dict()["learner"]``)."""
+        self.sync_s = float(mine["sync_s"])
         self.base = [int(b) for b in mine["base"]]
         self.tokens = [int(t) for t in mine["tokens"]]
         self.steps = [int(t) for t in mine["steps"]]
