@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,24 @@ def test_a_planned_sigkill_ends_one_worker_and_its_peers_go_on_over_their_quorum
     with pytest.raises(WorkerFailed, match="killed by SIGKILL") as caught:
         spawn_workers(_survivors_of_a_sigkill, 3, (False,), timeout_s=60.0)
     assert caught.value.rank == 2
+
+
+def _a_failure_after_a_planned_sigkill() -> None:
+    """Worker 2 ends by plan; worker 0 then fails, and worker 1 waits to be stopped."""
+    comm = QuorumTorchComm(timeout_s=60.0)
+    comm.all_reduce(torch.ones(1), op="sum", role=Role.OTHER).wait()
+    if comm.slot == 2:
+        end_by_sigkill("declared crash of worker 2")
+    time.sleep(2.0)  # (worker 2's kill is seen by the launcher first)
+    if comm.slot == 0:
+        raise RuntimeError("the failure that ends the run")
+    time.sleep(120.0)
+
+
+def test_the_failure_named_is_not_a_planned_sigkill() -> None:
+    with pytest.raises(WorkerFailed, match="the failure that ends the run") as caught:
+        spawn_workers(_a_failure_after_a_planned_sigkill, 3, timeout_s=60.0)
+    assert caught.value.rank == 0
 
 
 def _cycling_through_more_sets_than_are_kept() -> tuple[list[float], list[tuple[int, ...]]]:

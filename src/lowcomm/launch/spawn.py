@@ -501,8 +501,8 @@ def _first_failure(
 
     When one worker fails, its peers fail moments later on the broken connection, and the
     launcher may notice any of them first. A worker killed by a signal (other than the
-    SIGTERM the launcher sends to the survivors) records nothing and is the cause; otherwise
-    the earliest recorded exception is.
+    SIGTERM the launcher sends to the survivors, and other than a planned kill: a declared
+    crash) records nothing and is the cause; otherwise the earliest recorded exception is.
     """
     records: list[tuple[float, int, str]] = []
     named: dict[int, tuple[int, str]] = {}  # process: (worker, message) it named itself
@@ -516,7 +516,15 @@ def _first_failure(
             continue
     recorded = {rank for _, rank, _ in records}
     for rank, code in enumerate(exit_codes):
-        if code is not None and code < 0 and code != -signal.SIGTERM and rank not in recorded:
+        # (A worker killed by plan, a declared crash, is not the cause.)
+        planned = _planned_end(scratch, rank)
+        if (
+            code is not None
+            and code < 0
+            and code != -signal.SIGTERM
+            and not planned
+            and (rank not in recorded)
+        ):
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             message = f"killed by {name} (exit code {code})"
             cause = (
