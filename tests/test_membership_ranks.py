@@ -57,10 +57,13 @@ def _wait_for(condition: Any, what: str, timeout_s: float = 240.0) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["diloco", "ddp"])
+@pytest.mark.parametrize("method", ["diloco", "ddp", "streaming_diloco", "demo"])
 def test_no_fault_groups_of_two_ranks_follow_the_static_trajectory(
     tmp_path: Path, method: str
 ) -> None:
+    """A round of each kind: diloco's outer sync, ddp's per-step mean, streaming_diloco's
+    fragments (which leave the workers' parameters apart between their syncs) and demo's
+    all-gather of every worker's payload."""
     _needs_torchft()
     from lowcomm.launch.run import run_training
 
@@ -82,10 +85,13 @@ def test_no_fault_groups_of_two_ranks_follow_the_static_trajectory(
     ranks = [
         json.loads((live / f"worker{k}" / "membership.rank1.json").read_text()) for k in range(2)
     ]
-    digests = [_digests(r) for r in records + ranks]
-    assert all(d == digests[0] for d in digests) and digests[0]
-    rounds = [3, 7] if method == "diloco" else list(range(8))
-    assert sorted(digests[0]) == rounds
+    for k in range(2):  # (the ranks of a worker hold the same parameters)
+        assert _digests(records[k]) == _digests(ranks[k]), k
+    digests = [_digests(r) for r in records]
+    if method != "streaming_diloco":
+        assert digests[0] == digests[1]
+    rounds = [3, 7] if "diloco" in method else list(range(8))
+    assert sorted(digests[0]) == sorted(digests[1]) == rounds
     # The quorums name the workers (slots), not the ranks' torchft numbers (k R + r); one
     # formed while the job assembled may hold worker 0 alone.
     quorums = [e["members"] for e in records[0]["events"] if e["event"] == "quorum"]
@@ -204,26 +210,18 @@ def _torchrun_group(torchrun: str, slot: int, port: int, lighthouse: int, out: P
 
 def test_ranks_refusals_are_one_line() -> None:
     from lowcomm.config import with_options
+    from lowcomm.membership.options import TORCHFT_METHODS
 
     base = with_options(
         TrainConfig(method="diloco"), workers=2, ranks_per_worker=2, membership="torchft"
     )
-    cases = {
-        "local_sgd": with_options(base, method="local_sgd"),
-        "fsdp": with_options(base, worker_sharding="fsdp"),
-        "checkpoints": with_options(base, checkpoint_every=4),
-    }
-    expected = {
-        "local_sgd": "--method local_sgd is not yet checked with --ranks-per-worker 2",
-        "fsdp": "--worker-sharding fsdp",
-        "checkpoints": "checkpoints (--resume, --checkpoint-every, --stop-after)",
-    }
-    for name, config in cases.items():
-        refusal = membership_refusal(config)
-        assert refusal is not None and expected[name] in refusal, (name, refusal)
-        assert "\n" not in refusal
-    assert membership_refusal(base) is None
-    assert membership_refusal(with_options(base, method="ddp")) is None
+    refusal = membership_refusal(with_options(base, worker_sharding="fsdp"))
+    assert refusal is not None and "--worker-sharding fsdp" in refusal, refusal
+    assert "\n" not in refusal
+    # Every live-membership method runs with workers of several ranks, with checkpoints.
+    for method in TORCHFT_METHODS:
+        assert membership_refusal(with_options(base, method=method)) is None, method
+    assert membership_refusal(with_options(base, checkpoint_every=4, stop_after=4)) is None
 
 
 @pytest.mark.parametrize(
@@ -268,3 +266,82 @@ def test_a_group_alone_starts_after_the_quorum_timeout_on_every_rank(tmp_path: P
     record = _record(tmp_path / "worker0")
     assert sorted(_digests(record)) == [3, 7]
     assert _lines(tmp_path / "worker0" / "metrics.jsonl") == 8
+
+
+@pytest.mark.slow
+def test_a_job_of_groups_stopped_inside_a_round_resumes_on_the_static_trajectory(
+    tmp_path: Path,
+) -> None:
+    """diloco stopped after step 6 (inside its second round: each rank's slice of the inner
+    AdamW moments is in flight) and resumed: every rank continues its own checkpoint file,
+    and the job's losses are the static run's."""
+    _needs_torchft()
+    from lowcomm.config import with_options
+    from lowcomm.launch.run import run_training
+
+    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
+    static = _ranks_config("diloco", tmp_path / "static", membership="static", **common)
+    static.placement.membership_options = MembershipOptions()
+    run_training(static, report=None)
+    run = tmp_path / "torchft"
+    config = _ranks_config("diloco", run, stop_after=6, **common)
+    assert run_training(config, report=None) is None
+    for k in range(2):
+        latest = run / f"worker{k}" / "checkpoints" / "step-000006"
+        assert sorted(p.name for p in latest.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    resumed = with_options(config, resume=str(run), stop_after=None, out=None)
+    assert run_training(resumed, report=None) is not None
+
+    expected = _losses(tmp_path / "static" / "metrics.jsonl")
+    workers = [_losses(run / f"worker{k}" / "metrics.jsonl") for k in range(2)]
+    assert all(len(w) == 8 for w in workers)
+    for step, want in enumerate(expected):
+        mean = sum(w[step] for w in workers) / 2
+        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+    records = [_record(run / f"worker{k}") for k in range(2)]
+    ranks = [json.loads((run / f"worker{k}" / "membership.rank1.json").read_text()) for k in (0, 1)]
+    digests = [_digests(r) for r in records + ranks]
+    assert all(d == digests[0] for d in digests) and sorted(digests[0]) == [7], digests
+
+
+@pytest.mark.slow
+def test_a_replayed_trace_kills_a_whole_group_and_its_joiner_heals_rank_to_rank(
+    tmp_path: Path,
+) -> None:
+    """ddp (each rank holds its own slice of the AdamW moments) with a trace that crashes
+    worker 1 at step 2 and starts it again there: the launcher kills both its processes and
+    starts two, and each joining rank takes its slice from the same rank of worker 0 (the
+    parameters then stay equal bit for bit, which moments left at zero would not). Rounds
+    need both workers (--membership.min-workers 2), so worker 0 waits at step 2 for the
+    joiner however long its processes take to start."""
+    _needs_torchft()
+    from lowcomm.launch.run import run_training
+
+    steps = 8
+    trace = tmp_path / "trace.txt"
+    trace.write_text("step=2 worker=1 crash\nstep=2 worker=1 join\n")
+    options = MembershipOptions(min_workers=2, detect_s=2.0, quorum_s=240.0, digests=True)
+    config = _ranks_config(
+        "ddp", tmp_path / "run", steps, faults=str(trace), membership_options=options
+    )
+    assert run_training(config, report=None) is not None
+    run = tmp_path / "run"
+    job = json.loads((run / "membership.json").read_text())
+    codes = {slot: [p["exit_code"] for p in runs] for slot, runs in job["workers"].items()}
+    assert codes == {"0": [0], "1": [-9, 0]}, codes
+    assert [(e["event"], e["worker"]) for e in job["faults"]["launcher"]] == [
+        ("crash", 1), ("join", 1)
+    ]  # fmt: skip
+    # The kill landed at the crash's step on the whole group: it trained steps 0 and 1.
+    assert [json.loads(line)["step"] for line in (run / "worker1" / "metrics.jsonl").open()] == [
+        0, 1
+    ]  # fmt: skip
+    for name in ("membership.json", "membership.rank1.json"):
+        joiner = json.loads((run / "worker1.1" / name).read_text())
+        healed = [e for e in joiner["events"] if e["event"] == "healed"]
+        assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]
+        mine = _digests(joiner)
+        theirs = _digests(json.loads((run / "worker0" / name).read_text()))
+        assert healed[0]["step"] == 2 and sorted(mine) == list(range(2, steps)), name
+        assert all(mine[step] == theirs[step] for step in mine), name
+        assert mine[steps - 1] == theirs[steps - 1]

@@ -116,13 +116,8 @@ class LocalJob:
         self._stores = tempfile.mkdtemp(prefix="lowcomm-ft-groups-")
         self._context = multiprocessing.get_context("spawn")
         #: The fault trace replayed on the workers (--faults, --fault-*), or None.
+        #: (With R ranks per worker, a crash kills the slot's whole group; a join starts R.)
         self.trace = check_replay(config)
-        if self.trace is not None and config.placement.ranks_per_worker > 1:
-            raise ConfigError(
-                f"--faults: a replayed trace is not yet supported with --ranks-per-worker "
-                f"{config.placement.ranks_per_worker} under --membership torchft; use 1, or "
-                "drop the trace"
-            )
         #: With --resume: where the stopped job stood (each slot's directory to continue).
         self.resumed = None if config.run.resume is None else resume_point(config)
         self.channel = Channel.make(self._context, config.placement.workers)
@@ -175,6 +170,8 @@ class LocalJob:
         try:
             replay = None
             if self.trace is not None:
+                if started > 0 and self._met_crash(slot, since_step):
+                    since_step += 1  # (that step's crash was its predecessor's)
                 replay = WorkerReplay(self.channel, self.trace, slot, since_step)
                 if self.resumed is not None and started == 0:
                     replay.assembling = sum(map(self.starts, range(self.config.placement.workers)))
@@ -193,6 +190,19 @@ class LocalJob:
         self.processes.setdefault(slot, []).append(group[0])
         self.groups.setdefault(slot, []).append(group)
         return group[0]
+
+    def _met_crash(self, slot: int, step: int) -> bool:
+        """Whether the launcher has met a crash or leave of slot ``slot`` placed at ``step``
+        (a trace that starts the slot again at the step of its crash: the new worker, which
+        starts at that step, is not the one it kills)."""
+        if self.replay is None or self.trace is None:
+            return False
+        pending = self.replay.pending
+        return any(
+            event.kind in ("crash", "leave") and event.worker == slot and event.at_step == step
+            and all(event is not waiting for waiting in pending)
+            for event in self.trace.membership_events()
+        )  # fmt: skip
 
     def _places(self, slot: int, start: int) -> list[Any]:
         """Each process's place in the replica group of slot ``slot``'s ``start``-th start
@@ -380,6 +390,7 @@ def resume_point(config: TrainConfig) -> ResumePoint:
     record = read_record(job / "membership.json") or {}
     processes = record.get("workers") or {}
     traced = trace_of(config) is not None
+    ranks = config.placement.ranks_per_worker  # (one checkpoint file per rank of a worker)
     steps: dict[int, int] = {}
     dirs: dict[int, Path | None] = {}
     first: dict[int, int] = {}
@@ -393,7 +404,7 @@ def resume_point(config: TrainConfig) -> ResumePoint:
             continue
         worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
         try:
-            steps[slot] = find_latest(directory, 1, fingerprint(worker))[0]
+            steps[slot] = find_latest(directory, ranks, fingerprint(worker))[0]
         except CheckpointError as error:
             raise ConfigError(f"--resume: worker {slot}: {error}") from None
         dirs[slot], first[slot], names[slot] = directory, index, directory.name

@@ -200,33 +200,21 @@ def membership_refusal(config: TrainConfig) -> str | None:
     return None
 
 
-#: Methods whose workers of several ranks (--ranks-per-worker R > 1, each a torchft replica
-#: group) are checked against static membership with no fault and through a kill and a
-#: restart.
-RANKS_METHODS: tuple[str, ...] = ("ddp", "diloco")
-
-
 def _ranks_refusal(config: TrainConfig, flag: str) -> str | None:
-    """Why the run's workers of R > 1 ranks cannot run with live membership, or None."""
-    placement, run = config.placement, config.run
+    """Why the run's workers of R > 1 ranks cannot run with live membership, or None.
+
+    Every method of :data:`TORCHFT_METHODS` runs with workers of several ranks, each a torchft
+    replica group: rank r's collectives between workers go through its own Manager to rank r
+    of the others, and a joining group is healed rank to rank (each rank's own slice of what
+    the method declares global, ``Strategy.rank_state``, from the same rank of a live group).
+    Checkpoints are one file per rank in the worker's run directory, as a static worker's."""
+    placement = config.placement
     ranks = placement.ranks_per_worker
-    if ranks == 1:
-        return None
-    if config.method not in RANKS_METHODS:
-        return (
-            f"{flag}: --method {config.method} is not yet checked with --ranks-per-worker "
-            f"{ranks} (a kill and a restart of a replica group); use "
-            f"{' or '.join(RANKS_METHODS)}, or --ranks-per-worker 1"
-        )
-    if placement.worker_sharding != "replicate":
+    if ranks > 1 and placement.worker_sharding != "replicate":
         return (
             f"{flag}: not yet supported with --worker-sharding {placement.worker_sharding} "
-            f"(--ranks-per-worker {ranks}); use replicate"
-        )
-    if run.resume is not None or run.checkpoint_every is not None or run.stop_after is not None:
-        return (
-            f"{flag}: checkpoints (--resume, --checkpoint-every, --stop-after) are not yet kept "
-            f"with --ranks-per-worker {ranks}; use 1, or drop them"
+            f"(--ranks-per-worker {ranks}: FSDP's device mesh spans the static world's ranks, "
+            "not one replica group's); use replicate"
         )
     return None
 

@@ -22,7 +22,8 @@ participant, in slot order: a member being healed sends a row that is left out.
 **Healing.** A worker that asks for a quorum with a lower torchft step than the others is
 healed: torchft's Manager has a live member send it what the method declares global
 (``Strategy.global_state``: for diloco the global parameters, the outer momentum and the
-counters; for ddp the parameters, the AdamW moments and the counters) over torchft's
+counters; for ddp the parameters, the AdamW moments and the counters; in a worker of several
+ranks, rank r's own slice, ``Strategy.rank_state``, from rank r of the live one) over torchft's
 process-group transport (``PGTransport``: the same reconfigured Gloo group, so healing opens no
 listener of its own). A healed worker is not a participant of the round it healed in (torchft's
 asynchronous quorum: its payload is zeroed and the mean divides by the others): it never counts
@@ -296,7 +297,13 @@ class Replica:
         its round, or, for ddp, computes a gradient, which none of these tensors is)."""
         assert self._strategy is not None
         tensors, counters = self._strategy.healing_payload()
-        return {"tensors": tensors, "counters": counters, "loop_step": self.loop_step}
+        # (A worker of several ranks: each rank's own slice, which torchft sends to the same
+        # rank of the joining group.)
+        ranks = [tensor for _, tensor in self._strategy.rank_state()]
+        return {
+            "tensors": tensors, "rank_tensors": ranks, "counters": counters,
+            "loop_step": self.loop_step,
+        }  # fmt: skip
 
     def _load(self, payload: dict[str, Any]) -> None:
         """The Manager applies the healed state when the round commits (after its
@@ -323,6 +330,10 @@ class Replica:
             if "local_steps" in counters:
                 counters["local_steps"] -= ahead
         strategy.take_healing_payload(list(payload["tensors"]), counters)
+        with torch.no_grad():
+            mine = strategy.rank_state()
+            for (_, tensor), theirs in zip(mine, payload["rank_tensors"], strict=True):
+                tensor.copy_(theirs)
         strategy.start_worker_state(kept=False)
         self._healed_step = step
 
@@ -462,7 +473,8 @@ class Replica:
                 self._apply(payload, rewind=True)
                 self._admitted_with = payload
                 self._joined = True
-                nbytes = sum(int(t.untyped_storage().nbytes()) for t in payload["tensors"])
+                sent = [*payload["tensors"], *payload["rank_tensors"]]
+                nbytes = sum(int(t.untyped_storage().nbytes()) for t in sent)
                 self._log({
                     "event": "healed", "time": time.time(), "asked": began,
                     "step": int(payload["loop_step"]), "bytes": nbytes,

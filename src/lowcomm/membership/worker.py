@@ -314,11 +314,14 @@ def _set_up(
     else:
         # The worker's run is its R ranks': metrics, evaluation and totals over its own
         # group, the method between workers over each rank's torchft group (the outer level).
-        # (A replayed trace is refused with R ranks: the launcher's check.)
         ranks = config.placement.ranks_per_worker
         place = _JobRank(raw, replica.slot * ranks + inner.rank, config.placement.workers * ranks)
         worker = loop.set_up(config, place, inner, None, task, (inner, raw))
         worker.rank, worker.world_size = inner.rank, inner.world_size
+        outer = getattr(worker.comm, "outer_comm", None)
+        if isinstance(outer, NetworkComm) and replay is not None and replay.has_link_events():
+            # (A link event is the link between workers: the inner link is the worker's own.)
+            outer.link_model = replay.link_model(worker.clock.now)
     worker.strategy.runtime = replace(
         worker.strategy.runtime, membership=TorchftMembership(replica)
     )
@@ -374,22 +377,25 @@ class _JobRank:
 
 def _resume(worker: Worker) -> Progress:
     """This worker's progress: a fresh start, or with --resume its own directory's newest
-    intact checkpoint (one file, rank0.pt: the worker's run is its own; the job's other
-    workers are not a layout to re-shard from)."""
+    intact checkpoint (the worker's run is its own; the job's other workers are not a layout
+    to re-shard from): one file per rank of its group, rank r reading ``rank{r}.pt``, as a
+    static run's ranks of one worker do."""
     from lowcomm.train import checkpoint, loop
 
     config = worker.config
     if config.run.resume is None:
         return loop.Progress()
     resume_from = Path(config.run.resume)
-    step, directory = checkpoint.find_latest(resume_from, 1, checkpoint.fingerprint(config))
-    saved = checkpoint.read_rank_state(directory, 0, worker.device)
+    ranks = config.placement.ranks_per_worker
+    step, directory = checkpoint.find_latest(resume_from, ranks, checkpoint.fingerprint(config))
+    saved = checkpoint.read_rank_state(directory, worker.rank, worker.device)
     progress = loop.restore(worker, saved, step, resume_from, directory)
-    print(
-        f"lowcomm: worker {config.placement.membership_options.worker} resumed {resume_from} "
-        f"from step {step}; training steps {step + 1} to {config.run.steps}",
-        flush=True,
-    )
+    if worker.rank == 0:
+        print(
+            f"lowcomm: worker {config.placement.membership_options.worker} resumed "
+            f"{resume_from} from step {step}; training steps {step + 1} to {config.run.steps}",
+            flush=True,
+        )
     return progress
 
 
