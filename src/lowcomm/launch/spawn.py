@@ -517,14 +517,8 @@ def _first_failure(
     recorded = {rank for _, rank, _ in records}
     for rank, code in enumerate(exit_codes):
         # (A worker killed by plan, a declared crash, is not the cause.)
-        planned = _planned_end(scratch, rank)
-        if (
-            code is not None
-            and code < 0
-            and code != -signal.SIGTERM
-            and not planned
-            and (rank not in recorded)
-        ):
+        unplanned = rank not in recorded and not _planned_end(scratch, rank)
+        if unplanned and code is not None and code < 0 and code != -signal.SIGTERM:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             message = f"killed by {name} (exit code {code})"
             cause = (

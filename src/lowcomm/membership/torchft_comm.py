@@ -241,17 +241,7 @@ class Replica:
         timeout = timedelta(seconds=timeout_s)
         self.pg = _RecordingGloo(timeout)
         self.transport = _TimedTransport(self.pg, timeout, torch.device("cpu"))
-        address = lighthouse if lighthouse.startswith("http://") else f"http://{lighthouse}"
-        with _manager_server_on(host):
-            self.manager = Manager(
-                pg=self.pg, load_state_dict=self._load, state_dict=self._save,
-                min_replica_size=options.min_workers, use_async_quorum=True, timeout=timeout,
-                quorum_timeout=timedelta(seconds=options.quorum_s),
-                connect_timeout=timedelta(seconds=min(options.quorum_s, 30.0)),
-                rank=rank, world_size=ranks, store_addr=host, store_port=self.store_port,
-                lighthouse_addr=address, replica_id=f"lowcomm_worker_{slot}", port=0,
-                hostname=host, checkpoint_transport=self.transport, init_sync=False,
-            )  # fmt: skip
+        self.manager = self._manager(lighthouse, host, timeout)
         self._strategy: Strategy | None = None
         #: The loop step this worker is in (what a healed peer continues from).
         self.loop_step = 0
@@ -284,6 +274,22 @@ class Replica:
         self.committed_tokens = 0
         #: The wall time this worker ended its last step (None: it has not).
         self.trained_until: float | None = None
+
+    def _manager(self, lighthouse: str, host: str, timeout: timedelta) -> Manager:
+        """This rank's torchft Manager: its server and the group's store on ``host``."""
+        options = self.options
+        address = lighthouse if lighthouse.startswith("http://") else f"http://{lighthouse}"
+        with _manager_server_on(host):
+            return Manager(
+                pg=self.pg, load_state_dict=self._load, state_dict=self._save,
+                min_replica_size=options.min_workers, use_async_quorum=True, timeout=timeout,
+                quorum_timeout=timedelta(seconds=options.quorum_s),
+                connect_timeout=timedelta(seconds=min(options.quorum_s, 30.0)),
+                rank=self.rank, world_size=self.ranks, store_addr=host,
+                store_port=self.store_port, lighthouse_addr=address,
+                replica_id=f"lowcomm_worker_{self.slot}", port=0, hostname=host,
+                checkpoint_transport=self.transport, init_sync=False,
+            )  # fmt: skip
 
     # --- the method's state (the Manager's state dict callbacks) ------------------------
 
