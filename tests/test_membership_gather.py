@@ -134,7 +134,7 @@ class _Manager:
 
 
 def _replica(slot: int, script: list[_Quorum], attempts: int = 3) -> Any:
-    from lowcomm.membership.torchft_comm import Replica
+    from lowcomm.membership.torchft_comm import Replica, _EarlyRound
 
     group = _Group(slot, script)
     replica = Replica.__new__(Replica)  # (its state only: no lighthouse, no group)
@@ -149,6 +149,7 @@ def _replica(slot: int, script: list[_Quorum], attempts: int = 3) -> Any:
     replica._members = tuple(sorted(script[0].members))
     replica.pending_tokens, replica.committed_tokens = 32, 0
     replica._round_open, replica._joined, replica._last_quorum = True, False, 1
+    replica._early, replica._in_flight = _EarlyRound(), None
     return replica
 
 

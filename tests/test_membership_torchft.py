@@ -412,7 +412,7 @@ class _FakeManager:
 def _fake_replica(failures: int, attempts: int) -> Any:
     from types import SimpleNamespace
 
-    from lowcomm.membership.torchft_comm import Replica
+    from lowcomm.membership.torchft_comm import Replica, _EarlyRound
 
     replica = Replica.__new__(Replica)  # (its state only: no lighthouse, no group)
     replica.options = MembershipOptions(attempts=attempts)
@@ -426,6 +426,7 @@ def _fake_replica(failures: int, attempts: int) -> Any:
     replica._members = (0, 1)
     replica.pending_tokens, replica.committed_tokens = 32, 0
     replica._round_open, replica._joined, replica._last_quorum = True, False, 1
+    replica._early = _EarlyRound()
     return replica
 
 

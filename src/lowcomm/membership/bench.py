@@ -28,7 +28,7 @@ import itertools
 import json
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -137,10 +137,11 @@ def _lines(path: Path) -> int:
 
 
 def _kill_and_heal(bench: MembershipBench, root: Path) -> dict[str, Any]:
+    from lowcomm.config import with_options
     from lowcomm.membership.local import LocalJob
 
     config = _config(bench, "diloco", root / "diloco-kill", "torchft")
-    config = replace(config, log_every=1)
+    config = with_options(config, log_every=1)
     quarter = bench.steps // 4
     with LocalJob(config) as job:
         job.start_all()
@@ -181,13 +182,14 @@ def _trace_goodput(bench: MembershipBench, root: Path) -> dict[str, Any]:
     torchft job (SIGKILL, a new process). Simulated: the same trace in one process on the
     virtual clock, each micro-batch declared at the live job's fault-free step time and
     detection at ``--detect-s``, so that the two differ only in what the simulation models."""
+    from lowcomm.config import with_options
     from lowcomm.launch.run import run_training
 
     trace = root / "trace.txt"
     trace.parent.mkdir(parents=True, exist_ok=True)
     steps = bench.trace_steps
     trace.write_text(f"step={steps // 4} worker=2 crash\nstep={steps // 2} worker=2 join\n")
-    live = replace(
+    live = with_options(
         _config(bench, "diloco", root / "trace-torchft", "torchft"), faults=str(trace),
         steps=steps,
     )  # fmt: skip
@@ -196,11 +198,11 @@ def _trace_goodput(bench: MembershipBench, root: Path) -> dict[str, Any]:
     assert measured is not None
     faults = measured["faults"]
     step_s = float(faults["fault_free_step_s"])
-    simulated_config = replace(
+    simulated_config = with_options(
         _config(bench, "diloco", root / "trace-simulated", "static"), faults=str(trace),
         clock="virtual", workers_per_process=bench.workers, fault_detection_s=bench.detect_s,
         steps=steps,
-        seconds_per_microbatch=step_s / live.microbatches_per_step,
+        seconds_per_microbatch=step_s / live.run.microbatches_per_step,
     )  # fmt: skip
     simulated_config.validate()
     simulated = run_training(simulated_config, report=None)

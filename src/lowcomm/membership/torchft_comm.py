@@ -3,9 +3,19 @@ reconfigurable Gloo group, and the runtime's ``Membership`` that opens each roun
 
 **A round** is one quorum, the method's collectives over its members, and one commit
 (docs/ARCHITECTURE.md, "Workers that come and go"): each step for ddp, each outer sync for
-diloco. :class:`Replica` opens it with torchft's asynchronous quorum (``Manager.start_quorum``):
-ddp's worker opens it at the start of the step, so the quorum forms while the gradient is
-computed; diloco's opens it when the strategy enters its sync (``runtime.enter_round()``). The
+diloco. :class:`Replica` opens it with torchft's asynchronous quorum (``Manager.start_quorum``)
+so that the quorum forms while the worker computes: ddp's worker opens it at the start of every
+step, whose gradient it then computes; a method that syncs every H steps (diloco, the local
+family, desloc, ...) opens it at the start of the step whose end enters the round
+(:meth:`Replica.open_round_early`, the step its past rounds' period names: one step ahead of
+``runtime.enter_round()``, where it opened before), so its sync waits only for what is left of
+the quorum. A round opened early is still the round whose collectives and commit follow: a
+worker that dies between the quorum and the collective makes the collective fail, and the
+round is dropped and tried again on a new quorum. Until the worker reaches its round it
+holds torchft's state-dict lock (``disallow_state_dict_read``), so a joiner healed at that
+quorum receives the global state as the sync sees it, never one mid-step. A round is not
+opened early while one is open or in flight (co2, eager, diloco_delayed, a streaming fragment):
+the method's equations settle that one where they do. The
 round's payload travels in ``Manager.allreduce`` (a sum, divided by the number of workers that
 take part); its handle's ``wait()`` asks the Manager to commit (``should_commit``). A round
 that did not commit (a peer died inside the collective, the group could not be reconfigured) is
@@ -57,6 +67,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -197,6 +208,22 @@ def _group_store(
     return None, None, store_port
 
 
+@dataclass
+class _EarlyRound:
+    """A syncing method's round opened before the worker reaches it
+    (:meth:`Replica.open_round_early`), and when each round was asked for and reached
+    (membership.json's commit events)."""
+
+    steps: list[int] = field(default_factory=list)
+    """The loop steps at which the worker reached its rounds (what predicts the next)."""
+    holding: bool = False
+    """Whether the worker holds torchft's state-dict lock (a round opened early)."""
+    asked: tuple[float, int] | None = None
+    """When (wall time, loop step) the open round's quorum was asked for."""
+    entered: float | None = None
+    """When (wall time) the worker reached the open round."""
+
+
 class Replica:
     """One rank of this worker's torchft replica group: its Manager, its reconfigurable Gloo
     group (to the same rank of the other groups), and the state of the current round.
@@ -245,8 +272,7 @@ class Replica:
         self._strategy: Strategy | None = None
         #: The loop step this worker is in (what a healed peer continues from).
         self.loop_step = 0
-        self._round_open = False
-        self._joined = False
+        self._round_open = self._joined = False
         self._healed_step: int | None = None
         #: The state a joiner took at its admission (torchft offers it again at the round's
         #: commit, which an overlapping method reaches steps later).
@@ -254,12 +280,11 @@ class Replica:
         #: The last round collective issued (settled before a later step opens a round).
         self._in_flight: _RoundHandle | None = None
         #: Rounds committed (the startup round included) and rounds dropped.
-        self.commits = 0
-        self.failed_rounds = 0
+        self.commits = self.failed_rounds = 0
         #: What happened, in order, with wall times (membership.json).
         self.events: list[dict[str, Any]] = []
         self.digests: list[dict[str, Any]] = []
-        self._last_quorum = -1
+        self._last_quorum, self._early = -1, _EarlyRound()
         #: Called after each event (the worker rewrites membership.json: a job's progress).
         self.on_event: Callable[[], None] | None = None
         #: Per loop step: the quorum's size, the workers it lost or gained at that step
@@ -270,8 +295,7 @@ class Replica:
         self._members: tuple[int, ...] = ()
         #: Tokens this worker trained since its last committed round, and the tokens its
         #: committed rounds kept (goodput): a round it sat out (healing) keeps none of its own.
-        self.pending_tokens = 0
-        self.committed_tokens = 0
+        self.pending_tokens = self.committed_tokens = 0
         #: The wall time this worker ended its last step (None: it has not).
         self.trained_until: float | None = None
 
@@ -300,7 +324,8 @@ class Replica:
     def _save(self) -> dict[str, Any]:
         """What a joiner receives: the declared global tensors and counters, and the loop
         step this worker is in (called on torchft's quorum thread while this worker waits in
-        its round, or, for ddp, computes a gradient, which none of these tensors is)."""
+        its round, or, for ddp, computes a gradient, which none of these tensors is; a round
+        opened early holds the state-dict lock until the worker reaches it)."""
         assert self._strategy is not None
         tensors, counters = self._strategy.healing_payload()
         # (A worker of several ranks: each rank's own slice, which torchft sends to the same
@@ -379,13 +404,49 @@ class Replica:
         if in_flight is not None and not in_flight.done() and in_flight.step != self.loop_step:
             in_flight.wait()
         if not self._round_open:
+            self._early.asked = (time.time(), self.loop_step)
             self.manager.start_quorum(
                 allow_heal=True, timeout=timedelta(seconds=self.options.quorum_s)
             )
             self._round_open = True
 
+    def open_round_early(self) -> None:
+        """At the start of a loop step of a method that syncs every H steps: open the round
+        this step's end is expected to enter, so its quorum forms while the step computes.
+
+        The step is the one the period of the worker's last two rounds names (none before
+        its second round, and none while a round is open or its collective in flight: that
+        one is settled where the method's equations say). Until the worker reaches the round
+        it holds torchft's state-dict lock, so a peer healed at this quorum receives the
+        method's global state from its sync, not from inside the step. A step that turns out
+        not to enter a round keeps the round open (and the lock held) until one does: it is
+        then that round's quorum."""
+        steps = self._early.steps
+        if self._round_open or len(steps) < 2 or self.loop_step != 2 * steps[-1] - steps[-2]:
+            return
+        if self._in_flight is not None and not self._in_flight.done():
+            return
+        self.manager.disallow_state_dict_read()
+        self._early.holding = True
+        self.open_round()
+
+    def reach_round(self) -> None:
+        """The worker has reached its round (the strategy enters it or issues its
+        collective): a peer may now read its state, and the step is remembered."""
+        if not self._early.steps or self._early.steps[-1] != self.loop_step:
+            self._early.steps.append(self.loop_step)
+        if self._early.entered is None:
+            self._early.entered = time.time()
+        self._release()
+
+    def _release(self) -> None:
+        if self._early.holding:
+            self._early.holding = False
+            self.manager.allow_state_dict_read()
+
     def wait_quorum(self) -> Quorum:
         """The open round's quorum, once formed."""
+        self._release()  # (a peer's healing reads this worker's state inside the quorum)
         self.manager.wait_quorum()
         self._note_quorum()
         return self.quorum()
@@ -430,10 +491,13 @@ class Replica:
         if committed:
             self.committed_tokens += self.pending_tokens if participating else 0
             self.pending_tokens = 0
+        asked, asked_step = self._early.asked if self._early.asked is not None else (None, None)
         self._log({
             "event": "commit" if committed else "dropped", "time": time.time(),
             "step": self.loop_step, "quorum_id": self.pg.quorum_id, "waited_s": time.time() - started,
+            "asked": asked, "asked_step": asked_step, "entered": self._early.entered,
         })  # fmt: skip
+        self._early.asked = self._early.entered = None
         if committed:
             self.commits += 1
             self._round_open = False
@@ -514,6 +578,8 @@ class Replica:
 
     def shutdown(self) -> None:
         """Stop the manager server (its heartbeats) and the group."""
+        with contextlib.suppress(Exception):
+            self._release()
         with contextlib.suppress(Exception):
             self.manager.shutdown(wait=False)
         with contextlib.suppress(Exception):
@@ -755,6 +821,7 @@ class TorchftComm:
     ) -> Handle:
         check_segments(tensor, segments)
         self._check_started("all_reduce")
+        self.replica.reach_round()
         self.replica.open_round()
         if op == "max":
             return _MaxHandle(self.replica, tensor)
@@ -780,6 +847,7 @@ class TorchftComm:
         committed as the round (:class:`_GatherHandle`; a retry on a quorum of another size
         resizes ``output``)."""
         self._check_started("all_gather")
+        self.replica.reach_round()
         self.replica.open_round()
         check_scatter_shapes(output, input, self.world_size, "all_gather")
         return _GatherHandle(self.replica, output, input)
@@ -801,8 +869,8 @@ class TorchftComm:
 
 class TorchftMembership:
     """The runtime's ``Membership`` of a torchft worker: entering a round opens it (if the
-    worker has not already, as ddp's worker does at the step's start) and waits for its
-    quorum."""
+    worker has not already: ddp's worker at every step's start, a syncing method's at the
+    start of the step that ends in its sync) and waits for its quorum."""
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
@@ -811,5 +879,6 @@ class TorchftMembership:
         return self.replica.quorum()
 
     def enter_round(self) -> Quorum:
+        self.replica.reach_round()
         self.replica.open_round()
         return self.replica.wait_quorum()

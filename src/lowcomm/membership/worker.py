@@ -427,6 +427,8 @@ def _replica_steps(
         replica.pending_tokens += tokens_per_step
         if step_rounds:
             replica.open_round()  # (forms while the gradient is computed)
+        else:
+            replica.open_round_early()  # (a sync at this step's end: forms while it computes)
         commits = replica.commits
         dropped = replica.failed_rounds
         began = time.perf_counter()
