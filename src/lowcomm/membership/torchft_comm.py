@@ -589,6 +589,16 @@ class Replica:
                 self._store_socket.close()
 
 
+def _round_failed(replica: Replica) -> RoundFailed:
+    """The error that ends a worker whose round did not commit in --membership.attempts."""
+    error = replica.manager.errored()
+    cause = "" if error is None else f": {_first_line(error.original_exception)}"
+    return RoundFailed(
+        f"worker {replica.slot}: the round at step {replica.loop_step} did not commit in "
+        f"{replica.options.attempts} attempts (--membership.attempts){cause}"
+    )
+
+
 class _RoundHandle:
     """The round's payload in flight; ``wait()`` returns once a round committed it (tried
     again on a new quorum if one did not; see the module docstring)."""
@@ -624,12 +634,7 @@ class _RoundHandle:
                 self._tensor.copy_(self._input)
             replica.retry_round()
             self._work = self._issue()
-        error = replica.manager.errored()
-        cause = "" if error is None else f": {_first_line(error.original_exception)}"
-        raise RoundFailed(
-            f"worker {replica.slot}: the round at step {replica.loop_step} did not commit in "
-            f"{attempts} attempts (--membership.attempts){cause}"
-        )
+        raise _round_failed(replica)
 
     def done(self) -> bool:
         return self._done
@@ -766,12 +771,7 @@ class _GatherHandle:
                 break
             replica.retry_round()
             self._work = self._issue()
-        error = replica.manager.errored()
-        cause = "" if error is None else f": {_first_line(error.original_exception)}"
-        raise RoundFailed(
-            f"worker {replica.slot}: the round at step {replica.loop_step} did not commit in "
-            f"{attempts} attempts (--membership.attempts){cause}"
-        )
+        raise _round_failed(replica)
 
     def done(self) -> bool:
         return self._done
