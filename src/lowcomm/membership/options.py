@@ -246,6 +246,13 @@ def _method_refusal(config: TrainConfig, flag: str) -> str | None:
             "workers, so a lost worker takes a shard the others need (it does not re-shard "
             f"from the survivors); use {' or '.join(TORCHFT_METHODS)}"
         )
+    if config.method == "decoupled_diloco":
+        return (
+            f"{flag}: --method decoupled_diloco's learners never wait for a quorum (a "
+            "synchronizer merges whatever fragments are in), which a torchft round of quorum, "
+            "collective and commit does not express; run it with --membership static (its "
+            f"--faults replay any trace), or use {', '.join(TORCHFT_METHODS)}"
+        )
     if config.method not in TORCHFT_METHODS:
         return (
             f"{flag}: --method {config.method} is not yet supported (its rounds are not yet "
