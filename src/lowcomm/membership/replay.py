@@ -129,11 +129,16 @@ class WorkerReplay:
     assembling: int | None = None
     """How many workers start the job together, which its first round waits for: a resumed
     job's slots that had a worker at the stop (None: --workers)."""
+    reports: bool = True
+    """Whether this process publishes the worker's step: a worker of several ranks is killed
+    once its rank 0, which writes the worker's records, has reached the crash's step (a rank
+    that published first could have it killed before rank 0 wrote its last step)."""
 
     def at_step(self, step: int) -> None:
         """The worker is at the start of ``step``: say so, and stop here if the trace kills it
         here (the launcher's SIGKILL ends the process)."""
-        self.channel.steps[self.slot] = step
+        if self.reports:
+            self.channel.steps[self.slot] = step
         self.step = step
         if (
             any(

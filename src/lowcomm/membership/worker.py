@@ -132,6 +132,8 @@ def train_replica(
     if config.placement.ranks_per_worker > 1 and group is None:
         group = check_torchrun_group(config)
     inner = _join_group(config, group)
+    if replay is not None and group is not None:
+        replay.reports = group.rank == 0
     replica = _replica(config, group, replay)
     started = time.time()
     try:
