@@ -9,14 +9,12 @@ the worker reached it; a round opened at the sync, after.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lowcomm.membership.options import MembershipOptions
-from test_membership_torchft import _config, _digests, _kill_and_restart, _record
+from test_membership_torchft import _digests, _follows_static, _kill_and_restart, _record
 
 
 def _needs_torchft() -> None:
@@ -33,32 +31,14 @@ def _commits(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
     }
 
 
-def _losses(path: Path) -> list[float]:
-    return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["diloco"])
 def test_a_sync_quorum_is_asked_for_in_the_step_that_ends_in_it(
     tmp_path: Path, method: str
 ) -> None:
     _needs_torchft()
-    from lowcomm.launch.run import run_training
-
-    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 16}
-    static = _config(method, tmp_path / "static", membership="static", **common)
-    static.placement.membership_options = MembershipOptions()
-    run_training(static, report=None)
-    run_training(_config(method, tmp_path / "torchft", **common), report=None)
-
     # With no fault the trajectory is the static run's.
-    expected = _losses(tmp_path / "static" / "metrics.jsonl")
-    workers = [_losses(tmp_path / "torchft" / f"worker{k}" / "metrics.jsonl") for k in range(3)]
-    assert len(expected) == 16 and all(len(w) == 16 for w in workers)
-    for step, want in enumerate(expected):
-        mean = sum(w[step] for w in workers) / 3
-        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
-    records = [_record(tmp_path / "torchft" / f"worker{k}") for k in range(3)]
+    records = _follows_static(method, tmp_path, steps=16)
     assert _digests(records[0]) == _digests(records[1]) == _digests(records[2])
     for record in records:
         commits = _commits(record)

@@ -8,7 +8,6 @@ loopback), as tests/test_membership_torchft.py does.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -256,38 +255,23 @@ def test_gathering_methods_are_not_refused(method: str) -> None:
 # --- local jobs --------------------------------------------------------------------------------
 
 
-def _losses(path: Path) -> list[float]:
-    return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["demo", "sparseloco"])
 def test_no_fault_gathering_methods_follow_the_static_trajectory(
     tmp_path: Path, method: str
 ) -> None:
     _needs_torchft()
-    from lowcomm.launch.run import run_training
-    from test_membership_torchft import _config, _digests, _record
+    from test_membership_torchft import _digests, _follows_static
 
-    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
+    common: dict[str, Any] = {}
     if method == "sparseloco":
         common["sparseloco"] = SparseLoCoOptions(sync_every=4, chunk=64, topk=4)
     # (The static run's workers are threads of one process: the same numbers, no spawn.)
-    static = _config(
-        method, tmp_path / "static", membership="static", workers_per_process=3, **common
+    records = _follows_static(
+        method, tmp_path, steps=8, static_only={"workers_per_process": 3}, **common
     )
-    static.placement.membership_options = MembershipOptions()
-    run_training(static, report=None)
-    run_training(_config(method, tmp_path / "torchft", **common), report=None)
-
-    expected = _losses(tmp_path / "static" / "metrics.jsonl")
-    workers = [_losses(tmp_path / "torchft" / f"worker{k}" / "metrics.jsonl") for k in range(3)]
-    assert len(expected) == 8 and all(len(w) == 8 for w in workers)
-    for step, want in enumerate(expected):
-        mean = sum(w[step] for w in workers) / 3
-        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
     # Every worker decoded the same gathered rows: the same parameters after every round.
-    digests = [_digests(_record(tmp_path / "torchft" / f"worker{k}")) for k in range(3)]
+    digests = [_digests(record) for record in records]
     rounds = list(range(8)) if method == "demo" else [3, 7]
     assert digests[0] == digests[1] == digests[2] and sorted(digests[0]) == rounds
 

@@ -4,38 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from lowcomm.membership.options import MembershipOptions
-from test_membership_torchft import _config, _digests, _kill_and_restart, _record
+from test_membership_torchft import _digests, _follows_static, _kill_and_restart, _record
 
 #: The methods whose outer all-reduce flies across inner steps, and favg_reset.
 OVERLAP_METHODS = ("co2", "eager", "diloco_delayed", "cocodc", "favg_reset")
-
-
-def _losses(path: Path) -> list[float]:
-    return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", OVERLAP_METHODS)
 def test_no_fault_follows_the_static_trajectory(tmp_path: Path, method: str) -> None:
     pytest.importorskip("torchft")
-    from lowcomm.launch.run import run_training
-
-    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 12}
-    static = _config(method, tmp_path / "static", membership="static", **common)
-    static.placement.membership_options = MembershipOptions()
-    run_training(static, report=None)
-    run_training(_config(method, tmp_path / "torchft", **common), report=None)
-    expected = _losses(tmp_path / "static" / "metrics.jsonl")
-    workers = [_losses(tmp_path / "torchft" / f"worker{k}" / "metrics.jsonl") for k in range(3)]
-    assert len(expected) == 12 and all(len(w) == 12 for w in workers)
-    for step, want in enumerate(expected):
-        mean = sum(w[step] for w in workers) / 3
-        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+    _follows_static(method, tmp_path, steps=12)
 
 
 @pytest.mark.slow

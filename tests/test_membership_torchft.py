@@ -247,28 +247,37 @@ def test_ddp_survivors_continue_after_a_kill(tmp_path: Path) -> None:
     assert _digests(_record(dirs[(0, 0)]))[29] == _digests(_record(dirs[(1, 0)]))[29]
 
 
-@pytest.mark.slow
-def test_no_fault_diloco_follows_the_static_trajectory(tmp_path: Path) -> None:
-    _needs_torchft()
+def _follows_static(
+    method: str, out: Path, steps: int, static_only: dict[str, Any] | None = None, **common: Any
+) -> list[dict[str, Any]]:
+    """Run ``method`` with static membership (``static_only`` added) and with torchft, on
+    the virtual clock; assert that each step's mean loss over the 3 torchft workers is the
+    static run's (to 1e-6); return the torchft workers' membership.json records."""
     from lowcomm.launch.run import run_training
 
-    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
-    static = _config("diloco", tmp_path / "static", membership="static", **common)
+    common = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": steps, **common}
+    static = _config(method, out / "static", membership="static", **common, **(static_only or {}))
     static.placement.membership_options = MembershipOptions()
     run_training(static, report=None)
-    live = _config("diloco", tmp_path / "torchft", **common)
-    run_training(live, report=None)
+    run_training(_config(method, out / "torchft", **common), report=None)
 
     def losses(path: Path) -> list[float]:
         return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
 
-    expected = losses(tmp_path / "static" / "metrics.jsonl")
-    workers = [losses(tmp_path / "torchft" / f"worker{k}" / "metrics.jsonl") for k in range(3)]
-    assert len(expected) == 8 and all(len(w) == 8 for w in workers)
+    expected = losses(out / "static" / "metrics.jsonl")
+    workers = [losses(out / "torchft" / f"worker{k}" / "metrics.jsonl") for k in range(3)]
+    assert len(expected) == steps and all(len(w) == steps for w in workers)
     for step, want in enumerate(expected):
         mean = sum(w[step] for w in workers) / 3
         assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
-    digests = [_digests(_record(tmp_path / "torchft" / f"worker{k}")) for k in range(3)]
+    return [_record(out / "torchft" / f"worker{k}") for k in range(3)]
+
+
+@pytest.mark.slow
+def test_no_fault_diloco_follows_the_static_trajectory(tmp_path: Path) -> None:
+    _needs_torchft()
+    records = _follows_static("diloco", tmp_path, steps=8)
+    digests = [_digests(record) for record in records]
     assert digests[0] == digests[1] == digests[2] and sorted(digests[0]) == [3, 7]
 
 
@@ -278,23 +287,7 @@ def test_no_fault_local_and_streaming_methods_follow_the_static_trajectory(
     tmp_path: Path, method: str
 ) -> None:
     _needs_torchft()
-    from lowcomm.launch.run import run_training
-
-    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
-    static = _config(method, tmp_path / "static", membership="static", **common)
-    static.placement.membership_options = MembershipOptions()
-    run_training(static, report=None)
-    run_training(_config(method, tmp_path / "torchft", **common), report=None)
-
-    def losses(path: Path) -> list[float]:
-        return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
-
-    expected = losses(tmp_path / "static" / "metrics.jsonl")
-    workers = [losses(tmp_path / "torchft" / f"worker{k}" / "metrics.jsonl") for k in range(3)]
-    assert len(expected) == 8 and all(len(w) == 8 for w in workers)
-    for step, want in enumerate(expected):
-        mean = sum(w[step] for w in workers) / 3
-        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+    _follows_static(method, tmp_path, steps=8)
 
 
 def _one_line_refusal(args: list[str], *, python: list[str] | None = None) -> str:
