@@ -157,24 +157,22 @@ def test_replica_groups_started_by_torchrun_join_a_lighthouse(tmp_path: Path) ->
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if binary is None or torchrun is None:
         pytest.skip("torchft_lighthouse or torchrun is not installed beside this Python")
-    ports = []
-    for _ in range(3):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     env = {
         **os.environ, "PYTHONPATH": str(ROOT / "src"), "GLOO_SOCKET_IFNAME": loopback_interface(),
         "RUST_LOG": "warn", "OMP_NUM_THREADS": "1",
     }  # fmt: skip
     lighthouse = subprocess.Popen(
-        [binary, "--bind", f"127.0.0.1:{ports[0]}", "--min_replicas", "1",
+        [binary, "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
          "--heartbeat_timeout_ms", "2000", "--join_timeout_ms", "60000"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         groups = [
             subprocess.Popen(
-                _torchrun_group(torchrun, k, ports[1 + k], ports[0], tmp_path / f"w{k}"),
+                _torchrun_group(torchrun, k, port, tmp_path / f"w{k}"),
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -195,12 +193,12 @@ def test_replica_groups_started_by_torchrun_join_a_lighthouse(tmp_path: Path) ->
     assert all(_lines(tmp_path / f"w{k}" / "metrics.jsonl") == 8 for k in range(2))
 
 
-def _torchrun_group(torchrun: str, slot: int, port: int, lighthouse: int, out: Path) -> list[str]:
-    """The command of worker ``slot``: one torchrun of R ranks (its own rendezvous on
-    ``port``) naming the lighthouse."""
-    rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+def _torchrun_group(torchrun: str, slot: int, lighthouse: int, out: Path) -> list[str]:
+    """The command of worker ``slot``: one torchrun of R ranks naming the lighthouse (its
+    own rendezvous on a port torchrun takes itself: a port probed here beforehand could be
+    taken by another test's process before torchrun binds it)."""
     return [
-        torchrun, "--nnodes", "1", "--nproc-per-node", str(RANKS), *rendezvous,
+        torchrun, "--standalone", "--nproc-per-node", str(RANKS),
         "-m", "lowcomm", "train", *TINY, "--method", "diloco", "--steps", "8",
         "--diloco.sync-every", "4", "--workers", "2", "--ranks-per-worker", str(RANKS),
         "--membership", "torchft", "--membership.lighthouse", f"127.0.0.1:{lighthouse}",
