@@ -227,10 +227,6 @@ def test_a_crash_takes_every_rank_of_its_worker_and_healing_reaches_each_of_the_
              "worker_sharding": "fsdp"},
             "--ranks-per-worker 2 --worker-sharding fsdp (FSDP's shards",
         ),
-        (
-            {"workers": 2, "workers_per_process": 1, "ranks_per_worker": 2},
-            "--ranks-per-worker 2 and --workers-per-process 1 (a worker of several ranks",
-        ),
     ],
 )  # fmt: skip
 def test_what_workers_of_several_ranks_do_not_run_with_yet_is_refused_in_one_line(

@@ -140,7 +140,10 @@ def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({"ranks_per_worker": 2}, "not yet supported with --ranks-per-worker 2"),
+        (
+            {"ranks_per_worker": 2, "worker_sharding": "fsdp"},
+            "not yet supported with --ranks-per-worker 2 --worker-sharding fsdp",
+        ),
     ],
 )
 def test_what_faults_in_processes_do_not_run_with_yet_is_refused_in_one_line(

@@ -1,5 +1,5 @@
-"""Declared faults with one process per worker (``--workers-per-process 1``), on the virtual
-clock.
+"""Declared faults with one process per worker (``--workers-per-process 1``), or one per rank
+of a worker of several ranks.
 
 Every worker process reads the same trace and derives the same quorum at each step, as the
 threads of an in-process run do (:mod:`lowcomm.faults.engine`); a round's strategy
@@ -36,6 +36,17 @@ trace (each crash is replaced, a replacement per
 crash would be a process per event); and every worker under torchrun. So the same trace
 gives the same losses, modeled times and ``faults`` block in both placements.
 
+**A worker of several ranks** (``--ranks-per-worker R``, replicated) is R processes, one per
+rank, and a process holds a rank slot (``w R + r`` for rank ``r`` of worker ``w``: its row
+in the bookkeeping, its file in a checkpoint and in the launch folder) where a process of one
+rank holds its worker's. A crash kills the R processes of its worker; a join after it has R
+processes standing by take over its R rank slots, rank by rank, and each is healed from the
+same rank of a live member. The collectives between workers run on each rank's outer group
+(:class:`QuorumOuterComm`), which follows the quorum: the R groups of a quorum are made
+together by every live process, so each rank's group has the same members. A worker's ranks
+meet on a replica group of its processes of one generation (those started at launch, or those
+standing by for one of its joins), made at launch (:func:`quorum_levels`).
+
 **Under torchrun a crash is emulated in place**, on either clock. A process is not killed
 there: torchrun's elastic agent takes a worker killed by a signal as the failure of the whole
 job and stops (or, with ``--max-restarts``, restarts) every worker, and its world is fixed at
@@ -52,23 +63,33 @@ a member fewer from the crash's step on.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
-from lowcomm.comm.base import Role
+from lowcomm.comm.base import Comm, Role
+from lowcomm.comm.torch_comm import QuorumTorchComm, TorchComm, process_group_timeout
 from lowcomm.faults.engine import StepPlan, WorkerFaults
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from lowcomm.comm.torch_comm import LiveBookkeeping, QuorumTorchComm
+    from lowcomm.comm.torch_comm import LiveBookkeeping
     from lowcomm.config import TrainConfig
     from lowcomm.strategies.base import Strategy
 
-__all__ = ["ProcessFaults", "handover_path", "lose_state", "process_layout"]
+__all__ = [
+    "ProcessFaults",
+    "QuorumOuterComm",
+    "handover_path",
+    "lose_state",
+    "process_layout",
+    "quorum_levels",
+]
 
 
 class ProcessFaults(WorkerFaults):
@@ -86,13 +107,19 @@ class ProcessFaults(WorkerFaults):
 
         self._groups_made = 0  # (before the engine resolves anything)
         self._quorum_groups = raw
+        #: The rank slot of each process (a worker of R ranks has slots ``w R .. w R + R -
+        #: 1``, one per rank; R = 1: the worker's slot).
         self.layout = raw.layout
+        self.ranks = raw.ranks_per_worker if isinstance(raw, QuorumOuterComm) else 1
+        #: This process's rank slot: the row of its worker's rank in the bookkeeping, and
+        #: its file in a checkpoint and in the launch folder.
+        self.rank_slot = raw.rank_slot if isinstance(raw, QuorumOuterComm) else raw.slot
         self.process = dist_rank()
-        #: Each step's holders (world rank of each slot's process; None: killed) and the
-        #: processes killed at it.
+        #: Each step's holders (world rank of each rank slot's process; None: killed) and
+        #: the processes killed at it.
         self._holders: list[tuple[int | None, ...]] = []
         self._killed_at: list[tuple[int, ...]] = []
-        #: Each slot's latest process so far.
+        #: Each rank slot's latest process so far.
         self._last: list[int] = []
         super().__init__(*args, raw=raw, **kwargs)
         #: Whether a crash kills its worker's process (a file's trace, in a launch of the
@@ -107,15 +134,21 @@ class ProcessFaults(WorkerFaults):
             self._groups_made += 1  # (members() resolves again: already done)
             self._hold(resolved)
             self._quorum_groups.hold(self._holders[resolved])
-            self._quorum_groups.prepare(self._quorum_groups.ranks_of(self.members(resolved)))
+            groups, members = self._quorum_groups, self.members(resolved)
+            if isinstance(groups, QuorumOuterComm):  # (every rank's outer group, in order)
+                groups.prepare_quorum(members)
+            else:
+                groups.prepare(groups.ranks_of(members))
 
     def _hold(self, step: int) -> None:
-        """Who holds each slot at ``step`` (resolved), from the step before and its events,
-        in trace order: a crash of a worker lost at it kills its process; a join or rejoin
-        of a slot whose process was killed is taken by the slot's next process."""
+        """Who holds each rank slot at ``step`` (resolved), from the step before and its
+        events, in trace order: a crash of a worker lost at it kills the processes of its R
+        ranks; a join or rejoin of a worker whose processes were killed is taken, rank by
+        rank, by each rank slot's next process."""
+        slots = self.trace.workers * self.ranks
         if step == 0:
-            holders: list[int | None] = [self.layout.index(s) for s in range(self.trace.workers)]
-            self._last = [self.layout.index(s) for s in range(self.trace.workers)]
+            holders: list[int | None] = [self.layout.index(s) for s in range(slots)]
+            self._last = [self.layout.index(s) for s in range(slots)]
         else:
             holders = list(self._holders[step - 1])
         plan = self.plan(step)
@@ -123,29 +156,34 @@ class ProcessFaults(WorkerFaults):
         for event in plan.events:
             worker = event.worker
             assert worker is not None
-            rank = holders[worker]
-            if event.kind == "crash" and self.kills and worker in plan.lost:
-                if rank is not None:
-                    killed.append(rank)
-                holders[worker] = None
-            elif event.kind in ("join", "rejoin") and rank is None:
-                following = [
-                    r for r, slot in enumerate(self.layout) if slot == worker and r > self._last[worker]
-                ]  # fmt: skip
-                if not following:
-                    raise RuntimeError(f"step {step}: worker {worker} has no process to join")
-                holders[worker] = self._last[worker] = following[0]
+            for slot in range(worker * self.ranks, (worker + 1) * self.ranks):
+                rank = holders[slot]
+                if event.kind == "crash" and self.kills and worker in plan.lost:
+                    if rank is not None:
+                        killed.append(rank)
+                    holders[slot] = None
+                elif event.kind in ("join", "rejoin") and rank is None:
+                    holders[slot] = self._last[slot] = self._next_process(step, worker, slot)
         self._holders.append(tuple(holders))
         self._killed_at.append(tuple(killed))
 
+    def _next_process(self, step: int, worker: int, slot: int) -> int:
+        """The process that takes rank slot ``slot`` over at a join: the slot's next."""
+        following = [
+            r for r, held in enumerate(self.layout) if held == slot and r > self._last[slot]
+        ]
+        if not following:
+            raise RuntimeError(f"step {step}: worker {worker} has no process to join")
+        return following[0]
+
     def holders(self, step: int) -> tuple[int | None, ...]:
-        """Each slot's process at ``step`` (world ranks; None: killed)."""
+        """Each rank slot's process at ``step`` (world ranks; None: killed)."""
         self.resolve(step)
         return self._holders[step]
 
     def holds(self, step: int) -> bool:
-        """Whether this process holds its slot at ``step``."""
-        return self.holders(step)[self.slot] == self.process
+        """Whether this process holds its rank slot at ``step``."""
+        return self.holders(step)[self.rank_slot] == self.process
 
     def plan(self, step: int) -> StepPlan:
         """The engine's plan; a process that does not hold its slot (standing by for it, or
@@ -164,7 +202,7 @@ class ProcessFaults(WorkerFaults):
         if self.books is None:
             raise RuntimeError("membership events placed by time need the bookkeeping group")
         last = len(self._resolved) - 1
-        holding = last < 0 or self._holders[last][self.slot] == self.process
+        holding = last < 0 or self._holders[last][self.rank_slot] == self.process
         mine = self.clock.now() if self.slot in self._alive and holding else -math.inf
         times = torch.tensor([mine], dtype=torch.float64)
         self.books.all_reduce(times, op="max", role=Role.OTHER).wait()
@@ -187,7 +225,8 @@ class ProcessFaults(WorkerFaults):
     def took_over(self, step: int) -> bool:
         """Whether this process takes over its slot at ``step`` (a join after a kill)."""
         self.resolve(step)
-        before = self._holders[step - 1][self.slot] if step > 0 else self.layout.index(self.slot)
+        slot = self.rank_slot
+        before = self._holders[step - 1][slot] if step > 0 else self.layout.index(slot)
         return self.holds(step) and before != self.process
 
     def hand_over(
@@ -197,7 +236,7 @@ class ProcessFaults(WorkerFaults):
         """This process is killed at ``step``: leave its summary ``totals`` (a
         :class:`~lowcomm.train.records.ProcessTotals` row), its committed tokens, its
         checkpoint ``state`` and its bytes by role in the launch folder, for the others."""
-        path = handover_path(self.slot)
+        path = handover_path(self.rank_slot)
         partial = path.with_suffix(".partial")
         torch.save(
             {"step": step, "totals": totals, "committed_tokens": self.committed_tokens,
@@ -225,11 +264,12 @@ class ProcessFaults(WorkerFaults):
     def die(self, step: int) -> NoReturn:
         from lowcomm.launch.spawn import end_by_sigkill
 
-        end_by_sigkill(f"declared crash of worker {self.slot} at step {step}")
+        rank = f" (rank {self.rank_slot % self.ranks})" if self.ranks > 1 else ""
+        end_by_sigkill(f"declared crash of worker {self.slot}{rank} at step {step}")
 
     def vacant_now(self) -> tuple[int, ...]:
-        """The slots that no live process holds at the latest step resolved (their processes
-        were killed)."""
+        """The rank slots that no live process holds at the latest step resolved (their
+        processes were killed)."""
         if not self._holders:
             return ()
         return tuple(slot for slot, rank in enumerate(self._holders[-1]) if rank is None)
@@ -237,16 +277,17 @@ class ProcessFaults(WorkerFaults):
     def holds_now(self) -> bool:
         """Whether this process holds its slot at the latest step resolved."""
         if not self._holders:
-            return self.layout.index(self.slot) == self.process
-        return self._holders[-1][self.slot] == self.process
+            return self.layout.index(self.rank_slot) == self.process
+        return self._holders[-1][self.rank_slot] == self.process
 
     def handed_over(self, slot: int) -> dict[str, Any]:
-        """What the last killed process of ``slot`` left (:meth:`hand_over`)."""
+        """What the last killed process of rank slot ``slot`` left (:meth:`hand_over`)."""
         loaded: dict[str, Any] = torch.load(handover_path(slot), weights_only=False)
         return loaded
 
     def committed_by_vacant(self) -> int:
-        """The committed tokens of the slots whose processes were killed (and not replaced)."""
+        """The committed tokens of the rank slots whose processes were killed (and not
+        replaced)."""
         return sum(int(self.handed_over(s)["committed_tokens"]) for s in self.vacant_now())
 
     def write_killed_checkpoints(
@@ -284,6 +325,138 @@ class ProcessFaults(WorkerFaults):
         ]
 
 
+class QuorumOuterComm(QuorumTorchComm):
+    """The outer group of local rank ``r`` of workers of R ranks, one process per rank,
+    whose collectives run over the current round's quorum: the processes that hold rank
+    ``r`` of each member (:class:`QuorumTorchComm`'s, a level down).
+
+    ``slot`` is the worker, ``rank`` and ``world_size`` the worker's index in the quorum and
+    the quorum's size, as on a worker's thread (:class:`~lowcomm.faults.stacked.
+    QuorumStackedComm`). The R outer groups follow one quorum: each quorum's R process
+    groups are made together by every live process, in rank order
+    (:meth:`prepare_quorum`), kept for when the quorum's processes recur, and the oldest
+    destroyed past ``keep_groups`` sets, as :class:`QuorumTorchComm` keeps its own.
+
+    Args:
+        ranks_per_worker: R.
+        timeout_s: as :class:`QuorumTorchComm`'s.
+        keep_groups: how many quorums' sets of R groups are kept.
+        layout: the rank slot of each process (``w R + r`` for rank ``r`` of worker ``w``,
+            in rank order; None: one process per rank slot).
+    """
+
+    def __init__(
+        self, ranks_per_worker: int, *, timeout_s: float | None = None, keep_groups: int = 16,
+        layout: tuple[int, ...] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(timeout_s=timeout_s, keep_groups=keep_groups, layout=layout)
+        self.ranks_per_worker = ranks_per_worker
+        self.rank_slot = self._slot
+        self.local_rank = self.rank_slot % ranks_per_worker
+        self._slot = self.rank_slot // ranks_per_worker
+        self._rank_holders = self._holders
+        workers = len(self._rank_holders) // ranks_per_worker
+        self._holders = self._of_rank(self._rank_holders)
+        self._members = tuple(range(workers))
+        self._rank, self._world_size = self._slot, workers
+        #: Each kept quorum's R groups (key: the processes of each rank), oldest first.
+        self._quorums: OrderedDict[tuple[tuple[int, ...], ...], list[Any]] = OrderedDict()
+
+    def _of_rank(self, holders: tuple[int | None, ...]) -> tuple[int | None, ...]:
+        """This rank's processes of ``holders`` (each rank slot's), one per worker."""
+        return holders[self.local_rank :: self.ranks_per_worker]
+
+    def hold(self, holders: tuple[int | None, ...]) -> None:
+        """Each rank slot's process from now on (None: killed)."""
+        self._rank_holders = holders
+        self._holders = self._of_rank(holders)
+
+    def _key(self, members: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The processes of each rank of the workers ``members``."""
+        ranks = self.ranks_per_worker
+        key = []
+        for r in range(ranks):
+            processes = [self._rank_holders[w * ranks + r] for w in members]
+            if None in processes:
+                raise RuntimeError(f"a worker of {members} has no process of its rank {r}")
+            key.append(tuple(sorted(p for p in processes if p is not None)))
+        return tuple(key)
+
+    @property
+    def kept_sets(self) -> tuple[tuple[int, ...], ...]:
+        """This rank's processes of each kept quorum, least recently prepared first."""
+        return tuple(key[self.local_rank] for key in self._quorums)
+
+    def prepare_quorum(self, members: tuple[int, ...]) -> None:
+        """Make the R process groups of the quorum of workers ``members`` unless they exist.
+        Collective: every live process of the world calls it, in the same order."""
+        key = self._key(tuple(sorted(members)))
+        if key in self._quorums:
+            self._quorums.move_to_end(key)
+            return
+        timeout = None if self._timeout_s is None else process_group_timeout(self._timeout_s)
+        self._quorums[key] = [dist.new_group(list(ranks), timeout=timeout) for ranks in key]
+        while len(self._quorums) > self._keep_groups:
+            _, groups = self._quorums.popitem(last=False)
+            for group in groups:
+                dist.destroy_process_group(group)  # (a non-member's handle: nothing to destroy)
+
+    def prepare(self, members: tuple[int, ...]) -> None:
+        raise NotImplementedError("an outer group's quorums are prepared by prepare_quorum()")
+
+    def enter(self, quorum_id: int, members: tuple[int, ...]) -> None:
+        """Take part in quorum ``quorum_id`` of the workers ``members`` on this rank's group
+        of their processes (made by :meth:`prepare_quorum`)."""
+        members = tuple(sorted(members))
+        if self._slot not in members or self._rank_holders[self.rank_slot] != dist.get_rank():
+            raise ValueError(
+                f"worker {self._slot} (rank {self.local_rank}) is not in quorum {quorum_id} "
+                f"{members}"
+            )
+        groups = self._quorums.get(self._key(members))
+        if groups is None:
+            raise RuntimeError(
+                f"worker {self._slot}: quorum {quorum_id} {members} has no process groups; "
+                "every process must prepare_quorum() each set before its members enter it"
+            )
+        self._group = groups[self.local_rank]
+        self._members = members
+        self._rank = members.index(self._slot)  # (ranks follow workers: the same index)
+        self._world_size = len(members)
+
+
+def quorum_levels(config: TrainConfig, raw: Comm) -> tuple[Comm, Comm] | None:
+    """The (replica, outer) communicators of this process, one rank of a worker of R ranks
+    with declared faults (``raw`` the world's :class:`QuorumTorchComm`, its layout by rank
+    slot): the replica group of the worker's processes of one generation (those started
+    at launch, or those standing by for one of its joins, which take over its R ranks
+    together) and the outer group of its rank, which follows the quorum
+    (:class:`QuorumOuterComm`). None where ``raw`` is no such world (flat workers, threads,
+    no faults). Collective: every process makes every group, in one order."""
+    ranks = config.placement.ranks_per_worker
+    if ranks == 1 or type(raw) is not QuorumTorchComm:
+        return None
+    timeout_s = config.comm.collective_timeout_s
+    timeout = None if timeout_s is None else process_group_timeout(timeout_s)
+    layout, process = raw.layout, dist_rank()
+    mine = None
+    for worker in range(config.placement.workers):
+        first = range(worker * ranks, (worker + 1) * ranks)
+        for generation in range(layout.count(worker * ranks)):
+            members = [_nth(layout, slot, generation) for slot in first]
+            group = dist.new_group(members, timeout=timeout)
+            if process in members:
+                mine = group
+    assert mine is not None, "every process is one rank of one generation of a worker"
+    outer = QuorumOuterComm(ranks, timeout_s=timeout_s, layout=layout)
+    return TorchComm(mine, timeout_s=timeout_s), outer
+
+
+def _nth(layout: tuple[int, ...], slot: int, generation: int) -> int:
+    """The world rank of rank slot ``slot``'s ``generation``-th process."""
+    return [rank for rank, held in enumerate(layout) if held == slot][generation]
+
+
 def lose_state(model: nn.Module, strategy: Strategy) -> None:
     """A crash emulated in a process that goes on (under torchrun): zero the worker's
     parameters and their gradients, and every tensor of its method's state (what a checkpoint
@@ -306,11 +479,12 @@ def dist_rank() -> int:
 
 
 def process_layout(config: TrainConfig) -> tuple[int, ...]:
-    """The slot of each worker process of a run with declared faults, in rank order: one per
-    worker, and one more for each join or rejoin of a worker other than 0 that follows its
-    crash in the trace (it stands by until it takes over the slot whose process the crash
-    killed), placed after the slot's others, so that ranks follow slots. A generated trace
-    replaces every crashed worker in its process: one each."""
+    """The rank slot of each worker process of a run with declared faults, in rank order:
+    one per rank of each worker (slot ``w R + r`` for rank ``r`` of worker ``w``; with R = 1
+    the worker's slot), and one more per rank for each join or rejoin of a worker that
+    follows its crash in the trace (they stand by until they take over the rank slots whose
+    processes the crash killed), placed after the slot's others, so that ranks follow
+    slots. A generated trace replaces every crashed worker in its processes: one each."""
     from lowcomm.faults.run import FaultSettings, run_trace
 
     trace = run_trace(config)
@@ -325,7 +499,9 @@ def process_layout(config: TrainConfig) -> tuple[int, ...]:
             elif event.kind in ("join", "rejoin") and worker in crashed:
                 crashed.discard(worker)
                 counts[worker] += 1
-    return tuple(slot for slot in range(config.placement.workers) for _ in range(counts[slot]))
+    ranks = config.placement.ranks_per_worker
+    slots = range(config.placement.workers * ranks)
+    return tuple(slot for slot in slots for _ in range(counts[slot // ranks]))
 
 
 #: What a worker's fault state holds of its own rather than of the trace.
@@ -333,7 +509,8 @@ _OWN_FAULTS = ("quorum", "detect_until", "step", "committed_tokens", "dropped_st
 
 
 def handover_path(slot: int) -> Path:
-    """Where the process of ``slot`` leaves what it hands over when it is killed."""
+    """Where the process of rank slot ``slot`` leaves what it hands over when it is
+    killed."""
     from lowcomm.launch.spawn import launch_folder
 
     folder = launch_folder()

@@ -25,8 +25,9 @@ several processes (the local launch or torchrun, on cpu, on either clock:
 killed). Under torchrun no process is killed either (its elastic agent would stop or
 restart every worker): a crashed worker's process loses its state in place and waits outside
 the quorum (:func:`lowcomm.faults.processes.lose_state`). A worker of several ranks (replicated)
-runs as R threads of one process or of several: a crash takes its R ranks, and a join heals
-each of them over its rank's outer group;
+runs as R threads of one process or of several, or as R processes (one per rank,
+:mod:`lowcomm.faults.processes`): a crash takes its R ranks, and a join heals each of them
+over its rank's outer group;
 membership events (crash, leave, join, rejoin) placed by step (``step=N``) or by time
 (``t=SECONDS``: each lands on the first step whose start, on the run's clock, is at or after
 it; :mod:`lowcomm.faults.engine`); slow events by step or by time. The methods are those whose lost worker takes no state the others need and whose
@@ -345,7 +346,7 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
         "(--workers-per-process 1, on cpu: local launch or torchrun, either clock) or one of "
         "K threads in each of several processes (--workers-per-process K dividing --workers, "
         "on cpu: local launch or torchrun, either clock), a worker of several ranks "
-        "(replicated) as threads"
+        "(replicated) as threads or as a process per rank"
     )
     in_process = placement.workers_per_process == placement.workers
     if not in_process and config.placement.device != "cpu":
@@ -359,13 +360,6 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: not yet supported with --ranks-per-worker {ranks} --worker-sharding fsdp "
             "(FSDP's shards live on a device mesh of every worker's ranks, which does not "
             "follow a quorum); use --worker-sharding replicate with faults"
-        )
-    if ranks != 1 and placement.workers_per_process == 1:
-        return (
-            f"{flag}: not yet supported with --ranks-per-worker {ranks} and --workers-per-process "
-            "1 (a worker of several ranks replays faults as threads, of one process or of "
-            f"several); use --workers-per-process {placement.workers} or a divisor of "
-            "--workers above 1"
         )
     return None
 

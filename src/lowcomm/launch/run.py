@@ -219,7 +219,7 @@ def check_process_memory(config: TrainConfig, task: Task) -> None:
     from lowcomm.faults.processes import process_layout
     from lowcomm.launch.device_memory import check_worker_processes
 
-    standbys = len(process_layout(config)) - config.placement.workers
+    standbys = len(process_layout(config)) - config.placement.world_size
     model = task.shapes_model(config)
     parameters = sum(parameter.numel() for parameter in model.parameters())
     check_worker_processes(config, parameters, standbys=standbys)

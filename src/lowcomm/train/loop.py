@@ -26,6 +26,7 @@ from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.comm.turns import holding
 from lowcomm.config import TrainConfig
 from lowcomm.faults.engine import WorkerFaults
+from lowcomm.faults.processes import quorum_levels
 from lowcomm.models.gpt import drawing_from, dropout_modules
 from lowcomm.models.recompute import checkpoint_blocks, compile_blocks
 from lowcomm.strategies import MicroBatchResult, StepStats, Strategy, build_strategy
@@ -190,6 +191,7 @@ def train_worker(
     ``torch.distributed`` (:func:`lowcomm.launch.groups.level_comms`)."""
     set_up_start = time.perf_counter()
     books = bookkeeping_comm(raw) if bookkeeping is None else bookkeeping
+    levels = quorum_levels(config, raw) if levels is None else levels  # (faults, R ranks)
     worker = set_up(config, raw, books, shared, task, levels)
     progress = resume(worker)
     finish_calibration(worker.clock, worker.config, worker.rank)  # (none to measure on a resume)
@@ -705,7 +707,7 @@ def _take_over(worker: Worker, faults: ProcessFaults, progress: Progress) -> Non
     """This process takes over its slot at a join: the state its killed process handed
     over (the model, the method's state, the data position, the clock and counters, the
     random streams), which the join then heals as it would the slot's thread."""
-    saved = faults.handed_over(faults.slot)["state"]
+    saved = faults.handed_over(faults.rank_slot)["state"]
     sharding.load_model_state(worker.model, saved["model"])
     worker.strategy.load_state_dict(saved["strategy"])
     worker.shard.load_state_dict(saved["data"])
