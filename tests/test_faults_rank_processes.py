@@ -188,6 +188,23 @@ def test_the_ranks_that_take_over_a_crashed_worker_are_healed_to_the_members_sta
     assert summary["faults"]["membership_changes"][0]["quorum"] == 1
 
 
+def test_a_generated_trace_gives_the_same_numbers_in_a_process_per_rank(tmp_path: Path) -> None:
+    """A generated trace kills no process (each crashed worker is replaced in its own): the
+    crashed worker's R processes wait outside the quorum until its replacement joins."""
+    runs = []
+    for processes in (False, True):
+        config = _config(
+            "diloco", tmp_path / str(processes), tmp_path / "x", processes=processes, workers=3
+        )
+        fault = config.fault
+        fault.faults, fault.fault_mtbf_s, fault.fault_replace_after_s = None, 0.2, 0.05
+        fault.fault_slow_fraction, fault.fault_slow_factor, fault.fault_seed = 0.4, 3.0, 1
+        fault.fault_detection_s = 0.05
+        runs.append(_run(config))
+    _same_numbers(runs[1], runs[0])
+    assert runs[1][1]["faults"]["membership_changes"]  # (the generated crashes landed)
+
+
 def test_a_run_stopped_mid_trace_and_resumed_gives_the_uninterrupted_numbers(
     tmp_path: Path,
 ) -> None:
