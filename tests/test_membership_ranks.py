@@ -206,20 +206,24 @@ def _torchrun_group(torchrun: str, slot: int, lighthouse: int, out: Path) -> lis
     ]  # fmt: skip
 
 
-def test_ranks_refusals_are_one_line() -> None:
+def test_every_live_method_runs_with_workers_of_several_ranks() -> None:
     from lowcomm.config import with_options
     from lowcomm.membership.options import TORCHFT_METHODS
+    from lowcomm.strategies.worker_sharding import sharded_methods
 
     base = with_options(
         TrainConfig(method="diloco"), workers=2, ranks_per_worker=2, membership="torchft"
     )
-    refusal = membership_refusal(with_options(base, worker_sharding="fsdp"))
-    assert refusal is not None and "--worker-sharding fsdp" in refusal, refusal
-    assert "\n" not in refusal
-    # Every live-membership method runs with workers of several ranks, with checkpoints.
+    # Every live-membership method runs with workers of several ranks, with checkpoints, and
+    # FSDP-sharded over each group's own ranks where the method runs on sharded workers.
     for method in TORCHFT_METHODS:
         assert membership_refusal(with_options(base, method=method)) is None, method
     assert membership_refusal(with_options(base, checkpoint_every=4, stop_after=4)) is None
+    sharded = [m for m in TORCHFT_METHODS if m in sharded_methods()]
+    assert "diloco" in sharded and "ddp" in sharded
+    for method in sharded:
+        config = with_options(base, method=method, worker_sharding="fsdp")
+        assert membership_refusal(config) is None, method
 
 
 @pytest.mark.parametrize(

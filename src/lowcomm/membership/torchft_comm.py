@@ -33,7 +33,8 @@ participant, in slot order: a member being healed sends a row that is left out.
 healed: torchft's Manager has a live member send it what the method declares global
 (``Strategy.global_state``: for diloco the global parameters, the outer momentum and the
 counters; for ddp the parameters, the AdamW moments and the counters; in a worker of several
-ranks, rank r's own slice, ``Strategy.rank_state``, from rank r of the live one) over torchft's
+ranks, rank r's own slice, ``Strategy.rank_state``, from rank r of the live one; in an
+FSDP-sharded worker every declared tensor is rank r's shard's, from rank r) over torchft's
 process-group transport (``PGTransport``: the same reconfigured Gloo group, so healing opens no
 listener of its own). A healed worker is not a participant of the round it healed in (torchft's
 asynchronous quorum: its payload is zeroed and the mean divides by the others): it never counts
@@ -570,10 +571,12 @@ class Replica:
             time.sleep(ADMISSION_POLL_S)
 
     def record_digest(self, step: int, parameters: Iterator[torch.Tensor]) -> None:
-        """A SHA-256 of the parameters after a committed round."""
+        """A SHA-256 of the parameters after a committed round (of a sharded worker's, this
+        rank's own shards: rank r's are compared with rank r's of another worker)."""
         digest = hashlib.sha256()
         for parameter in parameters:
-            digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+            digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         self.digests.append({"step": step, "sha256": digest.hexdigest()})
 
     def shutdown(self) -> None:

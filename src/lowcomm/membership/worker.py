@@ -5,7 +5,10 @@ A worker of ``--ranks-per-worker R > 1`` is R processes (:class:`GroupRank`): in
 ranks are a plain ``torch.distributed`` group (Gloo, over the local launcher's file store or
 torchrun's), lowcomm's replica level as in a static run; between workers rank r's collectives
 go through its own torchft Manager to rank r of the other workers (the strategy's
-``HierarchicalComm``, whose outer level is this rank's :class:`TorchftComm`). Group rank 0
+``HierarchicalComm``, whose outer level is this rank's :class:`TorchftComm`). With
+``--worker-sharding fsdp`` FSDP2 shards the model over the group's own ranks (a mesh of them
+alone) and rank r's shard is what its :class:`TorchftComm` exchanges
+(:func:`lowcomm.train.sharding.shard_worker`). Group rank 0
 writes the run directory; rank r > 0 writes only its ``membership.rank{r}.json``.
 
 The worker's run is its own: nodes share no disk, so each worker writes its own run directory
