@@ -124,6 +124,11 @@ def test_a_killed_group_restarted_heals_every_rank_bit_for_bit(tmp_path: Path) -
         record = json.loads((joiner / name).read_text())
         healed = [e for e in record["events"] if e["event"] == "healed"]
         assert len(healed) == 1 and healed[0]["bytes"] > 0, record["events"]
+        # The rank received 1/R of the declared state from its peer (a contiguous slice of
+        # its bytes) and gathered the whole from its own group's ranks.
+        state = healed[0]["state_bytes"]
+        assert healed[0]["bytes"] == pytest.approx(state / RANKS, rel=1e-3), healed
+        assert healed[0]["gathered_bytes"] >= state
         first_quorum = next(e for e in record["events"] if e["event"] == "quorum")
         assert first_quorum["participants"] == 2, first_quorum
         mine = _digests(record)
