@@ -17,7 +17,7 @@ import pytest
 
 from lowcomm.config import TrainConfig
 from lowcomm.membership.options import MembershipOptions
-from test_membership_ranks import RANKS, _lines, _losses, _needs_torchft, _ranks_config, _wait_for
+from test_membership_ranks import _lines, _losses, _needs_torchft, _ranks_config, _wait_for
 from test_membership_torchft import _digests, _quorum_without_2, _record
 
 RANK_FILES = ("membership.json", "membership.rank1.json")
@@ -84,6 +84,9 @@ def test_a_killed_sharded_group_restarted_heals_each_rank_its_own_shard(tmp_path
         record = json.loads((joiner / name).read_text())
         healed = [e for e in record["events"] if e["event"] == "healed"]
         assert len(healed) == 1 and healed[0]["bytes"] > 0, record["events"]
+        # (its shard's state whole from its peer: nothing to gather among the worker's ranks)
+        assert healed[0]["bytes"] == healed[0]["state_bytes"], healed
+        assert healed[0]["gathered_bytes"] == 0, healed
         healed_bytes.append(healed[0]["bytes"])
         first_quorum = next(e for e in record["events"] if e["event"] == "quorum")
         assert first_quorum["participants"] == 2, first_quorum
@@ -93,11 +96,12 @@ def test_a_killed_sharded_group_restarted_heals_each_rank_its_own_shard(tmp_path
         assert first_sync == healed[0]["step"]
         assert mine[first_sync] == theirs[first_sync]
         assert mine[159] == theirs[159]
-    # Each rank received its own shard's state (FSDP cuts every parameter into R chunks, so
-    # the ranks' shards are of one size but hold different values), not the whole model's.
+    # Each rank received its own shard's state, not the whole model's: FSDP cuts every
+    # parameter into R chunks, so the ranks' shards are of one size but hold other values, and
+    # a rank's declared state is a part of what the rank holds.
     mine = _rank_digests(joiner)
     assert mine[0][159] != mine[1][159]
     assert healed_bytes[0] == healed_bytes[1], healed_bytes
     summary = json.loads((survivor / "summary.json").read_text())
-    assert healed_bytes[0] < summary["state_bytes_per_worker"] / RANKS
+    assert healed_bytes[0] < summary["state_bytes_per_rank"]
     assert _record(joiner)["data_position"] == _record(survivor)["data_position"] == 160
