@@ -105,3 +105,30 @@ def test_a_killed_sharded_group_restarted_heals_each_rank_its_own_shard(tmp_path
     summary = json.loads((survivor / "summary.json").read_text())
     assert healed_bytes[0] < summary["state_bytes_per_rank"]
     assert _record(joiner)["data_position"] == _record(survivor)["data_position"] == 160
+
+
+@pytest.mark.slow
+def test_a_traces_link_events_slow_each_sharded_ranks_link_between_workers(
+    tmp_path: Path,
+) -> None:
+    """A replayed trace's link event is the link between workers, which a sharded rank's own
+    communicator is (its inner link, FSDP's, is the worker's own and keeps its pace)."""
+    _needs_torchft()
+    from lowcomm.launch.run import run_training
+
+    trace = tmp_path / "trace.txt"
+    trace.write_text("step=4 link factor=0.25 for=4\n")
+    config = _fsdp_config(
+        "diloco", tmp_path / "run", 8, clock="virtual", seconds_per_microbatch=0.01,
+        faults=str(trace),
+    )  # fmt: skip
+    assert run_training(config, report=None) is not None
+    for slot in range(2):
+        lines = (tmp_path / "run" / f"worker{slot}" / "metrics.jsonl").read_text().splitlines()
+        comm = [json.loads(line)["exposed_comm_s"] for line in lines]
+        # (The virtual clock: a step's inner exposure is the same each step; a sync step's
+        # outer exposure is the link's model, exact.)
+        inner, synced = comm[2], comm[3] - comm[2]
+        assert synced > 0 and comm[6] == pytest.approx(inner, rel=1e-6)
+        # The sync at step 7 ran on the link degraded to 1/4 (steps 4 to 7).
+        assert comm[7] - comm[6] == pytest.approx(4 * synced, rel=1e-6), slot

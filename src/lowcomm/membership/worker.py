@@ -323,7 +323,9 @@ def _set_up(
         place = _JobRank(raw, replica.slot * ranks + inner.rank, config.placement.workers * ranks)
         worker = loop.set_up(config, place, inner, None, task, (inner, raw))
         worker.rank, worker.world_size = inner.rank, inner.world_size
-        outer = getattr(worker.comm, "outer_comm", None)
+        # (A sharded worker's communicator is itself the link between workers; its inner
+        # link is its own attribute.)
+        outer = getattr(worker.comm, "outer_comm", worker.comm)
         if isinstance(outer, NetworkComm) and replay is not None and replay.has_link_events():
             # (A link event is the link between workers: the inner link is the worker's own.)
             outer.link_model = replay.link_model(worker.clock.now)
