@@ -15,7 +15,8 @@ The worker's run is its own: nodes share no disk, so each worker writes its own 
 (``--out``): metrics.jsonl and summary.json as a run of one worker does (its loss, its clock,
 its bytes), and membership.json, what torchft decided for it: each quorum (its id, members
 and participants), each round committed or dropped, and when it was healed (the loop step it
-was healed at, the bytes received and how long it took).
+was healed at, the bytes received and how long it took, the declared state's bytes it
+took and, for replicated ranks, those gathered among them).
 
 A worker started while the others train is healed before its first step
 (:meth:`Replica.admit`) and continues from the others' loop step; its first round sits out
