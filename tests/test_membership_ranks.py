@@ -124,6 +124,11 @@ def test_a_killed_group_restarted_heals_every_rank_bit_for_bit(tmp_path: Path) -
         record = json.loads((joiner / name).read_text())
         healed = [e for e in record["events"] if e["event"] == "healed"]
         assert len(healed) == 1 and healed[0]["bytes"] > 0, record["events"]
+        # The rank received 1/R of the declared state from its peer (a contiguous slice of
+        # its bytes) and gathered the whole from its own group's ranks.
+        state = healed[0]["state_bytes"]
+        assert healed[0]["bytes"] == pytest.approx(state / RANKS, rel=1e-3), healed
+        assert healed[0]["gathered_bytes"] >= state
         first_quorum = next(e for e in record["events"] if e["event"] == "quorum")
         assert first_quorum["participants"] == 2, first_quorum
         mine = _digests(record)
@@ -206,20 +211,24 @@ def _torchrun_group(torchrun: str, slot: int, lighthouse: int, out: Path) -> lis
     ]  # fmt: skip
 
 
-def test_ranks_refusals_are_one_line() -> None:
+def test_every_live_method_runs_with_workers_of_several_ranks() -> None:
     from lowcomm.config import with_options
     from lowcomm.membership.options import TORCHFT_METHODS
+    from lowcomm.strategies.worker_sharding import sharded_methods
 
     base = with_options(
         TrainConfig(method="diloco"), workers=2, ranks_per_worker=2, membership="torchft"
     )
-    refusal = membership_refusal(with_options(base, worker_sharding="fsdp"))
-    assert refusal is not None and "--worker-sharding fsdp" in refusal, refusal
-    assert "\n" not in refusal
-    # Every live-membership method runs with workers of several ranks, with checkpoints.
+    # Every live-membership method runs with workers of several ranks, with checkpoints, and
+    # FSDP-sharded over each group's own ranks where the method runs on sharded workers.
     for method in TORCHFT_METHODS:
         assert membership_refusal(with_options(base, method=method)) is None, method
     assert membership_refusal(with_options(base, checkpoint_every=4, stop_after=4)) is None
+    sharded = [m for m in TORCHFT_METHODS if m in sharded_methods()]
+    assert "diloco" in sharded and "ddp" in sharded
+    for method in sharded:
+        config = with_options(base, method=method, worker_sharding="fsdp")
+        assert membership_refusal(config) is None, method
 
 
 @pytest.mark.parametrize(

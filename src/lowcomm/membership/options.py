@@ -170,9 +170,8 @@ def membership_refusal(config: TrainConfig) -> str | None:
     k = config.placement.workers_per_process
     if k != 1:
         return f"{flag}: not yet supported with --workers-per-process {k}; use 1"
-    refusal = _ranks_refusal(config, flag)
-    if refusal is not None:
-        return refusal
+    # (Workers of R > 1 ranks run every method here, replicated or FSDP-sharded over the
+    # group's own ranks: rank r exchanges and heals with rank r of the other workers.)
     device = config.placement.device
     if device != "cpu":
         return f"{flag}: not yet supported on --device {device} (torchft's Gloo group); use cpu"
@@ -196,25 +195,6 @@ def membership_refusal(config: TrainConfig) -> str | None:
         return (
             f"--membership.min-workers: {options.min_workers} is more than --workers "
             f"{workers}; no round could commit; give at most {workers}"
-        )
-    return None
-
-
-def _ranks_refusal(config: TrainConfig, flag: str) -> str | None:
-    """Why the run's workers of R > 1 ranks cannot run with live membership, or None.
-
-    Every method of :data:`TORCHFT_METHODS` runs with workers of several ranks, each a torchft
-    replica group: rank r's collectives between workers go through its own Manager to rank r
-    of the others, and a joining group is healed rank to rank (each rank's own slice of what
-    the method declares global, ``Strategy.rank_state``, from the same rank of a live group).
-    Checkpoints are one file per rank in the worker's run directory, as a static worker's."""
-    placement = config.placement
-    ranks = placement.ranks_per_worker
-    if ranks > 1 and placement.worker_sharding != "replicate":
-        return (
-            f"{flag}: not yet supported with --worker-sharding {placement.worker_sharding} "
-            f"(--ranks-per-worker {ranks}: FSDP's device mesh spans the static world's ranks, "
-            "not one replica group's); use replicate"
         )
     return None
 

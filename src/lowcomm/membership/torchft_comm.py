@@ -33,9 +33,13 @@ participant, in slot order: a member being healed sends a row that is left out.
 healed: torchft's Manager has a live member send it what the method declares global
 (``Strategy.global_state``: for diloco the global parameters, the outer momentum and the
 counters; for ddp the parameters, the AdamW moments and the counters; in a worker of several
-ranks, rank r's own slice, ``Strategy.rank_state``, from rank r of the live one) over torchft's
+ranks, rank r's own slice, ``Strategy.rank_state``, from rank r of the live one; in an
+FSDP-sharded worker every declared tensor is rank r's shard's, from rank r) over torchft's
 process-group transport (``PGTransport``: the same reconfigured Gloo group, so healing opens no
-listener of its own). A healed worker is not a participant of the round it healed in (torchft's
+listener of its own). A worker of R replicated ranks holds the whole declared state on every
+rank: rank r sends only the r-th of R contiguous slices of its bytes, and the joining group's
+ranks complete it by an all-gather over their own group (charged to the worker's inner link),
+so the link between workers carries it once, not R times. A healed worker is not a participant of the round it healed in (torchft's
 asynchronous quorum: its payload is zeroed and the mean divides by the others): it never counts
 a peer's data twice. A worker's own state starts by the method's rule
 (``Strategy.start_worker_state``).
@@ -63,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import socket
 import sys
 import time
@@ -82,6 +87,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from lowcomm.comm.base import (
+    Comm,
     CompletedHandle,
     Handle,
     Role,
@@ -298,6 +304,9 @@ class Replica:
         self.pending_tokens = self.committed_tokens = 0
         #: The wall time this worker ended its last step (None: it has not).
         self.trained_until: float | None = None
+        #: The bytes this rank's worker gathered among its ranks when it was last healed (a
+        #: replicated worker's sliced payload, :meth:`_whole_state`).
+        self.gathered_bytes = 0
 
     def _manager(self, lighthouse: str, host: str, timeout: timedelta) -> Manager:
         """This rank's torchft Manager: its server and the group's store on ``host``."""
@@ -325,16 +334,59 @@ class Replica:
         """What a joiner receives: the declared global tensors and counters, and the loop
         step this worker is in (called on torchft's quorum thread while this worker waits in
         its round, or, for ddp, computes a gradient, which none of these tensors is; a round
-        opened early holds the state-dict lock until the worker reaches it)."""
+        opened early holds the state-dict lock until the worker reaches it).
+
+        A worker of R replicated ranks holds the whole declared state on every rank, so rank
+        r sends only the r-th of R contiguous slices of its bytes (``layout`` says how they
+        are cut back into tensors): the joining group's ranks complete it by an all-gather
+        among themselves (:meth:`_whole_state`), and the link between workers carries the
+        state once, not R times."""
         assert self._strategy is not None
         tensors, counters = self._strategy.healing_payload()
         # (A worker of several ranks: each rank's own slice, which torchft sends to the same
         # rank of the joining group.)
         ranks = [tensor for _, tensor in self._strategy.rank_state()]
-        return {
+        payload: dict[str, Any] = {
             "tensors": tensors, "rank_tensors": ranks, "counters": counters,
-            "loop_step": self.loop_step,
+            "loop_step": self.loop_step, "layout": None,
         }  # fmt: skip
+        if self._replica_group() is not None:
+            payload["layout"] = [(tuple(t.shape), t.dtype) for t in tensors]
+            payload["tensors"] = [_byte_slice(tensors, self.rank, self.ranks)]
+        return payload
+
+    def _replica_group(self) -> Comm | None:
+        """The charged group of this worker's R ranks when they are replicas (each holding
+        the whole declared state), else None (one rank, or FSDP-sharded ranks, each of whose
+        declared tensors is its own shard's)."""
+        assert self._strategy is not None
+        return self._strategy.runtime.replica_group if self.ranks > 1 else None
+
+    def _whole_state(self, payload: dict[str, Any]) -> tuple[list[torch.Tensor], int]:
+        """The declared tensors of a received payload, and the bytes gathered for them inside
+        this worker: a sliced payload (:meth:`_save`) is completed by an all-gather of every
+        rank's slice over the worker's own group (every rank of a joining group is healed in
+        the same round, so each calls this), charged to its link as the group's other
+        collectives."""
+        layout = payload["layout"]
+        if layout is None:
+            return list(payload["tensors"]), 0
+        group = self._replica_group()
+        assert group is not None, "a sliced healing payload reached a worker of one rank"
+        total = sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in layout)
+        chunk = -(-total // self.ranks)
+        piece = payload["tensors"][0].reshape(-1).view(torch.uint8)
+        mine = torch.zeros(chunk, dtype=torch.uint8)
+        mine[: piece.numel()].copy_(piece)
+        whole = torch.empty(chunk * self.ranks, dtype=torch.uint8)
+        group.all_gather(whole, mine, role=Role.OTHER).wait()
+        tensors, offset = [], 0
+        for shape, dtype in layout:
+            size = math.prod(shape) * _itemsize(dtype)
+            # (a copy: a view of another dtype must start at a multiple of its item size)
+            tensors.append(whole[offset : offset + size].clone().view(dtype).view(shape))
+            offset += size
+        return tensors, whole.numel()
 
     def _load(self, payload: dict[str, Any]) -> None:
         """The Manager applies the healed state when the round commits (after its
@@ -360,7 +412,8 @@ class Replica:
             counters["step_index"] -= ahead
             if "local_steps" in counters:
                 counters["local_steps"] -= ahead
-        strategy.take_healing_payload(list(payload["tensors"]), counters)
+        tensors, self.gathered_bytes = self._whole_state(payload)
+        strategy.take_healing_payload(tensors, counters)
         with torch.no_grad():
             mine = strategy.rank_state()
             for (_, tensor), theirs in zip(mine, payload["rank_tensors"], strict=True):
@@ -543,11 +596,10 @@ class Replica:
                 self._apply(payload, rewind=True)
                 self._admitted_with = payload
                 self._joined = True
-                sent = [*payload["tensors"], *payload["rank_tensors"]]
-                nbytes = sum(int(t.untyped_storage().nbytes()) for t in sent)
                 self._log({
                     "event": "healed", "time": time.time(), "asked": began,
-                    "step": int(payload["loop_step"]), "bytes": nbytes,
+                    "step": int(payload["loop_step"]), **_healed_bytes(payload),
+                    "gathered_bytes": self.gathered_bytes,
                     "transfer_s": self.transport.last_receive_s,
                     "members": list(quorum.members),
                 })  # fmt: skip
@@ -570,10 +622,12 @@ class Replica:
             time.sleep(ADMISSION_POLL_S)
 
     def record_digest(self, step: int, parameters: Iterator[torch.Tensor]) -> None:
-        """A SHA-256 of the parameters after a committed round."""
+        """A SHA-256 of the parameters after a committed round (of a sharded worker's, this
+        rank's own shards: rank r's are compared with rank r's of another worker)."""
         digest = hashlib.sha256()
         for parameter in parameters:
-            digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+            digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         self.digests.append({"step": step, "sha256": digest.hexdigest()})
 
     def shutdown(self) -> None:
@@ -587,6 +641,46 @@ class Replica:
         if self._store_socket is not None:
             with contextlib.suppress(OSError):
                 self._store_socket.close()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _byte_slice(tensors: list[torch.Tensor], rank: int, ranks: int) -> torch.Tensor:
+    """The ``rank``-th of ``ranks`` contiguous slices (``ceil(total / ranks)`` bytes each,
+    the last shorter) of the bytes of ``tensors`` laid end to end, in a storage of its own
+    (torchft's transport sends a tensor's whole storage)."""
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    total = sum(t.numel() for t in flat)
+    chunk = -(-total // ranks)
+    start, stop = min(rank * chunk, total), min((rank + 1) * chunk, total)
+    piece = torch.empty(stop - start, dtype=torch.uint8)
+    offset = 0
+    for t in flat:
+        low, high = max(start, offset), min(stop, offset + t.numel())
+        if low < high:
+            piece[low - start : high - start].copy_(t[low - offset : high - offset])
+        offset += t.numel()
+    return piece
+
+
+def _healed_bytes(payload: dict[str, Any]) -> dict[str, int]:
+    """A healed rank's bytes: those it received from its live peer (``bytes``, as torchft's
+    transport sends them: each tensor's whole storage) and the declared state it took
+    (``state_bytes``: the whole of a sliced payload's tensors, and its own rank slices)."""
+    received = [*payload["tensors"], *payload["rank_tensors"]]
+    layout = payload["layout"]
+    declared = (
+        sum(int(t.numel()) * t.element_size() for t in payload["tensors"])
+        if layout is None
+        else sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in layout)
+    )
+    ranks = sum(int(t.numel()) * t.element_size() for t in payload["rank_tensors"])
+    return {
+        "bytes": sum(int(t.untyped_storage().nbytes()) for t in received),
+        "state_bytes": declared + ranks,
+    }
 
 
 def _round_failed(replica: Replica) -> RoundFailed:

@@ -5,14 +5,18 @@ A worker of ``--ranks-per-worker R > 1`` is R processes (:class:`GroupRank`): in
 ranks are a plain ``torch.distributed`` group (Gloo, over the local launcher's file store or
 torchrun's), lowcomm's replica level as in a static run; between workers rank r's collectives
 go through its own torchft Manager to rank r of the other workers (the strategy's
-``HierarchicalComm``, whose outer level is this rank's :class:`TorchftComm`). Group rank 0
+``HierarchicalComm``, whose outer level is this rank's :class:`TorchftComm`). With
+``--worker-sharding fsdp`` FSDP2 shards the model over the group's own ranks (a mesh of them
+alone) and rank r's shard is what its :class:`TorchftComm` exchanges
+(:func:`lowcomm.train.sharding.shard_worker`). Group rank 0
 writes the run directory; rank r > 0 writes only its ``membership.rank{r}.json``.
 
 The worker's run is its own: nodes share no disk, so each worker writes its own run directory
 (``--out``): metrics.jsonl and summary.json as a run of one worker does (its loss, its clock,
 its bytes), and membership.json, what torchft decided for it: each quorum (its id, members
 and participants), each round committed or dropped, and when it was healed (the loop step it
-was healed at, the bytes received and how long it took).
+was healed at, the bytes received and how long it took, the declared state's bytes it
+took and, for replicated ranks, those gathered among them).
 
 A worker started while the others train is healed before its first step
 (:meth:`Replica.admit`) and continues from the others' loop step; its first round sits out
@@ -320,7 +324,9 @@ def _set_up(
         place = _JobRank(raw, replica.slot * ranks + inner.rank, config.placement.workers * ranks)
         worker = loop.set_up(config, place, inner, None, task, (inner, raw))
         worker.rank, worker.world_size = inner.rank, inner.world_size
-        outer = getattr(worker.comm, "outer_comm", None)
+        # (A sharded worker's communicator is itself the link between workers; its inner
+        # link is its own attribute.)
+        outer = getattr(worker.comm, "outer_comm", worker.comm)
         if isinstance(outer, NetworkComm) and replay is not None and replay.has_link_events():
             # (A link event is the link between workers: the inner link is the worker's own.)
             outer.link_model = replay.link_model(worker.clock.now)

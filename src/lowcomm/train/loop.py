@@ -255,7 +255,7 @@ def set_up(
         config.placement.worker_sharding == "fsdp"
     ):  # FSDP2 over the worker's ranks (train/sharding.py)
         links = (network_profile(config.comm), replica_network_profile(config.comm))
-        comm = sharding.shard_worker(config, model, clock, device, links, deferred)
+        comm = sharding.shard_worker(config, model, clock, device, links, deferred, levels)
     else:
         # The launch-time agreements of the virtual clock go on the world's host group (a
         # host float there, where on NCCL each was a device all-reduce and a host read).

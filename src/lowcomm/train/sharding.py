@@ -7,7 +7,10 @@ global rank ``g`` is rank ``g % R`` of worker ``g // R`` (the layout of
 before each block's forward and backward, and gradients reduce-scattered (averaged over the R
 ranks) after it. Between workers, rank ``r`` of every worker holds the same slice of every
 parameter, so the method's outer communicator is the group of rank ``r`` of every worker and
-its collectives move only local shards.
+its collectives move only local shards. A worker that is a torchft replica group
+(``--membership torchft``) has a world of its own R ranks: its mesh is 1-D, those ranks alone,
+and rank ``r``'s outer communicator is its own torchft Manager's, to rank ``r`` of the other
+workers (:func:`shard_worker`'s ``levels``).
 
 A strategy sees its parameters through :class:`ShardedFlatBuffers`: one flat buffer holding
 the (padded) local shards of every parameter, in ``model.parameters()`` order, which FSDP's own
@@ -425,6 +428,7 @@ def shard_worker(
     device: torch.device,
     links: tuple[NetworkProfile, NetworkProfile],
     deferred: Rows | None = None,
+    levels: tuple[Comm, Comm] | None = None,
 ) -> ShardedWorkerComm:
     """Shard ``model`` over this rank's worker (every rank calls it: the mesh's groups are
     made collectively) and return the strategy's communicator: rank r of every worker, over
@@ -432,25 +436,34 @@ def shard_worker(
     ``links``: the (outer, inner) network profiles, built by the caller from the config.
     ``deferred``: ``model`` is on ``meta`` (:func:`initial_model`), and each rank makes only
     its own shards of it; either way every rank r then takes worker 0's rank r's shards
-    (uncharged), so the workers provably start from one point."""
+    (uncharged), so the workers provably start from one point. ``levels``: the raw (inner,
+    outer) communicators of a worker whose process group is its own R ranks (a torchft
+    replica group, :mod:`lowcomm.membership.worker`): the mesh is then those ranks alone,
+    and rank r's collectives between workers go through ``levels[1]``."""
     from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.torch_comm import TorchComm
 
     wire, timeout = wire_dtype(config.comm.comm_dtype), config.comm.collective_timeout_s
-    mesh = worker_mesh(
-        config.placement.workers, config.placement.ranks_per_worker, device.type, timeout_s=timeout
-    )
-    books = host_groups(mesh, timeout) if device.type == "cuda" else (None, None)
+    ranks = config.placement.ranks_per_worker
+    books: tuple[Comm | None, Comm | None] = (None, None)
+    if levels is None:
+        mesh = worker_mesh(config.placement.workers, ranks, device.type, timeout_s=timeout)
+        if device.type == "cuda":
+            books = host_groups(mesh, timeout)
+        ranks_mesh = mesh["ranks"]
+        inner_raw: Comm = TorchComm(mesh.get_group("ranks"), timeout_s=timeout)
+        across: Comm = TorchComm(mesh.get_group("workers"), timeout_s=timeout)
+    else:
+        ranks_mesh = group_mesh(ranks, device.type, timeout_s=timeout)
+        inner_raw, across = levels
     inner = NetworkComm(
-        TorchComm(mesh.get_group("ranks"), timeout_s=timeout),
-        links[1], clock, device=device, wire_dtype=wire, bookkeeping=books[0],
-    )  # fmt: skip
-    across = TorchComm(mesh.get_group("workers"), timeout_s=timeout)
+        inner_raw, links[1], clock, device=device, wire_dtype=wire, bookkeeping=books[0]
+    )
     outer = ShardedWorkerComm(
         across, links[0], clock, inner=inner, device=device, wire_dtype=wire,
         bookkeeping=books[1],
     )  # fmt: skip
-    shard_model(model, mesh["ranks"], bf16=config.numerics.precision == "bf16-mixed")
+    shard_model(model, ranks_mesh, bf16=config.numerics.precision == "bf16-mixed")
     if deferred is not None:
         materialise(model, deferred, device)
     for record in fsdp_params(model):
@@ -458,6 +471,17 @@ def shard_worker(
     attach_inner(model, inner)
     charge_fsdp_collectives(model, inner)
     return outer
+
+
+def group_mesh(ranks: int, device: str = "cpu", *, timeout_s: float | None = None) -> Any:
+    """The 1-D ``ranks`` DeviceMesh of a world that is one worker's R ranks (a torchft
+    replica group's own process group; a collective: every rank calls it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    override: dict[int | str, Any] | None = None
+    if timeout_s is not None:
+        override = {"ranks": _group_options(device, timeout_s)}
+    return init_device_mesh(device, (ranks,), mesh_dim_names=("ranks",), backend_override=override)
 
 
 # --- the start: a model on meta, each rank making its own shards --------------------------
@@ -653,6 +677,7 @@ __all__ = [
     "fsdp_charges",
     "fsdp_layout",
     "full_flat",
+    "group_mesh",
     "host_groups",
     "initial_model",
     "is_sharded",
