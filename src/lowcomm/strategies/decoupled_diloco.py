@@ -27,6 +27,14 @@ quorum feeds nobody and its replica falls behind; when it joins or rejoins, the 
 heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
 link, charged as in one process). A checkpoint holds each process's replica.
 
+**Learners of several ranks** (``--ranks-per-worker R``, replicated, virtual clock). The R
+ranks of a learner run this code alike on the same replica (their gradients averaged at each
+inner step), each with a replica of the synchronizer fed over the uncharged two-level group.
+A message travels as a worker's collectives do: each rank charges its 1/R slice on its own
+outer link, and a reply's slices are reassembled by an all-gather over the learner's ranks,
+charged on the inner link (:meth:`DecoupledDiLoCo._reassembled`). A contribution counts the
+learner's tokens, R times a rank's.
+
 **Ticks.** The training loop calls ``step()`` once per loop step on every learner; here a loop
 step is a *tick* of the run, and a learner takes an inner step at a tick only when it is not
 ahead of the others: when its clock is at most the earliest clock of the learners that are not
@@ -100,10 +108,16 @@ from lowcomm.strategies.diloco import (
 from lowcomm.strategies.local_update import RoundOptions
 from lowcomm.strategies.streaming import completion_offsets
 
-#: Why a worker of several ranks, replicated or sharded, is refused (one clause).
-ONE_RANK = (
-    "a learner is one rank holding the whole model, which sends its fragments and takes the "
-    "synchronizer's replies alone"
+#: Why a sharded worker (--worker-sharding fsdp) is refused (one clause).
+WHOLE_FRAGMENTS = (
+    "a learner sends and takes whole fragments of its replica, which FSDP's shards of the "
+    "model do not hold"
+)
+
+#: Why a worker of several ranks is refused on the real clock (one clause).
+RANKS_ON_THE_REAL_CLOCK = (
+    "a learner's ranks take its clock-driven decisions (when a reply has arrived) from one "
+    "clock, which the real clock does not give them; use --clock virtual"
 )
 
 
@@ -672,8 +686,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     Placement: every worker a thread of one process (one shared synchronizer), a process of
     its own, or one of K threads in each of several processes (a replica of the synchronizer
     per learner; the same numbers, see the module docstring), on either clock, with or
-    without faults, launched by ``lowcomm train`` or torchrun; a worker of several ranks
-    (replicated or sharded) is refused in one line. Resume: exact on the same workers (every
+    without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
+    ranks on the virtual clock (sharded, or on the real clock, refused in one line). Resume: exact on the same workers (every
     learner's checkpoint holds the synchronizer's state, or its replica's, too); on another
     worker count, refused.
     """
@@ -683,8 +697,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     default_fragments: ClassVar[int] = 4
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
-    hierarchical_refusal: ClassVar[str | None] = ONE_RANK
-    sharding_refusal: ClassVar[str | None] = ONE_RANK
+    hierarchical_real_clock_refusal: ClassVar[str | None] = RANKS_ON_THE_REAL_CLOCK
+    sharding_refusal: ClassVar[str | None] = WHOLE_FRAGMENTS
     comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     comm_dtype_refusal: ClassVar[str | None] = (
         "its fragments reach the synchronizer as float32 and are charged so"
@@ -703,7 +717,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             f"fragments, tau = {o.overlap_steps}, quorum {o.min_quorum}, grace {o.grace}"
         ),
         extra_copies=2,
-        shards_over_replicas=False,
+        shards_over_replicas=True,
     )
     membership: ClassVar[MembershipRule | None] = MembershipRule(
         round="sync",
@@ -740,8 +754,15 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "waits for each reply at tau = 0, which needs one fragment; pass "
                 "--decoupled.fragments 1 or tau >= 1"
             )
-        if self.runtime.replica_group is not None:
-            raise ValueError(f"--ranks-per-worker: decoupled_diloco refused: {ONE_RANK}")
+        replicas = self.runtime.replica_group
+        #: R: the ranks of this learner, replicas of it (threads or processes of its own).
+        self.ranks = 1 if replicas is None else replicas.world_size
+        clock = self.runtime.clock
+        if self.ranks > 1 and clock is not None and clock.kind != "virtual":
+            raise ValueError(
+                f"--ranks-per-worker: {self.ranks} with --method decoupled_diloco: "
+                f"{RANKS_ON_THE_REAL_CLOCK}"
+            )
         raw = self.runtime.uncharged
         self.learner = int(getattr(raw, "slot", comm.rank))
         group = getattr(raw, "group", None)
@@ -818,9 +839,28 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         return clock.now() if clock is not None else float(self.step_index)
 
     def _message(self, kind: CollectiveKind, role: Role, numel: int, start: float) -> Handle | None:
-        """Charge a message of ``numel`` float32 on this learner's link from ``start``."""
+        """Charge a message of ``numel`` float32 on this learner's link from ``start``: with R
+        ranks, this rank's 1/R slice on its own outer link (the R slices travel in parallel,
+        as the worker's collectives' do)."""
         charge = self.runtime.message
-        return None if charge is None else charge(kind, role, 4 * numel, start)
+        share = numel if self.ranks == 1 else max(1, -(-numel // self.ranks))
+        return None if charge is None else charge(kind, role, 4 * share, start)
+
+    def _reassembled(self, values: torch.Tensor) -> torch.Tensor:
+        """A message down to a learner of R ranks arrives one slice on each rank's link; an
+        all-gather of the slices over the learner's ranks (charged on the inner link, waited
+        for) gives every rank the whole of it, as a worker's collectives end. With one rank,
+        ``values`` itself."""
+        group = self.runtime.replica_group
+        if group is None:
+            return values
+        n, ranks, r = values.numel(), self.ranks, group.rank
+        c = max(1, -(-n // ranks))
+        work = torch.zeros(c * ranks, dtype=values.dtype, device=values.device)
+        work[:n] = values.reshape(-1)
+        whole = torch.empty_like(work)
+        group.all_gather(whole, work[r * c : (r + 1) * c].clone(), role=Role.PARAMETER).wait()
+        return whole[:n].view_as(values)
 
     @staticmethod
     def _arrival(handle: Handle | None, start: float) -> float:
@@ -843,7 +883,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             stats = self.inner_step(closure)
             self.last_step_s = self.now() - before
             for p in range(self.num_fragments):
-                self.tokens[p] += stats.tokens
+                # (The learner's tokens: each of its R ranks took an equal share of them.)
+                self.tokens[p] += stats.tokens * self.ranks
                 self.steps[p] += 1
             launched = self.send_fragments_due(self.step_index)
         else:
@@ -1057,7 +1098,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     def _take(self, p: int, out: Outstanding) -> None:
         """theta_p <- alpha theta_p + (1 - alpha) Theta_p^(v); b_p <- v."""
         assert out.reply is not None
-        self.globals_[p].copy_(out.reply.values)
+        self.globals_[p].copy_(self._reassembled(out.reply.values))
         local = self.local_fragment(p)
         # lerp(global, local, alpha) = alpha local + (1 - alpha) global; exactly global at 0.
         self.set_local_fragment(p, torch.lerp(self.globals_[p], local, self.options.mixing))
@@ -1105,8 +1146,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             handle = self._message(CollectiveKind.ALL_GATHER, Role.PARAMETER, values.numel(), now)
             if handle is not None:
                 handle.wait()
-            self.globals_[p].copy_(values)
-            self.set_local_fragment(p, values)
+            self.globals_[p].copy_(self._reassembled(values))
+            self.set_local_fragment(p, self.globals_[p])
             self.base[p] = versions[p]
         self.inner.reset()
         self.step_index = self.ticks
