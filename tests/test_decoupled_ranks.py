@@ -181,3 +181,47 @@ def test_a_learner_of_several_ranks_is_refused_on_the_real_clock_and_sharded(
     with pytest.raises(ConfigError, match=r"decoupled_diloco.*whole fragments") as caught:
         config.validate()
     assert "\n" not in str(caught.value)
+
+
+def test_a_resume_with_other_ranks_per_learner_keeps_each_learners_own_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpointed with one rank per learner (one a straggler, so the learners' states
+    differ), resumed with two: each learner's two ranks take that learner's own state (its
+    parameters, base versions, counters and fragments in flight) and stay bit-equal."""
+    from lowcomm.strategies import decoupled_diloco
+    from lowcomm.train.checkpoint import read_rank_state
+
+    def config(ranks: int, **overrides: Any) -> TrainConfig:
+        return _config(
+            tmp_path / "run", tmp_path / "none", ranks=ranks, workers=2, workers_per_process=2,
+            faults=None,
+            speed_factors=[1.0, 3.0], data=DataConfig(micro_batch_size=2), **overrides,
+        )  # fmt: skip
+
+    stopped = config(1, stop_after=6, checkpoint_every=6)
+    stopped.validate()
+    preflight(stopped)
+    train_in_process(stopped)
+    old = [read_rank_state(tmp_path / "run" / "checkpoints" / "step-000006", w) for w in (0, 1)]
+    loaded: list[tuple[int, Any, torch.Tensor]] = []
+    load = decoupled_diloco.DecoupledDiLoCo.load_state_dict
+
+    def watched(self: decoupled_diloco.DecoupledDiLoCo, state: dict[str, Any]) -> None:
+        load(self, state)
+        mine = self.state_dict()["learner"]
+        del mine["posted"]  # (read from the clock, restored after the strategy)
+        loaded.append((self.learner, mine, self.master.clone()))
+
+    monkeypatch.setattr(decoupled_diloco.DecoupledDiLoCo, "load_state_dict", watched)
+    _, _, ranks = _run(config(2, resume=str(tmp_path / "run")))
+    assert sorted(learner for learner, _, _ in loaded) == [0, 0, 1, 1]
+    for learner, mine, master in loaded:
+        saved = old[learner]["strategy"]
+        expected = dict(saved["learner"])
+        del expected["posted"]
+        assert repr(mine) == repr(expected)
+        assert torch.equal(master, saved["master"])
+    assert old[0]["strategy"]["step_index"] != old[1]["strategy"]["step_index"]
+    for worker in (0, 1):
+        assert torch.equal(ranks[2 * worker].parameters, ranks[2 * worker + 1].parameters)

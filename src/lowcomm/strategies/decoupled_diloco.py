@@ -465,9 +465,11 @@ class Synchronizer:
     def load_state_dict(self, state: dict[str, Any], *, once: bool = True) -> None:
         """Take a checkpoint's state (or a live replica's), keeping the replies of
         :attr:`owners` only. ``once``: the first learner of a process to load it restores
-        it, the others find it restored (every learner saved the same)."""
+        it; each other one adds the replies and versions its state holds that are not in yet
+        (a checkpoint of replicas holds each learner's own replies only)."""
         with self.lock:
             if once and self.restored:
+                self._add_replies(state)
                 return
             if int(state["learners"]) != self.learners:
                 raise ValueError(
@@ -506,7 +508,48 @@ class Synchronizer:
             self.sync_time = [float(x) for x in state["sync_time"]]
             self.committed_tokens, self.dropped_tokens, self.discarded_tokens = state["tokens"]
 
+    def load_remapped(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's state written for another number of learners (an elastic
+        resume; the first learner of a process to call it does the work). Theta_p, the outer
+        optimizers, the versions and their history, the last tick and its horizon, and the
+        token counts are kept; the contributions not yet merged and the replies not yet
+        taken are dropped, since their learners are not this run's (their tokens are counted
+        discarded), and no learner has posted a clock yet."""
+        with self.lock:
+            if self.restored:
+                return
+            self.restored = True
+            for mine, saved in zip(self.params, state["params"], strict=True):
+                mine.copy_(saved)
+            for outer, saved in zip(self.outer, state["outer"], strict=True):
+                outer.load_state_dict(saved)
+            self.version = [int(v) for v in state["version"]]
+            self.history = [
+                {int(v): (float(at), values.clone()) for v, (at, values) in h.items()}
+                for h in state["history"]
+            ]
+            self.tickets = int(state["tickets"])
+            self.tick = int(state["tick"])
+            self.horizon = float(state["horizon"])
+            committed, dropped, discarded = (int(n) for n in state["tokens"])
+            pending = sum(int(c["tokens"]) for queue in state["pending"] for _, c in queue)
+            self.committed_tokens, self.dropped_tokens = committed, dropped
+            self.discarded_tokens = discarded + pending
+
     # --- with the lock held ----------------------------------------------------------------
+
+    def _add_replies(self, state: dict[str, Any]) -> None:
+        """The replies not yet taken, and the versions they may need, of another learner's
+        copy of this state (the same merges: an entry held by both is the same)."""
+        for k, v in state["unreplied"].items():
+            if self._owns(int(v[1])):
+                self.unreplied.setdefault(int(k), v)
+        for k, v in state["merged"].items():
+            if self._owns(int(v[1])):
+                self.merged.setdefault(int(k), v)
+        for mine, saved in zip(self.history, state["history"], strict=True):
+            for v, (at, values) in saved.items():
+                mine.setdefault(int(v), (float(at), values.clone()))
 
     def _owns(self, learner: int) -> bool:
         return self.owners is None or learner in self.owners
@@ -687,9 +730,11 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     its own, or one of K threads in each of several processes (a replica of the synchronizer
     per learner; the same numbers, see the module docstring), on either clock, with or
     without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
-    ranks on the virtual clock (sharded, or on the real clock, refused in one line). Resume: exact on the same workers (every
-    learner's checkpoint holds the synchronizer's state, or its replica's, too); on another
-    worker count, refused.
+    ranks on the virtual clock (sharded, or on the real clock, refused in one line). Resume:
+    exact on the same workers (every learner's checkpoint holds the synchronizer's state, or
+    its replica's, too); on another worker count, remapped (:meth:`_load_remapped`: the
+    synchronizer's global state kept, the fragments not yet merged dropped, every learner
+    started by the join rule).
     """
 
     name: ClassVar[str] = "decoupled_diloco"
@@ -697,6 +742,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     default_fragments: ClassVar[int] = 4
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
+    reshard_remaps: ClassVar[bool] = True
     hierarchical_real_clock_refusal: ClassVar[str | None] = RANKS_ON_THE_REAL_CLOCK
     sharding_refusal: ClassVar[str | None] = WHOLE_FRAGMENTS
     comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
@@ -1133,12 +1179,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         if not joining:
             return
         params, versions, tick = self.sync.snapshot()
-        self.ticks = tick + 1
-        self.outstanding = [None] * self.num_fragments
-        self.tokens = [0] * self.num_fragments
-        self.steps = [0] * self.num_fragments
-        self.waiting = False
-        self.posted = self.now()  # (its clock, moved to the latest member's)
+        self._forget_sends(tick)
         if kept:
             return
         now = self.now()
@@ -1146,8 +1187,25 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             handle = self._message(CollectiveKind.ALL_GATHER, Role.PARAMETER, values.numel(), now)
             if handle is not None:
                 handle.wait()
-            self.globals_[p].copy_(self._reassembled(values))
-            self.set_local_fragment(p, self.globals_[p])
+            params[p] = self._reassembled(values)
+        self._start_at(params, versions)
+
+    def _forget_sends(self, tick: int) -> None:
+        """No fragment in flight and the counters at 0, from the tick after ``tick``."""
+        self.ticks = tick + 1
+        self.outstanding = [None] * self.num_fragments
+        self.tokens = [0] * self.num_fragments
+        self.steps = [0] * self.num_fragments
+        self.waiting = False
+        self.posted = self.now()  # (its clock, moved to the latest member's)
+
+    def _start_at(self, params: list[torch.Tensor], versions: list[int]) -> None:
+        """The join rule of :attr:`membership`: the local parameters and their base at
+        Theta (``params``, of ``versions``), the inner AdamW afresh, the step count at the
+        tick's."""
+        for p, values in enumerate(params):
+            self.globals_[p].copy_(values)
+            self.set_local_fragment(p, values)
             self.base[p] = versions[p]
         self.inner.reset()
         self.step_index = self.ticks
@@ -1243,10 +1301,25 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "run again from the start"
             )
         super().load_state_dict(state)
+        if int(state["synchronizer"]["learners"]) != self.sync.learners:
+            self._load_remapped(state["synchronizer"])
+            return
         self.sync.load_state_dict(state["synchronizer"], once=self.shared)
         mine = dict(state["learner"])
         mine.setdefault("sync_s", state["synchronizer"]["sync_time"][self.learner])
         self._load_learner(mine)
+
+    def _load_remapped(self, saved: dict[str, Any]) -> None:
+        """An elastic resume (another number of learners; every learner is handed the old
+        learner 0's state, lowcomm.train.reshard): the synchronizer keeps its global state
+        (:meth:`Synchronizer.load_remapped`) and every learner starts by the join rule, at
+        Theta with its inner AdamW afresh. Uncharged: like every method's elastic resume, a
+        restart that reads the checkpoint."""
+        self.sync.load_remapped(saved)
+        params, versions, tick = self.sync.snapshot()
+        self._forget_sends(tick)
+        self._start_at(params, versions)
+        self.sync_s = 0.0
 
     def _load_learner(self, mine: dict[str, Any]) -> None:
         """This learner's own part of a checkpoint (``state_dict()["learner"]``)."""
