@@ -680,9 +680,6 @@ class TrainConfig:
                 f"--ranks-per-worker: {ranks} with --method {self.method}: "
                 f"{refusal}; use --ranks-per-worker 1 with this method"
             )
-        real = strategy_class(self.method).hierarchical_real_clock_refusal
-        if ranks > 1 and real is not None and self.comm.clock == "real":
-            raise ConfigError(f"--ranks-per-worker: {ranks} with --method {self.method}: {real}")
         sharding = sharding_refusal(self.method, self.placement.worker_sharding, ranks)
         if sharding is not None:
             raise ConfigError(sharding)

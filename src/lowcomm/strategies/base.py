@@ -160,9 +160,6 @@ class Strategy(ABC):
     #: same collective results, takes the same decisions (no per-rank clock-driven control
     #: flow, no collectives from a second thread).
     hierarchical_refusal: ClassVar[str | None] = None
-    #: Why the method cannot run with hierarchical workers on the real clock (its ranks would
-    #: each take clock-driven decisions from their own clock), or None when it can.
-    hierarchical_real_clock_refusal: ClassVar[str | None] = None
     #: Why the method cannot run unless every worker is a thread of one process
     #: (``--workers-per-process`` = ``--workers``), or None when any placement will do: its
     #: workers share an object in memory, not only collectives.

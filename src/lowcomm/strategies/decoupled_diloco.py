@@ -27,9 +27,13 @@ quorum feeds nobody and its replica falls behind; when it joins or rejoins, the 
 heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
 link, charged as in one process). A checkpoint holds each process's replica.
 
-**Learners of several ranks** (``--ranks-per-worker R``, replicated, virtual clock). The R
-ranks of a learner run this code alike on the same replica (their gradients averaged at each
-inner step), each with a replica of the synchronizer fed over the uncharged two-level group.
+**Learners of several ranks** (``--ranks-per-worker R``, replicated). The R ranks of a
+learner run this code alike on the same replica (their gradients averaged at each inner
+step), each with a replica of the synchronizer fed over the uncharged two-level group. What a
+rank reads off its own clock (its sends' arrivals, its posted clock, a reply's arrival) may
+differ between the ranks on the real clock, so the ranks decide from what they agree on: the
+gathered table's rows (each learner's from its ranks' slices, its own included) and a reply
+taken once it is in on every rank's clock.
 A message travels as a worker's collectives do: each rank charges its 1/R slice on its own
 outer link, and a reply's slices are reassembled by an all-gather over the learner's ranks,
 charged on the inner link (:meth:`DecoupledDiLoCo._reassembled`). A contribution counts the
@@ -112,12 +116,6 @@ from lowcomm.strategies.streaming import completion_offsets
 WHOLE_FRAGMENTS = (
     "a learner sends and takes whole fragments of its replica, which FSDP's shards of the "
     "model do not hold"
-)
-
-#: Why a worker of several ranks is refused on the real clock (one clause).
-RANKS_ON_THE_REAL_CLOCK = (
-    "a learner's ranks take its clock-driven decisions (when a reply has arrived) from one "
-    "clock, which the real clock does not give them; use --clock virtual"
 )
 
 
@@ -730,7 +728,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     its own, or one of K threads in each of several processes (a replica of the synchronizer
     per learner; the same numbers, see the module docstring), on either clock, with or
     without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
-    ranks on the virtual clock (sharded, or on the real clock, refused in one line). Resume:
+    ranks too (sharded, refused in one line). Resume:
     exact on the same workers (every learner's checkpoint holds the synchronizer's state, or
     its replica's, too); on another worker count, remapped (:meth:`_load_remapped`: the
     synchronizer's global state kept, the fragments not yet merged dropped, every learner
@@ -743,7 +741,6 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
     reshard_remaps: ClassVar[bool] = True
-    hierarchical_real_clock_refusal: ClassVar[str | None] = RANKS_ON_THE_REAL_CLOCK
     sharding_refusal: ClassVar[str | None] = WHOLE_FRAGMENTS
     comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     comm_dtype_refusal: ClassVar[str | None] = (
@@ -803,12 +800,6 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         replicas = self.runtime.replica_group
         #: R: the ranks of this learner, replicas of it (threads or processes of its own).
         self.ranks = 1 if replicas is None else replicas.world_size
-        clock = self.runtime.clock
-        if self.ranks > 1 and clock is not None and clock.kind != "virtual":
-            raise ValueError(
-                f"--ranks-per-worker: {self.ranks} with --method decoupled_diloco: "
-                f"{RANKS_ON_THE_REAL_CLOCK}"
-            )
         raw = self.runtime.uncharged
         self.learner = int(getattr(raw, "slot", comm.rank))
         group = getattr(raw, "group", None)
@@ -1036,8 +1027,10 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             else:
                 header += [0.0] * _SENT_FIELDS
         members = self._members()
-        # (A learner's own row is what it posted; the others' are as gathered.)
-        table = [header if m == self.learner else row
+        # (A learner's own row is what it posted; the others' are as gathered. With R ranks,
+        # its own too, from its ranks' slices: the same on every rank whatever its clock.)
+        own = self.ranks == 1
+        table = [header if m == self.learner and own else row
                  for m, row in zip(members, self._gather(header), strict=True)]  # fmt: skip
         sent: list[Sent] = []
         for p in range(self.num_fragments):
@@ -1048,15 +1041,24 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             values = self._gather_fragment(p, sending.get(p))
             for i in senders:
                 learner, row = members[i], table[i]
-                if learner == self.learner:
+                if learner == self.learner and own:
                     sent.append((p, *sending[p]))
                     continue
                 c = Contribution(
                     learner=learner, outer_gradient=values[i].clone(), tokens=int(row[at + 1]),
                     steps=int(row[at + 2]), arrival=row[at + 3], base_version=int(row[at + 4]),
                 )  # fmt: skip
+                if learner == self.learner:
+                    self._sent_as(p, c)
                 sent.append((p, c, row[at + 5]))
         return [self._posted(m, row) for m, row in zip(members, table, strict=True)], sent
+
+    def _sent_as(self, p: int, c: Contribution) -> None:
+        """This learner's contribution of fragment p as its ranks' slices gave it (each rank
+        timed its send on its own clock)."""
+        out = self.outstanding[p]
+        assert out is not None
+        out.contribution = c
 
     def _gather_fragment(self, p: int, mine: tuple[Contribution, float] | None) -> torch.Tensor:
         """Every member's outer gradient of fragment p, one row each (zeros from a member
@@ -1114,32 +1116,55 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
 
     def take_replies_due(self, *, final: bool = False) -> int:
         """Take every reply that has arrived by this step boundary, tau of this learner's
-        steps or more after its send; at tau = 0 (or at the end) wait for it."""
+        steps or more after its send; at tau = 0 (or at the end) wait for it. With R ranks,
+        a reply is taken once it has arrived on every rank's clock (they may differ on the
+        real clock), so the ranks take it at the same boundary."""
         tau = self.options.overlap_steps
+        due = [self._reply_in(p, out, final) for p, out in enumerate(self.outstanding)]
+        if self.ranks > 1 and tau > 0 and not final:
+            due = self._on_every_rank(due)
         taken = 0
         for p, out in enumerate(self.outstanding):
-            if out is None or (not final and self.step_index < out.launched_at + tau):
+            if out is None or not due[p]:
                 continue
-            if out.reply is None:
-                reply = self.sync.reply(p, out.ticket, out.contribution)
-                if reply is None:
-                    continue
-                out.reply = reply
-                out.reply_handle = self._message(
-                    CollectiveKind.ALL_GATHER, Role.PARAMETER, reply.values.numel(), reply.leaves
-                )
-                out.reply_done = self._arrival(out.reply_handle, reply.leaves)
-                self.sync_s = out.reply_done - reply.leaves
-            assert out.reply_done is not None
-            if tau == 0 or final:
-                if out.reply_handle is not None:
-                    out.reply_handle.wait()
-            elif out.reply_done > self.now():
-                continue
+            if (tau == 0 or final) and out.reply_handle is not None:
+                out.reply_handle.wait()
             self._take(p, out)
             taken += 1
         self.waiting = any(out is not None for out in self.outstanding) and tau == 0
         return taken
+
+    def _reply_in(self, p: int, out: Outstanding | None, final: bool) -> bool:
+        """Whether fragment p's reply is due and here: decided, tau steps or more after the
+        send, and arrived on this rank's clock (at tau = 0 or at the end: decided, and then
+        waited for). Charges the reply on the link once it is decided."""
+        tau = self.options.overlap_steps
+        if out is None or (not final and self.step_index < out.launched_at + tau):
+            return False
+        if out.reply is None:
+            reply = self.sync.reply(p, out.ticket, out.contribution)
+            if reply is None:
+                return False
+            out.reply = reply
+            out.reply_handle = self._message(
+                CollectiveKind.ALL_GATHER, Role.PARAMETER, reply.values.numel(), reply.leaves
+            )
+            out.reply_done = self._arrival(out.reply_handle, reply.leaves)
+            self.sync_s = out.reply_done - reply.leaves
+        assert out.reply_done is not None
+        return tau == 0 or final or out.reply_done <= self.now()
+
+    def _on_every_rank(self, flags: list[bool]) -> list[bool]:
+        """Each of ``flags`` true on every rank of this learner: an uncharged all-gather over
+        the two-level group, in which rank r's slice of an (R, K) table, its own row, is what
+        it moves, so each learner's row of the result holds its R ranks' flags."""
+        raw, ranks, k = self.runtime.uncharged, self.ranks, len(flags)
+        device = self.globals_[0].device
+        mine = torch.tensor([float(f) for f in flags] * ranks, dtype=torch.float64, device=device)
+        out = torch.zeros(raw.world_size * ranks * k, dtype=torch.float64, device=device)
+        raw.all_gather(out, mine, role=Role.OTHER).wait()
+        everyone: list[float] = out.view(raw.world_size, ranks, k)[raw.rank].amin(0).tolist()
+        return [flag == 1.0 for flag in everyone]
 
     def _take(self, p: int, out: Outstanding) -> None:
         """theta_p <- alpha theta_p + (1 - alpha) Theta_p^(v); b_p <- v."""
