@@ -2,7 +2,7 @@
 to diloco and streaming_diloco, a straggler past the grace window (late next and late drop),
 the synchronizer's merge gate against the rule of docs/ALGORITHMS.md ("Decoupled DiLoCo"), a
 run with a fault trace, and the one-line refusals (worker processes:
-tests/test_decoupled_processes.py)."""
+tests/test_decoupled_processes.py; learners of several ranks: tests/test_decoupled_ranks.py)."""
 
 from __future__ import annotations
 
@@ -235,34 +235,68 @@ def test_a_run_with_a_fault_trace_replays_and_heals_the_joiner(
         assert same and sent > 0 and inner_steps == 0
 
 
-def test_several_ranks_per_worker_and_a_bf16_wire_are_refused_in_one_line(tmp_path: Path) -> None:
-    config = _config("decoupled_diloco", tmp_path / "p", workers=2, ranks_per_worker=2)
-    with pytest.raises(
-        ConfigError, match=r"--ranks-per-worker: 2 with --method decoupled_diloco: a learner is one"
-    ) as e:
-        config.validate()
-    assert "\n" not in str(e.value)
+def test_a_bf16_wire_is_refused_in_one_line(tmp_path: Path) -> None:
     config = _config("decoupled_diloco", tmp_path / "p", workers=4, comm_dtype="bf16")
     with pytest.raises(ConfigError, match=r"--comm-dtype: bf16 with --method decoupled") as e:
         config.validate()
     assert "\n" not in str(e.value)
 
 
-def test_resume_on_another_worker_count_is_refused_in_one_line() -> None:
-    from _dist import tiny_gpt
-    from lowcomm.comm import RecordingComm
-    from lowcomm.strategies import StrategyContext
+@pytest.mark.parametrize("workers", [2, 4])
+def test_an_elastic_resume_keeps_the_synchronizer_and_starts_every_learner_at_theta(
+    workers: int, tmp_path: Path, made: list[Synchronizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """3 learners, one a straggler (so fragments wait at the synchronizer at the checkpoint),
+    stopped after tick 8 and resumed on another --workers: the synchronizer keeps Theta_p,
+    its outer momenta, versions and token counts; the fragments not yet merged are dropped,
+    their tokens counted discarded; every learner starts by the join rule (at Theta, its base
+    the current versions, nothing in flight, its inner AdamW afresh); the run goes on to the
+    end on the new count."""
+    from lowcomm.train.checkpoint import read_rank_state
 
-    def learner(workers: int) -> decoupled_diloco.DecoupledDiLoCo:
-        return decoupled_diloco.DecoupledDiLoCo(
-            tiny_gpt(), RecordingComm(world_size=workers), StrategyContext(total_steps=4),
-            DecoupledOptions(sync_every=4),
+    def config(out: Path, count: int, **overrides: Any) -> TrainConfig:
+        return _config(
+            "decoupled_diloco", out, workers=count, steps=24, log_every=1,
+            decoupled=DecoupledOptions(sync_every=4), speed_factors=[1.0] * (count - 1) + [3.0],
+            **overrides,
         )  # fmt: skip
 
-    saved = learner(2).state_dict()
-    with pytest.raises(ValueError, match=r"^--resume: .* 2 learners and this run 1; ") as e:
-        learner(1).load_state_dict(saved)
-    assert "\n" not in str(e.value)
+    out = tmp_path / "run"
+    stopped = config(out, 3, stop_after=9, checkpoint_every=9)
+    stopped.validate()
+    preflight(stopped)
+    train_in_process(stopped)
+    saved = read_rank_state(out / "checkpoints" / "step-000009", 0)["strategy"]["synchronizer"]
+    pending = sum(int(c["tokens"]) for queue in saved["pending"] for _, c in queue)
+    assert pending > 0  # (the straggler's fragments, not yet merged)
+
+    started: list[tuple[bool, bool, int, int]] = []
+    remapped = decoupled_diloco.DecoupledDiLoCo._load_remapped
+
+    def watched(self: decoupled_diloco.DecoupledDiLoCo, state: dict[str, Any]) -> None:
+        remapped(self, state)
+        params, versions, _ = self.sync.snapshot()
+        at_theta = all(torch.equal(self.local_fragment(p), v) for p, v in enumerate(params))
+        nothing = self.base == versions and all(out is None for out in self.outstanding)
+        started.append((at_theta, nothing, self.inner.state_dict()["step_count"], self.ticks))
+
+    monkeypatch.setattr(decoupled_diloco.DecoupledDiLoCo, "_load_remapped", watched)
+    resumed = config(out, workers, resume=str(out))
+    summary, learners = _run(resumed)
+    assert started == [(True, True, 0, 9)] * workers
+    sync = made[-1]
+    assert sync.learners == workers and sync.live == tuple(range(workers))
+    assert sync.committed_tokens >= int(saved["tokens"][0])
+    assert sync.discarded_tokens == int(saved["tokens"][2]) + pending
+    # The merges after the resume go on from the checkpoint's versions, with the new learners.
+    after = [r for r in sync.log if r.tick >= 9]
+    assert after and all(r.version > saved["version"][r.fragment] for r in after)
+    assert {m for r in after for m, _ in r.included} == set(range(workers))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(24))
+    change = records[9]["membership"]
+    assert (change["old_workers"], change["new_workers"]) == (3, workers)
+    assert math.isfinite(summary["final_val_loss"]) and len(learners) == workers
 
 
 def test_bad_options_name_the_flag() -> None:
@@ -363,3 +397,31 @@ def test_replicas_fed_the_same_contributions_merge_alike_and_keep_their_own_repl
     assert tickets[0] == [2 * t for t in range(6)] and tickets[1] == [2 * t + 1 for t in range(6)]
     for sync in replicas:
         assert not sync.unreplied and not sync.merged and len(sync.history[0]) <= 2
+
+
+def test_a_checkpoint_of_replicas_gives_one_shared_synchronizer_every_learners_replies() -> None:
+    """Two replicas (worker processes) merge both learners' fragments (learner 1's in before
+    the merge time), and neither learner has taken its reply yet; each replica holds its own
+    learner's reply and the versions it needs only. Resumed in one
+    process, the shared synchronizer loads the first learner's state and adds the second's
+    reply from the second's: both learners are answered with the merge, as by the replicas."""
+    torch.manual_seed(0)
+    theta = torch.randn(6)
+    options = DecoupledOptions(min_quorum=2, grace="none", outer_lr=0.7, outer_momentum=0.9)
+    replicas = [Synchronizer([theta], learners=2, options=options, owners=(m,)) for m in (0, 1)]
+    sent = [(0, _contribution(m, torch.randn(6), 2.0 - m), 1.0) for m in (0, 1)]
+    rows = [(m, 2.5, False, 1.0, 0.0) for m in (0, 1)]
+    for sync in replicas:
+        sync.advance(0, rows, sent)
+    assert [len(sync.merged) for sync in replicas] == [1, 1]
+    saved = [sync.state_dict() for sync in replicas]
+    shared = Synchronizer([theta], learners=2, options=options)
+    for state in saved:
+        shared.load_state_dict(state, once=True)
+    for m, sync in enumerate(replicas):
+        ticket = sync.issued[(m, 0)]
+        want = sync.reply(0, ticket, sent[m][1])
+        got = shared.reply(0, ticket, sent[m][1])
+        assert want is not None and got is not None
+        assert (got.leaves, got.version, got.merged) == (want.leaves, want.version, want.merged)
+        assert torch.equal(got.values, want.values)

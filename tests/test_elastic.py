@@ -33,9 +33,7 @@ from test_resume import tiny_config, train_threads
 
 STEPS = 8
 STOP = 5
-#: decoupled_diloco resumes on the same workers only (its learners' base versions and
-#: fragments in flight name learners of the old run); its refusal is tested with it.
-METHODS = sorted(set(STRATEGIES) - {"decoupled_diloco"})
+METHODS = sorted(STRATEGIES)
 
 
 def _config(method: str, out: Path, workers: int, **overrides: object) -> Any:

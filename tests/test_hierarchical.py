@@ -128,7 +128,7 @@ def test_a_settled_two_level_handle_charges_the_clock_as_if_never_settled(collec
 
 def test_methods_that_cannot_run_hierarchically_refuse_with_the_reason() -> None:
     refused = sorted(name for name, cls in STRATEGIES.items() if cls.hierarchical_refusal)
-    assert refused == ["acco", "decoupled_diloco", "dpu", "wp"]
+    assert refused == ["acco", "dpu", "wp"]
     with pytest.raises(ConfigError, match=r"--ranks-per-worker: 2 with --method acco: .*thread"):
         TrainConfig(
             method="acco",

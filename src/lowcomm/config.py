@@ -185,8 +185,10 @@ class RunConfig:
     this, --steps still capping it; methods with a variable number of micro-batches per step
     (acco, dpu, wp) lay their learning-rate schedule out over it, and each of their workers
     computes its share (in proportion to 1 / its --speed-factors value) and then stops, so the
-    run commits exactly the budget. For equal-token comparisons (bench compare and reproduce
-    set it); None: the run takes --steps steps."""
+    run commits exactly the budget. With --faults, committed tokens are goodput's numerator (a
+    dropped round's tokens and a lost worker's uncommitted ones do not count), so a faulty run
+    trains on until it has committed the budget. For equal-token comparisons (bench compare
+    and reproduce set it); None: the run takes --steps steps."""
 
     microbatches_per_step: int = 1
     """Micro-batches each worker accumulates per optimizer step (synchronous methods)."""

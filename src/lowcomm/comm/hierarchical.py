@@ -183,6 +183,12 @@ class HierarchicalComm:
         return self.replica_comm.world_size
 
     @property
+    def slot(self) -> int:
+        """This worker's slot in the run: its outer group's (which, with declared faults,
+        follows the quorum while the slot stays), else its index m."""
+        return int(getattr(self.outer_comm, "slot", self.rank))
+
+    @property
     def local_rank(self) -> int:
         """This rank's index r inside its worker."""
         return self.replica_comm.rank
@@ -379,7 +385,9 @@ class HierarchicalComm:
 
     def runtime(self) -> Runtime:
         """What a strategy on this communicator may use besides it: the run's clock
-        (read-only), this worker's replica group when R > 1, the un-emulated levels. No
+        (read-only), this worker's replica group when R > 1, the un-emulated levels, and
+        ``message`` on this rank's outer link (a message of the worker travels as one slice
+        per rank, as its collectives do: the strategy charges its rank's slice). No
         offloading: a communication thread's collectives would reach the inner group from two
         threads (the methods that need one refuse hierarchical workers)."""
         return Runtime(
@@ -387,6 +395,7 @@ class HierarchicalComm:
             clock=None if self.clock is None else ClockReader(self.clock),
             replica_group=replica_group(self),
             restorer=self.restore,
+            message=getattr(self.outer_comm, "charge_message", None),
         )
 
     # --- accounting (when the levels are NetworkComms) ----------------------------------------

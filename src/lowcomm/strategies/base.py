@@ -180,6 +180,11 @@ class Strategy(ABC):
     #: normalises by their summed counts: an elastic resume pools them onto the new worker 0
     #: (``lowcomm.train.reshard``); other per-worker state is averaged.
     reshard_pooled: ClassVar[tuple[str, ...]] = ()
+    #: Whether an elastic resume on another number of workers hands every new worker the old
+    #: worker 0's strategy state as it is, for the strategy's ``load_state_dict`` to remap
+    #: (the state names the old count), instead of combining the old workers' states by the
+    #: re-sharding rules (``lowcomm.train.reshard``).
+    reshard_remaps: ClassVar[bool] = False
     #: The planner's closed-form model of this method (``lowcomm plan``): its traffic from its
     #: options, what hides behind compute, extra model-sized copies, state sharding.
     cost: ClassVar[CostModel]

@@ -27,6 +27,18 @@ quorum feeds nobody and its replica falls behind; when it joins or rejoins, the 
 heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
 link, charged as in one process). A checkpoint holds each process's replica.
 
+**Learners of several ranks** (``--ranks-per-worker R``, replicated). The R ranks of a
+learner run this code alike on the same replica (their gradients averaged at each inner
+step), each with a replica of the synchronizer fed over the uncharged two-level group. What a
+rank reads off its own clock (its sends' arrivals, its posted clock, a reply's arrival) may
+differ between the ranks on the real clock, so the ranks decide from what they agree on: the
+gathered table's rows (each learner's from its ranks' slices, its own included) and a reply
+taken once it is in on every rank's clock.
+A message travels as a worker's collectives do: each rank charges its 1/R slice on its own
+outer link, and a reply's slices are reassembled by an all-gather over the learner's ranks,
+charged on the inner link (:meth:`DecoupledDiLoCo._reassembled`). A contribution counts the
+learner's tokens, R times a rank's.
+
 **Ticks.** The training loop calls ``step()`` once per loop step on every learner; here a loop
 step is a *tick* of the run, and a learner takes an inner step at a tick only when it is not
 ahead of the others: when its clock is at most the earliest clock of the learners that are not
@@ -100,10 +112,10 @@ from lowcomm.strategies.diloco import (
 from lowcomm.strategies.local_update import RoundOptions
 from lowcomm.strategies.streaming import completion_offsets
 
-#: Why a worker of several ranks, replicated or sharded, is refused (one clause).
-ONE_RANK = (
-    "a learner is one rank holding the whole model, which sends its fragments and takes the "
-    "synchronizer's replies alone"
+#: Why a sharded worker (--worker-sharding fsdp) is refused (one clause).
+WHOLE_FRAGMENTS = (
+    "a learner sends and takes whole fragments of its replica, which FSDP's shards of the "
+    "model do not hold"
 )
 
 
@@ -451,9 +463,11 @@ class Synchronizer:
     def load_state_dict(self, state: dict[str, Any], *, once: bool = True) -> None:
         """Take a checkpoint's state (or a live replica's), keeping the replies of
         :attr:`owners` only. ``once``: the first learner of a process to load it restores
-        it, the others find it restored (every learner saved the same)."""
+        it; each other one adds the replies and versions its state holds that are not in yet
+        (a checkpoint of replicas holds each learner's own replies only)."""
         with self.lock:
             if once and self.restored:
+                self._add_replies(state)
                 return
             if int(state["learners"]) != self.learners:
                 raise ValueError(
@@ -492,7 +506,48 @@ class Synchronizer:
             self.sync_time = [float(x) for x in state["sync_time"]]
             self.committed_tokens, self.dropped_tokens, self.discarded_tokens = state["tokens"]
 
+    def load_remapped(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's state written for another number of learners (an elastic
+        resume; the first learner of a process to call it does the work). Theta_p, the outer
+        optimizers, the versions and their history, the last tick and its horizon, and the
+        token counts are kept; the contributions not yet merged and the replies not yet
+        taken are dropped, since their learners are not this run's (their tokens are counted
+        discarded), and no learner has posted a clock yet."""
+        with self.lock:
+            if self.restored:
+                return
+            self.restored = True
+            for mine, saved in zip(self.params, state["params"], strict=True):
+                mine.copy_(saved)
+            for outer, saved in zip(self.outer, state["outer"], strict=True):
+                outer.load_state_dict(saved)
+            self.version = [int(v) for v in state["version"]]
+            self.history = [
+                {int(v): (float(at), values.clone()) for v, (at, values) in h.items()}
+                for h in state["history"]
+            ]
+            self.tickets = int(state["tickets"])
+            self.tick = int(state["tick"])
+            self.horizon = float(state["horizon"])
+            committed, dropped, discarded = (int(n) for n in state["tokens"])
+            pending = sum(int(c["tokens"]) for queue in state["pending"] for _, c in queue)
+            self.committed_tokens, self.dropped_tokens = committed, dropped
+            self.discarded_tokens = discarded + pending
+
     # --- with the lock held ----------------------------------------------------------------
+
+    def _add_replies(self, state: dict[str, Any]) -> None:
+        """The replies not yet taken, and the versions they may need, of another learner's
+        copy of this state (the same merges: an entry held by both is the same)."""
+        for k, v in state["unreplied"].items():
+            if self._owns(int(v[1])):
+                self.unreplied.setdefault(int(k), v)
+        for k, v in state["merged"].items():
+            if self._owns(int(v[1])):
+                self.merged.setdefault(int(k), v)
+        for mine, saved in zip(self.history, state["history"], strict=True):
+            for v, (at, values) in saved.items():
+                mine.setdefault(int(v), (float(at), values.clone()))
 
     def _owns(self, learner: int) -> bool:
         return self.owners is None or learner in self.owners
@@ -672,10 +727,12 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     Placement: every worker a thread of one process (one shared synchronizer), a process of
     its own, or one of K threads in each of several processes (a replica of the synchronizer
     per learner; the same numbers, see the module docstring), on either clock, with or
-    without faults, launched by ``lowcomm train`` or torchrun; a worker of several ranks
-    (replicated or sharded) is refused in one line. Resume: exact on the same workers (every
-    learner's checkpoint holds the synchronizer's state, or its replica's, too); on another
-    worker count, refused.
+    without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
+    ranks too (sharded, refused in one line). Resume:
+    exact on the same workers (every learner's checkpoint holds the synchronizer's state, or
+    its replica's, too); on another worker count, remapped (:meth:`_load_remapped`: the
+    synchronizer's global state kept, the fragments not yet merged dropped, every learner
+    started by the join rule).
     """
 
     name: ClassVar[str] = "decoupled_diloco"
@@ -683,8 +740,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     default_fragments: ClassVar[int] = 4
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
-    hierarchical_refusal: ClassVar[str | None] = ONE_RANK
-    sharding_refusal: ClassVar[str | None] = ONE_RANK
+    reshard_remaps: ClassVar[bool] = True
+    sharding_refusal: ClassVar[str | None] = WHOLE_FRAGMENTS
     comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     comm_dtype_refusal: ClassVar[str | None] = (
         "its fragments reach the synchronizer as float32 and are charged so"
@@ -703,7 +760,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             f"fragments, tau = {o.overlap_steps}, quorum {o.min_quorum}, grace {o.grace}"
         ),
         extra_copies=2,
-        shards_over_replicas=False,
+        shards_over_replicas=True,
     )
     membership: ClassVar[MembershipRule | None] = MembershipRule(
         round="sync",
@@ -740,8 +797,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "waits for each reply at tau = 0, which needs one fragment; pass "
                 "--decoupled.fragments 1 or tau >= 1"
             )
-        if self.runtime.replica_group is not None:
-            raise ValueError(f"--ranks-per-worker: decoupled_diloco refused: {ONE_RANK}")
+        replicas = self.runtime.replica_group
+        #: R: the ranks of this learner, replicas of it (threads or processes of its own).
+        self.ranks = 1 if replicas is None else replicas.world_size
         raw = self.runtime.uncharged
         self.learner = int(getattr(raw, "slot", comm.rank))
         group = getattr(raw, "group", None)
@@ -818,9 +876,28 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         return clock.now() if clock is not None else float(self.step_index)
 
     def _message(self, kind: CollectiveKind, role: Role, numel: int, start: float) -> Handle | None:
-        """Charge a message of ``numel`` float32 on this learner's link from ``start``."""
+        """Charge a message of ``numel`` float32 on this learner's link from ``start``: with R
+        ranks, this rank's 1/R slice on its own outer link (the R slices travel in parallel,
+        as the worker's collectives' do)."""
         charge = self.runtime.message
-        return None if charge is None else charge(kind, role, 4 * numel, start)
+        share = numel if self.ranks == 1 else max(1, -(-numel // self.ranks))
+        return None if charge is None else charge(kind, role, 4 * share, start)
+
+    def _reassembled(self, values: torch.Tensor) -> torch.Tensor:
+        """A message down to a learner of R ranks arrives one slice on each rank's link; an
+        all-gather of the slices over the learner's ranks (charged on the inner link, waited
+        for) gives every rank the whole of it, as a worker's collectives end. With one rank,
+        ``values`` itself."""
+        group = self.runtime.replica_group
+        if group is None:
+            return values
+        n, ranks, r = values.numel(), self.ranks, group.rank
+        c = max(1, -(-n // ranks))
+        work = torch.zeros(c * ranks, dtype=values.dtype, device=values.device)
+        work[:n] = values.reshape(-1)
+        whole = torch.empty_like(work)
+        group.all_gather(whole, work[r * c : (r + 1) * c].clone(), role=Role.PARAMETER).wait()
+        return whole[:n].view_as(values)
 
     @staticmethod
     def _arrival(handle: Handle | None, start: float) -> float:
@@ -843,7 +920,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             stats = self.inner_step(closure)
             self.last_step_s = self.now() - before
             for p in range(self.num_fragments):
-                self.tokens[p] += stats.tokens
+                # (The learner's tokens: each of its R ranks took an equal share of them.)
+                self.tokens[p] += stats.tokens * self.ranks
                 self.steps[p] += 1
             launched = self.send_fragments_due(self.step_index)
         else:
@@ -949,8 +1027,10 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             else:
                 header += [0.0] * _SENT_FIELDS
         members = self._members()
-        # (A learner's own row is what it posted; the others' are as gathered.)
-        table = [header if m == self.learner else row
+        # (A learner's own row is what it posted; the others' are as gathered. With R ranks,
+        # its own too, from its ranks' slices: the same on every rank whatever its clock.)
+        own = self.ranks == 1
+        table = [header if m == self.learner and own else row
                  for m, row in zip(members, self._gather(header), strict=True)]  # fmt: skip
         sent: list[Sent] = []
         for p in range(self.num_fragments):
@@ -961,15 +1041,24 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             values = self._gather_fragment(p, sending.get(p))
             for i in senders:
                 learner, row = members[i], table[i]
-                if learner == self.learner:
+                if learner == self.learner and own:
                     sent.append((p, *sending[p]))
                     continue
                 c = Contribution(
                     learner=learner, outer_gradient=values[i].clone(), tokens=int(row[at + 1]),
                     steps=int(row[at + 2]), arrival=row[at + 3], base_version=int(row[at + 4]),
                 )  # fmt: skip
+                if learner == self.learner:
+                    self._sent_as(p, c)
                 sent.append((p, c, row[at + 5]))
         return [self._posted(m, row) for m, row in zip(members, table, strict=True)], sent
+
+    def _sent_as(self, p: int, c: Contribution) -> None:
+        """This learner's contribution of fragment p as its ranks' slices gave it (each rank
+        timed its send on its own clock)."""
+        out = self.outstanding[p]
+        assert out is not None
+        out.contribution = c
 
     def _gather_fragment(self, p: int, mine: tuple[Contribution, float] | None) -> torch.Tensor:
         """Every member's outer gradient of fragment p, one row each (zeros from a member
@@ -1027,37 +1116,60 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
 
     def take_replies_due(self, *, final: bool = False) -> int:
         """Take every reply that has arrived by this step boundary, tau of this learner's
-        steps or more after its send; at tau = 0 (or at the end) wait for it."""
+        steps or more after its send; at tau = 0 (or at the end) wait for it. With R ranks,
+        a reply is taken once it has arrived on every rank's clock (they may differ on the
+        real clock), so the ranks take it at the same boundary."""
         tau = self.options.overlap_steps
+        due = [self._reply_in(p, out, final) for p, out in enumerate(self.outstanding)]
+        if self.ranks > 1 and tau > 0 and not final:
+            due = self._on_every_rank(due)
         taken = 0
         for p, out in enumerate(self.outstanding):
-            if out is None or (not final and self.step_index < out.launched_at + tau):
+            if out is None or not due[p]:
                 continue
-            if out.reply is None:
-                reply = self.sync.reply(p, out.ticket, out.contribution)
-                if reply is None:
-                    continue
-                out.reply = reply
-                out.reply_handle = self._message(
-                    CollectiveKind.ALL_GATHER, Role.PARAMETER, reply.values.numel(), reply.leaves
-                )
-                out.reply_done = self._arrival(out.reply_handle, reply.leaves)
-                self.sync_s = out.reply_done - reply.leaves
-            assert out.reply_done is not None
-            if tau == 0 or final:
-                if out.reply_handle is not None:
-                    out.reply_handle.wait()
-            elif out.reply_done > self.now():
-                continue
+            if (tau == 0 or final) and out.reply_handle is not None:
+                out.reply_handle.wait()
             self._take(p, out)
             taken += 1
         self.waiting = any(out is not None for out in self.outstanding) and tau == 0
         return taken
 
+    def _reply_in(self, p: int, out: Outstanding | None, final: bool) -> bool:
+        """Whether fragment p's reply is due and here: decided, tau steps or more after the
+        send, and arrived on this rank's clock (at tau = 0 or at the end: decided, and then
+        waited for). Charges the reply on the link once it is decided."""
+        tau = self.options.overlap_steps
+        if out is None or (not final and self.step_index < out.launched_at + tau):
+            return False
+        if out.reply is None:
+            reply = self.sync.reply(p, out.ticket, out.contribution)
+            if reply is None:
+                return False
+            out.reply = reply
+            out.reply_handle = self._message(
+                CollectiveKind.ALL_GATHER, Role.PARAMETER, reply.values.numel(), reply.leaves
+            )
+            out.reply_done = self._arrival(out.reply_handle, reply.leaves)
+            self.sync_s = out.reply_done - reply.leaves
+        assert out.reply_done is not None
+        return tau == 0 or final or out.reply_done <= self.now()
+
+    def _on_every_rank(self, flags: list[bool]) -> list[bool]:
+        """Each of ``flags`` true on every rank of this learner: an uncharged all-gather over
+        the two-level group, in which rank r's slice of an (R, K) table, its own row, is what
+        it moves, so each learner's row of the result holds its R ranks' flags."""
+        raw, ranks, k = self.runtime.uncharged, self.ranks, len(flags)
+        device = self.globals_[0].device
+        mine = torch.tensor([float(f) for f in flags] * ranks, dtype=torch.float64, device=device)
+        out = torch.zeros(raw.world_size * ranks * k, dtype=torch.float64, device=device)
+        raw.all_gather(out, mine, role=Role.OTHER).wait()
+        everyone: list[float] = out.view(raw.world_size, ranks, k)[raw.rank].amin(0).tolist()
+        return [flag == 1.0 for flag in everyone]
+
     def _take(self, p: int, out: Outstanding) -> None:
         """theta_p <- alpha theta_p + (1 - alpha) Theta_p^(v); b_p <- v."""
         assert out.reply is not None
-        self.globals_[p].copy_(out.reply.values)
+        self.globals_[p].copy_(self._reassembled(out.reply.values))
         local = self.local_fragment(p)
         # lerp(global, local, alpha) = alpha local + (1 - alpha) global; exactly global at 0.
         self.set_local_fragment(p, torch.lerp(self.globals_[p], local, self.options.mixing))
@@ -1092,12 +1204,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         if not joining:
             return
         params, versions, tick = self.sync.snapshot()
-        self.ticks = tick + 1
-        self.outstanding = [None] * self.num_fragments
-        self.tokens = [0] * self.num_fragments
-        self.steps = [0] * self.num_fragments
-        self.waiting = False
-        self.posted = self.now()  # (its clock, moved to the latest member's)
+        self._forget_sends(tick)
         if kept:
             return
         now = self.now()
@@ -1105,6 +1212,23 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             handle = self._message(CollectiveKind.ALL_GATHER, Role.PARAMETER, values.numel(), now)
             if handle is not None:
                 handle.wait()
+            params[p] = self._reassembled(values)
+        self._start_at(params, versions)
+
+    def _forget_sends(self, tick: int) -> None:
+        """No fragment in flight and the counters at 0, from the tick after ``tick``."""
+        self.ticks = tick + 1
+        self.outstanding = [None] * self.num_fragments
+        self.tokens = [0] * self.num_fragments
+        self.steps = [0] * self.num_fragments
+        self.waiting = False
+        self.posted = self.now()  # (its clock, moved to the latest member's)
+
+    def _start_at(self, params: list[torch.Tensor], versions: list[int]) -> None:
+        """The join rule of :attr:`membership`: the local parameters and their base at
+        Theta (``params``, of ``versions``), the inner AdamW afresh, the step count at the
+        tick's."""
+        for p, values in enumerate(params):
             self.globals_[p].copy_(values)
             self.set_local_fragment(p, values)
             self.base[p] = versions[p]
@@ -1202,10 +1326,25 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "run again from the start"
             )
         super().load_state_dict(state)
+        if int(state["synchronizer"]["learners"]) != self.sync.learners:
+            self._load_remapped(state["synchronizer"])
+            return
         self.sync.load_state_dict(state["synchronizer"], once=self.shared)
         mine = dict(state["learner"])
         mine.setdefault("sync_s", state["synchronizer"]["sync_time"][self.learner])
         self._load_learner(mine)
+
+    def _load_remapped(self, saved: dict[str, Any]) -> None:
+        """An elastic resume (another number of learners; every learner is handed the old
+        learner 0's state, lowcomm.train.reshard): the synchronizer keeps its global state
+        (:meth:`Synchronizer.load_remapped`) and every learner starts by the join rule, at
+        Theta with its inner AdamW afresh. Uncharged: like every method's elastic resume, a
+        restart that reads the checkpoint."""
+        self.sync.load_remapped(saved)
+        params, versions, tick = self.sync.snapshot()
+        self._forget_sends(tick)
+        self._start_at(params, versions)
+        self.sync_s = 0.0
 
     def _load_learner(self, mine: dict[str, Any]) -> None:
         """This learner's own part of a checkpoint (``state_dict()["learner"]``)."""

@@ -615,7 +615,7 @@ def train_step(
     now = clock.now()
     end = clock.marker()
     progress.tokens += stats.tokens
-    if budget_spent(config, worker.strategy, progress.tokens * worker.world_size):
+    if _budget_spent(worker, progress):
         progress.end_step = step + 1
     with clock.excluded():
         mine = _own_metrics(stats, comm.bytes_sent - before_bytes, now)
@@ -974,10 +974,8 @@ def finish(
     summary = _worker_summary(worker, progress, final.clock_s, keep_parameters, final.deployed)
     everyone = _process_totals(worker, summary).all_gather(worker.bookkeeping)
     fault_committed, failed_syncs = None, 0
-    if worker.faults is not None:  # (every worker's committed tokens, summed)
-        committed = torch.tensor([float(worker.faults.committed_tokens)], dtype=torch.float64)
-        worker.bookkeeping.all_reduce(committed, op="sum", role=Role.OTHER).wait()
-        fault_committed = int(committed[0])
+    if worker.faults is not None:
+        fault_committed = _fault_committed(worker, worker.faults)
         # (Every member of a step sees its failed syncs alike; a worker away saw none.)
         failed = torch.zeros(worker.config.run.steps, dtype=torch.float64)
         for at, count in worker.faults.failed_syncs.items():
@@ -987,8 +985,6 @@ def finish(
     bytes_by_role = _bytes_by_role(worker, summary)
     if writer is not None:
         _add_killed(worker, everyone)
-        if fault_committed is not None:
-            fault_committed += _killed_committed(worker)
         config = worker.config
         if worker.faults is not None:
             assert fault_committed is not None
@@ -1046,6 +1042,29 @@ def _bytes_by_role(worker: Worker, summary: WorkerSummary) -> dict[str, float]:
     ours = torch.tensor(mine, dtype=torch.float64)
     worker.bookkeeping.all_reduce(ours, op="sum", role=Role.OTHER).wait()
     return dict(zip(names, ours.tolist(), strict=True))
+
+
+def _budget_spent(worker: Worker, progress: Progress) -> bool:
+    """Whether a --token-budget run has committed its budget at this step's end (False
+    without a budget). With faults, committed is goodput's numerator (a dropped round's
+    tokens, and those a lost worker had not committed, do not count), summed over every
+    worker on the bookkeeping group at every step: every worker of every placement, member
+    of the step's quorum or not, reads the same sum and ends at the same step."""
+    config = worker.config
+    budget = config.run.token_budget
+    if budget is None:
+        return False
+    if worker.faults is None:
+        return budget_spent(config, worker.strategy, progress.tokens * worker.world_size)
+    return _fault_committed(worker, worker.faults) >= budget
+
+
+def _fault_committed(worker: Worker, faults: WorkerFaults) -> int:
+    """Every worker's committed tokens so far, summed (uncharged; collective over the
+    bookkeeping group), with those of killed worker processes."""
+    committed = torch.tensor([float(faults.committed_tokens)], dtype=torch.float64)
+    worker.bookkeeping.all_reduce(committed, op="sum", role=Role.OTHER).wait()
+    return int(committed[0]) + _killed_committed(worker)
 
 
 def _killed_committed(worker: Worker) -> int:

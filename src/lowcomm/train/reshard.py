@@ -19,6 +19,11 @@ resumed run writes its own checkpoints as usual. The rules, per kind of state:
 * **pooled** state (a strategy's ``reshard_pooled`` keys: the ACCO family's accumulated
   gradient sums and their micro-batch counts, which every reduction normalises by their total)
   is summed onto the new worker 0 (zeros elsewhere), so the next reduction is unchanged;
+* **remapped** state (a strategy that declares ``reshard_remaps``: decoupled_diloco, whose
+  synchronizer and learners name the old learners) is old worker 0's, handed to every new
+  worker as it is when the worker count changes, for the strategy's ``load_state_dict`` to
+  remap; with the same workers (another R only) each worker keeps its own, its moments
+  re-sliced for its new ranks;
 * the **data** order continues: the rest of the current pass is dealt to the new workers
   (:func:`lowcomm.data.sampling.consumed_in_pass`), so no sample of it is skipped or repeated;
 * **sharded workers** (``--worker-sharding fsdp``): rank r of every worker holds the same FSDP
@@ -78,6 +83,7 @@ class Rules:
     shards_over_workers: bool = False
     shards_over_replicas: bool = False
     pooled: frozenset[str] = frozenset()
+    remaps: bool = False
 
 
 def rules_for(method: str, numel: int) -> Rules:
@@ -90,6 +96,7 @@ def rules_for(method: str, numel: int) -> Rules:
         shards_over_workers=cls.cost.shards_over_workers,
         shards_over_replicas=cls.cost.shards_over_replicas,
         pooled=frozenset(cls.reshard_pooled),
+        remaps=cls.reshard_remaps,
     )
 
 
@@ -176,6 +183,9 @@ def reshard(
     )
     if sharded_workers and new.ranks_per_worker != ranks:
         slots, rules = _recut(slots, states[0], new, rules)
+    # (A method that remaps its state keeps each worker's own when only R changes.)
+    own = rules.remaps and not sharded_workers and new.workers == old.workers
+    kept = [_join_replicas(states, old, w) for w in range(old.workers)] if own else None
     try:
         carry = consumed_in_pass([s["data"] for s in states]).state()
     except DataError as error:
@@ -187,13 +197,9 @@ def reshard(
         state = {
             key: value for key, value in states[0].items() if key in ("format", "val_loss", "step")
         }
-        if sharded_workers:  # this rank's slot, split as a one-rank worker's
-            model, strategy = slots[replica]
-            state["strategy"] = _split(strategy, Layout(new.workers), worker, 0, rules)
-        else:
-            model, strategy = slots[0]
-            state["strategy"] = _split(strategy, new, worker, replica, rules)
-        state["model"] = model
+        state["model"], state["strategy"] = _rank_state(
+            slots, kept, new, worker, replica, rules, sharded_workers=sharded_workers
+        )
         state["data"] = {
             **{k: v for k, v in states[0]["data"].items() if not k.startswith("carry")},
             **carry, "position": 0, "rank": worker, "world_size": new.workers,
@@ -207,6 +213,28 @@ def reshard(
         }  # fmt: skip
         out.append(state)
     return out
+
+
+def _rank_state(
+    slots: list[tuple[Any, Any]],
+    kept: list[dict[str, Any]] | None,
+    new: Layout,
+    worker: int,
+    replica: int,
+    rules: Rules,
+    *,
+    sharded_workers: bool,
+) -> tuple[Any, Any]:
+    """(model, strategy) state of new rank (``worker``, ``replica``): its slot's, split for it
+    (``kept``: each old worker's own state, which a remapping method keeps when only the ranks
+    per worker change)."""
+    if sharded_workers:  # this rank's slot, split as a one-rank worker's
+        model, strategy = slots[replica]
+        return model, _split(strategy, Layout(new.workers), worker, 0, rules)
+    model, strategy = (
+        slots[0] if kept is None else (kept[worker]["model"], kept[worker]["strategy"])
+    )
+    return model, _split(strategy, new, worker, replica, rules)
 
 
 def _check_count(states: list[dict[str, Any]], old: Layout) -> None:
@@ -432,6 +460,7 @@ def _recut(
     return list(zip(models, strategies, strict=True)), Rules(
         numel=cut.local_numel, shards_over_workers=rules.shards_over_workers,
         shards_over_replicas=rules.shards_over_replicas, pooled=rules.pooled,
+        remaps=rules.remaps,
     )  # fmt: skip
 
 
@@ -441,7 +470,10 @@ def _merged(
     """(model, strategy) state of the old workers combined by the module's rules (the
     strategy's padded for ``new_workers`` when sharded over the workers)."""
     workers = [_join_replicas(states, old, w) for w in range(old.workers)]
-    strategy = _combine([w["strategy"] for w in workers], "strategy", rules, sharded=True)
+    if rules.remaps:
+        strategy = workers[0]["strategy"]  # (remapped by the strategy as it loads it)
+    else:
+        strategy = _combine([w["strategy"] for w in workers], "strategy", rules, sharded=True)
     if rules.shards_over_workers:  # flat buffers padded to a multiple of the worker count
         strategy = _repad(strategy, rules.numel, old.workers, new_workers)
     model = _combine([w["model"] for w in workers], "model", rules, sharded=False)
