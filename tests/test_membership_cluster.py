@@ -267,7 +267,7 @@ def test_a_torchrun_group_joins_a_running_job_and_heals_bit_for_bit(tmp_path: Pa
     from lowcomm.membership.local import LocalJob
     from test_membership_torchft import _config
 
-    steps, ranks = 400, 2
+    steps, ranks = 600, 2
     options = MembershipOptions(detect_s=2.0, quorum_s=5.0, digests=True)
     config = _config("diloco", tmp_path, steps, ranks_per_worker=ranks, membership_options=options)
     joiner = tmp_path / "joiner"
@@ -310,3 +310,29 @@ def _accepts(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
         return True
     return False
+
+
+@pytest.mark.slow
+def test_a_worker_behind_inside_the_same_round_retrains_its_own_steps(
+    jobs: Path, tmp_path: Path
+) -> None:
+    """Stopped after step 6 with checkpoints every 2 steps: worker 1's step-6 checkpoint is
+    gone, so it resumes from step 4, which holds the same committed rounds (diloco's next
+    commits after step 8) and torchft step as worker 0's step 6. Neither is healed: worker 1
+    trains steps 4 and 5 again from its own checkpoint, worker 0 waits for it at the round,
+    and both follow the uninterrupted job."""
+    with _lighthouse() as address:
+        stop = ["--steps", str(STEPS), "--checkpoint-every", "2", "--stop-after", "6"]
+        _cluster(address, [[*JOB, *stop, "--out", str(tmp_path / f"w{k}")] for k in range(WORKERS)])
+        behind = tmp_path / "w1" / "checkpoints"
+        shutil.rmtree(behind / "step-000006")
+        (behind / "latest").write_text("step-000004\n")
+        _cluster(address, [["--resume", str(tmp_path / f"w{k}")] for k in range(WORKERS)])
+    for k in range(WORKERS):
+        record = _record(tmp_path / f"w{k}")
+        assert not _healed(record), record["events"]
+        want, got = _losses(jobs / "whole" / f"w{k}"), _losses(tmp_path / f"w{k}")
+        assert sorted(got) == list(range(STEPS)), k
+        for step in range(STEPS):
+            assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-6), (k, step)
+        assert _digests(record)[STEPS - 1] == _digests(_record(jobs / "whole" / f"w{k}"))[STEPS - 1]
