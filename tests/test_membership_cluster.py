@@ -67,14 +67,14 @@ def _env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _lighthouse() -> Iterator[str]:
+def _lighthouse(min_replicas: int = 1) -> Iterator[str]:
     """docs/membership.md's `torchft_lighthouse` on the loopback; its address."""
     binary = _binary("torchft_lighthouse")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     process = subprocess.Popen(
-        [binary, "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
+        [binary, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
          "--heartbeat_timeout_ms", "2000", "--join_timeout_ms", "60000"],
         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -336,3 +336,54 @@ def test_a_worker_behind_inside_the_same_round_retrains_its_own_steps(
         for step in range(STEPS):
             assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-6), (k, step)
         assert _digests(record)[STEPS - 1] == _digests(_record(jobs / "whole" / f"w{k}"))[STEPS - 1]
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_with_resume_into_the_running_job_heals_from_it(
+    tmp_path: Path,
+) -> None:
+    """Worker 1 is SIGKILLed after its step-40 checkpoint while worker 0 trains on, and started
+    again with --resume of its own directory: the live worker is past that checkpoint, so its
+    torchft step is ahead and the restarted worker is healed from it at its next round (the
+    lighthouse and the workers need 2 for a round, so worker 0 waits for it), then holds its
+    parameters bit for bit."""
+    steps = 400
+    need_two = ["--membership.min-workers", "2", "--membership.quorum-s", "240"]
+    args = [*JOB, "--steps", str(steps), "--checkpoint-every", "10", *need_two]
+    runs = [tmp_path / f"w{k}" for k in range(WORKERS)]
+    with _lighthouse(min_replicas=2) as address:
+        command = [sys.executable, "-m", "lowcomm", "train", "--membership.lighthouse", address]
+        started = [
+            subprocess.Popen(
+                [*command, "--membership.worker", str(k), *args, "--out", str(runs[k])],
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for k in range(WORKERS)
+        ]
+        _wait_for(lambda: _lines(runs[1] / "metrics.jsonl") >= 45, "45 steps")
+        started[1].kill()
+        started[1].communicate()
+        latest = (runs[1] / "checkpoints" / "latest").read_text().strip()
+        again = subprocess.Popen(
+            [*command, "--membership.worker", "1", "--resume", str(runs[1])],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        outputs = [process.communicate(timeout=HANG_GUARD_S)[0] for process in (started[0], again)]
+        assert [started[0].returncode, again.returncode] == [0, 0], outputs
+    resumed_from = int(latest.removeprefix("step-"))
+    assert f"resumed {runs[1]} from step {resumed_from}" in outputs[1], outputs[1]
+    live, restarted = _record(runs[0]), _record(runs[1])
+    healed = _healed(restarted)
+    assert not _healed(live) and len(healed) == 1, restarted["events"]
+    assert healed[0]["step"] > resumed_from and healed[0]["bytes"] > 0
+    mine, theirs = _digests(restarted), _digests(live)
+    assert min(mine) == healed[0]["step"]  # (its first sync: the round it healed in)
+    assert all(mine[step] == theirs[step] for step in mine)
+    assert mine[steps - 1] == theirs[steps - 1]
+    assert live["data_position"] == restarted["data_position"] == steps

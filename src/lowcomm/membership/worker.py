@@ -384,15 +384,20 @@ def _resume(worker: Worker, replica: Replica) -> Progress:
     to re-shard from): one file per rank of its group, rank r reading ``rank{r}.pt``, as a
     static run's ranks of one worker do.
 
-    A resumed worker also takes back torchft's step at that checkpoint
-    (:data:`TORCHFT_STEP`, beside its files) and the loop step: nodes share no disk, so no one
-    compares the workers' checkpoints before they start; their first quorum does
-    (:func:`_admit`). torchft's quorum finds its max step among the live workers, and a worker
-    whose checkpoint is behind it (its newest checkpoint lost, or older than a peer's) is
-    healed from one that holds it, as a joiner is. torchft's own design: each replica's
-    checkpoint holds its Manager's step, and the quorum heals the ones behind. A shared step
-    agreed over the quorum would need every worker to hold a checkpoint of that step, which
-    a worker that lost its newer ones does not offer the others."""
+    A resumed worker also takes back the loop step and torchft's step
+    (:data:`TORCHFT_STEP`, kept beside its files): nodes share no disk, so no one compares
+    the workers' checkpoints before they start; their first quorum does (:func:`_admit`).
+    torchft's quorum finds its max step among the live workers, and a worker whose checkpoint
+    is behind it (its newest checkpoint lost, or older than a peer's) is healed from one that
+    holds it, as a joiner is. That is torchft's own design (each replica's checkpoint holds
+    its Manager's step, and the quorum heals the ones behind); a shared step agreed over the
+    quorum would need every worker to hold a checkpoint of that step, which a worker that
+    lost its newer ones cannot offer.
+
+    The step taken back is the one before the checkpoint's: the resumed job's startup round
+    commits it back to the checkpoint's, so resumed workers compare as their checkpoints
+    do, while workers that trained on past the checkpoint (a running job this one restarts
+    into) are ahead of it even before their next commit, and heal it."""
     from lowcomm.train import checkpoint, loop
 
     config = worker.config
@@ -403,7 +408,8 @@ def _resume(worker: Worker, replica: Replica) -> Progress:
     step, directory = checkpoint.find_latest(resume_from, ranks, checkpoint.fingerprint(config))
     saved = checkpoint.read_rank_state(directory, worker.rank, worker.device)
     progress = loop.restore(worker, saved, step, resume_from, directory)
-    replica.manager.load_state_dict(torchft_step(directory))
+    state = torchft_step(directory)
+    replica.manager.load_state_dict({**state, "step": max(state["step"] - 1, 0)})
     replica.loop_step = step  # (what a peer healed from this worker continues from)
     if worker.rank == 0:
         print(
