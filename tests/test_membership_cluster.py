@@ -5,7 +5,9 @@ its checkpoints on its own disk.
 - Workers stopped (--stop-after) and resumed, each from its own checkpoint (--resume of its own
   directory), follow the uninterrupted job's losses.
 - A worker whose newest checkpoint is lost resumes from its older one, is healed at the first
-  quorum from a worker that holds the newest, and ends on the others' parameters bit for bit.
+  quorum from a worker that holds the newest, and ends on the others' parameters bit for bit;
+  one whose older checkpoint holds the same committed rounds trains its own steps again.
+- A worker SIGKILLed and started again with --resume while the other trains heals from it.
 - A worker of two ranks started by torchrun joins a job already training, heals and holds the
   others' parameters bit for bit after its first sync.
 """
