@@ -138,6 +138,10 @@ def _checkpoint(config: TrainConfig, directory: Path, step: int) -> None:
     checkpoint.commit_checkpoint(
         directory, step, 1, checkpoint.fingerprint(worker), digests=[checkpoint.file_digest(path)]
     )
+    # (torchft's step there, which a worker's resume takes back.)
+    (checkpoint.step_directory(directory, step) / "torchft.json").write_text(
+        json.dumps({"step": step, "batches_committed": 0})
+    )
 
 
 def test_a_resume_continues_each_slots_last_process(tmp_path: Path) -> None:

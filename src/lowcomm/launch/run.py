@@ -312,13 +312,10 @@ def _check_resume(config: TrainConfig) -> None:
     (and is the run's directory: an ``--out`` elsewhere is refused)."""
     if config.run.resume is None or config.run.resume == "auto":
         return
-    if (
-        config.placement.membership == "torchft"
-        and config.placement.membership_options.lighthouse is None
-    ):
+    if config.placement.membership == "torchft":
         from lowcomm.membership.local import check_resume
 
-        check_resume(config)  # (each worker's own directory, all at one step)
+        check_resume(config)  # (each worker's own directory; a local job's at one step)
         return
     if (
         config.run.out is not None

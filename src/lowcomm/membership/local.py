@@ -305,15 +305,10 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         from lowcomm.membership.worker import train_replica
 
         check_replay(config)  # (a trace is refused here: the local launcher replays one)
-        run = config.run
-        if run.resume is not None or run.checkpoint_every is not None or run.stop_after is not None:
-            raise ConfigError(
-                "--membership.lighthouse: checkpoints (--resume, --checkpoint-every, "
-                "--stop-after) are not yet kept by a cluster's workers (nothing checks that "
-                "they resume from the same step); drop them, or run a local job"
-            )
-
-        train_replica(config, task)
+        record = train_replica(config, task)
+        if record.get("stopped") is not None:
+            _say_stopped(config)
+            return None
         return read_summary(run_directory(config))
     with LocalJob(config, task) as job:
         print(
@@ -383,6 +378,7 @@ def resume_point(config: TrainConfig) -> ResumePoint:
         ConfigError: in one line naming the worker, its directory and the fix.
     """
     from lowcomm.membership.replay import read_record, trace_of, without_faults
+    from lowcomm.membership.worker import torchft_step
     from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
 
     assert config.run.resume is not None
@@ -404,9 +400,10 @@ def resume_point(config: TrainConfig) -> ResumePoint:
             continue
         worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
         try:
-            steps[slot] = find_latest(directory, ranks, fingerprint(worker))[0]
+            steps[slot], found = find_latest(directory, ranks, fingerprint(worker))
         except CheckpointError as error:
             raise ConfigError(f"--resume: worker {slot}: {error}") from None
+        torchft_step(found)
         dirs[slot], first[slot], names[slot] = directory, index, directory.name
     if len(set(steps.values())) > 1:
         named = ", ".join(f"{names[slot]} at step {step}" for slot, step in steps.items())
@@ -424,6 +421,25 @@ def resume_point(config: TrainConfig) -> ResumePoint:
     return ResumePoint(step, dirs, first, (step, float(replayed.get("run_s") or 0.0)))
 
 
+def _say_stopped(config: TrainConfig) -> None:
+    """A cluster worker stopped at --stop-after (its group's rank 0 says how to continue)."""
+    from lowcomm.launch.spawn import under_torchrun
+
+    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+        return
+    from lowcomm.train.rundir import run_directory
+
+    options = config.placement.membership_options
+    run_dir = run_directory(config)
+    print(
+        f"lowcomm: worker {options.worker} stopped after step {config.run.stop_after} with its "
+        f"checkpoint in {run_dir}; continue every worker with its own: lowcomm train --resume "
+        f"{run_dir} --membership.lighthouse {options.lighthouse} --membership.worker "
+        f"{options.worker}",
+        flush=True,
+    )
+
+
 def _process_index(name: str) -> int:
     """The number of a worker's process from its directory's name (workerK: 0, workerK.N: N)."""
     _, dot, number = name.partition(".")
@@ -431,8 +447,51 @@ def _process_index(name: str) -> int:
 
 
 def check_resume(config: TrainConfig) -> None:
-    """``--resume OUT`` of a local job can continue (:func:`resume_point`), or ConfigError."""
-    resume_point(config)
+    """``--resume OUT`` can continue, or ConfigError in one line: a local job's workers each
+    from its own checkpoint, all at one step (:func:`resume_point`); a cluster worker
+    (``--membership.lighthouse``) from its own run directory's newest intact checkpoint
+    (:func:`check_worker_resume`)."""
+    if config.placement.membership_options.lighthouse is not None:
+        check_worker_resume(config)
+    else:
+        resume_point(config)
+
+
+def check_worker_resume(config: TrainConfig) -> int:
+    """``--resume OUT`` of one cluster worker: OUT is its own run directory (its ``--out``),
+    holding an intact checkpoint of this configuration with torchft's step beside it; the
+    step it resumes from. Nodes share no disk, so no other worker's checkpoint is read
+    here: the workers' first quorum compares them (a worker behind the newest is healed,
+    lowcomm.membership.worker's ``_admit``).
+
+    Raises:
+        ConfigError: in one line naming the directory and the fix.
+    """
+    from lowcomm.membership.replay import without_faults
+    from lowcomm.membership.worker import torchft_step
+    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint, has_checkpoint
+
+    assert config.run.resume is not None
+    resume = Path(config.run.resume)
+    if config.run.out is not None and Path(config.run.out).resolve() != resume.resolve():
+        raise ConfigError(
+            f"--out: {config.run.out!r} differs from --resume {config.run.resume!r}; a resumed "
+            "worker continues in its own run directory, so omit --out"
+        )
+    if not has_checkpoint(resume):
+        raise ConfigError(
+            f"--resume: {resume} holds no checkpoint of this worker; give its own --out "
+            "directory of a run with --checkpoint-every or --stop-after, or start it without "
+            "--resume (it heals from a live worker)"
+        )
+    worker = without_faults(with_options(config, out=str(resume)))
+    ranks = config.placement.ranks_per_worker
+    try:
+        step, directory = find_latest(resume, ranks, fingerprint(worker))
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+    torchft_step(directory)
+    return step
 
 
 def _stopped(job: LocalJob, codes: dict[int, list[int | None]]) -> bool:

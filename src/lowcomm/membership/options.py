@@ -204,13 +204,20 @@ def _checkpoint_refusal(config: TrainConfig, flag: str) -> str | None:
 
     Every method that runs with live membership keeps them, at any step: a worker's checkpoint
     is its whole state in its own run directory (its strategy's ``state_dict`` settles a round
-    still in flight first, as a static run's does: a streaming fragment, a delayed sync), and
-    the resumed job starts every live worker from the same step
+    still in flight first, as a static run's does: a streaming fragment, a delayed sync), with
+    torchft's step beside it. A local job's resume starts every live worker from the same step
     (:func:`lowcomm.membership.local.resume_point`), where each holds the same committed
-    rounds and its own steps since. A step inside a sync round is such a step too: no round
-    is open there. Nothing here names a method, so a method that starts running with live
-    membership keeps checkpoints with no rule of its own."""
+    rounds and its own steps since; a cluster's workers (``--membership.lighthouse``) each
+    resume their own newest checkpoint, and their first quorum heals any worker behind the
+    newest among them (lowcomm.membership.worker's ``_admit``). A step inside a sync round is
+    such a step too: no round is open there. Nothing here names a method, so a method that
+    starts running with live membership keeps checkpoints with no rule of its own."""
     if config.run.resume == "auto":
+        if config.placement.membership_options.lighthouse is not None:
+            return (
+                f"--resume auto: not with {flag}; give this worker's own run directory "
+                "(--resume OUT, its --out), which holds its checkpoints"
+            )
         return (
             f"--resume auto: not with {flag}; give the job's directory (--resume OUT), whose "
             "workerK directories hold each worker's checkpoints"

@@ -149,9 +149,9 @@ def train_replica(
         raw.start()
         # (--resume: this worker's own checkpoint, in its own run directory; the launcher
         # has checked that every worker's names the same step.)
-        progress = _resume(worker)
+        progress = _resume(worker, replica)
         finish_calibration(worker.clock, config, 0)
-        admitted = replica.admit()  # (0: no peer further on; else healed into their step)
+        admitted = _admit(replica)  # (0: no peer further on; else healed into their step)
         progress.start_step = admitted or progress.start_step
         per_step = config.run.microbatches_per_step
         _skip_to(worker.shard, progress.start_step * per_step)
@@ -271,6 +271,7 @@ def _train(
                     # The last step's checkpoint, as a static run's.
                     with worker.clock.excluded():
                         loop._save_checkpoint(worker, config.run.steps, progress)
+                    _keep_torchft_step(config, replica, config.run.steps)
     finally:
         if writer is not None:
             if final.last_record is not None:
@@ -383,11 +384,26 @@ class _JobRank:
         return self._comm.barrier()
 
 
-def _resume(worker: Worker) -> Progress:
+def _resume(worker: Worker, replica: Replica) -> Progress:
     """This worker's progress: a fresh start, or with --resume its own directory's newest
     intact checkpoint (the worker's run is its own; the job's other workers are not a layout
     to re-shard from): one file per rank of its group, rank r reading ``rank{r}.pt``, as a
-    static run's ranks of one worker do."""
+    static run's ranks of one worker do.
+
+    A resumed worker also takes back the loop step and torchft's step
+    (:data:`TORCHFT_STEP`, kept beside its files): nodes share no disk, so no one compares
+    the workers' checkpoints before they start; their first quorum does (:func:`_admit`).
+    torchft's quorum finds its max step among the live workers, and a worker whose checkpoint
+    is behind it (its newest checkpoint lost, or older than a peer's) is healed from one that
+    holds it, as a joiner is. That is torchft's own design (each replica's checkpoint holds
+    its Manager's step, and the quorum heals the ones behind); a shared step agreed over the
+    quorum would need every worker to hold a checkpoint of that step, which a worker that
+    lost its newer ones cannot offer.
+
+    The step taken back is the one before the checkpoint's: the resumed job's startup round
+    commits it back to the checkpoint's, so resumed workers compare as their checkpoints
+    do, while workers that trained on past the checkpoint (a running job this one restarts
+    into) are ahead of it even before their next commit, and heal it."""
     from lowcomm.train import checkpoint, loop
 
     config = worker.config
@@ -398,6 +414,9 @@ def _resume(worker: Worker) -> Progress:
     step, directory = checkpoint.find_latest(resume_from, ranks, checkpoint.fingerprint(config))
     saved = checkpoint.read_rank_state(directory, worker.rank, worker.device)
     progress = loop.restore(worker, saved, step, resume_from, directory)
+    state = torchft_step(directory)
+    replica.manager.load_state_dict({**state, "step": max(state["step"] - 1, 0)})
+    replica.loop_step = step  # (what a peer healed from this worker continues from)
     if worker.rank == 0:
         print(
             f"lowcomm: worker {config.placement.membership_options.worker} resumed "
@@ -405,6 +424,108 @@ def _resume(worker: Worker) -> Progress:
             flush=True,
         )
     return progress
+
+
+#: The file beside a worker's checkpoint files that holds torchft's step there (the
+#: Manager's state dict: its step and committed batches).
+TORCHFT_STEP = "torchft.json"
+
+#: The key of the state a healed worker receives besides the method's: whether its source
+#: was still being admitted (:func:`_admit`).
+ADMISSION_KEY = "lowcomm_admission"
+
+
+def torchft_step(directory: Path) -> dict[str, int]:
+    """torchft's step (the Manager's state dict) at the checkpoint in ``directory``.
+
+    Raises:
+        ConfigError: in one line naming the file and the fix.
+    """
+    path = directory / TORCHFT_STEP
+    try:
+        state = json.loads(path.read_text())
+        return {"step": int(state["step"]), "batches_committed": int(state["batches_committed"])}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        reason = "is missing" if isinstance(error, FileNotFoundError) else "is unreadable"
+        raise ConfigError(
+            f"--resume: {path} {reason} (torchft's step at that checkpoint, which its "
+            "workers' first quorum compares); remove that checkpoint directory to resume from "
+            "the one before, or start this worker without --resume (it heals from a live one)"
+        ) from None
+
+
+def _keep_torchft_step(config: TrainConfig, replica: Replica, step: int) -> None:
+    """After the loop step that ends at ``step``: if the run wrote its checkpoint of that
+    step (the loop's rule: --checkpoint-every, --stop-after, the last step), write torchft's
+    step beside it (each rank its own view of the directory, the same bytes), which a
+    resume takes back."""
+    from lowcomm.atomic import atomic_write_text
+    from lowcomm.train.checkpoint import step_directory
+    from lowcomm.train.rundir import run_directory
+
+    run = config.run
+    every = run.checkpoint_every
+    periodic = every is not None and step % every == 0 and step < run.steps
+    if not (_checkpoints(config) and (periodic or step in (run.stop_after, run.steps))):
+        return
+    directory = step_directory(run_directory(config), step)
+    if (directory / "manifest.json").exists():
+        state = replica.manager.state_dict()
+        atomic_write_text(directory / TORCHFT_STEP, json.dumps(state) + "\n")
+
+
+def _admit(replica: Replica) -> int:
+    """This worker's first quorum (:meth:`Replica.admit`); the loop step it starts at.
+
+    Workers that start together (a job's start, or a resumed job's) commit an empty round
+    together. If their torchft steps differ (a resumed worker whose checkpoint is older than
+    a peer's, or one started without a checkpoint), the quorum heals the ones behind from a
+    worker at its max step, which is itself being admitted: it commits that empty round, not
+    a round of training, so the healed worker, now at the same step with the same global
+    state (its own state started by the method's rule), commits it too when the quorum holds
+    every worker (as its source does), else asks again with the others. A worker healed from
+    one that trains joins that round, as any joiner does.
+
+    Workers at the same torchft step but different loop steps (a checkpoint in the round
+    window a peer's newer one is in: no round committed between them) are not healed: each
+    continues its own checkpoint, which holds the same committed rounds, and the one behind
+    trains its own steps up to the round, where the quorum waits for it."""
+    admitting = [True]
+    replica.manager.register_state_dict_fn(
+        ADMISSION_KEY, lambda _: None, lambda: {"admitting": admitting[0]}
+    )
+    start = 0  # (the step of a healing from a worker being admitted)
+    try:
+        while True:
+            healed = _healings(replica)
+            step = replica.admit()
+            if _healings(replica) == healed:
+                return step or start  # (committed with the others)
+            if not _source_admitting(replica):
+                return step
+            start = step
+            if replica.rank == 0:
+                print(
+                    f"lowcomm: worker {replica.slot}: behind the starting workers' step "
+                    f"{step}; healed from one of them",
+                    flush=True,
+                )
+            # (A full quorum: its source commits the empty round now, and so does this one.)
+            if replica.quorum().size >= replica.workers and replica.commit():
+                return start
+            replica.retry_round()
+    finally:
+        admitting[0] = False
+
+
+def _healings(replica: Replica) -> int:
+    return sum(1 for event in replica.events if event["event"] == "healed")
+
+
+def _source_admitting(replica: Replica) -> bool:
+    """Whether the state this worker was just healed with came from a worker being admitted."""
+    pending = getattr(replica.manager, "_pending_state_dict", None) or {}
+    return bool(((pending.get("user") or {}).get(ADMISSION_KEY) or {}).get("admitting"))
 
 
 def _replica_steps(
@@ -441,6 +562,7 @@ def _replica_steps(
         dropped = replica.failed_rounds
         began = time.perf_counter()
         going_on = loop.train_step(worker, step, progress, writer, final, log)
+        _keep_torchft_step(config, replica, step + 1)
         step_s = time.perf_counter() - began
         slow = replay is not None and replay.slow_down(step, step_s)
         clean.add(replica, step, step_s, slow or replica.failed_rounds > dropped)
