@@ -166,6 +166,32 @@ def test_a_process_per_rank_without_faults_gives_the_numbers_of_rank_threads(
         assert got["bytes_sent_per_worker"] == want["bytes_sent_per_worker"]
 
 
+@pytest.mark.slow
+def test_a_process_per_rank_replays_the_trace_of_rank_threads(tmp_path: Path) -> None:
+    """With faults too a learner's ranks may be processes of their own: the crashed learner's
+    two processes are killed and two standbys take its join, and every number equals the
+    threads' (each process keeps a replica of the synchronizer, fed the same contributions)."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text(TRACE)
+    link: dict[str, Any] = {"inner_network": "datacenter"}
+    threads = _config(tmp_path / "threads", trace, ranks=2, workers_per_process=WORKERS, **link)
+    processes = _config(tmp_path / "processes", trace, ranks=2, workers_per_process=1, **link)
+    assert run_training(threads, report=None) is not None
+    assert run_training(processes, report=None) is not None
+    read = [
+        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("threads", "processes")
+    ]
+    assert len(read[1]) == len(read[0]) == STEPS
+    assert any(record.get("membership_events") for record in read[0])
+    for got, want in zip(read[1], read[0], strict=True):
+        for name in ("train_loss", "val_loss"):
+            assert _close(got[name], want[name]), (name, got, want)
+        assert abs(got["clock_s"] - want["clock_s"]) <= 1e-9
+        for name in ("quorum", "membership_events", "bytes_sent_per_worker"):
+            assert got.get(name) == want.get(name), (name, got, want)
+
+
 def test_on_the_real_clock_the_ranks_of_a_learner_take_each_reply_together(
     tmp_path: Path,
 ) -> None:
