@@ -980,6 +980,7 @@ def price_faults(
     exposure: Exposure | None = None,
     dropped_rounds: float | None = None,
     last_sync_lost: float | None = None,
+    steps_met: FaultSteps | None = None,
 ) -> FaultGoodput:
     """The expected goodput of ``plan``'s method under ``config``'s --fault-* options.
 
@@ -987,8 +988,9 @@ def price_faults(
     step times H, h the method's global state over the link (one hop, each rank its 1/R);
     T is --fault-horizon-s or the plan's fault-free wall clock. ``exposure``: the faults to
     price instead of the options' expected ones, ``dropped_rounds`` the exchanges that
-    failed instead of their expected number and ``last_sync_lost`` the rounds of every
-    survivor the run's failed last sync lost (a run's own, to check the model on it).
+    failed instead of their expected number, ``last_sync_lost`` the rounds of every
+    survivor the run's failed last sync lost and ``steps_met`` the steps its crashes and
+    healings fell on (a run's own, to check the model on it).
     """
     _, options = method_options(config)
     model = fault_model(config.method)
@@ -997,7 +999,7 @@ def price_faults(
     if exposure is None:
         exposure = expected_exposure(_fault_options(config, horizon), workers=config.workers)
     period = model.period(options)
-    costs, heal_bytes = _fault_step_costs(config, plan, model, period, exposure.crashes)
+    costs, heal_bytes = _fault_step_costs(config, plan, model, period, exposure.crashes, steps_met)
     compute = costs.compute_s
 
     drained = _drained(plan, horizon)
@@ -1057,12 +1059,48 @@ def _fault_options(config: PlanConfig, horizon: float) -> FaultOptions:
     )
 
 
+@dataclass(frozen=True)
+class FaultSteps:
+    """The steps a run's faults fell on, to price that run's own healings: its joins wait
+    for the collectives in flight by where in the round they fall, and a healing sends an
+    exchange in flight only when no crash has failed it.
+
+    Attributes:
+        crashes: the steps of the run's crashes.
+        healings: the steps at which it healed joiners (one per step however many join).
+    """
+
+    crashes: tuple[int, ...] = ()
+    healings: tuple[int, ...] = ()
+
+
+def _failed_at_healings(steps_met: FaultSteps, in_flight: int, period: int) -> float:
+    """The mean exchanges in flight at the run's healings that a crash had failed: at a
+    healing at step t of round r = t // H, the exchanges launched at the ends of rounds
+    r - N .. r - 1 fly, and the one of round q failed when a crash fell at a step of rounds
+    q + 1 .. (not before its launch: its quorum then left the dead worker out), up to t."""
+    failed = [
+        sum(
+            any((q + 1) * period <= crash <= step for crash in steps_met.crashes)
+            for q in range(max(0, step // period - in_flight), step // period)
+        )
+        for step in steps_met.healings
+    ]
+    return sum(failed) / len(failed)
+
+
 def _fault_step_costs(
-    config: PlanConfig, plan: Plan, model: _FaultModel, period: int, crashes: float
+    config: PlanConfig,
+    plan: Plan,
+    model: _FaultModel,
+    period: int,
+    crashes: float,
+    steps_met: FaultSteps | None = None,
 ) -> tuple[StepCosts, float]:
     """The step costs the fault model prices (c, m over a period of H steps, h) and the
     bytes of a healing with every exchange in flight live (each rank its 1/R of the global
-    state); h is the expected healing, without the exchanges ``crashes`` failed."""
+    state); h is the expected healing, without the exchanges ``crashes`` failed, or, given
+    ``steps_met``, the run's own healings."""
     # (The run's final drain is priced once, over the horizon: price_faults.)
     exposed_per_step = (
         (plan.comm_exposed_s - plan.final_drain_s) / plan.steps if plan.steps > 0 else 0.0
@@ -1070,9 +1108,13 @@ def _fault_step_costs(
     heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
     tensors = float(model.heal_tensors or round(model.heal_bytes(config) / 4.0))
     if model.live_heal:
-        unsent = model.live_heal * _failed_in_flight(
-            crashes, model.in_flight(method_options(config)[1]), period, plan.steps
+        in_flight = model.in_flight(method_options(config)[1])
+        failed = (
+            _failed_at_healings(steps_met, in_flight, period)
+            if steps_met is not None and steps_met.healings
+            else _failed_in_flight(crashes, in_flight, period, plan.steps)
         )
+        unsent = model.live_heal * failed
         heal_bytes_sent = heal_bytes * (1.0 - unsent / tensors)
         tensors -= unsent
     else:
@@ -1088,6 +1130,8 @@ def _fault_step_costs(
         sync_every=period,
         overlapped=overlapped,
         heal_s=_heal_seconds(link, heal_bytes_sent, tensors, config.workers),
+        join_phases=() if steps_met is None else tuple(t % period for t in steps_met.healings),
+        crash_phases=() if steps_met is None else tuple(t % period for t in steps_met.crashes),
     )
     return costs, heal_bytes
 
