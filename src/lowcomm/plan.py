@@ -1411,6 +1411,14 @@ def plan_for_run(
     A fragmented method's unset fragment count is the one the run used: its default capped
     at the model's transformer blocks (a 1-block model trains with 1 fragment), where a plan
     alone takes the method's default (4), which the run's H and tau may not fit.
+
+    ``seconds_per_step`` is one worker's compute for a step of ``--microbatches-per-step``
+    micro-batches. ACCO, DPU and WP (the ``--acco.*`` family) compute another count: each
+    phase takes micro-batches until its chain is done (at least one, or
+    ``--acco.microbatches-per-phase``), two phases a step for ACCO, and the first step
+    first computes a priming one (a run of K steps of one micro-batch a phase: 2 K + 1
+    micro-batches for ACCO, K + 1 for DPU and WP). Their step's compute is therefore priced
+    for the micro-batches the run's steps took (its tokens per step), at the same rate.
     """
     from lowcomm.config import option_names, option_value
     from lowcomm.strategies import strategy_class
@@ -1422,6 +1430,13 @@ def plan_for_run(
     options = None if field is None else getattr(train, field, None)
     if getattr(options, "fragments", 0) is None and field in values:
         values[field] = dataclasses.replace(options, fragments=_run_fragments(train, cls))  # type: ignore[type-var]
+    if field == "acco":
+        baseline = (
+            train.placement.workers
+            * train.run.microbatches_per_step
+            * train.tokens_per_microbatch()
+        )
+        seconds_per_step *= tokens / steps / baseline
     return PlanConfig(
         **values,
         params=params,
