@@ -395,10 +395,10 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     a = 1 / (1 + rate * r)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 4 * result.compute_s + result.sync_s
-    # (The crash lands k = 4 - p steps of 1 s before the sync, p = 0 also for a crash during
-    # the round's exposed syncs.)
-    waits = [d - (4 - p) * 1.0 for p in range(4)]
-    wait = ((1.0 + result.sync_s) * waits[0] + sum(waits[1:])) / rho
+    # (The survivors wait for the detection at each launch and each completion of a sync:
+    # fragment 1 launches after step 0 of the round and completes after step 1, fragment 2
+    # after steps 2 and 3, so the crash, at the start of a step, waits at its end.)
+    wait = d - 1.0
     last = (1 - math.exp(-crashes * 1 / 10)) / 2
     healed = 10 * (1 - math.exp(-joins / 10))
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
@@ -555,7 +555,12 @@ step=23     worker=3  join
 
 @pytest.mark.parametrize(
     ("method", "options"),
-    [("eager", ["--diloco.sync-every", "4"]), ("co2", ["--local.sync-every", "4"])],
+    [
+        ("eager", ["--diloco.sync-every", "4"]),
+        ("co2", ["--local.sync-every", "4"]),
+        ("diloco", ["--diloco.sync-every", "4"]),
+        ("streaming_diloco", ["--diloco.sync-every", "4"]),
+    ],
 )
 def test_the_model_given_a_runs_faults_prices_where_in_the_round_they_fell(
     method: str, options: list[str], tmp_path: Path
@@ -563,8 +568,10 @@ def test_the_model_given_a_runs_faults_prices_where_in_the_round_they_fell(
     """M = 4, H = 4, 28 steps of 1 s, worker 1 3x slow, a 0.5 s latency (an exchange of
     about 3 s, hidden behind the straggler's round; a healing broadcast 1.5 s per tensor).
     A crash lands at the start of a step: the survivors wait for its detection (5 s) only
-    when the straggler's sync comes sooner, and a join waits for the exchange in flight only
-    at the step right after its launch. The planner's model given the run's faults, and the
+    when the straggler's next sync (streaming_diloco: its next launch or completion) comes
+    sooner, and a join waits for the exchange in flight only at the step right after its
+    launch (eager and co2 launch after a round's last step, streaming_diloco after its
+    third, tau = 1 step before the sync completes). The planner's model given the run's faults, and the
     steps they fell on, prices the goodput measured against the fault-free run (its
     committed tokens per modeled second) to 1%."""
     script = _check_script()

@@ -803,6 +803,11 @@ class _FaultModel:
         live_heal: the model-sized tensors of each exchange in flight that a healing sends
             only when the exchange is live (eager 2, diloco_delayed 1; already counted in
             heal_bytes): one that a crash failed since its launch is not sent.
+        launch_phases: the steps of a round right after its overlapped collective's
+            launches, one per launch (None: not known, a join's wait for it is priced as
+            its expectation even given a run's healings).
+        detect_phases: the steps of a round at whose end the survivors of a crash wait for
+            its detection (None: the round's last, its sync).
     """
 
     family: FaultFamily | None
@@ -814,6 +819,8 @@ class _FaultModel:
     overlap: Callable[[Any], int] = lambda options: 0
     fragments: Callable[[Any], int] = lambda options: 1
     live_heal: int = 0
+    launch_phases: Callable[[Any], tuple[int, ...]] | None = None
+    detect_phases: Callable[[Any], tuple[int, ...]] | None = None
 
 
 def _sync_every(options: Any) -> int:
@@ -831,6 +838,38 @@ def _delayed_heal(config: PlanConfig, tensors_per_exchange: int) -> float:
 
 def _overlap_steps(options: Any) -> int:
     return int(options.overlap_steps)
+
+
+def _completions(options: Any, default_fragments: int = 1) -> list[int]:
+    """The step counts (mod H) at which each fragment's sync completes (F from the options,
+    or the method's default)."""
+    from lowcomm.strategies.streaming import completion_offsets
+
+    fragments = int(options.fragments or default_fragments)
+    return completion_offsets(int(options.sync_every), fragments)
+
+
+def _delayed_launches(options: Any) -> tuple[int, ...]:
+    """eager and diloco_delayed launch fragment p's exchange after the step count o_p (its
+    completion offset) of each round, so the step after it is o_p mod H."""
+    return tuple(offset % int(options.sync_every) for offset in _completions(options))
+
+
+def _streaming_detections(options: Any) -> tuple[int, ...]:
+    """streaming_diloco waits for a pending detection at each launch (the end of step
+    o_p - tau - 1 of the round) and at the completion of a sync in flight (the end of step
+    o_p - 1)."""
+    period, overlap = int(options.sync_every), int(options.overlap_steps)
+    offsets = _completions(options, 4)
+    ends = {(offset - overlap - 1) % period for offset in offsets}
+    return tuple(sorted(ends | {(offset - 1) % period for offset in offsets}))
+
+
+def _streaming_launches(options: Any) -> tuple[int, ...]:
+    """streaming_diloco launches fragment p's sync tau steps before it completes, after the
+    step count o_p: the step after the launch is o_p - tau mod H."""
+    period, overlap = int(options.sync_every), int(options.overlap_steps)
+    return tuple((offset - overlap) % period for offset in _completions(options, 4))
 
 
 def _fragments_or(default: int) -> Callable[[Any], int]:
@@ -873,6 +912,8 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
         lambda config: _OUTER,
         overlap=_overlap_steps,
         fragments=_fragments_or(4),
+        launch_phases=_streaming_launches,
+        detect_phases=_streaming_detections,
     ),
     "cocodc": _FaultModel(
         "local",
@@ -888,6 +929,7 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
         lambda config: _delayed_heal(config, 1),
         in_flight=_outer_delay,
         live_heal=1,
+        launch_phases=_delayed_launches,
     ),
     "eager": _FaultModel(
         "local",
@@ -895,17 +937,23 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
         lambda config: _delayed_heal(config, 2),
         in_flight=_outer_delay,
         live_heal=2,
+        launch_phases=_delayed_launches,
     ),
     "sparta_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
     # The anchor; the error-feedback buffer is per worker.
     "sparseloco": _FaultModel("local", _sync_every),
     "local_sgd": _FaultModel("local", _sync_every),
     "local_adamw": _FaultModel("local", _sync_every),
-    "overlap_local_sgd": _FaultModel("local", _sync_every),
+    "overlap_local_sgd": _FaultModel("local", _sync_every, launch_phases=lambda o: (0,)),
     "slowmo": _FaultModel("local", _sync_every, lambda config: _OUTER),
     # The anchor, m, the all-reduce in flight ([Delta | d]: twice the model) and d.
     "co2": _FaultModel(
-        "local", _sync_every, lambda config: 20.0, in_flight=lambda o: 1, heal_tensors=4
+        "local",
+        _sync_every,
+        lambda config: 20.0,
+        in_flight=lambda o: 1,
+        heal_tensors=4,
+        launch_phases=lambda o: (0,),
     ),
     # Averages a fraction of the parameters every step: a round is one step.
     "sparta": _FaultModel("local"),
@@ -1107,8 +1155,9 @@ def _fault_step_costs(
     )
     heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
     tensors = float(model.heal_tensors or round(model.heal_bytes(config) / 4.0))
+    options = method_options(config)[1]
     if model.live_heal:
-        in_flight = model.in_flight(method_options(config)[1])
+        in_flight = model.in_flight(options)
         failed = (
             _failed_at_healings(steps_met, in_flight, period)
             if steps_met is not None and steps_met.healings
@@ -1131,6 +1180,8 @@ def _fault_step_costs(
         overlapped=overlapped,
         heal_s=_heal_seconds(link, heal_bytes_sent, tensors, config.workers),
         join_phases=() if steps_met is None else tuple(t % period for t in steps_met.healings),
+        launch_phases=() if model.launch_phases is None else model.launch_phases(options),
+        detect_phases=() if model.detect_phases is None else model.detect_phases(options),
         crash_phases=() if steps_met is None else tuple(t % period for t in steps_met.crashes),
     )
     return costs, heal_bytes

@@ -277,7 +277,11 @@ class StepCosts:
             them when the slowest worker computes at pace S (its compute hides them).
         join_phases: the steps of their rounds (0 .. H - 1) at which a run's healings fell,
             to price what its joins waited for the collectives in flight (empty: a join at a
-            uniform step, the expectation).
+            uniform step, the expectation); read with ``launch_phases``.
+        launch_phases: the steps of the round (0 .. H - 1) right after the launches of the
+            round's overlapped collective, one per launch (empty: unknown, the expectation).
+        detect_phases: the steps of the round at whose end the survivors of a crash wait for
+            its detection: those that launch or complete a sync (empty: the round's last).
         crash_phases: the steps of their rounds at which a run's crashes fell, to price
             its dead workers' partial rounds and its detection waits (empty: a crash at a
             uniform moment, the expectation; :meth:`crash_costs`).
@@ -289,6 +293,8 @@ class StepCosts:
     heal_s: float = 0.0
     overlapped: tuple[tuple[float, float, float], ...] = ()
     join_phases: tuple[int, ...] = ()
+    launch_phases: tuple[int, ...] = ()
+    detect_phases: tuple[int, ...] = ()
     crash_phases: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -322,10 +328,10 @@ class StepCosts:
 
             settle(S) = sum over collectives (k / H) sum_{u < y / c} max(0, x - u c S)
 
-        With ``join_phases``, the mean over those healings instead: a healing at step p of
-        its round is u = p mod (H / k) steps after the latest launch (launches every H / k
-        steps, the first ending the round's step H / k - 1), and waits for that one and
-        for those launched H / k, 2 H / k, ... steps before it still in flight."""
+        With ``join_phases`` and ``launch_phases``, the mean over those healings instead: a
+        healing at step q of its round is u = (q - l) mod H steps after the launch whose next
+        step is l, and waits for it and for those launched H, 2 H, ... steps before it still
+        in flight."""
         total = 0.0
         for count, seconds, hidden in self.overlapped:
             flight_steps = math.ceil(hidden / self.compute_s - 1e-9)
@@ -333,11 +339,15 @@ class StepCosts:
             def wait(u: int, seconds: float = seconds) -> float:
                 return max(0.0, seconds - u * self.compute_s * pace)
 
-            spacing = self.sync_every / count if count > 0 else 0.0
-            if self.join_phases and spacing >= 1 and spacing == int(spacing):
-                every = int(spacing)
+            if self.join_phases and len(self.launch_phases) == count:
                 waits = [
-                    sum(wait(u) for u in range(phase % every, flight_steps, every))
+                    sum(
+                        wait(u)
+                        for launch in self.launch_phases
+                        for u in range(
+                            (phase - launch) % self.sync_every, flight_steps, self.sync_every
+                        )
+                    )
                     for phase in self.join_phases
                 ]
                 total += sum(waits) / len(waits)
@@ -348,20 +358,21 @@ class StepCosts:
 
     def crash_costs(self, detection_s: float, pace: float = 1.0) -> tuple[float, float]:
         """What a crash costs a round of workers at pace S: the dead worker's partial round
-        (rho / 2, a crash at a uniform moment) and the survivors' wait at the sync for its
-        detection (:func:`detection_wait`). With ``crash_phases``, the mean over a run's
-        crashes instead: one at step p of its round has computed p c S of it, and the sync
-        comes (H - p) c S later, so the survivors wait max(0, D - (H - p) c S)."""
+        (rho / 2, a crash at a uniform moment) and the survivors' wait for its detection
+        (:func:`detection_wait`, at the steps ``detect_phases``). With ``crash_phases``, the
+        mean over a run's crashes instead: one at step p of its round has computed p c S of
+        it, and the survivors wait max(0, D - k(p) c S) (:func:`steps_to_detection`)."""
         step = self.compute_s * pace
         if not self.crash_phases:
-            wait = detection_wait(detection_s, step, self.sync_every, self.exposed_s(pace))
+            wait = detection_wait(
+                detection_s, step, self.sync_every, self.exposed_s(pace), self.detect_phases
+            )
             return self.round_at(pace) / 2.0, wait
         count = len(self.crash_phases)
         partial = sum(phase * step for phase in self.crash_phases) / count
-        wait = sum(
-            max(0.0, detection_s - (self.sync_every - phase) * step) for phase in self.crash_phases
-        )
-        return partial, wait / count
+        to_detection = steps_to_detection(self.sync_every, self.detect_phases)
+        waits = [max(0.0, detection_s - to_detection[p] * step) for p in self.crash_phases]
+        return partial, sum(waits) / count
 
     def round_at(self, pace: float) -> float:
         """rho(S) = H c S + m(S), a round waiting for a worker at pace S."""
@@ -501,28 +512,38 @@ def goodput_synchronous(
     return _over_stragglers(e, at)
 
 
-def detection_wait(detection_s: float, step_s: float, steps: int, sync_s: float = 0.0) -> float:
+def detection_wait(
+    detection_s: float,
+    step_s: float,
+    steps: int,
+    sync_s: float = 0.0,
+    detect_phases: tuple[int, ...] = (),
+) -> float:
     """w: how long the survivors of a crash wait at the round's sync for its detection (D =
     ``detection_s``), in a round of H = ``steps`` steps of c S = ``step_s`` (the slowest
     worker's) and ``sync_s`` = m(S) of exposed sync. A crash at a uniform moment lands at the
-    start of the next step: at step p of the round, k = H - p steps before the sync, with
-    probability c S / rho, or (c S + m) / rho for the round's first step (it takes the crashes
-    that fall during the sync too; rho = H c S + m). The survivors then wait
-    max(0, D - k c S)::
+    start of the next step: at step p of the round with probability c S / rho, or
+    (c S + m) / rho for the round's first step (it takes the crashes that fall during the
+    sync too; rho = H c S + m). The survivors wait at the end of the next step that waits for
+    a pending detection (``detect_phases``; none given: the round's last, its sync), k(p)
+    steps later, max(0, D - k(p) c S)::
 
-        w = sum_{p=0}^{H-1} P(p) max(0, D - (H - p) c S)
+        w = sum_{p=0}^{H-1} P(p) max(0, D - k(p) c S)
     """
     round_s = steps * step_s + sync_s
     if not round_s > 0:
         return detection_s
+    waits = [max(0.0, detection_s - k * step_s) for k in steps_to_detection(steps, detect_phases)]
+    return ((step_s + sync_s) * waits[0] + step_s * sum(waits[1:])) / round_s
 
-    def wait(phase: int) -> float:
-        return max(0.0, detection_s - (steps - phase) * step_s)
 
-    # (Only the last ceil(D / c S) steps wait at all.)
-    lowest = max(1, steps - math.ceil(detection_s / step_s)) if step_s > 0 else 1
-    rest = sum(wait(phase) for phase in range(lowest, steps))
-    return ((step_s + sync_s) * wait(0) + step_s * rest) / round_s
+def steps_to_detection(steps: int, detect_phases: tuple[int, ...] = ()) -> list[int]:
+    """k(p) for p = 0 .. H - 1: the steps from the start of step p of a round of H = ``steps``
+    steps to the end of the next step at which the survivors wait for a pending detection
+    (``detect_phases``, the steps of the round whose end launches or completes a sync; none
+    given: the round's last step)."""
+    ends = detect_phases or (steps - 1,)
+    return [min((end - phase) % steps for end in ends) + 1 for phase in range(steps)]
 
 
 def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> float:
