@@ -1109,9 +1109,10 @@ def _fault_options(config: PlanConfig, horizon: float) -> FaultOptions:
 
 @dataclass(frozen=True)
 class FaultSteps:
-    """The steps a run's faults fell on, to price that run's own healings: its joins wait
-    for the collectives in flight by where in the round they fall, and a healing sends an
-    exchange in flight only when no crash has failed it.
+    """The steps a run's faults fell on, to price that run's own crashes and healings by
+    where in the round they fall: a crash's partial round and its survivors' wait for its
+    detection, a join's wait for the collectives in flight, and whether a healing sends an
+    exchange in flight (not when a crash has failed it).
 
     Attributes:
         crashes: the steps of the run's crashes.
