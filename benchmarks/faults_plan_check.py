@@ -33,7 +33,14 @@ from typing import Any
 from lowcomm.config import TrainConfig
 from lowcomm.faults.goodput import Exposure, absent_worker_seconds
 from lowcomm.faults.run import run_trace
-from lowcomm.plan import PlanConfig, fault_model, make_plan, method_options, price_faults
+from lowcomm.plan import (
+    FaultSteps,
+    PlanConfig,
+    fault_model,
+    make_plan,
+    method_options,
+    price_faults,
+)
 from lowcomm.plan import plan_for_run as plan_for_train_run
 
 
@@ -194,6 +201,19 @@ def run_last_sync_lost(run: Path, config: PlanConfig) -> float:
     return 1.0 / model.fragments(options) if late_crash else 0.0
 
 
+def run_steps_met(run: Path) -> FaultSteps:
+    """The steps the run's crashes fell on, and those at which it healed joiners."""
+    summary = json.loads((run / "summary.json").read_text())
+    crashes: list[int] = []
+    healings: list[int] = []
+    for change in (summary.get("faults") or {}).get("membership_changes", []):
+        kinds = [event["kind"] for event in change["events"]]
+        crashes += [int(change["step"])] * kinds.count("crash")
+        if {"join", "rejoin"} & set(kinds):
+            healings.append(int(change["step"]))
+    return FaultSteps(crashes=tuple(crashes), healings=tuple(healings))
+
+
 def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, Any]:
     """The run's measured goodput; the planner's expected goodput (over the trace's random
     draws) and its ratio; the planner's model given the faults this run met, and its ratio."""
@@ -204,7 +224,7 @@ def check_run(run: Path, *, seconds_per_step: float | None = None) -> dict[str, 
     exposure = run_exposure(run)
     given = price_faults(
         config, plan, exposure=exposure, dropped_rounds=run_dropped_rounds(run, config),
-        last_sync_lost=run_last_sync_lost(run, config),
+        last_sync_lost=run_last_sync_lost(run, config), steps_met=run_steps_met(run),
     ).goodput  # fmt: skip
     predicted = priced.goodput
     return {

@@ -3,6 +3,7 @@ formulas in lowcomm.faults.goodput's docstring."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -109,13 +110,23 @@ def test_joins_on_one_step_heal_once() -> None:
 
 
 def test_one_crash_local_by_hand() -> None:
-    # rho = 10 * 0.8 + 2 = 10 s; D <= rho, so w = D^2 / (2 rho) = 1.25 s; the dead worker
-    # loses half a round, 5 s.
+    # rho = 10 * 0.8 + 2 = 10 s. The crash lands at the start of the next step, k = 10 - p
+    # steps of 0.8 s before the sync: at step p >= 1 with probability 0.8 / 10, at the first
+    # (k = 10, which also takes the crashes during the 2-s sync) with 2.8 / 10. The
+    # survivors wait max(0, D - 0.8 k): w = (4.2 + 3.4 + 2.6 + 1.8 + 1.0 + 0.2) 0.08 =
+    # 1.056 s; the dead worker loses half a round, 5 s.
     costs = StepCosts(compute_s=0.8, sync_s=2.0, sync_every=10)
-    assert detection_wait(5.0, 10.0) == 1.25
-    assert detection_wait(15.0, 10.0) == 10.0  # D > rho: D - rho / 2
-    expected = 0.95 - (5.0 + 2.85 * 1.25) / 400.0  # 0.92859375
+    assert detection_wait(5.0, 0.8, 10, 2.0) == pytest.approx(1.056, rel=1e-12)
+    # D past the round, no sync time: D - (H + 1) / 2 c.
+    assert detection_wait(15.0, 1.0, 10) == pytest.approx(15.0 - 5.5, rel=1e-12)
+    expected = 0.95 - (5.0 + 2.85 * 1.056) / 400.0
     assert goodput_local(ONE_CRASH, costs) == pytest.approx(expected, rel=1e-12)
+    # A run's own crash, at the round's last step (phase 9): the dead worker computed 9 of
+    # its steps, and the sync comes one step later, so the survivors wait 5 - 0.8 s.
+    at_last = dataclasses.replace(costs, crash_phases=(9,))
+    assert at_last.crash_costs(5.0) == pytest.approx((9 * 0.8, 4.2), rel=1e-12)
+    expected = 0.95 - (9 * 0.8 + 2.85 * 4.2) / 400.0
+    assert goodput_local(ONE_CRASH, at_last) == pytest.approx(expected, rel=1e-12)
 
 
 def test_one_crash_decoupled_by_hand() -> None:
@@ -165,11 +176,11 @@ def test_stragglers_by_hand() -> None:
 def test_a_sync_landing_rounds_late_loses_the_rounds_it_drops_of_every_member() -> None:
     # ONE_CRASH: 4 workers, 100 s, one crash, a = 0.95, D = 5 s. A round of 10 steps of
     # 0.8 s and 2 s exposed: rho = 10 s. The crash loses the dead worker's half round and the
-    # survivors' wait D^2 / (2 rho) = 1.25 s each; each dropped round, a round rho of the
-    # dead worker and of each of the (M - 1) a survivors.
+    # survivors' wait for the detection, 1.056 s each (test_one_crash_local_by_hand); each
+    # dropped round, a round rho of the dead worker and of each of the (M - 1) a survivors.
     costs = StepCosts(compute_s=0.8, sync_s=2.0, sync_every=10)
     survivors = 3 * 0.95
-    base = 5.0 + survivors * 1.25
+    base = 5.0 + survivors * 1.056
     for dropped in (0.0, 0.5, 2.0):
         lost = base + dropped * (1.0 + survivors) * 10.0
         expected = 0.95 - lost / 400.0

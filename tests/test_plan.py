@@ -252,6 +252,48 @@ def test_plan_agrees_with_a_measured_virtual_run(
     assert summary["utilization"] == pytest.approx(predicted.utilization, rel=0.10)
 
 
+@pytest.mark.parametrize("method", ["acco", "dpu", "wp"])
+@pytest.mark.parametrize(("bandwidth", "step_s"), [("1", 1.0), ("0.01", 0.1)])
+def test_the_plan_of_a_run_of_the_acco_family_computes_the_micro_batches_it_took(
+    method: str, bandwidth: str, step_s: float, tmp_path: Path
+) -> None:
+    """Each phase of ACCO, DPU and WP takes micro-batches until its chain is done, at least
+    one, two phases a step for ACCO, and the first step also computes a priming one: 6 steps
+    of one micro-batch a phase compute 13 (ACCO) or 7 (DPU, WP) micro-batches, not the 6 of
+    the run's --microbatches-per-step; on a slow link (a chain of about 0.6 s behind 0.1-s
+    micro-batches) each phase takes several. The plan of the run (its settings, tokens and
+    steps, and the declared compute per micro-batch) has its modeled time, steps and bytes."""
+    from lowcomm.config import TrainConfig
+    from lowcomm.plan import plan_for_run
+
+    out = tmp_path / "run"
+    result = lowcomm(
+        "train", "--method", method, "--workers", "4", "--model.n-layer", "1",
+        "--model.n-embd", "32", "--model.n-head", "2", "--model.block-size", "32",
+        "--micro-batch-size", "2", "--eval-batches", "2", "--progress", "False", "--plot",
+        "False", "--steps", "6", "--network", "wan", "--bandwidth-gbps", bandwidth,
+        "--seconds-per-microbatch", str(step_s), "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    train = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
+    planned = make_plan(
+        plan_for_run(
+            train, params=str(summary["num_params"]), tokens=float(summary["tokens"]),
+            steps=int(summary["steps"]), seconds_per_step=step_s,
+            horizon_s=float(summary["modeled_time_s"]),
+        )
+    )  # fmt: skip
+    if bandwidth == "1":
+        phases = {"acco": 2 * 6 + 1, "dpu": 6 + 1, "wp": 6 + 1}[method]
+        assert summary["modeled_time_s"] == pytest.approx(phases * step_s, rel=1e-9)
+    assert planned.steps == summary["steps"] == 6
+    assert planned.wall_clock_s == pytest.approx(summary["modeled_time_s"], rel=1e-6)
+    assert planned.comm_bytes_per_worker == pytest.approx(
+        summary["bytes_sent_per_worker"], rel=0.01
+    )
+
+
 # --- one declaration: plan reads train's options ----------------------------------------------
 
 

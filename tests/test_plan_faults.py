@@ -15,7 +15,15 @@ import pytest
 from _cli import lowcomm
 from lowcomm.faults.generate import FaultOptions
 from lowcomm.faults.goodput import expected_exposure
-from lowcomm.plan import _FAULT_MODELS, PlanConfig, fault_model, make_plan, price_faults, run_plan
+from lowcomm.plan import (
+    _FAULT_MODELS,
+    FaultSteps,
+    PlanConfig,
+    fault_model,
+    make_plan,
+    price_faults,
+    run_plan,
+)
 from lowcomm.strategies import STRATEGIES
 from lowcomm.strategies.diloco import DiLoCoOptions
 from test_plan import ALL_REDUCE, BASE  # the planner's arithmetic-friendly settings
@@ -124,7 +132,10 @@ def test_diloco_with_a_slow_fraction_by_hand() -> None:
 
 def test_diloco_under_crashes_by_hand() -> None:
     """A crash at a uniform moment of a round of rho = H c + m loses the dead worker's half
-    round, and the survivors wait w = D - rho / 2 for the detection when D > rho; a join heals
+    round; it lands at the start of the next step, k = 2 - p steps of c = 1 s before the
+    sync: the round's first (p = 0) with probability (c + m) / rho (it takes the crashes
+    during the sync), the second with c / rho, and the survivors wait D - k c for the
+    detection (D > H c); a join heals
     the anchor and the outer momentum (8 bytes per parameter)."""
     result = at_mean(
         method="diloco",
@@ -138,7 +149,7 @@ def test_diloco_under_crashes_by_hand() -> None:
     a = 1 / (1 + rate * r)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 2 * 1.0 + ALL_REDUCE  # 5.006 s < D
-    wait = d - rho / 2
+    wait = ((1.0 + ALL_REDUCE) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
     heal = 8e9 / 1e9 + 2 * 3 * 1e-3  # (two broadcasts over the 4 workers, 3 hops of 1 ms)
     healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
     expected = a - (crashes * (rho / 2 + (m - 1) * a * wait) + healed * m * a * heal) / (m * t)
@@ -315,7 +326,9 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     a = 1 / (1 + rate * r)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 2 * eager.compute_s + eager.sync_s
-    wait = d * d / (2 * rho) if d <= rho else d - rho / 2
+    # (The crash lands k = 2 - p steps of 1 s before the sync, p = 0 also for a crash during
+    # the round's exposed sync.)
+    wait = ((1.0 + eager.sync_s) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
     dropped = 4 * (1 - math.exp(-crashes / 5))
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
     healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
@@ -382,7 +395,10 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     a = 1 / (1 + rate * r)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 4 * result.compute_s + result.sync_s
-    wait = d * d / (2 * rho) if d <= rho else d - rho / 2
+    # (The survivors wait for the detection at each launch and each completion of a sync:
+    # fragment 1 launches after step 0 of the round and completes after step 1, fragment 2
+    # after steps 2 and 3, so the crash, at the start of a step, waits at its end.)
+    wait = d - 1.0
     last = (1 - math.exp(-crashes * 1 / 10)) / 2
     healed = 10 * (1 - math.exp(-joins / 10))
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
@@ -516,3 +532,62 @@ def test_a_drained_run_keeps_its_rate_behind_a_straggler_by_hand() -> None:
     drain, wall, t = ALL_REDUCE, 10.0 + ALL_REDUCE, 40.0
     assert plan.wall_clock_s == pytest.approx(wall)
     assert goodput == pytest.approx(rho0 / rho * (t - drain) / t * wall / (wall - drain))
+
+
+#: A straggler's run meeting the faults whose pricing depends on where in a round they
+#: fall: crashes in mid-round (their detection done before the straggler's sync), one at a
+#: round's last step (the survivors wait for its detection), two in one round, two joiners
+#: healed at the step right after a launch (they wait for the whole exchange) and joins at
+#: other steps (they wait for none), one while the exchange in flight has failed (its
+#: healing does not send it: eager).
+_ROUNDS_TRACE = """\
+step=0      worker=1  slow factor=3
+step=5      worker=2  crash
+step=10     worker=2  join
+step=14     worker=3  crash
+step=15     worker=2  crash
+step=16     worker=3  join
+step=16     worker=2  join
+step=21     worker=3  crash
+step=23     worker=3  join
+"""
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("eager", ["--diloco.sync-every", "4"]),
+        ("co2", ["--local.sync-every", "4"]),
+        ("diloco", ["--diloco.sync-every", "4"]),
+        ("streaming_diloco", ["--diloco.sync-every", "4"]),
+    ],
+)
+def test_the_model_given_a_runs_faults_prices_where_in_the_round_they_fell(
+    method: str, options: list[str], tmp_path: Path
+) -> None:
+    """M = 4, H = 4, 28 steps of 1 s, worker 1 3x slow, a 0.5 s latency (an exchange of
+    about 3 s, hidden behind the straggler's round; a healing broadcast 1.5 s per tensor).
+    A crash lands at the start of a step: the survivors wait for its detection (5 s) only
+    when the straggler's next sync (streaming_diloco: its next launch or completion) comes
+    sooner, and a join waits for the exchange in flight only at the step right after its
+    launch (eager and co2 launch after a round's last step, streaming_diloco after its
+    third, tau = 1 step before the sync completes). The planner's model given the run's faults, and the
+    steps they fell on, prices the goodput measured against the fault-free run (its
+    committed tokens per modeled second) to 1%."""
+    script = _check_script()
+    trace = tmp_path / "faults.txt"
+    trace.write_text(_ROUNDS_TRACE)
+    for kind, faults in (("clean", []), ("faults", ["--faults", str(trace)])):
+        result = lowcomm(
+            "train", "--method", method, *options, "--workers", "4", "--model.n-layer", "1",
+            "--model.n-embd", "32", "--model.n-head", "2", "--model.block-size", "32",
+            "--micro-batch-size", "2", "--eval-batches", "2", "--progress", "False", "--plot",
+            "False", "--steps", "28", "--network", "wan", "--latency-ms", "500",
+            "--seconds-per-microbatch", "1.0", "--out", str(tmp_path / f"{method}-{kind}"),
+            *faults,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    run = tmp_path / f"{method}-faults"
+    assert script.run_steps_met(run) == FaultSteps(crashes=(5, 14, 15, 21), healings=(10, 16, 23))
+    row = script.check_run(run)
+    assert row["ratio_given"] == pytest.approx(1.0, abs=0.01), row

@@ -803,6 +803,11 @@ class _FaultModel:
         live_heal: the model-sized tensors of each exchange in flight that a healing sends
             only when the exchange is live (eager 2, diloco_delayed 1; already counted in
             heal_bytes): one that a crash failed since its launch is not sent.
+        launch_phases: the steps of a round right after its overlapped collective's
+            launches, one per launch (None: not known, a join's wait for it is priced as
+            its expectation even given a run's healings).
+        detect_phases: the steps of a round at whose end the survivors of a crash wait for
+            its detection (None: the round's last, its sync).
     """
 
     family: FaultFamily | None
@@ -814,6 +819,8 @@ class _FaultModel:
     overlap: Callable[[Any], int] = lambda options: 0
     fragments: Callable[[Any], int] = lambda options: 1
     live_heal: int = 0
+    launch_phases: Callable[[Any], tuple[int, ...]] | None = None
+    detect_phases: Callable[[Any], tuple[int, ...]] | None = None
 
 
 def _sync_every(options: Any) -> int:
@@ -831,6 +838,38 @@ def _delayed_heal(config: PlanConfig, tensors_per_exchange: int) -> float:
 
 def _overlap_steps(options: Any) -> int:
     return int(options.overlap_steps)
+
+
+def _completions(options: Any, default_fragments: int = 1) -> list[int]:
+    """The step counts (mod H) at which each fragment's sync completes (F from the options,
+    or the method's default)."""
+    from lowcomm.strategies.streaming import completion_offsets
+
+    fragments = int(options.fragments or default_fragments)
+    return completion_offsets(int(options.sync_every), fragments)
+
+
+def _delayed_launches(options: Any) -> tuple[int, ...]:
+    """eager and diloco_delayed launch fragment p's exchange after the step count o_p (its
+    completion offset) of each round, so the step after it is o_p mod H."""
+    return tuple(offset % int(options.sync_every) for offset in _completions(options))
+
+
+def _streaming_detections(options: Any) -> tuple[int, ...]:
+    """streaming_diloco waits for a pending detection at each launch (the end of step
+    o_p - tau - 1 of the round) and at the completion of a sync in flight (the end of step
+    o_p - 1)."""
+    period, overlap = int(options.sync_every), int(options.overlap_steps)
+    offsets = _completions(options, 4)
+    ends = {(offset - overlap - 1) % period for offset in offsets}
+    return tuple(sorted(ends | {(offset - 1) % period for offset in offsets}))
+
+
+def _streaming_launches(options: Any) -> tuple[int, ...]:
+    """streaming_diloco launches fragment p's sync tau steps before it completes, after the
+    step count o_p: the step after the launch is o_p - tau mod H."""
+    period, overlap = int(options.sync_every), int(options.overlap_steps)
+    return tuple((offset - overlap) % period for offset in _completions(options, 4))
 
 
 def _fragments_or(default: int) -> Callable[[Any], int]:
@@ -873,6 +912,8 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
         lambda config: _OUTER,
         overlap=_overlap_steps,
         fragments=_fragments_or(4),
+        launch_phases=_streaming_launches,
+        detect_phases=_streaming_detections,
     ),
     "cocodc": _FaultModel(
         "local",
@@ -888,6 +929,7 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
         lambda config: _delayed_heal(config, 1),
         in_flight=_outer_delay,
         live_heal=1,
+        launch_phases=_delayed_launches,
     ),
     "eager": _FaultModel(
         "local",
@@ -895,17 +937,23 @@ _FAULT_MODELS: dict[str, _FaultModel] = {
         lambda config: _delayed_heal(config, 2),
         in_flight=_outer_delay,
         live_heal=2,
+        launch_phases=_delayed_launches,
     ),
     "sparta_diloco": _FaultModel("local", _sync_every, lambda config: _OUTER),
     # The anchor; the error-feedback buffer is per worker.
     "sparseloco": _FaultModel("local", _sync_every),
     "local_sgd": _FaultModel("local", _sync_every),
     "local_adamw": _FaultModel("local", _sync_every),
-    "overlap_local_sgd": _FaultModel("local", _sync_every),
+    "overlap_local_sgd": _FaultModel("local", _sync_every, launch_phases=lambda o: (0,)),
     "slowmo": _FaultModel("local", _sync_every, lambda config: _OUTER),
     # The anchor, m, the all-reduce in flight ([Delta | d]: twice the model) and d.
     "co2": _FaultModel(
-        "local", _sync_every, lambda config: 20.0, in_flight=lambda o: 1, heal_tensors=4
+        "local",
+        _sync_every,
+        lambda config: 20.0,
+        in_flight=lambda o: 1,
+        heal_tensors=4,
+        launch_phases=lambda o: (0,),
     ),
     # Averages a fraction of the parameters every step: a round is one step.
     "sparta": _FaultModel("local"),
@@ -980,6 +1028,7 @@ def price_faults(
     exposure: Exposure | None = None,
     dropped_rounds: float | None = None,
     last_sync_lost: float | None = None,
+    steps_met: FaultSteps | None = None,
 ) -> FaultGoodput:
     """The expected goodput of ``plan``'s method under ``config``'s --fault-* options.
 
@@ -987,8 +1036,9 @@ def price_faults(
     step times H, h the method's global state over the link (one hop, each rank its 1/R);
     T is --fault-horizon-s or the plan's fault-free wall clock. ``exposure``: the faults to
     price instead of the options' expected ones, ``dropped_rounds`` the exchanges that
-    failed instead of their expected number and ``last_sync_lost`` the rounds of every
-    survivor the run's failed last sync lost (a run's own, to check the model on it).
+    failed instead of their expected number, ``last_sync_lost`` the rounds of every
+    survivor the run's failed last sync lost and ``steps_met`` the steps its crashes and
+    healings fell on (a run's own, to check the model on it).
     """
     _, options = method_options(config)
     model = fault_model(config.method)
@@ -997,7 +1047,7 @@ def price_faults(
     if exposure is None:
         exposure = expected_exposure(_fault_options(config, horizon), workers=config.workers)
     period = model.period(options)
-    costs, heal_bytes = _fault_step_costs(config, plan, model, period, exposure.crashes)
+    costs, heal_bytes = _fault_step_costs(config, plan, model, period, exposure.crashes, steps_met)
     compute = costs.compute_s
 
     drained = _drained(plan, horizon)
@@ -1057,22 +1107,64 @@ def _fault_options(config: PlanConfig, horizon: float) -> FaultOptions:
     )
 
 
+@dataclass(frozen=True)
+class FaultSteps:
+    """The steps a run's faults fell on, to price that run's own crashes and healings by
+    where in the round they fall: a crash's partial round and its survivors' wait for its
+    detection, a join's wait for the collectives in flight, and whether a healing sends an
+    exchange in flight (not when a crash has failed it).
+
+    Attributes:
+        crashes: the steps of the run's crashes.
+        healings: the steps at which it healed joiners (one per step however many join).
+    """
+
+    crashes: tuple[int, ...] = ()
+    healings: tuple[int, ...] = ()
+
+
+def _failed_at_healings(steps_met: FaultSteps, in_flight: int, period: int) -> float:
+    """The mean exchanges in flight at the run's healings that a crash had failed: at a
+    healing at step t of round r = t // H, the exchanges launched at the ends of rounds
+    r - N .. r - 1 fly, and the one of round q failed when a crash fell at a step of rounds
+    q + 1 .. (not before its launch: its quorum then left the dead worker out), up to t."""
+    failed = [
+        sum(
+            any((q + 1) * period <= crash <= step for crash in steps_met.crashes)
+            for q in range(max(0, step // period - in_flight), step // period)
+        )
+        for step in steps_met.healings
+    ]
+    return sum(failed) / len(failed)
+
+
 def _fault_step_costs(
-    config: PlanConfig, plan: Plan, model: _FaultModel, period: int, crashes: float
+    config: PlanConfig,
+    plan: Plan,
+    model: _FaultModel,
+    period: int,
+    crashes: float,
+    steps_met: FaultSteps | None = None,
 ) -> tuple[StepCosts, float]:
     """The step costs the fault model prices (c, m over a period of H steps, h) and the
     bytes of a healing with every exchange in flight live (each rank its 1/R of the global
-    state); h is the expected healing, without the exchanges ``crashes`` failed."""
+    state); h is the expected healing, without the exchanges ``crashes`` failed, or, given
+    ``steps_met``, the run's own healings."""
     # (The run's final drain is priced once, over the horizon: price_faults.)
     exposed_per_step = (
         (plan.comm_exposed_s - plan.final_drain_s) / plan.steps if plan.steps > 0 else 0.0
     )
     heal_bytes = model.heal_bytes(config) * plan.params / config.ranks_per_worker
     tensors = float(model.heal_tensors or round(model.heal_bytes(config) / 4.0))
+    options = method_options(config)[1]
     if model.live_heal:
-        unsent = model.live_heal * _failed_in_flight(
-            crashes, model.in_flight(method_options(config)[1]), period, plan.steps
+        in_flight = model.in_flight(options)
+        failed = (
+            _failed_at_healings(steps_met, in_flight, period)
+            if steps_met is not None and steps_met.healings
+            else _failed_in_flight(crashes, in_flight, period, plan.steps)
         )
+        unsent = model.live_heal * failed
         heal_bytes_sent = heal_bytes * (1.0 - unsent / tensors)
         tensors -= unsent
     else:
@@ -1088,6 +1180,10 @@ def _fault_step_costs(
         sync_every=period,
         overlapped=overlapped,
         heal_s=_heal_seconds(link, heal_bytes_sent, tensors, config.workers),
+        join_phases=() if steps_met is None else tuple(t % period for t in steps_met.healings),
+        launch_phases=() if model.launch_phases is None else model.launch_phases(options),
+        detect_phases=() if model.detect_phases is None else model.detect_phases(options),
+        crash_phases=() if steps_met is None else tuple(t % period for t in steps_met.crashes),
     )
     return costs, heal_bytes
 
@@ -1367,6 +1463,14 @@ def plan_for_run(
     A fragmented method's unset fragment count is the one the run used: its default capped
     at the model's transformer blocks (a 1-block model trains with 1 fragment), where a plan
     alone takes the method's default (4), which the run's H and tau may not fit.
+
+    ``seconds_per_step`` is one worker's compute for a step of ``--microbatches-per-step``
+    micro-batches. ACCO, DPU and WP (the ``--acco.*`` family) compute another count: each
+    phase takes micro-batches until its chain is done (at least one, or
+    ``--acco.microbatches-per-phase``), two phases a step for ACCO, and the first step
+    first computes a priming one (a run of K steps of one micro-batch a phase: 2 K + 1
+    micro-batches for ACCO, K + 1 for DPU and WP). Their step's compute is therefore priced
+    for the micro-batches the run's steps took (its tokens per step), at the same rate.
     """
     from lowcomm.config import option_names, option_value
     from lowcomm.strategies import strategy_class
@@ -1378,6 +1482,13 @@ def plan_for_run(
     options = None if field is None else getattr(train, field, None)
     if getattr(options, "fragments", 0) is None and field in values:
         values[field] = dataclasses.replace(options, fragments=_run_fragments(train, cls))  # type: ignore[type-var]
+    if field == "acco":
+        baseline = (
+            train.placement.workers
+            * train.run.microbatches_per_step
+            * train.tokens_per_microbatch()
+        )
+        seconds_per_step *= tokens / steps / baseline
     return PlanConfig(
         **values,
         params=params,

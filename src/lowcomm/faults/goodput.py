@@ -58,15 +58,23 @@ at a join has flown (H + 1) / 2 + (i - 1) H steps on average and is failed with 
 1 - exp(-n that / K), so h is priced with its expected tensors. Before they heal, the
 members settle the collectives in flight (:meth:`StepCosts.settle_s`): a join u steps after
 a launch waits max(0, x - u c S) for the rest of its flight, so every formula's j M a h is
-j M a (h + settle(S)).
+j M a (h + settle(S)), the join at a uniform step of the round (a run's own healings: at
+the steps of their rounds they fell on, ``StepCosts.join_phases``).
 
 *Local and DiLoCo* (H inner steps, then a sync; :func:`goodput_local`). A round takes
 rho = H c S + m(S) against rho0 = H c + m: stragglers make the others wait at each sync. A
-crash at a uniform moment u of a round loses the dead worker's partial round (rho / 2 on
-average); the survivors reach the sync rho - u later and wait for detection only if it has
-not happened yet: w = E[max(0, D - (rho - u))] = D^2 / (2 rho) when D <= rho, D - rho / 2
-otherwise. The sync's quorum forms after detection, so the survivors' round is kept (a crash
-during the collective itself, which would drop the round for all, is neglected: m << rho)::
+crash loses the dead worker's partial round (rho / 2 on average). It lands at the start of
+a step (a run places each event on the first step starting at or after it), step p of the
+round with probability c S / rho (the first step, p = 0, (c S + m(S)) / rho: it takes the
+crashes during the sync too), and the slowest survivor reaches the sync (H - p) c S later;
+the survivors wait for the detection only if it has not happened yet::
+
+    w = sum_{p=0}^{H-1} P(p) max(0, D - (H - p) c S)
+
+(none behind a straggler whose step takes longer than D). The sync's quorum forms after
+detection, so the survivors' round is kept. Given a run's own crashes
+(``StepCosts.crash_phases``), each at step p of its round costs the dead worker p c S of
+it and the survivors max(0, D - (H - p) c S)::
 
     G_local = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + j M a h) / (M T))
 
@@ -267,6 +275,16 @@ class StepCosts:
         overlapped: the round's collectives that overlap compute, each (count k, seconds x,
             compute seconds y it overlaps at pace 1): a round exposes k max(0, x - y S) of
             them when the slowest worker computes at pace S (its compute hides them).
+        join_phases: the steps of their rounds (0 .. H - 1) at which a run's healings fell,
+            to price what its joins waited for the collectives in flight (empty: a join at a
+            uniform step, the expectation); read with ``launch_phases``.
+        launch_phases: the steps of the round (0 .. H - 1) right after the launches of the
+            round's overlapped collective, one per launch (empty: unknown, the expectation).
+        detect_phases: the steps of the round at whose end the survivors of a crash wait for
+            its detection: those that launch or complete a sync (empty: the round's last).
+        crash_phases: the steps of their rounds at which a run's crashes fell, to price
+            its dead workers' partial rounds and its detection waits (empty: a crash at a
+            uniform moment, the expectation; :meth:`crash_costs`).
     """
 
     compute_s: float
@@ -274,6 +292,10 @@ class StepCosts:
     sync_every: int = 1
     heal_s: float = 0.0
     overlapped: tuple[tuple[float, float, float], ...] = ()
+    join_phases: tuple[int, ...] = ()
+    launch_phases: tuple[int, ...] = ()
+    detect_phases: tuple[int, ...] = ()
+    crash_phases: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _positive("compute_s", self.compute_s)
@@ -305,13 +327,52 @@ class StepCosts:
         for the rest of its flight, max(0, x - u c S)::
 
             settle(S) = sum over collectives (k / H) sum_{u < y / c} max(0, x - u c S)
-        """
+
+        With ``join_phases`` and ``launch_phases``, the mean over those healings instead: a
+        healing at step q of its round is u = (q - l) mod H steps after the launch whose next
+        step is l, and waits for it and for those launched H, 2 H, ... steps before it still
+        in flight."""
         total = 0.0
         for count, seconds, hidden in self.overlapped:
             flight_steps = math.ceil(hidden / self.compute_s - 1e-9)
-            waits = sum(max(0.0, seconds - u * self.compute_s * pace) for u in range(flight_steps))
-            total += count / self.sync_every * waits
+
+            def wait(u: int, seconds: float = seconds) -> float:
+                return max(0.0, seconds - u * self.compute_s * pace)
+
+            if self.join_phases and len(self.launch_phases) == count:
+                waits = [
+                    sum(
+                        wait(u)
+                        for launch in self.launch_phases
+                        for u in range(
+                            (phase - launch) % self.sync_every, flight_steps, self.sync_every
+                        )
+                    )
+                    for phase in self.join_phases
+                ]
+                total += sum(waits) / len(waits)
+            else:
+                waits_uniform = sum(wait(u) for u in range(flight_steps))
+                total += count / self.sync_every * waits_uniform
         return total
+
+    def crash_costs(self, detection_s: float, pace: float = 1.0) -> tuple[float, float]:
+        """What a crash costs a round of workers at pace S: the dead worker's partial round
+        (rho / 2, a crash at a uniform moment) and the survivors' wait for its detection
+        (:func:`detection_wait`, at the steps ``detect_phases``). With ``crash_phases``, the
+        mean over a run's crashes instead: one at step p of its round has computed p c S of
+        it, and the survivors wait max(0, D - k(p) c S) (:func:`steps_to_detection`)."""
+        step = self.compute_s * pace
+        if not self.crash_phases:
+            wait = detection_wait(
+                detection_s, step, self.sync_every, self.exposed_s(pace), self.detect_phases
+            )
+            return self.round_at(pace) / 2.0, wait
+        count = len(self.crash_phases)
+        partial = sum(phase * step for phase in self.crash_phases) / count
+        to_detection = steps_to_detection(self.sync_every, self.detect_phases)
+        waits = [max(0.0, detection_s - to_detection[p] * step) for p in self.crash_phases]
+        return partial, sum(waits) / count
 
     def round_at(self, pace: float) -> float:
         """rho(S) = H c S + m(S), a round waiting for a worker at pace S."""
@@ -451,12 +512,38 @@ def goodput_synchronous(
     return _over_stragglers(e, at)
 
 
-def detection_wait(detection_s: float, round_s: float) -> float:
-    """w = E[max(0, D - (rho - u))] for u uniform in [0, rho): how long the survivors of a
-    crash at a uniform moment of a round wait at its sync for the detection."""
-    if detection_s <= round_s:
-        return detection_s * detection_s / (2.0 * round_s)
-    return detection_s - round_s / 2.0
+def detection_wait(
+    detection_s: float,
+    step_s: float,
+    steps: int,
+    sync_s: float = 0.0,
+    detect_phases: tuple[int, ...] = (),
+) -> float:
+    """w: how long the survivors of a crash wait at the round's sync for its detection (D =
+    ``detection_s``), in a round of H = ``steps`` steps of c S = ``step_s`` (the slowest
+    worker's) and ``sync_s`` = m(S) of exposed sync. A crash at a uniform moment lands at the
+    start of the next step: at step p of the round with probability c S / rho, or
+    (c S + m) / rho for the round's first step (it takes the crashes that fall during the
+    sync too; rho = H c S + m). The survivors wait at the end of the next step that waits for
+    a pending detection (``detect_phases``; none given: the round's last, its sync), k(p)
+    steps later, max(0, D - k(p) c S)::
+
+        w = sum_{p=0}^{H-1} P(p) max(0, D - k(p) c S)
+    """
+    round_s = steps * step_s + sync_s
+    if not round_s > 0:
+        return detection_s
+    waits = [max(0.0, detection_s - k * step_s) for k in steps_to_detection(steps, detect_phases)]
+    return ((step_s + sync_s) * waits[0] + step_s * sum(waits[1:])) / round_s
+
+
+def steps_to_detection(steps: int, detect_phases: tuple[int, ...] = ()) -> list[int]:
+    """k(p) for p = 0 .. H - 1: the steps from the start of step p of a round of H = ``steps``
+    steps to the end of the next step at which the survivors wait for a pending detection
+    (``detect_phases``, the steps of the round whose end launches or completes a sync; none
+    given: the round's last step)."""
+    ends = detect_phases or (steps - 1,)
+    return [min((end - phase) % steps for end in ends) + 1 for phase in range(steps)]
 
 
 def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> float:
@@ -543,11 +630,11 @@ def goodput_local(
 
     def at(pace: float) -> float:
         round_s = costs.round_at(pace)
-        wait = detection_wait(e.detection_s, round_s)
+        partial, wait = costs.crash_costs(e.detection_s, pace)
         survivors = (e.workers - 1) * e.alive_fraction
         dropped = (dropped_rounds * (1.0 + survivors) + last_sync_lost * survivors) * round_s
         lost = (
-            e.crashes * (round_s / 2.0 + survivors * wait)
+            e.crashes * (partial + survivors * wait)
             + dropped
             + joins * e.live_workers * (costs.heal_s + costs.settle_s(pace))
         )
