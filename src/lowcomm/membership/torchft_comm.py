@@ -545,12 +545,15 @@ class Replica:
                 self._joined = True
                 sent = [*payload["tensors"], *payload["rank_tensors"]]
                 nbytes = sum(int(t.untyped_storage().nbytes()) for t in sent)
-                self._log({
+                healed: dict[str, Any] = {
                     "event": "healed", "time": time.time(), "asked": began,
                     "step": int(payload["loop_step"]), "bytes": nbytes,
                     "transfer_s": self.transport.last_receive_s,
                     "members": list(quorum.members),
-                })  # fmt: skip
+                }  # fmt: skip
+                if self.options.digests and self._strategy is not None:  # (what it took)
+                    healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
+                self._log(healed)
                 self.loop_step = int(payload["loop_step"])
                 return self.take_healed_step() or self.loop_step
             full = quorum.size >= self.workers
@@ -570,11 +573,14 @@ class Replica:
             time.sleep(ADMISSION_POLL_S)
 
     def record_digest(self, step: int, parameters: Iterator[torch.Tensor]) -> None:
-        """A SHA-256 of the parameters after a committed round."""
-        digest = hashlib.sha256()
-        for parameter in parameters:
-            digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        self.digests.append({"step": step, "sha256": digest.hexdigest()})
+        """A SHA-256 of the parameters after a committed round, and one of the global
+        parameters the method declares (``global_sha256``): where a worker's own parameters
+        differ from its peers' by design (cocodc's local progress, eager's phi_m), these are
+        what healing transfers and, but for eager, what every worker holds alike."""
+        entry = {"step": step, "sha256": _sha256(parameters)}
+        if self._strategy is not None:
+            entry["global_sha256"] = _sha256(_global_parameters(self._strategy))
+        self.digests.append(entry)
 
     def shutdown(self) -> None:
         """Stop the manager server (its heartbeats) and the group."""
@@ -587,6 +593,20 @@ class Replica:
         if self._store_socket is not None:
             with contextlib.suppress(OSError):
                 self._store_socket.close()
+
+
+def _sha256(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _global_parameters(strategy: Strategy) -> list[torch.Tensor]:
+    """The parameters among what ``strategy`` declares global (its outer parameters, or for
+    a method that keeps none, the parameters themselves)."""
+    tensors, _ = strategy.global_state()
+    return [tensor for role, tensor in tensors if role == Role.PARAMETER]
 
 
 def _round_failed(replica: Replica) -> RoundFailed:
