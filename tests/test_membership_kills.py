@@ -57,3 +57,111 @@ def test_a_killed_worker_started_again_heals(tmp_path: Path, method: str) -> Non
     assert min(mine) == step + delay, (step, sorted(mine))
     assert all(mine[s] == theirs[0][s] == theirs[1][s] for s in mine), (mine, theirs)
     assert max(mine) == max(theirs[0]) == max(theirs[1]) >= 156  # (the last round's)
+
+
+# --- a joiner whose healing round is dropped: torchft's rule, scripted ------------------------
+
+
+class _Attempt:
+    """One attempt of the round: the live peers' torchft step and payloads, and whether
+    the collective breaks (a peer dies inside it)."""
+
+    def __init__(self, step: int, payloads: list[float], broken: bool = False) -> None:
+        self.step, self.payloads, self.broken = step, payloads, broken
+
+
+class _Work:
+    def wait(self) -> bool:
+        return True
+
+
+class _Error:
+    original_exception = RuntimeError("Connection reset by peer")
+
+
+class _HealingManager:
+    """torchft's Manager as it treats a worker behind the others (Manager._async_quorum):
+    a quorum whose highest torchft step is above this worker's heals it (the state is
+    offered again at should_commit, through the load callback), it does not take part (its
+    payload is zeroed, the mean divides by the others), and it then holds their step."""
+
+    def __init__(self, script: list[_Attempt], step: int, load: Any) -> None:
+        self.script, self.attempt = script, -1
+        self._step, self._healing, self._pending_state_dict = step, False, None
+        self.load, self.error, self.offered = load, None, []
+        self.start_quorum(allow_heal=True, timeout=None)  # (its admission, healed)
+
+    def start_quorum(self, allow_heal: bool, timeout: Any) -> None:
+        self.attempt += 1
+        self.error, top = None, self.script[self.attempt].step
+        self._healing = self._step < top
+        if self._healing:
+            self._pending_state_dict = {"user": {"default": {"attempt": self.attempt}}}
+            self._step = top
+
+    def current_step(self) -> int:
+        return self._step
+
+    def batches_committed(self) -> int:
+        return 0
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._step = state["step"]
+
+    def is_participating(self) -> bool:
+        return not self._healing
+
+    def num_participants(self) -> int:
+        return len(self.script[self.attempt].payloads) + int(not self._healing)
+
+    def errored(self) -> _Error | None:
+        return self.error
+
+    def allreduce(self, tensor: Any, reduce_op: Any) -> _Work:
+        attempt = self.script[self.attempt]
+        if self._healing:
+            tensor.zero_()
+        if attempt.broken:
+            self.error = _Error()
+            return _Work()
+        tensor.add_(sum(attempt.payloads)).div_(self.num_participants())
+        return _Work()
+
+    def should_commit(self) -> bool:
+        if self._healing and self._pending_state_dict is not None:
+            offered = self._pending_state_dict["user"]["default"]
+            self.offered.append(offered)
+            self.load(offered)  # (Manager._apply_pending_state_dict)
+            self._pending_state_dict = None
+        if self.error is not None:
+            return False
+        self._step += 1
+        return True
+
+
+def test_a_joiner_whose_healing_round_is_dropped_sits_the_retry_out_too() -> None:
+    pytest.importorskip("torchft")
+    import torch
+
+    from lowcomm.membership.torchft_comm import _RoundHandle
+    from test_membership_torchft import _fake_replica
+
+    # Worker 2 joins the others (torchft step 5) at their round of step 7 and is healed;
+    # worker 1 dies inside that round's collective; the retry's quorum is workers 0 and 2.
+    replica = _fake_replica(failures=0, attempts=3)
+    script = [_Attempt(5, [1.0, 3.0], broken=True), _Attempt(5, [1.0])]
+    replica.manager = _HealingManager(script, step=0, load=replica._load)
+    replica.slot, replica._strategy, replica._in_flight = 2, None, None
+    replica._asked_as = {"step": 0, "batches_committed": 0}  # (what admit() asked with)
+    replica._admitted_with = replica.manager._pending_state_dict["user"]["default"]
+    replica._joined = True
+    payload = torch.full((2,), 100.0)  # (its own payload: the parameters it took, stepped)
+    _RoundHandle(replica, payload, "mean").wait()
+    # It sat the retry out as it sat out the attempt: the mean is worker 0's alone, not
+    # (1 + 100) / 2 with the parameters it took from a peer counted a second time.
+    assert payload.tolist() == [1.0, 1.0]
+    assert [e["event"] for e in replica.events] == ["dropped", "commit"]
+    # Healed again on the retry, it kept the state of its admission (offered again at each
+    # commit, applied neither time: this replica has no strategy to apply it to).
+    assert len(replica.manager.offered) == 2 and replica.manager._step == 6
+    assert replica.committed_tokens == 0 and not replica._joined

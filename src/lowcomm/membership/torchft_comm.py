@@ -277,6 +277,9 @@ class Replica:
         #: The state a joiner took at its admission (torchft offers it again at the round's
         #: commit, which an overlapping method reaches steps later).
         self._admitted_with: object | None = None
+        #: The torchft step and batch count a joiner asked for its admission with (a retry of
+        #: the round it healed in asks with them again: it is healed again and sits it out).
+        self._asked_as: dict[str, int] | None = None
         #: The last round collective issued (settled before a later step opens a round).
         self._in_flight: _RoundHandle | None = None
         #: Rounds committed (the startup round included) and rounds dropped.
@@ -487,6 +490,13 @@ class Replica:
         enough workers took part)."""
         started = time.time()
         participating = bool(self.manager.is_participating())
+        if self._joined and self.healing():
+            # (Healed again on a retry of the round it healed in: torchft offers that state
+            # at the commit; it keeps the state it took at its admission, which the dropped
+            # attempt left current, and which an overlapping method has moved on from.)
+            pending = getattr(self.manager, "_pending_state_dict", None)
+            if pending is not None:
+                self._admitted_with = pending["user"]["default"]
         committed = bool(self.manager.should_commit())
         if committed:
             self.committed_tokens += self.pending_tokens if participating else 0
@@ -516,8 +526,18 @@ class Replica:
         return committed
 
     def retry_round(self) -> None:
-        """Open the round again on a new quorum after it did not commit."""
+        """Open the round again on a new quorum after it did not commit.
+
+        A joiner healed in this round sits it out (its payload was zeroed and the mean
+        divided by the others). On the retry torchft would count it in, its torchft step
+        being the others' since its healing, with its saved payload: the parameters it
+        took from its sender, for the local family, count that member's steps twice, and
+        an exchange whose mean the method weighs by its launch quorum's participants (eager,
+        diloco_delayed) would divide by one more. So it asks with the step it asked its
+        admission with: torchft heals it again, and it sits the retry out too."""
         self._round_open = False
+        if self._joined and self._asked_as is not None:
+            self.manager.load_state_dict(dict(self._asked_as))
         self.open_round()
 
     def admit(self) -> int:
@@ -530,32 +550,16 @@ class Replica:
         collectives this worker joins in its first step) and it starts at their loop step."""
         deadline = time.monotonic() + self.options.quorum_s
         while True:
+            asked_as = {
+                "step": self.manager.current_step(),
+                "batches_committed": self.manager.batches_committed(),
+            }
             self.open_round()
             began = time.time()
             quorum = self.wait_quorum()
             if self.manager.errored() is None and self.healing():
-                pending = getattr(self.manager, "_pending_state_dict", None)
-                if pending is None:
-                    raise RoundFailed(
-                        f"worker {self.slot}: torchft reported healing but received no state"
-                    )
-                payload = pending["user"]["default"]
-                self._apply(payload, rewind=True)
-                self._admitted_with = payload
-                self._joined = True
-                sent = [*payload["tensors"], *payload["rank_tensors"]]
-                nbytes = sum(int(t.untyped_storage().nbytes()) for t in sent)
-                healed: dict[str, Any] = {
-                    "event": "healed", "time": time.time(), "asked": began,
-                    "step": int(payload["loop_step"]), "bytes": nbytes,
-                    "transfer_s": self.transport.last_receive_s,
-                    "members": list(quorum.members),
-                }  # fmt: skip
-                if self.options.digests and self._strategy is not None:  # (what it took)
-                    healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
-                self._log(healed)
-                self.loop_step = int(payload["loop_step"])
-                return self.take_healed_step() or self.loop_step
+                self._asked_as = asked_as
+                return self._take_admission(quorum, began)
             full = quorum.size >= self.workers
             late = time.monotonic() >= deadline and quorum.size >= self.options.min_workers
             ready = self.manager.errored() is None and (full or late)
@@ -571,6 +575,29 @@ class Replica:
                     f"{2 * self.options.quorum_s:g} s (the last had {quorum.size})"
                 )
             time.sleep(ADMISSION_POLL_S)
+
+    def _take_admission(self, quorum: Quorum, began: float) -> int:
+        """Take the state torchft healed this starting worker with; the loop step it
+        starts at (the live workers' round's)."""
+        pending = getattr(self.manager, "_pending_state_dict", None)
+        if pending is None:
+            raise RoundFailed(f"worker {self.slot}: torchft reported healing but received no state")
+        payload = pending["user"]["default"]
+        self._apply(payload, rewind=True)
+        self._admitted_with = payload
+        self._joined = True
+        sent = [*payload["tensors"], *payload["rank_tensors"]]
+        nbytes = sum(int(t.untyped_storage().nbytes()) for t in sent)
+        healed: dict[str, Any] = {
+            "event": "healed", "time": time.time(), "asked": began,
+            "step": int(payload["loop_step"]), "bytes": nbytes,
+            "transfer_s": self.transport.last_receive_s, "members": list(quorum.members),
+        }  # fmt: skip
+        if self.options.digests and self._strategy is not None:  # (what it took)
+            healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
+        self._log(healed)
+        self.loop_step = int(payload["loop_step"])
+        return self.take_healed_step() or self.loop_step
 
     def record_digest(self, step: int, parameters: Iterator[torch.Tensor]) -> None:
         """A SHA-256 of the parameters after a committed round, and one of the global
