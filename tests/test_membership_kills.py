@@ -85,18 +85,20 @@ class _HealingManager:
     offered again at should_commit, through the load callback), it does not take part (its
     payload is zeroed, the mean divides by the others), and it then holds their step."""
 
-    def __init__(self, script: list[_Attempt], step: int, load: Any) -> None:
-        self.script, self.attempt = script, -1
+    def __init__(self, script: list[_Attempt], step: int, load: Any, payload: Any = None) -> None:
+        self.script, self.attempt, self.issued = script, -1, 0
         self._step, self._healing, self._pending_state_dict = step, False, None
-        self.load, self.error, self.offered = load, None, []
-        self.start_quorum(allow_heal=True, timeout=None)  # (its admission, healed)
+        self.load, self.error, self.offered, self.payload = load, None, [], payload
+        self.start_quorum(allow_heal=True, timeout=None)  # (the quorum of its first attempt)
 
     def start_quorum(self, allow_heal: bool, timeout: Any) -> None:
         self.attempt += 1
+        assert self.attempt < len(self.script), "asked for a quorum the others never form"
         self.error, top = None, self.script[self.attempt].step
         self._healing = self._step < top
         if self._healing:
-            self._pending_state_dict = {"user": {"default": {"attempt": self.attempt}}}
+            payload = self.payload or {"attempt": self.attempt}
+            self._pending_state_dict = {"user": {"default": payload}}
             self._step = top
 
     def current_step(self) -> int:
@@ -118,6 +120,7 @@ class _HealingManager:
         return self.error
 
     def allreduce(self, tensor: Any, reduce_op: Any) -> _Work:
+        self.issued += 1
         attempt = self.script[self.attempt]
         if self._healing:
             tensor.zero_()
@@ -126,6 +129,9 @@ class _HealingManager:
             return _Work()
         tensor.add_(sum(attempt.payloads)).div_(self.num_participants())
         return _Work()
+
+    def wait_quorum(self) -> None:
+        pass
 
     def should_commit(self) -> bool:
         if self._healing and self._pending_state_dict is not None:
@@ -165,3 +171,54 @@ def test_a_joiner_whose_healing_round_is_dropped_sits_the_retry_out_too() -> Non
     # commit, applied neither time: this replica has no strategy to apply it to).
     assert len(replica.manager.offered) == 2 and replica.manager._step == 6
     assert replica.committed_tokens == 0 and not replica._joined
+
+
+class _Strategy:
+    """What healing asks of a strategy: the state it takes, and its own started afresh."""
+
+    def __init__(self) -> None:
+        self.took: list[dict[str, int]] = []
+
+    def take_healing_payload(self, tensors: list[Any], counters: dict[str, int]) -> None:
+        self.took.append(counters)
+
+    def rank_state(self) -> list[Any]:
+        return []
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        pass
+
+
+def test_a_survivor_whose_commit_alone_failed_heals_at_the_next_rounds_quorum() -> None:
+    pytest.importorskip("torchft")
+    from types import SimpleNamespace
+
+    import torch
+
+    from lowcomm.membership.torchft_comm import _RoundHandle
+    from test_membership_torchft import _fake_replica
+
+    # An overlapping method's round, launched at loop step 7 and waited at step 11, where the
+    # others committed it and opened their next round; this worker's collective broke alone.
+    # The retry's quorum is their round of step 11 (torchft step 6): it heals this worker.
+    replica = _fake_replica(failures=0, attempts=3)
+    script = [_Attempt(5, [1.0, 3.0], broken=True), _Attempt(6, [2.0, 4.0])]
+    taken = {"tensors": [], "rank_tensors": [], "counters": {"step_index": 12}, "loop_step": 11}
+    replica.manager = _HealingManager(script, step=5, load=replica._load, payload=taken)
+    replica._strategy, replica._in_flight, replica._asked_as = _Strategy(), None, None
+    replica._admitted_with = None
+    replica.workers, replica.transport = 3, SimpleNamespace(last_receive_s=None)
+    handle = _RoundHandle(replica, torch.full((2,), 100.0), "mean")
+    replica.loop_step = 11
+    replica.open_round()  # (step 11 opens its round: it waits for the one in flight first)
+    # It took the state at once (once: the commit that offers it again leaves it), issued
+    # nothing on its next round's quorum for the old round, and that quorum is its round of
+    # step 11, which it sits out: it asks for no quorum of its own, a round behind.
+    assert handle.done() and replica.manager.issued == 1 and replica.manager.attempt == 1
+    assert replica._strategy.took == [{"step_index": 12}] and replica.take_healed_step() == 11
+    assert replica.quorum().joined and not replica.manager.is_participating()
+    assert [e["event"] for e in replica.events] == ["dropped", "healed"]
+    payload = torch.full((2,), 100.0)
+    _RoundHandle(replica, payload, "mean").wait()  # (its round of step 11)
+    assert payload.tolist() == [3.0, 3.0] and replica._strategy.took == [{"step_index": 12}]
+    assert [e["event"] for e in replica.events][-1] == "commit" and not replica._joined

@@ -407,11 +407,13 @@ class Replica:
         if in_flight is not None and not in_flight.done() and in_flight.step != self.loop_step:
             in_flight.wait()
         if not self._round_open:
-            self._early.asked = (time.time(), self.loop_step)
-            self.manager.start_quorum(
-                allow_heal=True, timeout=timedelta(seconds=self.options.quorum_s)
-            )
-            self._round_open = True
+            self._ask()
+
+    def _ask(self) -> None:
+        """Ask torchft for the open round's quorum (it forms in the background)."""
+        self._early.asked = (time.time(), self.loop_step)
+        self.manager.start_quorum(allow_heal=True, timeout=timedelta(seconds=self.options.quorum_s))
+        self._round_open = True
 
     def open_round_early(self) -> None:
         """At the start of a loop step of a method that syncs every H steps: open the round
@@ -535,10 +537,10 @@ class Replica:
         an exchange whose mean the method weighs by its launch quorum's participants (eager,
         diloco_delayed) would divide by one more. So it asks with the step it asked its
         admission with: torchft heals it again, and it sits the retry out too."""
-        self._round_open = False
         if self._joined and self._asked_as is not None:
             self.manager.load_state_dict(dict(self._asked_as))
-        self.open_round()
+        # (Not open_round: the round retried may be the one in flight it would wait for.)
+        self._ask()
 
     def admit(self) -> int:
         """This worker's first quorum; the loop step it starts at.
@@ -584,6 +586,13 @@ class Replica:
             raise RoundFailed(f"worker {self.slot}: torchft reported healing but received no state")
         payload = pending["user"]["default"]
         self._apply(payload, rewind=True)
+        self._healed_with(payload, began, quorum.members)
+        self.loop_step = int(payload["loop_step"])
+        return self.take_healed_step() or self.loop_step
+
+    def _healed_with(self, payload: dict[str, Any], began: float, members: tuple[int, ...]) -> None:
+        """This worker took ``payload`` (applied): it sits out the round it healed in, whose
+        commit offers the payload again (not applied again), and says so (``healed``)."""
         self._admitted_with = payload
         self._joined = True
         sent = [*payload["tensors"], *payload["rank_tensors"]]
@@ -591,13 +600,38 @@ class Replica:
         healed: dict[str, Any] = {
             "event": "healed", "time": time.time(), "asked": began,
             "step": int(payload["loop_step"]), "bytes": nbytes,
-            "transfer_s": self.transport.last_receive_s, "members": list(quorum.members),
+            "transfer_s": self.transport.last_receive_s, "members": list(members),
         }  # fmt: skip
         if self.options.digests and self._strategy is not None:  # (what it took)
             healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
         self._log(healed)
-        self.loop_step = int(payload["loop_step"])
-        return self.take_healed_step() or self.loop_step
+
+    def fell_behind(self, step: int) -> bool:
+        """After a retry's quorum, for a round whose collective this worker issued at an
+        earlier loop step ``step`` (an overlapping method's, waited steps later): whether the
+        others had committed it (this worker's commit alone failed) and this quorum, their
+        next round's, heals this worker. It then takes the state at once, as a joiner does
+        at its admission: the round is settled for it (the state holds its result), this
+        quorum is its next round's, which it sits out, and it issues nothing more for the
+        round. Healed instead at the round's commit, it would enter its next round on a
+        quorum of its own, a round behind the others from then on."""
+        if step == self.loop_step or self._joined:
+            return False
+        began = time.time()
+        quorum = self.wait_quorum()
+        pending = getattr(self.manager, "_pending_state_dict", None)
+        if self.manager.errored() is not None or not self.healing() or pending is None:
+            return False
+        payload = pending["user"]["default"]
+        # (It has taken the payload's step already: nothing to rewind.)
+        self._apply(payload, rewind=False)
+        self._healed_with(payload, began, quorum.members)
+        # (A retry of that round asks as one behind: it is healed again and sits it out.)
+        self._asked_as = {
+            "step": int(self.manager.current_step()) - 1,
+            "batches_committed": int(self.manager.batches_committed()),
+        }
+        return True
 
     def record_digest(self, step: int, parameters: Iterator[torch.Tensor]) -> None:
         """A SHA-256 of the parameters after a committed round, and one of the global
@@ -680,6 +714,9 @@ class _RoundHandle:
             with torch.no_grad():
                 self._tensor.copy_(self._input)
             replica.retry_round()
+            if replica.fell_behind(self.step):  # (the others committed it: it heals instead)
+                self._done = True
+                return
             self._work = self._issue()
         raise _round_failed(replica)
 
