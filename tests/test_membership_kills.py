@@ -222,3 +222,22 @@ def test_a_survivor_whose_commit_alone_failed_heals_at_the_next_rounds_quorum() 
     _RoundHandle(replica, payload, "mean").wait()  # (its round of step 11)
     assert payload.tolist() == [3.0, 3.0] and replica._strategy.took == [{"step_index": 12}]
     assert [e["event"] for e in replica.events][-1] == "commit" and not replica._joined
+
+
+def test_an_exchange_in_flight_heals_a_joiner_with_its_rounds_weight() -> None:
+    import torch
+
+    from _dist import tiny_gpt
+    from lowcomm.strategies.eager import Eager, PendingSync
+    from test_eager import CONTEXT, ScriptedComm
+
+    # Eager's exchange in flight was launched over workers 0, 1 and 2, one of whom was healed
+    # in that round and sat it out (torchft): its mean divided by 2, which the weight says.
+    options = DiLoCoOptions(sync_every=2)
+    sender, joiner = (Eager(tiny_gpt(), ScriptedComm([]), CONTEXT, options) for _ in range(2))
+    mean, own = torch.ones(sender.globals_[0].numel()), torch.zeros(sender.globals_[0].numel())
+    sender.pending[0].append(PendingSync(sender.received_exchange(mean, own), 4, (0, 1, 2), size=2))
+    tensors, counters = sender.healing_payload()
+    joiner.take_healing_payload(tensors, counters)
+    (sync,) = joiner.pending[0]
+    assert sync.members == (0, 1, 2) and sync.weight == 2
