@@ -38,7 +38,12 @@ process-group transport (``PGTransport``: the same reconfigured Gloo group, so h
 listener of its own). A healed worker is not a participant of the round it healed in (torchft's
 asynchronous quorum: its payload is zeroed and the mean divides by the others): it never counts
 a peer's data twice. A worker's own state starts by the method's rule
-(``Strategy.start_worker_state``).
+(``Strategy.start_worker_state``). If that round is dropped, the healed worker asks the
+retry's quorum with the torchft step it asked its admission with, so it is healed again and
+sits the retry out too (:meth:`Replica.retry_round`). A worker whose commit alone failed is a
+torchft step behind: it is healed at its retry's quorum, which for an overlapping method is
+already the others' next round, and there takes the state at once
+(:meth:`Replica.fell_behind`).
 
 A new worker asks for its first quorum before its first step (:meth:`Replica.admit`): at a run's
 start every worker waits until all ``--workers`` are in (or the quorum timeout passes), then
