@@ -9,6 +9,10 @@ left it out, 160 steps.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,49 @@ def test_a_killed_worker_started_again_heals(tmp_path: Path, method: str) -> Non
     assert min(mine) == step + delay, (step, sorted(mine))
     assert all(mine[s] == theirs[0][s] == theirs[1][s] for s in mine), (mine, theirs)
     assert max(mine) == max(theirs[0]) == max(theirs[1]) >= 156  # (the last round's)
+
+
+def _healed(directory: Path) -> bool:
+    try:
+        events = json.loads((directory / "membership.json").read_text())["events"]
+    except (OSError, ValueError):
+        return False
+    return any(e["event"] == "healed" for e in events)
+
+
+@pytest.mark.slow
+def test_a_joiner_whose_healing_round_is_dropped_sits_the_retry_out(tmp_path: Path) -> None:
+    pytest.importorskip("torchft")
+    from lowcomm.membership.local import LocalJob
+    from test_membership_torchft import _config, _lines, _quorum_without_2, _record, _wait_for
+
+    with LocalJob(_config("local_sgd", tmp_path, 160)) as job:
+        job.start_all()
+        _wait_for(lambda: _lines(job.worker_dir(2, 0) / "metrics.jsonl") >= 10, "10 steps")
+        killed = job.kill(2)
+        _wait_for(lambda: _quorum_without_2(job.worker_dir(0, 0), killed), "a new quorum")
+        joiner = job.start(2)
+        # Held as soon as it is healed, before its first step issues the round's collective,
+        # while worker 1 is killed inside that round: the round breaks on every member. (It
+        # is held for less than the heartbeat timeout: the lighthouse keeps it.)
+        _wait_for(lambda: _healed(job.worker_dir(2, 1)), "the joiner's healing", poll_s=0.005)
+        os.kill(joiner.pid, signal.SIGSTOP)
+        job.kill(1)
+        time.sleep(0.5)
+        os.kill(joiner.pid, signal.SIGCONT)
+        codes = job.wait(300)
+    assert codes[0] == [0] and codes[2] == [-9, 0], codes
+    events = _record(job.worker_dir(2, 1))["events"]
+    healed = next(i for i, e in enumerate(events) if e["event"] == "healed")
+    step = events[healed]["step"]
+    assert [e["event"] for e in events[healed + 1 : healed + 3]] == ["dropped", "quorum"], events
+    # The retry's quorum is workers 0 and 2; the joiner sits it out as it sat out the attempt:
+    # worker 0 is its one participant, not the joiner with the parameters it took, stepped.
+    retry = events[healed + 2]
+    assert retry["members"] == [0, 2] and retry["participants"] == 1, retry
+    assert any(e["event"] == "commit" and e["step"] == step for e in events), events
+    mine, theirs = (_digests(_record(job.worker_dir(k, n))) for k, n in ((2, 1), (0, 0)))
+    assert mine[step] == theirs[step] and mine[159] == theirs[159]
 
 
 # --- a joiner whose healing round is dropped: torchft's rule, scripted ------------------------

@@ -77,12 +77,12 @@ def _record(directory: Path) -> dict[str, Any]:
     return dict(json.loads((directory / "membership.json").read_text()))
 
 
-def _wait_for(condition: Any, what: str, timeout_s: float = 180.0) -> None:
+def _wait_for(condition: Any, what: str, timeout_s: float = 180.0, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(poll_s)
 
 
 def _digests(record: dict[str, Any], key: str = "sha256") -> dict[int, str]:
