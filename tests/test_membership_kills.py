@@ -5,6 +5,10 @@ state or all-gather (favg_reset, sparseloco).
 Each job is tests/test_membership_torchft.py's: 3 worker processes of a tiny GPT on a local
 lighthouse, worker 2 killed after 10 steps and started again once the survivors' quorum has
 left it out, 160 steps.
+
+Then rounds tried again: a joiner's healing round dropped (a real kill inside it, and
+torchft's healing rule scripted), a survivor whose commit alone failed (scripted), and the
+weight an eager joiner takes an exchange in flight with.
 """
 
 from __future__ import annotations
