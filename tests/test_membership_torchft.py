@@ -77,16 +77,18 @@ def _record(directory: Path) -> dict[str, Any]:
     return dict(json.loads((directory / "membership.json").read_text()))
 
 
-def _wait_for(condition: Any, what: str, timeout_s: float = 180.0) -> None:
+def _wait_for(condition: Any, what: str, timeout_s: float = 180.0, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(poll_s)
 
 
-def _digests(record: dict[str, Any]) -> dict[int, str]:
-    return {int(entry["step"]): str(entry["sha256"]) for entry in record["digests"]}
+def _digests(record: dict[str, Any], key: str = "sha256") -> dict[int, str]:
+    """Per committed round's step, the SHA-256 of the parameters (``key`` "global_sha256":
+    of the global parameters the method declares)."""
+    return {int(entry["step"]): str(entry[key]) for entry in record["digests"]}
 
 
 def _listening(pids: list[int], port: int | None = None) -> set[str]:
@@ -118,12 +120,15 @@ def _quorum_without_2(directory: Path, since: float) -> bool:
     )
 
 
-def _kill_and_restart(method: str, out: Path, steps: int, restart: bool) -> dict[str, Any]:
+def _kill_and_restart(
+    method: str, out: Path, steps: int, restart: bool, **overrides: Any
+) -> dict[str, Any]:
     """A local job whose worker 2 is SIGKILLed after 10 steps (and, with ``restart``, started
-    again at once); every process's membership.json and exit code."""
+    again at once); every process's membership.json and exit code. ``overrides``: the
+    method's options (``with_options``)."""
     from lowcomm.membership.local import LocalJob
 
-    config = _config(method, out, steps)
+    config = _config(method, out, steps, **overrides)
     with LocalJob(config) as job:
         job.start_all()
         _wait_for(lambda: _lines(job.worker_dir(2, 0) / "metrics.jsonl") >= 10, "10 steps")
@@ -138,6 +143,35 @@ def _kill_and_restart(method: str, out: Path, steps: int, restart: bool) -> dict
         dirs = {(slot, n): job.worker_dir(slot, n) for slot, ps in job.processes.items()
                 for n in range(len(ps))}  # fmt: skip
     return {"codes": codes, "killed": killed, "dirs": dirs, "listening": listening}
+
+
+def _survived_and_healed(
+    job: dict[str, Any],
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """What every kill-and-restart job of a syncing method shows (:func:`_kill_and_restart`
+    with ``restart``): the survivors finish, the dead worker is out at a quorum after the
+    kill and the joiner in at the last, the joiner is healed once, sits out the round it
+    healed in and ends its slot's shard where the others end theirs. The survivors' and the
+    joiner's membership.json records, and its healed event."""
+    codes, dirs = job["codes"], job["dirs"]
+    assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
+    assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
+    survivors = [_record(dirs[(0, 0)]), _record(dirs[(1, 0)])]
+    joiner = _record(dirs[(2, 1)])
+    healed = [e for e in joiner["events"] if e["event"] == "healed"]
+    assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]
+    for record in survivors:
+        after = [
+            e for e in record["events"] if e["event"] == "quorum" and e["time"] > job["killed"]
+        ]
+        # (The next quorum leaves the dead worker out, or, where the method's next round
+        # comes after the restarted one has asked, already holds the restarted one.)
+        assert after[0]["members"] in ([0, 1], [0, 1, 2]), after
+        assert after[-1]["members"] == [0, 1, 2], after
+    first_quorum = next(e for e in joiner["events"] if e["event"] == "quorum")
+    assert first_quorum["participants"] == 2, first_quorum  # (it sat out the round it healed in)
+    assert joiner["data_position"] == survivors[0]["data_position"] == 160
+    return survivors, joiner, healed[0]
 
 
 @pytest.mark.slow
@@ -204,24 +238,7 @@ def test_local_and_streaming_methods_survive_a_kill_and_heal_a_restarted_worker(
     # (160 steps: the survivors train long enough alone for the joiner's process to start
     # on a loaded machine; they step fast between their rounds.)
     job = _kill_and_restart(method, tmp_path, steps=160, restart=True)
-    codes, dirs = job["codes"], job["dirs"]
-    assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
-    assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
-    survivors = [_record(dirs[(0, 0)]), _record(dirs[(1, 0)])]
-    joiner = _record(dirs[(2, 1)])
-    healed = [e for e in joiner["events"] if e["event"] == "healed"]
-    assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]
-    for record in survivors:
-        after = [
-            e for e in record["events"] if e["event"] == "quorum" and e["time"] > job["killed"]
-        ]
-        # (The next quorum leaves the dead worker out, or, where the method's next round
-        # comes after the restarted one has asked, already holds the restarted one.)
-        assert after[0]["members"] in ([0, 1], [0, 1, 2]), after
-        assert after[-1]["members"] == [0, 1, 2], after
-    first_quorum = next(e for e in joiner["events"] if e["event"] == "quorum")
-    assert first_quorum["participants"] == 2, first_quorum  # (it sat out the round it healed in)
-    assert joiner["data_position"] == survivors[0]["data_position"] == 160
+    survivors, joiner, _ = _survived_and_healed(job)
     mine, theirs = _digests(joiner), _digests(survivors[0])
     assert max(mine) == max(theirs) == 159
     if method == "local_sgd":  # (an averaged model after every round: equal bits)

@@ -42,7 +42,12 @@ ranks complete it by an all-gather over their own group (charged to the worker's
 so the link between workers carries it once, not R times. A healed worker is not a participant of the round it healed in (torchft's
 asynchronous quorum: its payload is zeroed and the mean divides by the others): it never counts
 a peer's data twice. A worker's own state starts by the method's rule
-(``Strategy.start_worker_state``).
+(``Strategy.start_worker_state``). If that round is dropped, the healed worker asks the
+retry's quorum with the torchft step it asked its admission with, so it is healed again and
+sits the retry out too (:meth:`Replica.retry_round`). A worker whose commit alone failed is a
+torchft step behind: it is healed at its retry's quorum, which for an overlapping method is
+already the others' next round, and there takes the state at once
+(:meth:`Replica.fell_behind`).
 
 A new worker asks for its first quorum before its first step (:meth:`Replica.admit`): at a run's
 start every worker waits until all ``--workers`` are in (or the quorum timeout passes), then
@@ -283,6 +288,9 @@ class Replica:
         #: The state a joiner took at its admission (torchft offers it again at the round's
         #: commit, which an overlapping method reaches steps later).
         self._admitted_with: object | None = None
+        #: The torchft step and batch count a joiner asked for its admission with (a retry of
+        #: the round it healed in asks with them again: it is healed again and sits it out).
+        self._asked_as: dict[str, int] | None = None
         #: The last round collective issued (settled before a later step opens a round).
         self._in_flight: _RoundHandle | None = None
         #: Rounds committed (the startup round included) and rounds dropped.
@@ -457,11 +465,13 @@ class Replica:
         if in_flight is not None and not in_flight.done() and in_flight.step != self.loop_step:
             in_flight.wait()
         if not self._round_open:
-            self._early.asked = (time.time(), self.loop_step)
-            self.manager.start_quorum(
-                allow_heal=True, timeout=timedelta(seconds=self.options.quorum_s)
-            )
-            self._round_open = True
+            self._ask()
+
+    def _ask(self) -> None:
+        """Ask torchft for the open round's quorum (it forms in the background)."""
+        self._early.asked = (time.time(), self.loop_step)
+        self.manager.start_quorum(allow_heal=True, timeout=timedelta(seconds=self.options.quorum_s))
+        self._round_open = True
 
     def open_round_early(self) -> None:
         """At the start of a loop step of a method that syncs every H steps: open the round
@@ -540,6 +550,13 @@ class Replica:
         enough workers took part)."""
         started = time.time()
         participating = bool(self.manager.is_participating())
+        if self._joined and self.healing():
+            # (Healed again on a retry of the round it healed in: torchft offers that state
+            # at the commit; it keeps the state it took at its admission, which the dropped
+            # attempt left current, and which an overlapping method has moved on from.)
+            pending = getattr(self.manager, "_pending_state_dict", None)
+            if pending is not None:
+                self._admitted_with = pending["user"]["default"]
         committed = bool(self.manager.should_commit())
         if committed:
             self.committed_tokens += self.pending_tokens if participating else 0
@@ -569,9 +586,19 @@ class Replica:
         return committed
 
     def retry_round(self) -> None:
-        """Open the round again on a new quorum after it did not commit."""
-        self._round_open = False
-        self.open_round()
+        """Open the round again on a new quorum after it did not commit.
+
+        A joiner healed in this round sits it out (its payload was zeroed and the mean
+        divided by the others). On the retry torchft would count it in, its torchft step
+        being the others' since its healing, with its saved payload: the parameters it
+        took from its sender, for the local family, count that member's steps twice, and
+        an exchange whose mean the method weighs by its launch quorum's participants (eager,
+        diloco_delayed) would divide by one more. So it asks with the step it asked its
+        admission with: torchft heals it again, and it sits the retry out too."""
+        if self._joined and self._asked_as is not None:
+            self.manager.load_state_dict(dict(self._asked_as))
+        # (Not open_round: the round retried may be the one in flight it would wait for.)
+        self._ask()
 
     def admit(self) -> int:
         """This worker's first quorum; the loop step it starts at.
@@ -583,28 +610,16 @@ class Replica:
         collectives this worker joins in its first step) and it starts at their loop step."""
         deadline = time.monotonic() + self.options.quorum_s
         while True:
+            asked_as = {
+                "step": self.manager.current_step(),
+                "batches_committed": self.manager.batches_committed(),
+            }
             self.open_round()
             began = time.time()
             quorum = self.wait_quorum()
             if self.manager.errored() is None and self.healing():
-                pending = getattr(self.manager, "_pending_state_dict", None)
-                if pending is None:
-                    raise RoundFailed(
-                        f"worker {self.slot}: torchft reported healing but received no state"
-                    )
-                payload = pending["user"]["default"]
-                self._apply(payload, rewind=True)
-                self._admitted_with = payload
-                self._joined = True
-                self._log({
-                    "event": "healed", "time": time.time(), "asked": began,
-                    "step": int(payload["loop_step"]), **_healed_bytes(payload),
-                    "gathered_bytes": self.gathered_bytes,
-                    "transfer_s": self.transport.last_receive_s,
-                    "members": list(quorum.members),
-                })  # fmt: skip
-                self.loop_step = int(payload["loop_step"])
-                return self.take_healed_step() or self.loop_step
+                self._asked_as = asked_as
+                return self._take_admission(quorum, began)
             full = quorum.size >= self.workers
             late = time.monotonic() >= deadline and quorum.size >= self.options.min_workers
             ready = self.manager.errored() is None and (full or late)
@@ -621,14 +636,70 @@ class Replica:
                 )
             time.sleep(ADMISSION_POLL_S)
 
+    def _take_admission(self, quorum: Quorum, began: float) -> int:
+        """Take the state torchft healed this starting worker with; the loop step it
+        starts at (the live workers' round's)."""
+        pending = getattr(self.manager, "_pending_state_dict", None)
+        if pending is None:
+            raise RoundFailed(f"worker {self.slot}: torchft reported healing but received no state")
+        payload = pending["user"]["default"]
+        self._apply(payload, rewind=True)
+        self._healed_with(payload, began, quorum.members)
+        self.loop_step = int(payload["loop_step"])
+        return self.take_healed_step() or self.loop_step
+
+    def _healed_with(self, payload: dict[str, Any], began: float, members: tuple[int, ...]) -> None:
+        """This worker took ``payload`` (applied): it sits out the round it healed in, whose
+        commit offers the payload again (not applied again), and says so (``healed``)."""
+        self._admitted_with = payload
+        self._joined = True
+        healed: dict[str, Any] = {
+            "event": "healed", "time": time.time(), "asked": began,
+            "step": int(payload["loop_step"]), **_healed_bytes(payload),
+            "gathered_bytes": self.gathered_bytes,
+            "transfer_s": self.transport.last_receive_s, "members": list(members),
+        }  # fmt: skip
+        if self.options.digests and self._strategy is not None:  # (what it took)
+            healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
+        self._log(healed)
+
+    def fell_behind(self, step: int) -> bool:
+        """After a retry's quorum, for a round whose collective this worker issued at an
+        earlier loop step ``step`` (an overlapping method's, waited steps later): whether the
+        others had committed it (this worker's commit alone failed) and this quorum, their
+        next round's, heals this worker. It then takes the state at once, as a joiner does
+        at its admission: the round is settled for it (the state holds its result), this
+        quorum is its next round's, which it sits out, and it issues nothing more for the
+        round. Healed instead at the round's commit, it would enter its next round on a
+        quorum of its own, a round behind the others from then on."""
+        if step == self.loop_step or self._joined:
+            return False
+        began = time.time()
+        quorum = self.wait_quorum()
+        pending = getattr(self.manager, "_pending_state_dict", None)
+        if self.manager.errored() is not None or not self.healing() or pending is None:
+            return False
+        payload = pending["user"]["default"]
+        # (It has taken the payload's step already: nothing to rewind.)
+        self._apply(payload, rewind=False)
+        self._healed_with(payload, began, quorum.members)
+        # (A retry of that round asks as one behind: it is healed again and sits it out.)
+        self._asked_as = {
+            "step": int(self.manager.current_step()) - 1,
+            "batches_committed": int(self.manager.batches_committed()),
+        }
+        return True
+
     def record_digest(self, step: int, parameters: Iterator[torch.Tensor]) -> None:
         """A SHA-256 of the parameters after a committed round (of a sharded worker's, this
-        rank's own shards: rank r's are compared with rank r's of another worker)."""
-        digest = hashlib.sha256()
-        for parameter in parameters:
-            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-            digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        self.digests.append({"step": step, "sha256": digest.hexdigest()})
+        rank's own shards: rank r's are compared with rank r's of another worker), and one of the global
+        parameters the method declares (``global_sha256``): where a worker's own parameters
+        differ from its peers' by design (cocodc's local progress, eager's phi_m), these are
+        what healing transfers and, but for eager, what every worker holds alike."""
+        entry = {"step": step, "sha256": _sha256(parameters)}
+        if self._strategy is not None:
+            entry["global_sha256"] = _sha256(_global_parameters(self._strategy))
+        self.digests.append(entry)
 
     def shutdown(self) -> None:
         """Stop the manager server (its heartbeats) and the group."""
@@ -683,6 +754,21 @@ def _healed_bytes(payload: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def _sha256(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _global_parameters(strategy: Strategy) -> list[torch.Tensor]:
+    """The parameters among what ``strategy`` declares global (its outer parameters, or for
+    a method that keeps none, the parameters themselves)."""
+    tensors, _ = strategy.global_state()
+    return [tensor for role, tensor in tensors if role == Role.PARAMETER]
+
+
 def _round_failed(replica: Replica) -> RoundFailed:
     """The error that ends a worker whose round did not commit in --membership.attempts."""
     error = replica.manager.errored()
@@ -727,6 +813,9 @@ class _RoundHandle:
             with torch.no_grad():
                 self._tensor.copy_(self._input)
             replica.retry_round()
+            if replica.fell_behind(self.step):  # (the others committed it: it heals instead)
+                self._done = True
+                return
             self._work = self._issue()
         raise _round_failed(replica)
 

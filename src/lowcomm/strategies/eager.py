@@ -287,11 +287,15 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                 bits = counters[f"{key}.members"]
                 members = tuple(k for k in range(self.workers) if bits >> k & 1)
                 exchange = self.received_exchange(mean, own)
+                # (Its weight, |Q| of its round, is the sender's: under torchft a member
+                # healed in that round sat it out, so it can be fewer than its members.)
+                weight = counters.get(f"{key}.size")
                 queue.append(
                     PendingSync(
-                        exchange, counters[f"{key}.at"], members, bool(counters[f"{key}.failed"])
+                        exchange, counters[f"{key}.at"], members, bool(counters[f"{key}.failed"]),
+                        size=weight,
                     )
-                )
+                )  # fmt: skip
 
     def pass_in_flight(self, source: int, *, joining: bool) -> None:
         """The sender's exchanges in flight to a joiner: their launch steps, quorums and

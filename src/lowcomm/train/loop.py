@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -83,8 +84,11 @@ class WorkerSummary:
 
 def _evaluate(
     model: torch.nn.Module, batches: list[Batch], bookkeeping: Comm, task: Task | None = None
-) -> float:
-    """Mean validation loss over all workers' batches (each worker evaluates its own).
+) -> float | None:
+    """Mean validation loss over all workers' batches (each worker evaluates its own): the
+    mean over the batches of the workers that hold any. None when none does (fewer
+    --eval-batches than workers, and those that hold them are out of the step's quorum, or
+    a torchft worker, whose run is its own, holds none): there is no loss to report.
 
     The losses are summed on the model's device (no host read per batch) and the two sums
     travel on the bookkeeping group as a CPU tensor on every worker, batches or not: that
@@ -104,7 +108,20 @@ def _evaluate(
         total[0] = loss_sum.cpu()  # the one host read of the evaluation
         total[1] = len(batches)
     bookkeeping.all_reduce(total, op="sum", role=Role.OTHER).wait()
-    return float(total[0] / total[1]) if total[1] > 0 else math.nan
+    return float(total[0] / total[1]) if total[1] > 0 else None
+
+
+def _unevaluated(worker: Worker, step: int) -> str:
+    """Why a validation at ``step`` has no loss; said once per run on stderr."""
+    run = worker.config.run
+    reason = (
+        f"no worker in the validation held a batch (--eval-batches {run.eval_batches} "
+        f"among --workers {worker.config.placement.workers}): its val_loss is left out"
+    )
+    if not worker.unevaluated_said and worker.rank == 0:
+        print(f"lowcomm: step {step}: {reason}", file=sys.stderr, flush=True)
+    worker.unevaluated_said = True
+    return reason
 
 
 @dataclass
@@ -144,6 +161,8 @@ class Worker:
     """Every worker of the run is in this process (``--workers-per-process``)."""
     faults: WorkerFaults | None = None
     """This worker's view of the run's declared faults (None: the run has none)."""
+    unevaluated_said: bool = False
+    """Whether a validation with no batch on any worker has been said (once a run)."""
 
 
 @dataclass
@@ -565,6 +584,8 @@ class FinalState:
     process (worker processes with declared faults)."""
     deployed: torch.Tensor | None = None
     """The deployed parameters, flattened (with keep_parameters)."""
+    unevaluated: str | None = None
+    """Why the final validation has no loss (None: it has one)."""
 
 
 def train_steps(
@@ -621,11 +642,13 @@ def train_step(
         mine = _own_metrics(stats, comm.bytes_sent - before_bytes, now)
         is_last = step == config.run.steps - 1 or progress.end_step is not None
         evaluate = (step + 1) % config.run.eval_every == 0 and not is_last
-        if evaluate:
-            progress.val_loss = _step_evaluation(worker, member)
+        val_loss = _step_evaluation(worker, member) if evaluate else None
+        if val_loss is not None:
+            progress.val_loss = val_loss
+        elif evaluate:
+            _unevaluated(worker, step)
         log.hold(
-            step, stats, mine, parameters_finite(worker.model),
-            progress.val_loss if evaluate else None, (begin, end),
+            step, stats, mine, parameters_finite(worker.model), val_loss, (begin, end)
         )  # fmt: skip
         stopped = config.run.stop_after is not None and step + 1 == config.run.stop_after
         every = config.run.checkpoint_every
@@ -719,9 +742,9 @@ def _take_over(worker: Worker, faults: ProcessFaults, progress: Progress) -> Non
     progress.tokens = int(saved["tokens"])
 
 
-def _step_evaluation(worker: Worker, member: bool) -> float:
+def _step_evaluation(worker: Worker, member: bool) -> float | None:
     """The validation loss of the deployed parameters after a step (a worker outside the
-    step's quorum takes its turn in the sums with no batch)."""
+    step's quorum takes its turn in the sums with no batch); None: no worker held one."""
     if not member:
         return _evaluate(worker.model, [], worker.bookkeeping, worker.task)
     with worker.strategy.deployed() as deployed_model:
@@ -922,9 +945,8 @@ def final_evaluation(
     if faults is not None and not faults.plan(last).member:
         final.clock_s = worker.clock.now()
         with worker.clock.excluded():
-            progress.val_loss = _evaluate(worker.model, [], worker.bookkeeping, worker.task)
-        if final.last_record is not None:
-            final.last_record.val_loss = progress.val_loss
+            value = _evaluate(worker.model, [], worker.bookkeeping, worker.task)
+        _final_val_loss(worker, progress, final, value)
         return
     worker.strategy.finish()
     settled = worker.strategy.settled_syncs()
@@ -934,9 +956,7 @@ def final_evaluation(
         faults.note_failed_syncs(last, sum(1 for _, applied in settled if not applied))
     final.clock_s = worker.clock.now()
     with worker.clock.excluded(), worker.strategy.deployed() as deployed_model:
-        progress.val_loss = _evaluate(
-            deployed_model, worker.validation, worker.bookkeeping, worker.task
-        )
+        value = _evaluate(deployed_model, worker.validation, worker.bookkeeping, worker.task)
         if keep_parameters:
             final.deployed = _flat_parameters(deployed_model)
         # (sharded: gathered whole by worker 0's ranks)
@@ -947,8 +967,19 @@ def final_evaluation(
             # The deployed parameters (rank 0's: worker 0's outer copy for eager and the
             # delayed DiLoCo) become OUT/model/.
             worker.task.export(exported, run_directory(worker.config) / "model", worker.config)
+    _final_val_loss(worker, progress, final, value)
+
+
+def _final_val_loss(
+    worker: Worker, progress: Progress, final: FinalState, value: float | None
+) -> None:
+    """The final validation's loss into the last step's record and the summary; with no
+    loss (no worker held a batch) both leave it out, and the summary says why."""
+    progress.val_loss = math.nan if value is None else value
+    if value is None:
+        final.unevaluated = _unevaluated(worker, worker.config.run.steps - 1)
     if final.last_record is not None:
-        final.last_record.val_loss = progress.val_loss
+        final.last_record.val_loss = value
 
 
 def _worker_summary(
@@ -995,7 +1026,8 @@ def finish(
             per_process=everyone,
             bytes_by_role=bytes_by_role,
             num_params=_parameter_count(worker.model),
-            final_val_loss=progress.val_loss,
+            final_val_loss=progress.val_loss if final.unevaluated is None else None,
+            final_val_loss_note=final.unevaluated,
             wall_clock_s=wall_clock_s,
             clock_kind=worker.clock.kind,
             compute_model=worker.clock.describe_compute(),

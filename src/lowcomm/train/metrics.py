@@ -270,7 +270,7 @@ class RunWriter:
         per_process: list[ProcessTotals],
         bytes_by_role: dict[str, float],
         num_params: int,
-        final_val_loss: float,
+        final_val_loss: float | None,
         wall_clock_s: float,
         clock_kind: str,
         network: NetworkProfile,
@@ -278,13 +278,19 @@ class RunWriter:
         compute_model: dict[str, object] | None = None,
         committed_tokens: int | None = None,
         task: dict[str, Any] | None = None,
+        final_val_loss_note: str | None = None,
     ) -> dict[str, Any]:
         """Write summary.json and loss.png, print the summary table; return the summary.
+
+        ``final_val_loss`` None: the final validation had no batch on any worker, whose
+        reason ``final_val_loss_note`` says (the summary's ``final_val_loss_note``).
 
         ``per_process`` holds one entry per process: with --ranks-per-worker R, R per worker.
         ``task``: what was trained (:meth:`lowcomm.train.task.Task.describe`); a task counted
         in samples has ``samples`` and ``committed_samples`` where others have tokens."""
         summary = self._totals(per_process, num_params, final_val_loss)
+        if final_val_loss_note is not None:
+            summary["final_val_loss_note"] = final_val_loss_note
         summary.update(
             wall_clock_s=wall_clock_s,
             bytes_by_role=bytes_by_role,
@@ -337,7 +343,7 @@ class RunWriter:
         print(format_summary(summary, self.directory))
 
     def _totals(
-        self, per_process: list[ProcessTotals], num_params: int, final_val_loss: float
+        self, per_process: list[ProcessTotals], num_params: int, final_val_loss: float | None
     ) -> dict[str, Any]:
         """The summary's run-wide numbers: means over processes, the slowest clock."""
         ranks = self.config.placement.ranks_per_worker
@@ -447,7 +453,7 @@ _SUMMARY_ORDER = (
     "faults",
     "num_params", "tokens", "committed_tokens", "token_budget", "unit", "samples",
     "committed_samples", "task", "final_train_loss",
-    "final_val_loss", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
+    "final_val_loss", "final_val_loss_note", "wall_clock_s", "compute_s", "exposed_comm_s", "utilization",
     "bytes_sent_per_worker", "bytes_sent_per_rank", "levels", "bytes_by_role", "clock",
     "compute_model", "modeled_time_s", "state_bytes_per_worker", "network", "inner_network", "per_worker",
     "state_bytes_per_rank", "peak_memory_bytes_per_rank",
@@ -469,6 +475,11 @@ def _level(per_process: list[ProcessTotals], sent: str, exposed: str) -> dict[st
         "bytes_sent_per_rank": statistics.fmean(getattr(p, sent) for p in per_process),
         "exposed_comm_s": statistics.fmean(getattr(p, exposed) for p in per_process),
     }
+
+
+def _loss_cell(loss: float | None) -> str:
+    """A loss in the summary table (none: no worker held a validation batch)."""
+    return "none (no validation batch)" if loss is None else f"{loss:.4f}"
 
 
 def _describe_network(network: NetworkProfile, *, speed_factors: bool = False) -> dict[str, Any]:
@@ -571,7 +582,7 @@ def format_summary(summary: dict[str, Any], directory: Path) -> str:
         ("parameters", f"{summary['num_params'] / 1e6:.2f} M"),
         *[(unit, f"{summary[unit]:,}") for unit in ("tokens", "samples") if unit in summary],
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
-        ("final val loss", f"{summary['final_val_loss']:.4f}"),
+        ("final val loss", _loss_cell(summary["final_val_loss"])),
         (
             "network",
             f"{summary['network']['name']} ({summary['network']['bandwidth_gbps']} Gbit/s, {summary['network']['latency_ms']} ms)",
