@@ -254,7 +254,13 @@ def test_a_survivor_whose_commit_alone_failed_heals_at_the_next_rounds_quorum() 
     # The retry's quorum is their round of step 11 (torchft step 6): it heals this worker.
     replica = _fake_replica(failures=0, attempts=3)
     script = [_Attempt(5, [1.0, 3.0], broken=True), _Attempt(6, [2.0, 4.0])]
-    taken = {"tensors": [], "rank_tensors": [], "counters": {"step_index": 12}, "loop_step": 11}
+    taken = {
+        "tensors": [],
+        "rank_tensors": [],
+        "layout": None,
+        "counters": {"step_index": 12},
+        "loop_step": 11,
+    }
     replica.manager = _HealingManager(script, step=5, load=replica._load, payload=taken)
     replica._strategy, replica._in_flight, replica._asked_as = _Strategy(), None, None
     replica._admitted_with = None

@@ -594,8 +594,12 @@ class Replica:
         took from its sender, for the local family, count that member's steps twice, and
         an exchange whose mean the method weighs by its launch quorum's participants (eager,
         diloco_delayed) would divide by one more. So it asks with the step it asked its
-        admission with: torchft heals it again, and it sits the retry out too."""
-        if self._joined and self._asked_as is not None:
+        admission with: torchft heals it again, and it sits the retry out too. It sits out
+        only while the others are enough to commit without it (``--membership.min-workers``;
+        the failed round's quorum stands for the retry's): a round that needs it could
+        otherwise never commit, and the joiner then takes part in the retry as any member."""
+        others = len(self.quorum().members) - 1
+        if self._joined and self._asked_as is not None and others >= self.options.min_workers:
             self.manager.load_state_dict(dict(self._asked_as))
         # (Not open_round: the round retried may be the one in flight it would wait for.)
         self._ask()
