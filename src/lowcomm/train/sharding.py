@@ -139,8 +139,20 @@ def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Modul
     for block in [] if blocks is None else blocks:
         fully_shard(block, mesh=ranks, mp_policy=policy)
     fully_shard(model, mesh=ranks, mp_policy=policy)
+    # FSDP keeps the root unit's parameters gathered after a forward, for the backward; after a
+    # forward without one (an evaluation), its next forward would reuse that copy, whatever was
+    # written into the shards since (the training parameters restored after evaluating the
+    # deployed ones, a heal's): reshard at once.
+    model.register_forward_hook(_reshard_without_backward)
     _mark_flat_numel(model)
     return model
+
+
+def _reshard_without_backward(module: nn.Module, _inputs: Any, _output: Any) -> None:
+    """After a forward with no gradient (no backward to reshard): free the root's gathered
+    parameters, so that the next forward gathers the shards as they are then."""
+    if not torch.is_grad_enabled():
+        module.reshard()  # type: ignore[operator]
 
 
 def _mark_flat_numel(model: nn.Module) -> None:
