@@ -2,7 +2,8 @@
 process per rank): each worker's model is ``fully_shard``-ed over its own ranks' replica group,
 rank r's shard goes between workers over rank r's outer group, which follows the quorum; a
 crash kills the worker's R processes, and the R standing by for its join take over, each
-healed with its own shard's declared state from rank r of a live member. The same trace gives
+healed with its own shard's declared state from rank r of a live member (locally or under
+torchrun, on either clock). The same trace gives
 the numbers of replicated workers (losses to 1e-6; modeled times to 1e-9 s on a free inner
 link, where neither placement is charged inside a worker: on a priced one FSDP's all-gathers
 and reduce-scatters cost other than a replicated worker's gradient all-reduce)."""
@@ -150,3 +151,18 @@ def test_a_generated_trace_gives_sharded_workers_the_replicated_numbers(tmp_path
     _same_numbers(runs[1], runs[0])
     changes = runs[1][1]["faults"]["membership_changes"]
     assert [change["step"] for change in changes] == [2, 4, 6]  # (crashes and joins landed)
+
+
+def test_a_crash_and_join_on_the_real_clock_give_sharded_workers_the_replicated_losses(
+    tmp_path: Path, replicated: tuple[Path, Run], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The events land on the same steps on either clock, and the losses follow the steps."""
+    trace, (want, _) = replicated
+    config = _sharded(tmp_path / "out", trace, clock="real", seconds_per_microbatch=None)
+    got, summary = _run(config)
+    _same_losses(got, want)
+    assert [r["quorum"] for r in got] == [2, 2, 1, 1, 1, 2, 2, 2]
+    assert summary["faults"]["membership_changes"][0]["quorum"] == 1
+    printed = capfd.readouterr().out
+    for rank in (0, 1):
+        assert f"declared crash of worker 1 (rank {rank}) at step 2" in printed
