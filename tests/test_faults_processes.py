@@ -141,8 +141,8 @@ def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
     ("overrides", "expected"),
     [
         (
-            {"ranks_per_worker": 2, "worker_sharding": "fsdp"},
-            "not yet supported with --ranks-per-worker 2 --worker-sharding fsdp",
+            {"ranks_per_worker": 2, "worker_sharding": "fsdp", "device": "cuda"},
+            "not yet supported with worker processes on --device cuda",
         ),
     ],
 )

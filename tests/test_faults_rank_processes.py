@@ -284,12 +284,14 @@ def test_the_memory_floor_counts_a_standby_process_for_each_rank_of_a_join(
         check_process_memory(config, CorpusTask())
 
 
-def test_a_process_per_rank_passes_the_checks_and_fsdp_is_still_refused(tmp_path: Path) -> None:
+def test_a_process_per_rank_passes_the_checks_replicated_or_sharded(tmp_path: Path) -> None:
     config = _config("diloco", tmp_path / "out", tmp_path / "t", processes=True)
     config.validate()  # (no refusal: the placement runs with faults)
-    config = with_options(config, worker_sharding="fsdp")
+    with_options(config, worker_sharding="fsdp").validate()  # (tests/test_faults_fsdp.py)
+    # A sharded worker's ranks are processes of their own (its mesh is theirs alone).
+    threads = _config("diloco", tmp_path / "out", tmp_path / "t", processes=False)
     with pytest.raises(ConfigError, match="--worker-sharding fsdp") as caught:
-        config.validate()
+        with_options(threads, worker_sharding="fsdp").validate()
     assert "\n" not in str(caught.value)
 
 

@@ -47,6 +47,16 @@ together by every live process, so each rank's group has the same members. A wor
 meet on a replica group of its processes of one generation (those started at launch, or those
 standing by for one of its joins), made at launch (:func:`quorum_levels`).
 
+**A sharded worker** (``--worker-sharding fsdp``) is the same R processes, its model
+``fully_shard``-ed over its replica group alone (a mesh of that group,
+:func:`~lowcomm.train.sharding.group_mesh`), so rank ``r`` holds the r-th shard of every
+parameter and its outer group carries that shard between workers. The processes standing by
+for a join have a replica group and a mesh of their own, made at launch; a crash kills the R
+processes and their mesh with them. At the join each rank is healed with its own shard's
+declared state from rank ``r`` of a live member, over its outer group; nothing is gathered
+among the worker's ranks. At launch rank ``r`` of every worker takes worker 0's rank ``r``
+shards (:meth:`QuorumOuterComm.from_first_worker`), before any quorum has a group.
+
 **Under torchrun a crash is emulated in place**, on either clock. A process is not killed
 there: torchrun's elastic agent takes a worker killed by a signal as the failure of the whole
 job and stops (or, with ``--max-restarts``, restarts) every worker, and its world is fixed at
@@ -85,6 +95,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ProcessFaults",
     "QuorumOuterComm",
+    "ReplicaGroupComm",
     "handover_path",
     "lose_state",
     "process_layout",
@@ -404,6 +415,16 @@ class QuorumOuterComm(QuorumTorchComm):
     def prepare(self, members: tuple[int, ...]) -> None:
         raise NotImplementedError("an outer group's quorums are prepared by prepare_quorum()")
 
+    def from_first_worker(self, tensor: torch.Tensor) -> None:
+        """Take worker 0's rank ``r`` ``tensor`` on every process of rank ``r`` (uncharged, at
+        set-up, before any quorum has a group; a sharded worker's ranks hold different
+        shards of one size): one broadcast over the world from each rank's first process in
+        turn, which the other ranks' processes receive and drop. Collective: every process."""
+        for rank in range(self.ranks_per_worker):
+            source = self.layout.index(rank)
+            received = tensor if rank == self.local_rank else torch.empty_like(tensor)
+            dist.broadcast(received, src=source)
+
     def enter(self, quorum_id: int, members: tuple[int, ...]) -> None:
         """Take part in quorum ``quorum_id`` of the workers ``members`` on this rank's group
         of their processes (made by :meth:`prepare_quorum`)."""
@@ -449,7 +470,18 @@ def quorum_levels(config: TrainConfig, raw: Comm) -> tuple[Comm, Comm] | None:
                 mine = group
     assert mine is not None, "every process is one rank of one generation of a worker"
     outer = QuorumOuterComm(ranks, timeout_s=timeout_s, layout=layout)
-    return TorchComm(mine, timeout_s=timeout_s), outer
+    return ReplicaGroupComm(mine, timeout_s=timeout_s), outer
+
+
+class ReplicaGroupComm(TorchComm):
+    """The group of one generation of a worker's R processes (:func:`quorum_levels`): with
+    --worker-sharding fsdp, the group FSDP's mesh is made of
+    (:class:`~lowcomm.train.sharding.WorkerGroup`)."""
+
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` group of the worker's processes."""
+        return self._group
 
 
 def _nth(layout: tuple[int, ...], slot: int, generation: int) -> int:

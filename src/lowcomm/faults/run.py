@@ -344,20 +344,14 @@ def _placement_refusal(config: TrainConfig, flag: str) -> str | None:
         "(--workers-per-process 1, on cpu: local launch or torchrun, either clock) or one of "
         "K threads in each of several processes (--workers-per-process K dividing --workers, "
         "on cpu: local launch or torchrun, either clock), a worker of several ranks "
-        "(replicated) as threads or as a process per rank"
+        "replicated (as threads or as a process per rank) or sharded (--worker-sharding fsdp, "
+        "a process per rank)"
     )
     in_process = placement.workers_per_process == placement.workers
     if not in_process and config.placement.device != "cpu":
         return (
             f"{flag}: not yet supported with worker processes on --device {config.placement.device} "
             f"(the quorum's groups are checked on Gloo only); {supported}"
-        )
-    ranks = placement.ranks_per_worker
-    if ranks != 1 and placement.worker_sharding == "fsdp":
-        return (
-            f"{flag}: not yet supported with --ranks-per-worker {ranks} --worker-sharding fsdp "
-            "(FSDP's shards live on a device mesh of every worker's ranks, which does not "
-            "follow a quorum); use --worker-sharding replicate with faults"
         )
     return None
 

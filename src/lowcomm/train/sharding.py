@@ -10,7 +10,10 @@ parameter, so the method's outer communicator is the group of rank ``r`` of ever
 its collectives move only local shards. A worker that is a torchft replica group
 (``--membership torchft``) has a world of its own R ranks: its mesh is 1-D, those ranks alone,
 and rank ``r``'s outer communicator is its own torchft Manager's, to rank ``r`` of the other
-workers (:func:`shard_worker`'s ``levels``).
+workers (:func:`shard_worker`'s ``levels``). With declared faults (``--faults``, a process per
+rank) the world holds every worker's processes, those standing by for joins too: a worker's
+mesh is then its own ranks' group (:class:`WorkerGroup`), and rank ``r``'s outer communicator
+follows each step's quorum (:mod:`lowcomm.faults.processes`).
 
 A strategy sees its parameters through :class:`ShardedFlatBuffers`: one flat buffer holding
 the (padded) local shards of every parameter, in ``model.parameters()`` order, which FSDP's own
@@ -40,7 +43,7 @@ import math
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -139,8 +142,20 @@ def shard_model(model: nn.Module, ranks: Any, *, bf16: bool = False) -> nn.Modul
     for block in [] if blocks is None else blocks:
         fully_shard(block, mesh=ranks, mp_policy=policy)
     fully_shard(model, mesh=ranks, mp_policy=policy)
+    # FSDP keeps the root unit's parameters gathered after a forward, for the backward; after a
+    # forward without one (an evaluation), its next forward would reuse that copy, whatever was
+    # written into the shards since (the training parameters restored after evaluating the
+    # deployed ones, a heal's): reshard at once.
+    model.register_forward_hook(_reshard_without_backward)
     _mark_flat_numel(model)
     return model
+
+
+def _reshard_without_backward(module: nn.Module, _inputs: Any, _output: Any) -> None:
+    """After a forward with no gradient (no backward to reshard): free the root's gathered
+    parameters, so that the next forward gathers the shards as they are then."""
+    if not torch.is_grad_enabled():
+        module.reshard()  # type: ignore[operator]
 
 
 def _mark_flat_numel(model: nn.Module) -> None:
@@ -438,7 +453,8 @@ def shard_worker(
     its own shards of it; either way every rank r then takes worker 0's rank r's shards
     (uncharged), so the workers provably start from one point. ``levels``: the raw (inner,
     outer) communicators of a worker whose process group is its own R ranks (a torchft
-    replica group, :mod:`lowcomm.membership.worker`): the mesh is then those ranks alone,
+    replica group, :mod:`lowcomm.membership.worker`), or whose inner one is a group of the
+    world's (a :class:`WorkerGroup`, declared faults): the mesh is then those ranks alone,
     and rank r's collectives between workers go through ``levels[1]``."""
     from lowcomm.comm.cast import wire_dtype
     from lowcomm.comm.torch_comm import TorchComm
@@ -454,8 +470,9 @@ def shard_worker(
         inner_raw: Comm = TorchComm(mesh.get_group("ranks"), timeout_s=timeout)
         across: Comm = TorchComm(mesh.get_group("workers"), timeout_s=timeout)
     else:
-        ranks_mesh = group_mesh(ranks, device.type, timeout_s=timeout)
         inner_raw, across = levels
+        group = inner_raw.process_group if isinstance(inner_raw, WorkerGroup) else None
+        ranks_mesh = group_mesh(ranks, device.type, timeout_s=timeout, group=group)
     inner = NetworkComm(
         inner_raw, links[1], clock, device=device, wire_dtype=wire, bookkeeping=books[0]
     )
@@ -467,17 +484,44 @@ def shard_worker(
     if deferred is not None:
         materialise(model, deferred, device)
     for record in fsdp_params(model):
-        across.broadcast(record._sharded_param_data, src=0, role=Role.PARAMETER).wait()
+        if isinstance(across, StartsFromFirstWorker):
+            across.from_first_worker(record._sharded_param_data)
+        else:
+            across.broadcast(record._sharded_param_data, src=0, role=Role.PARAMETER).wait()
     attach_inner(model, inner)
     charge_fsdp_collectives(model, inner)
     return outer
 
 
-def group_mesh(ranks: int, device: str = "cpu", *, timeout_s: float | None = None) -> Any:
-    """The 1-D ``ranks`` DeviceMesh of a world that is one worker's R ranks (a torchft
-    replica group's own process group; a collective: every rank calls it)."""
-    from torch.distributed.device_mesh import init_device_mesh
+@runtime_checkable
+class WorkerGroup(Protocol):
+    """A worker's R ranks as a process group of a world that holds other workers' ranks too
+    (declared faults with a process per rank, :func:`~lowcomm.faults.processes.quorum_levels`):
+    its FSDP mesh is made of that group (:func:`group_mesh`)."""
 
+    @property
+    def process_group(self) -> Any: ...
+
+
+@runtime_checkable
+class StartsFromFirstWorker(Protocol):
+    """An outer communicator with no group between workers at set-up (its groups follow the
+    quorum of each step, made as the steps are resolved): rank r takes worker 0's rank r's
+    tensor some other way (:class:`~lowcomm.faults.processes.QuorumOuterComm`)."""
+
+    def from_first_worker(self, tensor: torch.Tensor) -> None: ...
+
+
+def group_mesh(
+    ranks: int, device: str = "cpu", *, timeout_s: float | None = None, group: Any = None
+) -> Any:
+    """The 1-D ``ranks`` DeviceMesh of one worker's R ranks: the world, where it is those ranks
+    alone (a torchft replica group's own process group; a collective: every rank calls it),
+    or ``group``, a group of the world made already (its timeout is the group's own)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if group is not None:
+        return DeviceMesh.from_group(group, device, mesh_dim_names=("ranks",))
     override: dict[int | str, Any] | None = None
     if timeout_s is not None:
         override = {"ranks": _group_options(device, timeout_s)}
@@ -669,6 +713,8 @@ __all__ = [
     "Rows",
     "ShardedFlatBuffers",
     "ShardedWorkerComm",
+    "StartsFromFirstWorker",
+    "WorkerGroup",
     "attach_inner",
     "charge_fsdp_collectives",
     "exportable",
