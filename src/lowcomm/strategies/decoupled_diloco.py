@@ -27,6 +27,15 @@ quorum feeds nobody and its replica falls behind; when it joins or rejoins, the 
 heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
 link, charged as in one process). A checkpoint holds each process's replica.
 
+**With live membership** (``--membership torchft``, virtual clock) every learner is a worker
+process with a replica, and each tick's exchange is one torchft round
+(:meth:`DecoupledDiLoCo._exchange_round`): a quorum, one all-gather of every participant's
+post, counters and sent fragments (each row naming its learner, so the round's participants
+are the tick's members), and a commit; a round that did not commit is tried again on a new
+quorum, on every member alike. A learner lost is out at the next quorum, as a crash is here.
+A joiner is healed at its quorum with a live learner's whole replica
+(:meth:`DecoupledDiLoCo.healing_payload`), starts by the join rule, and sits out that round.
+
 **Learners of several ranks** (``--ranks-per-worker R``, replicated). The R ranks of a
 learner run this code alike on the same replica (their gradients averaged at each inner
 step), each with a replica of the synchronizer fed over the uncharged two-level group. What a
@@ -728,7 +737,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     its own, or one of K threads in each of several processes (a replica of the synchronizer
     per learner; the same numbers, see the module docstring), on either clock, with or
     without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
-    ranks too (sharded, refused in one line). Resume:
+    ranks too (sharded, refused in one line); with ``--membership torchft`` on the virtual
+    clock, one rank per worker (a round per tick, see the module docstring). Resume:
     exact on the same workers (every learner's checkpoint holds the synchronizer's state, or
     its replica's, too); on another worker count, remapped (:meth:`_load_remapped`: the
     synchronizer's global state kept, the fragments not yet merged dropped, every learner
