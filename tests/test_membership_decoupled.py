@@ -13,7 +13,15 @@ import pytest
 from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.membership.options import membership_refusal
 from lowcomm.strategies.decoupled_diloco import DecoupledOptions
-from test_membership_torchft import _config, _follows_static, _needs_torchft, _record
+from test_membership_torchft import (
+    _config,
+    _follows_static,
+    _lines,
+    _needs_torchft,
+    _quorum_without_2,
+    _record,
+    _wait_for,
+)
 
 #: A 5 ms link: a fragment's reply comes back within a few steps, so merges happen often.
 DECOUPLED = {"decoupled": DecoupledOptions(sync_every=4, fragments=2), "latency_ms": 5.0}
@@ -60,40 +68,43 @@ def _same_bits(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-#: Worker 2 is SIGKILLed at step 10 and a new process started in its slot once the others
-#: reach step 20; worker 0 sleeps 3 times each step's wall time, so that the survivors
-#: still train while the new process starts (the virtual clock does not pace them).
-TRACE = """\
-step=10  worker=2  crash
-step=20  worker=2  join
-step=0   worker=0  slow factor=4
-"""
+#: Worker 0 sleeps 3 times each step's wall time (a replayed slowdown), so that the survivors
+#: still train while a restarted process starts: the virtual clock does not pace them.
+PACE = "step=0  worker=0  slow factor=4\n"
 
 
 @pytest.mark.slow
 def test_decoupled_diloco_survives_a_kill_and_the_restarted_worker_heals(tmp_path: Path) -> None:
     _needs_torchft()
-    from lowcomm.launch.run import run_training
+    from lowcomm.membership.local import LocalJob
 
     steps = 160
-    trace = tmp_path / "trace.txt"
-    trace.write_text(TRACE)
-    out = tmp_path / "job"
+    trace = tmp_path / "pace.txt"
+    trace.write_text(PACE)
     config = _config(
-        "decoupled_diloco", out, steps, clock="virtual", seconds_per_microbatch=0.01,
-        checkpoint_every=1000, faults=str(trace), **DECOUPLED,
+        "decoupled_diloco", tmp_path / "job", steps, clock="virtual",
+        seconds_per_microbatch=0.01, checkpoint_every=1000, faults=str(trace), **DECOUPLED,
     )  # fmt: skip
-    run_training(config, report=None)
-    job = json.loads((out / "membership.json").read_text())
-    codes = {slot: [w["exit_code"] for w in workers] for slot, workers in job["workers"].items()}
-    assert codes == {"0": [0], "1": [0], "2": [-9, 0]}, codes
-    dirs = [out / "worker0", out / "worker1", out / "worker2.1"]
+    with LocalJob(config) as job:
+        job.start_all()
+        _wait_for(lambda: _lines(job.worker_dir(2, 0) / "metrics.jsonl") >= 10, "10 steps")
+        killed = job.kill(2)  # (anywhere in its tick: its round may be cut mid-gather)
+        _wait_for(lambda: _quorum_without_2(job.worker_dir(0, 0), killed), "a new quorum")
+        job.start(2)
+        codes = job.wait(300)
+        dirs = [job.worker_dir(0, 0), job.worker_dir(1, 0), job.worker_dir(2, 1)]
+    assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
+    assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
     survivors, joiner = [_record(d) for d in dirs[:2]], _record(dirs[2])
     for record in survivors:
-        quorums = [e["members"] for e in record["events"] if e["event"] == "quorum"]
-        # (the dead one out at a quorum, and the joiner in at a later one)
-        out_at = quorums.index([0, 1])
-        assert [0, 1, 2] in quorums[out_at:] and quorums[-1] == [0, 1, 2], quorums
+        after = [e for e in record["events"] if e["event"] == "quorum" and e["time"] > killed]
+        # The dead one is out at the quorum formed once its heartbeat timed out (a round
+        # whose quorum still held it could not commit: dropped, and tried again), and the
+        # joiner in at a later one.
+        out = next(i for i, e in enumerate(after) if e["members"] == [0, 1])
+        assert all(e["members"] == [0, 1, 2] for e in after[:out]), after
+        assert record["dropped_rounds"] >= out
+        assert after[-1]["members"] == [0, 1, 2], after
     healed = [e for e in joiner["events"] if e["event"] == "healed"]
     assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]
     first_quorum = next(e for e in joiner["events"] if e["event"] == "quorum")
