@@ -539,8 +539,3 @@ def test_cluster_commands_with_torchft_lighthouse(tmp_path: Path) -> None:
         lighthouse.wait()
     digests = [_digests(_record(tmp_path / f"w{k}")) for k in range(2)]
     assert digests[0] == digests[1] and sorted(digests[0]) == [3, 7]
-
-
-def test_decoupled_diloco_is_refused_with_its_reason() -> None:
-    with pytest.raises(ConfigError, match="decoupled_diloco's learners never wait for a quorum"):
-        with_options(TrainConfig(method="decoupled_diloco"), membership="torchft").validate()

@@ -23,6 +23,7 @@ __all__ = [
     "INSTALL_HINT",
     "SHARDED_METHODS",
     "TORCHFT_METHODS",
+    "TORCHFT_VIRTUAL_METHODS",
     "MembershipOptions",
     "membership_refusal",
     "parse_address",
@@ -41,6 +42,13 @@ TORCHFT_METHODS: tuple[str, ...] = (
     "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt", "favg_reset",
     "co2", "cocodc", "diloco_delayed", "eager", "demo", "sparseloco",
 )  # fmt: skip
+
+#: Methods that run with --membership torchft on the virtual clock only, with workers of one
+#: rank and no --resume: decoupled_diloco, whose tick is one round (quorum, an all-gather of
+#: the tick's contributions and posted clocks, commit) that every live learner's replica of
+#: the synchronizer merges alike; checked against static membership with no fault and
+#: through a kill and a restart.
+TORCHFT_VIRTUAL_METHODS: tuple[str, ...] = ("decoupled_diloco",)
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
 #: others need.
@@ -225,25 +233,45 @@ def _checkpoint_refusal(config: TrainConfig, flag: str) -> str | None:
     return None
 
 
+def _virtual_only_refusal(config: TrainConfig, flag: str) -> str | None:
+    """Why decoupled_diloco cannot run with these options under live membership, or None."""
+    method = config.method
+    if config.comm.clock != "virtual":
+        return (
+            f"{flag}: --method {method} on --clock {config.comm.clock}: each worker process "
+            "reads its own clock from its own start, so a restarted worker's clock is behind "
+            "the others' by its start, and the synchronizer, which merges by comparing the "
+            "learners' clocks, would wait for it; use --clock virtual"
+        )
+    if config.placement.ranks_per_worker != 1:
+        return (
+            f"{flag}: --method {method} with --ranks-per-worker "
+            f"{config.placement.ranks_per_worker} is not yet supported (its learners' ranks "
+            "agree over a group that spans workers); use 1"
+        )
+    if config.run.resume is not None:
+        return (
+            f"{flag}: --method {method} with --resume is not yet supported (a resumed job's "
+            "synchronizer replicas are not yet checked); run it again from the start"
+        )
+    return None
+
+
 def _method_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's method cannot run with live membership, or None."""
     if config.method in SHARDED_METHODS:
         return (
             f"{flag}: --method {config.method} keeps its optimizer state sharded across "
             "workers, so a lost worker takes a shard the others need (it does not re-shard "
-            f"from the survivors); use {' or '.join(TORCHFT_METHODS)}"
+            f"from the survivors); use {' or '.join((*TORCHFT_METHODS, *TORCHFT_VIRTUAL_METHODS))}"
         )
-    if config.method == "decoupled_diloco":
-        return (
-            f"{flag}: --method decoupled_diloco's learners never wait for a quorum (a "
-            "synchronizer merges whatever fragments are in), which a torchft round of quorum, "
-            "collective and commit does not express; run it with --membership static (its "
-            f"--faults replay any trace), or use {', '.join(TORCHFT_METHODS)}"
-        )
+    if config.method in TORCHFT_VIRTUAL_METHODS:
+        return _virtual_only_refusal(config, flag)
     if config.method not in TORCHFT_METHODS:
         return (
             f"{flag}: --method {config.method} is not yet supported (its rounds are not yet "
-            f"checked through a kill and a restart); use {', '.join(TORCHFT_METHODS)}"
+            f"checked through a kill and a restart); use "
+            f"{', '.join((*TORCHFT_METHODS, *TORCHFT_VIRTUAL_METHODS))}"
         )
     if config.method in ("eager", "diloco_delayed") and config.comm.comm_dtype != "fp32":
         return (

@@ -977,6 +977,11 @@ class TorchftComm:
     Then its rank and size are those of the current round.
     """
 
+    #: Each collective is a committed round over its quorum's participants: an all-gather's
+    #: rows are theirs alone, in slot order (a method that learns who sent which row reads it
+    #: from the rows; decoupled_diloco).
+    committed_rounds = True
+
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self._started = False

@@ -27,6 +27,15 @@ quorum feeds nobody and its replica falls behind; when it joins or rejoins, the 
 heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
 link, charged as in one process). A checkpoint holds each process's replica.
 
+**With live membership** (``--membership torchft``, virtual clock) every learner is a worker
+process with a replica, and each tick's exchange is one torchft round
+(:meth:`DecoupledDiLoCo._exchange_round`): a quorum, one all-gather of every participant's
+post, counters and sent fragments (each row naming its learner, so the round's participants
+are the tick's members), and a commit; a round that did not commit is tried again on a new
+quorum, on every member alike. A learner lost is out at the next quorum, as a crash is here.
+A joiner is healed at its quorum with a live learner's whole replica
+(:meth:`DecoupledDiLoCo.healing_payload`), starts by the join rule, and sits out that round.
+
 **Learners of several ranks** (``--ranks-per-worker R``, replicated). The R ranks of a
 learner run this code alike on the same replica (their gradients averaged at each inner
 step), each with a replica of the synchronizer fed over the uncharged two-level group. What a
@@ -728,7 +737,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     its own, or one of K threads in each of several processes (a replica of the synchronizer
     per learner; the same numbers, see the module docstring), on either clock, with or
     without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
-    ranks too (sharded, refused in one line). Resume:
+    ranks too (sharded, refused in one line); with ``--membership torchft`` on the virtual
+    clock, one rank per worker (a round per tick, see the module docstring). Resume:
     exact on the same workers (every learner's checkpoint holds the synchronizer's state, or
     its replica's, too); on another worker count, remapped (:meth:`_load_remapped`: the
     synchronizer's global state kept, the fragments not yet merged dropped, every learner
@@ -806,6 +816,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         local = getattr(group, "local_size", getattr(group, "size", 0))
         #: The only learner: nothing to agree with anyone.
         self.alone = workers == 1
+        #: Whether each collective is a committed round of live membership (torchft): the
+        #: tick's exchange is then one round, whose rows name their learners.
+        self.rounds = bool(getattr(raw, "committed_rounds", False))
         #: Whether every learner is a thread of this process, sharing one synchronizer; else
         #: (worker processes, or K workers in each of several) each learner keeps a replica,
         #: fed every learner's contributions over the uncharged group (:meth:`_exchange`).
@@ -948,7 +961,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         after a tick in which one waited, else as posted at the last tick's end (on the real
         clock, time passes between ticks, in the loop's bookkeeping, for every learner)."""
         if self.alone or not self.sync.pace.waiting:
-            return self.sync.pace.earliest(self.runtime.quorum.members), self.posted
+            # (In rounds, the last tick's rows are its members: the quorum may be changing.)
+            members = self.sync.live if self.rounds else self.runtime.quorum.members
+            return self.sync.pace.earliest(members), self.posted
         now = self.now()
         rows = self._gather([now, float(self.waiting)])
         stepping = [row[0] for row in rows if row[1] == 0.0]
@@ -990,6 +1005,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                       self.last_step_s, self.sync_s)  # fmt: skip
         if self.alone:
             return [mine], list(self.sending)
+        if self.rounds:
+            return self._exchange_round(mine)
         if self.replicated:
             return self._exchange_replicas(mine)
         for p, contribution, step_s in self.sending:
@@ -1053,6 +1070,73 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 sent.append((p, c, row[at + 5]))
         return [self._posted(m, row) for m, row in zip(members, table, strict=True)], sent
 
+    def _exchange_round(self, mine: Posted) -> tuple[list[Posted], list[Sent]]:
+        """With live membership (torchft): the tick is one round, one all-gather of each
+        participant's post, its sends' counters and the fragments it sent (a row names its
+        learner: the round's participants are the tick's members). A failed round is tried
+        again on a new quorum by the communicator, so every member gets the same rows or
+        none. A learner healed in the round sits it out: its row is not among them, and what
+        it sent at this tick is dropped (it never reaches the synchronizer)."""
+        raw = self.runtime.uncharged
+        self.runtime.enter_round()  # (its quorum: how many rows come back)
+        slots, width = self._round_slots()
+        like = self.globals_[0]
+        header = [float(self.learner), mine.clock, float(mine.waiting), mine.step_s, mine.sync_s]
+        values = torch.zeros(slots, width, dtype=like.dtype, device=like.device)
+        if len(self.sending) > slots:
+            raise RuntimeError(f"decoupled_diloco: {len(self.sending)} sends in one tick")
+        for i, (p, c, step_s) in enumerate(self.sending):
+            header += [float(p), float(c.tokens), float(c.steps), c.arrival,
+                       float(c.base_version), step_s]  # fmt: skip
+            values[i, : c.outer_gradient.numel()] = c.outer_gradient.reshape(-1)
+        for _ in range(slots - len(self.sending)):
+            header += [-1.0] + [0.0] * (_SENT_FIELDS - 1)
+        split = 8 * len(header)
+        wire = torch.cat([
+            torch.tensor(header, dtype=torch.float64).view(torch.uint8),
+            values.reshape(-1).view(torch.uint8).cpu(),
+        ])  # fmt: skip
+        out = torch.empty(raw.world_size * wire.numel(), dtype=torch.uint8)
+        raw.all_gather(out, wire, role=Role.OTHER).wait()
+        sending = {p: (c, step_s) for p, c, step_s in self.sending}
+        posts: list[Posted] = []
+        sent: list[Sent] = []
+        for row in out.view(-1, wire.numel()):
+            head: list[float] = row[:split].clone().view(torch.float64).tolist()
+            learner = int(head[0])
+            posts.append(self._posted(learner, head[1:5]))
+            block = row[split:].clone().view(like.dtype).view(slots, width)
+            for i in range(slots):
+                at = 5 + _SENT_FIELDS * i
+                if head[at] < 0:
+                    continue
+                p = int(head[at])
+                if learner == self.learner:
+                    sent.append((p, *sending[p]))
+                    continue
+                numel = self.globals_[p].numel()
+                c = Contribution(
+                    learner=learner, outer_gradient=block[i, :numel].clone().view_as(self.globals_[p]),
+                    tokens=int(head[at + 1]), steps=int(head[at + 2]), arrival=head[at + 3],
+                    base_version=int(head[at + 4]),
+                )  # fmt: skip
+                sent.append((p, c, head[at + 5]))
+        if all(post.learner != self.learner for post in posts):
+            for p in sending:
+                self.outstanding[p] = None
+            self.sending = []
+            self.waiting = False
+        return posts, sent
+
+    def _round_slots(self) -> tuple[int, int]:
+        """How many fragments a learner may send in one tick (those whose launch offsets fall
+        on the same step of H), and the largest fragment's size: a round's row holds that
+        many fragments of that size."""
+        period = self.options.sync_every
+        offsets = [offset % period for offset in self.launch_offsets]
+        slots = max(offsets.count(offset) for offset in offsets)
+        return slots, max(g.numel() for g in self.globals_)
+
     def _sent_as(self, p: int, c: Contribution) -> None:
         """This learner's contribution of fragment p as its ranks' slices gave it (each rank
         timed its send on its own clock)."""
@@ -1076,11 +1160,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         host in one process, on the parameters' device between processes (their group may be
         NCCL's; reading the rows back is then the tick's one wait for the device)."""
         raw = self.runtime.uncharged
+        if self.rounds:
+            self.runtime.enter_round()  # (its quorum: how many rows come back)
         device = torch.device("cpu") if self.shared else self.globals_[0].device
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         out = torch.zeros(raw.world_size * len(values), dtype=torch.float64, device=device)
         raw.all_gather(out, mine, role=Role.OTHER).wait()
-        rows: list[list[float]] = out.view(raw.world_size, len(values)).cpu().tolist()
+        rows: list[list[float]] = out.view(-1, len(values)).cpu().tolist()
         return rows
 
     def send_fragments_due(self, t: int) -> int:
@@ -1184,6 +1270,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         replies (waiting for them)."""
         if self.alone:
             self.sync.finish({self.learner: self.sync_s})
+        elif self.rounds:  # (a round: its rows name their learners)
+            table = self._gather([float(self.learner), self.sync_s])
+            self.sync.finish({int(row[0]): row[1] for row in table})
         else:
             table = self._gather([self.sync_s])
             self.sync.finish({m: row[0] for m, row in zip(self._members(), table, strict=True)})
@@ -1260,6 +1349,49 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 weights_only=True,
             )  # fmt: skip
             self.sync.load_state_dict(state, once=False)
+
+    # --- live membership (torchft): healing at a round's quorum ----------------------------
+
+    def healing_payload(self) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """What a live learner sends a joiner at a round's quorum: its replica of the
+        synchronizer, whole (every Theta_p, outer optimizer, version, pending contribution and
+        token count; read between ticks, as a checkpoint's), as one tensor of its bytes, and
+        this learner's step count (which the engine sets to the joiner's loop step)."""
+        buffer = io.BytesIO()
+        torch.save(self.sync.state_dict(), buffer)
+        state = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return [state], {"step_index": self.step_index}
+
+    def take_healing_payload(self, tensors: list[torch.Tensor], counters: dict[str, int]) -> None:
+        """A joiner takes a live learner's replica of the synchronizer (its own replies
+        only: it has none), then starts by :meth:`start_worker_state`."""
+        (payload,) = tensors
+        state = torch.load(
+            io.BytesIO(payload.cpu().numpy().tobytes()), map_location=self.globals_[0].device,
+            weights_only=True,
+        )  # fmt: skip
+        self.sync.load_state_dict(state, once=False)
+        self.step_index = int(counters["step_index"])
+
+    def start_worker_state(self, *, kept: bool) -> None:
+        """The rule of :attr:`membership`, after healing from a live learner's replica: no
+        fragment in flight, from the tick after the replica's last; a joiner's clock moves
+        to the latest clock the members posted at that tick (a worker that was away has no
+        time of its own), then takes every Theta_p down its link (charged; its clock waits
+        for it), its local parameters at Theta and its inner AdamW afresh."""
+        params, versions, tick = self.sync.snapshot()
+        self._forget_sends(tick)
+        if kept:
+            return
+        latest = max((clock for _, clock in self.sync.pace.clocks), default=self.now())
+        start = max(self.now(), latest)
+        for p, values in enumerate(params):
+            handle = self._message(CollectiveKind.ALL_GATHER, Role.PARAMETER, values.numel(), start)
+            if handle is not None:
+                handle.wait()
+            params[p] = self._reassembled(values)
+        self._start_at(params, versions)
+        self.sync_s = 0.0
 
     # --- Strategy API ------------------------------------------------------------------------
 

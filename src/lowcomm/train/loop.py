@@ -891,7 +891,9 @@ def _check_finite(step: int, everyone: WorkerRows, members: tuple[int, ...] | No
     """Stop the run on a non-finite loss or parameter on any worker (of ``members``, the
     step's quorum, when the run has faults: the others took no step)."""
     losses = everyone.column("loss")
-    finite = torch.isfinite(losses)
+    # (A worker that took no step at this loop step reports a NaN loss and no micro-batch:
+    # decoupled_diloco's learner ahead of the others, the only row of a torchft worker's run.)
+    finite = torch.isfinite(losses) | ((everyone.column("microbatches") == 0) & losses.isnan())
     if members is not None:
         outside = torch.ones_like(finite)
         outside[list(members)] = False

@@ -1,0 +1,141 @@
+"""--membership torchft with decoupled_diloco on the virtual clock: each tick is one torchft
+round (quorum, an all-gather of the tick's posted clocks and sent fragments, commit), and every
+live worker's replica of the synchronizer merges the same contributions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lowcomm.config import ConfigError, TrainConfig, with_options
+from lowcomm.membership.options import membership_refusal
+from lowcomm.strategies.decoupled_diloco import DecoupledOptions
+from test_membership_torchft import (
+    _config,
+    _follows_static,
+    _lines,
+    _needs_torchft,
+    _quorum_without_2,
+    _record,
+    _wait_for,
+)
+
+#: A 5 ms link: a fragment's reply comes back within a few steps, so merges happen often.
+DECOUPLED = {"decoupled": DecoupledOptions(sync_every=4, fragments=2), "latency_ms": 5.0}
+
+
+@pytest.mark.slow
+def test_no_fault_decoupled_diloco_follows_the_static_trajectory(tmp_path: Path) -> None:
+    _needs_torchft()
+    records = _follows_static("decoupled_diloco", tmp_path, steps=12, **DECOUPLED)
+    for record in records:
+        assert record["dropped_rounds"] == 0
+        # (one round per tick and one at the end, besides the startup round)
+        assert record["commits"] == 1 + 12 + 1, record["commits"]
+    # The replies came back and were taken: the learners trained on merged fragments.
+    rows = [
+        json.loads(line) for line in (tmp_path / "torchft" / "worker0" / "metrics.jsonl").open()
+    ]
+    assert sum(r["extras"]["syncs_completed"] for r in rows) >= 2
+
+
+def _synchronizer(directory: Path, step: int) -> dict[str, Any]:
+    """The synchronizer replica in the worker's checkpoint of ``step``."""
+    from lowcomm.train.checkpoint import read_rank_state, step_directory
+
+    state = read_rank_state(step_directory(directory, step), 0)
+    found = [
+        v["synchronizer"] for v in state.values() if isinstance(v, dict) and "synchronizer" in v
+    ]
+    assert len(found) == 1, sorted(state)
+    return dict(found[0])
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_bits(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+#: Worker 0 sleeps 3 times each step's wall time (a replayed slowdown), so that the survivors
+#: still train while a restarted process starts: the virtual clock does not pace them.
+PACE = "step=0  worker=0  slow factor=4\n"
+
+
+@pytest.mark.slow
+def test_decoupled_diloco_survives_a_kill_and_the_restarted_worker_heals(tmp_path: Path) -> None:
+    _needs_torchft()
+    from lowcomm.membership.local import LocalJob
+
+    steps = 160
+    trace = tmp_path / "pace.txt"
+    trace.write_text(PACE)
+    config = _config(
+        "decoupled_diloco", tmp_path / "job", steps, clock="virtual",
+        seconds_per_microbatch=0.01, checkpoint_every=1000, faults=str(trace), **DECOUPLED,
+    )  # fmt: skip
+    with LocalJob(config) as job:
+        job.start_all()
+        _wait_for(lambda: _lines(job.worker_dir(2, 0) / "metrics.jsonl") >= 10, "10 steps")
+        killed = job.kill(2)  # (anywhere in its tick: its round may be cut mid-gather)
+        _wait_for(lambda: _quorum_without_2(job.worker_dir(0, 0), killed), "a new quorum")
+        job.start(2)
+        codes = job.wait(300)
+        dirs = [job.worker_dir(0, 0), job.worker_dir(1, 0), job.worker_dir(2, 1)]
+    assert codes[0] == [0] and codes[1] == [0], codes  # the survivors finish
+    assert codes[2][0] == -9 and codes[2][1] == 0, codes  # killed, then the joiner finishes
+    survivors, joiner = [_record(d) for d in dirs[:2]], _record(dirs[2])
+    for record in survivors:
+        after = [e for e in record["events"] if e["event"] == "quorum" and e["time"] > killed]
+        # The dead one is out at the quorum formed once its heartbeat timed out (a round
+        # whose quorum still held it could not commit: dropped, and tried again), and the
+        # joiner in at a later one.
+        out = next(i for i, e in enumerate(after) if e["members"] == [0, 1])
+        assert all(e["members"] == [0, 1, 2] for e in after[:out]), after
+        assert record["dropped_rounds"] >= out
+        assert after[-1]["members"] == [0, 1, 2], after
+    healed = [e for e in joiner["events"] if e["event"] == "healed"]
+    assert len(healed) == 1 and healed[0]["bytes"] > 0, joiner["events"]
+    first_quorum = next(e for e in joiner["events"] if e["event"] == "quorum")
+    assert first_quorum["participants"] == 2, first_quorum  # (it sat out the round it healed in)
+    # At the end every replica of the synchronizer holds the same global state, bit for bit
+    # (the replies each keeps for its own learner aside), and so deploys the same model.
+    replicas = [_synchronizer(d, steps) for d in dirs]
+    shared = ("params", "outer", "version", "pending", "tickets", "tick", "live", "tokens")
+    for replica in replicas[1:]:
+        for name in shared:
+            assert _same_bits(replica[name], replicas[0][name]), name
+    assert replicas[0]["live"] == [0, 1, 2]
+    # (and the synchronizer merged all along: each fragment about every H steps)
+    assert min(replicas[0]["version"]) > steps // 8, replicas[0]["version"]
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"clock": "real"}, "--clock real: each worker process reads its own clock"),
+        ({"ranks_per_worker": 2}, "--ranks-per-worker 2 is not yet supported"),
+        ({"resume": "somewhere"}, "--resume is not yet supported"),
+    ],
+)
+def test_decoupled_diloco_refusals(options: dict[str, Any], reason: str) -> None:
+    config = with_options(TrainConfig(method="decoupled_diloco"), membership="torchft", **options)
+    with pytest.raises(ConfigError, match=reason) as error:
+        config.validate()
+    assert "\n" not in str(error.value)
+
+
+def test_decoupled_diloco_runs_on_the_virtual_clock() -> None:
+    config = with_options(TrainConfig(method="decoupled_diloco"), membership="torchft")
+    assert config.comm.clock == "virtual" and membership_refusal(config) is None
