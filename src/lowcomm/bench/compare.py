@@ -34,6 +34,7 @@ from lowcomm.bench.runs import (
     CheckpointPolicy,
     StudyCalibration,
     bytes_curve,
+    final_loss,
     run_or_resume,
     study_calibration,
 )
@@ -178,8 +179,29 @@ def _time_to_target(curve: list[tuple[int, float, float]], target: float) -> flo
     return None
 
 
-def _fmt_loss(mean: float, sd: float | None) -> str:
-    return f"{mean:.4f}" if sd is None else f"{mean:.4f} ± {sd:.4f}"
+def _fmt_loss(row: dict[str, Any]) -> str:
+    """A row's final loss: mean ± sd over the seeds whose final validation had a batch, n/a
+    where none had one."""
+    mean, sd, missing = (
+        row["final_val_loss_mean"],
+        row["final_val_loss_sd"],
+        row["final_val_loss_missing"],
+    )
+    if mean is None:
+        return "n/a"
+    text = f"{mean:.4f}" if sd is None else f"{mean:.4f} ± {sd:.4f}"
+    return text if not missing else f"{text} ({row['seeds'] - missing} of {row['seeds']} seeds)"
+
+
+def _finals(summaries: list[dict[str, Any]]) -> tuple[float, float]:
+    """Mean and sd of the final losses of the seeds that have one (NaN where none has)."""
+    return _mean_sd([loss for s in summaries if (loss := final_loss(s)) is not None])
+
+
+def _loss_order(item: tuple[str, dict[str, Any]]) -> tuple[bool, float]:
+    """Best final loss first; rows without one last."""
+    mean = item[1]["final_val_loss_mean"]
+    return (mean is None, 0.0 if mean is None else mean)
 
 
 def _fmt_bytes(count: float) -> str:
@@ -240,11 +262,12 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
     study = _study_calibration(bench)
     runs, failures = _run_all(bench, variants, study)
     finished = {method: summaries for method, summaries in runs.items() if summaries}
-    finals = {m: _mean_sd([s["final_val_loss"] for s in ss]) for m, ss in finished.items()}
+    finals = {m: _finals(ss) for m, ss in finished.items()}
+    measured = [mean for mean, _ in finals.values() if not math.isnan(mean)]
     target = bench.target_loss
-    if target is None and finals:
+    if target is None and measured:
         # The median method's final loss: informative even when one method barely learns.
-        target = statistics.median(mean for mean, _ in finals.values())
+        target = statistics.median(measured)
     by_label = {variant.label: variant for variant in variants}
     rows = {
         method: _method_row(bench, by_label[method], summaries, finals[method], target)
@@ -288,8 +311,10 @@ def _method_row(
         "method": variant.method,
         "options": dict(variant.options),
         "seeds": len(summaries),
-        "final_val_loss_mean": mean,
-        "final_val_loss_sd": None if math.isnan(sd) else sd,  # JSON has no NaN
+        "final_val_loss_mean": None if math.isnan(mean) else mean,  # JSON has no NaN
+        "final_val_loss_sd": None if math.isnan(sd) else sd,
+        # (seeds whose final validation had no batch: left out of the mean)
+        "final_val_loss_missing": sum(final_loss(s) is None for s in summaries),
         "tokens": statistics.fmean(
             s["tokens"] if s.get("committed_tokens") is None else s["committed_tokens"]
             for s in summaries
@@ -337,10 +362,10 @@ def _report(
     study: StudyCalibration | None = None,
 ) -> str:
     lines = _report_header(bench, target, study)
-    for method, row in sorted(rows.items(), key=lambda item: item[1]["final_val_loss_mean"]):
+    for method, row in sorted(rows.items(), key=_loss_order):
         to_target = row["time_to_target_s"]
         lines.append(
-            f"| {method} | {_fmt_loss(row['final_val_loss_mean'], row['final_val_loss_sd'])} | "
+            f"| {method} | {_fmt_loss(row)} | "
             f"{row['tokens']:,.0f} | {row['steps']:g} | {'not reached' if to_target is None else f'{to_target:.1f} s'} | "
             f"{row['modeled_time_s']:.1f} s | {row['utilization']:.1%} | "
             f"{_fmt_bytes(row['bytes_per_worker_per_step'])} | {_fmt_bytes(row['state_bytes_per_worker'])} |"

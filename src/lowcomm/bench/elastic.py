@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.atomic import atomic_write_text
+from lowcomm.bench.runs import final_loss
 
 #: The tiny model of the benchmark: one block, width 64, 32-token blocks, micro-batches of 4.
 MODEL = [
@@ -64,12 +65,16 @@ def _train(*args: str) -> None:
         raise RuntimeError(f"lowcomm train {' '.join(args)} failed: {done.stderr.strip()[-800:]}")
 
 
-def _summary(directory: Path) -> tuple[float, float]:
+def _summary(directory: Path) -> tuple[float | None, float]:
+    """A run's final validation loss (None where its final validation had no batch) and
+    modeled time."""
     summary = json.loads((directory / "summary.json").read_text())
-    return float(summary["final_val_loss"]), float(summary["modeled_time_s"])
+    return final_loss(summary), float(summary["modeled_time_s"])
 
 
-def _scenario(bench: ElasticBench, base: list[str], out: Path, change: int) -> tuple[float, float]:
+def _scenario(
+    bench: ElasticBench, base: list[str], out: Path, change: int
+) -> tuple[float | None, float]:
     """A run on M workers changed to M + ``change`` after a third of its steps."""
     if change == 0:
         _train(*base, "--workers", str(bench.workers), "--out", str(out))
@@ -101,7 +106,7 @@ def run_elastic(bench: ElasticBench) -> dict[str, Any]:
                         "final_val_loss": loss, "modeled_time_s": modeled,
                     })  # fmt: skip
                     print(f"lowcomm bench elastic: {method} seed {seed} {name}: val loss "
-                          f"{loss:.4f}, modeled {modeled:.2f} s", flush=True)  # fmt: skip
+                          f"{_loss_text(loss)}, modeled {modeled:.2f} s", flush=True)  # fmt: skip
     results["table"] = _table(results["runs"], bench.methods, list(scenarios))
     for line in _format(results["table"]):
         print(line)
@@ -126,6 +131,10 @@ def _method_flags(method: str, period: int) -> list[str]:
     return []
 
 
+def _loss_text(loss: float | None) -> str:
+    return "n/a (no final validation batch)" if loss is None else f"{loss:.4f}"
+
+
 def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
@@ -135,11 +144,14 @@ def _table(runs: list[dict[str, Any]], methods: tuple[str, ...], names: list[str
     for method in methods:
         for name in names:
             mine = [r for r in runs if r["method"] == method and r["scenario"] == name]
-            loss, loss_sd = _mean_sd([r["final_val_loss"] for r in mine])
+            # (the mean over the seeds whose final validation had a batch; None if none had)
+            losses = [r["final_val_loss"] for r in mine if r["final_val_loss"] is not None]
+            loss, loss_sd = _mean_sd(losses) if losses else (None, None)
             time, time_sd = _mean_sd([r["modeled_time_s"] for r in mine])
             rows.append({
                 "method": method, "scenario": name, "val_loss_mean": loss, "val_loss_sd": loss_sd,
                 "modeled_time_mean_s": time, "modeled_time_sd_s": time_sd, "seeds": len(mine),
+                "val_loss_seeds": len(losses),
             })  # fmt: skip
     return rows
 
@@ -151,8 +163,17 @@ def _format(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for row in rows:
         lines.append(
-            f"| {row['method']} | {row['scenario']} | {row['val_loss_mean']:.4f} ± "
-            f"{row['val_loss_sd']:.4f} | {row['modeled_time_mean_s']:.2f} ± "
-            f"{row['modeled_time_sd_s']:.2f} |"
+            f"| {row['method']} | {row['scenario']} | {_loss_cell(row)} | "
+            f"{row['modeled_time_mean_s']:.2f} ± {row['modeled_time_sd_s']:.2f} |"
         )
     return lines
+
+
+def _loss_cell(row: dict[str, Any]) -> str:
+    """The final loss over the seeds that have one, how many where some have none; n/a with
+    none."""
+    if row["val_loss_mean"] is None:
+        return "n/a (no final validation batch)"
+    text = f"{row['val_loss_mean']:.4f} ± {row['val_loss_sd']:.4f}"
+    seeds, measured = row["seeds"], row["val_loss_seeds"]
+    return text if measured == seeds else f"{text} ({measured} of {seeds} seeds)"

@@ -21,6 +21,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lowcomm.bench.runs import final_loss
+
 Runs = dict[str, list[dict[str, Any]]]
 
 #: Families shown under another name (the synchronous methods share one panel).
@@ -95,7 +97,11 @@ def _final_scatter(
     points: dict[str, tuple[float, float]] = {}
     figure, axis = plt.subplots(figsize=(9, 6))
     colours = _colours(sorted(runs))
-    for label, summaries in sorted(runs.items()):
+    for label, every in sorted(runs.items()):
+        # (a seed whose final validation had no batch has no point; a method with none, no mark)
+        summaries = [s for s in every if final_loss(s) is not None]
+        if not summaries:
+            continue
         costs = [cost_of(s) for s in summaries]
         losses = [float(s["final_val_loss"]) for s in summaries]
         cost, loss = statistics.fmean(costs), statistics.fmean(losses)

@@ -99,8 +99,16 @@ def drop_checkpoints(run_dir: Path) -> None:
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
+def final_loss(summary: dict[str, Any]) -> float | None:
+    """A run's final validation loss; None where its final validation had no batch on any
+    worker (summary.json's ``final_val_loss_note`` says why)."""
+    value = summary.get("final_val_loss")
+    return None if value is None else float(value)
+
+
 def val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, float]]:
-    """(step, clock seconds, validation loss) at each evaluation, ending with the final one."""
+    """(step, clock seconds, validation loss) at each evaluation, ending with the final one
+    (a run without a final validation loss ends on its last measured evaluation)."""
     curve = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -110,7 +118,9 @@ def val_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[int, float, 
         # metrics.jsonl's last step carries the final validation (older runs' files do not);
         # the summary's point has the same loss at the time after the final drain.
         curve.pop()
-    curve.append((summary["steps"], summary["modeled_time_s"], summary["final_val_loss"]))
+    final = final_loss(summary)
+    if final is not None:
+        curve.append((summary["steps"], summary["modeled_time_s"], final))
     return curve
 
 
@@ -131,7 +141,8 @@ def bytes_curve(
     for step, _, _ in curve:
         reached = [s for s in steps if s <= step]
         points.append(sent[reached[-1]] if reached else 0.0)
-    if points:
+    if points and final_loss(summary) is not None:
+        # (the final point's: a curve without a final validation ends before the drain)
         points[-1] = float(summary["bytes_sent_per_worker"])
     return points
 

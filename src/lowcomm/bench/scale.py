@@ -287,7 +287,8 @@ def _run_once(
         peak_rss_bytes=sampler.peak_rss_bytes, peak_pss_bytes=sampler.peak_pss_bytes,
         peak_threads=sampler.peak_threads,
         tokens_per_s=float(summary.get("tokens", math.nan)) / wall if wall > 0 else math.nan,
-        final_val_loss=float(summary.get("final_val_loss", math.nan)),
+        # (NaN also where the final validation had no batch: summary.json's null)
+        final_val_loss=_nan_if_none(summary.get("final_val_loss")),
         modeled_time_s=float(summary.get("modeled_time_s", math.nan)),
         error="" if code == 0 else last,
     )  # fmt: skip
@@ -367,8 +368,16 @@ def describe_run(run: ScaleRun) -> str:
         f"set-up {run.setup_s:.1f} s, first step {run.first_step_s:.1f} s, peak RSS "
         f"{run.peak_rss_bytes / 2**30:.2f} GiB (PSS {run.peak_pss_bytes / 2**30:.2f} GiB), "
         f"{run.peak_threads} threads, {run.tokens_per_s:,.0f} tokens/s, val loss "
-        f"{run.final_val_loss:.4f}, modeled {run.modeled_time_s:.3f} s"
+        f"{_loss(run)}, modeled {run.modeled_time_s:.3f} s"
     )
+
+
+def _nan_if_none(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _loss(run: ScaleRun) -> str:
+    return "n/a" if math.isnan(run.final_val_loss) else f"{run.final_val_loss:.4f}"
 
 
 def equal_runs(a: ScaleRun, b: ScaleRun) -> bool:
@@ -376,8 +385,9 @@ def equal_runs(a: ScaleRun, b: ScaleRun) -> bool:
     time to 1e-9 s (room for float rounding only)."""
     return (
         math.isclose(a.final_val_loss, b.final_val_loss, rel_tol=1e-6)
-        and abs(a.modeled_time_s - b.modeled_time_s) <= 1e-9
-    )
+        # (neither has a final loss: nothing there to differ)
+        or (math.isnan(a.final_val_loss) and math.isnan(b.final_val_loss))
+    ) and abs(a.modeled_time_s - b.modeled_time_s) <= 1e-9
 
 
 def scale_report(bench: ScaleBench, runs: list[ScaleRun], calibration: str | None) -> str:
@@ -426,7 +436,7 @@ def _row(run: ScaleRun, same: str) -> str:
         f"| {run.workers} | {placement} | {run.setup_s:.1f} s | {run.first_step_s:.1f} s | "
         f"{run.peak_rss_bytes / 2**30:.2f} GiB | {run.peak_pss_bytes / 2**30:.2f} GiB | "
         f"{run.peak_threads} | {run.tokens_per_s:,.0f} | "
-        f"{run.final_val_loss:.4f} | {run.modeled_time_s:.3f} s | {same} |"
+        f"{_loss(run)} | {run.modeled_time_s:.3f} s | {same} |"
     )
 
 

@@ -20,11 +20,11 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from lowcomm.bench.runs import CHECKPOINTS_HELP, STUDY_CALIBRATION, CheckpointPolicy
+from lowcomm.bench.runs import CHECKPOINTS_HELP, STUDY_CALIBRATION, CheckpointPolicy, final_loss
 from lowcomm.faults.run import FaultFlags
 from lowcomm.models import ModelConfig
 from lowcomm.reproduce.papers import PAPERS, Paper
-from lowcomm.reproduce.runner import Results, Scale, execute
+from lowcomm.reproduce.runner import Results, RunData, Scale, execute
 from lowcomm.reproduce.stats import VERDICTS, Finding
 
 _SMALL_MODEL = ModelConfig(n_layer=2, n_embd=64, n_head=2, block_size=32)
@@ -179,6 +179,12 @@ def _rose_late(curve: list[tuple[int, float, float]]) -> bool:
     return bool(curve[-1][2] > (1.0 + ROSE_LATE) * best)
 
 
+def _run_rose_late(run: RunData) -> bool:
+    """Whether a run rose late; not one without a final loss (its curve ends on an earlier
+    evaluation, which says nothing of how the run ended)."""
+    return final_loss(run.summary) is not None and bool(run.curve) and _rose_late(run.curve)
+
+
 def _run_rows(
     results: Results,
     budget: Literal["tokens", "steps"] = "tokens",
@@ -191,13 +197,15 @@ def _run_rows(
             rows.append({"label": label, "seeds": [r.seed for r in runs], "command": spec.command(0),
                          "distances": [r.summary["distances"] for r in runs]})  # fmt: skip
             continue
-        finals = [float(r.summary["final_val_loss"]) for r in runs]
+        # (None for a seed whose final validation had no batch: left out of the mean and sd)
+        every = [final_loss(r.summary) for r in runs]
+        finals = [loss for loss in every if loss is not None]
         rows.append(
             {
                 "label": label,
                 "seeds": [r.seed for r in runs],
                 "command": spec.command(runs[0].seed if runs else 0, budget, faults),
-                "final_val_loss": finals,
+                "final_val_loss": every,
                 "final_val_loss_mean": _finite(statistics.fmean(finals)) if finals else None,
                 "final_val_loss_sd": statistics.stdev(finals) if len(finals) > 1 else None,
                 "tokens": [_committed(r.summary) for r in runs],
@@ -211,7 +219,7 @@ def _run_rows(
                     else {}
                 ),
                 "val_curves": [r.curve for r in runs],
-                "rose_late_seeds": sum(_rose_late(r.curve) for r in runs),
+                "rose_late_seeds": sum(_run_rose_late(r) for r in runs),
             }
         )
     return rows
@@ -358,12 +366,7 @@ def _report_runs(doc: dict[str, Any]) -> list[str]:
                 + f" `{row['command']}` |"
             )
             continue
-        mean, sd = row["final_val_loss_mean"], row["final_val_loss_sd"]
-        loss = (
-            "no finished run"
-            if mean is None
-            else f"{mean:.4f}" + ("" if sd is None else f" ± {sd:.4f}")
-        )
+        loss = _loss_cell(row)
         time = f"{statistics.fmean(row['modeled_time_s']):.2f}" if row["modeled_time_s"] else ""
         sent = (
             f"{statistics.fmean(row['bytes_sent_per_worker']) / 1e6:.2f} MB"
@@ -376,6 +379,21 @@ def _report_runs(doc: dict[str, Any]) -> list[str]:
             + f" `{row['command']}` |"
         )
     return lines
+
+
+def _loss_cell(row: dict[str, Any]) -> str:
+    """A run's final loss over the seeds whose final validation had a batch, saying how many
+    had one where some had none."""
+    mean, sd, every = row["final_val_loss_mean"], row["final_val_loss_sd"], row["final_val_loss"]
+    measured = sum(loss is not None for loss in every)
+    if not every:
+        return "no finished run"
+    if measured == 0:
+        return "n/a (no final validation batch)"
+    if mean is None:
+        return "non-finite"
+    text = f"{mean:.4f}" + ("" if sd is None else f" ± {sd:.4f}")
+    return text if measured == len(every) else f"{text} ({measured} of {len(every)} seeds)"
 
 
 def _committed(summary: dict[str, Any]) -> int:

@@ -26,6 +26,7 @@ import tyro
 from lowcomm.bench.runs import (
     CheckpointPolicy,
     StudyCalibration,
+    final_loss,
     run_or_resume,
     study_calibration,
     val_curve,
@@ -225,7 +226,14 @@ class Results:
         return Stat(name, tuple(function(run) for run in self.of(label)))
 
     def final(self, label: str, name: str | None = None) -> Stat:
-        return self.per_seed(label, lambda run: float(run.summary["final_val_loss"]), name or label)
+        """The final validation loss per seed; NaN for a seed whose final validation had no
+        batch (summary.json's null), which a comparison then reports as not measured."""
+
+        def loss(run: RunData) -> float:
+            value = final_loss(run.summary)
+            return math.nan if value is None else value
+
+        return self.per_seed(label, loss, name or label)
 
     def summary(self, label: str, key: str, name: str | None = None) -> Stat:
         return self.per_seed(label, lambda run: float(run.summary[key]), name or f"{label} {key}")
@@ -234,6 +242,8 @@ class Results:
         """Validation loss at the evaluation nearest ``step``."""
 
         def nearest(run: RunData) -> float:
+            if not run.curve:  # (no validation of the run had a batch)
+                return math.nan
             return min(run.curve, key=lambda point: abs(point[0] - step))[2]
 
         return self.per_seed(label, nearest, name or f"{label} @ step {step}")
@@ -257,6 +267,8 @@ def steps_to_target(curve: list[tuple[int, float, float]], target: float, censor
 def loss_at_time(curve: list[tuple[int, float, float]], seconds: float) -> float:
     """Validation loss at ``seconds`` on the run's clock, linear between evaluations."""
     points = sorted((t, loss) for _, t, loss in curve)
+    if not points:  # (no validation of the run had a batch)
+        return math.nan
     if seconds <= points[0][0]:
         return points[0][1]
     for (t0, l0), (t1, l1) in itertools.pairwise(points):
