@@ -90,8 +90,14 @@ class CompareBench:
     """tokens (the default without faults): every run commits the tokens DDP commits in
     --steps steps (--train.token-budget set for every run; acco, dpu and wp, which take a
     variable number of micro-batches per step, end when they reach it, their schedule laid
-    out over it). steps (the default with faults, whose runs commit what the faults leave):
-    every run takes --steps steps, whatever its tokens."""
+    out over it; with faults, a run trains on past --steps, up to --max-steps, until it has
+    committed them: a dropped round's tokens do not count). steps (the default with faults):
+    every run takes --steps steps and commits what the faults leave."""
+
+    max_steps: int | None = None
+    """With --budget tokens and faults: the most steps a run may take to commit the budget
+    (default 2 x --steps), its schedule laid out over them; a run that reaches it short of
+    the budget says so in the report. Without faults every run's cap is --steps."""
 
     fault: Annotated[FaultFlags, tyro.conf.OmitArgPrefixes] = field(default_factory=FaultFlags)
     """Declared faults for every run (--faults FILE or the --fault-* options)."""
@@ -119,13 +125,19 @@ class CompareBench:
         self.train = self.fault.merged(self.train)
         if self.budget is None:
             self.budget = "steps" if self.has_faults else "tokens"
-        if self.budget == "tokens" and self.has_faults:
-            raise ValueError(
-                "--budget: tokens with faults: a run with faults takes its --steps and commits "
-                "what the faults leave (a token budget is refused); use --budget steps"
-            )
         if self.train.run.steps < 1:
             raise ValueError(f"--steps: {self.train.run.steps} must be >= 1")
+        if self.max_steps is not None and not (self.budget == "tokens" and self.has_faults):
+            raise ValueError(
+                f"--max-steps: {self.max_steps} is for --budget tokens with faults (a run "
+                f"without them takes --steps); drop it, or give --budget tokens and faults"
+            )
+        if self.max_steps is not None and self.max_steps < self.train.run.steps:
+            raise ValueError(
+                f"--max-steps: {self.max_steps} is below --steps {self.train.run.steps}; a "
+                f"run with faults needs at least the fault-free run's steps to commit the "
+                f"budget: give --max-steps {self.train.run.steps} or more"
+            )
         if self.train.placement.workers < 1:
             raise ValueError(f"--workers: {self.train.placement.workers} must be >= 1")
         self.variants()  # a bad --methods entry is refused before any run
@@ -156,7 +168,16 @@ class CompareBench:
             progress=False,
             out=str(Path(self.out) / "runs" / f"{variant.label}-s{seed}"),
             token_budget=self.token_budget(),
+            steps=self.step_cap(),
         )
+
+    def step_cap(self) -> int:
+        """Each run's --steps: --steps, or with a token budget and faults --max-steps
+        (default twice --steps): a faulty run's dropped rounds commit nothing, so it needs
+        more steps than the fault-free run to commit the budget."""
+        if self.budget == "tokens" and self.has_faults:
+            return 2 * self.train.run.steps if self.max_steps is None else self.max_steps
+        return self.train.run.steps
 
     def token_budget(self) -> int | None:
         """With --budget tokens: the tokens (summed over workers) DDP commits in --steps
@@ -371,7 +392,7 @@ def _report(
             f"{_fmt_bytes(row['bytes_per_worker_per_step'])} | {_fmt_bytes(row['state_bytes_per_worker'])} |"
             + (f" {_fmt_goodput(row)} | {row['rounds_dropped']:g} |" if bench.has_faults else "")
         )
-    lines += _report_notes(bench) + _report_variants(bench, rows)
+    lines += _short_of_budget(bench, rows) + _report_notes(bench) + _report_variants(bench, rows)
     if failures:
         lines += (
             ["## Failed runs", ""]
@@ -393,8 +414,8 @@ def _report_header(
         else ""
     )
     budget = (
-        f"a budget of {bench.token_budget():,} committed tokens (DDP's in {train.run.steps} steps; "
-        f"at most {train.run.steps} steps)"
+        f"a budget of {bench.token_budget():,} committed tokens (DDP's in {train.run.steps} steps "
+        f"without a fault; at most {bench.step_cap()} steps)"
         if bench.budget == "tokens"
         else f"{train.run.steps} steps per run"
     )
@@ -419,6 +440,29 @@ def _report_header(
         heading,
         "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if faults else ""),
     ]
+
+
+def _short_of_budget(bench: CompareBench, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """With a token budget and faults: the methods whose runs reached their step cap before
+    committing the budget (their tokens are then not the others')."""
+    budget = bench.token_budget()
+    if budget is None or not bench.has_faults:
+        return []
+    short = [
+        f"- {method}: {row['tokens']:,.0f} of {budget:,} tokens committed (mean over seeds) "
+        f"in at most {bench.step_cap()} steps"
+        for method, row in rows.items()
+        if row["tokens"] < budget
+    ]
+    return (
+        [
+            "",
+            "Short of the budget at the step cap (--max-steps), their faults dropped more:",
+            *short,
+        ]
+        if short
+        else []
+    )
 
 
 def _describe_faults(train: TrainConfig) -> str:
