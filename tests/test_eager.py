@@ -10,7 +10,7 @@ from lowcomm.comm.base import CompletedHandle, Handle, ReduceOp, Role
 from lowcomm.optim import AdamWConfig, ScheduleConfig
 from lowcomm.strategies import MicroBatchResult, StrategyContext
 from lowcomm.strategies.diloco import DiLoCoOptions
-from lowcomm.strategies.eager import DiLoCoDelayed, Eager, eager_outer_gradient
+from lowcomm.strategies.eager import DiLoCoDelayed, Eager, PendingSync, eager_outer_gradient
 
 WORLD = 3
 CONTEXT = StrategyContext(
@@ -178,3 +178,39 @@ def test_delayed_applies_outer_nesterov_to_the_previous_rounds_average() -> None
         updates.append((own[r - 1] + sum(others[r - 1])) / WORLD)
     for got, want in zip(phis, _reference_nesterov(start, updates, 0.9), strict=True):
         assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_a_checkpoint_keeps_an_exchange_in_flights_weight() -> None:
+    """An exchange launched over workers 0, 1 and 2 whose mean divided by 2 (one healed in
+    that round sat it out): resumed, the others' part it applies divides its own by 2."""
+    options = DiLoCoOptions(sync_every=2)
+    saver, resumed = (Eager(tiny_gpt(), ScriptedComm([]), CONTEXT, options) for _ in range(2))
+    numel = saver.globals_[0].numel()
+    generator = torch.Generator().manual_seed(3)
+    mean, own = (torch.randn(numel, generator=generator) for _ in range(2))
+    exchange = saver.received_exchange(mean.clone(), own.clone())
+    saver.pending[0].append(PendingSync(exchange, 4, (0, 1, 2), size=2))
+    resumed.load_state_dict(saver.state_dict())
+    (sync,) = resumed.pending[0]
+    assert sync.members == (0, 1, 2) and sync.launched_at == 4 and sync.weight == 2
+    before = resumed.globals_[0].clone()
+    saver.finish()
+    resumed.finish()
+    assert torch.equal(resumed.globals_[0], saver.globals_[0])
+    # (outer SGD-Nesterov's first step on the others' part, mean - own / 2)
+    assert not torch.equal(resumed.globals_[0], before)
+
+
+def test_a_checkpoint_without_weights_resumes_with_the_members_count() -> None:
+    options = DiLoCoOptions(sync_every=2)
+    saver, resumed = (Eager(tiny_gpt(), ScriptedComm([]), CONTEXT, options) for _ in range(2))
+    numel = saver.globals_[0].numel()
+    for members in ((0, 2), (0, 1, 2)):
+        exchange = saver.received_exchange(torch.ones(numel), torch.zeros(numel))
+        saver.pending[0].append(PendingSync(exchange, 4, members))
+    state = saver.state_dict()
+    first, second = state["in_flight"][0]
+    del first["size"]  # a checkpoint from before the weight was saved: its quorum's count
+    del second["size"], second["members"]  # and from before the quorum was: every worker
+    resumed.load_state_dict(state)
+    assert [sync.weight for sync in resumed.pending[0]] == [2, WORLD]

@@ -86,8 +86,8 @@ DELAYED_MEMBERSHIP = MembershipRule(
     global_state=(
         "the sending member's outer parameters phi_p and outer momentum of every fragment, "
         "the step, round and outer-step counters, and every exchange in flight (settled by "
-        "the members first): its launch step and quorum, whether it failed, its mean and "
-        "for eager the sender's own contribution"
+        "the members first): its launch step, quorum and weight (|Q| of its round), whether "
+        "it failed, its mean and for eager the sender's own contribution"
     ),
     worker_state=(
         "join: the local parameters start at phi_p and the inner AdamW afresh; rejoin: the "
@@ -299,18 +299,19 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
 
     def pass_in_flight(self, source: int, *, joining: bool) -> None:
         """The sender's exchanges in flight to a joiner: their launch steps, quorums and
-        failures (a few numbers, uncharged), then each live one's mean and, for eager, the
+        failures and weights (a few numbers, uncharged), then each live one's mean and, for eager, the
         sender's own contribution (charged on the link)."""
         workers = self.workers
         counts = torch.tensor([float(len(q)) for q in self.pending], dtype=torch.float64)
         self.runtime.uncharged.broadcast(counts, src=source, role=Role.OTHER).wait()
         sizes = [int(c) for c in counts.tolist()]
-        header = torch.zeros(sum(sizes), 2 + workers, dtype=torch.float64)
+        # (a row: launch step, failed, weight, then one column per worker slot: a member)
+        header = torch.zeros(sum(sizes), 3 + workers, dtype=torch.float64)
         if not joining:
             rows = [sync for queue in self.pending for sync in queue]
             for row, sync in zip(header, rows, strict=True):
-                row[0], row[1] = sync.launched_at, float(sync.failed)
-                row[2 + torch.tensor(sync.members, dtype=torch.long)] = 1.0
+                row[0], row[1], row[2] = sync.launched_at, float(sync.failed), sync.weight
+                row[3 + torch.tensor(sync.members, dtype=torch.long)] = 1.0
         if header.numel():
             self.runtime.uncharged.broadcast(header, src=source, role=Role.OTHER).wait()
         received: list[deque[PendingSync]] = []
@@ -330,9 +331,11 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                         into = tensor if joining else tensor.clone()
                         self.comm.broadcast(into, src=source, role=Role.PSEUDO_GRADIENT).wait()
                 if joining:
-                    members = tuple(int(k) for k in row[2:].nonzero().flatten().tolist())
+                    members = tuple(int(k) for k in row[3:].nonzero().flatten().tolist())
                     exchange = self.received_exchange(mean, own)
-                    queue.append(PendingSync(exchange, int(row[0]), members, failed))
+                    queue.append(
+                        PendingSync(exchange, int(row[0]), members, failed, size=int(row[2]))
+                    )
             received.append(queue)
         if joining:
             self.pending = received
@@ -352,16 +355,21 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         return self.restore_exchange(state)
 
     def in_flight_state(self) -> list[Any]:
+        """Each exchange in flight with its launch step, quorum, failure and weight (|Q| of
+        its round: under torchft fewer than its members where one healed in it sat it out)."""
         return [
             [
                 {**sync.exchange.state_dict(), "launched_at": sync.launched_at,
-                 "members": list(sync.members), "failed": sync.failed}
+                 "members": list(sync.members), "failed": sync.failed, "size": sync.weight}
                 for sync in queue
             ]
             for queue in self.pending
         ]  # fmt: skip
 
     def load_in_flight_state(self, saved: list[Any]) -> None:
+        """Restore what :meth:`in_flight_state` saved. A checkpoint without an exchange's
+        weight gets its members' count (every worker, M, where it has no members either),
+        which is what such a checkpoint resumed with."""
         if len(saved) != len(self.pending):
             raise ValueError(
                 f"{self.name}: the checkpoint has {len(saved)} fragments, this run "
@@ -375,6 +383,7 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
                     int(item.get("launched_at", -1)),
                     tuple(item.get("members", everyone)),
                     bool(item.get("failed", False)),
+                    size=None if item.get("size") is None else int(item["size"]),
                 )
                 for item in queue
             )
