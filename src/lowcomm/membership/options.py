@@ -187,7 +187,17 @@ def membership_refusal(config: TrainConfig) -> str | None:
     if refusal is not None:
         return refusal
     if config.run.token_budget is not None:
-        return f"{flag}: not yet with --token-budget; give --steps"
+        # The budget counts the tokens the whole job committed, summed over every worker at
+        # every step (simulation's rule). A torchft worker is a run of its own: it counts its
+        # own tokens only, its rounds (one per sync: every H steps for the local methods)
+        # carry the method's tensors alone, and a lost worker's count leaves with it. Ending
+        # every worker at the same step needs a job-wide count, replicated, healed to joiners
+        # and checkpointed, which no round carries yet.
+        return (
+            f"--token-budget: {config.run.token_budget} counts the tokens every worker "
+            f"committed, and a {flag} worker counts only its own (no round carries the "
+            f"others'); not yet supported: give --steps"
+        )
     if options.worker is not None and not options.worker < config.placement.workers:
         return (
             f"--membership.worker: {options.worker} is not a slot of --workers "
