@@ -14,8 +14,8 @@ from lowcomm.bench.figures import _final_scatter
 from lowcomm.bench.runs import bytes_curve, val_curve
 from lowcomm.bench.scale import ScaleBench, ScaleRun, equal_runs, scale_report
 from lowcomm.config import TrainConfig
-from lowcomm.reproduce import _loss_cell, _run_rows
-from lowcomm.reproduce.runner import Results, RunData, RunSpec
+from lowcomm.reproduce import SCALES, _loss_cell, _run_rows, papers
+from lowcomm.reproduce.runner import Results, RunData, RunSpec, loss_at_time
 from lowcomm.reproduce.stats import NOT_MEASURED, less
 
 NOTE = "no worker held a validation batch"
@@ -151,3 +151,15 @@ def test_a_prediction_on_a_seed_without_a_final_loss_is_not_measured() -> None:
     assert results.val_at("ddp", 4).values == (5.0, 4.0)  # the nearest measured evaluation
     never = Results({"x": [RunData("x", 0, _summary(None), [], [])]})
     assert math.isnan(never.val_at("x", 4).values[0])
+    assert math.isnan(loss_at_time([], 1.0)) and math.isnan(loss_at_time([(2, 1.0, 5.0)], math.nan))
+    assert math.isnan(papers._best_mean_loss(never, "x"))
+
+
+def test_a4_on_runs_without_any_measured_evaluation_is_not_measured_at_equal_time() -> None:
+    records = [{"microbatches_per_worker": [4, 4, 4, 1]}]
+    runs = {
+        label: [RunData(label, 0, _summary(None), records, [])]
+        for label in (papers.ACCO_STRAG, papers.DDP_STRAG)
+    }
+    finding = papers.a4(Results(runs), SCALES["quick"])
+    assert any("not finite" in link.detail for link in finding.links)

@@ -187,7 +187,9 @@ def a4(r: Results, s: Scale) -> Finding:
     )
     acco_runs, ddp_runs = r.of(ACCO_STRAG), r.of(DDP_STRAG)
     horizon = [
-        min(a.curve[-1][1], d.curve[-1][1]) for a, d in zip(acco_runs, ddp_runs, strict=False)
+        # (NaN where a run has no measured evaluation: its loss at that time is NaN too)
+        min(a.curve[-1][1], d.curve[-1][1]) if a.curve and d.curve else math.nan
+        for a, d in zip(acco_runs, ddp_runs, strict=False)
     ]
     acco_t = Stat(
         "acco val loss at equal time",
@@ -508,6 +510,8 @@ def _best_mean_loss(r: Results, label: str) -> float:
     if not curves:
         return math.nan
     length = min(len(curve) for curve in curves)
+    if not length:  # (a seed without any measured evaluation)
+        return math.nan
     return min(statistics.fmean(curve[i][2] for curve in curves) for i in range(length))
 
 

@@ -267,7 +267,7 @@ def steps_to_target(curve: list[tuple[int, float, float]], target: float, censor
 def loss_at_time(curve: list[tuple[int, float, float]], seconds: float) -> float:
     """Validation loss at ``seconds`` on the run's clock, linear between evaluations."""
     points = sorted((t, loss) for _, t, loss in curve)
-    if not points:  # (no validation of the run had a batch)
+    if not points or math.isnan(seconds):  # (no validation of the run had a batch)
         return math.nan
     if seconds <= points[0][0]:
         return points[0][1]
