@@ -163,3 +163,11 @@ def test_a4_on_runs_without_any_measured_evaluation_is_not_measured_at_equal_tim
     }
     finding = papers.a4(Results(runs), SCALES["quick"])
     assert any("not finite" in link.detail for link in finding.links)
+
+
+def test_a5_on_a_run_without_any_measured_evaluation_is_not_measured() -> None:
+    runs = {
+        papers.DDP2: [RunData(papers.DDP2, 0, _summary(4.0), [], [(4, 2.0, 4.0)])],
+        papers.ZERO2: [RunData(papers.ZERO2, 0, _summary(None), [], [])],
+    }
+    assert papers.a5(Results(runs), SCALES["quick"]).verdict == NOT_MEASURED

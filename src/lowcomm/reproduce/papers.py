@@ -227,7 +227,9 @@ def a4(r: Results, s: Scale) -> Finding:
 def a5(r: Results, s: Scale) -> Finding:
     def paired_max(index: int) -> float:
         ddp, zero = r.of(DDP2)[index], r.of(ZERO2)[index]
-        return max(abs(a[2] - b[2]) for a, b in zip(ddp.curve, zero.curve, strict=False))
+        # (NaN where a run has no measured evaluation: nothing to compare)
+        pairs = zip(ddp.curve, zero.curve, strict=False)
+        return max((abs(a[2] - b[2]) for a, b in pairs), default=math.nan)
 
     count = min(len(r.of(DDP2)), len(r.of(ZERO2)))
     gap = Stat(
