@@ -89,19 +89,20 @@ def test_one_crash_synchronous_by_hand() -> None:
     # A join that costs 2 s stalls the 3.8 live workers once more.
     healing = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
     assert goodput_synchronous(ONE_CRASH, healing) == pytest.approx(expected - 3.8 * 2 / 400)
-    # Crashes that fall on one step drop it once: n crashes over K steps drop K (1 - e^(-n/K)).
+    # Crashes that fall on one step drop it once: 2 crashes at uniform moments of 4 steps
+    # drop 4 (1 - (3/4)^2) = 1.75 (the second misses the first's step with probability 3/4).
     two = Exposure(workers=4, duration_s=100.0, alive_fraction=0.95, crashes=2.0, detection_s=5.0)
-    dropped = 4 * (1 - math.exp(-2 / 4))
+    dropped = 1.75
     assert goodput_synchronous(two, costs, steps=4) == pytest.approx(
         0.95 - dropped * 2.85 * 5.8 / 400.0, rel=1e-12
     )
 
 
 def test_joins_on_one_step_heal_once() -> None:
-    # 3 joins over a run of 4 steps fall on 4 (1 - e^(-3/4)) steps, each healing once (h = 2 s
-    # for the 4 live workers), in both models.
+    # 3 joins at uniform moments of a run of 4 steps fall on 4 (1 - (3/4)^3) = 2.3125 steps,
+    # each healing once (h = 2 s for the 4 live workers), in both models.
     joins = Exposure(workers=4, duration_s=100.0, joins=3.0)
-    healed = 4 * (1 - math.exp(-3 / 4))
+    healed = 2.3125
     costs = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
     expected = 1 - healed * 4 * 2.0 / 400.0
     assert goodput_synchronous(joins, costs, steps=4) == pytest.approx(expected, rel=1e-12)
@@ -193,12 +194,14 @@ def test_a_sync_landing_rounds_late_loses_the_rounds_it_drops_of_every_member() 
 
 def test_the_expected_dropped_rounds_by_hand() -> None:
     # R = 5 rounds, N = 1: the exchanges of rounds 0-3 fly one round each, round 4's none
-    # (the run ends); n crashes fall at n / 5 per round.
-    for n in (0.5, 3.0):
-        expected = 4 * (1 - math.exp(-n / 5))
-        assert expected_dropped_rounds(n, 1, 5.0) == pytest.approx(expected, rel=1e-12)
-    # Rare crashes: about n times the mean in flight at a crash, N - N (N + 1) / (2 R).
-    assert expected_dropped_rounds(1e-6, 2, 10.0) == pytest.approx(1e-6 * (2 - 3 / 10), rel=1e-5)
+    # (the run ends); each of n crashes at uniform moments falls in a given round with
+    # probability 1/5, so an exchange survives all n with probability (4/5)^n (3 crashes:
+    # 4 (1 - 0.512) = 1.952; the Poisson form 4 (1 - e^(-3/5)) = 1.805 is the mean over a
+    # Poisson count, which the planner draws itself: lowcomm.faults.goodput.none_in).
+    assert expected_dropped_rounds(3.0, 1, 5.0) == pytest.approx(1.952, rel=1e-12)
+    assert expected_dropped_rounds(0.5, 1, 5.0) == pytest.approx(4 * (1 - 0.8**0.5), rel=1e-12)
+    # One crash drops the mean number in flight at a uniform moment, N - N (N + 1) / (2 R).
+    assert expected_dropped_rounds(1.0, 2, 10.0) == pytest.approx(2 - 3 / 10, rel=1e-12)
     # Many crashes drop each exchange once: at most those that fly.
     assert expected_dropped_rounds(1e4, 1, 5.0) == pytest.approx(4.0)
     assert expected_dropped_rounds(3.0, 0, 5.0) == 0.0

@@ -75,16 +75,21 @@ def test_ddp_under_crashes_by_hand() -> None:
     step = 1.0 + ALL_REDUCE  # c + m, no straggler
 
     def by_hand(crashes: float, joins: float, a: float) -> float:
-        # The run's 10 steps: crashes on one step drop it once; a dropped step costs each
-        # survivor its compute and the detection (c + D, no exchange).
-        dropped = 10 * (1 - math.exp(-crashes / 10))
-        healed = 10 * (1 - math.exp(-joins / 10))  # (joins on one step heal at once)
+        # The run's 10 steps: crashes on one step drop it once (each of k misses a given
+        # step with probability 9/10); a dropped step costs each survivor its compute and
+        # the detection (c + D, no exchange).
+        dropped = 10 * (1 - 0.9**crashes)
+        healed = 10 * (1 - 0.9**joins)  # (joins on one step heal at once)
         return a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
 
     expected = by_hand(crashes, joins, a)
-    poisson = [math.exp(-crashes) * crashes**k / math.factorial(k) for k in range(60)]
+    # The expectation counts the crashes and joins that land on a step: none in the run's
+    # last step (c + m).
+    landed = crashes * (t - step) / t
+    landed_joins = joins * (t - step - r) / (t - r)
+    poisson = [math.exp(-landed) * landed**k / math.factorial(k) for k in range(60)]
     averaged = sum(
-        p * max(0.0, by_hand(k, joins * k / crashes, 1 - (1 - a) * k / crashes))
+        p * max(0.0, by_hand(k, landed_joins * k / landed, 1 - (1 - a) * k / landed))
         for k, p in enumerate(poisson)
     )
     assert priced(
@@ -151,7 +156,7 @@ def test_diloco_under_crashes_by_hand() -> None:
     rho = 2 * 1.0 + ALL_REDUCE  # 5.006 s < D
     wait = ((1.0 + ALL_REDUCE) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
     heal = 8e9 / 1e9 + 2 * 3 * 1e-3  # (two broadcasts over the 4 workers, 3 hops of 1 ms)
-    healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
+    healed = 10 * (1 - 0.9**joins)  # (the plan's 10 steps: one healing a step)
     expected = a - (crashes * (rho / 2 + (m - 1) * a * wait) + healed * m * a * heal) / (m * t)
     assert result.heal_s == pytest.approx(heal)
     assert result.goodput == pytest.approx(expected)
@@ -306,11 +311,11 @@ def test_the_check_script_plans_a_run_as_it_ran(
 
 def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand() -> None:
     """eager (N = 1) over 10 steps of H = 2 (R = 5 rounds): the exchanges of rounds 0-3 each
-    fly one round and fail if a crash falls in it, D = 4 (1 - exp(-n / 5)) of them, each a
+    fly one round and fail if a crash falls in it, D = 4 (1 - (4/5)^n) of them, each a
     round rho of the dead worker and of the (M - 1) a survivors. A join is healed with phi,
     the outer momentum and the exchange in flight (its mean and the sender's own), which is
     sent only while live: at a join it has flown (H + 1) / 2 steps on average, failed with
-    probability 1 - exp(-n 1.5 / 10). Before healing, the members settle it: a join u steps
+    probability 1 - (1 - 1.5 / 10)^n. Before healing, the members settle it: a join u steps
     after its launch (u = 0 or 1, each with probability 1/2) waits max(0, x - u c) for its
     x = 3.006 s all-reduce, which overlaps the round's H c = 2 s of compute. Both runs end by
     draining the last exchange, launched at the last step: E = min(x, H c) = 2 s past the
@@ -329,10 +334,10 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     # (The crash lands k = 2 - p steps of 1 s before the sync, p = 0 also for a crash during
     # the round's exposed sync.)
     wait = ((1.0 + eager.sync_s) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
-    dropped = 4 * (1 - math.exp(-crashes / 5))
+    dropped = 4 * (1 - 0.8**crashes)
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
-    healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
-    failed = 1 - math.exp(-crashes * 1.5 / 10)
+    healed = 10 * (1 - 0.9**joins)  # (the plan's 10 steps: one healing a step)
+    failed = 1 - 0.85**crashes
     tensors = 4 - 2 * failed  # phi, momentum, and the mean and own in flight when live
     heal = 4e9 * tensors / 1e9 + tensors * 3 * 1e-3  # (a model per tensor; 3 hops of 1 ms)
     settle = (ALL_REDUCE + (ALL_REDUCE - 1.0)) / 2
@@ -379,7 +384,7 @@ def test_a_run_of_a_one_block_model_is_planned_with_the_fragments_it_used() -> N
 def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     """streaming_diloco, H = 4, F = 2 fragments, tau = 1, over the plan's K = 10 steps: a
     failed sync's tokens wait for the next that completes, so a crash costs what diloco's
-    does, plus, when one falls in the run's last tau steps (1 - exp(-n tau / K)), every
+    does, plus, when one falls in the run's last tau steps (1 - (1 - tau / K)^n), every
     survivor's steps since the previous completed sync: H / F steps, 1 / F of a round. A
     join waits for a sync launched at the step before it (F of the H steps: probability
     F / H) for its whole x: each fragment's all-reduce (half the model, x = 1.506 s) overlaps
@@ -399,8 +404,8 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     # fragment 1 launches after step 0 of the round and completes after step 1, fragment 2
     # after steps 2 and 3, so the crash, at the start of a step, waits at its end.)
     wait = d - 1.0
-    last = (1 - math.exp(-crashes * 1 / 10)) / 2
-    healed = 10 * (1 - math.exp(-joins / 10))
+    last = (1 - 0.9**crashes) / 2
+    healed = 10 * (1 - 0.9**joins)
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
     x = 2 * 3 / 4 * 1e9 / 1e9 + 2 * 3 * 1e-3  # (half a bf16 model on 4 workers)
     settle = 2 / 4 * x
@@ -591,3 +596,57 @@ def test_the_model_given_a_runs_faults_prices_where_in_the_round_they_fell(
     assert script.run_steps_met(run) == FaultSteps(crashes=(5, 14, 15, 21), healings=(10, 16, 23))
     row = script.check_run(run)
     assert row["ratio_given"] == pytest.approx(1.0, abs=0.01), row
+
+
+def test_a_runs_steps_and_time_are_derived_from_its_trace(tmp_path: Path) -> None:
+    """benchmarks/faults_plan_check.py derives, without running it, where each event of a
+    generated trace lands and how long the run lasts: on the method's schedule at the
+    slowest slot's pace, with the costs of the crashes and healings met so far. Seed 12 of
+    the benchmark's options at M = 16 has a 3x straggler, three or four crashes (two on
+    successive steps; ddp's two joins on one step): the derived membership changes are the
+    run's step for step, its modeled
+    time within 0.5 s of the run's (271.8 s and 242.4 s), and the model given the derived
+    faults equals the
+    model given the run's."""
+    from lowcomm.bench.faults import FaultsBench, run_faults
+    from lowcomm.config import TrainConfig
+    from lowcomm.faults.run import run_trace
+
+    script = _check_script()
+    bench = FaultsBench(workers=(16,), methods=("ddp", "eager"), fault_seed=12, out=str(tmp_path))
+    run_faults(bench)
+    for method in bench.methods:
+        run = tmp_path / "runs" / f"{method}-m16-faults"
+        summary = json.loads((run / "summary.json").read_text())
+        config = script.bench_plan_config(bench, method, 16)
+        plan = make_plan(config)
+        trace = run_trace(TrainConfig.from_dict(json.loads((run / "config.json").read_text())))
+        assert trace is not None
+        derived = script.derived_summary(config, plan, trace)
+        changes = summary["faults"]["membership_changes"]
+        assert [(c["step"], [e["kind"] for e in c["events"]]) for c in changes] == [
+            (c["step"], [e["kind"] for e in c["events"]])
+            for c in derived["faults"]["membership_changes"]
+        ]
+        assert sum(e["kind"] == "crash" for c in changes for e in c["events"]) >= 3
+        assert derived["modeled_time_s"] == pytest.approx(summary["modeled_time_s"], abs=0.5)
+        given, _ = script.model_given_trace(config, plan, trace)
+        assert given == pytest.approx(script.check_run(run)["given"], rel=1e-3)
+
+
+def test_the_expectation_is_the_mean_over_traces_of_the_model_given_each() -> None:
+    """The planner's expectation over a generated trace's draws (what `lowcomm plan
+    --fault-*` prints) against the mean, over 400 traces of the benchmark's options at
+    M = 16, of the model given each trace's own faults (which matches each simulated run
+    to 1%): within three standard errors of that mean (a band a correct expectation leaves
+    with probability 0.997; the mean is stratified by whether a slot is slow, as the
+    trace draws it with probability 1 - 0.9^16)."""
+    from lowcomm.bench.faults import FaultsBench
+
+    script = _check_script()
+    methods = ("ddp", "diloco", "streaming_diloco", "decoupled_diloco", "eager", "co2")
+    bench = FaultsBench(methods=(*methods, "diloco_delayed"))
+    rows = script.trace_average(bench, workers=16, methods=methods, seeds=range(400))
+    for row in rows:
+        assert 0.0 < row["given_se"] < 0.01, row
+        assert abs(row["given"] - row["expected"]) <= 3.0 * row["given_se"], row

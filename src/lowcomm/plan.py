@@ -38,6 +38,8 @@ from lowcomm.faults.goodput import (
     goodput_decoupled,
     goodput_local,
     goodput_synchronous,
+    landed,
+    none_in,
     over_crash_counts,
     worker_seconds_lost,
 )
@@ -1053,6 +1055,16 @@ def price_faults(
     drained = _drained(plan, horizon)
     if drained is not None:
         exposure = dataclasses.replace(exposure, duration_s=horizon - plan.final_drain_s)
+    if expected:
+        pace = exposure.slowest_pace
+        last_step = costs.compute_s * pace
+        if model.family != "decoupled":
+            last_step += costs.exposed_s(pace)
+        replace_after = config.fault_replace_after_s
+        exposure = landed(
+            exposure, last_step_s=last_step,
+            replace_after_s=math.inf if replace_after is None else replace_after,
+        )  # fmt: skip
 
     def goodput_of(faults: Exposure) -> float | None:
         given = (dropped_rounds, last_sync_lost)
@@ -1192,11 +1204,12 @@ def _failed_in_flight(crashes: float, in_flight: int, period: int, steps: float)
     """The expected exchanges in flight at a join that a crash has failed since their
     launch (crashes at n / K per step): the i-th newest was launched (i - 1) H steps and,
     the join falling at a uniform step of the round, (H + 1) / 2 more before it, so it is
-    live with probability exp(-n ((H + 1) / 2 + (i - 1) H) / K)."""
+    live with probability (1 - ((H + 1) / 2 + (i - 1) H) / K)^n (:func:`none_in`)."""
     if crashes == 0.0 or steps <= 0:
         return 0.0
-    rate = crashes / steps
-    return sum(-math.expm1(-rate * ((period + 1) / 2.0 + i * period)) for i in range(in_flight))
+    return sum(
+        1.0 - none_in(crashes, ((period + 1) / 2.0 + i * period) / steps) for i in range(in_flight)
+    )
 
 
 def _overlapped(

@@ -43,9 +43,9 @@ slowest worker, so a step takes tau = c S + m(S) against tau0 = c + m without fa
 slowest pace, s or 1: see *Stragglers* below). A crash drops the step it happens in on
 every survivor: they compute it, wait the detection and discard it, c S + D each (no
 exchange), and each of the other M - 1 slots is alive with probability a. Crashes that fall
-on one step drop it once: over a run of K steps, n crashes drop d = K (1 - exp(-n / K))
+on one step drop it once: over a run of K steps, n crashes drop d = K (1 - (1 - 1 / K)^n)
 steps (n when crashes are rare). A join stalls every member for h, once per step however
-many join at it (j joins heal on K (1 - exp(-j / K)) steps; G_local and G_late count them
+many join at it (j joins heal on K (1 - (1 - 1 / K)^j) steps; G_local and G_late count them
 alike)::
 
     G_sync = (tau0 / tau) * (a - (d (M - 1) a (c S + D) + j M a h) / (M T))
@@ -55,7 +55,7 @@ tensor (one per 4 bytes per parameter of the method's global state) costs its tr
 (M - 1) hops of latency, as the link prices a broadcast over M. An exchange in flight that
 a healing passes on (eager's and diloco_delayed's) is sent only while live: the i-th newest
 at a join has flown (H + 1) / 2 + (i - 1) H steps on average and is failed with probability
-1 - exp(-n that / K), so h is priced with its expected tensors. Before they heal, the
+1 - (1 - that / K)^n, so h is priced with its expected tensors. Before they heal, the
 members settle the collectives in flight (:meth:`StepCosts.settle_s`): a join u steps after
 a launch waits max(0, x - u c S) for the rest of its flight, so every formula's j M a h is
 j M a (h + settle(S)), the join at a uniform step of the round (a run's own healings: at
@@ -83,10 +83,9 @@ N = 1; ``goodput_local(dropped_rounds=D)``). A round's tokens commit when its ex
 applied, N rounds after its launch, and an exchange whose launch quorum lost a member fails
 on every member (docs/ALGORITHMS.md, "Membership"), which drops that round of the dead worker
 and of every survivor. Round r's exchange flies w_r = min(N, R - (r + 1)) of the run's R
-rounds and fails when a crash falls in that window (crashes at rate n / R per round), so the
-run drops D = sum_r (1 - exp(-n w_r / R)) rounds (:func:`expected_dropped_rounds`: about
-n (N - N (N + 1) / (2 R)) when crashes are rare, at most one per exchange when they are
-not)::
+rounds and fails when one of the n crashes, each at a uniform moment, falls in that window,
+so the run drops D = sum_r (1 - (1 - w_r / R)^n) rounds (:func:`expected_dropped_rounds`:
+N - N (N + 1) / (2 R) for one crash, at most one per exchange when they are many)::
 
     G_late = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + D (1 + (M - 1) a) rho
                                   + j M a h) / (M T))
@@ -95,11 +94,11 @@ not)::
 every H / F steps, each in flight for tau steps; ``goodput_local(last_sync_lost=L)``). A
 crash while a fragment's sync flies fails it on every member, but its tokens are not lost:
 they wait for the next sync that completes. Only the run's last sync has no next one, so a
-crash in the run's last tau steps (K steps, crashes at n / K per step: probability
-1 - exp(-n tau / K)) loses every survivor's steps since the previous completed sync, H / F of
+crash in the run's last tau steps (n crashes at uniform steps of K: probability
+1 - (1 - tau / K)^n) loses every survivor's steps since the previous completed sync, H / F of
 them, a fraction 1 / F of a round (:func:`expected_last_sync_lost`)::
 
-    L       = (1 - exp(-n tau / K)) / F
+    L       = (1 - (1 - tau / K)^n) / F
     G_stream = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + L (M - 1) a rho
                                     + j M a h) / (M T))
 
@@ -131,7 +130,11 @@ the run's time stretches by that tail, in which nobody else computes::
     G_dec,K = (p W / (W + tail) + 1 - p) G_dec
 
 The planner's expectation averages G over the trace's crash count, Poisson with mean n
-(:func:`over_crash_counts`), as it averages over the stragglers: G is not linear in it.
+(:func:`over_crash_counts`), as it averages over the stragglers: G is not linear in it. So
+within that average n is a count, and the chance that none of n crashes at uniform moments
+falls in a share q of the run is (1 - q)^n (:func:`none_in`), not the Poisson mean's
+exp(-n q). It counts the crashes and joins that land on a step (:func:`landed`): those in
+the run's last step land on none.
 
 Every G is clamped to [0, 1]. The model neglects the faults' interactions (a crash during a
 stall, a straggler among the dead) and is checked against simulated runs.
@@ -160,6 +163,8 @@ __all__ = [
     "goodput_decoupled",
     "goodput_local",
     "goodput_synchronous",
+    "landed",
+    "none_in",
     "over_crash_counts",
     "worker_seconds_lost",
 ]
@@ -471,6 +476,23 @@ def expected_exposure(options: FaultOptions, *, workers: int) -> Exposure:
     )
 
 
+def landed(exposure: Exposure, *, last_step_s: float, replace_after_s: float) -> Exposure:
+    """The expected crashes and joins that land on a step of the run: a run places an event
+    on the first step that starts at or after it, so those in its last step (of
+    ``last_step_s`` seconds: the slowest worker's compute and the sync it exposes) land on
+    none and cost nothing. Over a run of T, the n crashes of the window T - t_last land
+    (n (T - t_last) / T), and the joins of those that were replaced within it,
+    j (T - t_last - R) / (T - R). The time away is the trace's over all of T (as a run's
+    own is counted)."""
+    _non_negative("last_step_s", last_step_s)
+    duration = exposure.duration_s
+    window = max(0.0, duration - last_step_s)
+    joins = exposure.joins
+    if joins > 0.0 and duration > replace_after_s:
+        joins *= max(0.0, window - replace_after_s) / (duration - replace_after_s)
+    return replace(exposure, crashes=exposure.crashes * window / duration, joins=joins)
+
+
 def _clamp(value: float) -> float:
     return min(1.0, max(0.0, value))
 
@@ -552,11 +574,11 @@ def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> 
     ``rounds_late`` (N) rounds after its launch and fails if a crash falls while it flies.
     Round r's exchange flies w_r = min(N, R - (r + 1)) rounds, so
 
-        D = sum_{r=0}^{floor(R)-1} (1 - exp(-n w_r / R)),
+        D = sum_{r=0}^{floor(R)-1} (1 - (1 - w_r / R)^n),
 
-    about n times the mean number in flight at a crash (N - N (N + 1) / (2 R)) when crashes
-    are rare, and at most the exchanges a run launches when they are not: crashes that fall
-    on one exchange drop it once."""
+    the mean number in flight at a crash (N - N (N + 1) / (2 R)) for one crash, and at most
+    the exchanges a run launches when they are many: crashes that fall on one exchange drop
+    it once. n is a count (:func:`none_in`)."""
     _non_negative("crashes", crashes)
     _non_negative("rounds", rounds)
     if isinstance(rounds_late, bool) or not isinstance(rounds_late, int) or rounds_late < 0:
@@ -566,15 +588,14 @@ def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> 
         )
     if rounds_late == 0 or crashes == 0.0 or rounds <= 1.0:
         return 0.0
-    rate = crashes / rounds
     # (The launches whose exchange flies all N rounds share one term; the last few, cut by
     # the run's end, are summed one by one.)
     launches = int(rounds)
     whole = min(launches, max(0, math.floor(rounds - 1 - rounds_late) + 1))
-    total = whole * -math.expm1(-rate * rounds_late)
+    total = whole * (1.0 - none_in(crashes, rounds_late / rounds))
     for launch in range(whole, launches):
         window = max(0.0, min(float(rounds_late), rounds - (launch + 1)))
-        total += 1.0 - math.exp(-rate * window)
+        total += 1.0 - none_in(crashes, window / rounds)
     return total
 
 
@@ -587,7 +608,7 @@ def expected_last_sync_lost(
     crash falls in its last tau steps (n crashes at uniform steps of K), and then the steps
     since the previous completed sync, 1 / F of a round (``fragments`` = F), never commit::
 
-        L = (1 - exp(-n tau / K)) / F
+        L = (1 - (1 - tau / K)^n) / F
     """
     _non_negative("crashes", crashes)
     _positive("steps", steps)
@@ -595,17 +616,34 @@ def expected_last_sync_lost(
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name}={value!r}: a count >= {least}; pass the run's option")
     window = min(float(overlap_steps), steps)
-    return -math.expm1(-crashes * window / steps) / fragments
+    return (1.0 - none_in(crashes, window / steps)) / fragments
 
 
 def _per_step(events: float, steps: float | None) -> float:
     """The steps on which ``events`` events at uniform moments of a run of ``steps`` steps
-    fall, K (1 - exp(-n / K)): events on one step count once (a step drops once, one
-    healing heals every joiner of a step). None: each event on a step of its own."""
+    fall, K (1 - (1 - 1 / K)^n) (:func:`none_in`): events on one step count once (a step
+    drops once, one healing heals every joiner of a step). None: each event on a step of its
+    own."""
     if steps is None:
         return events
     _positive("steps", steps)
-    return steps * -math.expm1(-events / steps)
+    return steps * (1.0 - none_in(events, 1.0 / steps))
+
+
+def none_in(events: float, share: float) -> float:
+    """The probability that none of ``events`` events at independent uniform moments of a
+    run falls in a ``share`` of it, (1 - q)^n (0 when q >= 1 and n > 0).
+
+    The count n is given, not a Poisson mean: the planner's expectation averages over the
+    trace's crash count itself (:func:`over_crash_counts`), and the Poisson form
+    exp(-n q), averaged over a Poisson count again, would put exp(-n (1 - exp(-q))) where
+    the trace has exp(-n q): too few dropped steps and failed exchanges when q is large
+    (a round of a run of few rounds)."""
+    if events <= 0.0:
+        return 1.0
+    if share >= 1.0:
+        return 0.0
+    return math.exp(events * math.log1p(-share))
 
 
 def goodput_local(
