@@ -257,3 +257,42 @@ def test_bad_model_inputs_end_in_one_line() -> None:
         expected_goodput(
             "async", FaultOptions(duration_s=1.0), workers=2, costs=StepCosts(compute_s=1.0)
         )
+
+
+def test_a_count_of_crashes_misses_a_share_binomially() -> None:
+    """none_in: each of k crashes at a uniform moment misses a share q with probability
+    1 - q, so all miss it with (1 - q)^k; averaged over a Poisson count of mean n that is
+    exp(-n q), the form a mean takes (which the planner's average over the count must not
+    apply a second time)."""
+    from lowcomm.faults.goodput import none_in
+
+    assert none_in(2.0, 0.25) == pytest.approx(0.5625, rel=1e-12)
+    assert none_in(0.0, 0.5) == 1.0 and none_in(3.0, 1.0) == 0.0
+    n, q = 4.0, 0.3
+    poisson = sum(math.exp(-n) * n**k / math.factorial(k) * none_in(float(k), q) for k in range(80))
+    assert poisson == pytest.approx(math.exp(-n * q), rel=1e-12)
+
+
+def test_only_the_events_before_the_last_step_land_and_joins_heal_after_r() -> None:
+    """landed: over T = 100 s with a last step of 5 s, 10 expected crashes land 9.5 and,
+    replaced after R = 20 s, 8 joins land 8 (95 - 20) / (100 - 20) = 7.5. A generated trace's
+    joins come R after a crash, so they heal on the steps of the last (T - R) / T of the
+    run: 3 joins over 10 steps with R = T / 2 heal on 5 (1 - (4/5)^3) steps, not
+    10 (1 - (9/10)^3)."""
+    from lowcomm.faults.goodput import landed
+
+    exposure = Exposure(workers=4, duration_s=100.0, crashes=10.0, joins=8.0)
+    moved = landed(exposure, last_step_s=5.0, replace_after_s=20.0)
+    assert (moved.crashes, moved.joins) == pytest.approx((9.5, 7.5), rel=1e-12)
+    options = FaultOptions(duration_s=100.0, mtbf_s=400.0, replace_after_s=50.0)
+    assert expected_exposure(options, workers=4).join_share == pytest.approx(0.5)
+    never = dataclasses.replace(options, replace_after_s=math.inf)
+    assert expected_exposure(never, workers=4).join_share == 1.0  # (no join to place)
+    costs = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
+    joins = Exposure(workers=4, duration_s=100.0, joins=3.0, join_share=0.5)
+    healed = 5 * (1 - 0.8**3)
+    expected = 1 - healed * 4 * 2.0 / 400.0
+    assert goodput_synchronous(joins, costs, steps=10) == pytest.approx(expected, rel=1e-12)
+    assert goodput_local(joins, costs, steps=10) == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match=r"^join_share=0\.0: a share of the steps in \(0, 1\]$"):
+        Exposure(workers=4, duration_s=100.0, join_share=0.0)

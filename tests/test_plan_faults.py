@@ -79,7 +79,9 @@ def test_ddp_under_crashes_by_hand() -> None:
         # step with probability 9/10); a dropped step costs each survivor its compute and
         # the detection (c + D, no exchange).
         dropped = 10 * (1 - 0.9**crashes)
-        healed = 10 * (1 - 0.9**joins)  # (joins on one step heal at once)
+        # (Joins on one step heal at once; they come R after a crash, so on the last
+        # (T - R) / T = 9/10 of the steps.)
+        healed = 9 * (1 - (8 / 9) ** joins)
         return a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
 
     expected = by_hand(crashes, joins, a)
@@ -156,7 +158,8 @@ def test_diloco_under_crashes_by_hand() -> None:
     rho = 2 * 1.0 + ALL_REDUCE  # 5.006 s < D
     wait = ((1.0 + ALL_REDUCE) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
     heal = 8e9 / 1e9 + 2 * 3 * 1e-3  # (two broadcasts over the 4 workers, 3 hops of 1 ms)
-    healed = 10 * (1 - 0.9**joins)  # (the plan's 10 steps: one healing a step)
+    # (One healing a step, on the 9 of the plan's 10 steps after R: (T - R) / T = 9/10.)
+    healed = 9 * (1 - (8 / 9) ** joins)
     expected = a - (crashes * (rho / 2 + (m - 1) * a * wait) + healed * m * a * heal) / (m * t)
     assert result.heal_s == pytest.approx(heal)
     assert result.goodput == pytest.approx(expected)
@@ -336,7 +339,8 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     wait = ((1.0 + eager.sync_s) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
     dropped = 4 * (1 - 0.8**crashes)
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
-    healed = 10 * (1 - 0.9**joins)  # (the plan's 10 steps: one healing a step)
+    # (One healing a step, on the 9 of the plan's 10 steps after R: (T - R) / T = 9/10.)
+    healed = 9 * (1 - (8 / 9) ** joins)
     failed = 1 - 0.85**crashes
     tensors = 4 - 2 * failed  # phi, momentum, and the mean and own in flight when live
     heal = 4e9 * tensors / 1e9 + tensors * 3 * 1e-3  # (a model per tensor; 3 hops of 1 ms)
@@ -405,7 +409,7 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     # after steps 2 and 3, so the crash, at the start of a step, waits at its end.)
     wait = d - 1.0
     last = (1 - 0.9**crashes) / 2
-    healed = 10 * (1 - 0.9**joins)
+    healed = 9 * (1 - (8 / 9) ** joins)  # (on the 9/10 of the steps after R)
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
     x = 2 * 3 / 4 * 1e9 / 1e9 + 2 * 3 * 1e-3  # (half a bf16 model on 4 workers)
     settle = 2 / 4 * x

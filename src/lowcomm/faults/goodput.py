@@ -404,6 +404,10 @@ class Exposure:
         slow_factor: s.
         slow_present: p, the probability that some slot is slow (None: 1 - (1 - f)^M, the
             generated trace's; 1 or 0 for a run whose slots are known).
+        join_share: the share of the run's steps on which its joins can land, over which
+            joins that share a step are counted once: a generated trace's come R after a
+            crash, so none in the first R of T ((T - R) / T); 1 for a run's own joins,
+            counted from the steps they fell on.
     """
 
     workers: int
@@ -415,6 +419,7 @@ class Exposure:
     slow_fraction: float = 0.0
     slow_factor: float = 1.0
     slow_present: float | None = None
+    join_share: float = 1.0
 
     def __post_init__(self) -> None:
         _workers(self.workers)
@@ -432,6 +437,8 @@ class Exposure:
             raise ValueError(f"slow_factor={self.slow_factor!r}: a slowdown is >= 1")
         if self.slow_present is not None and not 0 <= self.slow_present <= 1:
             raise ValueError(f"slow_present={self.slow_present!r}: a probability is in [0, 1]")
+        if not 0 < self.join_share <= 1:
+            raise ValueError(f"join_share={self.join_share!r}: a share of the steps in (0, 1]")
 
     @property
     def some_slow(self) -> float:
@@ -473,6 +480,7 @@ def expected_exposure(options: FaultOptions, *, workers: int) -> Exposure:
         detection_s=options.detection_s,
         slow_fraction=options.slow_fraction,
         slow_factor=options.slow_factor,
+        join_share=max(0.0, duration - options.replace_after_s) / duration or 1.0,
     )
 
 
@@ -518,7 +526,7 @@ def goodput_synchronous(
     K steps, over which crashes that fall on one step drop it once (None: every crash drops
     a step of its own)."""
     e = exposure
-    dropped, joins = _per_step(e.crashes, steps), _per_step(e.joins, steps)
+    dropped, joins = _per_step(e.crashes, steps), _healings(e, steps)
 
     def at(pace: float) -> float:
         fault_free_step = costs.round_s / costs.sync_every
@@ -630,6 +638,14 @@ def _per_step(events: float, steps: float | None) -> float:
     return steps * (1.0 - none_in(events, 1.0 / steps))
 
 
+def _healings(exposure: Exposure, steps: float | None) -> float:
+    """The steps on which the run's joins heal (:func:`_per_step`), over the share of its
+    steps on which a join can land (``join_share``)."""
+    if exposure.joins == 0.0 or steps is None:
+        return exposure.joins
+    return _per_step(exposure.joins, steps * exposure.join_share)
+
+
 def none_in(events: float, share: float) -> float:
     """The probability that none of ``events`` events at independent uniform moments of a
     run falls in a ``share`` of it, (1 - q)^n (0 when q >= 1 and n > 0).
@@ -664,7 +680,7 @@ def goodput_local(
     e = exposure
     _non_negative("dropped_rounds", dropped_rounds)
     _non_negative("last_sync_lost", last_sync_lost)
-    joins = _per_step(e.joins, steps)
+    joins = _healings(e, steps)
 
     def at(pace: float) -> float:
         round_s = costs.round_at(pace)
