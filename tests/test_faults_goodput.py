@@ -276,9 +276,11 @@ def test_a_count_of_crashes_misses_a_share_binomially() -> None:
 def test_only_the_events_before_the_last_step_land_and_joins_heal_after_r() -> None:
     """landed: over T = 100 s with a last step of 5 s, 10 expected crashes land 9.5 and,
     replaced after R = 20 s, 8 joins land 8 (95 - 20) / (100 - 20) = 7.5. A generated trace's
-    joins come R after a crash, so they heal on the steps of the last (T - R) / T of the
-    run: 3 joins over 10 steps with R = T / 2 heal on 5 (1 - (4/5)^3) steps, not
-    10 (1 - (9/10)^3)."""
+    joins come R after a crash, so they heal on the K' = K (T - R) / T steps after R; a
+    healing step lasts tau + h, and the joins during it land together on the next step: d
+    healings of j joins solve d = (K' - d)(1 - (1 - tau / L)^j) + d (1 - (1 - (tau + h) / L)^j),
+    L = K' tau + d h (here solved by bisection). A run's own joins (join_share None) heal on
+    K (1 - (1 - 1 / K)^j) steps."""
     from lowcomm.faults.goodput import landed
 
     exposure = Exposure(workers=4, duration_s=100.0, crashes=10.0, joins=8.0)
@@ -287,12 +289,28 @@ def test_only_the_events_before_the_last_step_land_and_joins_heal_after_r() -> N
     options = FaultOptions(duration_s=100.0, mtbf_s=400.0, replace_after_s=50.0)
     assert expected_exposure(options, workers=4).join_share == pytest.approx(0.5)
     never = dataclasses.replace(options, replace_after_s=math.inf)
-    assert expected_exposure(never, workers=4).join_share == 1.0  # (no join to place)
+    assert expected_exposure(never, workers=4).join_share is None  # (no join to place)
     costs = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
-    joins = Exposure(workers=4, duration_s=100.0, joins=3.0, join_share=0.5)
-    healed = 5 * (1 - 0.8**3)
+    j, steps, tau, h = 3.0, 5.0, 1.0, 2.0  # (K' = 10 steps x 1/2)
+
+    def excess(d: float) -> float:
+        length = steps * tau + d * h
+        caught = (steps - d) * (1 - (1 - tau / length) ** j)
+        return caught + d * (1 - (1 - (tau + h) / length) ** j) - d
+
+    low, high = 0.0, steps
+    for _ in range(200):
+        low, high = (
+            ((low + high) / 2, high) if excess((low + high) / 2) > 0 else (low, (low + high) / 2)
+        )
+    healed = low
+    assert healed < 5 * (1 - 0.8**3)  # (fewer than over uniform steps)
+    drawn = Exposure(workers=4, duration_s=100.0, joins=j, join_share=0.5)
     expected = 1 - healed * 4 * 2.0 / 400.0
-    assert goodput_synchronous(joins, costs, steps=10) == pytest.approx(expected, rel=1e-12)
-    assert goodput_local(joins, costs, steps=10) == pytest.approx(expected, rel=1e-12)
+    assert goodput_synchronous(drawn, costs, steps=10) == pytest.approx(expected, rel=1e-9)
+    assert goodput_local(drawn, costs, steps=10) == pytest.approx(expected, rel=1e-9)
+    own = dataclasses.replace(drawn, join_share=None)
+    expected_own = 1 - 10 * (1 - 0.9**3) * 4 * 2.0 / 400.0
+    assert goodput_synchronous(own, costs, steps=10) == pytest.approx(expected_own, rel=1e-12)
     with pytest.raises(ValueError, match=r"^join_share=0\.0: a share of the steps in \(0, 1\]$"):
         Exposure(workers=4, duration_s=100.0, join_share=0.0)

@@ -53,6 +53,25 @@ def at_mean(**overrides: object):  # type: ignore[no-untyped-def]
     return price_faults(planned, plan, exposure=exposure)
 
 
+def healed_by_hand(joins: float, steps: float, step_s: float, heal_s: float) -> float:
+    """The healings of ``joins`` joins drawn at uniform moments over the ``steps`` steps after
+    R (K' = K (T - R) / T), a healing step lasting ``heal_s`` more than the ``step_s`` of the
+    others, the joins during it landing together on the next step: d solving
+    d = (K' - d)(1 - (1 - tau / L)^j) + d (1 - (1 - (tau + h) / L)^j), L = K' tau + d h, by
+    bisection."""
+
+    def excess(d: float) -> float:
+        length = steps * step_s + d * heal_s
+        caught = (steps - d) * (1 - (1 - step_s / length) ** joins)
+        return caught + d * (1 - (1 - (step_s + heal_s) / length) ** joins) - d
+
+    low, high = 0.0, steps
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+    return low
+
+
 def test_ddp_under_crashes_by_hand() -> None:
     """One crash rate: lambda = 1/500 per worker, replaced after R = 100 s, detected after
     D = 5 s, over T = 1000 s; a join heals ddp's parameters and AdamW state (K = 12 bytes per
@@ -80,8 +99,8 @@ def test_ddp_under_crashes_by_hand() -> None:
         # the detection (c + D, no exchange).
         dropped = 10 * (1 - 0.9**crashes)
         # (Joins on one step heal at once; they come R after a crash, so on the last
-        # (T - R) / T = 9/10 of the steps.)
-        healed = 9 * (1 - (8 / 9) ** joins)
+        # (T - R) / T = 9/10 of the steps, and those during a healing step on the next.)
+        healed = healed_by_hand(joins, 9, step, heal)
         return a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
 
     expected = by_hand(crashes, joins, a)
@@ -159,7 +178,7 @@ def test_diloco_under_crashes_by_hand() -> None:
     wait = ((1.0 + ALL_REDUCE) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
     heal = 8e9 / 1e9 + 2 * 3 * 1e-3  # (two broadcasts over the 4 workers, 3 hops of 1 ms)
     # (One healing a step, on the 9 of the plan's 10 steps after R: (T - R) / T = 9/10.)
-    healed = 9 * (1 - (8 / 9) ** joins)
+    healed = healed_by_hand(joins, 9, rho / 2, heal)
     expected = a - (crashes * (rho / 2 + (m - 1) * a * wait) + healed * m * a * heal) / (m * t)
     assert result.heal_s == pytest.approx(heal)
     assert result.goodput == pytest.approx(expected)
@@ -339,12 +358,12 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
     wait = ((1.0 + eager.sync_s) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
     dropped = 4 * (1 - 0.8**crashes)
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
-    # (One healing a step, on the 9 of the plan's 10 steps after R: (T - R) / T = 9/10.)
-    healed = 9 * (1 - (8 / 9) ** joins)
     failed = 1 - 0.85**crashes
     tensors = 4 - 2 * failed  # phi, momentum, and the mean and own in flight when live
     heal = 4e9 * tensors / 1e9 + tensors * 3 * 1e-3  # (a model per tensor; 3 hops of 1 ms)
     settle = (ALL_REDUCE + (ALL_REDUCE - 1.0)) / 2
+    # (One healing a step, on the 9 of the plan's 10 steps after R: (T - R) / T = 9/10.)
+    healed = healed_by_hand(joins, 9, rho / 2, heal + settle)
     drain = 2.0
     wall = 10.0 + 5 * (ALL_REDUCE - 2.0) + drain
     kept = a - (lost + healed * m * a * (heal + settle)) / (m * (t - drain))
@@ -409,10 +428,10 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     # after steps 2 and 3, so the crash, at the start of a step, waits at its end.)
     wait = d - 1.0
     last = (1 - 0.9**crashes) / 2
-    healed = 9 * (1 - (8 / 9) ** joins)  # (on the 9/10 of the steps after R)
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
     x = 2 * 3 / 4 * 1e9 / 1e9 + 2 * 3 * 1e-3  # (half a bf16 model on 4 workers)
     settle = 2 / 4 * x
+    healed = healed_by_hand(joins, 9, rho / 4, result.heal_s + settle)  # (9/10 after R)
     expected = a - (lost + healed * m * a * (result.heal_s + settle)) / (m * t)
     assert result.family == "local" and result.sync_every == 4
     assert result.sync_s == pytest.approx(2 * (x - 1.0))

@@ -1056,15 +1056,7 @@ def price_faults(
     if drained is not None:
         exposure = dataclasses.replace(exposure, duration_s=horizon - plan.final_drain_s)
     if expected:
-        pace = exposure.slowest_pace
-        last_step = costs.compute_s * pace
-        if model.family != "decoupled":
-            last_step += costs.exposed_s(pace)
-        replace_after = config.fault_replace_after_s
-        exposure = landed(
-            exposure, last_step_s=last_step,
-            replace_after_s=math.inf if replace_after is None else replace_after,
-        )  # fmt: skip
+        exposure = _landed(config, model, costs, exposure)
 
     def goodput_of(faults: Exposure) -> float | None:
         given = (dropped_rounds, last_sync_lost)
@@ -1088,6 +1080,23 @@ def price_faults(
         compute_s=compute, sync_s=costs.exposed_s(), sync_every=period, heal_bytes=heal_bytes,
         heal_s=costs.heal_s, alive_fraction=exposure.alive_fraction, crashes=exposure.crashes,
         joins=exposure.joins, slowest_pace=exposure.slowest_pace,
+    )  # fmt: skip
+
+
+def _landed(
+    config: PlanConfig, model: _FaultModel, costs: StepCosts, exposure: Exposure
+) -> Exposure:
+    """The expected crashes and joins that land on a step (``landed``): none in the run's
+    last step, the slowest worker's compute and (but for decoupled_diloco, whose learners
+    do not wait) the sync it exposes."""
+    pace = exposure.slowest_pace
+    last_step = costs.compute_s * pace
+    if model.family != "decoupled":
+        last_step += costs.exposed_s(pace)
+    replace_after = config.fault_replace_after_s
+    return landed(
+        exposure, last_step_s=last_step,
+        replace_after_s=math.inf if replace_after is None else replace_after,
     )  # fmt: skip
 
 

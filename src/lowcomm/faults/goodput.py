@@ -134,7 +134,9 @@ The planner's expectation averages G over the trace's crash count, Poisson with 
 within that average n is a count, and the chance that none of n crashes at uniform moments
 falls in a share q of the run is (1 - q)^n (:func:`none_in`), not the Poisson mean's
 exp(-n q). It counts the crashes and joins that land on a step (:func:`landed`): those in
-the run's last step land on none.
+the run's last step land on none. A generated trace's joins come R after a crash, so they
+heal on the steps after R, and a healing step lasts tau + h: the joins during it land
+together on the next step (``Exposure.join_share``, :func:`_healings`).
 
 Every G is clamped to [0, 1]. The model neglects the faults' interactions (a crash during a
 stall, a straggler among the dead) and is checked against simulated runs.
@@ -404,10 +406,12 @@ class Exposure:
         slow_factor: s.
         slow_present: p, the probability that some slot is slow (None: 1 - (1 - f)^M, the
             generated trace's; 1 or 0 for a run whose slots are known).
-        join_share: the share of the run's steps on which its joins can land, over which
-            joins that share a step are counted once: a generated trace's come R after a
-            crash, so none in the first R of T ((T - R) / T); 1 for a run's own joins,
-            counted from the steps they fell on.
+        join_share: for joins drawn at uniform moments (a generated trace's expectation),
+            the share of the run's steps on which they can land, over which those that
+            share a step heal once: they come R after a crash, so none in the first R of T
+            ((T - R) / T); and a healing step lasts longer, so the joins during it land
+            together on the next step (:func:`_healings`). None: a run's own joins, counted
+            from the steps they fell on (over all K, uniform).
     """
 
     workers: int
@@ -419,7 +423,7 @@ class Exposure:
     slow_fraction: float = 0.0
     slow_factor: float = 1.0
     slow_present: float | None = None
-    join_share: float = 1.0
+    join_share: float | None = None
 
     def __post_init__(self) -> None:
         _workers(self.workers)
@@ -437,7 +441,7 @@ class Exposure:
             raise ValueError(f"slow_factor={self.slow_factor!r}: a slowdown is >= 1")
         if self.slow_present is not None and not 0 <= self.slow_present <= 1:
             raise ValueError(f"slow_present={self.slow_present!r}: a probability is in [0, 1]")
-        if not 0 < self.join_share <= 1:
+        if self.join_share is not None and not 0 < self.join_share <= 1:
             raise ValueError(f"join_share={self.join_share!r}: a share of the steps in (0, 1]")
 
     @property
@@ -480,7 +484,7 @@ def expected_exposure(options: FaultOptions, *, workers: int) -> Exposure:
         detection_s=options.detection_s,
         slow_fraction=options.slow_fraction,
         slow_factor=options.slow_factor,
-        join_share=max(0.0, duration - options.replace_after_s) / duration or 1.0,
+        join_share=max(0.0, duration - options.replace_after_s) / duration or None,
     )
 
 
@@ -526,11 +530,12 @@ def goodput_synchronous(
     K steps, over which crashes that fall on one step drop it once (None: every crash drops
     a step of its own)."""
     e = exposure
-    dropped, joins = _per_step(e.crashes, steps), _healings(e, steps)
+    dropped = _per_step(e.crashes, steps)
 
     def at(pace: float) -> float:
         fault_free_step = costs.round_s / costs.sync_every
         step = costs.round_at(pace) / costs.sync_every
+        joins = _healings(e, steps, step, costs.heal_s + costs.settle_s(pace))
         survivors = (e.workers - 1) * e.alive_fraction
         lost = dropped * survivors * (
             costs.compute_s * pace + e.detection_s
@@ -638,12 +643,34 @@ def _per_step(events: float, steps: float | None) -> float:
     return steps * (1.0 - none_in(events, 1.0 / steps))
 
 
-def _healings(exposure: Exposure, steps: float | None) -> float:
-    """The steps on which the run's joins heal (:func:`_per_step`), over the share of its
-    steps on which a join can land (``join_share``)."""
-    if exposure.joins == 0.0 or steps is None:
-        return exposure.joins
-    return _per_step(exposure.joins, steps * exposure.join_share)
+def _healings(
+    exposure: Exposure, steps: float | None, step_s: float = 0.0, heal_s: float = 0.0
+) -> float:
+    """The steps on which the run's joins heal (:func:`_per_step`). Joins drawn at uniform
+    moments (``join_share`` given) land on the K' = K share steps after R, and a healing step
+    lasts tau + h against tau (``step_s``, ``heal_s``): the joins that come during it land
+    together on the next step, so d healings of j joins satisfy, over L = K' tau + d h
+    seconds::
+
+        d = (K' - d) (1 - (1 - tau / L)^j) + d (1 - (1 - (tau + h) / L)^j)
+    """
+    j = exposure.joins
+    if j == 0.0 or steps is None:
+        return j
+    if exposure.join_share is None:
+        return _per_step(j, steps)
+    window = steps * exposure.join_share
+    healed = _per_step(j, window)
+    if not (step_s > 0.0 and heal_s > 0.0):
+        return healed
+    for _ in range(50):
+        length = window * step_s + healed * heal_s
+        following = healed * (1.0 - none_in(j, (step_s + heal_s) / length))
+        updated = (window - healed) * (1.0 - none_in(j, step_s / length)) + following
+        if abs(updated - healed) < 1e-12:
+            break
+        healed = updated
+    return updated
 
 
 def none_in(events: float, share: float) -> float:
@@ -680,18 +707,15 @@ def goodput_local(
     e = exposure
     _non_negative("dropped_rounds", dropped_rounds)
     _non_negative("last_sync_lost", last_sync_lost)
-    joins = _healings(e, steps)
 
     def at(pace: float) -> float:
         round_s = costs.round_at(pace)
+        heal = costs.heal_s + costs.settle_s(pace)
+        joins = _healings(e, steps, round_s / costs.sync_every, heal)
         partial, wait = costs.crash_costs(e.detection_s, pace)
         survivors = (e.workers - 1) * e.alive_fraction
         dropped = (dropped_rounds * (1.0 + survivors) + last_sync_lost * survivors) * round_s
-        lost = (
-            e.crashes * (partial + survivors * wait)
-            + dropped
-            + joins * e.live_workers * (costs.heal_s + costs.settle_s(pace))
-        )
+        lost = e.crashes * (partial + survivors * wait) + dropped + joins * e.live_workers * heal
         return _clamp(
             costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s))
         )
