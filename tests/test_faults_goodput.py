@@ -210,9 +210,11 @@ def test_the_expected_dropped_rounds_by_hand() -> None:
 def test_expected_exposure_of_generated_options_by_hand() -> None:
     options = FaultOptions(duration_s=1000.0, mtbf_s=100.0, replace_after_s=25.0)
     exposure = expected_exposure(options, workers=4)
-    assert exposure.alive_fraction == pytest.approx(0.8)  # 1 / (1 + 0.01 * 25)
-    assert exposure.crashes == pytest.approx(32.0)  # 4 * 0.8 * 0.01 * 1000
-    assert exposure.joins == pytest.approx(31.2)  # 4 * 0.8 * 0.01 * 975
+    # 1 - 0.01 * 0.8 * (25 - 25^2 / 2000): the steady state's a0 = 1 / (1 + 0.01 * 25) = 0.8,
+    # but a crash in the last 25 s is empty only until T.
+    assert exposure.alive_fraction == pytest.approx(0.8025)
+    assert exposure.crashes == pytest.approx(32.1)  # 4 * 0.8025 * 0.01 * 1000
+    assert exposure.joins == pytest.approx(31.2975)  # 4 * 0.8025 * 0.01 * 975
     never_replaced = expected_exposure(FaultOptions(duration_s=1000.0, mtbf_s=100.0), workers=4)
     assert never_replaced.alive_fraction == pytest.approx((1 - math.exp(-10.0)) / 10.0)
     assert never_replaced.joins == 0.0
@@ -229,6 +231,19 @@ def test_the_models_alive_fraction_matches_generated_traces() -> None:
     )
     crashes = sum(event.kind == "crash" for event in trace.events)
     assert crashes == pytest.approx(expected_exposure(options, workers=workers).crashes, rel=0.05)
+
+
+def test_a_short_run_starts_with_every_slot_filled() -> None:
+    """Over T = 100 s with R = 50 s and an MTBF of 100 s, the steady state's alive fraction,
+    1 / (1 + 0.5) = 0.667, undercounts a run that starts with every slot filled: 4000
+    generated slots are alive 0.725 of the time, and the model's 1 - 0.01 (1 / 1.5)
+    (50 - 50^2 / 200) = 0.75 is the closer."""
+    options = FaultOptions(duration_s=100.0, mtbf_s=100.0, replace_after_s=50.0, seed=3)
+    trace = generate_trace(options, workers=4000)
+    measured = 1.0 - absent_worker_seconds(trace, duration_s=100.0) / (4000 * 100.0)
+    alive = expected_exposure(options, workers=4000).alive_fraction
+    assert alive == pytest.approx(0.75)
+    assert abs(alive - measured) < abs(1 / 1.5 - measured)
 
 
 def test_a_crash_costs_the_synchronous_method_most_and_the_decoupled_one_least() -> None:

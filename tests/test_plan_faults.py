@@ -85,7 +85,8 @@ def test_ddp_under_crashes_by_hand() -> None:
         fault_horizon_s=1000.0,
     )
     m, rate, r, d, t = 4, 1 / 500, 100.0, 5.0, 1000.0
-    a = 1 / (1 + rate * r)  # 5/6
+    # (A crash in the run's last R is empty until T: away R - R^2 / (2 T) on average.)
+    a = 1 - rate / (1 + rate * r) * (r - r * r / (2 * t))
     crashes = m * a * rate * t
     joins = m * a * rate * (t - r)
     # 12 GB at 1e9 bytes/s in three broadcasts over the 4 workers (parameters and both
@@ -172,7 +173,7 @@ def test_diloco_under_crashes_by_hand() -> None:
         fault_horizon_s=500.0,
     )
     m, rate, r, d, t = 4, 1 / 2000, 50.0, 6.0, 500.0
-    a = 1 / (1 + rate * r)
+    a = 1 - rate / (1 + rate * r) * (r - r * r / (2 * t))  # (slots start filled)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 2 * 1.0 + ALL_REDUCE  # 5.006 s < D
     wait = ((1.0 + ALL_REDUCE) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
@@ -350,7 +351,7 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
         fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
     m, rate, r, d, t = 4, 1 / 500, 100.0, 5.0, 1000.0
-    a = 1 / (1 + rate * r)
+    a = 1 - rate / (1 + rate * r) * (r - r * r / (2 * t))  # (slots start filled)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 2 * eager.compute_s + eager.sync_s
     # (The crash lands k = 2 - p steps of 1 s before the sync, p = 0 also for a crash during
@@ -420,7 +421,7 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
         fault_replace_after_s=100.0, fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
     m, rate, r, d, t = 4, 1 / 200, 100.0, 5.0, 1000.0
-    a = 1 / (1 + rate * r)
+    a = 1 - rate / (1 + rate * r) * (r - r * r / (2 * t))  # (slots start filled)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 4 * result.compute_s + result.sync_s
     # (The survivors wait for the detection at each launch and each completion of a sync:

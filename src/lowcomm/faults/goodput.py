@@ -25,15 +25,18 @@ first part from a trace alone.
 
 Expected exposure (:func:`expected_exposure`)::
 
-    a = 1 / (1 + lambda R)           fraction of slot-time a worker is alive
-                                     (up for 1/lambda, down for R, on average);
+    a0 = 1 / (1 + lambda R)          fraction of slot-time a worker is alive at the steady
+                                     state (up for 1/lambda, down for R, on average)
+    a = 1 - lambda a0 (R - R^2 / (2 T))  over a run that starts with every slot filled (a
+                                     crash in its last R is empty until T; T < R: R -> T / 2);
         (1 - exp(-lambda T)) / (lambda T) when R is infinite (no replacement)
     n = M a lambda T                 crashes in the run
     j = M a lambda max(0, T - R)     joins in the run (a crash in the last R is not replaced)
     p = 1 - (1 - f)^M                probability that some slot is slow
     S = 1 + (s - 1) p                expected pace of the slowest worker (compute multiplier)
 
-Note that ``a = 1 - n R / (M T)``: the empty slots cost n R worker-seconds.
+Note that ``a = 1 - n (R - R^2 / (2 T)) / (M T)`` to first order: the empty slots cost
+about R worker-seconds a crash, less for those near the run's end.
 
 Each formula below is ``fault-free rate`` times ``worker-time kept``; lost worker-seconds are
 divided by M T.
@@ -472,7 +475,14 @@ def expected_exposure(options: FaultOptions, *, workers: int) -> Exposure:
     elif math.isinf(options.replace_after_s):
         alive = (1.0 - math.exp(-rate * duration)) / (rate * duration)
     else:
-        alive = 1.0 / (1.0 + rate * options.replace_after_s)
+        # (A slot empties at rate lambda a0, a0 = 1 / (1 + lambda R) alive at the steady
+        # state, for R; a run starts with every slot filled, so a crash in its last R is
+        # empty only until T: away for R - R^2 / (2 T) on average, T / 2 when T < R.)
+        replace_after = options.replace_after_s
+        away = replace_after - replace_after**2 / (2.0 * duration)
+        if duration < replace_after:
+            away = duration / 2.0
+        alive = 1.0 - rate / (1.0 + rate * replace_after) * away
     crashes = workers * alive * rate * duration
     joins = workers * alive * rate * max(0.0, duration - options.replace_after_s)
     return Exposure(
