@@ -19,23 +19,37 @@ to the expectation, lies outside 1 +- ``--tolerance``.
 
     python benchmarks/faults_plan_check.py runs/faults/ddp-m16 runs/faults/diloco-m16 ...
     python benchmarks/faults_plan_check.py runs/faults/* --json
+
+With ``--expectation M ...`` it simulates nothing: per method of ``lowcomm bench faults``
+(its default options), it averages the model given each generated trace's faults (their
+steps derived from the trace: :func:`derived_summary`) over ``--seeds`` traces, against the
+planner's expectation over the same runs' modeled times (:func:`trace_average`)::
+
+    python benchmarks/faults_plan_check.py --expectation 16 64 256 --seeds 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lowcomm.bench.faults import FaultsBench, _train_config, _with_faults
 from lowcomm.config import TrainConfig
 from lowcomm.faults.goodput import Exposure, absent_worker_seconds
 from lowcomm.faults.run import run_trace
+from lowcomm.faults.trace import FaultTrace
 from lowcomm.plan import (
     FaultSteps,
+    Plan,
     PlanConfig,
+    _fault_options,
+    _fault_step_costs,
     fault_model,
     make_plan,
     method_options,
@@ -107,75 +121,97 @@ def measured_goodput(run: Path) -> float:
 
 
 def _events_over(distinct_steps: int, steps: int) -> float:
-    """n with K (1 - exp(-n / K)) = ``distinct_steps``: the events whose expected steps are
+    """n with K (1 - (1 - 1 / K)^n) = ``distinct_steps``: the events whose expected steps are
     those the run's events fell on (all of them: every step)."""
     if distinct_steps >= steps:
         return float(distinct_steps) * 50.0
-    return -steps * math.log1p(-distinct_steps / steps)
+    return math.log1p(-distinct_steps / steps) / math.log1p(-1.0 / steps)
 
 
 def run_exposure(run: Path) -> Exposure | None:
-    """The faults the run met, as the model's exposure: its crashes and joins (summary.json),
-    the slot-time its workers were away (its trace), and whether a slot was slow (a generated
-    trace makes a slot slow for the whole run). None: the run had no fault options."""
+    """The faults the run met, as the model's exposure (:func:`exposure_met` of its
+    summary.json and trace). None: the run had no fault options."""
     train = TrainConfig.from_dict(json.loads((run / "config.json").read_text()))
-    summary = json.loads((run / "summary.json").read_text())
     trace = run_trace(train)
     if trace is None:
         return None
-    duration = float(summary["modeled_time_s"])
-    kinds = [
-        event["kind"]
-        for change in summary["faults"]["membership_changes"]
-        for event in change["events"]
-    ]
+    summary = json.loads((run / "summary.json").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     ends = {int(r["step"]): float(r["clock_s"]) for r in records}
-    absent = absent_worker_seconds(
-        trace, duration_s=duration, step_time=lambda step: ends.get(step - 1, 0.0)
-    )
+    return exposure_met(
+        summary, trace, workers=train.placement.workers, method=train.method,
+        detection_s=train.fault.fault_detection_s,
+        step_time=lambda step: ends.get(step - 1, 0.0),
+    )  # fmt: skip
+
+
+def _changes(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    return list((summary.get("faults") or {}).get("membership_changes", []))
+
+
+def exposure_met(
+    summary: dict[str, Any],
+    trace: FaultTrace,
+    *,
+    workers: int,
+    method: str,
+    detection_s: float,
+    step_time: Callable[[int], float] | None = None,
+) -> Exposure:
+    """The faults a run met, as the model's exposure: its crashes and joins (its summary's
+    membership changes), the slot-time its workers were away (its trace, placed by time, over
+    its modeled time), and whether a slot was slow (a generated trace makes a slot slow for
+    the whole run). ``step_time``: a step's start on the run's clock, for a trace placed by
+    step."""
+    duration = float(summary["modeled_time_s"])
+    changes = _changes(summary)
+    kinds = [event["kind"] for change in changes for event in change["events"]]
+    absent = absent_worker_seconds(trace, duration_s=duration, step_time=step_time)
     slow = [e for e in trace.events if e.kind == "slow" and (e.factor or 1.0) > 1.0]
-    # The model counts the steps events share by expectation, K (1 - exp(-n / K)); given the
+    # The model counts the steps events share by expectation, K (1 - (1 - 1 / K)^n); given the
     # run's own, it takes the count whose expectation is the steps they fell on: the joins'
     # (one healing a step) in every model, the crashes' (one dropped step) in ddp's.
     steps = int(summary["steps"])
     crash_steps, join_steps = set(), set()
-    for change in summary["faults"]["membership_changes"]:
+    for change in changes:
         kinds_here = {event["kind"] for event in change["events"]}
         if "crash" in kinds_here:
             crash_steps.add(int(change["step"]))
         if kinds_here & {"join", "rejoin"}:
             join_steps.add(int(change["step"]))
     crashes = float(kinds.count("crash"))
-    family = fault_model(train.method).family
-    if family == "synchronous":
+    if fault_model(method).family == "synchronous":
         crashes = _events_over(len(crash_steps), steps)
     # The run's slots are known: the share that is slow (decoupled_diloco's learners do not
     # wait, and lose that share's pace), and whether any is (the others wait for it).
     slow_slots = {e.worker for e in slow}
     return Exposure(
-        workers=train.placement.workers,
+        workers=workers,
         duration_s=duration,
-        alive_fraction=1.0 - absent / (train.placement.workers * duration),
+        alive_fraction=1.0 - absent / (workers * duration),
         crashes=crashes,
         joins=_events_over(len(join_steps), steps),
-        detection_s=train.fault.fault_detection_s,
-        slow_fraction=len(slow_slots) / train.placement.workers,
+        detection_s=detection_s,
+        slow_fraction=len(slow_slots) / workers,
         slow_factor=max((float(e.factor or 1.0) for e in slow), default=1.0),
         slow_present=1.0 if slow else 0.0,
     )
 
 
 def run_dropped_rounds(run: Path, config: PlanConfig) -> float:
-    """The exchanges the run's crashes failed, for a method whose sync lands N rounds late
+    """:func:`dropped_rounds_met` of the run's summary.json."""
+    return dropped_rounds_met(json.loads((run / "summary.json").read_text()), config)
+
+
+def dropped_rounds_met(summary: dict[str, Any], config: PlanConfig) -> float:
+    """The exchanges a run's crashes failed, for a method whose sync lands N rounds late
     (0 for the others): a crash in round r fails those of rounds r - N .. r - 1 (those
     launched before it and not yet applied), each once however many crashes it meets."""
     model = fault_model(config.method)
     _, options = method_options(config)
     late, period = model.in_flight(options), model.period(options)
-    summary = json.loads((run / "summary.json").read_text())
     failed: set[int] = set()
-    for change in (summary.get("faults") or {}).get("membership_changes", []):
+    for change in _changes(summary):
         if any(event["kind"] == "crash" for event in change["events"]):
             round_index = int(change["step"]) // period
             failed.update(range(max(0, round_index - late), round_index))
@@ -183,7 +219,12 @@ def run_dropped_rounds(run: Path, config: PlanConfig) -> float:
 
 
 def run_last_sync_lost(run: Path, config: PlanConfig) -> float:
-    """The rounds of every survivor the run's last sync lost, for a method whose overlapped
+    """:func:`last_sync_lost_met` of the run's summary.json."""
+    return last_sync_lost_met(json.loads((run / "summary.json").read_text()), config)
+
+
+def last_sync_lost_met(summary: dict[str, Any], config: PlanConfig) -> float:
+    """The rounds of every survivor a run's last sync lost, for a method whose overlapped
     syncs' tokens wait for the next completed one (0 for the others): 1 / F when a crash fell
     in the run's last tau steps, while the last sync flew."""
     model = fault_model(config.method)
@@ -191,22 +232,25 @@ def run_last_sync_lost(run: Path, config: PlanConfig) -> float:
     overlap = model.overlap(options)
     if overlap == 0:
         return 0.0
-    summary = json.loads((run / "summary.json").read_text())
     steps = int(summary["steps"])
     late_crash = any(
         int(change["step"]) >= steps - overlap
-        for change in (summary.get("faults") or {}).get("membership_changes", [])
+        for change in _changes(summary)
         if any(event["kind"] == "crash" for event in change["events"])
     )
     return 1.0 / model.fragments(options) if late_crash else 0.0
 
 
 def run_steps_met(run: Path) -> FaultSteps:
-    """The steps the run's crashes fell on, and those at which it healed joiners."""
-    summary = json.loads((run / "summary.json").read_text())
+    """:func:`steps_met` of the run's summary.json."""
+    return steps_met(json.loads((run / "summary.json").read_text()))
+
+
+def steps_met(summary: dict[str, Any]) -> FaultSteps:
+    """The steps a run's crashes fell on, and those at which it healed joiners."""
     crashes: list[int] = []
     healings: list[int] = []
-    for change in (summary.get("faults") or {}).get("membership_changes", []):
+    for change in _changes(summary):
         kinds = [event["kind"] for event in change["events"]]
         crashes += [int(change["step"])] * kinds.count("crash")
         if {"join", "rejoin"} & set(kinds):
@@ -319,9 +363,244 @@ def trace_exposures(rows: list[dict[str, Any]], traces: int) -> list[dict[str, A
     return found
 
 
+# ---- the expectation against the model given each trace's faults, without runs ------------
+
+
+def bench_plan_config(bench: FaultsBench, method: str, workers: int) -> PlanConfig:
+    """The planner's configuration of ``lowcomm bench faults``' run of ``method`` at M =
+    ``workers`` (its model's parameters counted on the meta device, its nominal tokens), with
+    the benchmark's trace options: the MTBF and replacement delay from the longest
+    fault-free run of ``bench.methods``, as :func:`lowcomm.bench.faults.run_workers` sets
+    them, that run's modeled time taken as its plan's wall clock (equal to the run's)."""
+
+    def configure(name: str) -> tuple[TrainConfig, PlanConfig]:
+        train = _train_config(bench, name, workers, Path(bench.out) / "unused")
+        steps = train.run.steps
+        tokens = steps * workers * train.run.microbatches_per_step * train.tokens_per_microbatch()
+        assert train.comm.seconds_per_microbatch is not None
+        return train, plan_for_train_run(
+            train, params=str(_parameters(train)), tokens=float(tokens), steps=steps,
+            seconds_per_step=train.comm.seconds_per_microbatch * train.run.microbatches_per_step,
+            horizon_s=1.0,
+        )  # fmt: skip
+
+    longest = max(make_plan(configure(name)[1]).wall_clock_s for name in bench.methods)
+    mtbf = bench.fault_mtbf_s
+    if mtbf is None:
+        slowed = bench.fault_slow_factor if bench.fault_slow_fraction > 0 else 1.0
+        mtbf = slowed * longest / -math.log1p(-bench.crash_fraction)
+    replace = bench.fault_replace_after_s
+    if replace is None:
+        replace = bench.replace_fraction * longest
+    train, _ = configure(method)
+    _with_faults(train, bench, mtbf, replace)
+    return configure_faults(configure(method)[1], train)
+
+
+def configure_faults(config: PlanConfig, train: TrainConfig) -> PlanConfig:
+    """``config`` with ``train``'s --fault-* options."""
+    fault = train.fault
+    return dataclasses.replace(
+        config, fault_mtbf_s=fault.fault_mtbf_s, fault_replace_after_s=fault.fault_replace_after_s,
+        fault_slow_fraction=fault.fault_slow_fraction, fault_slow_factor=fault.fault_slow_factor,
+        fault_detection_s=fault.fault_detection_s,
+    )  # fmt: skip
+
+
+def _parameters(train: TrainConfig) -> int:
+    import torch
+
+    from lowcomm.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(train.model, train.data.vocab_size)
+    return sum(p.numel() for p in model.parameters())
+
+
+def derived_summary(config: PlanConfig, plan: Plan, trace: FaultTrace) -> dict[str, Any]:
+    """The fields of summary.json the model given a run's faults reads (its steps, modeled
+    time and membership changes by step), derived from ``trace`` without running it.
+
+    A run places an event given by time on the first step whose start, on the run's clock, is
+    at or after it; the run's clock at a step's start is its slowest member's. So the steps
+    are walked on the method's schedule at the slowest slot's pace S (the trace's slow
+    factor, when it makes a slot slow): a step computes c S, and a round's sync exposes m(S)
+    at its last step (``StepCosts``); a step-round method's step with a crash takes c S + D
+    (computed, then the detection waited) in place of its exchange; a sync-round method's
+    step at which a member is lost ends no sooner than D after its start when its end waits
+    for a pending detection; a step that heals joiners takes h and the wait for the
+    collectives in flight more (:func:`_healing_s`); decoupled_diloco's ticks wait for
+    nobody, its clock the straggler's (its j-th step at tick floor(j s)). A method that ends
+    by draining its last exchange ends the plan's drain after its last step.
+
+    The sync and a healing run over the live quorum, whose (size - 1) hops of latency
+    outweigh the bytes at the benchmark's sizes: they take (live - 1) / (M - 1) of their
+    time over M. Checked against simulated runs: seeds 12 and 15 at M = 16 and seed 0 of
+    ddp at M = 256 land every event on the run's step and end within 0.03 s of its modeled
+    time (``test_plan_faults`` runs two); seed 0 of every method of docs/results/faults.md
+    at M = 16, 64 and 256 meets the table's crash count and ends within 0.1 s of its time.
+    """
+    model = fault_model(config.method)
+    _, options = method_options(config)
+    period = model.period(options)
+    costs, _ = _fault_step_costs(config, plan, model, period, 0.0)
+    slow = [float(e.factor or 1.0) for e in trace.events if e.kind == "slow"]
+    pace = max(slow, default=1.0)
+    step_s = costs.compute_s * pace
+    detection = config.fault_detection_s
+    detect_at = set(costs.detect_phases or (period - 1,))
+    steps = math.floor(plan.steps + 1e-9)
+    events = sorted(trace.membership_events(), key=lambda e: e.at)
+    changes: list[dict[str, Any]] = []
+    crashes: list[int] = []
+    now, cursor, detect_until, done_slow = 0.0, 0, -math.inf, 0
+    live = config.workers
+    for step in range(steps):
+        if model.family == "decoupled":
+            # (The straggler's steps before this tick, each s c of its clock.)
+            if pace > 1.0:
+                done_slow = math.floor((step - 1) / pace + 1e-9) + 1 if step > 0 else 0
+            now = max(step * costs.compute_s, done_slow * step_s)
+        start, here = now, []
+        while cursor < len(events) and events[cursor].at <= start:
+            here.append(events[cursor])
+            cursor += 1
+        if here:
+            changes.append({"step": step, "events": [{"kind": e.kind} for e in here]})
+        crash = any(e.kind == "crash" for e in here)
+        crashes += [step] * sum(e.kind == "crash" for e in here)
+        live += sum(e.kind in ("join", "rejoin") for e in here) - sum(
+            e.kind in ("crash", "leave") for e in here
+        )
+        # (The link prices a collective over the quorum with (size - 1) hops of latency,
+        # which at these sizes outweighs its bytes: the sync and the healing over the live
+        # workers take that share of their time over M.)
+        hops = (live - 1) / (config.workers - 1) if config.workers > 1 else 1.0
+        heal = 0.0
+        if any(e.kind in ("join", "rejoin") for e in here):
+            heal = hops * _healing_s(config, plan, model, period, pace, tuple(crashes), step)
+        if model.family == "synchronous":
+            exchange = detection if crash else hops * costs.exposed_s(pace)
+            now = start + heal + step_s + exchange
+        elif model.family == "local":
+            if crash:
+                detect_until = max(detect_until, start + heal + detection)
+            now = start + heal + step_s
+            if step % period in detect_at:
+                now, detect_until = max(now, detect_until), -math.inf
+            if step % period == period - 1:
+                now += hops * costs.exposed_s(pace)
+        else:
+            now = start + costs.compute_s
+    if model.family == "decoupled":
+        now = max(steps * costs.compute_s, math.ceil(steps / pace - 1e-9) * step_s)
+    return {
+        "steps": steps,
+        "modeled_time_s": now + plan.final_drain_s,
+        "faults": {"membership_changes": changes},
+    }
+
+
+def _healing_s(
+    config: PlanConfig,
+    plan: Plan,
+    model: Any,
+    period: int,
+    pace: float,
+    crashes: tuple[int, ...],
+    step: int,
+) -> float:
+    """What a healing at ``step`` stalls the members, as the model given a run's faults
+    prices it: h, without the exchanges in flight that the crashes so far failed, and the
+    wait for the collectives in flight at that step of the round."""
+    met = FaultSteps(crashes=crashes, healings=(step,))
+    costs, _ = _fault_step_costs(config, plan, model, period, 0.0, met)
+    return costs.heal_s + costs.settle_s(pace)
+
+
+def model_given_trace(config: PlanConfig, plan: Plan, trace: FaultTrace) -> tuple[float, float]:
+    """The planner's model given the faults a run of ``trace`` meets (:func:`derived_summary`:
+    (a), what matches each simulated run within 1%) and its expectation over the trace's
+    draws over that run's modeled time (b, what ``lowcomm plan`` prints)."""
+    summary = derived_summary(config, plan, trace)
+    config = dataclasses.replace(config, fault_horizon_s=float(summary["modeled_time_s"]))
+    exposure = exposure_met(
+        summary, trace, workers=config.workers, method=config.method,
+        detection_s=config.fault_detection_s,
+    )  # fmt: skip
+    given = price_faults(
+        config, plan, exposure=exposure, dropped_rounds=dropped_rounds_met(summary, config),
+        last_sync_lost=last_sync_lost_met(summary, config), steps_met=steps_met(summary),
+    ).goodput  # fmt: skip
+    expected = price_faults(config, plan).goodput
+    assert given is not None and expected is not None
+    return given, expected
+
+
+def trace_average(
+    bench: FaultsBench, *, workers: int, methods: tuple[str, ...], seeds: range
+) -> list[dict[str, Any]]:
+    """Per method at M = ``workers``: the mean over the generated traces of ``seeds`` of the
+    planner's model given each trace's faults (a), its standard error, and the mean of the
+    expectation (b) over the same runs' modeled times, with their ratio (a) / (b). No run is
+    simulated: each trace's steps come from :func:`derived_summary`.
+
+    Whether some slot is slow splits the traces in two (a run keeps about 1/s or all of its
+    rate), so the means are stratified by it with the trace's own probability p = 1 -
+    (1 - f)^M, as :func:`seed_means` does for runs: p mean(slow) + (1 - p) mean(not slow),
+    whose standard error is sqrt(p^2 var(slow) / n_slow + (1 - p)^2 var(not) / n_not)."""
+    from lowcomm.faults.generate import generate_trace
+
+    rows = []
+    for method in methods:
+        config = bench_plan_config(bench, method, workers)
+        plan = make_plan(config)
+        options = _fault_options(config, _TRACE_HORIZON * plan.wall_clock_s)
+        strata: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+        for seed in seeds:
+            trace = generate_trace(dataclasses.replace(options, seed=seed), workers=workers)
+            given, expected = model_given_trace(config, plan, trace)
+            slow = any(e.kind == "slow" for e in trace.events)
+            strata[slow][0].append(given)
+            strata[slow][1].append(expected)
+        p = 1.0 - (1.0 - options.slow_fraction) ** workers
+        mean_given, error = _stratified(strata[True][0], strata[False][0], p)
+        mean_expected, _ = _stratified(strata[True][1], strata[False][1], p)
+        rows.append(
+            {
+                "workers": workers, "method": method, "traces": len(seeds),
+                "with_straggler": len(strata[True][0]), "some_slow": p,
+                "expected": mean_expected, "given": mean_given, "given_se": error,
+                "ratio": mean_given / mean_expected if mean_expected else math.nan,
+            }
+        )  # fmt: skip
+    return rows
+
+
+def _stratified(slow: list[float], fast: list[float], p: float) -> tuple[float, float]:
+    """The mean over two strata weighed p and 1 - p, and its standard error (the plain
+    mean and its standard error when a stratum has fewer than two values)."""
+    import statistics
+
+    if len(slow) < 2 or len(fast) < 2:
+        values = slow + fast
+        error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+        return statistics.fmean(values), error
+    mean = p * statistics.fmean(slow) + (1.0 - p) * statistics.fmean(fast)
+    variance = p**2 * statistics.variance(slow) / len(slow) + (1.0 - p) ** 2 * statistics.variance(
+        fast
+    ) / len(fast)
+    return mean, math.sqrt(variance)
+
+
+#: A generated trace covers this many times the method's fault-free run: past every run's end
+#: (a run behind a 3x straggler, and its crashes' costs), as a run's own trace grows.
+_TRACE_HORIZON = 8.0
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    parser.add_argument("runs", nargs="*", type=Path, help="run directories")
     parser.add_argument(
         "--seconds-per-step",
         type=float,
@@ -337,7 +616,58 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="also compare, per M, the expected crashes, joins and time away with their mean "
         "over this many generated traces of the first run's options (0: no)",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--expectation",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="M",
+        help="instead of runs: per method of `lowcomm bench faults` (its default options, "
+        "--methods), the expectation against the mean of the model given each of --seeds "
+        "generated traces' faults at these M, without simulating a run",
+    )
+    parser.add_argument("--seeds", type=int, default=1000, help="traces per M (--expectation)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(EXPECTATION_METHODS),
+        help="methods of --expectation",
+    )
+    args = parser.parse_args(argv)
+    if not args.runs and not args.expectation:
+        parser.error("runs: give run directories, or --expectation M ...")
+    return args
+
+
+#: The methods docs/results/faults.md measures.
+EXPECTATION_METHODS = (
+    "ddp", "diloco", "streaming_diloco", "decoupled_diloco", "eager", "diloco_delayed", "co2",
+)  # fmt: skip
+
+
+def expectation_main(args: argparse.Namespace) -> int:
+    """Print the --expectation table; exit status 1 when a ratio lies outside 1 +-
+    ``--tolerance``."""
+    bench = FaultsBench(methods=tuple(args.methods))
+    rows = [
+        row
+        for workers in args.expectation
+        for row in trace_average(
+            bench, workers=workers, methods=bench.methods, seeds=range(args.seeds)
+        )
+    ]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print("| M | method | expectation (b) | mean of (a) | standard error | (a) / (b) |")
+        print("|---|---|---|---|---|---|")
+        for row in rows:
+            print(
+                f"| {row['workers']} | {row['method']} | {row['expected']:.4f} | "
+                f"{row['given']:.4f} | {row['given_se']:.4f} | {row['ratio']:.3f} |"
+            )
+    return 1 if any(_outside(row["ratio"], args.tolerance) for row in rows) else 0
 
 
 def _outside(ratio: float, tolerance: float) -> bool:
@@ -346,6 +676,8 @@ def _outside(ratio: float, tolerance: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.expectation:
+        return expectation_main(args)
     rows: list[dict[str, Any]] = []
     for run in args.runs:
         try:

@@ -89,19 +89,20 @@ def test_one_crash_synchronous_by_hand() -> None:
     # A join that costs 2 s stalls the 3.8 live workers once more.
     healing = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
     assert goodput_synchronous(ONE_CRASH, healing) == pytest.approx(expected - 3.8 * 2 / 400)
-    # Crashes that fall on one step drop it once: n crashes over K steps drop K (1 - e^(-n/K)).
+    # Crashes that fall on one step drop it once: 2 crashes at uniform moments of 4 steps
+    # drop 4 (1 - (3/4)^2) = 1.75 (the second misses the first's step with probability 3/4).
     two = Exposure(workers=4, duration_s=100.0, alive_fraction=0.95, crashes=2.0, detection_s=5.0)
-    dropped = 4 * (1 - math.exp(-2 / 4))
+    dropped = 1.75
     assert goodput_synchronous(two, costs, steps=4) == pytest.approx(
         0.95 - dropped * 2.85 * 5.8 / 400.0, rel=1e-12
     )
 
 
 def test_joins_on_one_step_heal_once() -> None:
-    # 3 joins over a run of 4 steps fall on 4 (1 - e^(-3/4)) steps, each healing once (h = 2 s
-    # for the 4 live workers), in both models.
+    # 3 joins at uniform moments of a run of 4 steps fall on 4 (1 - (3/4)^3) = 2.3125 steps,
+    # each healing once (h = 2 s for the 4 live workers), in both models.
     joins = Exposure(workers=4, duration_s=100.0, joins=3.0)
-    healed = 4 * (1 - math.exp(-3 / 4))
+    healed = 2.3125
     costs = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
     expected = 1 - healed * 4 * 2.0 / 400.0
     assert goodput_synchronous(joins, costs, steps=4) == pytest.approx(expected, rel=1e-12)
@@ -193,12 +194,14 @@ def test_a_sync_landing_rounds_late_loses_the_rounds_it_drops_of_every_member() 
 
 def test_the_expected_dropped_rounds_by_hand() -> None:
     # R = 5 rounds, N = 1: the exchanges of rounds 0-3 fly one round each, round 4's none
-    # (the run ends); n crashes fall at n / 5 per round.
-    for n in (0.5, 3.0):
-        expected = 4 * (1 - math.exp(-n / 5))
-        assert expected_dropped_rounds(n, 1, 5.0) == pytest.approx(expected, rel=1e-12)
-    # Rare crashes: about n times the mean in flight at a crash, N - N (N + 1) / (2 R).
-    assert expected_dropped_rounds(1e-6, 2, 10.0) == pytest.approx(1e-6 * (2 - 3 / 10), rel=1e-5)
+    # (the run ends); each of n crashes at uniform moments falls in a given round with
+    # probability 1/5, so an exchange survives all n with probability (4/5)^n (3 crashes:
+    # 4 (1 - 0.512) = 1.952; the Poisson form 4 (1 - e^(-3/5)) = 1.805 is the mean over a
+    # Poisson count, which the planner draws itself: lowcomm.faults.goodput.none_in).
+    assert expected_dropped_rounds(3.0, 1, 5.0) == pytest.approx(1.952, rel=1e-12)
+    assert expected_dropped_rounds(0.5, 1, 5.0) == pytest.approx(4 * (1 - 0.8**0.5), rel=1e-12)
+    # One crash drops the mean number in flight at a uniform moment, N - N (N + 1) / (2 R).
+    assert expected_dropped_rounds(1.0, 2, 10.0) == pytest.approx(2 - 3 / 10, rel=1e-12)
     # Many crashes drop each exchange once: at most those that fly.
     assert expected_dropped_rounds(1e4, 1, 5.0) == pytest.approx(4.0)
     assert expected_dropped_rounds(3.0, 0, 5.0) == 0.0
@@ -207,9 +210,11 @@ def test_the_expected_dropped_rounds_by_hand() -> None:
 def test_expected_exposure_of_generated_options_by_hand() -> None:
     options = FaultOptions(duration_s=1000.0, mtbf_s=100.0, replace_after_s=25.0)
     exposure = expected_exposure(options, workers=4)
-    assert exposure.alive_fraction == pytest.approx(0.8)  # 1 / (1 + 0.01 * 25)
-    assert exposure.crashes == pytest.approx(32.0)  # 4 * 0.8 * 0.01 * 1000
-    assert exposure.joins == pytest.approx(31.2)  # 4 * 0.8 * 0.01 * 975
+    # 1 - 0.01 * 0.8 * (25 - 25^2 / 2000): the steady state's a0 = 1 / (1 + 0.01 * 25) = 0.8,
+    # but a crash in the last 25 s is empty only until T.
+    assert exposure.alive_fraction == pytest.approx(0.8025)
+    assert exposure.crashes == pytest.approx(32.1)  # 4 * 0.8025 * 0.01 * 1000
+    assert exposure.joins == pytest.approx(31.2975)  # 4 * 0.8025 * 0.01 * 975
     never_replaced = expected_exposure(FaultOptions(duration_s=1000.0, mtbf_s=100.0), workers=4)
     assert never_replaced.alive_fraction == pytest.approx((1 - math.exp(-10.0)) / 10.0)
     assert never_replaced.joins == 0.0
@@ -226,6 +231,19 @@ def test_the_models_alive_fraction_matches_generated_traces() -> None:
     )
     crashes = sum(event.kind == "crash" for event in trace.events)
     assert crashes == pytest.approx(expected_exposure(options, workers=workers).crashes, rel=0.05)
+
+
+def test_a_short_run_starts_with_every_slot_filled() -> None:
+    """Over T = 100 s with R = 50 s and an MTBF of 100 s, the steady state's alive fraction,
+    1 / (1 + 0.5) = 0.667, undercounts a run that starts with every slot filled: 4000
+    generated slots are alive 0.725 of the time, and the model's 1 - 0.01 (1 / 1.5)
+    (50 - 50^2 / 200) = 0.75 is the closer."""
+    options = FaultOptions(duration_s=100.0, mtbf_s=100.0, replace_after_s=50.0, seed=3)
+    trace = generate_trace(options, workers=4000)
+    measured = 1.0 - absent_worker_seconds(trace, duration_s=100.0) / (4000 * 100.0)
+    alive = expected_exposure(options, workers=4000).alive_fraction
+    assert alive == pytest.approx(0.75)
+    assert abs(alive - measured) < abs(1 / 1.5 - measured)
 
 
 def test_a_crash_costs_the_synchronous_method_most_and_the_decoupled_one_least() -> None:
@@ -254,3 +272,60 @@ def test_bad_model_inputs_end_in_one_line() -> None:
         expected_goodput(
             "async", FaultOptions(duration_s=1.0), workers=2, costs=StepCosts(compute_s=1.0)
         )
+
+
+def test_a_count_of_crashes_misses_a_share_binomially() -> None:
+    """none_in: each of k crashes at a uniform moment misses a share q with probability
+    1 - q, so all miss it with (1 - q)^k; averaged over a Poisson count of mean n that is
+    exp(-n q), the form a mean takes (which the planner's average over the count must not
+    apply a second time)."""
+    from lowcomm.faults.goodput import none_in
+
+    assert none_in(2.0, 0.25) == pytest.approx(0.5625, rel=1e-12)
+    assert none_in(0.0, 0.5) == 1.0 and none_in(3.0, 1.0) == 0.0
+    n, q = 4.0, 0.3
+    poisson = sum(math.exp(-n) * n**k / math.factorial(k) * none_in(float(k), q) for k in range(80))
+    assert poisson == pytest.approx(math.exp(-n * q), rel=1e-12)
+
+
+def test_only_the_events_before_the_last_step_land_and_joins_heal_after_r() -> None:
+    """landed: over T = 100 s with a last step of 5 s, 10 expected crashes land 9.5 and,
+    replaced after R = 20 s, 8 joins land 8 (95 - 20) / (100 - 20) = 7.5. A generated trace's
+    joins come R after a crash, so they heal on the K' = K (T - R) / T steps after R; a
+    healing step lasts tau + h, and the joins during it land together on the next step: d
+    healings of j joins solve d = (K' - d)(1 - (1 - tau / L)^j) + d (1 - (1 - (tau + h) / L)^j),
+    L = K' tau + d h (here solved by bisection). A run's own joins (join_share None) heal on
+    K (1 - (1 - 1 / K)^j) steps."""
+    from lowcomm.faults.goodput import landed
+
+    exposure = Exposure(workers=4, duration_s=100.0, crashes=10.0, joins=8.0)
+    moved = landed(exposure, last_step_s=5.0, replace_after_s=20.0)
+    assert (moved.crashes, moved.joins) == pytest.approx((9.5, 7.5), rel=1e-12)
+    options = FaultOptions(duration_s=100.0, mtbf_s=400.0, replace_after_s=50.0)
+    assert expected_exposure(options, workers=4).join_share == pytest.approx(0.5)
+    never = dataclasses.replace(options, replace_after_s=math.inf)
+    assert expected_exposure(never, workers=4).join_share is None  # (no join to place)
+    costs = StepCosts(compute_s=0.8, sync_s=0.2, heal_s=2.0)
+    j, steps, tau, h = 3.0, 5.0, 1.0, 2.0  # (K' = 10 steps x 1/2)
+
+    def excess(d: float) -> float:
+        length = steps * tau + d * h
+        caught = (steps - d) * (1 - (1 - tau / length) ** j)
+        return caught + d * (1 - (1 - (tau + h) / length) ** j) - d
+
+    low, high = 0.0, steps
+    for _ in range(200):
+        low, high = (
+            ((low + high) / 2, high) if excess((low + high) / 2) > 0 else (low, (low + high) / 2)
+        )
+    healed = low
+    assert healed < 5 * (1 - 0.8**3)  # (fewer than over uniform steps)
+    drawn = Exposure(workers=4, duration_s=100.0, joins=j, join_share=0.5)
+    expected = 1 - healed * 4 * 2.0 / 400.0
+    assert goodput_synchronous(drawn, costs, steps=10) == pytest.approx(expected, rel=1e-9)
+    assert goodput_local(drawn, costs, steps=10) == pytest.approx(expected, rel=1e-9)
+    own = dataclasses.replace(drawn, join_share=None)
+    expected_own = 1 - 10 * (1 - 0.9**3) * 4 * 2.0 / 400.0
+    assert goodput_synchronous(own, costs, steps=10) == pytest.approx(expected_own, rel=1e-12)
+    with pytest.raises(ValueError, match=r"^join_share=0\.0: a share of the steps in \(0, 1\]$"):
+        Exposure(workers=4, duration_s=100.0, join_share=0.0)

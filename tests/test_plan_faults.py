@@ -53,6 +53,25 @@ def at_mean(**overrides: object):  # type: ignore[no-untyped-def]
     return price_faults(planned, plan, exposure=exposure)
 
 
+def healed_by_hand(joins: float, steps: float, step_s: float, heal_s: float) -> float:
+    """The healings of ``joins`` joins drawn at uniform moments over the ``steps`` steps after
+    R (K' = K (T - R) / T), a healing step lasting ``heal_s`` more than the ``step_s`` of the
+    others, the joins during it landing together on the next step: d solving
+    d = (K' - d)(1 - (1 - tau / L)^j) + d (1 - (1 - (tau + h) / L)^j), L = K' tau + d h, by
+    bisection."""
+
+    def excess(d: float) -> float:
+        length = steps * step_s + d * heal_s
+        caught = (steps - d) * (1 - (1 - step_s / length) ** joins)
+        return caught + d * (1 - (1 - (step_s + heal_s) / length) ** joins) - d
+
+    low, high = 0.0, steps
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+    return low
+
+
 def test_ddp_under_crashes_by_hand() -> None:
     """One crash rate: lambda = 1/500 per worker, replaced after R = 100 s, detected after
     D = 5 s, over T = 1000 s; a join heals ddp's parameters and AdamW state (K = 12 bytes per
@@ -66,7 +85,8 @@ def test_ddp_under_crashes_by_hand() -> None:
         fault_horizon_s=1000.0,
     )
     m, rate, r, d, t = 4, 1 / 500, 100.0, 5.0, 1000.0
-    a = 1 / (1 + rate * r)  # 5/6
+    # (A crash in the run's last R is empty until T: away R - R^2 / (2 T) on average.)
+    a = 1 - rate / (1 + rate * r) * (r - r * r / (2 * t))
     crashes = m * a * rate * t
     joins = m * a * rate * (t - r)
     # 12 GB at 1e9 bytes/s in three broadcasts over the 4 workers (parameters and both
@@ -75,16 +95,23 @@ def test_ddp_under_crashes_by_hand() -> None:
     step = 1.0 + ALL_REDUCE  # c + m, no straggler
 
     def by_hand(crashes: float, joins: float, a: float) -> float:
-        # The run's 10 steps: crashes on one step drop it once; a dropped step costs each
-        # survivor its compute and the detection (c + D, no exchange).
-        dropped = 10 * (1 - math.exp(-crashes / 10))
-        healed = 10 * (1 - math.exp(-joins / 10))  # (joins on one step heal at once)
+        # The run's 10 steps: crashes on one step drop it once (each of k misses a given
+        # step with probability 9/10); a dropped step costs each survivor its compute and
+        # the detection (c + D, no exchange).
+        dropped = 10 * (1 - 0.9**crashes)
+        # (Joins on one step heal at once; they come R after a crash, so on the last
+        # (T - R) / T = 9/10 of the steps, and those during a healing step on the next.)
+        healed = healed_by_hand(joins, 9, step, heal)
         return a - (dropped * (m - 1) * a * (1.0 + d) + healed * m * a * heal) / (m * t)
 
     expected = by_hand(crashes, joins, a)
-    poisson = [math.exp(-crashes) * crashes**k / math.factorial(k) for k in range(60)]
+    # The expectation counts the crashes and joins that land on a step: none in the run's
+    # last step (c + m).
+    landed = crashes * (t - step) / t
+    landed_joins = joins * (t - step - r) / (t - r)
+    poisson = [math.exp(-landed) * landed**k / math.factorial(k) for k in range(60)]
     averaged = sum(
-        p * max(0.0, by_hand(k, joins * k / crashes, 1 - (1 - a) * k / crashes))
+        p * max(0.0, by_hand(k, landed_joins * k / landed, 1 - (1 - a) * k / landed))
         for k, p in enumerate(poisson)
     )
     assert priced(
@@ -146,12 +173,13 @@ def test_diloco_under_crashes_by_hand() -> None:
         fault_horizon_s=500.0,
     )
     m, rate, r, d, t = 4, 1 / 2000, 50.0, 6.0, 500.0
-    a = 1 / (1 + rate * r)
+    a = 1 - rate / (1 + rate * r) * (r - r * r / (2 * t))  # (slots start filled)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 2 * 1.0 + ALL_REDUCE  # 5.006 s < D
     wait = ((1.0 + ALL_REDUCE) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
     heal = 8e9 / 1e9 + 2 * 3 * 1e-3  # (two broadcasts over the 4 workers, 3 hops of 1 ms)
-    healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
+    # (One healing a step, on the 9 of the plan's 10 steps after R: (T - R) / T = 9/10.)
+    healed = healed_by_hand(joins, 9, rho / 2, heal)
     expected = a - (crashes * (rho / 2 + (m - 1) * a * wait) + healed * m * a * heal) / (m * t)
     assert result.heal_s == pytest.approx(heal)
     assert result.goodput == pytest.approx(expected)
@@ -306,11 +334,11 @@ def test_the_check_script_plans_a_run_as_it_ran(
 
 def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand() -> None:
     """eager (N = 1) over 10 steps of H = 2 (R = 5 rounds): the exchanges of rounds 0-3 each
-    fly one round and fail if a crash falls in it, D = 4 (1 - exp(-n / 5)) of them, each a
+    fly one round and fail if a crash falls in it, D = 4 (1 - (4/5)^n) of them, each a
     round rho of the dead worker and of the (M - 1) a survivors. A join is healed with phi,
     the outer momentum and the exchange in flight (its mean and the sender's own), which is
     sent only while live: at a join it has flown (H + 1) / 2 steps on average, failed with
-    probability 1 - exp(-n 1.5 / 10). Before healing, the members settle it: a join u steps
+    probability 1 - (1 - 1.5 / 10)^n. Before healing, the members settle it: a join u steps
     after its launch (u = 0 or 1, each with probability 1/2) waits max(0, x - u c) for its
     x = 3.006 s all-reduce, which overlaps the round's H c = 2 s of compute. Both runs end by
     draining the last exchange, launched at the last step: E = min(x, H c) = 2 s past the
@@ -323,19 +351,20 @@ def test_a_sync_landing_a_round_late_is_priced_with_the_rounds_it_drops_by_hand(
         fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
     m, rate, r, d, t = 4, 1 / 500, 100.0, 5.0, 1000.0
-    a = 1 / (1 + rate * r)
+    a = 1 - rate / (1 + rate * r) * (r - r * r / (2 * t))  # (slots start filled)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 2 * eager.compute_s + eager.sync_s
     # (The crash lands k = 2 - p steps of 1 s before the sync, p = 0 also for a crash during
     # the round's exposed sync.)
     wait = ((1.0 + eager.sync_s) * (d - 2.0) + 1.0 * (d - 1.0)) / rho
-    dropped = 4 * (1 - math.exp(-crashes / 5))
+    dropped = 4 * (1 - 0.8**crashes)
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + dropped * (1 + (m - 1) * a) * rho
-    healed = 10 * (1 - math.exp(-joins / 10))  # (the plan's 10 steps: one healing a step)
-    failed = 1 - math.exp(-crashes * 1.5 / 10)
+    failed = 1 - 0.85**crashes
     tensors = 4 - 2 * failed  # phi, momentum, and the mean and own in flight when live
     heal = 4e9 * tensors / 1e9 + tensors * 3 * 1e-3  # (a model per tensor; 3 hops of 1 ms)
     settle = (ALL_REDUCE + (ALL_REDUCE - 1.0)) / 2
+    # (One healing a step, on the 9 of the plan's 10 steps after R: (T - R) / T = 9/10.)
+    healed = healed_by_hand(joins, 9, rho / 2, heal + settle)
     drain = 2.0
     wall = 10.0 + 5 * (ALL_REDUCE - 2.0) + drain
     kept = a - (lost + healed * m * a * (heal + settle)) / (m * (t - drain))
@@ -379,7 +408,7 @@ def test_a_run_of_a_one_block_model_is_planned_with_the_fragments_it_used() -> N
 def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
     """streaming_diloco, H = 4, F = 2 fragments, tau = 1, over the plan's K = 10 steps: a
     failed sync's tokens wait for the next that completes, so a crash costs what diloco's
-    does, plus, when one falls in the run's last tau steps (1 - exp(-n tau / K)), every
+    does, plus, when one falls in the run's last tau steps (1 - (1 - tau / K)^n), every
     survivor's steps since the previous completed sync: H / F steps, 1 / F of a round. A
     join waits for a sync launched at the step before it (F of the H steps: probability
     F / H) for its whole x: each fragment's all-reduce (half the model, x = 1.506 s) overlaps
@@ -392,18 +421,18 @@ def test_streaming_diloco_loses_only_its_last_sync_by_hand() -> None:
         fault_replace_after_s=100.0, fault_detection_s=5.0, fault_horizon_s=1000.0,
     )  # fmt: skip
     m, rate, r, d, t = 4, 1 / 200, 100.0, 5.0, 1000.0
-    a = 1 / (1 + rate * r)
+    a = 1 - rate / (1 + rate * r) * (r - r * r / (2 * t))  # (slots start filled)
     crashes, joins = m * a * rate * t, m * a * rate * (t - r)
     rho = 4 * result.compute_s + result.sync_s
     # (The survivors wait for the detection at each launch and each completion of a sync:
     # fragment 1 launches after step 0 of the round and completes after step 1, fragment 2
     # after steps 2 and 3, so the crash, at the start of a step, waits at its end.)
     wait = d - 1.0
-    last = (1 - math.exp(-crashes * 1 / 10)) / 2
-    healed = 10 * (1 - math.exp(-joins / 10))
+    last = (1 - 0.9**crashes) / 2
     lost = crashes * (rho / 2 + (m - 1) * a * wait) + last * (m - 1) * a * rho
     x = 2 * 3 / 4 * 1e9 / 1e9 + 2 * 3 * 1e-3  # (half a bf16 model on 4 workers)
     settle = 2 / 4 * x
+    healed = healed_by_hand(joins, 9, rho / 4, result.heal_s + settle)  # (9/10 after R)
     expected = a - (lost + healed * m * a * (result.heal_s + settle)) / (m * t)
     assert result.family == "local" and result.sync_every == 4
     assert result.sync_s == pytest.approx(2 * (x - 1.0))
@@ -591,3 +620,57 @@ def test_the_model_given_a_runs_faults_prices_where_in_the_round_they_fell(
     assert script.run_steps_met(run) == FaultSteps(crashes=(5, 14, 15, 21), healings=(10, 16, 23))
     row = script.check_run(run)
     assert row["ratio_given"] == pytest.approx(1.0, abs=0.01), row
+
+
+def test_a_runs_steps_and_time_are_derived_from_its_trace(tmp_path: Path) -> None:
+    """benchmarks/faults_plan_check.py derives, without running it, where each event of a
+    generated trace lands and how long the run lasts: on the method's schedule at the
+    slowest slot's pace, with the costs of the crashes and healings met so far. Seed 12 of
+    the benchmark's options at M = 16 has a 3x straggler, three or four crashes (two on
+    successive steps; ddp's two joins on one step): the derived membership changes are the
+    run's step for step, its modeled
+    time within 0.5 s of the run's (271.8 s and 242.4 s), and the model given the derived
+    faults equals the
+    model given the run's."""
+    from lowcomm.bench.faults import FaultsBench, run_faults
+    from lowcomm.config import TrainConfig
+    from lowcomm.faults.run import run_trace
+
+    script = _check_script()
+    bench = FaultsBench(workers=(16,), methods=("ddp", "eager"), fault_seed=12, out=str(tmp_path))
+    run_faults(bench)
+    for method in bench.methods:
+        run = tmp_path / "runs" / f"{method}-m16-faults"
+        summary = json.loads((run / "summary.json").read_text())
+        config = script.bench_plan_config(bench, method, 16)
+        plan = make_plan(config)
+        trace = run_trace(TrainConfig.from_dict(json.loads((run / "config.json").read_text())))
+        assert trace is not None
+        derived = script.derived_summary(config, plan, trace)
+        changes = summary["faults"]["membership_changes"]
+        assert [(c["step"], [e["kind"] for e in c["events"]]) for c in changes] == [
+            (c["step"], [e["kind"] for e in c["events"]])
+            for c in derived["faults"]["membership_changes"]
+        ]
+        assert sum(e["kind"] == "crash" for c in changes for e in c["events"]) >= 3
+        assert derived["modeled_time_s"] == pytest.approx(summary["modeled_time_s"], abs=0.5)
+        given, _ = script.model_given_trace(config, plan, trace)
+        assert given == pytest.approx(script.check_run(run)["given"], rel=1e-3)
+
+
+def test_the_expectation_is_the_mean_over_traces_of_the_model_given_each() -> None:
+    """The planner's expectation over a generated trace's draws (what `lowcomm plan
+    --fault-*` prints) against the mean, over 400 traces of the benchmark's options at
+    M = 16, of the model given each trace's own faults (which matches each simulated run
+    to 1%): within three standard errors of that mean (a band a correct expectation leaves
+    with probability 0.997; the mean is stratified by whether a slot is slow, as the
+    trace draws it with probability 1 - 0.9^16)."""
+    from lowcomm.bench.faults import FaultsBench
+
+    script = _check_script()
+    methods = ("ddp", "diloco", "streaming_diloco", "decoupled_diloco", "eager", "co2")
+    bench = FaultsBench(methods=(*methods, "diloco_delayed"))
+    rows = script.trace_average(bench, workers=16, methods=methods, seeds=range(400))
+    for row in rows:
+        assert 0.0 < row["given_se"] < 0.01, row
+        assert abs(row["given"] - row["expected"]) <= 3.0 * row["given_se"], row

@@ -38,6 +38,8 @@ from lowcomm.faults.goodput import (
     goodput_decoupled,
     goodput_local,
     goodput_synchronous,
+    landed,
+    none_in,
     over_crash_counts,
     worker_seconds_lost,
 )
@@ -1053,6 +1055,8 @@ def price_faults(
     drained = _drained(plan, horizon)
     if drained is not None:
         exposure = dataclasses.replace(exposure, duration_s=horizon - plan.final_drain_s)
+    if expected:
+        exposure = _landed(config, model, costs, exposure)
 
     def goodput_of(faults: Exposure) -> float | None:
         given = (dropped_rounds, last_sync_lost)
@@ -1076,6 +1080,23 @@ def price_faults(
         compute_s=compute, sync_s=costs.exposed_s(), sync_every=period, heal_bytes=heal_bytes,
         heal_s=costs.heal_s, alive_fraction=exposure.alive_fraction, crashes=exposure.crashes,
         joins=exposure.joins, slowest_pace=exposure.slowest_pace,
+    )  # fmt: skip
+
+
+def _landed(
+    config: PlanConfig, model: _FaultModel, costs: StepCosts, exposure: Exposure
+) -> Exposure:
+    """The expected crashes and joins that land on a step (``landed``): none in the run's
+    last step, the slowest worker's compute and (but for decoupled_diloco, whose learners
+    do not wait) the sync it exposes."""
+    pace = exposure.slowest_pace
+    last_step = costs.compute_s * pace
+    if model.family != "decoupled":
+        last_step += costs.exposed_s(pace)
+    replace_after = config.fault_replace_after_s
+    return landed(
+        exposure, last_step_s=last_step,
+        replace_after_s=math.inf if replace_after is None else replace_after,
     )  # fmt: skip
 
 
@@ -1192,11 +1213,12 @@ def _failed_in_flight(crashes: float, in_flight: int, period: int, steps: float)
     """The expected exchanges in flight at a join that a crash has failed since their
     launch (crashes at n / K per step): the i-th newest was launched (i - 1) H steps and,
     the join falling at a uniform step of the round, (H + 1) / 2 more before it, so it is
-    live with probability exp(-n ((H + 1) / 2 + (i - 1) H) / K)."""
+    live with probability (1 - ((H + 1) / 2 + (i - 1) H) / K)^n (:func:`none_in`)."""
     if crashes == 0.0 or steps <= 0:
         return 0.0
-    rate = crashes / steps
-    return sum(-math.expm1(-rate * ((period + 1) / 2.0 + i * period)) for i in range(in_flight))
+    return sum(
+        1.0 - none_in(crashes, ((period + 1) / 2.0 + i * period) / steps) for i in range(in_flight)
+    )
 
 
 def _overlapped(

@@ -25,15 +25,18 @@ first part from a trace alone.
 
 Expected exposure (:func:`expected_exposure`)::
 
-    a = 1 / (1 + lambda R)           fraction of slot-time a worker is alive
-                                     (up for 1/lambda, down for R, on average);
+    a0 = 1 / (1 + lambda R)          fraction of slot-time a worker is alive at the steady
+                                     state (up for 1/lambda, down for R, on average)
+    a = 1 - lambda a0 (R - R^2 / (2 T))  over a run that starts with every slot filled (a
+                                     crash in its last R is empty until T; T < R: R -> T / 2);
         (1 - exp(-lambda T)) / (lambda T) when R is infinite (no replacement)
     n = M a lambda T                 crashes in the run
     j = M a lambda max(0, T - R)     joins in the run (a crash in the last R is not replaced)
     p = 1 - (1 - f)^M                probability that some slot is slow
     S = 1 + (s - 1) p                expected pace of the slowest worker (compute multiplier)
 
-Note that ``a = 1 - n R / (M T)``: the empty slots cost n R worker-seconds.
+Note that ``a = 1 - n (R - R^2 / (2 T)) / (M T)`` to first order: the empty slots cost
+about R worker-seconds a crash, less for those near the run's end.
 
 Each formula below is ``fault-free rate`` times ``worker-time kept``; lost worker-seconds are
 divided by M T.
@@ -43,9 +46,9 @@ slowest worker, so a step takes tau = c S + m(S) against tau0 = c + m without fa
 slowest pace, s or 1: see *Stragglers* below). A crash drops the step it happens in on
 every survivor: they compute it, wait the detection and discard it, c S + D each (no
 exchange), and each of the other M - 1 slots is alive with probability a. Crashes that fall
-on one step drop it once: over a run of K steps, n crashes drop d = K (1 - exp(-n / K))
+on one step drop it once: over a run of K steps, n crashes drop d = K (1 - (1 - 1 / K)^n)
 steps (n when crashes are rare). A join stalls every member for h, once per step however
-many join at it (j joins heal on K (1 - exp(-j / K)) steps; G_local and G_late count them
+many join at it (j joins heal on K (1 - (1 - 1 / K)^j) steps; G_local and G_late count them
 alike)::
 
     G_sync = (tau0 / tau) * (a - (d (M - 1) a (c S + D) + j M a h) / (M T))
@@ -55,7 +58,7 @@ tensor (one per 4 bytes per parameter of the method's global state) costs its tr
 (M - 1) hops of latency, as the link prices a broadcast over M. An exchange in flight that
 a healing passes on (eager's and diloco_delayed's) is sent only while live: the i-th newest
 at a join has flown (H + 1) / 2 + (i - 1) H steps on average and is failed with probability
-1 - exp(-n that / K), so h is priced with its expected tensors. Before they heal, the
+1 - (1 - that / K)^n, so h is priced with its expected tensors. Before they heal, the
 members settle the collectives in flight (:meth:`StepCosts.settle_s`): a join u steps after
 a launch waits max(0, x - u c S) for the rest of its flight, so every formula's j M a h is
 j M a (h + settle(S)), the join at a uniform step of the round (a run's own healings: at
@@ -83,10 +86,9 @@ N = 1; ``goodput_local(dropped_rounds=D)``). A round's tokens commit when its ex
 applied, N rounds after its launch, and an exchange whose launch quorum lost a member fails
 on every member (docs/ALGORITHMS.md, "Membership"), which drops that round of the dead worker
 and of every survivor. Round r's exchange flies w_r = min(N, R - (r + 1)) of the run's R
-rounds and fails when a crash falls in that window (crashes at rate n / R per round), so the
-run drops D = sum_r (1 - exp(-n w_r / R)) rounds (:func:`expected_dropped_rounds`: about
-n (N - N (N + 1) / (2 R)) when crashes are rare, at most one per exchange when they are
-not)::
+rounds and fails when one of the n crashes, each at a uniform moment, falls in that window,
+so the run drops D = sum_r (1 - (1 - w_r / R)^n) rounds (:func:`expected_dropped_rounds`:
+N - N (N + 1) / (2 R) for one crash, at most one per exchange when they are many)::
 
     G_late = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + D (1 + (M - 1) a) rho
                                   + j M a h) / (M T))
@@ -95,11 +97,11 @@ not)::
 every H / F steps, each in flight for tau steps; ``goodput_local(last_sync_lost=L)``). A
 crash while a fragment's sync flies fails it on every member, but its tokens are not lost:
 they wait for the next sync that completes. Only the run's last sync has no next one, so a
-crash in the run's last tau steps (K steps, crashes at n / K per step: probability
-1 - exp(-n tau / K)) loses every survivor's steps since the previous completed sync, H / F of
+crash in the run's last tau steps (n crashes at uniform steps of K: probability
+1 - (1 - tau / K)^n) loses every survivor's steps since the previous completed sync, H / F of
 them, a fraction 1 / F of a round (:func:`expected_last_sync_lost`)::
 
-    L       = (1 - exp(-n tau / K)) / F
+    L       = (1 - (1 - tau / K)^n) / F
     G_stream = (rho0 / rho) * (a - (n (rho / 2 + (M - 1) a w) + L (M - 1) a rho
                                     + j M a h) / (M T))
 
@@ -131,7 +133,13 @@ the run's time stretches by that tail, in which nobody else computes::
     G_dec,K = (p W / (W + tail) + 1 - p) G_dec
 
 The planner's expectation averages G over the trace's crash count, Poisson with mean n
-(:func:`over_crash_counts`), as it averages over the stragglers: G is not linear in it.
+(:func:`over_crash_counts`), as it averages over the stragglers: G is not linear in it. So
+within that average n is a count, and the chance that none of n crashes at uniform moments
+falls in a share q of the run is (1 - q)^n (:func:`none_in`), not the Poisson mean's
+exp(-n q). It counts the crashes and joins that land on a step (:func:`landed`): those in
+the run's last step land on none. A generated trace's joins come R after a crash, so they
+heal on the steps after R, and a healing step lasts tau + h: the joins during it land
+together on the next step (``Exposure.join_share``, :func:`_healings`).
 
 Every G is clamped to [0, 1]. The model neglects the faults' interactions (a crash during a
 stall, a straggler among the dead) and is checked against simulated runs.
@@ -160,6 +168,8 @@ __all__ = [
     "goodput_decoupled",
     "goodput_local",
     "goodput_synchronous",
+    "landed",
+    "none_in",
     "over_crash_counts",
     "worker_seconds_lost",
 ]
@@ -399,6 +409,12 @@ class Exposure:
         slow_factor: s.
         slow_present: p, the probability that some slot is slow (None: 1 - (1 - f)^M, the
             generated trace's; 1 or 0 for a run whose slots are known).
+        join_share: for joins drawn at uniform moments (a generated trace's expectation),
+            the share of the run's steps on which they can land, over which those that
+            share a step heal once: they come R after a crash, so none in the first R of T
+            ((T - R) / T); and a healing step lasts longer, so the joins during it land
+            together on the next step (:func:`_healings`). None: a run's own joins, counted
+            from the steps they fell on (over all K, uniform).
     """
 
     workers: int
@@ -410,6 +426,7 @@ class Exposure:
     slow_fraction: float = 0.0
     slow_factor: float = 1.0
     slow_present: float | None = None
+    join_share: float | None = None
 
     def __post_init__(self) -> None:
         _workers(self.workers)
@@ -427,6 +444,8 @@ class Exposure:
             raise ValueError(f"slow_factor={self.slow_factor!r}: a slowdown is >= 1")
         if self.slow_present is not None and not 0 <= self.slow_present <= 1:
             raise ValueError(f"slow_present={self.slow_present!r}: a probability is in [0, 1]")
+        if self.join_share is not None and not 0 < self.join_share <= 1:
+            raise ValueError(f"join_share={self.join_share!r}: a share of the steps in (0, 1]")
 
     @property
     def some_slow(self) -> float:
@@ -456,7 +475,14 @@ def expected_exposure(options: FaultOptions, *, workers: int) -> Exposure:
     elif math.isinf(options.replace_after_s):
         alive = (1.0 - math.exp(-rate * duration)) / (rate * duration)
     else:
-        alive = 1.0 / (1.0 + rate * options.replace_after_s)
+        # (A slot empties at rate lambda a0, a0 = 1 / (1 + lambda R) alive at the steady
+        # state, for R; a run starts with every slot filled, so a crash in its last R is
+        # empty only until T: away for R - R^2 / (2 T) on average, T / 2 when T < R.)
+        replace_after = options.replace_after_s
+        away = replace_after - replace_after**2 / (2.0 * duration)
+        if duration < replace_after:
+            away = duration / 2.0
+        alive = 1.0 - rate / (1.0 + rate * replace_after) * away
     crashes = workers * alive * rate * duration
     joins = workers * alive * rate * max(0.0, duration - options.replace_after_s)
     return Exposure(
@@ -468,7 +494,25 @@ def expected_exposure(options: FaultOptions, *, workers: int) -> Exposure:
         detection_s=options.detection_s,
         slow_fraction=options.slow_fraction,
         slow_factor=options.slow_factor,
+        join_share=max(0.0, duration - options.replace_after_s) / duration or None,
     )
+
+
+def landed(exposure: Exposure, *, last_step_s: float, replace_after_s: float) -> Exposure:
+    """The expected crashes and joins that land on a step of the run: a run places an event
+    on the first step that starts at or after it, so those in its last step (of
+    ``last_step_s`` seconds: the slowest worker's compute and the sync it exposes) land on
+    none and cost nothing. Over a run of T, the n crashes of the window T - t_last land
+    (n (T - t_last) / T), and the joins of those that were replaced within it,
+    j (T - t_last - R) / (T - R). The time away is the trace's over all of T (as a run's
+    own is counted)."""
+    _non_negative("last_step_s", last_step_s)
+    duration = exposure.duration_s
+    window = max(0.0, duration - last_step_s)
+    joins = exposure.joins
+    if joins > 0.0 and duration > replace_after_s:
+        joins *= max(0.0, window - replace_after_s) / (duration - replace_after_s)
+    return replace(exposure, crashes=exposure.crashes * window / duration, joins=joins)
 
 
 def _clamp(value: float) -> float:
@@ -496,11 +540,12 @@ def goodput_synchronous(
     K steps, over which crashes that fall on one step drop it once (None: every crash drops
     a step of its own)."""
     e = exposure
-    dropped, joins = _per_step(e.crashes, steps), _per_step(e.joins, steps)
+    dropped = _per_step(e.crashes, steps)
 
     def at(pace: float) -> float:
         fault_free_step = costs.round_s / costs.sync_every
         step = costs.round_at(pace) / costs.sync_every
+        joins = _healings(e, steps, step, costs.heal_s + costs.settle_s(pace))
         survivors = (e.workers - 1) * e.alive_fraction
         lost = dropped * survivors * (
             costs.compute_s * pace + e.detection_s
@@ -552,11 +597,11 @@ def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> 
     ``rounds_late`` (N) rounds after its launch and fails if a crash falls while it flies.
     Round r's exchange flies w_r = min(N, R - (r + 1)) rounds, so
 
-        D = sum_{r=0}^{floor(R)-1} (1 - exp(-n w_r / R)),
+        D = sum_{r=0}^{floor(R)-1} (1 - (1 - w_r / R)^n),
 
-    about n times the mean number in flight at a crash (N - N (N + 1) / (2 R)) when crashes
-    are rare, and at most the exchanges a run launches when they are not: crashes that fall
-    on one exchange drop it once."""
+    the mean number in flight at a crash (N - N (N + 1) / (2 R)) for one crash, and at most
+    the exchanges a run launches when they are many: crashes that fall on one exchange drop
+    it once. n is a count (:func:`none_in`)."""
     _non_negative("crashes", crashes)
     _non_negative("rounds", rounds)
     if isinstance(rounds_late, bool) or not isinstance(rounds_late, int) or rounds_late < 0:
@@ -566,15 +611,14 @@ def expected_dropped_rounds(crashes: float, rounds_late: int, rounds: float) -> 
         )
     if rounds_late == 0 or crashes == 0.0 or rounds <= 1.0:
         return 0.0
-    rate = crashes / rounds
     # (The launches whose exchange flies all N rounds share one term; the last few, cut by
     # the run's end, are summed one by one.)
     launches = int(rounds)
     whole = min(launches, max(0, math.floor(rounds - 1 - rounds_late) + 1))
-    total = whole * -math.expm1(-rate * rounds_late)
+    total = whole * (1.0 - none_in(crashes, rounds_late / rounds))
     for launch in range(whole, launches):
         window = max(0.0, min(float(rounds_late), rounds - (launch + 1)))
-        total += 1.0 - math.exp(-rate * window)
+        total += 1.0 - none_in(crashes, window / rounds)
     return total
 
 
@@ -587,7 +631,7 @@ def expected_last_sync_lost(
     crash falls in its last tau steps (n crashes at uniform steps of K), and then the steps
     since the previous completed sync, 1 / F of a round (``fragments`` = F), never commit::
 
-        L = (1 - exp(-n tau / K)) / F
+        L = (1 - (1 - tau / K)^n) / F
     """
     _non_negative("crashes", crashes)
     _positive("steps", steps)
@@ -595,17 +639,64 @@ def expected_last_sync_lost(
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name}={value!r}: a count >= {least}; pass the run's option")
     window = min(float(overlap_steps), steps)
-    return -math.expm1(-crashes * window / steps) / fragments
+    return (1.0 - none_in(crashes, window / steps)) / fragments
 
 
 def _per_step(events: float, steps: float | None) -> float:
     """The steps on which ``events`` events at uniform moments of a run of ``steps`` steps
-    fall, K (1 - exp(-n / K)): events on one step count once (a step drops once, one
-    healing heals every joiner of a step). None: each event on a step of its own."""
+    fall, K (1 - (1 - 1 / K)^n) (:func:`none_in`): events on one step count once (a step
+    drops once, one healing heals every joiner of a step). None: each event on a step of its
+    own."""
     if steps is None:
         return events
     _positive("steps", steps)
-    return steps * -math.expm1(-events / steps)
+    return steps * (1.0 - none_in(events, 1.0 / steps))
+
+
+def _healings(
+    exposure: Exposure, steps: float | None, step_s: float = 0.0, heal_s: float = 0.0
+) -> float:
+    """The steps on which the run's joins heal (:func:`_per_step`). Joins drawn at uniform
+    moments (``join_share`` given) land on the K' = K share steps after R, and a healing step
+    lasts tau + h against tau (``step_s``, ``heal_s``): the joins that come during it land
+    together on the next step, so d healings of j joins satisfy, over L = K' tau + d h
+    seconds::
+
+        d = (K' - d) (1 - (1 - tau / L)^j) + d (1 - (1 - (tau + h) / L)^j)
+    """
+    j = exposure.joins
+    if j == 0.0 or steps is None:
+        return j
+    if exposure.join_share is None:
+        return _per_step(j, steps)
+    window = steps * exposure.join_share
+    healed = _per_step(j, window)
+    if not (step_s > 0.0 and heal_s > 0.0):
+        return healed
+    for _ in range(50):
+        length = window * step_s + healed * heal_s
+        following = healed * (1.0 - none_in(j, (step_s + heal_s) / length))
+        updated = (window - healed) * (1.0 - none_in(j, step_s / length)) + following
+        if abs(updated - healed) < 1e-12:
+            break
+        healed = updated
+    return updated
+
+
+def none_in(events: float, share: float) -> float:
+    """The probability that none of ``events`` events at independent uniform moments of a
+    run falls in a ``share`` of it, (1 - q)^n (0 when q >= 1 and n > 0).
+
+    The count n is given, not a Poisson mean: the planner's expectation averages over the
+    trace's crash count itself (:func:`over_crash_counts`), and the Poisson form
+    exp(-n q), averaged over a Poisson count again, would put exp(-n (1 - exp(-q))) where
+    the trace has exp(-n q): too few dropped steps and failed exchanges when q is large
+    (a round of a run of few rounds)."""
+    if events <= 0.0:
+        return 1.0
+    if share >= 1.0:
+        return 0.0
+    return math.exp(events * math.log1p(-share))
 
 
 def goodput_local(
@@ -626,18 +717,15 @@ def goodput_local(
     e = exposure
     _non_negative("dropped_rounds", dropped_rounds)
     _non_negative("last_sync_lost", last_sync_lost)
-    joins = _per_step(e.joins, steps)
 
     def at(pace: float) -> float:
         round_s = costs.round_at(pace)
+        heal = costs.heal_s + costs.settle_s(pace)
+        joins = _healings(e, steps, round_s / costs.sync_every, heal)
         partial, wait = costs.crash_costs(e.detection_s, pace)
         survivors = (e.workers - 1) * e.alive_fraction
         dropped = (dropped_rounds * (1.0 + survivors) + last_sync_lost * survivors) * round_s
-        lost = (
-            e.crashes * (partial + survivors * wait)
-            + dropped
-            + joins * e.live_workers * (costs.heal_s + costs.settle_s(pace))
-        )
+        lost = e.crashes * (partial + survivors * wait) + dropped + joins * e.live_workers * heal
         return _clamp(
             costs.round_s / round_s * (e.alive_fraction - lost / (e.workers * e.duration_s))
         )
