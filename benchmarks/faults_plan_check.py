@@ -577,6 +577,162 @@ def trace_average(
     return rows
 
 
+#: The terms of :func:`local_terms`, in the order they are printed.
+TERMS = (
+    "alive", "partial", "detection", "dropped", "last_sync", "healing", "crashes", "healings",
+    "dropped_rounds", "horizon_s",
+)  # fmt: skip
+
+
+def local_terms(
+    config: PlanConfig,
+    plan: Plan,
+    exposure: Exposure,
+    *,
+    steps_met: FaultSteps | None = None,
+    given: tuple[float | None, float | None] = (None, None),
+) -> dict[str, float]:
+    """The terms of G_local (:func:`lowcomm.faults.goodput.goodput_local`) for ``exposure``
+    at its slowest worker's pace, each a share of the run's M T as G counts it (times the
+    fault-free round over the round at that pace): what the live slot-time keeps (alive),
+    and what the dead workers' partial rounds, the survivors' detection waits, the failed
+    exchanges, the failed last sync and the healings take; then the counts behind them.
+    ``steps_met`` and ``given`` (the dropped rounds and the last sync's lost rounds): a
+    run's own, as :func:`price_faults` takes them (None: expected)."""
+    from lowcomm.faults.goodput import _healings, expected_dropped_rounds
+
+    model = fault_model(config.method)
+    _, options = method_options(config)
+    period = model.period(options)
+    costs, _ = _fault_step_costs(config, plan, model, period, exposure.crashes, steps_met)
+    e, pace = exposure, exposure.slowest_pace
+    round_s = costs.round_at(pace)
+    heal = costs.heal_s + costs.settle_s(pace)
+    healings = _healings(e, plan.steps, round_s / costs.sync_every, heal)
+    partial, wait = costs.crash_costs(e.detection_s, pace)
+    dropped, last = given
+    if dropped is None:
+        dropped = expected_dropped_rounds(e.crashes, model.in_flight(options), plan.steps / period)
+    if last is None:
+        last = 0.0
+        if model.overlap(options) > 0:
+            from lowcomm.faults.goodput import expected_last_sync_lost
+
+            last = expected_last_sync_lost(
+                e.crashes, overlap_steps=model.overlap(options),
+                fragments=model.fragments(options), steps=plan.steps,
+            )  # fmt: skip
+    survivors = (e.workers - 1) * e.alive_fraction
+    share = costs.round_s / round_s / (e.workers * e.duration_s)
+    return {
+        "alive": costs.round_s / round_s * e.alive_fraction,
+        "partial": share * e.crashes * partial,
+        "detection": share * e.crashes * survivors * wait,
+        "dropped": share * dropped * (1.0 + survivors) * round_s,
+        "last_sync": share * last * survivors * round_s,
+        "healing": share * healings * e.live_workers * heal,
+        "crashes": e.crashes,
+        "healings": healings,
+        "dropped_rounds": dropped,
+        "horizon_s": e.duration_s,
+    }
+
+
+def _expected_terms(config: PlanConfig, plan: Plan, slow: bool) -> dict[str, float]:
+    """:func:`local_terms` of the expectation (b), as :func:`price_faults` prices it: the
+    expected exposure landed on the steps, over the crash count (Poisson, the joins and the
+    time away scaled with it), at the straggler's pace when ``slow`` (else at 1)."""
+    from lowcomm.faults.goodput import expected_exposure
+    from lowcomm.plan import _landed
+
+    model = fault_model(config.method)
+    horizon = config.fault_horizon_s or plan.wall_clock_s
+    exposure = expected_exposure(_fault_options(config, horizon), workers=config.workers)
+    costs, _ = _fault_step_costs(
+        config, plan, model, model.period(method_options(config)[1]), exposure.crashes
+    )
+    if plan.final_drain_s > 0.0 and plan.final_drain_s < min(horizon, plan.wall_clock_s):
+        exposure = dataclasses.replace(exposure, duration_s=horizon - plan.final_drain_s)
+    exposure = _landed(config, model, costs, exposure)
+    exposure = dataclasses.replace(exposure, slow_present=1.0 if slow else 0.0)
+    n = exposure.crashes
+    total: dict[str, float] = dict.fromkeys(TERMS, 0.0)
+    weight = 0.0
+    spread = 8.0 * math.sqrt(n) + 8.0
+    for k in range(max(0, math.floor(n - spread)), math.ceil(n + spread) + 1):
+        probability = math.exp(k * math.log(n) - n - math.lgamma(k + 1)) if n > 0 else 1.0
+        scaled = dataclasses.replace(
+            exposure, crashes=float(k), joins=exposure.joins * k / n if n > 0 else 0.0,
+            alive_fraction=max(0.0, 1.0 - (1.0 - exposure.alive_fraction) * k / n)
+            if n > 0 else exposure.alive_fraction,
+        )  # fmt: skip
+        for key, value in local_terms(config, plan, scaled).items():
+            total[key] += probability * value
+        weight += probability
+        if n == 0:
+            break
+    return {key: value / weight for key, value in total.items()}
+
+
+def term_breakdown(
+    bench: FaultsBench, *, workers: int, method: str, seeds: range
+) -> list[dict[str, Any]]:
+    """For a method of the local family at M = ``workers``: per stratum (whether a slot is
+    slow), the mean over the generated traces of ``seeds`` of each term of G given the
+    trace's faults (a) and of the expectation's (b) over the same runs' modeled times
+    (:func:`local_terms`), with the standard error of (a)'s mean: where (b) prices a trace
+    differently from its own faults."""
+    import statistics
+
+    from lowcomm.faults.generate import generate_trace
+
+    config = bench_plan_config(bench, method, workers)
+    if fault_model(method).family != "local":
+        raise ValueError(
+            f"--terms {method}: the breakdown is of G_local's terms; pick a method of the "
+            "local family (diloco, streaming_diloco, eager, diloco_delayed, co2, ...)"
+        )
+    plan = make_plan(config)
+    options = _fault_options(config, _TRACE_HORIZON * plan.wall_clock_s)
+    strata: dict[bool, tuple[list[dict[str, float]], list[dict[str, float]]]] = {
+        True: ([], []),
+        False: ([], []),
+    }
+    for seed in seeds:
+        trace = generate_trace(dataclasses.replace(options, seed=seed), workers=workers)
+        summary = derived_summary(config, plan, trace)
+        run = dataclasses.replace(config, fault_horizon_s=float(summary["modeled_time_s"]))
+        exposure = exposure_met(
+            summary, trace, workers=workers, method=method, detection_s=run.fault_detection_s
+        )
+        if plan.final_drain_s > 0.0:
+            exposure = dataclasses.replace(
+                exposure, duration_s=exposure.duration_s - plan.final_drain_s
+            )
+        given = (dropped_rounds_met(summary, run), last_sync_lost_met(summary, run))
+        slow = exposure.slow_present == 1.0
+        strata[slow][0].append(
+            local_terms(run, plan, exposure, steps_met=steps_met(summary), given=given)
+        )
+        strata[slow][1].append(_expected_terms(run, plan, slow))
+    rows = []
+    for slow, (given_terms, expected_terms) in strata.items():
+        if not given_terms:
+            continue
+        for key in TERMS:
+            values = [t[key] for t in given_terms]
+            error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+            rows.append(
+                {
+                    "workers": workers, "method": method, "slow": slow,
+                    "traces": len(values), "term": key,
+                    "given": statistics.fmean(values), "given_se": error,
+                    "expected": statistics.fmean(t[key] for t in expected_terms),
+                }
+            )  # fmt: skip
+    return rows
+
+
 def _stratified(slow: list[float], fast: list[float], p: float) -> tuple[float, float]:
     """The mean over two strata weighed p and 1 - p, and its standard error (the plain
     mean and its standard error when a stratum has fewer than two values)."""
@@ -628,6 +784,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seeds", type=int, default=1000, help="traces per M (--expectation)")
     parser.add_argument(
+        "--terms",
+        action="store_true",
+        help="with --expectation: per method of the local family, the terms of G given each "
+        "trace's faults (mean over the traces) against the expectation's",
+    )
+    parser.add_argument(
         "--methods",
         nargs="+",
         default=list(EXPECTATION_METHODS),
@@ -649,6 +811,8 @@ def expectation_main(args: argparse.Namespace) -> int:
     """Print the --expectation table; exit status 1 when a ratio lies outside 1 +-
     ``--tolerance``."""
     bench = FaultsBench(methods=tuple(args.methods))
+    if args.terms:
+        return terms_main(args, bench)
     rows = [
         row
         for workers in args.expectation
@@ -668,6 +832,27 @@ def expectation_main(args: argparse.Namespace) -> int:
                 f"{row['given']:.4f} | {row['given_se']:.4f} | {row['ratio']:.3f} |"
             )
     return 1 if any(_outside(row["ratio"], args.tolerance) for row in rows) else 0
+
+
+def terms_main(args: argparse.Namespace, bench: FaultsBench) -> int:
+    """Print the --terms table (:func:`term_breakdown`) of the local family's methods."""
+    methods = [m for m in bench.methods if fault_model(m).family == "local"]
+    print("| M | method | slow | term | given (a) | standard error | expectation (b) | (b) - (a) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for workers in args.expectation:
+        for method in methods:
+            for row in term_breakdown(
+                bench, workers=workers, method=method, seeds=range(args.seeds)
+            ):
+                if args.json:
+                    print(json.dumps(row))
+                    continue
+                print(
+                    f"| {workers} | {method} | {row['slow']} | {row['term']} | "
+                    f"{row['given']:.5f} | {row['given_se']:.5f} | {row['expected']:.5f} | "
+                    f"{row['expected'] - row['given']:+.5f} |"
+                )
+    return 0
 
 
 def _outside(ratio: float, tolerance: float) -> bool:

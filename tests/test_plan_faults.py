@@ -674,3 +674,49 @@ def test_the_expectation_is_the_mean_over_traces_of_the_model_given_each() -> No
     for row in rows:
         assert 0.0 < row["given_se"] < 0.01, row
         assert abs(row["given"] - row["expected"]) <= 3.0 * row["given_se"], row
+
+
+def test_the_term_breakdown_adds_up_to_the_model_given_a_trace() -> None:
+    """The check's per-term breakdown of G given a trace's faults (what its --terms table
+    compares with the expectation's) prices what the model given that trace prices: the
+    live slot-time less its terms, times the final drain's factor, is that G, for every
+    overlapped method of the local family at M = 16."""
+    from lowcomm.bench.faults import FaultsBench
+    from lowcomm.faults.generate import generate_trace
+    from lowcomm.plan import _drained, _fault_options
+
+    script = _check_script()
+    bench = FaultsBench(methods=script.EXPECTATION_METHODS)
+    for method in ("eager", "diloco_delayed", "co2", "streaming_diloco"):
+        config = script.bench_plan_config(bench, method, 16)
+        plan = make_plan(config)
+        options = _fault_options(config, script._TRACE_HORIZON * plan.wall_clock_s)
+        checked = 0
+        for seed in range(12):
+            trace = generate_trace(dataclasses.replace(options, seed=seed), workers=16)
+            summary = script.derived_summary(config, plan, trace)
+            if not script.steps_met(summary).crashes:
+                continue
+            horizon = float(summary["modeled_time_s"])
+            run = dataclasses.replace(config, fault_horizon_s=horizon)
+            exposure = script.exposure_met(
+                summary, trace, workers=16, method=method, detection_s=run.fault_detection_s
+            )
+            drained = _drained(plan, horizon)
+            if drained is not None:
+                exposure = dataclasses.replace(exposure, duration_s=horizon - plan.final_drain_s)
+            terms = script.local_terms(
+                run, plan, exposure, steps_met=script.steps_met(summary),
+                given=(
+                    script.dropped_rounds_met(summary, run),
+                    script.last_sync_lost_met(summary, run),
+                ),
+            )  # fmt: skip
+            lost = sum(
+                terms[k] for k in ("partial", "detection", "dropped", "last_sync", "healing")
+            )
+            value = min(1.0, max(0.0, terms["alive"] - lost)) * (drained or 1.0)
+            given, _ = script.model_given_trace(config, plan, trace)
+            assert value == pytest.approx(given, rel=1e-9), (method, seed)
+            checked += 1
+        assert checked >= 3, method
