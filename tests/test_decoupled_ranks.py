@@ -34,6 +34,10 @@ step=1    worker=0  slow factor=3 for=5
 """
 
 
+#: The per-step fields two placements of the same run must give alike.
+EVENTS = ("quorum", "membership_events", "bytes_sent_per_worker")
+
+
 def _config(out: Path, trace: Path, *, ranks: int, **overrides: Any) -> TrainConfig:
     """R ranks per learner, each with micro-batches of 4 / R samples: a learner computes the
     same union micro-batch of 4 whatever R. The inner link is free (``none``), so both
@@ -70,6 +74,27 @@ def _close(a: float | None, b: float | None) -> bool:
     if a is None or b is None:
         return a is b
     return math.isclose(a, b, rel_tol=1e-6) or (math.isnan(a) and math.isnan(b))
+
+
+def _same_numbers(
+    tmp_path: Path, configs: dict[str, TrainConfig], fields: tuple[str, ...]
+) -> list[list[dict[str, Any]]]:
+    """Run each config and assert the second's metrics equal the first's step by step: the
+    losses to 1e-6, the modeled time to 1e-9 s and ``fields`` exactly; the records."""
+    for config in configs.values():
+        assert run_training(config, report=None) is not None
+    read = [
+        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in configs
+    ]
+    assert len(read[1]) == len(read[0]) == STEPS
+    for got, want in zip(read[1], read[0], strict=True):
+        for name in ("train_loss", "val_loss"):
+            assert _close(got[name], want[name]), (name, got, want)
+        assert abs(got["clock_s"] - want["clock_s"]) <= 1e-9
+        for name in fields:
+            assert got.get(name) == want.get(name), (name, got, want)
+    return read
 
 
 def test_two_ranks_per_learner_give_the_losses_of_one(tmp_path: Path) -> None:
@@ -127,18 +152,7 @@ def test_learners_of_two_ranks_in_two_processes_give_the_numbers_of_one_process(
     placement: dict[str, Any] = {"workers": 4, "ranks_per_worker": 2}
     one = _config(tmp_path / "one", trace, ranks=2, workers_per_process=4, **placement)
     two = _config(tmp_path / "two", trace, ranks=2, workers_per_process=2, **placement)
-    assert run_training(one, report=None) is not None
-    assert run_training(two, report=None) is not None
-    read = [
-        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        for name in ("one", "two")
-    ]
-    for got, want in zip(read[1], read[0], strict=True):
-        for name in ("train_loss", "val_loss"):
-            assert _close(got[name], want[name]), (name, got, want)
-        assert abs(got["clock_s"] - want["clock_s"]) <= 1e-9
-        for name in ("quorum", "membership_events", "bytes_sent_per_worker"):
-            assert got.get(name) == want.get(name), (name, got, want)
+    _same_numbers(tmp_path, {"one": one, "two": two}, EVENTS)
 
 
 @pytest.mark.slow
@@ -152,18 +166,7 @@ def test_a_process_per_rank_without_faults_gives_the_numbers_of_rank_threads(
     processes = _config(tmp_path / "processes", tmp_path, ranks=2, workers_per_process=1,
                         inner_network="datacenter", **placement)  # fmt: skip
     threads.comm.inner_network = "datacenter"
-    assert run_training(threads, report=None) is not None
-    assert run_training(processes, report=None) is not None
-    read = [
-        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        for name in ("threads", "processes")
-    ]
-    assert len(read[1]) == len(read[0]) == STEPS
-    for got, want in zip(read[1], read[0], strict=True):
-        for name in ("train_loss", "val_loss"):
-            assert _close(got[name], want[name]), (name, got, want)
-        assert abs(got["clock_s"] - want["clock_s"]) <= 1e-9
-        assert got["bytes_sent_per_worker"] == want["bytes_sent_per_worker"]
+    _same_numbers(tmp_path, {"threads": threads, "processes": processes}, EVENTS[2:])
 
 
 @pytest.mark.slow
@@ -176,20 +179,8 @@ def test_a_process_per_rank_replays_the_trace_of_rank_threads(tmp_path: Path) ->
     link: dict[str, Any] = {"inner_network": "datacenter"}
     threads = _config(tmp_path / "threads", trace, ranks=2, workers_per_process=WORKERS, **link)
     processes = _config(tmp_path / "processes", trace, ranks=2, workers_per_process=1, **link)
-    assert run_training(threads, report=None) is not None
-    assert run_training(processes, report=None) is not None
-    read = [
-        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        for name in ("threads", "processes")
-    ]
-    assert len(read[1]) == len(read[0]) == STEPS
+    read = _same_numbers(tmp_path, {"threads": threads, "processes": processes}, EVENTS)
     assert any(record.get("membership_events") for record in read[0])
-    for got, want in zip(read[1], read[0], strict=True):
-        for name in ("train_loss", "val_loss"):
-            assert _close(got[name], want[name]), (name, got, want)
-        assert abs(got["clock_s"] - want["clock_s"]) <= 1e-9
-        for name in ("quorum", "membership_events", "bytes_sent_per_worker"):
-            assert got.get(name) == want.get(name), (name, got, want)
 
 
 def test_on_the_real_clock_the_ranks_of_a_learner_take_each_reply_together(
