@@ -114,8 +114,6 @@ logger = logging.getLogger(__name__)
 
 #: How often a starting worker asks again while fewer than --workers are in its quorum.
 ADMISSION_POLL_S = 0.2
-#: How long past the quorum timeout a starting worker still waits for its quorum and healing.
-ADMISSION_GRACE_S = 5.0
 
 
 class RoundFailed(RuntimeError):
@@ -659,21 +657,22 @@ class Replica:
 
         torchft bounds the quorum by the quorum timeout but the healing inside it only by the
         collective timeout, and a joiner that never gets its state would wait that long while
-        the live workers wait for it in their round: past the quorum timeout (and a grace for
-        torchft's own timeout to fire first) the worker gives up in one line instead."""
+        the live workers wait for it in their round: once twice the quorum timeout has passed
+        (the quorum's own, then as long again for its group and healing, as the admission's
+        other deadline allows) the worker gives up in one line instead."""
         import concurrent.futures
 
         self._release()
         future = getattr(self.manager, "_quorum_future", None)
         if future is not None:
-            limit = self.options.quorum_s + ADMISSION_GRACE_S
+            limit = 2 * self.options.quorum_s
             try:
                 future.result(timeout=limit)
             except concurrent.futures.TimeoutError:
                 raise RoundFailed(
                     f"worker {self.slot}: not admitted: its quorum and healing did not "
-                    f"complete within --membership.quorum-s {self.options.quorum_s:g} s "
-                    f"(+{ADMISSION_GRACE_S:g} s); the live workers' state never reached it"
+                    f"complete within {limit:g} s (twice --membership.quorum-s "
+                    f"{self.options.quorum_s:g}); the live workers' state never reached it"
                 ) from None
         return self.wait_quorum()
 
