@@ -139,3 +139,45 @@ def test_decoupled_diloco_refusals(options: dict[str, Any], reason: str) -> None
 def test_decoupled_diloco_runs_on_the_virtual_clock() -> None:
     config = with_options(TrainConfig(method="decoupled_diloco"), membership="torchft")
     assert config.comm.clock == "virtual" and membership_refusal(config) is None
+
+
+class _HealingSource:
+    """A torchft Manager that is a joiner's healing source: its quorum thread completes the
+    quorum only once it has read the state, which waits for the state-dict lock."""
+
+    def __init__(self) -> None:
+        import threading
+        from concurrent.futures import Future
+
+        self._quorum_future: Future[None] = Future()
+        self.readable = threading.Event()
+
+        def quorum_thread() -> None:
+            if self.readable.wait(timeout=30.0):
+                self._quorum_future.set_result(None)
+
+        threading.Thread(target=quorum_thread, daemon=True).start()
+
+    def allow_state_dict_read(self) -> None:
+        self.readable.set()
+
+    def num_participants(self) -> int:
+        self._quorum_future.result(timeout=30.0)
+        return 2
+
+
+def test_a_step_that_needs_its_quorum_before_its_round_lets_the_joiner_heal() -> None:
+    """decoupled_diloco prices a fragment's send by the round's participants before it
+    reaches the round: a worker that opened that round early, holding the state-dict lock,
+    lets its quorum thread read the state for a joiner instead of waiting for it."""
+    _needs_torchft()
+    from lowcomm.membership.torchft_comm import Replica, TorchftComm, _EarlyRound
+
+    replica = object.__new__(Replica)
+    replica.manager = _HealingSource()
+    replica._early = _EarlyRound(holding=True)  # (the round opened early)
+    replica._round_open, replica._last_quorum = True, -1
+    comm = TorchftComm(replica)
+    comm.start()
+    assert comm.world_size == 2
+    assert not replica._early.holding

@@ -502,6 +502,18 @@ class Replica:
             self._early.entered = time.time()
         self._release()
 
+    def needs_quorum(self) -> None:
+        """The worker is about to wait for its open round's quorum before it reaches the
+        round (a step that prices a message by the round's participants, decoupled_diloco's
+        send of a fragment): a round opened early releases the state-dict lock first. torchft
+        has this worker send a joiner healed at that quorum its state from inside the
+        quorum, which waits for the lock: held, the worker and the joiner (and the peers in
+        the round, waiting for both) would wait for each other. Once the quorum has formed,
+        any healing at it is done and the lock stays held until the round."""
+        future = getattr(self.manager, "_quorum_future", None)
+        if future is not None and not future.done():
+            self._release()
+
     def _release(self) -> None:
         if self._early.holding:
             self._early.holding = False
@@ -620,7 +632,7 @@ class Replica:
             }
             self.open_round()
             began = time.time()
-            quorum = self.wait_quorum()
+            quorum = self._wait_admission()
             if self.manager.errored() is None and self.healing():
                 self._asked_as = asked_as
                 return self._take_admission(quorum, began)
@@ -639,6 +651,30 @@ class Replica:
                     f"{2 * self.options.quorum_s:g} s (the last had {quorum.size})"
                 )
             time.sleep(ADMISSION_POLL_S)
+
+    def _wait_admission(self) -> Quorum:
+        """The quorum this starting worker asked for, once formed and (if it heals) healed.
+
+        torchft bounds the quorum by the quorum timeout but the healing inside it only by the
+        collective timeout, and a joiner that never gets its state would wait that long while
+        the live workers wait for it in their round: once twice the quorum timeout has passed
+        (the quorum's own, then as long again for its group and healing, as the admission's
+        other deadline allows) the worker gives up in one line instead."""
+        import concurrent.futures
+
+        self._release()
+        future = getattr(self.manager, "_quorum_future", None)
+        if future is not None:
+            limit = 2 * self.options.quorum_s
+            try:
+                future.result(timeout=limit)
+            except concurrent.futures.TimeoutError:
+                raise RoundFailed(
+                    f"worker {self.slot}: not admitted: its quorum and healing did not "
+                    f"complete within {limit:g} s (twice --membership.quorum-s "
+                    f"{self.options.quorum_s:g}); the live workers' state never reached it"
+                ) from None
+        return self.wait_quorum()
 
     def _take_admission(self, quorum: Quorum, began: float) -> int:
         """Take the state torchft healed this starting worker with; the loop step it
@@ -1001,6 +1037,7 @@ class TorchftComm:
         if not self._started or not self.replica.started:
             return self.replica.workers
         # (The workers that take part: a healing one sits the round out.)
+        self.replica.needs_quorum()
         return max(1, int(self.replica.manager.num_participants()))
 
     def all_reduce(
