@@ -59,13 +59,13 @@ def test_bench_compare_gives_every_run_the_trace_and_reports_goodput(
     assert results["methods"]["ddp"]["tokens"] == 32 * (2 * 4 - 2 - 1)
 
 
-def test_bench_compare_refuses_a_fault_option_given_twice_and_a_token_budget(
+def test_bench_compare_refuses_a_fault_option_given_twice_and_a_step_cap_without_faults(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = ["bench", "compare", "--methods", "ddp", "--out", str(tmp_path / "cmp")]
     for extra, expected in (
         (["--fault-seed", "1", "--train.fault-seed", "2"], "--fault-seed: given both"),
-        (["--fault-seed", "1", "--budget", "tokens"], "--budget: tokens with faults"),
+        (["--budget", "tokens", "--max-steps", "8"], "--max-steps: 8 is for --budget tokens"),
     ):
         with pytest.raises(SystemExit) as caught:
             cli.main([*base, *extra])
