@@ -485,15 +485,7 @@ class Synchronizer:
                     f"resumes on the same --workers only (pass --workers {state['learners']})"
                 )
             self.restored = True
-            for mine, saved in zip(self.params, state["params"], strict=True):
-                mine.copy_(saved)
-            for outer, saved in zip(self.outer, state["outer"], strict=True):
-                outer.load_state_dict(saved)
-            self.version = [int(v) for v in state["version"]]
-            self.history = [
-                {int(v): (float(at), values.clone()) for v, (at, values) in h.items()}
-                for h in state["history"]
-            ]
+            self._load_globals(state)
             self.unreplied = {
                 int(k): v for k, v in state["unreplied"].items() if self._owns(int(v[1]))
             }
@@ -515,6 +507,19 @@ class Synchronizer:
             self.sync_time = [float(x) for x in state["sync_time"]]
             self.committed_tokens, self.dropped_tokens, self.discarded_tokens = state["tokens"]
 
+    def _load_globals(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's global state, whatever its learners: Theta_p, the outer
+        optimizers, the versions and their history."""
+        for mine, saved in zip(self.params, state["params"], strict=True):
+            mine.copy_(saved)
+        for outer, saved in zip(self.outer, state["outer"], strict=True):
+            outer.load_state_dict(saved)
+        self.version = [int(v) for v in state["version"]]
+        self.history = [
+            {int(v): (float(at), values.clone()) for v, (at, values) in h.items()}
+            for h in state["history"]
+        ]
+
     def load_remapped(self, state: dict[str, Any]) -> None:
         """Take a checkpoint's state written for another number of learners (an elastic
         resume; the first learner of a process to call it does the work). Theta_p, the outer
@@ -526,15 +531,7 @@ class Synchronizer:
             if self.restored:
                 return
             self.restored = True
-            for mine, saved in zip(self.params, state["params"], strict=True):
-                mine.copy_(saved)
-            for outer, saved in zip(self.outer, state["outer"], strict=True):
-                outer.load_state_dict(saved)
-            self.version = [int(v) for v in state["version"]]
-            self.history = [
-                {int(v): (float(at), values.clone()) for v, (at, values) in h.items()}
-                for h in state["history"]
-            ]
+            self._load_globals(state)
             self.tickets = int(state["tickets"])
             self.tick = int(state["tick"])
             self.horizon = float(state["horizon"])
