@@ -10,20 +10,16 @@ and reduce-scatters cost other than a replicated worker's gradient all-reduce)."
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from _cli import torchrun
+from _faults import STEPS, Run, close, generated_faults, trace_file, trained, under_torchrun
 from lowcomm.config import TrainConfig
 from lowcomm.train.checkpoint import read_rank_state, step_directory
-from test_faults_rank_processes import STEPS, TRACE, _close, _config, _records, _run
-
-Run = tuple[list[dict[str, Any]], dict[str, Any]]
+from test_faults_rank_processes import TRACE, _config
 
 
 def _sharded(out: Path, trace: Path, **extra: Any) -> TrainConfig:
@@ -34,7 +30,7 @@ def _same_losses(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(STEPS))
     for g, w in zip(got, want, strict=True):
         for name in ("train_loss", "val_loss"):
-            assert _close(g[name], w[name]), (name, g, w)
+            assert close(g[name], w[name]), (name, g, w)
 
 
 def _same_numbers(run: Run, reference: Run) -> None:
@@ -63,10 +59,9 @@ def replicated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Run]:
     its run with replicated workers, every rank a thread of one process, on a free inner
     link."""
     folder = tmp_path_factory.mktemp("replicated")
-    trace = folder / "trace.txt"
-    trace.write_text(TRACE)
+    trace = trace_file(folder, TRACE)
     config = _config("diloco", folder / "out", trace, processes=False, inner_network="none")
-    return trace, _run(config)
+    return trace, trained(config)
 
 
 def test_static_sharded_workers_give_the_replicated_losses_with_an_evaluation_between_syncs(
@@ -75,8 +70,8 @@ def test_static_sharded_workers_give_the_replicated_losses_with_an_evaluation_be
     """No faults. The evaluation after step 2 deploys diloco's global parameters, not the
     training ones, which the next step trains on again."""
     options: dict[str, Any] = {"faults": None, "eval_every": 3}
-    want = _run(_config("diloco", tmp_path / "r", tmp_path / "x", processes=False, **options))
-    got = _run(_sharded(tmp_path / "s", tmp_path / "x", **options))
+    want = trained(_config("diloco", tmp_path / "r", tmp_path / "x", processes=False, **options))
+    got = trained(_sharded(tmp_path / "s", tmp_path / "x", **options))
     _same_losses(got[0], want[0])
     assert got[0][2]["val_loss"] is not None
 
@@ -86,7 +81,7 @@ def test_a_crash_a_join_and_a_straggler_give_sharded_workers_the_replicated_numb
 ) -> None:
     trace, reference = replicated
     config = _sharded(tmp_path / "out", trace, inner_network="none")
-    run = _run(config)
+    run = trained(config)
     _same_numbers(run, reference)
     assert [r["quorum"] for r in run[0]] == [2, 2, 1, 1, 1, 2, 2, 2]
     printed = capfd.readouterr().out
@@ -113,24 +108,8 @@ def test_the_same_trace_under_torchrun_gives_sharded_workers_the_replicated_numb
     """torchrun's processes are not killed: each rank of the crashed worker loses its shard
     in place and waits outside the quorum until the join heals it."""
     trace, reference = replicated
-    out = tmp_path / "torchrun"
-    flags = [
-        "train", "--method", "diloco", "--steps", str(STEPS), "--network", "wan",
-        "--inner-network", "none", "--clock", "virtual", "--seconds-per-microbatch", "0.01",
-        "--eval-every", "4", "--eval-batches", "4", "--log-every", "1", "--progress", "False",
-        "--plot", "False", "--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd",
-        "32", "--model.block-size", "16", "--micro-batch-size", "2", "--diloco.sync-every",
-        "2", "--ranks-per-worker", "2", "--worker-sharding", "fsdp", "--faults", str(trace),
-        "--fault-detection-s", "2.5", "--out", str(out),
-    ]  # fmt: skip
-    launched = subprocess.run(
-        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "4", "-m", "lowcomm",
-         *flags],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    _same_numbers((_records(out), summary), reference)
+    flags = ("--inner-network", "none", "--ranks-per-worker", "2", "--worker-sharding", "fsdp")
+    _same_numbers(under_torchrun(tmp_path, trace, *flags, processes=4), reference)
 
 
 def test_a_generated_trace_gives_sharded_workers_the_replicated_numbers(tmp_path: Path) -> None:
@@ -143,11 +122,7 @@ def test_a_generated_trace_gives_sharded_workers_the_replicated_numbers(tmp_path
             "diloco", tmp_path / sharding, tmp_path / "x", processes=sharding == "fsdp",
             workers=3, worker_sharding=sharding, inner_network="none",
         )  # fmt: skip
-        fault = config.fault
-        fault.faults, fault.fault_mtbf_s, fault.fault_replace_after_s = None, 0.2, 0.05
-        fault.fault_slow_fraction, fault.fault_slow_factor, fault.fault_seed = 0.4, 3.0, 1
-        fault.fault_detection_s = 0.05
-        runs.append(_run(config))
+        runs.append(trained(generated_faults(config)))
     _same_numbers(runs[1], runs[0])
     changes = runs[1][1]["faults"]["membership_changes"]
     assert [change["step"] for change in changes] == [2, 4, 6]  # (crashes and joins landed)
@@ -159,7 +134,7 @@ def test_a_crash_and_join_on_the_real_clock_give_sharded_workers_the_replicated_
     """The events land on the same steps on either clock, and the losses follow the steps."""
     trace, (want, _) = replicated
     config = _sharded(tmp_path / "out", trace, clock="real", seconds_per_microbatch=None)
-    got, summary = _run(config)
+    got, summary = trained(config)
     _same_losses(got, want)
     assert [r["quorum"] for r in got] == [2, 2, 1, 1, 1, 2, 2, 2]
     assert summary["faults"]["membership_changes"][0]["quorum"] == 1

@@ -7,24 +7,23 @@ process: losses to 1e-6, modeled times to 1e-9 s, the same quorums, events and f
 from __future__ import annotations
 
 import json
-import math
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from _cli import torchrun
-from lowcomm.config import ConfigError, TrainConfig, with_options
-from lowcomm.data import DataConfig
+from _faults import (
+    same_numbers,
+    stopped_and_resumed,
+    tiny_config,
+    trace_file,
+    trained,
+    under_torchrun,
+)
+from lowcomm.config import ConfigError, with_options
 from lowcomm.launch.inprocess import train_in_process
-from lowcomm.launch.run import preflight, run_training
-from lowcomm.models import ModelConfig
-from lowcomm.strategies.co2 import LocalOptions
-from lowcomm.strategies.diloco import DiLoCoOptions
-
-STEPS = 8
+from lowcomm.launch.run import preflight
 
 #: Worker 1 (process 0's second) crashes and joins again; worker 3 (process 1's second)
 #: straggles: a quorum with two members in one process and one in the other.
@@ -52,69 +51,6 @@ t=0       worker=0  slow factor=2 for=0.1
 """
 
 
-def _config(method: str, out: Path, trace: Path, **placement: Any) -> TrainConfig:
-    return with_options(
-        TrainConfig(
-            method=method,
-            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-            data=DataConfig(micro_batch_size=2),
-            diloco=DiLoCoOptions(sync_every=2),
-            local=LocalOptions(sync_every=2),
-        ),
-        steps=STEPS,
-        network="wan",
-        clock="virtual",
-        seconds_per_microbatch=0.01,
-        eval_every=4,
-        eval_batches=4,
-        log_every=1,
-        progress=False,
-        plot=False,
-        out=str(out),
-        faults=str(trace),
-        fault_detection_s=2.5,
-        **placement,
-    )
-
-
-def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    summary = run_training(config, report=None)
-    assert summary is not None
-    out = Path(str(config.run.out))
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return records, summary
-
-
-def _close(a: float | None, b: float | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-
-
-def _same_numbers(
-    run: tuple[list[dict[str, Any]], dict[str, Any]],
-    reference: tuple[list[dict[str, Any]], dict[str, Any]],
-) -> None:
-    (got, summary), (want, expected) = run, reference
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(STEPS))
-    for g, w in zip(got, want, strict=True):
-        for name in ("train_loss", "val_loss"):
-            assert _close(g[name], w[name]), (name, g, w)
-        assert abs(g["clock_s"] - w["clock_s"]) <= 1e-9, (g, w)
-        for name in ("quorum", "membership_events", "dropped", "bytes_sent_per_worker"):
-            assert g.get(name) == w.get(name), (name, g, w)
-    assert summary["faults"].keys() == expected["faults"].keys()
-    for key, value in expected["faults"].items():
-        if isinstance(value, float):
-            assert math.isclose(summary["faults"][key], value, rel_tol=1e-9, abs_tol=1e-9), key
-        else:
-            assert summary["faults"][key] == value, key
-    assert _close(summary["final_val_loss"], expected["final_val_loss"])
-    for name in ("modeled_time_s", "compute_s", "exposed_comm_s"):
-        assert abs(summary[name] - expected[name]) <= 1e-9, name
-    assert summary["committed_tokens"] == expected["committed_tokens"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "trace"), [("ddp", TRACE), ("diloco", EMPTY_PROCESS), ("local_adamw", TIMED)]
@@ -122,11 +58,10 @@ def _same_numbers(
 def test_the_same_trace_with_two_workers_a_process_gives_the_numbers_of_one_process(
     method: str, trace: str, tmp_path: Path
 ) -> None:
-    path = tmp_path / "trace.txt"
-    path.write_text(trace)
-    one = _run(_config(method, tmp_path / "one", path, workers=4, workers_per_process=4))
-    two = _run(_config(method, tmp_path / "two", path, workers=4, workers_per_process=2))
-    _same_numbers(two, one)
+    path = trace_file(tmp_path, trace)
+    one = trained(tiny_config(method, tmp_path / "one", path, workers=4, workers_per_process=4))
+    two = trained(tiny_config(method, tmp_path / "two", path, workers=4, workers_per_process=2))
+    same_numbers(two, one)
     quorums = [r["quorum"] for r in two[0]]
     if trace == TRACE:  # (the crash's step and those after it ran on 3 workers)
         assert quorums == [4, 4, 3, 3, 3, 4, 4, 4]
@@ -139,7 +74,7 @@ def test_the_same_trace_with_two_workers_a_process_gives_the_numbers_of_one_proc
 def test_two_workers_a_process_pass_the_checks_locally_and_under_torchrun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = _config("ddp", tmp_path / "out", tmp_path / "t", workers=4, workers_per_process=2)
+    config = tiny_config("ddp", tmp_path / "out", tmp_path / "t", workers=4, workers_per_process=2)
     config.validate()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     config.validate()
@@ -151,26 +86,12 @@ def test_two_workers_a_process_pass_the_checks_locally_and_under_torchrun(
 def test_the_same_trace_under_torchrun_with_two_workers_a_process_gives_the_same_numbers(
     tmp_path: Path,
 ) -> None:
-    trace = tmp_path / "trace.txt"
-    trace.write_text(TRACE)
-    one = _run(_config("diloco", tmp_path / "one", trace, workers=4, workers_per_process=4))
-    out = tmp_path / "torchrun"
-    flags = [
-        "train", "--method", "diloco", "--workers", "4", "--workers-per-process", "2",
-        "--steps", str(STEPS), "--network", "wan", "--clock", "virtual",
-        "--seconds-per-microbatch", "0.01", "--eval-every", "4", "--eval-batches", "4",
-        "--log-every", "1", "--progress", "False", "--plot", "False", "--model.n-layer", "1",
-        "--model.n-head", "2", "--model.n-embd", "32", "--model.block-size", "16",
-        "--micro-batch-size", "2", "--diloco.sync-every", "2", "--faults", str(trace),
-        "--fault-detection-s", "2.5", "--out", str(out),
-    ]  # fmt: skip
-    launched = subprocess.run(
-        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "2", "-m", "lowcomm", *flags],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    _same_numbers((records, json.loads((out / "summary.json").read_text())), one)
+    trace = trace_file(tmp_path, TRACE)
+    one = trained(tiny_config("diloco", tmp_path / "one", trace, workers=4, workers_per_process=4))
+    launched = under_torchrun(
+        tmp_path, trace, "--workers", "4", "--workers-per-process", "2", processes=2
+    )
+    same_numbers(launched, one)
 
 
 @pytest.mark.slow
@@ -180,12 +101,11 @@ def test_the_same_trace_under_torchrun_with_two_workers_a_process_gives_the_same
 def test_workers_of_two_ranks_in_processes_give_the_numbers_of_one_process(
     method: str, trace: str, tmp_path: Path
 ) -> None:
-    path = tmp_path / "trace.txt"
-    path.write_text(trace)
+    path = trace_file(tmp_path, trace)
     placement = {"workers": 4, "ranks_per_worker": 2}
-    one = _run(_config(method, tmp_path / "one", path, workers_per_process=4, **placement))
-    two = _run(_config(method, tmp_path / "two", path, workers_per_process=2, **placement))
-    _same_numbers(two, one)
+    one = trained(tiny_config(method, tmp_path / "one", path, workers_per_process=4, **placement))
+    two = trained(tiny_config(method, tmp_path / "two", path, workers_per_process=2, **placement))
+    same_numbers(two, one)
     expected = [4, 4, 3, 2, 2, 3, 4, 4] if trace == EMPTY_PROCESS else [4, 4, 3, 3, 3, 4, 4, 4]
     assert [r["quorum"] for r in two[0]] == expected
 
@@ -194,9 +114,8 @@ def test_workers_of_two_ranks_in_processes_give_the_numbers_of_one_process(
 def test_a_crash_takes_every_rank_of_its_worker_and_healing_reaches_each_of_the_joiners(
     method: str, tmp_path: Path
 ) -> None:
-    path = tmp_path / "trace.txt"
-    path.write_text("step=2 worker=1 crash\nstep=5 worker=1 join\n")
-    config = _config(method, tmp_path / "out", path, workers=3, workers_per_process=3)
+    path = trace_file(tmp_path, "step=2 worker=1 crash\nstep=5 worker=1 join\n")
+    config = tiny_config(method, tmp_path / "out", path, workers=3, workers_per_process=3)
     config = with_options(config, ranks_per_worker=2)
     config.validate()
     preflight(config)
@@ -232,7 +151,7 @@ def test_a_crash_takes_every_rank_of_its_worker_and_healing_reaches_each_of_the_
 def test_what_workers_of_several_ranks_do_not_run_with_yet_is_refused_in_one_line(
     placement: dict[str, Any], expected: str, tmp_path: Path
 ) -> None:
-    config = _config("diloco", tmp_path / "out", tmp_path / "t", **placement)
+    config = tiny_config("diloco", tmp_path / "out", tmp_path / "t", **placement)
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(")) as caught:
         config.validate()
     assert "\n" not in str(caught.value)
@@ -246,17 +165,17 @@ def test_a_run_of_two_workers_a_process_stopped_mid_trace_and_resumed_gives_the_
     """A checkpoint after step 3 (worker 1 dead, its crash not yet detected by diloco's
     survivors), resumed in processes of two workers: the run without a stop, in one
     process."""
-    trace = tmp_path / "trace.txt"
-    trace.write_text(TRACE)
+    trace = trace_file(tmp_path, TRACE)
     placement = {"workers": 4, "ranks_per_worker": ranks}
-    whole = _run(_config("diloco", tmp_path / "whole", trace, workers_per_process=4, **placement))
-    out = tmp_path / "resumed"
-    config = _config("diloco", out, trace, workers_per_process=2, **placement)
-    config.run.stop_after = 3
-    assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
-    config = _config("diloco", out, trace, workers_per_process=2, **placement)
-    config.run.resume = str(out)
-    _same_numbers(_run(config), whole)
+    whole = trained(
+        tiny_config("diloco", tmp_path / "whole", trace, workers_per_process=4, **placement)
+    )
+    resumed = stopped_and_resumed(
+        lambda: tiny_config(
+            "diloco", tmp_path / "resumed", trace, workers_per_process=2, **placement
+        )
+    )
+    same_numbers(resumed, whole)
 
 
 # --- the quorum's group across processes, written from a flat group's results -------------

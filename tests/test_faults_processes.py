@@ -5,11 +5,8 @@ does not run with faults in processes is refused in one line."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -17,15 +14,21 @@ from typing import Any
 import pytest
 import torch
 
-from _cli import torchrun
+from _faults import (
+    Run,
+    generated_faults,
+    same_numbers,
+    stopped_and_resumed,
+    tiny_config,
+    trace_file,
+    trained,
+    under_torchrun,
+)
 from lowcomm.comm import Role
 from lowcomm.comm.torch_comm import QuorumTorchComm
 from lowcomm.config import ConfigError, TrainConfig, with_options
-from lowcomm.data import DataConfig
-from lowcomm.launch.run import run_training
 from lowcomm.launch.spawn import WorkerFailed, end_by_sigkill, spawn_workers
 from lowcomm.models import ModelConfig
-from lowcomm.strategies.co2 import LocalOptions
 from lowcomm.strategies.diloco import DiLoCoOptions
 
 WORKERS = 3
@@ -43,77 +46,19 @@ step=1    worker=0  slow factor=3 for=3
 def _config(
     method: str, out: Path, trace: Path, *, processes: bool, workers: int = WORKERS
 ) -> TrainConfig:
-    config = with_options(
-        TrainConfig(
-            method=method,
-            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-            data=DataConfig(micro_batch_size=2),
-            diloco=DiLoCoOptions(sync_every=2),
-            local=LocalOptions(sync_every=2),
-        ),
-        workers=workers,
-        workers_per_process=1 if processes else workers,
-        steps=8,
-        network="wan",
-        clock="virtual",
-        seconds_per_microbatch=0.01,
-        eval_every=4,
+    config = tiny_config(
+        method, out, trace, workers=workers, workers_per_process=1 if processes else workers,
         eval_batches=2,
-        log_every=1,
-        progress=False,
-        plot=False,
-        out=str(out),
-        faults=str(trace),
-        fault_detection_s=2.5,
-    )
+    )  # fmt: skip
     if method == "streaming_diloco":  # (two fragments, each flying one step)
         config.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
         config.diloco = DiLoCoOptions(sync_every=4, fragments=2, overlap_steps=1)
     return config
 
 
-def _records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    summary = run_training(config, report=None)
-    assert summary is not None
-    return _records(Path(str(config.run.out))), summary
-
-
-def _close(a: float | None, b: float | None) -> bool:
-    return (a is None and b is None) or (
-        a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-    )
-
-
-def _same_numbers(
-    run: tuple[list[dict[str, Any]], dict[str, Any]],
-    reference: tuple[list[dict[str, Any]], dict[str, Any]],
-) -> None:
-    """Per-step losses to 1e-6, modeled times to 1e-9 s, the same quorums, membership events,
-    dropped rounds and bytes, and the same summary (its faults block, times and losses)."""
-    processes, threads = run, reference
-    got, want = processes[0], threads[0]
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(8))
-    for g, w in zip(got, want, strict=True):
-        for name in ("train_loss", "val_loss"):
-            assert _close(g[name], w[name]), (name, g, w)
-        assert abs(g["clock_s"] - w["clock_s"]) <= 1e-9, (g, w)
-        for name in ("quorum", "membership_events", "dropped", "bytes_sent_per_worker"):
-            assert g.get(name) == w.get(name), (name, g, w)
-    faults, expected = processes[1]["faults"], threads[1]["faults"]
-    assert faults.keys() == expected.keys()
-    for key, value in expected.items():
-        if isinstance(value, float):
-            assert math.isclose(faults[key], value, rel_tol=1e-9, abs_tol=1e-9), key
-        else:
-            assert faults[key] == value, key
-    assert _close(processes[1]["final_val_loss"], threads[1]["final_val_loss"])
-    for name in ("modeled_time_s", "compute_s", "exposed_comm_s"):
-        assert abs(processes[1][name] - threads[1][name]) <= 1e-9, name
-    assert processes[1]["committed_tokens"] == threads[1]["committed_tokens"]
+def _same_numbers(run: Run, reference: Run) -> None:
+    """:func:`same_numbers`, a NaN loss on either side a difference."""
+    same_numbers(run, reference, nan_equal=False)
 
 
 @pytest.mark.parametrize(
@@ -122,10 +67,9 @@ def _same_numbers(
 def test_the_same_trace_in_one_process_and_in_processes_gives_the_same_numbers(
     method: str, tmp_path: Path
 ) -> None:
-    trace = tmp_path / "trace.txt"
-    trace.write_text(TRACE)
-    threads = _run(_config(method, tmp_path / "threads", trace, processes=False))
-    processes = _run(_config(method, tmp_path / "processes", trace, processes=True))
+    trace = trace_file(tmp_path, TRACE)
+    threads = trained(_config(method, tmp_path / "threads", trace, processes=False))
+    processes = trained(_config(method, tmp_path / "processes", trace, processes=True))
     _same_numbers(processes, threads)
     # The trace took effect: the crash's step ran on 2 workers, the join's on 3 again.
     assert [r["quorum"] for r in processes[0]] == [3, 3, 2, 2, 2, 3, 3, 3]
@@ -176,10 +120,9 @@ step=6  worker=3  slow factor=2 for=2
 def test_overlapping_events_on_four_workers_give_the_same_numbers_in_processes(
     method: str, tmp_path: Path
 ) -> None:
-    trace = tmp_path / "trace.txt"
-    trace.write_text(OVERLAPPING_TRACE)
-    threads = _run(_config(method, tmp_path / "t", trace, processes=False, workers=4))
-    processes = _run(_config(method, tmp_path / "p", trace, processes=True, workers=4))
+    trace = trace_file(tmp_path, OVERLAPPING_TRACE)
+    threads = trained(_config(method, tmp_path / "t", trace, processes=False, workers=4))
+    processes = trained(_config(method, tmp_path / "p", trace, processes=True, workers=4))
     _same_numbers(processes, threads)
     assert [r["quorum"] for r in processes[0]] == [4, 4, 3, 2, 2, 4, 4, 4]
 
@@ -199,10 +142,9 @@ t=0.7  link down for=0.2
 def test_a_trace_placed_by_time_with_link_events_gives_the_same_numbers_in_processes(
     method: str, tmp_path: Path
 ) -> None:
-    trace = tmp_path / "trace.txt"
-    trace.write_text(TIMED_TRACE)
-    threads = _run(_config(method, tmp_path / "threads", trace, processes=False))
-    processes = _run(_config(method, tmp_path / "processes", trace, processes=True))
+    trace = trace_file(tmp_path, TIMED_TRACE)
+    threads = trained(_config(method, tmp_path / "threads", trace, processes=False))
+    processes = trained(_config(method, tmp_path / "processes", trace, processes=True))
     _same_numbers(processes, threads)
     quorums = [r["quorum"] for r in processes[0]]
     assert 2 in quorums and quorums[-1] == 3  # (the crash and the join both landed)
@@ -212,11 +154,7 @@ def test_a_generated_trace_gives_the_same_numbers_in_processes(tmp_path: Path) -
     runs = []
     for processes in (False, True):
         config = _config("diloco", tmp_path / str(processes), tmp_path / "x", processes=processes)
-        fault = config.fault
-        fault.faults, fault.fault_mtbf_s, fault.fault_replace_after_s = None, 0.2, 0.05
-        fault.fault_slow_fraction, fault.fault_slow_factor, fault.fault_seed = 0.4, 3.0, 1
-        fault.fault_detection_s = 0.05
-        runs.append(_run(config))
+        runs.append(trained(generated_faults(config)))
     _same_numbers(runs[1], runs[0])
     assert runs[1][1]["faults"]["membership_changes"]  # (the generated crashes landed)
 
@@ -228,53 +166,33 @@ def test_a_run_in_processes_stopped_mid_trace_and_resumed_gives_the_uninterrupte
     """A checkpoint after step 3 (worker 2 dead, for diloco its crash not yet detected),
     resumed in worker processes: the run without a stop, in one process, to the same
     tolerances."""
-    trace = tmp_path / "trace.txt"
-    trace.write_text(TRACE)
-    whole = _run(_config(method, tmp_path / "whole", trace, processes=False))
-    out = tmp_path / "resumed"
-    config = _config(method, out, trace, processes=True)
-    config.run.stop_after = 3
-    assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
-    config = _config(method, out, trace, processes=True)
-    config.run.resume = str(out)
-    _same_numbers(_run(config), whole)
+    trace = trace_file(tmp_path, TRACE)
+    whole = trained(_config(method, tmp_path / "whole", trace, processes=False))
+    resumed = stopped_and_resumed(
+        lambda: _config(method, tmp_path / "resumed", trace, processes=True)
+    )
+    _same_numbers(resumed, whole)
 
 
 def test_a_quorum_below_the_minimum_waits_for_its_join_in_processes_as_in_one_process(
     tmp_path: Path,
 ) -> None:
-    trace = tmp_path / "trace.txt"
-    trace.write_text("t=0.1 worker=1 crash\nt=0.1 worker=2 crash\nt=1e6 worker=1 join\n")
+    trace = trace_file(
+        tmp_path, "t=0.1 worker=1 crash\nt=0.1 worker=2 crash\nt=1e6 worker=1 join\n"
+    )
     runs = []
     for processes in (False, True):
         config = _config("ddp", tmp_path / str(processes), trace, processes=processes)
         config.fault.fault_min_workers, config.fault.fault_quorum_wait_s = 2, 2e6
-        runs.append(_run(config))
+        runs.append(trained(config))
     _same_numbers(runs[1], runs[0])
     assert max(r["clock_s"] for r in runs[1][0]) > 1e6  # (the modeled wait for the join)
 
 
 def test_the_same_trace_under_torchrun_gives_the_numbers_of_one_process(tmp_path: Path) -> None:
-    trace = tmp_path / "trace.txt"
-    trace.write_text(TRACE)
-    threads = _run(_config("diloco", tmp_path / "threads", trace, processes=False))
-    out = tmp_path / "torchrun"
-    flags = [
-        "train", "--method", "diloco", "--steps", "8", "--network", "wan", "--clock", "virtual",
-        "--seconds-per-microbatch", "0.01", "--eval-every", "4", "--eval-batches", "2",
-        "--log-every", "1", "--progress", "False", "--plot", "False", "--model.n-layer", "1",
-        "--model.n-head", "2", "--model.n-embd", "32", "--model.block-size", "16",
-        "--micro-batch-size", "2", "--diloco.sync-every", "2", "--faults", str(trace),
-        "--fault-detection-s", "2.5", "--out", str(out),
-    ]  # fmt: skip
-    launched = subprocess.run(
-        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", str(WORKERS), "-m",
-         "lowcomm", *flags],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    _same_numbers((_records(out), summary), threads)
+    trace = trace_file(tmp_path, TRACE)
+    threads = trained(_config("diloco", tmp_path / "threads", trace, processes=False))
+    _same_numbers(under_torchrun(tmp_path, trace, processes=WORKERS, eval_batches=2), threads)
 
 
 def _survivors_of_a_sigkill(planned: bool) -> list[float]:

@@ -8,31 +8,32 @@ torchrun."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from _cli import torchrun
+from _faults import (
+    STEPS,
+    generated_faults,
+    same_numbers,
+    stopped_and_resumed,
+    tiny_config,
+    trace_file,
+    trained,
+    under_torchrun,
+)
 from lowcomm.comm import Role
 from lowcomm.config import ConfigError, TrainConfig, with_options
-from lowcomm.data import DataConfig
 from lowcomm.faults.processes import QuorumOuterComm, process_layout
 from lowcomm.launch import device_memory
 from lowcomm.launch.device_memory import check_worker_processes
-from lowcomm.launch.run import check_process_memory, run_training
+from lowcomm.launch.run import check_process_memory
 from lowcomm.launch.spawn import spawn_workers
-from lowcomm.models import ModelConfig
-from lowcomm.strategies.co2 import LocalOptions
-from lowcomm.strategies.diloco import DiLoCoOptions
 from lowcomm.train.checkpoint import read_rank_state, step_directory
 from lowcomm.train.task import CorpusTask
-
-STEPS = 8
 
 #: Worker 1's two ranks crash and join again (two processes killed, two standing by take
 #: over), worker 0 straggles over the crash.
@@ -69,74 +70,12 @@ QUORUMS = {
 
 def _config(method: str, out: Path, trace: Path, *, processes: bool, **extra: Any) -> TrainConfig:
     workers = int(extra.pop("workers", 2))
-    options: dict[str, Any] = {
+    placement = {
         "workers": workers,
         "ranks_per_worker": 2,
         "workers_per_process": 1 if processes else workers,
-        "steps": STEPS,
-        "network": "wan",
-        "clock": "virtual",
-        "seconds_per_microbatch": 0.01,
-        "eval_every": 4,
-        "eval_batches": 4,
-        "log_every": 1,
-        "progress": False,
-        "plot": False,
-        "out": str(out),
-        "faults": str(trace),
-        "fault_detection_s": 2.5,
     }
-    options.update(extra)
-    return with_options(
-        TrainConfig(
-            method=method,
-            model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-            data=DataConfig(micro_batch_size=2),
-            diloco=DiLoCoOptions(sync_every=2),
-            local=LocalOptions(sync_every=2),
-        ),
-        **options,
-    )
-
-
-def _records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _run(config: TrainConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    summary = run_training(config, report=None)
-    assert summary is not None
-    return _records(Path(str(config.run.out))), summary
-
-
-def _close(a: float | None, b: float | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-
-
-def _same_numbers(
-    run: tuple[list[dict[str, Any]], dict[str, Any]],
-    reference: tuple[list[dict[str, Any]], dict[str, Any]],
-) -> None:
-    (got, summary), (want, expected) = run, reference
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(STEPS))
-    for g, w in zip(got, want, strict=True):
-        for name in ("train_loss", "val_loss"):
-            assert _close(g[name], w[name]), (name, g, w)
-        assert abs(g["clock_s"] - w["clock_s"]) <= 1e-9, (g, w)
-        for name in ("quorum", "membership_events", "dropped", "bytes_sent_per_worker"):
-            assert g.get(name) == w.get(name), (name, g, w)
-    assert summary["faults"].keys() == expected["faults"].keys()
-    for key, value in expected["faults"].items():
-        if isinstance(value, float):
-            assert math.isclose(summary["faults"][key], value, rel_tol=1e-9, abs_tol=1e-9), key
-        else:
-            assert summary["faults"][key] == value, key
-    assert _close(summary["final_val_loss"], expected["final_val_loss"])
-    for name in ("modeled_time_s", "compute_s", "exposed_comm_s"):
-        assert abs(summary[name] - expected[name]) <= 1e-9, name
-    assert summary["committed_tokens"] == expected["committed_tokens"]
+    return tiny_config(method, out, trace, **{**placement, **extra})
 
 
 @pytest.mark.parametrize(
@@ -147,11 +86,10 @@ def _same_numbers(
 def test_the_same_trace_in_one_process_and_in_a_process_per_rank_gives_the_same_numbers(
     method: str, trace: str, workers: int, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    path = tmp_path / "trace.txt"
-    path.write_text(trace)
-    threads = _run(_config(method, tmp_path / "t", path, processes=False, workers=workers))
-    processes = _run(_config(method, tmp_path / "p", path, processes=True, workers=workers))
-    _same_numbers(processes, threads)
+    path = trace_file(tmp_path, trace)
+    threads = trained(_config(method, tmp_path / "t", path, processes=False, workers=workers))
+    processes = trained(_config(method, tmp_path / "p", path, processes=True, workers=workers))
+    same_numbers(processes, threads)
     quorums = [r["quorum"] for r in processes[0]]
     if trace in QUORUMS:
         assert quorums == QUORUMS[trace]
@@ -171,11 +109,10 @@ def test_the_ranks_that_take_over_a_crashed_worker_are_healed_to_the_members_sta
     member: the run's last step ends a round, after which the final checkpoint holds one
     model in every rank's file, the joiner's (written by the processes that took over) as
     the others'."""
-    path = tmp_path / "trace.txt"
-    path.write_text("step=2 worker=1 crash\nstep=5 worker=1 join\n")
+    path = trace_file(tmp_path, "step=2 worker=1 crash\nstep=5 worker=1 join\n")
     config = _config("diloco", tmp_path / "out", path, processes=True)
     assert process_layout(config) == (0, 1, 2, 2, 3, 3)  # (two standing by, one per rank)
-    records, summary = _run(config)
+    records, summary = trained(config)
     assert [r["quorum"] for r in records] == [2, 2, 1, 1, 1, 2, 2, 2]
     final = step_directory(Path(str(config.run.out)), STEPS)
     models = [read_rank_state(final, rank)["model"] for rank in range(4)]
@@ -196,12 +133,8 @@ def test_a_generated_trace_gives_the_same_numbers_in_a_process_per_rank(tmp_path
         config = _config(
             "diloco", tmp_path / str(processes), tmp_path / "x", processes=processes, workers=3
         )
-        fault = config.fault
-        fault.faults, fault.fault_mtbf_s, fault.fault_replace_after_s = None, 0.2, 0.05
-        fault.fault_slow_fraction, fault.fault_slow_factor, fault.fault_seed = 0.4, 3.0, 1
-        fault.fault_detection_s = 0.05
-        runs.append(_run(config))
-    _same_numbers(runs[1], runs[0])
+        runs.append(trained(generated_faults(config)))
+    same_numbers(runs[1], runs[0])
     assert runs[1][1]["faults"]["membership_changes"]  # (the generated crashes landed)
 
 
@@ -211,27 +144,22 @@ def test_a_run_stopped_mid_trace_and_resumed_gives_the_uninterrupted_numbers(
     """A checkpoint after step 3, worker 1's rank slots written from what its killed
     processes handed over; the resumed launch starts every process again and kills worker
     1's at once: the run without a stop, in one process, to the same tolerances."""
-    path = tmp_path / "trace.txt"
-    path.write_text(TRACE)
-    whole = _run(_config("diloco", tmp_path / "whole", path, processes=False))
-    out = tmp_path / "resumed"
-    config = _config("diloco", out, path, processes=True)
-    config.run.stop_after = 3
-    assert run_training(config, report=None) is None  # (stopped, with a checkpoint)
-    config = _config("diloco", out, path, processes=True)
-    config.run.resume = str(out)
-    _same_numbers(_run(config), whole)
+    path = trace_file(tmp_path, TRACE)
+    whole = trained(_config("diloco", tmp_path / "whole", path, processes=False))
+    resumed = stopped_and_resumed(
+        lambda: _config("diloco", tmp_path / "resumed", path, processes=True)
+    )
+    same_numbers(resumed, whole)
 
 
 def test_a_crash_and_join_on_the_real_clock_kill_and_replace_every_rank(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    path = tmp_path / "trace.txt"
-    path.write_text("step=2 worker=1 crash\nstep=5 worker=1 join\n")
+    path = trace_file(tmp_path, "step=2 worker=1 crash\nstep=5 worker=1 join\n")
     config = _config(
         "diloco", tmp_path / "out", path, processes=True, clock="real", seconds_per_microbatch=None
     )
-    records, summary = _run(config)
+    records, summary = trained(config)
     assert [r["quorum"] for r in records] == [2, 2, 1, 1, 1, 2, 2, 2]
     assert math.isfinite(summary["final_val_loss"])
     printed = capfd.readouterr().out
@@ -244,27 +172,9 @@ def test_the_same_trace_under_torchrun_with_a_process_per_rank_gives_the_same_nu
 ) -> None:
     """torchrun's processes are not killed: each rank of the crashed worker loses its state
     in place and waits outside the quorum until the join heals it."""
-    path = tmp_path / "trace.txt"
-    path.write_text(TRACE)
-    threads = _run(_config("diloco", tmp_path / "threads", path, processes=False))
-    out = tmp_path / "torchrun"
-    flags = [
-        "train", "--method", "diloco", "--steps", str(STEPS), "--network", "wan",
-        "--clock", "virtual", "--seconds-per-microbatch", "0.01", "--eval-every", "4",
-        "--eval-batches", "4", "--log-every", "1", "--progress", "False", "--plot", "False",
-        "--model.n-layer", "1", "--model.n-head", "2", "--model.n-embd", "32",
-        "--model.block-size", "16", "--micro-batch-size", "2", "--diloco.sync-every", "2",
-        "--ranks-per-worker", "2", "--faults", str(path), "--fault-detection-s", "2.5",
-        "--out", str(out),
-    ]  # fmt: skip
-    launched = subprocess.run(
-        [*torchrun(tmp_path), "--standalone", "--nproc-per-node", "4", "-m", "lowcomm",
-         *flags],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    _same_numbers((_records(out), summary), threads)
+    path = trace_file(tmp_path, TRACE)
+    threads = trained(_config("diloco", tmp_path / "threads", path, processes=False))
+    same_numbers(under_torchrun(tmp_path, path, "--ranks-per-worker", "2", processes=4), threads)
 
 
 def test_the_memory_floor_counts_a_standby_process_for_each_rank_of_a_join(
