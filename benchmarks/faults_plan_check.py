@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lowcomm.bench.faults import FaultsBench, _train_config, _with_faults
+from lowcomm.bench.faults import FaultsBench, _train_config, _with_faults, trace_timing
 from lowcomm.config import TrainConfig
 from lowcomm.faults.goodput import Exposure, absent_worker_seconds
 from lowcomm.faults.run import run_trace
@@ -370,8 +370,9 @@ def bench_plan_config(bench: FaultsBench, method: str, workers: int) -> PlanConf
     """The planner's configuration of ``lowcomm bench faults``' run of ``method`` at M =
     ``workers`` (its model's parameters counted on the meta device, its nominal tokens), with
     the benchmark's trace options: the MTBF and replacement delay from the longest
-    fault-free run of ``bench.methods``, as :func:`lowcomm.bench.faults.run_workers` sets
-    them, that run's modeled time taken as its plan's wall clock (equal to the run's)."""
+    fault-free run of ``bench.methods`` (:func:`lowcomm.bench.faults.trace_timing`, as
+    ``lowcomm bench faults`` sets them), that run's modeled time taken as its plan's wall
+    clock (equal to the run's)."""
 
     def configure(name: str) -> tuple[TrainConfig, PlanConfig]:
         train = _train_config(bench, name, workers, Path(bench.out) / "unused")
@@ -385,13 +386,7 @@ def bench_plan_config(bench: FaultsBench, method: str, workers: int) -> PlanConf
         )  # fmt: skip
 
     longest = max(make_plan(configure(name)[1]).wall_clock_s for name in bench.methods)
-    mtbf = bench.fault_mtbf_s
-    if mtbf is None:
-        slowed = bench.fault_slow_factor if bench.fault_slow_fraction > 0 else 1.0
-        mtbf = slowed * longest / -math.log1p(-bench.crash_fraction)
-    replace = bench.fault_replace_after_s
-    if replace is None:
-        replace = bench.replace_fraction * longest
+    mtbf, replace = trace_timing(bench, longest)
     train, _ = configure(method)
     _with_faults(train, bench, mtbf, replace)
     return configure_faults(configure(method)[1], train)

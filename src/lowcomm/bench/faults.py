@@ -248,6 +248,24 @@ def _row(
     return row
 
 
+def trace_timing(bench: FaultsBench, longest_s: float) -> tuple[float, float]:
+    """The trace's MTBF per worker and replacement delay (seconds) for an M whose longest
+    fault-free run took ``longest_s``: ``bench``'s own where given, else the MTBF that crashes
+    about ``crash_fraction`` of the workers within that run behind a straggler, and a
+    replacement ``replace_fraction`` of that run after each crash."""
+    mtbf = bench.fault_mtbf_s
+    if mtbf is None:
+        # A run with a permanent straggler takes about slow_factor times as long (a
+        # synchronous step, or a local round's sync, waits for it): the crashes are drawn
+        # over that length.
+        slowed = bench.fault_slow_factor if bench.fault_slow_fraction > 0 else 1.0
+        mtbf = slowed * longest_s / -math.log1p(-bench.crash_fraction)
+    replace = bench.fault_replace_after_s
+    if replace is None:
+        replace = bench.replace_fraction * longest_s
+    return mtbf, replace
+
+
 def run_workers(
     bench: FaultsBench, workers: int, root: Path
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -268,16 +286,7 @@ def run_workers(
     longest = max(
         (r["modeled_time_s"] for r in clean.values() if not isinstance(r, str)), default=1.0
     )
-    mtbf = bench.fault_mtbf_s
-    if mtbf is None:
-        # A run with a permanent straggler takes about slow_factor times as long (a
-        # synchronous step, or a local round's sync, waits for it): the crashes are drawn
-        # over that length.
-        slowed = bench.fault_slow_factor if bench.fault_slow_fraction > 0 else 1.0
-        mtbf = slowed * longest / -math.log1p(-bench.crash_fraction)
-    replace = bench.fault_replace_after_s
-    if replace is None:
-        replace = bench.replace_fraction * longest
+    mtbf, replace = trace_timing(bench, longest)
     rows = []
     for method in bench.methods:
         faulted: dict[str, Any] | str
