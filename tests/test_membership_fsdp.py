@@ -16,9 +16,16 @@ from typing import Any
 import pytest
 
 from lowcomm.config import TrainConfig
-from lowcomm.membership.options import MembershipOptions
-from test_membership_ranks import _lines, _losses, _needs_torchft, _ranks_config, _wait_for
-from test_membership_torchft import _digests, _quorum_without_2, _record
+from test_membership_ranks import (
+    ON_THE_CLOCK,
+    _follow_the_static_losses,
+    _healed_once,
+    _kill_and_restart_worker_2,
+    _needs_torchft,
+    _ranks_config,
+    _static_losses,
+)
+from test_membership_torchft import _digests, _record
 
 RANK_FILES = ("membership.json", "membership.rank1.json")
 
@@ -39,19 +46,11 @@ def test_sharded_groups_follow_the_static_fsdp_trajectory(tmp_path: Path, method
     _needs_torchft()
     from lowcomm.launch.run import run_training
 
-    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
-    static = _fsdp_config(method, tmp_path / "static", membership="static", **common)
-    static.placement.membership_options = MembershipOptions()
-    run_training(static, report=None)
-    run_training(_fsdp_config(method, tmp_path / "torchft", **common), report=None)
-
-    expected = _losses(tmp_path / "static" / "metrics.jsonl")
+    expected = _static_losses(_fsdp_config, method, tmp_path / "static")
     live = tmp_path / "torchft"
-    workers = [_losses(live / f"worker{k}" / "metrics.jsonl") for k in range(2)]
-    assert len(expected) == 8 and all(len(w) == 8 for w in workers)
-    for step, want in enumerate(expected):
-        mean = sum(w[step] for w in workers) / 2
-        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+    run_training(_fsdp_config(method, live, **ON_THE_CLOCK), report=None)
+    assert len(expected) == 8
+    _follow_the_static_losses(expected, live)
     # Rank r of each worker holds the same shard after each committed round; the two ranks
     # of a worker hold different shards.
     digests = [_rank_digests(live / f"worker{k}") for k in range(2)]
@@ -67,35 +66,15 @@ def test_a_killed_sharded_group_restarted_heals_each_rank_its_own_shard(tmp_path
     its ranks takes its own shard's global state from the same rank of a live group, sits out
     the sync it healed in, and then holds the survivors' shard bit for bit."""
     _needs_torchft()
-    from lowcomm.membership.local import LocalJob
-
-    config = _fsdp_config("diloco", tmp_path, steps=160, workers=3)
-    with LocalJob(config) as job:
-        job.start_all()
-        _wait_for(lambda: _lines(job.worker_dir(2, 0) / "metrics.jsonl") >= 10, "10 steps")
-        killed = job.kill(2)
-        _wait_for(lambda: _quorum_without_2(job.worker_dir(0, 0), killed), "a quorum without it")
-        job.start(2)
-        codes = job.wait(300)
-    assert codes == {0: [0], 1: [0], 2: [-9, 0]}, codes
+    _kill_and_restart_worker_2(_fsdp_config("diloco", tmp_path, steps=160, workers=3))
     survivor, joiner = tmp_path / "worker0", tmp_path / "worker2.1"
     healed_bytes = []
     for name in RANK_FILES:
-        record = json.loads((joiner / name).read_text())
-        healed = [e for e in record["events"] if e["event"] == "healed"]
-        assert len(healed) == 1 and healed[0]["bytes"] > 0, record["events"]
+        healed = _healed_once(joiner / name, survivor / name)
         # (its shard's state whole from its peer: nothing to gather among the worker's ranks)
-        assert healed[0]["bytes"] == healed[0]["state_bytes"], healed
-        assert healed[0]["gathered_bytes"] == 0, healed
-        healed_bytes.append(healed[0]["bytes"])
-        first_quorum = next(e for e in record["events"] if e["event"] == "quorum")
-        assert first_quorum["participants"] == 2, first_quorum
-        mine = _digests(record)
-        theirs = _digests(json.loads((survivor / name).read_text()))
-        first_sync = min(mine)
-        assert first_sync == healed[0]["step"]
-        assert mine[first_sync] == theirs[first_sync]
-        assert mine[159] == theirs[159]
+        assert healed["bytes"] == healed["state_bytes"], healed
+        assert healed["gathered_bytes"] == 0, healed
+        healed_bytes.append(healed["bytes"])
     # Each rank received its own shard's state, not the whole model's: FSDP cuts every
     # parameter into R chunks, so the ranks' shards are of one size but hold other values, and
     # a rank's declared state is a part of what the rank holds.

@@ -14,23 +14,31 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from _cli import TINY
 from lowcomm.config import TrainConfig
 from lowcomm.membership.options import MembershipOptions, membership_refusal
-from test_membership_torchft import _config, _digests, _record
+from test_membership_torchft import (
+    _config,
+    _digests,
+    _lines,
+    _needs_torchft,
+    _quorum_without_2,
+    _record,
+    _wait_for,
+)
+
+if TYPE_CHECKING:
+    from lowcomm.membership.local import LocalJob
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2
-
-
-def _needs_torchft() -> None:
-    pytest.importorskip("torchft", reason="torchft is not installed (pip install 'lowcomm[ft]')")
 
 
 def _ranks_config(method: str, out: Path, steps: int, **overrides: Any) -> TrainConfig:
@@ -41,19 +49,69 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["train_loss"] for line in path.read_text().splitlines()]
 
 
-def _lines(path: Path) -> int:
-    try:
-        return len(path.read_text().splitlines())
-    except OSError:
-        return 0
+#: The options of a run held to the static trajectory: 8 steps on the virtual clock.
+ON_THE_CLOCK: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
 
 
-def _wait_for(condition: Any, what: str, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+def _static_losses(config: Callable[..., TrainConfig], method: str, out: Path) -> list[float]:
+    """The losses of ``method``'s run of ``config`` with --membership static, in ``out``."""
+    from lowcomm.launch.run import run_training
+
+    static = config(method, out, membership="static", **ON_THE_CLOCK)
+    static.placement.membership_options = MembershipOptions()
+    run_training(static, report=None)
+    return _losses(out / "metrics.jsonl")
+
+
+def _follow_the_static_losses(expected: list[float], live: Path) -> None:
+    """Each of the 8 steps of the two workers' runs in ``live`` has the mean loss of the
+    static run's step to 1e-6."""
+    workers = [_losses(live / f"worker{k}" / "metrics.jsonl") for k in range(2)]
+    assert all(len(w) == 8 for w in workers)
+    for step, want in enumerate(expected):
+        mean = sum(w[step] for w in workers) / 2
+        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+
+
+def _kill_and_restart_worker_2(
+    config: TrainConfig, killed: Callable[[LocalJob, list[BaseProcess]], None] | None = None
+) -> None:
+    """Runs ``config``'s 3 workers; after worker 2's 10th step SIGKILLs its replica group (then
+    ``killed`` sees the job and the group), waits for a quorum without it and starts it again:
+    every worker ends well, worker 2 after its kill."""
+    from lowcomm.membership.local import LocalJob
+
+    with LocalJob(config) as job:
+        job.start_all()
+        worker_2 = job.worker_dir(2, 0) / "metrics.jsonl"
+        _wait_for(lambda: _lines(worker_2) >= 10, "10 steps", timeout_s=240.0)
+        group = job.groups[2][0]
+        at = job.kill(2)
+        if killed is not None:
+            killed(job, group)
+        survivor = job.worker_dir(0, 0)
+        _wait_for(lambda: _quorum_without_2(survivor, at), "a quorum without it", timeout_s=240.0)
+        job.start(2)
+        codes = job.wait(300)
+    assert codes == {0: [0], 1: [0], 2: [-9, 0]}, codes
+
+
+def _healed_once(joiner: Path, survivor: Path) -> dict[str, Any]:
+    """The one healing of a restarted rank (``joiner``: its membership record), checked: it
+    received bytes, its first quorum held 2 workers, and from the sync it healed in (its
+    first) to step 159 its digests are those of the same rank of a survivor (``survivor``)."""
+    record = json.loads(joiner.read_text())
+    healed = [e for e in record["events"] if e["event"] == "healed"]
+    assert len(healed) == 1 and healed[0]["bytes"] > 0, record["events"]
+    first_quorum = next(e for e in record["events"] if e["event"] == "quorum")
+    assert first_quorum["participants"] == 2, first_quorum
+    mine = _digests(record)
+    theirs = _digests(json.loads(survivor.read_text()))
+    first_sync = min(mine)
+    assert first_sync == healed[0]["step"]
+    assert mine[first_sync] == theirs[first_sync]
+    assert mine[159] == theirs[159]
+    return dict(healed[0])
 
 
 @pytest.mark.slow
@@ -67,19 +125,11 @@ def test_no_fault_groups_of_two_ranks_follow_the_static_trajectory(
     _needs_torchft()
     from lowcomm.launch.run import run_training
 
-    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
-    static = _ranks_config(method, tmp_path / "static", membership="static", **common)
-    static.placement.membership_options = MembershipOptions()
-    run_training(static, report=None)
-    run_training(_ranks_config(method, tmp_path / "torchft", **common), report=None)
-
-    expected = _losses(tmp_path / "static" / "metrics.jsonl")
+    expected = _static_losses(_ranks_config, method, tmp_path / "static")
     live = tmp_path / "torchft"
-    workers = [_losses(live / f"worker{k}" / "metrics.jsonl") for k in range(2)]
-    assert len(expected) == 8 and all(len(w) == 8 for w in workers)
-    for step, want in enumerate(expected):
-        mean = sum(w[step] for w in workers) / 2
-        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+    run_training(_ranks_config(method, live, **ON_THE_CLOCK), report=None)
+    assert len(expected) == 8
+    _follow_the_static_losses(expected, live)
     # Every rank of every worker holds the same parameters after each committed round.
     records = [_record(live / f"worker{k}") for k in range(2)]
     ranks = [
@@ -103,52 +153,24 @@ def test_a_killed_group_restarted_heals_every_rank_bit_for_bit(tmp_path: Path) -
     """3 workers of 2 ranks (the two survivors keep the emulated link's pace while the
     joiner's processes start); worker 2's group is SIGKILLed and started again."""
     _needs_torchft()
-    from lowcomm.membership.local import LocalJob
 
-    config = _ranks_config("diloco", tmp_path, steps=160, workers=3)
-    with LocalJob(config) as job:
-        job.start_all()
+    def killed(job: LocalJob, group: list[BaseProcess]) -> None:
         assert [len(job.groups[k][0]) for k in range(3)] == [RANKS] * 3
-        _wait_for(lambda: _lines(job.worker_dir(2, 0) / "metrics.jsonl") >= 10, "10 steps")
-        group = job.groups[2][0]
-        killed = job.kill(2)
         assert [p.exitcode for p in group] == [-9] * RANKS  # the whole group
-        _wait_for(lambda: _quorum_without_2(job.worker_dir(0, 0), killed), "a quorum without it")
-        job.start(2)
-        codes = job.wait(300)
-    assert codes == {0: [0], 1: [0], 2: [-9, 0]}, codes
+
+    _kill_and_restart_worker_2(_ranks_config("diloco", tmp_path, steps=160, workers=3), killed)
     survivor, joiner = tmp_path / "worker0", tmp_path / "worker2.1"
     # Each rank of the joiner was healed from the same rank of a live group, sat out the sync
     # it healed in, and then holds the survivors' parameters bit for bit.
     for name in ("membership.json", "membership.rank1.json"):
-        record = json.loads((joiner / name).read_text())
-        healed = [e for e in record["events"] if e["event"] == "healed"]
-        assert len(healed) == 1 and healed[0]["bytes"] > 0, record["events"]
+        healed = _healed_once(joiner / name, survivor / name)
         # The rank received 1/R of the declared state from its peer (a contiguous slice of
         # its bytes) and gathered the whole from its own group's ranks.
-        state = healed[0]["state_bytes"]
-        assert healed[0]["bytes"] == pytest.approx(state / RANKS, rel=1e-3), healed
-        assert healed[0]["gathered_bytes"] >= state
-        first_quorum = next(e for e in record["events"] if e["event"] == "quorum")
-        assert first_quorum["participants"] == 2, first_quorum
-        mine = _digests(record)
-        theirs = _digests(json.loads((survivor / name).read_text()))
-        first_sync = min(mine)
-        assert first_sync == healed[0]["step"]
-        assert mine[first_sync] == theirs[first_sync]
-        assert mine[159] == theirs[159]
+        state = healed["state_bytes"]
+        assert healed["bytes"] == pytest.approx(state / RANKS, rel=1e-3), healed
+        assert healed["gathered_bytes"] >= state
     assert _record(joiner)["data_position"] == _record(survivor)["data_position"] == 160
     assert (joiner / "summary.json").is_file() and (survivor / "summary.json").is_file()
-
-
-def _quorum_without_2(directory: Path, since: float) -> bool:
-    path = directory / "membership.json"
-    if not path.is_file():
-        return False
-    events = json.loads(path.read_text())["events"]
-    return any(
-        e["event"] == "quorum" and e["time"] > since and e["members"] == [0, 1] for e in events
-    )
 
 
 @pytest.mark.slow
@@ -286,12 +308,9 @@ def test_a_job_of_groups_stopped_inside_a_round_resumes_on_the_static_trajectory
     from lowcomm.config import with_options
     from lowcomm.launch.run import run_training
 
-    common: dict[str, Any] = {"clock": "virtual", "seconds_per_microbatch": 0.01, "steps": 8}
-    static = _ranks_config("diloco", tmp_path / "static", membership="static", **common)
-    static.placement.membership_options = MembershipOptions()
-    run_training(static, report=None)
+    expected = _static_losses(_ranks_config, "diloco", tmp_path / "static")
     run = tmp_path / "torchft"
-    config = _ranks_config("diloco", run, stop_after=6, **common)
+    config = _ranks_config("diloco", run, stop_after=6, **ON_THE_CLOCK)
     assert run_training(config, report=None) is None
     for k in range(2):
         latest = run / f"worker{k}" / "checkpoints" / "step-000006"
@@ -299,12 +318,7 @@ def test_a_job_of_groups_stopped_inside_a_round_resumes_on_the_static_trajectory
     resumed = with_options(config, resume=str(run), stop_after=None, out=None)
     assert run_training(resumed, report=None) is not None
 
-    expected = _losses(tmp_path / "static" / "metrics.jsonl")
-    workers = [_losses(run / f"worker{k}" / "metrics.jsonl") for k in range(2)]
-    assert all(len(w) == 8 for w in workers)
-    for step, want in enumerate(expected):
-        mean = sum(w[step] for w in workers) / 2
-        assert mean == pytest.approx(want, rel=1e-6, abs=1e-6), step
+    _follow_the_static_losses(expected, run)
     records = [_record(run / f"worker{k}") for k in range(2)]
     ranks = [json.loads((run / f"worker{k}" / "membership.rank1.json").read_text()) for k in (0, 1)]
     digests = [_digests(r) for r in records + ranks]
