@@ -29,6 +29,12 @@ reconfigured group directly, reports a failure to the Manager (the round then do
 and is tried again from its saved input on a new quorum. Its output has one row per
 participant, in slot order: a member being healed sends a row that is left out.
 
+**Rounds of several collectives.** An exchange whose later collectives need an earlier one's
+data (diloco's two-step quantized mean: an all-to-all, then an all-gather) runs as one round
+(:meth:`TorchftComm.run_round`): its collectives share the round's quorum, none commits on
+its own, a failure of any makes the round not commit, and the whole exchange runs again on a
+new quorum.
+
 **Healing.** A worker that asks for a quorum with a lower torchft step than the others is
 healed: torchft's Manager has a live member send it what the method declares global
 (``Strategy.global_state``: for diloco the global parameters, the outer momentum and the
