@@ -55,13 +55,3 @@ def test_overlapping_methods_survive_a_kill_and_heal_a_restarted_worker(
     assert min(mine) == healed["step"] + 4
     assert all(mine[s] == theirs[s] == other[s] for s in mine), (mine, theirs)
     assert max(mine) == 159
-
-
-@pytest.mark.parametrize("method", ["eager", "diloco_delayed"])
-def test_a_bf16_exchange_in_flight_is_refused_in_one_line(method: str) -> None:
-    from lowcomm.config import ConfigError, TrainConfig, with_options
-
-    config = with_options(TrainConfig(method=method), membership="torchft", comm_dtype="bf16")
-    with pytest.raises(ConfigError, match="use --comm-dtype fp32"):
-        config.validate()
-    with_options(config, comm_dtype="fp32").validate()

@@ -49,6 +49,14 @@ class CastBackHandle:
             self._target.copy_(self._wire)
             self._copied = True
 
+    def copy_back_moved(self) -> None:
+        """Copy the result into the target now, without waiting for or settling the inner
+        handle: for a caller that knows the data has moved (the collective completed
+        underneath, e.g. a live-membership round committed) and must read the result in the
+        dtype the caller gave, as ``wait`` will leave it (copying again later changes
+        nothing)."""
+        self._copy_back()
+
     def wait(self) -> None:
         self._inner.wait()
         self._copy_back()

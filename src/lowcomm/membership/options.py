@@ -283,17 +283,35 @@ def _method_refusal(config: TrainConfig, flag: str) -> str | None:
             f"checked through a kill and a restart); use "
             f"{', '.join((*TORCHFT_METHODS, *TORCHFT_VIRTUAL_METHODS))}"
         )
-    if config.method in ("eager", "diloco_delayed") and config.comm.comm_dtype != "fp32":
+    ranks = config.placement.ranks_per_worker
+    dtype = config.comm.comm_dtype
+    if config.method in ("eager", "diloco_delayed") and dtype != "fp32" and ranks > 1:
+        # (A joiner is healed with the exchange in flight as its mean is cast back; on a
+        # worker of several ranks that mean is complete only after the gather among its
+        # ranks, which the healing thread cannot run.)
         return (
-            f"{flag}: --method {config.method} with --comm-dtype {config.comm.comm_dtype}: a "
-            "joiner is healed with the exchange in flight, read before the mean is cast back; "
-            "use --comm-dtype fp32"
+            f"{flag}: --method {config.method} with --comm-dtype {dtype} with "
+            f"--ranks-per-worker {ranks}: a joiner is healed with the exchange in flight, "
+            "whose cast-back mean a worker of several ranks holds only after its ranks' "
+            "gather; use --comm-dtype fp32 or --ranks-per-worker 1"
         )
-    if config.method in ("diloco", "streaming_diloco", "sparta_diloco"):
-        quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
-        if quantization != "none":
-            return (
-                f"{flag}: not with --diloco.quantization {quantization} (its two-step "
-                "exchange is two collectives per round); use none"
-            )
+    quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
+    if quantization == "none":
+        return None
+    # (diloco's two-step quantized exchange is one round of two collectives, issued and
+    # committed in the step that syncs, tried again whole on a new quorum:
+    # TorchftComm.run_round. sparta_diloco's exchange is never quantized.)
+    if config.method in ("streaming_diloco", "cocodc", "eager", "diloco_delayed"):
+        return (
+            f"{flag}: --method {config.method} with --diloco.quantization {quantization}: "
+            "its two-step exchange flies across inner steps (its second step is issued "
+            "where the exchange is applied), and a round of two collectives here runs both "
+            "in the step that launches it; use --diloco.quantization none"
+        )
+    if config.method == "diloco" and ranks > 1:
+        return (
+            f"{flag}: --method {config.method} with --diloco.quantization {quantization} with "
+            f"--ranks-per-worker {ranks}: its two-step exchange runs as one round on a "
+            "worker of one rank only; use --ranks-per-worker 1 or --diloco.quantization none"
+        )
     return None

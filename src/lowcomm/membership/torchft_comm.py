@@ -29,6 +29,12 @@ reconfigured group directly, reports a failure to the Manager (the round then do
 and is tried again from its saved input on a new quorum. Its output has one row per
 participant, in slot order: a member being healed sends a row that is left out.
 
+**Rounds of several collectives.** An exchange whose later collectives need an earlier one's
+data (diloco's two-step quantized mean: an all-to-all, then an all-gather) runs as one round
+(:meth:`TorchftComm.run_round`): its collectives share the round's quorum, none commits on
+its own, a failure of any makes the round not commit, and the whole exchange runs again on a
+new quorum.
+
 **Healing.** A worker that asks for a quorum with a lower torchft step than the others is
 healed: torchft's Manager has a live member send it what the method declares global
 (``Strategy.global_state``: for diloco the global parameters, the outer momentum and the
@@ -79,7 +85,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -111,6 +117,8 @@ from lowcomm.strategies.base import Strategy
 __all__ = ["Replica", "RoundFailed", "TorchftComm", "TorchftMembership", "bound_store"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: How often a starting worker asks again while fewer than --workers are in its quorum.
 ADMISSION_POLL_S = 0.2
@@ -823,7 +831,9 @@ class _RoundHandle:
     """The round's payload in flight; ``wait()`` returns once a round committed it (tried
     again on a new quorum if one did not; see the module docstring)."""
 
-    def __init__(self, replica: Replica, tensor: torch.Tensor, op: LowcommReduceOp) -> None:
+    def __init__(
+        self, replica: Replica, tensor: torch.Tensor, op: LowcommReduceOp, *, commits: bool = True
+    ) -> None:
         self._replica = replica
         self._tensor = tensor
         self._op = op
@@ -831,7 +841,11 @@ class _RoundHandle:
         self.step = replica.loop_step
         self._work = self._issue()
         self._done = False
-        replica._in_flight = self
+        #: False: one collective of a round that holds several (TorchftComm.run_round), which
+        #: commits the round and tries it again itself.
+        self._commits = commits
+        if commits:
+            replica._in_flight = self
 
     def _issue(self) -> Any:
         reduce = ReduceOp.AVG if self._op == "mean" else ReduceOp.SUM
@@ -839,6 +853,10 @@ class _RoundHandle:
 
     def wait(self) -> None:
         if self._done:
+            return
+        if not self._commits:
+            self._work.wait()  # (an error is reported to the Manager: the round is dropped)
+            self._done = True
             return
         replica = self._replica
         attempts = replica.options.attempts
@@ -922,11 +940,16 @@ class _GatherHandle:
     participants: ``output`` is then resized to it (read the count from ``output.numel()``
     after ``wait()``)."""
 
-    def __init__(self, replica: Replica, output: torch.Tensor, input: torch.Tensor) -> None:
+    def __init__(
+        self, replica: Replica, output: torch.Tensor, input: torch.Tensor, *, commits: bool = True
+    ) -> None:
         self._replica = replica
         self._output = output
         self._input = input.detach().reshape(-1).clone()  # (a dropped round resends it)
         self._rows: list[torch.Tensor] = []
+        #: False: one collective of a round that holds several (TorchftComm.run_round).
+        self._commits = commits
+        self._failed = False  # (this attempt's rows are not the round's)
         self._work = self._issue()
         self._done = False
 
@@ -934,13 +957,16 @@ class _GatherHandle:
         """Start the gather of this round's quorum (None: the round has already failed)."""
         manager = self._replica.manager
         manager.wait_quorum()
+        self._failed = True
         if manager.errored() is not None:
             return None
         flag = torch.tensor([1 if manager.is_participating() else 0], dtype=torch.uint8)
         wire = torch.cat([self._input.view(torch.uint8), flag])
         self._rows = [torch.empty_like(wire) for _ in self._replica.pg.members]
         try:
-            return self._replica.pg.allgather([self._rows], [wire], AllgatherOptions())
+            work = self._replica.pg.allgather([self._rows], [wire], AllgatherOptions())
+            self._failed = False
+            return work
         except Exception as error:  # (the group could not issue it: a broken quorum)
             manager.report_error(error)
             return None
@@ -956,9 +982,11 @@ class _GatherHandle:
             work.wait()
         except Exception as error:
             manager.report_error(error)
+            self._failed = True
             return
         participants = sum(int(row[-1]) for row in self._rows)
         if participants != manager.num_participants():
+            self._failed = True
             manager.report_error(
                 RuntimeError(
                     f"all_gather: {participants} rows flagged participating, the quorum has "
@@ -968,9 +996,7 @@ class _GatherHandle:
 
     def _place(self) -> None:
         """The participants' rows, in slot order, into ``output``."""
-        members = self._replica.pg.members
-        order = sorted(range(len(members)), key=lambda index: members[index])
-        kept = [self._rows[i][:-1] for i in order if int(self._rows[i][-1]) == 1]
+        kept = self._participants()
         count = self._input.numel()
         if self._output.numel() != len(kept) * count:
             self._output.resize_(len(kept) * count)
@@ -978,8 +1004,25 @@ class _GatherHandle:
         with torch.no_grad():
             flat.copy_(torch.cat(kept))
 
+    def _participants(self) -> list[torch.Tensor]:
+        """The participants' rows, in slot order, without their flag bytes."""
+        members = self._replica.pg.members
+        order = sorted(range(len(members)), key=lambda index: members[index])
+        return [self._rows[i][:-1] for i in order if int(self._rows[i][-1]) == 1]
+
     def wait(self) -> None:
         if self._done:
+            return
+        if not self._commits:
+            # (One collective of several in the round: a failure leaves zeros, which the
+            # round, not committed, never lets the strategy keep.)
+            self._finish()
+            if not self._failed:
+                self._place()
+            else:
+                with torch.no_grad():
+                    self._output.zero_()
+            self._done = True
             return
         replica = self._replica
         attempts = replica.options.attempts
@@ -1004,6 +1047,36 @@ class _GatherHandle:
         return Settled()
 
 
+class _AllToAllHandle(_GatherHandle):
+    """An all-to-all among the round's participants, one collective of a round that holds
+    several (:meth:`TorchftComm.run_round`, which commits it): chunk j of every
+    participant's ``input`` (``world_size`` chunks, the participants'), in slot order, into
+    ``output`` of the j-th participant in slot order.
+
+    torchft's Manager wraps no all-to-all, so it runs as a gather on the round's group (every
+    member's whole input with its participation flag, as :class:`_GatherHandle`) of which
+    each member keeps its own chunks: a member being healed in the round takes part in the
+    collective but not in the result, and receives zeros (it sits the round out)."""
+
+    def __init__(self, replica: Replica, output: torch.Tensor, input: torch.Tensor) -> None:
+        super().__init__(replica, output, input, commits=False)
+
+    def _place(self) -> None:
+        replica = self._replica
+        members = replica.pg.members
+        order = sorted(range(len(members)), key=lambda index: members[index])
+        rows = [i for i in order if int(self._rows[i][-1]) == 1]
+        slots = [members[i] for i in rows]
+        flat = self._output.view(-1).view(torch.uint8)
+        with torch.no_grad():
+            if replica.slot not in slots:
+                flat.zero_()
+                return
+            mine = slots.index(replica.slot)
+            chunks = [self._rows[i][:-1].view(len(rows), -1)[mine] for i in rows]
+            flat.copy_(torch.cat(chunks))
+
+
 class TorchftComm:
     """The strategy's raw ``Comm`` between workers, over this worker's :class:`Replica`.
 
@@ -1021,6 +1094,9 @@ class TorchftComm:
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self._started = False
+        #: Inside :meth:`run_round`: the collectives issued belong to its round, which it
+        #: commits (none commits on its own).
+        self._compound = False
 
     def start(self) -> None:
         """Set-up is over: from now on collectives run in rounds."""
@@ -1054,7 +1130,35 @@ class TorchftComm:
         self.replica.open_round()
         if op == "max":
             return _MaxHandle(self.replica, tensor)
-        return _RoundHandle(self.replica, tensor, op)
+        return _RoundHandle(self.replica, tensor, op, commits=not self._compound)
+
+    def run_round(self, exchange: Callable[[], _T]) -> _T:
+        """Run ``exchange``, which issues several collectives on this group (through any
+        wrapper) and waits for them, as one round: every collective belongs to the round's
+        quorum and none commits on its own; the round commits once ``exchange`` returns, and
+        a failure of any of them (reported to the Manager) makes it not commit. A round that
+        did not commit is tried again on a new quorum, ``exchange`` called again from its
+        own inputs (it reads ``world_size`` anew: the new quorum's participants). Its
+        collectives run in the loop step that calls this (a round that flies across steps
+        commits at its collective's wait instead)."""
+        self._check_started("run_round")
+        replica = self.replica
+        replica.reach_round()
+        replica.open_round()
+        attempts = replica.options.attempts
+        for attempt in range(1, attempts + 1):
+            self._compound = True
+            try:
+                result = exchange()
+            finally:
+                self._compound = False
+            replica._note_quorum()
+            if replica.commit():
+                return result
+            if attempt == attempts:
+                break
+            replica.retry_round()
+        raise _round_failed(replica)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, role: Role) -> Handle:
         if not self._started:
@@ -1079,10 +1183,22 @@ class TorchftComm:
         self.replica.reach_round()
         self.replica.open_round()
         check_scatter_shapes(output, input, self.world_size, "all_gather")
-        return _GatherHandle(self.replica, output, input)
+        return _GatherHandle(self.replica, output, input, commits=not self._compound)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, role: Role) -> Handle:
-        raise NotImplementedError(self._unsupported("all_to_all"))
+        """Chunk j of every participant's ``input`` into participant j's ``output``, in slot
+        order (:class:`_AllToAllHandle`): only as one collective of a round that holds
+        several (:meth:`run_round`), whose later collectives need its data."""
+        self._check_started("all_to_all")
+        if not self._compound:
+            raise NotImplementedError(self._unsupported("all_to_all"))
+        check_scatter_shapes(output, input, 1, "all_to_all")
+        if input.numel() % self.world_size:
+            raise ValueError(
+                f"all_to_all: {input.numel()} elements do not split into {self.world_size} "
+                "equal chunks; pad the input to a multiple of world_size"
+            )
+        return _AllToAllHandle(self.replica, output, input)
 
     def _check_started(self, op: str) -> None:
         if not self._started:
@@ -1092,7 +1208,8 @@ class TorchftComm:
     def _unsupported(op: str) -> str:
         return (
             f"TorchftComm.{op}: a round here is one quorum and its mean all-reduces or "
-            "all-gathers; the methods that run with --membership torchft issue nothing else"
+            "all-gathers (and, inside run_round, all-to-alls); the methods that run with "
+            "--membership torchft issue nothing else"
         )
 
 

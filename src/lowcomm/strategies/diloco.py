@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -305,7 +305,11 @@ class OuterExchange:
 
     The quantized exchange's second step needs the first's data: it is issued when the
     exchange is collected (its :meth:`wait`, or a checkpoint's :meth:`state_dict`), the same
-    point on every worker, so the collectives' order agrees across workers.
+    point on every worker, so the collectives' order agrees across workers. With ``rounds``
+    (live membership: a group whose collectives are committed rounds, ``run_round`` of
+    :class:`~lowcomm.membership.torchft_comm.TorchftComm`) both steps run at once as one
+    round, which commits both or neither and is tried again whole on a new quorum, whose
+    size may shard the exchange differently.
     """
 
     def __init__(
@@ -317,6 +321,7 @@ class OuterExchange:
         row_size: int,
         *,
         clock: ClockReader | None = None,
+        rounds: RoundRunner | None = None,
     ) -> None:
         self.comm = comm
         self.clock = clock
@@ -337,7 +342,7 @@ class OuterExchange:
             self.handle: Handle = comm.all_reduce(
                 self._buffer, op="mean", role=Role.PSEUDO_GRADIENT
             )
-        else:
+        elif rounds is None:
             self._two_step = TwoStepQuantized(comm, delta, extras32, quantization, row_size)
             self._own = self._two_step.own  # what the others decode of this worker's Delta
             self.handle = self._two_step.first
@@ -345,6 +350,21 @@ class OuterExchange:
         self.finish_time: float | None = None
         self._settled: Settled | None = None
         self._waited = False
+        if quantization != "none" and rounds is not None:
+            self._two_step, self._first, self.handle, self._settled = rounds(
+                lambda: self._both_steps(delta, extras32)
+            )
+            self._own = self._two_step.own
+
+    def _both_steps(
+        self, delta: torch.Tensor, extras: torch.Tensor
+    ) -> tuple[TwoStepQuantized, Handle, Handle, Settled]:
+        """One try of the quantized exchange's round: both steps, their data moved (no time
+        charged: :meth:`wait` charges it), sharded over the round's workers."""
+        two_step = TwoStepQuantized(self.comm, delta, extras, self.quantization, self.row_size)
+        two_step.first.settle()
+        second = two_step.launch_second()
+        return two_step, two_step.first, second, second.settle()
 
     @property
     def wire_bytes(self) -> int:
@@ -370,17 +390,23 @@ class OuterExchange:
         a live member sends a joiner from an engine's healing thread."""
         if self._result is not None:
             return self._result[0], self._result[2]
+        # (With --comm-dtype bf16 the mean is in the cast copy the collective reduced: cast
+        # back now, as waiting will, so a joiner takes the mean the members apply.)
+        copy_back = getattr(self.handle, "copy_back_moved", None)
+        if copy_back is not None:
+            copy_back()
         return self._buffer[: self.numel], self._own
 
     def _collect(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Finish the data movement (no time charged) and decode the result once."""
         if self._result is not None:
             return self._result
-        if self._two_step is not None:
+        if self._two_step is not None and self._first is None:
             self._first = self.handle
             self._two_step.first.settle()
             self.handle = self._two_step.launch_second()
-        self._settled = self.handle.settle()
+        if self._settled is None:
+            self._settled = self.handle.settle()
         self.finish_time = self._settled.completion
         if self._two_step is not None:
             mean, extras = self._two_step.result()
@@ -461,6 +487,11 @@ class OuterExchange:
         return exchange
 
 
+#: Runs an exchange of several collectives as one committed round, tried again whole
+#: until one commits (live membership's ``TorchftComm.run_round``).
+RoundRunner = Callable[[Callable[[], Any]], Any]
+
+
 def _clock_now(clock: ClockReader | None) -> float | None:
     """The run's clock reading, or None without a clock."""
     return clock.now() if clock is not None else None
@@ -528,6 +559,7 @@ class OuterLoopStrategy(LocalUpdate[OptionsT]):
             self.quantization,
             self.row_size,
             clock=self.runtime.clock,
+            rounds=getattr(self.runtime.uncharged, "run_round", None),
         )
 
     def outer_step(self, p: int, delta: torch.Tensor) -> None:
