@@ -46,10 +46,10 @@ a peer's data twice. A worker's own state starts by the method's rule
 retry's quorum with the torchft step it asked its admission with, so it is healed again and
 sits the retry out too (:meth:`Replica.retry_round`), unless the others are too few to commit
 without it (``--membership.min-workers``): it then takes part with only its own steps, its
-gradient or pseudo-gradient counted as any member's and its parameters, which hold its sender's
-steps, with weight 0 in a parameter average (:class:`_RoundHandle`). A worker whose commit alone failed is a
-torchft step behind: it is healed at its retry's quorum, which for an overlapping method is
-already the others' next round, and there takes the state at once
+gradient or pseudo-gradient counted as any member's and its parameters, which hold its
+sender's steps, with weight 0 in a parameter average (:class:`_RoundHandle`). A worker whose
+commit alone failed is a torchft step behind: it is healed at its retry's quorum, which for an
+overlapping method is already the others' next round, and there takes the state at once
 (:meth:`Replica.fell_behind`).
 
 A new worker asks for its first quorum before its first step (:meth:`Replica.admit`): at a run's
@@ -262,7 +262,7 @@ class Replica:
     #: group), so that a decision taken from a rank's own clock is the group's.
     agree: Callable[[bool], bool] | None = None
     #: Whether this worker, a joiner needed for --membership.min-workers in a retry of the
-    #: round it healed in, sends a parameter average its parameters with weight 0 (until the
+    #: round it healed in, gives a parameter average its parameters with weight 0 (until the
     #: round commits: :meth:`retry_round`), and whether its payload counted in the open round.
     _weightless = False
     _counted = True
