@@ -21,6 +21,7 @@ from lowcomm.launch.inprocess import train_in_process
 from lowcomm.launch.run import preflight
 from lowcomm.models import ModelConfig
 from lowcomm.optim.outer import OuterNesterov
+from lowcomm.optim.schedule import ScheduleConfig
 from lowcomm.strategies import decoupled_diloco
 from lowcomm.strategies.decoupled_diloco import DecoupledOptions, Synchronizer
 from lowcomm.strategies.decoupled_sync import Contribution
@@ -329,6 +330,38 @@ def test_a_stop_and_resume_continues_exactly(tmp_path: Path) -> None:
         assert torch.equal(a.parameters, b.parameters)
         assert torch.equal(a.deployed_parameters, b.deployed_parameters)
         assert a.clock_s == b.clock_s and a.bytes_sent == b.bytes_sent
+
+
+def test_a_finished_run_extended_with_more_steps_merges_to_its_new_end(
+    tmp_path: Path, made: list[Synchronizer]
+) -> None:
+    """A finished run of 12 steps resumed with --steps 24 (its final checkpoint holds the
+    synchronizer after its end's drain): the extension's learners keep sending, and its
+    synchronizer keeps merging to the new end. With a constant learning rate (a cosine one
+    is stretched to the new total) and a drain at step 12 that had nothing left to merge, the
+    two parts make the straight 24-step run's merges and end on its parameters bit for bit."""
+
+    def config(out: Path, steps: int, **overrides: Any) -> TrainConfig:
+        return _config(
+            "decoupled_diloco", out, steps=steps, decoupled=DecoupledOptions(sync_every=4),
+            schedule=ScheduleConfig(kind="constant", warmup_steps=0), **overrides,
+        )  # fmt: skip
+
+    def merges(sync: Synchronizer) -> list[tuple[int, int, int, Any]]:
+        return [(r.fragment, r.version, r.tick, r.included) for r in sync.log]
+
+    _, straight = _run(config(tmp_path / "straight", 24))
+    whole = merges(made[-1])
+    _run(config(tmp_path / "extended", 12))
+    first = merges(made[-1])
+    _, extended = _run(config(tmp_path / "extended", 24, resume=str(tmp_path / "extended")))
+    later = merges(made[-1])
+    assert later and max(tick for _, _, tick, _ in later) >= 22, later  # (the last merge's)
+    assert first + later == whole
+    for a, b in zip(straight, extended, strict=True):
+        assert torch.equal(a.parameters, b.parameters)
+        assert torch.equal(a.deployed_parameters, b.deployed_parameters)
+        assert a.clock_s == b.clock_s
 
 
 def test_no_merge_without_the_minimum_quorum_and_a_stall_at_tau_zero_ends_in_one_line(

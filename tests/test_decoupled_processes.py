@@ -184,3 +184,26 @@ def test_a_run_in_processes_stopped_mid_trace_and_resumed_gives_the_uninterrupte
     config = _config(out, processes=True, trace=trace)
     config.run.resume = str(out)
     _same_numbers(_run(config), whole)
+
+
+@pytest.mark.slow
+def test_a_finished_run_in_processes_extended_with_more_steps_merges_to_its_new_end(
+    tmp_path: Path,
+) -> None:
+    """A finished run of 12 steps resumed with --steps 24: each process's replica of the
+    synchronizer comes back from the final checkpoint, drained at the old end, and merges
+    again. The extension in processes gives the same extension's numbers in one process,
+    with fragments merged after step 12 and every loss finite."""
+    runs = []
+    for name, processes in (("threads", False), ("processes", True)):
+        out = tmp_path / name
+        _run(_config(out, processes=processes, trace=None))
+        config = _config(out, processes=processes, trace=None)
+        config.run.steps, config.run.resume = 2 * STEPS, str(out)
+        runs.append(_run(config)[0])
+    threads, processes = runs
+    assert [r["step"] for r in processes] == [r["step"] for r in threads] == list(range(2 * STEPS))
+    for got, want in zip(processes, threads, strict=True):
+        assert _close(got["train_loss"], want["train_loss"]), (got, want)
+        assert math.isfinite(got["train_loss"]) and got["extras"] == want["extras"], (got, want)
+    assert any(r["extras"]["syncs_completed"] for r in processes if r["step"] >= STEPS + 2)

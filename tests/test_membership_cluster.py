@@ -10,6 +10,8 @@ its checkpoints on its own disk.
 - A worker SIGKILLed and started again with --resume while the other trains heals from it.
 - A worker of two ranks started by torchrun joins a job already training, heals and holds the
   others' parameters bit for bit after its first sync.
+- Workers of two ranks started by torchrun, stopped and resumed by the command each prints,
+  follow the uninterrupted job's losses.
 """
 
 from __future__ import annotations
@@ -389,3 +391,68 @@ def test_a_worker_restarted_with_resume_into_the_running_job_heals_from_it(
     assert all(mine[step] == theirs[step] for step in mine)
     assert mine[steps - 1] == theirs[steps - 1]
     assert live["data_position"] == restarted["data_position"] == steps
+
+
+def _torchrun_groups(torchrun: str, commands: list[list[str]]) -> list[str]:
+    """Each worker as a node starts it, ``commands[K]``: a torchrun of its ranks (``torchrun``
+    the binary beside this Python); each one's output, once all ended with 0."""
+    groups = [
+        subprocess.Popen(
+            [torchrun, *command],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for command in commands
+    ]
+    outputs = [group.communicate(timeout=HANG_GUARD_S)[0] for group in groups]
+    assert [group.returncode for group in groups] == [0] * len(groups), outputs
+    return outputs
+
+
+@pytest.mark.slow
+def test_torchrun_groups_stopped_inside_a_round_resume_by_the_command_they_print(
+    tmp_path: Path,
+) -> None:
+    """Two workers of 2 ranks, each one `torchrun --standalone --nproc-per-node 2` on
+    `torchft_lighthouse`, checkpoint every 3 steps and stop after step 9 (inside diloco's
+    round of steps 8 to 11). Each prints how to continue it: a torchrun of its 2 ranks again
+    (a plain `lowcomm train` is one process, which a worker of 2 ranks refuses). Run as
+    printed, the job gives the uninterrupted job's losses, and each rank the same parameters
+    at the end."""
+    torchrun = _binary("torchrun")
+    ranks = ["--ranks-per-worker", "2"]
+    group = ["--standalone", "--nproc-per-node", "2", "-m", "lowcomm", "train"]
+    stop = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--stop-after", str(STOP)]
+    with _lighthouse() as address:
+
+        def worker(k: int, *args: str) -> list[str]:
+            at = ["--membership.lighthouse", address, "--membership.worker", str(k)]
+            return [*group, *JOB, *ranks, *at, *args]
+
+        straight = [worker(k, "--steps", str(STEPS), "--out", str(tmp_path / f"whole{k}"))
+                    for k in range(WORKERS)]  # fmt: skip
+        _torchrun_groups(torchrun, straight)
+        outputs = _torchrun_groups(
+            torchrun, [worker(k, *stop, "--out", str(tmp_path / f"w{k}")) for k in range(WORKERS)]
+        )
+        printed = []
+        for k, output in enumerate(outputs):
+            line = next(line for line in output.splitlines() if "continue every worker" in line)
+            command = line.split("with its own: ", 1)[1].split()
+            assert command[:5] == ["torchrun", *group[:4]], line
+            assert command[5:] == [
+                "lowcomm", "train", "--resume", str(tmp_path / f"w{k}"),
+                "--membership.lighthouse", address, "--membership.worker", str(k),
+            ], line  # fmt: skip
+            printed.append(command[1:])
+        _torchrun_groups(torchrun, printed)
+    for k in range(WORKERS):
+        whole, resumed = _losses(tmp_path / f"whole{k}"), _losses(tmp_path / f"w{k}")
+        assert sorted(resumed) == sorted(whole) == list(range(STEPS)), k
+        assert all(resumed[s] == pytest.approx(whole[s], rel=1e-6, abs=1e-6) for s in whole)
+        for name in ("membership.json", "membership.rank1.json"):
+            mine = _digests(json.loads((tmp_path / f"w{k}" / name).read_text()))
+            theirs = _digests(json.loads((tmp_path / f"whole{k}" / name).read_text()))
+            assert mine[STEPS - 1] == theirs[STEPS - 1], (k, name)

@@ -115,13 +115,14 @@ def _healed_once(joiner: Path, survivor: Path) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["diloco", "ddp", "streaming_diloco", "demo"])
+@pytest.mark.parametrize("method", ["diloco", "ddp", "streaming_diloco", "demo", "local_sgd"])
 def test_no_fault_groups_of_two_ranks_follow_the_static_trajectory(
     tmp_path: Path, method: str
 ) -> None:
     """A round of each kind: diloco's outer sync, ddp's per-step mean, streaming_diloco's
-    fragments (which leave the workers' parameters apart between their syncs) and demo's
-    all-gather of every worker's payload."""
+    fragments (which leave the workers' parameters apart between their syncs), demo's
+    all-gather of every worker's payload and local_sgd's mean of parameters (each rank's
+    slice with its worker's weight)."""
     _needs_torchft()
     from lowcomm.launch.run import run_training
 
@@ -140,7 +141,7 @@ def test_no_fault_groups_of_two_ranks_follow_the_static_trajectory(
     digests = [_digests(r) for r in records]
     if method != "streaming_diloco":
         assert digests[0] == digests[1]
-    rounds = [3, 7] if "diloco" in method else list(range(8))
+    rounds = list(range(8)) if method in ("ddp", "demo") else [3, 7]
     assert sorted(digests[0]) == sorted(digests[1]) == rounds
     # The quorums name the workers (slots), not the ranks' torchft numbers (k R + r); one
     # formed while the job assembled may hold worker 0 alone.

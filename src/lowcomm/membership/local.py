@@ -431,10 +431,13 @@ def _say_stopped(config: TrainConfig) -> None:
 
     options = config.placement.membership_options
     run_dir = run_directory(config)
+    ranks = config.placement.ranks_per_worker
+    # (A worker of R ranks is one torchrun of R processes, its resume too.)
+    train = f"torchrun --standalone --nproc-per-node {ranks} -m " if ranks > 1 else ""
     print(
         f"lowcomm: worker {options.worker} stopped after step {config.run.stop_after} with its "
-        f"checkpoint in {run_dir}; continue every worker with its own: lowcomm train --resume "
-        f"{run_dir} --membership.lighthouse {options.lighthouse} --membership.worker "
+        f"checkpoint in {run_dir}; continue every worker with its own: {train}lowcomm train "
+        f"--resume {run_dir} --membership.lighthouse {options.lighthouse} --membership.worker "
         f"{options.worker}",
         flush=True,
     )

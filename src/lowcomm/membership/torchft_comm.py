@@ -50,9 +50,12 @@ asynchronous quorum: its payload is zeroed and the mean divides by the others): 
 a peer's data twice. A worker's own state starts by the method's rule
 (``Strategy.start_worker_state``). If that round is dropped, the healed worker asks the
 retry's quorum with the torchft step it asked its admission with, so it is healed again and
-sits the retry out too (:meth:`Replica.retry_round`). A worker whose commit alone failed is a
-torchft step behind: it is healed at its retry's quorum, which for an overlapping method is
-already the others' next round, and there takes the state at once
+sits the retry out too (:meth:`Replica.retry_round`), unless the others are too few to commit
+without it (``--membership.min-workers``): it then takes part with only its own steps, its
+gradient or pseudo-gradient counted as any member's and its parameters, which hold its
+sender's steps, with weight 0 in a parameter average (:class:`_RoundHandle`). A worker whose
+commit alone failed is a torchft step behind: it is healed at its retry's quorum, which for an
+overlapping method is already the others' next round, and there takes the state at once
 (:meth:`Replica.fell_behind`).
 
 A new worker asks for its first quorum before its first step (:meth:`Replica.admit`): at a run's
@@ -266,6 +269,11 @@ class Replica:
     #: With R > 1 ranks: whether every rank of the group says True (a collective over the
     #: group), so that a decision taken from a rank's own clock is the group's.
     agree: Callable[[bool], bool] | None = None
+    #: Whether this worker, a joiner needed for --membership.min-workers in a retry of the
+    #: round it healed in, gives a parameter average its parameters with weight 0 (until the
+    #: round commits: :meth:`retry_round`), and whether its payload counted in the open round.
+    _weightless = False
+    _counted = True
 
     def __init__(
         self,
@@ -579,8 +587,10 @@ class Replica:
                 self._admitted_with = pending["user"]["default"]
         committed = bool(self.manager.should_commit())
         if committed:
-            self.committed_tokens += self.pending_tokens if participating else 0
+            kept = participating and self._counted
+            self.committed_tokens += self.pending_tokens if kept else 0
             self.pending_tokens = 0
+            self._weightless, self._counted = False, True
         asked, asked_step = self._early.asked if self._early.asked is not None else (None, None)
         self._log({
             "event": "commit" if committed else "dropped", "time": time.time(),
@@ -617,10 +627,17 @@ class Replica:
         admission with: torchft heals it again, and it sits the retry out too. It sits out
         only while the others are enough to commit without it (``--membership.min-workers``;
         the failed round's quorum stands for the retry's): a round that needs it could
-        otherwise never commit, and the joiner then takes part in the retry as any member."""
+        otherwise never commit. It then takes part in the retry (torchft counts it towards
+        the minimum) with only its own steps: a gradient or pseudo-gradient it computed from
+        the state it took is its own, counted as any member's; its parameters hold its
+        sender's steps, so a parameter average takes them with weight 0 (the mean is the
+        others', :class:`_RoundHandle`), and the joiner's tokens of the round are not kept."""
         others = len(self.quorum().members) - 1
-        if self._joined and self._asked_as is not None and others >= self.options.min_workers:
-            self.manager.load_state_dict(dict(self._asked_as))
+        if self._joined and self._asked_as is not None:
+            if others >= self.options.min_workers:
+                self.manager.load_state_dict(dict(self._asked_as))
+            else:
+                self._weightless = True
         # (Not open_round: the round retried may be the one in flight it would wait for.)
         self._ask()
 
@@ -829,15 +846,29 @@ def _round_failed(replica: Replica) -> RoundFailed:
 
 class _RoundHandle:
     """The round's payload in flight; ``wait()`` returns once a round committed it (tried
-    again on a new quorum if one did not; see the module docstring)."""
+    again on a new quorum if one did not; see the module docstring).
+
+    ``weighted`` (a mean of parameters): each worker sends its payload and a trailing weight,
+    1, or 0 with a zero payload for a joiner whose parameters must not count
+    (:meth:`Replica.retry_round`); the sum is divided by the weights' sum. torchft zeroes a
+    healing member's payload, weight included, so with no such joiner the weights' sum is the
+    round's participants, torchft's own divisor."""
 
     def __init__(
-        self, replica: Replica, tensor: torch.Tensor, op: LowcommReduceOp, *, commits: bool = True
+        self,
+        replica: Replica,
+        tensor: torch.Tensor,
+        op: LowcommReduceOp,
+        *,
+        commits: bool = True,
+        weighted: bool = False,
     ) -> None:
         self._replica = replica
         self._tensor = tensor
         self._op = op
         self._input = tensor.detach().clone()  # (a dropped round starts again from it)
+        self._wire: torch.Tensor | None = None
+        self._weighted = weighted and op == "mean"
         self.step = replica.loop_step
         self._work = self._issue()
         self._done = False
@@ -848,14 +879,34 @@ class _RoundHandle:
             replica._in_flight = self
 
     def _issue(self) -> Any:
-        reduce = ReduceOp.AVG if self._op == "mean" else ReduceOp.SUM
-        return self._replica.manager.allreduce(self._tensor, reduce_op=reduce)
+        replica = self._replica
+        if not self._weighted:
+            reduce = ReduceOp.AVG if self._op == "mean" else ReduceOp.SUM
+            return replica.manager.allreduce(self._tensor, reduce_op=reduce)
+        replica._counted = not replica._weightless
+        wire = self._input.new_zeros(self._input.numel() + 1)
+        if replica._counted:
+            wire[:-1].copy_(self._input.reshape(-1))
+            wire[-1] = 1
+        self._wire = wire
+        return replica.manager.allreduce(wire, reduce_op=ReduceOp.SUM)
+
+    def _place(self) -> None:
+        """A weighted round's committed sum, divided by its weights' sum, into the tensor."""
+        wire, self._wire = self._wire, None
+        if wire is None:
+            return
+        weights = round(float(wire[-1]))
+        with torch.no_grad():
+            if weights > 0:  # (else no worker counted: the tensor keeps its input)
+                self._tensor.copy_((wire[:-1] / weights).reshape(self._tensor.shape))
 
     def wait(self) -> None:
         if self._done:
             return
         if not self._commits:
             self._work.wait()  # (an error is reported to the Manager: the round is dropped)
+            self._place()
             self._done = True
             return
         replica = self._replica
@@ -864,6 +915,7 @@ class _RoundHandle:
             self._work.wait()  # (an error is reported to the Manager, which then drops it)
             replica._note_quorum()
             if replica.commit():
+                self._place()
                 self._done = True
                 return
             if attempt == attempts:
@@ -1130,7 +1182,15 @@ class TorchftComm:
         self.replica.open_round()
         if op == "max":
             return _MaxHandle(self.replica, tensor)
-        return _RoundHandle(self.replica, tensor, op, commits=not self._compound)
+        # (A mean of parameters weighs each worker's: a joiner's may hold its sender's steps.)
+        roles = {role} if segments is None else {segment[0] for segment in segments}
+        return _RoundHandle(
+            self.replica,
+            tensor,
+            op,
+            commits=not self._compound,
+            weighted=Role.PARAMETER in roles,
+        )
 
     def run_round(self, exchange: Callable[[], _T]) -> _T:
         """Run ``exchange``, which issues several collectives on this group (through any

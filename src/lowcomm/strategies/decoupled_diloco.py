@@ -502,7 +502,9 @@ class Synchronizer:
             self.pace = Pace(
                 tuple((int(m), float(c)) for m, c in clocks), float(nominal), bool(waiting)
             )
-            self.finished = bool(state["finished"])
+            # (A finished run's final checkpoint holds its drain, done: a resume that extends
+            # it with more --steps submits and merges again, from that drained state.)
+            self.finished = False
             self.step_time = [float(x) for x in state["step_time"]]
             self.sync_time = [float(x) for x in state["sync_time"]]
             self.committed_tokens, self.dropped_tokens, self.discarded_tokens = state["tokens"]
