@@ -72,6 +72,38 @@ def test_no_fault_budget_stops_where_the_static_run_does(tmp_path: Path, method:
 
 
 @pytest.mark.slow
+def test_a_budget_inside_a_round_stops_at_the_sync_that_commits_it(tmp_path: Path) -> None:
+    """6 steps' tokens, inside diloco's round of steps 4..7: the job's count grows only at
+    a sync, so the torchft job stops after step 8, as a static run that counts committed
+    tokens (any fault trace, an empty one here) does, with its losses; a static run without
+    a trace counts tokens as they are computed and stops after step 6."""
+    _needs_torchft()
+    from lowcomm.launch.run import run_training
+
+    trace = tmp_path / "none.txt"
+    trace.write_text("# no fault\n")
+    common: dict[str, Any] = dict(
+        clock="virtual", seconds_per_microbatch=0.01, token_budget=6 * PER_STEP
+    )
+    static = _config("diloco", tmp_path / "static", 12, membership="static", **common)
+    static.placement.membership_options = MembershipOptions()
+    run_training(static, report=None)
+    run_training(with_options(static, out=str(tmp_path / "traced"), faults=str(trace)), report=None)
+    run_training(_config("diloco", tmp_path / "torchft", 12, **common), report=None)
+    assert len(_rows(tmp_path / "static")) == 6
+    want = _rows(tmp_path / "traced")
+    assert [r["step"] for r in want] == list(range(8))
+    got = [_rows(tmp_path / "torchft" / f"worker{k}") for k in range(3)]
+    for step, row in enumerate(want):
+        mean = sum(rows[step]["train_loss"] for rows in got) / 3
+        assert mean == pytest.approx(row["train_loss"], rel=1e-6, abs=1e-6), step
+    assert all(len(rows) == 8 for rows in got)
+    for k in range(3):
+        assert _summary(tmp_path / "torchft" / f"worker{k}")["committed_tokens"] == 8 * PER_STEP
+    assert _summary(tmp_path / "traced")["committed_tokens"] == 8 * PER_STEP
+
+
+@pytest.mark.slow
 def test_a_stopped_and_resumed_job_stops_where_the_straight_one_does(tmp_path: Path) -> None:
     """Stopped inside a sync round (step 6 of diloco's 4..7): the resumed workers take back
     the job's count and their tokens since the last sync from their checkpoints."""
@@ -143,3 +175,15 @@ def test_decoupled_diloco_with_a_budget_is_refused_in_one_line() -> None:
 def test_other_methods_take_a_budget() -> None:
     for method in ("ddp", "diloco", "co2", "demo"):
         with_options(TrainConfig(method=method), membership="torchft", token_budget=4096).validate()
+
+
+def test_a_checkpoint_without_the_count_is_refused_with_a_budget(tmp_path: Path) -> None:
+    from lowcomm.membership.worker import TORCHFT_STEP, _token_counts
+
+    (tmp_path / TORCHFT_STEP).write_text('{"step": 3, "batches_committed": 6}\n')
+    with pytest.raises(ConfigError, match=r"holds no count .* resume it without --token-budget"):
+        _token_counts(tmp_path)
+    (tmp_path / TORCHFT_STEP).write_text(
+        '{"step": 3, "batches_committed": 6, "lowcomm_tokens": {"job": 384, "pending": 64}}\n'
+    )
+    assert _token_counts(tmp_path) == (384, 64)
