@@ -71,12 +71,23 @@ def test_no_fault_budget_stops_where_the_static_run_does(tmp_path: Path, method:
     assert counts[0][7] == 8 * PER_STEP and max(counts[0]) == 7
 
 
+#: Per method, where a budget of 6 steps' tokens ends the run (12 at most) when committed
+#: tokens are counted: diloco commits its round of steps 4..7 at step 7; streaming_diloco's
+#: fragment rounds complete a step after their launch, and commit the tokens up to there;
+#: co2's round launched at step 7 commits its tokens (those up to its launch) when the
+#: next one waits for it, at step 11.
+INSIDE = {"diloco": 8, "streaming_diloco": 8, "co2": 12}
+
+
 @pytest.mark.slow
-def test_a_budget_inside_a_round_stops_at_the_sync_that_commits_it(tmp_path: Path) -> None:
-    """6 steps' tokens, inside diloco's round of steps 4..7: the job's count grows only at
-    a sync, so the torchft job stops after step 8, as a static run that counts committed
-    tokens (any fault trace, an empty one here) does, with its losses; a static run without
-    a trace counts tokens as they are computed and stops after step 6."""
+@pytest.mark.parametrize("method", list(INSIDE))
+def test_a_budget_inside_a_round_stops_where_committed_tokens_reach_it(
+    tmp_path: Path, method: str
+) -> None:
+    """6 steps' tokens, inside a round: the job's count grows only when a round commits, so
+    the torchft job stops at the step a static run that counts committed tokens (any fault
+    trace, an empty one here) does, with its losses and its count; a static run without a
+    trace counts tokens as they are computed and stops after step 6."""
     _needs_torchft()
     from lowcomm.launch.run import run_training
 
@@ -85,22 +96,23 @@ def test_a_budget_inside_a_round_stops_at_the_sync_that_commits_it(tmp_path: Pat
     common: dict[str, Any] = dict(
         clock="virtual", seconds_per_microbatch=0.01, token_budget=6 * PER_STEP
     )
-    static = _config("diloco", tmp_path / "static", 12, membership="static", **common)
+    static = _config(method, tmp_path / "static", 12, membership="static", **common)
     static.placement.membership_options = MembershipOptions()
     run_training(static, report=None)
     run_training(with_options(static, out=str(tmp_path / "traced"), faults=str(trace)), report=None)
-    run_training(_config("diloco", tmp_path / "torchft", 12, **common), report=None)
+    run_training(_config(method, tmp_path / "torchft", 12, **common), report=None)
     assert len(_rows(tmp_path / "static")) == 6
     want = _rows(tmp_path / "traced")
-    assert [r["step"] for r in want] == list(range(8))
+    assert [r["step"] for r in want] == list(range(INSIDE[method]))
     got = [_rows(tmp_path / "torchft" / f"worker{k}") for k in range(3)]
+    assert all(len(rows) == len(want) for rows in got)
     for step, row in enumerate(want):
         mean = sum(rows[step]["train_loss"] for rows in got) / 3
         assert mean == pytest.approx(row["train_loss"], rel=1e-6, abs=1e-6), step
-    assert all(len(rows) == 8 for rows in got)
+    committed = _summary(tmp_path / "traced")["committed_tokens"]
+    assert committed >= 6 * PER_STEP
     for k in range(3):
-        assert _summary(tmp_path / "torchft" / f"worker{k}")["committed_tokens"] == 8 * PER_STEP
-    assert _summary(tmp_path / "traced")["committed_tokens"] == 8 * PER_STEP
+        assert _summary(tmp_path / "torchft" / f"worker{k}")["committed_tokens"] == committed
 
 
 @pytest.mark.slow

@@ -267,6 +267,12 @@ class Replica:
     #: numerator, summed over every worker's committed rounds; healed to a joiner, kept in
     #: each checkpoint (torchft.json).
     job_tokens: int = 0
+    #: Whether the count leaves when the worker waits for its round (the tokens up to the
+    #: step that completes it, which a method whose round's tokens commit when it completes
+    #: counts: streaming_diloco, cocodc) rather than with its collective (an exchange applied
+    #: syncs after its launch, whose tokens are those up to its launch: co2, eager,
+    #: diloco_delayed); as a simulated run counts each. The same when both are one step.
+    count_at_commit: bool = True
     #: The open round's count in flight (its work and tensor), and the tokens it carried.
     _count: tuple[Any, torch.Tensor, int] | None = None
 
@@ -631,11 +637,12 @@ class Replica:
         self.job_tokens += counted
 
     def carry_count(self) -> None:
-        """With a token budget: the open round's first collective has this worker's tokens
-        since its last commit travel with it, in one 8-byte sum over the round's quorum
-        issued right behind it on the same group (uncharged, as a static run's count on its
-        bookkeeping group). torchft zeroes a member that sits the round out (a healing one),
-        and a worker that dies takes its uncounted tokens with it."""
+        """With a token budget: the open round carries this worker's tokens since its last
+        commit, in one 8-byte sum over the round's quorum issued right behind its first
+        collective on the same group (with it, or when the worker waits for it:
+        :attr:`count_at_commit`), uncharged, as a static run's count on its bookkeeping
+        group. torchft zeroes a member that sits the round out (a healing one), and a worker
+        that dies takes its uncounted tokens with it."""
         if not self.count_tokens or self._count is not None:
             return
         carried = self.pending_tokens
@@ -899,7 +906,8 @@ class _RoundHandle:
     def _issue(self) -> Any:
         reduce = ReduceOp.AVG if self._op == "mean" else ReduceOp.SUM
         work = self._replica.manager.allreduce(self._tensor, reduce_op=reduce)
-        self._replica.carry_count()
+        if not self._replica.count_at_commit:
+            self._replica.carry_count()
         return work
 
     def wait(self) -> None:
@@ -908,6 +916,7 @@ class _RoundHandle:
         replica = self._replica
         attempts = replica.options.attempts
         for attempt in range(1, attempts + 1):
+            replica.carry_count()  # (if the collective did not carry it)
             self._work.wait()  # (an error is reported to the Manager, which then drops it)
             replica._note_quorum()
             if replica.commit():
@@ -1009,7 +1018,8 @@ class _GatherHandle:
         except Exception as error:  # (the group could not issue it: a broken quorum)
             manager.report_error(error)
             return None
-        self._replica.carry_count()
+        if not self._replica.count_at_commit:
+            self._replica.carry_count()
         return work
 
     def _finish(self) -> None:
@@ -1051,6 +1061,7 @@ class _GatherHandle:
         replica = self._replica
         attempts = replica.options.attempts
         for attempt in range(1, attempts + 1):
+            replica.carry_count()  # (if the gather did not carry it)
             self._finish()
             replica._note_quorum()
             if replica.commit():

@@ -340,6 +340,7 @@ def _set_up(
         # The budget counts the job's committed tokens, which every round carries
         # (Replica.carry_count): each worker holds the same count and stops at the same step.
         replica.count_tokens = True
+        replica.count_at_commit = _commits_at_completion(worker.strategy)
         worker.job_tokens = lambda: replica.job_tokens
     return worker
 
@@ -388,6 +389,15 @@ class _JobRank:
 
     def barrier(self) -> Handle:
         return self._comm.barrier()
+
+
+def _commits_at_completion(strategy: Any) -> bool:
+    """Whether the strategy's rounds commit the tokens up to the step that completes them
+    (the default), not those up to their launch (a method that reports its syncs settled
+    after their launch: ``Strategy.settled_syncs``), as a simulated run counts them."""
+    from lowcomm.strategies.base import Strategy
+
+    return type(strategy).settled_syncs is Strategy.settled_syncs
 
 
 def _resume(worker: Worker, replica: Replica) -> Progress:
