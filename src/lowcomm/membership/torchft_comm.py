@@ -445,10 +445,11 @@ class Replica:
                 tensor.copy_(theirs)
         strategy.start_worker_state(kept=False)
         self._healed_step = step
-        # The job's count as its source knew it before this round; the tokens this worker
-        # trained before it took the state are not in the state it continues from.
-        self.job_tokens = int(payload.get("job_tokens", self.job_tokens))
-        self.pending_tokens = 0
+        if self.count_tokens:
+            # The job's count as its source knew it before this round; the tokens this
+            # worker trained before it took the state are not in the state it continues from.
+            self.job_tokens = int(payload["job_tokens"])
+            self.pending_tokens = 0
 
     def _log(self, event: dict[str, Any]) -> None:
         self.events.append(event)
@@ -591,7 +592,8 @@ class Replica:
             if pending is not None:
                 payload = pending["user"]["default"]
                 self._admitted_with = payload
-                self.job_tokens = int(payload.get("job_tokens", self.job_tokens))
+                if self.count_tokens:
+                    self.job_tokens = int(payload["job_tokens"])
         carried, counted = self._take_count()  # (before the commit: a failed count drops it)
         committed = bool(self.manager.should_commit())
         if committed:
