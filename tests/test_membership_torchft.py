@@ -366,15 +366,6 @@ def test_missing_torchft_is_refused_naming_the_install_command(tmp_path: Path) -
     assert not (tmp_path / "run").exists()
 
 
-def test_a_token_budget_is_refused_saying_what_it_counts() -> None:
-    config = with_options(TrainConfig(method="ddp"), membership="torchft", token_budget=4096)
-    with pytest.raises(ConfigError) as refused:
-        config.validate()
-    line = str(refused.value)
-    assert line.startswith("--token-budget: 4096 counts the tokens every worker committed")
-    assert "counts only its own" in line and line.endswith("give --steps") and "\n" not in line
-
-
 def test_static_membership_refuses_torchft_options() -> None:
     config = with_options(
         TrainConfig(), membership_options=MembershipOptions(lighthouse="127.0.0.1:29510")

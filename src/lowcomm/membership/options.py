@@ -186,17 +186,15 @@ def membership_refusal(config: TrainConfig) -> str | None:
     refusal = _checkpoint_refusal(config, flag)
     if refusal is not None:
         return refusal
-    if config.run.token_budget is not None:
-        # The budget counts the tokens the whole job committed, summed over every worker at
-        # every step (simulation's rule). A torchft worker is a run of its own: it counts its
-        # own tokens only, its rounds (one per sync: every H steps for the local methods)
-        # carry the method's tensors alone, and a lost worker's count leaves with it. Ending
-        # every worker at the same step needs a job-wide count, replicated, healed to joiners
-        # and checkpointed, which no round carries yet.
+    if config.run.token_budget is not None and config.method in TORCHFT_VIRTUAL_METHODS:
+        # (Every other method's rounds carry the job's committed tokens: each worker holds
+        # the same count and stops at the same step. decoupled_diloco commits a learner's
+        # tokens when the synchronizer merges its contribution, not when a round commits.)
         return (
-            f"--token-budget: {config.run.token_budget} counts the tokens every worker "
-            f"committed, and a {flag} worker counts only its own (no round carries the "
-            f"others'); not yet supported: give --steps"
+            f"--token-budget: {config.run.token_budget} with {flag} --method "
+            f"{config.method} is not yet supported (it commits a learner's tokens when its "
+            "synchronizer merges them, which no tick carries to the job's count yet); "
+            "give --steps"
         )
     if options.worker is not None and not options.worker < config.placement.workers:
         return (

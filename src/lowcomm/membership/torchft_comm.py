@@ -275,6 +275,23 @@ class Replica:
     _weightless = False
     _counted = True
 
+    #: With --token-budget: each round carries this worker's tokens since its last commit
+    #: (:meth:`carry_count`), and :attr:`job_tokens` adds their sum over the round's
+    #: participants when it commits, so every live worker holds the job's count alike.
+    count_tokens: bool = False
+    #: The tokens the whole job has committed (with :attr:`count_tokens`): goodput's
+    #: numerator, summed over every worker's committed rounds; healed to a joiner, kept in
+    #: each checkpoint (torchft.json).
+    job_tokens: int = 0
+    #: Whether the count leaves when the worker waits for its round (the tokens up to the
+    #: step that completes it, which a method whose round's tokens commit when it completes
+    #: counts: streaming_diloco, cocodc) rather than with its collective (an exchange applied
+    #: syncs after its launch, whose tokens are those up to its launch: co2, eager,
+    #: diloco_delayed); as a simulated run counts each. The same when both are one step.
+    count_at_commit: bool = True
+    #: The open round's count in flight (its work and tensor), and the tokens it carried.
+    _count: tuple[Any, torch.Tensor, int] | None = None
+
     def __init__(
         self,
         options: MembershipOptions,
@@ -372,7 +389,7 @@ class Replica:
         ranks = [tensor for _, tensor in self._strategy.rank_state()]
         payload: dict[str, Any] = {
             "tensors": tensors, "rank_tensors": ranks, "counters": counters,
-            "loop_step": self.loop_step, "layout": None,
+            "loop_step": self.loop_step, "layout": None, "job_tokens": self.job_tokens,
         }  # fmt: skip
         if self._replica_group() is not None:
             payload["layout"] = [(tuple(t.shape), t.dtype) for t in tensors]
@@ -444,6 +461,11 @@ class Replica:
                 tensor.copy_(theirs)
         strategy.start_worker_state(kept=False)
         self._healed_step = step
+        if self.count_tokens:
+            # The job's count as its source knew it before this round; the tokens this
+            # worker trained before it took the state are not in the state it continues from.
+            self.job_tokens = int(payload["job_tokens"])
+            self.pending_tokens = 0
 
     def _log(self, event: dict[str, Any]) -> None:
         self.events.append(event)
@@ -584,19 +606,26 @@ class Replica:
             # attempt left current, and which an overlapping method has moved on from.)
             pending = getattr(self.manager, "_pending_state_dict", None)
             if pending is not None:
-                self._admitted_with = pending["user"]["default"]
+                payload = pending["user"]["default"]
+                self._admitted_with = payload
+                if self.count_tokens:
+                    self.job_tokens = int(payload["job_tokens"])
+        carried, counted = self._take_count()  # (before the commit: a failed count drops it)
         committed = bool(self.manager.should_commit())
         if committed:
-            kept = participating and self._counted
-            self.committed_tokens += self.pending_tokens if kept else 0
-            self.pending_tokens = 0
+            self._keep_tokens(carried, counted, participating and self._counted)
+            if not self._counted:  # (a joiner forced into a retry: its steps in it are lost)
+                self.pending_tokens = 0
             self._weightless, self._counted = False, True
         asked, asked_step = self._early.asked if self._early.asked is not None else (None, None)
-        self._log({
+        event = {
             "event": "commit" if committed else "dropped", "time": time.time(),
             "step": self.loop_step, "quorum_id": self.pg.quorum_id, "waited_s": time.time() - started,
             "asked": asked, "asked_step": asked_step, "entered": self._early.entered,
-        })  # fmt: skip
+        }  # fmt: skip
+        if committed and self.count_tokens:
+            event["job_tokens"] = self.job_tokens
+        self._log(event)
         self._early.asked = self._early.entered = None
         if committed:
             self.commits += 1
@@ -614,6 +643,49 @@ class Replica:
                 flush=True,
             )
         return committed
+
+    def _keep_tokens(self, carried: int | None, counted: int, participating: bool) -> None:
+        """A committed round keeps the tokens it carried (a member that sat it out keeps
+        none of its own) and adds their sum over its participants to the job's count. Without
+        a count every pending token is kept; with one, a round that carried none (the startup
+        round) keeps none, and the tokens trained after the count left stay pending for the
+        next round (an exchange that flies across steps)."""
+        if carried is None:
+            carried = 0 if self.count_tokens else self.pending_tokens
+        self.committed_tokens += carried if participating else 0
+        # (A worker healed at this commit has started its own count afresh: none is left.)
+        self.pending_tokens = max(self.pending_tokens - carried, 0)
+        self.job_tokens += counted
+
+    def carry_count(self) -> None:
+        """With a token budget: the open round carries this worker's tokens since its last
+        commit, in one 8-byte sum over the round's quorum issued right behind its first
+        collective on the same group (with it, or when the worker waits for it:
+        :attr:`count_at_commit`), uncharged, as a static run's count on its bookkeeping
+        group. torchft zeroes a member that sits the round out (a healing one), and a worker
+        that dies takes its uncounted tokens with it."""
+        if not self.count_tokens or self._count is not None:
+            return
+        # (A joiner forced into a retry sits it out in its data: it carries no tokens.)
+        carried = 0 if self._weightless else self.pending_tokens
+        tensor = torch.tensor([carried], dtype=torch.int64)
+        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        self._count = (work, tensor, carried)
+
+    def _take_count(self) -> tuple[int | None, int]:
+        """The tokens the open round carried for this worker (None: it carried no count) and
+        their sum over the round's participants, once the count has arrived; a count that
+        failed is reported to the Manager, so the round does not commit."""
+        count, self._count = self._count, None
+        if count is None:
+            return None, 0
+        work, tensor, carried = count
+        try:
+            work.wait()
+        except Exception as error:
+            self.manager.report_error(error)
+            return carried, 0
+        return carried, int(tensor[0])
 
     def retry_round(self) -> None:
         """Open the round again on a new quorum after it did not commit.
@@ -726,6 +798,8 @@ class Replica:
         }  # fmt: skip
         if self.options.digests and self._strategy is not None:  # (what it took)
             healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
+        if self.count_tokens:  # (the job's committed tokens, as its source held them)
+            healed["job_tokens"] = self.job_tokens
         self._log(healed)
 
     def fell_behind(self, step: int) -> bool:
@@ -882,14 +956,18 @@ class _RoundHandle:
         replica = self._replica
         if not self._weighted:
             reduce = ReduceOp.AVG if self._op == "mean" else ReduceOp.SUM
-            return replica.manager.allreduce(self._tensor, reduce_op=reduce)
-        replica._counted = not replica._weightless
-        wire = self._input.new_zeros(self._input.numel() + 1)
-        if replica._counted:
-            wire[:-1].copy_(self._input.reshape(-1))
-            wire[-1] = 1
-        self._wire = wire
-        return replica.manager.allreduce(wire, reduce_op=ReduceOp.SUM)
+            work = replica.manager.allreduce(self._tensor, reduce_op=reduce)
+        else:
+            replica._counted = not replica._weightless
+            wire = self._input.new_zeros(self._input.numel() + 1)
+            if replica._counted:
+                wire[:-1].copy_(self._input.reshape(-1))
+                wire[-1] = 1
+            self._wire = wire
+            work = replica.manager.allreduce(wire, reduce_op=ReduceOp.SUM)
+        if not replica.count_at_commit:
+            replica.carry_count()
+        return work
 
     def _place(self) -> None:
         """A weighted round's committed sum, divided by its weights' sum, into the tensor."""
@@ -912,6 +990,7 @@ class _RoundHandle:
         replica = self._replica
         attempts = replica.options.attempts
         for attempt in range(1, attempts + 1):
+            replica.carry_count()  # (if the collective did not carry it)
             self._work.wait()  # (an error is reported to the Manager, which then drops it)
             replica._note_quorum()
             if replica.commit():
@@ -1017,11 +1096,13 @@ class _GatherHandle:
         self._rows = [torch.empty_like(wire) for _ in self._replica.pg.members]
         try:
             work = self._replica.pg.allgather([self._rows], [wire], AllgatherOptions())
-            self._failed = False
-            return work
         except Exception as error:  # (the group could not issue it: a broken quorum)
             manager.report_error(error)
             return None
+        self._failed = False
+        if not self._replica.count_at_commit:
+            self._replica.carry_count()
+        return work
 
     def _finish(self) -> None:
         """Wait for the gather; a failure, or rows that disagree with the quorum's
@@ -1079,6 +1160,7 @@ class _GatherHandle:
         replica = self._replica
         attempts = replica.options.attempts
         for attempt in range(1, attempts + 1):
+            replica.carry_count()  # (if the gather did not carry it)
             self._finish()
             replica._note_quorum()
             if replica.commit():

@@ -269,9 +269,10 @@ def _train(
                 loop.final_evaluation(worker, progress, final, keep_parameters=False)
                 if _checkpoints(config) and progress.start_step < config.run.steps:
                     # The last step's checkpoint, as a static run's.
+                    end = progress.end_step or config.run.steps
                     with worker.clock.excluded():
-                        loop._save_checkpoint(worker, config.run.steps, progress)
-                    _keep_torchft_step(config, replica, config.run.steps)
+                        loop._save_checkpoint(worker, end, progress)
+                    _keep_torchft_step(config, replica, end, end)
     finally:
         if writer is not None:
             if final.last_record is not None:
@@ -335,6 +336,12 @@ def _set_up(
         worker.strategy.runtime, membership=TorchftMembership(replica)
     )
     replica.attach(worker.strategy)
+    if config.run.token_budget is not None:
+        # The budget counts the job's committed tokens, which every round carries
+        # (Replica.carry_count): each worker holds the same count and stops at the same step.
+        replica.count_tokens = True
+        replica.count_at_commit = _commits_at_completion(worker.strategy)
+        worker.job_tokens = lambda: replica.job_tokens
     return worker
 
 
@@ -384,6 +391,15 @@ class _JobRank:
         return self._comm.barrier()
 
 
+def _commits_at_completion(strategy: Any) -> bool:
+    """Whether the strategy's rounds commit the tokens up to the step that completes them
+    (the default), not those up to their launch (a method that reports its syncs settled
+    after their launch: ``Strategy.settled_syncs``), as a simulated run counts them."""
+    from lowcomm.strategies.base import Strategy
+
+    return type(strategy).settled_syncs is Strategy.settled_syncs
+
+
 def _resume(worker: Worker, replica: Replica) -> Progress:
     """This worker's progress: a fresh start, or with --resume its own directory's newest
     intact checkpoint (the worker's run is its own; the job's other workers are not a layout
@@ -416,6 +432,8 @@ def _resume(worker: Worker, replica: Replica) -> Progress:
     progress = loop.restore(worker, saved, step, resume_from, directory)
     state = torchft_step(directory)
     replica.manager.load_state_dict({**state, "step": max(state["step"] - 1, 0)})
+    if replica.count_tokens:
+        replica.job_tokens, replica.pending_tokens = _token_counts(directory)
     replica.loop_step = step  # (what a peer healed from this worker continues from)
     if worker.rank == 0:
         print(
@@ -454,11 +472,15 @@ def torchft_step(directory: Path) -> dict[str, int]:
         ) from None
 
 
-def _keep_torchft_step(config: TrainConfig, replica: Replica, step: int) -> None:
+def _keep_torchft_step(
+    config: TrainConfig, replica: Replica, step: int, end: int | None = None
+) -> None:
     """After the loop step that ends at ``step``: if the run wrote its checkpoint of that
-    step (the loop's rule: --checkpoint-every, --stop-after, the last step), write torchft's
-    step beside it (each rank its own view of the directory, the same bytes), which a
-    resume takes back."""
+    step (the loop's rule: --checkpoint-every, --stop-after, the last step, or ``end``, the
+    step a token budget ended the run at), write torchft's step beside it (each rank its own
+    view of the directory, the same bytes), which a resume takes back. With a token budget
+    the job's committed tokens and this worker's pending ones go with it
+    (:data:`TOKENS_KEY`): a resumed job then stops where the uninterrupted one does."""
     from lowcomm.atomic import atomic_write_text
     from lowcomm.train.checkpoint import step_directory
     from lowcomm.train.rundir import run_directory
@@ -466,12 +488,36 @@ def _keep_torchft_step(config: TrainConfig, replica: Replica, step: int) -> None
     run = config.run
     every = run.checkpoint_every
     periodic = every is not None and step % every == 0 and step < run.steps
-    if not (_checkpoints(config) and (periodic or step in (run.stop_after, run.steps))):
+    if not (_checkpoints(config) and (periodic or step in (run.stop_after, run.steps, end))):
         return
     directory = step_directory(run_directory(config), step)
     if (directory / "manifest.json").exists():
-        state = replica.manager.state_dict()
+        state: dict[str, Any] = dict(replica.manager.state_dict())
+        if replica.count_tokens:
+            state[TOKENS_KEY] = {"job": replica.job_tokens, "pending": replica.pending_tokens}
         atomic_write_text(directory / TORCHFT_STEP, json.dumps(state) + "\n")
+
+
+#: torchft.json's key of the token counts a budget needs (the job's committed tokens and
+#: the worker's pending ones at the checkpoint's step).
+TOKENS_KEY = "lowcomm_tokens"
+
+
+def _token_counts(directory: Path) -> tuple[int, int]:
+    """The job's committed tokens and this worker's pending ones at the checkpoint in
+    ``directory``.
+
+    Raises:
+        ConfigError: in one line, when the checkpoint was written without a token budget.
+    """
+    path = directory / TORCHFT_STEP
+    counts = json.loads(path.read_text()).get(TOKENS_KEY)
+    if not isinstance(counts, dict):
+        raise ConfigError(
+            f"--token-budget: {path} holds no count of the job's committed tokens (its run "
+            "had no --token-budget); resume it without --token-budget, or start it again"
+        )
+    return int(counts["job"]), int(counts["pending"])
 
 
 def _admit(replica: Replica) -> int:
@@ -562,7 +608,7 @@ def _replica_steps(
         dropped = replica.failed_rounds
         began = time.perf_counter()
         going_on = loop.train_step(worker, step, progress, writer, final, log)
-        _keep_torchft_step(config, replica, step + 1)
+        _keep_torchft_step(config, replica, step + 1, progress.end_step)
         step_s = time.perf_counter() - began
         slow = replay is not None and replay.slow_down(step, step_s)
         clean.add(replica, step, step_s, slow or replica.failed_rounds > dropped)
@@ -573,6 +619,8 @@ def _replica_steps(
             _skip_to(worker.shard, (healed + 1) * per_step)
         if not going_on:
             return False
+        if progress.end_step is not None:  # (the job has committed its token budget)
+            return True
         step = (step if healed is None else healed) + 1
     return True
 
@@ -618,7 +666,8 @@ def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[
     return {
         "source": "torchft",
         "detection_s": config.placement.membership_options.detect_s,
-        "committed_tokens": None,
+        # (With a token budget every round carries the job's count: the job's, as static.)
+        "committed_tokens": replica.job_tokens if replica.count_tokens else None,
         "goodput": None,
         "rounds_dropped": replica.failed_rounds,
         "worker_seconds_lost": None,
@@ -642,6 +691,7 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
         "events": replica.events,
         "digests": replica.digests,
         "committed_tokens": replica.committed_tokens,
+        "job_tokens": replica.job_tokens if replica.count_tokens else None,
         "trained_until": replica.trained_until,
     }
 

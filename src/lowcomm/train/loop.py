@@ -161,6 +161,11 @@ class Worker:
     """Every worker of the run is in this process (``--workers-per-process``)."""
     faults: WorkerFaults | None = None
     """This worker's view of the run's declared faults (None: the run has none)."""
+    job_tokens: Callable[[], int] | None = None
+    """The tokens the whole job has committed, as this worker holds them (a --membership
+    torchft worker with --token-budget: every committed round adds the count it carried, the
+    same on every live worker); None: summed here at each step (with faults) or counted from
+    the tokens consumed."""
     unevaluated_said: bool = False
     """Whether a validation with no batch on any worker has been said (once a run)."""
 
@@ -1033,11 +1038,7 @@ def finish(
             wall_clock_s=wall_clock_s,
             clock_kind=worker.clock.kind,
             compute_model=worker.clock.describe_compute(),
-            committed_tokens=committed_tokens(
-                config, worker.strategy, progress.tokens * worker.world_size
-            )
-            if fault_committed is None
-            else fault_committed,
+            committed_tokens=_committed(worker, progress, fault_committed),
             network=network_profile(config.comm),
             task=worker.task.describe(),
             replica_network=replica_network_profile(config.comm)
@@ -1045,6 +1046,16 @@ def finish(
             else None,
         )
     return summary
+
+
+def _committed(worker: Worker, progress: Progress, fault_committed: int | None) -> int:
+    """summary.json's committed tokens: the job's, summed over its workers."""
+    if fault_committed is not None:
+        return fault_committed
+    if worker.job_tokens is not None:
+        return worker.job_tokens()
+    consumed = progress.tokens * worker.world_size
+    return committed_tokens(worker.config, worker.strategy, consumed)
 
 
 def _add_killed(worker: Worker, everyone: list[ProcessTotals]) -> None:
@@ -1088,6 +1099,8 @@ def _budget_spent(worker: Worker, progress: Progress) -> bool:
     budget = config.run.token_budget
     if budget is None:
         return False
+    if worker.job_tokens is not None:  # (replicated on every worker: no collective here)
+        return worker.job_tokens() >= budget
     if worker.faults is None:
         return budget_spent(config, worker.strategy, progress.tokens * worker.world_size)
     return _fault_committed(worker, worker.faults) >= budget
