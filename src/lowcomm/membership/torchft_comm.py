@@ -323,6 +323,9 @@ class Replica:
         #: The bytes this rank's worker gathered among its ranks when it was last healed (a
         #: replicated worker's sliced payload, :meth:`_whole_state`).
         self.gathered_bytes = 0
+        #: With --membership.digests: a SHA-256 of the whole declared state this rank was
+        #: last healed with (after its group's gather).
+        self._took_sha256: str | None = None
 
     def _manager(self, lighthouse: str, host: str, timeout: timedelta) -> Manager:
         """This rank's torchft Manager: its server and the group's store on ``host``."""
@@ -366,6 +369,8 @@ class Replica:
             "tensors": tensors, "rank_tensors": ranks, "counters": counters,
             "loop_step": self.loop_step, "layout": None,
         }  # fmt: skip
+        if self.options.digests:  # (what the joiner must take, before any slicing)
+            payload["sha256"] = _sha256(tensors)
         if self._replica_group() is not None:
             payload["layout"] = [(tuple(t.shape), t.dtype) for t in tensors]
             payload["tensors"] = [_byte_slice(tensors, self.rank, self.ranks)]
@@ -429,6 +434,8 @@ class Replica:
             if "local_steps" in counters:
                 counters["local_steps"] -= ahead
         tensors, self.gathered_bytes = self._whole_state(payload)
+        if self.options.digests:
+            self._took_sha256 = _sha256(tensors)
         strategy.take_healing_payload(tensors, counters)
         with torch.no_grad():
             mine = strategy.rank_state()
@@ -473,7 +480,18 @@ class Replica:
         if in_flight is not None and not in_flight.done() and in_flight.step != self.loop_step:
             in_flight.wait()
         if not self._round_open:
+            self._settle_moved()
             self._ask()
+
+    def _settle_moved(self) -> None:
+        """Before asking for a quorum, at which torchft's quorum thread may send a joiner the
+        exchanges in flight: finish the data movement of those whose rounds have committed
+        (every earlier round has). On a worker of several ranks each rank has reduced only
+        its own slice of such a mean; the worker's ranks gather it here, together (each rank
+        asks at the same point of the method), as the method's wait would later."""
+        settle = getattr(self._strategy, "settle_moved", None)
+        if settle is not None:
+            settle()
 
     def _ask(self) -> None:
         """Ask torchft for the open round's quorum (it forms in the background)."""
@@ -709,6 +727,10 @@ class Replica:
         }  # fmt: skip
         if self.options.digests and self._strategy is not None:  # (what it took)
             healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
+            # (The whole declared state as its sender held it, and as this rank assembled
+            # it: equal unless a slice came from a rank that held other bytes.)
+            healed["sent_sha256"] = payload.get("sha256")
+            healed["took_sha256"] = self._took_sha256
         self._log(healed)
 
     def fell_behind(self, step: int) -> bool:
