@@ -47,15 +47,17 @@ def _restarted(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_diloco_delayed_joiner_of_two_ranks_applies_the_whole_mean_in_flight(
-    tmp_path: Path,
+    tmp_path: Path, dtype: str
 ) -> None:
     """diloco_delayed's workers restart each round from the same phi, which applies the mean
     of the exchange launched a round before: a joiner healed with that mean partly reduced
-    (a slice of it from a rank that had not yet gathered it from its worker's other rank)
-    applies another outer step and holds other bits from then on."""
+    (a slice of it from a rank that had not yet gathered it from its worker's other rank;
+    in bf16, not yet cast back) applies another outer step and holds other bits from then
+    on."""
     _needs_torchft()
-    for rank in _restarted("diloco_delayed", tmp_path):
+    for rank in _restarted("diloco_delayed", tmp_path, comm_dtype=dtype):
         step = rank["healed"]["step"]
         mine = _digests(rank["joiner"])
         theirs = [_digests(record) for record in rank["survivors"]]
@@ -65,8 +67,9 @@ def test_a_diloco_delayed_joiner_of_two_ranks_applies_the_whole_mean_in_flight(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_an_eager_joiner_of_two_ranks_takes_each_slice_whole_from_one_live_worker(
-    tmp_path: Path,
+    tmp_path: Path, dtype: str
 ) -> None:
     """Each eager worker keeps its own phi_m and its own Delta in the exchange in flight, and
     torchft heals the joiner's two ranks from different live workers: every element of the
@@ -74,7 +77,7 @@ def test_an_eager_joiner_of_two_ranks_takes_each_slice_whole_from_one_live_worke
     mean in flight and the own Delta the joiner subtracts from it), from the live worker that
     sent that slice, and the mean in flight is the one every live worker applies, whole."""
     _needs_torchft()
-    ranks = _restarted("eager", tmp_path, same_sender=False)
+    ranks = _restarted("eager", tmp_path, same_sender=False, comm_dtype=dtype)
     sent = [rank["healed"]["sent_sha256"] for rank in ranks]
     for rank in ranks:
         took = rank["healed"]["took_sha256"]
@@ -129,3 +132,15 @@ def test_a_sliced_healing_payload_is_assembled_element_by_element_from_each_rank
         flat, a, b = (x.reshape(-1) for x in (tensor, first, second))
         half = -(-a.numel() // 2)
         assert torch.equal(flat[:half], a[:half]) and torch.equal(flat[half:], b[half:])
+
+
+@pytest.mark.parametrize("method", ["eager", "diloco_delayed"])
+def test_a_bf16_exchange_in_flight_runs_on_workers_of_several_ranks(method: str) -> None:
+    from lowcomm.config import TrainConfig, with_options
+    from lowcomm.membership.options import membership_refusal
+
+    config = with_options(
+        TrainConfig(method=method), membership="torchft", comm_dtype="bf16", ranks_per_worker=2
+    )
+    assert membership_refusal(config) is None
+    config.validate()
