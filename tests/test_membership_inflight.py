@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from test_membership_ranks import _kill_and_restart_worker_2, _ranks_config
+from test_membership_ranks import (
+    ON_THE_CLOCK,
+    _follow_the_static_losses,
+    _kill_and_restart_worker_2,
+    _ranks_config,
+    _static_losses,
+)
 from test_membership_torchft import _digests, _needs_torchft, _record
 
 #: Each rank's membership record, rank 0's and rank 1's.
@@ -44,6 +50,27 @@ def _restarted(
         ranks.append({"healed": healed[0], "joiner": mine, "survivors": survivors})
     assert _record(joiner)["data_position"] == _record(out / "worker0")["data_position"] == 160
     return ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "dtype"), [("eager", "fp32"), ("diloco_delayed", "fp32"), ("eager", "bf16")]
+)
+def test_no_fault_an_exchange_in_flight_on_groups_of_two_ranks_follows_the_static_trajectory(
+    tmp_path: Path, method: str, dtype: str
+) -> None:
+    """The gather of each exchange in flight before a quorum (data only) changes no numbers:
+    8 steps of 2 workers of 2 ranks on the virtual clock give the static run's losses."""
+    _needs_torchft()
+    from lowcomm.launch.run import run_training
+
+    def config(method: str, out: Path, **overrides: Any) -> Any:
+        return _ranks_config(method, out, comm_dtype=dtype, **overrides)
+
+    expected = _static_losses(config, method, tmp_path / "static")
+    live = tmp_path / "torchft"
+    run_training(config(method, live, **ON_THE_CLOCK), report=None)
+    _follow_the_static_losses(expected, live)
 
 
 @pytest.mark.slow
