@@ -48,10 +48,13 @@ joining group's ranks complete it by an all-gather over their own group (charged
 worker's inner link), so the link between workers carries it once, not R times. torchft heals
 the ranks of a group from different live workers (rank r from the (i + r)-th up to date): each
 element of the state then comes with every tensor's same element from one worker, which keeps
-a method whose workers hold different global state (eager's phi_m and own Delta) coherent. A healed worker is not a participant of the round it healed in (torchft's
-asynchronous quorum: its payload is zeroed and the mean divides by the others): it never counts
-a peer's data twice. A worker's own state starts by the method's rule
-(``Strategy.start_worker_state``). If that round is dropped, the healed worker asks the
+a method whose workers hold different global state (eager's phi_m and own Delta) coherent.
+Before a live worker's ranks ask for a quorum they gather every exchange in flight whose round
+has committed (:meth:`Replica._settle_moved`: each rank reduced only its own slice of its
+mean), so a joiner healed there takes the whole mean. A healed worker is not a participant of
+the round it healed in (torchft's asynchronous quorum: its payload is zeroed and the mean
+divides by the others): it never counts a peer's data twice. A worker's own state starts by
+the method's rule (``Strategy.start_worker_state``). If that round is dropped, the healed worker asks the
 retry's quorum with the torchft step it asked its admission with, so it is healed again and
 sits the retry out too (:meth:`Replica.retry_round`). A worker whose commit alone failed is a
 torchft step behind: it is healed at its retry's quorum, which for an overlapping method is
