@@ -102,17 +102,6 @@ def test_an_eager_joiner_takes_its_senders_state_with_a_bf16_exchange(tmp_path: 
     assert max(_digests(joiner)) == 159
 
 
-def test_a_bf16_exchange_in_flight_on_workers_of_several_ranks_is_refused() -> None:
-    from lowcomm.config import ConfigError, TrainConfig, with_options
-
-    config = with_options(
-        TrainConfig(method="eager"), membership="torchft", comm_dtype="bf16", ranks_per_worker=2
-    )
-    with pytest.raises(ConfigError, match="--comm-dtype bf16 with --ranks-per-worker 2"):
-        config.validate()
-    with_options(config, ranks_per_worker=1).validate()
-
-
 # --- a round of two collectives, scripted -------------------------------------------------
 
 

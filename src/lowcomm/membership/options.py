@@ -281,18 +281,6 @@ def _method_refusal(config: TrainConfig, flag: str) -> str | None:
             f"checked through a kill and a restart); use "
             f"{', '.join((*TORCHFT_METHODS, *TORCHFT_VIRTUAL_METHODS))}"
         )
-    ranks = config.placement.ranks_per_worker
-    dtype = config.comm.comm_dtype
-    if config.method in ("eager", "diloco_delayed") and dtype != "fp32" and ranks > 1:
-        # (A joiner is healed with the exchange in flight as its mean is cast back; on a
-        # worker of several ranks that mean is complete only after the gather among its
-        # ranks, which the healing thread cannot run.)
-        return (
-            f"{flag}: --method {config.method} with --comm-dtype {dtype} with "
-            f"--ranks-per-worker {ranks}: a joiner is healed with the exchange in flight, "
-            "whose cast-back mean a worker of several ranks holds only after its ranks' "
-            "gather; use --comm-dtype fp32 or --ranks-per-worker 1"
-        )
     quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
     if quantization == "none":
         return None
@@ -306,6 +294,7 @@ def _method_refusal(config: TrainConfig, flag: str) -> str | None:
             "where the exchange is applied), and a round of two collectives here runs both "
             "in the step that launches it; use --diloco.quantization none"
         )
+    ranks = config.placement.ranks_per_worker
     if config.method == "diloco" and ranks > 1:
         return (
             f"{flag}: --method {config.method} with --diloco.quantization {quantization} with "

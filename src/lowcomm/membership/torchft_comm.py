@@ -43,12 +43,18 @@ ranks, rank r's own slice, ``Strategy.rank_state``, from rank r of the live one;
 FSDP-sharded worker every declared tensor is rank r's shard's, from rank r) over torchft's
 process-group transport (``PGTransport``: the same reconfigured Gloo group, so healing opens no
 listener of its own). A worker of R replicated ranks holds the whole declared state on every
-rank: rank r sends only the r-th of R contiguous slices of its bytes, and the joining group's
-ranks complete it by an all-gather over their own group (charged to the worker's inner link),
-so the link between workers carries it once, not R times. A healed worker is not a participant of the round it healed in (torchft's
-asynchronous quorum: its payload is zeroed and the mean divides by the others): it never counts
-a peer's data twice. A worker's own state starts by the method's rule
-(``Strategy.start_worker_state``). If that round is dropped, the healed worker asks the
+rank: rank r sends only the r-th of R contiguous slices of each declared tensor, and the
+joining group's ranks complete it by an all-gather over their own group (charged to the
+worker's inner link), so the link between workers carries it once, not R times. torchft heals
+the ranks of a group from different live workers (rank r from the (i + r)-th up to date): each
+element of the state then comes with every tensor's same element from one worker, which keeps
+a method whose workers hold different global state (eager's phi_m and own Delta) coherent.
+Before a live worker's ranks ask for a quorum they gather every exchange in flight whose round
+has committed (:meth:`Replica._settle_moved`: each rank reduced only its own slice of its
+mean), so a joiner healed there takes the whole mean. A healed worker is not a participant of
+the round it healed in (torchft's asynchronous quorum: its payload is zeroed and the mean
+divides by the others): it never counts a peer's data twice. A worker's own state starts by
+the method's rule (``Strategy.start_worker_state``). If that round is dropped, the healed worker asks the
 retry's quorum with the torchft step it asked its admission with, so it is healed again and
 sits the retry out too (:meth:`Replica.retry_round`), unless the others are too few to commit
 without it (``--membership.min-workers``): it then takes part with only its own steps, its
@@ -348,6 +354,9 @@ class Replica:
         #: The bytes this rank's worker gathered among its ranks when it was last healed (a
         #: replicated worker's sliced payload, :meth:`_whole_state`).
         self.gathered_bytes = 0
+        #: With --membership.digests: the SHA-256 of each rank's slice of each declared
+        #: tensor this rank was last healed with (after its group's gather).
+        self._took_sha256: list[list[str]] | None = None
 
     def _manager(self, lighthouse: str, host: str, timeout: timedelta) -> Manager:
         """This rank's torchft Manager: its server and the group's store on ``host``."""
@@ -378,10 +387,12 @@ class Replica:
         opened early holds the state-dict lock until the worker reaches it).
 
         A worker of R replicated ranks holds the whole declared state on every rank, so rank
-        r sends only the r-th of R contiguous slices of its bytes (``layout`` says how they
+        r sends only the r-th of R contiguous slices of each tensor (``layout`` says how they
         are cut back into tensors): the joining group's ranks complete it by an all-gather
         among themselves (:meth:`_whole_state`), and the link between workers carries the
-        state once, not R times."""
+        state once, not R times. (torchft may heal each rank from another live worker: an
+        element of every tensor comes from the same one, so the joiner's state is, element by
+        element, one live worker's.)"""
         assert self._strategy is not None
         tensors, counters = self._strategy.healing_payload()
         # (A worker of several ranks: each rank's own slice, which torchft sends to the same
@@ -391,9 +402,11 @@ class Replica:
             "tensors": tensors, "rank_tensors": ranks, "counters": counters,
             "loop_step": self.loop_step, "layout": None, "job_tokens": self.job_tokens,
         }  # fmt: skip
+        if self.options.digests:  # (what the joiner must take, before any slicing)
+            payload["sha256"] = _slice_digests(tensors, self.ranks)
         if self._replica_group() is not None:
             payload["layout"] = [(tuple(t.shape), t.dtype) for t in tensors]
-            payload["tensors"] = [_byte_slice(tensors, self.rank, self.ranks)]
+            payload["tensors"] = [_rank_slice(tensors, self.rank, self.ranks)]
         return payload
 
     def _replica_group(self) -> Comm | None:
@@ -414,19 +427,29 @@ class Replica:
             return list(payload["tensors"]), 0
         group = self._replica_group()
         assert group is not None, "a sliced healing payload reached a worker of one rank"
-        total = sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in layout)
-        chunk = -(-total // self.ranks)
+        items = [(math.prod(shape), _itemsize(dtype)) for shape, dtype in layout]
+        ranges = [_element_ranges(numel, self.ranks) for numel, _ in items]
+        # (rank 0's piece is the longest: every rank pads its own to it for the gather)
+        first = [
+            (limits[0][1] - limits[0][0]) * size
+            for limits, (_, size) in zip(ranges, items, strict=True)
+        ]
+        chunk = max(1, sum(first))
         piece = payload["tensors"][0].reshape(-1).view(torch.uint8)
         mine = torch.zeros(chunk, dtype=torch.uint8)
         mine[: piece.numel()].copy_(piece)
         whole = torch.empty(chunk * self.ranks, dtype=torch.uint8)
         group.all_gather(whole, mine, role=Role.OTHER).wait()
-        tensors, offset = [], 0
-        for shape, dtype in layout:
-            size = math.prod(shape) * _itemsize(dtype)
-            # (a copy: a view of another dtype must start at a multiple of its item size)
-            tensors.append(whole[offset : offset + size].clone().view(dtype).view(shape))
-            offset += size
+        flats = [torch.empty(numel * size, dtype=torch.uint8) for numel, size in items]
+        for rank in range(self.ranks):
+            offset = rank * chunk
+            for flat, limits, (_, size) in zip(flats, ranges, items, strict=True):
+                start, stop = (limit * size for limit in limits[rank])
+                flat[start:stop].copy_(whole[offset : offset + stop - start])
+                offset += stop - start
+        tensors = [
+            flat.view(dtype).view(shape) for flat, (shape, dtype) in zip(flats, layout, strict=True)
+        ]
         return tensors, whole.numel()
 
     def _load(self, payload: dict[str, Any]) -> None:
@@ -454,6 +477,8 @@ class Replica:
             if "local_steps" in counters:
                 counters["local_steps"] -= ahead
         tensors, self.gathered_bytes = self._whole_state(payload)
+        if self.options.digests:
+            self._took_sha256 = _slice_digests(tensors, self.ranks)
         strategy.take_healing_payload(tensors, counters)
         with torch.no_grad():
             mine = strategy.rank_state()
@@ -503,7 +528,18 @@ class Replica:
         if in_flight is not None and not in_flight.done() and in_flight.step != self.loop_step:
             in_flight.wait()
         if not self._round_open:
+            self._settle_moved()
             self._ask()
+
+    def _settle_moved(self) -> None:
+        """Before asking for a quorum, at which torchft's quorum thread may send a joiner the
+        exchanges in flight: finish the data movement of those whose rounds have committed
+        (every earlier round has). On a worker of several ranks each rank has reduced only
+        its own slice of such a mean; the worker's ranks gather it here, together (each rank
+        asks at the same point of the method), as the method's wait would later."""
+        settle = getattr(self._strategy, "settle_moved", None)
+        if settle is not None:
+            settle()
 
     def _ask(self) -> None:
         """Ask torchft for the open round's quorum (it forms in the background)."""
@@ -798,6 +834,11 @@ class Replica:
         }  # fmt: skip
         if self.options.digests and self._strategy is not None:  # (what it took)
             healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
+            # (Per declared tensor, the digest of each rank's slice of it: of the whole state
+            # as its sender held it, and as this rank assembled it, slice r' from the sender
+            # of rank r'.)
+            healed["sent_sha256"] = payload.get("sha256")
+            healed["took_sha256"] = self._took_sha256
         if self.count_tokens:  # (the job's committed tokens, as its source held them)
             healed["job_tokens"] = self.job_tokens
         self._log(healed)
@@ -857,22 +898,33 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _byte_slice(tensors: list[torch.Tensor], rank: int, ranks: int) -> torch.Tensor:
-    """The ``rank``-th of ``ranks`` contiguous slices (``ceil(total / ranks)`` bytes each,
-    the last shorter) of the bytes of ``tensors`` laid end to end, in a storage of its own
-    (torchft's transport sends a tensor's whole storage)."""
-    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    total = sum(t.numel() for t in flat)
-    chunk = -(-total // ranks)
-    start, stop = min(rank * chunk, total), min((rank + 1) * chunk, total)
-    piece = torch.empty(stop - start, dtype=torch.uint8)
-    offset = 0
-    for t in flat:
-        low, high = max(start, offset), min(stop, offset + t.numel())
-        if low < high:
-            piece[low - start : high - start].copy_(t[low - offset : high - offset])
-        offset += t.numel()
-    return piece
+def _element_ranges(numel: int, ranks: int) -> list[tuple[int, int]]:
+    """The ``ranks`` contiguous slices of a tensor of ``numel`` elements, as (start, stop)
+    element indices: ``ceil(numel / ranks)`` elements each, the last shorter (or empty)."""
+    chunk = -(-numel // ranks)
+    return [(min(r * chunk, numel), min((r + 1) * chunk, numel)) for r in range(ranks)]
+
+
+def _rank_slice(tensors: list[torch.Tensor], rank: int, ranks: int) -> torch.Tensor:
+    """The ``rank``-th of ``ranks`` contiguous slices of each of ``tensors`` (whole elements),
+    their bytes laid end to end in a storage of its own (torchft's transport sends a tensor's
+    whole storage)."""
+    pieces = []
+    for tensor in tensors:
+        flat = tensor.detach().contiguous().reshape(-1)
+        start, stop = _element_ranges(flat.numel(), ranks)[rank]
+        pieces.append(flat[start:stop].view(torch.uint8))
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+
+
+def _slice_digests(tensors: list[torch.Tensor], ranks: int) -> list[list[str]]:
+    """Per tensor, the SHA-256 of each of its ``ranks`` slices (:func:`_rank_slice`'s)."""
+    digests = []
+    for tensor in tensors:
+        flat = tensor.detach().contiguous().reshape(-1)
+        ranges = _element_ranges(flat.numel(), ranks)
+        digests.append([_sha256([flat[start:stop]]) for start, stop in ranges])
+    return digests
 
 
 def _healed_bytes(payload: dict[str, Any]) -> dict[str, int]:

@@ -397,6 +397,17 @@ class OuterExchange:
             copy_back()
         return self._buffer[: self.numel], self._own
 
+    def settle_moved(self) -> None:
+        """Finish the data movement of an exchange whose collective between workers has
+        completed (a live-membership round committed it), charging nothing (:meth:`wait`
+        still charges it), so that :meth:`moved_result` reads the whole result. On a worker
+        of several ranks each rank reduces the mean between workers in its own slice only;
+        the mean is whole once the worker's ranks have gathered it, which a healing thread
+        cannot run: a live member's ranks settle it together before they ask for a quorum
+        that may heal a joiner with it."""
+        if self._result is None and (self._two_step is None or self._settled is not None):
+            self._collect()
+
     def _collect(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Finish the data movement (no time charged) and decode the result once."""
         if self._result is not None:

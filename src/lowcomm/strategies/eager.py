@@ -254,6 +254,14 @@ class DelayedOuterBase(OuterLoopStrategy[DiLoCoOptions]):
         self.pass_in_flight(source, joining=joining)
         super().heal(source, joining=joining, kept=kept)
 
+    def settle_moved(self) -> None:
+        """Finish the data movement of every exchange in flight whose round has committed
+        (:meth:`OuterExchange.settle_moved`): the live-membership engine calls it on every
+        rank of a worker before it asks for a quorum whose healing sends them."""
+        for queue in self.pending:
+            for sync in queue:
+                sync.exchange.settle_moved()
+
     def healing_payload(self) -> tuple[list[torch.Tensor], dict[str, int]]:
         """The global state and every exchange in flight, settled (an engine that heals at
         the next round's quorum has completed their collectives first): per exchange its
