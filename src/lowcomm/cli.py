@@ -87,6 +87,10 @@ def _exit_past_busy_workers(code: int, *, threads: bool = False) -> None:
 
 def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
     """One line: what stopped the run, and what its directory now holds."""
+    if config.placement.membership == "torchft":  # (each worker's own directory)
+        from lowcomm.membership.local import interrupted_message
+
+        return interrupted_message(config, interrupt)
     from lowcomm.train.checkpoint import committed
     from lowcomm.train.rundir import run_directory
 

@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
@@ -56,6 +57,7 @@ def _worker_main(
     import torch
 
     torch.set_num_threads(1)
+    _stop_with_launcher()
     from lowcomm.membership.worker import train_replica
 
     who = f"worker {config.placement.membership_options.worker}"
@@ -63,8 +65,9 @@ def _worker_main(
         who += f" rank {group.rank}"
     try:
         train_replica(config, task, replay, group)
-    except KeyboardInterrupt:
-        os._exit(130)
+    except KeyboardInterrupt as stop:
+        sys.stderr.flush()
+        os._exit(128 + (stop.signum if isinstance(stop, _Stopped) else int(signal.SIGINT)))
     except ValueError as error:
         print(f"lowcomm: {who}: error: {error}", file=sys.stderr)
         sys.stderr.flush()
@@ -78,6 +81,33 @@ def _worker_main(
         os._exit(1)
     sys.stdout.flush()
     os._exit(0)
+
+
+class _Stopped(KeyboardInterrupt):
+    """A local worker's SIGTERM (its launcher stopping the job): it unwinds as from Ctrl-C, so
+    its torchft Manager shuts down and what it writes is closed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def _stop_with_launcher() -> None:
+    """In a local worker: SIGTERM unwinds like Ctrl-C, and the launcher's death (even by
+    SIGKILL, which it cannot pass on) sends this worker SIGTERM (Linux), so no worker outlives
+    its job waiting for a lighthouse that is gone."""
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    with contextlib.suppress(Exception):  # (not Linux: no parent-death signal)
+        import torch.multiprocessing as torch_mp
+
+        torch_mp._prctl_pr_set_pdeathsig(signal.SIGTERM)  # type: ignore[attr-defined]
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():  # (it died before the line above)
+        raise SystemExit(128 + int(signal.SIGTERM))
 
 
 class LocalJob:
@@ -296,21 +326,43 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
 
     With ``--membership.lighthouse`` this process is that one worker. Without, a local job:
     a lighthouse on 127.0.0.1 and ``--workers`` worker processes; it ends when they all have,
-    and fails when none finished."""
-    from lowcomm.launch.spawn import WorkerFailed
+    and fails when none finished. SIGINT or SIGTERM stops the job (every worker, then the
+    lighthouse) and raises :class:`lowcomm.launch.spawn.Interrupted`."""
+    if config.placement.membership_options.lighthouse is not None:
+        return _run_worker(config, task)
+    return _run_local(config, task)
+
+
+def _run_worker(config: TrainConfig, task: Task | None) -> dict[str, Any] | None:
+    """This process is one worker of a cluster job; SIGTERM (a scheduler's stop) unwinds it
+    as Ctrl-C does, so its torchft Manager shuts down and its files are closed."""
+    from lowcomm.launch.spawn import Interrupted
+    from lowcomm.membership.worker import train_replica
     from lowcomm.train.rundir import read_summary, run_directory
 
-    options = config.placement.membership_options
-    if options.lighthouse is not None:
-        from lowcomm.membership.worker import train_replica
-
-        check_replay(config)  # (a trace is refused here: the local launcher replays one)
+    check_replay(config)  # (a trace is refused here: the local launcher replays one)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
         record = train_replica(config, task)
-        if record.get("stopped") is not None:
-            _say_stopped(config)
-            return None
-        return read_summary(run_directory(config))
-    with LocalJob(config, task) as job:
+    except KeyboardInterrupt as stop:
+        raise Interrupted(stop.signum if isinstance(stop, _Stopped) else signal.SIGINT) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if record.get("stopped") is not None:
+        _say_stopped(config)
+        return None
+    return read_summary(run_directory(config))
+
+
+def _run_local(config: TrainConfig, task: Task | None) -> dict[str, Any] | None:
+    """A local job: its lighthouse and worker processes, stopped together on a signal."""
+    from lowcomm.launch.spawn import Interrupted, _LauncherSignal, _LauncherSignals
+
+    check_job_dir(config)
+    with LocalJob(config, task) as job, _LauncherSignals() as signals:
         print(
             f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} "
             f"worker {_processes(config)} (each its own run in {job.run_dir}/workerK)",
@@ -323,10 +375,40 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
 
             job.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(job.run_dir / "config.json", config.to_json() + "\n")
-        job.start_all()
-        if job.replay is not None:
-            job.replay.run(job)
-        codes = job.wait()
+        try:
+            job.start_all()
+            signals.arm()  # (a signal during the start was held until now)
+            if job.replay is not None:
+                job.replay.run(job)
+            codes = job.wait()
+            signals.disarm()
+        except _LauncherSignal as received:
+            signals.disarm()
+            _stop_interrupted(job)
+            raise Interrupted(received.signum) from None
+    return _finish_local(job, codes)
+
+
+def _stop_interrupted(job: LocalJob) -> None:
+    """Stop a job its launcher got a signal in, and write ``OUT/membership.json`` with each
+    process that was still running marked ``stopped``: a resume continues those (a process
+    the replayed trace had killed stays dead until the trace's next join)."""
+    running = {
+        (slot, n)
+        for slot, groups in job.groups.items()
+        for n, group in enumerate(groups)
+        if any(process.is_alive() for process in group)
+    }
+    job.stop()
+    _write_job(job, job.wait(0.0), stopped=running)
+
+
+def _finish_local(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, Any] | None:
+    """What a local job that ran to its end (or to --stop-after) says and returns."""
+    from lowcomm.launch.spawn import WorkerFailed
+    from lowcomm.train.rundir import read_summary
+
+    config = job.config
     if config.run.stop_after is not None and _stopped(job, codes):
         _write_job(job, codes)
         print(
@@ -344,6 +426,88 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     if summary is not None and job.replay is not None:
         summary["faults"] = json.loads((job.run_dir / "membership.json").read_text())["faults"]
     return summary
+
+
+def check_job_dir(config: TrainConfig) -> None:
+    """A new local job (no ``--resume``) into an ``--out`` that holds one is refused, as a
+    static run into a run's directory is: its workers would replace the old job's runs.
+    ``--overwrite`` replaces it.
+
+    Raises:
+        ConfigError: in one line naming the directory, what it holds and the fix.
+    """
+    from lowcomm.train.checkpoint import committed
+    from lowcomm.train.rundir import run_directory
+
+    if config.run.resume is not None or config.run.overwrite:
+        return
+    job = run_directory(config)
+    if not job.is_dir():
+        return
+    held = sorted(
+        path.name
+        for path in job.iterdir()
+        if path.name == "membership.json" or (path.is_dir() and path.name.startswith("worker"))
+    )
+    if not held:
+        return
+    kept = any(committed(job / name) for name in held if name.startswith("worker"))
+    resume = f", --resume {job} to continue it" if kept else ""
+    raise ConfigError(
+        f"--out: {job} already holds a --membership torchft job ({', '.join(held)}); pass "
+        f"--overwrite to replace it{resume}, or --out NEW_DIR for a fresh one"
+    )
+
+
+def interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
+    """One line: what stopped a ``--membership torchft`` run, what its workers kept and the
+    command that continues it."""
+    from lowcomm.train.checkpoint import committed
+    from lowcomm.train.rundir import run_directory
+
+    run_dir = run_directory(config)
+    options = config.placement.membership_options
+    if options.lighthouse is not None:
+        kept = committed(run_dir)
+        if not kept:
+            return (
+                f"lowcomm: worker {options.worker} {interrupt}: stopped; it wrote no checkpoint "
+                f"(--checkpoint-every N writes them); started again without --resume it heals "
+                f"from a live worker"
+            )
+        return (
+            f"lowcomm: worker {options.worker} {interrupt}: stopped; its newest checkpoint is "
+            f"{kept[-1].name} in {run_dir}; continue it with: lowcomm train --resume {run_dir} "
+            f"--membership.lighthouse {options.lighthouse} --membership.worker {options.worker}"
+        )
+    newest = _newest_checkpoints(run_dir, config.placement.workers)
+    if not newest:
+        return (
+            f"lowcomm: {interrupt}: every worker and the lighthouse stopped; no checkpoint was "
+            f"written (--checkpoint-every N writes them); run it again with --overwrite"
+        )
+    named = ", ".join(f"{name} {step}" for name, step in newest.items())
+    return (
+        f"lowcomm: {interrupt}: every worker and the lighthouse stopped; newest checkpoints: "
+        f"{named}; continue with: lowcomm train --resume {run_dir}"
+    )
+
+
+def _newest_checkpoints(job: Path, workers: int) -> dict[str, str]:
+    """Each slot's last process's newest checkpoint (``OUT/membership.json`` names the
+    process; a slot with none is left out)."""
+    from lowcomm.membership.replay import read_record
+    from lowcomm.train.checkpoint import committed
+
+    processes = (read_record(job / "membership.json") or {}).get("workers") or {}
+    newest: dict[str, str] = {}
+    for slot in range(workers):
+        runs = processes.get(str(slot)) or [{"run": f"worker{slot}"}]
+        directory = job / Path(str(runs[-1]["run"])).name
+        kept = committed(directory)
+        if kept:
+            newest[directory.name] = kept[-1].name
+    return newest
 
 
 @dataclass(frozen=True)
@@ -395,7 +559,7 @@ def resume_point(config: TrainConfig) -> ResumePoint:
         runs = processes.get(str(slot)) or [{"run": f"worker{slot}", "exit_code": 0}]
         directory = job / Path(str(runs[-1]["run"])).name  # (the job's directory may move)
         index = _process_index(directory.name)
-        if runs[-1]["exit_code"] != 0 and traced:  # (dead at the stop: the trace kills it)
+        if traced and killed_by_trace(runs[-1]):
             dirs[slot], first[slot] = None, index + 1
             continue
         worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
@@ -419,6 +583,13 @@ def resume_point(config: TrainConfig) -> ResumePoint:
     step = next(iter(steps.values()))
     replayed = record.get("replayed") or {}
     return ResumePoint(step, dirs, first, (step, float(replayed.get("run_s") or 0.0)))
+
+
+def killed_by_trace(process: dict[str, Any]) -> bool:
+    """Whether a process of a traced job's ``OUT/membership.json`` was dead at the job's stop
+    (its replayed trace killed it), not stopped with the job: the launcher stopped it at a
+    signal (``stopped``), or it ended at ``--stop-after`` (exit code 0)."""
+    return process.get("exit_code") != 0 and not process.get("stopped")
 
 
 def _say_stopped(config: TrainConfig) -> None:
@@ -532,6 +703,8 @@ def job_faults(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, A
 def _patch_summaries(
     job: LocalJob, codes: dict[int, list[int | None]], faults: dict[str, Any]
 ) -> None:
+    from lowcomm.atomic import atomic_write_text
+
     for slot, exits in codes.items():
         path = job.worker_dir(slot, len(exits) - 1) / "summary.json"
         try:
@@ -543,11 +716,16 @@ def _patch_summaries(
             own[key] = faults[key]
         own["scope"] = "job"
         summary["faults"] = own
-        path.write_text(json.dumps(summary, indent=1) + "\n")
+        atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
 
 
-def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
-    """OUT/membership.json: where each worker's run is and how its processes ended."""
+def _write_job(
+    job: LocalJob,
+    codes: dict[int, list[int | None]],
+    stopped: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset(),
+) -> None:
+    """OUT/membership.json: where each worker's run is and how its processes ended
+    (``stopped``: the (slot, start) processes the launcher stopped at a signal)."""
     faults = job_faults(job, codes)
     if faults is not None:
         _patch_summaries(job, codes, faults)
@@ -556,7 +734,11 @@ def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
         "lighthouse": job.address,
         "workers": {
             str(slot): [
-                {"run": str(job.worker_dir(slot, n)), "exit_code": code}
+                {
+                    "run": str(job.worker_dir(slot, n)),
+                    "exit_code": code,
+                    **({"stopped": True} if (slot, n) in stopped else {}),
+                }
                 for n, code in enumerate(exits)
             ]
             for slot, exits in sorted(codes.items())
@@ -571,5 +753,7 @@ def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
             "step": job.config.run.stop_after or job.config.run.steps,
             "run_s": before + float(run_s or 0.0),
         }
+    from lowcomm.atomic import atomic_write_text
+
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    (job.run_dir / "membership.json").write_text(json.dumps(record, indent=1) + "\n")
+    atomic_write_text(job.run_dir / "membership.json", json.dumps(record, indent=1) + "\n")

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupRank",
+    "check_host",
     "check_lighthouse",
     "check_torchrun_group",
     "local_address",
@@ -72,6 +73,22 @@ def check_lighthouse(address: str) -> None:
         raise ConfigError(
             f"--membership.lighthouse {address}: cannot be reached ({reason}); start one there "
             f"(torchft_lighthouse --bind {host}:{port} --min_replicas 1) or give its address"
+        ) from None
+
+
+def check_host(host: str) -> None:
+    """Refuse, in one line, a ``--membership.host`` this machine cannot bind (its worker's
+    listeners bind it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host.strip("[]"), 0))
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(
+            f"--membership.host: {host} cannot be bound on this machine ({reason}); give the "
+            "address of one of its interfaces that the other workers reach, or omit it (the "
+            "interface that routes to the lighthouse)"
         ) from None
 
 
@@ -128,6 +145,8 @@ def train_replica(
     options = config.placement.membership_options
     assert options.lighthouse is not None and options.worker is not None
     check_lighthouse(options.lighthouse)
+    if options.host is not None:
+        check_host(options.host)
 
     from lowcomm.membership.torchft_comm import TorchftComm
     from lowcomm.train.compute import finish_calibration

@@ -1,0 +1,253 @@
+"""What a user of ``--membership torchft`` meets at its edges: a ``--membership.host`` the
+machine cannot bind, a new job into a job's directory, the line an interrupted job ends with,
+which processes a resume continues, and a launcher stopped by a signal (or killed) leaving no
+worker behind.
+
+The unit tests build configurations and directories by hand; the two process tests start a
+real local job (a tiny GPT, two workers on a local lighthouse) and signal its launcher alone,
+as a process manager does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _cli import TINY
+from lowcomm.config import ConfigError, TrainConfig, with_options
+from lowcomm.membership.local import check_job_dir, interrupted_message, killed_by_trace
+from lowcomm.membership.worker import check_host
+
+STOP_BOUND_S = 90  # generous: seconds on an idle machine, more under load
+
+
+def _job(out: Path, **options: object) -> TrainConfig:
+    return with_options(TrainConfig(), membership="torchft", workers=2, out=str(out), **options)
+
+
+def _checkpoint(run: Path, step: int) -> None:
+    """A committed checkpoint directory as the message reads it (its manifest)."""
+    directory = run / "checkpoints" / f"step-{step:06d}"
+    directory.mkdir(parents=True)
+    (directory / "manifest.json").write_text("{}\n")
+
+
+# --- --membership.host ---------------------------------------------------------------------
+
+
+def test_a_host_this_machine_cannot_bind_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as refused:
+        check_host("192.0.2.1")  # (TEST-NET-1: documentation only, never a local address)
+    message = str(refused.value)
+    assert message.startswith("--membership.host: 192.0.2.1 cannot be bound")
+    assert "\n" not in message and "omit it" in message
+    check_host("127.0.0.1")  # (the loopback binds)
+
+
+# --- a new job into a job's directory ------------------------------------------------------
+
+
+def test_a_new_job_into_a_jobs_directory_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "live"
+    check_job_dir(_job(out))  # (nothing there yet)
+    (out / "worker0").mkdir(parents=True)
+    (out / "membership.json").write_text("{}\n")
+    with pytest.raises(ConfigError) as refused:
+        check_job_dir(_job(out))
+    message = str(refused.value)
+    assert message.startswith(f"--out: {out} already holds a --membership torchft job")
+    assert "membership.json, worker0" in message and "--overwrite" in message
+    assert "--resume" not in message  # (no checkpoint: nothing to continue)
+    _checkpoint(out / "worker0", 4)
+    with pytest.raises(ConfigError, match=f"--resume {out} to continue it"):
+        check_job_dir(_job(out))
+    check_job_dir(_job(out, overwrite=True))  # (replacing it is asked for)
+    check_job_dir(_job(out, resume=str(out)))  # (continuing it is check_resume's)
+
+
+def test_a_directory_of_other_files_is_not_a_job(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine\n")
+    check_job_dir(_job(tmp_path))
+
+
+# --- the line an interrupted job ends with -------------------------------------------------
+
+
+def test_an_interrupted_local_job_names_each_workers_checkpoint_and_the_resume(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "live"
+    config = _job(out)
+    interrupt = RuntimeError("interrupted by SIGTERM")
+    line = interrupted_message(config, interrupt)
+    assert "no checkpoint was written" in line and "--overwrite" in line
+    # Slot 1's last process is its restart (OUT/membership.json names it).
+    record = {"workers": {"0": [{"run": str(out / "worker0")}],
+                          "1": [{"run": str(out / "worker1")}, {"run": str(out / "worker1.1")}]}}  # fmt: skip
+    out.mkdir()
+    (out / "membership.json").write_text(json.dumps(record))
+    _checkpoint(out / "worker0", 8)
+    _checkpoint(out / "worker0", 12)
+    _checkpoint(out / "worker1", 4)
+    _checkpoint(out / "worker1.1", 12)
+    line = interrupted_message(config, interrupt)
+    assert line.startswith("lowcomm: interrupted by SIGTERM: every worker and the lighthouse")
+    assert "worker0 step-000012, worker1.1 step-000012" in line
+    assert line.endswith(f"continue with: lowcomm train --resume {out}")
+
+
+def test_an_interrupted_cluster_worker_names_its_own_resume(tmp_path: Path) -> None:
+    out = tmp_path / "w1"
+    config = _job(out, membership_options=_cluster(worker=1))
+    interrupt = RuntimeError("interrupted by SIGINT")
+    assert "heals from a live worker" in interrupted_message(config, interrupt)
+    _checkpoint(out, 20)
+    line = interrupted_message(config, interrupt)
+    assert line.startswith("lowcomm: worker 1 interrupted by SIGINT: stopped")
+    assert line.endswith(
+        f"lowcomm train --resume {out} --membership.lighthouse 10.0.0.5:29510 --membership.worker 1"
+    )
+
+
+def _cluster(worker: int) -> object:
+    from lowcomm.membership.options import MembershipOptions
+
+    return MembershipOptions(lighthouse="10.0.0.5:29510", worker=worker)
+
+
+# --- which processes a resume continues ----------------------------------------------------
+
+
+def test_a_resume_continues_processes_stopped_with_the_job_not_those_the_trace_killed() -> None:
+    assert killed_by_trace({"exit_code": -int(signal.SIGKILL)})  # (the trace's crash)
+    assert not killed_by_trace({"exit_code": 0})  # (--stop-after)
+    # Stopped by the launcher at a signal: alive at the stop, whatever its exit code.
+    assert not killed_by_trace({"exit_code": 143, "stopped": True})
+    assert not killed_by_trace({"exit_code": -int(signal.SIGKILL), "stopped": True})
+
+
+# --- a signal to the launcher alone --------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state) of ``pid``, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0]
+
+
+def _workers(launcher: int) -> list[int]:
+    """The launcher's children that run a lowcomm worker (multiprocessing's spawned ones)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (_stat(int(entry.name)) or (0, ""))[0] == launcher:
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def _running(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if (_stat(pid) or (0, "Z"))[1] != "Z"]
+
+
+def _start_job(out: Path, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lowcomm", "train", *TINY, "--membership", "torchft",
+             "--method", "diloco", "--diloco.sync-every", "2", "--steps", "5000",
+             "--checkpoint-every", "2", "--membership.quorum-s", "600", "--out", str(out)],
+            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+        )  # fmt: skip
+
+
+def _wait_for(condition: object, launcher: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 240
+    while not condition():  # type: ignore[operator]
+        assert launcher.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the job never got there"
+        time.sleep(0.1)
+
+
+def _wait_gone(pids: list[int]) -> list[int]:
+    deadline = time.monotonic() + STOP_BOUND_S
+    while _running(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _running(pids)
+
+
+def _lines(path: Path) -> int:
+    try:
+        return len(path.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="scans /proc")
+def test_sigterm_to_a_local_jobs_launcher_stops_every_worker_and_says_how_to_resume(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed")
+    out, log = tmp_path / "live", tmp_path / "stderr"
+    launcher = _start_job(out, log)
+    workers: list[int] = []
+    try:
+        _wait_for(lambda: all(_lines(out / f"worker{k}" / "metrics.jsonl") >= 4 for k in (0, 1)),
+                  launcher, log)  # fmt: skip
+        workers = _workers(launcher.pid)
+        assert len(workers) == 2, workers
+        os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone
+        code = launcher.wait(timeout=STOP_BOUND_S)
+        assert _wait_gone(workers) == [], "workers left behind"
+    finally:
+        if launcher.poll() is None or _running(workers):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    stderr = log.read_text()
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("lowcomm: interrupted by SIGTERM: every worker and the lighthouse"), last
+    assert last.endswith(f"lowcomm train --resume {out}"), last
+    record = json.loads((out / "membership.json").read_text())
+    for slot in ("0", "1"):
+        (process,) = record["workers"][slot]
+        assert process["stopped"] is True
+        # The worker unwound (its SIGTERM raised, its Manager shut down) rather than died.
+        assert process["exit_code"] == 128 + signal.SIGTERM
+        steps = [json.loads(line)["step"] for line in (Path(process["run"]) / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+        assert steps == list(range(len(steps)))  # (whole lines only)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux parent-death signal")
+def test_workers_of_a_killed_launcher_end_by_themselves(tmp_path: Path) -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed")
+    out, log = tmp_path / "live", tmp_path / "stderr"
+    launcher = _start_job(out, log)
+    workers: list[int] = []
+    try:
+        # (Each worker writes its membership.json once its Manager started.)
+        _wait_for(lambda: all((out / f"worker{k}" / "membership.json").exists() for k in (0, 1)),
+                  launcher, log)  # fmt: skip
+        workers = _workers(launcher.pid)
+        assert len(workers) == 2, workers
+        launcher.kill()  # SIGKILL: the launcher cannot stop them itself
+        launcher.wait()
+        assert _wait_gone(workers) == [], "workers outlived their launcher"
+    finally:
+        for pid in _running(workers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
