@@ -1,0 +1,48 @@
+"""What a user of ``--faults`` is told before the run: a trace file with no event, and events
+placed by step that the run never reaches (they are valid, so the run goes on, but say so)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lowcomm.config import TrainConfig, with_options
+from lowcomm.faults.run import run_trace, trace_notes
+
+
+def _config(trace: Path, steps: int = 10) -> TrainConfig:
+    return with_options(TrainConfig(), method="diloco", workers=2, steps=steps, faults=str(trace))
+
+
+def _notes(tmp_path: Path, text: str, steps: int = 10) -> str | None:
+    path = tmp_path / "trace.txt"
+    path.write_text(text)
+    config = _config(path, steps)
+    return trace_notes(run_trace(config), config)
+
+
+def test_a_trace_file_with_no_event_says_the_run_has_no_fault(tmp_path: Path) -> None:
+    for text in ("", "# only a comment\n\n   \n"):
+        note = _notes(tmp_path, text)
+        assert note is not None
+        assert note.startswith(f"lowcomm: note: --faults {tmp_path / 'trace.txt'} holds no event")
+        assert "the run has no fault" in note and "\n" not in note
+
+
+def test_events_placed_at_or_past_the_last_step_are_named(tmp_path: Path) -> None:
+    trace = "step=4 worker=1 crash\nstep=10 worker=1 join\nstep=30 worker=0 crash\n"
+    note = _notes(tmp_path, trace, steps=10)
+    assert note is not None and "\n" not in note
+    assert f"{tmp_path / 'trace.txt'}:2: 'step=10 worker=1 join' (and 1 more)" in note
+    assert "at or past --steps 10 (steps 0 to 9): it never happens" in note
+
+
+def test_a_trace_within_the_run_says_nothing(tmp_path: Path) -> None:
+    # (step 9 is the run's last step; an event placed by time may land on any step)
+    assert _notes(tmp_path, "step=9 worker=1 crash\nt=500 worker=0 slow factor=2\n") is None
+    assert trace_notes(None, _config(tmp_path / "unused.txt")) is None
+
+
+def test_a_generated_trace_with_no_event_says_nothing() -> None:
+    # (a generated trace is empty by its options, not by a mistyped file)
+    config = with_options(TrainConfig(), method="diloco", workers=2, steps=10, fault_mtbf_s=1e9)
+    assert trace_notes(run_trace(config), config) is None
