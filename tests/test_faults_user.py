@@ -46,3 +46,16 @@ def test_a_generated_trace_with_no_event_says_nothing() -> None:
     # (a generated trace is empty by its options, not by a mistyped file)
     config = with_options(TrainConfig(), method="diloco", workers=2, steps=10, fault_mtbf_s=1e9)
     assert trace_notes(run_trace(config), config) is None
+
+
+def test_a_word_for_an_optional_number_is_refused_in_words() -> None:
+    from _cli import lowcomm
+
+    for command, flag, value, rule in (
+        (("plan", "--method", "diloco", "--params", "1m", "--workers", "4"), "--fault-mtbf-s",
+         "abc", "is not a number (nor None, for unset)"),
+        (("train",), "--membership.worker", "x", "is not a whole number (nor None, for unset)"),
+    ):  # fmt: skip
+        refused = lowcomm(*command, flag, value)
+        assert refused.returncode == 2
+        assert refused.stderr.strip() == f"lowcomm: error: {flag}: {value!r} {rule}"
