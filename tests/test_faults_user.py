@@ -3,6 +3,7 @@ placed by step that the run never reaches (they are valid, so the run goes on, b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lowcomm.config import TrainConfig, with_options
@@ -59,3 +60,41 @@ def test_a_word_for_an_optional_number_is_refused_in_words() -> None:
         refused = lowcomm(*command, flag, value)
         assert refused.returncode == 2
         assert refused.stderr.strip() == f"lowcomm: error: {flag}: {value!r} {rule}"
+
+
+def test_bench_compare_refuses_a_bad_trace_or_fault_option_once_before_any_run(
+    tmp_path: Path,
+) -> None:
+    from _cli import lowcomm
+
+    typo = tmp_path / "typo.txt"
+    typo.write_text("step=4 worker=1 crahs\n")
+    out = tmp_path / "cmp"
+    for extra, expected in (
+        (["--faults", str(typo)],
+         f"--faults: {typo}:1: 'step=4 worker=1 crahs': unknown word 'crahs'; did you mean 'crash'?"),
+        (["--faults", str(tmp_path)], f"--faults: {tmp_path}: cannot read the fault trace"),
+        (["--fault-mtbf-s", "-1"], "--fault-mtbf-s: -1.0 is not valid"),
+        (["--fault-min-workers", "9"], "--fault-min-workers: 9 is not valid"),
+    ):  # fmt: skip
+        refused = lowcomm(
+            "bench", "compare", "--methods", "ddp", "diloco", "--out", str(out), *extra
+        )
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert refused.stderr.strip().startswith(f"lowcomm: error: {expected}"), refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+        assert not (out / "runs").exists()  # (no run started)
+
+
+def test_bench_compare_whose_every_run_is_refused_reports_them(tmp_path: Path) -> None:
+    from _cli import lowcomm
+
+    trace = tmp_path / "trace.txt"
+    trace.write_text("step=1 worker=1 crash\n")
+    out = tmp_path / "cmp"
+    ran = lowcomm("bench", "compare", "--methods", "zero1", "--steps", "4", "--out", str(out),
+                  "--faults", str(trace))  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-2000:]  # (the report, with no figure to draw)
+    assert "error" not in ran.stderr
+    assert "keeps its optimizer state sharded" in (out / "report.md").read_text()
+    assert json.loads((out / "results.json").read_text())["methods"] == {}
