@@ -30,7 +30,9 @@ STOP_BOUND_S = 90  # generous: seconds on an idle machine, more under load
 
 
 def _job(out: Path, **options: object) -> TrainConfig:
-    return with_options(TrainConfig(), membership="torchft", workers=2, out=str(out), **options)
+    return with_options(
+        TrainConfig(), **{"membership": "torchft", "workers": 2, "out": str(out), **options}
+    )
 
 
 def _checkpoint(run: Path, step: int) -> None:
@@ -76,6 +78,70 @@ def test_a_new_job_into_a_jobs_directory_is_refused(tmp_path: Path) -> None:
 def test_a_directory_of_other_files_is_not_a_job(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine\n")
     check_job_dir(_job(tmp_path))
+
+
+def test_a_file_where_a_worker_writes_its_run_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "worker1").write_text("not a directory\n")
+    for config in (_job(tmp_path), _job(tmp_path, overwrite=True)):
+        with pytest.raises(ConfigError, match=r"worker1 is a file, where worker 1 writes its run"):
+            check_job_dir(config)
+
+
+# --- a resume of a local job -----------------------------------------------------------------
+
+
+def test_a_resume_of_a_missing_directory_or_a_file_is_refused(tmp_path: Path) -> None:
+    from lowcomm.membership.local import resume_point
+
+    (tmp_path / "file").write_text("x\n")
+    for name, what in (("missing", "does not exist"), ("file", "is a file")):
+        with pytest.raises(ConfigError) as refused:
+            resume_point(_job(tmp_path / name, resume=str(tmp_path / name)))
+        assert str(refused.value).startswith(f"--resume: {tmp_path / name} {what}; give the --out")
+
+
+def test_a_resume_with_another_worker_count_is_refused(tmp_path: Path) -> None:
+    from lowcomm.membership.local import resume_point
+
+    job = tmp_path / "live"
+    job.mkdir()
+    (job / "config.json").write_text(_job(job).to_json())
+    for workers in (1, 3):
+        with pytest.raises(ConfigError) as refused:
+            resume_point(_job(job, resume=str(job), workers=workers))
+        message = str(refused.value)
+        assert message.startswith(f"--workers: {workers} differs from the job's 2")
+        assert "drop --workers" in message
+
+
+def test_workers_at_different_steps_are_told_which_checkpoints_to_remove(tmp_path: Path) -> None:
+    from lowcomm.membership.local import _common_step_fix
+
+    for step in (4, 8, 12):
+        _checkpoint(tmp_path / "worker0", step)
+    for step in (4, 8):
+        _checkpoint(tmp_path / "worker1", step)
+    names, steps = {0: "worker0", 1: "worker1"}, {0: 12, 1: 8}
+    assert _common_step_fix(tmp_path, names, steps) == (
+        f"remove {tmp_path / 'worker0' / 'checkpoints' / 'step-000012'} to resume every worker "
+        "from step 8"
+    )
+    # (worker0 kept no step 8: no common step to name)
+    (tmp_path / "worker0" / "checkpoints" / "step-000008" / "manifest.json").unlink()
+    assert _common_step_fix(tmp_path, names, steps).startswith("remove the newer checkpoints")
+
+
+def test_a_failed_local_job_names_each_workers_directory(tmp_path: Path) -> None:
+    from lowcomm.launch.run import kept_state
+
+    out = tmp_path / "live"
+    _checkpoint(out / "worker0", 6)
+    _checkpoint(out / "worker1", 6)
+    state = kept_state(_job(out))
+    assert state == (
+        f"each worker's run is in {out}/workerK, newest checkpoints: worker0 step-000006, "
+        f"worker1 step-000006; continue with: lowcomm train --resume {out}"
+    )
 
 
 # --- the line an interrupted job ends with -------------------------------------------------

@@ -177,6 +177,12 @@ def kept_state(config: TrainConfig) -> str:
     from lowcomm.train.checkpoint import committed
     from lowcomm.train.rundir import run_directory
 
+    if config.placement.membership == "torchft" and (
+        config.placement.membership_options.lighthouse is None
+    ):  # (a local job: each worker's run in its own directory)
+        from lowcomm.membership.local import kept_job_state
+
+        return kept_job_state(config)
     run_dir = run_directory(config)
     try:
         steps = len((run_dir / "metrics.jsonl").read_text().splitlines())

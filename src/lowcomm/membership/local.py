@@ -431,7 +431,7 @@ def _finish_local(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str
 def check_job_dir(config: TrainConfig) -> None:
     """A new local job (no ``--resume``) into an ``--out`` that holds one is refused, as a
     static run into a run's directory is: its workers would replace the old job's runs.
-    ``--overwrite`` replaces it.
+    ``--overwrite`` replaces it. A file where a worker's directory goes is refused too.
 
     Raises:
         ConfigError: in one line naming the directory, what it holds and the fix.
@@ -439,10 +439,15 @@ def check_job_dir(config: TrainConfig) -> None:
     from lowcomm.train.checkpoint import committed
     from lowcomm.train.rundir import run_directory
 
-    if config.run.resume is not None or config.run.overwrite:
-        return
     job = run_directory(config)
-    if not job.is_dir():
+    for slot in range(config.placement.workers):
+        own = job / f"worker{slot}"
+        if own.exists() and not own.is_dir():
+            raise ConfigError(
+                f"--out: {own} is a file, where worker {slot} writes its run; move it away or "
+                "pass another --out"
+            )
+    if config.run.resume is not None or config.run.overwrite or not job.is_dir():
         return
     held = sorted(
         path.name
@@ -480,16 +485,27 @@ def interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
             f"{kept[-1].name} in {run_dir}; continue it with: lowcomm train --resume {run_dir} "
             f"--membership.lighthouse {options.lighthouse} --membership.worker {options.worker}"
         )
+    return (
+        f"lowcomm: {interrupt}: every worker and the lighthouse stopped; {kept_job_state(config)}"
+    )
+
+
+def kept_job_state(config: TrainConfig) -> str:
+    """What a stopped local job kept: each worker's newest checkpoint and the command that
+    continues the job, or that it kept none."""
+    from lowcomm.train.rundir import run_directory
+
+    run_dir = run_directory(config)
     newest = _newest_checkpoints(run_dir, config.placement.workers)
     if not newest:
         return (
-            f"lowcomm: {interrupt}: every worker and the lighthouse stopped; no checkpoint was "
-            f"written (--checkpoint-every N writes them); run it again with --overwrite"
+            f"each worker's run is in {run_dir}/workerK, and no checkpoint was written "
+            "(--checkpoint-every N writes them); run it again with --overwrite"
         )
     named = ", ".join(f"{name} {step}" for name, step in newest.items())
     return (
-        f"lowcomm: {interrupt}: every worker and the lighthouse stopped; newest checkpoints: "
-        f"{named}; continue with: lowcomm train --resume {run_dir}"
+        f"each worker's run is in {run_dir}/workerK, newest checkpoints: {named}; continue "
+        f"with: lowcomm train --resume {run_dir}"
     )
 
 
@@ -547,6 +563,13 @@ def resume_point(config: TrainConfig) -> ResumePoint:
 
     assert config.run.resume is not None
     job = Path(config.run.resume)
+    if not job.is_dir():
+        what = "is a file" if job.exists() else "does not exist"
+        raise ConfigError(
+            f"--resume: {job} {what}; give the --out directory of a local job run with "
+            "--checkpoint-every or --stop-after (it holds workerK/checkpoints)"
+        )
+    _check_job_workers(config, job)
     record = read_record(job / "membership.json") or {}
     processes = record.get("workers") or {}
     traced = trace_of(config) is not None
@@ -566,15 +589,15 @@ def resume_point(config: TrainConfig) -> ResumePoint:
         try:
             steps[slot], found = find_latest(directory, ranks, fingerprint(worker))
         except CheckpointError as error:
-            raise ConfigError(f"--resume: worker {slot}: {error}") from None
+            reason = str(error).removeprefix("--resume: ")
+            raise ConfigError(f"--resume: worker {slot}: {reason}") from None
         torchft_step(found)
         dirs[slot], first[slot], names[slot] = directory, index, directory.name
     if len(set(steps.values())) > 1:
         named = ", ".join(f"{names[slot]} at step {step}" for slot, step in steps.items())
         raise ConfigError(
             f"--resume: {job}: the workers' checkpoints name different steps ({named}); a "
-            "job resumes every worker from one step: remove the newer checkpoints (or give "
-            "a job whose workers stopped together)"
+            f"job resumes every worker from one step: {_common_step_fix(job, names, steps)}"
         )
     if not steps:
         raise ConfigError(
@@ -590,6 +613,37 @@ def killed_by_trace(process: dict[str, Any]) -> bool:
     (its replayed trace killed it), not stopped with the job: the launcher stopped it at a
     signal (``stopped``), or it ended at ``--stop-after`` (exit code 0)."""
     return process.get("exit_code") != 0 and not process.get("stopped")
+
+
+def _common_step_fix(job: Path, names: dict[int, str], steps: dict[int, int]) -> str:
+    """How to resume workers whose newest checkpoints differ: remove the checkpoints newer
+    than the oldest newest one, where every worker holds that step."""
+    from lowcomm.train.checkpoint import committed, step_directory
+
+    oldest = min(steps.values())
+    newer: list[str] = []
+    for name in names.values():
+        if not (step_directory(job / name, oldest) / "manifest.json").exists():
+            return "remove the newer checkpoints (or give a job whose workers stopped together)"
+        newer += [str(path) for path in committed(job / name) if int(path.name[5:]) > oldest]
+    return f"remove {', '.join(newer)} to resume every worker from step {oldest}"
+
+
+def _check_job_workers(config: TrainConfig, job: Path) -> None:
+    """A local job resumes with its own worker count: each worker continues its own
+    checkpoint, and its data shard is its slot's of that count."""
+    try:
+        saved = json.loads((job / "config.json").read_text())
+        workers = int(saved["placement"]["workers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # (no saved options: the workers' own checkpoints are checked)
+    if workers != config.placement.workers:
+        raise ConfigError(
+            f"--workers: {config.placement.workers} differs from the job's {workers} "
+            f"({job}/config.json); a --membership torchft job resumes every worker from its "
+            "own checkpoint, with its own data shard: drop --workers (a worker more joins a "
+            "running job in a free slot: docs/membership.md)"
+        )
 
 
 def _say_stopped(config: TrainConfig) -> None:
