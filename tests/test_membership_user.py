@@ -11,6 +11,7 @@ as a process manager does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -317,3 +318,35 @@ def test_workers_of_a_killed_launcher_end_by_themselves(tmp_path: Path) -> None:
         for pid in _running(workers):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# --- a joiner started with other options than the job's -----------------------------------
+
+
+def _healed_from(options: dict[str, object] | None, slot: int = 1) -> object:
+    """A replica whose torchft Manager holds the state a live worker healed it with."""
+    from types import SimpleNamespace
+
+    from lowcomm.membership.worker import OPTIONS_KEY
+
+    pending = None if options is None else {"user": {OPTIONS_KEY: options}}
+    return SimpleNamespace(slot=slot, manager=SimpleNamespace(_pending_state_dict=pending))
+
+
+def test_a_joiner_healed_from_a_job_of_other_options_is_refused_naming_the_option() -> None:
+    from lowcomm.membership.worker import _check_same_options, job_options
+
+    job = with_options(TrainConfig(), method="diloco", workers=2, membership="torchft")
+    mine = job_options(dataclasses.replace(job, optim=dataclasses.replace(job.optim, lr=0.01)))
+    assert mine["diloco"]["sync_every"] == job.diloco.sync_every  # (named as its flags are)
+    with pytest.raises(ConfigError) as refused:
+        _check_same_options(_healed_from(job_options(job)), mine)  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert message.startswith(f"optim.lr: 0.01 is this worker's, and {job.optim.lr!r} the live")
+    assert "lowcomm train --config DIR" in message
+    with pytest.raises(ConfigError, match=r"^workers: 3 is this worker's, and 2 the live"):
+        _check_same_options(_healed_from(job_options(job)), job_options(with_options(job, workers=3)))  # type: ignore[arg-type]  # fmt: skip
+    # The same options, a slot and an --out of its own: it joins; not healed: nothing to check.
+    joiner = with_options(job, out="runs/w1b")
+    _check_same_options(_healed_from(job_options(job)), job_options(joiner))  # type: ignore[arg-type]
+    _check_same_options(_healed_from(None), mine)  # type: ignore[arg-type]

@@ -170,7 +170,7 @@ def train_replica(
         # has checked that every worker's names the same step.)
         progress = _resume(worker, replica)
         finish_calibration(worker.clock, config, 0)
-        admitted = _admit(replica)  # (0: no peer further on; else healed into their step)
+        admitted = _admit(replica, config)  # (0: no peer further on; else healed into their step)
         progress.start_step = admitted or progress.start_step
         per_step = config.run.microbatches_per_step
         _skip_to(worker.shard, progress.start_step * per_step)
@@ -453,6 +453,9 @@ TORCHFT_STEP = "torchft.json"
 #: was still being admitted (:func:`_admit`).
 ADMISSION_KEY = "lowcomm_admission"
 
+#: The key of the options a healed worker receives from its source (:func:`job_options`).
+OPTIONS_KEY = "lowcomm_options"
+
 
 def torchft_step(directory: Path) -> dict[str, int]:
     """torchft's step (the Manager's state dict) at the checkpoint in ``directory``.
@@ -493,7 +496,50 @@ def _keep_torchft_step(config: TrainConfig, replica: Replica, step: int) -> None
         atomic_write_text(directory / TORCHFT_STEP, json.dumps(state) + "\n")
 
 
-def _admit(replica: Replica) -> int:
+def job_options(config: TrainConfig) -> dict[str, Any]:
+    """The options every worker of a job must share: those its checkpoints are compared by
+    (the model, the method's, the data, the steps, ...) and the worker count (each slot's data
+    shard). A joiner healed from a worker of other options is refused (:func:`_admitted`)."""
+    from lowcomm.strategies import strategy_class
+    from lowcomm.train.checkpoint import fingerprint
+
+    options = {**fingerprint(without_faults(config)), "workers": config.placement.workers}
+    field = strategy_class(config.method).options_field
+    if field is not None:  # (named as its flags are: diloco.sync_every)
+        options[field] = options.pop("options")
+    return options
+
+
+def _admitted(replica: Replica, options: dict[str, Any]) -> int:
+    """``replica.admit()``, refused in one line when the worker it was healed from runs other
+    options: a joiner started with options other than the job's (a model of another shape
+    fails to take the state; another learning rate would take it and train apart)."""
+    try:
+        step = replica.admit()
+    except Exception:
+        _check_same_options(replica, options)
+        raise
+    _check_same_options(replica, options)
+    return step
+
+
+def _check_same_options(replica: Replica, options: dict[str, Any]) -> None:
+    from lowcomm.train.checkpoint import _first_difference
+
+    pending = getattr(replica.manager, "_pending_state_dict", None) or {}
+    theirs = (pending.get("user") or {}).get(OPTIONS_KEY)
+    if theirs is None or theirs == options:
+        return
+    name, saved, value = _first_difference("", theirs, options)
+    raise ConfigError(
+        f"{name.lstrip('.')}: {value!r} is this worker's, and {saved!r} the live workers' "
+        f"(worker {replica.slot} was healed from one); a worker joins a job with the job's "
+        "options: start it with theirs (lowcomm train --config DIR takes a worker's "
+        "config.json) and its own --membership.* and --out"
+    )
+
+
+def _admit(replica: Replica, config: TrainConfig) -> int:
     """This worker's first quorum (:meth:`Replica.admit`); the loop step it starts at.
 
     Workers that start together (a job's start, or a resumed job's) commit an empty round
@@ -513,11 +559,13 @@ def _admit(replica: Replica) -> int:
     replica.manager.register_state_dict_fn(
         ADMISSION_KEY, lambda _: None, lambda: {"admitting": admitting[0]}
     )
+    options = job_options(config)
+    replica.manager.register_state_dict_fn(OPTIONS_KEY, lambda _: None, lambda: options)
     start = 0  # (the step of a healing from a worker being admitted)
     try:
         while True:
             healed = _healings(replica)
-            step = replica.admit()
+            step = _admitted(replica, options)
             if _healings(replica) == healed:
                 return step or start  # (committed with the others)
             if not _source_admitting(replica):
