@@ -228,12 +228,12 @@ def _running(pids: list[int]) -> list[int]:
     return [pid for pid in pids if (_stat(pid) or (0, "Z"))[1] != "Z"]
 
 
-def _start_job(out: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start_job(out: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     with open(log, "w") as stderr:
         return subprocess.Popen(
             [sys.executable, "-m", "lowcomm", "train", *TINY, "--membership", "torchft",
              "--method", "diloco", "--diloco.sync-every", "2", "--steps", "5000",
-             "--checkpoint-every", "2", "--membership.quorum-s", "600", "--out", str(out)],
+             "--checkpoint-every", "2", "--membership.quorum-s", "600", "--out", str(out), *extra],
             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
         )  # fmt: skip
 
@@ -267,7 +267,11 @@ def test_sigterm_to_a_local_jobs_launcher_stops_every_worker_and_says_how_to_res
 ) -> None:
     pytest.importorskip("torchft", reason="torchft is not installed")
     out, log = tmp_path / "live", tmp_path / "stderr"
-    launcher = _start_job(out, log)
+    # (A replayed trace whose one event comes long after the stop: the job records how far
+    # its run time got, from which a resume replays.)
+    trace = tmp_path / "trace.txt"
+    trace.write_text("t=100000 worker=1 slow factor=2\n")
+    launcher = _start_job(out, log, "--faults", str(trace))
     workers: list[int] = []
     try:
         _wait_for(lambda: all(_lines(out / f"worker{k}" / "metrics.jsonl") >= 4 for k in (0, 1)),
@@ -289,6 +293,7 @@ def test_sigterm_to_a_local_jobs_launcher_stops_every_worker_and_says_how_to_res
     assert last.startswith("lowcomm: interrupted by SIGTERM: every worker and the lighthouse"), last
     assert last.endswith(f"lowcomm train --resume {out}"), last
     record = json.loads((out / "membership.json").read_text())
+    assert record["replayed"]["run_s"] > 0  # (the workers had trained: time had passed)
     for slot in ("0", "1"):
         (process,) = record["workers"][slot]
         assert process["stopped"] is True

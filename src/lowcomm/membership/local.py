@@ -399,8 +399,11 @@ def _stop_interrupted(job: LocalJob) -> None:
         for n, group in enumerate(groups)
         if any(process.is_alive() for process in group)
     }
+    started = float(job.channel.started.value) or None
     job.stop()
-    _write_job(job, job.wait(0.0), stopped=running)
+    # (The trace's run time reached: a resume replays the events placed by time after it.)
+    reached = None if started is None else time.time() - started
+    _write_job(job, job.wait(0.0), stopped=running, reached_s=reached)
 
 
 def _finish_local(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, Any] | None:
@@ -777,9 +780,11 @@ def _write_job(
     job: LocalJob,
     codes: dict[int, list[int | None]],
     stopped: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset(),
+    reached_s: float | None = None,
 ) -> None:
     """OUT/membership.json: where each worker's run is and how its processes ended
-    (``stopped``: the (slot, start) processes the launcher stopped at a signal)."""
+    (``stopped``: the (slot, start) processes the launcher stopped at a signal, at
+    ``reached_s`` run seconds: the workers had not finished, so theirs say no end)."""
     faults = job_faults(job, codes)
     if faults is not None:
         _patch_summaries(job, codes, faults)
@@ -803,6 +808,7 @@ def _write_job(
         # Where the trace stood: a resumed job replays the events after it.
         before = job.replay.since[1]
         run_s = None if faults is None else faults.get("run_s")
+        run_s = reached_s if run_s is None else run_s
         record["replayed"] = {
             "step": job.config.run.stop_after or job.config.run.steps,
             "run_s": before + float(run_s or 0.0),
