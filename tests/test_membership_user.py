@@ -55,6 +55,20 @@ def test_a_host_this_machine_cannot_bind_is_refused_in_one_line() -> None:
     check_host("127.0.0.1")  # (the loopback binds)
 
 
+def test_a_local_job_refuses_a_host_it_would_not_use() -> None:
+    from lowcomm.membership.options import MembershipOptions, membership_refusal
+
+    local = _job(Path("live"), membership_options=MembershipOptions(host="10.0.0.5"))
+    assert membership_refusal(local) == (
+        "--membership.host: 10.0.0.5 is a cluster worker's address (with "
+        "--membership.lighthouse); a local job's workers bind 127.0.0.1: drop it"
+    )
+    loopback = MembershipOptions(host="127.0.0.1")
+    assert membership_refusal(_job(Path("live"), membership_options=loopback)) is None
+    worker = MembershipOptions(host="10.0.0.5", lighthouse="10.0.0.1:29510", worker=0)
+    assert membership_refusal(_job(Path("w0"), membership_options=worker)) is None
+
+
 # --- a new job into a job's directory ------------------------------------------------------
 
 

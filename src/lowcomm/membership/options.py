@@ -172,6 +172,11 @@ def membership_refusal(config: TrainConfig) -> str | None:
                 "--membership torchft; add it, or drop them"
             )
         return None
+    if options.lighthouse is None and options.host not in (None, "127.0.0.1"):
+        return (
+            f"--membership.host: {options.host} is a cluster worker's address (with "
+            "--membership.lighthouse); a local job's workers bind 127.0.0.1: drop it"
+        )
     refusal = _method_refusal(config, flag)
     if refusal is not None:
         return refusal
