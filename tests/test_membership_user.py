@@ -129,6 +129,26 @@ def test_a_resume_with_another_worker_count_is_refused(tmp_path: Path) -> None:
         assert "drop --workers" in message
 
 
+def test_a_cluster_worker_resumes_only_in_its_own_slot_and_worker_count(tmp_path: Path) -> None:
+    from lowcomm.membership.local import check_resume
+
+    run = tmp_path / "w0"
+    run.mkdir()
+    (run / "config.json").write_text(_job(run, membership_options=_cluster(worker=0)).to_json())
+    for slot, workers, expected in (
+        (1, 2, f"--membership.worker: 1 differs from {run}'s 0 (its config.json)"),
+        (0, 3, f"--workers: 3 differs from {run}'s 2 (its config.json)"),
+    ):
+        config = _job(run, resume=str(run), workers=workers, membership_options=_cluster(slot))
+        with pytest.raises(ConfigError) as refused:
+            check_resume(config)
+        assert str(refused.value).startswith(expected)
+    # Its own slot and count: on to its checkpoint (none here).
+    own = _job(run, resume=str(run), membership_options=_cluster(worker=0))
+    with pytest.raises(ConfigError, match="holds no checkpoint of this worker"):
+        check_resume(own)
+
+
 def test_workers_at_different_steps_are_told_which_checkpoints_to_remove(tmp_path: Path) -> None:
     from lowcomm.membership.local import _common_step_fix
 

@@ -706,6 +706,7 @@ def check_worker_resume(config: TrainConfig) -> int:
             f"--out: {config.run.out!r} differs from --resume {config.run.resume!r}; a resumed "
             "worker continues in its own run directory, so omit --out"
         )
+    _check_worker_slot(config, resume)
     if not has_checkpoint(resume):
         raise ConfigError(
             f"--resume: {resume} holds no checkpoint of this worker; give its own --out "
@@ -720,6 +721,30 @@ def check_worker_resume(config: TrainConfig) -> int:
         raise ConfigError(str(error)) from None
     torchft_step(directory)
     return step
+
+
+def _check_worker_slot(config: TrainConfig, resume: Path) -> None:
+    """A cluster worker resumes in its own slot, of its own job's worker count: the slot and
+    the count name its data shard, which its checkpoint continues."""
+    try:
+        placement = json.loads((resume / "config.json").read_text())["placement"]
+        saved = {
+            "worker": placement["membership_options"]["worker"],
+            "workers": placement["workers"],
+        }
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # (no saved options: the checkpoint's own checks follow)
+    given = {
+        "worker": config.placement.membership_options.worker,
+        "workers": config.placement.workers,
+    }
+    for name, flag in (("worker", "--membership.worker"), ("workers", "--workers")):
+        if saved[name] is not None and given[name] != saved[name]:
+            raise ConfigError(
+                f"{flag}: {given[name]} differs from {resume}'s {saved[name]} (its config.json); "
+                f"a worker resumes its own run, in its own slot of its job: give {flag} "
+                f"{saved[name]} (a worker in another slot starts without --resume and heals)"
+            )
 
 
 def _stopped(job: LocalJob, codes: dict[int, list[int | None]]) -> bool:
