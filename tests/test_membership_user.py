@@ -189,7 +189,10 @@ def test_an_interrupted_local_job_names_each_workers_checkpoint_and_the_resume(
     config = _job(out)
     interrupt = RuntimeError("interrupted by SIGTERM")
     line = interrupted_message(config, interrupt)
-    assert "no checkpoint was written" in line and "--overwrite" in line
+    assert "no checkpoint was written (--checkpoint-every N writes them)" in line
+    assert line.endswith("run it again with --overwrite")
+    early = interrupted_message(_job(out, checkpoint_every=50), interrupt)
+    assert "no checkpoint was written yet (--checkpoint-every 50: the first at step 50)" in early
     # Slot 1's last process is its restart (OUT/membership.json names it).
     record = {"workers": {"0": [{"run": str(out / "worker0")}],
                           "1": [{"run": str(out / "worker1")}, {"run": str(out / "worker1.1")}]}}  # fmt: skip

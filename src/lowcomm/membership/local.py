@@ -480,8 +480,8 @@ def interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
         if not kept:
             return (
                 f"lowcomm: worker {options.worker} {interrupt}: stopped; it wrote no checkpoint "
-                f"(--checkpoint-every N writes them); started again without --resume it heals "
-                f"from a live worker"
+                f"{_no_checkpoint_why(config)}; started again without --resume it heals from a "
+                "live worker"
             )
         return (
             f"lowcomm: worker {options.worker} {interrupt}: stopped; its newest checkpoint is "
@@ -503,13 +503,20 @@ def kept_job_state(config: TrainConfig) -> str:
     if not newest:
         return (
             f"each worker's run is in {run_dir}/workerK, and no checkpoint was written "
-            "(--checkpoint-every N writes them); run it again with --overwrite"
+            f"{_no_checkpoint_why(config)}; run it again with --overwrite"
         )
     named = ", ".join(f"{name} {step}" for name, step in newest.items())
     return (
         f"each worker's run is in {run_dir}/workerK, newest checkpoints: {named}; continue "
         f"with: lowcomm train --resume {run_dir}"
     )
+
+
+def _no_checkpoint_why(config: TrainConfig) -> str:
+    every = config.run.checkpoint_every
+    if every is None:
+        return "(--checkpoint-every N writes them)"
+    return f"yet (--checkpoint-every {every}: the first at step {every})"
 
 
 def _newest_checkpoints(job: Path, workers: int) -> dict[str, str]:
