@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from lowcomm.config import TrainConfig, with_options
 from lowcomm.faults.run import run_trace, trace_notes
+from lowcomm.faults.trace import TraceError
 
 
 def _config(trace: Path, steps: int = 10) -> TrainConfig:
@@ -98,3 +101,17 @@ def test_bench_compare_whose_every_run_is_refused_reports_them(tmp_path: Path) -
     assert "error" not in ran.stderr
     assert "keeps its optimizer state sharded" in (out / "report.md").read_text()
     assert json.loads((out / "results.json").read_text())["methods"] == {}
+
+
+def test_a_generated_trace_that_kills_everyone_names_the_options_that_change_it() -> None:
+    deadly = with_options(
+        TrainConfig(), method="diloco", workers=2, fault_mtbf_s=10.0, fault_seed=1
+    )
+    with pytest.raises(TraceError) as refused:
+        run_trace(deadly)  # (each worker crashes, none is replaced)
+    message = str(refused.value)
+    assert "no worker is alive from t=" in message and "drop this line" not in message
+    assert message.endswith(
+        "the trace is generated from --fault-*: give a longer --fault-mtbf-s, a shorter "
+        "--fault-replace-after-s, more --workers or another --fault-seed"
+    )

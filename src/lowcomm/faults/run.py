@@ -532,8 +532,20 @@ def _first_horizon(settings: FaultSettings) -> float:
 @functools.lru_cache(maxsize=8)
 def _generated(options: FaultOptions, workers: int, horizon_s: float) -> FaultTrace:
     """The generated trace over ``horizon_s`` seconds, made once per process (its workers
-    share it)."""
-    return generate_trace(replace(options, duration_s=horizon_s), workers=workers)
+    share it).
+
+    Raises:
+        TraceError: the drawn events leave no worker alive (or break another rule of a
+            trace), naming the event and the options that change the draw: a generated
+            trace has no line to edit."""
+    try:
+        return generate_trace(replace(options, duration_s=horizon_s), workers=workers)
+    except TraceError as error:
+        problem = str(error).split("; ", 1)[0]
+        raise TraceError(
+            f"{problem}; the trace is generated from --fault-*: give a longer --fault-mtbf-s, "
+            "a shorter --fault-replace-after-s, more --workers or another --fault-seed"
+        ) from None
 
 
 def trace_extension(config: TrainConfig) -> tuple[Callable[[float], FaultTrace] | None, float]:
