@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,6 +148,51 @@ def test_a_cluster_worker_resumes_only_in_its_own_slot_and_worker_count(tmp_path
     own = _job(run, resume=str(run), membership_options=_cluster(worker=0))
     with pytest.raises(ConfigError, match="holds no checkpoint of this worker"):
         check_resume(own)
+
+
+def _worker_checkpoint(job: TrainConfig, run: Path, step: int, torchft: str) -> None:
+    """A committed checkpoint of ``job``'s worker in ``run``, with ``torchft`` as its
+    torchft.json."""
+    from lowcomm.train import checkpoint
+
+    path = checkpoint.write_rank_state(run, step, 0, {"step": step})
+    worker = with_options(job, out=str(run), resume=str(run))
+    checkpoint.commit_checkpoint(
+        run, step, 1, checkpoint.fingerprint(worker), digests=[checkpoint.file_digest(path)]
+    )
+    (checkpoint.step_directory(run, step) / "torchft.json").write_text(torchft)
+
+
+def test_a_local_jobs_unreadable_torchft_step_names_the_checkpoint_to_remove(
+    tmp_path: Path,
+) -> None:
+    from lowcomm.membership.local import resume_point
+
+    out = tmp_path / "live"
+    job = _job(out, resume=str(out))
+    good = json.dumps({"step": 2, "batches_committed": 4})
+    for step in (4, 8):
+        _worker_checkpoint(job, out / "worker0", step, good)
+    _worker_checkpoint(job, out / "worker1", 4, good)
+    _worker_checkpoint(job, out / "worker1", 8, "{garbage")
+    with pytest.raises(ConfigError) as refused:
+        resume_point(job)
+    newest = out / "worker1" / "checkpoints" / "step-000008"
+    assert str(refused.value) == (
+        f"--resume: {newest / 'torchft.json'} is unreadable (torchft's step at that "
+        f"checkpoint, which its workers' first quorum compares); remove {newest} to resume "
+        "from the step before (the resume then names any other worker's newer checkpoints "
+        "to remove)"
+    )
+    shutil.rmtree(newest)
+    with pytest.raises(ConfigError) as refused:
+        resume_point(job)
+    assert str(refused.value).endswith(
+        f"remove {out / 'worker0' / 'checkpoints' / 'step-000008'} to resume every worker "
+        "from step 4"
+    )
+    shutil.rmtree(out / "worker0" / "checkpoints" / "step-000008")
+    assert resume_point(job).step == 4
 
 
 def test_workers_at_different_steps_are_told_which_checkpoints_to_remove(tmp_path: Path) -> None:

@@ -601,7 +601,14 @@ def resume_point(config: TrainConfig) -> ResumePoint:
         except CheckpointError as error:
             reason = str(error).removeprefix("--resume: ")
             raise ConfigError(f"--resume: worker {slot}: {reason}") from None
-        torchft_step(found)
+        try:
+            torchft_step(found)
+        except ConfigError as error:  # (its fix for a local job: every worker resumes)
+            problem = str(error).split("; ", 1)[0]
+            raise ConfigError(
+                f"{problem}; remove {found} to resume from the step before (the resume then "
+                "names any other worker's newer checkpoints to remove)"
+            ) from None
         dirs[slot], first[slot], names[slot] = directory, index, directory.name
     if len(set(steps.values())) > 1:
         named = ", ".join(f"{names[slot]} at step {step}" for slot, step in steps.items())
