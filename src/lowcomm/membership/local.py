@@ -567,9 +567,7 @@ def resume_point(config: TrainConfig) -> ResumePoint:
     Raises:
         ConfigError: in one line naming the worker, its directory and the fix.
     """
-    from lowcomm.membership.replay import read_record, trace_of, without_faults
-    from lowcomm.membership.worker import torchft_step
-    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
+    from lowcomm.membership.replay import read_record, trace_of
 
     assert config.run.resume is not None
     job = Path(config.run.resume)
@@ -583,7 +581,6 @@ def resume_point(config: TrainConfig) -> ResumePoint:
     record = read_record(job / "membership.json") or {}
     processes = record.get("workers") or {}
     traced = trace_of(config) is not None
-    ranks = config.placement.ranks_per_worker  # (one checkpoint file per rank of a worker)
     steps: dict[int, int] = {}
     dirs: dict[int, Path | None] = {}
     first: dict[int, int] = {}
@@ -595,20 +592,7 @@ def resume_point(config: TrainConfig) -> ResumePoint:
         if traced and killed_by_trace(runs[-1]):
             dirs[slot], first[slot] = None, index + 1
             continue
-        worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
-        try:
-            steps[slot], found = find_latest(directory, ranks, fingerprint(worker))
-        except CheckpointError as error:
-            reason = str(error).removeprefix("--resume: ")
-            raise ConfigError(f"--resume: worker {slot}: {reason}") from None
-        try:
-            torchft_step(found)
-        except ConfigError as error:  # (its fix for a local job: every worker resumes)
-            problem = str(error).split("; ", 1)[0]
-            raise ConfigError(
-                f"{problem}; remove {found} to resume from the step before (the resume then "
-                "names any other worker's newer checkpoints to remove)"
-            ) from None
+        steps[slot] = _slot_checkpoint(config, slot, directory)
         dirs[slot], first[slot], names[slot] = directory, index, directory.name
     if len(set(steps.values())) > 1:
         named = ", ".join(f"{names[slot]} at step {step}" for slot, step in steps.items())
@@ -623,6 +607,31 @@ def resume_point(config: TrainConfig) -> ResumePoint:
     step = next(iter(steps.values()))
     replayed = record.get("replayed") or {}
     return ResumePoint(step, dirs, first, (step, float(replayed.get("run_s") or 0.0)))
+
+
+def _slot_checkpoint(config: TrainConfig, slot: int, directory: Path) -> int:
+    """The step of slot ``slot``'s newest intact checkpoint of this configuration in
+    ``directory``, with torchft's step beside it; else ConfigError in one line."""
+    from lowcomm.membership.replay import without_faults
+    from lowcomm.membership.worker import torchft_step
+    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
+
+    worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
+    ranks = config.placement.ranks_per_worker  # (one checkpoint file per rank of a worker)
+    try:
+        step, found = find_latest(directory, ranks, fingerprint(worker))
+    except CheckpointError as error:
+        reason = str(error).removeprefix("--resume: ")
+        raise ConfigError(f"--resume: worker {slot}: {reason}") from None
+    try:
+        torchft_step(found)
+    except ConfigError as error:  # (its fix for a local job: every worker resumes)
+        problem = str(error).split("; ", 1)[0]
+        raise ConfigError(
+            f"{problem}; remove {found} to resume from the step before (the resume then "
+            "names any other worker's newer checkpoints to remove)"
+        ) from None
+    return step
 
 
 def killed_by_trace(process: dict[str, Any]) -> bool:
