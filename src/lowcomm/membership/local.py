@@ -58,6 +58,7 @@ def _worker_main(
 
     torch.set_num_threads(1)
     _stop_with_launcher()
+    _thread_lock_for_progress()
     from lowcomm.membership.worker import train_replica
 
     who = f"worker {config.placement.membership_options.worker}"
@@ -81,6 +82,18 @@ def _worker_main(
         os._exit(1)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _thread_lock_for_progress() -> None:
+    """tqdm's default lock holds a multiprocessing semaphore, which a worker ending with
+    ``os._exit`` never releases, so the resource tracker warned of 'leaked semaphore objects'
+    at every job's end. A worker's progress bars are its own process's: a thread lock serves."""
+    import threading
+
+    with contextlib.suppress(ImportError):
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
 
 
 class _Stopped(KeyboardInterrupt):
