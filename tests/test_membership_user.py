@@ -439,3 +439,16 @@ def test_a_joiner_healed_from_a_job_of_other_options_is_refused_naming_the_optio
     joiner = with_options(job, out="runs/w1b")
     _check_same_options(_healed_from(job_options(job)), job_options(joiner))  # type: ignore[arg-type]
     _check_same_options(_healed_from(None), mine)  # type: ignore[arg-type]
+
+
+def test_a_cluster_worker_that_gives_up_on_a_round_fails_in_one_line() -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed")
+    from lowcomm.launch.spawn import WorkerFailed
+    from lowcomm.membership.local import _say_round_failed
+    from lowcomm.membership.torchft_comm import RoundFailed
+
+    config = _job(Path("w1"), membership_options=_cluster(worker=1))
+    with pytest.raises(WorkerFailed) as failed:
+        _say_round_failed(config, RoundFailed("worker 1: not admitted: no quorum"))
+    assert str(failed.value) == "worker 1 failed: not admitted: no quorum"
+    _say_round_failed(config, RuntimeError("another failure"))  # (raised as it is, by its caller)

@@ -361,6 +361,9 @@ def _run_worker(config: TrainConfig, task: Task | None) -> dict[str, Any] | None
         record = train_replica(config, task)
     except KeyboardInterrupt as stop:
         raise Interrupted(stop.signum if isinstance(stop, _Stopped) else signal.SIGINT) from None
+    except RuntimeError as failed:
+        _say_round_failed(config, failed)
+        raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -368,6 +371,18 @@ def _run_worker(config: TrainConfig, task: Task | None) -> dict[str, Any] | None
         _say_stopped(config)
         return None
     return read_summary(run_directory(config))
+
+
+def _say_round_failed(config: TrainConfig, failed: RuntimeError) -> None:
+    """A cluster worker that gave up on a round (or on its admission) ends as a failed worker
+    does, in one line with what it kept (:class:`lowcomm.launch.spawn.WorkerFailed`), not
+    with a traceback. (Only once the worker ran: torchft is installed.)"""
+    from lowcomm.launch.spawn import WorkerFailed
+    from lowcomm.membership.torchft_comm import RoundFailed
+
+    if isinstance(failed, RoundFailed):
+        slot = int(config.placement.membership_options.worker or 0)
+        raise WorkerFailed(slot, str(failed).removeprefix(f"worker {slot}: ")) from None
 
 
 def _run_local(config: TrainConfig, task: Task | None) -> dict[str, Any] | None:
