@@ -318,6 +318,7 @@ def _start_job(out: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
              "--method", "diloco", "--diloco.sync-every", "2", "--steps", "5000",
              "--checkpoint-every", "2", "--membership.quorum-s", "600", "--out", str(out), *extra],
             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+            env={**os.environ, "TMPDIR": str(out.parent)},  # (a killed launcher's scratch)
         )  # fmt: skip
 
 
