@@ -87,6 +87,10 @@ def _exit_past_busy_workers(code: int, *, threads: bool = False) -> None:
 
 def _interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
     """One line: what stopped the run, and what its directory now holds."""
+    if config.placement.membership == "torchft":  # (each worker's own directory)
+        from lowcomm.membership.local import interrupted_message
+
+        return interrupted_message(config, interrupt)
     from lowcomm.train.checkpoint import committed
     from lowcomm.train.rundir import run_directory
 
@@ -334,6 +338,15 @@ def _one_line_option_errors() -> contextlib.AbstractContextManager[object]:
 _CONVERSIONS = (
     (re.compile(r"^invalid literal for int\(\) with base 10: (.+)$"), "{} is not a whole number"),
     (re.compile(r"^could not convert string to float: (.+)$"), "{} is not a number"),
+    # (An optional number: tyro tries None, then the number.)
+    (
+        re.compile(r"^no type matching \{None\}\|INT could be instantiated from \[(.+)\]\.?$"),
+        "{} is not a whole number (nor None, for unset)",
+    ),
+    (
+        re.compile(r"^no type matching \{None\}\|FLOAT could be instantiated from \[(.+)\]\.?$"),
+        "{} is not a number (nor None, for unset)",
+    ),
     (
         re.compile(r"^Could not find valid parse for arguments: \[(.+)\]$"),
         "cannot read the values {}",

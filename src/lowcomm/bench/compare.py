@@ -123,6 +123,7 @@ class CompareBench:
             # One place holds the value from here on: the training configuration.
             self.train = with_options(self.train, **{name: given})
         self.train = self.fault.merged(self.train)
+        self._check_faults()
         if self.budget is None:
             self.budget = "steps" if self.has_faults else "tokens"
         if self.train.run.steps < 1:
@@ -141,6 +142,24 @@ class CompareBench:
         if self.train.placement.workers < 1:
             raise ValueError(f"--workers: {self.train.placement.workers} must be >= 1")
         self.variants()  # a bad --methods entry is refused before any run
+
+    def _check_faults(self) -> None:
+        """A bad fault option or trace is refused once, in one line naming it, before any
+        run (each run would otherwise fail with it, and the study end with no row)."""
+        from lowcomm.faults.run import check_values, run_trace
+
+        settings = FaultSettings.of(self.train.fault)
+        problem = check_values(settings, self.train.placement.workers)
+        if problem is not None:
+            raise ValueError(problem)
+        if not self.has_faults:
+            return
+        try:
+            run_trace(self.train)
+        except ValueError as error:
+            if settings.path is None or str(error).startswith("--"):
+                raise
+            raise ValueError(f"--faults: {error}") from None
 
     @property
     def has_faults(self) -> bool:
@@ -310,7 +329,8 @@ def run_compare(bench: CompareBench) -> dict[str, Any]:
         "train_config": bench.run_config(variants[0].method, 0).to_dict() if variants else {},
     }
     atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
-    plot_all(out, finished, bench.train.comm.clock)
+    if finished:  # (every run failed: the report lists why, and there is nothing to plot)
+        plot_all(out, finished, bench.train.comm.clock)
     report = _report(bench, rows, target, failures, study)
     atomic_write_text(out / "report.md", report)
     print(report)

@@ -82,6 +82,7 @@ __all__ = [
     "run_trace",
     "supported_methods",
     "trace_extension",
+    "trace_notes",
     "with_fault_placement",
 ]
 
@@ -464,6 +465,32 @@ def run_trace(config: TrainConfig) -> FaultTrace | None:
     return trace
 
 
+def trace_notes(trace: FaultTrace | None, config: TrainConfig) -> str | None:
+    """What to say before a run replays ``trace`` (None: nothing): a trace file with no event
+    (the run has no fault; an empty or comment-only file is valid, the fault-free baseline of
+    a study), and events placed by step at or past ``--steps``, which never happen."""
+    if trace is None:
+        return None
+    notes = []
+    path = FaultSettings.of(config.fault).path
+    if path is not None and not trace.events:
+        notes.append(
+            f"lowcomm: note: --faults {path} holds no event (only blank or # lines): the run "
+            "has no fault; write one event a line, e.g. 'step=40 worker=3 crash'"
+        )
+    steps = config.run.steps
+    late = [e for e in trace.events if e.at_step is not None and e.at_step >= steps]
+    if late:
+        first = late[0]
+        line = f":{first.line}" if first.line else ""
+        more = f" (and {len(late) - 1} more)" if len(late) > 1 else ""
+        notes.append(
+            f"lowcomm: note: {trace.source}{line}: {' '.join(first.to_text().split())!r}{more} "
+            f"is at or past --steps {steps} (steps 0 to {steps - 1}): it never happens"
+        )
+    return "\n".join(notes) if notes else None
+
+
 def _check_minimum(trace: FaultTrace, min_workers: int) -> None:
     """Refuse a trace placed by step that leaves fewer than ``min_workers`` alive: a run
     below its quorum takes no step, so the step of the join it waits for never comes (a
@@ -505,8 +532,20 @@ def _first_horizon(settings: FaultSettings) -> float:
 @functools.lru_cache(maxsize=8)
 def _generated(options: FaultOptions, workers: int, horizon_s: float) -> FaultTrace:
     """The generated trace over ``horizon_s`` seconds, made once per process (its workers
-    share it)."""
-    return generate_trace(replace(options, duration_s=horizon_s), workers=workers)
+    share it).
+
+    Raises:
+        TraceError: the drawn events leave no worker alive (or break another rule of a
+            trace), naming the event and the options that change the draw: a generated
+            trace has no line to edit."""
+    try:
+        return generate_trace(replace(options, duration_s=horizon_s), workers=workers)
+    except TraceError as error:
+        problem = str(error).split("; ", 1)[0]
+        raise TraceError(
+            f"{problem}; the trace is generated from --fault-*: give a longer --fault-mtbf-s, "
+            "a shorter --fault-replace-after-s, more --workers or another --fault-seed"
+        ) from None
 
 
 def trace_extension(config: TrainConfig) -> tuple[Callable[[float], FaultTrace] | None, float]:

@@ -177,6 +177,12 @@ def kept_state(config: TrainConfig) -> str:
     from lowcomm.train.checkpoint import committed
     from lowcomm.train.rundir import run_directory
 
+    if config.placement.membership == "torchft" and (
+        config.placement.membership_options.lighthouse is None
+    ):  # (a local job: each worker's run in its own directory)
+        from lowcomm.membership.local import kept_job_state
+
+        return kept_job_state(config)
     run_dir = run_directory(config)
     try:
         steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
@@ -261,7 +267,7 @@ def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
     Raises:
         ConfigError: the first problem, in one line naming the option and the fix.
     """
-    from lowcomm.faults.run import run_trace
+    from lowcomm.faults.run import run_trace, trace_notes
     from lowcomm.launch.devices import watchdog_note
     from lowcomm.launch.init_check import check_init_from
     from lowcomm.train.metrics import check_loggers
@@ -271,11 +277,12 @@ def preflight(config: TrainConfig, task: Task | None = None) -> str | None:
     _check_resume(config)
     _check_calibration_file(config)
     check_loggers(config)
-    run_trace(config)  # (a bad trace ends here, in one line; None: no faults)
+    traced = trace_notes(run_trace(config), config)  # (a bad trace ends here, in one line)
     method_note = check_method_options(config, task)
     _check_data_path(config)
     watchdog = watchdog_note(config)
-    notes = [note for note in (check_run_dir(config), method_note, watchdog) if note is not None]
+    checks = (check_run_dir(config), method_note, watchdog, traced)
+    notes = [note for note in checks if note is not None]
     return "\n".join(notes) if notes else None
 
 

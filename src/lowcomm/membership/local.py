@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
@@ -56,6 +57,8 @@ def _worker_main(
     import torch
 
     torch.set_num_threads(1)
+    _stop_with_launcher()
+    _thread_lock_for_progress()
     from lowcomm.membership.worker import train_replica
 
     who = f"worker {config.placement.membership_options.worker}"
@@ -63,8 +66,9 @@ def _worker_main(
         who += f" rank {group.rank}"
     try:
         train_replica(config, task, replay, group)
-    except KeyboardInterrupt:
-        os._exit(130)
+    except KeyboardInterrupt as stop:
+        sys.stderr.flush()
+        os._exit(128 + (stop.signum if isinstance(stop, _Stopped) else int(signal.SIGINT)))
     except ValueError as error:
         print(f"lowcomm: {who}: error: {error}", file=sys.stderr)
         sys.stderr.flush()
@@ -78,6 +82,45 @@ def _worker_main(
         os._exit(1)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _thread_lock_for_progress() -> None:
+    """tqdm's default lock holds a multiprocessing semaphore, which a worker ending with
+    ``os._exit`` never releases, so the resource tracker warned of 'leaked semaphore objects'
+    at every job's end. A worker's progress bars are its own process's: a thread lock serves."""
+    import threading
+
+    with contextlib.suppress(ImportError):
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
+
+
+class _Stopped(KeyboardInterrupt):
+    """A local worker's SIGTERM (its launcher stopping the job): it unwinds as from Ctrl-C, so
+    its torchft Manager shuts down and what it writes is closed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def _stop_with_launcher() -> None:
+    """In a local worker: SIGTERM unwinds like Ctrl-C, and the launcher's death (even by
+    SIGKILL, which it cannot pass on) sends this worker SIGTERM (Linux), so no worker outlives
+    its job waiting for a lighthouse that is gone."""
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    with contextlib.suppress(Exception):  # (not Linux: no parent-death signal)
+        import torch.multiprocessing as torch_mp
+
+        torch_mp._prctl_pr_set_pdeathsig(signal.SIGTERM)  # type: ignore[attr-defined]
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():  # (it died before the line above)
+        raise SystemExit(128 + int(signal.SIGTERM))
 
 
 class LocalJob:
@@ -296,21 +339,58 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
 
     With ``--membership.lighthouse`` this process is that one worker. Without, a local job:
     a lighthouse on 127.0.0.1 and ``--workers`` worker processes; it ends when they all have,
-    and fails when none finished."""
-    from lowcomm.launch.spawn import WorkerFailed
+    and fails when none finished. SIGINT or SIGTERM stops the job (every worker, then the
+    lighthouse) and raises :class:`lowcomm.launch.spawn.Interrupted`."""
+    if config.placement.membership_options.lighthouse is not None:
+        return _run_worker(config, task)
+    return _run_local(config, task)
+
+
+def _run_worker(config: TrainConfig, task: Task | None) -> dict[str, Any] | None:
+    """This process is one worker of a cluster job; SIGTERM (a scheduler's stop) unwinds it
+    as Ctrl-C does, so its torchft Manager shuts down and its files are closed."""
+    from lowcomm.launch.spawn import Interrupted
+    from lowcomm.membership.worker import train_replica
     from lowcomm.train.rundir import read_summary, run_directory
 
-    options = config.placement.membership_options
-    if options.lighthouse is not None:
-        from lowcomm.membership.worker import train_replica
-
-        check_replay(config)  # (a trace is refused here: the local launcher replays one)
+    check_replay(config)  # (a trace is refused here: the local launcher replays one)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
         record = train_replica(config, task)
-        if record.get("stopped") is not None:
-            _say_stopped(config)
-            return None
-        return read_summary(run_directory(config))
-    with LocalJob(config, task) as job:
+    except KeyboardInterrupt as stop:
+        raise Interrupted(stop.signum if isinstance(stop, _Stopped) else signal.SIGINT) from None
+    except RuntimeError as failed:
+        _say_round_failed(config, failed)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if record.get("stopped") is not None:
+        _say_stopped(config)
+        return None
+    return read_summary(run_directory(config))
+
+
+def _say_round_failed(config: TrainConfig, failed: RuntimeError) -> None:
+    """A cluster worker that gave up on a round (or on its admission) ends as a failed worker
+    does, in one line with what it kept (:class:`lowcomm.launch.spawn.WorkerFailed`), not
+    with a traceback. (Only once the worker ran: torchft is installed.)"""
+    from lowcomm.launch.spawn import WorkerFailed
+    from lowcomm.membership.torchft_comm import RoundFailed
+
+    if isinstance(failed, RoundFailed):
+        slot = int(config.placement.membership_options.worker or 0)
+        raise WorkerFailed(slot, str(failed).removeprefix(f"worker {slot}: ")) from None
+
+
+def _run_local(config: TrainConfig, task: Task | None) -> dict[str, Any] | None:
+    """A local job: its lighthouse and worker processes, stopped together on a signal."""
+    from lowcomm.launch.spawn import Interrupted, _LauncherSignal, _LauncherSignals
+
+    check_job_dir(config)
+    with LocalJob(config, task) as job, _LauncherSignals() as signals:
         print(
             f"lowcomm: torchft lighthouse on {job.address}; starting {config.placement.workers} "
             f"worker {_processes(config)} (each its own run in {job.run_dir}/workerK)",
@@ -323,10 +403,43 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
 
             job.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(job.run_dir / "config.json", config.to_json() + "\n")
-        job.start_all()
-        if job.replay is not None:
-            job.replay.run(job)
-        codes = job.wait()
+        try:
+            job.start_all()
+            signals.arm()  # (a signal during the start was held until now)
+            if job.replay is not None:
+                job.replay.run(job)
+            codes = job.wait()
+            signals.disarm()
+        except _LauncherSignal as received:
+            signals.disarm()
+            _stop_interrupted(job)
+            raise Interrupted(received.signum) from None
+    return _finish_local(job, codes)
+
+
+def _stop_interrupted(job: LocalJob) -> None:
+    """Stop a job its launcher got a signal in, and write ``OUT/membership.json`` with each
+    process that was still running marked ``stopped``: a resume continues those (a process
+    the replayed trace had killed stays dead until the trace's next join)."""
+    running = {
+        (slot, n)
+        for slot, groups in job.groups.items()
+        for n, group in enumerate(groups)
+        if any(process.is_alive() for process in group)
+    }
+    started = float(job.channel.started.value) or None
+    job.stop()
+    # (The trace's run time reached: a resume replays the events placed by time after it.)
+    reached = None if started is None else time.time() - started
+    _write_job(job, job.wait(0.0), stopped=running, reached_s=reached)
+
+
+def _finish_local(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, Any] | None:
+    """What a local job that ran to its end (or to --stop-after) says and returns."""
+    from lowcomm.launch.spawn import WorkerFailed
+    from lowcomm.train.rundir import read_summary
+
+    config = job.config
     if config.run.stop_after is not None and _stopped(job, codes):
         _write_job(job, codes)
         print(
@@ -344,6 +457,111 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
     if summary is not None and job.replay is not None:
         summary["faults"] = json.loads((job.run_dir / "membership.json").read_text())["faults"]
     return summary
+
+
+def check_job_dir(config: TrainConfig) -> None:
+    """A new local job (no ``--resume``) into an ``--out`` that holds one is refused, as a
+    static run into a run's directory is: its workers would replace the old job's runs.
+    ``--overwrite`` replaces it. A file where a worker's directory goes is refused too.
+
+    Raises:
+        ConfigError: in one line naming the directory, what it holds and the fix.
+    """
+    from lowcomm.train.checkpoint import committed
+    from lowcomm.train.rundir import run_directory
+
+    job = run_directory(config)
+    for slot in range(config.placement.workers):
+        own = job / f"worker{slot}"
+        if own.exists() and not own.is_dir():
+            raise ConfigError(
+                f"--out: {own} is a file, where worker {slot} writes its run; move it away or "
+                "pass another --out"
+            )
+    if config.run.resume is not None or config.run.overwrite or not job.is_dir():
+        return
+    held = sorted(
+        path.name
+        for path in job.iterdir()
+        if path.name == "membership.json" or (path.is_dir() and path.name.startswith("worker"))
+    )
+    if not held:
+        return
+    kept = any(committed(job / name) for name in held if name.startswith("worker"))
+    resume = f", --resume {job} to continue it" if kept else ""
+    raise ConfigError(
+        f"--out: {job} already holds a --membership torchft job ({', '.join(held)}); pass "
+        f"--overwrite to replace it{resume}, or --out NEW_DIR for a fresh one"
+    )
+
+
+def interrupted_message(config: TrainConfig, interrupt: Exception) -> str:
+    """One line: what stopped a ``--membership torchft`` run, what its workers kept and the
+    command that continues it."""
+    from lowcomm.train.checkpoint import committed
+    from lowcomm.train.rundir import run_directory
+
+    run_dir = run_directory(config)
+    options = config.placement.membership_options
+    if options.lighthouse is not None:
+        kept = committed(run_dir)
+        if not kept:
+            return (
+                f"lowcomm: worker {options.worker} {interrupt}: stopped; it wrote no checkpoint "
+                f"{_no_checkpoint_why(config)}; started again without --resume it heals from a "
+                "live worker"
+            )
+        return (
+            f"lowcomm: worker {options.worker} {interrupt}: stopped; its newest checkpoint is "
+            f"{kept[-1].name} in {run_dir}; continue it with: lowcomm train --resume {run_dir} "
+            f"--membership.lighthouse {options.lighthouse} --membership.worker {options.worker}"
+        )
+    return (
+        f"lowcomm: {interrupt}: every worker and the lighthouse stopped; {kept_job_state(config)}"
+    )
+
+
+def kept_job_state(config: TrainConfig) -> str:
+    """What a stopped local job kept: each worker's newest checkpoint and the command that
+    continues the job, or that it kept none."""
+    from lowcomm.train.rundir import run_directory
+
+    run_dir = run_directory(config)
+    newest = _newest_checkpoints(run_dir, config.placement.workers)
+    if not newest:
+        return (
+            f"each worker's run is in {run_dir}/workerK, and no checkpoint was written "
+            f"{_no_checkpoint_why(config)}; run it again with --overwrite"
+        )
+    named = ", ".join(f"{name} {step}" for name, step in newest.items())
+    return (
+        f"each worker's run is in {run_dir}/workerK, newest checkpoints: {named}; continue "
+        f"with: lowcomm train --resume {run_dir}"
+    )
+
+
+def _no_checkpoint_why(config: TrainConfig) -> str:
+    every = config.run.checkpoint_every
+    if every is None:
+        return "(--checkpoint-every N writes them)"
+    return f"yet (--checkpoint-every {every}: the first at step {every})"
+
+
+def _newest_checkpoints(job: Path, workers: int) -> dict[str, str]:
+    """Each slot's last process's newest checkpoint (``OUT/membership.json`` names the
+    process; a slot with none is left out)."""
+    from lowcomm.membership.replay import read_record
+    from lowcomm.train.checkpoint import committed
+
+    processes = (read_record(job / "membership.json") or {}).get("workers") or {}
+    newest: dict[str, str] = {}
+    for slot in range(workers):
+        runs = processes.get(str(slot)) or [{"run": f"worker{slot}"}]
+        directory = job / Path(str(runs[-1]["run"])).name
+        kept = committed(directory)
+        if kept:
+            newest[directory.name] = kept[-1].name
+    return newest
 
 
 @dataclass(frozen=True)
@@ -377,16 +595,20 @@ def resume_point(config: TrainConfig) -> ResumePoint:
     Raises:
         ConfigError: in one line naming the worker, its directory and the fix.
     """
-    from lowcomm.membership.replay import read_record, trace_of, without_faults
-    from lowcomm.membership.worker import torchft_step
-    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
+    from lowcomm.membership.replay import read_record, trace_of
 
     assert config.run.resume is not None
     job = Path(config.run.resume)
+    if not job.is_dir():
+        what = "is a file" if job.exists() else "does not exist"
+        raise ConfigError(
+            f"--resume: {job} {what}; give the --out directory of a local job run with "
+            "--checkpoint-every or --stop-after (it holds workerK/checkpoints)"
+        )
+    _check_job_workers(config, job)
     record = read_record(job / "membership.json") or {}
     processes = record.get("workers") or {}
     traced = trace_of(config) is not None
-    ranks = config.placement.ranks_per_worker  # (one checkpoint file per rank of a worker)
     steps: dict[int, int] = {}
     dirs: dict[int, Path | None] = {}
     first: dict[int, int] = {}
@@ -395,22 +617,16 @@ def resume_point(config: TrainConfig) -> ResumePoint:
         runs = processes.get(str(slot)) or [{"run": f"worker{slot}", "exit_code": 0}]
         directory = job / Path(str(runs[-1]["run"])).name  # (the job's directory may move)
         index = _process_index(directory.name)
-        if runs[-1]["exit_code"] != 0 and traced:  # (dead at the stop: the trace kills it)
+        if traced and killed_by_trace(runs[-1]):
             dirs[slot], first[slot] = None, index + 1
             continue
-        worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
-        try:
-            steps[slot], found = find_latest(directory, ranks, fingerprint(worker))
-        except CheckpointError as error:
-            raise ConfigError(f"--resume: worker {slot}: {error}") from None
-        torchft_step(found)
+        steps[slot] = _slot_checkpoint(config, slot, directory)
         dirs[slot], first[slot], names[slot] = directory, index, directory.name
     if len(set(steps.values())) > 1:
         named = ", ".join(f"{names[slot]} at step {step}" for slot, step in steps.items())
         raise ConfigError(
             f"--resume: {job}: the workers' checkpoints name different steps ({named}); a "
-            "job resumes every worker from one step: remove the newer checkpoints (or give "
-            "a job whose workers stopped together)"
+            f"job resumes every worker from one step: {_common_step_fix(job, names, steps)}"
         )
     if not steps:
         raise ConfigError(
@@ -419,6 +635,69 @@ def resume_point(config: TrainConfig) -> ResumePoint:
     step = next(iter(steps.values()))
     replayed = record.get("replayed") or {}
     return ResumePoint(step, dirs, first, (step, float(replayed.get("run_s") or 0.0)))
+
+
+def _slot_checkpoint(config: TrainConfig, slot: int, directory: Path) -> int:
+    """The step of slot ``slot``'s newest intact checkpoint of this configuration in
+    ``directory``, with torchft's step beside it; else ConfigError in one line."""
+    from lowcomm.membership.replay import without_faults
+    from lowcomm.membership.worker import torchft_step
+    from lowcomm.train.checkpoint import CheckpointError, find_latest, fingerprint
+
+    worker = without_faults(with_options(config, out=str(directory), resume=str(directory)))
+    ranks = config.placement.ranks_per_worker  # (one checkpoint file per rank of a worker)
+    try:
+        step, found = find_latest(directory, ranks, fingerprint(worker))
+    except CheckpointError as error:
+        reason = str(error).removeprefix("--resume: ")
+        raise ConfigError(f"--resume: worker {slot}: {reason}") from None
+    try:
+        torchft_step(found)
+    except ConfigError as error:  # (its fix for a local job: every worker resumes)
+        problem = str(error).split("; ", 1)[0]
+        raise ConfigError(
+            f"{problem}; remove {found} to resume from the step before (the resume then "
+            "names any other worker's newer checkpoints to remove)"
+        ) from None
+    return step
+
+
+def killed_by_trace(process: dict[str, Any]) -> bool:
+    """Whether a process of a traced job's ``OUT/membership.json`` was dead at the job's stop
+    (its replayed trace killed it), not stopped with the job: the launcher stopped it at a
+    signal (``stopped``), or it ended at ``--stop-after`` (exit code 0)."""
+    return process.get("exit_code") != 0 and not process.get("stopped")
+
+
+def _common_step_fix(job: Path, names: dict[int, str], steps: dict[int, int]) -> str:
+    """How to resume workers whose newest checkpoints differ: remove the checkpoints newer
+    than the oldest newest one, where every worker holds that step."""
+    from lowcomm.train.checkpoint import committed, step_directory
+
+    oldest = min(steps.values())
+    newer: list[str] = []
+    for name in names.values():
+        if not (step_directory(job / name, oldest) / "manifest.json").exists():
+            return "remove the newer checkpoints (or give a job whose workers stopped together)"
+        newer += [str(path) for path in committed(job / name) if int(path.name[5:]) > oldest]
+    return f"remove {', '.join(newer)} to resume every worker from step {oldest}"
+
+
+def _check_job_workers(config: TrainConfig, job: Path) -> None:
+    """A local job resumes with its own worker count: each worker continues its own
+    checkpoint, and its data shard is its slot's of that count."""
+    try:
+        saved = json.loads((job / "config.json").read_text())
+        workers = int(saved["placement"]["workers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # (no saved options: the workers' own checkpoints are checked)
+    if workers != config.placement.workers:
+        raise ConfigError(
+            f"--workers: {config.placement.workers} differs from the job's {workers} "
+            f"({job}/config.json); a --membership torchft job resumes every worker from its "
+            "own checkpoint, with its own data shard: drop --workers (a worker more joins a "
+            "running job in a free slot: docs/membership.md)"
+        )
 
 
 def _say_stopped(config: TrainConfig) -> None:
@@ -481,6 +760,7 @@ def check_worker_resume(config: TrainConfig) -> int:
             f"--out: {config.run.out!r} differs from --resume {config.run.resume!r}; a resumed "
             "worker continues in its own run directory, so omit --out"
         )
+    _check_worker_slot(config, resume)
     if not has_checkpoint(resume):
         raise ConfigError(
             f"--resume: {resume} holds no checkpoint of this worker; give its own --out "
@@ -495,6 +775,30 @@ def check_worker_resume(config: TrainConfig) -> int:
         raise ConfigError(str(error)) from None
     torchft_step(directory)
     return step
+
+
+def _check_worker_slot(config: TrainConfig, resume: Path) -> None:
+    """A cluster worker resumes in its own slot, of its own job's worker count: the slot and
+    the count name its data shard, which its checkpoint continues."""
+    try:
+        placement = json.loads((resume / "config.json").read_text())["placement"]
+        saved = {
+            "worker": placement["membership_options"]["worker"],
+            "workers": placement["workers"],
+        }
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # (no saved options: the checkpoint's own checks follow)
+    given = {
+        "worker": config.placement.membership_options.worker,
+        "workers": config.placement.workers,
+    }
+    for name, flag in (("worker", "--membership.worker"), ("workers", "--workers")):
+        if saved[name] is not None and given[name] != saved[name]:
+            raise ConfigError(
+                f"{flag}: {given[name]} differs from {resume}'s {saved[name]} (its config.json); "
+                f"a worker resumes its own run, in its own slot of its job: give {flag} "
+                f"{saved[name]} (a worker in another slot starts without --resume and heals)"
+            )
 
 
 def _stopped(job: LocalJob, codes: dict[int, list[int | None]]) -> bool:
@@ -535,6 +839,8 @@ def job_faults(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, A
 def _patch_summaries(
     job: LocalJob, codes: dict[int, list[int | None]], faults: dict[str, Any]
 ) -> None:
+    from lowcomm.atomic import atomic_write_text
+
     for slot, exits in codes.items():
         path = job.worker_dir(slot, len(exits) - 1) / "summary.json"
         try:
@@ -546,11 +852,18 @@ def _patch_summaries(
             own[key] = faults[key]
         own["scope"] = "job"
         summary["faults"] = own
-        path.write_text(json.dumps(summary, indent=1) + "\n")
+        atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
 
 
-def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
-    """OUT/membership.json: where each worker's run is and how its processes ended."""
+def _write_job(
+    job: LocalJob,
+    codes: dict[int, list[int | None]],
+    stopped: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset(),
+    reached_s: float | None = None,
+) -> None:
+    """OUT/membership.json: where each worker's run is and how its processes ended
+    (``stopped``: the (slot, start) processes the launcher stopped at a signal, at
+    ``reached_s`` run seconds: the workers had not finished, so theirs say no end)."""
     faults = job_faults(job, codes)
     if faults is not None:
         _patch_summaries(job, codes, faults)
@@ -559,7 +872,11 @@ def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
         "lighthouse": job.address,
         "workers": {
             str(slot): [
-                {"run": str(job.worker_dir(slot, n)), "exit_code": code}
+                {
+                    "run": str(job.worker_dir(slot, n)),
+                    "exit_code": code,
+                    **({"stopped": True} if (slot, n) in stopped else {}),
+                }
                 for n, code in enumerate(exits)
             ]
             for slot, exits in sorted(codes.items())
@@ -570,9 +887,12 @@ def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
         # Where the trace stood: a resumed job replays the events after it.
         before = job.replay.since[1]
         run_s = None if faults is None else faults.get("run_s")
+        run_s = reached_s if run_s is None else run_s
         record["replayed"] = {
             "step": job.config.run.stop_after or job.config.run.steps,
             "run_s": before + float(run_s or 0.0),
         }
+    from lowcomm.atomic import atomic_write_text
+
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    (job.run_dir / "membership.json").write_text(json.dumps(record, indent=1) + "\n")
+    atomic_write_text(job.run_dir / "membership.json", json.dumps(record, indent=1) + "\n")

@@ -172,7 +172,7 @@ def membership_refusal(config: TrainConfig) -> str | None:
                 "--membership torchft; add it, or drop them"
             )
         return None
-    refusal = _method_refusal(config, flag)
+    refusal = _host_refusal(options) or _method_refusal(config, flag)
     if refusal is not None:
         return refusal
     k = config.placement.workers_per_process
@@ -211,6 +211,17 @@ def membership_refusal(config: TrainConfig) -> str | None:
         return (
             f"--membership.min-workers: {options.min_workers} is more than --workers "
             f"{workers}; no round could commit; give at most {workers}"
+        )
+    return None
+
+
+def _host_refusal(options: MembershipOptions) -> str | None:
+    """A local job binds its workers to 127.0.0.1: another --membership.host would be
+    ignored."""
+    if options.lighthouse is None and options.host not in (None, "127.0.0.1"):
+        return (
+            f"--membership.host: {options.host} is a cluster worker's address (with "
+            "--membership.lighthouse); a local job's workers bind 127.0.0.1: drop it"
         )
     return None
 

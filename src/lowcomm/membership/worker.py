@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupRank",
+    "check_host",
     "check_lighthouse",
     "check_torchrun_group",
     "local_address",
@@ -72,6 +73,22 @@ def check_lighthouse(address: str) -> None:
         raise ConfigError(
             f"--membership.lighthouse {address}: cannot be reached ({reason}); start one there "
             f"(torchft_lighthouse --bind {host}:{port} --min_replicas 1) or give its address"
+        ) from None
+
+
+def check_host(host: str) -> None:
+    """Refuse, in one line, a ``--membership.host`` this machine cannot bind (its worker's
+    listeners bind it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host.strip("[]"), 0))
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(
+            f"--membership.host: {host} cannot be bound on this machine ({reason}); give the "
+            "address of one of its interfaces that the other workers reach, or omit it (the "
+            "interface that routes to the lighthouse)"
         ) from None
 
 
@@ -128,6 +145,8 @@ def train_replica(
     options = config.placement.membership_options
     assert options.lighthouse is not None and options.worker is not None
     check_lighthouse(options.lighthouse)
+    if options.host is not None:
+        check_host(options.host)
 
     from lowcomm.membership.torchft_comm import TorchftComm
     from lowcomm.train.compute import finish_calibration
@@ -151,7 +170,7 @@ def train_replica(
         # has checked that every worker's names the same step.)
         progress = _resume(worker, replica)
         finish_calibration(worker.clock, config, 0)
-        admitted = _admit(replica)  # (0: no peer further on; else healed into their step)
+        admitted = _admit(replica, config)  # (0: no peer further on; else healed into their step)
         progress.start_step = admitted or progress.start_step
         per_step = config.run.microbatches_per_step
         _skip_to(worker.shard, progress.start_step * per_step)
@@ -452,6 +471,9 @@ TORCHFT_STEP = "torchft.json"
 #: was still being admitted (:func:`_admit`).
 ADMISSION_KEY = "lowcomm_admission"
 
+#: The key of the options a healed worker receives from its source (:func:`job_options`).
+OPTIONS_KEY = "lowcomm_options"
+
 
 def torchft_step(directory: Path) -> dict[str, int]:
     """torchft's step (the Manager's state dict) at the checkpoint in ``directory``.
@@ -520,7 +542,50 @@ def _token_counts(directory: Path) -> tuple[int, int]:
     return int(counts["job"]), int(counts["pending"])
 
 
-def _admit(replica: Replica) -> int:
+def job_options(config: TrainConfig) -> dict[str, Any]:
+    """The options every worker of a job must share: those its checkpoints are compared by
+    (the model, the method's, the data, the steps, ...) and the worker count (each slot's data
+    shard). A joiner healed from a worker of other options is refused (:func:`_admitted`)."""
+    from lowcomm.strategies import strategy_class
+    from lowcomm.train.checkpoint import fingerprint
+
+    options = {**fingerprint(without_faults(config)), "workers": config.placement.workers}
+    field = strategy_class(config.method).options_field
+    if field is not None:  # (named as its flags are: diloco.sync_every)
+        options[field] = options.pop("options")
+    return options
+
+
+def _admitted(replica: Replica, options: dict[str, Any]) -> int:
+    """``replica.admit()``, refused in one line when the worker it was healed from runs other
+    options: a joiner started with options other than the job's (a model of another shape
+    fails to take the state; another learning rate would take it and train apart)."""
+    try:
+        step = replica.admit()
+    except Exception:
+        _check_same_options(replica, options)
+        raise
+    _check_same_options(replica, options)
+    return step
+
+
+def _check_same_options(replica: Replica, options: dict[str, Any]) -> None:
+    from lowcomm.train.checkpoint import _first_difference
+
+    pending = getattr(replica.manager, "_pending_state_dict", None) or {}
+    theirs = (pending.get("user") or {}).get(OPTIONS_KEY)
+    if theirs is None or theirs == options:
+        return
+    name, saved, value = _first_difference("", theirs, options)
+    raise ConfigError(
+        f"{name.lstrip('.')}: {value!r} is this worker's, and {saved!r} the live workers' "
+        f"(worker {replica.slot} was healed from one); a worker joins a job with the job's "
+        "options: start it with theirs (lowcomm train --config DIR takes a worker's "
+        "config.json) and its own --membership.* and --out"
+    )
+
+
+def _admit(replica: Replica, config: TrainConfig) -> int:
     """This worker's first quorum (:meth:`Replica.admit`); the loop step it starts at.
 
     Workers that start together (a job's start, or a resumed job's) commit an empty round
@@ -540,11 +605,13 @@ def _admit(replica: Replica) -> int:
     replica.manager.register_state_dict_fn(
         ADMISSION_KEY, lambda _: None, lambda: {"admitting": admitting[0]}
     )
+    options = job_options(config)
+    replica.manager.register_state_dict_fn(OPTIONS_KEY, lambda _: None, lambda: options)
     start = 0  # (the step of a healing from a worker being admitted)
     try:
         while True:
             healed = _healings(replica)
-            step = replica.admit()
+            step = _admitted(replica, options)
             if _healings(replica) == healed:
                 return step or start  # (committed with the others)
             if not _source_admitting(replica):
