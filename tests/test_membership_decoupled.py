@@ -126,7 +126,6 @@ def test_decoupled_diloco_survives_a_kill_and_the_restarted_worker_heals(tmp_pat
     [
         ({"clock": "real"}, "--clock real: each worker process reads its own clock"),
         ({"ranks_per_worker": 2}, "--ranks-per-worker 2 is not yet supported"),
-        ({"resume": "somewhere"}, "--resume is not yet supported"),
     ],
 )
 def test_decoupled_diloco_refusals(options: dict[str, Any], reason: str) -> None:
@@ -139,6 +138,7 @@ def test_decoupled_diloco_refusals(options: dict[str, Any], reason: str) -> None
 def test_decoupled_diloco_runs_on_the_virtual_clock() -> None:
     config = with_options(TrainConfig(method="decoupled_diloco"), membership="torchft")
     assert config.comm.clock == "virtual" and membership_refusal(config) is None
+    assert membership_refusal(with_options(config, resume="somewhere")) is None
 
 
 class _HealingSource:
@@ -181,3 +181,80 @@ def test_a_step_that_needs_its_quorum_before_its_round_lets_the_joiner_heal() ->
     comm.start()
     assert comm.world_size == 2
     assert not replica._early.holding
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {int(r["step"]): float(r["train_loss"]) for r in rows}
+
+
+#: The synchronizer's state every replica holds alike (the replies each keeps for its own
+#: learner aside).
+SHARED = ("params", "outer", "version", "pending", "tickets", "tick", "live", "tokens")
+
+
+def _same_replicas(replicas: list[dict[str, Any]]) -> None:
+    for replica in replicas[1:]:
+        for name in SHARED:
+            assert _same_bits(replica[name], replicas[0][name]), name
+
+
+@pytest.mark.slow
+def test_a_stopped_and_resumed_job_follows_the_uninterrupted_one(tmp_path: Path) -> None:
+    """A local job stopped after step 7 (fragments in flight) and resumed (--resume OUT),
+    each worker from its own checkpoint, which holds its replica of the synchronizer: every
+    worker's losses are the uninterrupted job's, and every replica ends equal to the
+    uninterrupted job's, bit for bit."""
+    _needs_torchft()
+    from lowcomm.launch.run import run_training
+
+    steps, stop = 12, 7
+    common = {"clock": "virtual", "seconds_per_microbatch": 0.01, "checkpoint_every": 2,
+              **DECOUPLED}  # fmt: skip
+    run_training(_config("decoupled_diloco", tmp_path / "whole", steps, **common), report=None)
+    job = tmp_path / "job"
+    stopped = _config("decoupled_diloco", job, steps, stop_after=stop, **common)
+    run_training(stopped, report=None)
+    for slot in range(3):
+        assert sorted(_losses(job / f"worker{slot}")) == list(range(stop)), slot
+        # (Each worker's checkpoint holds its replica: they agree.)
+    _same_replicas([_synchronizer(job / f"worker{k}", stop) for k in range(3)])
+    resumed = _config("decoupled_diloco", job, steps, resume=str(job), **common)
+    resumed.run.out = None
+    run_training(resumed, report=None)
+    replicas = []
+    for slot in range(3):
+        whole, again = tmp_path / "whole" / f"worker{slot}", job / f"worker{slot}"
+        want, got = _losses(whole), _losses(again)
+        assert sorted(got) == list(range(steps)), slot
+        for step in range(steps):
+            assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-6), (slot, step)
+        assert not [e for e in _record(again)["events"] if e["event"] == "healed"]
+        replicas.append(_synchronizer(again, steps))
+    _same_replicas([_synchronizer(tmp_path / "whole" / "worker0", steps), *replicas])
+    assert min(replicas[0]["version"]) >= 2, replicas[0]["version"]  # (it merged)
+
+
+def test_a_replica_read_for_healing_after_its_ticks_exchange_is_refused() -> None:
+    """torchft reads a live learner's replica inside a round's quorum, which may be mid-tick
+    (after the send's pricing released the lock): the tick's exchange waits for that quorum,
+    so the replica read is the last tick's. One read after the exchange, which would hand a
+    joiner the round's merges to apply again, is refused."""
+    import torch
+
+    from lowcomm.strategies.decoupled_diloco import DecoupledDiLoCo, Synchronizer
+
+    learner = object.__new__(DecoupledDiLoCo)
+    learner.learner, learner.step_index = 0, 5
+    learner.sync = Synchronizer(
+        [torch.zeros(4)], learners=2, options=DecoupledOptions(sync_every=4), owners=(0,)
+    )
+    learner.sync.advance(3, [(0, 1.0, False, 0.1, 0.0), (1, 1.0, False, 0.1, 0.0)])
+    learner.ticks, learner.stepping = 4, False  # (between ticks 3 and 4)
+    tensors, counters = learner.healing_payload()
+    assert len(tensors) == 1 and counters == {"step_index": 5}
+    learner.ticks, learner.stepping = 5, True  # (inside tick 4, before its exchange)
+    learner.healing_payload()
+    learner.sync.advance(4, [(0, 2.0, False, 0.1, 0.0), (1, 2.0, False, 0.1, 0.0)])
+    with pytest.raises(RuntimeError, match="a quorum must form before the tick's exchange"):
+        learner.healing_payload()  # (inside tick 4, after its exchange)

@@ -44,10 +44,10 @@ TORCHFT_METHODS: tuple[str, ...] = (
 )  # fmt: skip
 
 #: Methods that run with --membership torchft on the virtual clock only, with workers of one
-#: rank and no --resume: decoupled_diloco, whose tick is one round (quorum, an all-gather of
-#: the tick's contributions and posted clocks, commit) that every live learner's replica of
-#: the synchronizer merges alike; checked against static membership with no fault and
-#: through a kill and a restart.
+#: rank: decoupled_diloco, whose tick is one round (quorum, an all-gather of the tick's
+#: contributions and posted clocks, commit) that every live learner's replica of the
+#: synchronizer merges alike; checked against static membership with no fault, through a
+#: kill and a restart, and stopped and resumed (a local job, and cluster workers).
 TORCHFT_VIRTUAL_METHODS: tuple[str, ...] = ("decoupled_diloco",)
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
@@ -258,11 +258,6 @@ def _virtual_only_refusal(config: TrainConfig, flag: str) -> str | None:
             f"{flag}: --method {method} with --ranks-per-worker "
             f"{config.placement.ranks_per_worker} is not yet supported (its learners' ranks "
             "agree over a group that spans workers); use 1"
-        )
-    if config.run.resume is not None:
-        return (
-            f"{flag}: --method {method} with --resume is not yet supported (a resumed job's "
-            "synchronizer replicas are not yet checked); run it again from the start"
         )
     return None
 

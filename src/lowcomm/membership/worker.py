@@ -152,9 +152,11 @@ def train_replica(
         progress = _resume(worker, replica)
         finish_calibration(worker.clock, config, 0)
         admitted = _admit(replica)  # (0: no peer further on; else healed into their step)
-        progress.start_step = admitted or progress.start_step
-        per_step = config.run.microbatches_per_step
-        _skip_to(worker.shard, progress.start_step * per_step)
+        # (Not healed: its shard stays where its checkpoint left it, which for a
+        # decoupled_diloco learner that sat ticks out is short of its steps' micro-batches.)
+        if admitted:
+            progress.start_step = admitted
+            _skip_to(worker.shard, admitted * config.run.microbatches_per_step)
         return _train(config, worker, replica, (progress, path, started), replay)
     finally:
         replica.shutdown()

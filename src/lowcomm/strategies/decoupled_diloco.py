@@ -838,6 +838,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         #: This learner's clock as it posted it at the last tick's end.
         self.posted = -math.inf
         self.ticks = 0
+        #: Whether this learner is inside a tick (from its start to its replies' taking).
+        self.stepping = False
         self.committed_now = False
 
     @classmethod
@@ -923,6 +925,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     def step(self, closure: Closure) -> StepStats:
         tick = self.ticks
         self.ticks += 1
+        self.stepping = True
         self.committed_now = False
         earliest, mine = self._earliest()
         if self._takes_a_step(earliest, mine):
@@ -948,6 +951,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             out.ticket = self.sync.issued[(self.learner, p)]
         self.sending = []
         taken = self.take_replies_due()
+        self.stepping = False
         stats.extras["syncs_launched"] = float(launched)
         stats.extras["syncs_completed"] = float(taken)
         return stats
@@ -1353,7 +1357,22 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         """What a live learner sends a joiner at a round's quorum: its replica of the
         synchronizer, whole (every Theta_p, outer optimizer, version, pending contribution and
         token count; read between ticks, as a checkpoint's), as one tensor of its bytes, and
-        this learner's step count (which the engine sets to the joiner's loop step)."""
+        this learner's step count (which the engine sets to the joiner's loop step).
+
+        torchft reads it inside a round's quorum, on its quorum thread, which may be while
+        this learner is inside a tick (a round opened early, whose lock the send's pricing
+        releases: :meth:`Replica.needs_quorum`). The tick's exchange waits for that quorum,
+        and nothing before it changes the replica, so it is the replica of the tick before
+        the round's wherever it is read; the joiner takes its tick from it and enters that
+        round. Read after the exchange, it would hold the round's merges, which the joiner
+        would then apply again: refused."""
+        round_tick = self.ticks - 1 if self.stepping else self.ticks
+        if self.sync.tick + 1 != round_tick:
+            raise RuntimeError(
+                f"decoupled_diloco: learner {self.learner}'s replica was read for healing "
+                f"at tick {self.sync.tick} for the round of tick {round_tick}: a quorum "
+                "must form before the tick's exchange"
+            )
         buffer = io.BytesIO()
         torch.save(self.sync.state_dict(), buffer)
         state = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
