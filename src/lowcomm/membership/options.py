@@ -43,11 +43,12 @@ TORCHFT_METHODS: tuple[str, ...] = (
     "co2", "cocodc", "diloco_delayed", "eager", "demo", "sparseloco",
 )  # fmt: skip
 
-#: Methods that run with --membership torchft on the virtual clock only, with workers of one
-#: rank: decoupled_diloco, whose tick is one round (quorum, an all-gather of the tick's
-#: contributions and posted clocks, commit) that every live learner's replica of the
-#: synchronizer merges alike; checked against static membership with no fault, through a
-#: kill and a restart, and stopped and resumed (a local job, and cluster workers).
+#: Methods that run with --membership torchft on the virtual clock only: decoupled_diloco,
+#: whose tick is one round (quorum, an all-gather of the tick's contributions and posted
+#: clocks, commit) that every live learner's replica of the synchronizer merges alike (every
+#: rank's, with --ranks-per-worker R); checked against static membership with no fault and
+#: through a kill and a restart (one rank and two), and stopped and resumed (a local job, and
+#: cluster workers).
 TORCHFT_VIRTUAL_METHODS: tuple[str, ...] = ("decoupled_diloco",)
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
@@ -252,12 +253,6 @@ def _virtual_only_refusal(config: TrainConfig, flag: str) -> str | None:
             "reads its own clock from its own start, so a restarted worker's clock is behind "
             "the others' by its start, and the synchronizer, which merges by comparing the "
             "learners' clocks, would wait for it; use --clock virtual"
-        )
-    if config.placement.ranks_per_worker != 1:
-        return (
-            f"{flag}: --method {method} with --ranks-per-worker "
-            f"{config.placement.ranks_per_worker} is not yet supported (its learners' ranks "
-            "agree over a group that spans workers); use 1"
         )
     return None
 

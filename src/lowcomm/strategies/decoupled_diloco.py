@@ -35,6 +35,9 @@ are the tick's members), and a commit; a round that did not commit is tried agai
 quorum, on every member alike. A learner lost is out at the next quorum, as a crash is here.
 A joiner is healed at its quorum with a live learner's whole replica
 (:meth:`DecoupledDiLoCo.healing_payload`), starts by the join rule, and sits out that round.
+With R ranks per learner each rank's round moves its slice of the learner's row, and the
+learner's ranks reassemble every row (:meth:`DecoupledDiLoCo._round_rows`). A checkpoint holds
+the worker's replica, so a resumed job's workers go on from theirs, and one behind is healed.
 
 **Learners of several ranks** (``--ranks-per-worker R``, replicated). The R ranks of a
 learner run this code alike on the same replica (their gradients averaged at each inner
@@ -86,6 +89,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, Settled
+from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.strategies.base import (
     Closure,
@@ -735,7 +739,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     per learner; the same numbers, see the module docstring), on either clock, with or
     without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
     ranks too (sharded, refused in one line); with ``--membership torchft`` on the virtual
-    clock, one rank per worker (a round per tick, see the module docstring). Resume:
+    clock (a round per tick, see the module docstring), with resume. Resume:
     exact on the same workers (every learner's checkpoint holds the synchronizer's state, or
     its replica's, too); on another worker count, remapped (:meth:`_load_remapped`: the
     synchronizer's global state kept, the fragments not yet merged dropped, every learner
@@ -813,9 +817,10 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         local = getattr(group, "local_size", getattr(group, "size", 0))
         #: The only learner: nothing to agree with anyone.
         self.alone = workers == 1
-        #: Whether each collective is a committed round of live membership (torchft): the
-        #: tick's exchange is then one round, whose rows name their learners.
-        self.rounds = bool(getattr(raw, "committed_rounds", False))
+        #: Whether each collective between learners is a committed round of live membership
+        #: (torchft; with R ranks, each rank's own, on the outer level): the tick's exchange
+        #: is then one round, whose rows name their learners.
+        self.rounds = bool(getattr(getattr(raw, "outer_comm", raw), "committed_rounds", False))
         #: Whether every learner is a thread of this process, sharing one synchronizer; else
         #: (worker processes, or K workers in each of several) each learner keeps a replica,
         #: fed every learner's contributions over the uncharged group (:meth:`_exchange`).
@@ -1078,8 +1083,6 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         again on a new quorum by the communicator, so every member gets the same rows or
         none. A learner healed in the round sits it out: its row is not among them, and what
         it sent at this tick is dropped (it never reaches the synchronizer)."""
-        raw = self.runtime.uncharged
-        self.runtime.enter_round()  # (its quorum: how many rows come back)
         slots, width = self._round_slots()
         like = self.globals_[0]
         header = [float(self.learner), mine.clock, float(mine.waiting), mine.step_s, mine.sync_s]
@@ -1097,12 +1100,10 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             torch.tensor(header, dtype=torch.float64).view(torch.uint8),
             values.reshape(-1).view(torch.uint8).cpu(),
         ])  # fmt: skip
-        out = torch.empty(raw.world_size * wire.numel(), dtype=torch.uint8)
-        raw.all_gather(out, wire, role=Role.OTHER).wait()
         sending = {p: (c, step_s) for p, c, step_s in self.sending}
         posts: list[Posted] = []
         sent: list[Sent] = []
-        for row in out.view(-1, wire.numel()):
+        for row in self._round_rows(wire):
             head: list[float] = row[:split].clone().view(torch.float64).tolist()
             learner = int(head[0])
             posts.append(self._posted(learner, head[1:5]))
@@ -1112,7 +1113,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 if head[at] < 0:
                     continue
                 p = int(head[at])
-                if learner == self.learner:
+                # (A learner's own row is what it sent; with R ranks, its own too is the
+                # gathered one, made of its ranks' slices, as in :meth:`_exchange_replicas`.)
+                if learner == self.learner and self.ranks == 1:
                     sent.append((p, *sending[p]))
                     continue
                 numel = self.globals_[p].numel()
@@ -1121,6 +1124,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                     tokens=int(head[at + 1]), steps=int(head[at + 2]), arrival=head[at + 3],
                     base_version=int(head[at + 4]),
                 )  # fmt: skip
+                if learner == self.learner:
+                    self._sent_as(p, c)
                 sent.append((p, c, head[at + 5]))
         if all(post.learner != self.learner for post in posts):
             for p in sending:
@@ -1128,6 +1133,34 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             self.sending = []
             self.waiting = False
         return posts, sent
+
+    def _round_rows(self, wire: torch.Tensor) -> torch.Tensor:
+        """One torchft round's all-gather of this learner's ``wire`` (bytes, on the host): one
+        row per participant, in slot order. With R ranks, rank r moves the r-th of R slices
+        of it in its own round (to rank r of the others; the R ranks' rounds commit
+        together, on one quorum), then an all-gather over the learner's ranks reassembles
+        every participant's row, as a worker's collectives do. Uncharged, as every tick's
+        exchange. A round tried again on a quorum of another size gives that many rows."""
+        raw = self.runtime.uncharged
+        self.runtime.enter_round()  # (its quorum: how many rows come back)
+        if self.ranks == 1:
+            out = torch.empty(raw.world_size * wire.numel(), dtype=torch.uint8)
+            raw.all_gather(out, wire, role=Role.OTHER).wait()
+            return out.view(-1, wire.numel())
+        assert isinstance(raw, HierarchicalComm)
+        outer, inner = raw.outer_comm, raw.replica_comm
+        n, ranks, r = wire.numel(), self.ranks, inner.rank
+        c = -(-n // ranks)
+        piece = torch.zeros(c, dtype=torch.uint8)
+        mine = wire[r * c : (r + 1) * c]
+        piece[: mine.numel()] = mine
+        received = torch.empty(outer.world_size * c, dtype=torch.uint8)
+        outer.all_gather(received, piece, role=Role.OTHER).wait()
+        count = received.numel() // c  # (after a retry: that round's participants)
+        full = torch.empty(ranks * count * c, dtype=torch.uint8)
+        inner.all_gather(full, received, role=Role.OTHER).wait()
+        # (full[r', m, :] is slice r' of participant m's row)
+        return full.view(ranks, count, c).permute(1, 0, 2).reshape(count, ranks * c)[:, :n]
 
     def _round_slots(self) -> tuple[int, int]:
         """How many fragments a learner may send in one tick (those whose launch offsets fall
@@ -1160,9 +1193,12 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         what the modeled clocks say is the simulation's bookkeeping, not a message): on the
         host in one process, on the parameters' device between processes (their group may be
         NCCL's; reading the rows back is then the tick's one wait for the device)."""
+        if self.rounds:  # (a round of its own, on the host: torchft's groups are Gloo's)
+            wire = torch.tensor(values, dtype=torch.float64).view(torch.uint8)
+            table = self._round_rows(wire).contiguous().view(torch.float64)
+            gathered: list[list[float]] = table.tolist()
+            return gathered
         raw = self.runtime.uncharged
-        if self.rounds:
-            self.runtime.enter_round()  # (its quorum: how many rows come back)
         device = torch.device("cpu") if self.shared else self.globals_[0].device
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         out = torch.zeros(raw.world_size * len(values), dtype=torch.float64, device=device)
@@ -1246,6 +1282,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         the two-level group, in which rank r's slice of an (R, K) table, its own row, is what
         it moves, so each learner's row of the result holds its R ranks' flags."""
         raw, ranks, k = self.runtime.uncharged, self.ranks, len(flags)
+        if self.rounds:  # (over the learner's own ranks: not a round between learners)
+            assert isinstance(raw, HierarchicalComm)
+            inner = raw.replica_comm
+            own = torch.tensor([float(f) for f in flags], dtype=torch.float64)
+            table = torch.zeros(ranks * k, dtype=torch.float64)
+            inner.all_gather(table, own, role=Role.OTHER).wait()
+            return [flag == 1.0 for flag in table.view(ranks, k).amin(0).tolist()]
         device = self.globals_[0].device
         mine = torch.tensor([float(f) for f in flags] * ranks, dtype=torch.float64, device=device)
         out = torch.zeros(raw.world_size * ranks * k, dtype=torch.float64, device=device)
