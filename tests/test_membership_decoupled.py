@@ -1,6 +1,8 @@
-"""--membership torchft with decoupled_diloco on the virtual clock: each tick is one torchft
-round (quorum, an all-gather of the tick's posted clocks and sent fragments, commit), and every
-live worker's replica of the synchronizer merges the same contributions."""
+"""--membership torchft with decoupled_diloco: each tick is one torchft round (quorum, an
+all-gather of the tick's posted clocks and sent fragments, commit), and every live worker's
+replica of the synchronizer (every rank's, with several ranks per worker) merges the same
+contributions; through a kill and a restart (one rank and two, the virtual clock and the
+real one), and stopped and resumed (cluster workers: test_membership_decoupled_cluster.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lowcomm.config import ConfigError, TrainConfig, with_options
+from lowcomm.config import TrainConfig, with_options
 from lowcomm.membership.options import membership_refusal
 from lowcomm.strategies.decoupled_diloco import DecoupledOptions
 from test_membership_torchft import (
@@ -76,23 +78,24 @@ PACE = {1: "step=0  worker=0  slow factor=4\n", 2: "step=0  worker=0  slow facto
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize(("ranks", "clock"), [(1, "virtual"), (2, "virtual"), (1, "real")])
 def test_decoupled_diloco_survives_a_kill_and_the_restarted_worker_heals(
-    tmp_path: Path, ranks: int
+    tmp_path: Path, ranks: int, clock: str
 ) -> None:
     """With 2 ranks per worker the kill takes the whole group, and each rank of the restarted
     one is healed from the same rank of a live worker (its slice of the replica's bytes,
-    completed among its ranks)."""
+    completed among its ranks). On the real clock the restarted process's clock, read from
+    its own start, takes the job's time the replica names when it heals."""
     _needs_torchft()
     from lowcomm.membership.local import LocalJob
 
     steps = 160 * ranks
     trace = tmp_path / "pace.txt"
     trace.write_text(PACE[ranks])
+    timing = {"seconds_per_microbatch": 0.01} if clock == "virtual" else {}
     config = _config(
-        "decoupled_diloco", tmp_path / "job", steps, clock="virtual",
-        seconds_per_microbatch=0.01, checkpoint_every=1000, faults=str(trace),
-        ranks_per_worker=ranks, **DECOUPLED,
+        "decoupled_diloco", tmp_path / "job", steps, clock=clock, checkpoint_every=1000,
+        faults=str(trace), ranks_per_worker=ranks, **timing, **DECOUPLED,
     )  # fmt: skip
     with LocalJob(config) as job:
         job.start_all()
@@ -122,6 +125,16 @@ def test_decoupled_diloco_survives_a_kill_and_the_restarted_worker_heals(
         assert first_quorum["participants"] == 2, first_quorum  # (it sat its round out)
         if ranks > 1:  # (its slice of the replica's bytes, completed among its ranks)
             assert 0 < healed[0]["bytes"] < healed[0]["state_bytes"], healed[0]
+        if clock == "real":  # (its own clock was behind the job's, which it took)
+            assert healed[0]["clock_to"] > healed[0]["clock_from"], healed[0]
+        else:  # (the join rule's modeled wait moves a virtual clock)
+            assert "clock_to" not in healed[0], healed[0]
+    if clock == "real":
+        # Its clock ends with the survivors' (which it would have trailed by the jump had it
+        # kept its own), so the synchronizer's merges never waited for it to catch up.
+        jump = healed[0]["clock_to"] - healed[0]["clock_from"]
+        ends = [json.loads((d / "summary.json").read_text())["modeled_time_s"] for d in dirs]
+        assert ends[2] > min(ends[:2]) - jump / 2, (ends, jump)
     # At the end every replica of the synchronizer (every rank's) holds the same global
     # state, bit for bit (the replies each keeps for its own learner aside), and so deploys
     # the same model.
@@ -132,24 +145,12 @@ def test_decoupled_diloco_survives_a_kill_and_the_restarted_worker_heals(
     assert min(replicas[0]["version"]) > steps // 8, replicas[0]["version"]
 
 
-@pytest.mark.parametrize(
-    ("options", "reason"),
-    [
-        ({"clock": "real"}, "--clock real: each worker process reads its own clock"),
-    ],
-)
-def test_decoupled_diloco_refusals(options: dict[str, Any], reason: str) -> None:
-    config = with_options(TrainConfig(method="decoupled_diloco"), membership="torchft", **options)
-    with pytest.raises(ConfigError, match=reason) as error:
-        config.validate()
-    assert "\n" not in str(error.value)
-
-
-def test_decoupled_diloco_runs_on_the_virtual_clock() -> None:
+def test_decoupled_diloco_runs_on_either_clock_with_ranks_and_resume() -> None:
     config = with_options(TrainConfig(method="decoupled_diloco"), membership="torchft")
-    assert config.comm.clock == "virtual" and membership_refusal(config) is None
+    assert membership_refusal(config) is None
     assert membership_refusal(with_options(config, resume="somewhere")) is None
     assert membership_refusal(with_options(config, ranks_per_worker=2)) is None
+    assert membership_refusal(with_options(config, clock="real")) is None
 
 
 class _HealingSource:

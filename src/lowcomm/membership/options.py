@@ -23,7 +23,6 @@ __all__ = [
     "INSTALL_HINT",
     "SHARDED_METHODS",
     "TORCHFT_METHODS",
-    "TORCHFT_VIRTUAL_METHODS",
     "MembershipOptions",
     "membership_refusal",
     "parse_address",
@@ -35,21 +34,15 @@ INSTALL_HINT = "pip install 'lowcomm[ft]'"
 
 #: Methods that run with --membership torchft: each round is one quorum and the method's
 #: mean all-reduces or all-gathers (demo, sparseloco) of its payload, which torchft's Manager
-#: commits or drops; each is checked against static membership with no fault and through a
+#: commits or drops (decoupled_diloco: a round per tick, an all-gather of the tick's
+#: contributions and posted clocks that every live learner's replica of the synchronizer
+#: merges alike); each is checked against static membership with no fault and through a
 #: kill and a restart.
 TORCHFT_METHODS: tuple[str, ...] = (
     "ddp", "diloco", "streaming_diloco", "desloc", "sparta", "sparta_diloco", "local_sgd",
     "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt", "favg_reset",
-    "co2", "cocodc", "diloco_delayed", "eager", "demo", "sparseloco",
+    "co2", "cocodc", "diloco_delayed", "eager", "demo", "sparseloco", "decoupled_diloco",
 )  # fmt: skip
-
-#: Methods that run with --membership torchft on the virtual clock only: decoupled_diloco,
-#: whose tick is one round (quorum, an all-gather of the tick's contributions and posted
-#: clocks, commit) that every live learner's replica of the synchronizer merges alike (every
-#: rank's, with --ranks-per-worker R); checked against static membership with no fault and
-#: through a kill and a restart (one rank and two), and stopped and resumed (a local job, and
-#: cluster workers).
-TORCHFT_VIRTUAL_METHODS: tuple[str, ...] = ("decoupled_diloco",)
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
 #: others need.
@@ -244,34 +237,18 @@ def _checkpoint_refusal(config: TrainConfig, flag: str) -> str | None:
     return None
 
 
-def _virtual_only_refusal(config: TrainConfig, flag: str) -> str | None:
-    """Why decoupled_diloco cannot run with these options under live membership, or None."""
-    method = config.method
-    if config.comm.clock != "virtual":
-        return (
-            f"{flag}: --method {method} on --clock {config.comm.clock}: each worker process "
-            "reads its own clock from its own start, so a restarted worker's clock is behind "
-            "the others' by its start, and the synchronizer, which merges by comparing the "
-            "learners' clocks, would wait for it; use --clock virtual"
-        )
-    return None
-
-
 def _method_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's method cannot run with live membership, or None."""
     if config.method in SHARDED_METHODS:
         return (
             f"{flag}: --method {config.method} keeps its optimizer state sharded across "
             "workers, so a lost worker takes a shard the others need (it does not re-shard "
-            f"from the survivors); use {' or '.join((*TORCHFT_METHODS, *TORCHFT_VIRTUAL_METHODS))}"
+            f"from the survivors); use {' or '.join(TORCHFT_METHODS)}"
         )
-    if config.method in TORCHFT_VIRTUAL_METHODS:
-        return _virtual_only_refusal(config, flag)
     if config.method not in TORCHFT_METHODS:
         return (
             f"{flag}: --method {config.method} is not yet supported (its rounds are not yet "
-            f"checked through a kill and a restart); use "
-            f"{', '.join((*TORCHFT_METHODS, *TORCHFT_VIRTUAL_METHODS))}"
+            f"checked through a kill and a restart); use {', '.join(TORCHFT_METHODS)}"
         )
     if config.method in ("eager", "diloco_delayed") and config.comm.comm_dtype != "fp32":
         return (

@@ -104,6 +104,7 @@ from lowcomm.comm.base import (
 from lowcomm.comm.base import (
     ReduceOp as LowcommReduceOp,
 )
+from lowcomm.comm.clock import Clock
 from lowcomm.comm.runtime import Quorum
 from lowcomm.membership.options import MembershipOptions
 from lowcomm.strategies.base import Strategy
@@ -259,6 +260,10 @@ class Replica:
     #: group), so that a decision taken from a rank's own clock is the group's.
     agree: Callable[[bool], bool] | None = None
 
+    #: The worker's clock (set by the worker): sent with the state a joiner heals with, whose
+    #: clock may take it (:meth:`_adopt_job_clock`).
+    clock: Clock | None = None
+
     def __init__(
         self,
         options: MembershipOptions,
@@ -315,6 +320,9 @@ class Replica:
         #: The bytes this rank's worker gathered among its ranks when it was last healed (a
         #: replicated worker's sliced payload, :meth:`_whole_state`).
         self.gathered_bytes = 0
+        #: The clock readings before and after this worker took the job's time when it was
+        #: last healed (None: its clock was left as it was).
+        self._clock_moved: tuple[float, float] | None = None
 
     def _manager(self, lighthouse: str, host: str, timeout: timedelta) -> Manager:
         """This rank's torchft Manager: its server and the group's store on ``host``."""
@@ -354,9 +362,13 @@ class Replica:
         # (A worker of several ranks: each rank's own slice, which torchft sends to the same
         # rank of the joining group.)
         ranks = [tensor for _, tensor in self._strategy.rank_state()]
+        # (This worker's clock now: the job's time, which a joiner of a method that compares
+        # its learners' clocks takes on the real clock, :meth:`_adopt_job_clock`. The worker
+        # waits for this quorum meanwhile, so its clock is read by one thread at a time.)
         payload: dict[str, Any] = {
             "tensors": tensors, "rank_tensors": ranks, "counters": counters,
             "loop_step": self.loop_step, "layout": None,
+            "clock": None if self.clock is None else self.clock.now(),
         }  # fmt: skip
         if self._replica_group() is not None:
             payload["layout"] = [(tuple(t.shape), t.dtype) for t in tensors]
@@ -426,8 +438,29 @@ class Replica:
             mine = strategy.rank_state()
             for (_, tensor), theirs in zip(mine, payload["rank_tensors"], strict=True):
                 tensor.copy_(theirs)
+        self._adopt_job_clock(strategy, payload.get("clock"))
         strategy.start_worker_state(kept=False)
         self._healed_step = step
+
+    def _adopt_job_clock(self, strategy: Strategy, job: float | None) -> None:
+        """On the real clock each worker process reads its clock from its own start, so a
+        worker started while the others train reads less than the job's time. A method whose
+        learners compare their clocks (``compares_clocks``: decoupled_diloco's synchronizer
+        merges once every live learner's clock has passed the merge) has this worker's clock
+        read ``job`` from here on, its healing source's clock when it sent the state
+        (:meth:`_save`): it neither waits for its own clock to catch up nor holds the others'
+        merges back; it trails its source by the transfer, no more. (On the virtual clock the
+        method's join rule moves the clock itself, a modeled wait.)"""
+        clock = self.clock
+        self._clock_moved = None
+        if clock is None or clock.kind != "real" or job is None:
+            return
+        if not getattr(strategy, "compares_clocks", False):
+            return
+        now = clock.now()
+        if job > now:
+            clock.load_state_dict({**clock.state_dict(), "now": job})
+            self._clock_moved = (now, job)
 
     def _log(self, event: dict[str, Any]) -> None:
         self.events.append(event)
@@ -701,6 +734,8 @@ class Replica:
         }  # fmt: skip
         if self.options.digests and self._strategy is not None:  # (what it took)
             healed["global_sha256"] = _sha256(_global_parameters(self._strategy))
+        if self._clock_moved is not None:  # (its clock before, and the job's time it took)
+            healed["clock_from"], healed["clock_to"] = self._clock_moved
         self._log(healed)
 
     def fell_behind(self, step: int) -> bool:

@@ -337,6 +337,7 @@ def _set_up(
         worker.strategy.runtime, membership=TorchftMembership(replica)
     )
     replica.attach(worker.strategy)
+    replica.clock = worker.clock
     return worker
 
 

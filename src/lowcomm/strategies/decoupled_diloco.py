@@ -27,7 +27,7 @@ quorum feeds nobody and its replica falls behind; when it joins or rejoins, the 
 heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
 link, charged as in one process). A checkpoint holds each process's replica.
 
-**With live membership** (``--membership torchft``, virtual clock) every learner is a worker
+**With live membership** (``--membership torchft``) every learner is a worker
 process with a replica, and each tick's exchange is one torchft round
 (:meth:`DecoupledDiLoCo._exchange_round`): a quorum, one all-gather of every participant's
 post, counters and sent fragments (each row naming its learner, so the round's participants
@@ -38,6 +38,8 @@ A joiner is healed at its quorum with a live learner's whole replica
 With R ranks per learner each rank's round moves its slice of the learner's row, and the
 learner's ranks reassemble every row (:meth:`DecoupledDiLoCo._round_rows`). A checkpoint holds
 the worker's replica, so a resumed job's workers go on from theirs, and one behind is healed.
+On the real clock a joiner's process reads its clock from its own start, so the engine has it
+take its healing source's clock (``compares_clocks``).
 
 **Learners of several ranks** (``--ranks-per-worker R``, replicated). The R ranks of a
 learner run this code alike on the same replica (their gradients averaged at each inner
@@ -738,8 +740,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     its own, or one of K threads in each of several processes (a replica of the synchronizer
     per learner; the same numbers, see the module docstring), on either clock, with or
     without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
-    ranks too (sharded, refused in one line); with ``--membership torchft`` on the virtual
-    clock (a round per tick, see the module docstring), with resume. Resume:
+    ranks too (sharded, refused in one line); with ``--membership torchft`` (a round per
+    tick, see the module docstring). Resume:
     exact on the same workers (every learner's checkpoint holds the synchronizer's state, or
     its replica's, too); on another worker count, remapped (:meth:`_load_remapped`: the
     synchronizer's global state kept, the fragments not yet merged dropped, every learner
@@ -752,6 +754,10 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
     reshard_remaps: ClassVar[bool] = True
+    #: Its synchronizer merges by comparing the learners' clocks: on the real clock a joiner
+    #: healed by an engine (torchft) takes its healing source's clock, since its own process
+    #: reads its clock from its own start, behind the job's.
+    compares_clocks: ClassVar[bool] = True
     sharding_refusal: ClassVar[str | None] = WHOLE_FRAGMENTS
     comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     comm_dtype_refusal: ClassVar[str | None] = (
