@@ -104,7 +104,7 @@ from lowcomm.comm.base import (
 from lowcomm.comm.base import (
     ReduceOp as LowcommReduceOp,
 )
-from lowcomm.comm.clock import Clock
+from lowcomm.comm.clock import Clock, RealClock
 from lowcomm.comm.runtime import Quorum
 from lowcomm.membership.options import MembershipOptions
 from lowcomm.strategies.base import Strategy
@@ -362,18 +362,26 @@ class Replica:
         # (A worker of several ranks: each rank's own slice, which torchft sends to the same
         # rank of the joining group.)
         ranks = [tensor for _, tensor in self._strategy.rank_state()]
-        # (This worker's clock now: the job's time, which a joiner of a method that compares
-        # its learners' clocks takes on the real clock, :meth:`_adopt_job_clock`. The worker
-        # waits for this quorum meanwhile, so its clock is read by one thread at a time.)
         payload: dict[str, Any] = {
             "tensors": tensors, "rank_tensors": ranks, "counters": counters,
-            "loop_step": self.loop_step, "layout": None,
-            "clock": None if self.clock is None else self.clock.now(),
+            "loop_step": self.loop_step, "layout": None, "clock": self._clock_reading(),
         }  # fmt: skip
         if self._replica_group() is not None:
             payload["layout"] = [(tuple(t.shape), t.dtype) for t in tensors]
             payload["tensors"] = [_byte_slice(tensors, self.rank, self.ranks)]
         return payload
+
+    def _clock_reading(self) -> float | None:
+        """This worker's real clock now, the job's time a joiner of a method that compares
+        its learners' clocks takes (:meth:`_adopt_job_clock`); None for any other method or
+        clock. Read on torchft's quorum thread, so without folding the worker's compute
+        (``RealClock.at``), which only the worker's own thread does."""
+        clock = self.clock
+        if not isinstance(clock, RealClock):
+            return None
+        if not getattr(self._strategy, "compares_clocks", False):
+            return None
+        return clock.at(time.perf_counter())
 
     def _replica_group(self) -> Comm | None:
         """The charged group of this worker's R ranks when they are replicas (each holding
@@ -450,12 +458,10 @@ class Replica:
         read ``job`` from here on, its healing source's clock when it sent the state
         (:meth:`_save`): it neither waits for its own clock to catch up nor holds the others'
         merges back; it trails its source by the transfer, no more. (On the virtual clock the
-        method's join rule moves the clock itself, a modeled wait.)"""
+        method's join rule moves the clock itself, a modeled wait: ``job`` is None.)"""
         clock = self.clock
         self._clock_moved = None
-        if clock is None or clock.kind != "real" or job is None:
-            return
-        if not getattr(strategy, "compares_clocks", False):
+        if clock is None or job is None or not getattr(strategy, "compares_clocks", False):
             return
         now = clock.now()
         if job > now:
