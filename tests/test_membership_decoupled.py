@@ -212,17 +212,20 @@ def _same_replicas(replicas: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-def test_a_stopped_and_resumed_job_follows_the_uninterrupted_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_stopped_and_resumed_job_follows_the_uninterrupted_one(
+    tmp_path: Path, ranks: int
+) -> None:
     """A local job stopped after step 7 (fragments in flight) and resumed (--resume OUT),
-    each worker from its own checkpoint, which holds its replica of the synchronizer: every
-    worker's losses are the uninterrupted job's, and every replica ends equal to the
-    uninterrupted job's, bit for bit."""
+    each worker from its own checkpoint, which holds its replica of the synchronizer (each
+    rank's file its own): every worker's losses are the uninterrupted job's, and every
+    replica ends equal to the uninterrupted job's, bit for bit."""
     _needs_torchft()
     from lowcomm.launch.run import run_training
 
     steps, stop = 12, 7
     common = {"clock": "virtual", "seconds_per_microbatch": 0.01, "checkpoint_every": 2,
-              **DECOUPLED}  # fmt: skip
+              "ranks_per_worker": ranks, **DECOUPLED}  # fmt: skip
     run_training(_config("decoupled_diloco", tmp_path / "whole", steps, **common), report=None)
     job = tmp_path / "job"
     stopped = _config("decoupled_diloco", job, steps, stop_after=stop, **common)
@@ -230,7 +233,8 @@ def test_a_stopped_and_resumed_job_follows_the_uninterrupted_one(tmp_path: Path)
     for slot in range(3):
         assert sorted(_losses(job / f"worker{slot}")) == list(range(stop)), slot
         # (Each worker's checkpoint holds its replica: they agree.)
-    _same_replicas([_synchronizer(job / f"worker{k}", stop) for k in range(3)])
+    _same_replicas([_synchronizer(job / f"worker{k}", stop, r) for k in range(3)
+                    for r in range(ranks)])  # fmt: skip
     resumed = _config("decoupled_diloco", job, steps, resume=str(job), **common)
     resumed.run.out = None
     run_training(resumed, report=None)
@@ -242,7 +246,7 @@ def test_a_stopped_and_resumed_job_follows_the_uninterrupted_one(tmp_path: Path)
         for step in range(steps):
             assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-6), (slot, step)
         assert not [e for e in _record(again)["events"] if e["event"] == "healed"]
-        replicas.append(_synchronizer(again, steps))
+        replicas += [_synchronizer(again, steps, r) for r in range(ranks)]
     _same_replicas([_synchronizer(tmp_path / "whole" / "worker0", steps), *replicas])
     assert min(replicas[0]["version"]) >= 2, replicas[0]["version"]  # (it merged)
 
