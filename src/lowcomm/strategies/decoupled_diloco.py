@@ -475,6 +475,24 @@ class Synchronizer:
                 "tokens": (self.committed_tokens, self.dropped_tokens, self.discarded_tokens),
             }
 
+    def shared_state(self) -> dict[str, Any]:
+        """What every replica holds alike, bit for bit (a joiner's healing payload): the
+        state without the replies this replica keeps for its own learner, and with only the
+        versions from the one current at the horizon on, which every replica keeps (a reply
+        to a contribution sent later may need them; older ones only this replica's learner's
+        replies). A joiner takes no reply of another learner's, so it loses nothing; and a
+        joining worker of R ranks may take each rank's slice of these bytes from another
+        live worker."""
+        state = self.state_dict()
+        with self.lock:
+            floors = [self._version_at(p, self.horizon) for p in range(len(self.params))]
+        state["unreplied"], state["merged"] = {}, {}
+        state["history"] = [
+            {v: history[v] for v in sorted(history) if v >= floor}
+            for history, floor in zip(state["history"], floors, strict=True)
+        ]
+        return state
+
     def load_state_dict(self, state: dict[str, Any], *, once: bool = True) -> None:
         """Take a checkpoint's state (or a live replica's), keeping the replies of
         :attr:`owners` only. ``once``: the first learner of a process to load it restores
@@ -851,6 +869,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         self.ticks = 0
         #: Whether this learner is inside a tick (from its start to its replies' taking).
         self.stepping = False
+        #: How many times an engine (torchft) healed this learner from a live one's replica.
+        self.heals = 0
         self.committed_now = False
 
     @classmethod
@@ -954,7 +974,15 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 lr=self.lr_at(self.step_index), committed_steps=0,
             )  # fmt: skip
             launched = 0
+        heals = self.heals
         rows, sent = self._exchange()
+        if self.heals != heals:
+            # Healed inside the tick's round: its commit alone had failed, so the others went
+            # on, and the round it took part in again is their next tick's, whose quorum
+            # healed it with their replica of this one (its tick set from it) and which it
+            # sat out. The rows are of that tick.
+            tick = self.ticks
+            self.ticks += 1
         self.sync.advance(tick, rows, sent)
         for p, _, _ in self.sending:
             out = self.outstanding[p]
@@ -1404,9 +1432,11 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
 
     def healing_payload(self) -> tuple[list[torch.Tensor], dict[str, int]]:
         """What a live learner sends a joiner at a round's quorum: its replica of the
-        synchronizer, whole (every Theta_p, outer optimizer, version, pending contribution and
-        token count; read between ticks, as a checkpoint's), as one tensor of its bytes, and
-        this learner's step count (which the engine sets to the joiner's loop step).
+        synchronizer (every Theta_p, outer optimizer, version, pending contribution and token
+        count: :meth:`Synchronizer.shared_state`, the same bytes on every live worker, so a
+        joining worker's rank r may take its slice from rank r of any of them), as one tensor
+        of its bytes, and this learner's step count (which the engine sets to the joiner's
+        loop step).
 
         torchft reads it inside a round's quorum, on its quorum thread, which may be while
         this learner is inside a tick (a round opened early, whose lock the send's pricing
@@ -1423,7 +1453,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 "must form before the tick's exchange"
             )
         buffer = io.BytesIO()
-        torch.save(self.sync.state_dict(), buffer)
+        torch.save(self.sync.shared_state(), buffer)
         state = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         return [state], {"step_index": self.step_index}
 
@@ -1446,6 +1476,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         for it), its local parameters at Theta and its inner AdamW afresh."""
         params, versions, tick = self.sync.snapshot()
         self._forget_sends(tick)
+        self.heals += 1
         if kept:
             return
         latest = max((clock for _, clock in self.sync.pace.clocks), default=self.now())
