@@ -1184,7 +1184,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         assert isinstance(raw, HierarchicalComm)
         outer, inner = raw.outer_comm, raw.replica_comm
         n, ranks, r = wire.numel(), self.ranks, inner.rank
-        c = -(-n // ranks)
+        # (Slices of whole 8-byte words: a float64 of the header is one rank's, whole, even
+        # where the ranks' readings of their own clocks differ.)
+        c = -(-n // (8 * ranks)) * 8
         piece = torch.zeros(c, dtype=torch.uint8)
         mine = wire[r * c : (r + 1) * c]
         piece[: mine.numel()] = mine
