@@ -842,8 +842,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         #: The only learner: nothing to agree with anyone.
         self.alone = workers == 1
         #: Whether each collective between learners is a committed round of live membership
-        #: (torchft; with R ranks, each rank's own, on the outer level): the tick's exchange
-        #: is then one round, whose rows name their learners.
+        #: (torchft; with R ranks, the outer level's): a tick's exchange is then one round.
         self.rounds = bool(getattr(getattr(raw, "outer_comm", raw), "committed_rounds", False))
         #: Whether every learner is a thread of this process, sharing one synchronizer; else
         #: (worker processes, or K workers in each of several) each learner keeps a replica,
@@ -867,10 +866,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         #: This learner's clock as it posted it at the last tick's end.
         self.posted = -math.inf
         self.ticks = 0
-        #: Whether this learner is inside a tick (from its start to its replies' taking).
-        self.stepping = False
-        #: How many times an engine (torchft) healed this learner from a live one's replica.
-        self.heals = 0
+        #: Whether this learner is inside a tick (from its start to its replies' taking), and
+        #: how many times an engine (torchft) healed it from a live learner's replica.
+        self.stepping, self.heals = False, 0
         self.committed_now = False
 
     @classmethod
