@@ -23,7 +23,6 @@ __all__ = [
     "INSTALL_HINT",
     "SHARDED_METHODS",
     "TORCHFT_METHODS",
-    "TORCHFT_VIRTUAL_METHODS",
     "MembershipOptions",
     "membership_refusal",
     "parse_address",
@@ -35,20 +34,15 @@ INSTALL_HINT = "pip install 'lowcomm[ft]'"
 
 #: Methods that run with --membership torchft: each round is one quorum and the method's
 #: mean all-reduces or all-gathers (demo, sparseloco) of its payload, which torchft's Manager
-#: commits or drops; each is checked against static membership with no fault and through a
+#: commits or drops (decoupled_diloco: a round per tick, an all-gather of the tick's
+#: contributions and posted clocks that every live learner's replica of the synchronizer
+#: merges alike); each is checked against static membership with no fault and through a
 #: kill and a restart.
 TORCHFT_METHODS: tuple[str, ...] = (
     "ddp", "diloco", "streaming_diloco", "desloc", "sparta", "sparta_diloco", "local_sgd",
     "local_adamw", "local_adam", "overlap_local_sgd", "slowmo", "favg_opt", "favg_reset",
-    "co2", "cocodc", "diloco_delayed", "eager", "demo", "sparseloco",
+    "co2", "cocodc", "diloco_delayed", "eager", "demo", "sparseloco", "decoupled_diloco",
 )  # fmt: skip
-
-#: Methods that run with --membership torchft on the virtual clock only, with workers of one
-#: rank and no --resume: decoupled_diloco, whose tick is one round (quorum, an all-gather of
-#: the tick's contributions and posted clocks, commit) that every live learner's replica of
-#: the synchronizer merges alike; checked against static membership with no fault and
-#: through a kill and a restart.
-TORCHFT_VIRTUAL_METHODS: tuple[str, ...] = ("decoupled_diloco",)
 
 #: Methods whose optimizer state is sharded across workers: a lost worker takes a shard the
 #: others need.
@@ -186,7 +180,7 @@ def membership_refusal(config: TrainConfig) -> str | None:
     refusal = _checkpoint_refusal(config, flag)
     if refusal is not None:
         return refusal
-    if config.run.token_budget is not None and config.method in TORCHFT_VIRTUAL_METHODS:
+    if config.run.token_budget is not None and config.method == "decoupled_diloco":
         # (Every other method's rounds carry the job's committed tokens: each worker holds
         # the same count and stops at the same step. decoupled_diloco commits a learner's
         # tokens when the synchronizer merges its contribution, not when a round commits.)
@@ -252,45 +246,18 @@ def _checkpoint_refusal(config: TrainConfig, flag: str) -> str | None:
     return None
 
 
-def _virtual_only_refusal(config: TrainConfig, flag: str) -> str | None:
-    """Why decoupled_diloco cannot run with these options under live membership, or None."""
-    method = config.method
-    if config.comm.clock != "virtual":
-        return (
-            f"{flag}: --method {method} on --clock {config.comm.clock}: each worker process "
-            "reads its own clock from its own start, so a restarted worker's clock is behind "
-            "the others' by its start, and the synchronizer, which merges by comparing the "
-            "learners' clocks, would wait for it; use --clock virtual"
-        )
-    if config.placement.ranks_per_worker != 1:
-        return (
-            f"{flag}: --method {method} with --ranks-per-worker "
-            f"{config.placement.ranks_per_worker} is not yet supported (its learners' ranks "
-            "agree over a group that spans workers); use 1"
-        )
-    if config.run.resume is not None:
-        return (
-            f"{flag}: --method {method} with --resume is not yet supported (a resumed job's "
-            "synchronizer replicas are not yet checked); run it again from the start"
-        )
-    return None
-
-
 def _method_refusal(config: TrainConfig, flag: str) -> str | None:
     """Why the run's method cannot run with live membership, or None."""
     if config.method in SHARDED_METHODS:
         return (
             f"{flag}: --method {config.method} keeps its optimizer state sharded across "
             "workers, so a lost worker takes a shard the others need (it does not re-shard "
-            f"from the survivors); use {' or '.join((*TORCHFT_METHODS, *TORCHFT_VIRTUAL_METHODS))}"
+            f"from the survivors); use {' or '.join(TORCHFT_METHODS)}"
         )
-    if config.method in TORCHFT_VIRTUAL_METHODS:
-        return _virtual_only_refusal(config, flag)
     if config.method not in TORCHFT_METHODS:
         return (
             f"{flag}: --method {config.method} is not yet supported (its rounds are not yet "
-            f"checked through a kill and a restart); use "
-            f"{', '.join((*TORCHFT_METHODS, *TORCHFT_VIRTUAL_METHODS))}"
+            f"checked through a kill and a restart); use {', '.join(TORCHFT_METHODS)}"
         )
     quantization = getattr(getattr(config, "diloco", None), "quantization", "none")
     if quantization == "none":

@@ -119,6 +119,7 @@ from lowcomm.comm.base import (
 from lowcomm.comm.base import (
     ReduceOp as LowcommReduceOp,
 )
+from lowcomm.comm.clock import Clock, RealClock
 from lowcomm.comm.runtime import Quorum
 from lowcomm.membership.options import MembershipOptions
 from lowcomm.strategies.base import Strategy
@@ -298,6 +299,10 @@ class Replica:
     #: The open round's count in flight (its work and tensor), and the tokens it carried.
     _count: tuple[Any, torch.Tensor, int] | None = None
 
+    #: The worker's clock (set by the worker): sent with the state a joiner heals with, whose
+    #: clock may take it (:meth:`_adopt_job_clock`).
+    clock: Clock | None = None
+
     def __init__(
         self,
         options: MembershipOptions,
@@ -357,6 +362,9 @@ class Replica:
         #: With --membership.digests: the SHA-256 of each rank's slice of each declared
         #: tensor this rank was last healed with (after its group's gather).
         self._took_sha256: list[list[str]] | None = None
+        #: The clock readings before and after this worker took the job's time when it was
+        #: last healed (None: its clock was left as it was).
+        self._clock_moved: tuple[float, float] | None = None
 
     def _manager(self, lighthouse: str, host: str, timeout: timedelta) -> Manager:
         """This rank's torchft Manager: its server and the group's store on ``host``."""
@@ -401,6 +409,7 @@ class Replica:
         payload: dict[str, Any] = {
             "tensors": tensors, "rank_tensors": ranks, "counters": counters,
             "loop_step": self.loop_step, "layout": None, "job_tokens": self.job_tokens,
+            "clock": self._clock_reading(),
         }  # fmt: skip
         if self.options.digests:  # (what the joiner must take, before any slicing)
             payload["sha256"] = _slice_digests(tensors, self.ranks)
@@ -408,6 +417,18 @@ class Replica:
             payload["layout"] = [(tuple(t.shape), t.dtype) for t in tensors]
             payload["tensors"] = [_rank_slice(tensors, self.rank, self.ranks)]
         return payload
+
+    def _clock_reading(self) -> float | None:
+        """This worker's real clock now, the job's time a joiner of a method that compares
+        its learners' clocks takes (:meth:`_adopt_job_clock`); None for any other method or
+        clock. Read on torchft's quorum thread, so without folding the worker's compute
+        (``RealClock.at``), which only the worker's own thread does."""
+        clock = self.clock
+        if not isinstance(clock, RealClock):
+            return None
+        if not getattr(self._strategy, "compares_clocks", False):
+            return None
+        return clock.at(time.perf_counter())
 
     def _replica_group(self) -> Comm | None:
         """The charged group of this worker's R ranks when they are replicas (each holding
@@ -484,6 +505,7 @@ class Replica:
             mine = strategy.rank_state()
             for (_, tensor), theirs in zip(mine, payload["rank_tensors"], strict=True):
                 tensor.copy_(theirs)
+        self._adopt_job_clock(strategy, payload.get("clock"))
         strategy.start_worker_state(kept=False)
         self._healed_step = step
         if self.count_tokens:
@@ -491,6 +513,24 @@ class Replica:
             # worker trained before it took the state are not in the state it continues from.
             self.job_tokens = int(payload["job_tokens"])
             self.pending_tokens = 0
+
+    def _adopt_job_clock(self, strategy: Strategy, job: float | None) -> None:
+        """On the real clock each worker process reads its clock from its own start, so a
+        worker started while the others train reads less than the job's time. A method whose
+        learners compare their clocks (``compares_clocks``: decoupled_diloco's synchronizer
+        merges once every live learner's clock has passed the merge) has this worker's clock
+        read ``job`` from here on, its healing source's clock when it sent the state
+        (:meth:`_save`): it neither waits for its own clock to catch up nor holds the others'
+        merges back; it trails its source by the transfer, no more. (On the virtual clock the
+        method's join rule moves the clock itself, a modeled wait: ``job`` is None.)"""
+        clock = self.clock
+        self._clock_moved = None
+        if clock is None or job is None or not getattr(strategy, "compares_clocks", False):
+            return
+        now = clock.now()
+        if job > now:
+            clock.load_state_dict({**clock.state_dict(), "now": job})
+            self._clock_moved = (now, job)
 
     def _log(self, event: dict[str, Any]) -> None:
         self.events.append(event)
@@ -841,6 +881,8 @@ class Replica:
             healed["took_sha256"] = self._took_sha256
         if self.count_tokens:  # (the job's committed tokens, as its source held them)
             healed["job_tokens"] = self.job_tokens
+        if self._clock_moved is not None:  # (its clock before, and the job's time it took)
+            healed["clock_from"], healed["clock_to"] = self._clock_moved
         self._log(healed)
 
     def fell_behind(self, step: int) -> bool:

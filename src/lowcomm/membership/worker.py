@@ -171,9 +171,11 @@ def train_replica(
         progress = _resume(worker, replica)
         finish_calibration(worker.clock, config, 0)
         admitted = _admit(replica, config)  # (0: no peer further on; else healed into their step)
-        progress.start_step = admitted or progress.start_step
-        per_step = config.run.microbatches_per_step
-        _skip_to(worker.shard, progress.start_step * per_step)
+        # (Not healed: its shard stays where its checkpoint left it, which for a
+        # decoupled_diloco learner that sat ticks out is short of its steps' micro-batches.)
+        if admitted:
+            progress.start_step = admitted
+            _skip_to(worker.shard, admitted * config.run.microbatches_per_step)
         return _train(config, worker, replica, (progress, path, started), replay)
     finally:
         replica.shutdown()
@@ -361,6 +363,7 @@ def _set_up(
         replica.count_tokens = True
         replica.count_at_commit = _commits_at_completion(worker.strategy)
         worker.job_tokens = lambda: replica.job_tokens
+    replica.clock = worker.clock
     return worker
 
 

@@ -27,7 +27,7 @@ quorum feeds nobody and its replica falls behind; when it joins or rejoins, the 
 heals it sends it its replica (uncharged; the modeled healing is Theta down the joiner's
 link, charged as in one process). A checkpoint holds each process's replica.
 
-**With live membership** (``--membership torchft``, virtual clock) every learner is a worker
+**With live membership** (``--membership torchft``) every learner is a worker
 process with a replica, and each tick's exchange is one torchft round
 (:meth:`DecoupledDiLoCo._exchange_round`): a quorum, one all-gather of every participant's
 post, counters and sent fragments (each row naming its learner, so the round's participants
@@ -35,6 +35,11 @@ are the tick's members), and a commit; a round that did not commit is tried agai
 quorum, on every member alike. A learner lost is out at the next quorum, as a crash is here.
 A joiner is healed at its quorum with a live learner's whole replica
 (:meth:`DecoupledDiLoCo.healing_payload`), starts by the join rule, and sits out that round.
+With R ranks per learner each rank's round moves its slice of the learner's row, and the
+learner's ranks reassemble every row (:meth:`DecoupledDiLoCo._round_rows`). A checkpoint holds
+the worker's replica, so a resumed job's workers go on from theirs, and one behind is healed.
+On the real clock a joiner's process reads its clock from its own start, so the engine has it
+take its healing source's clock (``compares_clocks``).
 
 **Learners of several ranks** (``--ranks-per-worker R``, replicated). The R ranks of a
 learner run this code alike on the same replica (their gradients averaged at each inner
@@ -86,6 +91,7 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, Settled
+from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.strategies.base import (
     Closure,
@@ -469,6 +475,24 @@ class Synchronizer:
                 "tokens": (self.committed_tokens, self.dropped_tokens, self.discarded_tokens),
             }
 
+    def shared_state(self) -> dict[str, Any]:
+        """What every replica holds alike, bit for bit (a joiner's healing payload): the
+        state without the replies this replica keeps for its own learner, and with only the
+        versions from the one current at the horizon on, which every replica keeps (a reply
+        to a contribution sent later may need them; older ones only this replica's learner's
+        replies). A joiner takes no reply of another learner's, so it loses nothing; and a
+        joining worker of R ranks may take each rank's slice of these bytes from another
+        live worker."""
+        state = self.state_dict()
+        with self.lock:
+            floors = [self._version_at(p, self.horizon) for p in range(len(self.params))]
+        state["unreplied"], state["merged"] = {}, {}
+        state["history"] = [
+            {v: history[v] for v in sorted(history) if v >= floor}
+            for history, floor in zip(state["history"], floors, strict=True)
+        ]
+        return state
+
     def load_state_dict(self, state: dict[str, Any], *, once: bool = True) -> None:
         """Take a checkpoint's state (or a live replica's), keeping the replies of
         :attr:`owners` only. ``once``: the first learner of a process to load it restores
@@ -736,8 +760,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     its own, or one of K threads in each of several processes (a replica of the synchronizer
     per learner; the same numbers, see the module docstring), on either clock, with or
     without faults, launched by ``lowcomm train`` or torchrun; a worker of several replicated
-    ranks too (sharded, refused in one line); with ``--membership torchft`` on the virtual
-    clock, one rank per worker (a round per tick, see the module docstring). Resume:
+    ranks too (sharded, refused in one line); with ``--membership torchft`` (a round per
+    tick, see the module docstring). Resume:
     exact on the same workers (every learner's checkpoint holds the synchronizer's state, or
     its replica's, too); on another worker count, remapped (:meth:`_load_remapped`: the
     synchronizer's global state kept, the fragments not yet merged dropped, every learner
@@ -750,6 +774,10 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     quick_options: ClassVar[Mapping[str, object]] = {"sync_every": 4}
     quantized_exchange: ClassVar[QuantizedExchange | None] = None
     reshard_remaps: ClassVar[bool] = True
+    #: Its synchronizer merges by comparing the learners' clocks: on the real clock a joiner
+    #: healed by an engine (torchft) takes its healing source's clock, since its own process
+    #: reads its clock from its own start, behind the job's.
+    compares_clocks: ClassVar[bool] = True
     sharding_refusal: ClassVar[str | None] = WHOLE_FRAGMENTS
     comm_dtypes: ClassVar[tuple[str, ...]] = ("fp32",)
     comm_dtype_refusal: ClassVar[str | None] = (
@@ -815,9 +843,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         local = getattr(group, "local_size", getattr(group, "size", 0))
         #: The only learner: nothing to agree with anyone.
         self.alone = workers == 1
-        #: Whether each collective is a committed round of live membership (torchft): the
-        #: tick's exchange is then one round, whose rows name their learners.
-        self.rounds = bool(getattr(raw, "committed_rounds", False))
+        #: Whether each collective between learners is a committed round of live membership
+        #: (torchft; with R ranks, the outer level's): a tick's exchange is then one round.
+        self.rounds = bool(getattr(getattr(raw, "outer_comm", raw), "committed_rounds", False))
         #: Whether every learner is a thread of this process, sharing one synchronizer; else
         #: (worker processes, or K workers in each of several) each learner keeps a replica,
         #: fed every learner's contributions over the uncharged group (:meth:`_exchange`).
@@ -840,6 +868,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         #: This learner's clock as it posted it at the last tick's end.
         self.posted = -math.inf
         self.ticks = 0
+        #: Whether this learner is inside a tick (from its start to its replies' taking), and
+        #: how many times an engine (torchft) healed it from a live learner's replica.
+        self.stepping, self.heals = False, 0
         self.committed_now = False
 
     @classmethod
@@ -925,6 +956,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
     def step(self, closure: Closure) -> StepStats:
         tick = self.ticks
         self.ticks += 1
+        self.stepping = True
         self.committed_now = False
         earliest, mine = self._earliest()
         if self._takes_a_step(earliest, mine):
@@ -942,7 +974,15 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 lr=self.lr_at(self.step_index), committed_steps=0,
             )  # fmt: skip
             launched = 0
+        heals = self.heals
         rows, sent = self._exchange()
+        if self.heals != heals:
+            # Healed inside the tick's round: its commit alone had failed, so the others went
+            # on, and the round it took part in again is their next tick's, whose quorum
+            # healed it with their replica of this one (its tick set from it) and which it
+            # sat out. The rows are of that tick.
+            tick = self.ticks
+            self.ticks += 1
         self.sync.advance(tick, rows, sent)
         for p, _, _ in self.sending:
             out = self.outstanding[p]
@@ -950,6 +990,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             out.ticket = self.sync.issued[(self.learner, p)]
         self.sending = []
         taken = self.take_replies_due()
+        self.stepping = False
         stats.extras["syncs_launched"] = float(launched)
         stats.extras["syncs_completed"] = float(taken)
         return stats
@@ -1076,8 +1117,6 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         again on a new quorum by the communicator, so every member gets the same rows or
         none. A learner healed in the round sits it out: its row is not among them, and what
         it sent at this tick is dropped (it never reaches the synchronizer)."""
-        raw = self.runtime.uncharged
-        self.runtime.enter_round()  # (its quorum: how many rows come back)
         slots, width = self._round_slots()
         like = self.globals_[0]
         header = [float(self.learner), mine.clock, float(mine.waiting), mine.step_s, mine.sync_s]
@@ -1095,12 +1134,10 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             torch.tensor(header, dtype=torch.float64).view(torch.uint8),
             values.reshape(-1).view(torch.uint8).cpu(),
         ])  # fmt: skip
-        out = torch.empty(raw.world_size * wire.numel(), dtype=torch.uint8)
-        raw.all_gather(out, wire, role=Role.OTHER).wait()
         sending = {p: (c, step_s) for p, c, step_s in self.sending}
         posts: list[Posted] = []
         sent: list[Sent] = []
-        for row in out.view(-1, wire.numel()):
+        for row in self._round_rows(wire):
             head: list[float] = row[:split].clone().view(torch.float64).tolist()
             learner = int(head[0])
             posts.append(self._posted(learner, head[1:5]))
@@ -1110,7 +1147,9 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                 if head[at] < 0:
                     continue
                 p = int(head[at])
-                if learner == self.learner:
+                # (A learner's own row is what it sent; with R ranks, its own too is the
+                # gathered one, made of its ranks' slices, as in :meth:`_exchange_replicas`.)
+                if learner == self.learner and self.ranks == 1:
                     sent.append((p, *sending[p]))
                     continue
                 numel = self.globals_[p].numel()
@@ -1119,6 +1158,8 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
                     tokens=int(head[at + 1]), steps=int(head[at + 2]), arrival=head[at + 3],
                     base_version=int(head[at + 4]),
                 )  # fmt: skip
+                if learner == self.learner:
+                    self._sent_as(p, c)
                 sent.append((p, c, head[at + 5]))
         if all(post.learner != self.learner for post in posts):
             for p in sending:
@@ -1126,6 +1167,36 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             self.sending = []
             self.waiting = False
         return posts, sent
+
+    def _round_rows(self, wire: torch.Tensor) -> torch.Tensor:
+        """One torchft round's all-gather of this learner's ``wire`` (bytes, on the host): one
+        row per participant, in slot order. With R ranks, rank r moves the r-th of R slices
+        of it in its own round (to rank r of the others; the R ranks' rounds commit
+        together, on one quorum), then an all-gather over the learner's ranks reassembles
+        every participant's row, as a worker's collectives do. Uncharged, as every tick's
+        exchange. A round tried again on a quorum of another size gives that many rows."""
+        raw = self.runtime.uncharged
+        self.runtime.enter_round()  # (its quorum: how many rows come back)
+        if self.ranks == 1:
+            out = torch.empty(raw.world_size * wire.numel(), dtype=torch.uint8)
+            raw.all_gather(out, wire, role=Role.OTHER).wait()
+            return out.view(-1, wire.numel())
+        assert isinstance(raw, HierarchicalComm)
+        outer, inner = raw.outer_comm, raw.replica_comm
+        n, ranks, r = wire.numel(), self.ranks, inner.rank
+        # (Slices of whole 8-byte words: a float64 of the header is one rank's, whole, even
+        # where the ranks' readings of their own clocks differ.)
+        c = -(-n // (8 * ranks)) * 8
+        piece = torch.zeros(c, dtype=torch.uint8)
+        mine = wire[r * c : (r + 1) * c]
+        piece[: mine.numel()] = mine
+        received = torch.empty(outer.world_size * c, dtype=torch.uint8)
+        outer.all_gather(received, piece, role=Role.OTHER).wait()
+        count = received.numel() // c  # (after a retry: that round's participants)
+        full = torch.empty(ranks * count * c, dtype=torch.uint8)
+        inner.all_gather(full, received, role=Role.OTHER).wait()
+        # (full[r', m, :] is slice r' of participant m's row)
+        return full.view(ranks, count, c).permute(1, 0, 2).reshape(count, ranks * c)[:, :n]
 
     def _round_slots(self) -> tuple[int, int]:
         """How many fragments a learner may send in one tick (those whose launch offsets fall
@@ -1158,9 +1229,12 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         what the modeled clocks say is the simulation's bookkeeping, not a message): on the
         host in one process, on the parameters' device between processes (their group may be
         NCCL's; reading the rows back is then the tick's one wait for the device)."""
+        if self.rounds:  # (a round of its own, on the host: torchft's groups are Gloo's)
+            wire = torch.tensor(values, dtype=torch.float64).view(torch.uint8)
+            table = self._round_rows(wire).contiguous().view(torch.float64)
+            gathered: list[list[float]] = table.tolist()
+            return gathered
         raw = self.runtime.uncharged
-        if self.rounds:
-            self.runtime.enter_round()  # (its quorum: how many rows come back)
         device = torch.device("cpu") if self.shared else self.globals_[0].device
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         out = torch.zeros(raw.world_size * len(values), dtype=torch.float64, device=device)
@@ -1244,6 +1318,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         the two-level group, in which rank r's slice of an (R, K) table, its own row, is what
         it moves, so each learner's row of the result holds its R ranks' flags."""
         raw, ranks, k = self.runtime.uncharged, self.ranks, len(flags)
+        if self.rounds:  # (over the learner's own ranks: not a round between learners)
+            assert isinstance(raw, HierarchicalComm)
+            inner = raw.replica_comm
+            own = torch.tensor([float(f) for f in flags], dtype=torch.float64)
+            table = torch.zeros(ranks * k, dtype=torch.float64)
+            inner.all_gather(table, own, role=Role.OTHER).wait()
+            return [flag == 1.0 for flag in table.view(ranks, k).amin(0).tolist()]
         device = self.globals_[0].device
         mine = torch.tensor([float(f) for f in flags] * ranks, dtype=torch.float64, device=device)
         out = torch.zeros(raw.world_size * ranks * k, dtype=torch.float64, device=device)
@@ -1353,11 +1434,28 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
 
     def healing_payload(self) -> tuple[list[torch.Tensor], dict[str, int]]:
         """What a live learner sends a joiner at a round's quorum: its replica of the
-        synchronizer, whole (every Theta_p, outer optimizer, version, pending contribution and
-        token count; read between ticks, as a checkpoint's), as one tensor of its bytes, and
-        this learner's step count (which the engine sets to the joiner's loop step)."""
+        synchronizer (every Theta_p, outer optimizer, version, pending contribution and token
+        count: :meth:`Synchronizer.shared_state`, the same bytes on every live worker, so a
+        joining worker's rank r may take its slice from rank r of any of them), as one tensor
+        of its bytes, and this learner's step count (which the engine sets to the joiner's
+        loop step).
+
+        torchft reads it inside a round's quorum, on its quorum thread, which may be while
+        this learner is inside a tick (a round opened early, whose lock the send's pricing
+        releases: :meth:`Replica.needs_quorum`). The tick's exchange waits for that quorum,
+        and nothing before it changes the replica, so it is the replica of the tick before
+        the round's wherever it is read; the joiner takes its tick from it and enters that
+        round. Read after the exchange, it would hold the round's merges, which the joiner
+        would then apply again: refused."""
+        round_tick = self.ticks - 1 if self.stepping else self.ticks
+        if self.sync.tick + 1 != round_tick:
+            raise RuntimeError(
+                f"decoupled_diloco: learner {self.learner}'s replica was read for healing "
+                f"at tick {self.sync.tick} for the round of tick {round_tick}: a quorum "
+                "must form before the tick's exchange"
+            )
         buffer = io.BytesIO()
-        torch.save(self.sync.state_dict(), buffer)
+        torch.save(self.sync.shared_state(), buffer)
         state = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         return [state], {"step_index": self.step_index}
 
@@ -1380,6 +1478,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         for it), its local parameters at Theta and its inner AdamW afresh."""
         params, versions, tick = self.sync.snapshot()
         self._forget_sends(tick)
+        self.heals += 1
         if kept:
             return
         latest = max((clock for _, clock in self.sync.pace.clocks), default=self.now())
