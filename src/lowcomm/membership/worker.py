@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import socket
 import time
@@ -129,6 +128,7 @@ def train_replica(
     assert options.lighthouse is not None and options.worker is not None
     check_lighthouse(options.lighthouse)
 
+    from lowcomm.membership.records import record_name
     from lowcomm.membership.torchft_comm import TorchftComm
     from lowcomm.train.compute import finish_calibration
     from lowcomm.train.rundir import run_directory
@@ -143,8 +143,7 @@ def train_replica(
     try:
         raw = TorchftComm(replica)
         worker = _set_up(config, raw, replica, task, (inner, replay))
-        name = "membership.json" if replica.rank == 0 else f"membership.rank{replica.rank}.json"
-        path = run_directory(config) / name
+        path = run_directory(config) / record_name(replica.rank)
         replica.on_event = lambda: _write(path, _record(replica, config, started))
         raw.start()
         # (--resume: this worker's own checkpoint, in its own run directory; the launcher
@@ -404,6 +403,7 @@ def _resume(worker: Worker, replica: Replica) -> Progress:
     commits it back to the checkpoint's, so resumed workers compare as their checkpoints
     do, while workers that trained on past the checkpoint (a running job this one restarts
     into) are ahead of it even before their next commit, and heal it."""
+    from lowcomm.membership import records
     from lowcomm.train import checkpoint, loop
 
     config = worker.config
@@ -417,6 +417,10 @@ def _resume(worker: Worker, replica: Replica) -> Progress:
     state = torchft_step(directory)
     replica.manager.load_state_dict({**state, "step": max(state["step"] - 1, 0)})
     replica.loop_step = step  # (what a peer healed from this worker continues from)
+    # (Its membership.json goes on from the checkpoint, as its metrics.jsonl does.)
+    records.take_back(
+        replica, resume_from, step, json.loads((directory / TORCHFT_STEP).read_text())
+    )
     if worker.rank == 0:
         print(
             f"lowcomm: worker {config.placement.membership_options.worker} resumed "
@@ -460,6 +464,7 @@ def _keep_torchft_step(config: TrainConfig, replica: Replica, step: int) -> None
     step beside it (each rank its own view of the directory, the same bytes), which a
     resume takes back."""
     from lowcomm.atomic import atomic_write_text
+    from lowcomm.membership.records import counters
     from lowcomm.train.checkpoint import step_directory
     from lowcomm.train.rundir import run_directory
 
@@ -470,7 +475,8 @@ def _keep_torchft_step(config: TrainConfig, replica: Replica, step: int) -> None
         return
     directory = step_directory(run_directory(config), step)
     if (directory / "manifest.json").exists():
-        state = replica.manager.state_dict()
+        # (With the records' counters there, which a resumed membership.json goes on from.)
+        state = {**replica.manager.state_dict(), **counters(replica)}
         atomic_write_text(directory / TORCHFT_STEP, json.dumps(state) + "\n")
 
 
@@ -568,6 +574,8 @@ def _replica_steps(
         clean.add(replica, step, step_s, slow or replica.failed_rounds > dropped)
         if config.placement.membership_options.digests and replica.commits > commits:
             replica.record_digest(step, worker.model.parameters())
+            if replica.on_event is not None:  # (on disk now: a resume after a kill keeps it)
+                replica.on_event()
         healed = replica.take_healed_step()
         if healed is not None and healed != step:  # (healed into a later step)
             _skip_to(worker.shard, (healed + 1) * per_step)
@@ -615,12 +623,14 @@ def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[
     """summary.json's ``faults`` of a torchft worker: its quorum changes and dropped rounds,
     as a simulated run's (goodput needs the fault-free rate, which a live run does not know:
     none)."""
+    from lowcomm.membership.records import rounds
+
     return {
         "source": "torchft",
         "detection_s": config.placement.membership_options.detect_s,
         "committed_tokens": None,
         "goodput": None,
-        "rounds_dropped": replica.failed_rounds,
+        "rounds_dropped": rounds(replica.events, "dropped"),
         "worker_seconds_lost": None,
         "membership_changes": [
             {"step": r.step, "events": r.membership_events, "quorum": r.quorum}
@@ -631,14 +641,17 @@ def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[
 
 
 def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]:
+    from lowcomm.membership.records import rounds
+
     return {
         "engine": "torchft",
         "worker": replica.slot,
         "workers": config.placement.workers,
         "started": started,
         "finished": None,
-        "commits": replica.commits,
-        "dropped_rounds": replica.failed_rounds,
+        # (A resumed worker's events go on from its checkpoint's: the whole run's rounds.)
+        "commits": rounds(replica.events, "commit"),
+        "dropped_rounds": rounds(replica.events, "dropped"),
         "events": replica.events,
         "digests": replica.digests,
         "committed_tokens": replica.committed_tokens,
@@ -647,16 +660,9 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(record, indent=1, default=_plain) + "\n")
-    partial.replace(path)  # (a reader never sees half a file)
+    from lowcomm.membership.records import write_record
 
-
-def _plain(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return str(value)
+    write_record(path, record)
 
 
 class _CleanSteps:
