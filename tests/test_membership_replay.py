@@ -189,6 +189,8 @@ def test_a_trace_kept_with_checkpoints_continues_where_it_stopped(tmp_path: Path
     job = json.loads((run / "membership.json").read_text())
     codes = {slot: [p["exit_code"] for p in runs] for slot, runs in job["workers"].items()}
     assert codes == {"0": [0], "1": [-9]}, codes
+    # (The stopped job's own record is kept in the resumed job's, launches and all.)
+    assert job["parts"] == [json.loads((stopped / "membership.json").read_text())]
     for directory in ("worker0", "worker1.1"):
         events = json.loads((run / directory / "membership.json").read_text())["events"]
         # (Slot 1's second process healed at its join, before the stop; no one after it.)

@@ -30,6 +30,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from lowcomm.atomic import atomic_write_text
 from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.membership.options import parse_address, require_torchft
 from lowcomm.membership.replay import Channel, Replay, WorkerReplay, check_replay, job_goodput
@@ -319,8 +320,6 @@ def run_membership(config: TrainConfig, task: Task | None = None) -> dict[str, A
         run = config.run
         if run.checkpoint_every is not None or run.stop_after is not None:
             # The job's options, so that `lowcomm train --resume OUT` alone continues it.
-            from lowcomm.atomic import atomic_write_text
-
             job.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(job.run_dir / "config.json", config.to_json() + "\n")
         job.start_all()
@@ -546,15 +545,16 @@ def _patch_summaries(
             own[key] = faults[key]
         own["scope"] = "job"
         summary["faults"] = own
-        path.write_text(json.dumps(summary, indent=1) + "\n")
+        atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
 
 
 def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
-    """OUT/membership.json: where each worker's run is and how its processes ended."""
+    """OUT/membership.json: where each worker's run is and how its processes ended (a
+    resumed job's: its own part's, with the stopped parts' records in ``parts``)."""
     faults = job_faults(job, codes)
     if faults is not None:
         _patch_summaries(job, codes, faults)
-    record = {
+    record: dict[str, Any] = {
         "engine": "torchft",
         "lighthouse": job.address,
         "workers": {
@@ -574,5 +574,12 @@ def _write_job(job: LocalJob, codes: dict[int, list[int | None]]) -> None:
             "step": job.config.run.stop_after or job.config.run.steps,
             "run_s": before + float(run_s or 0.0),
         }
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    (job.run_dir / "membership.json").write_text(json.dumps(record, indent=1) + "\n")
+    path = job.run_dir / "membership.json"
+    if job.resumed is not None:
+        # The stopped parts' records, oldest first: a resume continues them, never loses them.
+        from lowcomm.membership.replay import read_record
+
+        stopped = read_record(path)
+        if stopped is not None:
+            record["parts"] = [*stopped.pop("parts", []), stopped]
+    atomic_write_text(path, json.dumps(record, indent=1) + "\n")
