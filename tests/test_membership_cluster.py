@@ -127,6 +127,11 @@ def _healed(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [event for event in record["events"] if event["event"] == "healed"]
 
 
+def _at(record: dict[str, Any], kind: str) -> list[int]:
+    """The steps of the record's events of ``kind`` (commit, quorum, resumed, ...)."""
+    return [int(event["step"]) for event in record["events"] if event["event"] == kind]
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted job (``whole/wK``) and the job stopped after step 9 with
@@ -171,9 +176,23 @@ def test_cluster_workers_resume_their_own_checkpoints_on_the_uninterrupted_traje
         assert sorted(got) == list(range(STEPS)), k
         for step in range(STEPS):
             assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-6), (k, step)
-        record = _record(resumed)
+        lines = (resumed / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == list(range(STEPS)), k  # (once)
+        record, straight = _record(resumed), _record(whole)
         assert not _healed(record), record["events"]  # (every worker at one step: none heals)
-        assert _digests(record)[STEPS - 1] == _digests(_record(whole))[STEPS - 1], k
+        # Its membership.json goes on from the stopped process's: the rounds before the stop
+        # and after it, the resume and its startup round at the stop's step, every round's
+        # digest the uninterrupted job's, and the tokens of the whole run.
+        assert _at(record, "resumed") == [STOP], record["events"]
+        assert _at(record, "commit") == sorted([*_at(straight, "commit"), STOP]), k
+        assert _digests(record) == _digests(straight), k
+        assert record["commits"] == straight["commits"] + 1
+        assert record["committed_tokens"] == straight["committed_tokens"] > 0
+        assert record["dropped_rounds"] == straight["dropped_rounds"] == 0
+        summary = json.loads((resumed / "summary.json").read_text())
+        assert summary["committed_tokens"] == straight["committed_tokens"]
+        # (The resumed job's first quorums assemble it: no quorum change, as in the straight job.)
+        assert summary["faults"]["membership_changes"] == [], summary["faults"]
 
 
 @pytest.mark.slow
@@ -195,8 +214,12 @@ def test_a_worker_that_lost_its_newest_checkpoint_is_healed_from_the_newest(jobs
     # Both ran steps 9 to 11 (the shard where it would be: no sample twice) and the sync
     # after step 11 leaves them bit for bit equal.
     assert ahead["data_position"] == behind["data_position"] == STEPS
-    assert sorted(_digests(ahead)) == sorted(_digests(behind)) == [STEPS - 1]
-    assert _digests(ahead) == _digests(behind)
+    assert _digests(ahead)[STEPS - 1] == _digests(behind)[STEPS - 1]
+    # Each record goes on from its own checkpoint's: worker 1's keeps the round before step
+    # 6 and drops the one at 7, which it did not train again but was healed past.
+    assert sorted(_digests(ahead)) == [3, 7, STEPS - 1]
+    assert sorted(_digests(behind)) == [3, STEPS - 1]
+    assert _at(ahead, "resumed") == [STOP] and _at(behind, "resumed") == [6]
     # Worker 0's own steps up to that sync are the uninterrupted job's.
     want, got = _losses(jobs / "whole" / "w0"), _losses(jobs / "skewed" / "w0")
     for step in range(STEPS):
@@ -387,7 +410,12 @@ def test_a_worker_restarted_with_resume_into_the_running_job_heals_from_it(
     assert not _healed(live) and len(healed) == 1, restarted["events"]
     assert healed[0]["step"] > resumed_from and healed[0]["bytes"] > 0
     mine, theirs = _digests(restarted), _digests(live)
-    assert min(mine) == healed[0]["step"]  # (its first sync: the round it healed in)
+    # Its record goes on from its checkpoint's: the killed process's rounds before it, then
+    # its first sync, the round it healed in.
+    assert _at(restarted, "resumed") == [resumed_from]
+    before = {step: digest for step, digest in theirs.items() if step < resumed_from}
+    assert before and {step: mine[step] for step in mine if step < resumed_from} == before
+    assert min(s for s in mine if s >= resumed_from) == healed[0]["step"]
     assert all(mine[step] == theirs[step] for step in mine)
     assert mine[steps - 1] == theirs[steps - 1]
     assert live["data_position"] == restarted["data_position"] == steps

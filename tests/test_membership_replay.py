@@ -5,6 +5,7 @@ goodput."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,8 @@ def test_a_trace_kept_with_checkpoints_continues_where_it_stopped(tmp_path: Path
     for directory in ("worker0", "worker1.1"):
         latest = (run / directory / "checkpoints" / "latest").read_text().strip()
         assert latest == f"step-{stop:06d}", directory
+    stopped = tmp_path / "stopped"
+    shutil.copytree(run, stopped)
 
     resumed = with_options(config, resume=str(run), stop_after=None, out=None)
     summary = run_training(resumed, report=None)
@@ -186,9 +189,29 @@ def test_a_trace_kept_with_checkpoints_continues_where_it_stopped(tmp_path: Path
     job = json.loads((run / "membership.json").read_text())
     codes = {slot: [p["exit_code"] for p in runs] for slot, runs in job["workers"].items()}
     assert codes == {"0": [0], "1": [-9]}, codes
+    # (The stopped job's own record is kept in the resumed job's, launches and all.)
+    assert job["parts"] == [json.loads((stopped / "membership.json").read_text())]
     for directory in ("worker0", "worker1.1"):
         events = json.loads((run / directory / "membership.json").read_text())["events"]
-        assert not [e for e in events if e["event"] == "healed"], directory
+        # (Slot 1's second process healed at its join, before the stop; no one after it.)
+        assert not [e for e in events if e["event"] == "healed" and e["step"] >= stop], directory
+        # The records of the steps before the stop are the stopped job's, quorum changes and
+        # all: metrics.jsonl's lines and membership.json's events.
+        before = json.loads((stopped / directory / "membership.json").read_text())["events"]
+        assert [e for e in events if e["step"] < stop] == before, directory
+        lines = _lines(run / directory / "metrics.jsonl")
+        assert [r for r in lines if r["step"] < stop] == _lines(
+            stopped / directory / "metrics.jsonl"
+        )
+    changes = [r for r in _lines(stopped / "worker0" / "metrics.jsonl") if "membership_events" in r]
+    assert changes  # (slot 1's crash and join, slot 2's crash)
+    # worker0's summary.json lists every quorum change of the job, before the stop and after.
+    listed = json.loads((run / "worker0" / "summary.json").read_text())["faults"]
+    listed = listed["membership_changes"]
+    assert [c["step"] for c in listed][: len(changes)] == [r["step"] for r in changes]
+    assert [c["events"] for c in listed][: len(changes)] == [
+        r["membership_events"] for r in changes
+    ]
     assert [Path(p["run"]).name for p in job["workers"]["1"]] == ["worker1.1"]
     # (Slot 1's process continued its directory from step 80 and was killed at 84.)
     assert [r["step"] for r in _lines(run / "worker1.1" / "metrics.jsonl")][-4:] == [80, 81, 82, 83]

@@ -60,9 +60,17 @@ def _losses(run: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["train_loss"]) for r in map(json.loads, lines)}
 
 
+def _record(run: Path) -> dict[str, Any]:
+    return dict(json.loads((run / "membership.json").read_text()))
+
+
 def _digests(run: Path) -> dict[int, str]:
-    record = json.loads((run / "membership.json").read_text())
-    return {int(d["step"]): str(d["sha256"]) for d in record["digests"]}
+    return {int(d["step"]): str(d["sha256"]) for d in _record(run)["digests"]}
+
+
+def _at(run: Path, kind: str) -> list[int]:
+    """The steps of the worker's membership.json events of ``kind``."""
+    return [int(e["step"]) for e in _record(run)["events"] if e["event"] == kind]
 
 
 #: (method, --stop-after): at a sync round's end (8), or inside rounds: streaming's
@@ -111,6 +119,21 @@ def test_stopped_and_resumed_job_follows_the_uninterrupted_one(
         # (The resumed workers' rounds after the stop commit the same parameters; streaming's
         # workers each keep their own, mixed with the global fragments.)
         assert _digests(resumed)[STEPS - 1] == _digests(whole)[STEPS - 1], slot
+        # membership.json goes on from the stopped process's: every round of the job, before
+        # the stop and after, with the resume and its startup round at the stop's step, and
+        # the tokens of the whole job.
+        assert sorted(_digests(resumed)) == sorted(_digests(whole)), slot
+        assert _at(resumed, "resumed") == [stop], slot
+        assert _at(resumed, "commit") == sorted([*_at(whole, "commit"), stop]), slot
+        lines = (resumed / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == list(range(STEPS)), slot
+        mine, theirs = _record(resumed), _record(whole)
+        assert mine["committed_tokens"] == theirs["committed_tokens"] > 0, slot
+        summary = json.loads((resumed / "summary.json").read_text())
+        assert summary["committed_tokens"] == theirs["committed_tokens"], slot
+        # (The resumed job's first quorums assemble it: no quorum change, as in the straight job.)
+        assert summary["faults"]["membership_changes"] == [], summary["faults"]
+        assert mine["commits"] == theirs["commits"] + 1 and mine["dropped_rounds"] == 0, slot
 
 
 @pytest.mark.parametrize("method", TORCHFT_METHODS)

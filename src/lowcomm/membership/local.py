@@ -31,6 +31,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from lowcomm.atomic import atomic_write_text
 from lowcomm.config import ConfigError, TrainConfig, with_options
 from lowcomm.membership.options import parse_address, require_torchft
 from lowcomm.membership.replay import Channel, Replay, WorkerReplay, check_replay, job_goodput
@@ -399,8 +400,6 @@ def _run_local(config: TrainConfig, task: Task | None) -> dict[str, Any] | None:
         run = config.run
         if run.checkpoint_every is not None or run.stop_after is not None:
             # The job's options, so that `lowcomm train --resume OUT` alone continues it.
-            from lowcomm.atomic import atomic_write_text
-
             job.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(job.run_dir / "config.json", config.to_json() + "\n")
         try:
@@ -839,8 +838,6 @@ def job_faults(job: LocalJob, codes: dict[int, list[int | None]]) -> dict[str, A
 def _patch_summaries(
     job: LocalJob, codes: dict[int, list[int | None]], faults: dict[str, Any]
 ) -> None:
-    from lowcomm.atomic import atomic_write_text
-
     for slot, exits in codes.items():
         path = job.worker_dir(slot, len(exits) - 1) / "summary.json"
         try:
@@ -863,11 +860,12 @@ def _write_job(
 ) -> None:
     """OUT/membership.json: where each worker's run is and how its processes ended
     (``stopped``: the (slot, start) processes the launcher stopped at a signal, at
-    ``reached_s`` run seconds: the workers had not finished, so theirs say no end)."""
+    ``reached_s`` run seconds: the workers had not finished, so theirs say no end); a
+    resumed job's is its own part's, with the stopped parts' records in ``parts``)."""
     faults = job_faults(job, codes)
     if faults is not None:
         _patch_summaries(job, codes, faults)
-    record = {
+    record: dict[str, Any] = {
         "engine": "torchft",
         "lighthouse": job.address,
         "workers": {
@@ -892,7 +890,13 @@ def _write_job(
             "step": job.config.run.stop_after or job.config.run.steps,
             "run_s": before + float(run_s or 0.0),
         }
-    from lowcomm.atomic import atomic_write_text
-
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(job.run_dir / "membership.json", json.dumps(record, indent=1) + "\n")
+    path = job.run_dir / "membership.json"
+    if job.resumed is not None:
+        # The stopped parts' records, oldest first: a resume continues them, never loses them.
+        from lowcomm.membership.replay import read_record
+
+        earlier = read_record(path)
+        if earlier is not None:
+            record["parts"] = [*earlier.pop("parts", []), earlier]
+    atomic_write_text(path, json.dumps(record, indent=1) + "\n")

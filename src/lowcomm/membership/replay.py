@@ -309,8 +309,10 @@ def job_goodput(
     """The job's goodput from every worker process's membership.json ``records`` (the
     module docstring); None figures where the job never trained or no step was clean."""
     from lowcomm.faults import goodput as accounting
+    from lowcomm.membership.records import part_committed_tokens
 
-    committed = sum(int(r.get("committed_tokens") or 0) for r in records)
+    # (A resumed worker's record goes on from its checkpoint's; the job's part is its own.)
+    committed = sum(part_committed_tokens(r) for r in records)
     clean_s = sum(float(r.get("clean_step_s") or 0.0) for r in records)
     clean_n = sum(int(r.get("clean_steps") or 0) for r in records)
     ends = [float(r["trained_until"]) for r in records if r.get("trained_until")]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import socket
 import time
@@ -148,6 +147,7 @@ def train_replica(
     if options.host is not None:
         check_host(options.host)
 
+    from lowcomm.membership.records import record_name
     from lowcomm.membership.torchft_comm import TorchftComm
     from lowcomm.train.compute import finish_calibration
     from lowcomm.train.rundir import run_directory
@@ -162,8 +162,7 @@ def train_replica(
     try:
         raw = TorchftComm(replica)
         worker = _set_up(config, raw, replica, task, (inner, replay))
-        name = "membership.json" if replica.rank == 0 else f"membership.rank{replica.rank}.json"
-        path = run_directory(config) / name
+        path = run_directory(config) / record_name(replica.rank)
         replica.on_event = lambda: _write(path, _record(replica, config, started))
         raw.start()
         # (--resume: this worker's own checkpoint, in its own run directory; the launcher
@@ -442,6 +441,7 @@ def _resume(worker: Worker, replica: Replica) -> Progress:
     commits it back to the checkpoint's, so resumed workers compare as their checkpoints
     do, while workers that trained on past the checkpoint (a running job this one restarts
     into) are ahead of it even before their next commit, and heal it."""
+    from lowcomm.membership import records
     from lowcomm.train import checkpoint, loop
 
     config = worker.config
@@ -457,6 +457,10 @@ def _resume(worker: Worker, replica: Replica) -> Progress:
     if replica.count_tokens:
         replica.job_tokens, replica.pending_tokens = _token_counts(directory)
     replica.loop_step = step  # (what a peer healed from this worker continues from)
+    # (Its membership.json goes on from the checkpoint, as its metrics.jsonl does.)
+    records.take_back(
+        replica, resume_from, step, json.loads((directory / TORCHFT_STEP).read_text())
+    )
     if worker.rank == 0:
         print(
             f"lowcomm: worker {config.placement.membership_options.worker} resumed "
@@ -507,6 +511,7 @@ def _keep_torchft_step(
     the job's committed tokens and this worker's pending ones go with it
     (:data:`TOKENS_KEY`): a resumed job then stops where the uninterrupted one does."""
     from lowcomm.atomic import atomic_write_text
+    from lowcomm.membership.records import counters
     from lowcomm.train.checkpoint import step_directory
     from lowcomm.train.rundir import run_directory
 
@@ -517,7 +522,8 @@ def _keep_torchft_step(
         return
     directory = step_directory(run_directory(config), step)
     if (directory / "manifest.json").exists():
-        state: dict[str, Any] = dict(replica.manager.state_dict())
+        # (With the records' counters there, which a resumed membership.json goes on from.)
+        state = {**replica.manager.state_dict(), **counters(replica)}
         if replica.count_tokens:
             state[TOKENS_KEY] = {"job": replica.job_tokens, "pending": replica.pending_tokens}
         atomic_write_text(directory / TORCHFT_STEP, json.dumps(state) + "\n")
@@ -684,6 +690,8 @@ def _replica_steps(
         clean.add(replica, step, step_s, slow or replica.failed_rounds > dropped)
         if config.placement.membership_options.digests and replica.commits > commits:
             replica.record_digest(step, worker.model.parameters())
+            if replica.on_event is not None:  # (on disk now: a resume after a kill keeps it)
+                replica.on_event()
         healed = replica.take_healed_step()
         if healed is not None and healed != step:  # (healed into a later step)
             _skip_to(worker.shard, (healed + 1) * per_step)
@@ -733,13 +741,15 @@ def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[
     """summary.json's ``faults`` of a torchft worker: its quorum changes and dropped rounds,
     as a simulated run's (goodput needs the fault-free rate, which a live run does not know:
     none)."""
+    from lowcomm.membership.records import rounds
+
     return {
         "source": "torchft",
         "detection_s": config.placement.membership_options.detect_s,
         # (With a token budget every round carries the job's count: the job's, as static.)
         "committed_tokens": replica.job_tokens if replica.count_tokens else None,
         "goodput": None,
-        "rounds_dropped": replica.failed_rounds,
+        "rounds_dropped": rounds(replica.events, "dropped"),
         "worker_seconds_lost": None,
         "membership_changes": [
             {"step": r.step, "events": r.membership_events, "quorum": r.quorum}
@@ -750,14 +760,17 @@ def _membership_summary(writer: Any, replica: Any, config: TrainConfig) -> dict[
 
 
 def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]:
+    from lowcomm.membership.records import rounds
+
     return {
         "engine": "torchft",
         "worker": replica.slot,
         "workers": config.placement.workers,
         "started": started,
         "finished": None,
-        "commits": replica.commits,
-        "dropped_rounds": replica.failed_rounds,
+        # (A resumed worker's events go on from its checkpoint's: the whole run's rounds.)
+        "commits": rounds(replica.events, "commit"),
+        "dropped_rounds": rounds(replica.events, "dropped"),
         "events": replica.events,
         "digests": replica.digests,
         "committed_tokens": replica.committed_tokens,
@@ -767,16 +780,9 @@ def _record(replica: Any, config: TrainConfig, started: float) -> dict[str, Any]
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(record, indent=1, default=_plain) + "\n")
-    partial.replace(path)  # (a reader never sees half a file)
+    from lowcomm.membership.records import write_record
 
-
-def _plain(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return str(value)
+    write_record(path, record)
 
 
 class _CleanSteps:
