@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from _faults import trained as _run
 from lowcomm.faults.processes import process_layout
 from lowcomm.launch.run import run_training
-from test_faults_processes import _config, _run, _same_numbers
+from test_faults_processes import _config, _same_numbers
 
 #: Worker 2 crashes for good at step 2 while worker 0 straggles.
 KILL_TRACE = """\

@@ -281,6 +281,12 @@ class Replica:
     #: round commits: :meth:`retry_round`), and whether its payload counted in the open round.
     _weightless = False
     _counted = True
+    #: With --membership.digests: the SHA-256 of each rank's slice of each declared tensor
+    #: this rank was last healed with (after its group's gather).
+    _took_sha256: list[list[str]] | None = None
+    #: The clock readings before and after this worker took the job's time when it was last
+    #: healed (None: its clock was left as it was).
+    _clock_moved: tuple[float, float] | None = None
 
     #: With --token-budget: each round carries this worker's tokens since its last commit
     #: (:meth:`carry_count`), and :attr:`job_tokens` adds their sum over the round's
@@ -359,12 +365,6 @@ class Replica:
         #: The bytes this rank's worker gathered among its ranks when it was last healed (a
         #: replicated worker's sliced payload, :meth:`_whole_state`).
         self.gathered_bytes = 0
-        #: With --membership.digests: the SHA-256 of each rank's slice of each declared
-        #: tensor this rank was last healed with (after its group's gather).
-        self._took_sha256: list[list[str]] | None = None
-        #: The clock readings before and after this worker took the job's time when it was
-        #: last healed (None: its clock was left as it was).
-        self._clock_moved: tuple[float, float] | None = None
 
     def _manager(self, lighthouse: str, host: str, timeout: timedelta) -> Manager:
         """This rank's torchft Manager: its server and the group's store on ``host``."""

@@ -91,7 +91,6 @@ import torch
 from torch import nn
 
 from lowcomm.comm.base import CollectiveKind, Comm, Handle, Role, Settled
-from lowcomm.comm.hierarchical import HierarchicalComm
 from lowcomm.optim.outer import OuterNesterov
 from lowcomm.strategies.base import (
     Closure,
@@ -1181,8 +1180,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
             out = torch.empty(raw.world_size * wire.numel(), dtype=torch.uint8)
             raw.all_gather(out, wire, role=Role.OTHER).wait()
             return out.view(-1, wire.numel())
-        assert isinstance(raw, HierarchicalComm)
-        outer, inner = raw.outer_comm, raw.replica_comm
+        outer, inner = _levels(raw)
         n, ranks, r = wire.numel(), self.ranks, inner.rank
         # (Slices of whole 8-byte words: a float64 of the header is one rank's, whole, even
         # where the ranks' readings of their own clocks differ.)
@@ -1319,8 +1317,7 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
         it moves, so each learner's row of the result holds its R ranks' flags."""
         raw, ranks, k = self.runtime.uncharged, self.ranks, len(flags)
         if self.rounds:  # (over the learner's own ranks: not a round between learners)
-            assert isinstance(raw, HierarchicalComm)
-            inner = raw.replica_comm
+            _, inner = _levels(raw)
             own = torch.tensor([float(f) for f in flags], dtype=torch.float64)
             table = torch.zeros(ranks * k, dtype=torch.float64)
             inner.all_gather(table, own, role=Role.OTHER).wait()
@@ -1605,3 +1602,13 @@ class DecoupledDiLoCo(OuterLoopStrategy[DecoupledOptions]):
 
 
 METHODS: tuple[type[Strategy], ...] = (DecoupledDiLoCo,)
+
+
+def _levels(comm: Comm) -> tuple[Comm, Comm]:
+    """A two-level group's levels: between learners (rank r of each) and among a learner's
+    own ranks. Read by attribute, as Strategy does, so a strategy names the Comm protocol
+    only, never the emulation that builds the group."""
+    outer: Comm | None = getattr(comm, "outer_comm", None)
+    inner: Comm | None = getattr(comm, "replica_comm", None)
+    assert outer is not None and inner is not None, "learners of several ranks need two levels"
+    return outer, inner
