@@ -20,7 +20,7 @@ TORCH_INDEX_URL ?=
 PYTEST_JOBS ?= 4
 PYTEST := $(BIN)/python -m pytest -q --durations=25 $(if $(filter-out 0,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadfile)
 
-.PHONY: demo test test-fast test-benchmarks test-regression regen-regression lint typecheck pytest install install-dev bench clean
+.PHONY: demo test test-fast test-benchmarks test-long test-regression regen-regression lint typecheck pytest install install-dev bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,19 +51,24 @@ typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
 pytest: $(VENV)/.installed-dev
-	$(PYTEST) -m "not benchmark"
+	$(PYTEST) -m "not benchmark and not long"
 
 test: lint typecheck pytest
 
 # The edit loop: unit, equation, small multi-process and regression tests (tests marked
 # `slow`, the CLI end-to-end runs and large multi-process runs, are left to `make test`).
 test-fast: $(VENV)/.installed-dev
-	$(PYTEST) -m "not slow and not benchmark"
+	$(PYTEST) -m "not slow and not benchmark and not long"
 
 # Tests that assert a speed or timing claim on this machine (a real shaped link, say): left out
 # of make test, whose time budget they would spend on what `lowcomm bench` measures anyway.
 test-benchmarks: $(VENV)/.installed-dev
 	$(PYTEST) -m benchmark
+
+# The other variants of slow multi-process tests (a second dtype, method or clock of a kill
+# and restart already run in one variant by make test), left out of make test's time budget.
+test-long: $(VENV)/.installed-dev
+	$(PYTEST) -m long
 
 # Every method's pinned trajectory (tests/regression/*.json) against a fresh run.
 test-regression: $(VENV)/.installed-dev

@@ -146,7 +146,9 @@ KILLED = {"diloco": (120, 400, 4), "ddp": (60, 150, 1)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", list(KILLED))
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=pytest.mark.long) if m == "ddp" else m for m in KILLED]
+)
 def test_after_a_kill_every_live_worker_stops_at_the_same_step(tmp_path: Path, method: str) -> None:
     """Worker 2 is SIGKILLed after 10 steps and started again: the tokens it had not
     committed are lost and it sits out the round it healed in, so the job needs more steps

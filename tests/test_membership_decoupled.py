@@ -79,7 +79,8 @@ PACE = {1: "step=0  worker=0  slow factor=4\n", 2: "step=0  worker=0  slow facto
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("ranks", "clock"), [(1, "virtual"), (2, "virtual"), (1, "real"), (2, "real")]
+    ("ranks", "clock"),
+    [(1, "virtual"), (2, "virtual"), (1, "real"), pytest.param(2, "real", marks=pytest.mark.long)],
 )
 def test_decoupled_diloco_survives_a_kill_and_the_restarted_worker_heals(
     tmp_path: Path, ranks: int, clock: str

@@ -74,7 +74,7 @@ def test_no_fault_an_exchange_in_flight_on_groups_of_two_ranks_follows_the_stati
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.long)])
 def test_a_diloco_delayed_joiner_of_two_ranks_applies_the_whole_mean_in_flight(
     tmp_path: Path, dtype: str
 ) -> None:
@@ -94,7 +94,7 @@ def test_a_diloco_delayed_joiner_of_two_ranks_applies_the_whole_mean_in_flight(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.long)])
 def test_an_eager_joiner_of_two_ranks_takes_each_slice_whole_from_one_live_worker(
     tmp_path: Path, dtype: str
 ) -> None:
