@@ -742,8 +742,9 @@ class Replica:
         that dies takes its uncounted tokens with it."""
         if not self.count_tokens or self._count is not None:
             return
-        # (A joiner forced into a retry sits it out in its data: it carries no tokens.)
-        carried = 0 if self._weightless else self.pending_tokens
+        # (A payload that does not count, a joiner's parameters with weight 0 in a retry,
+        # carries no tokens: the round keeps none of that worker's.)
+        carried = self.pending_tokens if self._counted else 0
         tensor = torch.tensor([carried], dtype=torch.int64)
         work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
         self._count = (work, tensor, carried)
