@@ -1234,9 +1234,13 @@ class _GatherHandle:
 
     def _participants(self) -> list[torch.Tensor]:
         """The participants' rows, in slot order, without their flag bytes."""
+        return [self._rows[i][:-1] for i in self._participant_rows()]
+
+    def _participant_rows(self) -> list[int]:
+        """The indices of the participants' rows, in slot order."""
         members = self._replica.pg.members
         order = sorted(range(len(members)), key=lambda index: members[index])
-        return [self._rows[i][:-1] for i in order if int(self._rows[i][-1]) == 1]
+        return [i for i in order if int(self._rows[i][-1]) == 1]
 
     def wait(self) -> None:
         if self._done:
@@ -1292,10 +1296,8 @@ class _AllToAllHandle(_GatherHandle):
 
     def _place(self) -> None:
         replica = self._replica
-        members = replica.pg.members
-        order = sorted(range(len(members)), key=lambda index: members[index])
-        rows = [i for i in order if int(self._rows[i][-1]) == 1]
-        slots = [members[i] for i in rows]
+        rows = self._participant_rows()
+        slots = [replica.pg.members[i] for i in rows]
         flat = self._output.view(-1).view(torch.uint8)
         with torch.no_grad():
             if replica.slot not in slots:
